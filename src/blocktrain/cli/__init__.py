@@ -1,0 +1,2 @@
+"""The `blocktrain` command line: one module per subcommand, each parsing its arguments and
+making one library call."""

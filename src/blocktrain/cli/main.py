@@ -1,0 +1,57 @@
+"""Entry point of the `blocktrain` command: registers the subcommands and turns every error a
+user can fix into one line on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from blocktrain import __version__
+from blocktrain.cli import data, evaluate, generate, plan, train
+from blocktrain.errors import BlockTrainError
+
+SUBCOMMANDS = (train, evaluate, generate, plan, data)
+
+EPILOG = """examples:
+  blocktrain train --preset tiny --out runs/tiny
+  blocktrain eval runs/tiny --split test --json
+  blocktrain generate runs/tiny --prompt "The " --bytes 200
+  blocktrain plan --preset paper --json
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="blocktrain",
+        description="Train a byte-level language model as independently trainable diffusion "
+                    "blocks, evaluate it and generate from it.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"blocktrain {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in SUBCOMMANDS:
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.handler(args) or 0)
+    except BlockTrainError as exc:
+        print(f"blocktrain: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("blocktrain: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""`blocktrain train`: train every block in turn, one chosen block, or the reference."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from blocktrain.cli.common import Formatter, add_config_args, add_data_arg, print_json
+from blocktrain.cli.common import resolve_config
+from blocktrain.data import ByteSource, load_split
+from blocktrain.errors import ConfigError, DataError
+from blocktrain.training import Trainer, read_config
+
+EXAMPLES = """examples:
+  blocktrain train --preset tiny --out runs/tiny            # all blocks, about a minute on CPU
+  blocktrain train --preset small --set span=4 lr=1e-3      # override config fields
+  blocktrain train --preset tiny --block 1 --out runs/b1    # one block, as a worker would
+  blocktrain train --preset tiny --reference --out runs/ref # the end-to-end reference
+  blocktrain train --resume --out runs/tiny --steps 600     # continue a run (to 600 steps)
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("train", help="train a model", description=__doc__, epilog=EXAMPLES,
+                       formatter_class=Formatter)
+    add_config_args(p)
+    add_data_arg(p)
+    p.add_argument("--out", metavar="DIR", help="run folder (default: runs/PRESET[-suffix])")
+    p.add_argument("--steps", type=int, help="updates per block (overrides the preset)")
+    p.add_argument("--seed", type=int, help="run seed (overrides the preset)")
+    who = p.add_mutually_exclusive_group()
+    who.add_argument("--block", metavar="B",
+                     help="train only these blocks (comma-separated), as a worker does")
+    who.add_argument("--reference", action="store_true",
+                     help="train the end-to-end autoregressive reference instead")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out")
+    p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(handler=run)
+
+
+def _parse_blocks(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise ConfigError(f"--block {text!r}: expected block indices such as 0 or 0,2") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.resume:
+        if not args.out:
+            raise ConfigError("--resume needs --out RUN_DIR")
+        if args.overrides or args.seed is not None or args.block or args.reference:
+            raise ConfigError("--resume continues a run with its saved config; only --steps "
+                              "and --data may be given")
+        read_config(Path(args.out))  # a clear error before the data is opened
+        if args.steps is not None and args.steps <= 0:
+            raise ConfigError(f"--steps {args.steps} must be positive")
+        train, valid = _splits(args.data)
+        trainer = Trainer.resume(Path(args.out), train, valid, steps=args.steps)
+    else:
+        cfg = resolve_config(args)
+        blocks = _parse_blocks(args.block)
+        suffix = "-reference" if args.reference else (
+            f"-block{'_'.join(map(str, blocks))}" if blocks is not None else "")
+        out = Path(args.out or f"runs/{cfg.preset}{suffix}")
+        train, valid = _splits(args.data)
+        trainer = Trainer.create(cfg, out, train, valid,
+                                 kind="reference" if args.reference else "blocktrain",
+                                 blocks=blocks, overwrite=args.overwrite)
+    summary = trainer.run(progress=not args.no_progress)
+    summary["run_dir"] = str(trainer.run_dir)
+    if args.json:
+        print_json(summary)
+    else:
+        ev = summary["last_eval"] or {}
+        figure = ev.get("sampler_ce", ev.get("ce"))
+        line = (f"trained {trainer.run_dir} to step {summary['step']} in "
+                f"{summary['wall_seconds']:.0f}s; last loss {summary['last_train'].get('loss', 0):.3f}")
+        if figure is not None:
+            line += f"; validation CE {figure:.3f} nats/byte"
+        print(line)
+    return 0
+
+
+def _splits(data: str | None) -> tuple[ByteSource, ByteSource | None]:
+    train = load_split(data, "train")
+    try:
+        valid = load_split(data, "valid")
+    except DataError:  # a corpus without a validation split still trains
+        valid = None
+    return train, valid

@@ -1,0 +1,169 @@
+"""A BlockTrain block: the denoiser of one noise interval (DESIGN.md 2.2-2.4).
+
+    logits = block(x_bytes, z, sigma, layout)
+
+`x_bytes` are the clean context bytes, `z` the noisy states of the positions being denoised
+(living in the space of the frozen target table E), `sigma` one noise level per sequence.
+Each block owns all of its parameters; blocks share nothing trainable, only E, which is derived
+from the run's seed and never trained.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blocktrain.config import VOCAB_SIZE, ModelConfig
+from blocktrain.model.layers import DualStreamLayer, Rotary, modulate, sinusoidal_features
+from blocktrain.model.sigma import edm_scalings
+
+BOS = VOCAB_SIZE  # the extra embedding row a z token sees when no clean byte precedes its span
+
+
+def target_table(seed: int, d_model: int) -> torch.Tensor:
+    """E (256, d): seeded Gaussian rows, L2-normalised. Shared by every block and worker."""
+    gen = torch.Generator().manual_seed(0x7A26E7 + seed)
+    table = torch.randn(VOCAB_SIZE, d_model, generator=gen)
+    return table / table.norm(dim=1, keepdim=True)
+
+
+@dataclass(frozen=True)
+class ZLayout:
+    """Where the noisy tokens sit: positions (Lz,) and the start of each one's span (Lz,), plus
+    the attention mask of the z queries over [clean keys (Lx), z keys (Lz)]."""
+
+    z_pos: torch.Tensor
+    span_start: torch.Tensor
+    mask: torch.Tensor  # (Lz, Lx + Lz) bool, True = may attend
+
+    @staticmethod
+    def build(x_len: int, z_pos: torch.Tensor, span_start: torch.Tensor) -> ZLayout:
+        """z_i sees clean x_j iff j < span_start_i, and z_j iff both share a span."""
+        x_pos = torch.arange(x_len, device=z_pos.device)
+        to_x = x_pos[None, :] < span_start[:, None]  # (Lz, Lx)
+        to_z = span_start[:, None] == span_start[None, :]  # (Lz, Lz)
+        return ZLayout(z_pos, span_start, torch.cat((to_x, to_z), dim=1))
+
+    @staticmethod
+    def training(seq_len: int, span: int, device: torch.device | str = "cpu") -> ZLayout:
+        """Every position of a sequence denoised at once: spans of K bytes, z_i at position i."""
+        pos = torch.arange(seq_len, device=device)
+        return ZLayout.build(seq_len, pos, (pos // span) * span)
+
+    @staticmethod
+    def next_span(context_len: int, span: int, device: torch.device | str = "cpu") -> ZLayout:
+        """One new span right after `context_len` clean bytes (generation)."""
+        pos = torch.arange(context_len, context_len + span, device=device)
+        return ZLayout.build(context_len, pos, torch.full_like(pos, context_len))
+
+
+class Block(nn.Module):
+    """The denoiser of block b: D = c_skip * z + c_out * F(x, c_in * z, sigma), then adaLN and a
+    zero-initialised head to byte logits. Optionally a next-byte head on the clean stream for the
+    block-local auxiliary loss."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.cfg = cfg
+        self.sigma_data = cfg.sigma_data_value
+        self.embed = nn.Embedding(VOCAB_SIZE + 1, d)  # + BOS
+        nn.init.normal_(self.embed.weight, std=0.02)
+        self.rotary = Rotary(cfg.head_dim)
+        # Projection of c_in * z into the model; zero-initialised so that at the start the noise
+        # (norm ~ sqrt(d) at high sigma) does not swamp what the z token knows (DESIGN.md 2.9).
+        self.z_in = nn.Linear(d, d)
+        nn.init.zeros_(self.z_in.weight)
+        nn.init.zeros_(self.z_in.bias)
+        self.noise_mlp = nn.Sequential(nn.Linear(d, d), nn.SiLU(), nn.Linear(d, d))
+        depth_scale = 1.0 / math.sqrt(2 * cfg.layers_per_block)
+        self.layers = nn.ModuleList(
+            DualStreamLayer(d, cfg.n_heads, cfg.mlp_ratio, depth_scale, conditioned=True,
+                            gates_open=cfg.gates_open)
+            for _ in range(cfg.layers_per_block)
+        )
+        self.out_proj = nn.Linear(d, d)  # F: the z stream's output, projected to d
+        self.final_mod = nn.Linear(d, 2 * d)  # final adaLN: shift, scale
+        nn.init.zeros_(self.final_mod.weight)
+        nn.init.zeros_(self.final_mod.bias)
+        self.head = nn.Linear(d, VOCAB_SIZE)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+        self.aux_norm: nn.LayerNorm | None = None
+        self.aux_head: nn.Linear | None = None
+        if cfg.aux_weight > 0:
+            self.aux_norm = nn.LayerNorm(d)
+            self.aux_head = nn.Linear(d, VOCAB_SIZE)
+            nn.init.zeros_(self.aux_head.weight)
+            nn.init.zeros_(self.aux_head.bias)
+
+    def forward(
+        self,
+        x_bytes: torch.Tensor,
+        z: torch.Tensor,
+        sigma: torch.Tensor,
+        layout: ZLayout,
+        *,
+        with_aux: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x_bytes (N, Lx) int64; z (N, Lz, d); sigma (N,) -> logits (N, Lz, 256), and the clean
+        stream's next-byte logits (N, Lx, 256) when `with_aux` (else None)."""
+        n, x_len = x_bytes.shape
+        sc = edm_scalings(sigma.to(z.dtype), self.sigma_data)
+        cond = self.noise_mlp(sinusoidal_features(sc.c_noise, self.cfg.d_model))  # (N, d)
+
+        x = self.embed(x_bytes)  # (N, Lx, d)
+        h = self.z_in(sc.c_in[:, None, None] * z)  # (N, Lz, d)
+        if self.cfg.z_prev_byte:
+            # The last clean byte each z token may see (BOS before the first span).
+            last = layout.span_start - 1  # (Lz,)
+            prev = torch.where(last >= 0, x_bytes[:, last.clamp(min=0)], BOS)  # (N, Lz)
+            h = h + self.embed(prev)
+
+        rope_x = self.rotary.cos_sin(torch.arange(x_len, device=x_bytes.device))
+        rope_z = self.rotary.cos_sin(layout.z_pos)
+        for layer in self.layers:
+            x, h_out = layer(x, rope_x, h, cond, rope_z, layout.mask)
+            assert h_out is not None
+            h = h_out
+
+        f = self.out_proj(F.layer_norm(h, h.shape[-1:]))  # (N, Lz, d)
+        denoised = sc.c_skip[:, None, None] * z + sc.c_out[:, None, None] * f
+        shift, scale = self.final_mod(F.silu(cond)).chunk(2, dim=-1)
+        logits = self.head(modulate(F.layer_norm(denoised, denoised.shape[-1:]), shift, scale))
+
+        aux = None
+        if with_aux and self.aux_head is not None and self.aux_norm is not None:
+            aux = self.aux_head(self.aux_norm(x))  # (N, Lx, 256): predicts byte i + 1
+        return logits, aux
+
+
+def init_block(cfg: ModelConfig, seed: int, index: int) -> Block:
+    """Block `index` initialised from (seed, index) alone, so a worker that builds only its
+    block gets bit-for-bit the same initial weights as a process that builds all of them."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed * 1_000_003 + 7919 * (index + 1))
+        return Block(cfg)
+
+
+class BlockStack(nn.Module):
+    """The blocks a process holds (all of them, or a worker's one) and the frozen table E."""
+
+    def __init__(self, cfg: ModelConfig, seed: int, blocks: list[int] | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.block_ids = list(range(cfg.blocks)) if blocks is None else sorted(blocks)
+        self.blocks = nn.ModuleDict({str(b): init_block(cfg, seed, b) for b in self.block_ids})
+        self.register_buffer("targets", target_table(seed, cfg.d_model))
+
+    def block(self, index: int) -> Block:
+        module = self.blocks[str(index)]
+        assert isinstance(module, Block)
+        return module
+
+    def has_all_blocks(self) -> bool:
+        return self.block_ids == list(range(self.cfg.blocks))

@@ -1,0 +1,142 @@
+"""Transformer pieces shared by the blocks and the end-to-end reference.
+
+A BlockTrain block runs two streams through the same layers (DESIGN.md 2.3-2.4):
+  - the clean stream x: a plain pre-norm causal Transformer over the context bytes;
+  - the noisy stream z: one token per position being denoised; it attends to the clean tokens
+    before its span's start and to every z token of its own span, and its residual branches are
+    modulated by the noise level (adaLN).
+Nothing attends from x to z, so the clean stream does not depend on z or sigma: the reference is
+exactly the clean stream alone, and at inference its keys and values could be cached.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (RoFormer, Su et al. 2021, arXiv 2104.09864)."""
+
+    def __init__(self, head_dim: int, base: float = 10000.0) -> None:
+        super().__init__()
+        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._cache: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (L,) -> cos, sin (L, head_dim/2). Contiguous position ranges are cached."""
+        n = int(positions.shape[0])
+        is_range = n > 0 and int(positions[0]) == 0 and int(positions[-1]) == n - 1
+        key = (n, positions.device)
+        if is_range and key in self._cache:
+            return self._cache[key]
+        angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # (L, hd/2)
+        out = (angles.cos(), angles.sin())
+        if is_range:
+            self._cache[key] = out
+        return out
+
+
+def apply_rotary(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """t (N, H, L, hd) rotated pairwise (first half with second half) by cos/sin (L, hd/2)."""
+    half = t.shape[-1] // 2
+    t1, t2 = t[..., :half], t[..., half:]
+    cos, sin = cos.to(t.dtype), sin.to(t.dtype)
+    return torch.cat((t1 * cos - t2 * sin, t2 * cos + t1 * sin), dim=-1)
+
+
+def modulate(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """adaLN: h (N, L, d) * (1 + scale) + shift, with shift/scale (N, d) per sequence."""
+    return torch.addcmul(shift[:, None, :], h, 1 + scale[:, None, :])
+
+
+class DualStreamLayer(nn.Module):
+    """One pre-norm Transformer layer applied to the clean stream and, optionally, to the
+    noise-conditioned stream. With `conditioned=False` it is a plain causal layer (the
+    reference)."""
+
+    def __init__(self, d: int, n_heads: int, mlp_ratio: int, depth_scale: float,
+                 conditioned: bool, gates_open: bool) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.gates_open = gates_open
+        self.ln1 = nn.LayerNorm(d)
+        self.ln2 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.fc1 = nn.Linear(d, mlp_ratio * d)
+        self.fc2 = nn.Linear(mlp_ratio * d, d)
+        for lin in (self.qkv, self.fc1):
+            nn.init.normal_(lin.weight, std=0.02)
+            nn.init.zeros_(lin.bias)
+        for lin in (self.proj, self.fc2):  # residual outputs shrink with depth (GPT-2)
+            nn.init.normal_(lin.weight, std=0.02 * depth_scale)
+            nn.init.zeros_(lin.bias)
+        # adaLN-Zero: shift, scale, gate for the attention and the MLP branch of the z stream,
+        # from the noise embedding; zero-initialised so every block starts unconditioned.
+        self.modulation: nn.Linear | None = None
+        if conditioned:
+            self.modulation = nn.Linear(d, 6 * d)
+            nn.init.zeros_(self.modulation.weight)
+            nn.init.zeros_(self.modulation.bias)
+
+    def _heads(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n, length, d = h.shape
+        qkv = self.qkv(h).view(n, length, 3, self.n_heads, d // self.n_heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (N, H, L, hd)
+        return q, k, v
+
+    def _merge(self, a: torch.Tensor) -> torch.Tensor:
+        n, heads, length, hd = a.shape
+        return self.proj(a.transpose(1, 2).reshape(n, length, heads * hd))  # (N, L, d)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope_x: tuple[torch.Tensor, torch.Tensor],
+        z: torch.Tensor | None = None,
+        cond: torch.Tensor | None = None,
+        rope_z: tuple[torch.Tensor, torch.Tensor] | None = None,
+        z_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x (N, Lx, d) clean; z (N, Lz, d) noisy or None; cond (N, d) noise embedding;
+        z_mask (Lz, Lx + Lz) bool, True where a z query may attend."""
+        # --- attention ---
+        qx, kx, vx = self._heads(self.ln1(x))
+        qx, kx = apply_rotary(qx, *rope_x), apply_rotary(kx, *rope_x)
+        x = x + self._merge(F.scaled_dot_product_attention(qx, kx, vx, is_causal=True))
+        if z is None:
+            return x + self._mlp(self.ln2(x)), None
+        assert self.modulation is not None and cond is not None and rope_z is not None
+        mods = self.modulation(F.silu(cond)).chunk(6, dim=-1)  # 6 x (N, d)
+        shift1, scale1, gate1, shift2, scale2, gate2 = mods
+        if self.gates_open:
+            gate1, gate2 = 1 + gate1, 1 + gate2
+        hz = modulate(F.layer_norm(z, z.shape[-1:]), shift1, scale1)
+        qz, kz, vz = self._heads(hz)
+        qz, kz = apply_rotary(qz, *rope_z), apply_rotary(kz, *rope_z)
+        # z queries see the clean keys before their span and the z keys of their span.
+        az = F.scaled_dot_product_attention(
+            qz, torch.cat((kx, kz), dim=2), torch.cat((vx, vz), dim=2), attn_mask=z_mask)
+        z = z + gate1[:, None, :] * self._merge(az)
+        # --- MLP ---
+        x = x + self._mlp(self.ln2(x))
+        hz = modulate(F.layer_norm(z, z.shape[-1:]), shift2, scale2)
+        z = z + gate2[:, None, :] * self._mlp(hz)
+        return x, z
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(h), approximate="tanh"))
+
+
+def sinusoidal_features(values: torch.Tensor, dim: int) -> torch.Tensor:
+    """values (N,) -> (N, dim) sin/cos features at geometric frequencies (Transformer / EDM)."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32,
+                                                        device=values.device) / half)
+    angles = values.to(torch.float32)[:, None] * freqs[None, :] * 100.0
+    return torch.cat((angles.cos(), angles.sin()), dim=-1)

@@ -1,0 +1,136 @@
+"""The one-sweep sampler (DESIGN.md 2.6), in the style of k-diffusion: a pure loop over a sigma
+grid that only calls a denoiser. A denoiser is any callable
+
+    denoise(block_index, x_bytes, z, sigma, layout) -> logits (N, Lz, 256)
+
+so a local BlockStack, a single worker's block or a chain of remote hosts all plug in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from blocktrain.model.block import BlockStack, ZLayout
+
+Denoiser = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, ZLayout], torch.Tensor]
+StepHook = Callable[[int, int, float, torch.Tensor], None]
+
+
+def stack_denoiser(stack: BlockStack) -> Denoiser:
+    """The denoiser of the blocks held in this process."""
+
+    def denoise(b: int, x: torch.Tensor, z: torch.Tensor, sigma: torch.Tensor,
+                layout: ZLayout) -> torch.Tensor:
+        return stack.block(b)(x, z, sigma, layout)[0]
+
+    return denoise
+
+
+def euler_step(z: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, sigma: float,
+               sigma_next: float) -> torch.Tensor:
+    """One Euler step of the probability-flow ODE towards the expected target embedding:
+    D_hat = softmax(logits) @ E,  z <- z + (sigma_next - sigma) * (z - D_hat) / sigma."""
+    d_hat = torch.softmax(logits.float(), dim=-1) @ targets  # (N, Lz, d)
+    return z + (sigma_next - sigma) * (z - d_hat) / sigma
+
+
+def one_sweep(
+    denoise: Denoiser,
+    x_bytes: torch.Tensor,
+    z: torch.Tensor,
+    grid: list[tuple[int, float]],
+    targets: torch.Tensor,
+    layout: ZLayout,
+    on_step: StepHook | None = None,
+) -> torch.Tensor:
+    """Refine z (N, Lz, d), which starts as sigma_max * eps, through the whole grid; return the
+    final logits (N, Lz, 256). `on_step(n, block, sigma, logits)` sees every step's logits."""
+    n_seq = x_bytes.shape[0]
+    for n, (block, sigma) in enumerate(grid):
+        sigma_t = torch.full((n_seq,), sigma, dtype=torch.float32, device=z.device)
+        logits = denoise(block, x_bytes, z, sigma_t, layout)
+        if on_step is not None:
+            on_step(n, block, sigma, logits)
+        if n == len(grid) - 1:
+            return logits
+        z = euler_step(z, logits, targets, sigma, grid[n + 1][1])
+    raise ValueError("the sigma grid is empty")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How bytes are drawn from the final logits."""
+
+    temperature: float = 1.0
+    """0 means greedy (argmax)."""
+    top_k: int = 0
+    """Keep only the k most likely bytes (0: all)."""
+    top_p: float = 1.0
+    """Keep the smallest set of bytes whose probability reaches p (1: all)."""
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature = {self.temperature} must be >= 0")
+        if not 0 <= self.top_k <= 256:
+            raise ValueError(f"top_k = {self.top_k} must lie in 0..256")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p = {self.top_p} must lie in (0, 1]")
+
+
+def sample_bytes(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator
+                 ) -> torch.Tensor:
+    """logits (..., 256) -> bytes (...) int64, greedy or by temperature / top-k / top-p."""
+    logits = logits.float()
+    if sampling.temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / sampling.temperature
+    if sampling.top_k:
+        kth = logits.topk(sampling.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cum - sorted_logits.softmax(dim=-1) >= sampling.top_p  # keep the first past p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+@torch.no_grad()
+def generate(
+    denoise: Denoiser,
+    prompt: torch.Tensor,
+    n_bytes: int,
+    *,
+    grid: list[tuple[int, float]],
+    targets: torch.Tensor,
+    span: int,
+    max_context: int,
+    sampling: Sampling,
+    generator: torch.Generator,
+) -> torch.Tensor:
+    """Continue `prompt` (N, Lp) by n_bytes, one span of K bytes per sweep: ceil(n / K) sweeps.
+    The context keeps its last `max_context` bytes (T - K for a model trained on T bytes).
+    Returns (N, n_bytes) int64."""
+    if prompt.shape[1] == 0:
+        raise ValueError("the prompt must hold at least one byte")
+    sigma_max = grid[0][1]
+    context = prompt
+    out: list[torch.Tensor] = []
+    produced = 0
+    while produced < n_bytes:
+        x = context[:, -max_context:]
+        layout = ZLayout.next_span(x.shape[1], span, device=x.device)
+        # Randomness is drawn on the CPU generator so results do not depend on the device.
+        noise = torch.randn(x.shape[0], span, targets.shape[1], generator=generator)
+        logits = one_sweep(denoise, x, sigma_max * noise.to(x.device), grid, targets, layout)
+        new = sample_bytes(logits.cpu(), sampling, generator).to(x.device)  # (N, K)
+        out.append(new)
+        context = torch.cat((context, new), dim=1)
+        produced += span
+    return torch.cat(out, dim=1)[:, :n_bytes]

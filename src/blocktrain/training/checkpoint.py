@@ -1,0 +1,191 @@
+"""Run folders: config.json, weights and optimizer state as safetensors, written atomically.
+
+    RUN_DIR/config.json          the RunConfig plus `kind` ("blocktrain" | "reference") and the
+                                 blocks this run trains
+    RUN_DIR/model.safetensors    weights ("block.{b}.*" and "targets", or "reference.*")
+    RUN_DIR/optimizer.safetensors  AdamW moments per trained unit, for exact resume
+    RUN_DIR/state.json           the step the two files above belong to
+    RUN_DIR/metrics.jsonl        one JSON object per logged step or evaluation
+
+Nothing here unpickles: tensors live in safetensors only, everything else in JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from blocktrain.config import RunConfig
+from blocktrain.errors import BlockTrainError, CheckpointError, ConfigError
+from blocktrain.model import BlockStack, Reference, init_reference
+
+FORMAT = "blocktrain"
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+STATE_FILE = "state.json"
+METRICS_FILE = "metrics.jsonl"
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What config.json says about a run."""
+
+    config: RunConfig
+    kind: str  # "blocktrain" or "reference"
+    blocks: list[int]  # blocks whose weights this run holds (empty for a reference)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write via a temporary file in the same folder, fsync, then rename over `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor],
+                        metadata: dict[str, str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp,
+                  metadata=metadata)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Load a safetensors file and its metadata; anything unreadable is a CheckpointError."""
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing")
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            metadata = dict(f.metadata() or {})
+        return load_file(str(path)), metadata
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({exc})") from exc
+
+
+def write_config(run_dir: Path, info: RunInfo) -> None:
+    doc = {"format": FORMAT, "format_version": FORMAT_VERSION, "kind": info.kind,
+           "blocks": info.blocks, **info.config.to_dict()}
+    atomic_write_bytes(run_dir / CONFIG_FILE, (json.dumps(doc, indent=2) + "\n").encode())
+
+
+def read_config(run_dir: Path) -> RunInfo:
+    """Read RUN_DIR/config.json, refusing anything that is not a BlockTrain run."""
+    path = Path(run_dir) / CONFIG_FILE
+    if not Path(run_dir).is_dir():
+        raise CheckpointError(f"run folder {run_dir} does not exist")
+    if not path.is_file():
+        raise CheckpointError(f"{run_dir} is not a BlockTrain run folder (no {CONFIG_FILE})")
+    try:
+        doc = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is corrupt ({exc})") from exc
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a BlockTrain config (no format: {FORMAT})")
+    if doc.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path} has format_version {doc.get('format_version')}; "
+                              f"this blocktrain reads version {FORMAT_VERSION}")
+    kind = doc.get("kind")
+    if kind not in ("blocktrain", "reference"):
+        raise CheckpointError(f"{path} has unknown kind {kind!r}")
+    try:
+        config = RunConfig.from_dict(doc)
+    except ConfigError as exc:
+        raise CheckpointError(f"{path}: {exc}") from exc
+    blocks = doc.get("blocks", [])
+    if not isinstance(blocks, list) or not all(isinstance(b, int) for b in blocks):
+        raise CheckpointError(f"{path}: 'blocks' must be a list of block indices")
+    return RunInfo(config=config, kind=kind, blocks=sorted(blocks))
+
+
+def write_state(run_dir: Path, state: dict[str, Any]) -> None:
+    atomic_write_bytes(run_dir / STATE_FILE, (json.dumps(state, indent=2) + "\n").encode())
+
+
+def read_state(run_dir: Path) -> dict[str, Any]:
+    path = Path(run_dir) / STATE_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{run_dir} holds no checkpoint yet (no {STATE_FILE})")
+    try:
+        state = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is corrupt ({exc})") from exc
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise CheckpointError(f"{path} is corrupt (no step)")
+    return state
+
+
+def load_module_tensors(module: torch.nn.Module, tensors: dict[str, torch.Tensor], prefix: str,
+                        source: Path) -> None:
+    """Copy `prefix`-named tensors into `module`, checking names and shapes exactly."""
+    own = module.state_dict()
+    found = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+    missing = sorted(set(own) - set(found))
+    extra = sorted(set(found) - set(own))
+    if missing or extra:
+        raise CheckpointError(
+            f"{source} does not match this model ({len(missing)} missing, {len(extra)} "
+            f"unexpected tensors under {prefix!r}, e.g. {(missing or extra)[0]!r})")
+    for name, value in found.items():
+        if value.shape != own[name].shape:
+            raise CheckpointError(f"{source}: {prefix}{name} has shape {tuple(value.shape)}, "
+                                  f"the model expects {tuple(own[name].shape)}")
+    module.load_state_dict(found)
+
+
+def check_run_dir_free(run_dir: Path, *, overwrite: bool) -> None:
+    """Refuse to start a new run over an existing one unless asked to overwrite."""
+    if (run_dir / CONFIG_FILE).exists() and not overwrite:
+        raise BlockTrainError(
+            f"{run_dir} already holds a run; pass --resume to continue it, --overwrite to "
+            "start over, or choose another --out")
+
+
+def load_model(run_dir: Path, device: torch.device | str = "cpu"
+               ) -> tuple[RunInfo, BlockStack | Reference]:
+    """The trained model of a run folder, in eval mode: a BlockStack with the blocks the run
+    holds, or the reference."""
+    run_dir = Path(run_dir)
+    info = read_config(run_dir)
+    weights, meta = load_tensors(run_dir / MODEL_FILE)
+    if meta.get("format") != FORMAT or meta.get("kind") != info.kind:
+        raise CheckpointError(f"{run_dir / MODEL_FILE} is not this run's BlockTrain weights")
+    model: BlockStack | Reference
+    if info.kind == "reference":
+        model = init_reference(info.config.model, info.config.seed)
+        load_module_tensors(model, weights, "reference.", run_dir / MODEL_FILE)
+    else:
+        model = BlockStack(info.config.model, info.config.seed, info.blocks)
+        for b in model.block_ids:
+            load_module_tensors(model.block(b), weights, f"block.{b}.", run_dir / MODEL_FILE)
+        if "targets" not in weights or weights["targets"].shape != model.targets.shape:
+            raise CheckpointError(f"{run_dir / MODEL_FILE} has no usable target table")
+        model.targets.copy_(weights["targets"])
+    return info, model.to(device).eval()

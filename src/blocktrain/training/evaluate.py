@@ -1,0 +1,148 @@
+"""Quality on held-out text (DESIGN.md 2.8), in nats per byte.
+
+Every figure is measured on the same bytes: consecutive windows of T bytes from the split, each
+position i >= 1 of a window predicted from the true clean bytes before its span (position 0 has
+no context and is not scored, for BlockTrain and the reference alike). All spans of a window are
+denoised at once, exactly as in training, so one sweep over a batch of windows costs B block calls.
+
+- sampler_ce: -log mean_m p_m(true byte) over M independent sweeps from pure noise; the headline.
+- from_noise_ce: the CE of single sweeps' final logits, averaged over the M sweeps.
+- ce_per_step: the CE of the logits at each point of the sampler grid (diagnostic).
+- oracle_ce: each block's CE on truly noised targets from its own interval (diagnostic).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from blocktrain.model import BlockStack, Reference, SigmaSchedule, ZLayout, one_sweep
+from blocktrain.model.sampler import stack_denoiser
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    sweeps: int = 16
+    """M, the number of independent sweeps for the sampler CE."""
+    steps_per_block: int = 1
+    """Sampler grid points per block."""
+    seed: int = 0
+    """Seeds the initial noise and the oracle's sigmas."""
+    batch_size: int = 16
+    """Windows per forward pass."""
+
+
+def _scored(t: int) -> slice:
+    return slice(1, t)
+
+
+def _oracle_nll(stack: BlockStack, block: int, x: torch.Tensor, layout: ZLayout,
+                generator: torch.Generator) -> float:
+    """Summed CE of `block` on the scored bytes of x, with z = E[y] + sigma * eps and sigma
+    drawn from the block's own interval (no overlap)."""
+    cfg = stack.cfg
+    schedule = SigmaSchedule.from_config(cfg)
+    n, t = x.shape
+    sigma = schedule.sample_sigma(*schedule.interval(block), n, generator)
+    eps = torch.randn(n, t, cfg.d_model, generator=generator, device=x.device)
+    logits = stack.block(block)(x, stack.targets[x] + sigma[:, None, None] * eps, sigma,
+                                layout)[0]
+    keep = _scored(t)
+    return float(F.cross_entropy(logits[:, keep].float().flatten(0, 1), x[:, keep].flatten(),
+                                 reduction="sum"))
+
+
+def ce_summary(ce: float) -> dict[str, float]:
+    return {"bits_per_byte": ce / math.log(2), "perplexity": math.exp(ce)}
+
+
+@torch.no_grad()
+def evaluate_blocktrain(stack: BlockStack, windows: torch.Tensor,
+                        settings: EvalSettings) -> dict[str, Any]:
+    """windows (W, T) int64 held-out bytes -> the metrics above (all blocks must be present)."""
+    cfg = stack.cfg
+    device = stack.targets.device
+    schedule = SigmaSchedule.from_config(cfg)
+    grid = schedule.sampler_grid(settings.steps_per_block)
+    denoise = stack_denoiser(stack)
+    layout = ZLayout.training(cfg.seq_len, cfg.span, device)
+    gen = torch.Generator(device).manual_seed(settings.seed)
+    m = settings.sweeps
+    keep = _scored(cfg.seq_len)
+
+    n_scored = 0
+    sampler_nll = 0.0
+    from_noise_nll = 0.0
+    step_nll = [0.0] * len(grid)
+    oracle_nll = [0.0] * cfg.blocks
+    for start in range(0, windows.shape[0], settings.batch_size):
+        x = windows[start:start + settings.batch_size].to(device)  # (N, T)
+        n, t = x.shape
+        target = x[:, keep]
+        logp_true = torch.empty(m, n, t - 1, device=device)  # log p_m(true byte)
+
+        def record(step: int, _block: int, _sigma: float, logits: torch.Tensor,
+                   target: torch.Tensor = target) -> None:
+            step_nll[step] += float(F.cross_entropy(
+                logits[:, keep].float().flatten(0, 1), target.flatten(), reduction="sum"))
+
+        for sweep in range(m):
+            z = cfg.sigma_max * torch.randn(n, t, cfg.d_model, generator=gen, device=device)
+            logits = one_sweep(denoise, x, z, grid, stack.targets, layout, on_step=record)
+            logp = logits[:, keep].float().log_softmax(dim=-1)
+            logp_true[sweep] = logp.gather(-1, target[..., None])[..., 0]
+        from_noise_nll -= float(logp_true.sum()) / m
+        sampler_nll -= float((logp_true.logsumexp(dim=0) - math.log(m)).sum())
+        for b in range(cfg.blocks):
+            oracle_nll[b] += _oracle_nll(stack, b, x, layout, gen)
+        n_scored += target.numel()
+
+    sampler_ce = sampler_nll / n_scored
+    return {
+        "sampler_ce": sampler_ce,
+        "from_noise_ce": from_noise_nll / n_scored,
+        "ce_per_step": [v / (n_scored * m) for v in step_nll],
+        "oracle_ce": sum(oracle_nll) / (n_scored * cfg.blocks),
+        "oracle_ce_per_block": [v / n_scored for v in oracle_nll],
+        **ce_summary(sampler_ce),
+        "sweeps": m,
+        "steps_per_block": settings.steps_per_block,
+        "bytes": n_scored,
+    }
+
+
+@torch.no_grad()
+def evaluate_reference(model: Reference, windows: torch.Tensor,
+                       settings: EvalSettings) -> dict[str, Any]:
+    """The reference's plain next-byte CE on the same scored bytes."""
+    device = next(model.parameters()).device
+    nll, count = 0.0, 0
+    for start in range(0, windows.shape[0], settings.batch_size):
+        x = windows[start:start + settings.batch_size].to(device)
+        logits = model(x)[:, :-1]  # position i predicts byte i + 1: bytes 1..T-1
+        nll += float(F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten(),
+                                     reduction="sum"))
+        count += x[:, 1:].numel()
+    ce = nll / count
+    return {"ce": ce, **ce_summary(ce), "bytes": count}
+
+
+@torch.no_grad()
+def evaluate_oracle_block(stack: BlockStack, block: int, windows: torch.Tensor,
+                          settings: EvalSettings) -> dict[str, Any]:
+    """For a process that holds a single block: its CE on truly noised targets, the only
+    quality figure a worker can compute alone."""
+    cfg = stack.cfg
+    device = stack.targets.device
+    layout = ZLayout.training(cfg.seq_len, cfg.span, device)
+    gen = torch.Generator(device).manual_seed(settings.seed)
+    nll = 0.0
+    for start in range(0, windows.shape[0], settings.batch_size):
+        nll += _oracle_nll(stack, block, windows[start:start + settings.batch_size].to(device),
+                           layout, gen)
+    count = windows.shape[0] * (cfg.seq_len - 1)
+    return {"oracle_ce": nll / count, "block": block, "bytes": count}

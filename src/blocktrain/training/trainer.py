@@ -1,0 +1,326 @@
+"""The training loop: one chosen block (what a worker does), every block in turn (the
+single-machine job), or the end-to-end reference.
+
+Reproducibility by construction: the batch and the noise of update `step` of unit `u` are drawn
+from generators seeded by (seed, u, step) alone, and the optimizer state is saved exactly, so a
+resumed run sees the same batches and computes the same losses as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from blocktrain.config import RunConfig
+from blocktrain.data import ByteSource
+from blocktrain.errors import CheckpointError
+from blocktrain.model import BlockStack, Reference, init_reference
+from blocktrain.training import checkpoint as ckpt
+from blocktrain.training.evaluate import (
+    EvalSettings,
+    evaluate_blocktrain,
+    evaluate_oracle_block,
+    evaluate_reference,
+)
+from blocktrain.training.loss import BlockLoss, LossParts, reference_loss
+from blocktrain.training.optim import (
+    learning_rate,
+    load_optimizer_tensors,
+    make_optimizer,
+    optimizer_tensors,
+    set_learning_rate,
+)
+
+log = logging.getLogger(__name__)
+
+REFERENCE_UNIT = 0  # the reference draws the same batch stream as block 0
+
+
+def stream_seed(seed: int, unit: int, step: int, salt: int) -> int:
+    """A 63-bit seed for one (run seed, unit, step, purpose); cheap and collision-averse."""
+    h = (seed * 0x9E3779B97F4A7C15 + unit * 0xC2B2AE3D27D4EB4F + step * 0x165667B19E3779F9
+         + salt * 0x27D4EB2F165667C5) & 0xFFFFFFFFFFFFFFFF
+    h ^= h >> 31
+    return h & 0x7FFFFFFFFFFFFFFF
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+@dataclass
+class Unit:
+    """One independently optimised piece: a block, or the whole reference."""
+
+    name: str  # tensor-name prefix in the checkpoint: "block.{b}." or "reference."
+    index: int  # the block index (REFERENCE_UNIT for the reference)
+    module: nn.Module
+    optimizer: torch.optim.AdamW = field(repr=False)
+
+
+class Trainer:
+    """Trains the units of one run folder. Build it with `Trainer.create` or `Trainer.resume`."""
+
+    def __init__(self, info: ckpt.RunInfo, run_dir: Path, train: ByteSource,
+                 valid: ByteSource | None) -> None:
+        self.info = info
+        self.cfg: RunConfig = info.config
+        self.run_dir = Path(run_dir)
+        self.train_data = train
+        self.valid_data = valid
+        self.device = resolve_device(self.cfg.train.device)
+        if self.cfg.train.threads:
+            torch.set_num_threads(self.cfg.train.threads)
+        self.step = 0
+        self.bytes_seen = 0
+        self.wall_seconds = 0.0
+        self.last_eval: dict[str, Any] | None = None
+        mcfg = self.cfg.model
+        self.stack: BlockStack | None = None
+        self.reference: Reference | None = None
+        self.units: list[Unit] = []
+        if info.kind == "reference":
+            self.reference = init_reference(mcfg, self.cfg.seed).to(self.device)
+            self.units.append(Unit("reference.", REFERENCE_UNIT, self.reference,
+                                   make_optimizer(self.reference, self.cfg.train)))
+        else:
+            self.stack = BlockStack(mcfg, self.cfg.seed, info.blocks).to(self.device)
+            self.loss = BlockLoss(mcfg, self.stack.targets)
+            for b in self.stack.block_ids:
+                block = self.stack.block(b)
+                self.units.append(Unit(f"block.{b}.", b, block,
+                                       make_optimizer(block, self.cfg.train)))
+
+    # ---------------------------------------------------------------- construction
+
+    @classmethod
+    def create(cls, cfg: RunConfig, run_dir: Path, train: ByteSource, valid: ByteSource | None,
+               *, kind: str = "blocktrain", blocks: list[int] | None = None,
+               overwrite: bool = False) -> Trainer:
+        """A fresh run in `run_dir` (refused if it already holds one, unless `overwrite`)."""
+        run_dir = Path(run_dir)
+        ckpt.check_run_dir_free(run_dir, overwrite=overwrite)
+        if blocks is not None:
+            for b in blocks:
+                if not 0 <= b < cfg.model.blocks:
+                    raise CheckpointError(f"--block {b} is outside 0..{cfg.model.blocks - 1}")
+        info = ckpt.RunInfo(cfg, kind, [] if kind == "reference"
+                            else sorted(blocks if blocks is not None else range(cfg.model.blocks)))
+        trainer = cls(info, run_dir, train, valid)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for name in (ckpt.MODEL_FILE, ckpt.OPTIMIZER_FILE, ckpt.STATE_FILE, ckpt.METRICS_FILE):
+            (run_dir / name).unlink(missing_ok=True)
+        ckpt.write_config(run_dir, info)
+        return trainer
+
+    @classmethod
+    def resume(cls, run_dir: Path, train: ByteSource, valid: ByteSource | None,
+               *, steps: int | None = None) -> Trainer:
+        """Continue the run in `run_dir` from its last checkpoint (optionally to a new total of
+        `steps`, which changes the learning-rate schedule from here on)."""
+        run_dir = Path(run_dir)
+        info = ckpt.read_config(run_dir)
+        if steps is not None and steps != info.config.train.steps:
+            import dataclasses
+
+            info = ckpt.RunInfo(dataclasses.replace(
+                info.config, train=dataclasses.replace(info.config.train, steps=steps)),
+                info.kind, info.blocks)
+            ckpt.write_config(run_dir, info)
+        trainer = cls(info, run_dir, train, valid)
+        trainer._load_checkpoint()
+        return trainer
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def save_checkpoint(self) -> None:
+        meta = {"format": ckpt.FORMAT, "kind": self.info.kind, "step": str(self.step)}
+        weights: dict[str, torch.Tensor] = {}
+        moments: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            weights.update({unit.name + k: v for k, v in unit.module.state_dict().items()})
+            moments.update(optimizer_tensors(unit.optimizer, unit.module, unit.name))
+        if self.stack is not None:
+            weights["targets"] = self.stack.targets
+        ckpt.atomic_save_tensors(self.run_dir / ckpt.MODEL_FILE, weights, meta)
+        ckpt.atomic_save_tensors(self.run_dir / ckpt.OPTIMIZER_FILE, moments, meta)
+        ckpt.write_state(self.run_dir, {"step": self.step, "bytes_seen": self.bytes_seen,
+                                        "wall_seconds": self.wall_seconds})
+
+    def _load_checkpoint(self) -> None:
+        state = ckpt.read_state(self.run_dir)
+        weights, wmeta = ckpt.load_tensors(self.run_dir / ckpt.MODEL_FILE)
+        moments, ometa = ckpt.load_tensors(self.run_dir / ckpt.OPTIMIZER_FILE)
+        for meta, name in ((wmeta, ckpt.MODEL_FILE), (ometa, ckpt.OPTIMIZER_FILE)):
+            if meta.get("format") != ckpt.FORMAT:
+                raise CheckpointError(f"{self.run_dir / name} is not a BlockTrain file")
+            if meta.get("step") != str(state["step"]):
+                raise CheckpointError(
+                    f"{self.run_dir}: {name} is from step {meta.get('step')} but state.json "
+                    f"says {state['step']}; the checkpoint is inconsistent")
+        for unit in self.units:
+            ckpt.load_module_tensors(unit.module, weights, unit.name, self.run_dir / ckpt.MODEL_FILE)
+            load_optimizer_tensors(unit.optimizer, unit.module, unit.name, moments)
+        if self.stack is not None:
+            if "targets" not in weights or not torch.equal(weights["targets"],
+                                                           self.stack.targets.cpu()):
+                raise CheckpointError(f"{self.run_dir}: the target table does not match the "
+                                      "run's seed; the checkpoint is foreign or corrupt")
+        self.step = int(state["step"])
+        self.bytes_seen = int(state.get("bytes_seen", 0))
+        self.wall_seconds = float(state.get("wall_seconds", 0.0))
+        self._truncate_metrics()
+        log.info("resumed %s at step %d", self.run_dir, self.step)
+
+    def _truncate_metrics(self) -> None:
+        """Drop metric lines logged after the checkpoint we resume from (a crash can leave
+        some), so the log reads like an uninterrupted run's."""
+        path = self.run_dir / ckpt.METRICS_FILE
+        if not path.exists():
+            return
+        kept = []
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                if json.loads(line).get("step", 0) <= self.step:
+                    kept.append(line)
+        ckpt.atomic_write_bytes(path, ("\n".join(kept) + "\n" if kept else "").encode())
+
+    # ---------------------------------------------------------------- the loop
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.cfg.train.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def train_step(self) -> dict[str, float]:
+        """One update of every unit at `self.step`; returns the merged logs."""
+        cfg, tcfg = self.cfg, self.cfg.train
+        lr = learning_rate(self.step, tcfg)
+        logs: dict[str, float] = {"lr": lr}
+        for unit in self.units:
+            batch_gen = torch.Generator().manual_seed(
+                stream_seed(cfg.seed, unit.index, self.step, salt=1))
+            x = self.train_data.sample(tcfg.batch_size, cfg.model.seq_len, batch_gen)
+            x = x.to(self.device, non_blocking=True)
+            with self._autocast():
+                if self.stack is not None:
+                    noise_gen = torch.Generator(self.device).manual_seed(
+                        stream_seed(cfg.seed, unit.index, self.step, salt=2))
+                    parts: LossParts = self.loss(unit.module, unit.index, x,  # type: ignore[arg-type]
+                                                 noise_gen)
+                else:
+                    parts = reference_loss(unit.module, x)  # type: ignore[arg-type]
+            unit.optimizer.zero_grad(set_to_none=True)
+            parts.total.backward()
+            if tcfg.grad_clip > 0:
+                norm = torch.nn.utils.clip_grad_norm_(unit.module.parameters(), tcfg.grad_clip)
+                parts.logs["grad_norm"] = float(norm)
+            set_learning_rate(unit.optimizer, lr)
+            unit.optimizer.step()
+            self.bytes_seen += x.numel()
+            prefix = "" if len(self.units) == 1 else f"b{unit.index}_"
+            logs.update({prefix + k: v for k, v in parts.logs.items()})
+        if len(self.units) > 1:
+            logs["loss"] = sum(logs[f"b{u.index}_loss"] for u in self.units) / len(self.units)
+        return logs
+
+    def evaluate(self, split: ByteSource, n_bytes: int, sweeps: int) -> dict[str, Any]:
+        """The periodic evaluation: full metrics when all blocks are here, the block's oracle
+        CE for a one-block run, plain CE for the reference."""
+        windows = split.windows(self.cfg.model.seq_len, n_bytes)
+        settings = EvalSettings(sweeps=sweeps, seed=self.cfg.seed)
+        for unit in self.units:
+            unit.module.eval()
+        try:
+            if self.reference is not None:
+                return evaluate_reference(self.reference, windows, settings)
+            assert self.stack is not None
+            if self.stack.has_all_blocks():
+                return evaluate_blocktrain(self.stack, windows, settings)
+            return {f"block{b}": evaluate_oracle_block(self.stack, b, windows, settings)
+                    for b in self.stack.block_ids}
+        finally:
+            for unit in self.units:
+                unit.module.train()
+
+    def _append_metrics(self, record: dict[str, Any]) -> None:
+        with open(self.run_dir / ckpt.METRICS_FILE, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def run(self, *, progress: bool = True) -> dict[str, Any]:
+        """Train until `train.steps`, logging, evaluating and checkpointing on the way."""
+        tcfg = self.cfg.train
+        total = tcfg.steps
+        bar = tqdm(total=total, initial=self.step, disable=not progress, unit="step",
+                   dynamic_ncols=True, desc=f"train {self._describe()}")
+        window_start, window_bytes = time.perf_counter(), 0
+        started = time.perf_counter()
+        wall_at_start = self.wall_seconds
+        logs: dict[str, float] = {}
+        for unit in self.units:
+            unit.module.train()
+        while self.step < total:
+            before = self.bytes_seen
+            logs = self.train_step()
+            self.step += 1
+            window_bytes += self.bytes_seen - before
+            self.wall_seconds = wall_at_start + time.perf_counter() - started
+            if not all(math.isfinite(v) for v in logs.values()):
+                raise FloatingPointError(f"non-finite loss at step {self.step}: {logs}")
+            if self.step % max(1, tcfg.log_every) == 0 or self.step == total:
+                elapsed = time.perf_counter() - window_start
+                logs["bytes_per_s"] = window_bytes / max(elapsed, 1e-9)
+                window_start, window_bytes = time.perf_counter(), 0
+                self._append_metrics({"event": "train", "step": self.step,
+                                      "wall_seconds": round(self.wall_seconds, 3), **logs})
+                bar.set_postfix(self._postfix(logs), refresh=False)
+            if self.valid_data is not None and (
+                    (tcfg.eval_every and self.step % tcfg.eval_every == 0) or self.step == total):
+                self.last_eval = self.evaluate(self.valid_data, tcfg.eval_bytes, tcfg.eval_sweeps)
+                self._append_metrics({"event": "eval", "split": "valid", "step": self.step,
+                                      **self.last_eval})
+                bar.set_postfix(self._postfix(logs), refresh=False)
+            if (tcfg.checkpoint_every and self.step % tcfg.checkpoint_every == 0) \
+                    or self.step == total:
+                self.save_checkpoint()
+            bar.update(1)
+        bar.close()
+        return {"step": self.step, "bytes_seen": self.bytes_seen,
+                "wall_seconds": self.wall_seconds, "last_train": logs, "last_eval": self.last_eval}
+
+    def _describe(self) -> str:
+        if self.info.kind == "reference":
+            return "reference"
+        return "blocks " + ",".join(map(str, self.info.blocks))
+
+    def _postfix(self, logs: dict[str, float]) -> dict[str, str]:
+        out = {"loss": f"{logs.get('loss', float('nan')):.3f}"}
+        if "bytes_per_s" in logs:
+            out["B/s"] = f"{logs['bytes_per_s']:.0f}"
+        ev = self.last_eval
+        if ev:
+            key = "sampler_ce" if "sampler_ce" in ev else "ce" if "ce" in ev else None
+            if key:
+                out["val_ce"] = f"{ev[key]:.3f}"
+        return out
+
+
+def iter_metrics(run_dir: Path) -> Iterator[dict[str, Any]]:
+    path = Path(run_dir) / ckpt.METRICS_FILE
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                yield json.loads(line)

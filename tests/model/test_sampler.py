@@ -1,0 +1,115 @@
+import pytest
+import torch
+
+from blocktrain.config import ModelConfig
+from blocktrain.model import (
+    BlockStack,
+    Reference,
+    Sampling,
+    SigmaSchedule,
+    ZLayout,
+    generate,
+    generate_autoregressive,
+    one_sweep,
+    sample_bytes,
+    stack_denoiser,
+)
+
+CFG = ModelConfig(d_model=32, n_heads=2, layers=3, blocks=3, seq_len=16, span=2)
+
+
+def recording_denoiser(calls):
+    def denoise(b, x, z, sigma, layout):
+        calls.append((b, float(sigma[0])))
+        return torch.zeros(*z.shape[:2], 256)
+
+    return denoise
+
+
+def test_one_sweep_with_one_step_per_block_calls_each_block_once_in_order():
+    calls: list = []
+    grid = SigmaSchedule.from_config(CFG).sampler_grid(1)
+    targets = torch.eye(256, 32)
+    layout = ZLayout.next_span(4, 2)
+    one_sweep(recording_denoiser(calls), torch.zeros(1, 4, dtype=torch.long),
+              torch.randn(1, 2, 32), grid, targets, layout)
+    assert [b for b, _ in calls] == [0, 1, 2]
+    assert calls[0][1] == 10.0 and calls[-1][1] == 1.0
+
+
+def test_steps_per_block_gives_consecutive_calls():
+    calls: list = []
+    grid = SigmaSchedule.from_config(CFG).sampler_grid(3)
+    one_sweep(recording_denoiser(calls), torch.zeros(1, 4, dtype=torch.long),
+              torch.randn(1, 2, 32), grid, torch.eye(256, 32), ZLayout.next_span(4, 2))
+    assert [b for b, _ in calls] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+
+
+def test_euler_moves_towards_a_confident_prediction():
+    """With logits certain of byte 7, the state lands on E[7] scaled as the ODE says."""
+    targets = torch.nn.functional.normalize(torch.randn(256, 32), dim=1)
+    logits = torch.full((1, 1, 256), -1e4)
+    logits[..., 7] = 0
+
+    def denoise(b, x, z, sigma, layout):
+        return logits
+
+    z0 = torch.randn(1, 1, 32) * 10
+    grid = [(0, 10.0), (1, 1.0), (2, 1.0)]
+    zs = []
+    one_sweep(denoise, torch.zeros(1, 1, dtype=torch.long), z0, grid, targets,
+              ZLayout.next_span(1, 1), on_step=lambda n, b, s, lg: zs.append(n))
+    # one Euler step from sigma 10 to 1: z1 = z0 - 0.9 (z0 - E[7]) = 0.1 z0 + 0.9 E[7]
+    from blocktrain.model import euler_step
+
+    z1 = euler_step(z0, logits, targets, 10.0, 1.0)
+    torch.testing.assert_close(z1, 0.1 * z0 + 0.9 * targets[7])
+    assert zs == [0, 1, 2]
+
+
+@pytest.mark.parametrize("n", [1, 5, 8])
+def test_generate_returns_the_requested_number_of_bytes(n):
+    stack = BlockStack(CFG, seed=0).eval()
+    grid = SigmaSchedule.from_config(CFG).sampler_grid(1)
+    out = generate(stack_denoiser(stack), torch.tensor([[65, 66, 67]]), n, grid=grid,
+                   targets=stack.targets, span=CFG.span, max_context=CFG.seq_len - CFG.span,
+                   sampling=Sampling(), generator=torch.Generator().manual_seed(0))
+    assert out.shape == (1, n) and out.dtype == torch.long
+    assert int(out.min()) >= 0 and int(out.max()) < 256
+
+
+def test_generate_is_seeded_and_handles_contexts_longer_than_training():
+    stack = BlockStack(CFG, seed=0).eval()
+    grid = SigmaSchedule.from_config(CFG).sampler_grid(1)
+    prompt = torch.randint(0, 256, (1, 40))
+
+    def go(seed):
+        return generate(stack_denoiser(stack), prompt, 20, grid=grid, targets=stack.targets,
+                        span=CFG.span, max_context=CFG.seq_len - CFG.span, sampling=Sampling(),
+                        generator=torch.Generator().manual_seed(seed))
+
+    assert torch.equal(go(1), go(1))
+    assert not torch.equal(go(1), go(2))
+
+
+def test_autoregressive_generation_length():
+    model = Reference(CFG).eval()
+    out = generate_autoregressive(model, torch.tensor([[1, 2]]), 30, sampling=Sampling(),
+                                  generator=torch.Generator().manual_seed(0))
+    assert out.shape == (1, 30)
+
+
+def test_sampling_modes():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0] + [-1e9] * 252])
+    gen = torch.Generator().manual_seed(0)
+    assert int(sample_bytes(logits, Sampling(temperature=0), gen)) == 1
+    draws = {int(sample_bytes(logits, Sampling(top_k=2), gen)) for _ in range(200)}
+    assert draws == {1, 3}
+    draws = {int(sample_bytes(logits, Sampling(top_p=0.5), gen)) for _ in range(200)}
+    assert draws == {1}, "the top byte alone holds over half the mass"
+    draws = {int(sample_bytes(logits, Sampling(), gen)) for _ in range(500)}
+    assert draws == {0, 1, 2, 3}
+    with pytest.raises(ValueError):
+        Sampling(top_p=0)
+    with pytest.raises(ValueError):
+        Sampling(temperature=-1)
