@@ -17,7 +17,7 @@ EXAMPLES = """examples:
 """
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("data", help="fetch or inspect training text", description=__doc__,
                        epilog=EXAMPLES, formatter_class=Formatter)
     dsub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)

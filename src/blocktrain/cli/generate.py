@@ -28,7 +28,7 @@ EXAMPLES = """examples:
 """
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from a run", description=__doc__,
                        epilog=EXAMPLES, formatter_class=Formatter)
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder written by train")

@@ -19,7 +19,7 @@ EXAMPLES = """examples:
 """
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="show a config's shape, parameters and memory",
                        description=__doc__, epilog=EXAMPLES, formatter_class=Formatter)
     add_config_args(p)

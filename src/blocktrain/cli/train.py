@@ -5,8 +5,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from blocktrain.cli.common import Formatter, add_config_args, add_data_arg, print_json
-from blocktrain.cli.common import resolve_config
+from blocktrain.cli.common import (
+    Formatter,
+    add_config_args,
+    add_data_arg,
+    print_json,
+    resolve_config,
+)
 from blocktrain.data import ByteSource, load_split
 from blocktrain.errors import ConfigError, DataError
 from blocktrain.training import Trainer, read_config
@@ -20,7 +25,7 @@ EXAMPLES = """examples:
 """
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a model", description=__doc__, epilog=EXAMPLES,
                        formatter_class=Formatter)
     add_config_args(p)

@@ -112,7 +112,7 @@ class Block(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x_bytes (N, Lx) int64; z (N, Lz, d); sigma (N,) -> logits (N, Lz, 256), and the clean
         stream's next-byte logits (N, Lx, 256) when `with_aux` (else None)."""
-        n, x_len = x_bytes.shape
+        x_len = x_bytes.shape[1]
         sc = edm_scalings(sigma.to(z.dtype), self.sigma_data)
         cond = self.noise_mlp(sinusoidal_features(sc.c_noise, self.cfg.d_model))  # (N, d)
 
@@ -152,6 +152,8 @@ def init_block(cfg: ModelConfig, seed: int, index: int) -> Block:
 
 class BlockStack(nn.Module):
     """The blocks a process holds (all of them, or a worker's one) and the frozen table E."""
+
+    targets: torch.Tensor  # (256, d), a buffer: saved with the weights, never trained
 
     def __init__(self, cfg: ModelConfig, seed: int, blocks: list[int] | None = None) -> None:
         super().__init__()

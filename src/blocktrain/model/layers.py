@@ -21,6 +21,8 @@ from torch import nn
 class Rotary(nn.Module):
     """Rotary position embedding (RoFormer, Su et al. 2021, arXiv 2104.09864)."""
 
+    inv_freq: torch.Tensor
+
     def __init__(self, head_dim: int, base: float = 10000.0) -> None:
         super().__init__()
         inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)

@@ -57,8 +57,8 @@ class BlockLoss:
         if aux is not None:
             aux_ce = F.cross_entropy(aux[:, :-1].float().flatten(0, 1), x_bytes[:, 1:].flatten())
             total = total + self.cfg.aux_weight * aux_ce
-            logs["loss_aux"] = float(aux_ce)
-        logs["loss"] = float(total)
+            logs["loss_aux"] = float(aux_ce.detach())
+        logs["loss"] = float(total.detach())
         return LossParts(total, logs)
 
 
@@ -66,4 +66,4 @@ def reference_loss(model: Reference, x_bytes: torch.Tensor) -> LossParts:
     """Next-byte cross-entropy of the end-to-end reference."""
     logits = model(x_bytes)
     ce = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), x_bytes[:, 1:].flatten())
-    return LossParts(ce, {"loss": float(ce)})
+    return LossParts(ce, {"loss": float(ce.detach())})

@@ -15,7 +15,8 @@ ADAM_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
 
 def make_optimizer(module: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW with decoupled weight decay on matrices only (not on embeddings, norms, biases)."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for name, param in module.named_parameters():
         if not param.requires_grad:
             continue

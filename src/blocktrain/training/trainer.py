@@ -174,11 +174,10 @@ class Trainer:
         for unit in self.units:
             ckpt.load_module_tensors(unit.module, weights, unit.name, self.run_dir / ckpt.MODEL_FILE)
             load_optimizer_tensors(unit.optimizer, unit.module, unit.name, moments)
-        if self.stack is not None:
-            if "targets" not in weights or not torch.equal(weights["targets"],
-                                                           self.stack.targets.cpu()):
-                raise CheckpointError(f"{self.run_dir}: the target table does not match the "
-                                      "run's seed; the checkpoint is foreign or corrupt")
+        if self.stack is not None and not torch.equal(
+                weights.get("targets", torch.empty(0)), self.stack.targets.cpu()):
+            raise CheckpointError(f"{self.run_dir}: the target table does not match the run's "
+                                  "seed; the checkpoint is foreign or corrupt")
         self.step = int(state["step"])
         self.bytes_seen = int(state.get("bytes_seen", 0))
         self.wall_seconds = float(state.get("wall_seconds", 0.0))

@@ -1,0 +1,163 @@
+"""The command line: examples in --help, and one clear line with exit code 2 for every bad
+input, with nothing overwritten."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from blocktrain.cli.main import main
+
+TINY = ["--set", "d_model=32", "n_heads=2", "seq_len=16", "batch_size=4", "eval_bytes=64",
+        "eval_sweeps=2", "log_every=1", "--no-progress"]
+
+
+def fails_cleanly(capsys, argv, match):
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2, f"{argv} exited {code}: {err}"
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("blocktrain: error:"), err
+    assert "Traceback" not in err
+    assert match in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def trained(tmp_path, corpus, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--data", str(corpus), "--out", str(run), "--steps", "2", *TINY]) == 0
+    capsys.readouterr()
+    return run
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def test_help_shows_examples(capsys):
+    for cmd in ("train", "eval", "generate", "plan", "data"):
+        with pytest.raises(SystemExit) as exc:
+            main([cmd, "--help"])
+        assert exc.value.code == 0
+        assert "examples:" in capsys.readouterr().out, cmd
+
+
+def test_missing_data_path(capsys, tmp_path):
+    fails_cleanly(capsys, ["train", "--data", str(tmp_path / "nope"), "--out",
+                           str(tmp_path / "r"), *TINY], "does not exist")
+    assert not (tmp_path / "r").exists()
+
+
+def test_no_data_given(capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("BLOCKTRAIN_DATA", raising=False)
+    fails_cleanly(capsys, ["train", "--out", str(tmp_path / "r"), *TINY], "no data given")
+
+
+def test_empty_file(capsys, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    fails_cleanly(capsys, ["train", "--data", str(empty), "--out", str(tmp_path / "r"), *TINY],
+                  "empty")
+
+
+def test_binary_only_file(capsys, tmp_path):
+    binary = tmp_path / "blob.bin"
+    binary.write_bytes(bytes(range(256)) * 64)
+    fails_cleanly(capsys, ["train", "--data", str(binary), "--out", str(tmp_path / "r"), *TINY],
+                  "does not look like text")
+
+
+@pytest.mark.parametrize(("setting", "match"), [
+    ("span=5", "must divide seq_len"),
+    ("sigma_min=0", "sigma_min"),
+    ("sigma_min=-1", "sigma_min"),
+    ("blocks=4", "cannot exceed layers"),
+    ("no_such_key=1", "unknown --set key"),
+    ("d_model=abc", "expected a int"),
+])
+def test_bad_settings_overwrite_nothing(capsys, trained, corpus, setting, match):
+    before = snapshot(trained)
+    fails_cleanly(capsys, ["train", "--data", str(corpus), "--out", str(trained), "--overwrite",
+                           *TINY, "--set", setting], match)
+    assert snapshot(trained) == before
+
+
+def test_existing_run_needs_resume_or_overwrite(capsys, trained, corpus):
+    before = snapshot(trained)
+    fails_cleanly(capsys, ["train", "--data", str(corpus), "--out", str(trained), *TINY],
+                  "already holds a run")
+    assert snapshot(trained) == before
+
+
+def test_corrupt_checkpoint(capsys, trained, corpus):
+    (trained / "model.safetensors").write_bytes(b"garbage" * 10)
+    fails_cleanly(capsys, ["eval", str(trained), "--data", str(corpus)], "safetensors")
+    fails_cleanly(capsys, ["generate", str(trained), "--prompt", "a"], "safetensors")
+    before = snapshot(trained)
+    fails_cleanly(capsys, ["train", "--resume", "--out", str(trained), "--data", str(corpus),
+                           "--no-progress"], "safetensors")
+    assert snapshot(trained) == before
+
+
+def test_foreign_checkpoint(capsys, tmp_path, corpus):
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 12}))
+    fails_cleanly(capsys, ["eval", str(foreign), "--data", str(corpus)], "not a BlockTrain")
+    fails_cleanly(capsys, ["eval", str(tmp_path / "missing"), "--data", str(corpus)],
+                  "does not exist")
+
+
+def test_bad_generation_settings(capsys, trained):
+    fails_cleanly(capsys, ["generate", str(trained), "--prompt", ""], "at least one byte")
+    fails_cleanly(capsys, ["generate", str(trained), "--prompt", "a", "--top-p", "0"], "top_p")
+    fails_cleanly(capsys, ["generate", str(trained), "--prompt", "a", "--bytes", "0"], "--bytes")
+
+
+def test_one_block_run_cannot_be_evaluated_as_a_model(capsys, tmp_path, corpus):
+    run = tmp_path / "b1"
+    assert main(["train", "--data", str(corpus), "--out", str(run), "--steps", "1", "--block",
+                 "1", *TINY]) == 0
+    capsys.readouterr()
+    fails_cleanly(capsys, ["eval", str(run), "--data", str(corpus)], "assembled model")
+
+
+def test_plan_paper_reports_memory(capsys):
+    assert main(["plan", "--preset", "paper", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    per_block, total = plan["params_per_block"], plan["params_total"]
+    assert len(per_block) == 3 and sum(per_block) == total
+    assert plan["optimizer_state_bytes_worker"] == 8 * per_block[0]
+    assert plan["optimizer_state_bytes_full"] == 8 * total
+    assert [round(s, 4) for s in plan["sigma_boundaries"]] == [1.0, 1.3436, 2.0711, 10.0]
+    assert plan["config"]["model"]["layers"] == 12 and plan["layers_per_block"] == 4
+
+
+def test_train_eval_generate_end_to_end(tmp_path, corpus):
+    """The installed console script, as a user runs it."""
+    exe = Path(sys.executable).with_name("blocktrain")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "blocktrain.cli.main"]
+    env = {**os.environ, "BLOCKTRAIN_DATA": str(corpus)}
+    run = tmp_path / "e2e"
+
+    def call(*args):
+        return subprocess.run([*cmd, *args], env=env, capture_output=True, text=True,
+                              timeout=120, check=True)
+
+    call("train", "--out", str(run), "--steps", "3", *TINY)
+    out = json.loads(call("eval", str(run), "--json", "--bytes", "64", "--sweeps", "2").stdout)
+    assert {"sampler_ce", "from_noise_ce", "ce_per_step", "oracle_ce", "bits_per_byte"} <= set(out)
+    assert len(out["ce_per_step"]) == 3
+    text = call("generate", str(run), "--prompt", "The ", "--bytes", "20",
+                "--continuation-only").stdout
+    assert len(text.rstrip("\n").encode("utf-8", errors="surrogateescape")) >= 1
+    ref = tmp_path / "ref"
+    call("train", "--out", str(ref), "--steps", "2", "--reference", *TINY)
+    out = json.loads(call("eval", str(ref), "--json", "--bytes", "64").stdout)
+    assert {"ce", "bits_per_byte"} <= set(out)

@@ -1,0 +1,121 @@
+import json
+
+import pytest
+import torch
+
+from blocktrain.data import load_split
+from blocktrain.errors import BlockTrainError, CheckpointError
+from blocktrain.model import BlockStack, target_table
+from blocktrain.training import BlockLoss, Trainer, load_model
+from blocktrain.training.trainer import iter_metrics
+from tests.conftest import micro_config
+
+
+def splits(corpus):
+    return load_split(corpus, "train"), load_split(corpus, "valid")
+
+
+def losses(run_dir):
+    return [m["loss"] for m in iter_metrics(run_dir) if m["event"] == "train"]
+
+
+def test_training_one_block_touches_nothing_else():
+    cfg = micro_config()
+    stack = BlockStack(cfg.model, cfg.seed)
+    before = {k: v.clone() for k, v in stack.state_dict().items()}
+    loss = BlockLoss(cfg.model, stack.targets)
+    block = stack.block(1)
+    opt = torch.optim.AdamW(block.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randint(0, 256, (4, cfg.model.seq_len), generator=gen)
+        opt.zero_grad()
+        loss(block, 1, x, gen).total.backward()
+        opt.step()
+    after = stack.state_dict()
+    for name, value in before.items():
+        if name.startswith("blocks.1."):
+            continue
+        assert torch.equal(value, after[name]), f"{name} changed while training block 1"
+    assert any(not torch.equal(before[n], after[n]) for n in before if n.startswith("blocks.1."))
+    for b in (0, 2):
+        assert all(p.grad is None for p in stack.block(b).parameters()), "no gradient leaks"
+    assert torch.equal(stack.targets, target_table(cfg.seed, cfg.model.d_model))
+
+
+def test_one_block_run_matches_the_full_runs_initialisation_elsewhere(tmp_path, corpus):
+    cfg = micro_config(steps=2)
+    train, valid = splits(corpus)
+    trainer = Trainer.create(cfg, tmp_path / "b2", train, valid, blocks=[2])
+    trainer.run(progress=False)
+    assert trainer.stack is not None and trainer.stack.block_ids == [2]
+    info, model = load_model(tmp_path / "b2")
+    assert info.blocks == [2]
+    fresh = BlockStack(cfg.model, cfg.seed, [2])
+    assert not torch.equal(model.block(2).head.weight, fresh.block(2).head.weight)
+    assert torch.equal(model.targets, fresh.targets)
+
+
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, corpus):
+    train, valid = splits(corpus)
+    cfg = micro_config(steps=6, checkpoint_every=3)
+    Trainer.create(cfg, tmp_path / "full", train, valid).run(progress=False)
+    full = losses(tmp_path / "full")
+
+    half = Trainer.create(cfg, tmp_path / "half", train, valid)
+    # stop after the step-3 checkpoint, as a crash or Ctrl-C would
+    for _ in range(3):
+        half.train_step()
+        half.step += 1
+    half.save_checkpoint()
+    resumed = Trainer.resume(tmp_path / "half", train, valid)
+    assert resumed.step == 3
+    resumed.run(progress=False)
+    tail = losses(tmp_path / "half")
+    assert len(full) == 6 and len(tail) == 3
+    assert tail == full[3:], "resumed losses must equal the uninterrupted run's, bit for bit"
+    a = load_model(tmp_path / "full")[1].state_dict()
+    b = load_model(tmp_path / "half")[1].state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_reference_run_trains_and_loads(tmp_path, corpus):
+    train, valid = splits(corpus)
+    cfg = micro_config(steps=4, eval_every=2)
+    summary = Trainer.create(cfg, tmp_path / "ref", train, valid, kind="reference").run(
+        progress=False)
+    assert summary["step"] == 4 and "ce" in summary["last_eval"]
+    info, _ = load_model(tmp_path / "ref")
+    assert info.kind == "reference"
+
+
+def test_metrics_log_and_periodic_eval(tmp_path, corpus):
+    train, valid = splits(corpus)
+    Trainer.create(micro_config(steps=4, eval_every=2), tmp_path / "r", train, valid).run(
+        progress=False)
+    records = list(iter_metrics(tmp_path / "r"))
+    evals = [r for r in records if r["event"] == "eval"]
+    assert [r["step"] for r in evals] == [2, 4]
+    assert {"sampler_ce", "from_noise_ce", "ce_per_step", "oracle_ce"} <= set(evals[0])
+    trains = [r for r in records if r["event"] == "train"]
+    assert [r["step"] for r in trains] == [1, 2, 3, 4]
+    assert all(r["bytes_per_s"] > 0 for r in trains)
+    cfg_doc = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert cfg_doc["kind"] == "blocktrain" and cfg_doc["model"]["span"] == 2
+
+
+def test_a_new_run_refuses_to_overwrite(tmp_path, corpus):
+    train, valid = splits(corpus)
+    Trainer.create(micro_config(steps=1), tmp_path / "r", train, valid).run(progress=False)
+    with pytest.raises(BlockTrainError, match="already holds a run"):
+        Trainer.create(micro_config(steps=1), tmp_path / "r", train, valid)
+
+
+def test_corrupt_checkpoint_is_refused(tmp_path, corpus):
+    train, valid = splits(corpus)
+    Trainer.create(micro_config(steps=1), tmp_path / "r", train, valid).run(progress=False)
+    (tmp_path / "r" / "model.safetensors").write_bytes(b"\x00" * 100)
+    with pytest.raises(CheckpointError):
+        load_model(tmp_path / "r")
+    with pytest.raises(CheckpointError):
+        Trainer.resume(tmp_path / "r", train, valid)
