@@ -209,8 +209,8 @@ def small() -> RunConfig:
     return RunConfig(
         preset="small",
         model=ModelConfig(d_model=256, n_heads=4, layers=6, blocks=3, seq_len=128, span=1),
-        train=TrainConfig(steps=3000, batch_size=32, lr=1.5e-3, warmup_steps=100, eval_every=500,
-                          eval_bytes=32768, checkpoint_every=500, log_every=20),
+        train=TrainConfig(steps=1000, batch_size=32, lr=1.5e-3, warmup_steps=100, eval_every=250,
+                          eval_bytes=32768, checkpoint_every=250, log_every=20),
     )
 
 

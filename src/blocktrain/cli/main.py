@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from blocktrain import __version__
 from blocktrain.cli import data, evaluate, generate, plan, train
 from blocktrain.errors import BlockTrainError
+from blocktrain.runtime import keep_freed_memory
 
 SUBCOMMANDS = (train, evaluate, generate, plan, data)
 
@@ -43,6 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    keep_freed_memory()
     try:
         return int(args.handler(args) or 0)
     except BlockTrainError as exc:

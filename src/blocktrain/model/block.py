@@ -124,8 +124,8 @@ class Block(nn.Module):
             prev = torch.where(last >= 0, x_bytes[:, last.clamp(min=0)], BOS)  # (N, Lz)
             h = h + self.embed(prev)
 
-        rope_x = self.rotary.cos_sin(torch.arange(x_len, device=x_bytes.device))
-        rope_z = self.rotary.cos_sin(layout.z_pos)
+        rope_x = self.rotary.rotation(torch.arange(x_len, device=x_bytes.device))
+        rope_z = self.rotary.rotation(layout.z_pos)
         for layer in self.layers:
             x, h_out = layer(x, rope_x, h, cond, rope_z, layout.mask)
             assert h_out is not None

@@ -19,7 +19,9 @@ from torch import nn
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding (RoFormer, Su et al. 2021, arXiv 2104.09864)."""
+    """Rotary position embedding (RoFormer, Su et al. 2021, arXiv 2104.09864), in the
+    interleaved-pair form: each pair (t[2i], t[2i+1]) is one complex number, rotated by one
+    complex multiplication (a single kernel forward and backward)."""
 
     inv_freq: torch.Tensor
 
@@ -27,28 +29,17 @@ class Rotary(nn.Module):
         super().__init__()
         inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self._cache: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (L,) -> cos, sin (L, head_dim/2). Contiguous position ranges are cached."""
-        n = int(positions.shape[0])
-        is_range = n > 0 and int(positions[0]) == 0 and int(positions[-1]) == n - 1
-        key = (n, positions.device)
-        if is_range and key in self._cache:
-            return self._cache[key]
+    def rotation(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions (L,) -> unit complex rotations (L, head_dim/2); cheap, so not cached."""
         angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # (L, hd/2)
-        out = (angles.cos(), angles.sin())
-        if is_range:
-            self._cache[key] = out
-        return out
+        return torch.polar(torch.ones_like(angles), angles)
 
 
-def apply_rotary(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """t (N, H, L, hd) rotated pairwise (first half with second half) by cos/sin (L, hd/2)."""
-    half = t.shape[-1] // 2
-    t1, t2 = t[..., :half], t[..., half:]
-    cos, sin = cos.to(t.dtype), sin.to(t.dtype)
-    return torch.cat((t1 * cos - t2 * sin, t2 * cos + t1 * sin), dim=-1)
+def apply_rotary(t: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    """t (N, H, L, hd) real, rot (L, hd/2) complex -> t rotated pairwise, same shape/dtype."""
+    pairs = torch.view_as_complex(t.float().reshape(*t.shape[:-1], -1, 2))  # (N, H, L, hd/2)
+    return torch.view_as_real(pairs * rot).flatten(-2).to(t.dtype)
 
 
 def modulate(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -68,16 +59,16 @@ class DualStreamLayer(nn.Module):
         self.gates_open = gates_open
         self.ln1 = nn.LayerNorm(d)
         self.ln2 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.fc1 = nn.Linear(d, mlp_ratio * d)
-        self.fc2 = nn.Linear(mlp_ratio * d, d)
+        # No biases in the matrix layers (as in PaLM and LLaMA): on CPU a bias costs a full
+        # extra pass over every output (addmm first copies it in), for no gain in quality.
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d, bias=False)
+        self.fc1 = nn.Linear(d, mlp_ratio * d, bias=False)
+        self.fc2 = nn.Linear(mlp_ratio * d, d, bias=False)
         for lin in (self.qkv, self.fc1):
             nn.init.normal_(lin.weight, std=0.02)
-            nn.init.zeros_(lin.bias)
         for lin in (self.proj, self.fc2):  # residual outputs shrink with depth (GPT-2)
             nn.init.normal_(lin.weight, std=0.02 * depth_scale)
-            nn.init.zeros_(lin.bias)
         # adaLN-Zero: shift, scale, gate for the attention and the MLP branch of the z stream,
         # from the noise embedding; zero-initialised so every block starts unconditioned.
         self.modulation: nn.Linear | None = None
@@ -99,17 +90,18 @@ class DualStreamLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rope_x: tuple[torch.Tensor, torch.Tensor],
+        rope_x: torch.Tensor,
         z: torch.Tensor | None = None,
         cond: torch.Tensor | None = None,
-        rope_z: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rope_z: torch.Tensor | None = None,
         z_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x (N, Lx, d) clean; z (N, Lz, d) noisy or None; cond (N, d) noise embedding;
-        z_mask (Lz, Lx + Lz) bool, True where a z query may attend."""
+        rope_x / rope_z the rotations of their positions (Rotary.rotation); z_mask
+        (Lz, Lx + Lz) bool, True where a z query may attend."""
         # --- attention ---
         qx, kx, vx = self._heads(self.ln1(x))
-        qx, kx = apply_rotary(qx, *rope_x), apply_rotary(kx, *rope_x)
+        qx, kx = apply_rotary(qx, rope_x), apply_rotary(kx, rope_x)
         x = x + self._merge(F.scaled_dot_product_attention(qx, kx, vx, is_causal=True))
         if z is None:
             return x + self._mlp(self.ln2(x)), None
@@ -120,19 +112,19 @@ class DualStreamLayer(nn.Module):
             gate1, gate2 = 1 + gate1, 1 + gate2
         hz = modulate(F.layer_norm(z, z.shape[-1:]), shift1, scale1)
         qz, kz, vz = self._heads(hz)
-        qz, kz = apply_rotary(qz, *rope_z), apply_rotary(kz, *rope_z)
+        qz, kz = apply_rotary(qz, rope_z), apply_rotary(kz, rope_z)
         # z queries see the clean keys before their span and the z keys of their span.
         az = F.scaled_dot_product_attention(
             qz, torch.cat((kx, kz), dim=2), torch.cat((vx, vz), dim=2), attn_mask=z_mask)
-        z = z + gate1[:, None, :] * self._merge(az)
+        z = torch.addcmul(z, gate1[:, None, :], self._merge(az))
         # --- MLP ---
         x = x + self._mlp(self.ln2(x))
         hz = modulate(F.layer_norm(z, z.shape[-1:]), shift2, scale2)
-        z = z + gate2[:, None, :] * self._mlp(hz)
+        z = torch.addcmul(z, gate2[:, None, :], self._mlp(hz))
         return x, z
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(h), approximate="tanh"))
+        return self.fc2(F.gelu(self.fc1(h)))
 
 
 def sinusoidal_features(values: torch.Tensor, dim: int) -> torch.Tensor:

@@ -35,7 +35,7 @@ class Reference(nn.Module):
     def forward(self, x_bytes: torch.Tensor) -> torch.Tensor:
         """x_bytes (N, L) -> logits (N, L, 256); position i predicts byte i + 1."""
         x = self.embed(x_bytes)  # (N, L, d)
-        rope = self.rotary.cos_sin(torch.arange(x_bytes.shape[1], device=x_bytes.device))
+        rope = self.rotary.rotation(torch.arange(x_bytes.shape[1], device=x_bytes.device))
         for layer in self.layers:
             x, _ = layer(x, rope)
         return self.head(self.norm(x))

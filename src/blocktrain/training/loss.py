@@ -46,7 +46,7 @@ class BlockLoss:
         device = x_bytes.device
         sigma = self.schedule.sample_training_sigma(index, n, generator)  # (N,)
         eps = torch.randn(n, t, self.cfg.d_model, generator=generator, device=device)
-        z = self.targets[x_bytes] + sigma[:, None, None] * eps  # (N, T, d)
+        z = torch.addcmul(self.targets[x_bytes], sigma[:, None, None], eps)  # (N, T, d)
         want_aux = self.cfg.aux_weight > 0
         logits, aux = block(x_bytes, z, sigma, self.layout(device), with_aux=want_aux)
         ce = F.cross_entropy(logits.float().flatten(0, 1), x_bytes.flatten(),
