@@ -161,3 +161,23 @@ def test_train_eval_generate_end_to_end(tmp_path, corpus):
     call("train", "--out", str(ref), "--steps", "2", "--reference", *TINY)
     out = json.loads(call("eval", str(ref), "--json", "--bytes", "64").stdout)
     assert {"ce", "bits_per_byte"} <= set(out)
+
+
+def test_data_fetch_from_a_local_archive(capsys, tmp_path):
+    import zipfile
+
+    archive = tmp_path / "wikitext-2-raw-v1.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        for split in ("train", "valid", "test"):
+            zf.writestr(f"wikitext-2-raw/wiki.{split}.raw", f" = {split} = \n text \n" * 20)
+    dest = tmp_path / "wt2"
+    assert main(["data", "fetch", "wikitext-2", "--to", str(dest), "--url",
+                 archive.as_uri()]) == 0
+    assert sorted(p.name for p in dest.iterdir()) == ["wiki.test.raw", "wiki.train.raw",
+                                                      "wiki.valid.raw"]
+    capsys.readouterr()
+    assert main(["data", "info", str(dest)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["train"]["bytes"] > 0
+    fails_cleanly(capsys, ["data", "fetch", "wikitext-2", "--to", str(tmp_path / "x"), "--url",
+                           archive.as_uri(), "--sha256", "0" * 64], "sha256")

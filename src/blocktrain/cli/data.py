@@ -35,7 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_fetch(args: argparse.Namespace) -> int:
-    bar = tqdm(unit="B", unit_scale=True, desc=f"fetch {args.name}", file=sys.stderr)
+    bar = tqdm(unit="B", unit_scale=True, desc=f"fetch {args.name}", file=sys.stderr,
+               disable=None)  # no bar when stderr is not a terminal
 
     def progress(done: int, total: int | None) -> None:
         if total and bar.total != total:

@@ -263,7 +263,7 @@ class Trainer:
         """Train until `train.steps`, logging, evaluating and checkpointing on the way."""
         tcfg = self.cfg.train
         total = tcfg.steps
-        bar = tqdm(total=total, initial=self.step, disable=not progress, unit="step",
+        bar = tqdm(total=total, initial=self.step, disable=None if progress else True, unit="step",
                    dynamic_ncols=True, desc=f"train {self._describe()}")
         window_start, window_bytes = time.perf_counter(), 0
         started = time.perf_counter()
