@@ -38,6 +38,8 @@ class ModelConfig:
     """K, bytes denoised together; K = 1 is next-byte prediction. Must divide seq_len."""
     mlp_ratio: int = 4
     """Hidden width of each MLP, as a multiple of d_model."""
+    noise_dim: int = 128
+    """Width of the noise-level embedding that drives the adaLN modulations."""
     sigma_min: float = 1.0
     """Lowest noise level. Low values let a block read the answer off z (target leakage)."""
     sigma_max: float = 10.0
@@ -76,6 +78,8 @@ class ModelConfig:
         _check(self.seq_len % self.span == 0, "span", self.span,
                f"must divide seq_len = {self.seq_len} (K must divide T)")
         _check(self.mlp_ratio > 0, "mlp_ratio", self.mlp_ratio, "must be positive")
+        _check(self.noise_dim > 0 and self.noise_dim % 2 == 0, "noise_dim", self.noise_dim,
+               "must be a positive even number")
         _check(self.sigma_min > 0, "sigma_min", self.sigma_min, "must be > 0")
         _check(self.sigma_max > self.sigma_min, "sigma_max", self.sigma_max,
                f"must exceed sigma_min = {self.sigma_min}")

@@ -79,15 +79,18 @@ class Block(nn.Module):
         self.z_in = nn.Linear(d, d)
         nn.init.zeros_(self.z_in.weight)
         nn.init.zeros_(self.z_in.bias)
-        self.noise_mlp = nn.Sequential(nn.Linear(d, d), nn.SiLU(), nn.Linear(d, d))
+        # sigma is one number per sequence: a narrow embedding of it drives every modulation,
+        # which keeps the adaLN matrices at noise_dim x 6d instead of d x 6d per layer.
+        nd = cfg.noise_dim
+        self.noise_mlp = nn.Sequential(nn.Linear(nd, nd), nn.SiLU(), nn.Linear(nd, nd))
         depth_scale = 1.0 / math.sqrt(2 * cfg.layers_per_block)
         self.layers = nn.ModuleList(
             DualStreamLayer(d, cfg.n_heads, cfg.mlp_ratio, depth_scale, conditioned=True,
-                            gates_open=cfg.gates_open)
+                            gates_open=cfg.gates_open, cond_dim=nd)
             for _ in range(cfg.layers_per_block)
         )
         self.out_proj = nn.Linear(d, d)  # F: the z stream's output, projected to d
-        self.final_mod = nn.Linear(d, 2 * d)  # final adaLN: shift, scale
+        self.final_mod = nn.Linear(nd, 2 * d)  # final adaLN: shift, scale
         nn.init.zeros_(self.final_mod.weight)
         nn.init.zeros_(self.final_mod.bias)
         self.head = nn.Linear(d, VOCAB_SIZE)
@@ -114,7 +117,7 @@ class Block(nn.Module):
         stream's next-byte logits (N, Lx, 256) when `with_aux` (else None)."""
         x_len = x_bytes.shape[1]
         sc = edm_scalings(sigma.to(z.dtype), self.sigma_data)
-        cond = self.noise_mlp(sinusoidal_features(sc.c_noise, self.cfg.d_model))  # (N, d)
+        cond = self.noise_mlp(sinusoidal_features(sc.c_noise, self.cfg.noise_dim))  # (N, nd)
 
         x = self.embed(x_bytes)  # (N, Lx, d)
         h = self.z_in(sc.c_in[:, None, None] * z)  # (N, Lz, d)

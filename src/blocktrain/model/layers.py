@@ -53,7 +53,7 @@ class DualStreamLayer(nn.Module):
     reference)."""
 
     def __init__(self, d: int, n_heads: int, mlp_ratio: int, depth_scale: float,
-                 conditioned: bool, gates_open: bool) -> None:
+                 conditioned: bool, gates_open: bool, cond_dim: int | None = None) -> None:
         super().__init__()
         self.n_heads = n_heads
         self.gates_open = gates_open
@@ -73,7 +73,7 @@ class DualStreamLayer(nn.Module):
         # from the noise embedding; zero-initialised so every block starts unconditioned.
         self.modulation: nn.Linear | None = None
         if conditioned:
-            self.modulation = nn.Linear(d, 6 * d)
+            self.modulation = nn.Linear(cond_dim or d, 6 * d)
             nn.init.zeros_(self.modulation.weight)
             nn.init.zeros_(self.modulation.bias)
 
@@ -96,7 +96,7 @@ class DualStreamLayer(nn.Module):
         rope_z: torch.Tensor | None = None,
         z_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x (N, Lx, d) clean; z (N, Lz, d) noisy or None; cond (N, d) noise embedding;
+        """x (N, Lx, d) clean; z (N, Lz, d) noisy or None; cond (N, cond_dim) noise embedding;
         rope_x / rope_z the rotations of their positions (Rotary.rotation); z_mask
         (Lz, Lx + Lz) bool, True where a z query may attend."""
         # --- attention ---
