@@ -113,3 +113,34 @@ def test_sampling_modes():
         Sampling(top_p=0)
     with pytest.raises(ValueError):
         Sampling(temperature=-1)
+
+
+def test_ancestral_step_renoises_around_a_sampled_target():
+    from blocktrain.model.sampler import ancestral_step
+
+    targets = torch.nn.functional.normalize(torch.randn(256, 32), dim=1)
+    logits = torch.full((2, 3, 256), -1e4)
+    logits[..., 42] = 0  # certain of byte 42
+    z = ancestral_step(logits, targets, 0.5, torch.Generator().manual_seed(0))
+    noise = (z - targets[42]) / 0.5
+    assert z.shape == (2, 3, 32)
+    assert abs(float(noise.std()) - 1.0) < 0.3, "fresh noise at the next sigma"
+
+
+def test_ancestral_sweep_is_seeded_and_needs_a_generator():
+    stack = BlockStack(CFG, seed=0).eval()
+    grid = SigmaSchedule.from_config(CFG).sampler_grid(2)
+    x = torch.randint(0, 256, (1, 4))
+    z = torch.randn(1, 2, 32)
+    layout = ZLayout.next_span(4, 2)
+    den = stack_denoiser(stack)
+
+    def run(seed):
+        return one_sweep(den, x, z, grid, stack.targets, layout, method="ancestral",
+                         generator=torch.Generator().manual_seed(seed))
+
+    assert torch.equal(run(3), run(3))
+    with pytest.raises(ValueError, match="generator"):
+        one_sweep(den, x, z, grid, stack.targets, layout, method="ancestral")
+    with pytest.raises(ValueError, match="unknown sampler"):
+        one_sweep(den, x, z, grid, stack.targets, layout, method="heun")

@@ -28,6 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bytes", type=int, default=32768, help="held-out bytes to evaluate")
     p.add_argument("--sweeps", type=int, default=16, help="M, sampler sweeps from pure noise")
     p.add_argument("--steps-per-block", type=int, default=1, help="sampler points per block")
+    p.add_argument("--sampler", default="euler", choices=("euler", "ancestral"),
+                   help="Euler steps, or re-noising from a sampled byte at every step")
     p.add_argument("--seed", type=int, default=0, help="seeds the noise")
     p.add_argument("--batch-size", type=int, default=16, help="windows per forward pass")
     p.add_argument("--against", metavar="REF_RUN_DIR",
@@ -51,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     source = load_split(args.data, args.split)
     windows = source.windows(info.config.model.seq_len, args.bytes)
     settings = EvalSettings(sweeps=args.sweeps, steps_per_block=args.steps_per_block,
-                            seed=args.seed, batch_size=args.batch_size)
+                            seed=args.seed, batch_size=args.batch_size, sampler=args.sampler)
     result: dict[str, Any] = {"run_dir": str(args.run_dir), "kind": info.kind,
                               "split": args.split}
     if isinstance(model, Reference):

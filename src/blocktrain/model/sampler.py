@@ -37,6 +37,22 @@ def euler_step(z: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, sig
     return z + (sigma_next - sigma) * (z - d_hat) / sigma
 
 
+def ancestral_step(logits: torch.Tensor, targets: torch.Tensor, sigma_next: float,
+                   generator: torch.Generator) -> torch.Tensor:
+    """Re-noise from a sampled prediction: y_hat ~ softmax(logits), z <- E[y_hat] + sigma_next *
+    eps. The state then has exactly the form the next block was trained on (E[y] + sigma * eps),
+    with y drawn from the model instead of the data."""
+    gdev = generator.device  # draw on the generator's device, use on the logits' device
+    probs = torch.softmax(logits.float(), dim=-1).to(gdev)
+    flat = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator)
+    y_hat = flat.reshape(probs.shape[:-1]).to(logits.device)  # (N, Lz)
+    eps = torch.randn(*y_hat.shape, targets.shape[1], generator=generator, device=gdev)
+    return targets[y_hat] + sigma_next * eps.to(logits.device)
+
+
+SAMPLERS = ("euler", "ancestral")
+
+
 def one_sweep(
     denoise: Denoiser,
     x_bytes: torch.Tensor,
@@ -45,9 +61,18 @@ def one_sweep(
     targets: torch.Tensor,
     layout: ZLayout,
     on_step: StepHook | None = None,
+    *,
+    method: str = "euler",
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Refine z (N, Lz, d), which starts as sigma_max * eps, through the whole grid; return the
-    final logits (N, Lz, 256). `on_step(n, block, sigma, logits)` sees every step's logits."""
+    final logits (N, Lz, 256). `on_step(n, block, sigma, logits)` sees every step's logits.
+    `method` is "euler" (deterministic, DESIGN.md 2.6) or "ancestral" (re-noise from a sampled
+    byte at every step; needs a `generator`)."""
+    if method not in SAMPLERS:
+        raise ValueError(f"unknown sampler {method!r}; choose one of {', '.join(SAMPLERS)}")
+    if method == "ancestral" and generator is None:
+        raise ValueError("the ancestral sampler needs a generator")
     n_seq = x_bytes.shape[0]
     for n, (block, sigma) in enumerate(grid):
         sigma_t = torch.full((n_seq,), sigma, dtype=torch.float32, device=z.device)
@@ -56,7 +81,11 @@ def one_sweep(
             on_step(n, block, sigma, logits)
         if n == len(grid) - 1:
             return logits
-        z = euler_step(z, logits, targets, sigma, grid[n + 1][1])
+        if method == "euler":
+            z = euler_step(z, logits, targets, sigma, grid[n + 1][1])
+        else:
+            assert generator is not None
+            z = ancestral_step(logits, targets, grid[n + 1][1], generator)
     raise ValueError("the sigma grid is empty")
 
 

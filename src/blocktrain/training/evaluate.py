@@ -34,6 +34,8 @@ class EvalSettings:
     """Seeds the initial noise and the oracle's sigmas."""
     batch_size: int = 16
     """Windows per forward pass."""
+    sampler: str = "euler"
+    """The sampler's step: "euler" (DESIGN.md 2.6) or "ancestral" (re-noise from a sample)."""
 
 
 def _scored(t: int) -> slice:
@@ -92,7 +94,8 @@ def evaluate_blocktrain(stack: BlockStack, windows: torch.Tensor,
 
         for sweep in range(m):
             z = cfg.sigma_max * torch.randn(n, t, cfg.d_model, generator=gen, device=device)
-            logits = one_sweep(denoise, x, z, grid, stack.targets, layout, on_step=record)
+            logits = one_sweep(denoise, x, z, grid, stack.targets, layout, on_step=record,
+                               method=settings.sampler, generator=gen)
             logp = logits[:, keep].float().log_softmax(dim=-1)
             logp_true[sweep] = logp.gather(-1, target[..., None])[..., 0]
         from_noise_nll -= float(logp_true.sum()) / m
@@ -111,6 +114,7 @@ def evaluate_blocktrain(stack: BlockStack, windows: torch.Tensor,
         **ce_summary(sampler_ce),
         "sweeps": m,
         "steps_per_block": settings.steps_per_block,
+        "sampler": settings.sampler,
         "bytes": n_scored,
     }
 

@@ -259,10 +259,13 @@ class Trainer:
         with open(self.run_dir / ckpt.METRICS_FILE, "a") as f:
             f.write(json.dumps(record) + "\n")
 
-    def run(self, *, progress: bool = True) -> dict[str, Any]:
-        """Train until `train.steps`, logging, evaluating and checkpointing on the way."""
+    def run(self, *, progress: bool = True, until: int | None = None) -> dict[str, Any]:
+        """Train until `train.steps` (or stop early at step `until`, keeping the schedule of the
+        full run), logging, evaluating and checkpointing on the way; the last step reached is
+        always checkpointed, so `resume` continues from it."""
         tcfg = self.cfg.train
         total = tcfg.steps
+        stop = total if until is None else min(until, total)
         bar = tqdm(total=total, initial=self.step, disable=None if progress else True, unit="step",
                    dynamic_ncols=True, desc=f"train {self._describe()}")
         window_start, window_bytes = time.perf_counter(), 0
@@ -271,7 +274,7 @@ class Trainer:
         logs: dict[str, float] = {}
         for unit in self.units:
             unit.module.train()
-        while self.step < total:
+        while self.step < stop:
             before = self.bytes_seen
             logs = self.train_step()
             self.step += 1
@@ -293,7 +296,7 @@ class Trainer:
                                       **self.last_eval})
                 bar.set_postfix(self._postfix(logs), refresh=False)
             if (tcfg.checkpoint_every and self.step % tcfg.checkpoint_every == 0) \
-                    or self.step == total:
+                    or self.step == stop:
                 self.save_checkpoint()
             bar.update(1)
         bar.close()
