@@ -9,11 +9,26 @@ import sys
 from collections.abc import Sequence
 
 from blocktrain import __version__
-from blocktrain.cli import data, evaluate, generate, plan, train
+from blocktrain.cli import (
+    aggregator,
+    cluster,
+    data,
+    evaluate,
+    export,
+    generate,
+    plan,
+    serve,
+    serve_block,
+    status,
+    token,
+    train,
+    worker,
+)
 from blocktrain.errors import BlockTrainError
 from blocktrain.runtime import keep_freed_memory
 
-SUBCOMMANDS = (train, evaluate, generate, plan, data)
+SUBCOMMANDS = (train, evaluate, generate, plan, data, serve_block, serve,
+               aggregator, worker, token, status, export, cluster)
 
 EPILOG = """examples:
   blocktrain train --preset tiny --out runs/tiny

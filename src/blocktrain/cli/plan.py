@@ -9,6 +9,7 @@ import torch
 
 from blocktrain.cli.common import Formatter, add_config_args, print_json, resolve_config
 from blocktrain.config import RunConfig
+from blocktrain.errors import ConfigError
 from blocktrain.model import Block, Reference, SigmaSchedule
 
 ADAMW_BYTES_PER_PARAM = 8  # two fp32 moments per parameter
@@ -16,6 +17,9 @@ ADAMW_BYTES_PER_PARAM = 8  # two fp32 moments per parameter
 EXAMPLES = """examples:
   blocktrain plan --preset paper --json
   blocktrain plan --preset small --set layers=12 blocks=4
+  blocktrain plan --shape seed-75b --json                   # the seed's 75.80B fp16 shape
+  blocktrain plan --shape layers=24,d=4096,blocks=3 --hosts 3
+  blocktrain plan --shape seed-75b --throughput             # random weights, scaled to fit
 """
 
 
@@ -24,6 +28,19 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=__doc__, epilog=EXAMPLES, formatter_class=Formatter)
     add_config_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    shape = p.add_argument_group("logical shapes (serving and memory planning)")
+    shape.add_argument("--shape", metavar="SPEC",
+                       help="a named shape (seed-75b) or KEY=VALUE,... such as "
+                            "layers=33,d=13696,blocks=3 (keys: layers, d, blocks, heads, seq, "
+                            "span, mlp, noise_dim); instead of --preset/--set")
+    shape.add_argument("--hosts", type=int, help="serving hosts (default: one per block)")
+    shape.add_argument("--throughput", action="store_true",
+                       help="also time one-sweep and autoregressive generation here, on random "
+                            "weights of the shape scaled down in width")
+    shape.add_argument("--scale", type=int,
+                       help="width divisor for --throughput (default: the smallest power of "
+                            "two that fits 60M parameters)")
+    shape.add_argument("--bytes", type=int, default=64, help="output bytes for --throughput")
     p.set_defaults(handler=run)
 
 
@@ -59,7 +76,46 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
     }
 
 
+def run_shape(args: argparse.Namespace) -> int:
+    from blocktrain.serving import shapes
+
+    if args.overrides:
+        raise ConfigError("--shape replaces --preset/--set; put the settings in the SPEC")
+    name, cfg = shapes.parse_shape(args.shape)
+    result = shapes.shape_plan(name, cfg, args.hosts)
+    if args.throughput:
+        if args.bytes <= 0:
+            raise ConfigError(f"--bytes {args.bytes} must be positive")
+        divisor = args.scale if args.scale is not None else shapes.auto_scale(cfg)
+        scaled = shapes.scale_shape(cfg, divisor)
+        prompt = min(64, scaled.seq_len - args.bytes)
+        if prompt < 1:
+            raise ConfigError(f"--bytes {args.bytes} leaves no room for a prompt in T = "
+                              f"{scaled.seq_len}")
+        result["throughput"] = {"width_divisor": divisor, "weights": "random (untrained)",
+                                "where": "this process, no network",
+                                **shapes.measure_throughput(scaled, prompt_bytes=prompt,
+                                                            output_bytes=args.bytes)}
+    if args.json:
+        print_json(result)
+        return 0
+    for line in shapes.format_plan(result):
+        print(line)
+    if "throughput" in result:
+        t = result["throughput"]
+        m = t["model"]
+        print(f"  throughput        scaled 1/{t['width_divisor']} in width (d = {m['d_model']}, "
+              f"{t['params_total']:,} params, random weights, {t['torch_threads']} threads): "
+              f"one sweep {t['one_sweep_bytes_per_s']:.1f} B/s, autoregressive "
+              f"{t['ar_bytes_per_s']:.1f} B/s ({t['ratio']:.1f}x) for {t['output_bytes']} bytes")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.shape is not None:
+        return run_shape(args)
+    if args.hosts is not None or args.throughput or args.scale is not None:
+        raise ConfigError("--hosts, --throughput and --scale go with --shape")
     result = plan(resolve_config(args))
     if args.json:
         print_json(result)

@@ -1,0 +1,226 @@
+"""`blocktrain cluster`: a decentralised run on this machine: the aggregator and N worker
+processes over real HTTP on loopback, then the from-noise CE of every round's committed model.
+
+Writes OUT/state (the aggregator's state folder, every version kept), OUT/logs, OUT/model (the
+final assembled run folder, for `blocktrain eval` and `generate`) and OUT/summary.json: rounds,
+participation per block, bytes moved against the minimum, from-noise CE per round, final CE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from blocktrain.cli.aggregator import add_protocol_args, create_state, settings_overrides
+from blocktrain.cli.common import (
+    Formatter,
+    add_config_args,
+    add_data_arg,
+    print_json,
+    resolve_config,
+)
+from blocktrain.config import RunConfig, apply_overrides
+from blocktrain.data import load_split, resolve_data_path
+from blocktrain.errors import ConfigError
+from blocktrain.protocol.cluster import run_cluster
+from blocktrain.protocol.storage import StateDir
+from blocktrain.protocol.tokens import hash_token, new_token
+from blocktrain.training import EvalSettings, evaluate_blocktrain
+from blocktrain.training import checkpoint as ckpt
+from blocktrain.training.local import build_stack, write_assembled
+
+EXAMPLES = """examples:
+  blocktrain cluster --workers 6 --preset tiny --rounds 30 --out runs/cluster
+  blocktrain cluster --workers 3 --preset tiny --rounds 10 --local-steps 20 --deadline 30 \\
+      --out runs/c3 --set d_model=64
+  blocktrain eval runs/cluster/model --split test
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("cluster", help="run an aggregator and N workers on this machine",
+                       description=__doc__, epilog=EXAMPLES, formatter_class=Formatter)
+    p.add_argument("--workers", type=int, required=True, metavar="N", help="worker processes")
+    add_config_args(p)
+    add_data_arg(p)
+    p.add_argument("--rounds", type=int, required=True, metavar="R", help="rounds per block")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    p.add_argument("--seed", type=int, help="run seed (overrides the preset)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--eval-bytes", type=int, default=8192,
+                   help="validation bytes for the per-round CE")
+    p.add_argument("--eval-sweeps", type=int, default=2, help="sweeps M for the per-round CE")
+    p.add_argument("--final-bytes", type=int, default=32768,
+                   help="validation bytes for the final CE (as `blocktrain eval`)")
+    p.add_argument("--final-sweeps", type=int, default=16, help="sweeps M for the final CE")
+    p.add_argument("--timeout", type=float, default=3600.0, metavar="S",
+                   help="give up after S seconds")
+    p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_protocol_args(p)
+    p.set_defaults(handler=run)
+
+
+PARTICIPATION_KEYS = ("round", "accepted", "refused", "expected", "reported", "cause",
+                      "participation", "duration_s")
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    for name in ("workers", "rounds", "threads", "eval_bytes", "eval_sweeps", "final_bytes",
+                 "final_sweeps"):
+        if getattr(args, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+    if args.timeout <= 0:
+        raise ConfigError("--timeout must be positive")
+
+
+def _config(args: argparse.Namespace, local_steps: int) -> RunConfig:
+    cfg = resolve_config(args)
+    if not any(item.split("=", 1)[0].strip() in ("steps", "train.steps")
+               for item in args.overrides):
+        # the learning-rate schedule spans the run: round r runs steps r*H .. r*H + H - 1
+        cfg = apply_overrides(cfg, [f"steps={args.rounds * local_steps}"])
+    return cfg
+
+
+def round_versions(state: StateDir, rounds: int) -> list[dict[int, int]]:
+    """versions[r][b]: the version of block b after r closed rounds (r = 0: the init)."""
+    table = {(r["block"], r["round"]): r["new_version"] for r in state.ledger.rounds()}
+    out = []
+    for r in range(rounds + 1):
+        out.append({b: 0 if r == 0 else table[(b, r - 1)] for b in range(state.n_blocks())})
+    return out
+
+
+def evaluate_rounds(state: StateDir, cfg: RunConfig, versions: list[dict[int, int]],
+                    windows: Any, sweeps: int) -> list[dict[str, float]]:
+    """From-noise and sampler CE of the model assembled after each round (same bytes and
+    noise every round)."""
+    out = []
+    for r, chosen in enumerate(versions):
+        stack = build_stack(cfg, {b: state.load_tensors(b, v) for b, v in chosen.items()})
+        ev = evaluate_blocktrain(stack, windows, EvalSettings(sweeps=sweeps, seed=cfg.seed))
+        out.append({"round": r, "from_noise_ce": ev["from_noise_ce"],
+                    "sampler_ce": ev["sampler_ce"], "versions": dict(chosen)})
+    return out
+
+
+def bytes_summary(status: dict[str, Any], wire_bytes: dict[int, int]) -> dict[str, Any]:
+    """Bytes moved against the minimum: one weights download and one delta upload per worker
+    per round it took part in (a push that reached the aggregator, accepted or not). The
+    orchestrator's own status polls are monitoring, not protocol, and are left out."""
+    by_endpoint = status["bytes"]["by_endpoint"]
+    protocol = {ep: v for ep, v in by_endpoint.items() if ep != "status"}
+    down = sum(v["bytes_out"] for v in protocol.values())
+    up = sum(v["bytes_in"] for v in protocol.values())
+    pushes = {int(b): 0 for b in wire_bytes}
+    for b, rounds in status["participation"].items():
+        pushes[int(b)] = sum(r["reported"] for r in rounds)
+    minimum = sum(2 * wire_bytes[b] * n for b, n in pushes.items())
+    return {
+        "total": down + up, "down": down, "up": up, "minimum": minimum,
+        "worker_rounds": sum(pushes.values()),
+        "ratio_to_minimum": (down + up) / minimum if minimum else None,
+        "status_polls": by_endpoint.get("status", {}),
+        "by_endpoint": protocol,
+        "note": "HTTP bodies only (headers and TCP/IP framing not counted); minimum = "
+                "2 x block wire bytes per worker per round",
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_args(args)
+    out = Path(args.out)
+    if (out / "state").exists() or (out / "summary.json").exists():
+        if not args.overwrite:
+            raise ConfigError(f"{out} already holds a cluster run; pass --overwrite or choose "
+                              "another --out")
+        for name in ("state", "logs", "model"):
+            shutil.rmtree(out / name, ignore_errors=True)
+        (out / "summary.json").unlink(missing_ok=True)
+    data_path = str(resolve_data_path(args.data))
+    valid = load_split(data_path, "valid")
+    overrides = settings_overrides(args)
+    local_steps = overrides.get("local_steps", 10)
+    cfg = _config(args, local_steps)
+    overrides.update({"max_rounds": args.rounds, "keep_versions": 0,
+                      "n_workers": args.workers, "local_steps": local_steps})
+    overrides.setdefault("deadline_s", 60.0)
+    state = create_state(out / "state", cfg, overrides)
+    tokens = []
+    for i in range(args.workers):
+        tokens.append(new_token())
+        state.ledger.add_token(f"worker-{i}", hash_token(tokens[-1]), time.time())
+    observer = new_token()
+    state.ledger.add_token("cluster", hash_token(observer), time.time())
+
+    bar = tqdm(total=args.rounds * cfg.model.blocks, disable=args.no_progress, unit="round",
+               desc=f"cluster {args.workers} workers", dynamic_ncols=True, file=sys.stderr)
+
+    def progress(status: dict[str, Any]) -> None:
+        bar.n = sum(min(r, args.rounds) for r in status["rounds"])
+        bar.set_postfix(versions=",".join(map(str, status["versions"])),
+                        live=status["workers"]["live"], refresh=False)
+        bar.refresh()
+
+    result = run_cluster(state, tokens, observer, out / "logs", data=data_path,
+                         threads=args.threads, timeout_s=args.timeout, on_status=progress)
+    bar.close()
+
+    windows = valid.windows(cfg.model.seq_len, args.eval_bytes)
+    versions = round_versions(state, args.rounds)
+    per_round = evaluate_rounds(state, cfg, versions, windows, args.eval_sweeps)
+    final_blocks = {b: state.load_tensors(b, v) for b, v in versions[-1].items()}
+    ckpt.check_run_dir_free(out / "model", overwrite=True)
+    write_assembled(out / "model", cfg, final_blocks, args.rounds * local_steps)
+    final_windows = valid.windows(cfg.model.seq_len, args.final_bytes)
+    final = evaluate_blocktrain(build_stack(cfg, final_blocks), final_windows,
+                                EvalSettings(sweeps=args.final_sweeps, seed=0))
+    status = result.status
+    wire = {b["block"]: b["wire_bytes"] for b in status["blocks"]}
+    summary = {
+        "preset": cfg.preset, "workers": args.workers, "rounds": args.rounds,
+        "local_steps": local_steps, "worker_steps_per_replica": args.rounds * local_steps,
+        "deadline_s": state.settings().deadline_s, "wire_dtype": state.settings().wire_dtype,
+        "rule": state.settings().rule, "wall_seconds": result.wall_seconds,
+        "blocks": cfg.model.blocks, "params_per_block": status["blocks"][0]["params"],
+        "replicas_per_block": status["workers"]["per_block"],
+        "participation": {b: [{k: r[k] for k in PARTICIPATION_KEYS} for r in rounds]
+                          for b, rounds in status["participation"].items()},
+        "participation_mean": {b: sum(r["participation"] for r in rounds) / len(rounds)
+                               for b, rounds in status["participation"].items() if rounds},
+        "updates": status["updates"],
+        "bytes": bytes_summary(status, wire),
+        "from_noise_ce_per_round": [r["from_noise_ce"] for r in per_round],
+        "sampler_ce_per_round": [r["sampler_ce"] for r in per_round],
+        "per_round_eval": {"bytes": int(windows.numel()), "sweeps": args.eval_sweeps,
+                           "split": "valid"},
+        "final": {k: final[k] for k in ("sampler_ce", "from_noise_ce", "ce_per_step",
+                                        "oracle_ce", "bits_per_byte", "sweeps", "bytes")},
+        "final_eval": {"split": "valid", "bytes": args.final_bytes,
+                       "sweeps": args.final_sweeps, "seed": 0},
+        "workers_report": result.workers, "exit_codes": result.exit_codes,
+        "model": str(out / "model"), "config": cfg.to_dict(),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt.atomic_write_bytes(out / "summary.json",
+                            (json.dumps(summary, indent=2) + "\n").encode())
+    state.close()
+    if args.json:
+        print_json(summary)
+    else:
+        ce = summary["from_noise_ce_per_round"]
+        print(f"cluster of {args.workers} workers: {args.rounds} rounds in "
+              f"{result.wall_seconds:.0f}s; from-noise CE {ce[0]:.3f} -> {ce[-1]:.3f}; final "
+              f"sampler CE {final['sampler_ce']:.3f} (M = {args.final_sweeps}); bytes "
+              f"{summary['bytes']['total'] / 1e6:.1f} MB ({summary['bytes']['ratio_to_minimum']:.3f}"
+              f"x the minimum); summary in {out / 'summary.json'}")
+    return 0

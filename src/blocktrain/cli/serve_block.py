@@ -1,0 +1,87 @@
+"""`blocktrain serve-block`: serve some blocks of a run (and/or stages of a reference run) as one
+host of a serving chain. Each request runs this host's sampler steps on a span's state and
+forwards the state to the next host; the host of the last block answers."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from blocktrain.cli.common import Formatter
+from blocktrain.errors import ConfigError
+from blocktrain.serving.host import HostSettings, create_app
+from blocktrain.serving.loading import ModelSource
+from blocktrain.serving.router import check_url
+from blocktrain.serving.server import bind, run, url_of
+
+EXAMPLES = """examples:
+  blocktrain serve-block runs/tiny --blocks 0 --port 8101 &
+  blocktrain serve-block runs/tiny --blocks 1 --port 8102 &
+  blocktrain serve-block runs/tiny --blocks 2 --port 8103 &
+  blocktrain serve --hosts http://127.0.0.1:8101,http://127.0.0.1:8102,http://127.0.0.1:8103
+
+  # the same hosts also serve the reference, split into as many stages (the AR baseline)
+  blocktrain serve-block tiny=runs/tiny ref=runs/ref --blocks 0 --port 8101
+  # a chain without a router: forward to the next host yourself
+  blocktrain serve-block runs/tiny --blocks 0 --port 8101 --next http://127.0.0.1:8102
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve-block", help="serve some blocks of a run as one host of a chain",
+                       description=__doc__, epilog=EXAMPLES, formatter_class=Formatter)
+    p.add_argument("models", metavar="RUN_DIR", nargs="+",
+                   help="run folder to serve, or NAME=RUN_DIR (the model name defaults to the "
+                        "folder's name); a reference run is served as pipeline stages")
+    p.add_argument("--blocks", required=True, metavar="B[,B..]",
+                   help="the blocks (or reference stages) this host holds, e.g. 0 or 1,2")
+    p.add_argument("--port", type=int, required=True, help="TCP port (0: any free port)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--next", dest="next_url", metavar="URL",
+                   help="next host of the chain, for requests that name no route")
+    p.add_argument("--public-url", metavar="URL",
+                   help="how this host names itself (default: http://HOST:PORT)")
+    p.add_argument("--hop-ms", type=float, default=0.0,
+                   help="emulated one-way latency of the link to the next host, each way")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds to wait for the next host")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    p.set_defaults(handler=run_cmd)
+
+
+def parse_blocks(text: str) -> tuple[int, ...]:
+    try:
+        parts = tuple(int(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        raise ConfigError(f"--blocks {text!r}: expected block indices such as 0 or 1,2") from None
+    if not parts or len(set(parts)) != len(parts) or min(parts) < 0:
+        raise ConfigError(f"--blocks {text!r}: expected distinct block indices such as 0 or 1,2")
+    return tuple(sorted(parts))
+
+
+def run_cmd(args: argparse.Namespace) -> int:
+    sources = tuple(ModelSource.parse(m) for m in args.models)
+    parts = parse_blocks(args.blocks)
+    next_url = check_url(args.next_url, "--next") if args.next_url else None
+    if args.threads < 0:
+        raise ConfigError(f"--threads {args.threads} must be >= 0")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    public = check_url(args.public_url, "--public-url") if args.public_url else None
+    sock = bind(args.host, args.port)
+    try:
+        settings = HostSettings(models=sources, parts=parts, next_url=next_url,
+                                public_url=public or url_of(sock), hop_ms=args.hop_ms,
+                                timeout_s=args.timeout)
+        app = create_app(settings)  # loads this host's blocks: errors before we serve
+    except BaseException:
+        sock.close()
+        raise
+    url = settings.public_url
+    names = ", ".join(f"{s.name} ({s.run_dir})" for s in sources)
+    print(f"serving blocks {list(parts)} of {names} on {url}", flush=True)
+    print("press Ctrl+C to stop", file=sys.stderr, flush=True)
+    run(app, sock)
+    return 0

@@ -1,0 +1,82 @@
+"""`blocktrain status`: what an aggregator is doing: blocks, versions, rounds, participation,
+live workers and bytes moved."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from blocktrain.cli.common import Formatter, print_json
+from blocktrain.cli.worker import TOKEN_ENV
+from blocktrain.errors import ConfigError
+from blocktrain.protocol.worker import AggregatorClient, RetryPolicy
+
+EXAMPLES = """examples:
+  blocktrain status http://127.0.0.1:8470 --token bt_...
+  BLOCKTRAIN_TOKEN=bt_... blocktrain status https://agg.example:8470 --json
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="show an aggregator's progress", description=__doc__,
+                       epilog=EXAMPLES, formatter_class=Formatter)
+    p.add_argument("url", metavar="URL", help="the aggregator's URL")
+    p.add_argument("--token", help=f"any valid token (default: ${TOKEN_ENV})")
+    p.add_argument("--ca-cert", metavar="PEM", help="trust this CA for https")
+    p.add_argument("--rounds", type=int, default=5, help="recent rounds to show per block")
+    p.add_argument("--timeout", type=float, default=5.0, metavar="S",
+                   help="give up when the aggregator has not answered for S seconds")
+    p.add_argument("--json", action="store_true", help="print the full status JSON")
+    p.set_defaults(handler=run)
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def render(s: dict[str, Any], rounds: int) -> str:
+    lines = [f"uptime {s['uptime_s']:.0f}s; workers {s['workers']['live']} live of "
+             f"{s['workers']['registered']} registered; updates {s['updates']['accepted']} "
+             f"accepted, {s['updates']['refused']} refused"]
+    for b in s["blocks"]:
+        deadline = "" if b["deadline_in"] is None else f", deadline in {b['deadline_in']:.1f}s"
+        lines.append(f"  block {b['block']}: round {b['round']}, version {b['version']}, "
+                     f"{b['live_replicas']} live, {len(b['reported'])}/{len(b['expected'])} "
+                     f"reported{deadline}{' (done)' if b['done'] else ''}")
+        for r in s["participation"].get(str(b["block"]), [])[-rounds:]:
+            lines.append(f"    round {r['round']}: {r['accepted']} accepted, {r['refused']} "
+                         f"refused, {r['reported']}/{r['expected']} reported, closed by "
+                         f"{r['cause']}")
+    by_reason = s["updates"]["refused_by_reason"]
+    if by_reason:
+        lines.append("  refusals: " + ", ".join(f"{k} {v}" for k, v in sorted(by_reason.items())))
+    bts = s["bytes"]
+    lines.append(f"  bytes moved {_mb(bts['total'])} (in {_mb(bts['bytes_in'])}, out "
+                 f"{_mb(bts['bytes_out'])})")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    token = args.token or os.environ.get(TOKEN_ENV)
+    if not token:
+        raise ConfigError(f"no token: pass --token or set {TOKEN_ENV}")
+    if args.ca_cert and not Path(args.ca_cert).is_file():
+        raise ConfigError(f"--ca-cert {args.ca_cert} does not exist")
+    if not args.url.startswith(("http://", "https://")):
+        raise ConfigError(f"{args.url!r}: expected http://HOST:PORT or https://HOST:PORT")
+    if args.rounds <= 0 or args.timeout <= 0:
+        raise ConfigError("--rounds and --timeout must be positive")
+    client = AggregatorClient(args.url, token, verify=args.ca_cert or True,
+                              retry=RetryPolicy(base_s=0.2, cap_s=1.0,
+                                                give_up_after_s=args.timeout))
+    try:
+        s = client._json("GET", "/v1/status", params={"rounds": args.rounds})
+    finally:
+        client.close()
+    if args.json:
+        print_json(s)
+    else:
+        print(render(s, args.rounds))
+    return 0

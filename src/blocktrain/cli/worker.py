@@ -1,0 +1,97 @@
+"""`blocktrain worker`: train one block replica for an aggregator.
+
+Registers with the aggregator (which assigns the block with the fewest live replicas, or
+--block), then loops: wait for a new round, pull the block's weights, train H local steps on
+this machine's data (the AdamW state stays here, across rounds), push the delta. Retries with
+backoff when the aggregator is away, re-syncs after a refusal, and leaves cleanly on SIGTERM
+or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from blocktrain.cli.common import Formatter, add_data_arg, print_json
+from blocktrain.config import RunConfig
+from blocktrain.data import load_split
+from blocktrain.errors import ConfigError
+from blocktrain.protocol.worker import AggregatorClient, Registration, RetryPolicy, WorkerLoop
+from blocktrain.training.local import LocalBlockTrainer
+from blocktrain.training.trainer import resolve_device
+
+TOKEN_ENV = "BLOCKTRAIN_TOKEN"
+
+EXAMPLES = """examples:
+  blocktrain worker --aggregator http://10.0.0.5:8470 --token bt_...
+  BLOCKTRAIN_TOKEN=bt_... blocktrain worker --aggregator https://agg.example:8470 --block 1
+  blocktrain worker --aggregator http://127.0.0.1:8470 --token bt_... --data my-corpus/
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("worker", help="train one block replica for an aggregator",
+                       description=__doc__, epilog=EXAMPLES, formatter_class=Formatter)
+    p.add_argument("--aggregator", required=True, metavar="URL", help="the aggregator's URL")
+    p.add_argument("--token", help=f"bearer token (default: ${TOKEN_ENV})")
+    p.add_argument("--block", type=int, metavar="B", help="ask for this block")
+    add_data_arg(p)
+    p.add_argument("--name", help="a label shown in the aggregator's status")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    p.add_argument("--ca-cert", metavar="PEM", help="trust this CA for an https aggregator")
+    p.add_argument("--max-rounds", type=int, help="stop after this many rounds")
+    p.add_argument("--give-up-after", type=float, default=300.0, metavar="S",
+                   help="exit when the aggregator has not answered for S seconds")
+    p.add_argument("--json", action="store_true", help="print the final report as JSON")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    token = args.token or os.environ.get(TOKEN_ENV)
+    if not token:
+        raise ConfigError(f"no token: pass --token or set {TOKEN_ENV} (create one with "
+                          "`blocktrain token add --state DIR --name NAME`)")
+    if args.ca_cert and not Path(args.ca_cert).is_file():
+        raise ConfigError(f"--ca-cert {args.ca_cert} does not exist")
+    if not args.aggregator.startswith(("http://", "https://")):
+        raise ConfigError(f"--aggregator {args.aggregator!r}: expected http://HOST:PORT or "
+                          "https://HOST:PORT")
+    if args.block is not None and args.block < 0:
+        raise ConfigError("--block must be >= 0")
+    if args.threads < 0 or (args.max_rounds is not None and args.max_rounds <= 0):
+        raise ConfigError("--threads must be >= 0 and --max-rounds positive")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    train = load_split(args.data, "train")
+    device = resolve_device(args.device)
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+
+    def make_trainer(reg: Registration, config: dict[str, Any]) -> LocalBlockTrainer:
+        cfg = RunConfig.from_dict(config["run_config"])
+        return LocalBlockTrainer(cfg, reg.block, train, data_seed=reg.data_seed, device=device)
+
+    client = AggregatorClient(args.aggregator, token, verify=args.ca_cert or True,
+                              retry=RetryPolicy(give_up_after_s=args.give_up_after), stop=stop)
+    try:
+        loop = WorkerLoop(client, make_trainer, block=args.block, name=args.name, stop=stop,
+                          max_rounds=args.max_rounds)
+        report = loop.run()
+    finally:
+        client.close()
+    if args.json:
+        print_json(report.to_dict())
+    else:
+        print(f"worker {report.worker_id} (block {report.block}): {report.rounds} rounds, "
+              f"{report.accepted} accepted, refused {report.refused or 'none'}; stopped by "
+              f"{report.stopped_by or 'end'}")
+    return 0

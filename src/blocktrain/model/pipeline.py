@@ -1,0 +1,131 @@
+"""The end-to-end reference split into pipeline stages, with a key/value cache per stage: what the
+autoregressive serving baseline runs on each host (DESIGN.md section 6).
+
+Stage s of S holds the reference's layers [s * L / S, (s + 1) * L / S); the first stage also holds
+the byte embedding, the last the final norm and the head. Chaining the stages gives exactly
+`Reference.forward` (tests prove it); with a cache, each new byte costs one pass of one token
+through every stage instead of a pass over the whole context.
+
+Pure math, like the rest of `model/`: no I/O, no logging, no globals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blocktrain.config import ModelConfig
+from blocktrain.model.layers import DualStreamLayer, Rotary, apply_rotary
+from blocktrain.model.reference import Reference
+
+
+def stage_layers(cfg: ModelConfig, stage: int, stages: int) -> range:
+    """The reference layers of `stage` when its `cfg.layers` are split evenly into `stages`."""
+    if stages < 1 or cfg.layers % stages != 0:
+        raise ValueError(f"{cfg.layers} layers do not split into {stages} equal stages")
+    if not 0 <= stage < stages:
+        raise ValueError(f"stage {stage} outside 0..{stages - 1}")
+    per = cfg.layers // stages
+    return range(stage * per, (stage + 1) * per)
+
+
+@dataclass
+class KVCache:
+    """Keys and values of the positions a stage has already seen, per layer: each (N, H, P, hd).
+    `length` is P, the position the next new token takes."""
+
+    keys: dict[int, torch.Tensor] = field(default_factory=dict)
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+    length: int = 0
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (*self.keys.values(), *self.values.values()))
+
+
+def cached_clean_layer(layer: DualStreamLayer, x: torch.Tensor, rot: torch.Tensor,
+                       past: tuple[torch.Tensor, torch.Tensor] | None
+                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """The clean stream of one layer (the reference's layer) for L new positions that follow P
+    cached ones: x (N, L, d), rot (L, hd/2) their rotations, past (k, v) each (N, H, P, hd) or
+    None -> (x (N, L, d), (k, v) each (N, H, P + L, hd)).
+
+    With no past this runs exactly the operations of `DualStreamLayer.forward(x, rot)`."""
+    q, k, v = layer._heads(layer.ln1(x))  # each (N, H, L, hd)
+    q, k = apply_rotary(q, rot), apply_rotary(k, rot)
+    if past is None:
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    else:
+        k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)  # (N, H, P+L, hd)
+        new, total = q.shape[2], k.shape[2]
+        if new == 1:  # the usual decoding step: the one new token sees everything
+            attn = F.scaled_dot_product_attention(q, k, v)
+        else:  # new token i sits at position P + i and sees keys 0..P + i
+            key_pos = torch.arange(total, device=x.device)
+            query_pos = torch.arange(total - new, total, device=x.device)
+            mask = key_pos[None, :] <= query_pos[:, None]  # (L, P + L)
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    x = x + layer._merge(attn)
+    return x + layer._mlp(layer.ln2(x)), (k, v)
+
+
+class ReferenceStage(nn.Module):
+    """Stage `stage` of `stages` of the reference. Parameter names match `Reference`'s
+    ("embed.*", "layers.{i}.*", "norm.*", "head.*"), so a stage loads straight from the
+    reference's weights and holds nothing else."""
+
+    def __init__(self, cfg: ModelConfig, stage: int, stages: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.stage, self.stages = stage, stages
+        self.layer_ids = stage_layers(cfg, stage, stages)
+        self.first, self.last = stage == 0, stage == stages - 1
+        # Build the modules exactly as Reference does, on the meta device (no memory, no init
+        # work), then keep this stage's and give them real (uninitialised) storage.
+        with torch.device("meta"):
+            full = Reference(cfg)
+        self.embed: nn.Embedding | None = full.embed if self.first else None
+        self.layers = nn.ModuleDict({str(i): full.layers[i] for i in self.layer_ids})
+        self.norm: nn.LayerNorm | None = full.norm if self.last else None
+        self.head: nn.Linear | None = full.head if self.last else None
+        self.to_empty(device="cpu")
+        self.rotary = Rotary(cfg.head_dim)  # a non-persistent buffer: built for real
+
+    def forward(self, inp: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """inp: the new bytes (N, L) int64 on the first stage, else hidden states (N, L, d) from
+        the stage before. Returns hidden states (N, L, d), or logits (N, L, 256) on the last
+        stage; position i's logits predict the byte after it. The new tokens take positions
+        cache.length .. cache.length + L - 1; the cache (if given) is extended in place."""
+        h = self.embed(inp) if self.embed is not None else inp  # (N, L, d)
+        start = cache.length if cache is not None else 0
+        positions = torch.arange(start, start + h.shape[1], device=h.device)
+        rot = self.rotary.rotation(positions)  # (L, hd/2)
+        for i in self.layer_ids:
+            layer = self.layers[str(i)]
+            assert isinstance(layer, DualStreamLayer)
+            past = None
+            if cache is not None and cache.length > 0:
+                past = (cache.keys[i], cache.values[i])
+            h, (k, v) = cached_clean_layer(layer, h, rot, past)
+            if cache is not None:
+                cache.keys[i], cache.values[i] = k, v
+        if cache is not None:
+            cache.length = start + h.shape[1]
+        if self.norm is not None and self.head is not None:
+            return self.head(self.norm(h))  # (N, L, 256)
+        return h
+
+
+def split_reference(model: Reference, stages: int) -> list[ReferenceStage]:
+    """The stages of a whole reference, holding copies of its weights (tests, benchmarks)."""
+    out = []
+    state = model.state_dict()
+    for s in range(stages):
+        stage = ReferenceStage(model.cfg, s, stages)
+        own = stage.state_dict()
+        stage.load_state_dict({name: state[name] for name in own})
+        out.append(stage.to(next(model.parameters()).device).eval())
+    return out

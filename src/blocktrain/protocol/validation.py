@@ -1,0 +1,179 @@
+"""Validation of pushed updates: small validators chained into one, each returning a Verdict
+with a reason (in the style of hivemind's dht/validation.py).
+
+The chain checks what an update *is* (metadata, token count, tensor names, shapes, dtypes,
+finite values, norm); whether it is *on time* (round, version, deadline) is the round state
+machine's verdict (`rounds.BlockRounds.judge`). The first refusal wins.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from blocktrain.protocol.verdict import Verdict
+from blocktrain.protocol.wire import (
+    SAFETENSORS_CODES,
+    Decoded,
+    WireError,
+    metadata_float,
+    metadata_int,
+)
+
+REQUIRED_METADATA = ("block", "base_version", "round", "tokens")
+"""Keys every update's `__metadata__` must hold (integers)."""
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """The tensors of one block: names and shapes, and the dtype they travel in."""
+
+    shapes: dict[str, tuple[int, ...]]
+    wire_dtype: str = "fp16"
+
+    @staticmethod
+    def of(tensors: dict[str, torch.Tensor], wire_dtype: str = "fp16") -> BlockSpec:
+        return BlockSpec({k: tuple(v.shape) for k, v in tensors.items()}, wire_dtype)
+
+    @property
+    def n_params(self) -> int:
+        return sum(math.prod(s) for s in self.shapes.values())
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes of the tensor data on the wire (the minimum a transfer of the block costs)."""
+        return self.n_params * (4 if self.wire_dtype == "fp32" else 2)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on an update's content."""
+
+    max_delta_norm: float
+    """Global L2 norm (over all tensors, computed in fp32) a delta may not exceed."""
+    max_tokens: int
+    """The largest token count one update may claim (it weights the mean)."""
+
+
+@dataclass(frozen=True)
+class UpdateMeta:
+    block: int
+    base_version: int
+    round: int
+    tokens: int
+    loss: float | None
+    worker_id: int | None
+
+
+@dataclass
+class Candidate:
+    """An update under validation. Validators read it and fill in what they computed."""
+
+    block: int
+    """The block named by the URL."""
+    decoded: Decoded
+    spec: BlockSpec
+    limits: Limits
+    meta: UpdateMeta | None = None
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    norm: float | None = None
+
+
+Validator = Callable[[Candidate], Verdict]
+
+
+def check_metadata(c: Candidate) -> Verdict:
+    """block, base_version, round and tokens are integers; block matches the URL."""
+    md = c.decoded.metadata
+    try:
+        values = {key: metadata_int(md, key) for key in REQUIRED_METADATA}
+        worker = metadata_int(md, "worker_id") if "worker_id" in md else None
+    except WireError as exc:
+        return Verdict.refuse(exc.reason, exc.detail)
+    if values["block"] != c.block:
+        return Verdict.refuse("bad_metadata", f"__metadata__ names block {values['block']} but "
+                                              f"the update was pushed to block {c.block}")
+    for key in ("base_version", "round"):
+        if values[key] < 0:
+            return Verdict.refuse("bad_metadata", f"{key} = {values[key]} is negative")
+    c.meta = UpdateMeta(values["block"], values["base_version"], values["round"],
+                        values["tokens"], metadata_float(md, "loss"), worker)
+    return Verdict.ok()
+
+
+def check_tokens(c: Candidate) -> Verdict:
+    """0 < tokens <= max_tokens: the count weights the mean, so it must be believable."""
+    assert c.meta is not None
+    tokens = c.meta.tokens
+    if tokens <= 0:
+        return Verdict.refuse("bad_tokens", f"tokens = {tokens} must be positive")
+    if tokens > c.limits.max_tokens:
+        return Verdict.refuse("bad_tokens", f"tokens = {tokens} exceeds the bound "
+                                            f"{c.limits.max_tokens} for one update")
+    return Verdict.ok()
+
+
+def check_names(c: Candidate) -> Verdict:
+    got, want = set(c.decoded.tensors), set(c.spec.shapes)
+    missing, extra = sorted(want - got), sorted(got - want)
+    if missing:
+        return Verdict.refuse("missing_tensors", f"{len(missing)} tensor(s) missing, e.g. "
+                                                 f"{missing[0]!r}")
+    if extra:
+        return Verdict.refuse("extra_tensors", f"{len(extra)} unexpected tensor(s), e.g. "
+                                               f"{extra[0][:80]!r}")
+    return Verdict.ok()
+
+
+def check_shapes(c: Candidate) -> Verdict:
+    for name, raw in c.decoded.tensors.items():
+        if raw.shape != c.spec.shapes[name]:
+            return Verdict.refuse("bad_shape", f"{name} has shape {list(raw.shape)}; the block's "
+                                               f"is {list(c.spec.shapes[name])}")
+    return Verdict.ok()
+
+
+def check_dtypes(c: Candidate) -> Verdict:
+    want = SAFETENSORS_CODES[c.spec.wire_dtype]
+    for name, raw in c.decoded.tensors.items():
+        if raw.dtype != want:
+            return Verdict.refuse("bad_dtype", f"{name} is {raw.dtype}; this aggregator takes "
+                                               f"{want} ({c.spec.wire_dtype})")
+    return Verdict.ok()
+
+
+def check_finite(c: Candidate) -> Verdict:
+    c.tensors = c.decoded.to_torch()
+    for name, t in c.tensors.items():
+        if not bool(torch.isfinite(t).all()):
+            return Verdict.refuse("non_finite", f"{name} holds NaN or Inf")
+    return Verdict.ok()
+
+
+def check_norm(c: Candidate) -> Verdict:
+    total = 0.0
+    for t in c.tensors.values():
+        total += float(torch.linalg.vector_norm(t, dtype=torch.float32)) ** 2
+    c.norm = math.sqrt(total)
+    if not math.isfinite(c.norm) or c.norm > c.limits.max_delta_norm:
+        return Verdict.refuse("norm_too_large", f"the delta's L2 norm {c.norm:.4g} exceeds the "
+                                                f"bound {c.limits.max_delta_norm:.4g}")
+    return Verdict.ok()
+
+
+DEFAULT_CHAIN: tuple[Validator, ...] = (
+    check_metadata, check_tokens, check_names, check_shapes, check_dtypes, check_finite,
+    check_norm,
+)
+
+
+def validate(candidate: Candidate, chain: Sequence[Validator] = DEFAULT_CHAIN) -> Verdict:
+    """Run the validators in order; the first refusal is the verdict."""
+    for validator in chain:
+        verdict = validator(candidate)
+        if not verdict.accepted:
+            return verdict
+    return Verdict.ok()

@@ -1,0 +1,71 @@
+"""Verdicts and the refusal reasons they carry: one table, read by the aggregator (HTTP status),
+the validators, the round state machine and docs/protocol.md.
+
+Pure: no HTTP, SQLite or torch here, so the simulator can import it with `rounds`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+REASONS: dict[str, tuple[int, str]] = {
+    # authentication and identity
+    "missing_token": (401, "no `Authorization: Bearer` header"),
+    "invalid_token": (401, "the token is not known to this aggregator"),
+    "revoked_token": (401, "the token was revoked"),
+    "unknown_worker": (404, "no such worker id, or it left; register again"),
+    "not_your_worker": (403, "the worker id belongs to another token"),
+    "not_assigned": (403, "the worker is not assigned to this block"),
+    "unknown_block": (404, "no such block"),
+    "bad_request": (422, "the request's JSON or parameters do not match the schema"),
+    # the body
+    "too_large": (413, "the body exceeds the size limit"),
+    "pickle": (415, "the body is a pickle or a torch.save archive; only safetensors is read"),
+    "malformed": (400, "the body is not a complete safetensors file (truncated, corrupt)"),
+    "bad_metadata": (400, "a required __metadata__ key is missing or not an integer, or names "
+                          "another block"),
+    "bad_tokens": (400, "the token count is not a positive integer within the bound"),
+    "missing_tensors": (400, "tensors of the block are missing from the delta"),
+    "extra_tensors": (400, "the delta holds tensors the block does not have"),
+    "bad_shape": (400, "a tensor's shape differs from the block's"),
+    "bad_dtype": (400, "a tensor's dtype is not the wire dtype the aggregator announced"),
+    "non_finite": (400, "the delta holds NaN or Inf"),
+    "norm_too_large": (400, "the delta's global L2 norm exceeds the bound"),
+    # timing
+    "late": (409, "the update's round closed before it arrived (deadline or all reported)"),
+    "stale_version": (409, "base_version is not the version the round published"),
+    "future_round": (409, "the update names a round that has not opened"),
+    "duplicate": (409, "this worker already reported for this round"),
+    "done": (410, "the block has finished its rounds"),
+}
+"""Reason code -> (HTTP status, meaning)."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The fate of one update (or request): accepted, or refused with a reason code of REASONS
+    and a human-readable detail."""
+
+    accepted: bool
+    reason: str = ""
+    detail: str = ""
+    weight: float = 1.0
+    """For an accepted update: its weight factor (below 1 when counted late, within the
+    staleness bound)."""
+    counts_in: int | None = None
+    """For an accepted update: the round it is aggregated in."""
+
+    @staticmethod
+    def ok(*, weight: float = 1.0, counts_in: int | None = None) -> Verdict:
+        return Verdict(True, weight=weight, counts_in=counts_in)
+
+    @staticmethod
+    def refuse(reason: str, detail: str = "") -> Verdict:
+        if reason not in REASONS:
+            raise ValueError(f"unknown refusal reason {reason!r}")
+        return Verdict(False, reason=reason, detail=detail)
+
+    @property
+    def status(self) -> int:
+        """The HTTP status this verdict is answered with."""
+        return 200 if self.accepted else REASONS[self.reason][0]

@@ -1,0 +1,41 @@
+"""Serving the assembled model across hosts (DESIGN.md section 6).
+
+- `host`: a block host (FastAPI app) that runs its blocks' sampler steps, or its stages of the
+  reference with KV caches, and forwards the state to the next host.
+- `router`: the router (FastAPI app) with `/v1/generate` and OpenAI-compatible `/v1/completions`.
+- `chain`: the router's generation loops: one sweep per span, or one traversal per byte.
+- `wire`, `transport`, `errors`: the message format, HTTP with emulated hop latency, the errors.
+- `loading`, `shapes`: what a host loads; logical shapes for planning and throughput runs.
+
+See docs/serving.md.
+"""
+
+from blocktrain.serving.errors import (
+    BadRequest,
+    HostError,
+    HostRefused,
+    HostTimeout,
+    HostUnavailable,
+    ServingError,
+)
+from blocktrain.serving.host import HostSettings
+from blocktrain.serving.host import create_app as create_host_app
+from blocktrain.serving.loading import HostedModel, ModelSource, load_hosted_model
+from blocktrain.serving.router import RouterSettings
+from blocktrain.serving.router import create_app as create_router_app
+
+__all__ = [
+    "BadRequest",
+    "HostError",
+    "HostRefused",
+    "HostSettings",
+    "HostTimeout",
+    "HostUnavailable",
+    "HostedModel",
+    "ModelSource",
+    "RouterSettings",
+    "ServingError",
+    "create_host_app",
+    "create_router_app",
+    "load_hosted_model",
+]

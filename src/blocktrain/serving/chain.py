@@ -1,0 +1,292 @@
+"""The router's side of the chain: which hosts serve which model, and the two generation loops.
+
+- One sweep (`one_sweep_stream`): exactly `model.sampler.generate`, with the sweep itself run by
+  the chain of hosts. Per span: the router draws the initial noise from the request's generator
+  (`torch.randn(N, K, d, generator=gen)`, in the same order as `generate`), sends z = sigma_max *
+  noise along the chain once, and samples the span's bytes from the final logits with the same
+  generator (or lets the last host sample with the generator's state, which comes back
+  advanced). With the state in fp32 on the wire, the bytes equal `generate`'s bit for bit.
+  n bytes cost ceil(n / K) traversals of the chain.
+- Autoregressive baseline (`autoregressive_stream`): the reference split into stages on the same
+  hosts; every byte costs one traversal (a prefill of the prompt for the first, then one token);
+  each stage keeps a KV cache per generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import torch
+from pydantic import BaseModel, ValidationError
+
+from blocktrain.config import RunConfig
+from blocktrain.errors import ConfigError
+from blocktrain.model import Sampling, sample_bytes
+from blocktrain.serving.errors import HostRefused, HostUnavailable, SessionLost
+from blocktrain.serving.transport import get_json, post_message
+from blocktrain.serving.wire import (
+    WIRE_DTYPES,
+    Final,
+    SamplingSpec,
+    StageHeader,
+    SweepHeader,
+    TraceEntry,
+    WireDtype,
+    WireError,
+    bytes_tensor,
+    decode,
+    encode,
+)
+
+log = logging.getLogger(__name__)
+
+
+class _ModelInfo(BaseModel):
+    name: str
+    kind: str
+    parts: list[int]
+    total: int
+    fingerprint: str
+    config: dict[str, Any]
+
+
+class _HostInfo(BaseModel):
+    host: str
+    models: list[_ModelInfo]
+
+
+@dataclass(frozen=True)
+class RemoteModel:
+    """A model assembled from the hosts that hold its parts."""
+
+    name: str
+    kind: str  # "blocktrain" (one sweep) or "reference" (autoregressive)
+    config: RunConfig
+    fingerprint: str
+    route: list[str]  # host URLs in the order a traversal visits them
+    total: int  # blocks (or stages)
+
+    def describe(self) -> dict[str, Any]:
+        m = self.config.model
+        return {"id": self.name, "object": "model", "created": 0, "owned_by": "blocktrain",
+                "kind": self.kind, "hosts": self.route, "span": m.span if self.kind ==
+                "blocktrain" else 1, "context": m.seq_len, "blocks": self.total,
+                "d_model": m.d_model, "fingerprint": self.fingerprint}
+
+
+def assemble(infos: list[tuple[str, _HostInfo]]) -> tuple[dict[str, RemoteModel], dict[str, str]]:
+    """Models whose parts the hosts cover exactly once, and the reasons the others cannot be
+    served. Hosts are given in chain order; parts are visited in increasing order."""
+    holders: dict[str, dict[int, str]] = {}
+    seen: dict[str, _ModelInfo] = {}
+    broken: dict[str, str] = {}
+    for url, info in infos:
+        for m in info.models:
+            first = seen.setdefault(m.name, m)
+            if (m.fingerprint, m.kind, m.total) != (first.fingerprint, first.kind, first.total):
+                broken[m.name] = (f"hosts disagree on model {m.name!r}: {url} serves "
+                                  f"fingerprint {m.fingerprint}, another {first.fingerprint}")
+            for p in m.parts:
+                other = holders.setdefault(m.name, {}).setdefault(p, url)
+                if other != url:
+                    broken[m.name] = f"part {p} of {m.name!r} is on both {other} and {url}"
+    models: dict[str, RemoteModel] = {}
+    for name, m in seen.items():
+        if name in broken:
+            continue
+        missing = [p for p in range(m.total) if p not in holders.get(name, {})]
+        what = "block" if m.kind == "blocktrain" else "stage"
+        if missing:
+            broken[name] = f"no host holds {what}(s) {missing} of {name!r}"
+            continue
+        try:
+            config = RunConfig.from_dict(m.config)
+        except ConfigError as exc:
+            broken[name] = f"model {name!r}: {exc}"
+            continue
+        route: list[str] = []
+        for p in range(m.total):
+            if not route or route[-1] != holders[name][p]:
+                route.append(holders[name][p])
+        models[name] = RemoteModel(name, m.kind, config, m.fingerprint, route, m.total)
+    return models, broken
+
+
+class Directory:
+    """What the hosts serve, asked once and cached until a host fails (then asked again)."""
+
+    def __init__(self, hosts: list[str], client: httpx.AsyncClient) -> None:
+        self.hosts = hosts
+        self.client = client
+        self._models: dict[str, RemoteModel] | None = None
+        self.unavailable: dict[str, str] = {}
+        self._lock = asyncio.Lock()
+
+    def invalidate(self) -> None:
+        self._models = None
+
+    async def models(self) -> dict[str, RemoteModel]:
+        async with self._lock:
+            if self._models is None:
+                infos = await asyncio.gather(*(self._info(url) for url in self.hosts))
+                self._models, self.unavailable = assemble(list(zip(self.hosts, infos,
+                                                                   strict=True)))
+            return self._models
+
+    async def _info(self, url: str) -> _HostInfo:
+        raw = await get_json(self.client, url, "/v1/info")
+        try:
+            return _HostInfo.model_validate(raw)
+        except ValidationError:
+            raise HostRefused(f"{url} is not a BlockTrain block host (bad /v1/info)",
+                              host=url) from None
+
+
+@dataclass
+class ChainStats:
+    """What a generation cost: traversals of the chain, time inside chain calls, and the
+    hosts' own compute time (from their traces)."""
+
+    traversals: int = 0
+    chain_s: float = 0.0
+    host_compute_s: float = 0.0
+    trace: list[TraceEntry] = field(default_factory=list)
+
+    def add(self, seconds: float, trace: list[TraceEntry]) -> None:
+        self.traversals += 1
+        self.chain_s += seconds
+        self.host_compute_s += sum(t.compute_ms for t in trace) / 1000
+        if not self.trace:
+            self.trace = trace
+
+
+class Chain:
+    """Sends one span's state (or one step's tokens) through the hosts of a model, once."""
+
+    def __init__(self, client: httpx.AsyncClient, model: RemoteModel, *,
+                 wire_dtype: WireDtype = "fp32", sample_on: str = "router",
+                 stats: ChainStats | None = None) -> None:
+        self.client = client
+        self.model = model
+        self.wire_dtype = wire_dtype
+        self.final: Final = "bytes" if sample_on == "last-host" else "logits"
+        self.stats = stats if stats is not None else ChainStats()
+
+    def _spec(self, sampling: Sampling) -> SamplingSpec:
+        return SamplingSpec(temperature=sampling.temperature, top_k=sampling.top_k,
+                            top_p=sampling.top_p)
+
+    async def _send(self, path: str, tensors: dict[str, torch.Tensor], header: BaseModel
+                    ) -> dict[str, torch.Tensor]:
+        t0 = time.perf_counter()
+        body, trace = await post_message(self.client, self.model.route[0], path,
+                                         encode(tensors, header.model_dump()))
+        self.stats.add(time.perf_counter() - t0, trace)
+        try:
+            return decode(body)[0]
+        except WireError as exc:
+            raise HostRefused(f"the chain of {self.model.name!r} answered an unreadable "
+                              f"message ({exc})", host=self.model.route[-1]) from None
+
+    def _finish(self, out: dict[str, torch.Tensor], sampling: Sampling,
+                generator: torch.Generator) -> torch.Tensor:
+        """The sampled bytes, drawn here or by the last host (whose generator state we adopt)."""
+        if self.final == "logits":
+            if "logits" not in out:
+                raise HostRefused("the last host answered no logits", host=self.model.route[-1])
+            return sample_bytes(out["logits"].cpu(), sampling, generator)
+        if "bytes" not in out or "generator" not in out:
+            raise HostRefused("the last host answered no bytes", host=self.model.route[-1])
+        generator.set_state(out["generator"])
+        return out["bytes"].long()
+
+    async def sweep(self, x: torch.Tensor, z: torch.Tensor, *, steps_per_block: int,
+                    sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
+        """x (N, Lx) int64 context, z (N, K, d) fp32 at sigma_max -> the span's bytes (N, K)."""
+        header = SweepHeader(model=self.model.name, fingerprint=self.model.fingerprint,
+                             route=self.model.route[1:], final=self.final,
+                             sampling=self._spec(sampling), wire_dtype=self.wire_dtype, step=0,
+                             steps_per_block=steps_per_block)
+        tensors = {"x": bytes_tensor(x), "z": z.to(WIRE_DTYPES[self.wire_dtype])}
+        if self.final == "bytes":
+            tensors["generator"] = generator.get_state()
+        return self._finish(await self._send("/v1/sweep", tensors, header), sampling, generator)
+
+    async def stage_step(self, tokens: torch.Tensor, *, session: str, pos: int, close: bool,
+                         sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
+        """tokens (N, L) int64 at positions pos.. -> the next byte (N,)."""
+        header = StageHeader(model=self.model.name, fingerprint=self.model.fingerprint,
+                             route=self.model.route[1:], final=self.final,
+                             sampling=self._spec(sampling), wire_dtype=self.wire_dtype,
+                             stage=0, session=session, pos=pos, close=close)
+        tensors = {"x": bytes_tensor(tokens)}
+        if self.final == "bytes":
+            tensors["generator"] = generator.get_state()
+        return self._finish(await self._send("/v1/stage", tensors, header), sampling, generator)
+
+
+async def one_sweep_stream(chain: Chain, prompt: torch.Tensor, n_bytes: int, *,
+                           sampling: Sampling, generator: torch.Generator,
+                           steps_per_block: int = 1) -> AsyncIterator[torch.Tensor]:
+    """Continue prompt (N, Lp) by n_bytes; yields each span's new bytes (N, <= K) as soon as its
+    sweep returns. The same computation, in the same order, as model.sampler.generate."""
+    if prompt.shape[1] == 0:
+        raise ValueError("the prompt must hold at least one byte")
+    cfg = chain.model.config.model
+    span, max_context = cfg.span, cfg.seq_len - cfg.span
+    sigma_max = cfg.sigma_max  # == the grid's first point, exactly
+    context = prompt
+    produced = 0
+    while produced < n_bytes:
+        x = context[:, -max_context:]
+        noise = torch.randn(x.shape[0], span, cfg.d_model, generator=generator)
+        new = await chain.sweep(x, sigma_max * noise, steps_per_block=steps_per_block,
+                                sampling=sampling, generator=generator)  # (N, K)
+        context = torch.cat((context, new), dim=1)
+        yield new[:, :n_bytes - produced]
+        produced += span
+
+
+async def autoregressive_stream(chain: Chain, prompt: torch.Tensor, n_bytes: int, *,
+                                sampling: Sampling, generator: torch.Generator
+                                ) -> AsyncIterator[torch.Tensor]:
+    """Continue prompt (N, Lp) by n_bytes, one traversal per byte; yields each byte (N, 1).
+
+    The stages' caches hold at most T positions. The first step prefills the last T bytes of
+    the prompt; when the caches are full the window restarts from the last T/2 bytes (so the
+    context seen is between T/2 and T bytes, where `generate_autoregressive` always sees T). A
+    stage that lost its cache (its host restarted) makes the router prefill again."""
+    if prompt.shape[1] == 0:
+        raise ValueError("the prompt must hold at least one byte")
+    window = chain.model.config.model.seq_len
+    context = prompt
+    session, pos = uuid.uuid4().hex, 0
+    pending = context[:, -window:]
+    for i in range(n_bytes):
+        if pos + pending.shape[1] > window:
+            session, pos, pending = uuid.uuid4().hex, 0, context[:, -(window // 2):]
+        try:
+            new = await chain.stage_step(pending, session=session, pos=pos,
+                                         close=i == n_bytes - 1, sampling=sampling,
+                                         generator=generator)
+        except SessionLost as exc:
+            log.info("prefilling again: %s", exc)
+            session, pos, pending = uuid.uuid4().hex, 0, context[:, -(window // 2):]
+            new = await chain.stage_step(pending, session=session, pos=pos,
+                                         close=i == n_bytes - 1, sampling=sampling,
+                                         generator=generator)
+        pos += pending.shape[1]
+        pending = new[:, None]
+        context = torch.cat((context, pending), dim=1)
+        yield pending
+
+
+def unavailable_error(name: str, reason: str) -> HostUnavailable:
+    return HostUnavailable(f"model {name!r} cannot be served right now: {reason}")

@@ -1,0 +1,104 @@
+"""The serving layer's errors: a branch of the one tree in `blocktrain.errors`.
+
+    BlockTrainError
+    └── ServingError          anything a client or an operator of the chain can act on
+        ├── BadRequest        the request can never succeed as sent (400; 404 for an unknown
+        │                     model); says which parameter and why
+        └── HostError         a host of the chain failed; names the host by its URL
+            ├── HostUnavailable   unreachable, or died mid-request (503)
+            ├── HostTimeout       no answer within the timeout (504)
+            └── HostRefused       answered with an error: wrong model, stale fingerprint,
+                │                 misrouted state, bad payload (the host's own status, or 502
+                │                 at the router)
+                └── SessionLost   an autoregressive stage no longer holds the KV cache of a
+                                  generation (the host restarted): the router prefills again
+
+Every error carries the HTTP status it maps to, a machine-readable `code` and, for host errors,
+the `host` it concerns. Hosts relay the errors of hosts behind them unchanged, so the router
+names the host that actually failed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from blocktrain.errors import BlockTrainError
+
+
+class ServingError(BlockTrainError):
+    """Base of the serving layer's errors."""
+
+    status = 500
+    code = "serving_error"
+    kind = "server_error"
+
+    def __init__(self, message: str, *, host: str | None = None, code: str | None = None,
+                 status: int | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.host = host
+        self.param = param
+        if code is not None:
+            self.code = code
+        if status is not None:
+            self.status = status
+
+    def to_json(self) -> dict[str, Any]:
+        """The OpenAI-style error body: {"error": {message, type, param, code, host}}."""
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code, "host": self.host}}
+
+
+class BadRequest(ServingError):
+    status = 400
+    code = "invalid_value"
+    kind = "invalid_request_error"
+
+
+class HostError(ServingError):
+    """A host of the chain failed; `host` is its URL."""
+
+    status = 502
+    code = "host_error"
+
+
+class HostUnavailable(HostError):
+    status = 503
+    code = "host_unavailable"
+    kind = "service_unavailable"
+
+
+class HostTimeout(HostError):
+    status = 504
+    code = "host_timeout"
+    kind = "service_unavailable"
+
+
+class HostRefused(HostError):
+    status = 409
+    code = "host_refused"
+
+
+class SessionLost(HostRefused):
+    code = "session_lost"
+
+
+_BY_CODE: dict[str, type[ServingError]] = {
+    cls.code: cls
+    for cls in (BadRequest, HostError, HostUnavailable, HostTimeout, HostRefused, SessionLost)
+}
+
+
+def error_from_json(status: int, body: Any, *, default_host: str) -> ServingError:
+    """Rebuild the error a host answered with (its JSON body), keeping its status and the host
+    it names; a body that is not ours becomes a HostRefused naming `default_host`."""
+    err = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(err, dict) or not isinstance(err.get("message"), str):
+        return HostRefused(f"host {default_host} answered HTTP {status}: {str(body)[:200]}",
+                           host=default_host, status=status)
+    code = err.get("code") if isinstance(err.get("code"), str) else None
+    cls = _BY_CODE.get(code or "", HostRefused)
+    if cls is BadRequest:  # a request the router let through but a host refused
+        cls = HostRefused
+    host = err.get("host") if isinstance(err.get("host"), str) else default_host
+    return cls(err["message"], host=host, code=code, status=status)

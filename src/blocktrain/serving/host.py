@@ -1,0 +1,455 @@
+"""A block host: serves some blocks of a BlockTrain run (one-sweep generation) and/or some stages
+of a reference run (the autoregressive baseline), and forwards the state along the chain.
+
+    POST /v1/sweep   run this host's points of the sigma grid on a span's state, then forward
+                     the state to the next host; the host of the grid's last point answers
+    POST /v1/stage   run this host's reference stages on new tokens with their KV caches, then
+                     forward the hidden states; the last stage answers
+    GET  /v1/info    the models, blocks/stages and fingerprints held here
+    GET  /healthz    liveness
+
+Who does what in one sweep (DESIGN.md 2.6): the router draws the span's initial noise; each
+host, for each grid point n that belongs to one of its blocks, computes that block's logits and,
+unless n is the grid's last point, the Euler step to sigma_{n+1} itself (every host holds the
+frozen target table E), so the state on the wire is always "z at the next grid point". The
+host of the last point answers with its logits (the router samples), or with bytes sampled
+with the request's generator state when asked to (`final = "bytes"`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import anyio.to_thread
+import httpx
+import torch
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+
+from blocktrain.errors import ConfigError
+from blocktrain.model import Sampling, ZLayout, euler_step, sample_bytes
+from blocktrain.model.pipeline import KVCache
+from blocktrain.serving.errors import BadRequest, HostRefused, ServingError, SessionLost
+from blocktrain.serving.loading import HostedModel, ModelSource, load_hosted_model
+from blocktrain.serving.transport import make_client, post_message
+from blocktrain.serving.wire import (
+    CONTENT_TYPE,
+    TRACE_HEADER,
+    WIRE_DTYPES,
+    StageHeader,
+    SweepHeader,
+    TraceEntry,
+    WireError,
+    bytes_tensor,
+    decode,
+    encode,
+    trace_to_header,
+)
+
+log = logging.getLogger(__name__)
+
+H = TypeVar("H", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class HostSettings:
+    """How one block host runs."""
+
+    models: tuple[ModelSource, ...]
+    """The run folders served here, each under a model name."""
+    parts: tuple[int, ...]
+    """The blocks (of a BlockTrain run) or stages (of a reference run) this host holds."""
+    next_url: str | None = None
+    """Where to forward the state when a request names no route (a chain without a router)."""
+    public_url: str = "http://127.0.0.1"
+    """How this host names itself in traces and errors."""
+    hop_ms: float = 0.0
+    """Emulated one-way latency of the link to the next host (see transport.py)."""
+    timeout_s: float = 300.0
+    """Read timeout when forwarding to the next host."""
+    max_body_bytes: int = 256 * 2**20
+    """Largest request body accepted."""
+    max_batch: int = 64
+    """Most sequences in one request."""
+    max_sessions: int = 256
+    """Autoregressive KV caches kept at once (least recently used dropped first)."""
+    session_ttl_s: float = 600.0
+    """A KV cache unused this long is dropped (its generation was abandoned)."""
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ConfigError("a block host needs at least one RUN_DIR to serve")
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"model names must differ on one host: {names}; use NAME=RUN_DIR")
+        if not self.parts or len(set(self.parts)) != len(self.parts):
+            raise ConfigError(f"--blocks {list(self.parts)} must name distinct blocks")
+        if self.hop_ms < 0:
+            raise ConfigError(f"--hop-ms {self.hop_ms} must be >= 0")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"--timeout {self.timeout_s} must be positive")
+        for name in ("max_body_bytes", "max_batch", "max_sessions"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} = {getattr(self, name)} must be positive")
+
+
+@dataclass
+class _Session:
+    caches: dict[int, KVCache] = field(default_factory=dict)
+    touched: float = 0.0
+
+
+class SessionStore:
+    """The KV caches of the generations in flight, per (model, session id), least recently used
+    first. Not thread-safe by itself: the host uses it under its compute lock."""
+
+    def __init__(self, max_sessions: int, ttl_s: float, clock: Callable[[], float]) -> None:
+        self.max_sessions, self.ttl_s, self.clock = max_sessions, ttl_s, clock
+        self._items: OrderedDict[tuple[str, str], _Session] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def open(self, model: str, session: str, stage: int, pos: int) -> KVCache:
+        """The cache of `stage` for a step at position `pos`: a fresh one at pos 0, else the one
+        left by the previous step, which must hold exactly `pos` positions."""
+        now = self.clock()
+        for key in [k for k, s in self._items.items() if now - s.touched > self.ttl_s]:
+            del self._items[key]
+        key = (model, session)
+        entry = self._items.get(key)
+        if pos == 0:
+            if entry is None:
+                entry = self._items[key] = _Session()
+            entry.caches[stage] = KVCache()
+        elif entry is None or stage not in entry.caches:
+            raise SessionLost(f"no KV cache for session {session} (stage {stage}): the host "
+                              "restarted or dropped it; prefill again from position 0")
+        elif entry.caches[stage].length != pos:
+            raise SessionLost(f"session {session} stage {stage} holds "
+                              f"{entry.caches[stage].length} positions, the step says {pos}")
+        entry.touched = now
+        self._items.move_to_end(key)
+        while len(self._items) > self.max_sessions:
+            self._items.popitem(last=False)
+        return entry.caches[stage]
+
+    def close(self, model: str, session: str, stages: list[int]) -> None:
+        """Drop the caches of `stages` (the session once none is left)."""
+        entry = self._items.get((model, session))
+        if entry is None:
+            return
+        for stage in stages:
+            entry.caches.pop(stage, None)
+        if not entry.caches:
+            del self._items[(model, session)]
+
+
+class BlockHost:
+    """The work behind the routes; one per app."""
+
+    def __init__(self, settings: HostSettings, models: dict[str, HostedModel],
+                 client: httpx.AsyncClient, clock: Callable[[], float]) -> None:
+        self.settings = settings
+        self.models = models
+        self.client = client
+        self.sessions = SessionStore(settings.max_sessions, settings.session_ttl_s, clock)
+        # One computation at a time: torch already uses every core for one request, and the
+        # KV caches are only touched under this lock.
+        self._compute = threading.Lock()
+
+    # ------------------------------------------------------------------ common checks
+
+    def info(self) -> dict[str, Any]:
+        return {"host": self.settings.public_url, "next": self.settings.next_url,
+                "models": [m.describe() for m in self.models.values()]}
+
+    def _model(self, name: str, fingerprint: str, kind: str) -> HostedModel:
+        model = self.models.get(name)
+        if model is None:
+            raise HostRefused(f"host {self.settings.public_url} serves no model {name!r} "
+                              f"(it serves {', '.join(self.models)})",
+                              host=self.settings.public_url, code="unknown_model")
+        if model.kind != kind:
+            raise HostRefused(f"model {name!r} on host {self.settings.public_url} is a "
+                              f"{model.kind} run, not {kind}", host=self.settings.public_url)
+        if fingerprint != model.fingerprint:
+            raise HostRefused(f"host {self.settings.public_url} serves model {name!r} with "
+                              f"fingerprint {model.fingerprint}, the request expects "
+                              f"{fingerprint}: the hosts serve different runs or steps",
+                              host=self.settings.public_url, code="fingerprint_mismatch")
+        return model
+
+    def _next(self, route: list[str] | None, where: str) -> tuple[str, list[str] | None]:
+        if route is not None:
+            if not route:
+                raise HostRefused(f"host {self.settings.public_url}: {where}, but the route "
+                                  "names no further host", host=self.settings.public_url,
+                                  code="misrouted")
+            return route[0], route[1:]
+        if self.settings.next_url is None:
+            raise HostRefused(f"host {self.settings.public_url}: {where}, but the request names "
+                              "no route and this host has no --next",
+                              host=self.settings.public_url, code="misrouted")
+        return self.settings.next_url, None
+
+    def _generator(self, tensors: dict[str, torch.Tensor], header: SweepHeader | StageHeader
+                   ) -> tuple[torch.Generator | None, Sampling | None]:
+        if header.final != "bytes":
+            return None, None
+        state = tensors.get("generator")
+        if state is None or state.dtype != torch.uint8 or state.dim() != 1:
+            raise BadRequest("final = bytes needs the generator state as a uint8 tensor "
+                             "'generator'", param="generator")
+        gen = torch.Generator()
+        try:
+            gen.set_state(state.clone())
+        except RuntimeError as exc:
+            raise BadRequest(f"'generator' is not a CPU generator state ({exc})",
+                             param="generator") from None
+        spec = header.sampling
+        sampling = Sampling() if spec is None else Sampling(spec.temperature, spec.top_k,
+                                                            spec.top_p)
+        return gen, sampling
+
+    def _final(self, logits: torch.Tensor, gen: torch.Generator | None,
+               sampling: Sampling | None) -> bytes:
+        if gen is None or sampling is None:
+            return encode({"logits": logits.float().contiguous()})
+        new = sample_bytes(logits.cpu(), sampling, gen)
+        return encode({"bytes": bytes_tensor(new), "generator": gen.get_state()})
+
+    def _trace(self, model: HostedModel, parts: list[int], seconds: float) -> TraceEntry:
+        return TraceEntry(host=self.settings.public_url, model=model.name, parts=parts,
+                          compute_ms=seconds * 1000)
+
+    # ------------------------------------------------------------------ one sweep
+
+    async def sweep(self, body: bytes) -> tuple[bytes, list[TraceEntry]]:
+        tensors, raw = _decode(body)
+        header = _header(SweepHeader, raw)
+        model = self._model(header.model, header.fingerprint, "blocktrain")
+        cfg = model.config.model
+        x = _byte_tensor(tensors, "x")  # (N, Lx)
+        n, lx = x.shape
+        if not 1 <= n <= self.settings.max_batch:
+            raise BadRequest(f"batch of {n} sequences; at most {self.settings.max_batch}",
+                             param="x")
+        if not 1 <= lx <= cfg.seq_len - cfg.span:
+            raise BadRequest(f"context of {lx} bytes; this model takes 1..{cfg.seq_len - cfg.span}"
+                             " (T - K)", param="x")
+        z = _state_tensor(tensors, "z", (n, cfg.span, cfg.d_model), header.wire_dtype)
+        grid = model.grid(header.steps_per_block)
+        if header.step >= len(grid):
+            raise BadRequest(f"step {header.step} is past the grid's {len(grid)} points",
+                             param="step")
+        first_block = grid[header.step][0]
+        if first_block not in model.parts:
+            raise HostRefused(f"host {self.settings.public_url} holds blocks {model.parts} of "
+                              f"{model.name!r}, but the sweep is at block {first_block}",
+                              host=self.settings.public_url, code="misrouted")
+        gen, sampling = self._generator(tensors, header)
+        run = functools.partial(self._run_sweep, model, x, z, grid, header.step, gen, sampling)
+        # In a worker thread, so that the host keeps answering (health, info) while it computes.
+        z, step, done, visited, seconds = await anyio.to_thread.run_sync(run)
+        trace = self._trace(model, visited, seconds)
+        if done is not None:
+            return done, [trace]
+        url, rest = self._next(header.route, f"the sweep needs block {grid[step][0]} next")
+        forward = header.model_copy(update={"step": step, "route": rest})
+        out = {"x": bytes_tensor(x), "z": z.to(WIRE_DTYPES[header.wire_dtype])}
+        if "generator" in tensors and header.final == "bytes":
+            out["generator"] = tensors["generator"]
+        answer, later = await post_message(self.client, url, "/v1/sweep",
+                                           encode(out, forward.model_dump()))
+        return answer, [trace, *later]
+
+    @torch.no_grad()
+    def _run_sweep(self, model: HostedModel, x: torch.Tensor, z: torch.Tensor,
+                   grid: list[tuple[int, float]], step: int, gen: torch.Generator | None,
+                   sampling: Sampling | None
+                   ) -> tuple[torch.Tensor, int, bytes | None, list[int], float]:
+        """Exactly the loop of model.sampler.one_sweep, over this host's consecutive points.
+        -> (z, next step, the final answer or None, blocks run, compute seconds)."""
+        assert model.stack is not None
+        layout = ZLayout.next_span(x.shape[1], z.shape[1], device=x.device)
+        visited: list[int] = []
+        with self._compute:
+            t0 = time.perf_counter()
+            while step < len(grid) and grid[step][0] in model.parts:
+                block, sigma = grid[step]
+                if not visited or visited[-1] != block:
+                    visited.append(block)
+                sigma_t = torch.full((x.shape[0],), sigma, dtype=torch.float32, device=z.device)
+                logits = model.stack.block(block)(x, z, sigma_t, layout)[0]  # (N, K, 256)
+                if step == len(grid) - 1:
+                    final = self._final(logits, gen, sampling)
+                    return z, step + 1, final, visited, time.perf_counter() - t0
+                z = euler_step(z, logits, model.stack.targets, sigma, grid[step + 1][1])
+                step += 1
+            return z, step, None, visited, time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ autoregressive stages
+
+    async def stage(self, body: bytes) -> tuple[bytes, list[TraceEntry]]:
+        tensors, raw = _decode(body)
+        header = _header(StageHeader, raw)
+        model = self._model(header.model, header.fingerprint, "reference")
+        cfg = model.config.model
+        if header.stage not in model.parts:
+            raise HostRefused(f"host {self.settings.public_url} holds stages {model.parts} of "
+                              f"{model.name!r}, but the step is at stage {header.stage}",
+                              host=self.settings.public_url, code="misrouted")
+        if header.stage == 0:
+            inp = _byte_tensor(tensors, "x")  # (N, L)
+        else:
+            if "h" not in tensors or tensors["h"].dim() != 3:
+                raise BadRequest("stage > 0 needs hidden states 'h' (N, L, d)", param="h")
+            n_, l_ = tensors["h"].shape[:2]
+            inp = _state_tensor(tensors, "h", (n_, l_, cfg.d_model), header.wire_dtype)
+        n, length = inp.shape[:2]
+        if not 1 <= n <= self.settings.max_batch:
+            raise BadRequest(f"batch of {n} sequences; at most {self.settings.max_batch}",
+                             param="x")
+        if length < 1 or header.pos + length > cfg.seq_len:
+            raise BadRequest(f"positions {header.pos}..{header.pos + length - 1} do not fit the "
+                             f"model's context of {cfg.seq_len}", param="pos")
+        gen, sampling = self._generator(tensors, header)
+        run = functools.partial(self._run_stages, model, header, inp, gen, sampling)
+        h, stage, done, visited, seconds = await anyio.to_thread.run_sync(run)
+        trace = self._trace(model, visited, seconds)
+        if done is not None:
+            return done, [trace]
+        url, rest = self._next(header.route, f"the step needs stage {stage} next")
+        forward = header.model_copy(update={"stage": stage, "route": rest})
+        out = {"h": h.to(WIRE_DTYPES[header.wire_dtype])}
+        if "generator" in tensors and header.final == "bytes":
+            out["generator"] = tensors["generator"]
+        answer, later = await post_message(self.client, url, "/v1/stage",
+                                           encode(out, forward.model_dump()))
+        return answer, [trace, *later]
+
+    @torch.no_grad()
+    def _run_stages(self, model: HostedModel, header: StageHeader, inp: torch.Tensor,
+                    gen: torch.Generator | None, sampling: Sampling | None
+                    ) -> tuple[torch.Tensor, int, bytes | None, list[int], float]:
+        stage = header.stage
+        visited: list[int] = []
+        h = inp
+        with self._compute:
+            t0 = time.perf_counter()
+            while stage in model.stages:
+                cache = self.sessions.open(model.name, header.session, stage, header.pos)
+                h = model.stages[stage](h, cache)
+                visited.append(stage)
+                stage += 1
+            if header.close:
+                self.sessions.close(model.name, header.session, visited)
+            final = self._final(h[:, -1], gen, sampling) if stage == model.total else None
+            return h, stage, final, visited, time.perf_counter() - t0  # final: logits (N, 256)
+
+
+def _decode(body: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    try:
+        return decode(body)
+    except WireError as exc:
+        raise BadRequest(str(exc), code="bad_payload") from None
+
+
+def _header(cls: type[H], raw: dict[str, Any]) -> H:
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "header"
+        raise BadRequest(f"message header: {where}: {first['msg']}", param=where,
+                         code="bad_payload") from None
+
+
+def _byte_tensor(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    t = tensors.get(name)
+    if t is None or t.dtype != torch.uint8 or t.dim() != 2:
+        raise BadRequest(f"'{name}' must be a (N, L) uint8 tensor of bytes", param=name)
+    return t.long()
+
+
+def _state_tensor(tensors: dict[str, torch.Tensor], name: str, shape: tuple[int, ...],
+                  wire_dtype: str) -> torch.Tensor:
+    t = tensors.get(name)
+    if t is None or t.dtype != WIRE_DTYPES[wire_dtype] or tuple(t.shape) != shape:
+        got = "nothing" if t is None else f"{t.dtype} {tuple(t.shape)}"
+        raise BadRequest(f"'{name}' must be {wire_dtype} of shape {shape}; got {got}",
+                         param=name)
+    if not torch.isfinite(t).all():
+        raise BadRequest(f"'{name}' holds non-finite values", param=name)
+    return t.float()
+
+
+def create_app(settings: HostSettings, *, models: list[HostedModel] | None = None,
+               transport: httpx.AsyncBaseTransport | None = None,
+               clock: Callable[[], float] = time.monotonic) -> FastAPI:
+    """A block host. Loads its blocks/stages from the run folders in `settings` unless `models`
+    are given; `transport` (tests) replaces the network to the next host."""
+    if models is None:
+        models = [load_hosted_model(src, list(settings.parts)) for src in settings.models]
+    client = make_client(timeout_s=settings.timeout_s, hop_ms=settings.hop_ms,
+                         transport=transport)
+    host = BlockHost(settings, {m.name: m for m in models}, client, clock)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await client.aclose()
+
+    app = FastAPI(title="BlockTrain block host", lifespan=lifespan)
+    app.state.host = host
+
+    @app.exception_handler(ServingError)
+    async def serving_error(_: Request, exc: ServingError) -> JSONResponse:
+        if exc.status >= 500:
+            log.warning("%s", exc.message)
+        return JSONResponse(exc.to_json(), status_code=exc.status)
+
+    async def read_body(request: Request) -> bytes:
+        limit = settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise BadRequest(f"body of {declared} bytes exceeds the limit of {limit}",
+                             code="too_large", status=413)
+        body = await request.body()
+        if len(body) > limit:
+            raise BadRequest(f"body of {len(body)} bytes exceeds the limit of {limit}",
+                             code="too_large", status=413)
+        return body
+
+    def answer(result: tuple[bytes, list[TraceEntry]]) -> Response:
+        body, trace = result
+        return Response(body, media_type=CONTENT_TYPE,
+                        headers={TRACE_HEADER: trace_to_header(trace)})
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"ok": True, "host": settings.public_url}
+
+    @app.get("/v1/info")
+    async def info() -> dict[str, Any]:
+        return host.info()
+
+    @app.post("/v1/sweep")
+    async def sweep(request: Request) -> Response:
+        return answer(await host.sweep(await read_body(request)))
+
+    @app.post("/v1/stage")
+    async def stage(request: Request) -> Response:
+        return answer(await host.stage(await read_body(request)))
+
+    return app

@@ -1,0 +1,312 @@
+"""The router: takes generation requests and sends each span's state along the chain of hosts.
+
+    POST /v1/generate      BlockTrain's own API (bytes, seed, traversals, timing)
+    POST /v1/completions   OpenAI-compatible completions, non-streaming and streaming (SSE)
+    GET  /v1/models        the models the hosts assemble into complete chains
+    GET  /healthz          liveness of the router itself
+
+A BlockTrain model is served by one sweep per span of K bytes; a reference model by the
+autoregressive pipeline, one traversal per byte. The router learns what the hosts serve from
+their /v1/info and asks again after any host failure, so it keeps serving once a host is back.
+
+Errors are OpenAI-shaped JSON, `{"error": {"message", "type", "param", "code", "host"}}`: 400 for
+a bad request (404 for an unknown model), 503 naming the host that is unreachable or died
+mid-request, 504 for one that timed out, 502 for a host that refused the state. In a stream
+that has already started, a failure arrives as a last `data: {"error": ...}` event.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, cast
+
+import httpx
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from blocktrain.errors import ConfigError
+from blocktrain.model import Sampling
+from blocktrain.serving.chain import (
+    Chain,
+    ChainStats,
+    Directory,
+    RemoteModel,
+    autoregressive_stream,
+    one_sweep_stream,
+    unavailable_error,
+)
+from blocktrain.serving.errors import BadRequest, HostError, HostRefused, ServingError
+from blocktrain.serving.schemas import (
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    GenerateRequest,
+    GenerateResponse,
+    Prompt,
+    Timing,
+    Usage,
+)
+from blocktrain.serving.transport import make_client
+from blocktrain.serving.wire import WireDtype
+
+log = logging.getLogger(__name__)
+
+
+def check_url(url: str, what: str = "host URL") -> str:
+    """An http(s)://HOST:PORT URL, without a trailing slash; anything else is a ConfigError."""
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError):
+        parsed = None
+    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ConfigError(f"{what} {url!r} is not an http(s)://HOST:PORT URL")
+    return url.rstrip("/")
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """How the router runs."""
+
+    hosts: tuple[str, ...]
+    """Block hosts, in chain order (the first receives each request)."""
+    hop_ms: float = 0.0
+    """Emulated one-way latency of the link to the first host (see transport.py)."""
+    timeout_s: float = 300.0
+    """Read timeout of one traversal of the chain."""
+    wire_dtype: str = "fp32"
+    """dtype of the state on the wire: fp32 (exact) or fp16 (half the bytes)."""
+    sample_on: str = "router"
+    """Where the final bytes are drawn: 'router' (the last host returns logits) or
+    'last-host' (it returns bytes; the generator state travels with the state)."""
+    max_prompt_bytes: int = 65536
+    """Longest prompt accepted."""
+    max_output_bytes: int = 4096
+    """Most bytes generated per request."""
+    max_steps_per_block: int = 16
+    """Largest steps_per_block a request may ask for."""
+
+    def __post_init__(self) -> None:
+        if not self.hosts:
+            raise ConfigError("--hosts must name at least one block host")
+        for url in self.hosts:
+            check_url(url)
+        if len(set(self.hosts)) != len(self.hosts):
+            raise ConfigError(f"--hosts lists a host twice: {', '.join(self.hosts)}")
+        if self.hop_ms < 0:
+            raise ConfigError(f"--hop-ms {self.hop_ms} must be >= 0")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"--timeout {self.timeout_s} must be positive")
+        if self.wire_dtype not in ("fp32", "fp16"):
+            raise ConfigError(f"--wire {self.wire_dtype!r} must be fp32 or fp16")
+        if self.sample_on not in ("router", "last-host"):
+            raise ConfigError(f"--sample-on {self.sample_on!r} must be router or last-host")
+        for name in ("max_prompt_bytes", "max_output_bytes", "max_steps_per_block"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} = {getattr(self, name)} must be positive")
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One validated generation request."""
+
+    model: RemoteModel
+    prompt: bytes
+    n_bytes: int
+    sampling: Sampling
+    seed: int
+    steps_per_block: int
+
+
+class Router:
+    def __init__(self, settings: RouterSettings, client: httpx.AsyncClient) -> None:
+        self.settings = settings
+        self.client = client
+        self.directory = Directory(list(settings.hosts), client)
+
+    async def resolve(self, name: str | None) -> RemoteModel:
+        models = await self.directory.models()
+        if name is None:
+            if len(models) == 1:
+                return next(iter(models.values()))
+            raise BadRequest(f"name a model: this router serves {_names(models)}",
+                             param="model")
+        if name in models:
+            return models[name]
+        if name in self.directory.unavailable:
+            raise unavailable_error(name, self.directory.unavailable[name])
+        raise BadRequest(f"model {name!r} is not served here; served: {_names(models)}",
+                         param="model", code="model_not_found", status=404)
+
+    async def job(self, *, model: str | None, prompt: Prompt, n_bytes: int, param: str,
+                  req: GenerateRequest | CompletionRequest) -> _Job:
+        data = prompt_bytes(prompt, self.settings.max_prompt_bytes)
+        if n_bytes > self.settings.max_output_bytes:
+            raise BadRequest(f"{param} = {n_bytes} exceeds this router's limit of "
+                             f"{self.settings.max_output_bytes} bytes", param=param)
+        if req.steps_per_block > self.settings.max_steps_per_block:
+            raise BadRequest(f"steps_per_block = {req.steps_per_block} exceeds this router's "
+                             f"limit of {self.settings.max_steps_per_block}",
+                             param="steps_per_block")
+        sampling = Sampling(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p)
+        seed = req.seed if req.seed is not None else secrets.randbits(63)
+        return _Job(await self.resolve(model), data, n_bytes, sampling, seed,
+                    req.steps_per_block)
+
+    def stream(self, job: _Job, stats: ChainStats) -> AsyncIterator[torch.Tensor]:
+        """The new bytes (1, m) piece by piece: a span per sweep, or a byte per traversal."""
+        chain = Chain(self.client, job.model, wire_dtype=cast(WireDtype, self.settings.wire_dtype),
+                      sample_on=self.settings.sample_on, stats=stats)
+        prompt = torch.tensor([list(job.prompt)], dtype=torch.long)
+        gen = torch.Generator().manual_seed(job.seed)
+        if job.model.kind == "blocktrain":
+            return one_sweep_stream(chain, prompt, job.n_bytes, sampling=job.sampling,
+                                    generator=gen, steps_per_block=job.steps_per_block)
+        return autoregressive_stream(chain, prompt, job.n_bytes, sampling=job.sampling,
+                                     generator=gen)
+
+    def failed(self, exc: ServingError) -> ServingError:
+        """A host failed: ask the hosts again next time; a refusal is the chain's fault, not
+        the client's (502)."""
+        if isinstance(exc, HostError):
+            self.directory.invalidate()
+        if isinstance(exc, HostRefused):
+            return HostRefused(f"the chain refused the request: {exc.message}", host=exc.host,
+                               code=exc.code, status=502)
+        return exc
+
+
+def _names(models: dict[str, RemoteModel]) -> str:
+    return ", ".join(sorted(models)) or "(none)"
+
+
+def prompt_bytes(prompt: Prompt, limit: int) -> bytes:
+    if isinstance(prompt, str):
+        data = prompt.encode("utf-8")
+    else:
+        if any(not 0 <= v <= 255 for v in prompt):
+            raise BadRequest("a prompt given as a list holds byte values 0..255",
+                             param="prompt")
+        data = bytes(prompt)
+    if not data:
+        raise BadRequest("prompt must hold at least one byte", param="prompt",
+                         code="empty_prompt")
+    if len(data) > limit:
+        raise BadRequest(f"prompt of {len(data)} bytes exceeds this router's limit of {limit}",
+                         param="prompt", code="prompt_too_long")
+    return data
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    msg = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+    param = loc[0] if loc else None
+    if first.get("type") == "extra_forbidden":
+        msg = "unknown parameter"
+    return (f"{'.'.join(loc)}: {msg}" if loc else msg), param
+
+
+def create_app(settings: RouterSettings, *,
+               transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+    """The router app; `transport` (tests) replaces the network to the hosts."""
+    client = make_client(timeout_s=settings.timeout_s, hop_ms=settings.hop_ms,
+                         transport=transport)
+    router = Router(settings, client)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await client.aclose()
+
+    app = FastAPI(title="BlockTrain router", lifespan=lifespan)
+    app.state.router = router
+
+    @app.exception_handler(ServingError)
+    async def serving_error(_: Request, exc: ServingError) -> JSONResponse:
+        exc = router.failed(exc)
+        if exc.status >= 500:
+            log.warning("%s", exc.message)
+        return JSONResponse(exc.to_json(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return JSONResponse(BadRequest(message, param=param).to_json(), status_code=400)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"ok": True, "hosts": list(settings.hosts)}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        served = await router.directory.models()
+        return {"object": "list", "data": [m.describe() for m in served.values()],
+                "unavailable": router.directory.unavailable}
+
+    @app.post("/v1/generate")
+    async def generate(req: GenerateRequest) -> GenerateResponse:
+        t0 = time.perf_counter()
+        job = await router.job(model=req.model, prompt=req.prompt, n_bytes=req.max_bytes,
+                               param="max_bytes", req=req)
+        stats = ChainStats()
+        pieces = [piece async for piece in router.stream(job, stats)]
+        data = bytes(torch.cat(pieces, dim=1)[0].tolist())
+        return GenerateResponse(
+            model=job.model.name, kind=job.model.kind, text=data.decode("utf-8", "replace"),
+            bytes=list(data), seed=job.seed, prompt_bytes=len(job.prompt),
+            output_bytes=len(data), traversals=stats.traversals, hosts=job.model.route,
+            timing=Timing(total_s=time.perf_counter() - t0, chain_s=stats.chain_s,
+                          host_compute_s=stats.host_compute_s))
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(req: CompletionRequest) -> Completion | StreamingResponse:
+        job = await router.job(model=req.model, prompt=req.prompt, n_bytes=req.max_tokens,
+                               param="max_tokens", req=req)
+        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        usage = Usage(prompt_tokens=len(job.prompt), completion_tokens=job.n_bytes,
+                      total_tokens=len(job.prompt) + job.n_bytes)
+        pieces = router.stream(job, ChainStats())
+        if not req.stream:
+            out = [piece async for piece in pieces]
+            text = bytes(torch.cat(out, dim=1)[0].tolist()).decode("utf-8", "replace")
+            return Completion(id=cid, created=created, model=job.model.name, usage=usage,
+                              choices=[CompletionChoice(text=text, finish_reason="length")])
+        # The first piece is computed before the response starts, so that a chain that is
+        # down answers with a proper status rather than a stream that breaks at once.
+        first = await anext(pieces)
+
+        def chunk(text: str, finish: bool = False, with_usage: bool = False) -> str:
+            doc = Completion(id=cid, created=created, model=job.model.name,
+                             choices=[CompletionChoice(text=text, finish_reason="length"
+                                                       if finish else None)],
+                             usage=usage if with_usage else None)
+            return f"data: {doc.model_dump_json()}\n\n"
+
+        async def events() -> AsyncIterator[str]:
+            decoder = codecs.getincrementaldecoder("utf-8")("replace")
+            yield chunk(decoder.decode(bytes(first[0].tolist())))
+            try:
+                async for piece in pieces:
+                    yield chunk(decoder.decode(bytes(piece[0].tolist())))
+            except ServingError as exc:
+                err = router.failed(exc)
+                log.warning("stream %s failed: %s", cid, err.message)
+                yield f"data: {json.dumps(err.to_json())}\n\n"
+                return
+            yield chunk(decoder.decode(b"", final=True), finish=True,
+                        with_usage=bool((req.stream_options or {}).get("include_usage")))
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app

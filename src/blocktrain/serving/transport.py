@@ -1,0 +1,94 @@
+"""HTTP between the router and the hosts: clients with explicit timeouts, the emulated hop
+latency, and the mapping of transport failures to errors that name the host.
+
+Hop latency is emulated in the transport, not in the network: `DelayTransport` waits `hop_ms`
+before sending each request and again before handing back its response, as a link with a
+one-way latency of `hop_ms` would (one round trip costs 2 * hop_ms). Every link of the chain has
+one: router -> host 0, host 0 -> host 1, ..., so one traversal of a chain of H hosts crosses H
+links, out and back: 2 * H * hop_ms of emulated latency on top of the real loopback cost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from blocktrain.serving.errors import HostTimeout, HostUnavailable, error_from_json
+from blocktrain.serving.wire import CONTENT_TYPE, TRACE_HEADER, TraceEntry, trace_from_header
+
+CONNECT_TIMEOUT_S = 5.0
+
+
+class DelayTransport(httpx.AsyncBaseTransport):
+    """Wraps a transport; adds `delay_s` of one-way latency in each direction."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport, delay_s: float) -> None:
+        self.inner = inner
+        self.delay_s = delay_s
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(self.delay_s)
+        response = await self.inner.handle_async_request(request)
+        await asyncio.sleep(self.delay_s)
+        return response
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def make_client(*, timeout_s: float, hop_ms: float = 0.0,
+                transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
+    """An async client for the chain: connect timeout 5 s, read/write/pool `timeout_s`, and the
+    emulated hop latency when hop_ms > 0. `transport` lets tests run hosts in-process."""
+    inner = transport or httpx.AsyncHTTPTransport(retries=0)
+    outer: httpx.AsyncBaseTransport = DelayTransport(inner, hop_ms / 1000) if hop_ms > 0 else inner
+    timeout = httpx.Timeout(timeout_s, connect=min(CONNECT_TIMEOUT_S, timeout_s))
+    return httpx.AsyncClient(transport=outer, timeout=timeout)
+
+
+def join(url: str, path: str) -> str:
+    return url.rstrip("/") + path
+
+
+async def post_message(client: httpx.AsyncClient, url: str, path: str, body: bytes
+                       ) -> tuple[bytes, list[TraceEntry]]:
+    """POST a wire message to host `url`; -> (the answer's body, its trace). Raises
+    HostUnavailable / HostTimeout naming `url`, or the error a host down the chain answered
+    with (naming that host)."""
+    try:
+        resp = await client.post(join(url, path), content=body,
+                                 headers={"content-type": CONTENT_TYPE})
+    except httpx.TimeoutException as exc:
+        raise HostTimeout(f"host {url} did not answer within the timeout "
+                          f"({type(exc).__name__})", host=url) from None
+    except httpx.TransportError as exc:
+        raise HostUnavailable(f"host {url} is unavailable ({type(exc).__name__}: "
+                              f"{exc or 'connection lost'}); retry once it is back",
+                              host=url) from None
+    if resp.status_code != 200:
+        try:
+            payload = resp.json()
+        except ValueError:
+            payload = resp.text
+        raise error_from_json(resp.status_code, payload, default_host=url)
+    return resp.content, trace_from_header(resp.headers.get(TRACE_HEADER))
+
+
+async def get_json(client: httpx.AsyncClient, url: str, path: str) -> object:
+    """GET a JSON document from host `url` (its info or health), with the same error mapping."""
+    try:
+        resp = await client.get(join(url, path))
+    except httpx.TimeoutException:
+        raise HostTimeout(f"host {url} did not answer within the timeout", host=url) from None
+    except httpx.TransportError as exc:
+        raise HostUnavailable(f"host {url} is unavailable ({type(exc).__name__}: "
+                              f"{exc or 'connection lost'}); retry once it is back",
+                              host=url) from None
+    try:
+        payload = resp.json()
+    except ValueError:
+        payload = resp.text
+    if resp.status_code != 200:
+        raise error_from_json(resp.status_code, payload, default_host=url)
+    return payload

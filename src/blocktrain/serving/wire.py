@@ -1,0 +1,137 @@
+"""What travels between the router and the hosts: one safetensors body per message.
+
+A request body is a safetensors file whose metadata key "blocktrain" holds a JSON header
+(`SweepHeader` or `StageHeader`) and whose tensors are the state:
+
+    POST /v1/sweep   x (N, Lx) uint8       the clean context bytes of the span
+                     z (N, K, d) fp32|fp16 the noisy state at grid point `step`
+                     generator (S,) uint8  the request's torch.Generator state ("bytes" only)
+    POST /v1/stage   x (N, L) uint8        new bytes (to the first stage), or
+                     h (N, L, d) fp32|fp16 hidden states (to the later stages)
+                     generator (S,) uint8  as above
+
+A final answer is a safetensors body too: `logits` (N, K, 256) fp32 for a sweep, (N, 256) for a
+stage step; or `bytes` (N, K) / (N,) uint8 and the advanced `generator` state when the last host
+samples. Logits always travel in fp32 so that sampling gives the same bytes wherever it runs;
+the fp16 option only narrows the state. Every host adds a line to the `x-blocktrain-trace`
+response header (JSON list) saying what it computed and for how long.
+
+Errors travel as JSON (`errors.ServingError.to_json`), never as safetensors. Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+CONTENT_TYPE = "application/vnd.blocktrain.safetensors"
+HEADER_KEY = "blocktrain"
+TRACE_HEADER = "x-blocktrain-trace"
+WIRE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16}
+WireDtype = Literal["fp32", "fp16"]
+Final = Literal["logits", "bytes"]
+
+
+class WireError(ValueError):
+    """A body that is not a well-formed BlockTrain message."""
+
+
+class SamplingSpec(BaseModel):
+    """How the last host draws bytes when asked to (mirrors model.Sampling)."""
+
+    model_config = ConfigDict(extra="forbid")
+    temperature: float = Field(1.0, ge=0, allow_inf_nan=False)
+    top_k: int = Field(0, ge=0, le=256)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+
+
+class _Header(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(min_length=1, max_length=200)
+    """The model's name on the hosts."""
+    fingerprint: str = Field(min_length=1, max_length=64)
+    """The run the router resolved the model to; a host serving another run refuses."""
+    route: list[str] | None = Field(None, max_length=64)
+    """The hosts still to visit, in order; None: use the host's own --next."""
+    final: Final = "logits"
+    """What the last host returns: the final logits, or bytes sampled with `generator`."""
+    sampling: SamplingSpec | None = None
+    wire_dtype: WireDtype = "fp32"
+    """The dtype of the state (z or h) on the wire."""
+
+
+class SweepHeader(_Header):
+    step: int = Field(ge=0)
+    """Index of the next sigma-grid point to run."""
+    steps_per_block: int = Field(1, ge=1, le=64)
+
+
+class StageHeader(_Header):
+    stage: int = Field(0, ge=0)
+    """Index of the next reference stage to run."""
+    session: str = Field(min_length=1, max_length=64)
+    """Names one generation's KV caches on every stage."""
+    pos: int = Field(ge=0)
+    """How many positions the stage caches already hold (0 starts a fresh cache)."""
+    close: bool = False
+    """Drop the caches after this step (the generation's last byte)."""
+
+
+class TraceEntry(BaseModel):
+    host: str
+    model: str
+    parts: list[int]
+    compute_ms: float
+
+
+def encode(tensors: dict[str, torch.Tensor], header: dict[str, Any] | None = None) -> bytes:
+    meta = {HEADER_KEY: json.dumps(header or {}, separators=(",", ":"))}
+    return st_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+                   metadata=meta)
+
+
+def decode(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """-> (tensors, header). Raises WireError with the reason for anything malformed."""
+    if len(data) < 8:
+        raise WireError("the body is not a safetensors message (too short)")
+    n = int.from_bytes(data[:8], "little")
+    if n > len(data) - 8:
+        raise WireError("the body is not a safetensors message (truncated header)")
+    try:
+        meta = json.loads(data[8:8 + n]).get("__metadata__") or {}
+        header = json.loads(meta.get(HEADER_KEY, "{}"))
+        tensors = st_load(data)
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, SafetensorError,
+            ValueError) as exc:
+        raise WireError(f"the body is not a readable safetensors message ({exc})") from None
+    if not isinstance(header, dict):
+        raise WireError("the message header is not a JSON object")
+    return tensors, header
+
+
+def bytes_tensor(t: torch.Tensor) -> torch.Tensor:
+    """Byte values (any integer dtype) -> uint8 for the wire."""
+    return t.to(torch.uint8)
+
+
+def generator_state(gen: torch.Generator) -> torch.Tensor:
+    return gen.get_state()
+
+
+def trace_from_header(value: str | None) -> list[TraceEntry]:
+    if not value:
+        return []
+    try:
+        return [TraceEntry.model_validate(item) for item in json.loads(value)]
+    except (json.JSONDecodeError, TypeError, ValueError):
+        return []
+
+
+def trace_to_header(entries: list[TraceEntry]) -> str:
+    return json.dumps([e.model_dump() for e in entries], separators=(",", ":"))

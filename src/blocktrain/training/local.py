@@ -1,0 +1,146 @@
+"""One block replica trained in memory, as a decentralised worker does; and the assembly of a
+checkpoint from per-block weights, as the aggregator's export does.
+
+`LocalBlockTrainer` reuses the trainer's pieces exactly (BlockLoss, make_optimizer,
+learning_rate, stream_seed): a worker's step is `Trainer.train_step` for one block, with the
+batches drawn from the worker's own data seed (`seed * n_workers + worker_id`, so two replicas
+of a block see different batches) and the step index taken from the round (round * H + i), so
+the learning-rate schedule follows the run's progress, not the worker's age. Its AdamW state
+lives as long as the object: it carries over from round to round while the weights are reset
+to each round's published version.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from blocktrain.config import RunConfig
+from blocktrain.data import ByteSource
+from blocktrain.errors import CheckpointError, ProtocolError
+from blocktrain.model import BlockStack, init_block, target_table
+from blocktrain.training import checkpoint as ckpt
+from blocktrain.training.loss import BlockLoss
+from blocktrain.training.optim import learning_rate, make_optimizer, set_learning_rate
+from blocktrain.training.trainer import stream_seed
+
+Tensors = dict[str, torch.Tensor]
+
+
+class LocalBlockTrainer:
+    """Block `block` of a run, its AdamW state, and the weights of the round it started from."""
+
+    def __init__(self, cfg: RunConfig, block: int, data: ByteSource, *, data_seed: int,
+                 device: torch.device | str = "cpu") -> None:
+        if not 0 <= block < cfg.model.blocks:
+            raise ProtocolError(f"block {block} is outside 0..{cfg.model.blocks - 1}")
+        self.cfg = cfg
+        self.block_index = block
+        self.data = data
+        self.data_seed = data_seed
+        self.device = torch.device(device)
+        self.module = init_block(cfg.model, cfg.seed, block).to(self.device)
+        self.targets = target_table(cfg.seed, cfg.model.d_model).to(self.device)
+        self.loss = BlockLoss(cfg.model, self.targets)
+        self.optimizer = make_optimizer(self.module, cfg.train)
+        self.base: Tensors | None = None
+        self.steps_done = 0
+
+    def load(self, weights: Tensors) -> None:
+        """Set the block's weights to a round's published version (names and shapes must match
+        exactly); the optimizer state is kept."""
+        own = self.module.state_dict()
+        missing, extra = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
+        if missing or extra:
+            raise ProtocolError(f"the aggregator's block {self.block_index} does not match this "
+                                f"model ({len(missing)} missing, {len(extra)} unexpected "
+                                f"tensors, e.g. {(missing or extra)[0]!r})")
+        with torch.no_grad():
+            for name, value in weights.items():
+                if value.shape != own[name].shape:
+                    raise ProtocolError(f"{name} has shape {tuple(value.shape)}; this model's is "
+                                        f"{tuple(own[name].shape)}")
+                own[name].copy_(value)
+        self.base = {k: v.detach().float().clone() for k, v in self.module.state_dict().items()}
+
+    def train(self, steps: int, first_step: int,
+              should_stop: Callable[[], bool] = lambda: False) -> dict[str, float]:
+        """Up to `steps` AdamW updates at run steps first_step, first_step + 1, ... Returns the
+        target bytes trained on ("tokens"), the mean loss and the steps done."""
+        cfg, tcfg = self.cfg, self.cfg.train
+        self.module.train()
+        losses: list[float] = []
+        tokens = 0
+        for i in range(steps):
+            if should_stop():
+                break
+            step = first_step + i
+            batch_gen = torch.Generator().manual_seed(
+                stream_seed(self.data_seed, self.block_index, step, salt=1))
+            x = self.data.sample(tcfg.batch_size, cfg.model.seq_len, batch_gen).to(self.device)
+            noise_gen = torch.Generator(self.device).manual_seed(
+                stream_seed(self.data_seed, self.block_index, step, salt=2))
+            parts = self.loss(self.module, self.block_index, x, noise_gen)
+            self.optimizer.zero_grad(set_to_none=True)
+            parts.total.backward()
+            if tcfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.module.parameters(), tcfg.grad_clip)
+            set_learning_rate(self.optimizer, learning_rate(step, tcfg))
+            self.optimizer.step()
+            losses.append(parts.logs["loss"])
+            tokens += x.numel()
+        self.steps_done += len(losses)
+        mean = sum(losses) / len(losses) if losses else math.nan
+        return {"tokens": float(tokens), "loss": mean, "steps": float(len(losses))}
+
+    def delta(self) -> Tensors:
+        """theta_local - theta_base, fp32."""
+        if self.base is None:
+            raise ProtocolError("no weights loaded yet: call load() first")
+        return {k: v.detach().float() - self.base[k]
+                for k, v in self.module.state_dict().items()}
+
+
+def delta_norm_bound(cfg: RunConfig, local_steps: int, n_params: int,
+                     slack: float = 4.0) -> float:
+    """A bound on the L2 norm of an honest worker's delta. AdamW moves each coordinate by about
+    lr per step at most (|m_hat / sqrt(v_hat)| <= 1 for steady gradients), so H steps move the
+    block by at most lr * H * sqrt(n_params); `slack` leaves room for the rare larger step."""
+    return slack * cfg.train.lr * local_steps * math.sqrt(n_params)
+
+
+def token_bound(cfg: RunConfig, local_steps: int, slack: float = 2.0) -> int:
+    """The most target bytes an honest update can claim: H batches of B x T, with slack."""
+    return int(slack * local_steps * cfg.train.batch_size * cfg.model.seq_len)
+
+
+def build_stack(cfg: RunConfig, blocks: dict[int, Tensors]) -> BlockStack:
+    """The assembled model (eval mode) from per-block weights."""
+    if sorted(blocks) != list(range(cfg.model.blocks)):
+        raise CheckpointError(f"weights for blocks {sorted(blocks)} do not assemble the "
+                              f"{cfg.model.blocks}-block model")
+    stack = BlockStack(cfg.model, cfg.seed)
+    for b, weights in blocks.items():
+        ckpt.load_module_tensors(stack.block(b), {f"block.{b}.{k}": v.float()
+                                                  for k, v in weights.items()},
+                                 f"block.{b}.", Path(f"<block {b}>"))
+    return stack.eval()
+
+
+def write_assembled(run_dir: Path, cfg: RunConfig, blocks: dict[int, Tensors],
+                    step: int) -> None:
+    """A run folder that `load_model`, `blocktrain eval` and `generate` read: config.json of
+    kind blocktrain with every block, and model.safetensors with block.{b}.* and targets."""
+    stack = build_stack(cfg, blocks)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt.write_config(run_dir, ckpt.RunInfo(cfg, "blocktrain", list(range(cfg.model.blocks))))
+    weights: Tensors = {}
+    for b in range(cfg.model.blocks):
+        weights.update({f"block.{b}.{k}": v for k, v in stack.block(b).state_dict().items()})
+    weights["targets"] = stack.targets
+    ckpt.atomic_save_tensors(run_dir / ckpt.MODEL_FILE, weights,
+                             {"format": ckpt.FORMAT, "kind": "blocktrain", "step": str(step)})

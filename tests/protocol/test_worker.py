@@ -1,0 +1,213 @@
+"""The worker's client and loop, against the aggregator app in this process: retries with
+backoff, refusals, re-sync after a restart, clean stop."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import httpx
+import pytest
+import torch
+
+from blocktrain.errors import Refused, Unreachable
+from blocktrain.protocol.settings import AggregatorSettings
+from blocktrain.protocol.worker import AggregatorClient, RetryPolicy, WorkerLoop
+
+from .conftest import Harness, make_harness
+
+SETTINGS = AggregatorSettings(deadline_s=30, local_steps=3, max_delta_norm=50,
+                              max_tokens=10_000, max_rounds=4)
+
+
+class FakeTrainer:
+    """Stands in for LocalBlockTrainer: a fixed delta, and hooks for tests."""
+
+    def __init__(self, on_train=None) -> None:
+        self.loaded: list[dict[str, torch.Tensor]] = []
+        self.first_steps: list[int] = []
+        self.on_train = on_train
+
+    def load(self, weights):
+        self.loaded.append(weights)
+
+    def train(self, steps, first_step, should_stop):
+        self.first_steps.append(first_step)
+        if self.on_train is not None:
+            self.on_train(len(self.first_steps))
+        return {"tokens": 64.0, "loss": 2.5, "steps": float(steps)}
+
+    def delta(self):
+        return {k: torch.full_like(v, 0.01) for k, v in self.loaded[-1].items()}
+
+
+def client_for(h: Harness, token: str, **kwargs) -> AggregatorClient:
+    sleeps: list[float] = []
+    kwargs.setdefault("sleep", sleeps.append)
+    kwargs.setdefault("rng", random.Random(0))
+    c = AggregatorClient("http://agg", token, client=h.client, **kwargs)
+    c.sleeps = sleeps  # type: ignore[attr-defined]
+    return c
+
+
+@pytest.fixture
+def h(tmp_path):
+    harness = make_harness(tmp_path / "s", SETTINGS)
+    yield harness
+    harness.state.close()
+
+
+def test_client_calls(h):
+    c = client_for(h, h.alice)
+    reg = c.register(block=1)
+    assert reg.block == 1 and reg.local_steps == 3 and c.worker_id == reg.worker_id
+    cfg = c.config()
+    assert cfg["blocks"] == 2 and cfg["run_config"]["seed"] == 5
+    assert cfg["tensors"]["1"]["layer.weight"] == [8, 4]
+    pulled = c.pull(1)
+    assert pulled.round == 0 and pulled.version == 0 and pulled.deadline_in == 30
+    assert all(t.dtype == torch.float32 for t in pulled.tensors.values())
+    delta = {k: torch.full_like(v, 0.01) for k, v in pulled.tensors.items()}
+    res = c.push(1, delta, base_version=0, round=0, tokens=64, loss=2.0)
+    assert res.accepted and res.body["update_id"] >= 1
+    again = c.push(1, delta, base_version=0, round=0, tokens=64)
+    assert not again.accepted and again.reason == "late" and again.status == 409
+    assert c.round(1)["round"] == 1
+    assert c.bytes_up == res.nbytes + again.nbytes and c.bytes_down > pulled.nbytes
+    c.leave()
+    with pytest.raises(Refused) as exc:
+        c.pull(1)
+    assert exc.value.reason == "unknown_worker"
+
+
+def test_transient_failures_are_retried_with_backoff(h):
+    failures = {"n": 0}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if failures["n"] < 3:
+            failures["n"] += 1
+            raise httpx.ConnectError("connection refused", request=request)
+        if failures["n"] == 3:
+            failures["n"] += 1
+            return httpx.Response(503, text="busy")
+        r = h.client.request(request.method, str(request.url), headers=request.headers,
+                             content=request.content)
+        return httpx.Response(r.status_code, headers=r.headers, content=r.content)
+
+    sleeps: list[float] = []
+    c = AggregatorClient("http://agg", h.alice, transport=httpx.MockTransport(handler),
+                         sleep=sleeps.append, rng=random.Random(1),
+                         retry=RetryPolicy(base_s=0.5, cap_s=1.5))
+    assert c.register().worker_id == 0
+    assert len(sleeps) == 4, "three connection errors and one 503"
+    assert all(0 <= s <= cap for s, cap in zip(sleeps, (0.5, 1.0, 1.5, 1.5), strict=True))
+
+
+def test_refusals_are_not_retried(h):
+    calls = {"n": 0}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls["n"] += 1
+        return httpx.Response(401, json={"accepted": False, "reason": "invalid_token",
+                                         "detail": "no"})
+
+    c = AggregatorClient("http://agg", "x", transport=httpx.MockTransport(handler),
+                         sleep=lambda s: None)
+    with pytest.raises(Refused) as exc:
+        c.register()
+    assert exc.value.reason == "invalid_token" and exc.value.status == 401 and calls["n"] == 1
+
+
+def test_unreachable_after_the_retry_budget():
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+
+    c = AggregatorClient("http://agg", "x", transport=httpx.MockTransport(handler),
+                         sleep=lambda s: None,
+                         retry=RetryPolicy(base_s=0.0, cap_s=0.0, give_up_after_s=0.05))
+    with pytest.raises(Unreachable, match="failed"):
+        c.status()
+
+
+def test_loop_trains_until_the_block_is_done(h):
+    trainer = FakeTrainer()
+    c = client_for(h, h.alice)
+    report = WorkerLoop(c, lambda reg, cfg: trainer, block=0).run()
+    assert report.stopped_by == "done" and report.rounds == 4 and report.accepted == 4
+    assert trainer.first_steps == [0, 3, 6, 9], "the LR step follows the round: round * H"
+    assert h.service.blocks[0].rounds.version == 4
+    assert report.bytes_up > 0 and report.bytes_down > 0
+
+
+def test_loop_re_registers_when_its_worker_is_gone(h):
+    c = client_for(h, h.alice)
+
+    def kick(n: int) -> None:
+        if n == 2:  # the operator removes the worker while it trains its second round
+            h.client.delete(f"/v1/workers/{c.worker_id}",
+                            headers={"Authorization": f"Bearer {h.alice}",
+                                     "X-Worker-Id": str(c.worker_id)})
+
+    trainer = FakeTrainer(on_train=kick)
+    report = WorkerLoop(c, lambda reg, cfg: trainer, block=1).run()
+    assert report.refused == {"unknown_worker": 1}
+    assert report.stopped_by == "done" and report.worker_id == 1, "registered again"
+    assert h.service.blocks[1].rounds.done
+
+
+def test_loop_stops_cleanly_and_says_goodbye(h):
+    stop = threading.Event()
+    trainer = FakeTrainer(on_train=lambda n: stop.set() if n == 2 else None)
+    c = client_for(h, h.alice)
+    report = WorkerLoop(c, lambda reg, cfg: trainer, block=0, stop=stop).run()
+    assert report.stopped_by == "signal" and report.rounds == 1
+    (w,) = h.state.ledger.workers(active_only=False)
+    assert w.left_at is not None, "the worker told the aggregator it left"
+
+
+def test_loop_gives_up_on_a_revoked_token(h):
+    c = client_for(h, h.alice)
+    trainer = FakeTrainer(on_train=lambda n: h.state.ledger.revoke_token("alice", 1.0))
+    with pytest.raises(Refused) as exc:
+        WorkerLoop(c, lambda reg, cfg: trainer, block=0).run()
+    assert exc.value.reason == "revoked_token"
+
+
+def test_loop_comes_back_after_an_aggregator_restart(h):
+    """The aggregator goes away mid-run and comes back on the same state folder: the worker's
+    retries reconnect and it carries on from the restored round."""
+    target = {"client": h.client, "down": 0}
+    stop = threading.Event()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if target["down"] > 0:
+            target["down"] -= 1
+            raise httpx.ConnectError("connection refused", request=request)
+        r = target["client"].request(request.method, str(request.url),
+                                     headers=request.headers, content=request.content)
+        return httpx.Response(r.status_code, headers=r.headers, content=r.content)
+
+    def crash(n: int) -> None:
+        if n == 2:  # kill and restart the aggregator while the worker trains
+            h2 = h.reopen()
+            target["client"] = h2.client
+            target["down"] = 5
+            target["h2"] = h2
+
+    c = AggregatorClient("http://agg", h.alice, transport=httpx.MockTransport(handler),
+                         sleep=lambda s: None, stop=stop)
+    report = WorkerLoop(c, lambda reg, cfg: FakeTrainer(on_train=crash), block=0).run()
+    assert report.stopped_by == "done" and report.accepted == 4, report
+    h2 = target["h2"]
+    assert h2.service.blocks[0].rounds.version == 4
+    assert all(u.committed_version is not None
+               for u in h2.state.ledger.updates(fate="accepted"))
+    h2.state.close()
+
+
+
+def test_loop_stops_after_max_rounds_and_leaves(h):
+    c = client_for(h, h.alice)
+    report = WorkerLoop(c, lambda reg, cfg: FakeTrainer(), block=1, max_rounds=2).run()
+    assert report.stopped_by == "max_rounds" and report.rounds == 2
+    assert h.service.blocks[1].rounds.assigned == set(), "it left: the block does not wait"

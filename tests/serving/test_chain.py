@@ -1,0 +1,201 @@
+"""One sweep across hosts gives exactly the in-process sampler's bytes; the autoregressive
+pipeline gives the reference's; hosts refuse state that is not theirs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from blocktrain.model import (
+    Reference,
+    Sampling,
+    SigmaSchedule,
+    ZLayout,
+    generate_autoregressive,
+    one_sweep,
+    stack_denoiser,
+)
+from blocktrain.serving.wire import CONTENT_TYPE, TRACE_HEADER, decode, encode
+from blocktrain.training import load_model
+from tests.serving.conftest import in_process, start_cluster
+
+PROMPT = b" = Valkyria Chronicles III = \n\n Senjo no "  # 42 bytes: longer than T = 16
+
+
+@pytest.mark.parametrize("sample_on", ["router", "last-host"])
+@pytest.mark.parametrize(("seed", "n", "sampling"), [
+    (0, 9, {}),
+    (7, 16, {"temperature": 0.7, "top_k": 20}),
+    (11, 5, {"top_p": 0.9}),
+])
+def test_chained_sweep_gives_the_in_process_samplers_bytes(cluster, stack, sample_on, seed, n,
+                                                           sampling):
+    with cluster.router(sample_on=sample_on) as router:
+        r = router.post("/v1/generate", json={"model": "bt", "prompt": PROMPT.decode(),
+                                              "max_bytes": n, "seed": seed, **sampling})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    expected = in_process(stack, PROMPT, n, seed, Sampling(**sampling))
+    assert body["bytes"] == expected, "the chain must reproduce generate() bit for bit"
+    assert body["traversals"] == -(-n // stack.cfg.span), "one traversal per span of K bytes"
+    assert body["hosts"] == cluster.urls
+
+
+@pytest.mark.parametrize("parts", [[(0, 1), (2,)], [(0,), (1, 2)], [(0, 2), (1,)], [(0, 1, 2)]])
+def test_any_split_of_blocks_over_hosts_gives_the_same_bytes(runs, stack, parts):
+    cluster = start_cluster(runs, parts)
+    with cluster.router() as router:
+        r = router.post("/v1/generate", json={"model": "bt", "prompt": "Sega and ",
+                                              "max_bytes": 7, "seed": 3})
+    assert r.status_code == 200, r.text
+    assert r.json()["bytes"] == in_process(stack, b"Sega and ", 7, 3)
+    if parts == [(0, 2), (1,)]:
+        assert r.json()["hosts"] == [cluster.urls[0], cluster.urls[1], cluster.urls[0]]
+
+
+def test_steps_per_block_are_run_on_the_blocks_host(cluster, stack):
+    with cluster.router() as router:
+        r = router.post("/v1/generate", json={"model": "bt", "prompt": "game ", "max_bytes": 4,
+                                              "seed": 5, "steps_per_block": 3})
+    assert r.status_code == 200, r.text
+    assert r.json()["bytes"] == in_process(stack, b"game ", 4, 5, steps_per_block=3)
+    sweeps = [c for c in cluster.apps.calls if c.endswith("/v1/sweep")]
+    assert len(sweeps) == 3 * 2, "3 hosts per traversal, 2 traversals, whatever the steps"
+
+
+def test_fp16_state_on_the_wire_halves_the_state_and_still_generates(cluster):
+    sizes: list[int] = []
+
+    def record(url, request):
+        if request.url.path == "/v1/sweep" and url == cluster.urls[1]:
+            tensors, _ = decode(request.content)
+            sizes.append(tensors["z"].element_size())
+
+    cluster.apps.before = record
+    with cluster.router(wire_dtype="fp16") as router:
+        r = router.post("/v1/generate", json={"model": "bt", "prompt": "The ", "max_bytes": 6})
+    assert r.status_code == 200 and r.json()["output_bytes"] == 6, r.text
+    assert sizes and set(sizes) == {2}, "fp16 on every hop"
+
+
+def test_autoregressive_pipeline_gives_the_references_bytes(cluster, runs):
+    _, ref = load_model(runs.reference)
+    assert isinstance(ref, Reference)
+    prompt = b"Chronicles"
+    expected = generate_autoregressive(ref, torch.tensor([list(prompt)]), 5,
+                                       sampling=Sampling(temperature=0),
+                                       generator=torch.Generator().manual_seed(0))
+    with cluster.router() as router:
+        r = router.post("/v1/generate", json={"model": "ref", "prompt": prompt.decode(),
+                                              "max_bytes": 5, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["bytes"] == expected[0].tolist()
+    assert r.json()["traversals"] == 5, "one traversal of the chain per byte"
+    for url in cluster.urls:
+        assert len(cluster.apps.apps[url].state.host.sessions) == 0, "caches dropped at the end"
+
+
+def test_autoregressive_pipeline_runs_past_the_context_and_is_seeded(cluster):
+    with cluster.router() as router:
+        def go(seed):
+            r = router.post("/v1/generate", json={"model": "ref", "prompt": "x" * 30,
+                                                  "max_bytes": 40, "seed": seed})
+            assert r.status_code == 200, r.text
+            return r.json()["bytes"]
+
+        assert len(go(1)) == 40
+        assert go(1) == go(1) and go(1) != go(2)
+
+
+def test_a_stage_that_lost_its_cache_is_prefilled_again(cluster):
+    steps = {"n": 0}
+
+    def forget(url, request):
+        if url == cluster.urls[1] and request.url.path == "/v1/stage":
+            steps["n"] += 1
+            if steps["n"] == 3:  # host 1 "restarts" between two bytes
+                cluster.apps.apps[url].state.host.sessions._items.clear()
+
+    with cluster.router() as router:
+        baseline = router.post("/v1/generate", json={"model": "ref", "prompt": "abc",
+                                                     "max_bytes": 6, "temperature": 0})
+        cluster.apps.before = forget
+        r = router.post("/v1/generate", json={"model": "ref", "prompt": "abc", "max_bytes": 6,
+                                              "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["output_bytes"] == 6
+    assert r.json()["bytes"][:2] == baseline.json()["bytes"][:2]
+
+
+def _sweep_message(stack, fingerprint, step=0, route=None, model="bt"):
+    cfg = stack.cfg
+    x = torch.tensor([list(b"Valkyria")], dtype=torch.uint8)
+    z = cfg.sigma_max * torch.randn(1, cfg.span, cfg.d_model,
+                                    generator=torch.Generator().manual_seed(0))
+    header = {"model": model, "fingerprint": fingerprint, "step": step, "route": route}
+    return x, z, encode({"x": x, "z": z}, header)
+
+
+def _fingerprint(cluster):
+    return cluster.apps.apps[cluster.urls[0]].state.host.models["bt"].fingerprint
+
+
+def test_a_chain_without_router_follows_next_and_matches_one_sweep(runs, stack):
+    cluster = start_cluster(runs, next_urls=True)
+    x, z, body = _sweep_message(stack, _fingerprint(cluster))
+    with TestClient(cluster.apps.apps[cluster.urls[0]]) as host0:
+        r = host0.post("/v1/sweep", content=body, headers={"content-type": CONTENT_TYPE})
+    assert r.status_code == 200, r.text
+    logits = decode(r.content)[0]["logits"]
+    cfg = stack.cfg
+    expected = one_sweep(stack_denoiser(stack), x.long(), z,
+                         SigmaSchedule.from_config(cfg).sampler_grid(1), stack.targets,
+                         ZLayout.next_span(x.shape[1], cfg.span))
+    assert torch.equal(logits, expected)
+    trace = r.headers[TRACE_HEADER]
+    assert all(url in trace for url in cluster.urls), "every host reports its compute"
+
+
+@pytest.mark.parametrize(("change", "code"), [
+    ({"fingerprint": "0123456789abcdef"}, "fingerprint_mismatch"),
+    ({"step": 1}, "misrouted"),
+    ({"model": "nope"}, "unknown_model"),
+    ({"model": "ref"}, "host_refused"),
+])
+def test_a_host_refuses_state_that_is_not_its_own(cluster, stack, change, code):
+    args = {"fingerprint": _fingerprint(cluster), "route": [], **change}
+    _, _, body = _sweep_message(stack, **args)
+    with TestClient(cluster.apps.apps[cluster.urls[0]]) as host0:
+        r = host0.post("/v1/sweep", content=body)
+    assert r.status_code == 409, r.text
+    assert r.json()["error"]["code"] == code, r.json()
+    assert r.json()["error"]["host"] == cluster.urls[0]
+
+
+@pytest.mark.parametrize(("body", "reason"), [
+    (b"not safetensors", "not a safetensors message"),
+    (encode({"x": torch.zeros(1, 4, dtype=torch.uint8)}, {"model": "bt"}), "fingerprint"),
+])
+def test_a_host_rejects_malformed_messages(cluster, body, reason):
+    with TestClient(cluster.apps.apps[cluster.urls[0]]) as host0:
+        r = host0.post("/v1/sweep", content=body)
+    assert r.status_code == 400, r.text
+    assert reason in r.json()["error"]["message"]
+
+
+def test_a_host_rejects_bad_state(cluster, stack):
+    fp = _fingerprint(cluster)
+    x = torch.tensor([list(b"abc")], dtype=torch.uint8)
+    bad = {
+        "wrong shape": {"x": x, "z": torch.zeros(1, 3, stack.cfg.d_model)},
+        "non-finite": {"x": x, "z": torch.full((1, stack.cfg.span, stack.cfg.d_model),
+                                               float("nan"))},
+        "context too long": {"x": torch.zeros(1, 100, dtype=torch.uint8),
+                             "z": torch.zeros(1, stack.cfg.span, stack.cfg.d_model)},
+    }
+    with TestClient(cluster.apps.apps[cluster.urls[0]]) as host0:
+        for what, tensors in bad.items():
+            r = host0.post("/v1/sweep", content=encode(tensors, {"model": "bt",
+                                                                 "fingerprint": fp, "step": 0}))
+            assert r.status_code == 400, f"{what}: {r.text}"

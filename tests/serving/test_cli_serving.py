@@ -1,0 +1,68 @@
+"""serve-block, serve and plan --shape: examples in --help, and one clear line with exit code 2
+for every bad input (nothing starts serving)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from blocktrain.cli.main import main
+from tests.cli.test_cli import fails_cleanly
+
+
+def test_help_shows_examples(capsys):
+    for cmd in ("serve-block", "serve", "plan"):
+        with pytest.raises(SystemExit) as exc:
+            main([cmd, "--help"])
+        assert exc.value.code == 0
+        out = capsys.readouterr().out
+        assert "examples:" in out, cmd
+    assert main(["plan", "--shape", "seed-75b"]) == 0
+    assert "75.80B" in capsys.readouterr().out
+
+
+@pytest.fixture
+def busy_port():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1)
+    yield sock.getsockname()[1]
+    sock.close()
+
+
+def test_bad_serve_block_input(capsys, runs, tmp_path, busy_port):
+    run = str(runs.blocktrain)
+    fails_cleanly(capsys, ["serve-block", run, "--blocks", "a", "--port", "0"], "--blocks 'a'")
+    fails_cleanly(capsys, ["serve-block", run, "--blocks", "1,1", "--port", "0"], "distinct")
+    fails_cleanly(capsys, ["serve-block", run, "--blocks", "5", "--port", "0"], "blocks 0..2")
+    fails_cleanly(capsys, ["serve-block", str(tmp_path / "none"), "--blocks", "0", "--port",
+                           "0"], "does not exist")
+    fails_cleanly(capsys, ["serve-block", run, "--blocks", "0", "--port", str(busy_port)],
+                  "cannot listen")
+    fails_cleanly(capsys, ["serve-block", run, "--blocks", "0", "--port", "70000"], "0..65535")
+    fails_cleanly(capsys, ["serve-block", run, "--blocks", "0", "--port", "0", "--next",
+                           "localhost:8102"], "--next 'localhost:8102'")
+    fails_cleanly(capsys, ["serve-block", f"a={run}", f"a={runs.reference}", "--blocks", "0",
+                           "--port", "0"], "model names must differ")
+    fails_cleanly(capsys, ["serve-block", f"a b={run}", "--blocks", "0", "--port", "0"],
+                  "NAME=RUN_DIR")
+    fails_cleanly(capsys, ["serve-block", run, "--blocks", "0", "--port", "0", "--hop-ms", "-1"],
+                  "--hop-ms")
+
+
+def test_bad_serve_input(capsys, busy_port):
+    fails_cleanly(capsys, ["serve", "--hosts", "ftp://a:1", "--port", "0"], "--hosts entry")
+    fails_cleanly(capsys, ["serve", "--hosts", "", "--port", "0"], "at least one block host")
+    fails_cleanly(capsys, ["serve", "--hosts", "http://a:1,http://a:1", "--port", "0"], "twice")
+    fails_cleanly(capsys, ["serve", "--hosts", "http://a:1", "--port", str(busy_port)],
+                  "cannot listen")
+    fails_cleanly(capsys, ["serve", "--hosts", "http://a:1", "--port", "0", "--timeout", "0"],
+                  "--timeout")
+
+
+def test_bad_plan_shape_input(capsys):
+    fails_cleanly(capsys, ["plan", "--shape", "nope"], "unknown shape")
+    fails_cleanly(capsys, ["plan", "--shape", "seed-75b", "--set", "span=2"], "replaces")
+    fails_cleanly(capsys, ["plan", "--throughput"], "go with --shape")
+    fails_cleanly(capsys, ["plan", "--shape", "seed-75b", "--hosts", "4"], "--hosts 4")

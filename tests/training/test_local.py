@@ -1,0 +1,107 @@
+"""The in-memory one-block trainer of a worker, and the assembly of per-block weights."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from blocktrain.config import ModelConfig, RunConfig, TrainConfig
+from blocktrain.data import ByteCorpus
+from blocktrain.errors import CheckpointError, ProtocolError
+from blocktrain.model import init_block
+from blocktrain.training import EvalSettings, evaluate_blocktrain, load_model
+from blocktrain.training.local import (
+    LocalBlockTrainer,
+    build_stack,
+    delta_norm_bound,
+    token_bound,
+    write_assembled,
+)
+
+CFG = RunConfig(preset="micro", seed=3,
+                model=ModelConfig(d_model=32, n_heads=2, layers=3, blocks=3, seq_len=16, span=2),
+                train=TrainConfig(steps=20, batch_size=4, lr=3e-3, warmup_steps=2))
+
+
+@pytest.fixture
+def train_split(corpus):
+    return ByteCorpus.open(corpus).split("train")
+
+
+def init_weights(block: int) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in init_block(CFG.model, CFG.seed, block).state_dict().items()}
+
+
+def test_train_moves_the_block_and_reports_tokens(train_split):
+    t = LocalBlockTrainer(CFG, 1, train_split, data_seed=7)
+    t.load(init_weights(1))
+    assert all(float(d.abs().max()) == 0 for d in t.delta().values())
+    logs = t.train(3, first_step=0)
+    assert logs["steps"] == 3 and logs["tokens"] == 3 * 4 * 16 and math.isfinite(logs["loss"])
+    delta = t.delta()
+    norm = math.sqrt(sum(float(d.pow(2).sum()) for d in delta.values()))
+    n_params = sum(d.numel() for d in delta.values())
+    assert 0 < norm < delta_norm_bound(CFG, 3, n_params), "an honest delta is within the bound"
+    assert token_bound(CFG, 3) >= logs["tokens"]
+
+
+def test_adamw_state_carries_over_rounds(train_split):
+    t = LocalBlockTrainer(CFG, 0, train_split, data_seed=7)
+    t.load(init_weights(0))
+    t.train(2, first_step=0)
+    steps_before = [float(s["step"]) for s in t.optimizer.state.values()]
+    t.load(init_weights(0))  # the next round's weights
+    t.train(2, first_step=2)
+    steps_after = [float(s["step"]) for s in t.optimizer.state.values()]
+    assert steps_before and all(a == b + 2 for a, b in zip(steps_after, steps_before,
+                                                           strict=True))
+
+
+def test_same_seed_same_delta_other_seed_other_batches(train_split):
+    def run(seed: int) -> dict[str, torch.Tensor]:
+        t = LocalBlockTrainer(CFG, 2, train_split, data_seed=seed)
+        t.load(init_weights(2))
+        t.train(2, first_step=4)
+        return t.delta()
+
+    a, b, c = run(11), run(11), run(12)
+    assert all(torch.equal(a[k], b[k]) for k in a), "reproducible from the data seed"
+    assert any(not torch.equal(a[k], c[k]) for k in a), "another replica sees other batches"
+
+
+def test_stop_between_steps(train_split):
+    t = LocalBlockTrainer(CFG, 0, train_split, data_seed=1)
+    t.load(init_weights(0))
+    calls = iter([False, True])
+    assert t.train(5, 0, should_stop=lambda: next(calls))["steps"] == 1
+
+
+def test_mismatched_weights_are_refused(train_split):
+    t = LocalBlockTrainer(CFG, 0, train_split, data_seed=1)
+    w = init_weights(0)
+    with pytest.raises(ProtocolError, match="missing"):
+        t.load({k: v for k, v in list(w.items())[1:]})
+    name = next(iter(w))
+    with pytest.raises(ProtocolError, match="shape"):
+        t.load({**w, name: torch.zeros(1)})
+    with pytest.raises(ProtocolError, match="load"):
+        t.delta()
+    with pytest.raises(ProtocolError):
+        LocalBlockTrainer(CFG, 3, train_split, data_seed=1)
+
+
+def test_assembled_run_folder_loads_and_evaluates(tmp_path, corpus):
+    blocks = {b: {k: v + 0.001 * b for k, v in init_weights(b).items()} for b in range(3)}
+    write_assembled(tmp_path / "run", CFG, blocks, step=40)
+    info, model = load_model(tmp_path / "run")
+    assert info.kind == "blocktrain" and info.blocks == [0, 1, 2]
+    for b in range(3):
+        for k, v in model.block(b).state_dict().items():
+            assert torch.equal(v, blocks[b][k]), (b, k)
+    windows = ByteCorpus.open(corpus).split("valid").windows(16, 64)
+    ev = evaluate_blocktrain(model, windows, EvalSettings(sweeps=1, batch_size=4))
+    assert math.isfinite(ev["from_noise_ce"])
+    with pytest.raises(CheckpointError):
+        build_stack(CFG, {0: blocks[0]})
