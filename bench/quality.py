@@ -107,6 +107,10 @@ class Bench:
         done = run_dir / "bench_result.json"
         if done.exists():
             return json.loads(done.read_text())
+        twin = self.finished_twin(cfg, kind, converge)
+        if twin is not None:  # the same model was already trained under another study's name
+            print(f"[{tag}] same model as [{twin['tag']}]", flush=True)
+            return twin
         progress_file = run_dir / "bench_progress.json"
         if (run_dir / "state.json").exists() and progress_file.exists():
             trainer = Trainer.resume(run_dir, self.train, None)
@@ -149,9 +153,19 @@ class Bench:
             "valid_curve": progress["curve"],
             "test": self.test_metrics(trainer),
             "config": trainer.cfg.to_dict(),
+            "converge": converge,
         }
         done.write_text(json.dumps(result, indent=2))
         return result
+
+    def finished_twin(self, cfg: RunConfig, kind: str, converge: bool) -> dict[str, Any] | None:
+        for path in sorted(self.work.glob("*/bench_result.json")):
+            result = json.loads(path.read_text())
+            same = (result["kind"] == kind and result["config"] == cfg.to_dict()
+                    and result.get("converge", result["tag"].startswith("converged")) == converge)
+            if same:
+                return dict(result)
+        return None
 
     def valid_ce(self, trainer: Trainer) -> float:
         windows = self.valid.windows(trainer.cfg.model.seq_len, self.mode.valid_bytes)
@@ -333,16 +347,16 @@ def main() -> None:
     bench = Bench(mode, work, args.data)
     started = time.time()
     results: dict[str, Any] = {}
-    for study in args.studies.split(","):
-        results[study] = getattr(bench, f"study_{study}")()
     names = {"reference": "quality", "leakage": "leakage", "depth": "depth", "span": "span",
              "memory": "memory"}
-    command = "python bench/quality.py " + " ".join(sys.argv[1:])
-    for study, data in results.items():
+    command = ("python bench/quality.py " + " ".join(sys.argv[1:])).strip()
+    for study in args.studies.split(","):
+        results[study] = getattr(bench, f"study_{study}")()
+        # written as each study ends, so an interrupted bench keeps what it measured
         write_json(f"{names[study]}{suffix}.json",
-                   {"command": command.strip(), "mode": dataclasses.asdict(mode),
-                    "machine": machine(), **data})
-    update_section(f"quality{suffix}", tables(results, command.strip()))
+                   {"command": command, "mode": dataclasses.asdict(mode), "machine": machine(),
+                    **results[study]})
+        update_section(f"quality{suffix}", tables(results, command))
     print(f"done in {(time.time() - started) / 60:.1f} min", flush=True)
 
 
