@@ -31,8 +31,9 @@ def rss_bytes() -> int:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--preset", default="paper")
     p.add_argument("--set", dest="overrides", nargs="+", default=[])
     p.add_argument("--kind", choices=("block", "reference"), required=True)
@@ -40,26 +41,46 @@ def main() -> None:
     p.add_argument("--data", default=None)
     args = p.parse_args()
     keep_freed_memory()
-    cfg = apply_overrides(preset(args.preset), [*args.overrides, f"steps={args.steps}",
-                                                "device=cpu"])
+    cfg = apply_overrides(
+        preset(args.preset), [*args.overrides, f"steps={args.steps}", "device=cpu"]
+    )
     train = load_split(args.data, "train")
     torch.set_grad_enabled(True)
     before = rss_bytes()
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = Trainer.create(cfg, Path(tmp) / "run", train, None,
-                                 kind="reference" if args.kind == "reference" else "blocktrain",
-                                 blocks=None if args.kind == "reference" else [0])
+        trainer = Trainer.create(
+            cfg,
+            Path(tmp) / "run",
+            train,
+            None,
+            kind="reference" if args.kind == "reference" else "blocktrain",
+            blocks=None if args.kind == "reference" else [0],
+        )
         for _ in range(args.steps):
             trainer.train_step()
             trainer.step += 1
         unit = trainer.units[0]
         params = sum(p.numel() for p in unit.module.parameters())
-        opt_bytes = sum(t.numel() * t.element_size() for state in unit.optimizer.state.values()
-                        for k, t in state.items() if k in ("exp_avg", "exp_avg_sq"))
+        opt_bytes = sum(
+            t.numel() * t.element_size()
+            for state in unit.optimizer.state.values()
+            for k, t in state.items()
+            if k in ("exp_avg", "exp_avg_sq")
+        )
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"kind": args.kind, "peak_rss_bytes": peak, "rss_before_model_bytes": before,
-                      "params": params, "optimizer_state_bytes": opt_bytes,
-                      "batch_size": cfg.train.batch_size, "seq_len": cfg.model.seq_len}))
+    print(
+        json.dumps(
+            {
+                "kind": args.kind,
+                "peak_rss_bytes": peak,
+                "rss_before_model_bytes": before,
+                "params": params,
+                "optimizer_state_bytes": opt_bytes,
+                "batch_size": cfg.train.batch_size,
+                "seq_len": cfg.model.seq_len,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -60,12 +60,30 @@ class Mode:
     memory_overrides: tuple[str, ...]
 
 
-QUICK = Mode(base="tiny", overrides=(), fixed_steps=200, max_steps=1500, eval_every=100,
-             patience=2, valid_bytes=8192, test_bytes=16384, sweeps=8,
-             memory_overrides=("batch_size=2", "precision=fp32"))
-FULL = Mode(base="small", overrides=(), fixed_steps=1500, max_steps=8000, eval_every=250,
-            patience=3, valid_bytes=32768, test_bytes=65536, sweeps=16,
-            memory_overrides=("batch_size=4", "precision=fp32"))
+QUICK = Mode(
+    base="tiny",
+    overrides=(),
+    fixed_steps=200,
+    max_steps=1500,
+    eval_every=100,
+    patience=2,
+    valid_bytes=8192,
+    test_bytes=16384,
+    sweeps=8,
+    memory_overrides=("batch_size=2", "precision=fp32"),
+)
+FULL = Mode(
+    base="small",
+    overrides=(),
+    fixed_steps=1500,
+    max_steps=8000,
+    eval_every=250,
+    patience=3,
+    valid_bytes=32768,
+    test_bytes=65536,
+    sweeps=16,
+    memory_overrides=("batch_size=4", "precision=fp32"),
+)
 
 
 class Bench:
@@ -87,17 +105,24 @@ class Bench:
     def flops_per_step(self, trainer: Trainer) -> int:
         """Training FLOPs of one step, counted as the code runs (3 x forward)."""
         cfg = trainer.cfg
-        x = self.train.sample(cfg.train.batch_size, cfg.model.seq_len,
-                              torch.Generator().manual_seed(0)).to(trainer.device)
+        x = self.train.sample(
+            cfg.train.batch_size, cfg.model.seq_len, torch.Generator().manual_seed(0)
+        ).to(trainer.device)
         total = 0
         for unit in trainer.units:
+
             def forward(unit: Any = unit) -> None:
                 with torch.no_grad():
                     if trainer.stack is not None:
-                        trainer.loss(unit.module, unit.index, x,
-                                     torch.Generator(trainer.device).manual_seed(0))
+                        trainer.loss(
+                            unit.module,
+                            unit.index,
+                            x,
+                            torch.Generator(trainer.device).manual_seed(0),
+                        )
                     else:
                         unit.module(x)
+
             total += 3 * count_flops(forward).total
         return total
 
@@ -121,15 +146,15 @@ class Bench:
         flops_step = self.flops_per_step(trainer)
         total = trainer.cfg.train.steps
         interval = self.mode.eval_every if converge else total
-        print(f"[{tag}] {kind}, {total} steps max, {flops_step / 1e9:.2f} GFLOP/step",
-              flush=True)
+        print(f"[{tag}] {kind}, {total} steps max, {flops_step / 1e9:.2f} GFLOP/step", flush=True)
         while trainer.step < total:
             trainer.run(progress=False, until=trainer.step + interval)
             if not converge:
                 continue
             val = self.valid_ce(trainer)
-            progress["curve"].append({"step": trainer.step, "valid_ce": val,
-                                      "wall_seconds": trainer.wall_seconds})
+            progress["curve"].append(
+                {"step": trainer.step, "valid_ce": val, "wall_seconds": trainer.wall_seconds}
+            )
             print(f"[{tag}] step {trainer.step}: valid CE {val:.4f}", flush=True)
             if progress["best"] is None or val < progress["best"] - 1e-3:
                 progress.update(best=val, best_step=trainer.step, bad=0)
@@ -161,8 +186,11 @@ class Bench:
     def finished_twin(self, cfg: RunConfig, kind: str, converge: bool) -> dict[str, Any] | None:
         for path in sorted(self.work.glob("*/bench_result.json")):
             result = json.loads(path.read_text())
-            same = (result["kind"] == kind and result["config"] == cfg.to_dict()
-                    and result.get("converge", result["tag"].startswith("converged")) == converge)
+            same = (
+                result["kind"] == kind
+                and result["config"] == cfg.to_dict()
+                and result.get("converge", result["tag"].startswith("converged")) == converge
+            )
             if same:
                 return dict(result)
         return None
@@ -185,16 +213,20 @@ class Bench:
 
     @staticmethod
     def save_best(trainer: Trainer, run_dir: Path) -> None:
-        tensors = {u.name + k: v.detach().clone() for u in trainer.units
-                   for k, v in u.module.state_dict().items()}
+        tensors = {
+            u.name + k: v.detach().clone()
+            for u in trainer.units
+            for k, v in u.module.state_dict().items()
+        }
         save_file(tensors, str(run_dir / "best.safetensors"))
 
     @staticmethod
     def load_best(trainer: Trainer, run_dir: Path) -> None:
         tensors = load_file(str(run_dir / "best.safetensors"))
         for u in trainer.units:
-            u.module.load_state_dict({k[len(u.name):]: v for k, v in tensors.items()
-                                      if k.startswith(u.name)})
+            u.module.load_state_dict(
+                {k[len(u.name) :]: v for k, v in tensors.items() if k.startswith(u.name)}
+            )
 
     # ------------------------------------------------------------------ studies
 
@@ -206,13 +238,13 @@ class Bench:
         fixed = self.config(f"steps={m.fixed_steps}")
         bt_fixed = self.model("fixed-blocktrain", fixed, "blocktrain", converge=False)
         with tempfile.TemporaryDirectory() as tmp:
-            probe = Trainer.create(fixed, Path(tmp) / "probe", self.train, None,
-                                   kind="reference")
+            probe = Trainer.create(fixed, Path(tmp) / "probe", self.train, None, kind="reference")
             ref_step_flops = self.flops_per_step(probe)
         # the reference gets the training FLOPs that BlockTrain used for its fixed budget
         matched_steps = max(1, round(bt_fixed["train_flops"] / ref_step_flops))
-        ref_matched = self.model("matched-reference", self.config(f"steps={matched_steps}"),
-                                 "reference", converge=False)
+        ref_matched = self.model(
+            "matched-reference", self.config(f"steps={matched_steps}"), "reference", converge=False
+        )
 
         def pair(b: dict[str, Any], r: dict[str, Any]) -> dict[str, Any]:
             return {
@@ -228,57 +260,92 @@ class Bench:
                 "config": b["config"],
             }
 
-        return {"converged": pair(bt, ref), "matched_compute": pair(bt_fixed, ref_matched),
-                "sweeps": self.mode.sweeps}
+        return {
+            "converged": pair(bt, ref),
+            "matched_compute": pair(bt_fixed, ref_matched),
+            "sweeps": self.mode.sweeps,
+        }
 
     def fixed(self, tag: str, *overrides: str) -> dict[str, Any]:
         cfg = self.config(f"steps={self.mode.fixed_steps}", *overrides)
         r = self.model(tag, cfg, "blocktrain", converge=False)
         t = r["test"]
-        return {"oracle_ce": t["oracle_ce"], "from_noise_ce": t["from_noise_ce"],
-                "sampler_ce": t["sampler_ce"], "ce_per_step": t["ce_per_step"],
-                "oracle_ce_per_block": t["oracle_ce_per_block"], "steps": r["steps"],
-                "train_flops": r["train_flops"], "wall_seconds": r["wall_seconds"],
-                "overrides": list(overrides)}
+        return {
+            "oracle_ce": t["oracle_ce"],
+            "from_noise_ce": t["from_noise_ce"],
+            "sampler_ce": t["sampler_ce"],
+            "ce_per_step": t["ce_per_step"],
+            "oracle_ce_per_block": t["oracle_ce_per_block"],
+            "steps": r["steps"],
+            "train_flops": r["train_flops"],
+            "wall_seconds": r["wall_seconds"],
+            "overrides": list(overrides),
+        }
 
     def study_leakage(self) -> dict[str, Any]:
-        return {"[0.002, 2]": self.fixed("leak-0.002-2", "sigma_min=0.002", "sigma_max=2"),
-                "[1, 10]": self.fixed("leak-1-10", "sigma_min=1", "sigma_max=10")}
+        return {
+            "[0.002, 2]": self.fixed("leak-0.002-2", "sigma_min=0.002", "sigma_max=2"),
+            "[1, 10]": self.fixed("leak-1-10", "sigma_min=1", "sigma_max=10"),
+        }
 
     def study_depth(self) -> dict[str, Any]:
-        return {str(lpb): self.fixed(f"depth-{lpb}", "blocks=3", f"layers={3 * lpb}")
-                for lpb in (1, 2, 4)}
+        return {
+            str(lpb): self.fixed(f"depth-{lpb}", "blocks=3", f"layers={3 * lpb}")
+            for lpb in (1, 2, 4)
+        }
 
     def study_span(self) -> dict[str, Any]:
         # T = 128 so that K = 64 still leaves one span of context; same bytes per update
         base = self.config()
         batch = max(1, base.train.batch_size * base.model.seq_len // 128)
-        return {str(k): self.fixed(f"span-{k}", "seq_len=128", f"batch_size={batch}",
-                                   f"span={k}")
-                for k in (1, 4, 16, 64)}
+        return {
+            str(k): self.fixed(f"span-{k}", "seq_len=128", f"batch_size={batch}", f"span={k}")
+            for k in (1, 4, 16, 64)
+        }
 
     def study_memory(self) -> dict[str, Any]:
         cfg = apply_overrides(preset("paper"), list(self.mode.memory_overrides))
         planned = plan(cfg)
-        out: dict[str, Any] = {"preset": "paper", "overrides": list(self.mode.memory_overrides),
-                               "plan": {k: planned[k] for k in (
-                                   "params_per_block", "params_total",
-                                   "optimizer_state_bytes_worker", "optimizer_state_bytes_full",
-                                   "reference_params", "reference_optimizer_state_bytes")}}
+        out: dict[str, Any] = {
+            "preset": "paper",
+            "overrides": list(self.mode.memory_overrides),
+            "plan": {
+                k: planned[k]
+                for k in (
+                    "params_per_block",
+                    "params_total",
+                    "optimizer_state_bytes_worker",
+                    "optimizer_state_bytes_full",
+                    "reference_params",
+                    "reference_optimizer_state_bytes",
+                )
+            },
+        }
         for kind in ("block", "reference"):
-            cmd = [sys.executable, str(ROOT / "bench" / "memory_probe.py"), "--preset", "paper",
-                   "--kind", kind, "--set", *self.mode.memory_overrides]
+            cmd = [
+                sys.executable,
+                str(ROOT / "bench" / "memory_probe.py"),
+                "--preset",
+                "paper",
+                "--kind",
+                kind,
+                "--set",
+                *self.mode.memory_overrides,
+            ]
             if self.data:
                 cmd += ["--data", self.data]
             print(f"[memory] {kind} ...", flush=True)
             res = subprocess.run(cmd, capture_output=True, text=True, check=True)
             out[kind] = json.loads(res.stdout.strip().splitlines()[-1])
         out["worker_over_full_optimizer_state"] = (
-            out["block"]["optimizer_state_bytes"] / planned["optimizer_state_bytes_full"])
+            out["block"]["optimizer_state_bytes"] / planned["optimizer_state_bytes_full"]
+        )
         out["worker_over_reference_peak_rss"] = (
-            out["block"]["peak_rss_bytes"] / out["reference"]["peak_rss_bytes"])
+            out["block"]["peak_rss_bytes"] / out["reference"]["peak_rss_bytes"]
+        )
         out["optimizer_state_matches_plan"] = (
-            out["block"]["optimizer_state_bytes"] == planned["optimizer_state_bytes_worker"])
+            out["block"]["optimizer_state_bytes"] == planned["optimizer_state_bytes_worker"]
+        )
         return out
 
 
@@ -291,9 +358,11 @@ def tables(results: dict[str, Any], command: str) -> str:
     lines = [f"Command: `{command}`", ""]
     if "reference" in results:
         q = results["reference"]
-        lines += ["| comparison | BlockTrain sampler CE | from-noise CE | reference CE | gap | "
-                  "steps (BT / ref) | train GFLOPs (BT / ref) | wall s (BT / ref) |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "| comparison | BlockTrain sampler CE | from-noise CE | reference CE | gap | "
+            "steps (BT / ref) | train GFLOPs (BT / ref) | wall s (BT / ref) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for name in ("converged", "matched_compute"):
             r = q[name]
             lines.append(
@@ -301,40 +370,60 @@ def tables(results: dict[str, Any], command: str) -> str:
                 f" | {r['reference_ce']:.4f} | {r['gap']:+.4f} | {r['steps']['blocktrain']} / "
                 f"{r['steps']['reference']} | {r['train_flops']['blocktrain'] / 1e9:,.0f} / "
                 f"{r['train_flops']['reference'] / 1e9:,.0f} | "
-                f"{r['wall_seconds']['blocktrain']:.0f} / {r['wall_seconds']['reference']:.0f} |")
-        lines += ["", f"Sampler CE over M = {q['sweeps']} sweeps; all CE in nats/byte on the test "
-                      "split.", ""]
-    for study, label in (("leakage", "sigma range"), ("depth", "layers per block"),
-                         ("span", "span K")):
+                f"{r['wall_seconds']['blocktrain']:.0f} / {r['wall_seconds']['reference']:.0f} |"
+            )
+        lines += [
+            "",
+            f"Sampler CE over M = {q['sweeps']} sweeps; all CE in nats/byte on the test split.",
+            "",
+        ]
+    for study, label in (
+        ("leakage", "sigma range"),
+        ("depth", "layers per block"),
+        ("span", "span K"),
+    ):
         if study not in results:
             continue
-        lines += [f"| {label} | oracle CE | from-noise CE | sampler CE | CE per step |",
-                  "|---|---:|---:|---:|---|"]
+        lines += [
+            f"| {label} | oracle CE | from-noise CE | sampler CE | CE per step |",
+            "|---|---:|---:|---:|---|",
+        ]
         for key, r in results[study].items():
-            lines.append(f"| {key} | {r['oracle_ce']:.4f} | {r['from_noise_ce']:.4f} | "
-                         f"{r['sampler_ce']:.4f} | "
-                         f"{', '.join(f'{v:.3f}' for v in r['ce_per_step'])} |")
+            lines.append(
+                f"| {key} | {r['oracle_ce']:.4f} | {r['from_noise_ce']:.4f} | "
+                f"{r['sampler_ce']:.4f} | "
+                f"{', '.join(f'{v:.3f}' for v in r['ce_per_step'])} |"
+            )
         lines.append("")
     if "memory" in results:
         m = results["memory"]
-        lines += ["| process (paper shape, " + ", ".join(m["overrides"]) + ") | parameters | "
-                  "AdamW state GiB | peak RSS GiB |", "|---|---:|---:|---:|"]
+        lines += [
+            "| process (paper shape, " + ", ".join(m["overrides"]) + ") | parameters | "
+            "AdamW state GiB | peak RSS GiB |",
+            "|---|---:|---:|---:|",
+        ]
         for kind in ("block", "reference"):
             r = m[kind]
-            lines.append(f"| {kind} | {r['params']:,} | {r['optimizer_state_bytes'] / gib:.3f} | "
-                         f"{r['peak_rss_bytes'] / gib:.3f} |")
-        lines += ["", f"Full model AdamW state (plan): "
-                      f"{m['plan']['optimizer_state_bytes_full'] / gib:.3f} GiB; the worker holds "
-                      f"{m['worker_over_full_optimizer_state']:.3f} of it (1/B = "
-                      f"{1 / len(m['plan']['params_per_block']):.3f}); measured state equals the "
-                      f"plan: {m['optimizer_state_matches_plan']}. Worker peak RSS / reference "
-                      f"peak RSS: {m['worker_over_reference_peak_rss']:.2f}."]
+            lines.append(
+                f"| {kind} | {r['params']:,} | {r['optimizer_state_bytes'] / gib:.3f} | "
+                f"{r['peak_rss_bytes'] / gib:.3f} |"
+            )
+        lines += [
+            "",
+            f"Full model AdamW state (plan): "
+            f"{m['plan']['optimizer_state_bytes_full'] / gib:.3f} GiB; the worker holds "
+            f"{m['worker_over_full_optimizer_state']:.3f} of it (1/B = "
+            f"{1 / len(m['plan']['params_per_block']):.3f}); measured state equals the "
+            f"plan: {m['optimizer_state_matches_plan']}. Worker peak RSS / reference "
+            f"peak RSS: {m['worker_over_reference_peak_rss']:.2f}.",
+        ]
     return "\n".join(lines)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="the tiny shape, minutes")
     p.add_argument("--studies", default="reference,leakage,depth,span,memory")
     p.add_argument("--data", default=None, help="corpus (default: $BLOCKTRAIN_DATA)")
@@ -347,15 +436,26 @@ def main() -> None:
     bench = Bench(mode, work, args.data)
     started = time.time()
     results: dict[str, Any] = {}
-    names = {"reference": "quality", "leakage": "leakage", "depth": "depth", "span": "span",
-             "memory": "memory"}
+    names = {
+        "reference": "quality",
+        "leakage": "leakage",
+        "depth": "depth",
+        "span": "span",
+        "memory": "memory",
+    }
     command = ("python bench/quality.py " + " ".join(sys.argv[1:])).strip()
     for study in args.studies.split(","):
         results[study] = getattr(bench, f"study_{study}")()
         # written as each study ends, so an interrupted bench keeps what it measured
-        write_json(f"{names[study]}{suffix}.json",
-                   {"command": command, "mode": dataclasses.asdict(mode), "machine": machine(),
-                    **results[study]})
+        write_json(
+            f"{names[study]}{suffix}.json",
+            {
+                "command": command,
+                "mode": dataclasses.asdict(mode),
+                "machine": machine(),
+                **results[study],
+            },
+        )
         update_section(f"quality{suffix}", tables(results, command))
     print(f"done in {(time.time() - started) / 60:.1f} min", flush=True)
 

@@ -90,13 +90,41 @@ def chain(models: dict[str, Path], hop_ms: float, threads: int) -> Iterator[str]
     procs: list[subprocess.Popen] = []
     try:
         for i, port in enumerate(ports[:HOSTS]):
-            procs.append(subprocess.Popen(
-                [*cli, "serve-block", *(f"{n}={d}" for n, d in models.items()), "--blocks",
-                 str(i), "--port", str(port), "--hop-ms", str(hop_ms), "--threads", str(threads)],
-                env=env, stdout=subprocess.DEVNULL))
-        procs.append(subprocess.Popen(
-            [*cli, "serve", "--hosts", ",".join(hosts), "--port", str(ports[-1]), "--hop-ms",
-             str(hop_ms)], env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        *cli,
+                        "serve-block",
+                        *(f"{n}={d}" for n, d in models.items()),
+                        "--blocks",
+                        str(i),
+                        "--port",
+                        str(port),
+                        "--hop-ms",
+                        str(hop_ms),
+                        "--threads",
+                        str(threads),
+                    ],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                )
+            )
+        procs.append(
+            subprocess.Popen(
+                [
+                    *cli,
+                    "serve",
+                    "--hosts",
+                    ",".join(hosts),
+                    "--port",
+                    str(ports[-1]),
+                    "--hop-ms",
+                    str(hop_ms),
+                ],
+                env={**env, "OMP_NUM_THREADS": "1"},
+                stdout=subprocess.DEVNULL,
+            )
+        )
         for url in [*hosts, f"http://127.0.0.1:{ports[-1]}"]:
             _wait(url, procs)
         yield f"http://127.0.0.1:{ports[-1]}"
@@ -112,47 +140,65 @@ def chain(models: dict[str, Path], hop_ms: float, threads: int) -> Iterator[str]
 
 def timed(client: httpx.Client, router: str, model: str, n: int, seed: int) -> dict[str, Any]:
     t0 = time.perf_counter()
-    r = client.post(f"{router}/v1/generate", json={"model": model, "prompt": PROMPT.decode(),
-                                                   "max_bytes": n, "seed": seed})
+    r = client.post(
+        f"{router}/v1/generate",
+        json={"model": model, "prompt": PROMPT.decode(), "max_bytes": n, "seed": seed},
+    )
     wall = time.perf_counter() - t0
     r.raise_for_status()
     body = r.json()
     assert body["output_bytes"] == n, body
     links = len(body["hosts"])
     t = body["timing"]
-    return {"seconds": wall, "traversals": body["traversals"],
-            "host_compute_s": t["host_compute_s"],
-            "transport_ms_per_link": 1000 * (t["chain_s"] - t["host_compute_s"])
-            / (body["traversals"] * links)}
+    return {
+        "seconds": wall,
+        "traversals": body["traversals"],
+        "host_compute_s": t["host_compute_s"],
+        "transport_ms_per_link": 1000
+        * (t["chain_s"] - t["host_compute_s"])
+        / (body["traversals"] * links),
+    }
 
 
-def measure(client: httpx.Client, router: str, model: str, n: int, repeats: int
-            ) -> dict[str, Any]:
+def measure(client: httpx.Client, router: str, model: str, n: int, repeats: int) -> dict[str, Any]:
     """Median over repeats (a single run once it takes over 20 s: the noise is small then)."""
     runs = [timed(client, router, model, n, seed=0)]
     while len(runs) < repeats and runs[0]["seconds"] < 20:
         runs.append(timed(client, router, model, n, seed=len(runs)))
     mid = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
-    return {**mid, "seconds": statistics.median(r["seconds"] for r in runs),
-            "repeats": len(runs)}
+    return {**mid, "seconds": statistics.median(r["seconds"] for r in runs), "repeats": len(runs)}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="d=256,layers=6,blocks=3,seq=512",
-                   help="model shape (blocktrain plan --shape SPEC)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--shape",
+        default="d=256,layers=6,blocks=3,seq=512",
+        help="model shape (blocktrain plan --shape SPEC)",
+    )
     p.add_argument("--spans", default="16,64", help="span K of the BlockTrain models")
     p.add_argument("--outputs", default="16,64,256", help="output lengths in bytes")
     p.add_argument("--hops", default="0,10,50", help="emulated one-way hop latency, ms")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads per host (the chain runs one host at a time)")
-    p.add_argument("--no-shape-throughput", action="store_true",
-                   help="skip the in-process throughput run of the scaled 75.80B shape")
-    p.add_argument("--report-only", action="store_true",
-                   help="measure nothing: rewrite the BENCHMARKS.md sections from "
-                        "benchmarks/results/serving.json")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per host (the chain runs one host at a time)",
+    )
+    p.add_argument(
+        "--no-shape-throughput",
+        action="store_true",
+        help="skip the in-process throughput run of the scaled 75.80B shape",
+    )
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="measure nothing: rewrite the BENCHMARKS.md sections from "
+        "benchmarks/results/serving.json",
+    )
     args = p.parse_args()
     if args.report_only:
         report(json.loads((RESULTS / "serving.json").read_text()))
@@ -175,10 +221,13 @@ def main() -> None:
         for hop in hops:
             # TCP_NODELAY: httpx's sync client writes a POST's headers and body separately, and
             # with Nagle on the body would wait for the router's delayed ACK (40 ms).
-            nodelay = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP,
-                                                           socket.TCP_NODELAY, 1)])
-            with chain(models, hop, args.threads) as router, \
-                    httpx.Client(timeout=600, transport=nodelay) as client:
+            nodelay = httpx.HTTPTransport(
+                socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
+            )
+            with (
+                chain(models, hop, args.threads) as router,
+                httpx.Client(timeout=600, transport=nodelay) as client,
+            ):
                 for name in models:  # warm up every path once
                     timed(client, router, name, 4 if name == "ref" else max(spans), seed=0)
                 for n in outputs:
@@ -186,12 +235,16 @@ def main() -> None:
                     for k in spans:
                         sweep = measure(client, router, f"bt-k{k}", n, args.repeats)
                         row = {
-                            "output_bytes": n, "span": k, "hop_ms": hop,
+                            "output_bytes": n,
+                            "span": k,
+                            "hop_ms": hop,
                             "one_sweep_bytes_per_s": n / sweep["seconds"],
                             "ar_bytes_per_s": n / ar["seconds"],
                             "ratio": ar["seconds"] / sweep["seconds"],
-                            "one_sweep_seconds": sweep["seconds"], "ar_seconds": ar["seconds"],
-                            "sweeps": sweep["traversals"], "ar_traversals": ar["traversals"],
+                            "one_sweep_seconds": sweep["seconds"],
+                            "ar_seconds": ar["seconds"],
+                            "sweeps": sweep["traversals"],
+                            "ar_traversals": ar["traversals"],
                             "one_sweep_host_compute_s": sweep["host_compute_s"],
                             "ar_host_compute_s": ar["host_compute_s"],
                             "one_sweep_transport_ms_per_link": sweep["transport_ms_per_link"],
@@ -200,31 +253,46 @@ def main() -> None:
                         }
                         assert row["sweeps"] == math.ceil(n / k)
                         rows.append(row)
-                        print(f"n={n:4d} K={k:3d} hop={hop:4.0f} ms  one sweep "
-                              f"{row['one_sweep_seconds']:7.3f} s ({row['sweeps']:3d} sweeps)  "
-                              f"AR {row['ar_seconds']:7.3f} s  ratio {row['ratio']:6.1f}  "
-                              f"transport/link {row['one_sweep_transport_ms_per_link']:.2f} / "
-                              f"{row['ar_transport_ms_per_link']:.2f} ms", flush=True)
+                        print(
+                            f"n={n:4d} K={k:3d} hop={hop:4.0f} ms  one sweep "
+                            f"{row['one_sweep_seconds']:7.3f} s ({row['sweeps']:3d} sweeps)  "
+                            f"AR {row['ar_seconds']:7.3f} s  ratio {row['ratio']:6.1f}  "
+                            f"transport/link {row['one_sweep_transport_ms_per_link']:.2f} / "
+                            f"{row['ar_transport_ms_per_link']:.2f} ms",
+                            flush=True,
+                        )
 
     name, big = parse_shape("seed-75b")
     plan = shape_plan(name, big, HOSTS)
     scaled = None
     if not args.no_shape_throughput:
-        scaled = {"width_divisor": 64, "weights": "random (untrained)",
-                  "where": "one process, no network",
-                  **measure_throughput(scale_shape(big, 64), prompt_bytes=64, output_bytes=64)}
-        print(f"seed-75b scaled 1/64: one sweep {scaled['one_sweep_bytes_per_s']:.1f} B/s, "
-              f"AR {scaled['ar_bytes_per_s']:.1f} B/s", flush=True)
+        scaled = {
+            "width_divisor": 64,
+            "weights": "random (untrained)",
+            "where": "one process, no network",
+            **measure_throughput(scale_shape(big, 64), prompt_bytes=64, output_bytes=64),
+        }
+        print(
+            f"seed-75b scaled 1/64: one sweep {scaled['one_sweep_bytes_per_s']:.1f} B/s, "
+            f"AR {scaled['ar_bytes_per_s']:.1f} B/s",
+            flush=True,
+        )
 
     command = ("python bench/serving.py " + " ".join(sys.argv[1:])).strip()
     doc = {
-        "command": command, "machine": machine(), "shape": dataclasses.asdict(shape),
+        "command": command,
+        "machine": machine(),
+        "shape": dataclasses.asdict(shape),
         "weights": "random (freshly initialised, untrained)",
-        "hosts": HOSTS, "threads_per_host": args.threads, "prompt_bytes": len(PROMPT),
+        "hosts": HOSTS,
+        "threads_per_host": args.threads,
+        "prompt_bytes": len(PROMPT),
         "hop_emulation": "delay in the transport: each link waits hop_ms before the request and "
-                         "before the response; a traversal of 3 hosts = 6 x hop_ms",
+        "before the response; a traversal of 3 hosts = 6 x hop_ms",
         "load_average_before_after": [list(load_before), list(os.getloadavg())],
-        "results": rows, "seed_75b_plan": plan, "seed_75b_scaled_throughput": scaled,
+        "results": rows,
+        "seed_75b_plan": plan,
+        "seed_75b_scaled_throughput": scaled,
     }
     write_json("serving.json", doc)
     report(doc)
@@ -257,45 +325,58 @@ def report(doc: dict[str, Any]) -> None:
             f"| {r['output_bytes']} | {r['span']} | {r['hop_ms']:.0f} | {r['sweeps']} | "
             f"{r['one_sweep_seconds']:.3f} | {r['one_sweep_bytes_per_s']:,.0f} | "
             f"{r['ar_traversals']} | {r['ar_seconds']:.3f} | {r['ar_bytes_per_s']:,.1f} | "
-            f"{r['ratio']:.1f}x |")
+            f"{r['ratio']:.1f}x |"
+        )
     key = [r for r in rows if r["output_bytes"] == 64 and r["hop_ms"] >= 10]
     if key:
-        lines += ["", "One sweep needs ceil(n / K) traversals where the pipeline needs n, so the "
-                  "ratio is n / ceil(n / K) (at most K) times the time of an AR traversal over "
-                  "that of a sweep traversal, which tends to 1 as the hop latency dominates "
-                  "both (a sweep moves K x d floats and runs B blocks over the context; an AR "
-                  "step moves d floats and runs one token through the stages). At 64-byte "
-                  "outputs and 10 ms or more per hop: " + ", ".join(
-                      f"{r['ratio']:.1f}x (K = {r['span']}, {r['hop_ms']:.0f} ms)" for r in key)
-                  + "."]
+        lines += [
+            "",
+            "One sweep needs ceil(n / K) traversals where the pipeline needs n, so the "
+            "ratio is n / ceil(n / K) (at most K) times the time of an AR traversal over "
+            "that of a sweep traversal, which tends to 1 as the hop latency dominates "
+            "both (a sweep moves K x d floats and runs B blocks over the context; an AR "
+            "step moves d floats and runs one token through the stages). At 64-byte "
+            "outputs and 10 ms or more per hop: "
+            + ", ".join(f"{r['ratio']:.1f}x (K = {r['span']}, {r['hop_ms']:.0f} ms)" for r in key)
+            + ".",
+        ]
     overhead = [r for r in rows if r["hop_ms"] == 0]
     if overhead:
         sweep_ms = statistics.median(r["one_sweep_transport_ms_per_link"] for r in overhead)
         ar_ms = statistics.median(r["ar_transport_ms_per_link"] for r in overhead)
-        lines += ["", "Transport overhead per hop on loopback (hop 0: time inside chain calls "
-                  "minus the hosts' own compute, per link crossed out and back; it includes "
-                  "HTTP, safetensors and the hand-off to the compute thread): "
-                  f"{sweep_ms:.2f} ms with a one-sweep state of K x d fp32, {ar_ms:.2f} ms with "
-                  "one token's hidden state (medians over the hop-0 rows; on this loaded "
-                  "machine most of it is waiting to be scheduled). At 10 and 50 ms the same "
-                  "measure reads 2 x hop plus that overhead, as it should."]
+        lines += [
+            "",
+            "Transport overhead per hop on loopback (hop 0: time inside chain calls "
+            "minus the hosts' own compute, per link crossed out and back; it includes "
+            "HTTP, safetensors and the hand-off to the compute thread): "
+            f"{sweep_ms:.2f} ms with a one-sweep state of K x d fp32, {ar_ms:.2f} ms with "
+            "one token's hidden state (medians over the hop-0 rows; on this loaded "
+            "machine most of it is waiting to be scheduled). At 10 and 50 ms the same "
+            "measure reads 2 x hop plus that overhead, as it should.",
+        ]
     update_section("serving", "\n".join(lines))
 
     shape_lines = [
         "Command: `blocktrain plan --shape seed-75b --json` (also in "
-        "`benchmarks/results/serving.json`)", "",
-        "```", *format_plan(doc["seed_75b_plan"]), "```"]
+        "`benchmarks/results/serving.json`)",
+        "",
+        "```",
+        *format_plan(doc["seed_75b_plan"]),
+        "```",
+    ]
     if scaled is not None:
         m = scaled["model"]
         shape_lines += [
-            "", f"Throughput on random weights of the shape scaled 1/64 in width (d = "
+            "",
+            f"Throughput on random weights of the shape scaled 1/64 in width (d = "
             f"{m['d_model']}, {m['layers']} layers, {scaled['params_total']:,} parameters), one "
             f"process, no network, {scaled['torch_threads']} thread(s): one sweep "
             f"{scaled['one_sweep_bytes_per_s']:.1f} bytes/s, the KV-cached autoregressive "
             f"stages {scaled['ar_bytes_per_s']:.1f} bytes/s ({scaled['ratio']:.1f}x) for "
             f"{scaled['output_bytes']} bytes after a {scaled['prompt_bytes']}-byte prompt "
             "(the same measurement as `blocktrain plan --shape seed-75b --throughput --scale "
-            "64`; measured by `bench/serving.py`)."]
+            "64`; measured by `bench/serving.py`).",
+        ]
     update_section("serving-shapes", "\n".join(shape_lines))
 
 

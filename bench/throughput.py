@@ -36,10 +36,16 @@ def matmul_rate(shapes: list[MatmulShape], repeats: int = 3) -> float:
     how often the step runs it)."""
     total_flops, total_time = 0, 0.0
     for shape, count in Counter(shapes).items():
-        a = torch.randn(shape.batch, shape.k, shape.m).transpose(1, 2) if shape.a_transposed \
+        a = (
+            torch.randn(shape.batch, shape.k, shape.m).transpose(1, 2)
+            if shape.a_transposed
             else torch.randn(shape.batch, shape.m, shape.k)
-        b = torch.randn(shape.batch, shape.n, shape.k).transpose(1, 2) if shape.b_transposed \
+        )
+        b = (
+            torch.randn(shape.batch, shape.n, shape.k).transpose(1, 2)
+            if shape.b_transposed
             else torch.randn(shape.batch, shape.k, shape.n)
+        )
         if shape.batch == 1:
             a, b = a[0], b[0]
         op = torch.bmm if a.dim() == 3 else torch.mm
@@ -59,8 +65,7 @@ def measure(cfg: RunConfig, kind: str, data: Path, steps: int, rounds: int) -> d
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer.create(cfg, Path(tmp) / "run", train, None, kind=kind)
         unit = trainer.units[0]
-        x = train.sample(cfg.train.batch_size, cfg.model.seq_len,
-                         torch.Generator().manual_seed(0))
+        x = train.sample(cfg.train.batch_size, cfg.model.seq_len, torch.Generator().manual_seed(0))
 
         def forward() -> None:
             with torch.no_grad():
@@ -101,8 +106,9 @@ def measure(cfg: RunConfig, kind: str, data: Path, steps: int, rounds: int) -> d
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--presets", default="tiny,small")
     p.add_argument("--data", default=None, help="corpus (default: $BLOCKTRAIN_DATA)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per round")
@@ -116,12 +122,16 @@ def main() -> None:
         for kind in ("blocktrain", "reference"):
             row = measure(cfg, kind, args.data, args.steps, args.rounds)
             rows.append(row)
-            print(f"{name:6s} {kind:10s} {row['target_bytes_per_s']:9.0f} B/s  "
-                  f"{row['achieved_gflops']:6.1f} GFLOP/s  matmul {row['matmul_rate_gflops']:6.1f}"
-                  f"  MFU {row['mfu']:.1%}", flush=True)
+            print(
+                f"{name:6s} {kind:10s} {row['target_bytes_per_s']:9.0f} B/s  "
+                f"{row['achieved_gflops']:6.1f} GFLOP/s  matmul {row['matmul_rate_gflops']:6.1f}"
+                f"  MFU {row['mfu']:.1%}",
+                flush=True,
+            )
     command = "python bench/throughput.py " + " ".join(sys.argv[1:])
-    out = write_json("throughput.json", {"command": command.strip(), "machine": machine(),
-                                         "results": rows})
+    out = write_json(
+        "throughput.json", {"command": command.strip(), "machine": machine(), "results": rows}
+    )
     lines = [
         f"Command: `{command.strip()}` (writes `{out.relative_to(out.parents[2])}`)",
         "",
@@ -129,9 +139,11 @@ def main() -> None:
         "|---|---|---:|---:|---:|---:|",
     ]
     for r in rows:
-        lines.append(f"| {r['preset']} | {r['model']} | {r['target_bytes_per_s']:,.0f} | "
-                     f"{r['achieved_gflops']:.1f} | {r['matmul_rate_gflops']:.1f} | "
-                     f"{r['mfu']:.1%} |")
+        lines.append(
+            f"| {r['preset']} | {r['model']} | {r['target_bytes_per_s']:,.0f} | "
+            f"{r['achieved_gflops']:.1f} | {r['matmul_rate_gflops']:.1f} | "
+            f"{r['mfu']:.1%} |"
+        )
     update_section("throughput", "\n".join(lines))
 
 

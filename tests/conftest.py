@@ -33,7 +33,16 @@ def micro_config(**train: object) -> RunConfig:
         preset="micro",
         seed=3,
         model=ModelConfig(d_model=32, n_heads=2, layers=3, blocks=3, seq_len=16, span=2),
-        train=TrainConfig(steps=6, batch_size=4, lr=3e-3, warmup_steps=2, eval_every=0,
-                          eval_bytes=128, eval_sweeps=2, checkpoint_every=3, log_every=1),
+        train=TrainConfig(
+            steps=6,
+            batch_size=4,
+            lr=3e-3,
+            warmup_steps=2,
+            eval_every=0,
+            eval_bytes=128,
+            eval_sweeps=2,
+            checkpoint_every=3,
+            log_every=1,
+        ),
     )
     return dataclasses.replace(base, train=dataclasses.replace(base.train, **train))

@@ -13,34 +13,41 @@ def test_presets_are_valid_and_distinct():
 
 
 def test_overrides_accept_short_and_sectioned_keys():
-    cfg = apply_overrides(preset("tiny"), ["lr=0.01", "model.span=4", "seed=9",
-                                           "sigma_data=none", "aux_weight=0"])
+    cfg = apply_overrides(
+        preset("tiny"), ["lr=0.01", "model.span=4", "seed=9", "sigma_data=none", "aux_weight=0"]
+    )
     assert cfg.train.lr == 0.01 and cfg.model.span == 4 and cfg.seed == 9
     assert cfg.model.sigma_data is None and cfg.model.aux_weight == 0
     cfg = apply_overrides(cfg, ["gates_open=false", "sigma_data=0.5"])
     assert cfg.model.gates_open is False and cfg.model.sigma_data == 0.5
 
 
-@pytest.mark.parametrize(("item", "match"), [
-    ("nope=1", "unknown --set key"),
-    ("train.span=4", "unknown --set key"),
-    ("span", "KEY=VALUE"),
-    ("layers=2.5", "expected a int"),
-    ("gates_open=maybe", "expected a bool"),
-])
+@pytest.mark.parametrize(
+    ("item", "match"),
+    [
+        ("nope=1", "unknown --set key"),
+        ("train.span=4", "unknown --set key"),
+        ("span", "KEY=VALUE"),
+        ("layers=2.5", "expected a int"),
+        ("gates_open=maybe", "expected a bool"),
+    ],
+)
 def test_bad_overrides_name_the_problem(item, match):
     with pytest.raises(ConfigError, match=match):
         apply_overrides(preset("tiny"), [item])
 
 
-@pytest.mark.parametrize(("changes", "field"), [
-    ({"span": 3}, "span"),
-    ({"sigma_min": 0.0}, "sigma_min"),
-    ({"sigma_max": 0.5}, "sigma_max"),
-    ({"blocks": 4, "layers": 3}, "blocks"),
-    ({"layers": 4, "blocks": 3}, "layers"),
-    ({"n_heads": 5}, "n_heads"),
-])
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"span": 3}, "span"),
+        ({"sigma_min": 0.0}, "sigma_min"),
+        ({"sigma_max": 0.5}, "sigma_max"),
+        ({"blocks": 4, "layers": 3}, "blocks"),
+        ({"layers": 4, "blocks": 3}, "layers"),
+        ({"n_heads": 5}, "n_heads"),
+    ],
+)
 def test_invalid_model_configs_name_the_field(changes, field):
     with pytest.raises(ConfigError, match=field):
         dataclasses.replace(ModelConfig(), **changes)

@@ -1,10 +1,29 @@
 import blocktrain
 
 EXPECTED = {
-    "Block", "BlockStack", "BlockTrainError", "ByteCorpus", "ByteSource", "CheckpointError",
-    "ConfigError", "DataError", "EvalSettings", "ModelConfig", "Reference", "RunConfig",
-    "Sampling", "SigmaSchedule", "TrainConfig", "Trainer", "__version__", "apply_overrides",
-    "evaluate_blocktrain", "generate", "load_model", "load_split", "preset",
+    "Block",
+    "BlockStack",
+    "BlockTrainError",
+    "ByteCorpus",
+    "ByteSource",
+    "CheckpointError",
+    "ConfigError",
+    "DataError",
+    "EvalSettings",
+    "ModelConfig",
+    "Reference",
+    "RunConfig",
+    "Sampling",
+    "SigmaSchedule",
+    "TrainConfig",
+    "Trainer",
+    "__version__",
+    "apply_overrides",
+    "evaluate_blocktrain",
+    "generate",
+    "load_model",
+    "load_split",
+    "preset",
 }
 
 

@@ -63,29 +63,61 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _check(self.d_model > 0, "d_model", self.d_model, "must be positive")
         _check(self.n_heads > 0, "n_heads", self.n_heads, "must be positive")
-        _check(self.d_model % self.n_heads == 0, "n_heads", self.n_heads,
-               f"must divide d_model = {self.d_model}")
-        _check((self.d_model // self.n_heads) % 2 == 0, "n_heads", self.n_heads,
-               "must leave an even head width for rotary positions")
+        _check(
+            self.d_model % self.n_heads == 0,
+            "n_heads",
+            self.n_heads,
+            f"must divide d_model = {self.d_model}",
+        )
+        _check(
+            (self.d_model // self.n_heads) % 2 == 0,
+            "n_heads",
+            self.n_heads,
+            "must leave an even head width for rotary positions",
+        )
         _check(self.layers > 0, "layers", self.layers, "must be positive")
         _check(self.blocks > 0, "blocks", self.blocks, "must be positive")
-        _check(self.blocks <= self.layers, "blocks", self.blocks,
-               f"cannot exceed layers = {self.layers} (each block needs at least one layer)")
-        _check(self.layers % self.blocks == 0, "layers", self.layers,
-               f"must be a multiple of blocks = {self.blocks}")
+        _check(
+            self.blocks <= self.layers,
+            "blocks",
+            self.blocks,
+            f"cannot exceed layers = {self.layers} (each block needs at least one layer)",
+        )
+        _check(
+            self.layers % self.blocks == 0,
+            "layers",
+            self.layers,
+            f"must be a multiple of blocks = {self.blocks}",
+        )
         _check(self.seq_len > 1, "seq_len", self.seq_len, "must be at least 2")
         _check(self.span > 0, "span", self.span, "must be positive")
-        _check(self.seq_len % self.span == 0, "span", self.span,
-               f"must divide seq_len = {self.seq_len} (K must divide T)")
+        _check(
+            self.seq_len % self.span == 0,
+            "span",
+            self.span,
+            f"must divide seq_len = {self.seq_len} (K must divide T)",
+        )
         _check(self.mlp_ratio > 0, "mlp_ratio", self.mlp_ratio, "must be positive")
-        _check(self.noise_dim > 0 and self.noise_dim % 2 == 0, "noise_dim", self.noise_dim,
-               "must be a positive even number")
+        _check(
+            self.noise_dim > 0 and self.noise_dim % 2 == 0,
+            "noise_dim",
+            self.noise_dim,
+            "must be a positive even number",
+        )
         _check(self.sigma_min > 0, "sigma_min", self.sigma_min, "must be > 0")
-        _check(self.sigma_max > self.sigma_min, "sigma_max", self.sigma_max,
-               f"must exceed sigma_min = {self.sigma_min}")
+        _check(
+            self.sigma_max > self.sigma_min,
+            "sigma_max",
+            self.sigma_max,
+            f"must exceed sigma_min = {self.sigma_min}",
+        )
         _check(self.p_std > 0, "p_std", self.p_std, "must be positive")
-        _check(self.sigma_data is None or self.sigma_data > 0, "sigma_data", self.sigma_data,
-               "must be positive (or none for 1/sqrt(d_model))")
+        _check(
+            self.sigma_data is None or self.sigma_data > 0,
+            "sigma_data",
+            self.sigma_data,
+            "must be positive (or none for 1/sqrt(d_model))",
+        )
         _check(0 <= self.overlap < 1, "overlap", self.overlap, "must lie in [0, 1)")
         _check(self.aux_weight >= 0, "aux_weight", self.aux_weight, "must be >= 0")
 
@@ -154,10 +186,15 @@ class TrainConfig:
         _check(self.grad_clip >= 0, "grad_clip", self.grad_clip, "must be >= 0")
         _check(self.eval_bytes > 0, "eval_bytes", self.eval_bytes, "must be positive")
         _check(self.eval_sweeps > 0, "eval_sweeps", self.eval_sweeps, "must be positive")
-        _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
-               "device", self.device, "must be auto, cpu or cuda[:N]")
-        _check(self.precision in ("fp32", "bf16"), "precision", self.precision,
-               "must be fp32 or bf16")
+        _check(
+            self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+            "device",
+            self.device,
+            "must be auto, cpu or cuda[:N]",
+        )
+        _check(
+            self.precision in ("fp32", "bf16"), "precision", self.precision, "must be fp32 or bf16"
+        )
 
 
 @dataclass(frozen=True)
@@ -182,8 +219,12 @@ class RunConfig:
         try:
             model = ModelConfig(**data.get("model", {}))
             train = TrainConfig(**data.get("train", {}))
-            return cls(preset=str(data.get("preset", "custom")), seed=int(data.get("seed", 0)),
-                       model=model, train=train)
+            return cls(
+                preset=str(data.get("preset", "custom")),
+                seed=int(data.get("seed", 0)),
+                model=model,
+                train=train,
+            )
         except TypeError as exc:  # an unknown or missing key
             raise ConfigError(f"config does not match this version of blocktrain: {exc}") from exc
 
@@ -203,8 +244,9 @@ def tiny() -> RunConfig:
     return RunConfig(
         preset="tiny",
         model=ModelConfig(d_model=128, n_heads=4, layers=3, blocks=3, seq_len=64, span=1),
-        train=TrainConfig(steps=300, batch_size=32, lr=2e-3, warmup_steps=30, eval_every=100,
-                          checkpoint_every=100),
+        train=TrainConfig(
+            steps=300, batch_size=32, lr=2e-3, warmup_steps=30, eval_every=100, checkpoint_every=100
+        ),
     )
 
 
@@ -213,8 +255,16 @@ def small() -> RunConfig:
     return RunConfig(
         preset="small",
         model=ModelConfig(d_model=256, n_heads=4, layers=6, blocks=3, seq_len=128, span=1),
-        train=TrainConfig(steps=1000, batch_size=32, lr=1.5e-3, warmup_steps=100, eval_every=250,
-                          eval_bytes=32768, checkpoint_every=250, log_every=20),
+        train=TrainConfig(
+            steps=1000,
+            batch_size=32,
+            lr=1.5e-3,
+            warmup_steps=100,
+            eval_every=250,
+            eval_bytes=32768,
+            checkpoint_every=250,
+            log_every=20,
+        ),
     )
 
 
@@ -223,9 +273,18 @@ def paper() -> RunConfig:
     return RunConfig(
         preset="paper",
         model=ModelConfig(d_model=768, n_heads=12, layers=12, blocks=3, seq_len=512, span=1),
-        train=TrainConfig(steps=20000, batch_size=32, lr=6e-4, warmup_steps=1000,
-                          eval_every=1000, eval_bytes=262144, eval_sweeps=8,
-                          checkpoint_every=1000, log_every=50, precision="bf16"),
+        train=TrainConfig(
+            steps=20000,
+            batch_size=32,
+            lr=6e-4,
+            warmup_steps=1000,
+            eval_every=1000,
+            eval_bytes=262144,
+            eval_sweeps=8,
+            checkpoint_every=1000,
+            log_every=50,
+            precision="bf16",
+        ),
     )
 
 
@@ -293,8 +352,7 @@ def apply_overrides(cfg: RunConfig, items: list[str]) -> RunConfig:
         key = key.strip()
         short = key.split(".", 1)[1] if key.startswith(("model.", "train.")) else key
         if short not in keys or (key != short and not key.startswith(keys[short][0] + ".")):
-            raise ConfigError(
-                f"unknown --set key {key!r}; valid keys: {', '.join(sorted(keys))}")
+            raise ConfigError(f"unknown --set key {key!r}; valid keys: {', '.join(sorted(keys))}")
         section, typ = keys[short]
         value = _parse_value(key, text.strip(), typ)
         if section == "model":

@@ -13,8 +13,17 @@ import pytest
 
 from blocktrain.cli.main import main
 
-TINY = ["--set", "d_model=32", "n_heads=2", "seq_len=16", "batch_size=4", "eval_bytes=64",
-        "eval_sweeps=2", "log_every=1", "--no-progress"]
+TINY = [
+    "--set",
+    "d_model=32",
+    "n_heads=2",
+    "seq_len=16",
+    "batch_size=4",
+    "eval_bytes=64",
+    "eval_sweeps=2",
+    "log_every=1",
+    "--no-progress",
+]
 
 
 def fails_cleanly(capsys, argv, match):
@@ -49,8 +58,11 @@ def test_help_shows_examples(capsys):
 
 
 def test_missing_data_path(capsys, tmp_path):
-    fails_cleanly(capsys, ["train", "--data", str(tmp_path / "nope"), "--out",
-                           str(tmp_path / "r"), *TINY], "does not exist")
+    fails_cleanly(
+        capsys,
+        ["train", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "r"), *TINY],
+        "does not exist",
+    )
     assert not (tmp_path / "r").exists()
 
 
@@ -62,36 +74,59 @@ def test_no_data_given(capsys, tmp_path, monkeypatch):
 def test_empty_file(capsys, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_bytes(b"")
-    fails_cleanly(capsys, ["train", "--data", str(empty), "--out", str(tmp_path / "r"), *TINY],
-                  "empty")
+    fails_cleanly(
+        capsys, ["train", "--data", str(empty), "--out", str(tmp_path / "r"), *TINY], "empty"
+    )
 
 
 def test_binary_only_file(capsys, tmp_path):
     binary = tmp_path / "blob.bin"
     binary.write_bytes(bytes(range(256)) * 64)
-    fails_cleanly(capsys, ["train", "--data", str(binary), "--out", str(tmp_path / "r"), *TINY],
-                  "does not look like text")
+    fails_cleanly(
+        capsys,
+        ["train", "--data", str(binary), "--out", str(tmp_path / "r"), *TINY],
+        "does not look like text",
+    )
 
 
-@pytest.mark.parametrize(("setting", "match"), [
-    ("span=5", "must divide seq_len"),
-    ("sigma_min=0", "sigma_min"),
-    ("sigma_min=-1", "sigma_min"),
-    ("blocks=4", "cannot exceed layers"),
-    ("no_such_key=1", "unknown --set key"),
-    ("d_model=abc", "expected a int"),
-])
+@pytest.mark.parametrize(
+    ("setting", "match"),
+    [
+        ("span=5", "must divide seq_len"),
+        ("sigma_min=0", "sigma_min"),
+        ("sigma_min=-1", "sigma_min"),
+        ("blocks=4", "cannot exceed layers"),
+        ("no_such_key=1", "unknown --set key"),
+        ("d_model=abc", "expected a int"),
+    ],
+)
 def test_bad_settings_overwrite_nothing(capsys, trained, corpus, setting, match):
     before = snapshot(trained)
-    fails_cleanly(capsys, ["train", "--data", str(corpus), "--out", str(trained), "--overwrite",
-                           *TINY, "--set", setting], match)
+    fails_cleanly(
+        capsys,
+        [
+            "train",
+            "--data",
+            str(corpus),
+            "--out",
+            str(trained),
+            "--overwrite",
+            *TINY,
+            "--set",
+            setting,
+        ],
+        match,
+    )
     assert snapshot(trained) == before
 
 
 def test_existing_run_needs_resume_or_overwrite(capsys, trained, corpus):
     before = snapshot(trained)
-    fails_cleanly(capsys, ["train", "--data", str(corpus), "--out", str(trained), *TINY],
-                  "already holds a run")
+    fails_cleanly(
+        capsys,
+        ["train", "--data", str(corpus), "--out", str(trained), *TINY],
+        "already holds a run",
+    )
     assert snapshot(trained) == before
 
 
@@ -100,8 +135,11 @@ def test_corrupt_checkpoint(capsys, trained, corpus):
     fails_cleanly(capsys, ["eval", str(trained), "--data", str(corpus)], "safetensors")
     fails_cleanly(capsys, ["generate", str(trained), "--prompt", "a"], "safetensors")
     before = snapshot(trained)
-    fails_cleanly(capsys, ["train", "--resume", "--out", str(trained), "--data", str(corpus),
-                           "--no-progress"], "safetensors")
+    fails_cleanly(
+        capsys,
+        ["train", "--resume", "--out", str(trained), "--data", str(corpus), "--no-progress"],
+        "safetensors",
+    )
     assert snapshot(trained) == before
 
 
@@ -110,8 +148,9 @@ def test_foreign_checkpoint(capsys, tmp_path, corpus):
     foreign.mkdir()
     (foreign / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 12}))
     fails_cleanly(capsys, ["eval", str(foreign), "--data", str(corpus)], "not a BlockTrain")
-    fails_cleanly(capsys, ["eval", str(tmp_path / "missing"), "--data", str(corpus)],
-                  "does not exist")
+    fails_cleanly(
+        capsys, ["eval", str(tmp_path / "missing"), "--data", str(corpus)], "does not exist"
+    )
 
 
 def test_bad_generation_settings(capsys, trained):
@@ -122,8 +161,23 @@ def test_bad_generation_settings(capsys, trained):
 
 def test_one_block_run_cannot_be_evaluated_as_a_model(capsys, tmp_path, corpus):
     run = tmp_path / "b1"
-    assert main(["train", "--data", str(corpus), "--out", str(run), "--steps", "1", "--block",
-                 "1", *TINY]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--data",
+                str(corpus),
+                "--out",
+                str(run),
+                "--steps",
+                "1",
+                "--block",
+                "1",
+                *TINY,
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     fails_cleanly(capsys, ["eval", str(run), "--data", str(corpus)], "assembled model")
 
@@ -147,15 +201,17 @@ def test_train_eval_generate_end_to_end(tmp_path, corpus):
     run = tmp_path / "e2e"
 
     def call(*args):
-        return subprocess.run([*cmd, *args], env=env, capture_output=True, text=True,
-                              timeout=120, check=True)
+        return subprocess.run(
+            [*cmd, *args], env=env, capture_output=True, text=True, timeout=120, check=True
+        )
 
     call("train", "--out", str(run), "--steps", "3", *TINY)
     out = json.loads(call("eval", str(run), "--json", "--bytes", "64", "--sweeps", "2").stdout)
     assert {"sampler_ce", "from_noise_ce", "ce_per_step", "oracle_ce", "bits_per_byte"} <= set(out)
     assert len(out["ce_per_step"]) == 3
-    text = call("generate", str(run), "--prompt", "The ", "--bytes", "20",
-                "--continuation-only").stdout
+    text = call(
+        "generate", str(run), "--prompt", "The ", "--bytes", "20", "--continuation-only"
+    ).stdout
     assert len(text.rstrip("\n").encode("utf-8", errors="surrogateescape")) >= 1
     ref = tmp_path / "ref"
     call("train", "--out", str(ref), "--steps", "2", "--reference", *TINY)
@@ -171,13 +227,28 @@ def test_data_fetch_from_a_local_archive(capsys, tmp_path):
         for split in ("train", "valid", "test"):
             zf.writestr(f"wikitext-2-raw/wiki.{split}.raw", f" = {split} = \n text \n" * 20)
     dest = tmp_path / "wt2"
-    assert main(["data", "fetch", "wikitext-2", "--to", str(dest), "--url",
-                 archive.as_uri()]) == 0
-    assert sorted(p.name for p in dest.iterdir()) == ["wiki.test.raw", "wiki.train.raw",
-                                                      "wiki.valid.raw"]
+    assert main(["data", "fetch", "wikitext-2", "--to", str(dest), "--url", archive.as_uri()]) == 0
+    assert sorted(p.name for p in dest.iterdir()) == [
+        "wiki.test.raw",
+        "wiki.train.raw",
+        "wiki.valid.raw",
+    ]
     capsys.readouterr()
     assert main(["data", "info", str(dest)]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["train"]["bytes"] > 0
-    fails_cleanly(capsys, ["data", "fetch", "wikitext-2", "--to", str(tmp_path / "x"), "--url",
-                           archive.as_uri(), "--sha256", "0" * 64], "sha256")
+    fails_cleanly(
+        capsys,
+        [
+            "data",
+            "fetch",
+            "wikitext-2",
+            "--to",
+            str(tmp_path / "x"),
+            "--url",
+            archive.as_uri(),
+            "--sha256",
+            "0" * 64,
+        ],
+        "sha256",
+    )

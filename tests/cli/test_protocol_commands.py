@@ -35,49 +35,60 @@ def test_token_add_prints_the_token_alone(tmp_path, capsys):
     s = StateDir(state)
     row = s.ledger.token_by_hash(hash_token(token))
     assert row is not None and row.name == "alice"
-    assert token not in (state / "ledger.sqlite").read_bytes().decode("latin-1"), \
+    assert token not in (state / "ledger.sqlite").read_bytes().decode("latin-1"), (
         "the token is stored hashed"
+    )
     s.close()
     assert main(["token", "list", "--state", str(state), "--json"]) == 0
     (listed,) = json.loads(capsys.readouterr().out)
     assert listed["name"] == "alice" and listed["revoked"] is None and "hash" not in listed
     assert main(["token", "revoke", "--state", str(state), "--name", "alice"]) == 0
     capsys.readouterr()
-    fails_cleanly(capsys, ["token", "revoke", "--state", str(state), "--name", "alice"],
-                  "already revoked")
-    fails_cleanly(capsys, ["token", "add", "--state", str(state), "--name", "alice"],
-                  "already exists")
-    fails_cleanly(capsys, ["token", "revoke", "--state", str(state), "--name", "bob"],
-                  "no token named")
-    fails_cleanly(capsys, ["token", "list", "--state", str(tmp_path / "none")],
-                  "holds no aggregator ledger")
+    fails_cleanly(
+        capsys, ["token", "revoke", "--state", str(state), "--name", "alice"], "already revoked"
+    )
+    fails_cleanly(
+        capsys, ["token", "add", "--state", str(state), "--name", "alice"], "already exists"
+    )
+    fails_cleanly(
+        capsys, ["token", "revoke", "--state", str(state), "--name", "bob"], "no token named"
+    )
+    fails_cleanly(
+        capsys, ["token", "list", "--state", str(tmp_path / "none")], "holds no aggregator ledger"
+    )
 
 
 def test_aggregator_refuses_bad_starts(tmp_path, capsys):
     fails_cleanly(capsys, ["aggregator", "--state", str(tmp_path / "new")], "give --preset")
     state = tmp_path / "s"
     create_state(state, micro_config(), {}).close()
-    fails_cleanly(capsys, ["aggregator", "--state", str(state), "--preset", "tiny"],
-                  "already holds a run")
-    fails_cleanly(capsys, ["aggregator", "--state", str(state), "--tls-cert", "x.pem"],
-                  "go together")
-    fails_cleanly(capsys, ["aggregator", "--state", str(state), "--deadline", "0"],
-                  "deadline_s")
+    fails_cleanly(
+        capsys, ["aggregator", "--state", str(state), "--preset", "tiny"], "already holds a run"
+    )
+    fails_cleanly(
+        capsys, ["aggregator", "--state", str(state), "--tls-cert", "x.pem"], "go together"
+    )
+    fails_cleanly(capsys, ["aggregator", "--state", str(state), "--deadline", "0"], "deadline_s")
 
 
 def test_worker_and_status_refuse_bad_input(capsys, monkeypatch):
     monkeypatch.delenv("BLOCKTRAIN_TOKEN", raising=False)
     fails_cleanly(capsys, ["worker", "--aggregator", "http://127.0.0.1:1"], "no token")
-    fails_cleanly(capsys, ["worker", "--aggregator", "127.0.0.1:1", "--token", "t"],
-                  "expected http://")
+    fails_cleanly(
+        capsys, ["worker", "--aggregator", "127.0.0.1:1", "--token", "t"], "expected http://"
+    )
     fails_cleanly(capsys, ["status", "http://127.0.0.1:1"], "no token")
-    fails_cleanly(capsys, ["cluster", "--workers", "0", "--rounds", "1", "--out", "x"],
-                  "--workers must be positive")
+    fails_cleanly(
+        capsys,
+        ["cluster", "--workers", "0", "--rounds", "1", "--out", "x"],
+        "--workers must be positive",
+    )
 
 
 def test_status_of_an_unreachable_aggregator_is_one_line(capsys):
-    fails_cleanly(capsys, ["status", "http://127.0.0.1:9", "--token", "t", "--timeout", "0.3"],
-                  "failed")
+    fails_cleanly(
+        capsys, ["status", "http://127.0.0.1:9", "--token", "t", "--timeout", "0.3"], "failed"
+    )
 
 
 def test_create_state_derives_the_bounds_from_the_config(tmp_path):
@@ -97,11 +108,17 @@ def test_export_writes_a_run_that_eval_reads(tmp_path, corpus, capsys):
     out = tmp_path / "model"
     assert main(["export", "--state", str(state), "--out", str(out)]) == 0
     assert "exported" in capsys.readouterr().out
-    assert main(["eval", str(out), "--data", str(corpus), "--bytes", "64", "--sweeps", "1",
-                 "--json"]) == 0
+    assert (
+        main(["eval", str(out), "--data", str(corpus), "--bytes", "64", "--sweeps", "1", "--json"])
+        == 0
+    )
     result = json.loads(capsys.readouterr().out)
     assert result["kind"] == "blocktrain" and result["from_noise_ce"] > 0
-    fails_cleanly(capsys, ["export", "--state", str(state), "--out", str(out)],
-                  "already holds a run")
-    fails_cleanly(capsys, ["export", "--state", str(tmp_path / "none"), "--out",
-                           str(tmp_path / "m2")], "holds no aggregator state")
+    fails_cleanly(
+        capsys, ["export", "--state", str(state), "--out", str(out)], "already holds a run"
+    )
+    fails_cleanly(
+        capsys,
+        ["export", "--state", str(tmp_path / "none"), "--out", str(tmp_path / "m2")],
+        "holds no aggregator state",
+    )

@@ -42,7 +42,7 @@ def test_changing_a_clean_byte_moves_only_later_spans(i):
     assert (moved[:end] == 0).all(), f"byte {i} leaked into its own span or earlier: {moved}"
     if end < CFG.seq_len:
         # the next span sees the changed byte directly (further ones may underflow to 0 in fp32)
-        assert moved[end:end + CFG.span].min() > 0, "later spans must see the changed context"
+        assert moved[end : end + CFG.span].min() > 0, "later spans must see the changed context"
     aux_moved = (aux_a - aux_b).abs().amax(dim=-1)[0]
     assert (aux_moved[:i] == 0).all(), "the clean stream is causal"
     assert aux_moved[i:].min() > 0

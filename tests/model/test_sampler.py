@@ -31,8 +31,14 @@ def test_one_sweep_with_one_step_per_block_calls_each_block_once_in_order():
     grid = SigmaSchedule.from_config(CFG).sampler_grid(1)
     targets = torch.eye(256, 32)
     layout = ZLayout.next_span(4, 2)
-    one_sweep(recording_denoiser(calls), torch.zeros(1, 4, dtype=torch.long),
-              torch.randn(1, 2, 32), grid, targets, layout)
+    one_sweep(
+        recording_denoiser(calls),
+        torch.zeros(1, 4, dtype=torch.long),
+        torch.randn(1, 2, 32),
+        grid,
+        targets,
+        layout,
+    )
     assert [b for b, _ in calls] == [0, 1, 2]
     assert calls[0][1] == 10.0 and calls[-1][1] == 1.0
 
@@ -40,8 +46,14 @@ def test_one_sweep_with_one_step_per_block_calls_each_block_once_in_order():
 def test_steps_per_block_gives_consecutive_calls():
     calls: list = []
     grid = SigmaSchedule.from_config(CFG).sampler_grid(3)
-    one_sweep(recording_denoiser(calls), torch.zeros(1, 4, dtype=torch.long),
-              torch.randn(1, 2, 32), grid, torch.eye(256, 32), ZLayout.next_span(4, 2))
+    one_sweep(
+        recording_denoiser(calls),
+        torch.zeros(1, 4, dtype=torch.long),
+        torch.randn(1, 2, 32),
+        grid,
+        torch.eye(256, 32),
+        ZLayout.next_span(4, 2),
+    )
     assert [b for b, _ in calls] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
 
 
@@ -57,8 +69,15 @@ def test_euler_moves_towards_a_confident_prediction():
     z0 = torch.randn(1, 1, 32) * 10
     grid = [(0, 10.0), (1, 1.0), (2, 1.0)]
     zs = []
-    one_sweep(denoise, torch.zeros(1, 1, dtype=torch.long), z0, grid, targets,
-              ZLayout.next_span(1, 1), on_step=lambda n, b, s, lg: zs.append(n))
+    one_sweep(
+        denoise,
+        torch.zeros(1, 1, dtype=torch.long),
+        z0,
+        grid,
+        targets,
+        ZLayout.next_span(1, 1),
+        on_step=lambda n, b, s, lg: zs.append(n),
+    )
     # one Euler step from sigma 10 to 1: z1 = z0 - 0.9 (z0 - E[7]) = 0.1 z0 + 0.9 E[7]
     from blocktrain.model import euler_step
 
@@ -71,9 +90,17 @@ def test_euler_moves_towards_a_confident_prediction():
 def test_generate_returns_the_requested_number_of_bytes(n):
     stack = BlockStack(CFG, seed=0).eval()
     grid = SigmaSchedule.from_config(CFG).sampler_grid(1)
-    out = generate(stack_denoiser(stack), torch.tensor([[65, 66, 67]]), n, grid=grid,
-                   targets=stack.targets, span=CFG.span, max_context=CFG.seq_len - CFG.span,
-                   sampling=Sampling(), generator=torch.Generator().manual_seed(0))
+    out = generate(
+        stack_denoiser(stack),
+        torch.tensor([[65, 66, 67]]),
+        n,
+        grid=grid,
+        targets=stack.targets,
+        span=CFG.span,
+        max_context=CFG.seq_len - CFG.span,
+        sampling=Sampling(),
+        generator=torch.Generator().manual_seed(0),
+    )
     assert out.shape == (1, n) and out.dtype == torch.long
     assert int(out.min()) >= 0 and int(out.max()) < 256
 
@@ -84,9 +111,17 @@ def test_generate_is_seeded_and_handles_contexts_longer_than_training():
     prompt = torch.randint(0, 256, (1, 40))
 
     def go(seed):
-        return generate(stack_denoiser(stack), prompt, 20, grid=grid, targets=stack.targets,
-                        span=CFG.span, max_context=CFG.seq_len - CFG.span, sampling=Sampling(),
-                        generator=torch.Generator().manual_seed(seed))
+        return generate(
+            stack_denoiser(stack),
+            prompt,
+            20,
+            grid=grid,
+            targets=stack.targets,
+            span=CFG.span,
+            max_context=CFG.seq_len - CFG.span,
+            sampling=Sampling(),
+            generator=torch.Generator().manual_seed(seed),
+        )
 
     assert torch.equal(go(1), go(1))
     assert not torch.equal(go(1), go(2))
@@ -94,8 +129,13 @@ def test_generate_is_seeded_and_handles_contexts_longer_than_training():
 
 def test_autoregressive_generation_length():
     model = Reference(CFG).eval()
-    out = generate_autoregressive(model, torch.tensor([[1, 2]]), 30, sampling=Sampling(),
-                                  generator=torch.Generator().manual_seed(0))
+    out = generate_autoregressive(
+        model,
+        torch.tensor([[1, 2]]),
+        30,
+        sampling=Sampling(),
+        generator=torch.Generator().manual_seed(0),
+    )
     assert out.shape == (1, 30)
 
 
@@ -136,8 +176,16 @@ def test_ancestral_sweep_is_seeded_and_needs_a_generator():
     den = stack_denoiser(stack)
 
     def run(seed):
-        return one_sweep(den, x, z, grid, stack.targets, layout, method="ancestral",
-                         generator=torch.Generator().manual_seed(seed))
+        return one_sweep(
+            den,
+            x,
+            z,
+            grid,
+            stack.targets,
+            layout,
+            method="ancestral",
+            generator=torch.Generator().manual_seed(seed),
+        )
 
     assert torch.equal(run(3), run(3))
     with pytest.raises(ValueError, match="generator"):

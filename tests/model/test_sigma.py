@@ -28,7 +28,9 @@ def test_training_interval_overlaps_by_gamma_and_clamps():
     lo, hi = s.interval(1)
     tlo, thi = s.training_interval(1)
     r = math.log(hi) - math.log(lo)
-    assert tlo == pytest.approx(lo * math.exp(-0.1 * r)) and thi == pytest.approx(hi * math.exp(0.1 * r))
+    assert tlo == pytest.approx(lo * math.exp(-0.1 * r)) and thi == pytest.approx(
+        hi * math.exp(0.1 * r)
+    )
     assert s.training_interval(0)[1] == 10.0, "the top block is clamped to sigma_max"
     assert s.training_interval(2)[0] == 1.0, "the bottom block is clamped to sigma_min"
 

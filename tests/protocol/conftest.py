@@ -33,20 +33,27 @@ class FakeClock:
 
 def block_tensors(seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return {"layer.weight": torch.randn(8, 4, generator=gen),
-            "layer.bias": torch.randn(8, generator=gen),
-            "embed": torch.randn(5, 4, generator=gen)}
+    return {
+        "layer.weight": torch.randn(8, 4, generator=gen),
+        "layer.bias": torch.randn(8, generator=gen),
+        "embed": torch.randn(5, 4, generator=gen),
+    }
 
 
-SETTINGS = AggregatorSettings(deadline_s=30.0, local_steps=2, max_delta_norm=50.0,
-                              max_tokens=10_000, n_workers=16)
+SETTINGS = AggregatorSettings(
+    deadline_s=30.0, local_steps=2, max_delta_norm=50.0, max_tokens=10_000, n_workers=16
+)
 
 
-def make_state(root: Path, settings: AggregatorSettings = SETTINGS, blocks: int = 2,
-               seed: int = 5) -> StateDir:
-    return StateDir.create(root, run_config={"seed": seed, "note": "synthetic"},
-                           settings=settings,
-                           blocks={b: block_tensors(100 + b) for b in range(blocks)})
+def make_state(
+    root: Path, settings: AggregatorSettings = SETTINGS, blocks: int = 2, seed: int = 5
+) -> StateDir:
+    return StateDir.create(
+        root,
+        run_config={"seed": seed, "note": "synthetic"},
+        settings=settings,
+        blocks={b: block_tensors(100 + b) for b in range(blocks)},
+    )
 
 
 def add_token(state: StateDir, name: str) -> str:
@@ -62,14 +69,30 @@ def auth(token: str, worker: int | None = None) -> dict[str, str]:
     return headers
 
 
-def delta_body(block: int, *, base_version: int = 0, round: int = 0, tokens: int = 100,
-               scale: float = 0.01, dtype: str = "fp16", worker: int | None = None,
-               tensors: dict[str, torch.Tensor] | None = None,
-               **extra_meta: object) -> bytes:
-    tensors = tensors if tensors is not None else {
-        k: torch.full_like(v, scale) for k, v in block_tensors(100 + block).items()}
-    meta: dict[str, object] = {"block": block, "base_version": base_version, "round": round,
-                               "tokens": tokens, **extra_meta}
+def delta_body(
+    block: int,
+    *,
+    base_version: int = 0,
+    round: int = 0,
+    tokens: int = 100,
+    scale: float = 0.01,
+    dtype: str = "fp16",
+    worker: int | None = None,
+    tensors: dict[str, torch.Tensor] | None = None,
+    **extra_meta: object,
+) -> bytes:
+    tensors = (
+        tensors
+        if tensors is not None
+        else {k: torch.full_like(v, scale) for k, v in block_tensors(100 + block).items()}
+    )
+    meta: dict[str, object] = {
+        "block": block,
+        "base_version": base_version,
+        "round": round,
+        "tokens": tokens,
+        **extra_meta,
+    }
     if worker is not None:
         meta["worker_id"] = worker
     return encode(tensors, meta, dtype)
@@ -98,10 +121,19 @@ class Harness:
     def pull(self, token: str, worker: int, block: int):
         return self.client.get(f"/v1/blocks/{block}", headers=auth(token, worker))
 
-    def push(self, token: str, worker: int, block: int, body: bytes,
-             headers: dict[str, str] | None = None):
-        return self.client.post(f"/v1/blocks/{block}/updates", content=body,
-                                headers={**auth(token, worker), **(headers or {})})
+    def push(
+        self,
+        token: str,
+        worker: int,
+        block: int,
+        body: bytes,
+        headers: dict[str, str] | None = None,
+    ):
+        return self.client.post(
+            f"/v1/blocks/{block}/updates",
+            content=body,
+            headers={**auth(token, worker), **(headers or {})},
+        )
 
     def weights(self, block: int) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.service.blocks[block].weights.items()}
@@ -111,8 +143,9 @@ class Harness:
         self.state.close()
         state = StateDir(self.state.root)
         app = create_app(storage=state, clock=self.clock)
-        return Harness(state, self.clock, TestClient(app, base_url="http://agg"), self.alice,
-                       self.bob)
+        return Harness(
+            state, self.clock, TestClient(app, base_url="http://agg"), self.alice, self.bob
+        )
 
 
 def make_harness(root: Path, settings: AggregatorSettings = SETTINGS) -> Harness:

@@ -41,8 +41,9 @@ def attr(kind: int, payload: bytes) -> bytes:
 
 def message(kind: int, flags: int, seq: int, queue: int, attrs: bytes) -> bytes:
     body = struct.pack("!BBH", socket.AF_UNSPEC, 0, queue) + attrs  # nfgenmsg, res_id BE
-    return struct.pack("=IHHII", 16 + len(body), (NFNL_SUBSYS_QUEUE << 8) | kind, flags, seq,
-                       0) + body
+    return (
+        struct.pack("=IHHII", 16 + len(body), (NFNL_SUBSYS_QUEUE << 8) | kind, flags, seq, 0) + body
+    )
 
 
 def check_ack(sock: socket.socket) -> None:
@@ -85,11 +86,13 @@ def main() -> int:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
     sock.bind((0, 0))
     seq = 1
-    for attrs in (attr(NFQA_CFG_CMD, struct.pack("!BxH", NFQNL_CFG_CMD_BIND, 0)),
-                  attr(NFQA_CFG_PARAMS, struct.pack("!IB", 0, NFQNL_COPY_META)),
-                  attr(NFQA_CFG_QUEUE_MAXLEN, struct.pack("!I", 65536)),
-                  attr(NFQA_CFG_FLAGS, struct.pack("!I", NFQA_CFG_F_FAIL_OPEN))
-                  + attr(NFQA_CFG_MASK, struct.pack("!I", NFQA_CFG_F_FAIL_OPEN))):
+    for attrs in (
+        attr(NFQA_CFG_CMD, struct.pack("!BxH", NFQNL_CFG_CMD_BIND, 0)),
+        attr(NFQA_CFG_PARAMS, struct.pack("!IB", 0, NFQNL_COPY_META)),
+        attr(NFQA_CFG_QUEUE_MAXLEN, struct.pack("!I", 65536)),
+        attr(NFQA_CFG_FLAGS, struct.pack("!I", NFQA_CFG_F_FAIL_OPEN))
+        + attr(NFQA_CFG_MASK, struct.pack("!I", NFQA_CFG_F_FAIL_OPEN)),
+    ):
         sock.send(message(NFQNL_MSG_CONFIG, NLM_F_REQUEST | NLM_F_ACK, seq, args.queue, attrs))
         check_ack(sock)
         seq += 1
@@ -123,8 +126,15 @@ def main() -> int:
             sock.send(message(NFQNL_MSG_VERDICT, NLM_F_REQUEST, seq, args.queue, verdict))
             seq += 1
     for _, pid in due:  # let the rest through before unbinding
-        sock.send(message(NFQNL_MSG_VERDICT, NLM_F_REQUEST, seq, args.queue,
-                          attr(NFQA_VERDICT_HDR, struct.pack("!II", NF_ACCEPT, pid))))
+        sock.send(
+            message(
+                NFQNL_MSG_VERDICT,
+                NLM_F_REQUEST,
+                seq,
+                args.queue,
+                attr(NFQA_VERDICT_HDR, struct.pack("!II", NF_ACCEPT, pid)),
+            )
+        )
     sock.close()
     return 0
 

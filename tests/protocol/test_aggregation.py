@@ -54,8 +54,11 @@ def test_accumulator_matches_the_batch_rules(rule):
         acc.add(d, w)
     got = acc.result()
     assert got is not None
-    want = {"mean": lambda: weighted_mean(ds, weights), "median": lambda: coordinate_median(ds),
-            "trimmed_mean": lambda: trimmed_mean(ds, 0.34)}[rule]()
+    want = {
+        "mean": lambda: weighted_mean(ds, weights),
+        "median": lambda: coordinate_median(ds),
+        "trimmed_mean": lambda: trimmed_mean(ds, 0.34),
+    }[rule]()
     for name in want:
         assert torch.allclose(got[name], want[name]), (rule, name)
 

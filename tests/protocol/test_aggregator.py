@@ -97,8 +97,9 @@ def test_an_update_slower_than_the_deadline_is_refused_as_late(harness):
     d_a = torch.tensor(0.02, dtype=torch.float16).float()
     after = h.weights(0)
     for name in before:
-        assert torch.allclose(after[name], before[name] + d_a, atol=1e-6), \
+        assert torch.allclose(after[name], before[name] + d_a, atol=1e-6), (
             "the late update is not in the new version"
+        )
     assert refusal_rows(h, "late") == 1
 
 
@@ -116,9 +117,17 @@ def test_the_round_closes_at_the_deadline_without_any_request(harness):
 
 
 def test_staleness_bound_accepts_a_late_update_down_weighted(tmp_path):
-    h = make_harness(tmp_path / "s", AggregatorSettings(
-        deadline_s=30, local_steps=2, max_delta_norm=50, max_tokens=10_000, staleness=1,
-        stale_weight=0.5))
+    h = make_harness(
+        tmp_path / "s",
+        AggregatorSettings(
+            deadline_s=30,
+            local_steps=2,
+            max_delta_norm=50,
+            max_tokens=10_000,
+            staleness=1,
+            stale_weight=0.5,
+        ),
+    )
     a, b = two_on_block0(h)
     assert h.push(h.alice, a, 0, delta_body(0)).status_code == 200
     h.clock.advance(31)
@@ -146,17 +155,37 @@ def _cases():
         ("unknown block", {"block": 7}, 404, "unknown_block"),
         ("stale version", {"body": delta_body(0, base_version=3)}, 409, "stale_version"),
         ("future round", {"body": delta_body(0, round=4)}, 409, "future_round"),
-        ("missing tensor", {"body": delta_body(0, tensors={
-            k: v for k, v in good.items() if k != "embed"})}, 400, "missing_tensors"),
-        ("extra tensor", {"body": delta_body(0, tensors={**good, "x": torch.zeros(2)})}, 400,
-         "extra_tensors"),
-        ("wrong shape", {"body": delta_body(0, tensors={**good, "embed": torch.zeros(4, 5)})},
-         400, "bad_shape"),
+        (
+            "missing tensor",
+            {"body": delta_body(0, tensors={k: v for k, v in good.items() if k != "embed"})},
+            400,
+            "missing_tensors",
+        ),
+        (
+            "extra tensor",
+            {"body": delta_body(0, tensors={**good, "x": torch.zeros(2)})},
+            400,
+            "extra_tensors",
+        ),
+        (
+            "wrong shape",
+            {"body": delta_body(0, tensors={**good, "embed": torch.zeros(4, 5)})},
+            400,
+            "bad_shape",
+        ),
         ("wrong dtype", {"body": delta_body(0, dtype="fp32")}, 400, "bad_dtype"),
-        ("NaN", {"body": delta_body(0, tensors={**good, "embed": torch.full((5, 4), float(
-            "nan"))})}, 400, "non_finite"),
-        ("Inf", {"body": delta_body(0, tensors={**good, "layer.bias": torch.full((8,), float(
-            "inf"))})}, 400, "non_finite"),
+        (
+            "NaN",
+            {"body": delta_body(0, tensors={**good, "embed": torch.full((5, 4), float("nan"))})},
+            400,
+            "non_finite",
+        ),
+        (
+            "Inf",
+            {"body": delta_body(0, tensors={**good, "layer.bias": torch.full((8,), float("inf"))})},
+            400,
+            "non_finite",
+        ),
         ("norm over the bound", {"body": delta_body(0, scale=20.0)}, 400, "norm_too_large"),
         ("truncated body", {"body": body[: len(body) // 2]}, 400, "malformed"),
         ("not safetensors", {"body": b"just some text, not tensors"}, 400, "malformed"),
@@ -168,8 +197,12 @@ def _cases():
         ("negative tokens", {"body": delta_body(0, tokens=-3)}, 400, "bad_tokens"),
         ("zero tokens", {"body": delta_body(0, tokens=0)}, 400, "bad_tokens"),
         ("absurd tokens", {"body": delta_body(0, tokens=10**15)}, 400, "bad_tokens"),
-        ("metadata without round", {"body": delta_body(0, tensors=None).replace(
-            b'"round"', b'"rounx"')}, 400, "bad_metadata"),
+        (
+            "metadata without round",
+            {"body": delta_body(0, tensors=None).replace(b'"round"', b'"rounx"')},
+            400,
+            "bad_metadata",
+        ),
         ("metadata names another block", {"body": delta_body(1)}, 400, "bad_metadata"),
     ]
 
@@ -177,12 +210,16 @@ def _cases():
 CASES = _cases()
 
 
-@pytest.mark.parametrize(("how", "status", "reason"), [c[1:] for c in CASES],
-                         ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    ("how", "status", "reason"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
 def test_bad_input_is_refused_with_a_reason_and_a_ledger_row(tmp_path, how, status, reason):
-    h = make_harness(tmp_path / "s", AggregatorSettings(
-        deadline_s=30, local_steps=2, max_delta_norm=50, max_tokens=10_000,
-        max_body_bytes=4096))
+    h = make_harness(
+        tmp_path / "s",
+        AggregatorSettings(
+            deadline_s=30, local_steps=2, max_delta_norm=50, max_tokens=10_000, max_body_bytes=4096
+        ),
+    )
     a = h.register(h.alice, block=0)["worker_id"]
     bob = h.register(h.bob, block=1)["worker_id"]
     assert h.pull(h.alice, a, 0).status_code == 200
@@ -197,11 +234,15 @@ def test_bad_input_is_refused_with_a_reason_and_a_ledger_row(tmp_path, how, stat
     rows_before = refusal_rows(h, reason)
     if "stream" in how:
         data = how["stream"]
-        r = h.client.post(f"/v1/blocks/{block}/updates", headers=headers,
-                          content=(data[i:i + 1000] for i in range(0, len(data), 1000)))
+        r = h.client.post(
+            f"/v1/blocks/{block}/updates",
+            headers=headers,
+            content=(data[i : i + 1000] for i in range(0, len(data), 1000)),
+        )
     else:
-        r = h.client.post(f"/v1/blocks/{block}/updates", headers=headers,
-                          content=how.get("body", delta_body(0)))
+        r = h.client.post(
+            f"/v1/blocks/{block}/updates", headers=headers, content=how.get("body", delta_body(0))
+        )
     assert r.status_code == status, r.text
     doc = r.json()
     assert doc["accepted"] is False and doc["reason"] == reason and doc["detail"], doc
@@ -233,29 +274,48 @@ def test_a_second_update_for_the_same_round_is_a_duplicate(harness):
     assert r.status_code == 409 and r.json()["reason"] == "duplicate"
 
 
-@pytest.mark.parametrize(("body", "reason"), [
-    (b"{not json", "bad_request"), (b'{"block": "one"}', "bad_request"),
-    (b'{"block": -1}', "bad_request"), (b'{"bloc": 1}', "bad_request"),
-    (b'{"block": 9}', "unknown_block")])
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (b"{not json", "bad_request"),
+        (b'{"block": "one"}', "bad_request"),
+        (b'{"block": -1}', "bad_request"),
+        (b'{"bloc": 1}', "bad_request"),
+        (b'{"block": 9}', "unknown_block"),
+    ],
+)
 def test_bad_registrations(harness, body, reason):
-    r = harness.client.post("/v1/workers", content=body,
-                            headers={**auth(harness.alice), "Content-Type": "application/json"})
+    r = harness.client.post(
+        "/v1/workers",
+        content=body,
+        headers={**auth(harness.alice), "Content-Type": "application/json"},
+    )
     assert 400 <= r.status_code < 500 and r.json()["reason"] == reason, r.text
 
 
 def test_every_call_but_metrics_and_docs_needs_a_token(harness):
     h = harness
-    for method, path in (("POST", "/v1/workers"), ("GET", "/v1/config"),
-                         ("GET", "/v1/blocks/0"), ("GET", "/v1/blocks/0/round"),
-                         ("POST", "/v1/blocks/0/updates"), ("GET", "/v1/status"),
-                         ("DELETE", "/v1/workers/0")):
+    for method, path in (
+        ("POST", "/v1/workers"),
+        ("GET", "/v1/config"),
+        ("GET", "/v1/blocks/0"),
+        ("GET", "/v1/blocks/0/round"),
+        ("POST", "/v1/blocks/0/updates"),
+        ("GET", "/v1/status"),
+        ("DELETE", "/v1/workers/0"),
+    ):
         r = h.client.request(method, path)
         assert r.status_code == 401 and r.json()["reason"] == "missing_token", (path, r.text)
     assert h.client.get("/metrics").status_code == 200
     assert h.client.get("/docs").status_code == 200
     paths = h.client.get("/openapi.json").json()["paths"]
-    for path in ("/v1/workers", "/v1/blocks/{block}", "/v1/blocks/{block}/updates",
-                 "/v1/status", "/metrics"):
+    for path in (
+        "/v1/workers",
+        "/v1/blocks/{block}",
+        "/v1/blocks/{block}/updates",
+        "/v1/status",
+        "/metrics",
+    ):
         assert path in paths
 
 
@@ -274,9 +334,19 @@ def test_malformed_requests_never_get_a_5xx(harness):
     a = h.register(h.alice, block=0)["worker_id"]
     h.pull(h.alice, a, 0)
     good = delta_body(0)
-    paths = ["/v1/blocks/0/updates", "/v1/blocks/1/updates", "/v1/blocks/x/updates",
-             "/v1/blocks/-1/updates", "/v1/workers", "/v1/blocks/0", "/v1/blocks/0/round",
-             "/v1/status", "/v1/config", "/v1/workers/abc", "/nope"]
+    paths = [
+        "/v1/blocks/0/updates",
+        "/v1/blocks/1/updates",
+        "/v1/blocks/x/updates",
+        "/v1/blocks/-1/updates",
+        "/v1/workers",
+        "/v1/blocks/0",
+        "/v1/blocks/0/round",
+        "/v1/status",
+        "/v1/config",
+        "/v1/workers/abc",
+        "/nope",
+    ]
     for i in range(150):
         kind = i % 5
         if kind == 0:
@@ -315,13 +385,16 @@ def test_restart_resumes_the_open_round_with_its_accepted_updates(harness):
     r = h2.push(h2.bob, b, 0, delta_body(0, scale=0.01))
     assert r.status_code == 200, r.text
     assert st.round == 1, "the restored accepted update and the new one close the round"
-    want = (torch.tensor(0.03, dtype=torch.float16).float()
-            + torch.tensor(0.01, dtype=torch.float16).float()) / 2
+    want = (
+        torch.tensor(0.03, dtype=torch.float16).float()
+        + torch.tensor(0.01, dtype=torch.float16).float()
+    ) / 2
     for name, t in before.items():
         assert torch.allclose(h2.weights(0)[name], t + want, atol=1e-6)
     accepted = h2.state.ledger.updates(fate="accepted")
-    assert len(accepted) == 2 and all(u.committed_version == 1 for u in accepted), \
+    assert len(accepted) == 2 and all(u.committed_version == 1 for u in accepted), (
         "no accepted update lost"
+    )
     assert h2.state.pending_names() == []
     h2.state.close()
 
@@ -351,11 +424,10 @@ def test_status_and_metrics_account_for_every_byte(harness):
     by_ep = s["bytes"]["by_endpoint"]
     assert by_ep["pull"]["requests"] == 2 and by_ep["pull"]["bytes_out"] == 2 * pull_size
     assert by_ep["push"]["bytes_in"] == 2 * len(body)
-    registered = len(b"{\"block\":0}")  # the registration JSON
+    registered = len(b'{"block":0}')  # the registration JSON
     assert s["bytes"]["by_worker"][str(a)]["bytes_in"] == len(body) + registered
     assert s["blocks"][0]["round"] == 1 and s["versions"] == [1, 0] and s["rounds"] == [1, 0]
-    assert s["updates"] == {"accepted": 1, "refused": 1,
-                            "refused_by_reason": {"non_finite": 1}}
+    assert s["updates"] == {"accepted": 1, "refused": 1, "refused_by_reason": {"non_finite": 1}}
     (p,) = s["participation"]["0"]
     assert p["participation"] == 0.5 and p["reported"] == 2 and p["cause"] == "all_reported"
     assert s["workers"]["live"] == 2 and s["workers"]["per_block"] == [2, 0]
@@ -364,8 +436,15 @@ def test_status_and_metrics_account_for_every_byte(harness):
     assert 'blocktrain_updates_total{block="0",fate="refused",reason="non_finite"} 1' in text
     assert "# TYPE blocktrain_bytes_total counter" in text
     for line in text.splitlines():
-        assert line.startswith("#") or line.split(" ")[-1].replace(".", "").replace(
-            "e", "").replace("-", "").replace("+", "").isdigit(), line
+        assert (
+            line.startswith("#")
+            or line.split(" ")[-1]
+            .replace(".", "")
+            .replace("e", "")
+            .replace("-", "")
+            .replace("+", "")
+            .isdigit()
+        ), line
 
 
 def test_leaving_releases_the_round(harness):
@@ -379,13 +458,24 @@ def test_leaving_releases_the_round(harness):
 
 
 def test_median_rule_and_outer_momentum(tmp_path):
-    h = make_harness(tmp_path / "s", AggregatorSettings(
-        deadline_s=30, local_steps=2, max_delta_norm=50, max_tokens=10_000, rule="median",
-        outer_momentum=0.5, outer_lr=1.0))
+    h = make_harness(
+        tmp_path / "s",
+        AggregatorSettings(
+            deadline_s=30,
+            local_steps=2,
+            max_delta_norm=50,
+            max_tokens=10_000,
+            rule="median",
+            outer_momentum=0.5,
+            outer_lr=1.0,
+        ),
+    )
     carol = add_token(h.state, "carol")
-    workers = [(h.alice, h.register(h.alice, block=0)["worker_id"]),
-               (h.bob, h.register(h.bob, block=0)["worker_id"]),
-               (carol, h.register(carol, block=0)["worker_id"])]
+    workers = [
+        (h.alice, h.register(h.alice, block=0)["worker_id"]),
+        (h.bob, h.register(h.bob, block=0)["worker_id"]),
+        (carol, h.register(carol, block=0)["worker_id"]),
+    ]
     for tok, w in workers:
         h.pull(tok, w, 0)
     before = h.weights(0)

@@ -41,15 +41,42 @@ def test_commit_round_marks_updates_and_moves_the_block(ledger, tmp_path):
     ledger.init_blocks(2)
     tid = ledger.add_token("alice", "h" * 64, 1.0)
     w = ledger.add_worker(tid, 1, None, 1.0)
-    uid = ledger.record_update(received=2.0, bytes=100, fate="accepted", token_id=tid,
-                               worker_id=w, block=1, round=0, base_version=0, tokens=64,
-                               pending="pending/1/x.safetensors")
-    ledger.record_update(received=2.5, bytes=7, fate="refused", token_id=None, worker_id=None,
-                         block=1, reason="invalid_token")
+    uid = ledger.record_update(
+        received=2.0,
+        bytes=100,
+        fate="accepted",
+        token_id=tid,
+        worker_id=w,
+        block=1,
+        round=0,
+        base_version=0,
+        tokens=64,
+        pending="pending/1/x.safetensors",
+    )
+    ledger.record_update(
+        received=2.5,
+        bytes=7,
+        fate="refused",
+        token_id=None,
+        worker_id=None,
+        block=1,
+        reason="invalid_token",
+    )
     assert [u.id for u in ledger.open_accepted(1)] == [uid]
-    ledger.commit_round(block=1, round=0, base_version=0, new_version=1, started_at=1.5,
-                        deadline=31.5, closed_at=3.0, cause="all_reported", refused=0,
-                        expected=1, reported=1, update_ids=[uid])
+    ledger.commit_round(
+        block=1,
+        round=0,
+        base_version=0,
+        new_version=1,
+        started_at=1.5,
+        deadline=31.5,
+        closed_at=3.0,
+        cause="all_reported",
+        refused=0,
+        expected=1,
+        reported=1,
+        update_ids=[uid],
+    )
     assert ledger.open_accepted(1) == []
     assert ledger.block_state(1) == (1, 1, None)
     assert ledger.block_state(0) == (0, 0, None)

@@ -82,8 +82,13 @@ def build_net() -> Net:
     if not shutil.which("ip"):
         pytest.skip("iproute2 (`ip`) is not installed")
     tag = f"bt{os.getpid() % 100000}"
-    net = Net(tag, f"{tag}a", [f"{tag}h1", f"{tag}h2"], SUBNET.format(0, 1),
-              [SUBNET.format(0, 2), SUBNET.format(0, 3)])
+    net = Net(
+        tag,
+        f"{tag}a",
+        [f"{tag}h1", f"{tag}h2"],
+        SUBNET.format(0, 1),
+        [SUBNET.format(0, 2), SUBNET.format(0, 3)],
+    )
     probe = sh("ip", "netns", "add", net.agg, check=False)
     if probe.returncode != 0:
         pytest.skip(f"cannot create a network namespace: {probe.stderr.strip()}")
@@ -97,8 +102,21 @@ def build_net() -> Net:
         sh("ip", "-n", net.agg, "link", "set", "br0", "up")
         for i, (ns, ip) in enumerate(zip(net.hosts, net.host_ips, strict=True)):
             a_end, h_end = f"va{i}", f"vh{i}"
-            sh("ip", "-n", net.agg, "link", "add", a_end, "type", "veth", "peer", "name",
-               h_end, "netns", ns)
+            sh(
+                "ip",
+                "-n",
+                net.agg,
+                "link",
+                "add",
+                a_end,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                h_end,
+                "netns",
+                ns,
+            )
             sh("ip", "-n", net.agg, "link", "set", a_end, "master", "br0", "up")
             sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", h_end)
             sh("ip", "-n", ns, "link", "set", h_end, "up")
@@ -110,15 +128,49 @@ def build_net() -> Net:
 
 
 def impair(net: Net) -> None:
-    links = [(net.agg, f"va{i}") for i in range(len(net.hosts))] + \
-            [(ns, f"vh{i}") for i, ns in enumerate(net.hosts)]
-    netem = [sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "netem", "delay",
-                f"{DELAY_MS}ms", "loss", f"{LOSS * 100:g}%", check=False)
-             for ns, dev in links[:1]] if shutil.which("tc") else []
+    links = [(net.agg, f"va{i}") for i in range(len(net.hosts))] + [
+        (ns, f"vh{i}") for i, ns in enumerate(net.hosts)
+    ]
+    netem = (
+        [
+            sh(
+                "tc",
+                "-n",
+                ns,
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "netem",
+                "delay",
+                f"{DELAY_MS}ms",
+                "loss",
+                f"{LOSS * 100:g}%",
+                check=False,
+            )
+            for ns, dev in links[:1]
+        ]
+        if shutil.which("tc")
+        else []
+    )
     if netem and netem[0].returncode == 0:
         for ns, dev in links[1:]:
-            sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "netem", "delay",
-               f"{DELAY_MS}ms", "loss", f"{LOSS * 100:g}%")
+            sh(
+                "tc",
+                "-n",
+                ns,
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "netem",
+                "delay",
+                f"{DELAY_MS}ms",
+                "loss",
+                f"{LOSS * 100:g}%",
+            )
         net.impairment = f"tc netem delay {DELAY_MS}ms loss {LOSS:.0%} on every veth"
         return
     ipt = iptables()
@@ -126,25 +178,65 @@ def impair(net: Net) -> None:
         pytest.skip("no netem in this kernel and no iptables for the netfilter fallback")
     for q, ns in enumerate([net.agg, *net.hosts]):
         # egress of each namespace: drop 1%, queue the rest for the delay program
-        rules = [["-A", "OUTPUT", "!", "-o", "lo", "-m", "statistic", "--mode", "random",
-                  "--probability", str(LOSS), "-j", "DROP"],
-                 ["-A", "OUTPUT", "!", "-o", "lo", "-j", "NFQUEUE", "--queue-num",
-                  str(10 + q), "--queue-bypass"]]
+        rules = [
+            [
+                "-A",
+                "OUTPUT",
+                "!",
+                "-o",
+                "lo",
+                "-m",
+                "statistic",
+                "--mode",
+                "random",
+                "--probability",
+                str(LOSS),
+                "-j",
+                "DROP",
+            ],
+            [
+                "-A",
+                "OUTPUT",
+                "!",
+                "-o",
+                "lo",
+                "-j",
+                "NFQUEUE",
+                "--queue-num",
+                str(10 + q),
+                "--queue-bypass",
+            ],
+        ]
         for rule in rules:
             done = sh("ip", "netns", "exec", ns, ipt, *rule, check=False)
             if done.returncode != 0:
                 pytest.skip(f"netfilter fallback unavailable: {done.stderr.strip()}")
         helper = subprocess.Popen(
-            ["ip", "netns", "exec", ns, sys.executable, str(HERE / "nfqueue_delay.py"),
-             "--queue", str(10 + q), "--delay-ms", str(DELAY_MS)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                sys.executable,
+                str(HERE / "nfqueue_delay.py"),
+                "--queue",
+                str(10 + q),
+                "--delay-ms",
+                str(DELAY_MS),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         net.helpers.append(helper)
         line = helper.stdout.readline() if helper.stdout else ""
         if line.strip() != "ready":
             err = helper.stderr.read() if helper.stderr else ""
             pytest.skip(f"NFQUEUE delay unavailable: {err.strip()[:200]}")
-    net.impairment = (f"netfilter: statistic drop {LOSS:.0%} + NFQUEUE delay {DELAY_MS}ms on "
-                      "each namespace's egress (no sch_netem in this kernel)")
+    net.impairment = (
+        f"netfilter: statistic drop {LOSS:.0%} + NFQUEUE delay {DELAY_MS}ms on "
+        "each namespace's egress (no sch_netem in this kernel)"
+    )
 
 
 PROBE = r"""
@@ -165,8 +257,16 @@ print(json.dumps({"connect_s": sorted(rtts), "status": status}))
 
 def probe(net: Net, port: int, token: str) -> dict:
     """Connect times and /v1/status, measured from inside worker host 1."""
-    out = sh(*net.exec_prefix(net.hosts[0]), sys.executable, "-c", PROBE, net.agg_ip,
-             str(port), token, timeout=60)
+    out = sh(
+        *net.exec_prefix(net.hosts[0]),
+        sys.executable,
+        "-c",
+        PROBE,
+        net.agg_ip,
+        str(port),
+        token,
+        timeout=60,
+    )
     return json.loads(out.stdout)
 
 
@@ -176,8 +276,9 @@ def test_rounds_across_namespaces_with_delay_and_loss(tmp_path, corpus):
     try:
         cfg = micro_config()
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, layers=2, blocks=2))
-        state = create_state(tmp_path / "state", cfg,
-                             {"deadline_s": 30.0, "local_steps": 2, "max_rounds": 3})
+        state = create_state(
+            tmp_path / "state", cfg, {"deadline_s": 30.0, "local_steps": 2, "max_rounds": 3}
+        )
         tokens = []
         for i in range(4):
             tokens.append(new_token())
@@ -185,9 +286,21 @@ def test_rounds_across_namespaces_with_delay_and_loss(tmp_path, corpus):
         observer = new_token()
         state.ledger.add_token("observer", hash_token(observer), time.time())
         logs = tmp_path / "logs"
-        agg = spawn("aggregator", [*BLOCKTRAIN, "aggregator", "--state", str(state.root),
-                                   "--host", net.agg_ip, "--port", "0"], logs,
-                    prefix=net.exec_prefix(net.agg))
+        agg = spawn(
+            "aggregator",
+            [
+                *BLOCKTRAIN,
+                "aggregator",
+                "--state",
+                str(state.root),
+                "--host",
+                net.agg_ip,
+                "--port",
+                "0",
+            ],
+            logs,
+            prefix=net.exec_prefix(net.agg),
+        )
         procs.append(agg)
         url = None
         for _ in range(600):
@@ -201,8 +314,11 @@ def test_rounds_across_namespaces_with_delay_and_loss(tmp_path, corpus):
         port = int(url.rsplit(":", 1)[1])
         for i, tok in enumerate(tokens):  # two workers on each host namespace
             ns = net.hosts[i % 2]
-            procs.append(start_worker(url, tok, logs, name=f"worker-{i}", data=str(corpus),
-                                      prefix=net.exec_prefix(ns)))
+            procs.append(
+                start_worker(
+                    url, tok, logs, name=f"worker-{i}", data=str(corpus), prefix=net.exec_prefix(ns)
+                )
+            )
         limit = time.monotonic() + 240
         ledger = StateDir(state.root).ledger
         while time.monotonic() < limit:
@@ -232,25 +348,36 @@ def test_rounds_across_namespaces_with_delay_and_loss(tmp_path, corpus):
         server_out = sum(v["bytes_out"] for ep, v in final.items() if ep != "status")
         pushed = sum(r["bytes_up"] for r in reports)
         assert final["push"]["bytes_in"] == pushed, "every pushed body byte is accounted for"
-        assert server_out == sum(r["bytes_down"] for r in reports), \
+        assert server_out == sum(r["bytes_down"] for r in reports), (
             "every body byte the workers received is accounted for"
+        )
         assert server_in >= pushed
         result = {
-            "impairment": net.impairment, "delay_ms": DELAY_MS, "loss": LOSS,
-            "namespaces": [net.agg, *net.hosts], "aggregator": url,
-            "hosts": net.host_ips, "workers": len(tokens),
+            "impairment": net.impairment,
+            "delay_ms": DELAY_MS,
+            "loss": LOSS,
+            "namespaces": [net.agg, *net.hosts],
+            "aggregator": url,
+            "hosts": net.host_ips,
+            "workers": len(tokens),
             "connect_ms": [x * 1e3 for x in report["connect_s"]],
             "rounds": {b: status["participation"][b] for b in status["participation"]},
-            "updates": status["updates"], "versions": status["versions"],
-            "bytes_by_endpoint": final, "server_bytes_in": server_in,
-            "server_bytes_out": server_out, "workers_bytes_up": pushed,
+            "updates": status["updates"],
+            "versions": status["versions"],
+            "bytes_by_endpoint": final,
+            "server_bytes_in": server_in,
+            "server_bytes_out": server_out,
+            "workers_bytes_up": pushed,
             "workers_bytes_down": sum(r["bytes_down"] for r in reports),
-            "worker_reports": reports}
+            "worker_reports": reports,
+        }
         if os.environ.get("BLOCKTRAIN_NETNS_RESULT"):  # bench/protocol_netns.py keeps it
             Path(os.environ["BLOCKTRAIN_NETNS_RESULT"]).write_text(json.dumps(result, indent=2))
-        print(f"\n{net.impairment}; connect RTT {rtt * 1e3:.1f} ms; "
-              f"{status['updates']['accepted']} accepted updates; bytes in {server_in}, "
-              f"out {server_out}")
+        print(
+            f"\n{net.impairment}; connect RTT {rtt * 1e3:.1f} ms; "
+            f"{status['updates']['accepted']} accepted updates; bytes in {server_in}, "
+            f"out {server_out}"
+        )
         ledger.close()
     finally:
         stop(procs[1:] + procs[:1])

@@ -42,10 +42,34 @@ def token(state: StateDir, name: str) -> str:
 @pytest.mark.timeout(180)
 def test_cluster_command_runs_rounds_over_http(tmp_path, corpus, capsys):
     out = tmp_path / "cluster"
-    code = main(["cluster", "--workers", "3", "--preset", "tiny", *MICRO, "--rounds", "3",
-                 "--local-steps", "2", "--deadline", "30", "--data", str(corpus), "--out",
-                 str(out), "--eval-bytes", "256", "--final-bytes", "256", "--final-sweeps", "2",
-                 "--no-progress", "--json"])
+    code = main(
+        [
+            "cluster",
+            "--workers",
+            "3",
+            "--preset",
+            "tiny",
+            *MICRO,
+            "--rounds",
+            "3",
+            "--local-steps",
+            "2",
+            "--deadline",
+            "30",
+            "--data",
+            str(corpus),
+            "--out",
+            str(out),
+            "--eval-bytes",
+            "256",
+            "--final-bytes",
+            "256",
+            "--final-sweeps",
+            "2",
+            "--no-progress",
+            "--json",
+        ]
+    )
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary == json.loads(capsys.readouterr().out)
@@ -60,15 +84,16 @@ def test_cluster_command_runs_rounds_over_http(tmp_path, corpus, capsys):
     assert b["worker_rounds"] == 9 and 1.0 <= b["ratio_to_minimum"] < 1.2, b
     assert all(code == 0 for code in summary["exit_codes"].values()), summary["exit_codes"]
     assert (out / "model" / "model.safetensors").is_file()
-    assert main(["eval", str(out / "model"), "--data", str(corpus), "--bytes", "64",
-                 "--sweeps", "1"]) == 0
+    assert (
+        main(["eval", str(out / "model"), "--data", str(corpus), "--bytes", "64", "--sweeps", "1"])
+        == 0
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_sigkill_of_the_aggregator_mid_round_loses_no_accepted_update(tmp_path, corpus):
-    state = create_state(tmp_path / "state", micro_config(),
-                         {"deadline_s": 8.0, "local_steps": 2})
+    state = create_state(tmp_path / "state", micro_config(), {"deadline_s": 8.0, "local_steps": 2})
     workers_tokens = [token(state, f"w{i}") for i in range(2)]
     probe_token = token(state, "probe")
     logs = tmp_path / "logs"
@@ -78,16 +103,24 @@ def test_sigkill_of_the_aggregator_mid_round_loses_no_accepted_update(tmp_path, 
     probe = AggregatorClient(url, probe_token, retry=RetryPolicy(give_up_after_s=30))
     try:
         for i, t in enumerate(workers_tokens):
-            procs.append(start_worker(url, t, logs, name=f"worker-{i}", data=str(corpus),
-                                      extra=["--block", "0"]))
+            procs.append(
+                start_worker(
+                    url, t, logs, name=f"worker-{i}", data=str(corpus), extra=["--block", "0"]
+                )
+            )
         wait_for("two rounds", lambda: probe.status()["rounds"][0] >= 2, 90)
         # hold the open round until its deadline: the probe pulls it and never pushes
         probe.register(block=0)
         pulled = probe.pull(0)
         held = pulled.round
-        wait_for("both workers' updates in the held round",
-                 lambda: probe.status()["blocks"][0]["pending_accepted"] == 2
-                 and probe.status()["rounds"][0] == held, 30)
+        wait_for(
+            "both workers' updates in the held round",
+            lambda: (
+                probe.status()["blocks"][0]["pending_accepted"] == 2
+                and probe.status()["rounds"][0] == held
+            ),
+            30,
+        )
         before = probe.status()
         assert before["versions"][0] == pulled.version
         agg.popen.send_signal(signal.SIGKILL)
@@ -101,20 +134,37 @@ def test_sigkill_of_the_aggregator_mid_round_loses_no_accepted_update(tmp_path, 
         procs.append(agg2)
         assert url2 == url
         after = probe.status()
-        assert after["versions"][0] == before["versions"][0] or \
-            after["rounds"][0] > held, "resumed from the last committed version"
-        wait_for("the held round to commit with its updates",
-                 lambda: all(u.committed_version is not None
-                             for u in state.ledger.updates(fate="accepted")
-                             if u.id in open_before), 30)
+        assert after["versions"][0] == before["versions"][0] or after["rounds"][0] > held, (
+            "resumed from the last committed version"
+        )
+        wait_for(
+            "the held round to commit with its updates",
+            lambda: all(
+                u.committed_version is not None
+                for u in state.ledger.updates(fate="accepted")
+                if u.id in open_before
+            ),
+            30,
+        )
         # the workers come back by themselves: new accepted updates from both
-        wait_for("both workers back", lambda: {
-            u.worker_id for u in state.ledger.updates(fate="accepted")
-            if u.received > killed_at and u.round is not None and u.round > held} == {0, 1},
-            60)
+        wait_for(
+            "both workers back",
+            lambda: (
+                {
+                    u.worker_id
+                    for u in state.ledger.updates(fate="accepted")
+                    if u.received > killed_at and u.round is not None and u.round > held
+                }
+                == {0, 1}
+            ),
+            60,
+        )
         ledger = state.ledger
-        lost = [u.id for u in ledger.updates(fate="accepted")
-                if u.id in accepted_before and u.committed_version is None]
+        lost = [
+            u.id
+            for u in ledger.updates(fate="accepted")
+            if u.id in accepted_before and u.committed_version is None
+        ]
         assert lost == [], "every update accepted before the kill went into a version"
         row = next(r for r in ledger.rounds(0) if r["round"] == held)
         assert row["accepted"] == 2 and row["new_version"] == pulled.version + 1
@@ -127,8 +177,9 @@ def test_sigkill_of_the_aggregator_mid_round_loses_no_accepted_update(tmp_path, 
 @pytest.mark.timeout(180)
 def test_a_killed_worker_stalls_its_block_for_at_most_one_deadline(tmp_path, corpus):
     deadline = 5.0
-    state = create_state(tmp_path / "state", micro_config(),
-                         {"deadline_s": deadline, "local_steps": 2})
+    state = create_state(
+        tmp_path / "state", micro_config(), {"deadline_s": deadline, "local_steps": 2}
+    )
     tokens = [token(state, f"w{i}") for i in range(2)]
     observer = token(state, "observer")
     logs = tmp_path / "logs"
@@ -137,13 +188,15 @@ def test_a_killed_worker_stalls_its_block_for_at_most_one_deadline(tmp_path, cor
     client = AggregatorClient(url, observer, retry=RetryPolicy(give_up_after_s=30))
     try:
         for i, t in enumerate(tokens):
-            procs.append(start_worker(url, t, logs, name=f"worker-{i}", data=str(corpus),
-                                      extra=["--block", "0"]))
+            procs.append(
+                start_worker(
+                    url, t, logs, name=f"worker-{i}", data=str(corpus), extra=["--block", "0"]
+                )
+            )
         wait_for("rounds with both workers", lambda: client.status()["rounds"][0] >= 3, 90)
         procs[1].popen.send_signal(signal.SIGKILL)
         killed_round = client.status()["rounds"][0]
-        wait_for("four more rounds", lambda: client.status()["rounds"][0] >= killed_round + 4,
-                 60)
+        wait_for("four more rounds", lambda: client.status()["rounds"][0] >= killed_round + 4, 60)
         rounds = [r for r in state.ledger.rounds(0) if r["round"] >= killed_round]
         by_deadline = [r["round"] for r in rounds if r["cause"] == "deadline"]
         assert len(by_deadline) <= 1, f"rounds closed by the deadline: {by_deadline}"
@@ -165,22 +218,46 @@ def test_tls_and_a_clean_stop_on_sigterm(tmp_path, corpus, capsys):
     if shutil.which("openssl") is None:
         pytest.skip("openssl is needed to make a test certificate")
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
-                    str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
-    state = create_state(tmp_path / "state", micro_config(),
-                         {"deadline_s": 20.0, "local_steps": 2})
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    state = create_state(tmp_path / "state", micro_config(), {"deadline_s": 20.0, "local_steps": 2})
     worker_token, observer = token(state, "w"), token(state, "observer")
     logs = tmp_path / "logs"
-    agg, url = start_aggregator(state, logs, extra=["--tls-cert", str(cert), "--tls-key",
-                                                    str(key)])
+    agg, url = start_aggregator(state, logs, extra=["--tls-cert", str(cert), "--tls-key", str(key)])
     procs = [agg]
     assert url.startswith("https://127.0.0.1:")
-    client = AggregatorClient(url, observer, verify=str(cert),
-                              retry=RetryPolicy(give_up_after_s=30))
+    client = AggregatorClient(
+        url, observer, verify=str(cert), retry=RetryPolicy(give_up_after_s=30)
+    )
     try:
-        worker = start_worker(url, worker_token, logs, name="worker", data=str(corpus),
-                              extra=["--ca-cert", str(cert), "--block", "1"])
+        worker = start_worker(
+            url,
+            worker_token,
+            logs,
+            name="worker",
+            data=str(corpus),
+            extra=["--ca-cert", str(cert), "--block", "1"],
+        )
         procs.append(worker)
         wait_for("a few rounds over TLS", lambda: client.status()["rounds"][1] >= 2, 90)
         worker.popen.send_signal(signal.SIGTERM)

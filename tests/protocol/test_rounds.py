@@ -23,11 +23,19 @@ def fresh(**policy: object) -> BlockRounds:
     return r
 
 
-def push(r: BlockRounds, worker: int, now: float, *, round: int | None = None,
-         version: int | None = None, tokens: int = 10) -> Verdict:
+def push(
+    r: BlockRounds,
+    worker: int,
+    now: float,
+    *,
+    round: int | None = None,
+    version: int | None = None,
+    tokens: int = 10,
+) -> Verdict:
     rnd = r.round if round is None else round
-    verdict = r.judge(worker, round=rnd, base_version=r.version if version is None else version,
-                      now=now)
+    verdict = r.judge(
+        worker, round=rnd, base_version=r.version if version is None else version, now=now
+    )
     r.record(worker, verdict, round=rnd, now=now, update_id=100 * worker + rnd, tokens=tokens)
     return verdict
 
@@ -120,7 +128,10 @@ def test_staleness_bound_counts_a_late_update_in_the_next_round_down_weighted():
     closed = r.tick(D + 4)
     assert closed is not None and closed.round == 1
     assert sorted((c.worker_id, c.round, c.weight) for c in closed.accepted) == [
-        (1, 1, 1.0), (2, 0, 0.25), (2, 1, 1.0)]
+        (1, 1, 1.0),
+        (2, 0, 0.25),
+        (2, 1, 1.0),
+    ]
     assert closed.base_version == 1 and closed.new_version == 2
     # two rounds late is beyond the bound
     assert r.judge(2, round=0, base_version=0, now=D + 5).reason == "late"
@@ -181,10 +192,20 @@ def test_restore_rebuilds_the_open_round():
     r.pull(1, now=0.0)
     r.pull(2, now=0.0)
     assert push(r, 1, now=1.0).accepted
-    again = restore(0, r.policy, round=r.round, version=r.version, started_at=r.started_at,
-                    assigned=r.assigned, pulled=r.pulled, reported=r.reported,
-                    prev_reported=r.prev_reported, accepted=r.accepted, refused=r.refused,
-                    published=r.published)
+    again = restore(
+        0,
+        r.policy,
+        round=r.round,
+        version=r.version,
+        started_at=r.started_at,
+        assigned=r.assigned,
+        pulled=r.pulled,
+        reported=r.reported,
+        prev_reported=r.prev_reported,
+        accepted=r.accepted,
+        refused=r.refused,
+        published=r.published,
+    )
     assert again.expected() == r.expected() and again.deadline == r.deadline
     assert again.judge(1, round=0, base_version=0, now=2).reason == "duplicate"
     assert push(again, 2, now=2.0).accepted
@@ -193,8 +214,7 @@ def test_restore_rebuilds_the_open_round():
 
 
 def test_policy_checks_its_fields():
-    for bad in ({"deadline_s": 0}, {"staleness": -1}, {"stale_weight": 0},
-                {"max_rounds": 0}):
+    for bad in ({"deadline_s": 0}, {"staleness": -1}, {"stale_weight": 0}, {"max_rounds": 0}):
         with pytest.raises(ValueError):
             RoundPolicy(**bad)  # type: ignore[arg-type]
 
@@ -227,9 +247,17 @@ def test_rounds_module_stays_free_of_http_sqlite_and_torch():
 
     for module in (rounds_module, verdict_module):
         tree = ast.parse(Path(module.__file__).read_text())
-        imported = {alias.name.split(".")[0] for node in ast.walk(tree)
-                    if isinstance(node, ast.Import) for alias in node.names}
-        imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree)
-                     if isinstance(node, ast.ImportFrom)}
-        assert not imported & {"torch", "sqlite3", "httpx", "fastapi", "starlette"}, \
+        imported = {
+            alias.name.split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import)
+            for alias in node.names
+        }
+        imported |= {
+            (node.module or "").split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom)
+        }
+        assert not imported & {"torch", "sqlite3", "httpx", "fastapi", "starlette"}, (
             f"{module.__name__} imports {imported}"
+        )

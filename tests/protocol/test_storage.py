@@ -80,8 +80,14 @@ def test_settings_validate_and_round_trip():
     assert s.live_window == 15
     from blocktrain.errors import ConfigError
 
-    for bad in ({"deadline_s": 0}, {"rule": "mode"}, {"wire_dtype": "fp8"},
-                {"outer_momentum": 1.0}, {"trim": 0.5}, {"max_tokens": 0}):
+    for bad in (
+        {"deadline_s": 0},
+        {"rule": "mode"},
+        {"wire_dtype": "fp8"},
+        {"outer_momentum": 1.0},
+        {"trim": 0.5},
+        {"max_tokens": 0},
+    ):
         with pytest.raises(ConfigError):
             AggregatorSettings(**bad)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="unknown"):

@@ -31,8 +31,9 @@ def meta(**changes: object) -> dict[str, object]:
 
 
 def judge(tensors=None, metadata=None, dtype="fp16") -> tuple[Verdict, Candidate]:
-    body = encode(good() if tensors is None else tensors, meta() if metadata is None
-                  else metadata, dtype)
+    body = encode(
+        good() if tensors is None else tensors, meta() if metadata is None else metadata, dtype
+    )
     c = Candidate(1, decode(body), SPEC, LIMITS)
     return validate(c), c
 
@@ -41,30 +42,40 @@ def test_a_good_update_passes_and_is_measured():
     verdict, c = judge()
     assert verdict.accepted, verdict
     assert c.meta is not None and c.meta.tokens == 10 and c.meta.round == 0
-    assert c.norm == pytest.approx(float(torch.tensor(0.1, dtype=torch.float16)) * 6 ** 0.5,
-                                   rel=1e-4)
+    assert c.norm == pytest.approx(float(torch.tensor(0.1, dtype=torch.float16)) * 6**0.5, rel=1e-4)
     assert set(c.tensors) == {"w", "b"}
 
 
-@pytest.mark.parametrize(("tensors", "metadata", "dtype", "reason"), [
-    (None, meta(block=None), "fp16", "bad_metadata"),
-    (None, meta(round="soon"), "fp16", "bad_metadata"),
-    (None, meta(block=2), "fp16", "bad_metadata"),
-    (None, meta(base_version=-1), "fp16", "bad_metadata"),
-    (None, meta(tokens=0), "fp16", "bad_tokens"),
-    (None, meta(tokens=-5), "fp16", "bad_tokens"),
-    (None, meta(tokens=10**12), "fp16", "bad_tokens"),
-    ({"w": torch.zeros(3, 2)}, None, "fp16", "missing_tensors"),
-    ({**good(), "extra": torch.zeros(1)}, None, "fp16", "extra_tensors"),
-    ({"w": torch.zeros(2, 3), "b": torch.zeros(3)}, None, "fp16", "bad_shape"),
-    (None, None, "fp32", "bad_dtype"),
-    (None, None, "bf16", "bad_dtype"),
-    ({"w": torch.tensor([[0.0, float("nan")]] * 3), "b": torch.zeros(3)}, None, "fp16",
-     "non_finite"),
-    ({"w": torch.zeros(3, 2), "b": torch.tensor([0.0, float("inf"), 0.0])}, None, "fp16",
-     "non_finite"),
-    ({"w": torch.full((3, 2), 3.0), "b": torch.zeros(3)}, None, "fp16", "norm_too_large"),
-])
+@pytest.mark.parametrize(
+    ("tensors", "metadata", "dtype", "reason"),
+    [
+        (None, meta(block=None), "fp16", "bad_metadata"),
+        (None, meta(round="soon"), "fp16", "bad_metadata"),
+        (None, meta(block=2), "fp16", "bad_metadata"),
+        (None, meta(base_version=-1), "fp16", "bad_metadata"),
+        (None, meta(tokens=0), "fp16", "bad_tokens"),
+        (None, meta(tokens=-5), "fp16", "bad_tokens"),
+        (None, meta(tokens=10**12), "fp16", "bad_tokens"),
+        ({"w": torch.zeros(3, 2)}, None, "fp16", "missing_tensors"),
+        ({**good(), "extra": torch.zeros(1)}, None, "fp16", "extra_tensors"),
+        ({"w": torch.zeros(2, 3), "b": torch.zeros(3)}, None, "fp16", "bad_shape"),
+        (None, None, "fp32", "bad_dtype"),
+        (None, None, "bf16", "bad_dtype"),
+        (
+            {"w": torch.tensor([[0.0, float("nan")]] * 3), "b": torch.zeros(3)},
+            None,
+            "fp16",
+            "non_finite",
+        ),
+        (
+            {"w": torch.zeros(3, 2), "b": torch.tensor([0.0, float("inf"), 0.0])},
+            None,
+            "fp16",
+            "non_finite",
+        ),
+        ({"w": torch.full((3, 2), 3.0), "b": torch.zeros(3)}, None, "fp16", "norm_too_large"),
+    ],
+)
 def test_each_refusal_has_its_reason(tensors, metadata, dtype, reason):
     verdict, _ = judge(tensors, metadata, dtype)
     assert not verdict.accepted and verdict.reason == reason, verdict
@@ -75,16 +86,17 @@ def test_each_refusal_has_its_reason(tensors, metadata, dtype, reason):
 def test_integer_tensors_are_a_dtype_refusal():
     from safetensors.torch import save
 
-    body = save({"w": torch.zeros(3, 2, dtype=torch.int64), "b": torch.zeros(3)},
-                metadata={k: str(v) for k, v in meta().items()})
+    body = save(
+        {"w": torch.zeros(3, 2, dtype=torch.int64), "b": torch.zeros(3)},
+        metadata={k: str(v) for k, v in meta().items()},
+    )
     verdict = validate(Candidate(1, decode(body), SPEC, LIMITS))
     assert verdict.reason == "bad_dtype", verdict
 
 
 def test_the_first_refusal_wins():
     # wrong tokens and NaN: the token check comes first
-    verdict, _ = judge({"w": torch.full((3, 2), float("nan")), "b": torch.zeros(3)},
-                       meta(tokens=0))
+    verdict, _ = judge({"w": torch.full((3, 2), float("nan")), "b": torch.zeros(3)}, meta(tokens=0))
     assert verdict.reason == "bad_tokens"
     calls = []
 

@@ -23,8 +23,14 @@ def test_protocol_never_imports_the_model():
     for path in Path(protocol.__file__).parent.glob("*.py"):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             for name in names:
-                assert not name.startswith(("blocktrain.model", "blocktrain.training")), \
+                assert not name.startswith(("blocktrain.model", "blocktrain.training")), (
                     f"{path.name} imports {name}"
+                )

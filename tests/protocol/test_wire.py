@@ -17,9 +17,14 @@ def tensors() -> dict[str, torch.Tensor]:
     return {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3) / 7, "b": torch.ones(4)}
 
 
-@pytest.mark.parametrize(("dtype", "torch_dtype", "code"), [
-    ("fp16", torch.float16, "F16"), ("bf16", torch.bfloat16, "BF16"),
-    ("fp32", torch.float32, "F32")])
+@pytest.mark.parametrize(
+    ("dtype", "torch_dtype", "code"),
+    [
+        ("fp16", torch.float16, "F16"),
+        ("bf16", torch.bfloat16, "BF16"),
+        ("fp32", torch.float32, "F32"),
+    ],
+)
 def test_round_trip_casts_to_the_wire_dtype(dtype, torch_dtype, code):
     body = encode(tensors(), {"block": 1, "round": 7}, dtype)
     got = decode(body)
@@ -62,13 +67,16 @@ def test_truncated_bodies_are_malformed(cut):
     assert exc.value.reason == "malformed", exc.value.detail
 
 
-@pytest.mark.parametrize("body", [
-    b"hello world, not safetensors",
-    struct.pack("<Q", 1 << 40) + b"{}",  # absurd header length
-    struct.pack("<Q", 2) + b"{}" + b"extra",  # data not covered
-    struct.pack("<Q", 5) + b"nojsn",
-    b"\x00" * 64,
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"hello world, not safetensors",
+        struct.pack("<Q", 1 << 40) + b"{}",  # absurd header length
+        struct.pack("<Q", 2) + b"{}" + b"extra",  # data not covered
+        struct.pack("<Q", 5) + b"nojsn",
+        b"\x00" * 64,
+    ],
+)
 def test_garbage_is_malformed(body):
     with pytest.raises(WireError) as exc:
         decode(body)

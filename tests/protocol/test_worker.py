@@ -16,8 +16,9 @@ from blocktrain.protocol.worker import AggregatorClient, RetryPolicy, WorkerLoop
 
 from .conftest import Harness, make_harness
 
-SETTINGS = AggregatorSettings(deadline_s=30, local_steps=3, max_delta_norm=50,
-                              max_tokens=10_000, max_rounds=4)
+SETTINGS = AggregatorSettings(
+    deadline_s=30, local_steps=3, max_delta_norm=50, max_tokens=10_000, max_rounds=4
+)
 
 
 class FakeTrainer:
@@ -90,14 +91,20 @@ def test_transient_failures_are_retried_with_backoff(h):
         if failures["n"] == 3:
             failures["n"] += 1
             return httpx.Response(503, text="busy")
-        r = h.client.request(request.method, str(request.url), headers=request.headers,
-                             content=request.content)
+        r = h.client.request(
+            request.method, str(request.url), headers=request.headers, content=request.content
+        )
         return httpx.Response(r.status_code, headers=r.headers, content=r.content)
 
     sleeps: list[float] = []
-    c = AggregatorClient("http://agg", h.alice, transport=httpx.MockTransport(handler),
-                         sleep=sleeps.append, rng=random.Random(1),
-                         retry=RetryPolicy(base_s=0.5, cap_s=1.5))
+    c = AggregatorClient(
+        "http://agg",
+        h.alice,
+        transport=httpx.MockTransport(handler),
+        sleep=sleeps.append,
+        rng=random.Random(1),
+        retry=RetryPolicy(base_s=0.5, cap_s=1.5),
+    )
     assert c.register().worker_id == 0
     assert len(sleeps) == 4, "three connection errors and one 503"
     assert all(0 <= s <= cap for s, cap in zip(sleeps, (0.5, 1.0, 1.5, 1.5), strict=True))
@@ -108,11 +115,13 @@ def test_refusals_are_not_retried(h):
 
     def handler(request: httpx.Request) -> httpx.Response:
         calls["n"] += 1
-        return httpx.Response(401, json={"accepted": False, "reason": "invalid_token",
-                                         "detail": "no"})
+        return httpx.Response(
+            401, json={"accepted": False, "reason": "invalid_token", "detail": "no"}
+        )
 
-    c = AggregatorClient("http://agg", "x", transport=httpx.MockTransport(handler),
-                         sleep=lambda s: None)
+    c = AggregatorClient(
+        "http://agg", "x", transport=httpx.MockTransport(handler), sleep=lambda s: None
+    )
     with pytest.raises(Refused) as exc:
         c.register()
     assert exc.value.reason == "invalid_token" and exc.value.status == 401 and calls["n"] == 1
@@ -122,9 +131,13 @@ def test_unreachable_after_the_retry_budget():
     def handler(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("refused", request=request)
 
-    c = AggregatorClient("http://agg", "x", transport=httpx.MockTransport(handler),
-                         sleep=lambda s: None,
-                         retry=RetryPolicy(base_s=0.0, cap_s=0.0, give_up_after_s=0.05))
+    c = AggregatorClient(
+        "http://agg",
+        "x",
+        transport=httpx.MockTransport(handler),
+        sleep=lambda s: None,
+        retry=RetryPolicy(base_s=0.0, cap_s=0.0, give_up_after_s=0.05),
+    )
     with pytest.raises(Unreachable, match="failed"):
         c.status()
 
@@ -144,9 +157,10 @@ def test_loop_re_registers_when_its_worker_is_gone(h):
 
     def kick(n: int) -> None:
         if n == 2:  # the operator removes the worker while it trains its second round
-            h.client.delete(f"/v1/workers/{c.worker_id}",
-                            headers={"Authorization": f"Bearer {h.alice}",
-                                     "X-Worker-Id": str(c.worker_id)})
+            h.client.delete(
+                f"/v1/workers/{c.worker_id}",
+                headers={"Authorization": f"Bearer {h.alice}", "X-Worker-Id": str(c.worker_id)},
+            )
 
     trainer = FakeTrainer(on_train=kick)
     report = WorkerLoop(c, lambda reg, cfg: trainer, block=1).run()
@@ -183,8 +197,9 @@ def test_loop_comes_back_after_an_aggregator_restart(h):
         if target["down"] > 0:
             target["down"] -= 1
             raise httpx.ConnectError("connection refused", request=request)
-        r = target["client"].request(request.method, str(request.url),
-                                     headers=request.headers, content=request.content)
+        r = target["client"].request(
+            request.method, str(request.url), headers=request.headers, content=request.content
+        )
         return httpx.Response(r.status_code, headers=r.headers, content=r.content)
 
     def crash(n: int) -> None:
@@ -194,16 +209,19 @@ def test_loop_comes_back_after_an_aggregator_restart(h):
             target["down"] = 5
             target["h2"] = h2
 
-    c = AggregatorClient("http://agg", h.alice, transport=httpx.MockTransport(handler),
-                         sleep=lambda s: None, stop=stop)
+    c = AggregatorClient(
+        "http://agg",
+        h.alice,
+        transport=httpx.MockTransport(handler),
+        sleep=lambda s: None,
+        stop=stop,
+    )
     report = WorkerLoop(c, lambda reg, cfg: FakeTrainer(on_train=crash), block=0).run()
     assert report.stopped_by == "done" and report.accepted == 4, report
     h2 = target["h2"]
     assert h2.service.blocks[0].rounds.version == 4
-    assert all(u.committed_version is not None
-               for u in h2.state.ledger.updates(fate="accepted"))
+    assert all(u.committed_version is not None for u in h2.state.ledger.updates(fate="accepted"))
     h2.state.close()
-
 
 
 def test_loop_stops_after_max_rounds_and_leaves(h):

@@ -81,8 +81,9 @@ class Apps(httpx.AsyncBaseTransport):
             raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
         response = await httpx.ASGITransport(app=self.apps[base]).handle_async_request(request)
         if base in self.dies:
-            raise httpx.RemoteProtocolError("Server disconnected without sending a response.",
-                                            request=request)
+            raise httpx.RemoteProtocolError(
+                "Server disconnected without sending a response.", request=request
+            )
         return response
 
 
@@ -97,21 +98,26 @@ class Cluster:
 
     def router(self, **settings: object) -> contextlib.AbstractContextManager[TestClient]:
         hosts = settings.pop("hosts", tuple(self.urls))
-        app = create_router_app(RouterSettings(hosts=hosts, **settings),  # type: ignore[arg-type]
-                                transport=self.apps)
+        app = create_router_app(
+            RouterSettings(hosts=hosts, **settings),  # type: ignore[arg-type]
+            transport=self.apps,
+        )
         return TestClient(app)
 
 
-def start_cluster(runs: Runs, parts: list[tuple[int, ...]] | None = None,
-                  next_urls: bool = False) -> Cluster:
+def start_cluster(
+    runs: Runs, parts: list[tuple[int, ...]] | None = None, next_urls: bool = False
+) -> Cluster:
     apps = Apps()
     parts = parts or [(0,), (1,), (2,)]
-    urls = URLS[:len(parts)]
+    urls = URLS[: len(parts)]
     for i, (url, held) in enumerate(zip(urls, parts, strict=True)):
         settings = HostSettings(
             models=(ModelSource("bt", runs.blocktrain), ModelSource("ref", runs.reference)),
-            parts=held, public_url=url,
-            next_url=urls[i + 1] if next_urls and i + 1 < len(urls) else None)
+            parts=held,
+            public_url=url,
+            next_url=urls[i + 1] if next_urls and i + 1 < len(urls) else None,
+        )
         apps.apps[url] = create_host_app(settings, transport=apps)
     return Cluster(apps, urls, runs)
 
@@ -129,14 +135,27 @@ def stack(runs: Runs) -> BlockStack:
     return model
 
 
-def in_process(stack: BlockStack, prompt: bytes, n: int, seed: int,
-               sampling: Sampling | None = None, steps_per_block: int = 1) -> list[int]:
+def in_process(
+    stack: BlockStack,
+    prompt: bytes,
+    n: int,
+    seed: int,
+    sampling: Sampling | None = None,
+    steps_per_block: int = 1,
+) -> list[int]:
     """What `blocktrain generate` produces for the same request."""
     cfg = stack.cfg
-    out = generate(stack_denoiser(stack), torch.tensor([list(prompt)]), n,
-                   grid=SigmaSchedule.from_config(cfg).sampler_grid(steps_per_block),
-                   targets=stack.targets, span=cfg.span, max_context=cfg.seq_len - cfg.span,
-                   sampling=sampling or Sampling(), generator=torch.Generator().manual_seed(seed))
+    out = generate(
+        stack_denoiser(stack),
+        torch.tensor([list(prompt)]),
+        n,
+        grid=SigmaSchedule.from_config(cfg).sampler_grid(steps_per_block),
+        targets=stack.targets,
+        span=cfg.span,
+        max_context=cfg.seq_len - cfg.span,
+        sampling=sampling or Sampling(),
+        generator=torch.Generator().manual_seed(seed),
+    )
     return out[0].tolist()
 
 

@@ -24,16 +24,28 @@ PROMPT = b" = Valkyria Chronicles III = \n\n Senjo no "  # 42 bytes: longer than
 
 
 @pytest.mark.parametrize("sample_on", ["router", "last-host"])
-@pytest.mark.parametrize(("seed", "n", "sampling"), [
-    (0, 9, {}),
-    (7, 16, {"temperature": 0.7, "top_k": 20}),
-    (11, 5, {"top_p": 0.9}),
-])
-def test_chained_sweep_gives_the_in_process_samplers_bytes(cluster, stack, sample_on, seed, n,
-                                                           sampling):
+@pytest.mark.parametrize(
+    ("seed", "n", "sampling"),
+    [
+        (0, 9, {}),
+        (7, 16, {"temperature": 0.7, "top_k": 20}),
+        (11, 5, {"top_p": 0.9}),
+    ],
+)
+def test_chained_sweep_gives_the_in_process_samplers_bytes(
+    cluster, stack, sample_on, seed, n, sampling
+):
     with cluster.router(sample_on=sample_on) as router:
-        r = router.post("/v1/generate", json={"model": "bt", "prompt": PROMPT.decode(),
-                                              "max_bytes": n, "seed": seed, **sampling})
+        r = router.post(
+            "/v1/generate",
+            json={
+                "model": "bt",
+                "prompt": PROMPT.decode(),
+                "max_bytes": n,
+                "seed": seed,
+                **sampling,
+            },
+        )
     assert r.status_code == 200, r.text
     body = r.json()
     expected = in_process(stack, PROMPT, n, seed, Sampling(**sampling))
@@ -46,8 +58,9 @@ def test_chained_sweep_gives_the_in_process_samplers_bytes(cluster, stack, sampl
 def test_any_split_of_blocks_over_hosts_gives_the_same_bytes(runs, stack, parts):
     cluster = start_cluster(runs, parts)
     with cluster.router() as router:
-        r = router.post("/v1/generate", json={"model": "bt", "prompt": "Sega and ",
-                                              "max_bytes": 7, "seed": 3})
+        r = router.post(
+            "/v1/generate", json={"model": "bt", "prompt": "Sega and ", "max_bytes": 7, "seed": 3}
+        )
     assert r.status_code == 200, r.text
     assert r.json()["bytes"] == in_process(stack, b"Sega and ", 7, 3)
     if parts == [(0, 2), (1,)]:
@@ -56,8 +69,16 @@ def test_any_split_of_blocks_over_hosts_gives_the_same_bytes(runs, stack, parts)
 
 def test_steps_per_block_are_run_on_the_blocks_host(cluster, stack):
     with cluster.router() as router:
-        r = router.post("/v1/generate", json={"model": "bt", "prompt": "game ", "max_bytes": 4,
-                                              "seed": 5, "steps_per_block": 3})
+        r = router.post(
+            "/v1/generate",
+            json={
+                "model": "bt",
+                "prompt": "game ",
+                "max_bytes": 4,
+                "seed": 5,
+                "steps_per_block": 3,
+            },
+        )
     assert r.status_code == 200, r.text
     assert r.json()["bytes"] == in_process(stack, b"game ", 4, 5, steps_per_block=3)
     sweeps = [c for c in cluster.apps.calls if c.endswith("/v1/sweep")]
@@ -83,12 +104,18 @@ def test_autoregressive_pipeline_gives_the_references_bytes(cluster, runs):
     _, ref = load_model(runs.reference)
     assert isinstance(ref, Reference)
     prompt = b"Chronicles"
-    expected = generate_autoregressive(ref, torch.tensor([list(prompt)]), 5,
-                                       sampling=Sampling(temperature=0),
-                                       generator=torch.Generator().manual_seed(0))
+    expected = generate_autoregressive(
+        ref,
+        torch.tensor([list(prompt)]),
+        5,
+        sampling=Sampling(temperature=0),
+        generator=torch.Generator().manual_seed(0),
+    )
     with cluster.router() as router:
-        r = router.post("/v1/generate", json={"model": "ref", "prompt": prompt.decode(),
-                                              "max_bytes": 5, "temperature": 0})
+        r = router.post(
+            "/v1/generate",
+            json={"model": "ref", "prompt": prompt.decode(), "max_bytes": 5, "temperature": 0},
+        )
     assert r.status_code == 200, r.text
     assert r.json()["bytes"] == expected[0].tolist()
     assert r.json()["traversals"] == 5, "one traversal of the chain per byte"
@@ -98,9 +125,12 @@ def test_autoregressive_pipeline_gives_the_references_bytes(cluster, runs):
 
 def test_autoregressive_pipeline_runs_past_the_context_and_is_seeded(cluster):
     with cluster.router() as router:
+
         def go(seed):
-            r = router.post("/v1/generate", json={"model": "ref", "prompt": "x" * 30,
-                                                  "max_bytes": 40, "seed": seed})
+            r = router.post(
+                "/v1/generate",
+                json={"model": "ref", "prompt": "x" * 30, "max_bytes": 40, "seed": seed},
+            )
             assert r.status_code == 200, r.text
             return r.json()["bytes"]
 
@@ -118,11 +148,13 @@ def test_a_stage_that_lost_its_cache_is_prefilled_again(cluster):
                 cluster.apps.apps[url].state.host.sessions._items.clear()
 
     with cluster.router() as router:
-        baseline = router.post("/v1/generate", json={"model": "ref", "prompt": "abc",
-                                                     "max_bytes": 6, "temperature": 0})
+        baseline = router.post(
+            "/v1/generate", json={"model": "ref", "prompt": "abc", "max_bytes": 6, "temperature": 0}
+        )
         cluster.apps.before = forget
-        r = router.post("/v1/generate", json={"model": "ref", "prompt": "abc", "max_bytes": 6,
-                                              "temperature": 0})
+        r = router.post(
+            "/v1/generate", json={"model": "ref", "prompt": "abc", "max_bytes": 6, "temperature": 0}
+        )
     assert r.status_code == 200, r.text
     assert r.json()["output_bytes"] == 6
     assert r.json()["bytes"][:2] == baseline.json()["bytes"][:2]
@@ -131,8 +163,9 @@ def test_a_stage_that_lost_its_cache_is_prefilled_again(cluster):
 def _sweep_message(stack, fingerprint, step=0, route=None, model="bt"):
     cfg = stack.cfg
     x = torch.tensor([list(b"Valkyria")], dtype=torch.uint8)
-    z = cfg.sigma_max * torch.randn(1, cfg.span, cfg.d_model,
-                                    generator=torch.Generator().manual_seed(0))
+    z = cfg.sigma_max * torch.randn(
+        1, cfg.span, cfg.d_model, generator=torch.Generator().manual_seed(0)
+    )
     header = {"model": model, "fingerprint": fingerprint, "step": step, "route": route}
     return x, z, encode({"x": x, "z": z}, header)
 
@@ -149,20 +182,28 @@ def test_a_chain_without_router_follows_next_and_matches_one_sweep(runs, stack):
     assert r.status_code == 200, r.text
     logits = decode(r.content)[0]["logits"]
     cfg = stack.cfg
-    expected = one_sweep(stack_denoiser(stack), x.long(), z,
-                         SigmaSchedule.from_config(cfg).sampler_grid(1), stack.targets,
-                         ZLayout.next_span(x.shape[1], cfg.span))
+    expected = one_sweep(
+        stack_denoiser(stack),
+        x.long(),
+        z,
+        SigmaSchedule.from_config(cfg).sampler_grid(1),
+        stack.targets,
+        ZLayout.next_span(x.shape[1], cfg.span),
+    )
     assert torch.equal(logits, expected)
     trace = r.headers[TRACE_HEADER]
     assert all(url in trace for url in cluster.urls), "every host reports its compute"
 
 
-@pytest.mark.parametrize(("change", "code"), [
-    ({"fingerprint": "0123456789abcdef"}, "fingerprint_mismatch"),
-    ({"step": 1}, "misrouted"),
-    ({"model": "nope"}, "unknown_model"),
-    ({"model": "ref"}, "host_refused"),
-])
+@pytest.mark.parametrize(
+    ("change", "code"),
+    [
+        ({"fingerprint": "0123456789abcdef"}, "fingerprint_mismatch"),
+        ({"step": 1}, "misrouted"),
+        ({"model": "nope"}, "unknown_model"),
+        ({"model": "ref"}, "host_refused"),
+    ],
+)
 def test_a_host_refuses_state_that_is_not_its_own(cluster, stack, change, code):
     args = {"fingerprint": _fingerprint(cluster), "route": [], **change}
     _, _, body = _sweep_message(stack, **args)
@@ -173,10 +214,13 @@ def test_a_host_refuses_state_that_is_not_its_own(cluster, stack, change, code):
     assert r.json()["error"]["host"] == cluster.urls[0]
 
 
-@pytest.mark.parametrize(("body", "reason"), [
-    (b"not safetensors", "not a safetensors message"),
-    (encode({"x": torch.zeros(1, 4, dtype=torch.uint8)}, {"model": "bt"}), "fingerprint"),
-])
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (b"not safetensors", "not a safetensors message"),
+        (encode({"x": torch.zeros(1, 4, dtype=torch.uint8)}, {"model": "bt"}), "fingerprint"),
+    ],
+)
 def test_a_host_rejects_malformed_messages(cluster, body, reason):
     with TestClient(cluster.apps.apps[cluster.urls[0]]) as host0:
         r = host0.post("/v1/sweep", content=body)
@@ -189,13 +233,18 @@ def test_a_host_rejects_bad_state(cluster, stack):
     x = torch.tensor([list(b"abc")], dtype=torch.uint8)
     bad = {
         "wrong shape": {"x": x, "z": torch.zeros(1, 3, stack.cfg.d_model)},
-        "non-finite": {"x": x, "z": torch.full((1, stack.cfg.span, stack.cfg.d_model),
-                                               float("nan"))},
-        "context too long": {"x": torch.zeros(1, 100, dtype=torch.uint8),
-                             "z": torch.zeros(1, stack.cfg.span, stack.cfg.d_model)},
+        "non-finite": {
+            "x": x,
+            "z": torch.full((1, stack.cfg.span, stack.cfg.d_model), float("nan")),
+        },
+        "context too long": {
+            "x": torch.zeros(1, 100, dtype=torch.uint8),
+            "z": torch.zeros(1, stack.cfg.span, stack.cfg.d_model),
+        },
     }
     with TestClient(cluster.apps.apps[cluster.urls[0]]) as host0:
         for what, tensors in bad.items():
-            r = host0.post("/v1/sweep", content=encode(tensors, {"model": "bt",
-                                                                 "fingerprint": fp, "step": 0}))
+            r = host0.post(
+                "/v1/sweep", content=encode(tensors, {"model": "bt", "fingerprint": fp, "step": 0})
+            )
             assert r.status_code == 400, f"{what}: {r.text}"

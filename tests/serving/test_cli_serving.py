@@ -36,29 +36,43 @@ def test_bad_serve_block_input(capsys, runs, tmp_path, busy_port):
     fails_cleanly(capsys, ["serve-block", run, "--blocks", "a", "--port", "0"], "--blocks 'a'")
     fails_cleanly(capsys, ["serve-block", run, "--blocks", "1,1", "--port", "0"], "distinct")
     fails_cleanly(capsys, ["serve-block", run, "--blocks", "5", "--port", "0"], "blocks 0..2")
-    fails_cleanly(capsys, ["serve-block", str(tmp_path / "none"), "--blocks", "0", "--port",
-                           "0"], "does not exist")
-    fails_cleanly(capsys, ["serve-block", run, "--blocks", "0", "--port", str(busy_port)],
-                  "cannot listen")
+    fails_cleanly(
+        capsys,
+        ["serve-block", str(tmp_path / "none"), "--blocks", "0", "--port", "0"],
+        "does not exist",
+    )
+    fails_cleanly(
+        capsys, ["serve-block", run, "--blocks", "0", "--port", str(busy_port)], "cannot listen"
+    )
     fails_cleanly(capsys, ["serve-block", run, "--blocks", "0", "--port", "70000"], "0..65535")
-    fails_cleanly(capsys, ["serve-block", run, "--blocks", "0", "--port", "0", "--next",
-                           "localhost:8102"], "--next 'localhost:8102'")
-    fails_cleanly(capsys, ["serve-block", f"a={run}", f"a={runs.reference}", "--blocks", "0",
-                           "--port", "0"], "model names must differ")
-    fails_cleanly(capsys, ["serve-block", f"a b={run}", "--blocks", "0", "--port", "0"],
-                  "NAME=RUN_DIR")
-    fails_cleanly(capsys, ["serve-block", run, "--blocks", "0", "--port", "0", "--hop-ms", "-1"],
-                  "--hop-ms")
+    fails_cleanly(
+        capsys,
+        ["serve-block", run, "--blocks", "0", "--port", "0", "--next", "localhost:8102"],
+        "--next 'localhost:8102'",
+    )
+    fails_cleanly(
+        capsys,
+        ["serve-block", f"a={run}", f"a={runs.reference}", "--blocks", "0", "--port", "0"],
+        "model names must differ",
+    )
+    fails_cleanly(
+        capsys, ["serve-block", f"a b={run}", "--blocks", "0", "--port", "0"], "NAME=RUN_DIR"
+    )
+    fails_cleanly(
+        capsys, ["serve-block", run, "--blocks", "0", "--port", "0", "--hop-ms", "-1"], "--hop-ms"
+    )
 
 
 def test_bad_serve_input(capsys, busy_port):
     fails_cleanly(capsys, ["serve", "--hosts", "ftp://a:1", "--port", "0"], "--hosts entry")
     fails_cleanly(capsys, ["serve", "--hosts", "", "--port", "0"], "at least one block host")
     fails_cleanly(capsys, ["serve", "--hosts", "http://a:1,http://a:1", "--port", "0"], "twice")
-    fails_cleanly(capsys, ["serve", "--hosts", "http://a:1", "--port", str(busy_port)],
-                  "cannot listen")
-    fails_cleanly(capsys, ["serve", "--hosts", "http://a:1", "--port", "0", "--timeout", "0"],
-                  "--timeout")
+    fails_cleanly(
+        capsys, ["serve", "--hosts", "http://a:1", "--port", str(busy_port)], "cannot listen"
+    )
+    fails_cleanly(
+        capsys, ["serve", "--hosts", "http://a:1", "--port", "0", "--timeout", "0"], "--timeout"
+    )
 
 
 def test_bad_plan_shape_input(capsys):

@@ -38,9 +38,11 @@ def loopback_chain(runs, hosts: int = 3) -> Iterator[tuple[str, list[str]]]:
         urls = []
         for i in range(hosts):
             sock = bind("127.0.0.1", 0)
-            settings = HostSettings(models=(ModelSource("bt", runs.blocktrain),
-                                            ModelSource("ref", runs.reference)),
-                                    parts=(i,), public_url=url_of(sock))
+            settings = HostSettings(
+                models=(ModelSource("bt", runs.blocktrain), ModelSource("ref", runs.reference)),
+                parts=(i,),
+                public_url=url_of(sock),
+            )
             servers.append(ThreadedServer.start(create_host_app(settings), sock))
             urls.append(servers[-1].url)
         sock = bind("127.0.0.1", 0)
@@ -59,11 +61,13 @@ def test_the_openai_client_works_unchanged(runs, stack):
         assert done.usage is not None and done.usage.completion_tokens == 9
         expected = bytes(in_process(stack, b"The game ", 9, 5)).decode("utf-8", "replace")
         assert done.choices[0].text == expected, "across real sockets, still bit for bit"
-        streamed = client.completions.create(model="bt", prompt="The game ", max_tokens=9,
-                                             seed=5, stream=True)
+        streamed = client.completions.create(
+            model="bt", prompt="The game ", max_tokens=9, seed=5, stream=True
+        )
         assert "".join(chunk.choices[0].text for chunk in streamed) == expected
-        baseline = client.completions.create(model="ref", prompt="The game ", max_tokens=6,
-                                             temperature=0)
+        baseline = client.completions.create(
+            model="ref", prompt="The game ", max_tokens=6, temperature=0
+        )
         assert baseline.usage is not None and baseline.usage.completion_tokens == 6
         with pytest.raises(openai.BadRequestError, match="at least one byte"):
             client.completions.create(model="bt", prompt="", max_tokens=3)
@@ -80,9 +84,25 @@ def _free_port() -> int:
 def _start_host(run, block: int, port: int, hop_ms: float = 0) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(
-        [sys.executable, "-m", "blocktrain.cli.main", "serve-block", f"bt={run}", "--blocks",
-         str(block), "--port", str(port), "--hop-ms", str(hop_ms), "--threads", "1"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "blocktrain.cli.main",
+            "serve-block",
+            f"bt={run}",
+            "--blocks",
+            str(block),
+            "--port",
+            str(port),
+            "--hop-ms",
+            str(hop_ms),
+            "--threads",
+            "1",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 90) -> None:
@@ -100,21 +120,27 @@ def test_a_host_killed_mid_request_gives_503_naming_it_then_serving_resumes(runs
     ports = [_free_port() for _ in range(3)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     # Host 1 holds the state 1 s before forwarding it: host 2 dies while the request is on its way.
-    procs = [_start_host(runs.blocktrain, i, p, hop_ms=1000 if i == 1 else 0)
-             for i, p in enumerate(ports)]
+    procs = [
+        _start_host(runs.blocktrain, i, p, hop_ms=1000 if i == 1 else 0)
+        for i, p in enumerate(ports)
+    ]
     router = None
     try:
         for url, proc in zip(urls, procs, strict=True):
             _wait_healthy(url, proc)
-        router = ThreadedServer.start(create_router_app(RouterSettings(tuple(urls))),
-                                      bind("127.0.0.1", 0))
+        router = ThreadedServer.start(
+            create_router_app(RouterSettings(tuple(urls))), bind("127.0.0.1", 0)
+        )
         request = {"model": "bt", "prompt": "The ", "max_tokens": 2, "seed": 1}
         ok = httpx.post(f"{router.url}/v1/completions", json=request, timeout=60)
         assert ok.status_code == 200, ok.text
 
         answer: dict[str, httpx.Response] = {}
-        worker = threading.Thread(target=lambda: answer.update(
-            r=httpx.post(f"{router.url}/v1/completions", json=request, timeout=60)))
+        worker = threading.Thread(
+            target=lambda: answer.update(
+                r=httpx.post(f"{router.url}/v1/completions", json=request, timeout=60)
+            )
+        )
         worker.start()
         time.sleep(0.5)
         procs[2].send_signal(signal.SIGKILL)

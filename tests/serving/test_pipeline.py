@@ -27,8 +27,9 @@ def test_stages_hold_disjoint_layers_and_only_their_ends():
     assert middle.embed is None and middle.head is None and middle.norm is None
     assert last.head is not None and last.embed is None
     assert {k.split(".")[1] for k in middle.state_dict()} == {"2", "3"}
-    assert set(middle.state_dict()) == {k for k in init_reference(CFG, 0).state_dict()
-                                        if k.startswith(("layers.2.", "layers.3."))}
+    assert set(middle.state_dict()) == {
+        k for k in init_reference(CFG, 0).state_dict() if k.startswith(("layers.2.", "layers.3."))
+    }
     with pytest.raises(ValueError):
         stage_layers(CFG, 0, 4)
 

@@ -18,8 +18,9 @@ def error_of(r, status):
 
 
 def test_completion_has_the_openai_shape_and_the_requested_length(router, stack):
-    r = router.post("/v1/completions", json={"model": "bt", "prompt": "The game ",
-                                             "max_tokens": 7, "seed": 4})
+    r = router.post(
+        "/v1/completions", json={"model": "bt", "prompt": "The game ", "max_tokens": 7, "seed": 4}
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
@@ -32,11 +33,13 @@ def test_completion_has_the_openai_shape_and_the_requested_length(router, stack)
 
 
 def test_a_prompt_may_be_given_as_byte_values(router, stack):
-    r = router.post("/v1/completions", json={"model": "bt", "prompt": list(b"The "),
-                                             "max_tokens": 3, "seed": 2})
+    r = router.post(
+        "/v1/completions", json={"model": "bt", "prompt": list(b"The "), "max_tokens": 3, "seed": 2}
+    )
     assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["text"] == bytes(
-        in_process(stack, b"The ", 3, 2)).decode("utf-8", "replace")
+    assert r.json()["choices"][0]["text"] == bytes(in_process(stack, b"The ", 3, 2)).decode(
+        "utf-8", "replace"
+    )
 
 
 @pytest.mark.parametrize("model", ["bt", "ref"])
@@ -62,8 +65,9 @@ def test_generate_reports_seed_traversals_and_timing(router):
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["output_bytes"] == 5 and len(body["bytes"]) == 5
-    again = router.post("/v1/generate", json={"model": "bt", "prompt": "abc", "max_bytes": 5,
-                                              "seed": body["seed"]}).json()
+    again = router.post(
+        "/v1/generate", json={"model": "bt", "prompt": "abc", "max_bytes": 5, "seed": body["seed"]}
+    ).json()
     assert again["bytes"] == body["bytes"], "the reported seed reproduces the output"
     t = body["timing"]
     assert 0 < t["host_compute_s"] <= t["chain_s"] <= t["total_s"]
@@ -80,26 +84,29 @@ def test_models_lists_the_assembled_chains(router, cluster):
 LONG = "x" * 65537
 
 
-@pytest.mark.parametrize(("change", "status", "reason"), [
-    ({"prompt": ""}, 400, "at least one byte"),
-    ({"prompt": []}, 400, "at least one byte"),
-    ({"prompt": LONG}, 400, "exceeds this router's limit"),
-    ({"prompt": [65, 300]}, 400, "byte values 0..255"),
-    ({"prompt": 12}, 400, "prompt"),
-    ({"max_tokens": 0}, 400, "max_tokens"),
-    ({"max_tokens": 5000}, 400, "max_tokens = 5000 exceeds"),
-    ({"temperature": -1}, 400, "temperature"),
-    ({"top_p": 0}, 400, "top_p"),
-    ({"top_p": 1.5}, 400, "top_p"),
-    ({"top_k": 300}, 400, "top_k"),
-    ({"seed": -1}, 400, "seed"),
-    ({"n": 2}, 400, "n: not supported"),
-    ({"stop": ["\n"]}, 400, "stop: not supported"),
-    ({"echo": True}, 400, "echo: not supported"),
-    ({"frobnicate": 1}, 400, "frobnicate: unknown parameter"),
-    ({"steps_per_block": 100}, 400, "steps_per_block"),
-    ({"model": "gpt-4"}, 404, "model 'gpt-4' is not served here"),
-])
+@pytest.mark.parametrize(
+    ("change", "status", "reason"),
+    [
+        ({"prompt": ""}, 400, "at least one byte"),
+        ({"prompt": []}, 400, "at least one byte"),
+        ({"prompt": LONG}, 400, "exceeds this router's limit"),
+        ({"prompt": [65, 300]}, 400, "byte values 0..255"),
+        ({"prompt": 12}, 400, "prompt"),
+        ({"max_tokens": 0}, 400, "max_tokens"),
+        ({"max_tokens": 5000}, 400, "max_tokens = 5000 exceeds"),
+        ({"temperature": -1}, 400, "temperature"),
+        ({"top_p": 0}, 400, "top_p"),
+        ({"top_p": 1.5}, 400, "top_p"),
+        ({"top_k": 300}, 400, "top_k"),
+        ({"seed": -1}, 400, "seed"),
+        ({"n": 2}, 400, "n: not supported"),
+        ({"stop": ["\n"]}, 400, "stop: not supported"),
+        ({"echo": True}, 400, "echo: not supported"),
+        ({"frobnicate": 1}, 400, "frobnicate: unknown parameter"),
+        ({"steps_per_block": 100}, 400, "steps_per_block"),
+        ({"model": "gpt-4"}, 404, "model 'gpt-4' is not served here"),
+    ],
+)
 def test_bad_requests_get_a_4xx_with_a_reason(router, change, status, reason):
     request = {"model": "bt", "prompt": "The ", "max_tokens": 4, **change}
     err = error_of(router.post("/v1/completions", json=request), status)
@@ -108,18 +115,19 @@ def test_bad_requests_get_a_4xx_with_a_reason(router, change, status, reason):
 
 
 def test_missing_fields_and_bad_json_are_400(router):
-    assert "prompt" in error_of(router.post("/v1/completions", json={"model": "bt"}),
-                                400)["message"]
-    r = router.post("/v1/completions", content=b"{not json",
-                    headers={"content-type": "application/json"})
+    assert (
+        "prompt" in error_of(router.post("/v1/completions", json={"model": "bt"}), 400)["message"]
+    )
+    r = router.post(
+        "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     error_of(r, 400)
     err = error_of(router.post("/v1/generate", json={"prompt": "a"}), 400)
     assert "name a model" in err["message"], "two models served: the request must choose"
 
 
 @pytest.mark.parametrize("dead", [0, 2])
-def test_a_dead_host_gives_503_naming_it_and_serving_resumes_when_it_is_back(router, cluster,
-                                                                             dead):
+def test_a_dead_host_gives_503_naming_it_and_serving_resumes_when_it_is_back(router, cluster, dead):
     url = cluster.urls[dead]
     request = {"model": "bt", "prompt": "The ", "max_tokens": 4, "seed": 1}
     ok = router.post("/v1/completions", json=request)
@@ -138,12 +146,17 @@ def test_a_dead_host_gives_503_naming_it_and_serving_resumes_when_it_is_back(rou
 def test_a_host_that_dies_mid_request_gives_503_naming_it(router, cluster, model):
     url = cluster.urls[1]
     cluster.apps.dies.add(url)
-    err = error_of(router.post("/v1/generate", json={"model": model, "prompt": "ab",
-                                                     "max_bytes": 3}), 503)
+    err = error_of(
+        router.post("/v1/generate", json={"model": model, "prompt": "ab", "max_bytes": 3}), 503
+    )
     assert err["host"] == url and "Server disconnected" in err["message"], err
     cluster.apps.dies.discard(url)
-    assert router.post("/v1/generate", json={"model": model, "prompt": "ab",
-                                             "max_bytes": 3}).status_code == 200
+    assert (
+        router.post(
+            "/v1/generate", json={"model": model, "prompt": "ab", "max_bytes": 3}
+        ).status_code
+        == 200
+    )
 
 
 def test_a_host_failing_mid_stream_ends_the_stream_with_an_error_event(router, cluster):
@@ -156,8 +169,9 @@ def test_a_host_failing_mid_stream_ends_the_stream_with_an_error_event(router, c
                 cluster.apps.down.add(url)
 
     cluster.apps.before = fail_later
-    r = router.post("/v1/completions", json={"model": "bt", "prompt": "The ",
-                                             "max_tokens": 8, "stream": True})
+    r = router.post(
+        "/v1/completions", json={"model": "bt", "prompt": "The ", "max_tokens": 8, "stream": True}
+    )
     assert r.status_code == 200, "the first span was already on its way"
     events = [e for e in r.text.split("\n\n") if e]
     assert "[DONE]" not in events[-1]

@@ -30,23 +30,31 @@ def test_seed_75b_counts_75_80_billion_parameters():
     assert worker["total"] < plan["full_model_training_bytes"] / 2.9
 
 
-@pytest.mark.parametrize(("spec", "check"), [
-    ("layers=12,d=768,blocks=3", lambda c: (c.layers, c.d_model, c.n_heads) == (12, 768, 6)),
-    ("seed-75b,span=16", lambda c: c.span == 16 and c.d_model == 13696),
-    ("d=96,layers=3,blocks=3,heads=2,seq=32,k=4", lambda c: (c.n_heads, c.seq_len, c.span)
-     == (2, 32, 4)),
-])
+@pytest.mark.parametrize(
+    ("spec", "check"),
+    [
+        ("layers=12,d=768,blocks=3", lambda c: (c.layers, c.d_model, c.n_heads) == (12, 768, 6)),
+        ("seed-75b,span=16", lambda c: c.span == 16 and c.d_model == 13696),
+        (
+            "d=96,layers=3,blocks=3,heads=2,seq=32,k=4",
+            lambda c: (c.n_heads, c.seq_len, c.span) == (2, 32, 4),
+        ),
+    ],
+)
 def test_specs(spec, check):
     assert check(parse_shape(spec)[1])
 
 
-@pytest.mark.parametrize(("spec", "reason"), [
-    ("seed-1t", "unknown shape"),
-    ("layers=12,width=3", "expected KEY=VALUE"),
-    ("d=big", "expected a number"),
-    ("layers=10,blocks=3", "multiple of blocks"),
-    ("seq=100,span=64", "must divide"),
-])
+@pytest.mark.parametrize(
+    ("spec", "reason"),
+    [
+        ("seed-1t", "unknown shape"),
+        ("layers=12,width=3", "expected KEY=VALUE"),
+        ("d=big", "expected a number"),
+        ("layers=10,blocks=3", "multiple of blocks"),
+        ("seq=100,span=64", "must divide"),
+    ],
+)
 def test_bad_specs_say_why(spec, reason):
     with pytest.raises(ConfigError, match=reason):
         parse_shape(spec)
@@ -72,8 +80,20 @@ def test_plan_shape_json(capsys):
 
 
 def test_plan_shape_throughput_json(capsys):
-    assert main(["plan", "--shape", "d=64,layers=3,blocks=3,seq=64,span=8", "--throughput",
-                 "--bytes", "8", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--shape",
+                "d=64,layers=3,blocks=3,seq=64,span=8",
+                "--throughput",
+                "--bytes",
+                "8",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["throughput"]["weights"] == "random (untrained)"
     assert out["throughput"]["output_bytes"] == 8

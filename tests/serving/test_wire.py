@@ -18,8 +18,16 @@ def test_round_trip_keeps_tensors_bit_for_bit_and_the_header():
     assert header == {"step": 3, "route": ["http://a:1"]}
 
 
-@pytest.mark.parametrize("body", [b"", b"\x00" * 7, b"\xff" * 16, (5).to_bytes(8, "little")
-                                  + b"{bad}", b"\x10" + b"\x00" * 7 + b"{}"])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"\x00" * 7,
+        b"\xff" * 16,
+        (5).to_bytes(8, "little") + b"{bad}",
+        b"\x10" + b"\x00" * 7 + b"{}",
+    ],
+)
 def test_garbage_is_a_wire_error(body):
     with pytest.raises(WireError):
         decode(body)
@@ -33,11 +41,20 @@ def test_headers_are_strict():
 
 
 def test_errors_keep_the_host_that_failed_across_hops():
-    body = {"error": {"message": "host http://c:3 is unavailable", "code": "host_unavailable",
-                      "host": "http://c:3"}}
+    body = {
+        "error": {
+            "message": "host http://c:3 is unavailable",
+            "code": "host_unavailable",
+            "host": "http://c:3",
+        }
+    }
     err = error_from_json(503, body, default_host="http://b:2")
     assert isinstance(err, HostUnavailable) and err.host == "http://c:3" and err.status == 503
-    assert isinstance(error_from_json(409, {"error": {"message": "m", "code": "session_lost"}},
-                                      default_host="http://b:2"), SessionLost)
+    assert isinstance(
+        error_from_json(
+            409, {"error": {"message": "m", "code": "session_lost"}}, default_host="http://b:2"
+        ),
+        SessionLost,
+    )
     other = error_from_json(500, "Internal Server Error", default_host="http://b:2")
     assert isinstance(other, HostRefused) and other.host == "http://b:2"

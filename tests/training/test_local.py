@@ -20,9 +20,12 @@ from blocktrain.training.local import (
     write_assembled,
 )
 
-CFG = RunConfig(preset="micro", seed=3,
-                model=ModelConfig(d_model=32, n_heads=2, layers=3, blocks=3, seq_len=16, span=2),
-                train=TrainConfig(steps=20, batch_size=4, lr=3e-3, warmup_steps=2))
+CFG = RunConfig(
+    preset="micro",
+    seed=3,
+    model=ModelConfig(d_model=32, n_heads=2, layers=3, blocks=3, seq_len=16, span=2),
+    train=TrainConfig(steps=20, batch_size=4, lr=3e-3, warmup_steps=2),
+)
 
 
 @pytest.fixture
@@ -55,8 +58,7 @@ def test_adamw_state_carries_over_rounds(train_split):
     t.load(init_weights(0))  # the next round's weights
     t.train(2, first_step=2)
     steps_after = [float(s["step"]) for s in t.optimizer.state.values()]
-    assert steps_before and all(a == b + 2 for a, b in zip(steps_after, steps_before,
-                                                           strict=True))
+    assert steps_before and all(a == b + 2 for a, b in zip(steps_after, steps_before, strict=True))
 
 
 def test_same_seed_same_delta_other_seed_other_batches(train_split):

@@ -69,7 +69,9 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, corpus):
     resumed.run(progress=False)
     stitched = losses(tmp_path / "half")
     assert len(full) == 6
-    assert stitched == full, "the resumed run's losses must equal the uninterrupted run's, bit for bit"
+    assert stitched == full, (
+        "the resumed run's losses must equal the uninterrupted run's, bit for bit"
+    )
     a = load_model(tmp_path / "full")[1].state_dict()
     b = load_model(tmp_path / "half")[1].state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -79,7 +81,8 @@ def test_reference_run_trains_and_loads(tmp_path, corpus):
     train, valid = splits(corpus)
     cfg = micro_config(steps=4, eval_every=2)
     summary = Trainer.create(cfg, tmp_path / "ref", train, valid, kind="reference").run(
-        progress=False)
+        progress=False
+    )
     assert summary["step"] == 4 and "ce" in summary["last_eval"]
     info, _ = load_model(tmp_path / "ref")
     assert info.kind == "reference"
@@ -88,7 +91,8 @@ def test_reference_run_trains_and_loads(tmp_path, corpus):
 def test_metrics_log_and_periodic_eval(tmp_path, corpus):
     train, valid = splits(corpus)
     Trainer.create(micro_config(steps=4, eval_every=2), tmp_path / "r", train, valid).run(
-        progress=False)
+        progress=False
+    )
     records = list(iter_metrics(tmp_path / "r"))
     evals = [r for r in records if r["event"] == "eval"]
     assert [r["step"] for r in evals] == [2, 4]

@@ -36,12 +36,22 @@ EXAMPLES = """examples:
 
 # flag -> settings field, for the flags that map one to one
 SETTING_FLAGS = {
-    "deadline": "deadline_s", "local_steps": "local_steps", "max_rounds": "max_rounds",
-    "staleness": "staleness", "stale_weight": "stale_weight", "rule": "rule", "trim": "trim",
-    "outer_lr": "outer_lr", "outer_momentum": "outer_momentum", "wire_dtype": "wire_dtype",
-    "max_delta_norm": "max_delta_norm", "max_tokens": "max_tokens",
-    "max_body_bytes": "max_body_bytes", "n_workers": "n_workers",
-    "keep_versions": "keep_versions", "live_window": "live_window_s",
+    "deadline": "deadline_s",
+    "local_steps": "local_steps",
+    "max_rounds": "max_rounds",
+    "staleness": "staleness",
+    "stale_weight": "stale_weight",
+    "rule": "rule",
+    "trim": "trim",
+    "outer_lr": "outer_lr",
+    "outer_momentum": "outer_momentum",
+    "wire_dtype": "wire_dtype",
+    "max_delta_norm": "max_delta_norm",
+    "max_tokens": "max_tokens",
+    "max_body_bytes": "max_body_bytes",
+    "n_workers": "n_workers",
+    "keep_versions": "keep_versions",
+    "live_window": "live_window_s",
 }
 
 
@@ -49,38 +59,76 @@ def add_protocol_args(p: argparse.ArgumentParser) -> None:
     """The protocol settings (shared with `blocktrain cluster`); None means "keep/default"."""
     g = p.add_argument_group("protocol settings (saved in the state folder)")
     g.argument_default = argparse.SUPPRESS  # absent flags keep the saved or default value
-    g.add_argument("--deadline", type=float, metavar="S", help="seconds from a round's first "
-                   "pull to its deadline (default 60)")
-    g.add_argument("--local-steps", type=int, metavar="H", help="local AdamW steps per round "
-                   "(default 10)")
-    g.add_argument("--max-rounds", type=int, metavar="R", help="rounds per block, then stop "
-                   "(default: run until stopped)")
-    g.add_argument("--staleness", type=int, metavar="S", help="count updates up to S rounds "
-                   "late, down-weighted (default 0: refuse them as late)")
+    g.add_argument(
+        "--deadline",
+        type=float,
+        metavar="S",
+        help="seconds from a round's first pull to its deadline (default 60)",
+    )
+    g.add_argument(
+        "--local-steps", type=int, metavar="H", help="local AdamW steps per round (default 10)"
+    )
+    g.add_argument(
+        "--max-rounds",
+        type=int,
+        metavar="R",
+        help="rounds per block, then stop (default: run until stopped)",
+    )
+    g.add_argument(
+        "--staleness",
+        type=int,
+        metavar="S",
+        help="count updates up to S rounds late, down-weighted (default 0: refuse them as late)",
+    )
     g.add_argument("--stale-weight", type=float, help="weight factor per round of lateness")
-    g.add_argument("--rule", choices=("mean", "median", "trimmed_mean"),
-                   help="aggregation rule (default mean, token-weighted)")
+    g.add_argument(
+        "--rule",
+        choices=("mean", "median", "trimmed_mean"),
+        help="aggregation rule (default mean, token-weighted)",
+    )
     g.add_argument("--trim", type=float, help="fraction trimmed per end by trimmed_mean")
     g.add_argument("--outer-lr", type=float, help="outer learning rate (default 1)")
     g.add_argument("--outer-momentum", type=float, help="outer Nesterov momentum (default 0)")
-    g.add_argument("--wire-dtype", choices=("fp16", "bf16", "fp32"),
-                   help="dtype of weights and deltas on the wire (default fp16)")
-    g.add_argument("--max-delta-norm", type=float, help="refuse deltas with a larger L2 norm "
-                   "(default: 4 x lr x H x sqrt(params))")
-    g.add_argument("--max-tokens", type=int, help="refuse larger token counts (default: "
-                   "2 x H x batch x seq_len)")
-    g.add_argument("--max-body-bytes", type=int, help="request size limit (default: twice "
-                   "the block's fp32 size + 1 MiB)")
+    g.add_argument(
+        "--wire-dtype",
+        choices=("fp16", "bf16", "fp32"),
+        help="dtype of weights and deltas on the wire (default fp16)",
+    )
+    g.add_argument(
+        "--max-delta-norm",
+        type=float,
+        help="refuse deltas with a larger L2 norm (default: 4 x lr x H x sqrt(params))",
+    )
+    g.add_argument(
+        "--max-tokens",
+        type=int,
+        help="refuse larger token counts (default: 2 x H x batch x seq_len)",
+    )
+    g.add_argument(
+        "--max-body-bytes",
+        type=int,
+        help="request size limit (default: twice the block's fp32 size + 1 MiB)",
+    )
     g.add_argument("--n-workers", type=int, help="data-seed stride: seed * n + worker_id")
-    g.add_argument("--keep-versions", type=int, help="committed versions kept per block "
-                   "(0: all; default 3)")
-    g.add_argument("--live-window", type=float, metavar="S", help="a worker heard from within "
-                   "S seconds is live (default 3 x deadline)")
+    g.add_argument(
+        "--keep-versions", type=int, help="committed versions kept per block (0: all; default 3)"
+    )
+    g.add_argument(
+        "--live-window",
+        type=float,
+        metavar="S",
+        help="a worker heard from within S seconds is live (default 3 x deadline)",
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("aggregator", help="serve decentralised training over HTTP",
-                       description=__doc__, epilog=EXAMPLES, formatter_class=Formatter)
+    p = sub.add_parser(
+        "aggregator",
+        help="serve decentralised training over HTTP",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=Formatter,
+    )
     p.add_argument("--state", required=True, metavar="DIR", help="the aggregator's state folder")
     add_config_args(p)
     for action in p._actions:  # a new state needs an explicit --preset; a resumed one none
@@ -96,8 +144,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def settings_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    return {field: getattr(args, flag) for flag, field in SETTING_FLAGS.items()
-            if getattr(args, flag, None) is not None}
+    return {
+        field: getattr(args, flag)
+        for flag, field in SETTING_FLAGS.items()
+        if getattr(args, flag, None) is not None
+    }
 
 
 def initial_blocks(cfg: RunConfig) -> dict[int, dict[str, Any]]:
@@ -109,14 +160,16 @@ def create_state(state_dir: Path, cfg: RunConfig, overrides: dict[str, Any]) -> 
     """A new state folder for `cfg`, with the norm and token bounds derived from it."""
     blocks = initial_blocks(cfg)
     n_params = max(sum(t.numel() for t in w.values()) for w in blocks.values())
-    base = AggregatorSettings().replace(**{k: v for k, v in overrides.items()
-                                           if k not in ("max_delta_norm", "max_tokens")})
+    base = AggregatorSettings().replace(
+        **{k: v for k, v in overrides.items() if k not in ("max_delta_norm", "max_tokens")}
+    )
     settings = base.replace(
-        max_delta_norm=overrides.get("max_delta_norm",
-                                     delta_norm_bound(cfg, base.local_steps, n_params)),
-        max_tokens=overrides.get("max_tokens", token_bound(cfg, base.local_steps)))
-    return StateDir.create(state_dir, run_config=cfg.to_dict(), settings=settings,
-                           blocks=blocks)
+        max_delta_norm=overrides.get(
+            "max_delta_norm", delta_norm_bound(cfg, base.local_steps, n_params)
+        ),
+        max_tokens=overrides.get("max_tokens", token_bound(cfg, base.local_steps)),
+    )
+    return StateDir.create(state_dir, run_config=cfg.to_dict(), settings=settings, blocks=blocks)
 
 
 def prepare_state(args: argparse.Namespace) -> tuple[StateDir, AggregatorSettings]:
@@ -124,16 +177,20 @@ def prepare_state(args: argparse.Namespace) -> tuple[StateDir, AggregatorSetting
     overrides = settings_overrides(args)
     if state.initialised:
         if args.preset is not None or args.overrides or args.seed is not None:
-            raise ConfigError(f"{args.state} already holds a run; omit --preset/--set/--seed "
-                              "to resume it, or choose a new --state")
+            raise ConfigError(
+                f"{args.state} already holds a run; omit --preset/--set/--seed "
+                "to resume it, or choose a new --state"
+            )
         settings = state.settings().replace(**overrides)
         if overrides:
-            state.write_manifest(run_config=state.run_config(), settings=settings,
-                                 n_blocks=state.n_blocks())
+            state.write_manifest(
+                run_config=state.run_config(), settings=settings, n_blocks=state.n_blocks()
+            )
         return state, settings
     if args.preset is None:
-        raise ConfigError(f"{args.state} holds no aggregator state yet: give --preset NAME to "
-                          "create one")
+        raise ConfigError(
+            f"{args.state} holds no aggregator state yet: give --preset NAME to create one"
+        )
     cfg = resolve_config(args)
     state = create_state(Path(args.state), cfg, overrides)
     return state, state.settings()
@@ -147,8 +204,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise ProtocolError(f"cannot listen on {host}:{port} ({exc.strerror}); choose another "
-                            "--host/--port") from None
+        raise ProtocolError(
+            f"cannot listen on {host}:{port} ({exc.strerror}); choose another --host/--port"
+        ) from None
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
@@ -171,17 +229,25 @@ def run(args: argparse.Namespace) -> int:
     scheme = "https" if args.tls_cert else "http"
     shown = f"[{args.host}]" if ":" in args.host else args.host
     url = f"{scheme}://{shown}:{port}"
-    config = uvicorn.Config(app, log_level="debug" if args.verbose else "warning",
-                            ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key,
-                            timeout_keep_alive=30, access_log=False)
+    config = uvicorn.Config(
+        app,
+        log_level="debug" if args.verbose else "warning",
+        ssl_certfile=args.tls_cert,
+        ssl_keyfile=args.tls_key,
+        timeout_keep_alive=30,
+        access_log=False,
+    )
     server = uvicorn.Server(config)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to the handler
     # it found; with these no-op handlers the process then exits 0 through the cleanup below.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     state.write_endpoint(url, os.getpid())
-    print(f"aggregator for {state.n_blocks()} blocks listening on {url} (state {args.state})",
-          file=sys.stderr, flush=True)
+    print(
+        f"aggregator for {state.n_blocks()} blocks listening on {url} (state {args.state})",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         server.run(sockets=[sock])
     finally:

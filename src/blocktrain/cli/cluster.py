@@ -45,8 +45,13 @@ EXAMPLES = """examples:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("cluster", help="run an aggregator and N workers on this machine",
-                       description=__doc__, epilog=EXAMPLES, formatter_class=Formatter)
+    p = sub.add_parser(
+        "cluster",
+        help="run an aggregator and N workers on this machine",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=Formatter,
+    )
     p.add_argument("--workers", type=int, required=True, metavar="N", help="worker processes")
     add_config_args(p)
     add_data_arg(p)
@@ -54,14 +59,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
     p.add_argument("--seed", type=int, help="run seed (overrides the preset)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    p.add_argument("--eval-bytes", type=int, default=8192,
-                   help="validation bytes for the per-round CE")
+    p.add_argument(
+        "--eval-bytes", type=int, default=8192, help="validation bytes for the per-round CE"
+    )
     p.add_argument("--eval-sweeps", type=int, default=2, help="sweeps M for the per-round CE")
-    p.add_argument("--final-bytes", type=int, default=32768,
-                   help="validation bytes for the final CE (as `blocktrain eval`)")
+    p.add_argument(
+        "--final-bytes",
+        type=int,
+        default=32768,
+        help="validation bytes for the final CE (as `blocktrain eval`)",
+    )
     p.add_argument("--final-sweeps", type=int, default=16, help="sweeps M for the final CE")
-    p.add_argument("--timeout", type=float, default=3600.0, metavar="S",
-                   help="give up after S seconds")
+    p.add_argument(
+        "--timeout", type=float, default=3600.0, metavar="S", help="give up after S seconds"
+    )
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -69,13 +80,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
-PARTICIPATION_KEYS = ("round", "accepted", "refused", "expected", "reported", "cause",
-                      "participation", "duration_s")
+PARTICIPATION_KEYS = (
+    "round",
+    "accepted",
+    "refused",
+    "expected",
+    "reported",
+    "cause",
+    "participation",
+    "duration_s",
+)
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    for name in ("workers", "rounds", "threads", "eval_bytes", "eval_sweeps", "final_bytes",
-                 "final_sweeps"):
+    for name in (
+        "workers",
+        "rounds",
+        "threads",
+        "eval_bytes",
+        "eval_sweeps",
+        "final_bytes",
+        "final_sweeps",
+    ):
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
     if args.timeout <= 0:
@@ -84,8 +110,9 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def _config(args: argparse.Namespace, local_steps: int) -> RunConfig:
     cfg = resolve_config(args)
-    if not any(item.split("=", 1)[0].strip() in ("steps", "train.steps")
-               for item in args.overrides):
+    if not any(
+        item.split("=", 1)[0].strip() in ("steps", "train.steps") for item in args.overrides
+    ):
         # the learning-rate schedule spans the run: round r runs steps r*H .. r*H + H - 1
         cfg = apply_overrides(cfg, [f"steps={args.rounds * local_steps}"])
     return cfg
@@ -100,16 +127,23 @@ def round_versions(state: StateDir, rounds: int) -> list[dict[int, int]]:
     return out
 
 
-def evaluate_rounds(state: StateDir, cfg: RunConfig, versions: list[dict[int, int]],
-                    windows: Any, sweeps: int) -> list[dict[str, float]]:
+def evaluate_rounds(
+    state: StateDir, cfg: RunConfig, versions: list[dict[int, int]], windows: Any, sweeps: int
+) -> list[dict[str, float]]:
     """From-noise and sampler CE of the model assembled after each round (same bytes and
     noise every round)."""
     out = []
     for r, chosen in enumerate(versions):
         stack = build_stack(cfg, {b: state.load_tensors(b, v) for b, v in chosen.items()})
         ev = evaluate_blocktrain(stack, windows, EvalSettings(sweeps=sweeps, seed=cfg.seed))
-        out.append({"round": r, "from_noise_ce": ev["from_noise_ce"],
-                    "sampler_ce": ev["sampler_ce"], "versions": dict(chosen)})
+        out.append(
+            {
+                "round": r,
+                "from_noise_ce": ev["from_noise_ce"],
+                "sampler_ce": ev["sampler_ce"],
+                "versions": dict(chosen),
+            }
+        )
     return out
 
 
@@ -126,13 +160,16 @@ def bytes_summary(status: dict[str, Any], wire_bytes: dict[int, int]) -> dict[st
         pushes[int(b)] = sum(r["reported"] for r in rounds)
     minimum = sum(2 * wire_bytes[b] * n for b, n in pushes.items())
     return {
-        "total": down + up, "down": down, "up": up, "minimum": minimum,
+        "total": down + up,
+        "down": down,
+        "up": up,
+        "minimum": minimum,
         "worker_rounds": sum(pushes.values()),
         "ratio_to_minimum": (down + up) / minimum if minimum else None,
         "status_polls": by_endpoint.get("status", {}),
         "by_endpoint": protocol,
         "note": "HTTP bodies only (headers and TCP/IP framing not counted); minimum = "
-                "2 x block wire bytes per worker per round",
+        "2 x block wire bytes per worker per round",
     }
 
 
@@ -141,8 +178,9 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if (out / "state").exists() or (out / "summary.json").exists():
         if not args.overwrite:
-            raise ConfigError(f"{out} already holds a cluster run; pass --overwrite or choose "
-                              "another --out")
+            raise ConfigError(
+                f"{out} already holds a cluster run; pass --overwrite or choose another --out"
+            )
         for name in ("state", "logs", "model"):
             shutil.rmtree(out / name, ignore_errors=True)
         (out / "summary.json").unlink(missing_ok=True)
@@ -151,8 +189,14 @@ def run(args: argparse.Namespace) -> int:
     overrides = settings_overrides(args)
     local_steps = overrides.get("local_steps", 10)
     cfg = _config(args, local_steps)
-    overrides.update({"max_rounds": args.rounds, "keep_versions": 0,
-                      "n_workers": args.workers, "local_steps": local_steps})
+    overrides.update(
+        {
+            "max_rounds": args.rounds,
+            "keep_versions": 0,
+            "n_workers": args.workers,
+            "local_steps": local_steps,
+        }
+    )
     overrides.setdefault("deadline_s", 60.0)
     state = create_state(out / "state", cfg, overrides)
     tokens = []
@@ -162,17 +206,34 @@ def run(args: argparse.Namespace) -> int:
     observer = new_token()
     state.ledger.add_token("cluster", hash_token(observer), time.time())
 
-    bar = tqdm(total=args.rounds * cfg.model.blocks, disable=args.no_progress, unit="round",
-               desc=f"cluster {args.workers} workers", dynamic_ncols=True, file=sys.stderr)
+    bar = tqdm(
+        total=args.rounds * cfg.model.blocks,
+        disable=args.no_progress,
+        unit="round",
+        desc=f"cluster {args.workers} workers",
+        dynamic_ncols=True,
+        file=sys.stderr,
+    )
 
     def progress(status: dict[str, Any]) -> None:
         bar.n = sum(min(r, args.rounds) for r in status["rounds"])
-        bar.set_postfix(versions=",".join(map(str, status["versions"])),
-                        live=status["workers"]["live"], refresh=False)
+        bar.set_postfix(
+            versions=",".join(map(str, status["versions"])),
+            live=status["workers"]["live"],
+            refresh=False,
+        )
         bar.refresh()
 
-    result = run_cluster(state, tokens, observer, out / "logs", data=data_path,
-                         threads=args.threads, timeout_s=args.timeout, on_status=progress)
+    result = run_cluster(
+        state,
+        tokens,
+        observer,
+        out / "logs",
+        data=data_path,
+        threads=args.threads,
+        timeout_s=args.timeout,
+        on_status=progress,
+    )
     bar.close()
 
     windows = valid.windows(cfg.model.seq_len, args.eval_bytes)
@@ -182,45 +243,79 @@ def run(args: argparse.Namespace) -> int:
     ckpt.check_run_dir_free(out / "model", overwrite=True)
     write_assembled(out / "model", cfg, final_blocks, args.rounds * local_steps)
     final_windows = valid.windows(cfg.model.seq_len, args.final_bytes)
-    final = evaluate_blocktrain(build_stack(cfg, final_blocks), final_windows,
-                                EvalSettings(sweeps=args.final_sweeps, seed=0))
+    final = evaluate_blocktrain(
+        build_stack(cfg, final_blocks),
+        final_windows,
+        EvalSettings(sweeps=args.final_sweeps, seed=0),
+    )
     status = result.status
     wire = {b["block"]: b["wire_bytes"] for b in status["blocks"]}
     summary = {
-        "preset": cfg.preset, "workers": args.workers, "rounds": args.rounds,
-        "local_steps": local_steps, "worker_steps_per_replica": args.rounds * local_steps,
-        "deadline_s": state.settings().deadline_s, "wire_dtype": state.settings().wire_dtype,
-        "rule": state.settings().rule, "wall_seconds": result.wall_seconds,
-        "blocks": cfg.model.blocks, "params_per_block": status["blocks"][0]["params"],
+        "preset": cfg.preset,
+        "workers": args.workers,
+        "rounds": args.rounds,
+        "local_steps": local_steps,
+        "worker_steps_per_replica": args.rounds * local_steps,
+        "deadline_s": state.settings().deadline_s,
+        "wire_dtype": state.settings().wire_dtype,
+        "rule": state.settings().rule,
+        "wall_seconds": result.wall_seconds,
+        "blocks": cfg.model.blocks,
+        "params_per_block": status["blocks"][0]["params"],
         "replicas_per_block": status["workers"]["per_block"],
-        "participation": {b: [{k: r[k] for k in PARTICIPATION_KEYS} for r in rounds]
-                          for b, rounds in status["participation"].items()},
-        "participation_mean": {b: sum(r["participation"] for r in rounds) / len(rounds)
-                               for b, rounds in status["participation"].items() if rounds},
+        "participation": {
+            b: [{k: r[k] for k in PARTICIPATION_KEYS} for r in rounds]
+            for b, rounds in status["participation"].items()
+        },
+        "participation_mean": {
+            b: sum(r["participation"] for r in rounds) / len(rounds)
+            for b, rounds in status["participation"].items()
+            if rounds
+        },
         "updates": status["updates"],
         "bytes": bytes_summary(status, wire),
         "from_noise_ce_per_round": [r["from_noise_ce"] for r in per_round],
         "sampler_ce_per_round": [r["sampler_ce"] for r in per_round],
-        "per_round_eval": {"bytes": int(windows.numel()), "sweeps": args.eval_sweeps,
-                           "split": "valid"},
-        "final": {k: final[k] for k in ("sampler_ce", "from_noise_ce", "ce_per_step",
-                                        "oracle_ce", "bits_per_byte", "sweeps", "bytes")},
-        "final_eval": {"split": "valid", "bytes": args.final_bytes,
-                       "sweeps": args.final_sweeps, "seed": 0},
-        "workers_report": result.workers, "exit_codes": result.exit_codes,
-        "model": str(out / "model"), "config": cfg.to_dict(),
+        "per_round_eval": {
+            "bytes": int(windows.numel()),
+            "sweeps": args.eval_sweeps,
+            "split": "valid",
+        },
+        "final": {
+            k: final[k]
+            for k in (
+                "sampler_ce",
+                "from_noise_ce",
+                "ce_per_step",
+                "oracle_ce",
+                "bits_per_byte",
+                "sweeps",
+                "bytes",
+            )
+        },
+        "final_eval": {
+            "split": "valid",
+            "bytes": args.final_bytes,
+            "sweeps": args.final_sweeps,
+            "seed": 0,
+        },
+        "workers_report": result.workers,
+        "exit_codes": result.exit_codes,
+        "model": str(out / "model"),
+        "config": cfg.to_dict(),
     }
     out.mkdir(parents=True, exist_ok=True)
-    ckpt.atomic_write_bytes(out / "summary.json",
-                            (json.dumps(summary, indent=2) + "\n").encode())
+    ckpt.atomic_write_bytes(out / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
     state.close()
     if args.json:
         print_json(summary)
     else:
         ce = summary["from_noise_ce_per_round"]
-        print(f"cluster of {args.workers} workers: {args.rounds} rounds in "
-              f"{result.wall_seconds:.0f}s; from-noise CE {ce[0]:.3f} -> {ce[-1]:.3f}; final "
-              f"sampler CE {final['sampler_ce']:.3f} (M = {args.final_sweeps}); bytes "
-              f"{summary['bytes']['total'] / 1e6:.1f} MB ({summary['bytes']['ratio_to_minimum']:.3f}"
-              f"x the minimum); summary in {out / 'summary.json'}")
+        print(
+            f"cluster of {args.workers} workers: {args.rounds} rounds in "
+            f"{result.wall_seconds:.0f}s; from-noise CE {ce[0]:.3f} -> {ce[-1]:.3f}; final "
+            f"sampler CE {final['sampler_ce']:.3f} (M = {args.final_sweeps}); bytes "
+            f"{summary['bytes']['total'] / 1e6:.1f} MB ({summary['bytes']['ratio_to_minimum']:.3f}"
+            f"x the minimum); summary in {out / 'summary.json'}"
+        )
     return 0

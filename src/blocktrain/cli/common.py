@@ -11,11 +11,21 @@ from blocktrain.config import PRESETS, RunConfig, apply_overrides, preset
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
-                        help="named configuration to start from (default: tiny)")
-    parser.add_argument("--set", dest="overrides", metavar="KEY=VALUE", nargs="+", default=[],
-                        action="extend",
-                        help="override a config field, e.g. --set d_model=256 lr=1e-3")
+    parser.add_argument(
+        "--preset",
+        default="tiny",
+        choices=sorted(PRESETS),
+        help="named configuration to start from (default: tiny)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        metavar="KEY=VALUE",
+        nargs="+",
+        default=[],
+        action="extend",
+        help="override a config field, e.g. --set d_model=256 lr=1e-3",
+    )
 
 
 def resolve_config(args: argparse.Namespace) -> RunConfig:
@@ -28,9 +38,12 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
 
 
 def add_data_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", metavar="PATH",
-                        help="a WikiText raw folder, a text file or a folder of text files "
-                             "(default: $BLOCKTRAIN_DATA)")
+    parser.add_argument(
+        "--data",
+        metavar="PATH",
+        help="a WikiText raw folder, a text file or a folder of text files "
+        "(default: $BLOCKTRAIN_DATA)",
+    )
 
 
 def print_json(obj: Any) -> None:

@@ -20,20 +20,32 @@ EXAMPLES = """examples:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("eval", help="evaluate a run on held-out text", description=__doc__,
-                       epilog=EXAMPLES, formatter_class=Formatter)
+    p = sub.add_parser(
+        "eval",
+        help="evaluate a run on held-out text",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=Formatter,
+    )
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder written by train")
     add_data_arg(p)
     p.add_argument("--split", default="valid", choices=("valid", "test"))
     p.add_argument("--bytes", type=int, default=32768, help="held-out bytes to evaluate")
     p.add_argument("--sweeps", type=int, default=16, help="M, sampler sweeps from pure noise")
     p.add_argument("--steps-per-block", type=int, default=1, help="sampler points per block")
-    p.add_argument("--sampler", default="euler", choices=("euler", "ancestral"),
-                   help="Euler steps, or re-noising from a sampled byte at every step")
+    p.add_argument(
+        "--sampler",
+        default="euler",
+        choices=("euler", "ancestral"),
+        help="Euler steps, or re-noising from a sampled byte at every step",
+    )
     p.add_argument("--seed", type=int, default=0, help="seeds the noise")
     p.add_argument("--batch-size", type=int, default=16, help="windows per forward pass")
-    p.add_argument("--against", metavar="REF_RUN_DIR",
-                   help="also evaluate this reference run on the same bytes")
+    p.add_argument(
+        "--against",
+        metavar="REF_RUN_DIR",
+        help="also evaluate this reference run on the same bytes",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=run)
 
@@ -52,10 +64,14 @@ def run(args: argparse.Namespace) -> int:
             raise CheckpointError("--against: the two runs use different seq_len")
     source = load_split(args.data, args.split)
     windows = source.windows(info.config.model.seq_len, args.bytes)
-    settings = EvalSettings(sweeps=args.sweeps, steps_per_block=args.steps_per_block,
-                            seed=args.seed, batch_size=args.batch_size, sampler=args.sampler)
-    result: dict[str, Any] = {"run_dir": str(args.run_dir), "kind": info.kind,
-                              "split": args.split}
+    settings = EvalSettings(
+        sweeps=args.sweeps,
+        steps_per_block=args.steps_per_block,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        sampler=args.sampler,
+    )
+    result: dict[str, Any] = {"run_dir": str(args.run_dir), "kind": info.kind, "split": args.split}
     if isinstance(model, Reference):
         result.update(evaluate_reference(model, windows, settings))
     else:
@@ -63,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
         if not model.has_all_blocks():
             raise CheckpointError(
                 f"{args.run_dir} holds only block(s) {model.block_ids} of {info.config.model.blocks};"
-                " evaluation needs the assembled model")
+                " evaluation needs the assembled model"
+            )
         result.update(evaluate_blocktrain(model, windows, settings))
     if ref is not None:
         assert isinstance(ref, Reference)
@@ -78,14 +95,20 @@ def run(args: argparse.Namespace) -> int:
 def _print_table(r: dict[str, Any]) -> None:
     print(f"{r['run_dir']} ({r['kind']}) on {r['split']}, {r['bytes']} bytes")
     if r["kind"] == "reference":
-        print(f"  CE            {r['ce']:.4f} nats/byte  ({r['bits_per_byte']:.4f} bits/byte, "
-              f"perplexity {r['perplexity']:.3f})")
+        print(
+            f"  CE            {r['ce']:.4f} nats/byte  ({r['bits_per_byte']:.4f} bits/byte, "
+            f"perplexity {r['perplexity']:.3f})"
+        )
     else:
-        print(f"  sampler CE    {r['sampler_ce']:.4f} nats/byte  ({r['bits_per_byte']:.4f} "
-              f"bits/byte, perplexity {r['perplexity']:.3f}; M = {r['sweeps']} sweeps)")
+        print(
+            f"  sampler CE    {r['sampler_ce']:.4f} nats/byte  ({r['bits_per_byte']:.4f} "
+            f"bits/byte, perplexity {r['perplexity']:.3f}; M = {r['sweeps']} sweeps)"
+        )
         print(f"  from-noise CE {r['from_noise_ce']:.4f}  (one sweep)")
         print(f"  CE per step   {', '.join(f'{v:.3f}' for v in r['ce_per_step'])}")
-        print(f"  oracle CE     {r['oracle_ce']:.4f}  (per block "
-              f"{', '.join(f'{v:.3f}' for v in r['oracle_ce_per_block'])})")
+        print(
+            f"  oracle CE     {r['oracle_ce']:.4f}  (per block "
+            f"{', '.join(f'{v:.3f}' for v in r['oracle_ce_per_block'])})"
+        )
     if "reference" in r:
         print(f"  reference CE  {r['reference']['ce']:.4f}  (same bytes)")

@@ -22,8 +22,13 @@ EXAMPLES = """examples:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("export", help="assemble the aggregator's blocks into a run folder",
-                       description=__doc__, epilog=EXAMPLES, formatter_class=Formatter)
+    p = sub.add_parser(
+        "export",
+        help="assemble the aggregator's blocks into a run folder",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=Formatter,
+    )
     p.add_argument("--state", required=True, metavar="DIR", help="the aggregator's state folder")
     p.add_argument("--out", required=True, metavar="RUN_DIR", help="the run folder to write")
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
@@ -41,8 +46,9 @@ class Exported:
     """Local steps per replica the slowest block has seen: its rounds x H."""
 
 
-def export_state(state_dir: Path, out: Path, *, overwrite: bool = False,
-                 versions: dict[int, int] | None = None) -> Exported:
+def export_state(
+    state_dir: Path, out: Path, *, overwrite: bool = False, versions: dict[int, int] | None = None
+) -> Exported:
     """Write `out` from the state's committed versions (the latest, or `versions`)."""
     state = StateDir(Path(state_dir))
     try:
@@ -59,8 +65,9 @@ def export_state(state_dir: Path, out: Path, *, overwrite: bool = False,
     finally:
         state.close()
     if len(blocks) != cfg.model.blocks:
-        raise CheckpointError(f"{state_dir} holds {len(blocks)} blocks; its config has "
-                              f"{cfg.model.blocks}")
+        raise CheckpointError(
+            f"{state_dir} holds {len(blocks)} blocks; its config has {cfg.model.blocks}"
+        )
     step = min(rounds.values()) * settings.local_steps
     write_assembled(Path(out), cfg, blocks, step)
     return Exported(Path(out), chosen, rounds, step)
@@ -69,6 +76,8 @@ def export_state(state_dir: Path, out: Path, *, overwrite: bool = False,
 def run(args: argparse.Namespace) -> int:
     info = export_state(Path(args.state), Path(args.out), overwrite=args.overwrite)
     shown = ", ".join(f"b{b}=v{v}" for b, v in info.versions.items())
-    print(f"exported {args.state} to {info.out} (versions {shown}; {info.step} local steps per "
-          "replica)")
+    print(
+        f"exported {args.state} to {info.out} (versions {shown}; {info.step} local steps per "
+        "replica)"
+    )
     return 0

@@ -27,8 +27,21 @@ from blocktrain.cli import (
 from blocktrain.errors import BlockTrainError
 from blocktrain.runtime import keep_freed_memory
 
-SUBCOMMANDS = (train, evaluate, generate, plan, data, serve_block, serve,
-               aggregator, worker, token, status, export, cluster)
+SUBCOMMANDS = (
+    train,
+    evaluate,
+    generate,
+    plan,
+    data,
+    serve_block,
+    serve,
+    aggregator,
+    worker,
+    token,
+    status,
+    export,
+    cluster,
+)
 
 EPILOG = """examples:
   blocktrain train --preset tiny --out runs/tiny
@@ -42,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="blocktrain",
         description="Train a byte-level language model as independently trainable diffusion "
-                    "blocks, evaluate it and generate from it.",
+        "blocks, evaluate it and generate from it.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -57,8 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     keep_freed_memory()
     try:
         return int(args.handler(args) or 0)

@@ -24,22 +24,36 @@ EXAMPLES = """examples:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="show a config's shape, parameters and memory",
-                       description=__doc__, epilog=EXAMPLES, formatter_class=Formatter)
+    p = sub.add_parser(
+        "plan",
+        help="show a config's shape, parameters and memory",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=Formatter,
+    )
     add_config_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     shape = p.add_argument_group("logical shapes (serving and memory planning)")
-    shape.add_argument("--shape", metavar="SPEC",
-                       help="a named shape (seed-75b) or KEY=VALUE,... such as "
-                            "layers=33,d=13696,blocks=3 (keys: layers, d, blocks, heads, seq, "
-                            "span, mlp, noise_dim); instead of --preset/--set")
+    shape.add_argument(
+        "--shape",
+        metavar="SPEC",
+        help="a named shape (seed-75b) or KEY=VALUE,... such as "
+        "layers=33,d=13696,blocks=3 (keys: layers, d, blocks, heads, seq, "
+        "span, mlp, noise_dim); instead of --preset/--set",
+    )
     shape.add_argument("--hosts", type=int, help="serving hosts (default: one per block)")
-    shape.add_argument("--throughput", action="store_true",
-                       help="also time one-sweep and autoregressive generation here, on random "
-                            "weights of the shape scaled down in width")
-    shape.add_argument("--scale", type=int,
-                       help="width divisor for --throughput (default: the smallest power of "
-                            "two that fits 60M parameters)")
+    shape.add_argument(
+        "--throughput",
+        action="store_true",
+        help="also time one-sweep and autoregressive generation here, on random "
+        "weights of the shape scaled down in width",
+    )
+    shape.add_argument(
+        "--scale",
+        type=int,
+        help="width divisor for --throughput (default: the smallest power of "
+        "two that fits 60M parameters)",
+    )
     shape.add_argument("--bytes", type=int, default=64, help="output bytes for --throughput")
     p.set_defaults(handler=run)
 
@@ -62,8 +76,7 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
         "sigma_data": m.sigma_data_value,
         "sigma_boundaries": schedule.boundaries(),
         "block_intervals": [list(schedule.interval(b)) for b in range(m.blocks)],
-        "block_training_intervals": [list(schedule.training_interval(b))
-                                     for b in range(m.blocks)],
+        "block_training_intervals": [list(schedule.training_interval(b)) for b in range(m.blocks)],
         "params_per_block": [per_block] * m.blocks,
         "params_total": total,
         "target_table_values": 256 * m.d_model,
@@ -90,12 +103,15 @@ def run_shape(args: argparse.Namespace) -> int:
         scaled = shapes.scale_shape(cfg, divisor)
         prompt = min(64, scaled.seq_len - args.bytes)
         if prompt < 1:
-            raise ConfigError(f"--bytes {args.bytes} leaves no room for a prompt in T = "
-                              f"{scaled.seq_len}")
-        result["throughput"] = {"width_divisor": divisor, "weights": "random (untrained)",
-                                "where": "this process, no network",
-                                **shapes.measure_throughput(scaled, prompt_bytes=prompt,
-                                                            output_bytes=args.bytes)}
+            raise ConfigError(
+                f"--bytes {args.bytes} leaves no room for a prompt in T = {scaled.seq_len}"
+            )
+        result["throughput"] = {
+            "width_divisor": divisor,
+            "weights": "random (untrained)",
+            "where": "this process, no network",
+            **shapes.measure_throughput(scaled, prompt_bytes=prompt, output_bytes=args.bytes),
+        }
     if args.json:
         print_json(result)
         return 0
@@ -104,10 +120,12 @@ def run_shape(args: argparse.Namespace) -> int:
     if "throughput" in result:
         t = result["throughput"]
         m = t["model"]
-        print(f"  throughput        scaled 1/{t['width_divisor']} in width (d = {m['d_model']}, "
-              f"{t['params_total']:,} params, random weights, {t['torch_threads']} threads): "
-              f"one sweep {t['one_sweep_bytes_per_s']:.1f} B/s, autoregressive "
-              f"{t['ar_bytes_per_s']:.1f} B/s ({t['ratio']:.1f}x) for {t['output_bytes']} bytes")
+        print(
+            f"  throughput        scaled 1/{t['width_divisor']} in width (d = {m['d_model']}, "
+            f"{t['params_total']:,} params, random weights, {t['torch_threads']} threads): "
+            f"one sweep {t['one_sweep_bytes_per_s']:.1f} B/s, autoregressive "
+            f"{t['ar_bytes_per_s']:.1f} B/s ({t['ratio']:.1f}x) for {t['output_bytes']} bytes"
+        )
     return 0
 
 
@@ -122,13 +140,19 @@ def run(args: argparse.Namespace) -> int:
         return 0
     m = result["config"]["model"]
     gib = 1024**3
-    print(f"preset {result['config']['preset']}: {m['blocks']} blocks x "
-          f"{result['layers_per_block']} layers, d = {m['d_model']}, T = {m['seq_len']}, "
-          f"K = {m['span']}")
+    print(
+        f"preset {result['config']['preset']}: {m['blocks']} blocks x "
+        f"{result['layers_per_block']} layers, d = {m['d_model']}, T = {m['seq_len']}, "
+        f"K = {m['span']}"
+    )
     print(f"  sigma boundaries  {', '.join(f'{s:.4f}' for s in result['sigma_boundaries'])}")
     print(f"  params per block  {result['params_per_block'][0]:,}")
-    print(f"  params total      {result['params_total']:,}  "
-          f"(reference {result['reference_params']:,})")
-    print(f"  AdamW state       worker {result['optimizer_state_bytes_worker'] / gib:.4f} GiB, "
-          f"full model {result['optimizer_state_bytes_full'] / gib:.4f} GiB")
+    print(
+        f"  params total      {result['params_total']:,}  "
+        f"(reference {result['reference_params']:,})"
+    )
+    print(
+        f"  AdamW state       worker {result['optimizer_state_bytes_worker'] / gib:.4f} GiB, "
+        f"full model {result['optimizer_state_bytes_full'] / gib:.4f} GiB"
+    )
     return 0

@@ -25,32 +25,58 @@ EXAMPLES = """examples:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="route generation requests along a chain of block hosts",
-                       description=__doc__, epilog=EXAMPLES, formatter_class=Formatter)
-    p.add_argument("--hosts", required=True, metavar="URL,URL,...",
-                   help="the block hosts, in chain order")
+    p = sub.add_parser(
+        "serve",
+        help="route generation requests along a chain of block hosts",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=Formatter,
+    )
+    p.add_argument(
+        "--hosts", required=True, metavar="URL,URL,...", help="the block hosts, in chain order"
+    )
     p.add_argument("--port", type=int, required=True, help="TCP port (0: any free port)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--hop-ms", type=float, default=0.0,
-                   help="emulated one-way latency of the link to the first host, each way")
-    p.add_argument("--wire", default="fp32", choices=("fp32", "fp16"),
-                   help="dtype of the state between hosts (fp32 is exact)")
-    p.add_argument("--sample-on", default="router", choices=("router", "last-host"),
-                   help="where the bytes are drawn from the final logits")
-    p.add_argument("--timeout", type=float, default=300.0,
-                   help="seconds to wait for one traversal of the chain")
+    p.add_argument(
+        "--hop-ms",
+        type=float,
+        default=0.0,
+        help="emulated one-way latency of the link to the first host, each way",
+    )
+    p.add_argument(
+        "--wire",
+        default="fp32",
+        choices=("fp32", "fp16"),
+        help="dtype of the state between hosts (fp32 is exact)",
+    )
+    p.add_argument(
+        "--sample-on",
+        default="router",
+        choices=("router", "last-host"),
+        help="where the bytes are drawn from the final logits",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for one traversal of the chain",
+    )
     p.add_argument("--max-output-bytes", type=int, default=4096, help="per request")
     p.add_argument("--max-prompt-bytes", type=int, default=65536, help="per request")
     p.set_defaults(handler=run_cmd)
 
 
 def run_cmd(args: argparse.Namespace) -> int:
-    hosts = tuple(check_url(h.strip(), "--hosts entry") for h in args.hosts.split(",")
-                  if h.strip())
-    settings = RouterSettings(hosts=hosts, hop_ms=args.hop_ms, timeout_s=args.timeout,
-                              wire_dtype=args.wire, sample_on=args.sample_on,
-                              max_prompt_bytes=args.max_prompt_bytes,
-                              max_output_bytes=args.max_output_bytes)
+    hosts = tuple(check_url(h.strip(), "--hosts entry") for h in args.hosts.split(",") if h.strip())
+    settings = RouterSettings(
+        hosts=hosts,
+        hop_ms=args.hop_ms,
+        timeout_s=args.timeout,
+        wire_dtype=args.wire,
+        sample_on=args.sample_on,
+        max_prompt_bytes=args.max_prompt_bytes,
+        max_output_bytes=args.max_output_bytes,
+    )
     sock = bind(args.host, args.port)
     app = create_app(settings)  # builds nothing that can fail: hosts are asked lazily
     print(f"routing to {', '.join(hosts)} on {url_of(sock)}", flush=True)

@@ -30,23 +30,44 @@ EXAMPLES = """examples:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve-block", help="serve some blocks of a run as one host of a chain",
-                       description=__doc__, epilog=EXAMPLES, formatter_class=Formatter)
-    p.add_argument("models", metavar="RUN_DIR", nargs="+",
-                   help="run folder to serve, or NAME=RUN_DIR (the model name defaults to the "
-                        "folder's name); a reference run is served as pipeline stages")
-    p.add_argument("--blocks", required=True, metavar="B[,B..]",
-                   help="the blocks (or reference stages) this host holds, e.g. 0 or 1,2")
+    p = sub.add_parser(
+        "serve-block",
+        help="serve some blocks of a run as one host of a chain",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=Formatter,
+    )
+    p.add_argument(
+        "models",
+        metavar="RUN_DIR",
+        nargs="+",
+        help="run folder to serve, or NAME=RUN_DIR (the model name defaults to the "
+        "folder's name); a reference run is served as pipeline stages",
+    )
+    p.add_argument(
+        "--blocks",
+        required=True,
+        metavar="B[,B..]",
+        help="the blocks (or reference stages) this host holds, e.g. 0 or 1,2",
+    )
     p.add_argument("--port", type=int, required=True, help="TCP port (0: any free port)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--next", dest="next_url", metavar="URL",
-                   help="next host of the chain, for requests that name no route")
-    p.add_argument("--public-url", metavar="URL",
-                   help="how this host names itself (default: http://HOST:PORT)")
-    p.add_argument("--hop-ms", type=float, default=0.0,
-                   help="emulated one-way latency of the link to the next host, each way")
-    p.add_argument("--timeout", type=float, default=300.0,
-                   help="seconds to wait for the next host")
+    p.add_argument(
+        "--next",
+        dest="next_url",
+        metavar="URL",
+        help="next host of the chain, for requests that name no route",
+    )
+    p.add_argument(
+        "--public-url", metavar="URL", help="how this host names itself (default: http://HOST:PORT)"
+    )
+    p.add_argument(
+        "--hop-ms",
+        type=float,
+        default=0.0,
+        help="emulated one-way latency of the link to the next host, each way",
+    )
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the next host")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     p.set_defaults(handler=run_cmd)
 
@@ -72,9 +93,14 @@ def run_cmd(args: argparse.Namespace) -> int:
     public = check_url(args.public_url, "--public-url") if args.public_url else None
     sock = bind(args.host, args.port)
     try:
-        settings = HostSettings(models=sources, parts=parts, next_url=next_url,
-                                public_url=public or url_of(sock), hop_ms=args.hop_ms,
-                                timeout_s=args.timeout)
+        settings = HostSettings(
+            models=sources,
+            parts=parts,
+            next_url=next_url,
+            public_url=public or url_of(sock),
+            hop_ms=args.hop_ms,
+            timeout_s=args.timeout,
+        )
         app = create_app(settings)  # loads this host's blocks: errors before we serve
     except BaseException:
         sock.close()

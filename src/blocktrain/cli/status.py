@@ -20,14 +20,24 @@ EXAMPLES = """examples:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("status", help="show an aggregator's progress", description=__doc__,
-                       epilog=EXAMPLES, formatter_class=Formatter)
+    p = sub.add_parser(
+        "status",
+        help="show an aggregator's progress",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=Formatter,
+    )
     p.add_argument("url", metavar="URL", help="the aggregator's URL")
     p.add_argument("--token", help=f"any valid token (default: ${TOKEN_ENV})")
     p.add_argument("--ca-cert", metavar="PEM", help="trust this CA for https")
     p.add_argument("--rounds", type=int, default=5, help="recent rounds to show per block")
-    p.add_argument("--timeout", type=float, default=5.0, metavar="S",
-                   help="give up when the aggregator has not answered for S seconds")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="give up when the aggregator has not answered for S seconds",
+    )
     p.add_argument("--json", action="store_true", help="print the full status JSON")
     p.set_defaults(handler=run)
 
@@ -37,24 +47,32 @@ def _mb(n: float) -> str:
 
 
 def render(s: dict[str, Any], rounds: int) -> str:
-    lines = [f"uptime {s['uptime_s']:.0f}s; workers {s['workers']['live']} live of "
-             f"{s['workers']['registered']} registered; updates {s['updates']['accepted']} "
-             f"accepted, {s['updates']['refused']} refused"]
+    lines = [
+        f"uptime {s['uptime_s']:.0f}s; workers {s['workers']['live']} live of "
+        f"{s['workers']['registered']} registered; updates {s['updates']['accepted']} "
+        f"accepted, {s['updates']['refused']} refused"
+    ]
     for b in s["blocks"]:
         deadline = "" if b["deadline_in"] is None else f", deadline in {b['deadline_in']:.1f}s"
-        lines.append(f"  block {b['block']}: round {b['round']}, version {b['version']}, "
-                     f"{b['live_replicas']} live, {len(b['reported'])}/{len(b['expected'])} "
-                     f"reported{deadline}{' (done)' if b['done'] else ''}")
+        lines.append(
+            f"  block {b['block']}: round {b['round']}, version {b['version']}, "
+            f"{b['live_replicas']} live, {len(b['reported'])}/{len(b['expected'])} "
+            f"reported{deadline}{' (done)' if b['done'] else ''}"
+        )
         for r in s["participation"].get(str(b["block"]), [])[-rounds:]:
-            lines.append(f"    round {r['round']}: {r['accepted']} accepted, {r['refused']} "
-                         f"refused, {r['reported']}/{r['expected']} reported, closed by "
-                         f"{r['cause']}")
+            lines.append(
+                f"    round {r['round']}: {r['accepted']} accepted, {r['refused']} "
+                f"refused, {r['reported']}/{r['expected']} reported, closed by "
+                f"{r['cause']}"
+            )
     by_reason = s["updates"]["refused_by_reason"]
     if by_reason:
         lines.append("  refusals: " + ", ".join(f"{k} {v}" for k, v in sorted(by_reason.items())))
     bts = s["bytes"]
-    lines.append(f"  bytes moved {_mb(bts['total'])} (in {_mb(bts['bytes_in'])}, out "
-                 f"{_mb(bts['bytes_out'])})")
+    lines.append(
+        f"  bytes moved {_mb(bts['total'])} (in {_mb(bts['bytes_in'])}, out "
+        f"{_mb(bts['bytes_out'])})"
+    )
     return "\n".join(lines)
 
 
@@ -68,9 +86,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.url!r}: expected http://HOST:PORT or https://HOST:PORT")
     if args.rounds <= 0 or args.timeout <= 0:
         raise ConfigError("--rounds and --timeout must be positive")
-    client = AggregatorClient(args.url, token, verify=args.ca_cert or True,
-                              retry=RetryPolicy(base_s=0.2, cap_s=1.0,
-                                                give_up_after_s=args.timeout))
+    client = AggregatorClient(
+        args.url,
+        token,
+        verify=args.ca_cert or True,
+        retry=RetryPolicy(base_s=0.2, cap_s=1.0, give_up_after_s=args.timeout),
+    )
     try:
         s = client._json("GET", "/v1/status", params={"rounds": args.rounds})
     finally:

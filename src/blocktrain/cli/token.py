@@ -24,21 +24,29 @@ EXAMPLES = """examples:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("token", help="manage the aggregator's worker tokens",
-                       description=__doc__, epilog=EXAMPLES, formatter_class=Formatter)
+    p = sub.add_parser(
+        "token",
+        help="manage the aggregator's worker tokens",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=Formatter,
+    )
     tsub = p.add_subparsers(dest="token_command", metavar="ACTION", required=True)
-    a = tsub.add_parser("add", help="create a token and print it", epilog=EXAMPLES,
-                        formatter_class=Formatter)
+    a = tsub.add_parser(
+        "add", help="create a token and print it", epilog=EXAMPLES, formatter_class=Formatter
+    )
     a.add_argument("--state", required=True, metavar="DIR", help="the aggregator's state folder")
     a.add_argument("--name", required=True, help="a unique name for the token's holder")
     a.set_defaults(handler=run_add)
-    ls = tsub.add_parser("list", help="list tokens (never their values)", epilog=EXAMPLES,
-                         formatter_class=Formatter)
+    ls = tsub.add_parser(
+        "list", help="list tokens (never their values)", epilog=EXAMPLES, formatter_class=Formatter
+    )
     ls.add_argument("--state", required=True, metavar="DIR")
     ls.add_argument("--json", action="store_true", help="print JSON")
     ls.set_defaults(handler=run_list)
-    r = tsub.add_parser("revoke", help="revoke a token by name", epilog=EXAMPLES,
-                        formatter_class=Formatter)
+    r = tsub.add_parser(
+        "revoke", help="revoke a token by name", epilog=EXAMPLES, formatter_class=Formatter
+    )
     r.add_argument("--state", required=True, metavar="DIR")
     r.add_argument("--name", required=True)
     r.set_defaults(handler=run_revoke)
@@ -47,8 +55,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _state(path: str, *, create: bool) -> StateDir:
     root = Path(path)
     if not create and not (root.is_dir() and (root / "ledger.sqlite").is_file()):
-        raise ConfigError(f"{path} holds no aggregator ledger; create a token with "
-                          "`blocktrain token add` or start the aggregator first")
+        raise ConfigError(
+            f"{path} holds no aggregator ledger; create a token with "
+            "`blocktrain token add` or start the aggregator first"
+        )
     if root.exists() and not root.is_dir():
         raise ConfigError(f"{path} is not a folder")
     return StateDir(root)
@@ -61,8 +71,10 @@ def run_add(args: argparse.Namespace) -> int:
     state = _state(args.state, create=True)
     try:
         if state.ledger.token_by_name(name) is not None:
-            raise ConfigError(f"a token named {name!r} already exists in {args.state}; "
-                              "choose another --name (or revoke that one)")
+            raise ConfigError(
+                f"a token named {name!r} already exists in {args.state}; "
+                "choose another --name (or revoke that one)"
+            )
         token = new_token()
         state.ledger.add_token(name, hash_token(token), time.time())
     finally:
@@ -84,8 +96,9 @@ def run_list(args: argparse.Namespace) -> int:
     finally:
         state.close()
     if args.json:
-        print_json([{"id": r.id, "name": r.name, "created": r.created, "revoked": r.revoked}
-                    for r in rows])
+        print_json(
+            [{"id": r.id, "name": r.name, "created": r.created, "revoked": r.revoked} for r in rows]
+        )
         return 0
     print(f"{'name':24s} {'created':22s} revoked")
     for r in rows:

@@ -26,18 +26,27 @@ EXAMPLES = """examples:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train a model", description=__doc__, epilog=EXAMPLES,
-                       formatter_class=Formatter)
+    p = sub.add_parser(
+        "train",
+        help="train a model",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=Formatter,
+    )
     add_config_args(p)
     add_data_arg(p)
     p.add_argument("--out", metavar="DIR", help="run folder (default: runs/PRESET[-suffix])")
     p.add_argument("--steps", type=int, help="updates per block (overrides the preset)")
     p.add_argument("--seed", type=int, help="run seed (overrides the preset)")
     who = p.add_mutually_exclusive_group()
-    who.add_argument("--block", metavar="B",
-                     help="train only these blocks (comma-separated), as a worker does")
-    who.add_argument("--reference", action="store_true",
-                     help="train the end-to-end autoregressive reference instead")
+    who.add_argument(
+        "--block", metavar="B", help="train only these blocks (comma-separated), as a worker does"
+    )
+    who.add_argument(
+        "--reference",
+        action="store_true",
+        help="train the end-to-end autoregressive reference instead",
+    )
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -59,8 +68,10 @@ def run(args: argparse.Namespace) -> int:
         if not args.out:
             raise ConfigError("--resume needs --out RUN_DIR")
         if args.overrides or args.seed is not None or args.block or args.reference:
-            raise ConfigError("--resume continues a run with its saved config; only --steps "
-                              "and --data may be given")
+            raise ConfigError(
+                "--resume continues a run with its saved config; only --steps "
+                "and --data may be given"
+            )
         read_config(Path(args.out))  # a clear error before the data is opened
         if args.steps is not None and args.steps <= 0:
             raise ConfigError(f"--steps {args.steps} must be positive")
@@ -69,13 +80,22 @@ def run(args: argparse.Namespace) -> int:
     else:
         cfg = resolve_config(args)
         blocks = _parse_blocks(args.block)
-        suffix = "-reference" if args.reference else (
-            f"-block{'_'.join(map(str, blocks))}" if blocks is not None else "")
+        suffix = (
+            "-reference"
+            if args.reference
+            else (f"-block{'_'.join(map(str, blocks))}" if blocks is not None else "")
+        )
         out = Path(args.out or f"runs/{cfg.preset}{suffix}")
         train, valid = _splits(args.data)
-        trainer = Trainer.create(cfg, out, train, valid,
-                                 kind="reference" if args.reference else "blocktrain",
-                                 blocks=blocks, overwrite=args.overwrite)
+        trainer = Trainer.create(
+            cfg,
+            out,
+            train,
+            valid,
+            kind="reference" if args.reference else "blocktrain",
+            blocks=blocks,
+            overwrite=args.overwrite,
+        )
     summary = trainer.run(progress=not args.no_progress)
     summary["run_dir"] = str(trainer.run_dir)
     if args.json:
@@ -83,8 +103,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         ev = summary["last_eval"] or {}
         figure = ev.get("sampler_ce", ev.get("ce"))
-        line = (f"trained {trainer.run_dir} to step {summary['step']} in "
-                f"{summary['wall_seconds']:.0f}s; last loss {summary['last_train'].get('loss', 0):.3f}")
+        line = (
+            f"trained {trainer.run_dir} to step {summary['step']} in "
+            f"{summary['wall_seconds']:.0f}s; last loss {summary['last_train'].get('loss', 0):.3f}"
+        )
         if figure is not None:
             line += f"; validation CE {figure:.3f} nats/byte"
         print(line)

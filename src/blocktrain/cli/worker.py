@@ -36,8 +36,13 @@ EXAMPLES = """examples:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("worker", help="train one block replica for an aggregator",
-                       description=__doc__, epilog=EXAMPLES, formatter_class=Formatter)
+    p = sub.add_parser(
+        "worker",
+        help="train one block replica for an aggregator",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=Formatter,
+    )
     p.add_argument("--aggregator", required=True, metavar="URL", help="the aggregator's URL")
     p.add_argument("--token", help=f"bearer token (default: ${TOKEN_ENV})")
     p.add_argument("--block", type=int, metavar="B", help="ask for this block")
@@ -47,8 +52,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     p.add_argument("--ca-cert", metavar="PEM", help="trust this CA for an https aggregator")
     p.add_argument("--max-rounds", type=int, help="stop after this many rounds")
-    p.add_argument("--give-up-after", type=float, default=300.0, metavar="S",
-                   help="exit when the aggregator has not answered for S seconds")
+    p.add_argument(
+        "--give-up-after",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="exit when the aggregator has not answered for S seconds",
+    )
     p.add_argument("--json", action="store_true", help="print the final report as JSON")
     p.set_defaults(handler=run)
 
@@ -56,13 +66,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     token = args.token or os.environ.get(TOKEN_ENV)
     if not token:
-        raise ConfigError(f"no token: pass --token or set {TOKEN_ENV} (create one with "
-                          "`blocktrain token add --state DIR --name NAME`)")
+        raise ConfigError(
+            f"no token: pass --token or set {TOKEN_ENV} (create one with "
+            "`blocktrain token add --state DIR --name NAME`)"
+        )
     if args.ca_cert and not Path(args.ca_cert).is_file():
         raise ConfigError(f"--ca-cert {args.ca_cert} does not exist")
     if not args.aggregator.startswith(("http://", "https://")):
-        raise ConfigError(f"--aggregator {args.aggregator!r}: expected http://HOST:PORT or "
-                          "https://HOST:PORT")
+        raise ConfigError(
+            f"--aggregator {args.aggregator!r}: expected http://HOST:PORT or https://HOST:PORT"
+        )
     if args.block is not None and args.block < 0:
         raise ConfigError("--block must be >= 0")
     if args.threads < 0 or (args.max_rounds is not None and args.max_rounds <= 0):
@@ -80,18 +93,31 @@ def run(args: argparse.Namespace) -> int:
         cfg = RunConfig.from_dict(config["run_config"])
         return LocalBlockTrainer(cfg, reg.block, train, data_seed=reg.data_seed, device=device)
 
-    client = AggregatorClient(args.aggregator, token, verify=args.ca_cert or True,
-                              retry=RetryPolicy(give_up_after_s=args.give_up_after), stop=stop)
+    client = AggregatorClient(
+        args.aggregator,
+        token,
+        verify=args.ca_cert or True,
+        retry=RetryPolicy(give_up_after_s=args.give_up_after),
+        stop=stop,
+    )
     try:
-        loop = WorkerLoop(client, make_trainer, block=args.block, name=args.name, stop=stop,
-                          max_rounds=args.max_rounds)
+        loop = WorkerLoop(
+            client,
+            make_trainer,
+            block=args.block,
+            name=args.name,
+            stop=stop,
+            max_rounds=args.max_rounds,
+        )
         report = loop.run()
     finally:
         client.close()
     if args.json:
         print_json(report.to_dict())
     else:
-        print(f"worker {report.worker_id} (block {report.block}): {report.rounds} rounds, "
-              f"{report.accepted} accepted, refused {report.refused or 'none'}; stopped by "
-              f"{report.stopped_by or 'end'}")
+        print(
+            f"worker {report.worker_id} (block {report.block}): {report.rounds} rounds, "
+            f"{report.accepted} accepted, refused {report.refused or 'none'}; stopped by "
+            f"{report.stopped_by or 'end'}"
+        )
     return 0

@@ -85,8 +85,15 @@ class Block(nn.Module):
         self.noise_mlp = nn.Sequential(nn.Linear(nd, nd), nn.SiLU(), nn.Linear(nd, nd))
         depth_scale = 1.0 / math.sqrt(2 * cfg.layers_per_block)
         self.layers = nn.ModuleList(
-            DualStreamLayer(d, cfg.n_heads, cfg.mlp_ratio, depth_scale, conditioned=True,
-                            gates_open=cfg.gates_open, cond_dim=nd)
+            DualStreamLayer(
+                d,
+                cfg.n_heads,
+                cfg.mlp_ratio,
+                depth_scale,
+                conditioned=True,
+                gates_open=cfg.gates_open,
+                cond_dim=nd,
+            )
             for _ in range(cfg.layers_per_block)
         )
         self.out_proj = nn.Linear(d, d)  # F: the z stream's output, projected to d

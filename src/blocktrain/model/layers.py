@@ -52,8 +52,16 @@ class DualStreamLayer(nn.Module):
     noise-conditioned stream. With `conditioned=False` it is a plain causal layer (the
     reference)."""
 
-    def __init__(self, d: int, n_heads: int, mlp_ratio: int, depth_scale: float,
-                 conditioned: bool, gates_open: bool, cond_dim: int | None = None) -> None:
+    def __init__(
+        self,
+        d: int,
+        n_heads: int,
+        mlp_ratio: int,
+        depth_scale: float,
+        conditioned: bool,
+        gates_open: bool,
+        cond_dim: int | None = None,
+    ) -> None:
         super().__init__()
         self.n_heads = n_heads
         self.gates_open = gates_open
@@ -115,7 +123,8 @@ class DualStreamLayer(nn.Module):
         qz, kz = apply_rotary(qz, rope_z), apply_rotary(kz, rope_z)
         # z queries see the clean keys before their span and the z keys of their span.
         az = F.scaled_dot_product_attention(
-            qz, torch.cat((kx, kz), dim=2), torch.cat((vx, vz), dim=2), attn_mask=z_mask)
+            qz, torch.cat((kx, kz), dim=2), torch.cat((vx, vz), dim=2), attn_mask=z_mask
+        )
         z = torch.addcmul(z, gate1[:, None, :], self._merge(az))
         # --- MLP ---
         x = x + self._mlp(self.ln2(x))
@@ -130,7 +139,8 @@ class DualStreamLayer(nn.Module):
 def sinusoidal_features(values: torch.Tensor, dim: int) -> torch.Tensor:
     """values (N,) -> (N, dim) sin/cos features at geometric frequencies (Transformer / EDM)."""
     half = dim // 2
-    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32,
-                                                        device=values.device) / half)
+    freqs = torch.exp(
+        -math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=values.device) / half
+    )
     angles = values.to(torch.float32)[:, None] * freqs[None, :] * 100.0
     return torch.cat((angles.cos(), angles.sin()), dim=-1)

@@ -42,13 +42,17 @@ class KVCache:
     length: int = 0
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size()
-                   for t in (*self.keys.values(), *self.values.values()))
+        return sum(
+            t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values())
+        )
 
 
-def cached_clean_layer(layer: DualStreamLayer, x: torch.Tensor, rot: torch.Tensor,
-                       past: tuple[torch.Tensor, torch.Tensor] | None
-                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+def cached_clean_layer(
+    layer: DualStreamLayer,
+    x: torch.Tensor,
+    rot: torch.Tensor,
+    past: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The clean stream of one layer (the reference's layer) for L new positions that follow P
     cached ones: x (N, L, d), rot (L, hd/2) their rotations, past (k, v) each (N, H, P, hd) or
     None -> (x (N, L, d), (k, v) each (N, H, P + L, hd)).

@@ -23,8 +23,9 @@ class Reference(nn.Module):
         self.rotary = Rotary(cfg.head_dim)
         depth_scale = 1.0 / math.sqrt(2 * cfg.layers)
         self.layers = nn.ModuleList(
-            DualStreamLayer(d, cfg.n_heads, cfg.mlp_ratio, depth_scale, conditioned=False,
-                            gates_open=True)
+            DualStreamLayer(
+                d, cfg.n_heads, cfg.mlp_ratio, depth_scale, conditioned=False, gates_open=True
+            )
             for _ in range(cfg.layers)
         )
         self.norm = nn.LayerNorm(d)
@@ -48,14 +49,20 @@ def init_reference(cfg: ModelConfig, seed: int) -> Reference:
 
 
 @torch.no_grad()
-def generate_autoregressive(model: Reference, prompt: torch.Tensor, n_bytes: int, *,
-                            sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
+def generate_autoregressive(
+    model: Reference,
+    prompt: torch.Tensor,
+    n_bytes: int,
+    *,
+    sampling: Sampling,
+    generator: torch.Generator,
+) -> torch.Tensor:
     """Continue prompt (N, Lp) by n_bytes, one forward pass per byte over the last T bytes."""
     if prompt.shape[1] == 0:
         raise ValueError("the prompt must hold at least one byte")
     context = prompt
     for _ in range(n_bytes):
-        logits = model(context[:, -model.cfg.seq_len:])[:, -1]  # (N, 256)
+        logits = model(context[:, -model.cfg.seq_len :])[:, -1]  # (N, 256)
         new = sample_bytes(logits.cpu(), sampling, generator).to(context.device)
         context = torch.cat((context, new[:, None]), dim=1)
-    return context[:, prompt.shape[1]:]
+    return context[:, prompt.shape[1] :]

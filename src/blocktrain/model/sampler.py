@@ -22,23 +22,26 @@ StepHook = Callable[[int, int, float, torch.Tensor], None]
 def stack_denoiser(stack: BlockStack) -> Denoiser:
     """The denoiser of the blocks held in this process."""
 
-    def denoise(b: int, x: torch.Tensor, z: torch.Tensor, sigma: torch.Tensor,
-                layout: ZLayout) -> torch.Tensor:
+    def denoise(
+        b: int, x: torch.Tensor, z: torch.Tensor, sigma: torch.Tensor, layout: ZLayout
+    ) -> torch.Tensor:
         return stack.block(b)(x, z, sigma, layout)[0]
 
     return denoise
 
 
-def euler_step(z: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, sigma: float,
-               sigma_next: float) -> torch.Tensor:
+def euler_step(
+    z: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, sigma: float, sigma_next: float
+) -> torch.Tensor:
     """One Euler step of the probability-flow ODE towards the expected target embedding:
     D_hat = softmax(logits) @ E,  z <- z + (sigma_next - sigma) * (z - D_hat) / sigma."""
     d_hat = torch.softmax(logits.float(), dim=-1) @ targets  # (N, Lz, d)
     return z + (sigma_next - sigma) * (z - d_hat) / sigma
 
 
-def ancestral_step(logits: torch.Tensor, targets: torch.Tensor, sigma_next: float,
-                   generator: torch.Generator) -> torch.Tensor:
+def ancestral_step(
+    logits: torch.Tensor, targets: torch.Tensor, sigma_next: float, generator: torch.Generator
+) -> torch.Tensor:
     """Re-noise from a sampled prediction: y_hat ~ softmax(logits), z <- E[y_hat] + sigma_next *
     eps. The state then has exactly the form the next block was trained on (E[y] + sigma * eps),
     with y drawn from the model instead of the data."""
@@ -109,8 +112,9 @@ class Sampling:
             raise ValueError(f"top_p = {self.top_p} must lie in (0, 1]")
 
 
-def sample_bytes(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator
-                 ) -> torch.Tensor:
+def sample_bytes(
+    logits: torch.Tensor, sampling: Sampling, generator: torch.Generator
+) -> torch.Tensor:
     """logits (..., 256) -> bytes (...) int64, greedy or by temperature / top-k / top-p."""
     logits = logits.float()
     if sampling.temperature == 0:

@@ -50,8 +50,9 @@ class SigmaSchedule:
         For [1, 10] and B = 3 this is 1, 1.3436, 2.0711, 10.
         """
         q_lo, q_hi = self.cdf(self.sigma_min), self.cdf(self.sigma_max)
-        inner = [self.inverse_cdf(q_lo + b / self.blocks * (q_hi - q_lo))
-                 for b in range(1, self.blocks)]
+        inner = [
+            self.inverse_cdf(q_lo + b / self.blocks * (q_hi - q_lo)) for b in range(1, self.blocks)
+        ]
         return [self.sigma_min, *inner, self.sigma_max]
 
     def interval(self, block: int) -> tuple[float, float]:
@@ -66,21 +67,24 @@ class SigmaSchedule:
         """The block's interval widened by `overlap` of its log-width on each side, clamped."""
         lo, hi = self.interval(block)
         r = math.log(hi) - math.log(lo)
-        return (max(self.sigma_min, lo * math.exp(-self.overlap * r)),
-                min(self.sigma_max, hi * math.exp(self.overlap * r)))
+        return (
+            max(self.sigma_min, lo * math.exp(-self.overlap * r)),
+            min(self.sigma_max, hi * math.exp(self.overlap * r)),
+        )
 
-    def sample_sigma(self, lo: float, hi: float, n: int, generator: torch.Generator
-                     ) -> torch.Tensor:
+    def sample_sigma(
+        self, lo: float, hi: float, n: int, generator: torch.Generator
+    ) -> torch.Tensor:
         """n sigmas in [lo, hi] by inverse CDF: u ~ U(q(lo), q(hi)), sigma = q^-1(u).
         -> (n,) float32 on the generator's device."""
         q_lo, q_hi = self.cdf(lo), self.cdf(hi)
-        u = q_lo + (q_hi - q_lo) * torch.rand(n, generator=generator, dtype=torch.float64,
-                                              device=generator.device)
+        u = q_lo + (q_hi - q_lo) * torch.rand(
+            n, generator=generator, dtype=torch.float64, device=generator.device
+        )
         sigma = torch.exp(self.p_mean + self.p_std * torch.special.ndtri(u))
         return sigma.clamp(lo, hi).to(torch.float32)
 
-    def sample_training_sigma(self, block: int, n: int, generator: torch.Generator
-                              ) -> torch.Tensor:
+    def sample_training_sigma(self, block: int, n: int, generator: torch.Generator) -> torch.Tensor:
         """n training sigmas for `block`, from its interval widened by the overlap."""
         return self.sample_sigma(*self.training_interval(block), n, generator)
 
@@ -98,8 +102,13 @@ class SigmaSchedule:
         grid = []
         for n in range(n_points):
             frac = 1.0 - n / (n_points - 1) if n_points > 1 else 0.0
-            sigma = (self.sigma_max if n == 0 else self.sigma_min if n == n_points - 1
-                     else self.inverse_cdf(q_lo + frac * (q_hi - q_lo)))
+            sigma = (
+                self.sigma_max
+                if n == 0
+                else self.sigma_min
+                if n == n_points - 1
+                else self.inverse_cdf(q_lo + frac * (q_hi - q_lo))
+            )
             grid.append((n // steps_per_block, sigma))
         return grid
 

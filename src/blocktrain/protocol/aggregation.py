@@ -47,8 +47,10 @@ def coordinate_median(deltas: Sequence[Tensors]) -> Tensors:
     """The lower median for an even count (torch.median), a coordinate of one actual delta."""
     if not deltas:
         raise ValueError("nothing to aggregate")
-    return {name: torch.stack([d[name].float() for d in deltas]).median(dim=0).values
-            for name in deltas[0]}
+    return {
+        name: torch.stack([d[name].float() for d in deltas]).median(dim=0).values
+        for name in deltas[0]
+    }
 
 
 def trimmed_mean(deltas: Sequence[Tensors], trim: float) -> Tensors:
@@ -62,7 +64,7 @@ def trimmed_mean(deltas: Sequence[Tensors], trim: float) -> Tensors:
     for name in deltas[0]:
         stacked = torch.stack([d[name].float() for d in deltas])
         if k:
-            stacked = stacked.sort(dim=0).values[k:n - k]
+            stacked = stacked.sort(dim=0).values[k : n - k]
         out[name] = stacked.mean(dim=0)
     return out
 
@@ -125,8 +127,9 @@ class OuterOptimizer:
     def stateful(self) -> bool:
         return self.momentum > 0
 
-    def apply(self, weights: Tensors, delta: Tensors,
-              buffer: Tensors | None = None) -> tuple[Tensors, Tensors | None]:
+    def apply(
+        self, weights: Tensors, delta: Tensors, buffer: Tensors | None = None
+    ) -> tuple[Tensors, Tensors | None]:
         """(new weights, new momentum buffer); inputs are not modified."""
         new_weights: Tensors = {}
         new_buffer: Tensors | None = {} if self.stateful else None
@@ -134,8 +137,9 @@ class OuterOptimizer:
             g = -delta[name].float()
             if self.stateful:
                 assert new_buffer is not None
-                prev = buffer[name] if buffer is not None and name in buffer else \
-                    torch.zeros_like(g)
+                prev = (
+                    buffer[name] if buffer is not None and name in buffer else torch.zeros_like(g)
+                )
                 m = prev.float() * self.momentum + g
                 new_buffer[name] = m
                 step = g + self.momentum * m if self.nesterov else m

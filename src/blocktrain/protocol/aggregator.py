@@ -51,8 +51,11 @@ MAX_WAIT_S = 60.0
 
 class RegisterIn(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    block: int | None = Field(None, ge=0, description="ask for this block (default: the one "
-                                                      "with the fewest live replicas)")
+    block: int | None = Field(
+        None,
+        ge=0,
+        description="ask for this block (default: the one with the fewest live replicas)",
+    )
     name: str | None = Field(None, max_length=100, description="a label for logs and status")
 
 
@@ -71,8 +74,10 @@ class RoundOut(BaseModel):
     block: int
     round: int
     version: int
-    deadline: float | None = Field(description="seconds since the epoch on the aggregator's "
-                                               "clock; null before the round's first pull")
+    deadline: float | None = Field(
+        description="seconds since the epoch on the aggregator's "
+        "clock; null before the round's first pull"
+    )
     deadline_in: float | None = Field(description="seconds left until the deadline")
     done: bool
 
@@ -98,11 +103,15 @@ class LeaveOut(BaseModel):
 
 
 REFUSALS: dict[int | str, dict[str, Any]] = {
-    code: {"model": RefusalOut} for code in (400, 401, 403, 404, 409, 410, 413, 415, 422)}
+    code: {"model": RefusalOut} for code in (400, 401, 403, 404, 409, 410, 413, 415, 422)
+}
 
 SAFETENSORS_BODY: dict[str, Any] = {
-    "requestBody": {"required": True, "content": {CONTENT_TYPE: {
-        "schema": {"type": "string", "format": "binary"}}}}}
+    "requestBody": {
+        "required": True,
+        "content": {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}},
+    }
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,8 +119,13 @@ SAFETENSORS_BODY: dict[str, Any] = {
 # ---------------------------------------------------------------------------------------------
 
 
-def create_app(settings: AggregatorSettings | None = None, *, storage: StateDir,
-               clock: Clock = time.time, tick_interval_s: float = 0.1) -> FastAPI:
+def create_app(
+    settings: AggregatorSettings | None = None,
+    *,
+    storage: StateDir,
+    clock: Clock = time.time,
+    tick_interval_s: float = 0.1,
+) -> FastAPI:
     """The aggregator over an initialised state folder. `clock` is injected so that tests can
     drive deadlines; `tick_interval_s` is how often deadlines are checked while served."""
     service = AggregatorService(settings, storage=storage, clock=clock)
@@ -135,23 +149,32 @@ def create_app(settings: AggregatorSettings | None = None, *, storage: StateDir,
                 await task
             await anyio.to_thread.run_sync(service.flush_traffic)
 
-    app = FastAPI(title="BlockTrain aggregator", version=__version__, lifespan=lifespan,
-                  description="Decentralised training of BlockTrain blocks: pull weights, push "
-                              "deltas, rounds with deadlines. See docs/protocol.md.")
+    app = FastAPI(
+        title="BlockTrain aggregator",
+        version=__version__,
+        lifespan=lifespan,
+        description="Decentralised training of BlockTrain blocks: pull weights, push "
+        "deltas, rounds with deadlines. See docs/protocol.md.",
+    )
     app.state.service = service
 
     def refusal(request: Request, exc: Refused) -> JSONResponse:
-        response = JSONResponse({"accepted": False, "reason": exc.reason, "detail": exc.detail},
-                                status_code=exc.status)
+        response = JSONResponse(
+            {"accepted": False, "reason": exc.reason, "detail": exc.detail}, status_code=exc.status
+        )
         _account(request, len(response.body))
         return response
 
     def _account(request: Request, bytes_out: int) -> None:
         endpoint = getattr(request.state, "endpoint", None)
         if endpoint is not None:
-            service.account(endpoint, getattr(request.state, "block", None),
-                            getattr(request.state, "worker", None),
-                            getattr(request.state, "bytes_in", 0), bytes_out)
+            service.account(
+                endpoint,
+                getattr(request.state, "block", None),
+                getattr(request.state, "worker", None),
+                getattr(request.state, "bytes_in", 0),
+                bytes_out,
+            )
 
     @app.exception_handler(Refused)
     async def on_refused(request: Request, exc: Refused) -> JSONResponse:
@@ -159,8 +182,9 @@ def create_app(settings: AggregatorSettings | None = None, *, storage: StateDir,
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        detail = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}"
-                           for e in exc.errors())[:500]
+        detail = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()
+        )[:500]
         return refusal(request, refused("bad_request", detail or "invalid request"))
 
     def json_response(request: Request, payload: Any, status: int = 200) -> JSONResponse:
@@ -168,8 +192,9 @@ def create_app(settings: AggregatorSettings | None = None, *, storage: StateDir,
         _account(request, len(response.body))
         return response
 
-    def tag(request: Request, endpoint: str, block: int | None = None,
-            worker: int | None = None) -> None:
+    def tag(
+        request: Request, endpoint: str, block: int | None = None, worker: int | None = None
+    ) -> None:
         request.state.endpoint = endpoint
         request.state.block = block
         request.state.worker = worker
@@ -178,57 +203,92 @@ def create_app(settings: AggregatorSettings | None = None, *, storage: StateDir,
 
     # ------------------------------------------------------------------ workers
 
-    @app.post("/v1/workers", response_model=RegisterOut, responses=REFUSALS,
-              summary="Register a worker; the aggregator assigns its block")
-    def register(request: Request, body: RegisterIn | None = None,
-                 authorization: str | None = Header(None)) -> JSONResponse:
+    @app.post(
+        "/v1/workers",
+        response_model=RegisterOut,
+        responses=REFUSALS,
+        summary="Register a worker; the aggregator assigns its block",
+    )
+    def register(
+        request: Request, body: RegisterIn | None = None, authorization: str | None = Header(None)
+    ) -> JSONResponse:
         tag(request, "register", None if body is None else body.block)
-        out = service.register(authorization=authorization,
-                               block=None if body is None else body.block,
-                               name=None if body is None else body.name)
+        out = service.register(
+            authorization=authorization,
+            block=None if body is None else body.block,
+            name=None if body is None else body.name,
+        )
         tag(request, "register", out["block"], out["worker_id"])
         return json_response(request, RegisterOut(**out).model_dump())
 
-    @app.delete("/v1/workers/{worker_id}", response_model=LeaveOut, responses=REFUSALS,
-                summary="Leave: the block stops waiting for this worker")
-    def leave(request: Request, worker_id: int = Path(ge=0),
-              authorization: str | None = Header(None)) -> JSONResponse:
+    @app.delete(
+        "/v1/workers/{worker_id}",
+        response_model=LeaveOut,
+        responses=REFUSALS,
+        summary="Leave: the block stops waiting for this worker",
+    )
+    def leave(
+        request: Request, worker_id: int = Path(ge=0), authorization: str | None = Header(None)
+    ) -> JSONResponse:
         tag(request, "leave", None, worker_id)
-        return json_response(request, service.leave(authorization=authorization,
-                                                     worker_id=worker_id))
+        return json_response(
+            request, service.leave(authorization=authorization, worker_id=worker_id)
+        )
 
-    @app.get("/v1/config", responses=REFUSALS,
-             summary="The run config, protocol settings and the blocks' tensor shapes")
+    @app.get(
+        "/v1/config",
+        responses=REFUSALS,
+        summary="The run config, protocol settings and the blocks' tensor shapes",
+    )
     def config(request: Request, authorization: str | None = Header(None)) -> JSONResponse:
         tag(request, "config")
         return json_response(request, service.config(authorization=authorization))
 
     # ------------------------------------------------------------------ blocks
 
-    @app.get("/v1/blocks/{block}", responses={
-        200: {"content": {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}},
-              "description": "the weights; __metadata__ holds block, version, round, deadline"},
-        **REFUSALS}, summary="Pull the open round's weights (starts its clock)")
-    def pull(request: Request, block: int = Path(ge=0),
-             authorization: str | None = Header(None),
-             x_worker_id: str | None = Header(None)) -> Response:
+    @app.get(
+        "/v1/blocks/{block}",
+        responses={
+            200: {
+                "content": {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}},
+                "description": "the weights; __metadata__ holds block, version, round, deadline",
+            },
+            **REFUSALS,
+        },
+        summary="Pull the open round's weights (starts its clock)",
+    )
+    def pull(
+        request: Request,
+        block: int = Path(ge=0),
+        authorization: str | None = Header(None),
+        x_worker_id: str | None = Header(None),
+    ) -> Response:
         tag(request, "pull", block)
-        pulled = service.pull(authorization=authorization, worker_header=x_worker_id,
-                              block=block)
+        pulled = service.pull(authorization=authorization, worker_header=x_worker_id, block=block)
         view = pulled.view
-        headers = {"X-Block": str(block), "X-Version": str(view.version),
-                   "X-Round": str(view.round),
-                   "X-Deadline": "" if view.deadline is None else f"{view.deadline:.6f}",
-                   "X-Deadline-In": "" if pulled.deadline_in is None
-                   else f"{pulled.deadline_in:.3f}"}
+        headers = {
+            "X-Block": str(block),
+            "X-Version": str(view.version),
+            "X-Round": str(view.round),
+            "X-Deadline": "" if view.deadline is None else f"{view.deadline:.6f}",
+            "X-Deadline-In": "" if pulled.deadline_in is None else f"{pulled.deadline_in:.3f}",
+        }
         _account(request, len(pulled.body))
         return Response(pulled.body, media_type=CONTENT_TYPE, headers=headers)
 
-    @app.get("/v1/blocks/{block}/round", response_model=RoundOut, responses=REFUSALS,
-             summary="The open round; with after=R, wait up to `wait` s for a round > R")
-    async def round_info(request: Request, block: int = Path(ge=0),
-                         after: int = Query(-1, ge=-1), wait: float = Query(0.0, ge=0.0),
-                         authorization: str | None = Header(None)) -> JSONResponse:
+    @app.get(
+        "/v1/blocks/{block}/round",
+        response_model=RoundOut,
+        responses=REFUSALS,
+        summary="The open round; with after=R, wait up to `wait` s for a round > R",
+    )
+    async def round_info(
+        request: Request,
+        block: int = Path(ge=0),
+        after: int = Query(-1, ge=-1),
+        wait: float = Query(0.0, ge=0.0),
+        authorization: str | None = Header(None),
+    ) -> JSONResponse:
         tag(request, "round", block)
         await anyio.to_thread.run_sync(service.authenticate, authorization)
         info = service.peek(block)
@@ -238,19 +298,30 @@ def create_app(settings: AggregatorSettings | None = None, *, storage: StateDir,
             info = service.peek(block)
         return json_response(request, RoundOut(**info).model_dump())
 
-    @app.post("/v1/blocks/{block}/updates", response_model=UpdateOut, responses=REFUSALS,
-              openapi_extra=SAFETENSORS_BODY,
-              summary="Push a delta: safetensors, __metadata__ block, base_version, round, "
-                      "tokens")
-    async def push(request: Request, block: int = Path(ge=0),
-                   authorization: str | None = Header(None),
-                   x_worker_id: str | None = Header(None),
-                   content_length: str | None = Header(None)) -> JSONResponse:
+    @app.post(
+        "/v1/blocks/{block}/updates",
+        response_model=UpdateOut,
+        responses=REFUSALS,
+        openapi_extra=SAFETENSORS_BODY,
+        summary="Push a delta: safetensors, __metadata__ block, base_version, round, tokens",
+    )
+    async def push(
+        request: Request,
+        block: int = Path(ge=0),
+        authorization: str | None = Header(None),
+        x_worker_id: str | None = Header(None),
+        content_length: str | None = Header(None),
+    ) -> JSONResponse:
         tag(request, "push", block)
         declared = _int_or_none(content_length)
-        ctx = await anyio.to_thread.run_sync(lambda: service.begin_push(
-            authorization=authorization, worker_header=x_worker_id, block=block,
-            content_length=declared))
+        ctx = await anyio.to_thread.run_sync(
+            lambda: service.begin_push(
+                authorization=authorization,
+                worker_header=x_worker_id,
+                block=block,
+                content_length=declared,
+            )
+        )
         tag(request, "push", block, ctx.worker_id)
         chunks: list[bytes] = []
         size = 0
@@ -259,12 +330,17 @@ def create_app(settings: AggregatorSettings | None = None, *, storage: StateDir,
                 size += len(chunk)
                 if size > service.max_body:
                     request.state.bytes_in = size
-                    raise service.refuse_push(ctx, "too_large", f"the body exceeds the limit "
-                                              f"of {service.max_body} bytes", size)
+                    raise service.refuse_push(
+                        ctx,
+                        "too_large",
+                        f"the body exceeds the limit of {service.max_body} bytes",
+                        size,
+                    )
                 chunks.append(chunk)
         except ClientDisconnect:
-            raise service.refuse_push(ctx, "malformed", "the client sent a partial body and "
-                                      "disconnected", size) from None
+            raise service.refuse_push(
+                ctx, "malformed", "the client sent a partial body and disconnected", size
+            ) from None
         body = b"".join(chunks)
         request.state.bytes_in = len(body)
         out = await anyio.to_thread.run_sync(service.submit, ctx, body)
@@ -272,18 +348,26 @@ def create_app(settings: AggregatorSettings | None = None, *, storage: StateDir,
 
     # ------------------------------------------------------------------ status
 
-    @app.get("/v1/status", responses=REFUSALS,
-             summary="Blocks, versions, rounds, participation, live workers, bytes moved")
-    def status(request: Request, authorization: str | None = Header(None),
-               rounds: int = Query(20, ge=1, le=1_000_000)) -> JSONResponse:
+    @app.get(
+        "/v1/status",
+        responses=REFUSALS,
+        summary="Blocks, versions, rounds, participation, live workers, bytes moved",
+    )
+    def status(
+        request: Request,
+        authorization: str | None = Header(None),
+        rounds: int = Query(20, ge=1, le=1_000_000),
+    ) -> JSONResponse:
         tag(request, "status")
-        return json_response(request, service.status(authorization=authorization,
-                                                     last_rounds=rounds))
+        return json_response(
+            request, service.status(authorization=authorization, last_rounds=rounds)
+        )
 
     @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics")
     def metrics() -> PlainTextResponse:
-        return PlainTextResponse(service.metrics(),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(
+            service.metrics(), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
 
     return app
 

@@ -44,14 +44,25 @@ class Proc:
                 f.close()
 
 
-def spawn(name: str, argv: Sequence[str], logs: Path, *, env: dict[str, str] | None = None,
-          prefix: Sequence[str] = ()) -> Proc:
+def spawn(
+    name: str,
+    argv: Sequence[str],
+    logs: Path,
+    *,
+    env: dict[str, str] | None = None,
+    prefix: Sequence[str] = (),
+) -> Proc:
     """Start `prefix + argv` with stdout/stderr in logs/NAME.out and logs/NAME.log."""
     logs.mkdir(parents=True, exist_ok=True)
     out_path, err_path = logs / f"{name}.out", logs / f"{name}.log"
     out, err = open(out_path, "wb"), open(err_path, "wb")  # noqa: SIM115 - closed by Proc
-    popen = subprocess.Popen([*prefix, *argv], stdout=out, stderr=err,
-                             env={**os.environ, **(env or {})}, start_new_session=True)
+    popen = subprocess.Popen(
+        [*prefix, *argv],
+        stdout=out,
+        stderr=err,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
     return Proc(name, popen, out_path, err_path, [out, err])
 
 
@@ -63,26 +74,66 @@ def wait_for_endpoint(state: StateDir, proc: Proc, timeout_s: float = 60.0) -> s
         if doc is not None and doc.get("pid") == proc.popen.pid:
             return str(doc["url"])
         if proc.popen.poll() is not None:
-            raise ProtocolError(f"the aggregator exited with code {proc.popen.returncode}: "
-                                f"{tail(proc.stderr)}")
+            raise ProtocolError(
+                f"the aggregator exited with code {proc.popen.returncode}: {tail(proc.stderr)}"
+            )
         time.sleep(0.05)
     raise ProtocolError(f"the aggregator did not start listening within {timeout_s:.0f}s")
 
 
-def start_aggregator(state: StateDir, logs: Path, *, host: str = "127.0.0.1", port: int = 0,
-                     extra: Sequence[str] = (), name: str = "aggregator",
-                     prefix: Sequence[str] = ()) -> tuple[Proc, str]:
+def start_aggregator(
+    state: StateDir,
+    logs: Path,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    extra: Sequence[str] = (),
+    name: str = "aggregator",
+    prefix: Sequence[str] = (),
+) -> tuple[Proc, str]:
     state.clear_endpoint()
-    proc = spawn(name, [*BLOCKTRAIN, "aggregator", "--state", str(state.root), "--host", host,
-                        "--port", str(port), *extra], logs, prefix=prefix)
+    proc = spawn(
+        name,
+        [
+            *BLOCKTRAIN,
+            "aggregator",
+            "--state",
+            str(state.root),
+            "--host",
+            host,
+            "--port",
+            str(port),
+            *extra,
+        ],
+        logs,
+        prefix=prefix,
+    )
     return proc, wait_for_endpoint(state, proc)
 
 
-def start_worker(url: str, token: str, logs: Path, *, name: str, data: str | None,
-                 threads: int = 1, extra: Sequence[str] = (),
-                 prefix: Sequence[str] = ()) -> Proc:
-    argv = [*BLOCKTRAIN, "worker", "--aggregator", url, "--name", name, "--threads",
-            str(threads), "--json", *extra]
+def start_worker(
+    url: str,
+    token: str,
+    logs: Path,
+    *,
+    name: str,
+    data: str | None,
+    threads: int = 1,
+    extra: Sequence[str] = (),
+    prefix: Sequence[str] = (),
+) -> Proc:
+    argv = [
+        *BLOCKTRAIN,
+        "worker",
+        "--aggregator",
+        url,
+        "--name",
+        name,
+        "--threads",
+        str(threads),
+        "--json",
+        *extra,
+    ]
     if data:
         argv += ["--data", data]
     return spawn(name, argv, logs, env={"BLOCKTRAIN_TOKEN": token}, prefix=prefix)
@@ -130,10 +181,18 @@ class ClusterResult:
     url: str
 
 
-def run_cluster(state: StateDir, tokens: Sequence[str], observer_token: str, logs: Path, *,
-                data: str | None, threads: int = 1, timeout_s: float = 3600.0,
-                host: str = "127.0.0.1",
-                on_status: Callable[[dict[str, Any]], None] | None = None) -> ClusterResult:
+def run_cluster(
+    state: StateDir,
+    tokens: Sequence[str],
+    observer_token: str,
+    logs: Path,
+    *,
+    data: str | None,
+    threads: int = 1,
+    timeout_s: float = 3600.0,
+    host: str = "127.0.0.1",
+    on_status: Callable[[dict[str, Any]], None] | None = None,
+) -> ClusterResult:
     """Start the aggregator and one worker per token; wait until every block is done (the
     state's settings must set max_rounds) or `timeout_s`; stop everything."""
     if state.settings().max_rounds is None:
@@ -141,22 +200,27 @@ def run_cluster(state: StateDir, tokens: Sequence[str], observer_token: str, log
     started = time.monotonic()
     aggregator, url = start_aggregator(state, logs, host=host)
     workers: list[Proc] = []
-    client = AggregatorClient(url, observer_token,
-                              retry=RetryPolicy(base_s=0.2, cap_s=2.0, give_up_after_s=60.0))
+    client = AggregatorClient(
+        url, observer_token, retry=RetryPolicy(base_s=0.2, cap_s=2.0, give_up_after_s=60.0)
+    )
     try:
         for i, token in enumerate(tokens):
-            workers.append(start_worker(url, token, logs, name=f"worker-{i}", data=data,
-                                        threads=threads))
+            workers.append(
+                start_worker(url, token, logs, name=f"worker-{i}", data=data, threads=threads)
+            )
         status = client.status()
         while not status["done"]:
             if time.monotonic() - started > timeout_s:
-                raise ProtocolError(f"the cluster did not finish within {timeout_s:.0f}s "
-                                    f"(rounds {status['rounds']}); see {logs}")
+                raise ProtocolError(
+                    f"the cluster did not finish within {timeout_s:.0f}s "
+                    f"(rounds {status['rounds']}); see {logs}"
+                )
             if aggregator.popen.poll() is not None:
                 raise ProtocolError(f"the aggregator exited early: {tail(aggregator.stderr)}")
             if all(w.popen.poll() is not None for w in workers):
-                raise ProtocolError(f"every worker exited before the end; e.g. "
-                                    f"{tail(workers[0].stderr)}")
+                raise ProtocolError(
+                    f"every worker exited before the end; e.g. {tail(workers[0].stderr)}"
+                )
             time.sleep(1.0)
             status = client.status()
             if on_status is not None:
@@ -170,6 +234,10 @@ def run_cluster(state: StateDir, tokens: Sequence[str], observer_token: str, log
         client.close()
         stop(workers)
         stop([aggregator])
-    return ClusterResult(status=status, workers=[worker_report(w) for w in workers],
-                         exit_codes={p.name: p.popen.returncode for p in [aggregator, *workers]},
-                         wall_seconds=time.monotonic() - started, url=url)
+    return ClusterResult(
+        status=status,
+        workers=[worker_report(w) for w in workers],
+        exit_codes={p.name: p.popen.returncode for p in [aggregator, *workers]},
+        wall_seconds=time.monotonic() - started,
+        url=url,
+    )

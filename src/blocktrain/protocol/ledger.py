@@ -146,8 +146,9 @@ class Ledger:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
-        self._db = sqlite3.connect(str(self.path), check_same_thread=False, timeout=30.0,
-                                   isolation_level=None)
+        self._db = sqlite3.connect(
+            str(self.path), check_same_thread=False, timeout=30.0, isolation_level=None
+        )
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
@@ -155,8 +156,9 @@ class Ledger:
         with self._lock:
             self._db.executescript(SCHEMA)
         with self._tx() as db:
-            db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)",
-                       (str(SCHEMA_VERSION),))
+            db.execute(
+                "INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
+            )
 
     def close(self) -> None:
         with self._lock:
@@ -181,28 +183,32 @@ class Ledger:
 
     def add_token(self, name: str, token_hash: str, now: float) -> int:
         with self._tx() as db:
-            cur = db.execute("INSERT INTO tokens (name, hash, created) VALUES (?, ?, ?)",
-                             (name, token_hash, now))
+            cur = db.execute(
+                "INSERT INTO tokens (name, hash, created) VALUES (?, ?, ?)", (name, token_hash, now)
+            )
             return int(cur.lastrowid or 0)
 
     def token_by_hash(self, token_hash: str) -> TokenRow | None:
-        rows = self._query("SELECT id, name, created, revoked FROM tokens WHERE hash = ?",
-                           (token_hash,))
+        rows = self._query(
+            "SELECT id, name, created, revoked FROM tokens WHERE hash = ?", (token_hash,)
+        )
         return TokenRow(**dict(rows[0])) if rows else None
 
     def token_by_name(self, name: str) -> TokenRow | None:
-        rows = self._query("SELECT id, name, created, revoked FROM tokens WHERE name = ?",
-                           (name,))
+        rows = self._query("SELECT id, name, created, revoked FROM tokens WHERE name = ?", (name,))
         return TokenRow(**dict(rows[0])) if rows else None
 
     def tokens(self) -> list[TokenRow]:
-        return [TokenRow(**dict(r)) for r in
-                self._query("SELECT id, name, created, revoked FROM tokens ORDER BY id")]
+        return [
+            TokenRow(**dict(r))
+            for r in self._query("SELECT id, name, created, revoked FROM tokens ORDER BY id")
+        ]
 
     def revoke_token(self, name: str, now: float) -> bool:
         with self._tx() as db:
-            cur = db.execute("UPDATE tokens SET revoked = ? WHERE name = ? AND revoked IS NULL",
-                             (now, name))
+            cur = db.execute(
+                "UPDATE tokens SET revoked = ? WHERE name = ? AND revoked IS NULL", (now, name)
+            )
             return cur.rowcount > 0
 
     # ------------------------------------------------------------------ workers
@@ -210,8 +216,11 @@ class Ledger:
     def add_worker(self, token_id: int, block: int, name: str | None, now: float) -> int:
         with self._tx() as db:
             (next_id,) = db.execute("SELECT COALESCE(MAX(id) + 1, 0) FROM workers").fetchone()
-            db.execute("INSERT INTO workers (id, token_id, name, block, registered, last_seen) "
-                       "VALUES (?, ?, ?, ?, ?, ?)", (next_id, token_id, name, block, now, now))
+            db.execute(
+                "INSERT INTO workers (id, token_id, name, block, registered, last_seen) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (next_id, token_id, name, block, now, now),
+            )
             return int(next_id)
 
     def worker(self, worker_id: int) -> WorkerRow | None:
@@ -223,15 +232,19 @@ class Ledger:
         return [WorkerRow(**dict(r)) for r in self._query(sql + " ORDER BY id")]
 
     def latest_worker_of(self, token_id: int) -> WorkerRow | None:
-        rows = self._query("SELECT * FROM workers WHERE token_id = ? AND left_at IS NULL "
-                           "ORDER BY id DESC LIMIT 1", (token_id,))
+        rows = self._query(
+            "SELECT * FROM workers WHERE token_id = ? AND left_at IS NULL ORDER BY id DESC LIMIT 1",
+            (token_id,),
+        )
         return WorkerRow(**dict(rows[0])) if rows else None
 
     def round_started(self, block: int, round: int, started_at: float) -> None:
         """The first pull of a round: its deadline clock, which a restart must keep."""
         with self._tx() as db:
-            db.execute("UPDATE blocks SET started_at = ? WHERE block = ? AND round = ?",
-                       (started_at, block, round))
+            db.execute(
+                "UPDATE blocks SET started_at = ? WHERE block = ? AND round = ?",
+                (started_at, block, round),
+            )
 
     def workers_pulled(self, marks: Iterable[tuple[int, int, float]]) -> None:
         """(worker, round, time) of pulls, written in one transaction (the aggregator batches
@@ -239,13 +252,17 @@ class Ledger:
         marks = list(marks)
         if marks:
             with self._tx() as db:
-                db.executemany("UPDATE workers SET pulled_round = ?, last_seen = MAX(last_seen, ?)"
-                               " WHERE id = ?", [(r, now, w) for w, r, now in marks])
+                db.executemany(
+                    "UPDATE workers SET pulled_round = ?, last_seen = MAX(last_seen, ?)"
+                    " WHERE id = ?",
+                    [(r, now, w) for w, r, now in marks],
+                )
 
     def worker_left(self, worker_id: int, now: float) -> None:
         with self._tx() as db:
-            db.execute("UPDATE workers SET left_at = ? WHERE id = ? AND left_at IS NULL",
-                       (now, worker_id))
+            db.execute(
+                "UPDATE workers SET left_at = ? WHERE id = ? AND left_at IS NULL", (now, worker_id)
+            )
 
     # ------------------------------------------------------------------ blocks and rounds
 
@@ -256,16 +273,29 @@ class Ledger:
 
     def block_state(self, block: int) -> tuple[int, int, float | None]:
         """(version, round, started_at) of the open round."""
-        rows = self._query("SELECT version, round, started_at FROM blocks WHERE block = ?",
-                           (block,))
+        rows = self._query(
+            "SELECT version, round, started_at FROM blocks WHERE block = ?", (block,)
+        )
         if not rows:
             raise KeyError(block)
         return int(rows[0]["version"]), int(rows[0]["round"]), rows[0]["started_at"]
 
-    def commit_round(self, *, block: int, round: int, base_version: int, new_version: int,
-                     started_at: float | None, deadline: float | None, closed_at: float,
-                     cause: str, refused: int, expected: int, reported: int,
-                     update_ids: list[int]) -> None:
+    def commit_round(
+        self,
+        *,
+        block: int,
+        round: int,
+        base_version: int,
+        new_version: int,
+        started_at: float | None,
+        deadline: float | None,
+        closed_at: float,
+        cause: str,
+        refused: int,
+        expected: int,
+        reported: int,
+        update_ids: list[int],
+    ) -> None:
         """Close a round: its row, the block's new state, and the version each accepted update
         went into, atomically."""
         with self._tx() as db:
@@ -273,14 +303,33 @@ class Ledger:
             for uid in update_ids:
                 row = db.execute("SELECT tokens FROM updates WHERE id = ?", (uid,)).fetchone()
                 tokens += int(row["tokens"] or 0) if row else 0
-            db.execute("INSERT INTO rounds VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                       (block, round, base_version, new_version, started_at, deadline,
-                        closed_at, cause, len(update_ids), refused, expected, reported, tokens))
-            db.execute("UPDATE blocks SET version = ?, round = ?, started_at = NULL "
-                       "WHERE block = ?", (new_version, round + 1, block))
-            db.executemany("UPDATE updates SET committed_version = ?, committed_at = ?, "
-                           "pending = NULL WHERE id = ?",
-                           [(new_version, closed_at, uid) for uid in update_ids])
+            db.execute(
+                "INSERT INTO rounds VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    block,
+                    round,
+                    base_version,
+                    new_version,
+                    started_at,
+                    deadline,
+                    closed_at,
+                    cause,
+                    len(update_ids),
+                    refused,
+                    expected,
+                    reported,
+                    tokens,
+                ),
+            )
+            db.execute(
+                "UPDATE blocks SET version = ?, round = ?, started_at = NULL WHERE block = ?",
+                (new_version, round + 1, block),
+            )
+            db.executemany(
+                "UPDATE updates SET committed_version = ?, committed_at = ?, "
+                "pending = NULL WHERE id = ?",
+                [(new_version, closed_at, uid) for uid in update_ids],
+            )
 
     def rounds(self, block: int | None = None, *, last: int | None = None) -> list[dict[str, Any]]:
         sql = "SELECT * FROM rounds" + (" WHERE block = ?" if block is not None else "")
@@ -295,53 +344,96 @@ class Ledger:
 
     # ------------------------------------------------------------------ updates
 
-    def record_update(self, *, received: float, bytes: int, fate: str, token_id: int | None,
-                      worker_id: int | None, block: int | None, round: int | None = None,
-                      base_version: int | None = None, tokens: int | None = None,
-                      loss: float | None = None, norm: float | None = None,
-                      reason: str | None = None, detail: str | None = None,
-                      weight: float | None = None, counts_in: int | None = None,
-                      pending: str | None = None, seen: float | None = None) -> int:
+    def record_update(
+        self,
+        *,
+        received: float,
+        bytes: int,
+        fate: str,
+        token_id: int | None,
+        worker_id: int | None,
+        block: int | None,
+        round: int | None = None,
+        base_version: int | None = None,
+        tokens: int | None = None,
+        loss: float | None = None,
+        norm: float | None = None,
+        reason: str | None = None,
+        detail: str | None = None,
+        weight: float | None = None,
+        counts_in: int | None = None,
+        pending: str | None = None,
+        seen: float | None = None,
+    ) -> int:
         with self._tx() as db:
             cur = db.execute(
                 "INSERT INTO updates (received, token_id, worker_id, block, round, base_version,"
                 " tokens, loss, norm, bytes, fate, reason, detail, weight, counts_in, pending) "
                 "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                (received, token_id, worker_id, block, round, base_version, tokens, loss, norm,
-                 bytes, fate, reason, (detail or "")[:500] or None, weight, counts_in, pending))
+                (
+                    received,
+                    token_id,
+                    worker_id,
+                    block,
+                    round,
+                    base_version,
+                    tokens,
+                    loss,
+                    norm,
+                    bytes,
+                    fate,
+                    reason,
+                    (detail or "")[:500] or None,
+                    weight,
+                    counts_in,
+                    pending,
+                ),
+            )
             if seen is not None and worker_id is not None:
-                db.execute("UPDATE workers SET last_seen = MAX(last_seen, ?) WHERE id = ?",
-                           (seen, worker_id))
+                db.execute(
+                    "UPDATE workers SET last_seen = MAX(last_seen, ?) WHERE id = ?",
+                    (seen, worker_id),
+                )
             return int(cur.lastrowid or 0)
 
-    def updates(self, *, block: int | None = None, round: int | None = None,
-                fate: str | None = None) -> list[UpdateRow]:
+    def updates(
+        self, *, block: int | None = None, round: int | None = None, fate: str | None = None
+    ) -> list[UpdateRow]:
         where, args = [], []
         for col, val in (("block", block), ("round", round), ("fate", fate)):
             if val is not None:
                 where.append(f"{col} = ?")
                 args.append(val)
-        sql = ("SELECT id, received, worker_id, block, round, base_version, tokens, fate, reason,"
-               " weight, counts_in, pending, committed_version FROM updates")
+        sql = (
+            "SELECT id, received, worker_id, block, round, base_version, tokens, fate, reason,"
+            " weight, counts_in, pending, committed_version FROM updates"
+        )
         if where:
             sql += " WHERE " + " AND ".join(where)
         return [UpdateRow(**dict(r)) for r in self._query(sql + " ORDER BY id", args)]
 
     def open_accepted(self, block: int) -> list[UpdateRow]:
         """Accepted updates not yet committed (the open round's)."""
-        return [u for u in self.updates(block=block, fate="accepted")
-                if u.committed_version is None]
+        return [
+            u for u in self.updates(block=block, fate="accepted") if u.committed_version is None
+        ]
 
     def update_counts(self) -> list[dict[str, Any]]:
         """(block, fate, reason) -> count, for metrics and status."""
-        return [dict(r) for r in self._query(
-            "SELECT block, fate, COALESCE(reason, '') AS reason, COUNT(*) AS n FROM updates "
-            "GROUP BY block, fate, reason ORDER BY block, fate, reason")]
+        return [
+            dict(r)
+            for r in self._query(
+                "SELECT block, fate, COALESCE(reason, '') AS reason, COUNT(*) AS n FROM updates "
+                "GROUP BY block, fate, reason ORDER BY block, fate, reason"
+            )
+        ]
 
     def worker_counts(self) -> dict[int, dict[str, int]]:
         out: dict[int, dict[str, int]] = {}
-        for r in self._query("SELECT worker_id, fate, COUNT(*) AS n FROM updates WHERE "
-                             "worker_id IS NOT NULL GROUP BY worker_id, fate"):
+        for r in self._query(
+            "SELECT worker_id, fate, COUNT(*) AS n FROM updates WHERE "
+            "worker_id IS NOT NULL GROUP BY worker_id, fate"
+        ):
             out.setdefault(int(r["worker_id"]), {})[r["fate"]] = int(r["n"])
         return out
 
@@ -357,8 +449,12 @@ class Ledger:
                 "INSERT INTO traffic VALUES (?,?,?,?,?,?) ON CONFLICT (endpoint, block, "
                 "worker_id) DO UPDATE SET requests = requests + excluded.requests, "
                 "bytes_in = bytes_in + excluded.bytes_in, "
-                "bytes_out = bytes_out + excluded.bytes_out", rows)
+                "bytes_out = bytes_out + excluded.bytes_out",
+                rows,
+            )
 
     def traffic(self) -> list[dict[str, Any]]:
-        return [dict(r) for r in self._query("SELECT * FROM traffic ORDER BY endpoint, block, "
-                                             "worker_id")]
+        return [
+            dict(r)
+            for r in self._query("SELECT * FROM traffic ORDER BY endpoint, block, worker_id")
+        ]

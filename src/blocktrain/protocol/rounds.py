@@ -160,39 +160,59 @@ class BlockRounds:
         """The timing verdict on an update of `worker` trained on `round` from `base_version`.
         Does not change any state: call `record` with the verdict once the update is stored."""
         if round > self.round:
-            return Verdict.refuse("future_round",
-                                  f"round {round} has not opened; the open round is {self.round}")
+            return Verdict.refuse(
+                "future_round", f"round {round} has not opened; the open round is {self.round}"
+            )
         if self.done:
-            return Verdict.refuse("done", f"block {self.block} finished its "
-                                          f"{self.policy.max_rounds} rounds")
+            return Verdict.refuse(
+                "done", f"block {self.block} finished its {self.policy.max_rounds} rounds"
+            )
         if round == self.round:
             if worker in self.reported:
-                return Verdict.refuse("duplicate", f"worker {worker} already reported for "
-                                                   f"round {round}")
+                return Verdict.refuse(
+                    "duplicate", f"worker {worker} already reported for round {round}"
+                )
             deadline = self.deadline
             if deadline is not None and now >= deadline:
-                return Verdict.refuse("late", f"round {round} reached its deadline "
-                                              f"{now - deadline:.3f}s before this update")
+                return Verdict.refuse(
+                    "late",
+                    f"round {round} reached its deadline {now - deadline:.3f}s before this update",
+                )
             if base_version != self.version:
-                return Verdict.refuse("stale_version", f"round {round} published version "
-                                                       f"{self.version}, not {base_version}")
+                return Verdict.refuse(
+                    "stale_version",
+                    f"round {round} published version {self.version}, not {base_version}",
+                )
             return Verdict.ok(weight=1.0, counts_in=self.round)
         lateness = self.round - round
         if lateness > self.policy.staleness:
-            return Verdict.refuse("late", f"round {round} has closed; the open round is "
-                                          f"{self.round} (staleness bound "
-                                          f"{self.policy.staleness})")
+            return Verdict.refuse(
+                "late",
+                f"round {round} has closed; the open round is "
+                f"{self.round} (staleness bound "
+                f"{self.policy.staleness})",
+            )
         if (worker, round) in self.stale_seen:
-            return Verdict.refuse("duplicate", f"worker {worker} already reported for "
-                                               f"round {round}")
+            return Verdict.refuse(
+                "duplicate", f"worker {worker} already reported for round {round}"
+            )
         published = self.published.get(round)
         if published != base_version:
-            return Verdict.refuse("stale_version", f"round {round} published version "
-                                                   f"{published}, not {base_version}")
-        return Verdict.ok(weight=self.policy.stale_weight ** lateness, counts_in=self.round)
+            return Verdict.refuse(
+                "stale_version", f"round {round} published version {published}, not {base_version}"
+            )
+        return Verdict.ok(weight=self.policy.stale_weight**lateness, counts_in=self.round)
 
-    def record(self, worker: int, verdict: Verdict, *, round: int, now: float,
-               update_id: int = -1, tokens: int = 0) -> None:
+    def record(
+        self,
+        worker: int,
+        verdict: Verdict,
+        *,
+        round: int,
+        now: float,
+        update_id: int = -1,
+        tokens: int = 0,
+    ) -> None:
         """Record a judged update (accepted, or refused for any reason)."""
         if verdict.accepted:
             self.accepted.append(Contribution(update_id, worker, tokens, verdict.weight, round))
@@ -221,10 +241,19 @@ class BlockRounds:
             return None
         new_version = self.version + 1 if self.accepted else self.version
         closed = RoundClosed(
-            block=self.block, round=self.round, base_version=self.version,
-            new_version=new_version, started_at=self.started_at, deadline=deadline,
-            closed_at=now, cause=cause, accepted=tuple(self.accepted), refused=self.refused,
-            reported=frozenset(self.reported), expected=expected)
+            block=self.block,
+            round=self.round,
+            base_version=self.version,
+            new_version=new_version,
+            started_at=self.started_at,
+            deadline=deadline,
+            closed_at=now,
+            cause=cause,
+            accepted=tuple(self.accepted),
+            refused=self.refused,
+            reported=frozenset(self.reported),
+            expected=expected,
+        )
         self.prev_reported = set(self.reported)
         self.round += 1
         self.version = new_version
@@ -276,8 +305,9 @@ class Registry:
 
     def live(self, now: float) -> dict[int, int]:
         """Worker -> block, for workers heard from within the live window."""
-        return {w: e.block for w, e in self.workers.items()
-                if now - e.last_seen <= self.live_window_s}
+        return {
+            w: e.block for w, e in self.workers.items() if now - e.last_seen <= self.live_window_s
+        }
 
     def live_per_block(self, now: float) -> list[int]:
         counts = [0] * self.blocks
@@ -285,8 +315,9 @@ class Registry:
             counts[block] += 1
         return counts
 
-    def choose_block(self, now: float, requested: int | None = None,
-                     exclude: Iterable[int] = ()) -> int:
+    def choose_block(
+        self, now: float, requested: int | None = None, exclude: Iterable[int] = ()
+    ) -> int:
         """The requested block, else the one with the fewest live replicas (lowest index on
         ties), skipping `exclude` (e.g. finished blocks) when another is left."""
         if requested is not None:
@@ -306,15 +337,35 @@ def participation(closed: RoundClosed) -> float:
     return own / len(closed.expected) if closed.expected else float(own > 0)
 
 
-def restore(block: int, policy: RoundPolicy, *, round: int, version: int,
-            started_at: float | None, assigned: Iterable[int], pulled: Iterable[int],
-            reported: Iterable[int], prev_reported: Iterable[int],
-            accepted: Iterable[Contribution], refused: int,
-            published: Mapping[int, int]) -> BlockRounds:
+def restore(
+    block: int,
+    policy: RoundPolicy,
+    *,
+    round: int,
+    version: int,
+    started_at: float | None,
+    assigned: Iterable[int],
+    pulled: Iterable[int],
+    reported: Iterable[int],
+    prev_reported: Iterable[int],
+    accepted: Iterable[Contribution],
+    refused: int,
+    published: Mapping[int, int],
+) -> BlockRounds:
     """A block's round state rebuilt from a ledger after a restart."""
-    state = BlockRounds(block, policy, round=round, version=version, started_at=started_at,
-                        assigned=set(assigned), pulled=set(pulled), reported=set(reported),
-                        prev_reported=set(prev_reported), accepted=list(accepted),
-                        refused=refused, published=dict(published))
+    state = BlockRounds(
+        block,
+        policy,
+        round=round,
+        version=version,
+        started_at=started_at,
+        assigned=set(assigned),
+        pulled=set(pulled),
+        reported=set(reported),
+        prev_reported=set(prev_reported),
+        accepted=list(accepted),
+        refused=refused,
+        published=dict(published),
+    )
     state.stale_seen = {(c.worker_id, c.round) for c in state.accepted if c.round != round}
     return state

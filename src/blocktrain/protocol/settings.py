@@ -54,25 +54,43 @@ class AggregatorSettings:
         _check(self.deadline_s > 0, "deadline_s", self.deadline_s, "must be positive")
         _check(self.local_steps > 0, "local_steps", self.local_steps, "must be positive")
         _check(self.staleness >= 0, "staleness", self.staleness, "must be >= 0")
-        _check(0 < self.stale_weight <= 1, "stale_weight", self.stale_weight,
-               "must lie in (0, 1]")
-        _check(self.max_rounds is None or self.max_rounds > 0, "max_rounds", self.max_rounds,
-               "must be positive (or none)")
+        _check(0 < self.stale_weight <= 1, "stale_weight", self.stale_weight, "must lie in (0, 1]")
+        _check(
+            self.max_rounds is None or self.max_rounds > 0,
+            "max_rounds",
+            self.max_rounds,
+            "must be positive (or none)",
+        )
         _check(self.rule in RULES, "rule", self.rule, f"must be one of {', '.join(RULES)}")
         _check(0 <= self.trim < 0.5, "trim", self.trim, "must lie in [0, 0.5)")
         _check(self.outer_lr > 0, "outer_lr", self.outer_lr, "must be positive")
-        _check(0 <= self.outer_momentum < 1, "outer_momentum", self.outer_momentum,
-               "must lie in [0, 1)")
-        _check(self.wire_dtype in WIRE_DTYPES, "wire_dtype", self.wire_dtype,
-               f"must be one of {', '.join(WIRE_DTYPES)}")
-        _check(self.max_delta_norm > 0, "max_delta_norm", self.max_delta_norm,
-               "must be positive")
+        _check(
+            0 <= self.outer_momentum < 1,
+            "outer_momentum",
+            self.outer_momentum,
+            "must lie in [0, 1)",
+        )
+        _check(
+            self.wire_dtype in WIRE_DTYPES,
+            "wire_dtype",
+            self.wire_dtype,
+            f"must be one of {', '.join(WIRE_DTYPES)}",
+        )
+        _check(self.max_delta_norm > 0, "max_delta_norm", self.max_delta_norm, "must be positive")
         _check(self.max_tokens > 0, "max_tokens", self.max_tokens, "must be positive")
-        _check(self.max_body_bytes is None or self.max_body_bytes > 0, "max_body_bytes",
-               self.max_body_bytes, "must be positive (or none)")
+        _check(
+            self.max_body_bytes is None or self.max_body_bytes > 0,
+            "max_body_bytes",
+            self.max_body_bytes,
+            "must be positive (or none)",
+        )
         _check(self.n_workers > 0, "n_workers", self.n_workers, "must be positive")
-        _check(self.live_window_s is None or self.live_window_s > 0, "live_window_s",
-               self.live_window_s, "must be positive (or none)")
+        _check(
+            self.live_window_s is None or self.live_window_s > 0,
+            "live_window_s",
+            self.live_window_s,
+            "must be positive (or none)",
+        )
         _check(self.keep_versions >= 0, "keep_versions", self.keep_versions, "must be >= 0")
 
     @property

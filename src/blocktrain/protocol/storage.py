@@ -76,13 +76,21 @@ class StateDir:
         return (self.root / MANIFEST).is_file()
 
     @classmethod
-    def create(cls, root: Path, *, run_config: dict[str, Any], settings: AggregatorSettings,
-               blocks: dict[int, Tensors]) -> StateDir:
+    def create(
+        cls,
+        root: Path,
+        *,
+        run_config: dict[str, Any],
+        settings: AggregatorSettings,
+        blocks: dict[int, Tensors],
+    ) -> StateDir:
         """A new state: version 0 of every block, round 0 open. Refuses an initialised folder."""
         state = cls(root)
         if state.initialised:
-            raise ProtocolError(f"{root} already holds an aggregator state; omit --preset to "
-                                "resume it, or choose another --state")
+            raise ProtocolError(
+                f"{root} already holds an aggregator state; omit --preset to "
+                "resume it, or choose another --state"
+            )
         if sorted(blocks) != list(range(len(blocks))) or not blocks:
             raise ProtocolError("initial weights must be given for blocks 0..B-1")
         for b, tensors in blocks.items():
@@ -91,17 +99,25 @@ class StateDir:
         state.write_manifest(run_config=run_config, settings=settings, n_blocks=len(blocks))
         return state
 
-    def write_manifest(self, *, run_config: dict[str, Any], settings: AggregatorSettings,
-                       n_blocks: int) -> None:
-        doc = {"format": FORMAT, "format_version": FORMAT_VERSION, "blocks": n_blocks,
-               "run_config": run_config, "settings": settings.to_dict()}
+    def write_manifest(
+        self, *, run_config: dict[str, Any], settings: AggregatorSettings, n_blocks: int
+    ) -> None:
+        doc = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "blocks": n_blocks,
+            "run_config": run_config,
+            "settings": settings.to_dict(),
+        }
         atomic_write(self.root / MANIFEST, (json.dumps(doc, indent=2) + "\n").encode())
 
     def manifest(self) -> dict[str, Any]:
         path = self.root / MANIFEST
         if not path.is_file():
-            raise ProtocolError(f"{self.root} holds no aggregator state (no {MANIFEST}); start "
-                                "`blocktrain aggregator --state DIR --preset NAME` to create it")
+            raise ProtocolError(
+                f"{self.root} holds no aggregator state (no {MANIFEST}); start "
+                "`blocktrain aggregator --state DIR --preset NAME` to create it"
+            )
         try:
             doc = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
@@ -109,8 +125,10 @@ class StateDir:
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise ProtocolError(f"{path} is not a BlockTrain aggregator state")
         if doc.get("format_version") != FORMAT_VERSION:
-            raise ProtocolError(f"{path} has format_version {doc.get('format_version')}; this "
-                                f"blocktrain reads {FORMAT_VERSION}")
+            raise ProtocolError(
+                f"{path} has format_version {doc.get('format_version')}; this "
+                f"blocktrain reads {FORMAT_VERSION}"
+            )
         return doc
 
     def settings(self) -> AggregatorSettings:
@@ -141,9 +159,10 @@ class StateDir:
         return self.root / "blocks" / str(block) / f"{kind}{version:06d}.safetensors"
 
     def save_tensors(self, block: int, version: int, tensors: Tensors, kind: str = "v") -> None:
-        body = save({k: v.detach().to("cpu", torch.float32).contiguous()
-                     for k, v in tensors.items()},
-                    metadata={"block": str(block), "version": str(version), "kind": kind})
+        body = save(
+            {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tensors.items()},
+            metadata={"block": str(block), "version": str(version), "kind": kind},
+        )
         atomic_write(self.tensors_path(block, version, kind), body)
 
     def load_tensors(self, block: int, version: int, kind: str = "v") -> Tensors:

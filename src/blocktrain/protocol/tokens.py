@@ -26,10 +26,11 @@ def hash_token(token: str) -> str:
 def bearer(authorization: str | None) -> str | Verdict:
     """The token of an `Authorization: Bearer <token>` header, or a refusal."""
     if not authorization or not authorization.strip():
-        return Verdict.refuse("missing_token", "send `Authorization: Bearer <token>`; "
-                                               "create a token with `blocktrain token add`")
+        return Verdict.refuse(
+            "missing_token",
+            "send `Authorization: Bearer <token>`; create a token with `blocktrain token add`",
+        )
     scheme, _, value = authorization.strip().partition(" ")
     if scheme.lower() != "bearer" or not value.strip():
-        return Verdict.refuse("missing_token", "the Authorization header is not "
-                                               "`Bearer <token>`")
+        return Verdict.refuse("missing_token", "the Authorization header is not `Bearer <token>`")
     return value.strip()

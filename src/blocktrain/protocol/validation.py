@@ -94,13 +94,22 @@ def check_metadata(c: Candidate) -> Verdict:
     except WireError as exc:
         return Verdict.refuse(exc.reason, exc.detail)
     if values["block"] != c.block:
-        return Verdict.refuse("bad_metadata", f"__metadata__ names block {values['block']} but "
-                                              f"the update was pushed to block {c.block}")
+        return Verdict.refuse(
+            "bad_metadata",
+            f"__metadata__ names block {values['block']} but "
+            f"the update was pushed to block {c.block}",
+        )
     for key in ("base_version", "round"):
         if values[key] < 0:
             return Verdict.refuse("bad_metadata", f"{key} = {values[key]} is negative")
-    c.meta = UpdateMeta(values["block"], values["base_version"], values["round"],
-                        values["tokens"], metadata_float(md, "loss"), worker)
+    c.meta = UpdateMeta(
+        values["block"],
+        values["base_version"],
+        values["round"],
+        values["tokens"],
+        metadata_float(md, "loss"),
+        worker,
+    )
     return Verdict.ok()
 
 
@@ -111,8 +120,10 @@ def check_tokens(c: Candidate) -> Verdict:
     if tokens <= 0:
         return Verdict.refuse("bad_tokens", f"tokens = {tokens} must be positive")
     if tokens > c.limits.max_tokens:
-        return Verdict.refuse("bad_tokens", f"tokens = {tokens} exceeds the bound "
-                                            f"{c.limits.max_tokens} for one update")
+        return Verdict.refuse(
+            "bad_tokens",
+            f"tokens = {tokens} exceeds the bound {c.limits.max_tokens} for one update",
+        )
     return Verdict.ok()
 
 
@@ -120,19 +131,23 @@ def check_names(c: Candidate) -> Verdict:
     got, want = set(c.decoded.tensors), set(c.spec.shapes)
     missing, extra = sorted(want - got), sorted(got - want)
     if missing:
-        return Verdict.refuse("missing_tensors", f"{len(missing)} tensor(s) missing, e.g. "
-                                                 f"{missing[0]!r}")
+        return Verdict.refuse(
+            "missing_tensors", f"{len(missing)} tensor(s) missing, e.g. {missing[0]!r}"
+        )
     if extra:
-        return Verdict.refuse("extra_tensors", f"{len(extra)} unexpected tensor(s), e.g. "
-                                               f"{extra[0][:80]!r}")
+        return Verdict.refuse(
+            "extra_tensors", f"{len(extra)} unexpected tensor(s), e.g. {extra[0][:80]!r}"
+        )
     return Verdict.ok()
 
 
 def check_shapes(c: Candidate) -> Verdict:
     for name, raw in c.decoded.tensors.items():
         if raw.shape != c.spec.shapes[name]:
-            return Verdict.refuse("bad_shape", f"{name} has shape {list(raw.shape)}; the block's "
-                                               f"is {list(c.spec.shapes[name])}")
+            return Verdict.refuse(
+                "bad_shape",
+                f"{name} has shape {list(raw.shape)}; the block's is {list(c.spec.shapes[name])}",
+            )
     return Verdict.ok()
 
 
@@ -140,8 +155,10 @@ def check_dtypes(c: Candidate) -> Verdict:
     want = SAFETENSORS_CODES[c.spec.wire_dtype]
     for name, raw in c.decoded.tensors.items():
         if raw.dtype != want:
-            return Verdict.refuse("bad_dtype", f"{name} is {raw.dtype}; this aggregator takes "
-                                               f"{want} ({c.spec.wire_dtype})")
+            return Verdict.refuse(
+                "bad_dtype",
+                f"{name} is {raw.dtype}; this aggregator takes {want} ({c.spec.wire_dtype})",
+            )
     return Verdict.ok()
 
 
@@ -159,13 +176,20 @@ def check_norm(c: Candidate) -> Verdict:
         total += float(torch.linalg.vector_norm(t, dtype=torch.float32)) ** 2
     c.norm = math.sqrt(total)
     if not math.isfinite(c.norm) or c.norm > c.limits.max_delta_norm:
-        return Verdict.refuse("norm_too_large", f"the delta's L2 norm {c.norm:.4g} exceeds the "
-                                                f"bound {c.limits.max_delta_norm:.4g}")
+        return Verdict.refuse(
+            "norm_too_large",
+            f"the delta's L2 norm {c.norm:.4g} exceeds the bound {c.limits.max_delta_norm:.4g}",
+        )
     return Verdict.ok()
 
 
 DEFAULT_CHAIN: tuple[Validator, ...] = (
-    check_metadata, check_tokens, check_names, check_shapes, check_dtypes, check_finite,
+    check_metadata,
+    check_tokens,
+    check_names,
+    check_shapes,
+    check_dtypes,
+    check_finite,
     check_norm,
 )
 

@@ -22,8 +22,10 @@ REASONS: dict[str, tuple[int, str]] = {
     "too_large": (413, "the body exceeds the size limit"),
     "pickle": (415, "the body is a pickle or a torch.save archive; only safetensors is read"),
     "malformed": (400, "the body is not a complete safetensors file (truncated, corrupt)"),
-    "bad_metadata": (400, "a required __metadata__ key is missing or not an integer, or names "
-                          "another block"),
+    "bad_metadata": (
+        400,
+        "a required __metadata__ key is missing or not an integer, or names another block",
+    ),
     "bad_tokens": (400, "the token count is not a positive integer within the bound"),
     "missing_tensors": (400, "tensors of the block are missing from the delta"),
     "extra_tensors": (400, "the delta holds tensors the block does not have"),

@@ -80,8 +80,9 @@ def wire_dtype(name: str) -> torch.dtype:
         raise ValueError(f"wire dtype {name!r} is not one of {', '.join(WIRE_DTYPES)}") from None
 
 
-def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, object],
-           dtype: str = "fp16") -> bytes:
+def encode(
+    tensors: dict[str, torch.Tensor], metadata: dict[str, object], dtype: str = "fp16"
+) -> bytes:
     """A safetensors body: every tensor cast to the wire dtype, metadata values as strings."""
     target = wire_dtype(dtype)
     cast = {name: t.detach().to("cpu", target).contiguous() for name, t in tensors.items()}
@@ -90,21 +91,27 @@ def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, object],
 
 def looks_like_pickle(body: bytes) -> bool:
     """A pickle (protocol 2+ starts with PROTO) or a zip, which is what torch.save writes."""
-    return (len(body) >= 2 and body[0] == 0x80 and 2 <= body[1] <= 5) or \
-        body.startswith(b"PK\x03\x04")
+    return (len(body) >= 2 and body[0] == 0x80 and 2 <= body[1] <= 5) or body.startswith(
+        b"PK\x03\x04"
+    )
 
 
 def decode(body: bytes, *, max_bytes: int | None = None) -> Decoded:
     """Parse a safetensors body, refusing (WireError) anything oversized, pickled or malformed."""
     if max_bytes is not None and len(body) > max_bytes:
-        raise WireError("too_large", f"the body holds {len(body)} bytes; the limit is "
-                                     f"{max_bytes}")
+        raise WireError("too_large", f"the body holds {len(body)} bytes; the limit is {max_bytes}")
     if looks_like_pickle(body):
-        raise WireError("pickle", "the body is a pickle or torch.save archive; send safetensors "
-                                  "(blocktrain never unpickles)")
+        raise WireError(
+            "pickle",
+            "the body is a pickle or torch.save archive; send safetensors "
+            "(blocktrain never unpickles)",
+        )
     if len(body) < 8:
-        raise WireError("malformed", f"the body holds {len(body)} bytes; a safetensors file "
-                                     "starts with an 8-byte header length")
+        raise WireError(
+            "malformed",
+            f"the body holds {len(body)} bytes; a safetensors file "
+            "starts with an 8-byte header length",
+        )
     try:
         entries = deserialize(body)
     except (SafetensorError, ValueError, OverflowError, TypeError) as exc:
@@ -112,15 +119,16 @@ def decode(body: bytes, *, max_bytes: int | None = None) -> Decoded:
     # The parser has validated the header; read its metadata, which `deserialize` omits.
     (header_len,) = struct.unpack("<Q", body[:8])
     try:
-        header = json.loads(body[8:8 + header_len])
+        header = json.loads(body[8 : 8 + header_len])
     except (ValueError, UnicodeDecodeError) as exc:  # pragma: no cover - parser checked it
         raise WireError("malformed", f"unreadable header: {exc}") from None
     raw_meta = header.get("__metadata__") or {}
     if not isinstance(raw_meta, dict) or not all(isinstance(v, str) for v in raw_meta.values()):
         raise WireError("bad_metadata", "__metadata__ must map names to strings")
-    tensors = {name: RawTensor(info["dtype"], tuple(int(d) for d in info["shape"]),
-                               info["data"])
-               for name, info in entries}
+    tensors = {
+        name: RawTensor(info["dtype"], tuple(int(d) for d in info["shape"]), info["data"])
+        for name, info in entries
+    }
     return Decoded(tensors, dict(raw_meta))
 
 
@@ -132,8 +140,9 @@ def metadata_int(metadata: dict[str, str], key: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise WireError("bad_metadata", f"__metadata__[{key!r}] = {text[:40]!r} is not an "
-                                        "integer") from None
+        raise WireError(
+            "bad_metadata", f"__metadata__[{key!r}] = {text[:40]!r} is not an integer"
+        ) from None
 
 
 def metadata_float(metadata: dict[str, str], key: str) -> float | None:

@@ -93,17 +93,31 @@ class PushResult:
 class AggregatorClient:
     """One worker's (or an operator's) connection to the aggregator."""
 
-    def __init__(self, base_url: str, token: str, *, transport: httpx.BaseTransport | None = None,
-                 client: httpx.Client | None = None, timeout: httpx.Timeout = DEFAULT_TIMEOUT,
-                 verify: bool | str | ssl.SSLContext = True, retry: RetryPolicy | None = None,
-                 stop: threading.Event | None = None, sleep: Callable[[float], None] = time.sleep,
-                 rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        token: str,
+        *,
+        transport: httpx.BaseTransport | None = None,
+        client: httpx.Client | None = None,
+        timeout: httpx.Timeout = DEFAULT_TIMEOUT,
+        verify: bool | str | ssl.SSLContext = True,
+        retry: RetryPolicy | None = None,
+        stop: threading.Event | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        rng: random.Random | None = None,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.token = token
         if isinstance(verify, str):  # a CA bundle to trust (e.g. a self-signed certificate)
             verify = ssl.create_default_context(cafile=verify)
-        self.http = client if client is not None else httpx.Client(
-            base_url=self.base_url, transport=transport, timeout=timeout, verify=verify)
+        self.http = (
+            client
+            if client is not None
+            else httpx.Client(
+                base_url=self.base_url, transport=transport, timeout=timeout, verify=verify
+            )
+        )
         self.retry = retry or RetryPolicy()
         self.stop = stop or threading.Event()
         self._sleep = sleep
@@ -130,16 +144,17 @@ class AggregatorClient:
         self._sleep(seconds)
         return self.stop.is_set()
 
-    def request(self, method: str, path: str, *, headers: dict[str, str] | None = None,
-                **kwargs: Any) -> httpx.Response:
+    def request(
+        self, method: str, path: str, *, headers: dict[str, str] | None = None, **kwargs: Any
+    ) -> httpx.Response:
         """Send with retries on transient failures; a 4xx answer is returned, not raised."""
         started = time.monotonic()
         attempt = 0
         while True:
             try:
-                response = self.http.request(method, path,
-                                             headers={**self._headers(), **(headers or {})},
-                                             **kwargs)
+                response = self.http.request(
+                    method, path, headers={**self._headers(), **(headers or {})}, **kwargs
+                )
                 if response.status_code < 500:
                     return response
                 problem = f"HTTP {response.status_code}"
@@ -147,8 +162,9 @@ class AggregatorClient:
                 problem = f"{type(exc).__name__}: {exc}"
             waited = time.monotonic() - started
             if self.stop.is_set() or waited > self.retry.give_up_after_s:
-                raise Unreachable(f"{method} {self.base_url}{path} failed for {waited:.0f}s "
-                                  f"({problem})")
+                raise Unreachable(
+                    f"{method} {self.base_url}{path} failed for {waited:.0f}s ({problem})"
+                )
             delay = self.retry.delay(attempt, self._rng)
             log.info("%s %s: %s; retrying in %.2fs", method, path, problem, delay)
             attempt += 1
@@ -182,8 +198,13 @@ class AggregatorClient:
         self.worker_id = None
         doc = self._json("POST", "/v1/workers", json=body)
         self.worker_id = int(doc["worker_id"])
-        return Registration(self.worker_id, int(doc["block"]), int(doc["data_seed"]),
-                            int(doc["local_steps"]), str(doc["wire_dtype"]))
+        return Registration(
+            self.worker_id,
+            int(doc["block"]),
+            int(doc["data_seed"]),
+            int(doc["local_steps"]),
+            str(doc["wire_dtype"]),
+        )
 
     def leave(self) -> None:
         if self.worker_id is not None:
@@ -196,8 +217,7 @@ class AggregatorClient:
         return self._json("GET", "/v1/status")
 
     def round(self, block: int, *, after: int = -1, wait: float = 0.0) -> dict[str, Any]:
-        return self._json("GET", f"/v1/blocks/{block}/round",
-                          params={"after": after, "wait": wait})
+        return self._json("GET", f"/v1/blocks/{block}/round", params={"after": after, "wait": wait})
 
     def pull(self, block: int) -> Pulled:
         response = self.request("GET", f"/v1/blocks/{block}")
@@ -211,14 +231,32 @@ class AggregatorClient:
             raise ProtocolError(f"the aggregator sent unreadable weights: {exc.detail}") from exc
         meta = decoded.metadata
         deadline_in = response.headers.get("X-Deadline-In") or None
-        return Pulled({k: v.float() for k, v in decoded.to_torch().items()},
-                      int(meta["block"]), int(meta["version"]), int(meta["round"]),
-                      None if deadline_in is None else float(deadline_in), len(body))
+        return Pulled(
+            {k: v.float() for k, v in decoded.to_torch().items()},
+            int(meta["block"]),
+            int(meta["version"]),
+            int(meta["round"]),
+            None if deadline_in is None else float(deadline_in),
+            len(body),
+        )
 
-    def push(self, block: int, delta: Tensors, *, base_version: int, round: int, tokens: int,
-             loss: float | None = None, dtype: str = "fp16") -> PushResult:
-        meta: dict[str, object] = {"block": block, "base_version": base_version,
-                                   "round": round, "tokens": tokens}
+    def push(
+        self,
+        block: int,
+        delta: Tensors,
+        *,
+        base_version: int,
+        round: int,
+        tokens: int,
+        loss: float | None = None,
+        dtype: str = "fp16",
+    ) -> PushResult:
+        meta: dict[str, object] = {
+            "block": block,
+            "base_version": base_version,
+            "round": round,
+            "tokens": tokens,
+        }
         if loss is not None:
             meta["loss"] = f"{loss:.6f}"
         if self.worker_id is not None:
@@ -227,8 +265,12 @@ class AggregatorClient:
 
     def push_bytes(self, block: int, body: bytes) -> PushResult:
         """Push an encoded update; a refusal is returned (not raised) with its reason."""
-        response = self.request("POST", f"/v1/blocks/{block}/updates", content=body,
-                                headers={"Content-Type": CONTENT_TYPE})
+        response = self.request(
+            "POST",
+            f"/v1/blocks/{block}/updates",
+            content=body,
+            headers={"Content-Type": CONTENT_TYPE},
+        )
         self.bytes_up += len(body)
         self.bytes_down += len(response.content)
         try:
@@ -237,10 +279,10 @@ class AggregatorClient:
             doc = {}
         if response.status_code >= 400:
             refusal = self._refusal(response)
-            return PushResult(False, refusal.reason, refusal.detail, response.status_code,
-                              len(body), doc)
-        return PushResult(bool(doc.get("accepted")), "", "", response.status_code, len(body),
-                          doc)
+            return PushResult(
+                False, refusal.reason, refusal.detail, response.status_code, len(body), doc
+            )
+        return PushResult(bool(doc.get("accepted")), "", "", response.status_code, len(body), doc)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,8 +296,9 @@ class LocalTrainer(Protocol):
     def load(self, weights: Tensors) -> None:
         """Start a round from these weights (the optimizer state carries over)."""
 
-    def train(self, steps: int, first_step: int,
-              should_stop: Callable[[], bool]) -> dict[str, float]:
+    def train(
+        self, steps: int, first_step: int, should_stop: Callable[[], bool]
+    ) -> dict[str, float]:
         """Run up to `steps` local updates; returns at least "tokens", "loss", "steps"."""
         ...
 
@@ -290,10 +333,16 @@ class WorkerReport:
 class WorkerLoop:
     """pull -> train -> push, round after round, until the block is done or `stop` is set."""
 
-    def __init__(self, client: AggregatorClient, make_trainer: TrainerFactory, *,
-                 block: int | None = None, name: str | None = None,
-                 stop: threading.Event | None = None,
-                 max_rounds: int | None = None) -> None:
+    def __init__(
+        self,
+        client: AggregatorClient,
+        make_trainer: TrainerFactory,
+        *,
+        block: int | None = None,
+        name: str | None = None,
+        stop: threading.Event | None = None,
+        max_rounds: int | None = None,
+    ) -> None:
         self.client = client
         self.make_trainer = make_trainer
         self.want_block = block
@@ -314,8 +363,13 @@ class WorkerLoop:
             self._trainer = self.make_trainer(reg, self._config)
         self._registration = reg
         self.report.worker_id, self.report.block = reg.worker_id, reg.block
-        log.info("worker %d on block %d (data seed %d, H = %d)", reg.worker_id, reg.block,
-                 reg.data_seed, reg.local_steps)
+        log.info(
+            "worker %d on block %d (data seed %d, H = %d)",
+            reg.worker_id,
+            reg.block,
+            reg.data_seed,
+            reg.local_steps,
+        )
         return reg
 
     def run(self) -> WorkerReport:
@@ -368,16 +422,22 @@ class WorkerLoop:
                 continue
             assert self._trainer is not None
             self._trainer.load(pulled.tensors)
-            logs = self._trainer.train(reg.local_steps, pulled.round * reg.local_steps,
-                                       self.stop.is_set)
+            logs = self._trainer.train(
+                reg.local_steps, pulled.round * reg.local_steps, self.stop.is_set
+            )
             self.report.local_steps += int(logs.get("steps", 0))
             if self.stop.is_set():
                 return
             self.report.last_loss = float(logs["loss"])
-            result = self.client.push(reg.block, self._trainer.delta(),
-                                      base_version=pulled.version, round=pulled.round,
-                                      tokens=int(logs["tokens"]), loss=float(logs["loss"]),
-                                      dtype=reg.wire_dtype)
+            result = self.client.push(
+                reg.block,
+                self._trainer.delta(),
+                base_version=pulled.version,
+                round=pulled.round,
+                tokens=int(logs["tokens"]),
+                loss=float(logs["loss"]),
+                dtype=reg.wire_dtype,
+            )
             self.report.rounds += 1
             last_round = pulled.round
             if result.accepted or result.reason == "duplicate":  # a retried push that got in

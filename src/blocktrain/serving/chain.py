@@ -75,10 +75,19 @@ class RemoteModel:
 
     def describe(self) -> dict[str, Any]:
         m = self.config.model
-        return {"id": self.name, "object": "model", "created": 0, "owned_by": "blocktrain",
-                "kind": self.kind, "hosts": self.route, "span": m.span if self.kind ==
-                "blocktrain" else 1, "context": m.seq_len, "blocks": self.total,
-                "d_model": m.d_model, "fingerprint": self.fingerprint}
+        return {
+            "id": self.name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "blocktrain",
+            "kind": self.kind,
+            "hosts": self.route,
+            "span": m.span if self.kind == "blocktrain" else 1,
+            "context": m.seq_len,
+            "blocks": self.total,
+            "d_model": m.d_model,
+            "fingerprint": self.fingerprint,
+        }
 
 
 def assemble(infos: list[tuple[str, _HostInfo]]) -> tuple[dict[str, RemoteModel], dict[str, str]]:
@@ -91,8 +100,10 @@ def assemble(infos: list[tuple[str, _HostInfo]]) -> tuple[dict[str, RemoteModel]
         for m in info.models:
             first = seen.setdefault(m.name, m)
             if (m.fingerprint, m.kind, m.total) != (first.fingerprint, first.kind, first.total):
-                broken[m.name] = (f"hosts disagree on model {m.name!r}: {url} serves "
-                                  f"fingerprint {m.fingerprint}, another {first.fingerprint}")
+                broken[m.name] = (
+                    f"hosts disagree on model {m.name!r}: {url} serves "
+                    f"fingerprint {m.fingerprint}, another {first.fingerprint}"
+                )
             for p in m.parts:
                 other = holders.setdefault(m.name, {}).setdefault(p, url)
                 if other != url:
@@ -136,8 +147,7 @@ class Directory:
         async with self._lock:
             if self._models is None:
                 infos = await asyncio.gather(*(self._info(url) for url in self.hosts))
-                self._models, self.unavailable = assemble(list(zip(self.hosts, infos,
-                                                                   strict=True)))
+                self._models, self.unavailable = assemble(list(zip(self.hosts, infos, strict=True)))
             return self._models
 
     async def _info(self, url: str) -> _HostInfo:
@@ -145,8 +155,9 @@ class Directory:
         try:
             return _HostInfo.model_validate(raw)
         except ValidationError:
-            raise HostRefused(f"{url} is not a BlockTrain block host (bad /v1/info)",
-                              host=url) from None
+            raise HostRefused(
+                f"{url} is not a BlockTrain block host (bad /v1/info)", host=url
+            ) from None
 
 
 @dataclass
@@ -170,9 +181,15 @@ class ChainStats:
 class Chain:
     """Sends one span's state (or one step's tokens) through the hosts of a model, once."""
 
-    def __init__(self, client: httpx.AsyncClient, model: RemoteModel, *,
-                 wire_dtype: WireDtype = "fp32", sample_on: str = "router",
-                 stats: ChainStats | None = None) -> None:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        model: RemoteModel,
+        *,
+        wire_dtype: WireDtype = "fp32",
+        sample_on: str = "router",
+        stats: ChainStats | None = None,
+    ) -> None:
         self.client = client
         self.model = model
         self.wire_dtype = wire_dtype
@@ -180,23 +197,29 @@ class Chain:
         self.stats = stats if stats is not None else ChainStats()
 
     def _spec(self, sampling: Sampling) -> SamplingSpec:
-        return SamplingSpec(temperature=sampling.temperature, top_k=sampling.top_k,
-                            top_p=sampling.top_p)
+        return SamplingSpec(
+            temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p
+        )
 
-    async def _send(self, path: str, tensors: dict[str, torch.Tensor], header: BaseModel
-                    ) -> dict[str, torch.Tensor]:
+    async def _send(
+        self, path: str, tensors: dict[str, torch.Tensor], header: BaseModel
+    ) -> dict[str, torch.Tensor]:
         t0 = time.perf_counter()
-        body, trace = await post_message(self.client, self.model.route[0], path,
-                                         encode(tensors, header.model_dump()))
+        body, trace = await post_message(
+            self.client, self.model.route[0], path, encode(tensors, header.model_dump())
+        )
         self.stats.add(time.perf_counter() - t0, trace)
         try:
             return decode(body)[0]
         except WireError as exc:
-            raise HostRefused(f"the chain of {self.model.name!r} answered an unreadable "
-                              f"message ({exc})", host=self.model.route[-1]) from None
+            raise HostRefused(
+                f"the chain of {self.model.name!r} answered an unreadable message ({exc})",
+                host=self.model.route[-1],
+            ) from None
 
-    def _finish(self, out: dict[str, torch.Tensor], sampling: Sampling,
-                generator: torch.Generator) -> torch.Tensor:
+    def _finish(
+        self, out: dict[str, torch.Tensor], sampling: Sampling, generator: torch.Generator
+    ) -> torch.Tensor:
         """The sampled bytes, drawn here or by the last host (whose generator state we adopt)."""
         if self.final == "logits":
             if "logits" not in out:
@@ -207,34 +230,69 @@ class Chain:
         generator.set_state(out["generator"])
         return out["bytes"].long()
 
-    async def sweep(self, x: torch.Tensor, z: torch.Tensor, *, steps_per_block: int,
-                    sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
+    async def sweep(
+        self,
+        x: torch.Tensor,
+        z: torch.Tensor,
+        *,
+        steps_per_block: int,
+        sampling: Sampling,
+        generator: torch.Generator,
+    ) -> torch.Tensor:
         """x (N, Lx) int64 context, z (N, K, d) fp32 at sigma_max -> the span's bytes (N, K)."""
-        header = SweepHeader(model=self.model.name, fingerprint=self.model.fingerprint,
-                             route=self.model.route[1:], final=self.final,
-                             sampling=self._spec(sampling), wire_dtype=self.wire_dtype, step=0,
-                             steps_per_block=steps_per_block)
+        header = SweepHeader(
+            model=self.model.name,
+            fingerprint=self.model.fingerprint,
+            route=self.model.route[1:],
+            final=self.final,
+            sampling=self._spec(sampling),
+            wire_dtype=self.wire_dtype,
+            step=0,
+            steps_per_block=steps_per_block,
+        )
         tensors = {"x": bytes_tensor(x), "z": z.to(WIRE_DTYPES[self.wire_dtype])}
         if self.final == "bytes":
             tensors["generator"] = generator.get_state()
         return self._finish(await self._send("/v1/sweep", tensors, header), sampling, generator)
 
-    async def stage_step(self, tokens: torch.Tensor, *, session: str, pos: int, close: bool,
-                         sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
+    async def stage_step(
+        self,
+        tokens: torch.Tensor,
+        *,
+        session: str,
+        pos: int,
+        close: bool,
+        sampling: Sampling,
+        generator: torch.Generator,
+    ) -> torch.Tensor:
         """tokens (N, L) int64 at positions pos.. -> the next byte (N,)."""
-        header = StageHeader(model=self.model.name, fingerprint=self.model.fingerprint,
-                             route=self.model.route[1:], final=self.final,
-                             sampling=self._spec(sampling), wire_dtype=self.wire_dtype,
-                             stage=0, session=session, pos=pos, close=close)
+        header = StageHeader(
+            model=self.model.name,
+            fingerprint=self.model.fingerprint,
+            route=self.model.route[1:],
+            final=self.final,
+            sampling=self._spec(sampling),
+            wire_dtype=self.wire_dtype,
+            stage=0,
+            session=session,
+            pos=pos,
+            close=close,
+        )
         tensors = {"x": bytes_tensor(tokens)}
         if self.final == "bytes":
             tensors["generator"] = generator.get_state()
         return self._finish(await self._send("/v1/stage", tensors, header), sampling, generator)
 
 
-async def one_sweep_stream(chain: Chain, prompt: torch.Tensor, n_bytes: int, *,
-                           sampling: Sampling, generator: torch.Generator,
-                           steps_per_block: int = 1) -> AsyncIterator[torch.Tensor]:
+async def one_sweep_stream(
+    chain: Chain,
+    prompt: torch.Tensor,
+    n_bytes: int,
+    *,
+    sampling: Sampling,
+    generator: torch.Generator,
+    steps_per_block: int = 1,
+) -> AsyncIterator[torch.Tensor]:
     """Continue prompt (N, Lp) by n_bytes; yields each span's new bytes (N, <= K) as soon as its
     sweep returns. The same computation, in the same order, as model.sampler.generate."""
     if prompt.shape[1] == 0:
@@ -247,16 +305,26 @@ async def one_sweep_stream(chain: Chain, prompt: torch.Tensor, n_bytes: int, *,
     while produced < n_bytes:
         x = context[:, -max_context:]
         noise = torch.randn(x.shape[0], span, cfg.d_model, generator=generator)
-        new = await chain.sweep(x, sigma_max * noise, steps_per_block=steps_per_block,
-                                sampling=sampling, generator=generator)  # (N, K)
+        new = await chain.sweep(
+            x,
+            sigma_max * noise,
+            steps_per_block=steps_per_block,
+            sampling=sampling,
+            generator=generator,
+        )  # (N, K)
         context = torch.cat((context, new), dim=1)
-        yield new[:, :n_bytes - produced]
+        yield new[:, : n_bytes - produced]
         produced += span
 
 
-async def autoregressive_stream(chain: Chain, prompt: torch.Tensor, n_bytes: int, *,
-                                sampling: Sampling, generator: torch.Generator
-                                ) -> AsyncIterator[torch.Tensor]:
+async def autoregressive_stream(
+    chain: Chain,
+    prompt: torch.Tensor,
+    n_bytes: int,
+    *,
+    sampling: Sampling,
+    generator: torch.Generator,
+) -> AsyncIterator[torch.Tensor]:
     """Continue prompt (N, Lp) by n_bytes, one traversal per byte; yields each byte (N, 1).
 
     The stages' caches hold at most T positions. The first step prefills the last T bytes of
@@ -271,17 +339,27 @@ async def autoregressive_stream(chain: Chain, prompt: torch.Tensor, n_bytes: int
     pending = context[:, -window:]
     for i in range(n_bytes):
         if pos + pending.shape[1] > window:
-            session, pos, pending = uuid.uuid4().hex, 0, context[:, -(window // 2):]
+            session, pos, pending = uuid.uuid4().hex, 0, context[:, -(window // 2) :]
         try:
-            new = await chain.stage_step(pending, session=session, pos=pos,
-                                         close=i == n_bytes - 1, sampling=sampling,
-                                         generator=generator)
+            new = await chain.stage_step(
+                pending,
+                session=session,
+                pos=pos,
+                close=i == n_bytes - 1,
+                sampling=sampling,
+                generator=generator,
+            )
         except SessionLost as exc:
             log.info("prefilling again: %s", exc)
-            session, pos, pending = uuid.uuid4().hex, 0, context[:, -(window // 2):]
-            new = await chain.stage_step(pending, session=session, pos=pos,
-                                         close=i == n_bytes - 1, sampling=sampling,
-                                         generator=generator)
+            session, pos, pending = uuid.uuid4().hex, 0, context[:, -(window // 2) :]
+            new = await chain.stage_step(
+                pending,
+                session=session,
+                pos=pos,
+                close=i == n_bytes - 1,
+                sampling=sampling,
+                generator=generator,
+            )
         pos += pending.shape[1]
         pending = new[:, None]
         context = torch.cat((context, pending), dim=1)

@@ -32,8 +32,15 @@ class ServingError(BlockTrainError):
     code = "serving_error"
     kind = "server_error"
 
-    def __init__(self, message: str, *, host: str | None = None, code: str | None = None,
-                 status: int | None = None, param: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        host: str | None = None,
+        code: str | None = None,
+        status: int | None = None,
+        param: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.host = host
@@ -45,8 +52,15 @@ class ServingError(BlockTrainError):
 
     def to_json(self) -> dict[str, Any]:
         """The OpenAI-style error body: {"error": {message, type, param, code, host}}."""
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.code, "host": self.host}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+                "host": self.host,
+            }
+        }
 
 
 class BadRequest(ServingError):
@@ -94,8 +108,11 @@ def error_from_json(status: int, body: Any, *, default_host: str) -> ServingErro
     it names; a body that is not ours becomes a HostRefused naming `default_host`."""
     err = body.get("error") if isinstance(body, dict) else None
     if not isinstance(err, dict) or not isinstance(err.get("message"), str):
-        return HostRefused(f"host {default_host} answered HTTP {status}: {str(body)[:200]}",
-                           host=default_host, status=status)
+        return HostRefused(
+            f"host {default_host} answered HTTP {status}: {str(body)[:200]}",
+            host=default_host,
+            status=status,
+        )
     code = err.get("code") if isinstance(err.get("code"), str) else None
     cls = _BY_CODE.get(code or "", HostRefused)
     if cls is BadRequest:  # a request the router let through but a host refused

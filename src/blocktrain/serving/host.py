@@ -132,11 +132,15 @@ class SessionStore:
                 entry = self._items[key] = _Session()
             entry.caches[stage] = KVCache()
         elif entry is None or stage not in entry.caches:
-            raise SessionLost(f"no KV cache for session {session} (stage {stage}): the host "
-                              "restarted or dropped it; prefill again from position 0")
+            raise SessionLost(
+                f"no KV cache for session {session} (stage {stage}): the host "
+                "restarted or dropped it; prefill again from position 0"
+            )
         elif entry.caches[stage].length != pos:
-            raise SessionLost(f"session {session} stage {stage} holds "
-                              f"{entry.caches[stage].length} positions, the step says {pos}")
+            raise SessionLost(
+                f"session {session} stage {stage} holds "
+                f"{entry.caches[stage].length} positions, the step says {pos}"
+            )
         entry.touched = now
         self._items.move_to_end(key)
         while len(self._items) > self.max_sessions:
@@ -157,8 +161,13 @@ class SessionStore:
 class BlockHost:
     """The work behind the routes; one per app."""
 
-    def __init__(self, settings: HostSettings, models: dict[str, HostedModel],
-                 client: httpx.AsyncClient, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        settings: HostSettings,
+        models: dict[str, HostedModel],
+        client: httpx.AsyncClient,
+        clock: Callable[[], float],
+    ) -> None:
         self.settings = settings
         self.models = models
         self.client = client
@@ -170,67 +179,92 @@ class BlockHost:
     # ------------------------------------------------------------------ common checks
 
     def info(self) -> dict[str, Any]:
-        return {"host": self.settings.public_url, "next": self.settings.next_url,
-                "models": [m.describe() for m in self.models.values()]}
+        return {
+            "host": self.settings.public_url,
+            "next": self.settings.next_url,
+            "models": [m.describe() for m in self.models.values()],
+        }
 
     def _model(self, name: str, fingerprint: str, kind: str) -> HostedModel:
         model = self.models.get(name)
         if model is None:
-            raise HostRefused(f"host {self.settings.public_url} serves no model {name!r} "
-                              f"(it serves {', '.join(self.models)})",
-                              host=self.settings.public_url, code="unknown_model")
+            raise HostRefused(
+                f"host {self.settings.public_url} serves no model {name!r} "
+                f"(it serves {', '.join(self.models)})",
+                host=self.settings.public_url,
+                code="unknown_model",
+            )
         if model.kind != kind:
-            raise HostRefused(f"model {name!r} on host {self.settings.public_url} is a "
-                              f"{model.kind} run, not {kind}", host=self.settings.public_url)
+            raise HostRefused(
+                f"model {name!r} on host {self.settings.public_url} is a "
+                f"{model.kind} run, not {kind}",
+                host=self.settings.public_url,
+            )
         if fingerprint != model.fingerprint:
-            raise HostRefused(f"host {self.settings.public_url} serves model {name!r} with "
-                              f"fingerprint {model.fingerprint}, the request expects "
-                              f"{fingerprint}: the hosts serve different runs or steps",
-                              host=self.settings.public_url, code="fingerprint_mismatch")
+            raise HostRefused(
+                f"host {self.settings.public_url} serves model {name!r} with "
+                f"fingerprint {model.fingerprint}, the request expects "
+                f"{fingerprint}: the hosts serve different runs or steps",
+                host=self.settings.public_url,
+                code="fingerprint_mismatch",
+            )
         return model
 
     def _next(self, route: list[str] | None, where: str) -> tuple[str, list[str] | None]:
         if route is not None:
             if not route:
-                raise HostRefused(f"host {self.settings.public_url}: {where}, but the route "
-                                  "names no further host", host=self.settings.public_url,
-                                  code="misrouted")
+                raise HostRefused(
+                    f"host {self.settings.public_url}: {where}, but the route "
+                    "names no further host",
+                    host=self.settings.public_url,
+                    code="misrouted",
+                )
             return route[0], route[1:]
         if self.settings.next_url is None:
-            raise HostRefused(f"host {self.settings.public_url}: {where}, but the request names "
-                              "no route and this host has no --next",
-                              host=self.settings.public_url, code="misrouted")
+            raise HostRefused(
+                f"host {self.settings.public_url}: {where}, but the request names "
+                "no route and this host has no --next",
+                host=self.settings.public_url,
+                code="misrouted",
+            )
         return self.settings.next_url, None
 
-    def _generator(self, tensors: dict[str, torch.Tensor], header: SweepHeader | StageHeader
-                   ) -> tuple[torch.Generator | None, Sampling | None]:
+    def _generator(
+        self, tensors: dict[str, torch.Tensor], header: SweepHeader | StageHeader
+    ) -> tuple[torch.Generator | None, Sampling | None]:
         if header.final != "bytes":
             return None, None
         state = tensors.get("generator")
         if state is None or state.dtype != torch.uint8 or state.dim() != 1:
-            raise BadRequest("final = bytes needs the generator state as a uint8 tensor "
-                             "'generator'", param="generator")
+            raise BadRequest(
+                "final = bytes needs the generator state as a uint8 tensor 'generator'",
+                param="generator",
+            )
         gen = torch.Generator()
         try:
             gen.set_state(state.clone())
         except RuntimeError as exc:
-            raise BadRequest(f"'generator' is not a CPU generator state ({exc})",
-                             param="generator") from None
+            raise BadRequest(
+                f"'generator' is not a CPU generator state ({exc})", param="generator"
+            ) from None
         spec = header.sampling
-        sampling = Sampling() if spec is None else Sampling(spec.temperature, spec.top_k,
-                                                            spec.top_p)
+        sampling = (
+            Sampling() if spec is None else Sampling(spec.temperature, spec.top_k, spec.top_p)
+        )
         return gen, sampling
 
-    def _final(self, logits: torch.Tensor, gen: torch.Generator | None,
-               sampling: Sampling | None) -> bytes:
+    def _final(
+        self, logits: torch.Tensor, gen: torch.Generator | None, sampling: Sampling | None
+    ) -> bytes:
         if gen is None or sampling is None:
             return encode({"logits": logits.float().contiguous()})
         new = sample_bytes(logits.cpu(), sampling, gen)
         return encode({"bytes": bytes_tensor(new), "generator": gen.get_state()})
 
     def _trace(self, model: HostedModel, parts: list[int], seconds: float) -> TraceEntry:
-        return TraceEntry(host=self.settings.public_url, model=model.name, parts=parts,
-                          compute_ms=seconds * 1000)
+        return TraceEntry(
+            host=self.settings.public_url, model=model.name, parts=parts, compute_ms=seconds * 1000
+        )
 
     # ------------------------------------------------------------------ one sweep
 
@@ -242,21 +276,28 @@ class BlockHost:
         x = _byte_tensor(tensors, "x")  # (N, Lx)
         n, lx = x.shape
         if not 1 <= n <= self.settings.max_batch:
-            raise BadRequest(f"batch of {n} sequences; at most {self.settings.max_batch}",
-                             param="x")
+            raise BadRequest(
+                f"batch of {n} sequences; at most {self.settings.max_batch}", param="x"
+            )
         if not 1 <= lx <= cfg.seq_len - cfg.span:
-            raise BadRequest(f"context of {lx} bytes; this model takes 1..{cfg.seq_len - cfg.span}"
-                             " (T - K)", param="x")
+            raise BadRequest(
+                f"context of {lx} bytes; this model takes 1..{cfg.seq_len - cfg.span} (T - K)",
+                param="x",
+            )
         z = _state_tensor(tensors, "z", (n, cfg.span, cfg.d_model), header.wire_dtype)
         grid = model.grid(header.steps_per_block)
         if header.step >= len(grid):
-            raise BadRequest(f"step {header.step} is past the grid's {len(grid)} points",
-                             param="step")
+            raise BadRequest(
+                f"step {header.step} is past the grid's {len(grid)} points", param="step"
+            )
         first_block = grid[header.step][0]
         if first_block not in model.parts:
-            raise HostRefused(f"host {self.settings.public_url} holds blocks {model.parts} of "
-                              f"{model.name!r}, but the sweep is at block {first_block}",
-                              host=self.settings.public_url, code="misrouted")
+            raise HostRefused(
+                f"host {self.settings.public_url} holds blocks {model.parts} of "
+                f"{model.name!r}, but the sweep is at block {first_block}",
+                host=self.settings.public_url,
+                code="misrouted",
+            )
         gen, sampling = self._generator(tensors, header)
         run = functools.partial(self._run_sweep, model, x, z, grid, header.step, gen, sampling)
         # In a worker thread, so that the host keeps answering (health, info) while it computes.
@@ -269,15 +310,22 @@ class BlockHost:
         out = {"x": bytes_tensor(x), "z": z.to(WIRE_DTYPES[header.wire_dtype])}
         if "generator" in tensors and header.final == "bytes":
             out["generator"] = tensors["generator"]
-        answer, later = await post_message(self.client, url, "/v1/sweep",
-                                           encode(out, forward.model_dump()))
+        answer, later = await post_message(
+            self.client, url, "/v1/sweep", encode(out, forward.model_dump())
+        )
         return answer, [trace, *later]
 
     @torch.no_grad()
-    def _run_sweep(self, model: HostedModel, x: torch.Tensor, z: torch.Tensor,
-                   grid: list[tuple[int, float]], step: int, gen: torch.Generator | None,
-                   sampling: Sampling | None
-                   ) -> tuple[torch.Tensor, int, bytes | None, list[int], float]:
+    def _run_sweep(
+        self,
+        model: HostedModel,
+        x: torch.Tensor,
+        z: torch.Tensor,
+        grid: list[tuple[int, float]],
+        step: int,
+        gen: torch.Generator | None,
+        sampling: Sampling | None,
+    ) -> tuple[torch.Tensor, int, bytes | None, list[int], float]:
         """Exactly the loop of model.sampler.one_sweep, over this host's consecutive points.
         -> (z, next step, the final answer or None, blocks run, compute seconds)."""
         assert model.stack is not None
@@ -306,9 +354,12 @@ class BlockHost:
         model = self._model(header.model, header.fingerprint, "reference")
         cfg = model.config.model
         if header.stage not in model.parts:
-            raise HostRefused(f"host {self.settings.public_url} holds stages {model.parts} of "
-                              f"{model.name!r}, but the step is at stage {header.stage}",
-                              host=self.settings.public_url, code="misrouted")
+            raise HostRefused(
+                f"host {self.settings.public_url} holds stages {model.parts} of "
+                f"{model.name!r}, but the step is at stage {header.stage}",
+                host=self.settings.public_url,
+                code="misrouted",
+            )
         if header.stage == 0:
             inp = _byte_tensor(tensors, "x")  # (N, L)
         else:
@@ -318,11 +369,15 @@ class BlockHost:
             inp = _state_tensor(tensors, "h", (n_, l_, cfg.d_model), header.wire_dtype)
         n, length = inp.shape[:2]
         if not 1 <= n <= self.settings.max_batch:
-            raise BadRequest(f"batch of {n} sequences; at most {self.settings.max_batch}",
-                             param="x")
+            raise BadRequest(
+                f"batch of {n} sequences; at most {self.settings.max_batch}", param="x"
+            )
         if length < 1 or header.pos + length > cfg.seq_len:
-            raise BadRequest(f"positions {header.pos}..{header.pos + length - 1} do not fit the "
-                             f"model's context of {cfg.seq_len}", param="pos")
+            raise BadRequest(
+                f"positions {header.pos}..{header.pos + length - 1} do not fit the "
+                f"model's context of {cfg.seq_len}",
+                param="pos",
+            )
         gen, sampling = self._generator(tensors, header)
         run = functools.partial(self._run_stages, model, header, inp, gen, sampling)
         h, stage, done, visited, seconds = await anyio.to_thread.run_sync(run)
@@ -334,14 +389,20 @@ class BlockHost:
         out = {"h": h.to(WIRE_DTYPES[header.wire_dtype])}
         if "generator" in tensors and header.final == "bytes":
             out["generator"] = tensors["generator"]
-        answer, later = await post_message(self.client, url, "/v1/stage",
-                                           encode(out, forward.model_dump()))
+        answer, later = await post_message(
+            self.client, url, "/v1/stage", encode(out, forward.model_dump())
+        )
         return answer, [trace, *later]
 
     @torch.no_grad()
-    def _run_stages(self, model: HostedModel, header: StageHeader, inp: torch.Tensor,
-                    gen: torch.Generator | None, sampling: Sampling | None
-                    ) -> tuple[torch.Tensor, int, bytes | None, list[int], float]:
+    def _run_stages(
+        self,
+        model: HostedModel,
+        header: StageHeader,
+        inp: torch.Tensor,
+        gen: torch.Generator | None,
+        sampling: Sampling | None,
+    ) -> tuple[torch.Tensor, int, bytes | None, list[int], float]:
         stage = header.stage
         visited: list[int] = []
         h = inp
@@ -371,8 +432,9 @@ def _header(cls: type[H], raw: dict[str, Any]) -> H:
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "header"
-        raise BadRequest(f"message header: {where}: {first['msg']}", param=where,
-                         code="bad_payload") from None
+        raise BadRequest(
+            f"message header: {where}: {first['msg']}", param=where, code="bad_payload"
+        ) from None
 
 
 def _byte_tensor(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -382,27 +444,30 @@ def _byte_tensor(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     return t.long()
 
 
-def _state_tensor(tensors: dict[str, torch.Tensor], name: str, shape: tuple[int, ...],
-                  wire_dtype: str) -> torch.Tensor:
+def _state_tensor(
+    tensors: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], wire_dtype: str
+) -> torch.Tensor:
     t = tensors.get(name)
     if t is None or t.dtype != WIRE_DTYPES[wire_dtype] or tuple(t.shape) != shape:
         got = "nothing" if t is None else f"{t.dtype} {tuple(t.shape)}"
-        raise BadRequest(f"'{name}' must be {wire_dtype} of shape {shape}; got {got}",
-                         param=name)
+        raise BadRequest(f"'{name}' must be {wire_dtype} of shape {shape}; got {got}", param=name)
     if not torch.isfinite(t).all():
         raise BadRequest(f"'{name}' holds non-finite values", param=name)
     return t.float()
 
 
-def create_app(settings: HostSettings, *, models: list[HostedModel] | None = None,
-               transport: httpx.AsyncBaseTransport | None = None,
-               clock: Callable[[], float] = time.monotonic) -> FastAPI:
+def create_app(
+    settings: HostSettings,
+    *,
+    models: list[HostedModel] | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> FastAPI:
     """A block host. Loads its blocks/stages from the run folders in `settings` unless `models`
     are given; `transport` (tests) replaces the network to the next host."""
     if models is None:
         models = [load_hosted_model(src, list(settings.parts)) for src in settings.models]
-    client = make_client(timeout_s=settings.timeout_s, hop_ms=settings.hop_ms,
-                         transport=transport)
+    client = make_client(timeout_s=settings.timeout_s, hop_ms=settings.hop_ms, transport=transport)
     host = BlockHost(settings, {m.name: m for m in models}, client, clock)
 
     @asynccontextmanager
@@ -423,18 +488,25 @@ def create_app(settings: HostSettings, *, models: list[HostedModel] | None = Non
         limit = settings.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise BadRequest(f"body of {declared} bytes exceeds the limit of {limit}",
-                             code="too_large", status=413)
+            raise BadRequest(
+                f"body of {declared} bytes exceeds the limit of {limit}",
+                code="too_large",
+                status=413,
+            )
         body = await request.body()
         if len(body) > limit:
-            raise BadRequest(f"body of {len(body)} bytes exceeds the limit of {limit}",
-                             code="too_large", status=413)
+            raise BadRequest(
+                f"body of {len(body)} bytes exceeds the limit of {limit}",
+                code="too_large",
+                status=413,
+            )
         return body
 
     def answer(result: tuple[bytes, list[TraceEntry]]) -> Response:
         body, trace = result
-        return Response(body, media_type=CONTENT_TYPE,
-                        headers={TRACE_HEADER: trace_to_header(trace)})
+        return Response(
+            body, media_type=CONTENT_TYPE, headers={TRACE_HEADER: trace_to_header(trace)}
+        )
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:

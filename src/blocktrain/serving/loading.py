@@ -46,8 +46,10 @@ class ModelSource:
             name, path = Path(text).resolve().name, text
         name = name.strip()
         if not name or not path or any(c in name for c in " /\\\"'"):
-            raise ConfigError(f"model {text!r}: expected RUN_DIR or NAME=RUN_DIR with a plain "
-                              "NAME (no spaces, slashes or quotes)")
+            raise ConfigError(
+                f"model {text!r}: expected RUN_DIR or NAME=RUN_DIR with a plain "
+                "NAME (no spaces, slashes or quotes)"
+            )
         return ModelSource(name, Path(path))
 
 
@@ -74,15 +76,22 @@ class HostedModel:
         return self._grids[steps_per_block]
 
     def describe(self) -> dict[str, object]:
-        return {"name": self.name, "kind": self.kind, "parts": self.parts, "total": self.total,
-                "fingerprint": self.fingerprint, "config": self.config.to_dict()}
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "parts": self.parts,
+            "total": self.total,
+            "fingerprint": self.fingerprint,
+            "config": self.config.to_dict(),
+        }
 
 
 def fingerprint(info: RunInfo, step: str) -> str:
     """Identifies a run's weights: its config, kind and the step the weights are from. Hosts
     refuse state from a router that resolved the model to another fingerprint."""
-    doc = json.dumps({"config": info.config.to_dict(), "kind": info.kind, "step": step},
-                     sort_keys=True)
+    doc = json.dumps(
+        {"config": info.config.to_dict(), "kind": info.kind, "step": step}, sort_keys=True
+    )
     return hashlib.sha256(doc.encode()).hexdigest()[:16]
 
 
@@ -113,16 +122,19 @@ def load_hosted_model(source: ModelSource, parts: list[int]) -> HostedModel:
     if info.kind == "blocktrain":
         missing = sorted(set(parts) - set(info.blocks))
         if missing:
-            raise CheckpointError(f"{source.run_dir} holds the weights of blocks {info.blocks}, "
-                                  f"not of block(s) {missing}")
+            raise CheckpointError(
+                f"{source.run_dir} holds the weights of blocks {info.blocks}, "
+                f"not of block(s) {missing}"
+            )
         tensors, meta = _read_selected(path, ["targets", *(f"block.{b}." for b in parts)])
     else:
         wanted = [prefix for s in parts for prefix in stage_prefixes(cfg, s, total)]
         tensors, meta = _read_selected(path, wanted)
     if meta.get("format") != FORMAT or meta.get("kind") != info.kind:
         raise CheckpointError(f"{path} is not this run's BlockTrain weights")
-    model = HostedModel(source.name, info.kind, cfg, sorted(parts), total,
-                        fingerprint(info, meta.get("step", "")))
+    model = HostedModel(
+        source.name, info.kind, cfg, sorted(parts), total, fingerprint(info, meta.get("step", ""))
+    )
     with torch.no_grad():
         if info.kind == "blocktrain":
             stack = BlockStack(cfg.model, cfg.seed, sorted(parts))
@@ -135,8 +147,9 @@ def load_hosted_model(source: ModelSource, parts: list[int]) -> HostedModel:
         else:
             for s in sorted(parts):
                 stage = ReferenceStage(cfg.model, s, total)
-                load_module_tensors(stage, _stage_tensors(tensors, cfg, s, total), "reference.",
-                                    path)
+                load_module_tensors(
+                    stage, _stage_tensors(tensors, cfg, s, total), "reference.", path
+                )
                 model.stages[s] = stage.eval()
     return model
 
@@ -151,8 +164,9 @@ def stage_prefixes(cfg: RunConfig, stage: int, stages: int) -> list[str]:
     return out
 
 
-def _stage_tensors(tensors: dict[str, torch.Tensor], cfg: RunConfig, stage: int, stages: int
-                   ) -> dict[str, torch.Tensor]:
+def _stage_tensors(
+    tensors: dict[str, torch.Tensor], cfg: RunConfig, stage: int, stages: int
+) -> dict[str, torch.Tensor]:
     prefixes = stage_prefixes(cfg, stage, stages)
     return {k: v for k, v in tensors.items() if any(k.startswith(p) for p in prefixes)}
 
@@ -172,6 +186,7 @@ def write_untrained_run(cfg: RunConfig, run_dir: Path, kind: str = "blocktrain")
             weights.update({f"block.{b}.{k}": v for k, v in stack.block(b).state_dict().items()})
         weights["targets"] = stack.targets
     write_config(run_dir, info)
-    atomic_save_tensors(run_dir / MODEL_FILE, weights, {"format": FORMAT, "kind": kind,
-                                                        "step": "0"})
+    atomic_save_tensors(
+        run_dir / MODEL_FILE, weights, {"format": FORMAT, "kind": kind, "step": "0"}
+    )
     return run_dir

@@ -138,41 +138,67 @@ class Router:
         if name is None:
             if len(models) == 1:
                 return next(iter(models.values()))
-            raise BadRequest(f"name a model: this router serves {_names(models)}",
-                             param="model")
+            raise BadRequest(f"name a model: this router serves {_names(models)}", param="model")
         if name in models:
             return models[name]
         if name in self.directory.unavailable:
             raise unavailable_error(name, self.directory.unavailable[name])
-        raise BadRequest(f"model {name!r} is not served here; served: {_names(models)}",
-                         param="model", code="model_not_found", status=404)
+        raise BadRequest(
+            f"model {name!r} is not served here; served: {_names(models)}",
+            param="model",
+            code="model_not_found",
+            status=404,
+        )
 
-    async def job(self, *, model: str | None, prompt: Prompt, n_bytes: int, param: str,
-                  req: GenerateRequest | CompletionRequest) -> _Job:
+    async def job(
+        self,
+        *,
+        model: str | None,
+        prompt: Prompt,
+        n_bytes: int,
+        param: str,
+        req: GenerateRequest | CompletionRequest,
+    ) -> _Job:
         data = prompt_bytes(prompt, self.settings.max_prompt_bytes)
         if n_bytes > self.settings.max_output_bytes:
-            raise BadRequest(f"{param} = {n_bytes} exceeds this router's limit of "
-                             f"{self.settings.max_output_bytes} bytes", param=param)
+            raise BadRequest(
+                f"{param} = {n_bytes} exceeds this router's limit of "
+                f"{self.settings.max_output_bytes} bytes",
+                param=param,
+            )
         if req.steps_per_block > self.settings.max_steps_per_block:
-            raise BadRequest(f"steps_per_block = {req.steps_per_block} exceeds this router's "
-                             f"limit of {self.settings.max_steps_per_block}",
-                             param="steps_per_block")
+            raise BadRequest(
+                f"steps_per_block = {req.steps_per_block} exceeds this router's "
+                f"limit of {self.settings.max_steps_per_block}",
+                param="steps_per_block",
+            )
         sampling = Sampling(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p)
         seed = req.seed if req.seed is not None else secrets.randbits(63)
-        return _Job(await self.resolve(model), data, n_bytes, sampling, seed,
-                    req.steps_per_block)
+        return _Job(await self.resolve(model), data, n_bytes, sampling, seed, req.steps_per_block)
 
     def stream(self, job: _Job, stats: ChainStats) -> AsyncIterator[torch.Tensor]:
         """The new bytes (1, m) piece by piece: a span per sweep, or a byte per traversal."""
-        chain = Chain(self.client, job.model, wire_dtype=cast(WireDtype, self.settings.wire_dtype),
-                      sample_on=self.settings.sample_on, stats=stats)
+        chain = Chain(
+            self.client,
+            job.model,
+            wire_dtype=cast(WireDtype, self.settings.wire_dtype),
+            sample_on=self.settings.sample_on,
+            stats=stats,
+        )
         prompt = torch.tensor([list(job.prompt)], dtype=torch.long)
         gen = torch.Generator().manual_seed(job.seed)
         if job.model.kind == "blocktrain":
-            return one_sweep_stream(chain, prompt, job.n_bytes, sampling=job.sampling,
-                                    generator=gen, steps_per_block=job.steps_per_block)
-        return autoregressive_stream(chain, prompt, job.n_bytes, sampling=job.sampling,
-                                     generator=gen)
+            return one_sweep_stream(
+                chain,
+                prompt,
+                job.n_bytes,
+                sampling=job.sampling,
+                generator=gen,
+                steps_per_block=job.steps_per_block,
+            )
+        return autoregressive_stream(
+            chain, prompt, job.n_bytes, sampling=job.sampling, generator=gen
+        )
 
     def failed(self, exc: ServingError) -> ServingError:
         """A host failed: ask the hosts again next time; a refusal is the chain's fault, not
@@ -180,8 +206,12 @@ class Router:
         if isinstance(exc, HostError):
             self.directory.invalidate()
         if isinstance(exc, HostRefused):
-            return HostRefused(f"the chain refused the request: {exc.message}", host=exc.host,
-                               code=exc.code, status=502)
+            return HostRefused(
+                f"the chain refused the request: {exc.message}",
+                host=exc.host,
+                code=exc.code,
+                status=502,
+            )
         return exc
 
 
@@ -194,15 +224,16 @@ def prompt_bytes(prompt: Prompt, limit: int) -> bytes:
         data = prompt.encode("utf-8")
     else:
         if any(not 0 <= v <= 255 for v in prompt):
-            raise BadRequest("a prompt given as a list holds byte values 0..255",
-                             param="prompt")
+            raise BadRequest("a prompt given as a list holds byte values 0..255", param="prompt")
         data = bytes(prompt)
     if not data:
-        raise BadRequest("prompt must hold at least one byte", param="prompt",
-                         code="empty_prompt")
+        raise BadRequest("prompt must hold at least one byte", param="prompt", code="empty_prompt")
     if len(data) > limit:
-        raise BadRequest(f"prompt of {len(data)} bytes exceeds this router's limit of {limit}",
-                         param="prompt", code="prompt_too_long")
+        raise BadRequest(
+            f"prompt of {len(data)} bytes exceeds this router's limit of {limit}",
+            param="prompt",
+            code="prompt_too_long",
+        )
     return data
 
 
@@ -216,11 +247,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{'.'.join(loc)}: {msg}" if loc else msg), param
 
 
-def create_app(settings: RouterSettings, *,
-               transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+def create_app(
+    settings: RouterSettings, *, transport: httpx.AsyncBaseTransport | None = None
+) -> FastAPI:
     """The router app; `transport` (tests) replaces the network to the hosts."""
-    client = make_client(timeout_s=settings.timeout_s, hop_ms=settings.hop_ms,
-                         transport=transport)
+    client = make_client(timeout_s=settings.timeout_s, hop_ms=settings.hop_ms, transport=transport)
     router = Router(settings, client)
 
     @asynccontextmanager
@@ -250,46 +281,72 @@ def create_app(settings: RouterSettings, *,
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         served = await router.directory.models()
-        return {"object": "list", "data": [m.describe() for m in served.values()],
-                "unavailable": router.directory.unavailable}
+        return {
+            "object": "list",
+            "data": [m.describe() for m in served.values()],
+            "unavailable": router.directory.unavailable,
+        }
 
     @app.post("/v1/generate")
     async def generate(req: GenerateRequest) -> GenerateResponse:
         t0 = time.perf_counter()
-        job = await router.job(model=req.model, prompt=req.prompt, n_bytes=req.max_bytes,
-                               param="max_bytes", req=req)
+        job = await router.job(
+            model=req.model, prompt=req.prompt, n_bytes=req.max_bytes, param="max_bytes", req=req
+        )
         stats = ChainStats()
         pieces = [piece async for piece in router.stream(job, stats)]
         data = bytes(torch.cat(pieces, dim=1)[0].tolist())
         return GenerateResponse(
-            model=job.model.name, kind=job.model.kind, text=data.decode("utf-8", "replace"),
-            bytes=list(data), seed=job.seed, prompt_bytes=len(job.prompt),
-            output_bytes=len(data), traversals=stats.traversals, hosts=job.model.route,
-            timing=Timing(total_s=time.perf_counter() - t0, chain_s=stats.chain_s,
-                          host_compute_s=stats.host_compute_s))
+            model=job.model.name,
+            kind=job.model.kind,
+            text=data.decode("utf-8", "replace"),
+            bytes=list(data),
+            seed=job.seed,
+            prompt_bytes=len(job.prompt),
+            output_bytes=len(data),
+            traversals=stats.traversals,
+            hosts=job.model.route,
+            timing=Timing(
+                total_s=time.perf_counter() - t0,
+                chain_s=stats.chain_s,
+                host_compute_s=stats.host_compute_s,
+            ),
+        )
 
     @app.post("/v1/completions", response_model=None)
     async def completions(req: CompletionRequest) -> Completion | StreamingResponse:
-        job = await router.job(model=req.model, prompt=req.prompt, n_bytes=req.max_tokens,
-                               param="max_tokens", req=req)
+        job = await router.job(
+            model=req.model, prompt=req.prompt, n_bytes=req.max_tokens, param="max_tokens", req=req
+        )
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        usage = Usage(prompt_tokens=len(job.prompt), completion_tokens=job.n_bytes,
-                      total_tokens=len(job.prompt) + job.n_bytes)
+        usage = Usage(
+            prompt_tokens=len(job.prompt),
+            completion_tokens=job.n_bytes,
+            total_tokens=len(job.prompt) + job.n_bytes,
+        )
         pieces = router.stream(job, ChainStats())
         if not req.stream:
             out = [piece async for piece in pieces]
             text = bytes(torch.cat(out, dim=1)[0].tolist()).decode("utf-8", "replace")
-            return Completion(id=cid, created=created, model=job.model.name, usage=usage,
-                              choices=[CompletionChoice(text=text, finish_reason="length")])
+            return Completion(
+                id=cid,
+                created=created,
+                model=job.model.name,
+                usage=usage,
+                choices=[CompletionChoice(text=text, finish_reason="length")],
+            )
         # The first piece is computed before the response starts, so that a chain that is
         # down answers with a proper status rather than a stream that breaks at once.
         first = await anext(pieces)
 
         def chunk(text: str, finish: bool = False, with_usage: bool = False) -> str:
-            doc = Completion(id=cid, created=created, model=job.model.name,
-                             choices=[CompletionChoice(text=text, finish_reason="length"
-                                                       if finish else None)],
-                             usage=usage if with_usage else None)
+            doc = Completion(
+                id=cid,
+                created=created,
+                model=job.model.name,
+                choices=[CompletionChoice(text=text, finish_reason="length" if finish else None)],
+                usage=usage if with_usage else None,
+            )
             return f"data: {doc.model_dump_json()}\n\n"
 
         async def events() -> AsyncIterator[str]:
@@ -303,8 +360,11 @@ def create_app(settings: RouterSettings, *,
                 log.warning("stream %s failed: %s", cid, err.message)
                 yield f"data: {json.dumps(err.to_json())}\n\n"
                 return
-            yield chunk(decoder.decode(b"", final=True), finish=True,
-                        with_usage=bool((req.stream_options or {}).get("include_usage")))
+            yield chunk(
+                decoder.decode(b"", final=True),
+                finish=True,
+                with_usage=bool((req.stream_options or {}).get("include_usage")),
+            )
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")

@@ -80,10 +80,15 @@ class CompletionRequest(_Sampling):
     @model_validator(mode="after")
     def _supported(self) -> CompletionRequest:
         unsupported = {
-            "n": self.n != 1, "echo": self.echo, "logprobs": self.logprobs is not None,
-            "stop": bool(self.stop), "best_of": self.best_of not in (None, 1),
-            "suffix": self.suffix is not None, "presence_penalty": self.presence_penalty != 0,
-            "frequency_penalty": self.frequency_penalty != 0, "logit_bias": bool(self.logit_bias),
+            "n": self.n != 1,
+            "echo": self.echo,
+            "logprobs": self.logprobs is not None,
+            "stop": bool(self.stop),
+            "best_of": self.best_of not in (None, 1),
+            "suffix": self.suffix is not None,
+            "presence_penalty": self.presence_penalty != 0,
+            "frequency_penalty": self.frequency_penalty != 0,
+            "logit_bias": bool(self.logit_bias),
         }
         bad = [name for name, yes in unsupported.items() if yes]
         if bad:

@@ -28,8 +28,10 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
         sock.listen(128)
     except OSError as exc:
-        raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); "
-                          "choose another --port or --host") from None
+        raise ConfigError(
+            f"cannot listen on {host}:{port} ({exc.strerror or exc}); "
+            "choose another --port or --host"
+        ) from None
     sock.set_inheritable(True)
     return sock
 
@@ -54,8 +56,7 @@ class ThreadedServer:
     url: str
 
     @classmethod
-    def start(cls, app: FastAPI, sock: socket.socket, timeout_s: float = 10.0
-              ) -> ThreadedServer:
+    def start(cls, app: FastAPI, sock: socket.socket, timeout_s: float = 10.0) -> ThreadedServer:
         config = uvicorn.Config(app, log_level="warning", access_log=False)
         server = uvicorn.Server(config)
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

@@ -33,11 +33,23 @@ NAMED_SHAPES: dict[str, dict[str, int]] = {
     # The seed served "up to a 75.80B-parameter logical fp16 shape" on three hosts. This code's
     # block has 12 d^2 + 6 d * noise_dim (+ norms) parameters per layer: 3 blocks of 11 layers at
     # d = 13696 (107 heads of 128) count 75,801,420,672 parameters, 75.80B.
-    "seed-75b": {"d_model": 13696, "n_heads": 107, "layers": 33, "blocks": 3, "seq_len": 1024,
-                 "span": 64},
+    "seed-75b": {
+        "d_model": 13696,
+        "n_heads": 107,
+        "layers": 33,
+        "blocks": 3,
+        "seq_len": 1024,
+        "span": 64,
+    },
 }
-ALIASES = {"d": "d_model", "heads": "n_heads", "seq": "seq_len", "t": "seq_len", "k": "span",
-           "mlp": "mlp_ratio"}
+ALIASES = {
+    "d": "d_model",
+    "heads": "n_heads",
+    "seq": "seq_len",
+    "t": "seq_len",
+    "k": "span",
+    "mlp": "mlp_ratio",
+}
 SHAPE_DEFAULTS = {"seq_len": 1024, "span": 64}
 
 
@@ -59,8 +71,10 @@ def parse_shape(spec: str) -> tuple[str, ModelConfig]:
     if "=" not in items[0]:
         name = items.pop(0)
         if name not in NAMED_SHAPES:
-            raise ConfigError(f"unknown shape {name!r}; named shapes: {', '.join(NAMED_SHAPES)}"
-                              " (or give KEY=VALUE,... such as layers=12,d=768,blocks=3)")
+            raise ConfigError(
+                f"unknown shape {name!r}; named shapes: {', '.join(NAMED_SHAPES)}"
+                " (or give KEY=VALUE,... such as layers=12,d=768,blocks=3)"
+            )
         values.update(NAMED_SHAPES[name])
     hints = typing.get_type_hints(ModelConfig)
     given: set[str] = set()
@@ -68,8 +82,10 @@ def parse_shape(spec: str) -> tuple[str, ModelConfig]:
         key, sep, text = item.partition("=")
         key = ALIASES.get(key.strip().lower(), key.strip())
         if not sep or key not in hints:
-            raise ConfigError(f"--shape {item!r}: expected KEY=VALUE with KEY one of "
-                              f"{', '.join(sorted(set(ALIASES) | set(hints)))}")
+            raise ConfigError(
+                f"--shape {item!r}: expected KEY=VALUE with KEY one of "
+                f"{', '.join(sorted(set(ALIASES) | set(hints)))}"
+            )
         typ = int if hints[key] is int else float if hints[key] is float else None
         if typ is None:
             raise ConfigError(f"--shape {key} cannot be set here; use --preset/--set")
@@ -133,12 +149,19 @@ def shape_plan(name: str, cfg: ModelConfig, hosts: int | None = None) -> dict[st
         "weight_bytes_fp16_total": total * FP16_BYTES,
         "worker_training_bytes": worker,
         "full_model_training_bytes": total * sum(TRAIN_BYTES_PER_PARAM.values()),
-        "one_sweep_state_bytes_per_hop": {"fp32": cfg.span * cfg.d_model * FP32_BYTES,
-                                          "fp16": cfg.span * cfg.d_model * FP16_BYTES},
-        "ar_state_bytes_per_hop_per_byte": {"fp32": cfg.d_model * FP32_BYTES,
-                                            "fp16": cfg.d_model * FP16_BYTES},
-        "ar_kv_cache_bytes_fp16_per_stage_per_sequence":
-            2 * per_stage_layers * cfg.seq_len * cfg.d_model * FP16_BYTES,
+        "one_sweep_state_bytes_per_hop": {
+            "fp32": cfg.span * cfg.d_model * FP32_BYTES,
+            "fp16": cfg.span * cfg.d_model * FP16_BYTES,
+        },
+        "ar_state_bytes_per_hop_per_byte": {
+            "fp32": cfg.d_model * FP32_BYTES,
+            "fp16": cfg.d_model * FP16_BYTES,
+        },
+        "ar_kv_cache_bytes_fp16_per_stage_per_sequence": 2
+        * per_stage_layers
+        * cfg.seq_len
+        * cfg.d_model
+        * FP16_BYTES,
     }
 
 
@@ -151,8 +174,9 @@ def scale_shape(cfg: ModelConfig, width_divisor: int) -> ModelConfig:
         return cfg
     head = cfg.head_dim if cfg.head_dim % 2 == 0 else 64
     d = max(head, round(cfg.d_model / width_divisor / head) * head)
-    return dataclasses.replace(cfg, d_model=d, n_heads=d // head,
-                               noise_dim=min(cfg.noise_dim, d - d % 2))
+    return dataclasses.replace(
+        cfg, d_model=d, n_heads=d // head, noise_dim=min(cfg.noise_dim, d - d % 2)
+    )
 
 
 def auto_scale(cfg: ModelConfig, max_params: int = 60_000_000) -> int:
@@ -166,22 +190,38 @@ def auto_scale(cfg: ModelConfig, max_params: int = 60_000_000) -> int:
 
 
 @torch.no_grad()
-def measure_throughput(cfg: ModelConfig, *, prompt_bytes: int = 64, output_bytes: int = 64,
-                       seed: int = 0, repeats: int = 2) -> dict[str, Any]:
+def measure_throughput(
+    cfg: ModelConfig,
+    *,
+    prompt_bytes: int = 64,
+    output_bytes: int = 64,
+    seed: int = 0,
+    repeats: int = 2,
+) -> dict[str, Any]:
     """Bytes per second of one-sweep generation and of the KV-cached autoregressive stage
     pipeline, in this process on random weights (no network): the compute side of serving."""
     if prompt_bytes + output_bytes > cfg.seq_len:
-        raise ConfigError(f"prompt ({prompt_bytes}) + output ({output_bytes}) bytes exceed the "
-                          f"shape's context T = {cfg.seq_len}")
+        raise ConfigError(
+            f"prompt ({prompt_bytes}) + output ({output_bytes}) bytes exceed the "
+            f"shape's context T = {cfg.seq_len}"
+        )
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, 256, (1, prompt_bytes), generator=gen)
     stack = BlockStack(cfg, seed).eval()
     grid = SigmaSchedule.from_config(cfg).sampler_grid(1)
 
     def one_sweep() -> None:
-        generate(_stack_denoiser(stack), prompt, output_bytes, grid=grid, targets=stack.targets,
-                 span=cfg.span, max_context=cfg.seq_len - cfg.span, sampling=Sampling(),
-                 generator=torch.Generator().manual_seed(seed))
+        generate(
+            _stack_denoiser(stack),
+            prompt,
+            output_bytes,
+            grid=grid,
+            targets=stack.targets,
+            span=cfg.span,
+            max_context=cfg.seq_len - cfg.span,
+            sampling=Sampling(),
+            generator=torch.Generator().manual_seed(seed),
+        )
 
     ref = Reference(cfg).eval()
     stages = split_reference(ref, cfg.blocks)
@@ -231,12 +271,17 @@ def format_plan(plan: dict[str, Any]) -> list[str]:
         f"  params            {plan['params_total']:,} ({plan['params_total_billions']:.2f}B; "
         f"per block {plan['params_per_block']:,}; reference {plan['reference_params']:,})",
     ]
-    for h, (blocks, size) in enumerate(zip(plan["blocks_per_host"],
-                                           plan["weight_bytes_fp16_per_host"], strict=True)):
+    for h, (blocks, size) in enumerate(
+        zip(plan["blocks_per_host"], plan["weight_bytes_fp16_per_host"], strict=True)
+    ):
         lines.append(f"  host {h}            blocks {blocks}: {size / GIB:.2f} GiB of fp16 weights")
-    lines.append(f"  worker training   {w['total'] / GIB:.2f} GiB for one block (fp32 weights "
-                 f"{w['weights'] / GIB:.2f} + grads {w['grads'] / GIB:.2f} + AdamW "
-                 f"{w['adamw_moments'] / GIB:.2f}; activations not counted)")
-    lines.append(f"  full model        {plan['full_model_training_bytes'] / GIB:.2f} GiB to "
-                 "train in one place")
+    lines.append(
+        f"  worker training   {w['total'] / GIB:.2f} GiB for one block (fp32 weights "
+        f"{w['weights'] / GIB:.2f} + grads {w['grads'] / GIB:.2f} + AdamW "
+        f"{w['adamw_moments'] / GIB:.2f}; activations not counted)"
+    )
+    lines.append(
+        f"  full model        {plan['full_model_training_bytes'] / GIB:.2f} GiB to "
+        "train in one place"
+    )
     return lines

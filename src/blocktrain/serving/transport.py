@@ -37,8 +37,9 @@ class DelayTransport(httpx.AsyncBaseTransport):
         await self.inner.aclose()
 
 
-def make_client(*, timeout_s: float, hop_ms: float = 0.0,
-                transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
+def make_client(
+    *, timeout_s: float, hop_ms: float = 0.0, transport: httpx.AsyncBaseTransport | None = None
+) -> httpx.AsyncClient:
     """An async client for the chain: connect timeout 5 s, read/write/pool `timeout_s`, and the
     emulated hop latency when hop_ms > 0. `transport` lets tests run hosts in-process."""
     inner = transport or httpx.AsyncHTTPTransport(retries=0)
@@ -51,21 +52,26 @@ def join(url: str, path: str) -> str:
     return url.rstrip("/") + path
 
 
-async def post_message(client: httpx.AsyncClient, url: str, path: str, body: bytes
-                       ) -> tuple[bytes, list[TraceEntry]]:
+async def post_message(
+    client: httpx.AsyncClient, url: str, path: str, body: bytes
+) -> tuple[bytes, list[TraceEntry]]:
     """POST a wire message to host `url`; -> (the answer's body, its trace). Raises
     HostUnavailable / HostTimeout naming `url`, or the error a host down the chain answered
     with (naming that host)."""
     try:
-        resp = await client.post(join(url, path), content=body,
-                                 headers={"content-type": CONTENT_TYPE})
+        resp = await client.post(
+            join(url, path), content=body, headers={"content-type": CONTENT_TYPE}
+        )
     except httpx.TimeoutException as exc:
-        raise HostTimeout(f"host {url} did not answer within the timeout "
-                          f"({type(exc).__name__})", host=url) from None
+        raise HostTimeout(
+            f"host {url} did not answer within the timeout ({type(exc).__name__})", host=url
+        ) from None
     except httpx.TransportError as exc:
-        raise HostUnavailable(f"host {url} is unavailable ({type(exc).__name__}: "
-                              f"{exc or 'connection lost'}); retry once it is back",
-                              host=url) from None
+        raise HostUnavailable(
+            f"host {url} is unavailable ({type(exc).__name__}: "
+            f"{exc or 'connection lost'}); retry once it is back",
+            host=url,
+        ) from None
     if resp.status_code != 200:
         try:
             payload = resp.json()
@@ -82,9 +88,11 @@ async def get_json(client: httpx.AsyncClient, url: str, path: str) -> object:
     except httpx.TimeoutException:
         raise HostTimeout(f"host {url} did not answer within the timeout", host=url) from None
     except httpx.TransportError as exc:
-        raise HostUnavailable(f"host {url} is unavailable ({type(exc).__name__}: "
-                              f"{exc or 'connection lost'}); retry once it is back",
-                              host=url) from None
+        raise HostUnavailable(
+            f"host {url} is unavailable ({type(exc).__name__}: "
+            f"{exc or 'connection lost'}); retry once it is back",
+            host=url,
+        ) from None
     try:
         payload = resp.json()
     except ValueError:

@@ -92,8 +92,7 @@ class TraceEntry(BaseModel):
 
 def encode(tensors: dict[str, torch.Tensor], header: dict[str, Any] | None = None) -> bytes:
     meta = {HEADER_KEY: json.dumps(header or {}, separators=(",", ":"))}
-    return st_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
-                   metadata=meta)
+    return st_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata=meta)
 
 
 def decode(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -104,11 +103,16 @@ def decode(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     if n > len(data) - 8:
         raise WireError("the body is not a safetensors message (truncated header)")
     try:
-        meta = json.loads(data[8:8 + n]).get("__metadata__") or {}
+        meta = json.loads(data[8 : 8 + n]).get("__metadata__") or {}
         header = json.loads(meta.get(HEADER_KEY, "{}"))
         tensors = st_load(data)
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, SafetensorError,
-            ValueError) as exc:
+    except (
+        json.JSONDecodeError,
+        UnicodeDecodeError,
+        AttributeError,
+        SafetensorError,
+        ValueError,
+    ) as exc:
         raise WireError(f"the body is not a readable safetensors message ({exc})") from None
     if not isinstance(header, dict):
         raise WireError("the message header is not a JSON object")

@@ -60,14 +60,16 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
-def atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor],
-                        metadata: dict[str, str]) -> None:
+def atomic_save_tensors(
+    path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
+) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp,
-                  metadata=metadata)
+        save_file(
+            {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=metadata
+        )
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -91,8 +93,13 @@ def load_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
 
 
 def write_config(run_dir: Path, info: RunInfo) -> None:
-    doc = {"format": FORMAT, "format_version": FORMAT_VERSION, "kind": info.kind,
-           "blocks": info.blocks, **info.config.to_dict()}
+    doc = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "kind": info.kind,
+        "blocks": info.blocks,
+        **info.config.to_dict(),
+    }
     atomic_write_bytes(run_dir / CONFIG_FILE, (json.dumps(doc, indent=2) + "\n").encode())
 
 
@@ -110,8 +117,10 @@ def read_config(run_dir: Path) -> RunInfo:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a BlockTrain config (no format: {FORMAT})")
     if doc.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path} has format_version {doc.get('format_version')}; "
-                              f"this blocktrain reads version {FORMAT_VERSION}")
+        raise CheckpointError(
+            f"{path} has format_version {doc.get('format_version')}; "
+            f"this blocktrain reads version {FORMAT_VERSION}"
+        )
     kind = doc.get("kind")
     if kind not in ("blocktrain", "reference"):
         raise CheckpointError(f"{path} has unknown kind {kind!r}")
@@ -142,21 +151,25 @@ def read_state(run_dir: Path) -> dict[str, Any]:
     return state
 
 
-def load_module_tensors(module: torch.nn.Module, tensors: dict[str, torch.Tensor], prefix: str,
-                        source: Path) -> None:
+def load_module_tensors(
+    module: torch.nn.Module, tensors: dict[str, torch.Tensor], prefix: str, source: Path
+) -> None:
     """Copy `prefix`-named tensors into `module`, checking names and shapes exactly."""
     own = module.state_dict()
-    found = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+    found = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
     missing = sorted(set(own) - set(found))
     extra = sorted(set(found) - set(own))
     if missing or extra:
         raise CheckpointError(
             f"{source} does not match this model ({len(missing)} missing, {len(extra)} "
-            f"unexpected tensors under {prefix!r}, e.g. {(missing or extra)[0]!r})")
+            f"unexpected tensors under {prefix!r}, e.g. {(missing or extra)[0]!r})"
+        )
     for name, value in found.items():
         if value.shape != own[name].shape:
-            raise CheckpointError(f"{source}: {prefix}{name} has shape {tuple(value.shape)}, "
-                                  f"the model expects {tuple(own[name].shape)}")
+            raise CheckpointError(
+                f"{source}: {prefix}{name} has shape {tuple(value.shape)}, "
+                f"the model expects {tuple(own[name].shape)}"
+            )
     module.load_state_dict(found)
 
 
@@ -165,11 +178,13 @@ def check_run_dir_free(run_dir: Path, *, overwrite: bool) -> None:
     if (run_dir / CONFIG_FILE).exists() and not overwrite:
         raise BlockTrainError(
             f"{run_dir} already holds a run; pass --resume to continue it, --overwrite to "
-            "start over, or choose another --out")
+            "start over, or choose another --out"
+        )
 
 
-def load_model(run_dir: Path, device: torch.device | str = "cpu"
-               ) -> tuple[RunInfo, BlockStack | Reference]:
+def load_model(
+    run_dir: Path, device: torch.device | str = "cpu"
+) -> tuple[RunInfo, BlockStack | Reference]:
     """The trained model of a run folder, in eval mode: a BlockStack with the blocks the run
     holds, or the reference."""
     run_dir = Path(run_dir)

@@ -42,8 +42,9 @@ def _scored(t: int) -> slice:
     return slice(1, t)
 
 
-def _oracle_nll(stack: BlockStack, block: int, x: torch.Tensor, layout: ZLayout,
-                generator: torch.Generator) -> float:
+def _oracle_nll(
+    stack: BlockStack, block: int, x: torch.Tensor, layout: ZLayout, generator: torch.Generator
+) -> float:
     """Summed CE of `block` on the scored bytes of x, with z = E[y] + sigma * eps and sigma
     drawn from the block's own interval (no overlap)."""
     cfg = stack.cfg
@@ -51,11 +52,13 @@ def _oracle_nll(stack: BlockStack, block: int, x: torch.Tensor, layout: ZLayout,
     n, t = x.shape
     sigma = schedule.sample_sigma(*schedule.interval(block), n, generator)
     eps = torch.randn(n, t, cfg.d_model, generator=generator, device=x.device)
-    logits = stack.block(block)(x, stack.targets[x] + sigma[:, None, None] * eps, sigma,
-                                layout)[0]
+    logits = stack.block(block)(x, stack.targets[x] + sigma[:, None, None] * eps, sigma, layout)[0]
     keep = _scored(t)
-    return float(F.cross_entropy(logits[:, keep].float().flatten(0, 1), x[:, keep].flatten(),
-                                 reduction="sum"))
+    return float(
+        F.cross_entropy(
+            logits[:, keep].float().flatten(0, 1), x[:, keep].flatten(), reduction="sum"
+        )
+    )
 
 
 def ce_summary(ce: float) -> dict[str, float]:
@@ -63,8 +66,9 @@ def ce_summary(ce: float) -> dict[str, float]:
 
 
 @torch.no_grad()
-def evaluate_blocktrain(stack: BlockStack, windows: torch.Tensor,
-                        settings: EvalSettings) -> dict[str, Any]:
+def evaluate_blocktrain(
+    stack: BlockStack, windows: torch.Tensor, settings: EvalSettings
+) -> dict[str, Any]:
     """windows (W, T) int64 held-out bytes -> the metrics above (all blocks must be present)."""
     cfg = stack.cfg
     device = stack.targets.device
@@ -82,20 +86,37 @@ def evaluate_blocktrain(stack: BlockStack, windows: torch.Tensor,
     step_nll = [0.0] * len(grid)
     oracle_nll = [0.0] * cfg.blocks
     for start in range(0, windows.shape[0], settings.batch_size):
-        x = windows[start:start + settings.batch_size].to(device)  # (N, T)
+        x = windows[start : start + settings.batch_size].to(device)  # (N, T)
         n, t = x.shape
         target = x[:, keep]
         logp_true = torch.empty(m, n, t - 1, device=device)  # log p_m(true byte)
 
-        def record(step: int, _block: int, _sigma: float, logits: torch.Tensor,
-                   target: torch.Tensor = target) -> None:
-            step_nll[step] += float(F.cross_entropy(
-                logits[:, keep].float().flatten(0, 1), target.flatten(), reduction="sum"))
+        def record(
+            step: int,
+            _block: int,
+            _sigma: float,
+            logits: torch.Tensor,
+            target: torch.Tensor = target,
+        ) -> None:
+            step_nll[step] += float(
+                F.cross_entropy(
+                    logits[:, keep].float().flatten(0, 1), target.flatten(), reduction="sum"
+                )
+            )
 
         for sweep in range(m):
             z = cfg.sigma_max * torch.randn(n, t, cfg.d_model, generator=gen, device=device)
-            logits = one_sweep(denoise, x, z, grid, stack.targets, layout, on_step=record,
-                               method=settings.sampler, generator=gen)
+            logits = one_sweep(
+                denoise,
+                x,
+                z,
+                grid,
+                stack.targets,
+                layout,
+                on_step=record,
+                method=settings.sampler,
+                generator=gen,
+            )
             logp = logits[:, keep].float().log_softmax(dim=-1)
             logp_true[sweep] = logp.gather(-1, target[..., None])[..., 0]
         from_noise_nll -= float(logp_true.sum()) / m
@@ -120,24 +141,27 @@ def evaluate_blocktrain(stack: BlockStack, windows: torch.Tensor,
 
 
 @torch.no_grad()
-def evaluate_reference(model: Reference, windows: torch.Tensor,
-                       settings: EvalSettings) -> dict[str, Any]:
+def evaluate_reference(
+    model: Reference, windows: torch.Tensor, settings: EvalSettings
+) -> dict[str, Any]:
     """The reference's plain next-byte CE on the same scored bytes."""
     device = next(model.parameters()).device
     nll, count = 0.0, 0
     for start in range(0, windows.shape[0], settings.batch_size):
-        x = windows[start:start + settings.batch_size].to(device)
+        x = windows[start : start + settings.batch_size].to(device)
         logits = model(x)[:, :-1]  # position i predicts byte i + 1: bytes 1..T-1
-        nll += float(F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten(),
-                                     reduction="sum"))
+        nll += float(
+            F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten(), reduction="sum")
+        )
         count += x[:, 1:].numel()
     ce = nll / count
     return {"ce": ce, **ce_summary(ce), "bytes": count}
 
 
 @torch.no_grad()
-def evaluate_oracle_block(stack: BlockStack, block: int, windows: torch.Tensor,
-                          settings: EvalSettings) -> dict[str, Any]:
+def evaluate_oracle_block(
+    stack: BlockStack, block: int, windows: torch.Tensor, settings: EvalSettings
+) -> dict[str, Any]:
     """For a process that holds a single block: its CE on truly noised targets, the only
     quality figure a worker can compute alone."""
     cfg = stack.cfg
@@ -146,7 +170,8 @@ def evaluate_oracle_block(stack: BlockStack, block: int, windows: torch.Tensor,
     gen = torch.Generator(device).manual_seed(settings.seed)
     nll = 0.0
     for start in range(0, windows.shape[0], settings.batch_size):
-        nll += _oracle_nll(stack, block, windows[start:start + settings.batch_size].to(device),
-                           layout, gen)
+        nll += _oracle_nll(
+            stack, block, windows[start : start + settings.batch_size].to(device), layout, gen
+        )
     count = windows.shape[0] * (cfg.seq_len - 1)
     return {"oracle_ce": nll / count, "block": block, "bytes": count}

@@ -21,8 +21,12 @@ aten = torch.ops.aten
 _MATMUL_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
 _ATTENTION_OPS = {
     op
-    for name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+    for name in (
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    )
     if (op := getattr(getattr(aten, name, None), "default", None)) is not None
 }
 
@@ -64,15 +68,24 @@ class _Counter(TorchDispatchMode):
         super().__init__()
         self.count = count
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         if func in _MATMUL_OPS:
-            a, b = (args[1], args[2]) if func in (aten.addmm.default, aten.baddbmm.default) \
+            a, b = (
+                (args[1], args[2])
+                if func in (aten.addmm.default, aten.baddbmm.default)
                 else (args[0], args[1])
+            )
             batch = a.shape[0] if a.dim() == 3 else 1
-            shape = MatmulShape(batch, a.shape[-2], a.shape[-1], b.shape[-1],
-                                _is_transposed(a), _is_transposed(b))
+            shape = MatmulShape(
+                batch, a.shape[-2], a.shape[-1], b.shape[-1], _is_transposed(a), _is_transposed(b)
+            )
             self.count.matmuls.append(shape)
             self.count.matmul_flops += shape.flops
         elif func in _ATTENTION_OPS:

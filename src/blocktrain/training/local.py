@@ -33,8 +33,15 @@ Tensors = dict[str, torch.Tensor]
 class LocalBlockTrainer:
     """Block `block` of a run, its AdamW state, and the weights of the round it started from."""
 
-    def __init__(self, cfg: RunConfig, block: int, data: ByteSource, *, data_seed: int,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        block: int,
+        data: ByteSource,
+        *,
+        data_seed: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
         if not 0 <= block < cfg.model.blocks:
             raise ProtocolError(f"block {block} is outside 0..{cfg.model.blocks - 1}")
         self.cfg = cfg
@@ -55,19 +62,24 @@ class LocalBlockTrainer:
         own = self.module.state_dict()
         missing, extra = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
         if missing or extra:
-            raise ProtocolError(f"the aggregator's block {self.block_index} does not match this "
-                                f"model ({len(missing)} missing, {len(extra)} unexpected "
-                                f"tensors, e.g. {(missing or extra)[0]!r})")
+            raise ProtocolError(
+                f"the aggregator's block {self.block_index} does not match this "
+                f"model ({len(missing)} missing, {len(extra)} unexpected "
+                f"tensors, e.g. {(missing or extra)[0]!r})"
+            )
         with torch.no_grad():
             for name, value in weights.items():
                 if value.shape != own[name].shape:
-                    raise ProtocolError(f"{name} has shape {tuple(value.shape)}; this model's is "
-                                        f"{tuple(own[name].shape)}")
+                    raise ProtocolError(
+                        f"{name} has shape {tuple(value.shape)}; this model's is "
+                        f"{tuple(own[name].shape)}"
+                    )
                 own[name].copy_(value)
         self.base = {k: v.detach().float().clone() for k, v in self.module.state_dict().items()}
 
-    def train(self, steps: int, first_step: int,
-              should_stop: Callable[[], bool] = lambda: False) -> dict[str, float]:
+    def train(
+        self, steps: int, first_step: int, should_stop: Callable[[], bool] = lambda: False
+    ) -> dict[str, float]:
         """Up to `steps` AdamW updates at run steps first_step, first_step + 1, ... Returns the
         target bytes trained on ("tokens"), the mean loss and the steps done."""
         cfg, tcfg = self.cfg, self.cfg.train
@@ -79,10 +91,12 @@ class LocalBlockTrainer:
                 break
             step = first_step + i
             batch_gen = torch.Generator().manual_seed(
-                stream_seed(self.data_seed, self.block_index, step, salt=1))
+                stream_seed(self.data_seed, self.block_index, step, salt=1)
+            )
             x = self.data.sample(tcfg.batch_size, cfg.model.seq_len, batch_gen).to(self.device)
             noise_gen = torch.Generator(self.device).manual_seed(
-                stream_seed(self.data_seed, self.block_index, step, salt=2))
+                stream_seed(self.data_seed, self.block_index, step, salt=2)
+            )
             parts = self.loss(self.module, self.block_index, x, noise_gen)
             self.optimizer.zero_grad(set_to_none=True)
             parts.total.backward()
@@ -100,12 +114,10 @@ class LocalBlockTrainer:
         """theta_local - theta_base, fp32."""
         if self.base is None:
             raise ProtocolError("no weights loaded yet: call load() first")
-        return {k: v.detach().float() - self.base[k]
-                for k, v in self.module.state_dict().items()}
+        return {k: v.detach().float() - self.base[k] for k, v in self.module.state_dict().items()}
 
 
-def delta_norm_bound(cfg: RunConfig, local_steps: int, n_params: int,
-                     slack: float = 4.0) -> float:
+def delta_norm_bound(cfg: RunConfig, local_steps: int, n_params: int, slack: float = 4.0) -> float:
     """A bound on the L2 norm of an honest worker's delta. AdamW moves each coordinate by about
     lr per step at most (|m_hat / sqrt(v_hat)| <= 1 for steady gradients), so H steps move the
     block by at most lr * H * sqrt(n_params); `slack` leaves room for the rare larger step."""
@@ -120,18 +132,22 @@ def token_bound(cfg: RunConfig, local_steps: int, slack: float = 2.0) -> int:
 def build_stack(cfg: RunConfig, blocks: dict[int, Tensors]) -> BlockStack:
     """The assembled model (eval mode) from per-block weights."""
     if sorted(blocks) != list(range(cfg.model.blocks)):
-        raise CheckpointError(f"weights for blocks {sorted(blocks)} do not assemble the "
-                              f"{cfg.model.blocks}-block model")
+        raise CheckpointError(
+            f"weights for blocks {sorted(blocks)} do not assemble the "
+            f"{cfg.model.blocks}-block model"
+        )
     stack = BlockStack(cfg.model, cfg.seed)
     for b, weights in blocks.items():
-        ckpt.load_module_tensors(stack.block(b), {f"block.{b}.{k}": v.float()
-                                                  for k, v in weights.items()},
-                                 f"block.{b}.", Path(f"<block {b}>"))
+        ckpt.load_module_tensors(
+            stack.block(b),
+            {f"block.{b}.{k}": v.float() for k, v in weights.items()},
+            f"block.{b}.",
+            Path(f"<block {b}>"),
+        )
     return stack.eval()
 
 
-def write_assembled(run_dir: Path, cfg: RunConfig, blocks: dict[int, Tensors],
-                    step: int) -> None:
+def write_assembled(run_dir: Path, cfg: RunConfig, blocks: dict[int, Tensors], step: int) -> None:
     """A run folder that `load_model`, `blocktrain eval` and `generate` read: config.json of
     kind blocktrain with every block, and model.safetensors with block.{b}.* and targets."""
     stack = build_stack(cfg, blocks)
@@ -142,5 +158,8 @@ def write_assembled(run_dir: Path, cfg: RunConfig, blocks: dict[int, Tensors],
     for b in range(cfg.model.blocks):
         weights.update({f"block.{b}.{k}": v for k, v in stack.block(b).state_dict().items()})
     weights["targets"] = stack.targets
-    ckpt.atomic_save_tensors(run_dir / ckpt.MODEL_FILE, weights,
-                             {"format": ckpt.FORMAT, "kind": "blocktrain", "step": str(step)})
+    ckpt.atomic_save_tensors(
+        run_dir / ckpt.MODEL_FILE,
+        weights,
+        {"format": ckpt.FORMAT, "kind": "blocktrain", "step": str(step)},
+    )

@@ -39,8 +39,9 @@ class BlockLoss:
             self._layouts[device] = ZLayout.training(self.cfg.seq_len, self.cfg.span, device)
         return self._layouts[device]
 
-    def __call__(self, block: Block, index: int, x_bytes: torch.Tensor,
-                 generator: torch.Generator) -> LossParts:
+    def __call__(
+        self, block: Block, index: int, x_bytes: torch.Tensor, generator: torch.Generator
+    ) -> LossParts:
         """x_bytes (N, T) on the block's device; `generator` (same device) draws sigma and eps."""
         n, t = x_bytes.shape
         device = x_bytes.device
@@ -49,8 +50,9 @@ class BlockLoss:
         z = torch.addcmul(self.targets[x_bytes], sigma[:, None, None], eps)  # (N, T, d)
         want_aux = self.cfg.aux_weight > 0
         logits, aux = block(x_bytes, z, sigma, self.layout(device), with_aux=want_aux)
-        ce = F.cross_entropy(logits.float().flatten(0, 1), x_bytes.flatten(),
-                             reduction="none").view(n, t)
+        ce = F.cross_entropy(
+            logits.float().flatten(0, 1), x_bytes.flatten(), reduction="none"
+        ).view(n, t)
         weight = loss_weight(sigma, self.cfg.sigma_data_value)  # (N,)
         total = (weight[:, None] * ce).mean()
         logs = {"loss_denoise": float(ce.detach().mean())}

@@ -22,8 +22,10 @@ def make_optimizer(module: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
             continue
         is_matrix = param.dim() >= 2 and "embed" not in name
         (decay if is_matrix else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
     # The fused kernel updates all parameters in one pass per tensor (CPU and CUDA).
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
 
@@ -44,8 +46,9 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def optimizer_tensors(optimizer: torch.optim.Optimizer, module: nn.Module,
-                      prefix: str) -> dict[str, torch.Tensor]:
+def optimizer_tensors(
+    optimizer: torch.optim.Optimizer, module: nn.Module, prefix: str
+) -> dict[str, torch.Tensor]:
     """AdamW's per-parameter state keyed by parameter name: `{prefix}{name}.exp_avg` etc."""
     names = {id(p): n for n, p in module.named_parameters()}
     out: dict[str, torch.Tensor] = {}
@@ -54,12 +57,17 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer, module: nn.Module,
             if key in state:
                 value = state[key]
                 out[f"{prefix}{names[id(param)]}.{key}"] = (
-                    value if torch.is_tensor(value) else torch.tensor(float(value)))
+                    value if torch.is_tensor(value) else torch.tensor(float(value))
+                )
     return out
 
 
-def load_optimizer_tensors(optimizer: torch.optim.Optimizer, module: nn.Module, prefix: str,
-                           tensors: dict[str, torch.Tensor]) -> None:
+def load_optimizer_tensors(
+    optimizer: torch.optim.Optimizer,
+    module: nn.Module,
+    prefix: str,
+    tensors: dict[str, torch.Tensor],
+) -> None:
     """Restore what `optimizer_tensors` saved, exactly, into a fresh optimizer over `module`."""
     for name, param in module.named_parameters():
         keys = [f"{prefix}{name}.{k}" for k in ADAM_STATE_KEYS]

@@ -49,8 +49,12 @@ REFERENCE_UNIT = 0  # the reference draws the same batch stream as block 0
 
 def stream_seed(seed: int, unit: int, step: int, salt: int) -> int:
     """A 63-bit seed for one (run seed, unit, step, purpose); cheap and collision-averse."""
-    h = (seed * 0x9E3779B97F4A7C15 + unit * 0xC2B2AE3D27D4EB4F + step * 0x165667B19E3779F9
-         + salt * 0x27D4EB2F165667C5) & 0xFFFFFFFFFFFFFFFF
+    h = (
+        seed * 0x9E3779B97F4A7C15
+        + unit * 0xC2B2AE3D27D4EB4F
+        + step * 0x165667B19E3779F9
+        + salt * 0x27D4EB2F165667C5
+    ) & 0xFFFFFFFFFFFFFFFF
     h ^= h >> 31
     return h & 0x7FFFFFFFFFFFFFFF
 
@@ -74,8 +78,9 @@ class Unit:
 class Trainer:
     """Trains the units of one run folder. Build it with `Trainer.create` or `Trainer.resume`."""
 
-    def __init__(self, info: ckpt.RunInfo, run_dir: Path, train: ByteSource,
-                 valid: ByteSource | None) -> None:
+    def __init__(
+        self, info: ckpt.RunInfo, run_dir: Path, train: ByteSource, valid: ByteSource | None
+    ) -> None:
         self.info = info
         self.cfg: RunConfig = info.config
         self.run_dir = Path(run_dir)
@@ -94,22 +99,37 @@ class Trainer:
         self.units: list[Unit] = []
         if info.kind == "reference":
             self.reference = init_reference(mcfg, self.cfg.seed).to(self.device)
-            self.units.append(Unit("reference.", REFERENCE_UNIT, self.reference,
-                                   make_optimizer(self.reference, self.cfg.train)))
+            self.units.append(
+                Unit(
+                    "reference.",
+                    REFERENCE_UNIT,
+                    self.reference,
+                    make_optimizer(self.reference, self.cfg.train),
+                )
+            )
         else:
             self.stack = BlockStack(mcfg, self.cfg.seed, info.blocks).to(self.device)
             self.loss = BlockLoss(mcfg, self.stack.targets)
             for b in self.stack.block_ids:
                 block = self.stack.block(b)
-                self.units.append(Unit(f"block.{b}.", b, block,
-                                       make_optimizer(block, self.cfg.train)))
+                self.units.append(
+                    Unit(f"block.{b}.", b, block, make_optimizer(block, self.cfg.train))
+                )
 
     # ---------------------------------------------------------------- construction
 
     @classmethod
-    def create(cls, cfg: RunConfig, run_dir: Path, train: ByteSource, valid: ByteSource | None,
-               *, kind: str = "blocktrain", blocks: list[int] | None = None,
-               overwrite: bool = False) -> Trainer:
+    def create(
+        cls,
+        cfg: RunConfig,
+        run_dir: Path,
+        train: ByteSource,
+        valid: ByteSource | None,
+        *,
+        kind: str = "blocktrain",
+        blocks: list[int] | None = None,
+        overwrite: bool = False,
+    ) -> Trainer:
         """A fresh run in `run_dir` (refused if it already holds one, unless `overwrite`)."""
         run_dir = Path(run_dir)
         ckpt.check_run_dir_free(run_dir, overwrite=overwrite)
@@ -117,8 +137,13 @@ class Trainer:
             for b in blocks:
                 if not 0 <= b < cfg.model.blocks:
                     raise CheckpointError(f"--block {b} is outside 0..{cfg.model.blocks - 1}")
-        info = ckpt.RunInfo(cfg, kind, [] if kind == "reference"
-                            else sorted(blocks if blocks is not None else range(cfg.model.blocks)))
+        info = ckpt.RunInfo(
+            cfg,
+            kind,
+            []
+            if kind == "reference"
+            else sorted(blocks if blocks is not None else range(cfg.model.blocks)),
+        )
         trainer = cls(info, run_dir, train, valid)
         run_dir.mkdir(parents=True, exist_ok=True)
         for name in (ckpt.MODEL_FILE, ckpt.OPTIMIZER_FILE, ckpt.STATE_FILE, ckpt.METRICS_FILE):
@@ -127,8 +152,9 @@ class Trainer:
         return trainer
 
     @classmethod
-    def resume(cls, run_dir: Path, train: ByteSource, valid: ByteSource | None,
-               *, steps: int | None = None) -> Trainer:
+    def resume(
+        cls, run_dir: Path, train: ByteSource, valid: ByteSource | None, *, steps: int | None = None
+    ) -> Trainer:
         """Continue the run in `run_dir` from its last checkpoint (optionally to a new total of
         `steps`, which changes the learning-rate schedule from here on)."""
         run_dir = Path(run_dir)
@@ -136,9 +162,13 @@ class Trainer:
         if steps is not None and steps != info.config.train.steps:
             import dataclasses
 
-            info = ckpt.RunInfo(dataclasses.replace(
-                info.config, train=dataclasses.replace(info.config.train, steps=steps)),
-                info.kind, info.blocks)
+            info = ckpt.RunInfo(
+                dataclasses.replace(
+                    info.config, train=dataclasses.replace(info.config.train, steps=steps)
+                ),
+                info.kind,
+                info.blocks,
+            )
             ckpt.write_config(run_dir, info)
         trainer = cls(info, run_dir, train, valid)
         trainer._load_checkpoint()
@@ -157,8 +187,10 @@ class Trainer:
             weights["targets"] = self.stack.targets
         ckpt.atomic_save_tensors(self.run_dir / ckpt.MODEL_FILE, weights, meta)
         ckpt.atomic_save_tensors(self.run_dir / ckpt.OPTIMIZER_FILE, moments, meta)
-        ckpt.write_state(self.run_dir, {"step": self.step, "bytes_seen": self.bytes_seen,
-                                        "wall_seconds": self.wall_seconds})
+        ckpt.write_state(
+            self.run_dir,
+            {"step": self.step, "bytes_seen": self.bytes_seen, "wall_seconds": self.wall_seconds},
+        )
 
     def _load_checkpoint(self) -> None:
         state = ckpt.read_state(self.run_dir)
@@ -170,14 +202,20 @@ class Trainer:
             if meta.get("step") != str(state["step"]):
                 raise CheckpointError(
                     f"{self.run_dir}: {name} is from step {meta.get('step')} but state.json "
-                    f"says {state['step']}; the checkpoint is inconsistent")
+                    f"says {state['step']}; the checkpoint is inconsistent"
+                )
         for unit in self.units:
-            ckpt.load_module_tensors(unit.module, weights, unit.name, self.run_dir / ckpt.MODEL_FILE)
+            ckpt.load_module_tensors(
+                unit.module, weights, unit.name, self.run_dir / ckpt.MODEL_FILE
+            )
             load_optimizer_tensors(unit.optimizer, unit.module, unit.name, moments)
         if self.stack is not None and not torch.equal(
-                weights.get("targets", torch.empty(0)), self.stack.targets.cpu()):
-            raise CheckpointError(f"{self.run_dir}: the target table does not match the run's "
-                                  "seed; the checkpoint is foreign or corrupt")
+            weights.get("targets", torch.empty(0)), self.stack.targets.cpu()
+        ):
+            raise CheckpointError(
+                f"{self.run_dir}: the target table does not match the run's "
+                "seed; the checkpoint is foreign or corrupt"
+            )
         self.step = int(state["step"])
         self.bytes_seen = int(state.get("bytes_seen", 0))
         self.wall_seconds = float(state.get("wall_seconds", 0.0))
@@ -211,15 +249,21 @@ class Trainer:
         logs: dict[str, float] = {"lr": lr}
         for unit in self.units:
             batch_gen = torch.Generator().manual_seed(
-                stream_seed(cfg.seed, unit.index, self.step, salt=1))
+                stream_seed(cfg.seed, unit.index, self.step, salt=1)
+            )
             x = self.train_data.sample(tcfg.batch_size, cfg.model.seq_len, batch_gen)
             x = x.to(self.device, non_blocking=True)
             with self._autocast():
                 if self.stack is not None:
                     noise_gen = torch.Generator(self.device).manual_seed(
-                        stream_seed(cfg.seed, unit.index, self.step, salt=2))
-                    parts: LossParts = self.loss(unit.module, unit.index, x,  # type: ignore[arg-type]
-                                                 noise_gen)
+                        stream_seed(cfg.seed, unit.index, self.step, salt=2)
+                    )
+                    parts: LossParts = self.loss(
+                        unit.module,
+                        unit.index,
+                        x,  # type: ignore[arg-type]
+                        noise_gen,
+                    )
                 else:
                     parts = reference_loss(unit.module, x)  # type: ignore[arg-type]
             unit.optimizer.zero_grad(set_to_none=True)
@@ -249,8 +293,10 @@ class Trainer:
             assert self.stack is not None
             if self.stack.has_all_blocks():
                 return evaluate_blocktrain(self.stack, windows, settings)
-            return {f"block{b}": evaluate_oracle_block(self.stack, b, windows, settings)
-                    for b in self.stack.block_ids}
+            return {
+                f"block{b}": evaluate_oracle_block(self.stack, b, windows, settings)
+                for b in self.stack.block_ids
+            }
         finally:
             for unit in self.units:
                 unit.module.train()
@@ -266,8 +312,14 @@ class Trainer:
         tcfg = self.cfg.train
         total = tcfg.steps
         stop = total if until is None else min(until, total)
-        bar = tqdm(total=total, initial=self.step, disable=None if progress else True, unit="step",
-                   dynamic_ncols=True, desc=f"train {self._describe()}")
+        bar = tqdm(
+            total=total,
+            initial=self.step,
+            disable=None if progress else True,
+            unit="step",
+            dynamic_ncols=True,
+            desc=f"train {self._describe()}",
+        )
         window_start, window_bytes = time.perf_counter(), 0
         started = time.perf_counter()
         wall_at_start = self.wall_seconds
@@ -286,22 +338,36 @@ class Trainer:
                 elapsed = time.perf_counter() - window_start
                 logs["bytes_per_s"] = window_bytes / max(elapsed, 1e-9)
                 window_start, window_bytes = time.perf_counter(), 0
-                self._append_metrics({"event": "train", "step": self.step,
-                                      "wall_seconds": round(self.wall_seconds, 3), **logs})
+                self._append_metrics(
+                    {
+                        "event": "train",
+                        "step": self.step,
+                        "wall_seconds": round(self.wall_seconds, 3),
+                        **logs,
+                    }
+                )
                 bar.set_postfix(self._postfix(logs), refresh=False)
             if self.valid_data is not None and (
-                    (tcfg.eval_every and self.step % tcfg.eval_every == 0) or self.step == total):
+                (tcfg.eval_every and self.step % tcfg.eval_every == 0) or self.step == total
+            ):
                 self.last_eval = self.evaluate(self.valid_data, tcfg.eval_bytes, tcfg.eval_sweeps)
-                self._append_metrics({"event": "eval", "split": "valid", "step": self.step,
-                                      **self.last_eval})
+                self._append_metrics(
+                    {"event": "eval", "split": "valid", "step": self.step, **self.last_eval}
+                )
                 bar.set_postfix(self._postfix(logs), refresh=False)
-            if (tcfg.checkpoint_every and self.step % tcfg.checkpoint_every == 0) \
-                    or self.step == stop:
+            if (
+                tcfg.checkpoint_every and self.step % tcfg.checkpoint_every == 0
+            ) or self.step == stop:
                 self.save_checkpoint()
             bar.update(1)
         bar.close()
-        return {"step": self.step, "bytes_seen": self.bytes_seen,
-                "wall_seconds": self.wall_seconds, "last_train": logs, "last_eval": self.last_eval}
+        return {
+            "step": self.step,
+            "bytes_seen": self.bytes_seen,
+            "wall_seconds": self.wall_seconds,
+            "last_train": logs,
+            "last_eval": self.last_eval,
+        }
 
     def _describe(self) -> str:
         if self.info.kind == "reference":
