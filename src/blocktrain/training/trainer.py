@@ -258,14 +258,11 @@ class Trainer:
                     noise_gen = torch.Generator(self.device).manual_seed(
                         stream_seed(cfg.seed, unit.index, self.step, salt=2)
                     )
-                    parts: LossParts = self.loss(
-                        unit.module,
-                        unit.index,
-                        x,  # type: ignore[arg-type]
-                        noise_gen,
-                    )
+                    block = self.stack.block(unit.index)
+                    parts: LossParts = self.loss(block, unit.index, x, noise_gen)
                 else:
-                    parts = reference_loss(unit.module, x)  # type: ignore[arg-type]
+                    assert self.reference is not None
+                    parts = reference_loss(self.reference, x)
             unit.optimizer.zero_grad(set_to_none=True)
             parts.total.backward()
             if tcfg.grad_clip > 0:
