@@ -29,6 +29,7 @@ from blocktrain.cli.common import (
 from blocktrain.config import RunConfig, apply_overrides
 from blocktrain.data import load_split, resolve_data_path
 from blocktrain.errors import ConfigError
+from blocktrain.fsutil import atomic_write_bytes
 from blocktrain.protocol.cluster import run_cluster
 from blocktrain.protocol.storage import StateDir
 from blocktrain.protocol.tokens import hash_token, new_token
@@ -305,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
         "config": cfg.to_dict(),
     }
     out.mkdir(parents=True, exist_ok=True)
-    ckpt.atomic_write_bytes(out / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
+    atomic_write_bytes(out / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
     state.close()
     if args.json:
         print_json(summary)

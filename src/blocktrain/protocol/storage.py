@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
@@ -26,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save
 
 from blocktrain.errors import ProtocolError
+from blocktrain.fsutil import atomic_write_bytes
 from blocktrain.protocol.ledger import Ledger
 from blocktrain.protocol.settings import AggregatorSettings
 
@@ -39,26 +38,6 @@ ENDPOINT = "endpoint.json"
 
 Tensors = dict[str, torch.Tensor]
 _VERSION_FILE = re.compile(r"^([vm])(\d+)\.safetensors$")
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Temporary file in the same folder, fsync, rename; then fsync the folder."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 class StateDir:
@@ -109,7 +88,7 @@ class StateDir:
             "run_config": run_config,
             "settings": settings.to_dict(),
         }
-        atomic_write(self.root / MANIFEST, (json.dumps(doc, indent=2) + "\n").encode())
+        atomic_write_bytes(self.root / MANIFEST, (json.dumps(doc, indent=2) + "\n").encode())
 
     def manifest(self) -> dict[str, Any]:
         path = self.root / MANIFEST
@@ -163,7 +142,7 @@ class StateDir:
             {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tensors.items()},
             metadata={"block": str(block), "version": str(version), "kind": kind},
         )
-        atomic_write(self.tensors_path(block, version, kind), body)
+        atomic_write_bytes(self.tensors_path(block, version, kind), body)
 
     def load_tensors(self, block: int, version: int, kind: str = "v") -> Tensors:
         path = self.tensors_path(block, version, kind)
@@ -203,7 +182,7 @@ class StateDir:
     def write_pending(self, block: int, body: bytes) -> str:
         """Store an update's body durably; returns its name (relative to the state folder)."""
         name = f"pending/{block}/{uuid.uuid4().hex}.safetensors"
-        atomic_write(self.root / name, body)
+        atomic_write_bytes(self.root / name, body)
         return name
 
     def read_pending(self, name: str) -> bytes:
@@ -221,7 +200,7 @@ class StateDir:
     # ------------------------------------------------------------------ endpoint
 
     def write_endpoint(self, url: str, pid: int) -> None:
-        atomic_write(self.root / ENDPOINT, json.dumps({"url": url, "pid": pid}).encode())
+        atomic_write_bytes(self.root / ENDPOINT, json.dumps({"url": url, "pid": pid}).encode())
 
     def read_endpoint(self) -> dict[str, Any] | None:
         path = self.root / ENDPOINT

@@ -13,18 +13,17 @@ Nothing here unpickles: tensors live in safetensors only, everything else in JSO
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from blocktrain.config import RunConfig
 from blocktrain.errors import BlockTrainError, CheckpointError, ConfigError
+from blocktrain.fsutil import atomic_write_bytes
 from blocktrain.model import BlockStack, Reference, init_reference
 
 FORMAT = "blocktrain"
@@ -45,37 +44,11 @@ class RunInfo:
     blocks: list[int]  # blocks whose weights this run holds (empty for a reference)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write via a temporary file in the same folder, fsync, then rename over `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def atomic_save_tensors(
     path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
 ) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(
-            {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=metadata
-        )
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    data = save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata=metadata)
+    atomic_write_bytes(path, data)
 
 
 def load_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

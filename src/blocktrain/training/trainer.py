@@ -25,6 +25,7 @@ from tqdm import tqdm
 from blocktrain.config import RunConfig
 from blocktrain.data import ByteSource
 from blocktrain.errors import CheckpointError
+from blocktrain.fsutil import atomic_write_bytes
 from blocktrain.model import BlockStack, Reference, init_reference
 from blocktrain.training import checkpoint as ckpt
 from blocktrain.training.evaluate import (
@@ -233,7 +234,7 @@ class Trainer:
             with contextlib.suppress(json.JSONDecodeError):
                 if json.loads(line).get("step", 0) <= self.step:
                     kept.append(line)
-        ckpt.atomic_write_bytes(path, ("\n".join(kept) + "\n" if kept else "").encode())
+        atomic_write_bytes(path, ("\n".join(kept) + "\n" if kept else "").encode())
 
     # ---------------------------------------------------------------- the loop
 
