@@ -6,6 +6,8 @@ side by side in one invocation, on the same data and seeds:
   leakage    sigma in [0.002, 2] against [1, 10]                    -> leakage.json
   depth      1, 2 and 4 layers per block at B = 3                   -> depth.json
   span       K = 1, 4, 16, 64                                       -> span.json
+  variants   one design point changed at a time (aux loss, gates, z token, sigma_data,
+             overlap) at the fixed budget                           -> variants.json
   memory     peak memory of a one-block worker against the reference, optimizer state against
              `blocktrain plan`                                      -> memory.json
 
@@ -303,6 +305,19 @@ class Bench:
             for k in (1, 4, 16, 64)
         }
 
+    def study_variants(self) -> dict[str, Any]:
+        """One design point changed at a time against the defaults, at the fixed budget: where
+        the gap is won or lost (DESIGN.md 2.9's suspects, and the sampler)."""
+        out = {
+            "defaults": self.fixed("fixed-defaults"),
+            "aux_weight=0": self.fixed("var-noaux", "aux_weight=0"),
+            "gates_open=false": self.fixed("var-gates-shut", "gates_open=false"),
+            "z_prev_byte=false": self.fixed("var-no-prev", "z_prev_byte=false"),
+            "sigma_data=0.5": self.fixed("var-sd-0.5", "sigma_data=0.5"),
+            "overlap=0": self.fixed("var-overlap-0", "overlap=0"),
+        }
+        return out
+
     def study_memory(self) -> dict[str, Any]:
         cfg = apply_overrides(preset("paper"), list(self.mode.memory_overrides))
         planned = plan(cfg)
@@ -381,6 +396,7 @@ def tables(results: dict[str, Any], command: str) -> str:
         ("leakage", "sigma range"),
         ("depth", "layers per block"),
         ("span", "span K"),
+        ("variants", "one change from the defaults"),
     ):
         if study not in results:
             continue
@@ -425,7 +441,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--quick", action="store_true", help="the tiny shape, minutes")
-    p.add_argument("--studies", default="reference,leakage,depth,span,memory")
+    p.add_argument("--studies", default="reference,leakage,depth,span,variants,memory")
     p.add_argument("--data", default=None, help="corpus (default: $BLOCKTRAIN_DATA)")
     p.add_argument("--work", type=Path, default=None, help="run folders (resumable)")
     args = p.parse_args()
@@ -436,19 +452,13 @@ def main() -> None:
     bench = Bench(mode, work, args.data)
     started = time.time()
     results: dict[str, Any] = {}
-    names = {
-        "reference": "quality",
-        "leakage": "leakage",
-        "depth": "depth",
-        "span": "span",
-        "memory": "memory",
-    }
+    json_name = {"reference": "quality"}  # the other studies write STUDY.json
     command = ("python bench/quality.py " + " ".join(sys.argv[1:])).strip()
     for study in args.studies.split(","):
         results[study] = getattr(bench, f"study_{study}")()
         # written as each study ends, so an interrupted bench keeps what it measured
         write_json(
-            f"{names[study]}{suffix}.json",
+            f"{json_name.get(study, study)}{suffix}.json",
             {
                 "command": command,
                 "mode": dataclasses.asdict(mode),
