@@ -452,13 +452,7 @@ class AggregatorService:
                 now = self.clock()
                 fields: dict[str, Any] = {}
                 if meta is not None:
-                    fields = {
-                        "round": meta.round,
-                        "base_version": meta.base_version,
-                        "tokens": meta.tokens,
-                        "loss": _finite(meta.loss),
-                        "norm": _finite(candidate.norm),
-                    }
+                    fields = _update_fields(meta, candidate.norm)
                     st.rounds.record(ctx.worker_id, verdict, round=meta.round, now=now)
                 self._record_refusal(
                     ctx.received,
@@ -479,13 +473,7 @@ class AggregatorService:
             verdict = st.rounds.judge(
                 ctx.worker_id, round=meta.round, base_version=meta.base_version, now=now
             )
-            common: dict[str, Any] = {
-                "round": meta.round,
-                "base_version": meta.base_version,
-                "tokens": meta.tokens,
-                "loss": _finite(meta.loss),
-                "norm": candidate.norm,
-            }
+            common = _update_fields(meta, candidate.norm)
             if not verdict.accepted:
                 self.storage.remove_pending(name)
                 st.rounds.record(ctx.worker_id, verdict, round=meta.round, now=now)
@@ -849,6 +837,17 @@ class AggregatorService:
 
 def _finite(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
+
+
+def _update_fields(meta: Any, norm: float | None) -> dict[str, Any]:
+    """The ledger columns an update's metadata fills, accepted or refused."""
+    return {
+        "round": meta.round,
+        "base_version": meta.base_version,
+        "tokens": meta.tokens,
+        "loss": _finite(meta.loss),
+        "norm": _finite(norm),
+    }
 
 
 def _label(value: Any) -> str:
