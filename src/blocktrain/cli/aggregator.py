@@ -20,10 +20,9 @@ from typing import Any
 from blocktrain.cli.common import Formatter, add_config_args, resolve_config
 from blocktrain.config import RunConfig
 from blocktrain.errors import ConfigError, ProtocolError
-from blocktrain.model import init_block
 from blocktrain.protocol.settings import AggregatorSettings
 from blocktrain.protocol.storage import StateDir
-from blocktrain.training.local import delta_norm_bound, token_bound
+from blocktrain.training.local import derived_settings, initial_blocks
 
 log = logging.getLogger(__name__)
 
@@ -55,65 +54,71 @@ SETTING_FLAGS = {
 }
 
 
-def add_protocol_args(p: argparse.ArgumentParser) -> None:
-    """The protocol settings (shared with `blocktrain cluster`); None means "keep/default"."""
-    g = p.add_argument_group("protocol settings (saved in the state folder)")
+def add_protocol_args(
+    p: argparse.ArgumentParser,
+    title: str = "protocol settings (saved in the state folder)",
+    exclude: tuple[str, ...] = (),
+) -> None:
+    """The protocol settings (shared with `blocktrain cluster` and `simulate`, which leaves out
+    the flags in `exclude`); None means "keep/default"."""
+    g = p.add_argument_group(title)
     g.argument_default = argparse.SUPPRESS  # absent flags keep the saved or default value
-    g.add_argument(
+
+    def add(flag: str, **kwargs: Any) -> None:
+        if flag[2:].replace("-", "_") not in exclude:
+            g.add_argument(flag, **kwargs)
+
+    add(
         "--deadline",
         type=float,
         metavar="S",
         help="seconds from a round's first pull to its deadline (default 60)",
     )
-    g.add_argument(
-        "--local-steps", type=int, metavar="H", help="local AdamW steps per round (default 10)"
-    )
-    g.add_argument(
+    add("--local-steps", type=int, metavar="H", help="local AdamW steps per round (default 10)")
+    add(
         "--max-rounds",
         type=int,
         metavar="R",
         help="rounds per block, then stop (default: run until stopped)",
     )
-    g.add_argument(
+    add(
         "--staleness",
         type=int,
         metavar="S",
         help="count updates up to S rounds late, down-weighted (default 0: refuse them as late)",
     )
-    g.add_argument("--stale-weight", type=float, help="weight factor per round of lateness")
-    g.add_argument(
+    add("--stale-weight", type=float, help="weight factor per round of lateness")
+    add(
         "--rule",
         choices=("mean", "median", "trimmed_mean"),
         help="aggregation rule (default mean, token-weighted)",
     )
-    g.add_argument("--trim", type=float, help="fraction trimmed per end by trimmed_mean")
-    g.add_argument("--outer-lr", type=float, help="outer learning rate (default 1)")
-    g.add_argument("--outer-momentum", type=float, help="outer Nesterov momentum (default 0)")
-    g.add_argument(
+    add("--trim", type=float, help="fraction trimmed per end by trimmed_mean")
+    add("--outer-lr", type=float, help="outer learning rate (default 1)")
+    add("--outer-momentum", type=float, help="outer Nesterov momentum (default 0)")
+    add(
         "--wire-dtype",
         choices=("fp16", "bf16", "fp32"),
         help="dtype of weights and deltas on the wire (default fp16)",
     )
-    g.add_argument(
+    add(
         "--max-delta-norm",
         type=float,
         help="refuse deltas with a larger L2 norm (default: 4 x lr x H x sqrt(params))",
     )
-    g.add_argument(
+    add(
         "--max-tokens",
         type=int,
         help="refuse larger token counts (default: 2 x H x batch x seq_len)",
     )
-    g.add_argument(
+    add(
         "--max-body-bytes",
         type=int,
         help="request size limit (default: twice the block's fp32 size + 1 MiB)",
     )
-    g.add_argument("--n-workers", type=int, help="data-seed stride: seed * n + worker_id")
-    g.add_argument(
-        "--keep-versions", type=int, help="committed versions kept per block (0: all; default 3)"
-    )
-    g.add_argument(
+    add("--n-workers", type=int, help="data-seed stride: seed * n + worker_id")
+    add("--keep-versions", type=int, help="committed versions kept per block (0: all; default 3)")
+    add(
         "--live-window",
         type=float,
         metavar="S",
@@ -151,24 +156,10 @@ def settings_overrides(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def initial_blocks(cfg: RunConfig) -> dict[int, dict[str, Any]]:
-    """Version 0 of every block: exactly what a worker's `init_block` builds."""
-    return {b: init_block(cfg.model, cfg.seed, b).state_dict() for b in range(cfg.model.blocks)}
-
-
 def create_state(state_dir: Path, cfg: RunConfig, overrides: dict[str, Any]) -> StateDir:
     """A new state folder for `cfg`, with the norm and token bounds derived from it."""
     blocks = initial_blocks(cfg)
-    n_params = max(sum(t.numel() for t in w.values()) for w in blocks.values())
-    base = AggregatorSettings().replace(
-        **{k: v for k, v in overrides.items() if k not in ("max_delta_norm", "max_tokens")}
-    )
-    settings = base.replace(
-        max_delta_norm=overrides.get(
-            "max_delta_norm", delta_norm_bound(cfg, base.local_steps, n_params)
-        ),
-        max_tokens=overrides.get("max_tokens", token_bound(cfg, base.local_steps)),
-    )
+    settings = derived_settings(cfg, overrides, blocks)
     return StateDir.create(state_dir, run_config=cfg.to_dict(), settings=settings, blocks=blocks)
 
 

@@ -165,7 +165,11 @@ def check_dtypes(c: Candidate) -> Verdict:
 def check_finite(c: Candidate) -> Verdict:
     c.tensors = c.decoded.to_torch()
     for name, t in c.tensors.items():
-        if not bool(torch.isfinite(t).all()):
+        # An fp32 sum is finite when every value is (fp16 values cannot overflow it), and it is
+        # about 8x cheaper than isfinite on a half tensor; a non-finite sum gets the exact test.
+        if not bool(torch.isfinite(t.sum(dtype=torch.float32))) and not bool(
+            torch.isfinite(t).all()
+        ):
             return Verdict.refuse("non_finite", f"{name} holds NaN or Inf")
     return Verdict.ok()
 

@@ -89,6 +89,32 @@ def encode(
     return save(cast, metadata={k: str(v) for k, v in metadata.items()})
 
 
+def update_body(
+    block: int,
+    delta: dict[str, torch.Tensor],
+    *,
+    base_version: int,
+    round: int,
+    tokens: int,
+    loss: float | None = None,
+    worker_id: int | None = None,
+    dtype: str = "fp16",
+) -> bytes:
+    """The body of a push: the delta in the wire dtype, with the metadata the aggregator's
+    validators read (the simulator builds its pushes with this too)."""
+    meta: dict[str, object] = {
+        "block": block,
+        "base_version": base_version,
+        "round": round,
+        "tokens": tokens,
+    }
+    if loss is not None:
+        meta["loss"] = f"{loss:.6f}"
+    if worker_id is not None:
+        meta["worker_id"] = worker_id
+    return encode(delta, meta, dtype)
+
+
 def looks_like_pickle(body: bytes) -> bool:
     """A pickle (protocol 2+ starts with PROTO) or a zip, which is what torch.save writes."""
     return (len(body) >= 2 and body[0] == 0x80 and 2 <= body[1] <= 5) or body.startswith(

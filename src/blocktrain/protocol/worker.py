@@ -29,7 +29,7 @@ import httpx
 import torch
 
 from blocktrain.errors import ProtocolError, Refused, Unreachable
-from blocktrain.protocol.wire import CONTENT_TYPE, WireError, decode, encode
+from blocktrain.protocol.wire import CONTENT_TYPE, WireError, decode, update_body
 
 log = logging.getLogger(__name__)
 
@@ -251,17 +251,17 @@ class AggregatorClient:
         loss: float | None = None,
         dtype: str = "fp16",
     ) -> PushResult:
-        meta: dict[str, object] = {
-            "block": block,
-            "base_version": base_version,
-            "round": round,
-            "tokens": tokens,
-        }
-        if loss is not None:
-            meta["loss"] = f"{loss:.6f}"
-        if self.worker_id is not None:
-            meta["worker_id"] = self.worker_id
-        return self.push_bytes(block, encode(delta, meta, dtype))
+        body = update_body(
+            block,
+            delta,
+            base_version=base_version,
+            round=round,
+            tokens=tokens,
+            loss=loss,
+            worker_id=self.worker_id,
+            dtype=dtype,
+        )
+        return self.push_bytes(block, body)
 
     def push_bytes(self, block: int, body: bytes) -> PushResult:
         """Push an encoded update; a refusal is returned (not raised) with its reason."""

@@ -36,6 +36,9 @@ class EvalSettings:
     """Windows per forward pass."""
     sampler: str = "euler"
     """The sampler's step: "euler" (DESIGN.md 2.6) or "ancestral" (re-noise from a sample)."""
+    oracle: bool = True
+    """Also measure each block's oracle CE (one more forward per block; per-round curves that
+    only need the from-noise CE turn it off)."""
 
 
 def _scored(t: int) -> slice:
@@ -121,8 +124,9 @@ def evaluate_blocktrain(
             logp_true[sweep] = logp.gather(-1, target[..., None])[..., 0]
         from_noise_nll -= float(logp_true.sum()) / m
         sampler_nll -= float((logp_true.logsumexp(dim=0) - math.log(m)).sum())
-        for b in range(cfg.blocks):
-            oracle_nll[b] += _oracle_nll(stack, b, x, layout, gen)
+        if settings.oracle:
+            for b in range(cfg.blocks):
+                oracle_nll[b] += _oracle_nll(stack, b, x, layout, gen)
         n_scored += target.numel()
 
     sampler_ce = sampler_nll / n_scored
@@ -130,8 +134,8 @@ def evaluate_blocktrain(
         "sampler_ce": sampler_ce,
         "from_noise_ce": from_noise_nll / n_scored,
         "ce_per_step": [v / (n_scored * m) for v in step_nll],
-        "oracle_ce": sum(oracle_nll) / (n_scored * cfg.blocks),
-        "oracle_ce_per_block": [v / n_scored for v in oracle_nll],
+        "oracle_ce": sum(oracle_nll) / (n_scored * cfg.blocks) if settings.oracle else None,
+        "oracle_ce_per_block": [v / n_scored for v in oracle_nll] if settings.oracle else None,
         **ce_summary(sampler_ce),
         "sweeps": m,
         "steps_per_block": settings.steps_per_block,
