@@ -19,6 +19,7 @@ from blocktrain.cli import (
     plan,
     serve,
     serve_block,
+    simulate,
     status,
     token,
     train,
@@ -41,6 +42,7 @@ SUBCOMMANDS = (
     status,
     export,
     cluster,
+    simulate,
 )
 
 EPILOG = """examples:
@@ -48,6 +50,7 @@ EPILOG = """examples:
   blocktrain eval runs/tiny --split test --json
   blocktrain generate runs/tiny --prompt "The " --bytes 200
   blocktrain plan --preset paper --json
+  blocktrain simulate --workers 6 --rounds 30 --regime lockstep,mild,wan --out runs/sim
 """
 
 

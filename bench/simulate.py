@@ -1,0 +1,120 @@
+"""The asynchronous simulator's regimes side by side (DESIGN.md 5 and 7.5).
+
+    1. blocktrain simulate --preset tiny --workers 6 --rounds 30 --regime lockstep,mild,wan
+       (real local training; one process; virtual time)
+    2. the same regimes with --timing-only over 10 seeds: how far one run's realised
+       participation scatters around the regime's mean
+
+Writes benchmarks/results/simulate.json, benchmarks/results/simulate.png (CE against rounds and
+against virtual time) and the `simulate` section of BENCHMARKS.md.
+
+    python bench/simulate.py                  # about 15 minutes on 2 shared cores
+    python bench/simulate.py --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from report import RESULTS, ROOT, machine, update_section, write_json  # bench/report.py
+
+BLOCKTRAIN = [sys.executable, "-m", "blocktrain.cli.main"]
+
+
+def blocktrain(argv: list[str]) -> dict[str, Any]:
+    print("$ blocktrain " + " ".join(argv), file=sys.stderr, flush=True)
+    out = subprocess.run(
+        [*BLOCKTRAIN, *argv], cwd=ROOT, check=True, stdout=subprocess.PIPE, text=True
+    ).stdout
+    return dict(json.loads(out))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--workers", type=int, default=6)
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--regime", default="lockstep,mild,wan")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the simulation")
+    p.add_argument("--seeds", type=int, default=10, help="seeds of the timing-only sweep")
+    args = p.parse_args()
+    common = ["--preset", args.preset, "--workers", str(args.workers)]
+    common += ["--rounds", str(args.rounds), "--regime", args.regime, "--no-progress"]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "sim"
+        argv = ["simulate", *common, "--threads", str(args.threads), "--json"]
+        report = blocktrain([*argv, "--out", str(out)])
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        shutil.copy(out / "ce.png", RESULTS / "simulate.png")
+    spread: dict[str, list[float]] = {}
+    for seed in range(args.seeds):
+        timing = blocktrain(["simulate", *common, "--timing-only", "--seed", str(seed), "--json"])
+        for name, r in timing["regimes"].items():
+            spread.setdefault(name, []).append(r["participation"])
+    report.pop("outputs", None)
+    command = "python bench/simulate.py " + " ".join(sys.argv[1:])
+    wall = sum(r["compute"]["wall_s"] for r in report["regimes"].values())
+    train = sum(r["compute"]["train_s"] for r in report["regimes"].values())
+    result = {
+        "command": command.strip(),
+        "machine": machine(),
+        "simulate_argv": argv,
+        "train_fraction": train / wall,
+        "participation_over_seeds": {
+            name: {"mean": statistics.mean(v), "stdev": statistics.stdev(v), "runs": v}
+            for name, v in spread.items()
+        },
+        **report,
+    }
+    write_json("simulate.json", result)
+    update_section("simulate", markdown(result))
+    print(markdown(result))
+
+
+def markdown(result: dict[str, Any]) -> str:
+    regimes = result["regimes"]
+    rows = [
+        f"`{result['command']}` ({result['workers']} workers, preset "
+        f"{result['config']['preset']}, {result['rounds']} rounds of H = "
+        f"{result['protocol']['local_steps']}, one process; per-round CE: one sweep from noise "
+        f"on {result['eval']['bytes']} validation bytes). Plot: "
+        "[benchmarks/results/simulate.png](benchmarks/results/simulate.png).",
+        "",
+        "| regime | deadline (virtual s) | participation (this run) | participation, "
+        f"{len(next(iter(result['participation_over_seeds'].values()))['runs'])} seeds "
+        "(timing only) | initial CE | final CE | final − lockstep | virtual time (s) | "
+        "refused | dropped | training share of wall time |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    lock = regimes.get("lockstep", {}).get("final_ce")
+    for name, r in regimes.items():
+        seeds = result["participation_over_seeds"][name]
+        refused = ", ".join(f"{k} {v}" for k, v in r["updates"]["refused"].items()) or "none"
+        diff = "—" if lock is None else f"{r['final_ce'] - lock:+.3f}"
+        rows.append(
+            f"| {name} | {r['deadline_s']:.2f} | {r['participation']:.1%} | "
+            f"{seeds['mean']:.1%} ± {seeds['stdev']:.1%} | {r['initial_ce']:.3f} | "
+            f"{r['final_ce']:.3f} | {diff} | {r['virtual_time_s']:.0f} | {refused} | "
+            f"{r['updates']['dropped']} | {r['compute']['train_fraction']:.1%} |"
+        )
+    rows += [
+        "",
+        f"Training compute took {result['train_fraction']:.1%} of the simulation's wall time "
+        "over all regimes (the rest: per-round evaluation, safetensors encoding, validation, "
+        "aggregation and the event loop).",
+    ]
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""`blocktrain simulate`: the decentralised protocol in one process, on a virtual clock.
+
+N virtual workers (each assigned a block, as the aggregator assigns them) pull, train H real
+local steps, and push their deltas through the protocol's own round state machine, validators
+and aggregation. How long each step, message and transfer takes, and who drops out, is drawn
+from a participation regime; nothing sleeps, so 30 rounds of a WAN take the compute of 30 rounds.
+Several regimes run side by side from the same initial weights, data and seeds.
+
+Regimes: lockstep (every update arrives), mild (about 90% arrive before the deadline), wan
+(about 42%), or a .json/.toml file (see `blocktrain.simulate.regimes`).
+
+Writes OUT/simulate.json (everything), OUT/REGIME/rounds.jsonl (one record per round: virtual
+time, accepted and refused updates per block with reasons, participation, from-noise CE),
+OUT/REGIME/weights.safetensors (the final blocks) and OUT/ce.png (CE against rounds and against
+virtual time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from blocktrain.cli.aggregator import add_protocol_args, settings_overrides
+from blocktrain.cli.common import (
+    Formatter,
+    add_config_args,
+    add_data_arg,
+    print_json,
+    resolve_config,
+)
+from blocktrain.config import apply_overrides
+from blocktrain.data import load_split, resolve_data_path
+from blocktrain.errors import ConfigError
+from blocktrain.simulate import SimSpec, parse_regimes, simulate, write_outputs
+from blocktrain.simulate.run import table
+
+EXAMPLES = """examples:
+  blocktrain simulate --preset tiny --workers 6 --rounds 30 --regime lockstep,mild,wan \\
+      --out runs/sim
+  blocktrain simulate --workers 6 --rounds 30 --regime wan --staleness 1 --json
+  blocktrain simulate --workers 12 --rounds 50 --regime mild,my-regime.toml --timing-only
+"""
+
+NOT_SIMULATED = ("max_rounds", "max_body_bytes", "n_workers", "keep_versions", "live_window")
+"""Aggregator flags that mean nothing here (--rounds and --workers set the first ones)."""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="simulate decentralised training under participation regimes (one process)",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=Formatter,
+    )
+    add_config_args(p)
+    add_data_arg(p)
+    p.add_argument("--workers", type=int, default=6, metavar="N", help="virtual workers")
+    p.add_argument("--rounds", type=int, default=30, metavar="R", help="rounds per block")
+    p.add_argument(
+        "--regime",
+        default="lockstep,mild,wan",
+        metavar="NAMES",
+        help="comma-separated regimes: lockstep, mild, wan or .json/.toml files",
+    )
+    p.add_argument("--seed", type=int, help="run seed (overrides the preset's)")
+    p.add_argument("--out", metavar="DIR", help="write records, weights and the plot here")
+    p.add_argument(
+        "--eval-bytes", type=int, default=4096, help="validation bytes for the per-round CE"
+    )
+    p.add_argument(
+        "--eval-every", type=int, default=1, metavar="K", help="measure the CE every K rounds"
+    )
+    p.add_argument(
+        "--timing-only",
+        action="store_true",
+        help="no training: zero deltas, to measure a regime's participation in seconds",
+    )
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    add_protocol_args(p, "protocol settings (virtual seconds)", exclude=NOT_SIMULATED)
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    regimes = parse_regimes(args.regime)
+    if args.threads is not None:
+        if args.threads <= 0:
+            raise ConfigError("--threads must be positive")
+        torch.set_num_threads(args.threads)
+    protocol = settings_overrides(args)
+    local_steps = int(protocol.get("local_steps", 10))
+    cfg = resolve_config(args)
+    if not any(
+        item.split("=", 1)[0].strip() in ("steps", "train.steps") for item in args.overrides
+    ):
+        # the learning-rate schedule spans the run: round r runs steps r*H .. r*H + H - 1
+        cfg = apply_overrides(cfg, [f"steps={args.rounds * local_steps}"])
+    spec = SimSpec(
+        cfg,
+        args.workers,
+        args.rounds,
+        protocol,
+        seed=cfg.seed,
+        eval_bytes=args.eval_bytes,
+        eval_every=args.eval_every,
+        timing_only=args.timing_only,
+    )
+    out = Path(args.out) if args.out else None
+    if out is not None and (out / "simulate.json").exists():
+        raise ConfigError(f"{out} already holds a simulation; choose another --out")
+    train = valid = None
+    if not args.timing_only:
+        data = resolve_data_path(args.data)
+        train, valid = load_split(data, "train"), load_split(data, "valid")
+
+    bars: dict[str, Any] = {}
+
+    def progress(name: str, done: int, total: int) -> None:
+        if args.no_progress:
+            return
+        bar = bars.get(name)
+        if bar is None:
+            bar = bars[name] = tqdm(
+                total=total, desc=f"simulate {name}", unit="round", file=sys.stderr, leave=True
+            )
+        bar.update(done - bar.n)
+        if done == total:
+            bar.close()
+
+    report, weights = simulate(spec, regimes, train, valid, progress=progress)
+    for bar in bars.values():
+        bar.close()
+    if out is not None:
+        report["outputs"] = [str(p) for p in write_outputs(out, report, weights)]
+    if args.json:
+        print_json(report)
+    else:
+        print(table(report))
+        if out is not None:
+            print(f"records, weights and the plot: {out}")
+    return 0

@@ -1,0 +1,22 @@
+"""The single-machine asynchronous simulator (DESIGN.md section 5): virtual workers with drawn
+compute times, latencies, bandwidths and dropouts, on a virtual clock, against the protocol's own
+round state machine, validators and aggregation."""
+
+from blocktrain.simulate.aggregator import SimAggregator
+from blocktrain.simulate.engine import Simulation, TimingOnlyTrainer
+from blocktrain.simulate.regimes import REGIMES, Dist, Regime, load_regime, parse_regimes
+from blocktrain.simulate.run import SimSpec, simulate, write_outputs
+
+__all__ = [
+    "REGIMES",
+    "Dist",
+    "Regime",
+    "SimAggregator",
+    "SimSpec",
+    "Simulation",
+    "TimingOnlyTrainer",
+    "load_regime",
+    "parse_regimes",
+    "simulate",
+    "write_outputs",
+]

@@ -1,0 +1,356 @@
+"""The event loop: N virtual workers against one `SimAggregator`, on a virtual clock.
+
+Nothing sleeps. Events wait in a heap ordered by (virtual time, insertion order), so a run is a
+pure function of its seed. A worker's life mirrors `protocol.worker.WorkerLoop`:
+
+    ready    ->  its pull reaches the aggregator one latency later; if the open round is one it
+                 already trained on, it waits (a long poll) until that round closes
+    pull     ->  the weights travel back: latency + bytes / bandwidth
+    pulled   ->  with probability `dropout` it vanishes until the round's deadline; else it
+                 trains H local steps *for real* (the compute is done now, its virtual duration
+                 is drawn: H x step x speed) and sends the delta: latency + bytes / bandwidth
+    push     ->  the aggregator validates and judges it; the answer takes one latency
+    pushed   ->  ready again
+
+Deadlines are events too: the first pull of a round schedules a tick at its deadline.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from blocktrain.protocol.rounds import RoundClosed, RoundView, participation
+from blocktrain.protocol.settings import AggregatorSettings
+from blocktrain.protocol.wire import update_body
+from blocktrain.simulate.aggregator import Judged, SimAggregator
+from blocktrain.simulate.regimes import Regime
+
+Tensors = dict[str, torch.Tensor]
+
+
+class LocalTrainer(Protocol):
+    """What a virtual worker trains with (`training.local.LocalBlockTrainer`, or a timing-only
+    stand-in)."""
+
+    def load(self, weights: Tensors) -> None: ...
+
+    def train(self, steps: int, first_step: int) -> dict[str, float]: ...
+
+    def delta(self) -> Tensors: ...
+
+
+class TimingOnlyTrainer:
+    """No compute: zero deltas with honest token counts, for timing and participation studies
+    (`blocktrain simulate --timing-only`) and tests."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], tokens_per_step: int) -> None:
+        self.zeros = {k: torch.zeros(s) for k, s in shapes.items()}
+        self.tokens_per_step = tokens_per_step
+
+    def load(self, weights: Tensors) -> None:
+        pass
+
+    def train(self, steps: int, first_step: int) -> dict[str, float]:
+        return {"tokens": float(steps * self.tokens_per_step), "loss": math.nan, "steps": steps}
+
+    def delta(self) -> Tensors:
+        return self.zeros
+
+
+@dataclass
+class VirtualWorker:
+    id: int
+    block: int
+    trainer: LocalTrainer
+    speed: float
+    bandwidth: float
+    """Bytes per virtual second."""
+    last_round: int = -1
+    """The last round it trained on (or gave up on); it waits for a later one."""
+    holding: tuple[RoundView, Tensors] | None = None
+    body: tuple[int, bytes] | None = None
+    """(round, body) of the push in flight."""
+    stopped: bool = False
+    accepted: int = 0
+    refused: Counter[str] = field(default_factory=Counter)
+    dropped: int = 0
+    local_steps: int = 0
+
+
+@dataclass
+class Clocks:
+    """Where the wall time of a run went."""
+
+    train_s: float = 0.0
+    eval_s: float = 0.0
+    wall_s: float = 0.0
+
+    def to_dict(self) -> dict[str, float]:
+        other = max(0.0, self.wall_s - self.train_s - self.eval_s)
+        return {
+            "wall_s": self.wall_s,
+            "train_s": self.train_s,
+            "eval_s": self.eval_s,
+            "other_s": other,
+            "train_fraction": self.train_s / self.wall_s if self.wall_s > 0 else 0.0,
+        }
+
+
+Evaluator = Callable[[dict[int, Tensors]], float]
+"""Assembled per-block weights -> from-noise CE."""
+
+
+class Simulation:
+    """One regime, start to finish."""
+
+    def __init__(
+        self,
+        regime: Regime,
+        settings: AggregatorSettings,
+        initial: dict[int, Tensors],
+        make_trainer: Callable[[int, int], LocalTrainer],
+        n_workers: int,
+        *,
+        seed: int,
+        evaluate: Evaluator | None = None,
+        eval_every: int = 1,
+        on_round: Callable[[int, int], None] | None = None,
+    ) -> None:
+        if settings.max_rounds is None:
+            raise ValueError("a simulation needs settings.max_rounds")
+        self.regime = regime
+        self.rng = random.Random(f"blocktrain-simulate:{seed}:{regime.name}")
+        n_params = max(sum(t.numel() for t in w.values()) for w in initial.values())
+        wire_bytes = n_params * (4 if settings.wire_dtype == "fp32" else 2)
+        self.deadline_s = regime.deadline_for(settings.local_steps, wire_bytes, wire_bytes)
+        self.settings = settings.replace(deadline_s=self.deadline_s)
+        self.agg = SimAggregator(initial, self.settings)
+        self.agg.on_close.append(self._closed)
+        self.evaluate = evaluate
+        self.eval_every = eval_every
+        self.on_round = on_round
+        self.rounds = settings.max_rounds
+        self.clocks = Clocks()
+        self._heap: list[tuple[float, int, str, int]] = []
+        self._seq = 0
+        self._waiting: dict[int, list[VirtualWorker]] = {b: [] for b in initial}
+        self._deadline_ticks: set[tuple[int, int]] = set()
+        self.closed: dict[tuple[int, int], RoundClosed] = {}
+        self.versions: dict[tuple[int, int], int] = {}
+        self.refusals: dict[tuple[int, int], Counter[str]] = {}
+        self._snapshots: dict[int, dict[int, Tensors]] = {}
+        self.ce: dict[int, float] = {}
+        self.bytes_down = 0
+        self.bytes_up = 0
+        self.workers: list[VirtualWorker] = []
+        for _ in range(n_workers):
+            worker_id, block = self.agg.register(0.0)
+            self.workers.append(
+                VirtualWorker(
+                    worker_id,
+                    block,
+                    make_trainer(worker_id, block),
+                    speed=regime.speed.draw(self.rng),
+                    bandwidth=regime.bandwidth_MBps.draw(self.rng) * 1e6,
+                )
+            )
+        self._by_id = {w.id: w for w in self.workers}
+        self._wire_bytes = wire_bytes
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> None:
+        started = time.perf_counter()
+        for w in self.workers:
+            self._ready(w, 0.0)
+        while self._heap:
+            now, _, kind, key = heapq.heappop(self._heap)
+            if kind == "tick":
+                self.agg.tick(now)
+                continue
+            w = self._by_id[key]
+            getattr(self, f"_on_{kind}")(w, now)
+        self.clocks.wall_s = time.perf_counter() - started
+
+    def _at(self, when: float, kind: str, key: int) -> None:
+        heapq.heappush(self._heap, (when, self._seq, kind, key))
+        self._seq += 1
+
+    def _latency(self) -> float:
+        return self.regime.latency_s.draw(self.rng)
+
+    def _ready(self, w: VirtualWorker, now: float) -> None:
+        self._at(now + self._latency(), "pull", w.id)
+
+    def _on_pull(self, w: VirtualWorker, now: float) -> None:
+        rounds = self.agg.blocks[w.block].rounds
+        if not rounds.done and rounds.round <= w.last_round:
+            self._waiting[w.block].append(w)  # long poll until the round closes
+            return
+        view, weights = self.agg.pull(w.id, w.block, now)
+        if weights is None:
+            w.stopped = True
+            return
+        if view.deadline is not None and (w.block, view.round) not in self._deadline_ticks:
+            self._deadline_ticks.add((w.block, view.round))
+            self._at(view.deadline, "tick", w.block)
+        w.holding = (view, weights)
+        self.bytes_down += self._wire_bytes
+        self._at(now + self._latency() + self._wire_bytes / w.bandwidth, "pulled", w.id)
+
+    def _on_pulled(self, w: VirtualWorker, now: float) -> None:
+        assert w.holding is not None
+        view, weights = w.holding
+        w.holding = None
+        if self.rng.random() < self.regime.dropout:
+            w.dropped += 1
+            w.last_round = view.round
+            self._ready(w, max(now, view.deadline if view.deadline is not None else now))
+            return
+        h = self.settings.local_steps
+        step_s = self.regime.step_s.draw(self.rng)
+        w.trainer.load(weights)
+        t0 = time.perf_counter()
+        logs = w.trainer.train(h, view.round * h)
+        self.clocks.train_s += time.perf_counter() - t0
+        w.local_steps += int(logs["steps"])
+        loss = float(logs["loss"])
+        body = update_body(
+            w.block,
+            w.trainer.delta(),
+            base_version=view.version,
+            round=view.round,
+            tokens=int(logs["tokens"]),
+            loss=loss if math.isfinite(loss) else None,
+            worker_id=w.id,
+            dtype=self.settings.wire_dtype,
+        )
+        w.body = (view.round, body)
+        compute = h * step_s * w.speed
+        self._at(now + compute + self._latency() + len(body) / w.bandwidth, "push", w.id)
+
+    def _on_push(self, w: VirtualWorker, now: float) -> None:
+        assert w.body is not None
+        trained_on, body = w.body
+        w.body = None
+        self.bytes_up += len(body)
+        judged = self.agg.push(w.id, w.block, body, now)
+        self._account(w, judged)
+        w.last_round = trained_on
+        self._at(now + self._latency(), "pushed", w.id)
+
+    def _on_pushed(self, w: VirtualWorker, now: float) -> None:
+        self._ready(w, now)
+
+    # ------------------------------------------------------------------ records
+
+    def _account(self, w: VirtualWorker, judged: Judged) -> None:
+        if judged.verdict.accepted:
+            w.accepted += 1
+            return
+        w.refused[judged.verdict.reason] += 1
+        if judged.round is not None:
+            key = (judged.block, judged.round)
+            self.refusals.setdefault(key, Counter())[judged.verdict.reason] += 1
+
+    def _closed(self, closed: RoundClosed, weights: Tensors) -> None:
+        b, r = closed.block, closed.round
+        self.closed[(b, r)] = closed
+        waiting, self._waiting[b] = self._waiting[b], []
+        for w in waiting:  # the long poll answers; the pull follows
+            self._at(closed.closed_at + self._latency() + self._latency(), "pull", w.id)
+        if self.on_round is not None:
+            self.on_round(b, r)
+        if self.evaluate is None or not self._evaluated(r):
+            return
+        snapshot = self._snapshots.setdefault(r, {})
+        snapshot[b] = {k: v.clone() for k, v in weights.items()}
+        if len(snapshot) == len(self.agg.blocks):
+            del self._snapshots[r]
+            t0 = time.perf_counter()
+            self.ce[r] = self.evaluate(snapshot)
+            self.clocks.eval_s += time.perf_counter() - t0
+
+    def _evaluated(self, r: int) -> bool:
+        return (r + 1) % self.eval_every == 0 or r == self.rounds - 1
+
+    def records(self) -> list[dict[str, Any]]:
+        """One record per round index: each block's close, and the model's CE after it."""
+        blocks = sorted(self.agg.blocks)
+        out = []
+        for r in range(self.rounds):
+            closes = [self.closed.get((b, r)) for b in blocks]
+            if any(c is None for c in closes):
+                break
+            done = [c for c in closes if c is not None]
+            own = [sum(1 for c in d.accepted if c.round == d.round) for d in done]
+            expected = [len(d.expected) for d in done]
+            out.append(
+                {
+                    "round": r,
+                    "time": max(d.closed_at for d in done),
+                    "participation": sum(own) / sum(expected) if sum(expected) else 1.0,
+                    "from_noise_ce": self.ce.get(r),
+                    "blocks": [
+                        {
+                            "block": d.block,
+                            "closed_at": d.closed_at,
+                            "cause": d.cause,
+                            "version": d.new_version,
+                            "accepted": len(d.accepted),
+                            "accepted_late": len(d.accepted) - n_own,
+                            "refused": dict(sorted(self.refusals.get((d.block, r), {}).items())),
+                            "expected": len(d.expected),
+                            "reported": len(d.reported),
+                            "participation": participation(d),
+                        }
+                        for d, n_own in zip(done, own, strict=True)
+                    ],
+                }
+            )
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        records = self.records()
+        own = sum(sum(1 for c in d.accepted if c.round == d.round) for d in self.closed.values())
+        expected = sum(len(d.expected) for d in self.closed.values())
+        refused: Counter[str] = Counter()
+        for w in self.workers:
+            refused.update(w.refused)
+        return {
+            "participation": own / expected if expected else 1.0,
+            "rounds": records,
+            "virtual_time_s": records[-1]["time"] if records else 0.0,
+            "deadline_s": self.deadline_s,
+            "updates": {
+                "accepted": sum(w.accepted for w in self.workers),
+                "refused": dict(sorted(refused.items())),
+                "dropped": sum(w.dropped for w in self.workers),
+                "expected": expected,
+                "in_time": own,
+            },
+            "bytes": {"down": self.bytes_down, "up": self.bytes_up},
+            "workers": [
+                {
+                    "worker_id": w.id,
+                    "block": w.block,
+                    "speed": w.speed,
+                    "bandwidth_MBps": w.bandwidth / 1e6,
+                    "accepted": w.accepted,
+                    "refused": dict(sorted(w.refused.items())),
+                    "dropped": w.dropped,
+                    "local_steps": w.local_steps,
+                }
+                for w in self.workers
+            ],
+            "compute": self.clocks.to_dict(),
+        }

@@ -1,0 +1,243 @@
+"""Several regimes side by side: the same model, data, seeds and protocol settings, one
+`Simulation` each, then the per-round records, the final weights and a plot.
+
+Every regime starts from the same version 0 and fresh workers (new AdamW state), so the lines of
+the plot differ only by how the updates arrived.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from blocktrain.config import RunConfig
+from blocktrain.data import ByteSource
+from blocktrain.errors import ConfigError
+from blocktrain.fsutil import atomic_write_bytes
+from blocktrain.model import BlockStack
+from blocktrain.simulate.engine import LocalTrainer, Simulation, TimingOnlyTrainer
+from blocktrain.simulate.regimes import Regime
+from blocktrain.training import EvalSettings, evaluate_blocktrain
+from blocktrain.training import checkpoint as ckpt
+from blocktrain.training.local import LocalBlockTrainer, derived_settings, initial_blocks
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class SimSpec:
+    """What every regime of one invocation shares."""
+
+    cfg: RunConfig
+    workers: int
+    rounds: int
+    protocol: dict[str, Any]
+    """AggregatorSettings overrides (local_steps, staleness, rule, ...)."""
+    seed: int = 0
+    eval_bytes: int = 4096
+    eval_every: int = 1
+    timing_only: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("workers", "rounds", "eval_bytes", "eval_every"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+        if self.workers < self.cfg.model.blocks:
+            raise ConfigError(
+                f"--workers {self.workers} leaves blocks without a replica: the model has "
+                f"{self.cfg.model.blocks} blocks"
+            )
+
+
+class FromNoise:
+    """The per-round CE: one sweep from noise on fixed validation windows, fixed noise."""
+
+    def __init__(self, cfg: RunConfig, windows: torch.Tensor) -> None:
+        self.stack = BlockStack(cfg.model, cfg.seed).eval()
+        self.windows = windows
+        self.settings = EvalSettings(sweeps=1, seed=cfg.seed, oracle=False)
+
+    def __call__(self, blocks: dict[int, Tensors]) -> float:
+        with torch.no_grad():
+            for b, weights in blocks.items():
+                self.stack.block(b).load_state_dict(weights)
+        return float(evaluate_blocktrain(self.stack, self.windows, self.settings)["from_noise_ce"])
+
+
+def simulate(
+    spec: SimSpec,
+    regimes: list[Regime],
+    train: ByteSource | None,
+    valid: ByteSource | None,
+    *,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> tuple[dict[str, Any], dict[str, dict[int, Tensors]]]:
+    """Run every regime; returns the report and each regime's final weights per block."""
+    cfg = spec.cfg
+    initial = initial_blocks(cfg)
+    settings = derived_settings(
+        cfg,
+        {**spec.protocol, "max_rounds": spec.rounds, "n_workers": spec.workers},
+        initial,
+    )
+    evaluate: FromNoise | None = None
+    initial_ce: float | None = None
+    if not spec.timing_only:
+        if train is None or valid is None:
+            raise ConfigError("a simulation that trains needs the train and valid splits")
+        evaluate = FromNoise(cfg, valid.windows(cfg.model.seq_len, spec.eval_bytes))
+        initial_ce = evaluate(initial)
+    report: dict[str, Any] = {
+        "config": cfg.to_dict(),
+        "workers": spec.workers,
+        "rounds": spec.rounds,
+        "seed": spec.seed,
+        "timing_only": spec.timing_only,
+        "protocol": settings.to_dict(),
+        "eval": {"bytes": spec.eval_bytes, "every": spec.eval_every, "sweeps": 1},
+        "regimes": {},
+    }
+    weights: dict[str, dict[int, Tensors]] = {}
+    for regime in regimes:
+        if "deadline_s" in spec.protocol:  # --deadline pins every regime's deadline
+            regime = dataclasses.replace(regime, deadline_s=float(spec.protocol["deadline_s"]))
+        closed = [0]
+
+        def on_round(
+            _block: int, _round: int, name: str = regime.name, closed: list[int] = closed
+        ) -> None:
+            closed[0] += 1
+            if progress is not None:
+                progress(name, closed[0], spec.rounds * cfg.model.blocks)
+
+        sim = Simulation(
+            regime,
+            settings,
+            initial,
+            trainer_factory(spec, initial, train),
+            spec.workers,
+            seed=spec.seed,
+            evaluate=evaluate,
+            eval_every=spec.eval_every,
+            on_round=on_round,
+        )
+        sim.run()
+        summary = sim.summary()
+        ces = [r["from_noise_ce"] for r in summary["rounds"] if r["from_noise_ce"] is not None]
+        report["regimes"][regime.name] = {
+            "participation": summary["participation"],
+            "initial_ce": initial_ce,
+            "final_ce": ces[-1] if ces else None,
+            **summary,
+            "regime": regime.to_dict(),
+        }
+        weights[regime.name] = {b: st.weights for b, st in sim.agg.blocks.items()}
+    return report, weights
+
+
+def trainer_factory(
+    spec: SimSpec, initial: dict[int, Tensors], train: ByteSource | None
+) -> Callable[[int, int], LocalTrainer]:
+    """(worker id, block) -> that worker's trainer, with the data seed the aggregator gives it
+    (seed * n_workers + worker id)."""
+    cfg = spec.cfg
+
+    def make(worker_id: int, block: int) -> LocalTrainer:
+        if spec.timing_only:
+            shapes = {k: tuple(v.shape) for k, v in initial[block].items()}
+            return TimingOnlyTrainer(shapes, cfg.train.batch_size * cfg.model.seq_len)
+        assert train is not None
+        return LocalBlockTrainer(cfg, block, train, data_seed=cfg.seed * spec.workers + worker_id)
+
+    return make
+
+
+# ---------------------------------------------------------------------------------------------
+# Outputs
+# ---------------------------------------------------------------------------------------------
+
+
+def write_outputs(
+    out: Path, report: dict[str, Any], weights: dict[str, dict[int, Tensors]]
+) -> list[Path]:
+    """OUT/simulate.json, OUT/REGIME/rounds.jsonl and weights.safetensors, OUT/ce.png."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "simulate.json"]
+    atomic_write_bytes(written[0], (json.dumps(report, indent=2) + "\n").encode())
+    for name, result in report["regimes"].items():
+        folder = out / name
+        folder.mkdir(exist_ok=True)
+        lines = "".join(json.dumps(r) + "\n" for r in result["rounds"])
+        atomic_write_bytes(folder / "rounds.jsonl", lines.encode())
+        tensors = {
+            f"block.{b}.{k}": v.contiguous()
+            for b, block in sorted(weights[name].items())
+            for k, v in block.items()
+        }
+        ckpt.atomic_save_tensors(folder / "weights.safetensors", tensors, {"regime": name})
+        written += [folder / "rounds.jsonl", folder / "weights.safetensors"]
+    if not report["timing_only"]:
+        written.append(plot(report, out / "ce.png"))
+    return written
+
+
+def plot(report: dict[str, Any], path: Path) -> Path:
+    """From-noise CE against rounds and against virtual time, one line per regime."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_round, by_time) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for name, result in report["regimes"].items():
+        points = [(-1, 0.0, result["initial_ce"])] + [
+            (r["round"], r["time"], r["from_noise_ce"])
+            for r in result["rounds"]
+            if r["from_noise_ce"] is not None
+        ]
+        label = f"{name} (participation {result['participation']:.0%})"
+        by_round.plot([p[0] + 1 for p in points], [p[2] for p in points], marker=".", label=label)
+        by_time.plot([p[1] for p in points], [p[2] for p in points], marker=".", label=label)
+    by_round.set_xlabel("rounds closed")
+    by_time.set_xlabel("virtual time (s)")
+    by_round.set_ylabel("from-noise CE (nats/byte, validation)")
+    for ax in (by_round, by_time):
+        ax.grid(alpha=0.3)
+    by_round.legend()
+    cfg = report["config"]["model"]
+    fig.suptitle(
+        f"blocktrain simulate: {report['workers']} workers, d={cfg['d_model']}, "
+        f"{cfg['blocks']} blocks, H={report['protocol']['local_steps']}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def table(report: dict[str, Any]) -> str:
+    """A markdown table of the regimes."""
+    rows = [
+        "| regime | deadline (virtual s) | participation | initial CE | final CE | "
+        "virtual time (s) | refused | dropped | train share of wall |",
+        "|---|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for name, r in report["regimes"].items():
+        refused = ", ".join(f"{k} {v}" for k, v in r["updates"]["refused"].items()) or "none"
+        share = "-" if report["timing_only"] else f"{r['compute']['train_fraction']:.1%}"
+        rows.append(
+            f"| {name} | {r['deadline_s']:.2f} | {r['participation']:.1%} | "
+            f"{_num(r['initial_ce'])} | {_num(r['final_ce'])} | {r['virtual_time_s']:.1f} | "
+            f"{refused} | {r['updates']['dropped']} | {share} |"
+        )
+    return "\n".join(rows)
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"

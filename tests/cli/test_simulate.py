@@ -1,0 +1,46 @@
+"""`blocktrain simulate`: the JSON contract, the files it writes, and clean errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from blocktrain.cli.main import main
+from tests.cli.test_cli import TINY, fails_cleanly
+
+MICRO = [*TINY, "--local-steps", "2", "--eval-bytes", "256"]
+
+
+def test_json_contract_and_outputs(capsys, corpus: Path, tmp_path: Path) -> None:
+    out = tmp_path / "sim"
+    argv = ["simulate", "--workers", "6", "--rounds", "3", "--regime", "lockstep,mild"]
+    argv += ["--data", str(corpus), "--out", str(out), "--json", "--seed", "4", *MICRO]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["regimes"]) == {"lockstep", "mild"}
+    for result in report["regimes"].values():
+        assert {"participation", "initial_ce", "final_ce", "rounds"} <= set(result)
+        assert len(result["rounds"]) == 3
+        record = result["rounds"][0]
+        assert {"round", "time", "participation", "from_noise_ce", "blocks"} <= set(record)
+        assert {"accepted", "refused", "expected", "cause"} <= set(record["blocks"][0])
+    assert report["config"]["train"]["steps"] == 6  # the schedule spans R x H steps
+    assert (out / "ce.png").is_file() and (out / "mild" / "rounds.jsonl").is_file()
+    saved = json.loads((out / "simulate.json").read_text())
+    assert saved["regimes"]["lockstep"]["rounds"] == report["regimes"]["lockstep"]["rounds"]
+    fails_cleanly(capsys, argv, "already holds a simulation")
+
+
+def test_timing_only_table(capsys) -> None:
+    argv = ["simulate", "--timing-only", "--rounds", "5", "--regime", "wan", "--no-progress"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("| regime |") and "| wan |" in text
+
+
+def test_bad_inputs_fail_cleanly(capsys, tmp_path: Path) -> None:
+    fails_cleanly(capsys, ["simulate", "--regime", "lockstep,lan", "--timing-only"], "lan")
+    fails_cleanly(capsys, ["simulate", "--workers", "2", "--timing-only"], "without a replica")
+    bad = tmp_path / "r.toml"
+    bad.write_text("dropout = 2\n")
+    fails_cleanly(capsys, ["simulate", "--regime", str(bad), "--timing-only"], "dropout")

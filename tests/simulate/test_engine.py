@@ -1,0 +1,130 @@
+"""The simulator end to end on a micro model: real local training, virtual time."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from blocktrain.config import RunConfig, apply_overrides
+from blocktrain.data import load_split
+from blocktrain.errors import ConfigError
+from blocktrain.simulate import REGIMES, Dist, Regime, SimSpec, simulate, write_outputs
+from tests.conftest import micro_config
+
+ROUNDS = 4
+
+
+def spec(cfg: RunConfig | None = None, **kw: object) -> SimSpec:
+    cfg = cfg or apply_overrides(micro_config(), [f"steps={ROUNDS * 2}"])
+    args: dict = {"seed": cfg.seed, "eval_bytes": 256, **kw}
+    return SimSpec(cfg, 6, ROUNDS, {"local_steps": 2}, **args)
+
+
+def run(corpus: Path, regimes: list[Regime], **kw: object):
+    return simulate(spec(**kw), regimes, load_split(corpus, "train"), load_split(corpus, "valid"))
+
+
+def test_same_seed_gives_bitwise_the_same_records_and_weights(corpus: Path) -> None:
+    regimes = [REGIMES["lockstep"], REGIMES["wan"]]
+    first, w1 = run(corpus, regimes)
+    second, w2 = run(corpus, regimes)
+    for name in ("lockstep", "wan"):
+        assert first["regimes"][name]["rounds"] == second["regimes"][name]["rounds"]
+        assert first["regimes"][name]["updates"] == second["regimes"][name]["updates"]
+        for b in w1[name]:
+            for k, v in w1[name][b].items():
+                assert torch.equal(v, w2[name][b][k]), (name, b, k)
+    # and a different seed gives a different run
+    other, _ = run(corpus, [REGIMES["wan"]], seed=99)
+    assert other["regimes"]["wan"]["rounds"] != first["regimes"]["wan"]["rounds"]
+
+
+def test_lockstep_trains_every_update_and_lowers_the_ce(corpus: Path) -> None:
+    report, weights = run(corpus, [REGIMES["lockstep"]])
+    result = report["regimes"]["lockstep"]
+    assert result["participation"] == 1.0
+    assert result["updates"]["refused"] == {} and result["updates"]["dropped"] == 0
+    assert result["updates"]["accepted"] == 6 * ROUNDS
+    assert [r["round"] for r in result["rounds"]] == list(range(ROUNDS))
+    for record in result["rounds"]:
+        assert {b["cause"] for b in record["blocks"]} == {"all_reported"}
+        assert [b["version"] for b in record["blocks"]] == [record["round"] + 1] * 3
+    assert result["final_ce"] < result["initial_ce"]
+    assert result["initial_ce"] == pytest.approx(5.545, abs=0.01)  # zero heads: uniform bytes
+    assert sorted(weights["lockstep"]) == [0, 1, 2]
+    # every worker trained H steps a round
+    assert all(w["local_steps"] == 2 * ROUNDS for w in result["workers"])
+
+
+def test_virtual_time_advances_by_events_not_by_sleeping(corpus: Path) -> None:
+    slow = Regime("slow", step_s=Dist.const(60.0), latency_s=Dist.const(5.0))
+    started = time.perf_counter()
+    report, _ = run(corpus, [slow])
+    wall = time.perf_counter() - started
+    virtual = report["regimes"]["slow"]["virtual_time_s"]
+    assert virtual >= ROUNDS * (2 * 60.0 + 2 * 5.0)
+    assert wall < virtual / 10
+    times = [r["time"] for r in report["regimes"]["slow"]["rounds"]]
+    assert times == sorted(times)
+
+
+def test_dropouts_and_deadlines_are_recorded_with_reasons(corpus: Path) -> None:
+    flaky = Regime(
+        "flaky",
+        step_s=Dist.lognormal(1.0, 0.6),
+        latency_s=Dist.const(0.1),
+        dropout=0.3,
+        deadline=1.0,
+    )
+    report, _ = run(corpus, [flaky])
+    result = report["regimes"]["flaky"]
+    assert result["updates"]["dropped"] > 0
+    assert result["updates"]["refused"].get("late", 0) > 0
+    assert 0 < result["participation"] < 1
+    causes = {b["cause"] for r in result["rounds"] for b in r["blocks"]}
+    assert "deadline" in causes
+    late = sum(b["refused"].get("late", 0) for r in result["rounds"] for b in r["blocks"])
+    done = result["updates"]["refused"].get("done", 0)
+    assert late + done == sum(result["updates"]["refused"].values())
+    expected = sum(b["expected"] for r in result["rounds"] for b in r["blocks"])
+    assert expected == result["updates"]["expected"]
+
+
+def test_eval_every_and_deadline_override(corpus: Path) -> None:
+    s = replace(spec(eval_every=3), protocol={"local_steps": 2, "deadline_s": 123.0})
+    report, _ = simulate(
+        s, [REGIMES["mild"]], load_split(corpus, "train"), load_split(corpus, "valid")
+    )
+    result = report["regimes"]["mild"]
+    assert result["deadline_s"] == 123.0
+    ces = [r["from_noise_ce"] for r in result["rounds"]]
+    assert [c is not None for c in ces] == [False, False, True, True]  # round 3, and the last
+    assert result["final_ce"] == ces[-1]
+
+
+def test_outputs_are_written(corpus: Path, tmp_path: Path) -> None:
+    report, weights = run(corpus, [REGIMES["lockstep"], REGIMES["mild"]])
+    paths = write_outputs(tmp_path / "out", report, weights)
+    names = {p.relative_to(tmp_path / "out").as_posix() for p in paths}
+    assert names == {
+        "simulate.json",
+        "ce.png",
+        "lockstep/rounds.jsonl",
+        "lockstep/weights.safetensors",
+        "mild/rounds.jsonl",
+        "mild/weights.safetensors",
+    }
+    assert (tmp_path / "out" / "ce.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lines = (tmp_path / "out" / "mild" / "rounds.jsonl").read_text().splitlines()
+    assert len(lines) == ROUNDS
+
+
+def test_too_few_workers_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError, match="without a replica"):
+        SimSpec(micro_config(), 2, 3, {})
+    with pytest.raises(ConfigError, match="rounds"):
+        SimSpec(micro_config(), 6, 0, {})
