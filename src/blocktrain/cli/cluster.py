@@ -24,9 +24,9 @@ from blocktrain.cli.common import (
     add_config_args,
     add_data_arg,
     print_json,
-    resolve_config,
+    resolve_rounds_config,
 )
-from blocktrain.config import RunConfig, apply_overrides
+from blocktrain.config import RunConfig
 from blocktrain.data import load_split, resolve_data_path
 from blocktrain.errors import ConfigError
 from blocktrain.fsutil import atomic_write_bytes
@@ -109,16 +109,6 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError("--timeout must be positive")
 
 
-def _config(args: argparse.Namespace, local_steps: int) -> RunConfig:
-    cfg = resolve_config(args)
-    if not any(
-        item.split("=", 1)[0].strip() in ("steps", "train.steps") for item in args.overrides
-    ):
-        # the learning-rate schedule spans the run: round r runs steps r*H .. r*H + H - 1
-        cfg = apply_overrides(cfg, [f"steps={args.rounds * local_steps}"])
-    return cfg
-
-
 def round_versions(state: StateDir, rounds: int) -> list[dict[int, int]]:
     """versions[r][b]: the version of block b after r closed rounds (r = 0: the init)."""
     table = {(r["block"], r["round"]): r["new_version"] for r in state.ledger.rounds()}
@@ -189,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     valid = load_split(data_path, "valid")
     overrides = settings_overrides(args)
     local_steps = overrides.get("local_steps", 10)
-    cfg = _config(args, local_steps)
+    cfg = resolve_rounds_config(args, local_steps)
     overrides.update(
         {
             "max_rounds": args.rounds,

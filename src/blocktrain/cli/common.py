@@ -37,6 +37,17 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
     return cfg
 
 
+def resolve_rounds_config(args: argparse.Namespace, local_steps: int) -> RunConfig:
+    """The config of a run of `args.rounds` rounds of H local steps: unless --set gives
+    `steps`, the learning-rate schedule spans the run (round r runs steps r*H .. r*H + H - 1)."""
+    cfg = resolve_config(args)
+    if not any(
+        item.split("=", 1)[0].strip() in ("steps", "train.steps") for item in args.overrides
+    ):
+        cfg = apply_overrides(cfg, [f"steps={args.rounds * local_steps}"])
+    return cfg
+
+
 def add_data_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data",

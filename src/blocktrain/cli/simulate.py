@@ -31,9 +31,8 @@ from blocktrain.cli.common import (
     add_config_args,
     add_data_arg,
     print_json,
-    resolve_config,
+    resolve_rounds_config,
 )
-from blocktrain.config import apply_overrides
 from blocktrain.data import load_split, resolve_data_path
 from blocktrain.errors import ConfigError
 from blocktrain.simulate import SimSpec, parse_regimes, simulate, write_outputs
@@ -96,12 +95,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     protocol = settings_overrides(args)
     local_steps = int(protocol.get("local_steps", 10))
-    cfg = resolve_config(args)
-    if not any(
-        item.split("=", 1)[0].strip() in ("steps", "train.steps") for item in args.overrides
-    ):
-        # the learning-rate schedule spans the run: round r runs steps r*H .. r*H + H - 1
-        cfg = apply_overrides(cfg, [f"steps={args.rounds * local_steps}"])
+    cfg = resolve_rounds_config(args, local_steps)
     spec = SimSpec(
         cfg,
         args.workers,
