@@ -92,19 +92,23 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "| regime | deadline (virtual s) | participation (this run) | participation, "
         f"{len(next(iter(result['participation_over_seeds'].values()))['runs'])} seeds "
-        "(timing only) | initial CE | final CE | final − lockstep | virtual time (s) | "
+        "(timing only) | initial CE | final CE | final − lockstep | final sampler CE "
+        f"(M = {result['eval']['final_sweeps']}) | sampler − lockstep | virtual time (s) | "
         "refused | dropped | training share of wall time |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     lock = regimes.get("lockstep", {}).get("final_ce")
+    lock_sampler = regimes.get("lockstep", {}).get("final_sampler_ce")
     for name, r in regimes.items():
         seeds = result["participation_over_seeds"][name]
         refused = ", ".join(f"{k} {v}" for k, v in r["updates"]["refused"].items()) or "none"
         diff = "—" if lock is None else f"{r['final_ce'] - lock:+.3f}"
+        sdiff = "—" if lock_sampler is None else f"{r['final_sampler_ce'] - lock_sampler:+.3f}"
         rows.append(
             f"| {name} | {r['deadline_s']:.2f} | {r['participation']:.1%} | "
             f"{seeds['mean']:.1%} ± {seeds['stdev']:.1%} | {r['initial_ce']:.3f} | "
-            f"{r['final_ce']:.3f} | {diff} | {r['virtual_time_s']:.0f} | {refused} | "
+            f"{r['final_ce']:.3f} | {diff} | {r['final_sampler_ce']:.3f} | {sdiff} | "
+            f"{r['virtual_time_s']:.0f} | {refused} | "
             f"{r['updates']['dropped']} | {r['compute']['train_fraction']:.1%} |"
         )
     rows += [

@@ -54,6 +54,7 @@ def test_lockstep_trains_every_update_and_lowers_the_ce(corpus: Path) -> None:
         assert {b["cause"] for b in record["blocks"]} == {"all_reported"}
         assert [b["version"] for b in record["blocks"]] == [record["round"] + 1] * 3
     assert result["final_ce"] < result["initial_ce"]
+    assert result["final_sampler_ce"] < result["initial_ce"]
     assert result["initial_ce"] == pytest.approx(5.545, abs=0.01)  # zero heads: uniform bytes
     assert sorted(weights["lockstep"]) == [0, 1, 2]
     # every worker trained H steps a round

@@ -143,7 +143,10 @@ def replay(trace: list[Event], root: Path, settings) -> tuple[list, list, list]:
         (r["block"], r["round"], r["base_version"], r["new_version"], r["cause"], r["closed_at"])
         for r in service.ledger.rounds()
     ]
-    ledger_closes += [("counts", r["block"], r["round"], r["accepted"], r["expected"], r["reported"]) for r in service.ledger.rounds()]
+    ledger_closes += [
+        ("counts", r["block"], r["round"], r["accepted"], r["expected"], r["reported"])
+        for r in service.ledger.rounds()
+    ]
     sim_rows = sorted(sim_closes, key=lambda c: (c.block, c.round))
     closes_sim = [
         (c.block, c.round, c.base_version, c.new_version, c.cause, c.closed_at) for c in sim_rows

@@ -76,6 +76,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--eval-every", type=int, default=1, metavar="K", help="measure the CE every K rounds"
     )
     p.add_argument(
+        "--final-sweeps", type=int, default=16, metavar="M", help="sweeps for the final sampler CE"
+    )
+    p.add_argument(
         "--timing-only",
         action="store_true",
         help="no training: zero deltas, to measure a regime's participation in seconds",
@@ -104,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         seed=cfg.seed,
         eval_bytes=args.eval_bytes,
         eval_every=args.eval_every,
+        final_sweeps=args.final_sweeps,
         timing_only=args.timing_only,
     )
     out = Path(args.out) if args.out else None
