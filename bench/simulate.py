@@ -20,8 +20,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from report import RESULTS, ROOT, machine, update_section, write_json  # bench/report.py
@@ -50,12 +48,12 @@ def main() -> None:
     args = p.parse_args()
     common = ["--preset", args.preset, "--workers", str(args.workers)]
     common += ["--rounds", str(args.rounds), "--regime", args.regime, "--no-progress"]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "sim"
-        argv = ["simulate", *common, "--threads", str(args.threads), "--json"]
-        report = blocktrain([*argv, "--out", str(out)])
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        shutil.copy(out / "ce.png", RESULTS / "simulate.png")
+    out = ROOT / "benchmarks" / "work" / "simulate"  # records and weights, kept out of git
+    shutil.rmtree(out, ignore_errors=True)
+    argv = ["simulate", *common, "--threads", str(args.threads), "--json"]
+    report = blocktrain([*argv, "--out", str(out)])
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    shutil.copy(out / "ce.png", RESULTS / "simulate.png")
     spread: dict[str, list[float]] = {}
     for seed in range(args.seeds):
         timing = blocktrain(["simulate", *common, "--timing-only", "--seed", str(seed), "--json"])
@@ -93,7 +91,8 @@ def markdown(result: dict[str, Any]) -> str:
         "| regime | deadline (virtual s) | participation (this run) | participation, "
         f"{len(next(iter(result['participation_over_seeds'].values()))['runs'])} seeds "
         "(timing only) | initial CE | final CE | final − lockstep | final sampler CE "
-        f"(M = {result['eval']['final_sweeps']}) | sampler − lockstep | virtual time (s) | "
+        f"(M = {result['eval']['final_sweeps']}, {result['eval']['final_bytes']} bytes) | "
+        "sampler − lockstep | virtual time (s) | "
         "refused | dropped | training share of wall time |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]

@@ -8,7 +8,7 @@ from pathlib import Path
 from blocktrain.cli.main import main
 from tests.cli.test_cli import TINY, fails_cleanly
 
-MICRO = [*TINY, "--local-steps", "2", "--eval-bytes", "256"]
+MICRO = [*TINY, "--local-steps", "2", "--eval-bytes", "256", "--final-bytes", "512"]
 
 
 def test_json_contract_and_outputs(capsys, corpus: Path, tmp_path: Path) -> None:

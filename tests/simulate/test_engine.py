@@ -20,7 +20,7 @@ ROUNDS = 4
 
 def spec(cfg: RunConfig | None = None, **kw: object) -> SimSpec:
     cfg = cfg or apply_overrides(micro_config(), [f"steps={ROUNDS * 2}"])
-    args: dict = {"seed": cfg.seed, "eval_bytes": 256, **kw}
+    args: dict = {"seed": cfg.seed, "eval_bytes": 256, "final_bytes": 512, **kw}
     return SimSpec(cfg, 6, ROUNDS, {"local_steps": 2}, **args)
 
 

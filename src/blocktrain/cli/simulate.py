@@ -79,6 +79,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--final-sweeps", type=int, default=16, metavar="M", help="sweeps for the final sampler CE"
     )
     p.add_argument(
+        "--final-bytes",
+        type=int,
+        default=16384,
+        help="validation bytes for the final sampler CE",
+    )
+    p.add_argument(
         "--timing-only",
         action="store_true",
         help="no training: zero deltas, to measure a regime's participation in seconds",
@@ -108,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         eval_bytes=args.eval_bytes,
         eval_every=args.eval_every,
         final_sweeps=args.final_sweeps,
+        final_bytes=args.final_bytes,
         timing_only=args.timing_only,
     )
     out = Path(args.out) if args.out else None

@@ -44,10 +44,19 @@ class SimSpec:
     eval_every: int = 1
     final_sweeps: int = 16
     """M for the final model's sampler CE."""
+    final_bytes: int = 16384
+    """Validation bytes for the final model's sampler CE (more than per round: it decides)."""
     timing_only: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("workers", "rounds", "eval_bytes", "eval_every", "final_sweeps"):
+        for name in (
+            "workers",
+            "rounds",
+            "eval_bytes",
+            "eval_every",
+            "final_sweeps",
+            "final_bytes",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
         if self.workers < self.cfg.model.blocks:
@@ -61,17 +70,21 @@ class RoundEvaluator:
     """The per-round CE (one sweep from noise) and the final sampler CE (M sweeps), on fixed
     validation windows with fixed noise."""
 
-    def __init__(self, cfg: RunConfig, windows: torch.Tensor) -> None:
+    def __init__(self, cfg: RunConfig, windows: torch.Tensor, final_windows: torch.Tensor) -> None:
         self.stack = BlockStack(cfg.model, cfg.seed).eval()
         self.windows = windows
+        self.final_windows = final_windows
         self.seed = cfg.seed
 
-    def evaluate(self, blocks: dict[int, Tensors], sweeps: int = 1) -> dict[str, Any]:
+    def evaluate(
+        self, blocks: dict[int, Tensors], sweeps: int = 1, *, final: bool = False
+    ) -> dict[str, Any]:
         with torch.no_grad():
             for b, weights in blocks.items():
                 self.stack.block(b).load_state_dict(weights)
         settings = EvalSettings(sweeps=sweeps, seed=self.seed, oracle=False)
-        return evaluate_blocktrain(self.stack, self.windows, settings)
+        windows = self.final_windows if final else self.windows
+        return evaluate_blocktrain(self.stack, windows, settings)
 
     def __call__(self, blocks: dict[int, Tensors]) -> float:
         return float(self.evaluate(blocks)["from_noise_ce"])
@@ -98,7 +111,11 @@ def simulate(
     if not spec.timing_only:
         if train is None or valid is None:
             raise ConfigError("a simulation that trains needs the train and valid splits")
-        evaluate = RoundEvaluator(cfg, valid.windows(cfg.model.seq_len, spec.eval_bytes))
+        evaluate = RoundEvaluator(
+            cfg,
+            valid.windows(cfg.model.seq_len, spec.eval_bytes),
+            valid.windows(cfg.model.seq_len, spec.final_bytes),
+        )
         initial_ce = evaluate(initial)
     report: dict[str, Any] = {
         "config": cfg.to_dict(),
@@ -112,6 +129,7 @@ def simulate(
             "every": spec.eval_every,
             "sweeps": 1,
             "final_sweeps": spec.final_sweeps,
+            "final_bytes": spec.final_bytes,
         },
         "regimes": {},
     }
@@ -153,8 +171,9 @@ def simulate(
         if evaluate is not None:
             # the from-noise CE of late rounds carries the commitment penalty (DESIGN.md 2.8);
             # the final model is also measured with the sampler CE over M sweeps
-            final = evaluate.evaluate(weights[regime.name], spec.final_sweeps)
+            final = evaluate.evaluate(weights[regime.name], spec.final_sweeps, final=True)
             report["regimes"][regime.name]["final_sampler_ce"] = float(final["sampler_ce"])
+            report["regimes"][regime.name]["final_from_noise_ce"] = float(final["from_noise_ce"])
     return report, weights
 
 
