@@ -8,6 +8,11 @@ denoised at once, exactly as in training, so one sweep over a batch of windows c
 - sampler_ce: -log mean_m p_m(true byte) over M independent sweeps from pure noise; the headline.
 - from_noise_ce: the CE of single sweeps' final logits, averaged over the M sweeps.
 - ce_per_step: the CE of the logits at each point of the sampler grid (diagnostic).
+- sampler_ce_per_step: the sampler CE (-log mean over the M sweeps) of each grid point's logits:
+  how much each block adds to the mixture the sampler emits (diagnostic; the last entry is
+  sampler_ce).
+- sampler_ce_by_sweeps: the sampler CE of the first m sweeps for m = 1, 2, 4, ... < M (how it
+  tightens with M).
 - oracle_ce: each block's CE on truly noised targets from its own interval (diagnostic).
 """
 
@@ -87,12 +92,17 @@ def evaluate_blocktrain(
     sampler_nll = 0.0
     from_noise_nll = 0.0
     step_nll = [0.0] * len(grid)
+    step_mix_nll = [0.0] * len(grid)
+    sub_ms = [2**i for i in range(settings.sweeps.bit_length()) if 2**i < settings.sweeps]
+    sub_nll = dict.fromkeys(sub_ms, 0.0)
     oracle_nll = [0.0] * cfg.blocks
     for start in range(0, windows.shape[0], settings.batch_size):
         x = windows[start : start + settings.batch_size].to(device)  # (N, T)
         n, t = x.shape
         target = x[:, keep]
         logp_true = torch.empty(m, n, t - 1, device=device)  # log p_m(true byte)
+        logp_steps = torch.empty(len(grid), m, n, t - 1, device=device)  # the same, every step
+        this_sweep: list[torch.Tensor] = []  # log p(true byte) at each step of the current sweep
 
         def record(
             step: int,
@@ -100,12 +110,11 @@ def evaluate_blocktrain(
             _sigma: float,
             logits: torch.Tensor,
             target: torch.Tensor = target,
+            this_sweep: list[torch.Tensor] = this_sweep,
         ) -> None:
-            step_nll[step] += float(
-                F.cross_entropy(
-                    logits[:, keep].float().flatten(0, 1), target.flatten(), reduction="sum"
-                )
-            )
+            logp = logits[:, keep].float().log_softmax(dim=-1).gather(-1, target[..., None])[..., 0]
+            this_sweep.append(logp)
+            step_nll[step] -= float(logp.sum())
 
         for sweep in range(m):
             z = cfg.sigma_max * torch.randn(n, t, cfg.d_model, generator=gen, device=device)
@@ -122,8 +131,14 @@ def evaluate_blocktrain(
             )
             logp = logits[:, keep].float().log_softmax(dim=-1)
             logp_true[sweep] = logp.gather(-1, target[..., None])[..., 0]
+            logp_steps[:, sweep] = torch.stack(this_sweep)
+            this_sweep.clear()
         from_noise_nll -= float(logp_true.sum()) / m
+        for step in range(len(grid)):
+            step_mix_nll[step] -= float((logp_steps[step].logsumexp(dim=0) - math.log(m)).sum())
         sampler_nll -= float((logp_true.logsumexp(dim=0) - math.log(m)).sum())
+        for k in sub_ms:
+            sub_nll[k] -= float((logp_true[:k].logsumexp(dim=0) - math.log(k)).sum())
         if settings.oracle:
             for b in range(cfg.blocks):
                 oracle_nll[b] += _oracle_nll(stack, b, x, layout, gen)
@@ -134,6 +149,8 @@ def evaluate_blocktrain(
         "sampler_ce": sampler_ce,
         "from_noise_ce": from_noise_nll / n_scored,
         "ce_per_step": [v / (n_scored * m) for v in step_nll],
+        "sampler_ce_per_step": [v / n_scored for v in step_mix_nll],
+        "sampler_ce_by_sweeps": {str(k): v / n_scored for k, v in sub_nll.items()},
         "oracle_ce": sum(oracle_nll) / (n_scored * cfg.blocks) if settings.oracle else None,
         "oracle_ce_per_block": [v / n_scored for v in oracle_nll] if settings.oracle else None,
         **ce_summary(sampler_ce),
