@@ -41,6 +41,9 @@ def test_timing_only_table(capsys) -> None:
 def test_bad_inputs_fail_cleanly(capsys, tmp_path: Path) -> None:
     fails_cleanly(capsys, ["simulate", "--regime", "lockstep,lan", "--timing-only"], "lan")
     fails_cleanly(capsys, ["simulate", "--workers", "2", "--timing-only"], "without a replica")
+    (tmp_path / "file").write_text("x")
+    argv = ["simulate", "--timing-only", "--out", str(tmp_path / "file")]
+    fails_cleanly(capsys, argv, "is a file")
     bad = tmp_path / "r.toml"
     bad.write_text("dropout = 2\n")
     fails_cleanly(capsys, ["simulate", "--regime", str(bad), "--timing-only"], "dropout")

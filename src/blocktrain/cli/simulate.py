@@ -118,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
         timing_only=args.timing_only,
     )
     out = Path(args.out) if args.out else None
+    if out is not None and out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a folder")
     if out is not None and (out / "simulate.json").exists():
         raise ConfigError(f"{out} already holds a simulation; choose another --out")
     train = valid = None
