@@ -105,6 +105,11 @@ class Clocks:
         }
 
 
+def in_time(closed: RoundClosed) -> int:
+    """Accepted updates of the round itself (not counted late from an earlier round)."""
+    return sum(1 for c in closed.accepted if c.round == closed.round)
+
+
 Evaluator = Callable[[dict[int, Tensors]], float]
 """Assembled per-block weights -> from-noise CE."""
 
@@ -145,7 +150,6 @@ class Simulation:
         self._waiting: dict[int, list[VirtualWorker]] = {b: [] for b in initial}
         self._deadline_ticks: set[tuple[int, int]] = set()
         self.closed: dict[tuple[int, int], RoundClosed] = {}
-        self.versions: dict[tuple[int, int], int] = {}
         self.refusals: dict[tuple[int, int], Counter[str]] = {}
         self._snapshots: dict[int, dict[int, Tensors]] = {}
         self.ce: dict[int, float] = {}
@@ -292,7 +296,7 @@ class Simulation:
             if any(c is None for c in closes):
                 break
             done = [c for c in closes if c is not None]
-            own = [sum(1 for c in d.accepted if c.round == d.round) for d in done]
+            own = [in_time(d) for d in done]
             expected = [len(d.expected) for d in done]
             out.append(
                 {
@@ -321,7 +325,7 @@ class Simulation:
 
     def summary(self) -> dict[str, Any]:
         records = self.records()
-        own = sum(sum(1 for c in d.accepted if c.round == d.round) for d in self.closed.values())
+        own = sum(in_time(d) for d in self.closed.values())
         expected = sum(len(d.expected) for d in self.closed.values())
         refused: Counter[str] = Counter()
         for w in self.workers:
