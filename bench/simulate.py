@@ -45,20 +45,30 @@ def main() -> None:
     p.add_argument("--regime", default="lockstep,mild,wan")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the simulation")
     p.add_argument("--seeds", type=int, default=10, help="seeds of the timing-only sweep")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="the training run's seed (default: the preset's); another seed writes "
+        "simulate_seedN.json/.png and its own section",
+    )
     args = p.parse_args()
     common = ["--preset", args.preset, "--workers", str(args.workers)]
     common += ["--rounds", str(args.rounds), "--regime", args.regime, "--no-progress"]
-    out = ROOT / "benchmarks" / "work" / "simulate"  # records and weights, kept out of git
+    name = "simulate" if args.seed is None else f"simulate_seed{args.seed}"
+    out = ROOT / "benchmarks" / "work" / name  # records and weights, kept out of git
     shutil.rmtree(out, ignore_errors=True)
     argv = ["simulate", *common, "--threads", str(args.threads), "--json"]
+    if args.seed is not None:
+        argv += ["--seed", str(args.seed)]
     report = blocktrain([*argv, "--out", str(out)])
     RESULTS.mkdir(parents=True, exist_ok=True)
-    shutil.copy(out / "ce.png", RESULTS / "simulate.png")
+    shutil.copy(out / "ce.png", RESULTS / f"{name}.png")
     spread: dict[str, list[float]] = {}
     for seed in range(args.seeds):
         timing = blocktrain(["simulate", *common, "--timing-only", "--seed", str(seed), "--json"])
-        for name, r in timing["regimes"].items():
-            spread.setdefault(name, []).append(r["participation"])
+        for regime, r in timing["regimes"].items():
+            spread.setdefault(regime, []).append(r["participation"])
     report.pop("outputs", None)
     command = "python bench/simulate.py " + " ".join(sys.argv[1:])
     wall = sum(r["compute"]["wall_s"] for r in report["regimes"].values())
@@ -74,19 +84,19 @@ def main() -> None:
         },
         **report,
     }
-    write_json("simulate.json", result)
-    update_section("simulate", markdown(result))
-    print(markdown(result))
+    write_json(f"{name}.json", result)
+    update_section(name.replace("_", "-"), markdown(result, name))
+    print(markdown(result, name))
 
 
-def markdown(result: dict[str, Any]) -> str:
+def markdown(result: dict[str, Any], name: str = "simulate") -> str:
     regimes = result["regimes"]
     rows = [
         f"`{result['command']}` ({result['workers']} workers, preset "
         f"{result['config']['preset']}, {result['rounds']} rounds of H = "
         f"{result['protocol']['local_steps']}, one process; per-round CE: one sweep from noise "
         f"on {result['eval']['bytes']} validation bytes). Plot: "
-        "[benchmarks/results/simulate.png](benchmarks/results/simulate.png).",
+        f"[benchmarks/results/{name}.png](benchmarks/results/{name}.png).",
         "",
         "| regime | deadline (virtual s) | participation (this run) | participation, "
         f"{len(next(iter(result['participation_over_seeds'].values()))['runs'])} seeds "
