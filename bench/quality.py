@@ -12,7 +12,8 @@ side by side in one invocation, on the same data and seeds:
              `blocktrain plan`                                      -> memory.json
 
     python bench/quality.py --quick            # the tiny shape, minutes
-    python bench/quality.py                    # the small shape, converged runs, hours
+    python bench/quality.py                    # the small shape: 4 to 5 hours in all, resumable
+    python bench/quality.py --report           # BENCHMARKS.md from the JSON on disk
     python bench/quality.py --studies leakage,depth --quick
 
 Every trained model lives in a run folder under --work (default benchmarks/work/quality[-quick]);
@@ -43,7 +44,7 @@ from blocktrain.model import BlockStack, Reference
 from blocktrain.runtime import keep_freed_memory
 from blocktrain.training import EvalSettings, Trainer, evaluate_blocktrain, evaluate_reference
 from blocktrain.training.flops import count_flops
-from report import ROOT, machine, update_section, write_json  # bench/report.py
+from report import RESULTS, ROOT, machine, update_section, write_json  # bench/report.py
 
 
 @dataclass(frozen=True)
@@ -77,13 +78,13 @@ QUICK = Mode(
 FULL = Mode(
     base="small",
     overrides=(),
-    fixed_steps=1500,
-    max_steps=8000,
+    fixed_steps=300,
+    max_steps=1500,
     eval_every=250,
     patience=3,
     valid_bytes=32768,
-    test_bytes=65536,
-    sweeps=16,
+    test_bytes=32768,
+    sweeps=64,  # the sampler CE bound still tightens by 0.015 from M = 16 to 64 (pair_small.json)
     memory_overrides=("batch_size=4", "precision=fp32"),
 )
 
@@ -257,6 +258,7 @@ class Bench:
                 "train_flops": {"blocktrain": b["train_flops"], "reference": r["train_flops"]},
                 "wall_seconds": {"blocktrain": b["wall_seconds"], "reference": r["wall_seconds"]},
                 "steps": {"blocktrain": b["steps"], "reference": r["steps"]},
+                "valid_curve": {"blocktrain": b["valid_curve"], "reference": r["valid_curve"]},
                 "blocktrain": b["test"],
                 "reference": r["test"],
                 "config": b["config"],
@@ -368,9 +370,29 @@ def _eval(module: BlockStack | Reference) -> Any:
     return module.eval()
 
 
-def tables(results: dict[str, Any], command: str) -> str:
+STUDIES = ("reference", "leakage", "depth", "span", "variants", "memory")
+JSON_NAME = {"reference": "quality"}  # the other studies write STUDY.json
+META = ("command", "mode", "machine")  # what every study's JSON holds beside its results
+
+
+def json_path(study: str, suffix: str) -> Path:
+    return RESULTS / f"{JSON_NAME.get(study, study)}{suffix}.json"
+
+
+def measured(suffix: str) -> dict[str, Any]:
+    """Every study of this mode that has a result on disk, in the usual order."""
+    return {
+        study: json.loads(json_path(study, suffix).read_text())
+        for study in STUDIES
+        if json_path(study, suffix).exists()
+    }
+
+
+def tables(results: dict[str, Any]) -> str:
     gib = 1024**3
-    lines = [f"Command: `{command}`", ""]
+    lines: list[str] = []
+    commands = sorted({r["command"] for r in results.values()})
+    lines += [f"Command: `{c}`" for c in commands] + [""]
     if "reference" in results:
         q = results["reference"]
         lines += [
@@ -392,6 +414,27 @@ def tables(results: dict[str, Any], command: str) -> str:
             f"Sampler CE over M = {q['sweeps']} sweeps; all CE in nats/byte on the test split.",
             "",
         ]
+        bt = q["converged"]["blocktrain"]
+        if "sampler_ce_per_step" in bt:  # results older than these diagnostics lack them
+            by_m = {**bt["sampler_ce_by_sweeps"], str(q["sweeps"]): bt["sampler_ce"]}
+            lines += [
+                "Converged BlockTrain's sampler CE by the number of sweeps M: "
+                + ", ".join(f"M = {m}: {ce:.4f}" for m, ce in by_m.items())
+                + "; the mixture after each block: "
+                + " / ".join(f"{ce:.4f}" for ce in bt["sampler_ce_per_step"])
+                + ".",
+                "",
+            ]
+        curves = q["converged"].get("valid_curve", {})
+        if any(curves.values()):
+            lines += [
+                "Validation CE of the converged runs (BlockTrain: sampler CE, M = 4), by step:",
+                "",
+            ]
+            for kind, curve in curves.items():
+                points = ", ".join(f"{p['step']}: {p['valid_ce']:.4f}" for p in curve)
+                lines.append(f"- {kind}: {points}")
+            lines.append("")
     for study, label in (
         ("leakage", "sigma range"),
         ("depth", "layers per block"),
@@ -405,6 +448,8 @@ def tables(results: dict[str, Any], command: str) -> str:
             "|---|---:|---:|---:|---|",
         ]
         for key, r in results[study].items():
+            if key in META:
+                continue
             lines.append(
                 f"| {key} | {r['oracle_ce']:.4f} | {r['from_noise_ce']:.4f} | "
                 f"{r['sampler_ce']:.4f} | "
@@ -441,32 +486,34 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--quick", action="store_true", help="the tiny shape, minutes")
-    p.add_argument("--studies", default="reference,leakage,depth,span,variants,memory")
+    p.add_argument("--studies", default=",".join(STUDIES))
     p.add_argument("--data", default=None, help="corpus (default: $BLOCKTRAIN_DATA)")
     p.add_argument("--work", type=Path, default=None, help="run folders (resumable)")
+    p.add_argument(
+        "--report", action="store_true", help="only rewrite BENCHMARKS.md from the JSON on disk"
+    )
     args = p.parse_args()
+    suffix = "-quick" if args.quick else ""
+    if args.report:
+        update_section(f"quality{suffix}", tables(measured(suffix)))
+        return
     keep_freed_memory()
     mode = QUICK if args.quick else FULL
-    suffix = "-quick" if args.quick else ""
     work = args.work or ROOT / "benchmarks" / "work" / f"quality{suffix}"
     bench = Bench(mode, work, args.data)
     started = time.time()
-    results: dict[str, Any] = {}
-    json_name = {"reference": "quality"}  # the other studies write STUDY.json
     command = ("python bench/quality.py " + " ".join(sys.argv[1:])).strip()
     for study in args.studies.split(","):
-        results[study] = getattr(bench, f"study_{study}")()
+        if study not in STUDIES:
+            p.error(f"unknown study {study!r}; choose from {', '.join(STUDIES)}")
+    for study in args.studies.split(","):
+        result = getattr(bench, f"study_{study}")()
         # written as each study ends, so an interrupted bench keeps what it measured
         write_json(
-            f"{json_name.get(study, study)}{suffix}.json",
-            {
-                "command": command,
-                "mode": dataclasses.asdict(mode),
-                "machine": machine(),
-                **results[study],
-            },
+            json_path(study, suffix).name,
+            {"command": command, "mode": dataclasses.asdict(mode), "machine": machine(), **result},
         )
-        update_section(f"quality{suffix}", tables(results, command))
+        update_section(f"quality{suffix}", tables(measured(suffix)))
     print(f"done in {(time.time() - started) / 60:.1f} min", flush=True)
 
 
