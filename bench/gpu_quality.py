@@ -26,8 +26,7 @@ import torch
 from blocktrain.config import RunConfig, apply_overrides, preset
 from blocktrain.data import ByteSource, load_split
 from blocktrain.training import EvalSettings, Trainer, evaluate_blocktrain, evaluate_reference
-from blocktrain.training.flops import count_flops
-from report import RESULTS, machine, update_section  # bench/report.py
+from report import RESULTS, machine, train_flops_per_step, update_section  # bench/report.py
 
 JSON_NAME = "gpu_quality.json"
 
@@ -56,26 +55,6 @@ def seconds_per_step(cfg: RunConfig, kind: str, train: ByteSource, work: Path) -
     return (time.perf_counter() - started) / 10
 
 
-def flops_per_step(trainer: Trainer, train: ByteSource) -> int:
-    """Training FLOPs of one step, counted as the code runs (3 x forward)."""
-    cfg = trainer.cfg
-    x = train.sample(cfg.train.batch_size, cfg.model.seq_len, torch.Generator().manual_seed(0))
-    x = x.to(trainer.device)
-    total = 0
-    for unit in trainer.units:
-
-        def forward(unit: Any = unit) -> None:
-            with torch.no_grad(), trainer._autocast():
-                if trainer.stack is not None:
-                    gen = torch.Generator(trainer.device).manual_seed(0)
-                    trainer.loss(unit.module, unit.index, x, gen)
-                else:
-                    unit.module(x)
-
-        total += 3 * count_flops(forward).total
-    return total
-
-
 def train_and_measure(
     cfg: RunConfig, kind: str, data: dict[str, ByteSource], work: Path, args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -90,7 +69,7 @@ def train_and_measure(
     synchronize(device)
     train_seconds = time.perf_counter() - started
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    step_flops = flops_per_step(trainer, data["train"])
+    step_flops = train_flops_per_step(trainer, data["train"])
     windows = data["test"].windows(cfg.model.seq_len, args.test_bytes)
     settings = EvalSettings(sweeps=args.sweeps, seed=1234, batch_size=args.eval_batch)
     for unit in trainer.units:

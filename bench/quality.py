@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors.torch import load_file, save_file
 
 from blocktrain.cli.plan import plan
@@ -43,8 +42,14 @@ from blocktrain.data import load_split
 from blocktrain.model import BlockStack, Reference
 from blocktrain.runtime import keep_freed_memory
 from blocktrain.training import EvalSettings, Trainer, evaluate_blocktrain, evaluate_reference
-from blocktrain.training.flops import count_flops
-from report import RESULTS, ROOT, machine, update_section, write_json  # bench/report.py
+from report import (  # bench/report.py
+    RESULTS,
+    ROOT,
+    machine,
+    train_flops_per_step,
+    update_section,
+    write_json,
+)
 
 VALID_SWEEPS = 4  # M of the validation CE that early stopping watches: cheap, a looser bound
 
@@ -108,28 +113,7 @@ class Bench:
     # ------------------------------------------------------------------ one model
 
     def flops_per_step(self, trainer: Trainer) -> int:
-        """Training FLOPs of one step, counted as the code runs (3 x forward)."""
-        cfg = trainer.cfg
-        x = self.train.sample(
-            cfg.train.batch_size, cfg.model.seq_len, torch.Generator().manual_seed(0)
-        ).to(trainer.device)
-        total = 0
-        for unit in trainer.units:
-
-            def forward(unit: Any = unit) -> None:
-                with torch.no_grad():
-                    if trainer.stack is not None:
-                        trainer.loss(
-                            unit.module,
-                            unit.index,
-                            x,
-                            torch.Generator(trainer.device).manual_seed(0),
-                        )
-                    else:
-                        unit.module(x)
-
-            total += 3 * count_flops(forward).total
-        return total
+        return train_flops_per_step(trainer, self.train)
 
     def model(self, tag: str, cfg: RunConfig, kind: str, *, converge: bool) -> dict[str, Any]:
         """Train (or resume, or reuse) one model and measure it on the test split."""

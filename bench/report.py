@@ -12,6 +12,10 @@ from typing import Any
 
 import torch
 
+from blocktrain.data import ByteSource
+from blocktrain.training import Trainer
+from blocktrain.training.flops import count_flops
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
@@ -67,3 +71,23 @@ def update_section(name: str, markdown: str) -> None:
         else (text.rstrip() + "\n\n" + block + "\n")
     )
     BENCHMARKS_MD.write_text(text)
+
+
+def train_flops_per_step(trainer: Trainer, source: ByteSource) -> int:
+    """Training FLOPs of one step of `trainer`, counted as the code runs (3 x forward)."""
+    cfg = trainer.cfg
+    x = source.sample(cfg.train.batch_size, cfg.model.seq_len, torch.Generator().manual_seed(0))
+    x = x.to(trainer.device)
+    total = 0
+    for unit in trainer.units:
+
+        def forward(unit: Any = unit) -> None:
+            with torch.no_grad(), trainer._autocast():
+                if trainer.stack is not None:
+                    gen = torch.Generator(trainer.device).manual_seed(0)
+                    trainer.loss(unit.module, unit.index, x, gen)
+                else:
+                    unit.module(x)
+
+        total += 3 * count_flops(forward).total
+    return total
