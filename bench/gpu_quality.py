@@ -74,7 +74,7 @@ def train_and_measure(
     settings = EvalSettings(sweeps=args.sweeps, seed=1234, batch_size=args.eval_batch)
     for unit in trainer.units:
         unit.module.eval()
-    with trainer._autocast():
+    with trainer.autocast():
         if trainer.stack is not None:
             test = evaluate_blocktrain(trainer.stack, windows, settings)
             ce = test["sampler_ce"]

@@ -14,7 +14,7 @@ import torch
 
 from blocktrain.data import ByteSource
 from blocktrain.training import Trainer
-from blocktrain.training.flops import count_flops
+from blocktrain.training.flops import FlopCount, count_flops
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -73,21 +73,21 @@ def update_section(name: str, markdown: str) -> None:
     BENCHMARKS_MD.write_text(text)
 
 
-def train_flops_per_step(trainer: Trainer, source: ByteSource) -> int:
-    """Training FLOPs of one step of `trainer`, counted as the code runs (3 x forward)."""
+def forward_flops(trainer: Trainer, source: ByteSource) -> FlopCount:
+    """FLOPs of one forward pass of every unit of `trainer` (its loss, in its precision) on one
+    batch of `source`, counted as the code runs."""
     cfg = trainer.cfg
     x = source.sample(cfg.train.batch_size, cfg.model.seq_len, torch.Generator().manual_seed(0))
     x = x.to(trainer.device)
-    total = 0
-    for unit in trainer.units:
 
-        def forward(unit: Any = unit) -> None:
-            with torch.no_grad(), trainer._autocast():
-                if trainer.stack is not None:
-                    gen = torch.Generator(trainer.device).manual_seed(0)
-                    trainer.loss(unit.module, unit.index, x, gen)
-                else:
-                    unit.module(x)
+    def forward() -> None:
+        with torch.no_grad(), trainer.autocast():
+            for unit in trainer.units:
+                unit.objective(x, torch.Generator(trainer.device).manual_seed(0))
 
-        total += 3 * count_flops(forward).total
-    return total
+    return count_flops(forward)
+
+
+def train_flops_per_step(trainer: Trainer, source: ByteSource) -> int:
+    """Training FLOPs of one step of `trainer`: 3 x forward (the backward costs twice it)."""
+    return 3 * forward_flops(trainer, source).total

@@ -28,7 +28,12 @@ from blocktrain.data import load_split
 from blocktrain.runtime import keep_freed_memory
 from blocktrain.training import Trainer
 from blocktrain.training.flops import MatmulShape, count_flops
-from report import machine, update_section, write_json  # bench/report.py, beside this script
+from report import (
+    forward_flops,
+    machine,
+    update_section,
+    write_json,
+)  # bench/report.py, beside this script
 
 
 def matmul_rate(shapes: list[MatmulShape], repeats: int = 3) -> float:
@@ -64,18 +69,8 @@ def measure(cfg: RunConfig, kind: str, data: Path, steps: int, rounds: int) -> d
     train = load_split(data, "train")
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer.create(cfg, Path(tmp) / "run", train, None, kind=kind)
-        unit = trainer.units[0]
-        x = train.sample(cfg.train.batch_size, cfg.model.seq_len, torch.Generator().manual_seed(0))
-
-        def forward() -> None:
-            with torch.no_grad():
-                if trainer.stack is not None:
-                    trainer.loss(unit.module, unit.index, x, torch.Generator().manual_seed(0))
-                else:
-                    unit.module(x)
-
-        fwd = count_flops(forward)
-        flops_per_step = 3 * fwd.total * len(trainer.units)
+        fwd = forward_flops(trainer, train)
+        flops_per_step = 3 * fwd.total
         step_shapes = count_flops(trainer.train_step).matmuls  # forward and backward, one step
         for _ in range(2):
             trainer.train_step()  # warm up

@@ -1,9 +1,9 @@
 """One block replica trained in memory, as a decentralised worker does; and the assembly of a
 checkpoint from per-block weights, as the aggregator's export does.
 
-`LocalBlockTrainer` reuses the trainer's pieces exactly (BlockLoss, make_optimizer,
-learning_rate, stream_seed): a worker's step is `Trainer.train_step` for one block, with the
-batches drawn from the worker's own data seed (`seed * n_workers + worker_id`, so two replicas
+`LocalBlockTrainer` takes the trainer's step (`step.train_step`, with BlockLoss and
+make_optimizer): a worker's update is `Trainer.train_step`'s for one block, with the batches
+drawn from the worker's own data seed (`seed * n_workers + worker_id`, so two replicas
 of a block see different batches) and the step index taken from the round (round * H + i), so
 the learning-rate schedule follows the run's progress, not the worker's age. Its AdamW state
 lives as long as the object: it carries over from round to round while the weights are reset
@@ -12,6 +12,7 @@ to each round's published version.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -26,8 +27,8 @@ from blocktrain.model import BlockStack, init_block, target_table
 from blocktrain.protocol.settings import AggregatorSettings
 from blocktrain.training import checkpoint as ckpt
 from blocktrain.training.loss import BlockLoss
-from blocktrain.training.optim import learning_rate, make_optimizer, set_learning_rate
-from blocktrain.training.trainer import stream_seed
+from blocktrain.training.optim import make_optimizer
+from blocktrain.training.step import train_step
 
 Tensors = dict[str, torch.Tensor]
 
@@ -53,7 +54,7 @@ class LocalBlockTrainer:
         self.device = torch.device(device)
         self.module = init_block(cfg.model, cfg.seed, block).to(self.device)
         self.targets = target_table(cfg.seed, cfg.model.d_model).to(self.device)
-        self.loss = BlockLoss(cfg.model, self.targets)
+        self.objective = functools.partial(BlockLoss(cfg.model, self.targets), self.module, block)
         self.optimizer = make_optimizer(self.module, cfg.train)
         self.base: Tensors | None = None
         self.steps_done = 0
@@ -84,30 +85,25 @@ class LocalBlockTrainer:
     ) -> dict[str, float]:
         """Up to `steps` AdamW updates at run steps first_step, first_step + 1, ... Returns the
         target bytes trained on ("tokens"), the mean loss and the steps done."""
-        cfg, tcfg = self.cfg, self.cfg.train
         self.module.train()
         losses: list[float] = []
         tokens = 0
         for i in range(steps):
             if should_stop():
                 break
-            step = first_step + i
-            batch_gen = torch.Generator().manual_seed(
-                stream_seed(self.data_seed, self.block_index, step, salt=1)
+            result = train_step(
+                self.module,
+                self.optimizer,
+                self.objective,
+                self.data,
+                self.cfg,
+                seed=self.data_seed,
+                unit=self.block_index,
+                step=first_step + i,
+                device=self.device,
             )
-            x = self.data.sample(tcfg.batch_size, cfg.model.seq_len, batch_gen).to(self.device)
-            noise_gen = torch.Generator(self.device).manual_seed(
-                stream_seed(self.data_seed, self.block_index, step, salt=2)
-            )
-            parts = self.loss(self.module, self.block_index, x, noise_gen)
-            self.optimizer.zero_grad(set_to_none=True)
-            parts.total.backward()
-            if tcfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.module.parameters(), tcfg.grad_clip)
-            set_learning_rate(self.optimizer, learning_rate(step, tcfg))
-            self.optimizer.step()
-            losses.append(parts.logs["loss"])
-            tokens += x.numel()
+            losses.append(result.logs["loss"])
+            tokens += result.tokens
         self.steps_done += len(losses)
         mean = sum(losses) / len(losses) if losses else math.nan
         return {"tokens": float(tokens), "loss": mean, "steps": float(len(losses))}

@@ -1,14 +1,14 @@
 """The training loop: one chosen block (what a worker does), every block in turn (the
 single-machine job), or the end-to-end reference.
 
-Reproducibility by construction: the batch and the noise of update `step` of unit `u` are drawn
-from generators seeded by (seed, u, step) alone, and the optimizer state is saved exactly, so a
-resumed run sees the same batches and computes the same losses as an uninterrupted one.
+Each update is `step.train_step`, seeded by (seed, unit, step); the optimizer state is saved
+exactly, so a resumed run computes the same losses as an uninterrupted one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -34,30 +34,18 @@ from blocktrain.training.evaluate import (
     evaluate_oracle_block,
     evaluate_reference,
 )
-from blocktrain.training.loss import BlockLoss, LossParts, reference_loss
+from blocktrain.training.loss import BlockLoss, reference_loss
 from blocktrain.training.optim import (
     learning_rate,
     load_optimizer_tensors,
     make_optimizer,
     optimizer_tensors,
-    set_learning_rate,
 )
+from blocktrain.training.step import Objective, precision_context, train_step
 
 log = logging.getLogger(__name__)
 
 REFERENCE_UNIT = 0  # the reference draws the same batch stream as block 0
-
-
-def stream_seed(seed: int, unit: int, step: int, salt: int) -> int:
-    """A 63-bit seed for one (run seed, unit, step, purpose); cheap and collision-averse."""
-    h = (
-        seed * 0x9E3779B97F4A7C15
-        + unit * 0xC2B2AE3D27D4EB4F
-        + step * 0x165667B19E3779F9
-        + salt * 0x27D4EB2F165667C5
-    ) & 0xFFFFFFFFFFFFFFFF
-    h ^= h >> 31
-    return h & 0x7FFFFFFFFFFFFFFF
 
 
 def resolve_device(name: str) -> torch.device:
@@ -74,6 +62,7 @@ class Unit:
     index: int  # the block index (REFERENCE_UNIT for the reference)
     module: nn.Module
     optimizer: torch.optim.AdamW = field(repr=False)
+    objective: Objective = field(repr=False)  # the unit's loss on a batch
 
 
 class Trainer:
@@ -99,22 +88,29 @@ class Trainer:
         self.reference: Reference | None = None
         self.units: list[Unit] = []
         if info.kind == "reference":
-            self.reference = init_reference(mcfg, self.cfg.seed).to(self.device)
+            reference = self.reference = init_reference(mcfg, self.cfg.seed).to(self.device)
             self.units.append(
                 Unit(
                     "reference.",
                     REFERENCE_UNIT,
-                    self.reference,
-                    make_optimizer(self.reference, self.cfg.train),
+                    reference,
+                    make_optimizer(reference, self.cfg.train),
+                    lambda x, _noise: reference_loss(reference, x),  # noiseless
                 )
             )
         else:
             self.stack = BlockStack(mcfg, self.cfg.seed, info.blocks).to(self.device)
-            self.loss = BlockLoss(mcfg, self.stack.targets)
+            loss = BlockLoss(mcfg, self.stack.targets)
             for b in self.stack.block_ids:
                 block = self.stack.block(b)
                 self.units.append(
-                    Unit(f"block.{b}.", b, block, make_optimizer(block, self.cfg.train))
+                    Unit(
+                        f"block.{b}.",
+                        b,
+                        block,
+                        make_optimizer(block, self.cfg.train),
+                        functools.partial(loss, block, b),
+                    )
                 )
 
     # ---------------------------------------------------------------- construction
@@ -238,42 +234,28 @@ class Trainer:
 
     # ---------------------------------------------------------------- the loop
 
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.cfg.train.precision == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The precision context of this run's forward passes (bf16 autocast, or nothing)."""
+        return precision_context(self.cfg.train.precision, self.device)
 
     def train_step(self) -> dict[str, float]:
         """One update of every unit at `self.step`; returns the merged logs."""
-        cfg, tcfg = self.cfg, self.cfg.train
-        lr = learning_rate(self.step, tcfg)
-        logs: dict[str, float] = {"lr": lr}
+        logs: dict[str, float] = {"lr": learning_rate(self.step, self.cfg.train)}
         for unit in self.units:
-            batch_gen = torch.Generator().manual_seed(
-                stream_seed(cfg.seed, unit.index, self.step, salt=1)
+            result = train_step(
+                unit.module,
+                unit.optimizer,
+                unit.objective,
+                self.train_data,
+                self.cfg,
+                seed=self.cfg.seed,
+                unit=unit.index,
+                step=self.step,
+                device=self.device,
             )
-            x = self.train_data.sample(tcfg.batch_size, cfg.model.seq_len, batch_gen)
-            x = x.to(self.device, non_blocking=True)
-            with self._autocast():
-                if self.stack is not None:
-                    noise_gen = torch.Generator(self.device).manual_seed(
-                        stream_seed(cfg.seed, unit.index, self.step, salt=2)
-                    )
-                    block = self.stack.block(unit.index)
-                    parts: LossParts = self.loss(block, unit.index, x, noise_gen)
-                else:
-                    assert self.reference is not None
-                    parts = reference_loss(self.reference, x)
-            unit.optimizer.zero_grad(set_to_none=True)
-            parts.total.backward()
-            if tcfg.grad_clip > 0:
-                norm = torch.nn.utils.clip_grad_norm_(unit.module.parameters(), tcfg.grad_clip)
-                parts.logs["grad_norm"] = float(norm)
-            set_learning_rate(unit.optimizer, lr)
-            unit.optimizer.step()
-            self.bytes_seen += x.numel()
+            self.bytes_seen += result.tokens
             prefix = "" if len(self.units) == 1 else f"b{unit.index}_"
-            logs.update({prefix + k: v for k, v in parts.logs.items()})
+            logs.update({prefix + k: v for k, v in result.logs.items()})
         if len(self.units) > 1:
             logs["loss"] = sum(logs[f"b{u.index}_loss"] for u in self.units) / len(self.units)
         return logs
