@@ -36,12 +36,12 @@ from typing import Any
 
 from safetensors.torch import load_file, save_file
 
-from blocktrain.cli.plan import plan
 from blocktrain.config import RunConfig, apply_overrides, preset
 from blocktrain.data import load_split
 from blocktrain.model import BlockStack, Reference
 from blocktrain.runtime import keep_freed_memory
 from blocktrain.training import EvalSettings, Trainer, evaluate_blocktrain, evaluate_reference
+from blocktrain.training.plan import plan
 from report import (  # bench/report.py
     RESULTS,
     ROOT,

@@ -3,16 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
-
-import torch
 
 from blocktrain.cli.common import Formatter, add_config_args, print_json, resolve_config
-from blocktrain.config import RunConfig
 from blocktrain.errors import ConfigError
-from blocktrain.model import Block, Reference, SigmaSchedule
-
-ADAMW_BYTES_PER_PARAM = 8  # two fp32 moments per parameter
+from blocktrain.training.plan import plan
 
 EXAMPLES = """examples:
   blocktrain plan --preset paper --json
@@ -56,37 +50,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     shape.add_argument("--bytes", type=int, default=64, help="output bytes for --throughput")
     p.set_defaults(handler=run)
-
-
-def _count(module: torch.nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-def plan(cfg: RunConfig) -> dict[str, Any]:
-    """Parameter and optimizer-state accounting, built on the meta device (no memory)."""
-    m = cfg.model
-    with torch.device("meta"):
-        per_block = _count(Block(m))  # every block has the same shape
-        reference = _count(Reference(m))
-    schedule = SigmaSchedule.from_config(m)
-    total = per_block * m.blocks
-    return {
-        "config": cfg.to_dict(),
-        "layers_per_block": m.layers_per_block,
-        "sigma_data": m.sigma_data_value,
-        "sigma_boundaries": schedule.boundaries(),
-        "block_intervals": [list(schedule.interval(b)) for b in range(m.blocks)],
-        "block_training_intervals": [list(schedule.training_interval(b)) for b in range(m.blocks)],
-        "params_per_block": [per_block] * m.blocks,
-        "params_total": total,
-        "target_table_values": 256 * m.d_model,
-        "optimizer_state_bytes_worker": per_block * ADAMW_BYTES_PER_PARAM,
-        "optimizer_state_bytes_full": total * ADAMW_BYTES_PER_PARAM,
-        "weight_bytes_fp32_worker": per_block * 4,
-        "weight_bytes_fp32_full": total * 4,
-        "reference_params": reference,
-        "reference_optimizer_state_bytes": reference * ADAMW_BYTES_PER_PARAM,
-    }
 
 
 def run_shape(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ from blocktrain.config import TrainConfig
 from blocktrain.errors import CheckpointError
 
 ADAM_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
+ADAMW_BYTES_PER_PARAM = 8  # two fp32 moments per parameter
 
 
 def make_optimizer(module: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
