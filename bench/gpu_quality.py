@@ -8,7 +8,7 @@ training throughput in bytes/s and model FLOP/s, and peak GPU memory. bench/gpu_
 on the device machine inside 8 minutes; on a CPU it runs with --preset tiny for a smoke test.
 
     python bench/gpu_quality.py                           # on a GPU: the paper preset
-    python bench/gpu_quality.py --preset tiny --device cpu --budget 10 --test-bytes 4096
+    python bench/gpu_quality.py --preset tiny --device cpu --steps 50 --test-bytes 4096
     python bench/gpu_quality.py --report                  # BENCHMARKS.md from the committed JSON
 """
 
@@ -26,7 +26,13 @@ import torch
 from blocktrain.config import RunConfig, apply_overrides, preset
 from blocktrain.data import ByteSource, load_split
 from blocktrain.training import EvalSettings, Trainer, evaluate_blocktrain, evaluate_reference
-from report import RESULTS, machine, train_flops_per_step, update_section  # bench/report.py
+from report import (  # bench/report.py
+    BENCHMARKS_MD,
+    RESULTS,
+    machine,
+    train_flops_per_step,
+    update_section,
+)
 
 JSON_NAME = "gpu_quality.json"
 
@@ -105,7 +111,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         work = Path(tmp)
         calibrate = apply_overrides(base, ["steps=1000"])
         step_s = seconds_per_step(calibrate, "blocktrain", data["train"], work)
-        steps = max(20, int(args.budget / step_s))
+        steps = args.steps if args.steps is not None else max(20, int(args.budget / step_s))
         warmup = max(1, min(base.train.warmup_steps, steps // 10))
         cfg = apply_overrides(base, [f"steps={steps}", f"warmup_steps={warmup}"])
         print(f"BlockTrain {step_s:.3f} s/step: {steps} steps each, warmup {warmup}", flush=True)
@@ -161,11 +167,20 @@ def main() -> None:
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides")
     p.add_argument("--device", default="cuda")
     p.add_argument("--budget", type=float, default=150.0, help="BlockTrain training seconds")
+    p.add_argument(
+        "--steps", type=int, help="train this many steps each instead of filling --budget"
+    )
     p.add_argument("--test-bytes", type=int, default=131072)
     p.add_argument("--sweeps", type=int, default=8, help="M for BlockTrain's sampler CE")
     p.add_argument("--eval-batch", type=int, default=32)
     p.add_argument("--data", default=None, help="corpus (default: $BLOCKTRAIN_DATA)")
     p.add_argument("--out", type=Path, default=RESULTS, help="where gpu_quality.json goes")
+    p.add_argument(
+        "--benchmarks",
+        type=Path,
+        default=BENCHMARKS_MD,
+        help="the BENCHMARKS.md whose gpu-quality section a GPU run or --report rewrites",
+    )
     p.add_argument("--report", action="store_true", help="only rewrite BENCHMARKS.md's section")
     args = p.parse_args()
     path = args.out / JSON_NAME
@@ -178,7 +193,7 @@ def main() -> None:
         print(f"wrote {path}", flush=True)
         if args.device == "cpu":
             return  # a smoke test: BENCHMARKS.md shows GPU runs only
-    update_section("gpu-quality", table(json.loads(path.read_text())))
+    update_section("gpu-quality", table(json.loads(path.read_text())), args.benchmarks)
 
 
 if __name__ == "__main__":

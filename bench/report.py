@@ -58,19 +58,19 @@ def write_json(name: str, data: dict[str, Any]) -> Path:
     return path
 
 
-def update_section(name: str, markdown: str) -> None:
-    """Replace the text between `<!-- NAME:begin -->` and `<!-- NAME:end -->` in BENCHMARKS.md
+def update_section(name: str, markdown: str, path: Path = BENCHMARKS_MD) -> None:
+    """Replace the text between `<!-- NAME:begin -->` and `<!-- NAME:end -->` in `path`
     (appending the section if it is not there yet)."""
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
     block = f"{begin}\n{markdown.strip()}\n{end}"
-    text = BENCHMARKS_MD.read_text() if BENCHMARKS_MD.exists() else "# Benchmarks\n"
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
     pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
     text = (
         pattern.sub(lambda _: block, text)
         if pattern.search(text)
         else (text.rstrip() + "\n\n" + block + "\n")
     )
-    BENCHMARKS_MD.write_text(text)
+    path.write_text(text)
 
 
 def forward_flops(trainer: Trainer, source: ByteSource) -> FlopCount:
