@@ -157,6 +157,23 @@ def test_bad_generation_settings(capsys, trained):
     fails_cleanly(capsys, ["generate", str(trained), "--prompt", ""], "at least one byte")
     fails_cleanly(capsys, ["generate", str(trained), "--prompt", "a", "--top-p", "0"], "top_p")
     fails_cleanly(capsys, ["generate", str(trained), "--prompt", "a", "--bytes", "0"], "--bytes")
+    fails_cleanly(
+        capsys, ["generate", str(trained), "--prompt", "a", "--sampler", "heun"], "unknown sampler"
+    )
+    fails_cleanly(
+        capsys,
+        ["generate", str(trained), "--prompt", "a", "--steps-per-block", "0"],
+        "--steps-per-block",
+    )
+
+
+def test_generate_takes_the_sampler_and_its_steps(capsys, trained):
+    args = ["generate", str(trained), "--prompt", "ab", "--bytes", "6", "--continuation-only"]
+    outs = {}
+    for sampler in ("euler", "ancestral"):
+        assert main([*args, "--sampler", sampler, "--steps-per-block", "2"]) == 0
+        outs[sampler] = capsys.readouterr().out
+    assert all(outs.values()), outs
 
 
 def test_one_block_run_cannot_be_evaluated_as_a_model(capsys, tmp_path, corpus):

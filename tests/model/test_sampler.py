@@ -18,6 +18,37 @@ from blocktrain.model import (
 CFG = ModelConfig(d_model=32, n_heads=2, layers=3, blocks=3, seq_len=16, span=2)
 
 
+def lively_stack(cfg: ModelConfig = CFG) -> BlockStack:
+    """A stack whose logits depend on the context, z and sigma: the zero-initialised heads,
+    projections and modulations of a fresh block get random weights (a fresh block's logits are
+    all zero, so a context or state bug could not show)."""
+    stack = BlockStack(cfg, seed=0).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in stack.parameters():
+            if not p.any():
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    return stack
+
+
+def next_byte_denoiser(calls: list | None = None):
+    """A denoiser certain that the byte at position p of a span is (last context byte + 1 +
+    offset of p in its span) mod 256: greedy generation must count up from the prompt's last
+    byte, whatever K, so the context window, the positions and the appends all show."""
+
+    def denoise(b, x, z, sigma, layout):
+        last = x[:, -1]  # (N,)
+        offset = layout.z_pos - layout.span_start  # (Lz,)
+        want = (last[:, None] + 1 + offset[None, :]) % 256  # (N, Lz)
+        logits = torch.full((*want.shape, 256), -30.0)
+        logits.scatter_(-1, want[..., None], 30.0)
+        if calls is not None:
+            calls.append(x.shape[1])
+        return logits
+
+    return denoise
+
+
 def recording_denoiser(calls):
     def denoise(b, x, z, sigma, layout):
         calls.append((b, float(sigma[0])))
@@ -86,9 +117,74 @@ def test_euler_moves_towards_a_confident_prediction():
     assert zs == [0, 1, 2]
 
 
+@pytest.mark.parametrize("span", [1, 2, 4])
+def test_generate_continues_from_the_context_it_has_produced(span):
+    calls: list[int] = []
+    grid = SigmaSchedule.from_config(CFG).sampler_grid(1)
+    out = generate(
+        next_byte_denoiser(calls),
+        torch.tensor([[60, 61, 62]]),
+        20,
+        grid=grid,
+        targets=torch.nn.functional.normalize(torch.randn(256, 32), dim=1),
+        span=span,
+        max_context=CFG.seq_len - span,
+        sampling=Sampling(temperature=0),
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert out[0].tolist() == list(range(63, 83)), "each span follows the bytes before it"
+    assert max(calls) == CFG.seq_len - span, "the context is cut to its last T - K bytes"
+    assert len(calls) == 3 * -(-20 // span), "one sweep of B = 3 calls per span"
+
+
+def test_a_sweep_split_into_ranges_of_points_is_the_whole_sweep():
+    """What the block hosts do: each runs its consecutive points and hands z on."""
+    from blocktrain.model.sampler import run_points
+
+    stack = lively_stack()
+    grid = SigmaSchedule.from_config(CFG).sampler_grid(2)  # 6 points
+    x = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(0))
+    z = 10 * torch.randn(2, 2, 32, generator=torch.Generator().manual_seed(1))
+    layout = ZLayout.next_span(5, 2)
+    den = stack_denoiser(stack)
+    for method in ("euler", "ancestral"):
+        whole = one_sweep(
+            den,
+            x,
+            z,
+            grid,
+            stack.targets,
+            layout,
+            method=method,
+            generator=torch.Generator().manual_seed(2),
+        )
+        gen = torch.Generator().manual_seed(2)
+        state = z
+        for start, stop in [(0, 1), (1, 4), (4, 6)]:
+            state, logits = run_points(
+                den,
+                x,
+                state,
+                grid,
+                stack.targets,
+                layout,
+                start=start,
+                stop=stop,
+                method=method,
+                generator=gen,
+            )
+        # Same code, same shapes, same order of random draws: exact.
+        assert torch.equal(logits, whole), method
+    other = one_sweep(den, x, z, grid, stack.targets, layout)
+    moved = one_sweep(den, x, z + 1, grid, stack.targets, layout)
+    assert not torch.allclose(other, moved), "the state reaches the logits"
+    with pytest.raises(ValueError, match="do not lie in"):
+        run_points(den, x, z, grid, stack.targets, layout, start=4, stop=7)
+
+
 @pytest.mark.parametrize("n", [1, 5, 8])
 def test_generate_returns_the_requested_number_of_bytes(n):
-    stack = BlockStack(CFG, seed=0).eval()
+    stack = lively_stack()
     grid = SigmaSchedule.from_config(CFG).sampler_grid(1)
     out = generate(
         stack_denoiser(stack),
@@ -106,7 +202,7 @@ def test_generate_returns_the_requested_number_of_bytes(n):
 
 
 def test_generate_is_seeded_and_handles_contexts_longer_than_training():
-    stack = BlockStack(CFG, seed=0).eval()
+    stack = lively_stack()
     grid = SigmaSchedule.from_config(CFG).sampler_grid(1)
     prompt = torch.randint(0, 256, (1, 40))
 
@@ -168,7 +264,7 @@ def test_ancestral_step_renoises_around_a_sampled_target():
 
 
 def test_ancestral_sweep_is_seeded_and_needs_a_generator():
-    stack = BlockStack(CFG, seed=0).eval()
+    stack = lively_stack()
     grid = SigmaSchedule.from_config(CFG).sampler_grid(2)
     x = torch.randint(0, 256, (1, 4))
     z = torch.randn(1, 2, 32)
@@ -188,6 +284,7 @@ def test_ancestral_sweep_is_seeded_and_needs_a_generator():
         )
 
     assert torch.equal(run(3), run(3))
+    assert not torch.equal(run(3), run(4)), "the re-noising draws from the generator"
     with pytest.raises(ValueError, match="generator"):
         one_sweep(den, x, z, grid, stack.targets, layout, method="ancestral")
     with pytest.raises(ValueError, match="unknown sampler"):

@@ -142,6 +142,7 @@ def in_process(
     seed: int,
     sampling: Sampling | None = None,
     steps_per_block: int = 1,
+    sampler: str = "euler",
 ) -> list[int]:
     """What `blocktrain generate` produces for the same request."""
     cfg = stack.cfg
@@ -155,6 +156,7 @@ def in_process(
         max_context=cfg.seq_len - cfg.span,
         sampling=sampling or Sampling(),
         generator=torch.Generator().manual_seed(seed),
+        method=sampler,
     )
     return out[0].tolist()
 

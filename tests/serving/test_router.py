@@ -104,6 +104,8 @@ LONG = "x" * 65537
         ({"echo": True}, 400, "echo: not supported"),
         ({"frobnicate": 1}, 400, "frobnicate: unknown parameter"),
         ({"steps_per_block": 100}, 400, "steps_per_block"),
+        ({"steps_per_block": 0}, 400, "steps_per_block"),
+        ({"sampler": "heun"}, 400, "sampler: unknown sampler 'heun'; choose one of euler"),
         ({"model": "gpt-4"}, 404, "model 'gpt-4' is not served here"),
     ],
 )

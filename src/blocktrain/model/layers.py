@@ -95,6 +95,36 @@ class DualStreamLayer(nn.Module):
         n, heads, length, hd = a.shape
         return self.proj(a.transpose(1, 2).reshape(n, length, heads * hd))  # (N, L, d)
 
+    def attend_clean(
+        self,
+        x: torch.Tensor,
+        rot: torch.Tensor,
+        past: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The clean stream's causal attention with its residual, for L new positions that
+        follow P cached ones: x (N, L, d), rot (L, hd/2) their rotations, past the (k, v) of the
+        cached positions, each (N, H, P, hd), or None -> (x (N, L, d), (k, v) each
+        (N, H, P + L, hd), rotated: what the z stream attends to and what a KV cache keeps)."""
+        q, k, v = self._heads(self.ln1(x))  # each (N, H, L, hd)
+        q, k = apply_rotary(q, rot), apply_rotary(k, rot)
+        if past is None:
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)
+            new, total = q.shape[2], k.shape[2]
+            if new == 1:  # the usual decoding step: the one new token sees everything
+                attn = F.scaled_dot_product_attention(q, k, v)
+            else:  # new token i sits at position P + i and sees keys 0..P + i
+                key_pos = torch.arange(total, device=x.device)
+                query_pos = torch.arange(total - new, total, device=x.device)
+                mask = key_pos[None, :] <= query_pos[:, None]  # (L, P + L)
+                attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return x + self._merge(attn), (k, v)
+
+    def mlp_clean(self, x: torch.Tensor) -> torch.Tensor:
+        """The clean stream's MLP with its residual: x (N, L, d) -> (N, L, d)."""
+        return x + self._mlp(self.ln2(x))
+
     def forward(
         self,
         x: torch.Tensor,
@@ -108,11 +138,9 @@ class DualStreamLayer(nn.Module):
         rope_x / rope_z the rotations of their positions (Rotary.rotation); z_mask
         (Lz, Lx + Lz) bool, True where a z query may attend."""
         # --- attention ---
-        qx, kx, vx = self._heads(self.ln1(x))
-        qx, kx = apply_rotary(qx, rope_x), apply_rotary(kx, rope_x)
-        x = x + self._merge(F.scaled_dot_product_attention(qx, kx, vx, is_causal=True))
+        x, (kx, vx) = self.attend_clean(x, rope_x)
         if z is None:
-            return x + self._mlp(self.ln2(x)), None
+            return self.mlp_clean(x), None
         assert self.modulation is not None and cond is not None and rope_z is not None
         mods = self.modulation(F.silu(cond)).chunk(6, dim=-1)  # 6 x (N, d)
         shift1, scale1, gate1, shift2, scale2, gate2 = mods
@@ -127,7 +155,7 @@ class DualStreamLayer(nn.Module):
         )
         z = torch.addcmul(z, gate1[:, None, :], self._merge(az))
         # --- MLP ---
-        x = x + self._mlp(self.ln2(x))
+        x = self.mlp_clean(x)
         hz = modulate(F.layer_norm(z, z.shape[-1:]), shift2, scale2)
         z = torch.addcmul(z, gate2[:, None, :], self._mlp(hz))
         return x, z

@@ -14,11 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from blocktrain.config import ModelConfig
-from blocktrain.model.layers import DualStreamLayer, Rotary, apply_rotary
+from blocktrain.model.layers import DualStreamLayer, Rotary
 from blocktrain.model.reference import Reference
 
 
@@ -45,35 +44,6 @@ class KVCache:
         return sum(
             t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values())
         )
-
-
-def cached_clean_layer(
-    layer: DualStreamLayer,
-    x: torch.Tensor,
-    rot: torch.Tensor,
-    past: tuple[torch.Tensor, torch.Tensor] | None,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """The clean stream of one layer (the reference's layer) for L new positions that follow P
-    cached ones: x (N, L, d), rot (L, hd/2) their rotations, past (k, v) each (N, H, P, hd) or
-    None -> (x (N, L, d), (k, v) each (N, H, P + L, hd)).
-
-    With no past this runs exactly the operations of `DualStreamLayer.forward(x, rot)`."""
-    q, k, v = layer._heads(layer.ln1(x))  # each (N, H, L, hd)
-    q, k = apply_rotary(q, rot), apply_rotary(k, rot)
-    if past is None:
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    else:
-        k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)  # (N, H, P+L, hd)
-        new, total = q.shape[2], k.shape[2]
-        if new == 1:  # the usual decoding step: the one new token sees everything
-            attn = F.scaled_dot_product_attention(q, k, v)
-        else:  # new token i sits at position P + i and sees keys 0..P + i
-            key_pos = torch.arange(total, device=x.device)
-            query_pos = torch.arange(total - new, total, device=x.device)
-            mask = key_pos[None, :] <= query_pos[:, None]  # (L, P + L)
-            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    x = x + layer._merge(attn)
-    return x + layer._mlp(layer.ln2(x)), (k, v)
 
 
 class ReferenceStage(nn.Module):
@@ -113,7 +83,8 @@ class ReferenceStage(nn.Module):
             past = None
             if cache is not None and cache.length > 0:
                 past = (cache.keys[i], cache.values[i])
-            h, (k, v) = cached_clean_layer(layer, h, rot, past)
+            h, (k, v) = layer.attend_clean(h, rot, past)
+            h = layer.mlp_clean(h)
             if cache is not None:
                 cache.keys[i], cache.values[i] = k, v
         if cache is not None:

@@ -54,6 +54,65 @@ def ancestral_step(
 
 
 SAMPLERS = ("euler", "ancestral")
+"""The sampler steps between grid points: "euler" (deterministic, DESIGN.md 2.6) or "ancestral"
+(re-noise from a sampled byte; draws from the generator)."""
+
+
+def check_sampler(method: str) -> str:
+    if method not in SAMPLERS:
+        raise ValueError(f"unknown sampler {method!r}; choose one of {', '.join(SAMPLERS)}")
+    return method
+
+
+def needs_generator(method: str) -> bool:
+    """Whether the steps of `method` draw random numbers (then they need the generator)."""
+    return check_sampler(method) == "ancestral"
+
+
+def run_points(
+    denoise: Denoiser,
+    x_bytes: torch.Tensor,
+    z: torch.Tensor,
+    grid: list[tuple[int, float]],
+    targets: torch.Tensor,
+    layout: ZLayout,
+    *,
+    start: int = 0,
+    stop: int | None = None,
+    method: str = "euler",
+    generator: torch.Generator | None = None,
+    on_step: StepHook | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sweep itself, written once: run grid points start..stop-1 on the state z (N, Lz, d),
+    which lies at grid[start]'s sigma. After every point but the grid's last, z moves to the next
+    point's sigma. Returns (z at grid[stop], or as it was at the grid's last point; the logits
+    (N, Lz, 256) of point stop - 1).
+
+    A whole sweep is start = 0, stop = len(grid) (`one_sweep`); a block host runs the
+    consecutive points of the blocks it holds and forwards z to the host of the next point.
+    `on_step(n, block, sigma, logits)` sees every point's logits."""
+    check_sampler(method)
+    stop = len(grid) if stop is None else stop
+    if not 0 <= start < stop <= len(grid):
+        raise ValueError(f"grid points {start}..{stop - 1} do not lie in 0..{len(grid) - 1}")
+    if needs_generator(method) and generator is None:
+        raise ValueError(f"the {method} sampler needs a generator")
+    n_seq = x_bytes.shape[0]
+    logits = z.new_empty(0)
+    for n in range(start, stop):
+        block, sigma = grid[n]
+        sigma_t = torch.full((n_seq,), sigma, dtype=torch.float32, device=z.device)
+        logits = denoise(block, x_bytes, z, sigma_t, layout)
+        if on_step is not None:
+            on_step(n, block, sigma, logits)
+        if n == len(grid) - 1:
+            break
+        if method == "euler":
+            z = euler_step(z, logits, targets, sigma, grid[n + 1][1])
+        else:
+            assert generator is not None
+            z = ancestral_step(logits, targets, grid[n + 1][1], generator)
+    return z, logits
 
 
 def one_sweep(
@@ -69,27 +128,20 @@ def one_sweep(
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Refine z (N, Lz, d), which starts as sigma_max * eps, through the whole grid; return the
-    final logits (N, Lz, 256). `on_step(n, block, sigma, logits)` sees every step's logits.
-    `method` is "euler" (deterministic, DESIGN.md 2.6) or "ancestral" (re-noise from a sampled
-    byte at every step; needs a `generator`)."""
-    if method not in SAMPLERS:
-        raise ValueError(f"unknown sampler {method!r}; choose one of {', '.join(SAMPLERS)}")
-    if method == "ancestral" and generator is None:
-        raise ValueError("the ancestral sampler needs a generator")
-    n_seq = x_bytes.shape[0]
-    for n, (block, sigma) in enumerate(grid):
-        sigma_t = torch.full((n_seq,), sigma, dtype=torch.float32, device=z.device)
-        logits = denoise(block, x_bytes, z, sigma_t, layout)
-        if on_step is not None:
-            on_step(n, block, sigma, logits)
-        if n == len(grid) - 1:
-            return logits
-        if method == "euler":
-            z = euler_step(z, logits, targets, sigma, grid[n + 1][1])
-        else:
-            assert generator is not None
-            z = ancestral_step(logits, targets, grid[n + 1][1], generator)
-    raise ValueError("the sigma grid is empty")
+    final logits (N, Lz, 256)."""
+    if not grid:
+        raise ValueError("the sigma grid is empty")
+    return run_points(
+        denoise,
+        x_bytes,
+        z,
+        grid,
+        targets,
+        layout,
+        method=method,
+        generator=generator,
+        on_step=on_step,
+    )[1]
 
 
 @dataclass(frozen=True)
@@ -134,6 +186,57 @@ def sample_bytes(
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 
 
+class SpanLoop:
+    """The bookkeeping of generation by spans, shared by `generate` (blocks in this process)
+    and the router (blocks on a chain of hosts), so that both draw the same numbers in the same
+    order: per span, the context window, then the initial noise z = sigma_max * eps drawn from the
+    request's generator on the CPU (results do not depend on the device), then the sweep (which
+    may draw from the generator too), then the bytes sampled from the final logits.
+
+        loop = SpanLoop(prompt, n, ...)
+        while not loop.done:
+            x, z = loop.next_input()
+            new = ...one sweep of (x, z), then sample_bytes...   # (N, K)
+            emitted = loop.push(new)
+    """
+
+    def __init__(
+        self,
+        prompt: torch.Tensor,
+        n_bytes: int,
+        *,
+        span: int,
+        max_context: int,
+        d_model: int,
+        sigma_max: float,
+        generator: torch.Generator,
+    ) -> None:
+        if prompt.shape[1] == 0:
+            raise ValueError("the prompt must hold at least one byte")
+        self.context = prompt  # (N, Lp + produced)
+        self.n_bytes, self.span, self.max_context = n_bytes, span, max_context
+        self.d_model, self.sigma_max, self.generator = d_model, sigma_max, generator
+        self.produced = 0
+
+    @property
+    def done(self) -> bool:
+        return self.produced >= self.n_bytes
+
+    def next_input(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (x (N, Lx) the last max_context bytes, z (N, K, d) fp32 at sigma_max, CPU)."""
+        x = self.context[:, -self.max_context :]
+        noise = torch.randn(x.shape[0], self.span, self.d_model, generator=self.generator)
+        return x, self.sigma_max * noise
+
+    def push(self, new: torch.Tensor) -> torch.Tensor:
+        """Append a span's bytes (N, K); -> the part of it that is wanted (N, <= K)."""
+        new = new.to(self.context.device)
+        self.context = torch.cat((self.context, new), dim=1)
+        wanted = new[:, : self.n_bytes - self.produced]
+        self.produced += self.span
+        return wanted
+
+
 @torch.no_grad()
 def generate(
     denoise: Denoiser,
@@ -146,24 +249,27 @@ def generate(
     max_context: int,
     sampling: Sampling,
     generator: torch.Generator,
+    method: str = "euler",
 ) -> torch.Tensor:
     """Continue `prompt` (N, Lp) by n_bytes, one span of K bytes per sweep: ceil(n / K) sweeps.
     The context keeps its last `max_context` bytes (T - K for a model trained on T bytes).
     Returns (N, n_bytes) int64."""
-    if prompt.shape[1] == 0:
-        raise ValueError("the prompt must hold at least one byte")
-    sigma_max = grid[0][1]
-    context = prompt
+    check_sampler(method)
+    loop = SpanLoop(
+        prompt,
+        n_bytes,
+        span=span,
+        max_context=max_context,
+        d_model=targets.shape[1],
+        sigma_max=grid[0][1],
+        generator=generator,
+    )
     out: list[torch.Tensor] = []
-    produced = 0
-    while produced < n_bytes:
-        x = context[:, -max_context:]
+    while not loop.done:
+        x, z = loop.next_input()
         layout = ZLayout.next_span(x.shape[1], span, device=x.device)
-        # Randomness is drawn on the CPU generator so results do not depend on the device.
-        noise = torch.randn(x.shape[0], span, targets.shape[1], generator=generator)
-        logits = one_sweep(denoise, x, sigma_max * noise.to(x.device), grid, targets, layout)
-        new = sample_bytes(logits.cpu(), sampling, generator).to(x.device)  # (N, K)
-        out.append(new)
-        context = torch.cat((context, new), dim=1)
-        produced += span
-    return torch.cat(out, dim=1)[:, :n_bytes]
+        logits = one_sweep(
+            denoise, x, z.to(x.device), grid, targets, layout, method=method, generator=generator
+        )
+        out.append(loop.push(sample_bytes(logits.cpu(), sampling, generator)))
+    return torch.cat(out, dim=1)

@@ -1,11 +1,12 @@
 """The router's side of the chain: which hosts serve which model, and the two generation loops.
 
-- One sweep (`one_sweep_stream`): exactly `model.sampler.generate`, with the sweep itself run by
-  the chain of hosts. Per span: the router draws the initial noise from the request's generator
-  (`torch.randn(N, K, d, generator=gen)`, in the same order as `generate`), sends z = sigma_max *
-  noise along the chain once, and samples the span's bytes from the final logits with the same
-  generator (or lets the last host sample with the generator's state, which comes back
-  advanced). With the state in fp32 on the wire, the bytes equal `generate`'s bit for bit.
+- One sweep (`one_sweep_stream`): `model.sampler.generate`'s loop (`SpanLoop`), with the sweep
+  itself (`run_points`) run by the chain of hosts. Per span: the router draws the initial noise
+  from the request's generator, sends z = sigma_max * noise along the chain once, and samples
+  the span's bytes from the final logits with the same generator (or lets the last host sample
+  with the generator's state, which comes back advanced; so does the state when the sampler's
+  steps draw noise on the hosts). With the state in fp32 on the wire, the bytes are those of
+  `generate` (same shapes, same code path).
   n bytes cost ceil(n / K) traversals of the chain.
 - Autoregressive baseline (`autoregressive_stream`): the reference split into stages on the same
   hosts; every byte costs one traversal (a prefill of the prompt for the first, then one token);
@@ -29,6 +30,7 @@ from pydantic import BaseModel, ValidationError
 from blocktrain.config import RunConfig
 from blocktrain.errors import ConfigError
 from blocktrain.model import Sampling, sample_bytes
+from blocktrain.model.sampler import SpanLoop, needs_generator
 from blocktrain.serving.errors import HostRefused, HostUnavailable, SessionLost
 from blocktrain.serving.transport import get_json, post_message
 from blocktrain.serving.wire import (
@@ -220,14 +222,16 @@ class Chain:
     def _finish(
         self, out: dict[str, torch.Tensor], sampling: Sampling, generator: torch.Generator
     ) -> torch.Tensor:
-        """The sampled bytes, drawn here or by the last host (whose generator state we adopt)."""
+        """The sampled bytes, drawn here or by the last host. Whenever the chain drew from the
+        request's generator, its advanced state comes back and is adopted here."""
+        if "generator" in out:
+            generator.set_state(out["generator"])
         if self.final == "logits":
             if "logits" not in out:
                 raise HostRefused("the last host answered no logits", host=self.model.route[-1])
             return sample_bytes(out["logits"].cpu(), sampling, generator)
         if "bytes" not in out or "generator" not in out:
             raise HostRefused("the last host answered no bytes", host=self.model.route[-1])
-        generator.set_state(out["generator"])
         return out["bytes"].long()
 
     async def sweep(
@@ -236,6 +240,7 @@ class Chain:
         z: torch.Tensor,
         *,
         steps_per_block: int,
+        sampler: str,
         sampling: Sampling,
         generator: torch.Generator,
     ) -> torch.Tensor:
@@ -249,9 +254,10 @@ class Chain:
             wire_dtype=self.wire_dtype,
             step=0,
             steps_per_block=steps_per_block,
+            sampler=sampler,
         )
         tensors = {"x": bytes_tensor(x), "z": z.to(WIRE_DTYPES[self.wire_dtype])}
-        if self.final == "bytes":
+        if self.final == "bytes" or needs_generator(sampler):
             tensors["generator"] = generator.get_state()
         return self._finish(await self._send("/v1/sweep", tensors, header), sampling, generator)
 
@@ -292,29 +298,32 @@ async def one_sweep_stream(
     sampling: Sampling,
     generator: torch.Generator,
     steps_per_block: int = 1,
+    sampler: str = "euler",
 ) -> AsyncIterator[torch.Tensor]:
     """Continue prompt (N, Lp) by n_bytes; yields each span's new bytes (N, <= K) as soon as its
-    sweep returns. The same computation, in the same order, as model.sampler.generate."""
-    if prompt.shape[1] == 0:
-        raise ValueError("the prompt must hold at least one byte")
+    sweep returns. The same loop (model.sampler.SpanLoop) and the same sweep
+    (model.sampler.run_points, on the hosts) as model.sampler.generate."""
     cfg = chain.model.config.model
-    span, max_context = cfg.span, cfg.seq_len - cfg.span
-    sigma_max = cfg.sigma_max  # == the grid's first point, exactly
-    context = prompt
-    produced = 0
-    while produced < n_bytes:
-        x = context[:, -max_context:]
-        noise = torch.randn(x.shape[0], span, cfg.d_model, generator=generator)
+    loop = SpanLoop(
+        prompt,
+        n_bytes,
+        span=cfg.span,
+        max_context=cfg.seq_len - cfg.span,
+        d_model=cfg.d_model,
+        sigma_max=cfg.sigma_max,  # == the grid's first point, exactly
+        generator=generator,
+    )
+    while not loop.done:
+        x, z = loop.next_input()
         new = await chain.sweep(
             x,
-            sigma_max * noise,
+            z,
             steps_per_block=steps_per_block,
+            sampler=sampler,
             sampling=sampling,
             generator=generator,
         )  # (N, K)
-        context = torch.cat((context, new), dim=1)
-        yield new[:, : n_bytes - produced]
-        produced += span
+        yield loop.push(new)
 
 
 async def autoregressive_stream(

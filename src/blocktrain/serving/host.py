@@ -9,9 +9,12 @@ of a reference run (the autoregressive baseline), and forwards the state along t
     GET  /healthz    liveness
 
 Who does what in one sweep (DESIGN.md 2.6): the router draws the span's initial noise; each
-host, for each grid point n that belongs to one of its blocks, computes that block's logits and,
-unless n is the grid's last point, the Euler step to sigma_{n+1} itself (every host holds the
-frozen target table E), so the state on the wire is always "z at the next grid point". The
+host runs the grid points that belong to its blocks with `model.sampler.run_points`, the same
+code that `generate` and evaluation run: that block's logits and, unless a point is the grid's
+last, the sampler's step to the next point (every host holds the frozen target table E), so the
+state on the wire is always "z at the next grid point". All steps_per_block points of a block
+run on its host: they cost compute, not hops. A sampler whose steps draw noise (ancestral)
+draws it from the request's generator, whose state travels with z and comes back advanced. The
 host of the last point answers with its logits (the router samples), or with bytes sampled
 with the request's generator state when asked to (`final = "bytes"`).
 """
@@ -36,8 +39,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 from blocktrain.errors import ConfigError
-from blocktrain.model import Sampling, ZLayout, euler_step, sample_bytes
+from blocktrain.model import Sampling, ZLayout, sample_bytes
 from blocktrain.model.pipeline import KVCache
+from blocktrain.model.sampler import needs_generator, run_points, stack_denoiser
 from blocktrain.serving.errors import BadRequest, HostRefused, ServingError, SessionLost
 from blocktrain.serving.loading import HostedModel, ModelSource, load_hosted_model
 from blocktrain.serving.transport import make_client, post_message
@@ -232,12 +236,17 @@ class BlockHost:
     def _generator(
         self, tensors: dict[str, torch.Tensor], header: SweepHeader | StageHeader
     ) -> tuple[torch.Generator | None, Sampling | None]:
-        if header.final != "bytes":
+        """The request's generator, when this chain draws from it (the last host samples the
+        bytes, or the sampler's steps draw noise), and how the bytes are drawn."""
+        sampler = header.sampler if isinstance(header, SweepHeader) else None
+        steps_draw = sampler is not None and needs_generator(sampler)
+        if header.final != "bytes" and not steps_draw:
             return None, None
         state = tensors.get("generator")
         if state is None or state.dtype != torch.uint8 or state.dim() != 1:
+            why = "final = bytes" if header.final == "bytes" else f"the {sampler} sampler"
             raise BadRequest(
-                "final = bytes needs the generator state as a uint8 tensor 'generator'",
+                f"{why} needs the generator state as a uint8 tensor 'generator'",
                 param="generator",
             )
         gen = torch.Generator()
@@ -254,12 +263,22 @@ class BlockHost:
         return gen, sampling
 
     def _final(
-        self, logits: torch.Tensor, gen: torch.Generator | None, sampling: Sampling | None
+        self,
+        logits: torch.Tensor,
+        final: str,
+        gen: torch.Generator | None,
+        sampling: Sampling | None,
     ) -> bytes:
-        if gen is None or sampling is None:
-            return encode({"logits": logits.float().contiguous()})
-        new = sample_bytes(logits.cpu(), sampling, gen)
-        return encode({"bytes": bytes_tensor(new), "generator": gen.get_state()})
+        """The last host's answer: logits, or bytes drawn here; with the advanced generator
+        state whenever the request sent one."""
+        if final != "bytes":
+            out = {"logits": logits.float().contiguous()}
+        else:
+            assert gen is not None and sampling is not None
+            out = {"bytes": bytes_tensor(sample_bytes(logits.cpu(), sampling, gen))}
+        if gen is not None:
+            out["generator"] = gen.get_state()
+        return encode(out)
 
     def _trace(self, model: HostedModel, parts: list[int], seconds: float) -> TraceEntry:
         return TraceEntry(
@@ -299,7 +318,7 @@ class BlockHost:
                 code="misrouted",
             )
         gen, sampling = self._generator(tensors, header)
-        run = functools.partial(self._run_sweep, model, x, z, grid, header.step, gen, sampling)
+        run = functools.partial(self._run_sweep, model, header, x, z, grid, gen, sampling)
         # In a worker thread, so that the host keeps answering (health, info) while it computes.
         z, step, done, visited, seconds = await anyio.to_thread.run_sync(run)
         trace = self._trace(model, visited, seconds)
@@ -308,8 +327,8 @@ class BlockHost:
         url, rest = self._next(header.route, f"the sweep needs block {grid[step][0]} next")
         forward = header.model_copy(update={"step": step, "route": rest})
         out = {"x": bytes_tensor(x), "z": z.to(WIRE_DTYPES[header.wire_dtype])}
-        if "generator" in tensors and header.final == "bytes":
-            out["generator"] = tensors["generator"]
+        if gen is not None:
+            out["generator"] = gen.get_state()
         answer, later = await post_message(
             self.client, url, "/v1/sweep", encode(out, forward.model_dump())
         )
@@ -319,32 +338,37 @@ class BlockHost:
     def _run_sweep(
         self,
         model: HostedModel,
+        header: SweepHeader,
         x: torch.Tensor,
         z: torch.Tensor,
         grid: list[tuple[int, float]],
-        step: int,
         gen: torch.Generator | None,
         sampling: Sampling | None,
     ) -> tuple[torch.Tensor, int, bytes | None, list[int], float]:
-        """Exactly the loop of model.sampler.one_sweep, over this host's consecutive points.
+        """This host's consecutive points of the grid, by the one sweep of model.sampler.
         -> (z, next step, the final answer or None, blocks run, compute seconds)."""
         assert model.stack is not None
+        start = stop = header.step
+        while stop < len(grid) and grid[stop][0] in model.parts:
+            stop += 1
+        visited = sorted({grid[n][0] for n in range(start, stop)})
         layout = ZLayout.next_span(x.shape[1], z.shape[1], device=x.device)
-        visited: list[int] = []
         with self._compute:
             t0 = time.perf_counter()
-            while step < len(grid) and grid[step][0] in model.parts:
-                block, sigma = grid[step]
-                if not visited or visited[-1] != block:
-                    visited.append(block)
-                sigma_t = torch.full((x.shape[0],), sigma, dtype=torch.float32, device=z.device)
-                logits = model.stack.block(block)(x, z, sigma_t, layout)[0]  # (N, K, 256)
-                if step == len(grid) - 1:
-                    final = self._final(logits, gen, sampling)
-                    return z, step + 1, final, visited, time.perf_counter() - t0
-                z = euler_step(z, logits, model.stack.targets, sigma, grid[step + 1][1])
-                step += 1
-            return z, step, None, visited, time.perf_counter() - t0
+            z, logits = run_points(
+                stack_denoiser(model.stack),
+                x,
+                z,
+                grid,
+                model.stack.targets,
+                layout,
+                start=start,
+                stop=stop,
+                method=header.sampler,
+                generator=gen,
+            )
+            final = self._final(logits, header.final, gen, sampling) if stop == len(grid) else None
+            return z, stop, final, visited, time.perf_counter() - t0
 
     # ------------------------------------------------------------------ autoregressive stages
 
@@ -387,8 +411,8 @@ class BlockHost:
         url, rest = self._next(header.route, f"the step needs stage {stage} next")
         forward = header.model_copy(update={"stage": stage, "route": rest})
         out = {"h": h.to(WIRE_DTYPES[header.wire_dtype])}
-        if "generator" in tensors and header.final == "bytes":
-            out["generator"] = tensors["generator"]
+        if gen is not None:
+            out["generator"] = gen.get_state()
         answer, later = await post_message(
             self.client, url, "/v1/stage", encode(out, forward.model_dump())
         )
@@ -415,7 +439,8 @@ class BlockHost:
                 stage += 1
             if header.close:
                 self.sessions.close(model.name, header.session, visited)
-            final = self._final(h[:, -1], gen, sampling) if stage == model.total else None
+            last = stage == model.total
+            final = self._final(h[:, -1], header.final, gen, sampling) if last else None
             return h, stage, final, visited, time.perf_counter() - t0  # final: logits (N, 256)
 
 

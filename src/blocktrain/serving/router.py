@@ -125,6 +125,7 @@ class _Job:
     sampling: Sampling
     seed: int
     steps_per_block: int
+    sampler: str
 
 
 class Router:
@@ -174,7 +175,15 @@ class Router:
             )
         sampling = Sampling(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p)
         seed = req.seed if req.seed is not None else secrets.randbits(63)
-        return _Job(await self.resolve(model), data, n_bytes, sampling, seed, req.steps_per_block)
+        return _Job(
+            await self.resolve(model),
+            data,
+            n_bytes,
+            sampling,
+            seed,
+            req.steps_per_block,
+            req.sampler,
+        )
 
     def stream(self, job: _Job, stats: ChainStats) -> AsyncIterator[torch.Tensor]:
         """The new bytes (1, m) piece by piece: a span per sweep, or a byte per traversal."""
@@ -195,6 +204,7 @@ class Router:
                 sampling=job.sampling,
                 generator=gen,
                 steps_per_block=job.steps_per_block,
+                sampler=job.sampler,
             )
         return autoregressive_stream(
             chain, prompt, job.n_bytes, sampling=job.sampling, generator=gen

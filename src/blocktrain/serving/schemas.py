@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from blocktrain.model.sampler import check_sampler
 
 Prompt = str | list[int]
 
@@ -22,6 +24,14 @@ class _Sampling(BaseModel):
     """Seeds the initial noise and the sampling; the same seed gives the same bytes."""
     steps_per_block: int = Field(1, ge=1)
     """Sampler grid points per block (one-sweep models); an extension."""
+    sampler: str = "euler"
+    """The sampler's step between grid points, one of model.sampler.SAMPLERS (one-sweep
+    models); an extension."""
+
+    @field_validator("sampler")
+    @classmethod
+    def _known_sampler(cls, value: str) -> str:
+        return check_sampler(value)
 
 
 class GenerateRequest(_Sampling):

@@ -5,7 +5,9 @@ A request body is a safetensors file whose metadata key "blocktrain" holds a JSO
 
     POST /v1/sweep   x (N, Lx) uint8       the clean context bytes of the span
                      z (N, K, d) fp32|fp16 the noisy state at grid point `step`
-                     generator (S,) uint8  the request's torch.Generator state ("bytes" only)
+                     generator (S,) uint8  the request's torch.Generator state, when a host
+                                           draws from it (final = "bytes", or a sampler
+                                           whose steps draw noise); it comes back advanced
     POST /v1/stage   x (N, L) uint8        new bytes (to the first stage), or
                      h (N, L, d) fp32|fp16 hidden states (to the later stages)
                      generator (S,) uint8  as above
@@ -25,10 +27,12 @@ import json
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+
+from blocktrain.model.sampler import check_sampler
 
 CONTENT_TYPE = "application/vnd.blocktrain.safetensors"
 HEADER_KEY = "blocktrain"
@@ -70,6 +74,13 @@ class SweepHeader(_Header):
     step: int = Field(ge=0)
     """Index of the next sigma-grid point to run."""
     steps_per_block: int = Field(1, ge=1, le=64)
+    sampler: str = "euler"
+    """The step between grid points (model.sampler.SAMPLERS)."""
+
+    @field_validator("sampler")
+    @classmethod
+    def _known_sampler(cls, value: str) -> str:
+        return check_sampler(value)
 
 
 class StageHeader(_Header):
@@ -122,10 +133,6 @@ def decode(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 def bytes_tensor(t: torch.Tensor) -> torch.Tensor:
     """Byte values (any integer dtype) -> uint8 for the wire."""
     return t.to(torch.uint8)
-
-
-def generator_state(gen: torch.Generator) -> torch.Tensor:
-    return gen.get_state()
 
 
 def trace_from_header(value: str | None) -> list[TraceEntry]:
