@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from blocktrain.errors import Refused, Unreachable
+from blocktrain.protocol.client import AggregatorClient, RetryPolicy
 from blocktrain.protocol.settings import AggregatorSettings
-from blocktrain.protocol.worker import AggregatorClient, RetryPolicy, WorkerLoop
+from blocktrain.protocol.worker import WorkerLoop
 
 from .conftest import Harness, make_harness
 

@@ -11,7 +11,7 @@ from typing import Any
 from blocktrain.cli.common import Formatter, print_json
 from blocktrain.cli.worker import TOKEN_ENV
 from blocktrain.errors import ConfigError
-from blocktrain.protocol.worker import AggregatorClient, RetryPolicy
+from blocktrain.protocol.client import AggregatorClient, RetryPolicy
 
 EXAMPLES = """examples:
   blocktrain status http://127.0.0.1:8470 --token bt_...
