@@ -44,13 +44,7 @@ METADATA = frozenset({"__version__"})
 
 # Known violations in files being fixed by others (issue 13); the lead empties this list. An
 # entry that no longer matches an import fails the test too, so the list cannot go stale.
-KNOWN: frozenset[tuple[str, str]] = frozenset(
-    {
-        # training -> protocol: derived_settings moves into protocol/settings.py (the protocol
-        # engineer's part of issue 13), and with it this import.
-        ("src/blocktrain/training/local.py", "blocktrain.protocol.settings"),
-    }
-)
+KNOWN: frozenset[tuple[str, str]] = frozenset(set())
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from blocktrain.cli.common import Formatter, print_json
-from blocktrain.cli.worker import TOKEN_ENV
+from blocktrain.cli.common import TOKEN_ENV, Formatter, print_json
 from blocktrain.errors import ConfigError
 from blocktrain.protocol.client import AggregatorClient, RetryPolicy
 

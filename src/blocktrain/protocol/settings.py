@@ -228,10 +228,6 @@ def declared() -> list[tuple[dataclasses.Field[Any], Setting]]:
     return [(f, f.metadata["setting"]) for f in dataclasses.fields(AggregatorSettings)]
 
 
-NOT_SIMULATED = tuple(f.name for f, s in declared() if not s.simulated)
-"""Settings the simulator sets itself (--rounds, --workers) or that mean nothing there."""
-
-
 def default_text(f: dataclasses.Field[Any], s: Setting) -> str:
     if s.default_text is not None:
         return s.default_text

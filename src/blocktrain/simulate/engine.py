@@ -31,6 +31,7 @@ import torch
 from blocktrain.protocol.core import Committed
 from blocktrain.protocol.rounds import RoundClosed, RoundView, in_time, participation
 from blocktrain.protocol.settings import AggregatorSettings
+from blocktrain.protocol.state import largest_block
 from blocktrain.protocol.wire import update_body
 from blocktrain.protocol.worker import LocalTrainer
 from blocktrain.simulate.aggregator import Judged, SimAggregator
@@ -127,7 +128,7 @@ class Simulation:
             raise ValueError("a simulation needs settings.max_rounds")
         self.regime = regime
         self.rng = random.Random(f"blocktrain-simulate:{seed}:{regime.name}")
-        n_params = max(sum(t.numel() for t in w.values()) for w in initial.values())
+        n_params = largest_block(initial)
         wire_bytes = n_params * (4 if settings.wire_dtype == "fp32" else 2)
         self.deadline_s = regime.deadline_for(settings.local_steps, wire_bytes, wire_bytes)
         self.settings = settings.replace(deadline_s=self.deadline_s)
