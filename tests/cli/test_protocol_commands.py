@@ -122,3 +122,38 @@ def test_export_writes_a_run_that_eval_reads(tmp_path, corpus, capsys):
         ["export", "--state", str(tmp_path / "none"), "--out", str(tmp_path / "m2")],
         "holds no aggregator state",
     )
+
+
+def test_aggregator_serves_on_a_socket_that_says_tcp(tmp_path, capsys, monkeypatch):
+    """asyncio switches Nagle off (TCP_NODELAY) only on sockets created with IPPROTO_TCP;
+    without it a keep-alive response waits for the client's delayed ACK (44 ms measured)."""
+    import signal
+    import socket
+
+    import uvicorn
+
+    served: list[socket.socket] = []
+
+    def fake_run(self, sockets):  # what uvicorn would serve on, without serving
+        served.extend(sockets)
+
+    monkeypatch.setattr(uvicorn.Server, "run", fake_run)
+    monkeypatch.setattr(signal, "signal", lambda *_: None)  # keep pytest's own handlers
+    state = tmp_path / "s"
+    run_state(state, micro_config(), {}).close()
+    assert main(["aggregator", "--state", str(state), "--port", "0"]) == 0
+    (sock,) = served
+    assert sock.proto == socket.IPPROTO_TCP, sock
+    assert "listening on http://127.0.0.1:" in capsys.readouterr().err
+
+
+def test_settings_flags_are_derived_from_the_declarations(capsys):
+    from blocktrain.protocol.settings import declared
+
+    for cmd, simulated_only in (("aggregator", False), ("cluster", False), ("simulate", True)):
+        with pytest.raises(SystemExit):
+            main([cmd, "--help"])
+        text = capsys.readouterr().out
+        for _, s in declared():
+            shown = s.flag in text
+            assert shown == (s.simulated or not simulated_only), (cmd, s.flag)

@@ -87,6 +87,7 @@ class AggregatorClient:
         retry: RetryPolicy | None = None,
         stop: threading.Event | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
@@ -103,6 +104,8 @@ class AggregatorClient:
         self.retry = retry or RetryPolicy()
         self.stop = stop or threading.Event()
         self._sleep = sleep
+        self._clock = clock
+        """Measures the retry budget; tests pass a fake one with a fake `sleep`."""
         self._rng = rng or random.Random()
         self.worker_id: int | None = None
         self.bytes_down = 0
@@ -130,7 +133,7 @@ class AggregatorClient:
         self, method: str, path: str, *, headers: dict[str, str] | None = None, **kwargs: Any
     ) -> httpx.Response:
         """Send with retries on transient failures; a 4xx answer is returned, not raised."""
-        started = time.monotonic()
+        started = self._clock()
         attempt = 0
         while True:
             try:
@@ -142,7 +145,7 @@ class AggregatorClient:
                 problem = f"HTTP {response.status_code}"
             except httpx.TransportError as exc:  # connect, read, write, pool, protocol errors
                 problem = f"{type(exc).__name__}: {exc}"
-            waited = time.monotonic() - started
+            waited = self._clock() - started
             if self.stop.is_set() or waited > self.retry.give_up_after_s:
                 raise Unreachable(
                     f"{method} {self.base_url}{path} failed for {waited:.0f}s ({problem})"
