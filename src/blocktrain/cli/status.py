@@ -61,8 +61,8 @@ def render(s: dict[str, Any], rounds: int) -> str:
         for r in s["participation"].get(str(b["block"]), [])[-rounds:]:
             lines.append(
                 f"    round {r['round']}: {r['accepted']} accepted, {r['refused']} "
-                f"refused, {r['reported']}/{r['expected']} reported, closed by "
-                f"{r['cause']}"
+                f"refused, {r['reported']}/{r['expected']} reported, participation "
+                f"{r['participation']:.0%}, closed by {r['cause']}"
             )
     by_reason = s["updates"]["refused_by_reason"]
     if by_reason:
