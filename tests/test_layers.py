@@ -35,7 +35,6 @@ PARTS = frozenset(ALLOWED)
 RULES = {
     "model": "model/ is pure math: it imports only torch, the standard library and config",
     "protocol": "protocol/ moves tensors as payload: it never imports model/, training/ or data/",
-    "cli": "cli/ may import every part of the package",
 }
 # model/ runs anywhere torch does: no third-party package but torch.
 MODEL_THIRD_PARTY = frozenset({"torch"})
