@@ -138,11 +138,25 @@ def chain(models: dict[str, Path], hop_ms: float, threads: int) -> Iterator[str]
                 p.kill()
 
 
-def timed(client: httpx.Client, router: str, model: str, n: int, seed: int) -> dict[str, Any]:
+def timed(
+    client: httpx.Client,
+    router: str,
+    model: str,
+    n: int,
+    seed: int,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One request of n bytes; `extra` adds request fields (steps_per_block, sampler)."""
     t0 = time.perf_counter()
     r = client.post(
         f"{router}/v1/generate",
-        json={"model": model, "prompt": PROMPT.decode(), "max_bytes": n, "seed": seed},
+        json={
+            "model": model,
+            "prompt": PROMPT.decode(),
+            "max_bytes": n,
+            "seed": seed,
+            **(extra or {}),
+        },
     )
     wall = time.perf_counter() - t0
     r.raise_for_status()
@@ -160,11 +174,18 @@ def timed(client: httpx.Client, router: str, model: str, n: int, seed: int) -> d
     }
 
 
-def measure(client: httpx.Client, router: str, model: str, n: int, repeats: int) -> dict[str, Any]:
+def measure(
+    client: httpx.Client,
+    router: str,
+    model: str,
+    n: int,
+    repeats: int,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Median over repeats (a single run once it takes over 20 s: the noise is small then)."""
-    runs = [timed(client, router, model, n, seed=0)]
+    runs = [timed(client, router, model, n, seed=0, extra=extra)]
     while len(runs) < repeats and runs[0]["seconds"] < 20:
-        runs.append(timed(client, router, model, n, seed=len(runs)))
+        runs.append(timed(client, router, model, n, seed=len(runs), extra=extra))
     mid = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
     return {**mid, "seconds": statistics.median(r["seconds"] for r in runs), "repeats": len(runs)}
 

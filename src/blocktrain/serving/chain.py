@@ -30,7 +30,9 @@ from pydantic import BaseModel, ValidationError
 from blocktrain.config import RunConfig
 from blocktrain.errors import ConfigError
 from blocktrain.model import Sampling, sample_bytes
+from blocktrain.model.drafter import NgramDrafter
 from blocktrain.model.sampler import SpanLoop, needs_generator
+from blocktrain.model.speculative import SpeculativeLoop
 from blocktrain.serving.errors import HostRefused, HostUnavailable, SessionLost
 from blocktrain.serving.transport import get_json, post_message
 from blocktrain.serving.wire import (
@@ -234,6 +236,35 @@ class Chain:
             raise HostRefused("the last host answered no bytes", host=self.model.route[-1])
         return out["bytes"].long()
 
+    async def _sweep(
+        self,
+        x: torch.Tensor,
+        z: torch.Tensor,
+        *,
+        final: Final,
+        drafted: int,
+        steps_per_block: int,
+        sampler: str,
+        sampling: Sampling,
+        generator: torch.Generator,
+    ) -> dict[str, torch.Tensor]:
+        header = SweepHeader(
+            model=self.model.name,
+            fingerprint=self.model.fingerprint,
+            route=self.model.route[1:],
+            final=final,
+            sampling=self._spec(sampling),
+            wire_dtype=self.wire_dtype,
+            step=0,
+            steps_per_block=steps_per_block,
+            sampler=sampler,
+            drafted=drafted,
+        )
+        tensors = {"x": bytes_tensor(x), "z": z.to(WIRE_DTYPES[self.wire_dtype])}
+        if final == "bytes" or needs_generator(sampler):
+            tensors["generator"] = generator.get_state()
+        return await self._send("/v1/sweep", tensors, header)
+
     async def sweep(
         self,
         x: torch.Tensor,
@@ -245,21 +276,46 @@ class Chain:
         generator: torch.Generator,
     ) -> torch.Tensor:
         """x (N, Lx) int64 context, z (N, K, d) fp32 at sigma_max -> the span's bytes (N, K)."""
-        header = SweepHeader(
-            model=self.model.name,
-            fingerprint=self.model.fingerprint,
-            route=self.model.route[1:],
+        out = await self._sweep(
+            x,
+            z,
             final=self.final,
-            sampling=self._spec(sampling),
-            wire_dtype=self.wire_dtype,
-            step=0,
+            drafted=0,
             steps_per_block=steps_per_block,
             sampler=sampler,
+            sampling=sampling,
+            generator=generator,
         )
-        tensors = {"x": bytes_tensor(x), "z": z.to(WIRE_DTYPES[self.wire_dtype])}
-        if self.final == "bytes" or needs_generator(sampler):
-            tensors["generator"] = generator.get_state()
-        return self._finish(await self._send("/v1/sweep", tensors, header), sampling, generator)
+        return self._finish(out, sampling, generator)
+
+    async def verify(
+        self,
+        x: torch.Tensor,
+        z: torch.Tensor,
+        *,
+        drafted: int,
+        steps_per_block: int,
+        sampler: str,
+        sampling: Sampling,
+        generator: torch.Generator,
+    ) -> torch.Tensor:
+        """One verify sweep (model.speculative): x (1, P + D) the context then the draft, z
+        (1, D + 1, d) -> the final logits (1, D + 1, 256); the router applies the rule."""
+        out = await self._sweep(
+            x,
+            z,
+            final="logits",
+            drafted=drafted,
+            steps_per_block=steps_per_block,
+            sampler=sampler,
+            sampling=sampling,
+            generator=generator,
+        )
+        if "generator" in out:
+            generator.set_state(out["generator"])
+        if "logits" not in out:
+            raise HostRefused("the last host answered no logits", host=self.model.route[-1])
+        return out["logits"]
 
     async def stage_step(
         self,
@@ -324,6 +380,47 @@ async def one_sweep_stream(
             generator=generator,
         )  # (N, K)
         yield loop.push(new)
+
+
+async def speculative_stream(
+    chain: Chain,
+    prompt: torch.Tensor,
+    n_bytes: int,
+    *,
+    drafter: NgramDrafter,
+    draft_len: int,
+    sampling: Sampling,
+    generator: torch.Generator,
+    steps_per_block: int = 1,
+    sampler: str = "euler",
+) -> AsyncIterator[torch.Tensor]:
+    """Continue prompt (1, Lp) by n_bytes with a K = 1 model: each traversal verifies
+    draft_len bytes drafted on the router and yields the 1..draft_len + 1 bytes it emits. The
+    same loop (model.speculative.SpeculativeLoop) as model.speculative.generate_speculative."""
+    cfg = chain.model.config.model
+    loop = SpeculativeLoop(
+        prompt,
+        n_bytes,
+        drafter=drafter,
+        draft_len=draft_len,
+        seq_len=cfg.seq_len,
+        d_model=cfg.d_model,
+        sigma_max=cfg.sigma_max,
+        sampling=sampling,
+        generator=generator,
+    )
+    while not loop.done:
+        x, z, context_len = loop.next_input()
+        logits = await chain.verify(
+            x,
+            z,
+            drafted=x.shape[1] - context_len,
+            steps_per_block=steps_per_block,
+            sampler=sampler,
+            sampling=sampling,
+            generator=generator,
+        )
+        yield loop.push(logits)
 
 
 async def autoregressive_stream(

@@ -42,6 +42,7 @@ from blocktrain.errors import ConfigError
 from blocktrain.model import Sampling, ZLayout, sample_bytes
 from blocktrain.model.pipeline import KVCache
 from blocktrain.model.sampler import needs_generator, run_points, stack_denoiser
+from blocktrain.model.speculative import verify_layout
 from blocktrain.serving.errors import BadRequest, HostRefused, ServingError, SessionLost
 from blocktrain.serving.loading import HostedModel, ModelSource, load_hosted_model
 from blocktrain.serving.transport import make_client, post_message
@@ -298,12 +299,21 @@ class BlockHost:
             raise BadRequest(
                 f"batch of {n} sequences; at most {self.settings.max_batch}", param="x"
             )
-        if not 1 <= lx <= cfg.seq_len - cfg.span:
+        drafted = header.drafted
+        if drafted and (cfg.span != 1 or header.final != "logits"):
             raise BadRequest(
-                f"context of {lx} bytes; this model takes 1..{cfg.seq_len - cfg.span} (T - K)",
+                "a verify sweep (drafted > 0) needs a K = 1 model and final = logits",
+                param="drafted",
+            )
+        # The z tokens take positions lx - drafted .. lx + K - 1 - drafted, all below T.
+        if not 1 + drafted <= lx <= cfg.seq_len - cfg.span:
+            raise BadRequest(
+                f"context of {lx} bytes with {drafted} drafted; this model takes "
+                f"{1 + drafted}..{cfg.seq_len - cfg.span} (T - K)",
                 param="x",
             )
-        z = _state_tensor(tensors, "z", (n, cfg.span, cfg.d_model), header.wire_dtype)
+        z_len = drafted + 1 if drafted else cfg.span
+        z = _state_tensor(tensors, "z", (n, z_len, cfg.d_model), header.wire_dtype)
         grid = model.grid(header.steps_per_block)
         if header.step >= len(grid):
             raise BadRequest(
@@ -352,7 +362,10 @@ class BlockHost:
         while stop < len(grid) and grid[stop][0] in model.parts:
             stop += 1
         visited = sorted({grid[n][0] for n in range(start, stop)})
-        layout = ZLayout.next_span(x.shape[1], z.shape[1], device=x.device)
+        if header.drafted:
+            layout = verify_layout(x.shape[1] - header.drafted, header.drafted, device=x.device)
+        else:
+            layout = ZLayout.next_span(x.shape[1], z.shape[1], device=x.device)
         with self._compute:
             t0 = time.perf_counter()
             z, logits = run_points(

@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from blocktrain.errors import ConfigError
 from blocktrain.model import Sampling
+from blocktrain.model.drafter import NgramDrafter
 from blocktrain.serving.chain import (
     Chain,
     ChainStats,
@@ -43,6 +44,7 @@ from blocktrain.serving.chain import (
     RemoteModel,
     autoregressive_stream,
     one_sweep_stream,
+    speculative_stream,
     unavailable_error,
 )
 from blocktrain.serving.errors import BadRequest, HostError, HostRefused, ServingError
@@ -94,6 +96,10 @@ class RouterSettings:
     """Most bytes generated per request."""
     max_steps_per_block: int = 16
     """Largest steps_per_block a request may ask for."""
+    drafter: NgramDrafter | None = None
+    """Drafts bytes for speculative generation with K = 1 models (requests' draft_bytes)."""
+    max_draft_bytes: int = 32
+    """Largest draft_bytes a request may ask for."""
 
     def __post_init__(self) -> None:
         if not self.hosts:
@@ -110,7 +116,12 @@ class RouterSettings:
             raise ConfigError(f"--wire {self.wire_dtype!r} must be fp32 or fp16")
         if self.sample_on not in ("router", "last-host"):
             raise ConfigError(f"--sample-on {self.sample_on!r} must be router or last-host")
-        for name in ("max_prompt_bytes", "max_output_bytes", "max_steps_per_block"):
+        for name in (
+            "max_prompt_bytes",
+            "max_output_bytes",
+            "max_steps_per_block",
+            "max_draft_bytes",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} = {getattr(self, name)} must be positive")
 
@@ -126,6 +137,7 @@ class _Job:
     seed: int
     steps_per_block: int
     sampler: str
+    draft_bytes: int
 
 
 class Router:
@@ -175,15 +187,33 @@ class Router:
             )
         sampling = Sampling(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p)
         seed = req.seed if req.seed is not None else secrets.randbits(63)
+        remote = await self.resolve(model)
+        if req.draft_bytes:
+            self._check_drafting(remote, req.draft_bytes)
         return _Job(
-            await self.resolve(model),
+            remote,
             data,
             n_bytes,
             sampling,
             seed,
             req.steps_per_block,
             req.sampler,
+            req.draft_bytes,
         )
+
+    def _check_drafting(self, model: RemoteModel, draft_bytes: int) -> None:
+        why = None
+        if self.settings.drafter is None:
+            why = "this router has no drafter (start `blocktrain serve` with --draft-corpus)"
+        elif model.kind != "blocktrain" or model.config.model.span != 1:
+            why = (
+                f"speculative drafting verifies with a K = 1 one-sweep model; {model.name!r} is not"
+            )
+        elif draft_bytes > min(self.settings.max_draft_bytes, model.config.model.seq_len - 2):
+            limit = min(self.settings.max_draft_bytes, model.config.model.seq_len - 2)
+            why = f"draft_bytes = {draft_bytes} exceeds the limit of {limit}"
+        if why is not None:
+            raise BadRequest(why, param="draft_bytes")
 
     def stream(self, job: _Job, stats: ChainStats) -> AsyncIterator[torch.Tensor]:
         """The new bytes (1, m) piece by piece: a span per sweep, or a byte per traversal."""
@@ -196,6 +226,19 @@ class Router:
         )
         prompt = torch.tensor([list(job.prompt)], dtype=torch.long)
         gen = torch.Generator().manual_seed(job.seed)
+        if job.draft_bytes:
+            assert self.settings.drafter is not None  # checked when the job was made
+            return speculative_stream(
+                chain,
+                prompt,
+                job.n_bytes,
+                drafter=self.settings.drafter,
+                draft_len=job.draft_bytes,
+                sampling=job.sampling,
+                generator=gen,
+                steps_per_block=job.steps_per_block,
+                sampler=job.sampler,
+            )
         if job.model.kind == "blocktrain":
             return one_sweep_stream(
                 chain,

@@ -28,6 +28,10 @@ class _Sampling(BaseModel):
     """The sampler's step between grid points, one of model.sampler.SAMPLERS (one-sweep
     models); an extension."""
 
+    draft_bytes: int = Field(0, ge=0)
+    """Speculative generation with a K = 1 model (an extension): bytes drafted on the router
+    and verified per traversal; the text keeps the model's own law. 0: off."""
+
     @field_validator("sampler")
     @classmethod
     def _known_sampler(cls, value: str) -> str:

@@ -1,0 +1,250 @@
+"""Span generation: speed and quality side by side (issue 11), on trained weights.
+
+For one preset it trains (resumably, in benchmarks/work/span_frontier/PRESET/) the fixed judge
+(preset `judge`, an autoregressive byte model with its own seed), the end-to-end reference (the
+autoregressive pipeline's model) and one BlockTrain model per span K at today's defaults. Then
+every row is measured on the same test text:
+
+- quality: gen_ce (the judge's CE on continuations of fixed test prompts at temperature 1),
+  floor_ce (the judge on the real continuations), the outputs' byte entropy, and joint_ce (the
+  sampler's joint CE per byte of whole spans, M sweeps; for the AR pipeline its exact CE);
+- speed: three `serve-block` host processes and a `serve` router on loopback, hop latency
+  emulated in the transport, bytes/s of one request of --speed-bytes bytes at each hop setting,
+  and the ratio to the plain AR pipeline at the same hop, measured in the same chain.
+
+Writes benchmarks/results/span_frontier.json ({"rows": [...]}, one row per method, K, S and hop)
+and the `span-frontier` section of BENCHMARKS.md.
+
+    python bench/span_frontier.py --preset tiny                 # ~40 min on 2 cores, judge included
+    python bench/span_frontier.py --preset tiny --report        # rebuild the section from the JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from blocktrain.data import load_split
+from blocktrain.model import BlockStack, Reference
+from blocktrain.training import EvalSettings, evaluate_blocktrain, evaluate_reference, load_model
+from blocktrain.training.generated import GenSettings, evaluate_generation
+from report import ROOT, machine, update_section, write_json  # bench/report.py
+from serving import chain, measure  # bench/serving.py
+
+BLOCKTRAIN = [sys.executable, "-m", "blocktrain.cli.main"]
+WORK = ROOT / "benchmarks" / "work" / "span_frontier"
+OUT_JSON = "span_frontier.json"
+
+
+def blocktrain(argv: list[str]) -> None:
+    print("$ blocktrain " + " ".join(argv), file=sys.stderr, flush=True)
+    subprocess.run([*BLOCKTRAIN, *argv], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+
+
+def trained(run: Path, argv: list[str]) -> Path:
+    """Train `run` with `argv` to its configured steps, resuming it, or reuse it when done."""
+    state = run / "state.json"
+    if state.exists():
+        steps = json.loads((run / "config.json").read_text())["train"]["steps"]
+        if json.loads(state.read_text())["step"] < steps:
+            blocktrain(["train", "--resume", "--out", str(run), "--no-progress"])
+        return run
+    blocktrain(["train", *argv, "--out", str(run), "--no-progress"])
+    return run
+
+
+def quality(
+    model: BlockStack | Reference,
+    judge: Reference,
+    prompts: torch.Tensor,
+    windows: torch.Tensor,
+    gen: GenSettings,
+    sweeps: int,
+) -> dict[str, Any]:
+    """The judged continuations and the joint CE on the test windows."""
+    t0 = time.perf_counter()
+    judged = evaluate_generation(model, judge, prompts, gen)
+    if isinstance(model, Reference):
+        joint = evaluate_reference(model, windows, EvalSettings())["ce"]  # exact, chain rule
+    else:
+        settings = EvalSettings(
+            sweeps=sweeps,
+            steps_per_block=gen.steps_per_block,
+            sampler=gen.sampler,
+            oracle=False,
+        )
+        joint = evaluate_blocktrain(model, windows, settings)["joint_ce"]
+    print(
+        f"  gen_ce {judged['gen_ce']:.3f} (floor {judged['floor_ce']:.3f}) entropy "
+        f"{judged['entropy']:.3f} joint_ce {joint:.3f}  [{time.perf_counter() - t0:.0f} s]",
+        file=sys.stderr,
+        flush=True,
+    )
+    return {**judged, "joint_ce": joint}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--preset", default="tiny", help="the shape of the compared models")
+    p.add_argument("--spans", default="1,4,16", help="span K of the BlockTrain models")
+    p.add_argument("--steps-per-block", default="1,4,16", help="S values for K > 1")
+    p.add_argument("--samplers", default="euler,ancestral", help="sampler steps compared")
+    p.add_argument("--judge-steps", type=int, default=3000, help="training steps of the judge")
+    p.add_argument("--hops", default="0,10,50", help="emulated one-way ms per hop")
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--sweeps", type=int, default=16, help="M for joint_ce")
+    p.add_argument("--joint-bytes", type=int, default=16384, help="test bytes for joint_ce")
+    p.add_argument("--speed-bytes", type=int, default=64, help="bytes per timed request")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2, help="torch threads per host process")
+    p.add_argument("--report", action="store_true", help="only rebuild BENCHMARKS.md")
+    args = p.parse_args()
+    if args.report:
+        report(json.loads((ROOT / "benchmarks" / "results" / OUT_JSON).read_text()))
+        return
+    torch.set_num_threads(args.threads)
+    ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
+    spans, steps, hops = ints(args.spans), ints(args.steps_per_block), ints(args.hops)
+    samplers = args.samplers.split(",")
+
+    work = WORK / args.preset
+    judge_dir = trained(
+        WORK / f"judge-{args.judge_steps}",
+        ["--preset", "judge", "--reference", "--steps", str(args.judge_steps)],
+    )
+    runs = {"ar": trained(work / "ref", ["--preset", args.preset, "--reference"])}
+    for k in spans:
+        runs[f"k{k}"] = trained(work / f"k{k}", ["--preset", args.preset, "--set", f"span={k}"])
+
+    _, judge = load_model(judge_dir)
+    assert isinstance(judge, Reference)
+    test = load_split(None, "test")
+    gen0 = GenSettings(prompts=args.prompts)
+    width = gen0.prompt_bytes + gen0.continuation_bytes
+    prompts = test.windows(width, width * args.prompts)
+
+    # (method, K, S, run name, request fields) for every row
+    rows_spec: list[tuple[str, int, int, str, dict[str, Any]]] = [("ar", 1, 0, "ar", {})]
+    for k in spans:
+        for sampler in samplers:
+            for s in [1] if k == 1 and sampler == "euler" else steps:
+                rows_spec.append((f"blocktrain-{sampler}", k, s, f"k{k}", {"sampler": sampler}))
+
+    qualities: dict[int, dict[str, Any]] = {}
+    for i, (method, k, s, name, extra) in enumerate(rows_spec):
+        print(f"[{i + 1}/{len(rows_spec)}] quality {method} K={k} S={s}", file=sys.stderr)
+        info, model = load_model(runs[name])
+        windows = test.windows(info.config.model.seq_len, args.joint_bytes)
+        gen = GenSettings(
+            prompts=args.prompts, steps_per_block=max(s, 1), sampler=extra.get("sampler", "euler")
+        )
+        assert isinstance(model, BlockStack | Reference)
+        qualities[i] = quality(model, judge, prompts, windows, gen, args.sweeps)
+
+    rows: list[dict[str, Any]] = []
+    models = {name: runs[name] for name in sorted({spec[3] for spec in rows_spec})}
+    with httpx.Client(timeout=600) as client:
+        for hop in hops:
+            print(f"speed at {hop} ms per hop", file=sys.stderr, flush=True)
+            with chain(models, hop, args.threads) as router:
+                speeds = []
+                for _, _, s, name, extra in rows_spec:
+                    fields = {**extra, "steps_per_block": s} if s else extra
+                    speeds.append(
+                        measure(client, router, name, args.speed_bytes, args.repeats, fields)
+                    )
+            ar_rate = args.speed_bytes / speeds[0]["seconds"]
+            for i, ((method, k, s, _, _), speed) in enumerate(zip(rows_spec, speeds, strict=True)):
+                q = qualities[i]
+                rate = args.speed_bytes / speed["seconds"]
+                rows.append(
+                    {
+                        "method": method,
+                        "span": k,
+                        "steps_per_block": s,
+                        "gen_ce": q["gen_ce"],
+                        "gen_ce_sem": q["gen_ce_sem"],
+                        "floor_ce": q["floor_ce"],
+                        "entropy": q["entropy"],
+                        "real_entropy": q["real_entropy"],
+                        "joint_ce": q["joint_ce"],
+                        "hop_ms": hop,
+                        "bytes_per_s": rate,
+                        "ratio_to_ar": rate / ar_rate,
+                        "traversals": speed["traversals"],
+                        "sample": q["samples"][0]["generated"],
+                    }
+                )
+    doc = {
+        "preset": args.preset,
+        "judge": {"run": str(judge_dir.relative_to(ROOT)), "steps": args.judge_steps},
+        "prompts": args.prompts,
+        "prompt_bytes": gen0.prompt_bytes,
+        "continuation_bytes": gen0.continuation_bytes,
+        "temperature": gen0.temperature,
+        "sweeps": args.sweeps,
+        "joint_bytes": args.joint_bytes,
+        "speed_bytes": args.speed_bytes,
+        "machine": machine(),
+        "rows": rows,
+    }
+    write_json(OUT_JSON, doc)
+    report(doc)
+
+
+def report(doc: dict[str, Any]) -> None:
+    rows = doc["rows"]
+    hops = sorted({r["hop_ms"] for r in rows})
+    by_key: dict[tuple[str, int, int], dict[int, dict[str, Any]]] = {}
+    for r in rows:
+        by_key.setdefault((r["method"], r["span"], r["steps_per_block"]), {})[r["hop_ms"]] = r
+    first = rows[0]
+    lines = [
+        "## Span generation: speed and quality",
+        "",
+        f"`python bench/span_frontier.py --preset {doc['preset']}`; JSON: "
+        "`benchmarks/results/span_frontier.json`. Preset "
+        f"`{doc['preset']}`; judge: preset `judge` (T = 256, seed 1), {doc['judge']['steps']} "
+        f"steps. {doc['prompts']} test prompts of {doc['prompt_bytes']} bytes, "
+        f"{doc['continuation_bytes']} bytes generated each at temperature {doc['temperature']}. "
+        f"The judge's CE on the real continuations (the floor): **{first['floor_ce']:.3f}**; "
+        f"their byte entropy {first['real_entropy']:.3f}. joint_ce: M = {doc['sweeps']} sweeps "
+        f"on {doc['joint_bytes']} test bytes (the AR row: its exact CE). Speed: one request of "
+        f"{doc['speed_bytes']} bytes through 3 host processes and a router on loopback, the hop "
+        "latency emulated; ratio = bytes/s over the plain AR pipeline's at the same hop. "
+        f"Machine: {doc['machine'].get('cpu', '?')}.",
+        "",
+        "| method | K | S | gen_ce (± s.e.) | entropy | joint_ce | "
+        + " | ".join(f"bytes/s at {h} ms (x AR)" for h in hops)
+        + " |",
+        "|---|---:|---:|---:|---:|---:|" + "---:|" * len(hops),
+    ]
+    for (method, k, s), per_hop in by_key.items():
+        r = next(iter(per_hop.values()))
+        speed = " | ".join(
+            f"{per_hop[h]['bytes_per_s']:.1f} ({per_hop[h]['ratio_to_ar']:.2f})" for h in hops
+        )
+        lines.append(
+            f"| {method} | {k} | {s or '-'} | {r['gen_ce']:.3f} ± {r['gen_ce_sem']:.3f} | "
+            f"{r['entropy']:.3f} | {r['joint_ce']:.3f} | {speed} |"
+        )
+    lines += ["", "A continuation of the first prompt, per row (hop 0):", ""]
+    for (method, k, s), per_hop in by_key.items():
+        sample = next(iter(per_hop.values()))["sample"]
+        text = json.dumps(sample)[1:-1][:120].replace("`", "'")
+        lines.append(f"- {method} K = {k} S = {s or '-'}: `{text}`")
+    update_section("span-frontier", "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
