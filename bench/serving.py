@@ -81,8 +81,11 @@ def _wait(url: str, procs: list[subprocess.Popen], timeout_s: float = 180) -> No
 
 
 @contextlib.contextmanager
-def chain(models: dict[str, Path], hop_ms: float, threads: int) -> Iterator[str]:
-    """3 host processes and a router process; yields the router's URL."""
+def chain(
+    models: dict[str, Path], hop_ms: float, threads: int, router_args: tuple[str, ...] = ()
+) -> Iterator[str]:
+    """3 host processes and a router process (`router_args` added to its command line); yields
+    the router's URL."""
     cli = [sys.executable, "-m", "blocktrain.cli.main"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     ports = [_free_port() for _ in range(HOSTS + 1)]
@@ -120,6 +123,7 @@ def chain(models: dict[str, Path], hop_ms: float, threads: int) -> Iterator[str]
                     str(ports[-1]),
                     "--hop-ms",
                     str(hop_ms),
+                    *router_args,
                 ],
                 env={**env, "OMP_NUM_THREADS": "1"},
                 stdout=subprocess.DEVNULL,

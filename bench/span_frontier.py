@@ -32,8 +32,9 @@ from typing import Any
 import httpx
 import torch
 
-from blocktrain.data import load_split
+from blocktrain.data import load_split, resolve_data_path
 from blocktrain.model import BlockStack, Reference
+from blocktrain.model.drafter import NgramDrafter
 from blocktrain.training import EvalSettings, evaluate_blocktrain, evaluate_reference, load_model
 from blocktrain.training.generated import GenSettings, evaluate_generation
 from report import ROOT, machine, update_section, write_json  # bench/report.py
@@ -68,10 +69,12 @@ def quality(
     windows: torch.Tensor,
     gen: GenSettings,
     sweeps: int,
+    drafter: NgramDrafter | None,
 ) -> dict[str, Any]:
-    """The judged continuations and the joint CE on the test windows."""
+    """The judged continuations and the joint CE on the test windows (for a speculative row,
+    the K = 1 sampler's: drafting does not change the law of the text)."""
     t0 = time.perf_counter()
-    judged = evaluate_generation(model, judge, prompts, gen)
+    judged = evaluate_generation(model, judge, prompts, gen, drafter)
     if isinstance(model, Reference):
         joint = evaluate_reference(model, windows, EvalSettings())["ce"]  # exact, chain rule
     else:
@@ -101,6 +104,8 @@ def main() -> None:
     p.add_argument("--samplers", default="euler,ancestral", help="sampler steps compared")
     p.add_argument("--judge-steps", type=int, default=3000, help="training steps of the judge")
     p.add_argument("--hops", default="0,10,50", help="emulated one-way ms per hop")
+    p.add_argument("--drafts", default="4,8", help="draft_bytes of the speculative K = 1 rows")
+    p.add_argument("--draft-order", type=int, default=3, help="context bytes of the drafter")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--sweeps", type=int, default=16, help="M for joint_ce")
     p.add_argument("--joint-bytes", type=int, default=16384, help="test bytes for joint_ce")
@@ -133,45 +138,76 @@ def main() -> None:
     width = gen0.prompt_bytes + gen0.continuation_bytes
     prompts = test.windows(width, width * args.prompts)
 
-    # (method, K, S, run name, request fields) for every row
-    rows_spec: list[tuple[str, int, int, str, dict[str, Any]]] = [("ar", 1, 0, "ar", {})]
+    rows_spec: list[dict[str, Any]] = [
+        {"method": "ar", "span": 1, "steps_per_block": 0, "run": "ar", "fields": {}}
+    ]
     for k in spans:
         for sampler in samplers:
             for s in [1] if k == 1 and sampler == "euler" else steps:
-                rows_spec.append((f"blocktrain-{sampler}", k, s, f"k{k}", {"sampler": sampler}))
+                fields = {"sampler": sampler, "steps_per_block": s}
+                rows_spec.append(
+                    {
+                        "method": f"blocktrain-{sampler}",
+                        "span": k,
+                        "steps_per_block": s,
+                        "run": f"k{k}",
+                        "fields": fields,
+                    }
+                )
+    drafts = ints(args.drafts) if args.drafts and 1 in spans else []
+    for d in drafts:
+        fields = {"sampler": "euler", "steps_per_block": 1, "draft_bytes": d}
+        rows_spec.append(
+            {
+                "method": "blocktrain-spec-euler",
+                "span": 1,
+                "steps_per_block": 1,
+                "run": "k1",
+                "fields": fields,
+            }
+        )
+    data_path = resolve_data_path(None)
+    drafter = (
+        NgramDrafter(load_split(data_path, "train").read(), args.draft_order) if drafts else None
+    )
 
-    qualities: dict[int, dict[str, Any]] = {}
-    for i, (method, k, s, name, extra) in enumerate(rows_spec):
-        print(f"[{i + 1}/{len(rows_spec)}] quality {method} K={k} S={s}", file=sys.stderr)
-        info, model = load_model(runs[name])
+    qualities: list[dict[str, Any]] = []
+    for i, row in enumerate(rows_spec):
+        print(f"[{i + 1}/{len(rows_spec)}] quality {row}", file=sys.stderr)
+        info, model = load_model(runs[row["run"]])
         windows = test.windows(info.config.model.seq_len, args.joint_bytes)
+        fields = row["fields"]
         gen = GenSettings(
-            prompts=args.prompts, steps_per_block=max(s, 1), sampler=extra.get("sampler", "euler")
+            prompts=args.prompts,
+            steps_per_block=fields.get("steps_per_block", 1),
+            sampler=fields.get("sampler", "euler"),
+            draft_bytes=fields.get("draft_bytes", 0),
         )
         assert isinstance(model, BlockStack | Reference)
-        qualities[i] = quality(model, judge, prompts, windows, gen, args.sweeps)
+        qualities.append(quality(model, judge, prompts, windows, gen, args.sweeps, drafter))
 
     rows: list[dict[str, Any]] = []
-    models = {name: runs[name] for name in sorted({spec[3] for spec in rows_spec})}
+    models = {name: runs[name] for name in sorted({row["run"] for row in rows_spec})}
+    router_args = ("--draft-corpus", str(data_path), "--draft-order", str(args.draft_order))
     with httpx.Client(timeout=600) as client:
         for hop in hops:
             print(f"speed at {hop} ms per hop", file=sys.stderr, flush=True)
-            with chain(models, hop, args.threads) as router:
-                speeds = []
-                for _, _, s, name, extra in rows_spec:
-                    fields = {**extra, "steps_per_block": s} if s else extra
-                    speeds.append(
-                        measure(client, router, name, args.speed_bytes, args.repeats, fields)
+            with chain(models, hop, args.threads, router_args if drafts else ()) as router:
+                speeds = [
+                    measure(
+                        client, router, row["run"], args.speed_bytes, args.repeats, row["fields"]
                     )
+                    for row in rows_spec
+                ]
             ar_rate = args.speed_bytes / speeds[0]["seconds"]
-            for i, ((method, k, s, _, _), speed) in enumerate(zip(rows_spec, speeds, strict=True)):
-                q = qualities[i]
+            for row, q, speed in zip(rows_spec, qualities, speeds, strict=True):
                 rate = args.speed_bytes / speed["seconds"]
                 rows.append(
                     {
-                        "method": method,
-                        "span": k,
-                        "steps_per_block": s,
+                        "method": row["method"],
+                        "span": row["span"],
+                        "steps_per_block": row["steps_per_block"],
+                        "draft_bytes": row["fields"].get("draft_bytes", 0),
                         "gen_ce": q["gen_ce"],
                         "gen_ce_sem": q["gen_ce_sem"],
                         "floor_ce": q["floor_ce"],
@@ -205,9 +241,10 @@ def main() -> None:
 def report(doc: dict[str, Any]) -> None:
     rows = doc["rows"]
     hops = sorted({r["hop_ms"] for r in rows})
-    by_key: dict[tuple[str, int, int], dict[int, dict[str, Any]]] = {}
+    by_key: dict[tuple[str, int, int, int], dict[int, dict[str, Any]]] = {}
     for r in rows:
-        by_key.setdefault((r["method"], r["span"], r["steps_per_block"]), {})[r["hop_ms"]] = r
+        key = (r["method"], r["span"], r["steps_per_block"], r["draft_bytes"])
+        by_key.setdefault(key, {})[r["hop_ms"]] = r
     first = rows[0]
     lines = [
         "## Span generation: speed and quality",
@@ -224,25 +261,25 @@ def report(doc: dict[str, Any]) -> None:
         "latency emulated; ratio = bytes/s over the plain AR pipeline's at the same hop. "
         f"Machine: {doc['machine'].get('cpu', '?')}.",
         "",
-        "| method | K | S | gen_ce (± s.e.) | entropy | joint_ce | "
+        "| method | K | S | D | gen_ce (± s.e.) | entropy | joint_ce | "
         + " | ".join(f"bytes/s at {h} ms (x AR)" for h in hops)
         + " |",
-        "|---|---:|---:|---:|---:|---:|" + "---:|" * len(hops),
+        "|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(hops),
     ]
-    for (method, k, s), per_hop in by_key.items():
+    for (method, k, s, d), per_hop in by_key.items():
         r = next(iter(per_hop.values()))
         speed = " | ".join(
             f"{per_hop[h]['bytes_per_s']:.1f} ({per_hop[h]['ratio_to_ar']:.2f})" for h in hops
         )
         lines.append(
-            f"| {method} | {k} | {s or '-'} | {r['gen_ce']:.3f} ± {r['gen_ce_sem']:.3f} | "
+            f"| {method} | {k} | {s or '-'} | {d or '-'} | {r['gen_ce']:.3f} ± {r['gen_ce_sem']:.3f} | "
             f"{r['entropy']:.3f} | {r['joint_ce']:.3f} | {speed} |"
         )
     lines += ["", "A continuation of the first prompt, per row (hop 0):", ""]
-    for (method, k, s), per_hop in by_key.items():
+    for (method, k, s, d), per_hop in by_key.items():
         sample = next(iter(per_hop.values()))["sample"]
         text = json.dumps(sample)[1:-1][:120].replace("`", "'")
-        lines.append(f"- {method} K = {k} S = {s or '-'}: `{text}`")
+        lines.append(f"- {method} K = {k} S = {s or '-'} D = {d or '-'}: `{text}`")
     update_section("span-frontier", "\n".join(lines))
 
 

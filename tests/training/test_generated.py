@@ -107,3 +107,20 @@ def test_evaluate_generation_judges_both_kinds_of_model_on_the_same_real_text():
     assert again["gen_ce"] == bt["gen_ce"], "seeded"
     with pytest.raises(ValueError, match="sampler"):
         GenSettings(sampler="heun")
+
+
+def test_speculative_continuations_need_a_drafter_and_a_k1_model():
+    import numpy as np
+
+    from blocktrain.model.drafter import NgramDrafter
+
+    judge = init_reference(dataclasses.replace(CFG, seq_len=32), 9).eval()
+    windows = torch.randint(32, 127, (2, 20), generator=torch.Generator().manual_seed(2))
+    drafter = NgramDrafter(windows.flatten().numpy().astype(np.uint8), order=2)
+    settings = GenSettings(prompts=2, prompt_bytes=12, continuation_bytes=8, draft_bytes=3)
+    out = evaluate_generation(lively_stack(1), judge, windows, settings, drafter)
+    assert out["draft_bytes"] == 3 and math.isfinite(out["gen_ce"])
+    with pytest.raises(ValueError, match="K = 1"):
+        evaluate_generation(lively_stack(4), judge, windows, settings, drafter)
+    with pytest.raises(ValueError, match="drafter"):
+        evaluate_generation(lively_stack(1), judge, windows, settings)

@@ -12,7 +12,8 @@ from blocktrain.cli.common import Formatter
 from blocktrain.data import load_split
 from blocktrain.errors import ConfigError
 from blocktrain.model.drafter import NgramDrafter
-from blocktrain.serving.router import RouterSettings, check_url, create_app
+from blocktrain.serving.router import RouterSettings, check_url
+from blocktrain.serving.router_app import create_app
 from blocktrain.serving.server import bind, run, url_of
 
 EXAMPLES = """examples:

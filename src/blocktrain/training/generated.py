@@ -32,7 +32,9 @@ from blocktrain.model import (
     generate_autoregressive,
     stack_denoiser,
 )
+from blocktrain.model.drafter import NgramDrafter
 from blocktrain.model.sampler import check_sampler
+from blocktrain.model.speculative import generate_speculative
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,9 @@ class GenSettings:
     """Sampler grid points per block (BlockTrain models)."""
     sampler: str = "euler"
     """The sampler's step between grid points (BlockTrain models)."""
+    draft_bytes: int = 0
+    """Speculative generation (K = 1 BlockTrain models): bytes drafted per verify sweep by the
+    drafter passed along; 0: plain sweeps."""
     seed: int = 0
     """Seeds the generation."""
     batch_size: int = 64
@@ -60,6 +65,8 @@ class GenSettings:
         for name in ("prompts", "prompt_bytes", "continuation_bytes", "steps_per_block"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} = {getattr(self, name)} must be positive")
+        if self.draft_bytes < 0:
+            raise ValueError(f"draft_bytes = {self.draft_bytes} must be >= 0")
         if self.batch_size <= 0:
             raise ValueError(f"batch_size = {self.batch_size} must be positive")
         if self.temperature < 0:
@@ -107,10 +114,14 @@ def byte_entropy(data: torch.Tensor) -> float:
 
 @torch.no_grad()
 def continue_prompts(
-    model: BlockStack | Reference, prompts: torch.Tensor, settings: GenSettings
+    model: BlockStack | Reference,
+    prompts: torch.Tensor,
+    settings: GenSettings,
+    drafter: NgramDrafter | None = None,
 ) -> torch.Tensor:
     """Each model's own continuations of prompts (P, Lp): (P, Lc) int64, drawn in batches with
-    one generator seeded by settings.seed, at settings.temperature."""
+    one generator seeded by settings.seed, at settings.temperature (speculatively, one prompt at
+    a time, when settings.draft_bytes > 0)."""
     sampling = Sampling(temperature=settings.temperature)
     gen = torch.Generator().manual_seed(settings.seed)
     n = settings.continuation_bytes
@@ -118,6 +129,27 @@ def continue_prompts(
         device = next(model.parameters()).device
     else:
         device = model.targets.device
+    if settings.draft_bytes:
+        if drafter is None or not isinstance(model, BlockStack) or model.cfg.span != 1:
+            raise ValueError("speculative continuations need a drafter and a K = 1 model")
+        grid = SigmaSchedule.from_config(model.cfg).sampler_grid(settings.steps_per_block)
+        rows = [
+            generate_speculative(
+                stack_denoiser(model),
+                prompts[i : i + 1].to(device),
+                n,
+                drafter=drafter,
+                draft_len=settings.draft_bytes,
+                grid=grid,
+                targets=model.targets,
+                seq_len=model.cfg.seq_len,
+                sampling=sampling,
+                generator=gen,
+                method=settings.sampler,
+            )[0].cpu()
+            for i in range(prompts.shape[0])
+        ]
+        return torch.cat(rows)
     out = []
     for start in range(0, prompts.shape[0], settings.batch_size):
         batch = prompts[start : start + settings.batch_size].to(device)
@@ -169,11 +201,12 @@ def evaluate_generation(
     judge: Reference,
     windows: torch.Tensor,
     settings: GenSettings,
+    drafter: NgramDrafter | None = None,
 ) -> dict[str, Any]:
     """windows (P, Lp + Lc) held-out text -> the model's continuations judged (see above), with
     a few of them as text for a reader."""
     prompts, real = split_prompts(windows, settings.prompt_bytes)
-    generated = continue_prompts(model, prompts, settings)
+    generated = continue_prompts(model, prompts, settings, drafter)
     result = judge_continuations(judge, prompts, generated, real)
     result["samples"] = [
         {
@@ -187,6 +220,7 @@ def evaluate_generation(
         temperature=settings.temperature,
         steps_per_block=settings.steps_per_block,
         sampler=settings.sampler,
+        draft_bytes=settings.draft_bytes,
         seed=settings.seed,
     )
     return result

@@ -1,0 +1,152 @@
+"""The router's generation loops over a `Chain`, each yielding the new bytes as they come.
+
+- `one_sweep_stream`: `model.sampler.generate`'s loop (`SpanLoop`), with the sweep itself
+  (`run_points`) run by the chain of hosts: one traversal per span of K bytes.
+- `speculative_stream`: `model.speculative.generate_speculative`'s loop (`SpeculativeLoop`): a
+  K = 1 model verifies bytes drafted on the router, 1..D + 1 bytes per traversal.
+- `autoregressive_stream`: the reference split into stages on the same hosts, one traversal per
+  byte, a KV cache per stage and generation.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+import torch
+
+from blocktrain.model import Sampling
+from blocktrain.model.drafter import NgramDrafter
+from blocktrain.model.sampler import SpanLoop
+from blocktrain.model.speculative import SpeculativeLoop
+from blocktrain.serving.chain import Chain
+from blocktrain.serving.errors import SessionLost
+
+log = logging.getLogger(__name__)
+
+
+async def one_sweep_stream(
+    chain: Chain,
+    prompt: torch.Tensor,
+    n_bytes: int,
+    *,
+    sampling: Sampling,
+    generator: torch.Generator,
+    steps_per_block: int = 1,
+    sampler: str = "euler",
+) -> AsyncIterator[torch.Tensor]:
+    """Continue prompt (N, Lp) by n_bytes; yields each span's new bytes (N, <= K) as soon as its
+    sweep returns. The same loop (model.sampler.SpanLoop) and the same sweep
+    (model.sampler.run_points, on the hosts) as model.sampler.generate."""
+    cfg = chain.model.config.model
+    loop = SpanLoop(
+        prompt,
+        n_bytes,
+        span=cfg.span,
+        max_context=cfg.seq_len - cfg.span,
+        d_model=cfg.d_model,
+        sigma_max=cfg.sigma_max,  # == the grid's first point, exactly
+        generator=generator,
+    )
+    while not loop.done:
+        x, z = loop.next_input()
+        new = await chain.sweep(
+            x,
+            z,
+            steps_per_block=steps_per_block,
+            sampler=sampler,
+            sampling=sampling,
+            generator=generator,
+        )  # (N, K)
+        yield loop.push(new)
+
+
+async def speculative_stream(
+    chain: Chain,
+    prompt: torch.Tensor,
+    n_bytes: int,
+    *,
+    drafter: NgramDrafter,
+    draft_len: int,
+    sampling: Sampling,
+    generator: torch.Generator,
+    steps_per_block: int = 1,
+    sampler: str = "euler",
+) -> AsyncIterator[torch.Tensor]:
+    """Continue prompt (1, Lp) by n_bytes with a K = 1 model: each traversal verifies
+    draft_len bytes drafted on the router and yields the 1..draft_len + 1 bytes it emits. The
+    same loop (model.speculative.SpeculativeLoop) as model.speculative.generate_speculative."""
+    cfg = chain.model.config.model
+    loop = SpeculativeLoop(
+        prompt,
+        n_bytes,
+        drafter=drafter,
+        draft_len=draft_len,
+        seq_len=cfg.seq_len,
+        d_model=cfg.d_model,
+        sigma_max=cfg.sigma_max,
+        sampling=sampling,
+        generator=generator,
+    )
+    while not loop.done:
+        x, z, context_len = loop.next_input()
+        logits = await chain.verify(
+            x,
+            z,
+            drafted=x.shape[1] - context_len,
+            steps_per_block=steps_per_block,
+            sampler=sampler,
+            sampling=sampling,
+            generator=generator,
+        )
+        yield loop.push(logits)
+
+
+async def autoregressive_stream(
+    chain: Chain,
+    prompt: torch.Tensor,
+    n_bytes: int,
+    *,
+    sampling: Sampling,
+    generator: torch.Generator,
+) -> AsyncIterator[torch.Tensor]:
+    """Continue prompt (N, Lp) by n_bytes, one traversal per byte; yields each byte (N, 1).
+
+    The stages' caches hold at most T positions. The first step prefills the last T bytes of
+    the prompt; when the caches are full the window restarts from the last T/2 bytes (so the
+    context seen is between T/2 and T bytes, where `generate_autoregressive` always sees T). A
+    stage that lost its cache (its host restarted) makes the router prefill again."""
+    if prompt.shape[1] == 0:
+        raise ValueError("the prompt must hold at least one byte")
+    window = chain.model.config.model.seq_len
+    context = prompt
+    session, pos = uuid.uuid4().hex, 0
+    pending = context[:, -window:]
+    for i in range(n_bytes):
+        if pos + pending.shape[1] > window:
+            session, pos, pending = uuid.uuid4().hex, 0, context[:, -(window // 2) :]
+        try:
+            new = await chain.stage_step(
+                pending,
+                session=session,
+                pos=pos,
+                close=i == n_bytes - 1,
+                sampling=sampling,
+                generator=generator,
+            )
+        except SessionLost as exc:
+            log.info("prefilling again: %s", exc)
+            session, pos, pending = uuid.uuid4().hex, 0, context[:, -(window // 2) :]
+            new = await chain.stage_step(
+                pending,
+                session=session,
+                pos=pos,
+                close=i == n_bytes - 1,
+                sampling=sampling,
+                generator=generator,
+            )
+        pos += pending.shape[1]
+        pending = new[:, None]
+        context = torch.cat((context, pending), dim=1)
+        yield pending
