@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from blocktrain.cli.aggregator import create_state
 from blocktrain.cli.main import main
 from blocktrain.protocol.storage import StateDir
 from blocktrain.protocol.tokens import hash_token
 from tests.conftest import micro_config
+from tests.protocol.conftest import run_state
 
 from .test_cli import fails_cleanly
 
@@ -61,7 +61,7 @@ def test_token_add_prints_the_token_alone(tmp_path, capsys):
 def test_aggregator_refuses_bad_starts(tmp_path, capsys):
     fails_cleanly(capsys, ["aggregator", "--state", str(tmp_path / "new")], "give --preset")
     state = tmp_path / "s"
-    create_state(state, micro_config(), {}).close()
+    run_state(state, micro_config(), {}).close()
     fails_cleanly(
         capsys, ["aggregator", "--state", str(state), "--preset", "tiny"], "already holds a run"
     )
@@ -93,7 +93,7 @@ def test_status_of_an_unreachable_aggregator_is_one_line(capsys):
 
 def test_create_state_derives_the_bounds_from_the_config(tmp_path):
     cfg = micro_config()
-    state = create_state(tmp_path / "s", cfg, {"local_steps": 4, "deadline_s": 9.0})
+    state = run_state(tmp_path / "s", cfg, {"local_steps": 4, "deadline_s": 9.0})
     s = state.settings()
     assert s.local_steps == 4 and s.deadline_s == 9.0
     assert s.max_tokens == 2 * 4 * cfg.train.batch_size * cfg.model.seq_len
@@ -104,7 +104,7 @@ def test_create_state_derives_the_bounds_from_the_config(tmp_path):
 
 def test_export_writes_a_run_that_eval_reads(tmp_path, corpus, capsys):
     state = tmp_path / "s"
-    create_state(state, micro_config(), {}).close()
+    run_state(state, micro_config(), {}).close()
     out = tmp_path / "model"
     assert main(["export", "--state", str(state), "--out", str(out)]) == 0
     assert "exported" in capsys.readouterr().out
@@ -122,3 +122,38 @@ def test_export_writes_a_run_that_eval_reads(tmp_path, corpus, capsys):
         ["export", "--state", str(tmp_path / "none"), "--out", str(tmp_path / "m2")],
         "holds no aggregator state",
     )
+
+
+def test_aggregator_serves_on_a_socket_that_says_tcp(tmp_path, capsys, monkeypatch):
+    """asyncio switches Nagle off (TCP_NODELAY) only on sockets created with IPPROTO_TCP;
+    without it a keep-alive response waits for the client's delayed ACK (44 ms measured)."""
+    import signal
+    import socket
+
+    import uvicorn
+
+    served: list[socket.socket] = []
+
+    def fake_run(self, sockets):  # what uvicorn would serve on, without serving
+        served.extend(sockets)
+
+    monkeypatch.setattr(uvicorn.Server, "run", fake_run)
+    monkeypatch.setattr(signal, "signal", lambda *_: None)  # keep pytest's own handlers
+    state = tmp_path / "s"
+    run_state(state, micro_config(), {}).close()
+    assert main(["aggregator", "--state", str(state), "--port", "0"]) == 0
+    (sock,) = served
+    assert sock.proto == socket.IPPROTO_TCP, sock
+    assert "listening on http://127.0.0.1:" in capsys.readouterr().err
+
+
+def test_settings_flags_are_derived_from_the_declarations(capsys):
+    from blocktrain.protocol.settings import declared
+
+    for cmd, simulated_only in (("aggregator", False), ("cluster", False), ("simulate", True)):
+        with pytest.raises(SystemExit):
+            main([cmd, "--help"])
+        text = capsys.readouterr().out
+        for _, s in declared():
+            shown = s.flag in text
+            assert shown == (s.simulated or not simulated_only), (cmd, s.flag)

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from fastapi.testclient import TestClient
 
+from blocktrain.config import RunConfig
 from blocktrain.protocol.aggregator import create_app
 from blocktrain.protocol.settings import AggregatorSettings
+from blocktrain.protocol.state import create_state
 from blocktrain.protocol.storage import StateDir
 from blocktrain.protocol.tokens import hash_token, new_token
 from blocktrain.protocol.wire import encode
+from blocktrain.training.local import initial_blocks
 
 T0 = 1_000_000.0
 
@@ -161,3 +165,8 @@ def harness(tmp_path: Path) -> Harness:
     h = make_harness(tmp_path / "state")
     yield h
     h.state.close()
+
+
+def run_state(root: Path, cfg: RunConfig, overrides: dict[str, Any]) -> StateDir:
+    """A state folder for a real run of `cfg` (version 0 as a worker builds it)."""
+    return create_state(root, cfg, overrides, initial_blocks(cfg))

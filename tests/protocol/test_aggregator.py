@@ -110,7 +110,8 @@ def test_the_round_closes_at_the_deadline_without_any_request(harness):
     h.clock.advance(SETTINGS.deadline_s - 0.001)
     assert h.service.tick() == []
     h.clock.advance(0.001)
-    (closed,) = h.service.tick()  # the app's background ticker calls this while serving
+    (committed,) = h.service.tick()  # the app's background ticker calls this while serving
+    closed = committed.closed
     assert closed.cause == "deadline" and closed.new_version == 1
     r = h.client.get("/v1/blocks/0/round", params={"after": 0}, headers=auth(h.alice))
     assert r.json()["round"] == 1 and r.json()["version"] == 1 and r.json()["deadline"] is None
@@ -420,7 +421,7 @@ def test_status_and_metrics_account_for_every_byte(harness):
     h.push(h.alice, a, 0, body)
     h.push(h.bob, b, 0, delta_body(0, scale=float("nan")))
     s = h.client.get("/v1/status", headers=auth(h.alice)).json()
-    pull_size = len(h.service.blocks[0].cache[1])
+    pull_size = len(h.service._cache[0][1])
     by_ep = s["bytes"]["by_endpoint"]
     assert by_ep["pull"]["requests"] == 2 and by_ep["pull"]["bytes_out"] == 2 * pull_size
     assert by_ep["push"]["bytes_in"] == 2 * len(body)

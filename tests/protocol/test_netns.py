@@ -23,11 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from blocktrain.cli.aggregator import create_state
 from blocktrain.protocol.cluster import BLOCKTRAIN, Proc, spawn, start_worker, stop
 from blocktrain.protocol.storage import StateDir
 from blocktrain.protocol.tokens import hash_token, new_token
 from tests.conftest import micro_config
+from tests.protocol.conftest import run_state
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 
@@ -276,7 +276,7 @@ def test_rounds_across_namespaces_with_delay_and_loss(tmp_path, corpus):
     try:
         cfg = micro_config()
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, layers=2, blocks=2))
-        state = create_state(
+        state = run_state(
             tmp_path / "state", cfg, {"deadline_s": 30.0, "local_steps": 2, "max_rounds": 3}
         )
         tokens = []

@@ -4,20 +4,23 @@ from __future__ import annotations
 
 import pytest
 
+from blocktrain.errors import ConfigError
 from blocktrain.protocol.rounds import (
     BlockRounds,
     Registry,
-    RoundPolicy,
+    RoundClosed,
+    in_time,
     participation,
     restore,
 )
+from blocktrain.protocol.settings import AggregatorSettings
 from blocktrain.protocol.verdict import REASONS, Verdict
 
 D = 10.0  # deadline
 
 
 def fresh(**policy: object) -> BlockRounds:
-    r = BlockRounds(0, RoundPolicy(deadline_s=D, **policy))  # type: ignore[arg-type]
+    r = BlockRounds(0, AggregatorSettings(deadline_s=D, **policy))  # type: ignore[arg-type]
     for w in (1, 2):
         r.assign(w)
     return r
@@ -54,7 +57,7 @@ def test_deadline_starts_at_first_pull_and_closes_the_round():
     assert [c.worker_id for c in closed.accepted] == [1]
     assert closed.new_version == 1 and r.round == 1 and r.version == 1
     assert closed.expected == {1, 2} and closed.reported == {1}
-    assert participation(closed) == 0.5
+    assert of(closed) == 0.5
 
 
 def test_update_after_the_deadline_is_late_and_not_counted():
@@ -81,7 +84,7 @@ def test_round_closes_early_when_every_expected_replica_reported():
     assert push(r, 2, now=3.0).accepted
     closed = r.tick(3.0)
     assert closed is not None and closed.cause == "all_reported" and closed.closed_at == 3.0
-    assert len(closed.accepted) == 2 and participation(closed) == 1.0
+    assert len(closed.accepted) == 2 and of(closed) == 1.0
 
 
 def test_a_refused_update_counts_as_a_report():
@@ -215,8 +218,35 @@ def test_restore_rebuilds_the_open_round():
 
 def test_policy_checks_its_fields():
     for bad in ({"deadline_s": 0}, {"staleness": -1}, {"stale_weight": 0}, {"max_rounds": 0}):
-        with pytest.raises(ValueError):
-            RoundPolicy(**bad)  # type: ignore[arg-type]
+        (name,) = bad
+        with pytest.raises(ConfigError, match=f"setting {name} = "):
+            AggregatorSettings(**bad)  # type: ignore[arg-type]
+
+
+def test_participation_counts_only_the_rounds_own_updates():
+    """An update counted late (staleness 1) is aggregated in the next round but is not part of
+    that round's participation: it is its own round's, come too late."""
+    r = fresh(staleness=1)
+    r.pull(1, now=0.0)
+    r.pull(2, now=0.0)
+    assert push(r, 1, now=1.0).accepted
+    first = r.tick(D)  # worker 2 missed the deadline
+    assert first is not None and of(first) == 0.5
+    r.pull(1, now=D + 1)
+    late = r.judge(2, round=0, base_version=0, now=D + 2)
+    assert late.accepted and late.weight == 0.5, late
+    r.record(2, late, round=0, now=D + 2, tokens=10)
+    assert push(r, 1, now=D + 3).accepted
+    assert r.tick(D + 3) is None, "worker 2 is alive (it pushed for round 0): expected"
+    second = r.tick(2 * D + 1)
+    assert second is not None and second.expected == {1, 2}
+    assert len(second.accepted) == 2 and in_time(second) == 1
+    assert of(second) == 0.5, "the late update of round 0 does not count for round 1"
+    assert participation(0, 0) == 0.0 and participation(1, 0) == 1.0
+
+
+def of(closed: RoundClosed) -> float:
+    return participation(in_time(closed), len(closed.expected))
 
 
 def test_registry_assigns_the_block_with_fewest_live_replicas():

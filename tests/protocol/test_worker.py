@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from blocktrain.errors import Refused, Unreachable
+from blocktrain.protocol.client import AggregatorClient, RetryPolicy
 from blocktrain.protocol.settings import AggregatorSettings
-from blocktrain.protocol.worker import AggregatorClient, RetryPolicy, WorkerLoop
+from blocktrain.protocol.worker import WorkerLoop
 
 from .conftest import Harness, make_harness
 
@@ -131,15 +132,25 @@ def test_unreachable_after_the_retry_budget():
     def handler(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("refused", request=request)
 
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
     c = AggregatorClient(
         "http://agg",
         "x",
         transport=httpx.MockTransport(handler),
-        sleep=lambda s: None,
-        retry=RetryPolicy(base_s=0.0, cap_s=0.0, give_up_after_s=0.05),
+        sleep=sleep,
+        clock=lambda: now[0],
+        retry=RetryPolicy(base_s=1.0, cap_s=4.0, give_up_after_s=30.0),
+        rng=random.Random(0),
     )
-    with pytest.raises(Unreachable, match="failed"):
+    with pytest.raises(
+        Unreachable, match=r"GET http://agg/v1/status failed for \d+s \(ConnectError"
+    ):
         c.status()
+    assert 30.0 < now[0] <= 34.0, "it gave up on the first failure past the budget"
 
 
 def test_loop_trains_until_the_block_is_done(h):

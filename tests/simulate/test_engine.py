@@ -61,14 +61,17 @@ def test_lockstep_trains_every_update_and_lowers_the_ce(corpus: Path) -> None:
     assert all(w["local_steps"] == 2 * ROUNDS for w in result["workers"])
 
 
-def test_virtual_time_advances_by_events_not_by_sleeping(corpus: Path) -> None:
+def test_virtual_time_advances_by_events_not_by_sleeping(
+    corpus: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_sleep(seconds: float) -> None:
+        raise AssertionError(f"the simulation slept {seconds}s")
+
+    monkeypatch.setattr(time, "sleep", no_sleep)
     slow = Regime("slow", step_s=Dist.const(60.0), latency_s=Dist.const(5.0))
-    started = time.perf_counter()
     report, _ = run(corpus, [slow])
-    wall = time.perf_counter() - started
     virtual = report["regimes"]["slow"]["virtual_time_s"]
     assert virtual >= ROUNDS * (2 * 60.0 + 2 * 5.0)
-    assert wall < virtual / 10
     times = [r["time"] for r in report["regimes"]["slow"]["rounds"]]
     assert times == sorted(times)
 

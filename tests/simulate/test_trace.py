@@ -1,7 +1,8 @@
-"""One trace, two consumers: the simulator's in-memory aggregator and the real
-`AggregatorService` (its ledger, storage and all, on a fake clock) must take the same decision
-at every step: the same pull views, the same verdict for every update, the same rounds closed at
-the same times for the same cause, and bitwise the same weights."""
+"""Persistence of the round engine's events. The simulator and the service drive the same
+`protocol.core.RoundEngine`, so their decisions cannot differ; what the service adds is the
+ledger and the state folder. Replayed with a random trace (on time, late, stale, future,
+duplicated and malformed updates, ticks), every commit the engine makes must be in the ledger
+and on disk, and a service restarted halfway must resume the same round state and weights."""
 
 from __future__ import annotations
 
@@ -13,10 +14,9 @@ import pytest
 import torch
 
 from blocktrain.errors import Refused
-from blocktrain.protocol.rounds import RoundClosed
-from blocktrain.protocol.service import open_service
+from blocktrain.protocol.core import Committed
+from blocktrain.protocol.service import AggregatorService, open_service
 from blocktrain.protocol.storage import StateDir
-from blocktrain.simulate import SimAggregator
 from tests.protocol.conftest import SETTINGS, T0, FakeClock, add_token, block_tensors, delta_body
 
 Event = tuple[str, float, int, dict]
@@ -74,8 +74,28 @@ def body_for(block: int, view: tuple[int, int], params: dict) -> bytes:
     )
 
 
-def replay(trace: list[Event], root: Path, settings) -> tuple[list, list, list]:
-    """Feed the trace to both; returns (service decisions, simulator decisions, closes)."""
+def round_state(service: AggregatorService) -> list[tuple]:
+    """What a restart must restore of each block's open round."""
+    return [
+        (
+            b,
+            r.round,
+            r.version,
+            r.started_at,
+            sorted(r.assigned),
+            sorted(r.pulled),
+            sorted(r.reported),
+            sorted(r.prev_reported),
+            [(c.update_id, c.worker_id, c.tokens, c.weight, c.round) for c in r.accepted],
+            r.refused,
+        )
+        for b, r in ((b, st.rounds) for b, st in service.blocks.items())
+    ]
+
+
+def replay(trace: list[Event], root: Path, settings, restarts: set[int]) -> dict:
+    """Feed the trace to the service, restarting it (same folder, same clock) before each
+    event in `restarts`; returns what the checks need."""
     state = StateDir.create(
         root,
         run_config={"seed": 5},
@@ -85,99 +105,109 @@ def replay(trace: list[Event], root: Path, settings) -> tuple[list, list, list]:
     token = add_token(state, "w")
     clock = FakeClock()
     service = open_service(state, clock=clock)
-    sim = SimAggregator({b: block_tensors(100 + b) for b in range(2)}, settings)
-    sim_closes: list[RoundClosed] = []
-    sim.on_close.append(lambda closed, _weights: sim_closes.append(closed))
+    commits: list[Committed] = []
+    service.engine.on_commit.append(commits.append)
     auth = f"Bearer {token}"
     block_of: dict[int, int] = {}
     last_view: dict[int, tuple[int, int]] = {}
-    got_service, got_sim = [], []
-    for kind, t, w, params in trace:
+    reasons: set[str] = set()
+    resumed = 0  # restarts that had an open round to resume
+    for i, (kind, t, w, params) in enumerate(trace):
         clock.now = t
+        if i in restarts:
+            service.tick()  # the ticker flushes the batched pull marks, as while serving
+            before = round_state(service)
+            weights = {b: dict(st.weights) for b, st in service.blocks.items()}
+            state.close()
+            state = StateDir(root)
+            service = open_service(state, clock=clock)
+            service.engine.on_commit.append(commits.append)
+            resumed += any(st.rounds.pulled or st.rounds.accepted for st in service.blocks.values())
+            assert round_state(service) == before, "the restart resumed another round state"
+            for b, st in service.blocks.items():
+                for name, value in st.weights.items():
+                    # the same fp32 tensors written and read back: exact
+                    assert torch.equal(value, weights[b][name]), (b, name)
         if kind == "register":
-            reg = service.register(authorization=auth)
-            worker, block = sim.register(t)
-            assert (reg["worker_id"], reg["block"]) == (worker, block) == (w, reg["block"])
-            block_of[w] = block
+            reg = service.register(token=service.authenticate(auth))
+            block_of[w] = reg["block"]
             last_view[w] = (reg["round"], reg["version"])
             continue
         b = block_of[w]
         if kind == "tick":
             service.tick()
-            sim.tick(t)
         elif kind == "pull":
             try:
-                pulled = service.pull(authorization=auth, worker_header=str(w), block=b)
-                view = pulled.view
-                got_service.append(("pull", view.round, view.version, view.deadline))
+                pulled = service.pull(caller=service.identify(auth, str(w)), block=b)
+                last_view[w] = (pulled.view.round, pulled.view.version)
             except Refused as exc:
-                got_service.append(("pull", exc.reason))
-            sim_view, weights = sim.pull(w, b, t)
-            if weights is None:
-                got_sim.append(("pull", "done"))
-            else:
-                got_sim.append(("pull", sim_view.round, sim_view.version, sim_view.deadline))
-                last_view[w] = (sim_view.round, sim_view.version)
+                reasons.add(exc.reason)
         else:
             body = body_for(b, last_view[w], params)
             try:
                 ctx = service.begin_push(
                     authorization=auth, worker_header=str(w), block=b, content_length=len(body)
                 )
-                res = service.submit(ctx, body)
-                got_service.append(("push", True, "", res["weight"], res["counts_in"]))
+                service.submit(ctx, body)
+                reasons.add("")
             except Refused as exc:
-                got_service.append(("push", False, exc.reason, None, None))
-            judged = sim.push(w, b, body, t)
-            v = judged.verdict
-            got_sim.append(
-                (
-                    "push",
-                    v.accepted,
-                    v.reason,
-                    v.weight if v.accepted else None,
-                    v.counts_in if v.accepted else None,
-                )
-            )
-    ledger_closes = [
-        (r["block"], r["round"], r["base_version"], r["new_version"], r["cause"], r["closed_at"])
-        for r in service.ledger.rounds()
-    ]
-    ledger_closes += [
-        ("counts", r["block"], r["round"], r["accepted"], r["expected"], r["reported"])
-        for r in service.ledger.rounds()
-    ]
-    sim_rows = sorted(sim_closes, key=lambda c: (c.block, c.round))
-    closes_sim = [
-        (c.block, c.round, c.base_version, c.new_version, c.cause, c.closed_at) for c in sim_rows
-    ] + [
-        ("counts", c.block, c.round, len(c.accepted), len(c.expected), len(c.reported))
-        for c in sim_rows
-    ]
-    for b in range(2):
-        for name, value in service.blocks[b].weights.items():
-            assert torch.equal(value, sim.weights(b)[name]), (b, name)
+                reasons.add(exc.reason)
+    rows = service.ledger.rounds()
+    on_disk = {b: state.load_tensors(b, st.rounds.version) for b, st in service.blocks.items()}
+    memory = {b: dict(st.weights) for b, st in service.blocks.items()}
     state.close()
-    return got_service, got_sim, [ledger_closes, closes_sim]
+    return {
+        "commits": commits,
+        "rows": rows,
+        "on_disk": on_disk,
+        "memory": memory,
+        "reasons": reasons,
+        "resumed": resumed,
+    }
 
 
 @pytest.mark.parametrize(
     "seed, settings",
     [
-        (0, replace(SETTINGS, max_rounds=8)),
-        (1, replace(SETTINGS, max_rounds=8, staleness=1, stale_weight=0.5)),
+        (0, replace(SETTINGS, max_rounds=8, keep_versions=0)),
+        (1, replace(SETTINGS, max_rounds=8, staleness=1, stale_weight=0.5, keep_versions=0)),
         (2, replace(SETTINGS, max_rounds=5, outer_momentum=0.9, outer_lr=0.7, rule="median")),
     ],
 )
-def test_simulator_and_aggregator_decide_alike(tmp_path: Path, seed: int, settings) -> None:
+def test_every_commit_is_in_the_ledger_and_on_disk(tmp_path: Path, seed: int, settings) -> None:
     trace = make_trace(seed, workers=5, blocks=2, steps=220)
-    got_service, got_sim, (closes_service, closes_sim) = replay(trace, tmp_path / "s", settings)
-    assert got_service == got_sim
-    assert closes_service == closes_sim
+    got = replay(trace, tmp_path / "s", settings, restarts=set(range(5, len(trace), 7)))
+    commits: list[Committed] = got["commits"]
+    assert [
+        (r["block"], r["round"], r["base_version"], r["new_version"], r["cause"], r["closed_at"])
+        for r in got["rows"]
+    ] == sorted(
+        (
+            c.closed.block,
+            c.closed.round,
+            c.closed.base_version,
+            c.closed.new_version,
+            c.closed.cause,
+            c.closed.closed_at,
+        )
+        for c in commits
+    ), "the ledger holds exactly the engine's commits"
+    by_key = {(c.closed.block, c.closed.round): c.closed for c in commits}
+    for r in got["rows"]:
+        closed = by_key[(r["block"], r["round"])]
+        assert (r["accepted"], r["expected"], r["reported"], r["refused"]) == (
+            len(closed.accepted),
+            len(closed.expected),
+            len(closed.reported),
+            closed.refused,
+        )
+        assert r["in_time"] == sum(1 for c in closed.accepted if c.round == closed.round)
+    for b, weights in got["memory"].items():
+        for name, value in weights.items():
+            # the committed version file holds the served weights: same tensors, no arithmetic
+            assert torch.equal(got["on_disk"][b][name], value), (b, name)
     # the trace exercised what it is meant to exercise
-    reasons = {d[2] for d in got_sim if d[0] == "push"}
-    assert {"", "late", "stale_version"} <= reasons
-    assert any(d[0] == "push" and d[1] for d in got_sim)
-    causes = {c[4] for c in closes_sim if c[0] != "counts"}
-    assert causes == {"deadline", "all_reported"}
-    assert len(closes_sim) >= 8
+    assert {"", "late", "stale_version"} <= got["reasons"]
+    assert {c.closed.cause for c in commits} == {"deadline", "all_reported"}
+    assert len(commits) >= 8
+    assert got["resumed"] >= 2, "the restarts resumed open rounds"

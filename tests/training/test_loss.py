@@ -37,25 +37,31 @@ def hand_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return log_z - logits.gather(-1, targets[..., None])[..., 0]
 
 
-def test_block_loss_equals_the_hand_written_loss():
+def block_loss(aux_weight: float, block_index: int):
+    """BlockLoss of a LinearBlock on N random windows; returns what the hand version needs."""
     cfg = micro_config()
-    model = dataclasses.replace(cfg.model, aux_weight=0.5)
+    model = dataclasses.replace(cfg.model, aux_weight=aux_weight)
     targets = target_table(cfg.seed, model.d_model)
     x = torch.randint(0, 256, (N, model.seq_len), generator=torch.Generator().manual_seed(1))
     block = LinearBlock(model.d_model)
+    parts = BlockLoss(model, targets)(block, block_index, x, torch.Generator().manual_seed(SEED))
+    (call,) = block.calls
+    return model, targets, x, block, call, parts
 
-    parts = BlockLoss(model, targets)(block, BLOCK, x, torch.Generator().manual_seed(SEED))
+
+def test_block_loss_equals_the_hand_written_loss():
+    model, targets, x, block, call, parts = block_loss(0.5, BLOCK)
 
     # The same draws, in the loss's order: N sigmas from the block's training interval, then eps.
     gen = torch.Generator().manual_seed(SEED)
-    sigma = SigmaSchedule.from_config(model).sample_training_sigma(BLOCK, N, gen)  # (N,)
+    schedule = SigmaSchedule.from_config(model)
+    sigma = schedule.sample_training_sigma(BLOCK, N, gen)  # (N,)
     eps = torch.randn(N, model.seq_len, model.d_model, generator=gen)  # (N, T, d)
-    (call,) = block.calls
     assert call["with_aux"] is True, "aux_weight > 0 asks the block for the aux logits"
     assert torch.equal(call["sigma"], sigma), "sigma is drawn first from the loss's generator"
     # addcmul is one fused pass, the hand version two roundings: fp32 tolerance.
     torch.testing.assert_close(call["z"], targets[x] + sigma[:, None, None] * eps)
-    lo, hi = SigmaSchedule.from_config(model).training_interval(BLOCK)
+    lo, hi = schedule.training_interval(BLOCK)
     assert all(lo <= s <= hi for s in sigma.tolist()), "sigma within block 2's training interval"
 
     sd = model.sigma_data_value
@@ -73,13 +79,7 @@ def test_block_loss_equals_the_hand_written_loss():
 
 
 def test_without_aux_the_loss_is_the_weighted_denoising_ce():
-    cfg = micro_config()
-    model = dataclasses.replace(cfg.model, aux_weight=0.0)
-    targets = target_table(cfg.seed, model.d_model)
-    x = torch.randint(0, 256, (N, model.seq_len), generator=torch.Generator().manual_seed(2))
-    block = LinearBlock(model.d_model)
-    parts = BlockLoss(model, targets)(block, 0, x, torch.Generator().manual_seed(SEED))
-    (call,) = block.calls
+    model, _, x, block, call, parts = block_loss(0.0, 0)
     assert call["with_aux"] is False and "loss_aux" not in parts.logs
     s, sd = call["sigma"].double(), model.sigma_data_value
     ce = hand_ce(call["z"] @ block.to_logits, x)

@@ -12,6 +12,9 @@ from blocktrain.training.step import precision_context
 from tests.conftest import micro_config
 
 BLOCK = 1
+PRECISIONS = pytest.mark.parametrize(
+    ("precision", "dtype"), [("bf16", torch.bfloat16), ("fp32", torch.float32)]
+)
 
 
 def head_dtypes(module: torch.nn.Module) -> list[torch.dtype]:
@@ -22,9 +25,7 @@ def head_dtypes(module: torch.nn.Module) -> list[torch.dtype]:
     return seen
 
 
-@pytest.mark.parametrize(
-    ("precision", "dtype"), [("bf16", torch.bfloat16), ("fp32", torch.float32)]
-)
+@PRECISIONS
 def test_precision_reaches_the_local_trainer(corpus, precision, dtype):
     cfg = micro_config(precision=precision)
     local = LocalBlockTrainer(cfg, BLOCK, load_split(corpus, "train"), data_seed=cfg.seed)
@@ -33,9 +34,7 @@ def test_precision_reaches_the_local_trainer(corpus, precision, dtype):
     assert seen == [dtype], f"precision={precision}: the head ran in {seen}, wanted {dtype}"
 
 
-@pytest.mark.parametrize(
-    ("precision", "dtype"), [("bf16", torch.bfloat16), ("fp32", torch.float32)]
-)
+@PRECISIONS
 def test_precision_reaches_the_trainer(tmp_path, corpus, precision, dtype):
     cfg = micro_config(precision=precision)
     trainer = Trainer.create(cfg, tmp_path / "r", load_split(corpus, "train"), None, blocks=[0])

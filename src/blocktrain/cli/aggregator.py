@@ -12,17 +12,22 @@ import argparse
 import logging
 import os
 import signal
-import socket
 import sys
 from pathlib import Path
-from typing import Any
 
-from blocktrain.cli.common import Formatter, add_config_args, resolve_config
-from blocktrain.config import RunConfig
-from blocktrain.errors import ConfigError, ProtocolError
+from blocktrain.cli.common import (
+    Formatter,
+    add_config_args,
+    add_setting_args,
+    resolve_config,
+    settings_overrides,
+)
+from blocktrain.errors import ConfigError
 from blocktrain.protocol.settings import AggregatorSettings
+from blocktrain.protocol.state import create_state
 from blocktrain.protocol.storage import StateDir
-from blocktrain.training.local import derived_settings, initial_blocks
+from blocktrain.serving.server import bind
+from blocktrain.training.local import initial_blocks
 
 log = logging.getLogger(__name__)
 
@@ -32,98 +37,6 @@ EXAMPLES = """examples:
   blocktrain aggregator --state runs/agg --deadline 30         # resume with a new deadline
   blocktrain aggregator --state runs/agg --tls-cert cert.pem --tls-key key.pem
 """
-
-# flag -> settings field, for the flags that map one to one
-SETTING_FLAGS = {
-    "deadline": "deadline_s",
-    "local_steps": "local_steps",
-    "max_rounds": "max_rounds",
-    "staleness": "staleness",
-    "stale_weight": "stale_weight",
-    "rule": "rule",
-    "trim": "trim",
-    "outer_lr": "outer_lr",
-    "outer_momentum": "outer_momentum",
-    "wire_dtype": "wire_dtype",
-    "max_delta_norm": "max_delta_norm",
-    "max_tokens": "max_tokens",
-    "max_body_bytes": "max_body_bytes",
-    "n_workers": "n_workers",
-    "keep_versions": "keep_versions",
-    "live_window": "live_window_s",
-}
-
-
-def add_protocol_args(
-    p: argparse.ArgumentParser,
-    title: str = "protocol settings (saved in the state folder)",
-    exclude: tuple[str, ...] = (),
-) -> None:
-    """The protocol settings (shared with `blocktrain cluster` and `simulate`, which leaves out
-    the flags in `exclude`); None means "keep/default"."""
-    g = p.add_argument_group(title)
-    g.argument_default = argparse.SUPPRESS  # absent flags keep the saved or default value
-
-    def add(flag: str, **kwargs: Any) -> None:
-        if flag[2:].replace("-", "_") not in exclude:
-            g.add_argument(flag, **kwargs)
-
-    add(
-        "--deadline",
-        type=float,
-        metavar="S",
-        help="seconds from a round's first pull to its deadline (default 60)",
-    )
-    add("--local-steps", type=int, metavar="H", help="local AdamW steps per round (default 10)")
-    add(
-        "--max-rounds",
-        type=int,
-        metavar="R",
-        help="rounds per block, then stop (default: run until stopped)",
-    )
-    add(
-        "--staleness",
-        type=int,
-        metavar="S",
-        help="count updates up to S rounds late, down-weighted (default 0: refuse them as late)",
-    )
-    add("--stale-weight", type=float, help="weight factor per round of lateness")
-    add(
-        "--rule",
-        choices=("mean", "median", "trimmed_mean"),
-        help="aggregation rule (default mean, token-weighted)",
-    )
-    add("--trim", type=float, help="fraction trimmed per end by trimmed_mean")
-    add("--outer-lr", type=float, help="outer learning rate (default 1)")
-    add("--outer-momentum", type=float, help="outer Nesterov momentum (default 0)")
-    add(
-        "--wire-dtype",
-        choices=("fp16", "bf16", "fp32"),
-        help="dtype of weights and deltas on the wire (default fp16)",
-    )
-    add(
-        "--max-delta-norm",
-        type=float,
-        help="refuse deltas with a larger L2 norm (default: 4 x lr x H x sqrt(params))",
-    )
-    add(
-        "--max-tokens",
-        type=int,
-        help="refuse larger token counts (default: 2 x H x batch x seq_len)",
-    )
-    add(
-        "--max-body-bytes",
-        type=int,
-        help="request size limit (default: twice the block's fp32 size + 1 MiB)",
-    )
-    add("--n-workers", type=int, help="data-seed stride: seed * n + worker_id")
-    add("--keep-versions", type=int, help="committed versions kept per block (0: all; default 3)")
-    add(
-        "--live-window",
-        type=float,
-        metavar="S",
-        help="a worker heard from within S seconds is live (default 3 x deadline)",
-    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -144,23 +57,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8470, help="port (0: any free port)")
     p.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate")
     p.add_argument("--tls-key", metavar="PEM", help="... and this private key")
-    add_protocol_args(p)
+    add_setting_args(p)
     p.set_defaults(handler=run)
-
-
-def settings_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        field: getattr(args, flag)
-        for flag, field in SETTING_FLAGS.items()
-        if getattr(args, flag, None) is not None
-    }
-
-
-def create_state(state_dir: Path, cfg: RunConfig, overrides: dict[str, Any]) -> StateDir:
-    """A new state folder for `cfg`, with the norm and token bounds derived from it."""
-    blocks = initial_blocks(cfg)
-    settings = derived_settings(cfg, overrides, blocks)
-    return StateDir.create(state_dir, run_config=cfg.to_dict(), settings=settings, blocks=blocks)
 
 
 def prepare_state(args: argparse.Namespace) -> tuple[StateDir, AggregatorSettings]:
@@ -183,24 +81,8 @@ def prepare_state(args: argparse.Namespace) -> tuple[StateDir, AggregatorSetting
             f"{args.state} holds no aggregator state yet: give --preset NAME to create one"
         )
     cfg = resolve_config(args)
-    state = create_state(Path(args.state), cfg, overrides)
+    state = create_state(Path(args.state), cfg, overrides, initial_blocks(cfg))
     return state, state.settings()
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise ProtocolError(
-            f"cannot listen on {host}:{port} ({exc.strerror}); choose another --host/--port"
-        ) from None
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
 
 
 def run(args: argparse.Namespace) -> int:
@@ -215,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"{path} does not exist")
     state, settings = prepare_state(args)
     app = create_app(settings, storage=state)
-    sock = bind_socket(args.host, args.port)
+    sock = bind(args.host, args.port)
     port = sock.getsockname()[1]
     scheme = "https" if args.tls_cert else "http"
     shown = f"[{args.host}]" if ":" in args.host else args.host

@@ -18,24 +18,24 @@ from typing import Any
 
 from tqdm import tqdm
 
-from blocktrain.cli.aggregator import add_protocol_args, create_state, settings_overrides
 from blocktrain.cli.common import (
     Formatter,
     add_config_args,
     add_data_arg,
+    add_setting_args,
     print_json,
     resolve_rounds_config,
+    settings_overrides,
 )
-from blocktrain.config import RunConfig
 from blocktrain.data import load_split, resolve_data_path
 from blocktrain.errors import ConfigError
 from blocktrain.fsutil import atomic_write_bytes
 from blocktrain.protocol.cluster import run_cluster
-from blocktrain.protocol.storage import StateDir
+from blocktrain.protocol.state import bytes_summary, create_state, round_versions
 from blocktrain.protocol.tokens import hash_token, new_token
 from blocktrain.training import EvalSettings, evaluate_blocktrain
 from blocktrain.training import checkpoint as ckpt
-from blocktrain.training.local import build_stack, write_assembled
+from blocktrain.training.local import build_stack, initial_blocks, write_assembled
 
 EXAMPLES = """examples:
   blocktrain cluster --workers 6 --preset tiny --rounds 30 --out runs/cluster
@@ -77,13 +77,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    add_protocol_args(p)
+    add_setting_args(p)
     p.set_defaults(handler=run)
 
 
 PARTICIPATION_KEYS = (
     "round",
     "accepted",
+    "in_time",
     "refused",
     "expected",
     "reported",
@@ -107,61 +108,6 @@ def _check_args(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
     if args.timeout <= 0:
         raise ConfigError("--timeout must be positive")
-
-
-def round_versions(state: StateDir, rounds: int) -> list[dict[int, int]]:
-    """versions[r][b]: the version of block b after r closed rounds (r = 0: the init)."""
-    table = {(r["block"], r["round"]): r["new_version"] for r in state.ledger.rounds()}
-    out = []
-    for r in range(rounds + 1):
-        out.append({b: 0 if r == 0 else table[(b, r - 1)] for b in range(state.n_blocks())})
-    return out
-
-
-def evaluate_rounds(
-    state: StateDir, cfg: RunConfig, versions: list[dict[int, int]], windows: Any, sweeps: int
-) -> list[dict[str, float]]:
-    """From-noise and sampler CE of the model assembled after each round (same bytes and
-    noise every round)."""
-    out = []
-    for r, chosen in enumerate(versions):
-        stack = build_stack(cfg, {b: state.load_tensors(b, v) for b, v in chosen.items()})
-        ev = evaluate_blocktrain(stack, windows, EvalSettings(sweeps=sweeps, seed=cfg.seed))
-        out.append(
-            {
-                "round": r,
-                "from_noise_ce": ev["from_noise_ce"],
-                "sampler_ce": ev["sampler_ce"],
-                "versions": dict(chosen),
-            }
-        )
-    return out
-
-
-def bytes_summary(status: dict[str, Any], wire_bytes: dict[int, int]) -> dict[str, Any]:
-    """Bytes moved against the minimum: one weights download and one delta upload per worker
-    per round it took part in (a push that reached the aggregator, accepted or not). The
-    orchestrator's own status polls are monitoring, not protocol, and are left out."""
-    by_endpoint = status["bytes"]["by_endpoint"]
-    protocol = {ep: v for ep, v in by_endpoint.items() if ep != "status"}
-    down = sum(v["bytes_out"] for v in protocol.values())
-    up = sum(v["bytes_in"] for v in protocol.values())
-    pushes = {int(b): 0 for b in wire_bytes}
-    for b, rounds in status["participation"].items():
-        pushes[int(b)] = sum(r["reported"] for r in rounds)
-    minimum = sum(2 * wire_bytes[b] * n for b, n in pushes.items())
-    return {
-        "total": down + up,
-        "down": down,
-        "up": up,
-        "minimum": minimum,
-        "worker_rounds": sum(pushes.values()),
-        "ratio_to_minimum": (down + up) / minimum if minimum else None,
-        "status_polls": by_endpoint.get("status", {}),
-        "by_endpoint": protocol,
-        "note": "HTTP bodies only (headers and TCP/IP framing not counted); minimum = "
-        "2 x block wire bytes per worker per round",
-    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -189,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         }
     )
     overrides.setdefault("deadline_s", 60.0)
-    state = create_state(out / "state", cfg, overrides)
+    state = create_state(out / "state", cfg, overrides, initial_blocks(cfg))
     tokens = []
     for i in range(args.workers):
         tokens.append(new_token())
@@ -229,7 +175,15 @@ def run(args: argparse.Namespace) -> int:
 
     windows = valid.windows(cfg.model.seq_len, args.eval_bytes)
     versions = round_versions(state, args.rounds)
-    per_round = evaluate_rounds(state, cfg, versions, windows, args.eval_sweeps)
+    per_round = []
+    for r, chosen in enumerate(versions):  # same bytes and noise every round
+        stack = build_stack(cfg, {b: state.load_tensors(b, v) for b, v in chosen.items()})
+        ev = evaluate_blocktrain(
+            stack, windows, EvalSettings(sweeps=args.eval_sweeps, seed=cfg.seed)
+        )
+        per_round.append(
+            {"round": r, "from_noise_ce": ev["from_noise_ce"], "sampler_ce": ev["sampler_ce"]}
+        )
     final_blocks = {b: state.load_tensors(b, v) for b, v in versions[-1].items()}
     ckpt.check_run_dir_free(out / "model", overwrite=True)
     write_assembled(out / "model", cfg, final_blocks, args.rounds * local_steps)

@@ -5,9 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import types
+import typing
 from typing import Any
 
 from blocktrain.config import PRESETS, RunConfig, apply_overrides, preset
+from blocktrain.protocol.settings import AggregatorSettings, declared, default_text
+
+TOKEN_ENV = "BLOCKTRAIN_TOKEN"
+"""Where `worker` and `status` read the bearer token when --token is not given."""
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +52,39 @@ def resolve_rounds_config(args: argparse.Namespace, local_steps: int) -> RunConf
     ):
         cfg = apply_overrides(cfg, [f"steps={args.rounds * local_steps}"])
     return cfg
+
+
+def add_setting_args(
+    parser: argparse.ArgumentParser,
+    title: str = "protocol settings (saved in the state folder)",
+    *,
+    simulated_only: bool = False,
+) -> None:
+    """One flag per `AggregatorSettings` field, from its declaration (the simulator's commands
+    take only the simulated ones). An absent flag leaves no attribute: the saved or default
+    value stands (see `settings_overrides`)."""
+    group = parser.add_argument_group(title)
+    group.argument_default = argparse.SUPPRESS
+    hints = typing.get_type_hints(AggregatorSettings)
+    for f, s in declared():
+        if simulated_only and not s.simulated:
+            continue
+        kind = hints[f.name]
+        if isinstance(kind, types.UnionType):  # X | None: the flag takes an X
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        group.add_argument(
+            s.flag,
+            dest=f.name,
+            type=kind,
+            choices=s.choices,
+            metavar=s.metavar,
+            help=f"{s.doc} (default: {default_text(f, s)})".replace("%", "%%"),
+        )
+
+
+def settings_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings given on the command line, by field name."""
+    return {f.name: getattr(args, f.name) for f, _ in declared() if hasattr(args, f.name)}
 
 
 def add_data_arg(parser: argparse.ArgumentParser) -> None:

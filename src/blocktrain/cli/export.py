@@ -4,13 +4,10 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 from pathlib import Path
 
 from blocktrain.cli.common import Formatter
-from blocktrain.config import RunConfig
-from blocktrain.errors import CheckpointError
-from blocktrain.protocol.storage import StateDir
+from blocktrain.protocol.state import read_committed
 from blocktrain.training import checkpoint as ckpt
 from blocktrain.training.local import write_assembled
 
@@ -35,49 +32,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
-@dataclass(frozen=True)
-class Exported:
-    out: Path
-    versions: dict[int, int]
-    """The committed version of each block written."""
-    rounds: dict[int, int]
-    """Each block's open round (= rounds closed so far)."""
-    step: int
-    """Local steps per replica the slowest block has seen: its rounds x H."""
-
-
-def export_state(
-    state_dir: Path, out: Path, *, overwrite: bool = False, versions: dict[int, int] | None = None
-) -> Exported:
-    """Write `out` from the state's committed versions (the latest, or `versions`)."""
-    state = StateDir(Path(state_dir))
-    try:
-        cfg = RunConfig.from_dict(state.run_config())
-        settings = state.settings()
-        ckpt.check_run_dir_free(Path(out), overwrite=overwrite)
-        chosen: dict[int, int] = {}
-        rounds: dict[int, int] = {}
-        for b in range(state.n_blocks()):
-            version, round_, _ = state.ledger.block_state(b)
-            chosen[b] = versions[b] if versions is not None else version
-            rounds[b] = round_
-        blocks = {b: state.load_tensors(b, v) for b, v in chosen.items()}
-    finally:
-        state.close()
-    if len(blocks) != cfg.model.blocks:
-        raise CheckpointError(
-            f"{state_dir} holds {len(blocks)} blocks; its config has {cfg.model.blocks}"
-        )
-    step = min(rounds.values()) * settings.local_steps
-    write_assembled(Path(out), cfg, blocks, step)
-    return Exported(Path(out), chosen, rounds, step)
-
-
 def run(args: argparse.Namespace) -> int:
-    info = export_state(Path(args.state), Path(args.out), overwrite=args.overwrite)
+    ckpt.check_run_dir_free(Path(args.out), overwrite=args.overwrite)
+    info = read_committed(Path(args.state))
+    write_assembled(Path(args.out), info.cfg, info.blocks, info.step)
     shown = ", ".join(f"b{b}=v{v}" for b, v in info.versions.items())
     print(
-        f"exported {args.state} to {info.out} (versions {shown}; {info.step} local steps per "
+        f"exported {args.state} to {args.out} (versions {shown}; {info.step} local steps per "
         "replica)"
     )
     return 0

@@ -25,13 +25,14 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from blocktrain.cli.aggregator import add_protocol_args, settings_overrides
 from blocktrain.cli.common import (
     Formatter,
     add_config_args,
     add_data_arg,
+    add_setting_args,
     print_json,
     resolve_rounds_config,
+    settings_overrides,
 )
 from blocktrain.data import load_split, resolve_data_path
 from blocktrain.errors import ConfigError
@@ -44,9 +45,6 @@ EXAMPLES = """examples:
   blocktrain simulate --workers 6 --rounds 30 --regime wan --staleness 1 --json
   blocktrain simulate --workers 12 --rounds 50 --regime mild,my-regime.toml --timing-only
 """
-
-NOT_SIMULATED = ("max_rounds", "max_body_bytes", "n_workers", "keep_versions", "live_window")
-"""Aggregator flags that mean nothing here (--rounds and --workers set the first ones)."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -92,7 +90,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    add_protocol_args(p, "protocol settings (virtual seconds)", exclude=NOT_SIMULATED)
+    add_setting_args(p, "protocol settings (virtual seconds)", simulated_only=True)
     p.set_defaults(handler=run)
 
 

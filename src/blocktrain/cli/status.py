@@ -8,10 +8,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from blocktrain.cli.common import Formatter, print_json
-from blocktrain.cli.worker import TOKEN_ENV
+from blocktrain.cli.common import TOKEN_ENV, Formatter, print_json
 from blocktrain.errors import ConfigError
-from blocktrain.protocol.worker import AggregatorClient, RetryPolicy
+from blocktrain.protocol.client import AggregatorClient, RetryPolicy
 
 EXAMPLES = """examples:
   blocktrain status http://127.0.0.1:8470 --token bt_...
@@ -62,8 +61,8 @@ def render(s: dict[str, Any], rounds: int) -> str:
         for r in s["participation"].get(str(b["block"]), [])[-rounds:]:
             lines.append(
                 f"    round {r['round']}: {r['accepted']} accepted, {r['refused']} "
-                f"refused, {r['reported']}/{r['expected']} reported, closed by "
-                f"{r['cause']}"
+                f"refused, {r['reported']}/{r['expected']} reported, participation "
+                f"{r['participation']:.0%}, closed by {r['cause']}"
             )
     by_reason = s["updates"]["refused_by_reason"]
     if by_reason:

@@ -18,15 +18,14 @@ from typing import Any
 
 import torch
 
-from blocktrain.cli.common import Formatter, add_data_arg, print_json
+from blocktrain.cli.common import TOKEN_ENV, Formatter, add_data_arg, print_json
 from blocktrain.config import RunConfig
 from blocktrain.data import load_split
 from blocktrain.errors import ConfigError
-from blocktrain.protocol.worker import AggregatorClient, Registration, RetryPolicy, WorkerLoop
+from blocktrain.protocol.client import AggregatorClient, Registration, RetryPolicy
+from blocktrain.protocol.worker import WorkerLoop
 from blocktrain.training.local import LocalBlockTrainer
 from blocktrain.training.trainer import resolve_device
-
-TOKEN_ENV = "BLOCKTRAIN_TOKEN"
 
 EXAMPLES = """examples:
   blocktrain worker --aggregator http://10.0.0.5:8470 --token bt_...

@@ -22,19 +22,32 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
 import anyio
-from fastapi import FastAPI, Header, Path, Query, Request
+from fastapi import Depends, FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import ClientDisconnect
 
 from blocktrain import __version__
 from blocktrain.errors import Refused
-from blocktrain.protocol.service import AggregatorService, Clock, refused
+from blocktrain.protocol import metrics as prometheus
+from blocktrain.protocol.auth import Caller, refused
+from blocktrain.protocol.ledger_schema import TokenRow
+from blocktrain.protocol.schemas import (
+    ConfigOut,
+    LeaveOut,
+    RefusalOut,
+    RegisterIn,
+    RegisterOut,
+    RoundOut,
+    StatusOut,
+    UpdateOut,
+)
+from blocktrain.protocol.service import AggregatorService, Clock, PushContext
 from blocktrain.protocol.settings import AggregatorSettings
+from blocktrain.protocol.status import snapshot
 from blocktrain.protocol.storage import StateDir
 from blocktrain.protocol.wire import CONTENT_TYPE
 
@@ -42,64 +55,6 @@ log = logging.getLogger(__name__)
 
 MAX_WAIT_S = 60.0
 """The longest a long poll is held."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Schemas (strict, separate in and out types)
-# ---------------------------------------------------------------------------------------------
-
-
-class RegisterIn(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    block: int | None = Field(
-        None,
-        ge=0,
-        description="ask for this block (default: the one with the fewest live replicas)",
-    )
-    name: str | None = Field(None, max_length=100, description="a label for logs and status")
-
-
-class RegisterOut(BaseModel):
-    worker_id: int
-    block: int
-    data_seed: int = Field(description="seed * n_workers + worker_id: seeds the batches")
-    local_steps: int = Field(description="H, local steps per round")
-    round: int
-    version: int
-    wire_dtype: str
-    done: bool
-
-
-class RoundOut(BaseModel):
-    block: int
-    round: int
-    version: int
-    deadline: float | None = Field(
-        description="seconds since the epoch on the aggregator's "
-        "clock; null before the round's first pull"
-    )
-    deadline_in: float | None = Field(description="seconds left until the deadline")
-    done: bool
-
-
-class UpdateOut(BaseModel):
-    accepted: bool
-    update_id: int
-    round: int = Field(description="the round the worker trained on")
-    counts_in: int = Field(description="the round it is aggregated in")
-    weight: float = Field(description="staleness factor (1 for an update on time)")
-    norm: float = Field(description="the delta's global L2 norm")
-
-
-class RefusalOut(BaseModel):
-    accepted: bool = False
-    reason: str
-    detail: str
-
-
-class LeaveOut(BaseModel):
-    worker_id: int
-    left: bool
 
 
 REFUSALS: dict[int | str, dict[str, Any]] = {
@@ -112,6 +67,77 @@ SAFETENSORS_BODY: dict[str, Any] = {
         "content": {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}},
     }
 }
+
+
+# ---------------------------------------------------------------------------------------------
+# Accounting tags and authentication, as FastAPI dependencies
+# ---------------------------------------------------------------------------------------------
+
+
+def _service(request: Request) -> AggregatorService:
+    service: AggregatorService = request.app.state.service
+    return service
+
+
+def tag(
+    request: Request, endpoint: str, block: int | None = None, worker: int | None = None
+) -> None:
+    request.state.endpoint = endpoint
+    request.state.block = block
+    request.state.worker = worker
+    if not hasattr(request.state, "bytes_in"):
+        request.state.bytes_in = _int_or_none(request.headers.get("content-length")) or 0
+
+
+def path_block(request: Request) -> int | None:
+    return _int_or_none(request.path_params.get("block"))
+
+
+def endpoint_token(endpoint: str) -> Any:
+    """A dependency: tags the request for accounting, then checks its bearer token."""
+
+    def dependency(request: Request, authorization: str | None = Header(None)) -> TokenRow:
+        tag(request, endpoint, path_block(request))
+        return _service(request).authenticate(authorization)
+
+    return Depends(dependency)
+
+
+def endpoint_caller(endpoint: str) -> Any:
+    """A dependency: the token and the worker it speaks for (X-Worker-Id)."""
+
+    def dependency(
+        request: Request,
+        authorization: str | None = Header(None),
+        x_worker_id: str | None = Header(None),
+    ) -> Caller:
+        worker = _int_or_none(request.path_params.get("worker_id"))
+        tag(request, endpoint, path_block(request), worker)
+        if worker is not None:
+            x_worker_id = str(worker)
+        return _service(request).identify(authorization, x_worker_id)
+
+    return Depends(dependency)
+
+
+def push_context(
+    request: Request,
+    block: int = Path(ge=0),
+    authorization: str | None = Header(None),
+    x_worker_id: str | None = Header(None),
+    content_length: str | None = Header(None),
+) -> PushContext:
+    """Identity and declared size of a push, refused (with a ledger row) before its body
+    is read."""
+    tag(request, "push", block)
+    ctx = _service(request).begin_push(
+        authorization=authorization,
+        worker_header=x_worker_id,
+        block=block,
+        content_length=_int_or_none(content_length),
+    )
+    tag(request, "push", block, ctx.worker_id)
+    return ctx
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,7 +194,7 @@ def create_app(
     def _account(request: Request, bytes_out: int) -> None:
         endpoint = getattr(request.state, "endpoint", None)
         if endpoint is not None:
-            service.account(
+            service.traffic.account(
                 endpoint,
                 getattr(request.state, "block", None),
                 getattr(request.state, "worker", None),
@@ -192,15 +218,6 @@ def create_app(
         _account(request, len(response.body))
         return response
 
-    def tag(
-        request: Request, endpoint: str, block: int | None = None, worker: int | None = None
-    ) -> None:
-        request.state.endpoint = endpoint
-        request.state.block = block
-        request.state.worker = worker
-        if not hasattr(request.state, "bytes_in"):
-            request.state.bytes_in = _int_or_none(request.headers.get("content-length")) or 0
-
     # ------------------------------------------------------------------ workers
 
     @app.post(
@@ -210,11 +227,13 @@ def create_app(
         summary="Register a worker; the aggregator assigns its block",
     )
     def register(
-        request: Request, body: RegisterIn | None = None, authorization: str | None = Header(None)
+        request: Request,
+        token: Annotated[TokenRow, endpoint_token("register")],
+        body: RegisterIn | None = None,
     ) -> JSONResponse:
         tag(request, "register", None if body is None else body.block)
         out = service.register(
-            authorization=authorization,
+            token=token,
             block=None if body is None else body.block,
             name=None if body is None else body.name,
         )
@@ -228,21 +247,20 @@ def create_app(
         summary="Leave: the block stops waiting for this worker",
     )
     def leave(
-        request: Request, worker_id: int = Path(ge=0), authorization: str | None = Header(None)
+        request: Request,
+        caller: Annotated[Caller, endpoint_caller("leave")],
+        worker_id: int = Path(ge=0),
     ) -> JSONResponse:
-        tag(request, "leave", None, worker_id)
-        return json_response(
-            request, service.leave(authorization=authorization, worker_id=worker_id)
-        )
+        return json_response(request, LeaveOut(**service.leave(caller=caller)).model_dump())
 
     @app.get(
         "/v1/config",
+        response_model=ConfigOut,
         responses=REFUSALS,
         summary="The run config, protocol settings and the blocks' tensor shapes",
     )
-    def config(request: Request, authorization: str | None = Header(None)) -> JSONResponse:
-        tag(request, "config")
-        return json_response(request, service.config(authorization=authorization))
+    def config(request: Request, _: Annotated[TokenRow, endpoint_token("config")]) -> JSONResponse:
+        return json_response(request, ConfigOut(**service.config()).model_dump())
 
     # ------------------------------------------------------------------ blocks
 
@@ -259,12 +277,10 @@ def create_app(
     )
     def pull(
         request: Request,
+        caller: Annotated[Caller, endpoint_caller("pull")],
         block: int = Path(ge=0),
-        authorization: str | None = Header(None),
-        x_worker_id: str | None = Header(None),
     ) -> Response:
-        tag(request, "pull", block)
-        pulled = service.pull(authorization=authorization, worker_header=x_worker_id, block=block)
+        pulled = service.pull(caller=caller, block=block)
         view = pulled.view
         headers = {
             "X-Block": str(block),
@@ -284,13 +300,11 @@ def create_app(
     )
     async def round_info(
         request: Request,
+        _: Annotated[TokenRow, endpoint_token("round")],
         block: int = Path(ge=0),
         after: int = Query(-1, ge=-1),
         wait: float = Query(0.0, ge=0.0),
-        authorization: str | None = Header(None),
     ) -> JSONResponse:
-        tag(request, "round", block)
-        await anyio.to_thread.run_sync(service.authenticate, authorization)
         info = service.peek(block)
         limit = time.monotonic() + min(wait, MAX_WAIT_S)
         while info["round"] <= after and not info["done"] and time.monotonic() < limit:
@@ -307,22 +321,9 @@ def create_app(
     )
     async def push(
         request: Request,
+        ctx: Annotated[PushContext, Depends(push_context)],
         block: int = Path(ge=0),
-        authorization: str | None = Header(None),
-        x_worker_id: str | None = Header(None),
-        content_length: str | None = Header(None),
     ) -> JSONResponse:
-        tag(request, "push", block)
-        declared = _int_or_none(content_length)
-        ctx = await anyio.to_thread.run_sync(
-            lambda: service.begin_push(
-                authorization=authorization,
-                worker_header=x_worker_id,
-                block=block,
-                content_length=declared,
-            )
-        )
-        tag(request, "push", block, ctx.worker_id)
         chunks: list[bytes] = []
         size = 0
         try:
@@ -350,24 +351,25 @@ def create_app(
 
     @app.get(
         "/v1/status",
+        response_model=StatusOut,
         responses=REFUSALS,
         summary="Blocks, versions, rounds, participation, live workers, bytes moved",
     )
     def status(
         request: Request,
-        authorization: str | None = Header(None),
+        _: Annotated[TokenRow, endpoint_token("status")],
         rounds: int = Query(20, ge=1, le=1_000_000),
     ) -> JSONResponse:
-        tag(request, "status")
         return json_response(
-            request, service.status(authorization=authorization, last_rounds=rounds)
+            request, StatusOut(**snapshot(service, last_rounds=rounds)).model_dump()
         )
 
     @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics")
     def metrics() -> PlainTextResponse:
-        return PlainTextResponse(
-            service.metrics(), media_type="text/plain; version=0.0.4; charset=utf-8"
+        text = prometheus.exposition(
+            snapshot(service, last_rounds=1), service.ledger.update_counts()
         )
+        return PlainTextResponse(text, media_type=prometheus.CONTENT_TYPE)
 
     return app
 

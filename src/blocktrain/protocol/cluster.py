@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from blocktrain.errors import ProtocolError
+from blocktrain.protocol.client import AggregatorClient, RetryPolicy
 from blocktrain.protocol.storage import StateDir
-from blocktrain.protocol.worker import AggregatorClient, RetryPolicy
 
 log = logging.getLogger(__name__)
 

@@ -17,126 +17,16 @@ import sqlite3
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS tokens (
-    id INTEGER PRIMARY KEY,
-    name TEXT NOT NULL UNIQUE,
-    hash TEXT NOT NULL UNIQUE,
-    created REAL NOT NULL,
-    revoked REAL
-);
-CREATE TABLE IF NOT EXISTS workers (
-    id INTEGER PRIMARY KEY,
-    token_id INTEGER NOT NULL REFERENCES tokens(id),
-    name TEXT,
-    block INTEGER NOT NULL,
-    registered REAL NOT NULL,
-    last_seen REAL NOT NULL,
-    pulled_round INTEGER,
-    left_at REAL
-);
-CREATE TABLE IF NOT EXISTS blocks (
-    block INTEGER PRIMARY KEY,
-    version INTEGER NOT NULL,
-    round INTEGER NOT NULL,
-    started_at REAL
-);
-CREATE TABLE IF NOT EXISTS rounds (
-    block INTEGER NOT NULL,
-    round INTEGER NOT NULL,
-    base_version INTEGER NOT NULL,
-    new_version INTEGER NOT NULL,
-    started_at REAL,
-    deadline REAL,
-    closed_at REAL NOT NULL,
-    cause TEXT NOT NULL,
-    accepted INTEGER NOT NULL,
-    refused INTEGER NOT NULL,
-    expected INTEGER NOT NULL,
-    reported INTEGER NOT NULL,
-    tokens INTEGER NOT NULL,
-    PRIMARY KEY (block, round)
-);
-CREATE TABLE IF NOT EXISTS updates (
-    id INTEGER PRIMARY KEY,
-    received REAL NOT NULL,
-    token_id INTEGER,
-    worker_id INTEGER,
-    block INTEGER,
-    round INTEGER,
-    base_version INTEGER,
-    tokens INTEGER,
-    loss REAL,
-    norm REAL,
-    bytes INTEGER NOT NULL,
-    fate TEXT NOT NULL CHECK (fate IN ('accepted', 'refused')),
-    reason TEXT,
-    detail TEXT,
-    weight REAL,
-    counts_in INTEGER,
-    pending TEXT,
-    committed_version INTEGER,
-    committed_at REAL
-);
-CREATE INDEX IF NOT EXISTS updates_round ON updates (block, round);
-CREATE INDEX IF NOT EXISTS updates_open ON updates (block, fate, committed_version);
-CREATE TABLE IF NOT EXISTS traffic (
-    endpoint TEXT NOT NULL,
-    block INTEGER NOT NULL,
-    worker_id INTEGER NOT NULL,
-    requests INTEGER NOT NULL,
-    bytes_in INTEGER NOT NULL,
-    bytes_out INTEGER NOT NULL,
-    PRIMARY KEY (endpoint, block, worker_id)
-);
-"""
-
-NONE_KEY = -1
-"""Stands for "no block" / "no worker" in the traffic table's key."""
-
-
-@dataclass(frozen=True)
-class TokenRow:
-    id: int
-    name: str
-    created: float
-    revoked: float | None
-
-
-@dataclass(frozen=True)
-class WorkerRow:
-    id: int
-    token_id: int
-    name: str | None
-    block: int
-    registered: float
-    last_seen: float
-    pulled_round: int | None
-    left_at: float | None
-
-
-@dataclass(frozen=True)
-class UpdateRow:
-    id: int
-    received: float
-    worker_id: int | None
-    block: int | None
-    round: int | None
-    base_version: int | None
-    tokens: int | None
-    fate: str
-    reason: str | None
-    weight: float | None
-    counts_in: int | None
-    pending: str | None
-    committed_version: int | None
+from blocktrain.protocol.ledger_schema import (
+    SCHEMA,
+    SCHEMA_VERSION,
+    TokenRow,
+    UpdateRow,
+    WorkerRow,
+)
 
 
 class Ledger:
@@ -332,8 +222,14 @@ class Ledger:
             )
 
     def rounds(self, block: int | None = None, *, last: int | None = None) -> list[dict[str, Any]]:
-        sql = "SELECT * FROM rounds" + (" WHERE block = ?" if block is not None else "")
-        sql += " ORDER BY block, round"
+        """Closed rounds, each with `in_time`: its accepted updates of the round itself (the
+        numerator of its participation; `accepted` also counts updates counted in it late)."""
+        sql = (
+            "SELECT r.*, (SELECT COUNT(*) FROM updates u WHERE u.block = r.block "
+            "AND u.round = r.round AND u.counts_in = r.round AND u.fate = 'accepted') AS in_time "
+            "FROM rounds r" + (" WHERE r.block = ?" if block is not None else "")
+        )
+        sql += " ORDER BY r.block, r.round"
         rows = [dict(r) for r in self._query(sql, () if block is None else (block,))]
         if last is not None:
             by_block: dict[int, list[dict[str, Any]]] = {}

@@ -23,36 +23,26 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from blocktrain.protocol.verdict import Verdict
 
-TIMING_REASONS = frozenset({"late", "stale_version", "future_round", "duplicate", "done"})
-"""Reasons decided by the round state, not by the update's content."""
+NOT_A_REPORT = frozenset({"duplicate", "future_round", "done"})
+"""Refusals that do not count as a replica reporting for its round."""
 
 
-@dataclass(frozen=True)
-class RoundPolicy:
-    """How rounds are run; the same for every block."""
+class RoundPolicy(Protocol):
+    """How rounds are run, the same for every block: the round fields of
+    `settings.AggregatorSettings`, where each is declared, documented and bounded."""
 
-    deadline_s: float = 60.0
-    """Seconds from a round's first pull to its deadline."""
-    staleness: int = 0
-    """S: an update up to S rounds late is still counted, in the current round, with weight
-    stale_weight ** lateness; 0 refuses every late update."""
-    stale_weight: float = 0.5
-    """Weight factor per round of lateness, for updates within the staleness bound."""
-    max_rounds: int | None = None
-    """Rounds per block after which the block is done (None: run until stopped)."""
-
-    def __post_init__(self) -> None:
-        if not self.deadline_s > 0:
-            raise ValueError(f"deadline_s = {self.deadline_s!r} must be positive")
-        if self.staleness < 0:
-            raise ValueError(f"staleness = {self.staleness!r} must be >= 0")
-        if not 0 < self.stale_weight <= 1:
-            raise ValueError(f"stale_weight = {self.stale_weight!r} must lie in (0, 1]")
-        if self.max_rounds is not None and self.max_rounds <= 0:
-            raise ValueError(f"max_rounds = {self.max_rounds!r} must be positive (or None)")
+    @property
+    def deadline_s(self) -> float: ...
+    @property
+    def staleness(self) -> int: ...
+    @property
+    def stale_weight(self) -> float: ...
+    @property
+    def max_rounds(self) -> int | None: ...
 
 
 @dataclass(frozen=True)
@@ -220,12 +210,16 @@ class BlockRounds:
                 self.stale_seen.add((worker, round))
             if self.started_at is None:  # a late update into an idle round starts its clock
                 self.started_at = now
-        if round == self.round and verdict.reason not in ("duplicate", "future_round", "done"):
+        if verdict.reason in NOT_A_REPORT:
+            return
+        if round == self.round:
             self.reported.add(worker)
             if not verdict.accepted:
                 self.refused += 1
         elif round == self.round - 1:
-            self.prev_reported.add(worker)  # it is alive: expect it in this round
+            # it is alive: expect it in this round (a restart rebuilds this set from the
+            # ledger's reports for the previous round, hence the same filter)
+            self.prev_reported.add(worker)
 
     def tick(self, now: float) -> RoundClosed | None:
         """Close the open round if its deadline passed or every expected replica reported."""
@@ -330,11 +324,19 @@ class Registry:
         return min(candidates, key=lambda b: (counts[b], b))
 
 
-def participation(closed: RoundClosed) -> float:
-    """Accepted updates of the round itself over the replicas it expected (1.0 when it expected
-    none but got some)."""
-    own = sum(1 for c in closed.accepted if c.round == closed.round)
-    return own / len(closed.expected) if closed.expected else float(own > 0)
+def in_time(closed: RoundClosed) -> int:
+    """Accepted updates of the round itself (not those counted in it late, from an earlier
+    round)."""
+    return sum(1 for c in closed.accepted if c.round == closed.round)
+
+
+def participation(in_time: int, expected: int) -> float:
+    """The participation of one round, or of several summed (docs/protocol.md, Accounting):
+    updates of the round itself accepted, over the replicas it expected. Updates counted late
+    (staleness > 0) are not in the numerator: they are the previous round's participation,
+    come too late. A round that expected nobody has participation 1 if it accepted an update
+    of its own, else 0."""
+    return in_time / expected if expected else float(in_time > 0)
 
 
 def restore(

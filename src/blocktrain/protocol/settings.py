@@ -1,97 +1,207 @@
-"""The aggregator's settings: a frozen dataclass validated on construction, saved in the state
-folder next to the weights (so that a restarted aggregator runs the same protocol)."""
+"""The aggregator's settings, each declared once: a field of `AggregatorSettings` with its doc,
+its bounds, its command-line flag and whether the simulator models it. The CLI flags
+(`cli.common.add_setting_args`), the simulator's list of flags it leaves out, the check on
+construction and the table in docs/protocol.md are all derived from these declarations.
+
+The settings are saved in the state folder next to the weights (so that a restarted aggregator
+runs the same protocol).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import typing
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from blocktrain.config import RunConfig
 from blocktrain.errors import ConfigError
 from blocktrain.protocol.aggregation import RULES
 from blocktrain.protocol.wire import WIRE_DTYPES
 
 
 @dataclass(frozen=True)
+class Setting:
+    """What a field declares besides its type and default."""
+
+    doc: str
+    check: Callable[[Any], bool]
+    why: str
+    """What `check` requires, completing "aggregator setting NAME = VALUE ..."."""
+    flag: str
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    simulated: bool = True
+    """False: the simulator sets it itself or it means nothing there (no flag there)."""
+    default_text: str | None = None
+    """How the default reads in --help and the docs, when the value alone would mislead."""
+
+
+def setting(
+    default: Any,
+    doc: str,
+    check: Callable[[Any], bool],
+    why: str,
+    *,
+    flag: str,
+    metavar: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    simulated: bool = True,
+    default_text: str | None = None,
+) -> Any:
+    meta = Setting(doc, check, why, flag, metavar, choices, simulated, default_text)
+    return dataclasses.field(default=default, metadata={"setting": meta})
+
+
+def _positive(v: Any) -> bool:
+    return bool(v > 0)
+
+
+def _positive_or_none(v: Any) -> bool:
+    return v is None or bool(v > 0)
+
+
+@dataclass(frozen=True)
 class AggregatorSettings:
     """How the aggregator runs rounds, validates and aggregates (DESIGN.md section 4)."""
 
-    deadline_s: float = 60.0
-    """Seconds from a round's first pull to its deadline."""
-    local_steps: int = 10
-    """H, the local AdamW steps a worker runs per round (told to workers at registration)."""
-    staleness: int = 0
-    """S: updates up to S rounds late still count (down-weighted); 0 refuses them as late."""
-    stale_weight: float = 0.5
-    """Weight factor per round of lateness within the staleness bound."""
-    max_rounds: int | None = None
-    """Rounds per block after which the block is done (None: until stopped)."""
-    rule: str = "mean"
-    """Aggregation: mean (token-weighted), median (coordinate-wise) or trimmed_mean."""
-    trim: float = 0.1
-    """Fraction trimmed at each end per coordinate by trimmed_mean."""
-    outer_lr: float = 1.0
-    """Outer learning rate applied to the aggregated delta (1: plain averaging)."""
-    outer_momentum: float = 0.0
-    """Outer Nesterov momentum (DiLoCo); 0 turns the outer optimizer off."""
-    wire_dtype: str = "fp16"
-    """dtype of weights and deltas on the wire: fp16, bf16 or fp32."""
-    max_delta_norm: float = 100.0
-    """Bound on an update's global L2 norm (the CLI derives it from lr, H and the block size)."""
-    max_tokens: int = 1 << 31
-    """Bound on an update's token count (the CLI derives it from H, batch and seq_len)."""
-    max_body_bytes: int | None = None
-    """Request body limit; None: twice the block's fp32 size plus 1 MiB."""
-    n_workers: int = 1024
-    """Stride of the worker data seeds: seed * n_workers + worker_id (STYLE 14)."""
-    live_window_s: float | None = None
-    """A worker heard from within this many seconds is live (None: 3 x deadline_s)."""
-    keep_versions: int = 3
-    """Committed versions kept on disk per block (0: keep all, e.g. to evaluate every round)."""
+    deadline_s: float = setting(
+        60.0,
+        "Seconds from a round's first pull to its deadline.",
+        _positive,
+        "must be positive",
+        flag="--deadline",
+        metavar="S",
+    )
+    local_steps: int = setting(
+        10,
+        "H, the local AdamW steps a worker runs per round (told to workers at registration).",
+        _positive,
+        "must be positive",
+        flag="--local-steps",
+        metavar="H",
+    )
+    staleness: int = setting(
+        0,
+        "S: an update up to S rounds late still counts, in the open round, with weight "
+        "stale_weight ** lateness; 0 refuses every late update.",
+        lambda v: v >= 0,
+        "must be >= 0",
+        flag="--staleness",
+        metavar="S",
+    )
+    stale_weight: float = setting(
+        0.5,
+        "Weight factor per round of lateness within the staleness bound.",
+        lambda v: 0 < v <= 1,
+        "must lie in (0, 1]",
+        flag="--stale-weight",
+    )
+    max_rounds: int | None = setting(
+        None,
+        "Rounds per block after which the block is done (none: run until stopped).",
+        _positive_or_none,
+        "must be positive (or none)",
+        flag="--max-rounds",
+        metavar="R",
+        simulated=False,  # --rounds
+    )
+    rule: str = setting(
+        "mean",
+        "Aggregation: mean (token-weighted), median (coordinate-wise) or trimmed_mean.",
+        lambda v: v in RULES,
+        f"must be one of {', '.join(RULES)}",
+        flag="--rule",
+        choices=tuple(RULES),
+    )
+    trim: float = setting(
+        0.1,
+        "Fraction trimmed at each end per coordinate by trimmed_mean.",
+        lambda v: 0 <= v < 0.5,
+        "must lie in [0, 0.5)",
+        flag="--trim",
+    )
+    outer_lr: float = setting(
+        1.0,
+        "Outer learning rate applied to the aggregated delta (1: plain averaging).",
+        _positive,
+        "must be positive",
+        flag="--outer-lr",
+    )
+    outer_momentum: float = setting(
+        0.0,
+        "Outer Nesterov momentum (DiLoCo); 0 turns the outer optimizer off.",
+        lambda v: 0 <= v < 1,
+        "must lie in [0, 1)",
+        flag="--outer-momentum",
+    )
+    wire_dtype: str = setting(
+        "fp16",
+        "dtype of weights and deltas on the wire.",
+        lambda v: v in WIRE_DTYPES,
+        f"must be one of {', '.join(WIRE_DTYPES)}",
+        flag="--wire-dtype",
+        choices=tuple(WIRE_DTYPES),
+    )
+    max_delta_norm: float = setting(
+        100.0,
+        "Refuse updates with a larger global L2 norm.",
+        _positive,
+        "must be positive",
+        flag="--max-delta-norm",
+        default_text="4 x lr x H x sqrt(params), see delta_norm_bound",
+    )
+    max_tokens: int = setting(
+        1 << 31,
+        "Refuse updates that claim more tokens.",
+        _positive,
+        "must be positive",
+        flag="--max-tokens",
+        default_text="2 x H x batch x seq_len, see token_bound",
+    )
+    max_body_bytes: int | None = setting(
+        None,
+        "Request body limit in bytes.",
+        _positive_or_none,
+        "must be positive (or none)",
+        flag="--max-body-bytes",
+        simulated=False,
+        default_text="twice the largest block's fp32 size + 1 MiB",
+    )
+    n_workers: int = setting(
+        1024,
+        "Stride of the worker data seeds: seed * n_workers + worker_id (STYLE 14).",
+        _positive,
+        "must be positive",
+        flag="--n-workers",
+        simulated=False,  # --workers
+    )
+    live_window_s: float | None = setting(
+        None,
+        "A worker heard from within this many seconds is live.",
+        _positive_or_none,
+        "must be positive (or none)",
+        flag="--live-window",
+        metavar="S",
+        simulated=False,
+        default_text="3 x deadline_s",
+    )
+    keep_versions: int = setting(
+        3,
+        "Committed versions kept on disk per block (0: keep all, e.g. to evaluate every round).",
+        lambda v: v >= 0,
+        "must be >= 0",
+        flag="--keep-versions",
+        simulated=False,
+    )
 
     def __post_init__(self) -> None:
-        _check(self.deadline_s > 0, "deadline_s", self.deadline_s, "must be positive")
-        _check(self.local_steps > 0, "local_steps", self.local_steps, "must be positive")
-        _check(self.staleness >= 0, "staleness", self.staleness, "must be >= 0")
-        _check(0 < self.stale_weight <= 1, "stale_weight", self.stale_weight, "must lie in (0, 1]")
-        _check(
-            self.max_rounds is None or self.max_rounds > 0,
-            "max_rounds",
-            self.max_rounds,
-            "must be positive (or none)",
-        )
-        _check(self.rule in RULES, "rule", self.rule, f"must be one of {', '.join(RULES)}")
-        _check(0 <= self.trim < 0.5, "trim", self.trim, "must lie in [0, 0.5)")
-        _check(self.outer_lr > 0, "outer_lr", self.outer_lr, "must be positive")
-        _check(
-            0 <= self.outer_momentum < 1,
-            "outer_momentum",
-            self.outer_momentum,
-            "must lie in [0, 1)",
-        )
-        _check(
-            self.wire_dtype in WIRE_DTYPES,
-            "wire_dtype",
-            self.wire_dtype,
-            f"must be one of {', '.join(WIRE_DTYPES)}",
-        )
-        _check(self.max_delta_norm > 0, "max_delta_norm", self.max_delta_norm, "must be positive")
-        _check(self.max_tokens > 0, "max_tokens", self.max_tokens, "must be positive")
-        _check(
-            self.max_body_bytes is None or self.max_body_bytes > 0,
-            "max_body_bytes",
-            self.max_body_bytes,
-            "must be positive (or none)",
-        )
-        _check(self.n_workers > 0, "n_workers", self.n_workers, "must be positive")
-        _check(
-            self.live_window_s is None or self.live_window_s > 0,
-            "live_window_s",
-            self.live_window_s,
-            "must be positive (or none)",
-        )
-        _check(self.keep_versions >= 0, "keep_versions", self.keep_versions, "must be >= 0")
+        for f in dataclasses.fields(self):
+            meta: Setting = f.metadata["setting"]
+            value = getattr(self, f.name)
+            if not meta.check(value):
+                raise ConfigError(f"aggregator setting {f.name} = {value!r} {meta.why}")
 
     @property
     def live_window(self) -> float:
@@ -113,10 +223,57 @@ class AggregatorSettings:
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
 
 
-def setting_types() -> dict[str, Any]:
-    return typing.get_type_hints(AggregatorSettings)
+def declared() -> list[tuple[dataclasses.Field[Any], Setting]]:
+    """Every setting's field and declaration, in declaration order."""
+    return [(f, f.metadata["setting"]) for f in dataclasses.fields(AggregatorSettings)]
 
 
-def _check(ok: bool, name: str, value: object, why: str) -> None:
-    if not ok:
-        raise ConfigError(f"aggregator setting {name} = {value!r} {why}")
+def default_text(f: dataclasses.Field[Any], s: Setting) -> str:
+    if s.default_text is not None:
+        return s.default_text
+    return "none" if f.default is None else str(f.default)
+
+
+def settings_table() -> str:
+    """The markdown table of docs/protocol.md (a test holds the two equal)."""
+    rows = ["| setting | flag | default | simulated | meaning |", "|---|---|---|---|---|"]
+    for f, s in declared():
+        rows.append(
+            f"| `{f.name}` | `{s.flag}` | {default_text(f, s)} | "
+            f"{'yes' if s.simulated else 'no'} | {s.doc} |"
+        )
+    return "\n".join(rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings derived from the run
+# ---------------------------------------------------------------------------------------------
+
+
+def delta_norm_bound(cfg: RunConfig, local_steps: int, n_params: int, slack: float = 4.0) -> float:
+    """A bound on the L2 norm of an honest worker's delta. AdamW moves each coordinate by about
+    lr per step at most (|m_hat / sqrt(v_hat)| <= 1 for steady gradients), so H steps move the
+    block by at most lr * H * sqrt(n_params); `slack` leaves room for the rare larger step."""
+    return slack * cfg.train.lr * local_steps * math.sqrt(n_params)
+
+
+def token_bound(cfg: RunConfig, local_steps: int, slack: float = 2.0) -> int:
+    """The most target bytes an honest update can claim: H batches of B x T, with slack."""
+    return int(slack * local_steps * cfg.train.batch_size * cfg.model.seq_len)
+
+
+def derived_settings(
+    cfg: RunConfig, overrides: dict[str, Any], block_params: int
+) -> AggregatorSettings:
+    """Aggregator settings for a run of `cfg` whose largest block has `block_params`
+    parameters: the defaults, then `overrides`, with the delta norm and token bounds derived
+    from the run unless they are overridden."""
+    base = AggregatorSettings().replace(
+        **{k: v for k, v in overrides.items() if k not in ("max_delta_norm", "max_tokens")}
+    )
+    return base.replace(
+        max_delta_norm=overrides.get(
+            "max_delta_norm", delta_norm_bound(cfg, base.local_steps, block_params)
+        ),
+        max_tokens=overrides.get("max_tokens", token_bound(cfg, base.local_steps)),
+    )

@@ -24,28 +24,20 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from blocktrain.protocol.rounds import RoundClosed, RoundView, participation
+from blocktrain.protocol.core import Committed
+from blocktrain.protocol.rounds import RoundClosed, RoundView, in_time, participation
 from blocktrain.protocol.settings import AggregatorSettings
+from blocktrain.protocol.state import largest_block
 from blocktrain.protocol.wire import update_body
+from blocktrain.protocol.worker import LocalTrainer
 from blocktrain.simulate.aggregator import Judged, SimAggregator
 from blocktrain.simulate.regimes import Regime
 
 Tensors = dict[str, torch.Tensor]
-
-
-class LocalTrainer(Protocol):
-    """What a virtual worker trains with (`training.local.LocalBlockTrainer`, or a timing-only
-    stand-in)."""
-
-    def load(self, weights: Tensors) -> None: ...
-
-    def train(self, steps: int, first_step: int) -> dict[str, float]: ...
-
-    def delta(self) -> Tensors: ...
 
 
 class TimingOnlyTrainer:
@@ -59,7 +51,9 @@ class TimingOnlyTrainer:
     def load(self, weights: Tensors) -> None:
         pass
 
-    def train(self, steps: int, first_step: int) -> dict[str, float]:
+    def train(
+        self, steps: int, first_step: int, should_stop: Callable[[], bool] = lambda: False
+    ) -> dict[str, float]:
         return {"tokens": float(steps * self.tokens_per_step), "loss": math.nan, "steps": steps}
 
     def delta(self) -> Tensors:
@@ -105,9 +99,9 @@ class Clocks:
         }
 
 
-def in_time(closed: RoundClosed) -> int:
-    """Accepted updates of the round itself (not counted late from an earlier round)."""
-    return sum(1 for c in closed.accepted if c.round == closed.round)
+def _never() -> bool:
+    """A virtual worker is never stopped mid-round (its dropouts are drawn, not signalled)."""
+    return False
 
 
 Evaluator = Callable[[dict[int, Tensors]], float]
@@ -134,7 +128,7 @@ class Simulation:
             raise ValueError("a simulation needs settings.max_rounds")
         self.regime = regime
         self.rng = random.Random(f"blocktrain-simulate:{seed}:{regime.name}")
-        n_params = max(sum(t.numel() for t in w.values()) for w in initial.values())
+        n_params = largest_block(initial)
         wire_bytes = n_params * (4 if settings.wire_dtype == "fp32" else 2)
         self.deadline_s = regime.deadline_for(settings.local_steps, wire_bytes, wire_bytes)
         self.settings = settings.replace(deadline_s=self.deadline_s)
@@ -224,7 +218,7 @@ class Simulation:
         step_s = self.regime.step_s.draw(self.rng)
         w.trainer.load(weights)
         t0 = time.perf_counter()
-        logs = w.trainer.train(h, view.round * h)
+        logs = w.trainer.train(h, view.round * h, _never)
         self.clocks.train_s += time.perf_counter() - t0
         w.local_steps += int(logs["steps"])
         loss = float(logs["loss"])
@@ -266,7 +260,8 @@ class Simulation:
             key = (judged.block, judged.round)
             self.refusals.setdefault(key, Counter())[judged.verdict.reason] += 1
 
-    def _closed(self, closed: RoundClosed, weights: Tensors) -> None:
+    def _closed(self, event: Committed) -> None:
+        closed, weights = event.closed, event.weights
         b, r = closed.block, closed.round
         self.closed[(b, r)] = closed
         waiting, self._waiting[b] = self._waiting[b], []
@@ -302,7 +297,7 @@ class Simulation:
                 {
                     "round": r,
                     "time": max(d.closed_at for d in done),
-                    "participation": sum(own) / sum(expected) if sum(expected) else 1.0,
+                    "participation": participation(sum(own), sum(expected)),
                     "from_noise_ce": self.ce.get(r),
                     "blocks": [
                         {
@@ -315,7 +310,7 @@ class Simulation:
                             "refused": dict(sorted(self.refusals.get((d.block, r), {}).items())),
                             "expected": len(d.expected),
                             "reported": len(d.reported),
-                            "participation": participation(d),
+                            "participation": participation(n_own, len(d.expected)),
                         }
                         for d, n_own in zip(done, own, strict=True)
                     ],
@@ -331,7 +326,7 @@ class Simulation:
         for w in self.workers:
             refused.update(w.refused)
         return {
-            "participation": own / expected if expected else 1.0,
+            "participation": participation(own, expected),
             "rounds": records,
             "virtual_time_s": records[-1]["time"] if records else 0.0,
             "deadline_s": self.deadline_s,

@@ -21,11 +21,14 @@ from blocktrain.data import ByteSource
 from blocktrain.errors import ConfigError
 from blocktrain.fsutil import atomic_write_bytes
 from blocktrain.model import BlockStack
-from blocktrain.simulate.engine import LocalTrainer, Simulation, TimingOnlyTrainer
+from blocktrain.protocol.settings import derived_settings
+from blocktrain.protocol.state import largest_block
+from blocktrain.protocol.worker import LocalTrainer
+from blocktrain.simulate.engine import Simulation, TimingOnlyTrainer
 from blocktrain.simulate.regimes import Regime
 from blocktrain.training import EvalSettings, evaluate_blocktrain
 from blocktrain.training import checkpoint as ckpt
-from blocktrain.training.local import LocalBlockTrainer, derived_settings, initial_blocks
+from blocktrain.training.local import LocalBlockTrainer, initial_blocks
 
 Tensors = dict[str, torch.Tensor]
 
@@ -104,7 +107,7 @@ def simulate(
     settings = derived_settings(
         cfg,
         {**spec.protocol, "max_rounds": spec.rounds, "n_workers": spec.workers},
-        initial,
+        largest_block(initial),
     )
     evaluate: RoundEvaluator | None = None
     initial_ce: float | None = None

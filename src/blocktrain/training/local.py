@@ -16,7 +16,6 @@ import functools
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -24,7 +23,6 @@ from blocktrain.config import RunConfig
 from blocktrain.data import ByteSource
 from blocktrain.errors import CheckpointError, ProtocolError
 from blocktrain.model import BlockStack, init_block, target_table
-from blocktrain.protocol.settings import AggregatorSettings
 from blocktrain.training import checkpoint as ckpt
 from blocktrain.training.loss import BlockLoss
 from blocktrain.training.optim import make_optimizer
@@ -115,38 +113,9 @@ class LocalBlockTrainer:
         return {k: v.detach().float() - self.base[k] for k, v in self.module.state_dict().items()}
 
 
-def delta_norm_bound(cfg: RunConfig, local_steps: int, n_params: int, slack: float = 4.0) -> float:
-    """A bound on the L2 norm of an honest worker's delta. AdamW moves each coordinate by about
-    lr per step at most (|m_hat / sqrt(v_hat)| <= 1 for steady gradients), so H steps move the
-    block by at most lr * H * sqrt(n_params); `slack` leaves room for the rare larger step."""
-    return slack * cfg.train.lr * local_steps * math.sqrt(n_params)
-
-
-def token_bound(cfg: RunConfig, local_steps: int, slack: float = 2.0) -> int:
-    """The most target bytes an honest update can claim: H batches of B x T, with slack."""
-    return int(slack * local_steps * cfg.train.batch_size * cfg.model.seq_len)
-
-
 def initial_blocks(cfg: RunConfig) -> dict[int, Tensors]:
     """Version 0 of every block: exactly what a worker's `init_block` builds."""
     return {b: init_block(cfg.model, cfg.seed, b).state_dict() for b in range(cfg.model.blocks)}
-
-
-def derived_settings(
-    cfg: RunConfig, overrides: dict[str, Any], blocks: dict[int, Tensors]
-) -> AggregatorSettings:
-    """Aggregator settings for a run of `cfg`: the defaults, then `overrides`, with the delta
-    norm and token bounds derived from the run unless they are overridden."""
-    n_params = max(sum(t.numel() for t in w.values()) for w in blocks.values())
-    base = AggregatorSettings().replace(
-        **{k: v for k, v in overrides.items() if k not in ("max_delta_norm", "max_tokens")}
-    )
-    return base.replace(
-        max_delta_norm=overrides.get(
-            "max_delta_norm", delta_norm_bound(cfg, base.local_steps, n_params)
-        ),
-        max_tokens=overrides.get("max_tokens", token_bound(cfg, base.local_steps)),
-    )
 
 
 def build_stack(cfg: RunConfig, blocks: dict[int, Tensors]) -> BlockStack:

@@ -1,0 +1,59 @@
+"""Who is calling: the bearer token (stored hashed in the ledger) and, when there is one, the
+worker it speaks for. The FastAPI app wraps these in dependencies (`aggregator.create_app`);
+every refusal carries a reason code of `verdict.REASONS`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from blocktrain.errors import Refused
+from blocktrain.protocol.ledger import Ledger
+from blocktrain.protocol.ledger_schema import TokenRow
+from blocktrain.protocol.tokens import bearer, hash_token
+from blocktrain.protocol.verdict import REASONS, Verdict
+
+
+def refused(reason: str, detail: str = "") -> Refused:
+    """The exception for a refusal, with the HTTP status of its reason."""
+    return Refused(reason, detail or REASONS[reason][1], REASONS[reason][0])
+
+
+@dataclass(frozen=True)
+class Caller:
+    token_id: int
+    token_name: str
+    worker_id: int | None
+
+
+def authenticate(ledger: Ledger, authorization: str | None) -> TokenRow:
+    """The token of an `Authorization: Bearer` header, if known and not revoked."""
+    token = bearer(authorization)
+    if isinstance(token, Verdict):
+        raise refused(token.reason, token.detail)
+    row = ledger.token_by_hash(hash_token(token))
+    if row is None:
+        raise refused("invalid_token", "this token is not known to the aggregator")
+    if row.revoked is not None:
+        raise refused("revoked_token", f"token {row.name!r} was revoked")
+    return row
+
+
+def identify(ledger: Ledger, authorization: str | None, worker_header: str | None) -> Caller:
+    """The token and, when there is one, the worker making the call (the X-Worker-Id header,
+    else the token's latest registered worker)."""
+    token = authenticate(ledger, authorization)
+    if worker_header is not None and worker_header.strip():
+        try:
+            worker_id = int(worker_header)
+        except ValueError:
+            raise refused(
+                "unknown_worker", f"X-Worker-Id {worker_header[:40]!r} is not a worker id"
+            ) from None
+        row = ledger.worker(worker_id)
+        if row is None or row.left_at is not None:
+            raise refused("unknown_worker", f"worker {worker_id} is not registered; register again")
+        if row.token_id != token.id:
+            raise refused("not_your_worker", f"worker {worker_id} belongs to another token")
+        return Caller(token.id, token.name, worker_id)
+    latest = ledger.latest_worker_of(token.id)
+    return Caller(token.id, token.name, None if latest is None else latest.id)

@@ -1,0 +1,250 @@
+"""The round engine: every decision the aggregator takes, written once, in memory.
+
+`RoundEngine` holds each block's weights, round state machine (`rounds.BlockRounds`) and
+accumulator, and the worker registry. It assigns blocks, records pulls, checks an update's
+content (`wire.decode`, `validation.validate`), judges its timing, accumulates it, closes rounds
+and applies the outer optimizer. Time is always passed in; nothing here reads a clock, sleeps or
+does I/O.
+
+Two drivers, no second copy of a decision:
+
+    service.AggregatorService    wall clock; persists each event (ledger rows, pending bodies,
+                                 committed versions) and serves it over HTTP
+    simulate.SimAggregator       virtual clock; one process
+
+An update goes through `check` (content), `judge` (timing, read-only), then `record` (the
+round's state and, if accepted, the accumulator); a driver persists what it must between `judge`
+and `record`, and calls `tick` afterwards. A round that closes is committed by `tick`: the new
+weights are computed, handed to every `on_commit` listener (the service writes them to disk
+there, before any pull can see them) and only then published.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from blocktrain.protocol.aggregation import Accumulator, OuterOptimizer
+from blocktrain.protocol.rounds import BlockRounds, Registry, RoundClosed, RoundView
+from blocktrain.protocol.settings import AggregatorSettings
+from blocktrain.protocol.validation import BlockSpec, Candidate, Limits, UpdateMeta, validate
+from blocktrain.protocol.verdict import Verdict
+from blocktrain.protocol.wire import WireError, decode
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass
+class EngineBlock:
+    """One block as the engine holds it."""
+
+    index: int
+    weights: Tensors
+    momentum: Tensors | None
+    spec: BlockSpec
+    rounds: BlockRounds
+    acc: Accumulator
+
+
+@dataclass(frozen=True)
+class Registered:
+    worker: int
+    block: int
+    view: RoundView
+
+
+@dataclass(frozen=True)
+class PullEvent:
+    """A pull as the engine saw it: the open round, and whether this pull started its clock."""
+
+    view: RoundView
+    started: bool
+
+
+@dataclass(frozen=True)
+class Checked:
+    """An update body after the content checks: the verdict, and what could be read of it."""
+
+    verdict: Verdict
+    candidate: Candidate | None
+
+    @property
+    def meta(self) -> UpdateMeta | None:
+        return None if self.candidate is None else self.candidate.meta
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A closed round and the block's weights after it (the old ones when nothing was
+    accepted; then `changed` is False)."""
+
+    closed: RoundClosed
+    weights: Tensors
+    momentum: Tensors | None
+    changed: bool
+
+
+CommitListener = Callable[[Committed], None]
+
+
+def max_body_bytes(settings: AggregatorSettings, largest_block_params: int) -> int:
+    """The request body limit: the setting, else twice the largest block's fp32 size + 1 MiB."""
+    return settings.max_body_bytes or 2 * 4 * largest_block_params + (1 << 20)
+
+
+class RoundEngine:
+    """Blocks, their rounds and accumulators, and the registry, fed with explicit times."""
+
+    def __init__(
+        self,
+        settings: AggregatorSettings,
+        blocks: dict[int, EngineBlock],
+        registry: Registry | None = None,
+    ) -> None:
+        self.settings = settings
+        self.blocks = blocks
+        self.registry = registry or Registry(len(blocks), settings.live_window)
+        self.outer = OuterOptimizer(settings.outer_lr, settings.outer_momentum)
+        self.limits = Limits(settings.max_delta_norm, settings.max_tokens)
+        self.max_body = max_body_bytes(settings, max(st.spec.n_params for st in blocks.values()))
+        self.on_commit: list[CommitListener] = []
+        """Called with each commit before its weights are published."""
+
+    @classmethod
+    def fresh(cls, initial: dict[int, Tensors], settings: AggregatorSettings) -> RoundEngine:
+        """Version 0 of every block, round 0, no workers."""
+        blocks = {
+            b: cls.block(b, {k: v.detach().float().clone() for k, v in w.items()}, None, settings)
+            for b, w in sorted(initial.items())
+        }
+        return cls(settings, blocks)
+
+    @staticmethod
+    def block(
+        index: int,
+        weights: Tensors,
+        momentum: Tensors | None,
+        settings: AggregatorSettings,
+        rounds: BlockRounds | None = None,
+    ) -> EngineBlock:
+        return EngineBlock(
+            index,
+            weights,
+            momentum,
+            BlockSpec.of(weights, settings.wire_dtype),
+            rounds if rounds is not None else BlockRounds(index, settings),
+            Accumulator(settings.rule, settings.trim),
+        )
+
+    # ------------------------------------------------------------------ workers
+
+    def register(
+        self, now: float, requested: int | None, new_id: Callable[[int], int]
+    ) -> Registered:
+        """Assign a block (the requested one, else the fewest live replicas, finished blocks
+        last); `new_id(block)` names the worker (the ledger's row id, or a counter)."""
+        self.tick(now)
+        done = [b for b, st in self.blocks.items() if st.rounds.done]
+        block = self.registry.choose_block(now, requested, exclude=done)
+        worker = new_id(block)
+        self.registry.add(worker, block, now)
+        st = self.blocks[block]
+        st.rounds.assign(worker)
+        return Registered(worker, block, st.rounds.view())
+
+    def leave(self, worker: int, now: float) -> list[Committed]:
+        """The worker stops: its block no longer waits for it."""
+        block = self.registry.block_of(worker)
+        self.registry.remove(worker)
+        if block is not None:
+            self.blocks[block].rounds.unassign(worker)
+        return self.tick(now)
+
+    # ------------------------------------------------------------------ pulls and updates
+
+    def pull(self, worker: int, block: int, now: float) -> PullEvent:
+        """`worker` fetches the open round (nothing is recorded when the block is done)."""
+        self.tick(now)
+        rounds = self.blocks[block].rounds
+        if rounds.done:
+            return PullEvent(rounds.view(), False)
+        started = rounds.started_at is None
+        view = rounds.pull(worker, now)
+        self.registry.seen(worker, now)
+        return PullEvent(view, started and view.deadline is not None)
+
+    def check(self, block: int, body: bytes) -> Checked:
+        """The content verdict on an update body: size, safetensors, the validator chain.
+        Reads no round state, so a driver may call it outside its lock."""
+        if len(body) > self.max_body:
+            detail = f"the body declares {len(body)} bytes; the limit is {self.max_body}"
+            return Checked(Verdict.refuse("too_large", detail), None)
+        try:
+            decoded = decode(body, max_bytes=self.max_body)
+        except WireError as exc:
+            return Checked(Verdict.refuse(exc.reason, exc.detail), None)
+        candidate = Candidate(block, decoded, self.blocks[block].spec, self.limits)
+        return Checked(validate(candidate), candidate)
+
+    def judge(self, worker: int, block: int, meta: UpdateMeta, now: float) -> Verdict:
+        """The timing verdict on an update that passed `check` (closing due rounds first).
+        Changes no update state: `record` the verdict once the driver has stored it."""
+        self.tick(now)
+        return self.blocks[block].rounds.judge(
+            worker, round=meta.round, base_version=meta.base_version, now=now
+        )
+
+    def record(
+        self,
+        worker: int,
+        block: int,
+        verdict: Verdict,
+        now: float,
+        *,
+        checked: Checked,
+        update_id: int = -1,
+    ) -> bool:
+        """Record a judged update, accepted or refused at any step, in its round; an accepted
+        one joins the accumulator. Call `tick` afterwards. True when the update started the
+        open round's clock (an update counted late into a round nobody pulled yet)."""
+        meta = checked.meta
+        if meta is None:
+            return False  # unreadable: it names no round
+        rounds = self.blocks[block].rounds
+        if not verdict.accepted:
+            rounds.record(worker, verdict, round=meta.round, now=now)
+            return False
+        candidate = checked.candidate
+        assert candidate is not None and candidate.tensors is not None
+        idle = rounds.started_at is None
+        rounds.record(
+            worker, verdict, round=meta.round, now=now, update_id=update_id, tokens=meta.tokens
+        )
+        self.blocks[block].acc.add(candidate.tensors, verdict.weight * meta.tokens)
+        self.registry.seen(worker, now)
+        return idle and rounds.started_at is not None
+
+    # ------------------------------------------------------------------ rounds
+
+    def tick(self, now: float) -> list[Committed]:
+        """Close and commit every round that is due."""
+        committed = []
+        for st in self.blocks.values():
+            closed = st.rounds.tick(now)
+            if closed is not None:
+                committed.append(self._commit(st, closed))
+        return committed
+
+    def _commit(self, st: EngineBlock, closed: RoundClosed) -> Committed:
+        delta = st.acc.result()
+        weights, momentum = st.weights, st.momentum
+        if delta is not None:
+            weights, momentum = self.outer.apply(st.weights, delta, st.momentum)
+        event = Committed(closed, weights, momentum, delta is not None)
+        for listener in self.on_commit:
+            listener(event)
+        st.weights, st.momentum = weights, momentum
+        st.acc = Accumulator(self.settings.rule, self.settings.trim)
+        return event

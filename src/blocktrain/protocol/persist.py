@@ -1,0 +1,159 @@
+"""The aggregator's durable state: the engine restored from the ledger and the state folder
+after a (re)start, and each commit written to them. Pending bodies of the open round's accepted
+updates are tracked here, so that a commit removes exactly those it aggregated."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from blocktrain.protocol.core import Committed, EngineBlock, RoundEngine
+from blocktrain.protocol.ledger_schema import WorkerRow
+from blocktrain.protocol.rounds import NOT_A_REPORT, Contribution, Registry, restore
+from blocktrain.protocol.settings import AggregatorSettings
+from blocktrain.protocol.storage import StateDir
+from blocktrain.protocol.wire import decode
+
+log = logging.getLogger(__name__)
+
+Tensors = dict[str, torch.Tensor]
+
+
+class Durable:
+    """Restore and commit over one state folder."""
+
+    def __init__(self, storage: StateDir, settings: AggregatorSettings) -> None:
+        self.storage = storage
+        self.ledger = storage.ledger
+        self.settings = settings
+        self.n_blocks = storage.n_blocks()
+        self.pending: dict[int, dict[int, str]] = {}
+        """block -> update id -> pending body file, for the open round's accepted updates."""
+
+    def restore(self) -> RoundEngine:
+        """The engine as the ledger and the state folder left it: each block's last committed
+        version, and its open round with the accepted updates, pulls, reports and deadline;
+        bodies written but never accepted are removed."""
+        workers = self.ledger.workers(active_only=True)
+        registry = Registry(self.n_blocks, self.settings.live_window)
+        for w in workers:
+            registry.add(w.id, w.block, w.last_seen)
+        blocks = {
+            b: self._restore_block(b, [w for w in workers if w.block == b])
+            for b in range(self.n_blocks)
+        }
+        referenced = {name for pending in self.pending.values() for name in pending.values()}
+        for name in self.storage.pending_names():  # bodies written before a crash, never accepted
+            if name not in referenced:
+                self.storage.remove_pending(name)
+        return RoundEngine(self.settings, blocks, registry)
+
+    def _restore_block(self, b: int, workers: list[WorkerRow]) -> EngineBlock:
+        version, round_, started_at = self.ledger.block_state(b)
+        weights = self.storage.load_tensors(b, version)
+        momentum = None
+        if self.settings.outer_momentum > 0 and self.storage.has_tensors(b, version, "m"):
+            momentum = self.storage.load_tensors(b, version, "m")
+        rows = [
+            u
+            for u in self.ledger.updates(block=b, round=round_)
+            if u.worker_id is not None and u.reason not in NOT_A_REPORT
+        ]
+        prev = {
+            u.worker_id
+            for u in self.ledger.updates(block=b, round=round_ - 1)
+            if u.worker_id is not None and u.reason not in NOT_A_REPORT
+        }
+        deltas: list[tuple[Tensors, float]] = []
+        contributions: list[Contribution] = []
+        pending: dict[int, str] = {}
+        for u in self.ledger.open_accepted(b):
+            if u.pending is None or u.worker_id is None or u.round is None:
+                continue
+            try:
+                body = self.storage.read_pending(u.pending)
+            except OSError:
+                log.error("block %d: accepted update %d lost its body %s", b, u.id, u.pending)
+                continue
+            weight = float(u.weight or 1.0)
+            deltas.append((decode(body).to_torch(), weight * int(u.tokens or 1)))
+            contributions.append(
+                Contribution(u.id, u.worker_id, int(u.tokens or 1), weight, u.round)
+            )
+            pending[u.id] = u.pending
+        published = {
+            r["round"]: r["base_version"]
+            for r in self.ledger.rounds(b)
+            if r["round"] >= round_ - self.settings.staleness
+        }
+        published[round_] = version
+        rounds = restore(
+            b,
+            self.settings,
+            round=round_,
+            version=version,
+            started_at=started_at,
+            assigned=[w.id for w in workers],
+            pulled=[w.id for w in workers if w.pulled_round == round_],
+            reported={u.worker_id for u in rows if u.worker_id is not None},
+            prev_reported={w for w in prev if w is not None},
+            accepted=contributions,
+            refused=sum(1 for u in rows if u.fate == "refused"),
+            published=published,
+        )
+        st = RoundEngine.block(b, weights, momentum, self.settings, rounds)
+        for delta, weight in deltas:
+            st.acc.add(delta, weight)
+        self.pending[b] = pending
+        if contributions:
+            log.info(
+                "block %d: resumed round %d at version %d with %d accepted update(s)",
+                b,
+                round_,
+                version,
+                len(contributions),
+            )
+        return st
+
+    def commit(self, event: Committed) -> None:
+        """Write the new version atomically, then record the round in the ledger (a crash
+        between the two leaves the round open, to be closed again on restart). Runs inside
+        the engine's commit, before a pull can see the new weights."""
+        closed = event.closed
+        b = closed.block
+        if event.changed:
+            self.storage.save_tensors(b, closed.new_version, event.weights)
+            if event.momentum is not None:
+                self.storage.save_tensors(b, closed.new_version, event.momentum, kind="m")
+        ids = [c.update_id for c in closed.accepted]
+        self.ledger.commit_round(
+            block=b,
+            round=closed.round,
+            base_version=closed.base_version,
+            new_version=closed.new_version,
+            started_at=closed.started_at,
+            deadline=closed.deadline,
+            closed_at=closed.closed_at,
+            cause=closed.cause,
+            refused=closed.refused,
+            expected=len(closed.expected),
+            reported=len(closed.reported),
+            update_ids=ids,
+        )
+        for uid in ids:
+            name = self.pending[b].pop(uid, None)
+            if name is not None:
+                self.storage.remove_pending(name)
+        self.storage.prune(b, closed.new_version, self.settings.keep_versions)
+        log.info(
+            "block %d round %d closed (%s): %d accepted, %d refused, %d/%d reported; version %d",
+            b,
+            closed.round,
+            closed.cause,
+            len(ids),
+            closed.refused,
+            len(closed.reported),
+            len(closed.expected),
+            closed.new_version,
+        )

@@ -1,0 +1,137 @@
+"""The aggregator's HTTP schemas: strict pydantic models, separate in and out types. Out types
+forbid extra keys, so a field the service adds without a schema fails the tests, not a client."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RegisterIn(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    block: int | None = Field(
+        None,
+        ge=0,
+        description="ask for this block (default: the one with the fewest live replicas)",
+    )
+    name: str | None = Field(None, max_length=100, description="a label for logs and status")
+
+
+class RegisterOut(Out):
+    worker_id: int
+    block: int
+    data_seed: int = Field(description="seed * n_workers + worker_id: seeds the batches")
+    local_steps: int = Field(description="H, local steps per round")
+    round: int
+    version: int
+    wire_dtype: str
+    done: bool
+
+
+class RoundOut(Out):
+    block: int
+    round: int
+    version: int
+    deadline: float | None = Field(
+        description="seconds since the epoch on the aggregator's "
+        "clock; null before the round's first pull"
+    )
+    deadline_in: float | None = Field(description="seconds left until the deadline")
+    done: bool
+
+
+class UpdateOut(Out):
+    accepted: bool
+    update_id: int
+    round: int = Field(description="the round the worker trained on")
+    counts_in: int = Field(description="the round it is aggregated in")
+    weight: float = Field(description="staleness factor (1 for an update on time)")
+    norm: float = Field(description="the delta's global L2 norm")
+
+
+class RefusalOut(Out):
+    accepted: bool = False
+    reason: str
+    detail: str
+
+
+class LeaveOut(Out):
+    worker_id: int
+    left: bool
+
+
+class ConfigOut(Out):
+    run_config: dict[str, Any] = Field(description="the model's RunConfig")
+    protocol: dict[str, Any] = Field(description="the aggregator's settings")
+    blocks: int
+    tensors: dict[str, dict[str, list[int]]] = Field(description="block -> name -> shape")
+
+
+class BlockStatusOut(Out):
+    block: int
+    round: int
+    version: int
+    deadline: float | None
+    deadline_in: float | None
+    done: bool
+    expected: list[int]
+    reported: list[int]
+    pending_accepted: int
+    assigned: list[int]
+    live_replicas: int
+    params: int
+    wire_bytes: int
+
+
+class WorkerStatusOut(Out):
+    worker_id: int
+    block: int
+    live: bool
+    last_seen_s: float
+    accepted: int
+    refused: int
+
+
+class WorkersOut(Out):
+    registered: int
+    live: int
+    per_block: list[int]
+    list: list[WorkerStatusOut]
+
+
+class RoundRecordOut(Out):
+    round: int
+    accepted: int = Field(description="accepted updates aggregated, late ones included")
+    in_time: int = Field(description="accepted updates of the round itself")
+    refused: int
+    expected: int
+    reported: int
+    cause: str
+    version: int
+    participation: float = Field(description="in_time / expected (docs/protocol.md)")
+    duration_s: float | None
+
+
+class UpdatesOut(Out):
+    accepted: int
+    refused: int
+    refused_by_reason: dict[str, int]
+
+
+class StatusOut(Out):
+    time: float
+    uptime_s: float
+    blocks: list[BlockStatusOut]
+    versions: list[int]
+    rounds: list[int]
+    done: bool
+    workers: WorkersOut
+    participation: dict[str, list[RoundRecordOut]] = Field(description="block -> last rounds")
+    updates: UpdatesOut
+    bytes: dict[str, Any] = Field(description="totals, and by endpoint, block and worker")
+    settings: dict[str, Any]

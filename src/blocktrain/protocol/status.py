@@ -1,0 +1,103 @@
+"""What `/v1/status` shows: the blocks' open rounds, the workers, the participation of the last
+rounds, the updates by fate and the bytes moved."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from blocktrain.protocol.rounds import participation
+
+if TYPE_CHECKING:
+    from blocktrain.protocol.service import AggregatorService
+
+
+def round_record(row: dict[str, Any]) -> dict[str, Any]:
+    """A closed round as status shows it, from its ledger row."""
+    return {
+        "round": row["round"],
+        "accepted": row["accepted"],
+        "in_time": row["in_time"],
+        "refused": row["refused"],
+        "expected": row["expected"],
+        "reported": row["reported"],
+        "cause": row["cause"],
+        "version": row["new_version"],
+        "participation": participation(row["in_time"], row["expected"]),
+        "duration_s": None if row["started_at"] is None else row["closed_at"] - row["started_at"],
+    }
+
+
+def snapshot(service: AggregatorService, *, last_rounds: int = 20) -> dict[str, Any]:
+    """Everything /v1/status shows (no authentication: for the CLI and tests)."""
+    now = service.clock()
+    with service.lock:
+        registry = service.engine.registry
+        live = registry.live(now)
+        entries = dict(registry.workers)
+        blocks = []
+        for b, st in service.blocks.items():
+            r = st.rounds
+            blocks.append(
+                {
+                    "block": b,
+                    "round": r.round,
+                    "version": r.version,
+                    "deadline": r.deadline,
+                    "deadline_in": None if r.deadline is None else r.deadline - now,
+                    "done": r.done,
+                    "expected": sorted(r.expected()),
+                    "reported": sorted(r.reported),
+                    "pending_accepted": len(r.accepted),
+                    "assigned": sorted(r.assigned),
+                    "live_replicas": sum(1 for blk in live.values() if blk == b),
+                    "params": st.spec.n_params,
+                    "wire_bytes": st.spec.wire_bytes,
+                }
+            )
+        per_block = registry.live_per_block(now)
+    ledger = service.ledger
+    counts = ledger.worker_counts()
+    workers = [
+        {
+            "worker_id": w,
+            "block": e.block,
+            "live": w in live,
+            "last_seen_s": now - e.last_seen,
+            "accepted": counts.get(w, {}).get("accepted", 0),
+            "refused": counts.get(w, {}).get("refused", 0),
+        }
+        for w, e in sorted(entries.items())
+    ]
+    by_reason: dict[str, int] = {}
+    accepted_total = refused_total = 0
+    for row in ledger.update_counts():
+        if row["fate"] == "accepted":
+            accepted_total += row["n"]
+        else:
+            refused_total += row["n"]
+            by_reason[row["reason"]] = by_reason.get(row["reason"], 0) + row["n"]
+    part: dict[str, list[dict[str, Any]]] = {}
+    for row in ledger.rounds(last=last_rounds):
+        part.setdefault(str(row["block"]), []).append(round_record(row))
+    return {
+        "time": now,
+        "uptime_s": now - service.started_at,
+        "blocks": blocks,
+        "versions": [b["version"] for b in blocks],
+        "rounds": [b["round"] for b in blocks],
+        "done": all(b["done"] for b in blocks),
+        "workers": {
+            "registered": len(entries),
+            "live": len(live),
+            "per_block": per_block,
+            "list": workers,
+        },
+        "participation": part,
+        "updates": {
+            "accepted": accepted_total,
+            "refused": refused_total,
+            "refused_by_reason": by_reason,
+        },
+        "bytes": service.traffic.summary(),
+        "settings": service.public_settings(),
+    }
