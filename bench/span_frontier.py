@@ -33,8 +33,8 @@ import httpx
 import torch
 
 from blocktrain.data import load_split, resolve_data_path
+from blocktrain.data.ngram import NgramDrafter
 from blocktrain.model import BlockStack, Reference
-from blocktrain.model.drafter import NgramDrafter
 from blocktrain.training import EvalSettings, evaluate_blocktrain, evaluate_reference, load_model
 from blocktrain.training.generated import GenSettings, evaluate_generation
 from report import ROOT, machine, update_section, write_json  # bench/report.py

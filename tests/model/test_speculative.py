@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from blocktrain.config import ModelConfig
+from blocktrain.data.ngram import NgramDrafter
 from blocktrain.model import Sampling, SigmaSchedule, generate
-from blocktrain.model.drafter import NgramDrafter
 from blocktrain.model.speculative import accept_draft, generate_speculative, verify_layout
 
 CFG = ModelConfig(d_model=8, n_heads=2, layers=3, blocks=3, seq_len=16, span=1)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+from blocktrain.data.ngram import NgramDrafter
 from blocktrain.model import BlockStack, Sampling, SigmaSchedule, stack_denoiser
-from blocktrain.model.drafter import NgramDrafter
 from blocktrain.model.speculative import generate_speculative
 from blocktrain.training import load_model
 from tests.conftest import TEXT

@@ -112,7 +112,7 @@ def test_evaluate_generation_judges_both_kinds_of_model_on_the_same_real_text():
 def test_speculative_continuations_need_a_drafter_and_a_k1_model():
     import numpy as np
 
-    from blocktrain.model.drafter import NgramDrafter
+    from blocktrain.data.ngram import NgramDrafter
 
     judge = init_reference(dataclasses.replace(CFG, seq_len=32), 9).eval()
     windows = torch.randint(32, 127, (2, 20), generator=torch.Generator().manual_seed(2))

@@ -10,8 +10,8 @@ import sys
 
 from blocktrain.cli.common import Formatter
 from blocktrain.data import load_split
+from blocktrain.data.ngram import NgramDrafter
 from blocktrain.errors import ConfigError
-from blocktrain.model.drafter import NgramDrafter
 from blocktrain.serving.router import RouterSettings, check_url
 from blocktrain.serving.router_app import create_app
 from blocktrain.serving.server import bind, run, url_of

@@ -16,11 +16,24 @@ decides how many bytes one traversal yields: (1 - a^(D+1)) / (1 - a) for accepta
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from blocktrain.model.block import ZLayout
-from blocktrain.model.drafter import NgramDrafter
 from blocktrain.model.sampler import Denoiser, Sampling, one_sweep, sampling_probs
+
+
+class Drafter(Protocol):
+    """Anything that drafts bytes and says the law it drew each one from (data.ngram's
+    NgramDrafter on the router; a small model would do as well)."""
+
+    def draft(
+        self, context: list[int], n: int, generator: torch.Generator
+    ) -> tuple[list[int], torch.Tensor]:
+        """n bytes drawn one after another given the context and the bytes drafted before
+        each -> (the bytes, their laws (n, 256))."""
+        ...
 
 
 def verify_layout(context_len: int, drafted: int, device: torch.device | str = "cpu") -> ZLayout:
@@ -69,7 +82,7 @@ class SpeculativeLoop:
         prompt: torch.Tensor,
         n_bytes: int,
         *,
-        drafter: NgramDrafter,
+        drafter: Drafter,
         draft_len: int,
         seq_len: int,
         d_model: int,
@@ -124,7 +137,7 @@ def generate_speculative(
     prompt: torch.Tensor,
     n_bytes: int,
     *,
-    drafter: NgramDrafter,
+    drafter: Drafter,
     draft_len: int,
     grid: list[tuple[int, float]],
     targets: torch.Tensor,

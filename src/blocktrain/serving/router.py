@@ -26,9 +26,9 @@ from typing import cast
 import httpx
 import torch
 
+from blocktrain.data.ngram import NgramDrafter
 from blocktrain.errors import ConfigError
 from blocktrain.model import Sampling
-from blocktrain.model.drafter import NgramDrafter
 from blocktrain.serving.chain import (
     Chain,
     ChainStats,

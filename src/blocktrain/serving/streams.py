@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator
 
 import torch
 
+from blocktrain.data.ngram import NgramDrafter
 from blocktrain.model import Sampling
-from blocktrain.model.drafter import NgramDrafter
 from blocktrain.model.sampler import SpanLoop
 from blocktrain.model.speculative import SpeculativeLoop
 from blocktrain.serving.chain import Chain

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from blocktrain.data.ngram import NgramDrafter
 from blocktrain.model import (
     BlockStack,
     Reference,
@@ -32,7 +33,6 @@ from blocktrain.model import (
     generate_autoregressive,
     stack_denoiser,
 )
-from blocktrain.model.drafter import NgramDrafter
 from blocktrain.model.sampler import check_sampler
 from blocktrain.model.speculative import generate_speculative
 

@@ -8,7 +8,7 @@ the number of distinct bytes seen after h and N(h) = sum_y c(h, y),
 
     P(y | h) = (c(h, y) + T(h) * P(y | h')) / (N(h) + T(h)),   h' = h without its oldest byte,
 
-down to an add-one unigram. Pure math over a byte array: no I/O.
+down to an add-one unigram. Built from a byte array (a split's `ByteSource.read()`); no I/O.
 """
 
 from __future__ import annotations
