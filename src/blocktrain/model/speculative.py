@@ -16,6 +16,7 @@ decides how many bytes one traversal yields: (1 - a^(D+1)) / (1 - a) for accepta
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -65,15 +66,17 @@ def accept_draft(
 
 
 class SpeculativeLoop:
-    """The bookkeeping of speculative generation for one sequence, shared by
-    `generate_speculative` (blocks in this process) and the router (blocks on the hosts), so
-    that both draw the same numbers in the same order: the draft, then the noise of the D + 1
-    z tokens, then the verify sweep (which may draw too), then the acceptance draws.
+    """The bookkeeping of speculative generation for one sequence, shared by the in-process
+    loops and the router's, so that all draw the same numbers in the same order: the draft, then
+    (for a one-sweep model) the noise of the D + 1 z tokens, then the verify pass (a sweep may
+    draw too), then the acceptance draws. The verifier may be a K = 1 BlockTrain stack or an
+    autoregressive model: the rule is the same.
 
         loop = SpeculativeLoop(prompt, n, ...)
         while not loop.done:
-            x, z, context_len = loop.next_input()
-            logits = ...one sweep of (x, z) in verify_layout(context_len, D)...  # (1, D + 1, 256)
+            draft = loop.next_draft()
+            x, z, context_len = loop.sweep_input(draft, d_model, sigma_max)   # one-sweep model
+            logits = ...the verifier's logits at the D + 1 positions...      # (1, D + 1, 256)
             emitted = loop.push(logits)
     """
 
@@ -85,8 +88,6 @@ class SpeculativeLoop:
         drafter: Drafter,
         draft_len: int,
         seq_len: int,
-        d_model: int,
-        sigma_max: float,
         sampling: Sampling,
         generator: torch.Generator,
     ) -> None:
@@ -94,10 +95,9 @@ class SpeculativeLoop:
             raise ValueError("speculative generation takes one prompt of at least one byte")
         if not 0 <= draft_len <= seq_len - 2:
             raise ValueError(f"draft_len = {draft_len} must lie in 0..T - 2 = {seq_len - 2}")
-        self.context = prompt[0].tolist()
+        self.context: list[int] = prompt[0].tolist()
         self.n_bytes, self.draft_len, self.seq_len = n_bytes, draft_len, seq_len
-        self.drafter, self.d_model, self.sigma_max = drafter, d_model, sigma_max
-        self.sampling, self.generator = sampling, generator
+        self.drafter, self.sampling, self.generator = drafter, sampling, generator
         self.produced = self.traversals = self.drafted = self.accepted = 0
         self._pending: tuple[list[int], torch.Tensor] | None = None
 
@@ -105,20 +105,27 @@ class SpeculativeLoop:
     def done(self) -> bool:
         return self.produced >= self.n_bytes
 
-    def next_input(self) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """-> (x (1, P + D) the context's last T - 1 - D bytes then the draft, z (1, D + 1, d)
-        fp32 at sigma_max, P)."""
-        drafted = min(self.draft_len, self.n_bytes - self.produced - 1)  # none past the end
-        context = self.context[-(self.seq_len - 1 - drafted) :]
+    def next_draft(self) -> list[int]:
+        """The next D bytes drafted after the context (none past the bytes still wanted)."""
+        drafted = min(self.draft_len, self.n_bytes - self.produced - 1)
         draft, laws = self.drafter.draft(self.context, drafted, self.generator)
-        noise = torch.randn(1, drafted + 1, self.d_model, generator=self.generator)
         self._pending = (draft, laws)
+        return draft
+
+    def sweep_input(
+        self, draft: list[int], d_model: int, sigma_max: float
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """A one-sweep verifier's input -> (x (1, P + D): the context's last T - 1 - D bytes then
+        the draft, z (1, D + 1, d) fp32 at sigma_max, P)."""
+        context = self.context[-(self.seq_len - 1 - len(draft)) :]
+        noise = torch.randn(1, len(draft) + 1, d_model, generator=self.generator)
         x = torch.tensor([context + draft], dtype=torch.long)
-        return x, self.sigma_max * noise, len(context)
+        return x, sigma_max * noise, len(context)
 
     def push(self, logits: torch.Tensor) -> torch.Tensor:
-        """The verify sweep's final logits (1, D + 1, 256) -> the emitted bytes (1, m)."""
-        assert self._pending is not None, "push follows next_input"
+        """The verifier's logits at the D + 1 positions (1, D + 1, 256) -> the emitted bytes
+        (1, m), 1 <= m <= D + 1."""
+        assert self._pending is not None, "push follows next_draft"
         draft, laws = self._pending
         self._pending = None
         probs = sampling_probs(logits[0].cpu(), self.sampling)
@@ -154,14 +161,13 @@ def generate_speculative(
         drafter=drafter,
         draft_len=draft_len,
         seq_len=seq_len,
-        d_model=targets.shape[1],
-        sigma_max=grid[0][1],
         sampling=sampling,
         generator=generator,
     )
     out = []
     while not loop.done:
-        x, z, context_len = loop.next_input()
+        draft = loop.next_draft()
+        x, z, context_len = loop.sweep_input(draft, targets.shape[1], grid[0][1])
         layout = verify_layout(context_len, x.shape[1] - context_len, device=targets.device)
         logits = one_sweep(
             denoise,
@@ -174,4 +180,36 @@ def generate_speculative(
             generator=generator,
         )
         out.append(loop.push(logits))
+    return torch.cat(out, dim=1), loop
+
+
+@torch.no_grad()
+def generate_autoregressive_speculative(
+    model: Callable[[torch.Tensor], torch.Tensor],
+    prompt: torch.Tensor,
+    n_bytes: int,
+    *,
+    drafter: Drafter,
+    draft_len: int,
+    seq_len: int,
+    sampling: Sampling,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, SpeculativeLoop]:
+    """The same with an autoregressive verifier `model(x (1, L)) -> logits (1, L, 256)`: one
+    pass over the context's last T - D bytes and the draft scores the D + 1 positions."""
+    loop = SpeculativeLoop(
+        prompt,
+        n_bytes,
+        drafter=drafter,
+        draft_len=draft_len,
+        seq_len=seq_len,
+        sampling=sampling,
+        generator=generator,
+    )
+    device = prompt.device
+    out = []
+    while not loop.done:
+        draft = loop.next_draft()
+        x = torch.tensor([loop.context[-(seq_len - len(draft)) :] + draft], device=device)
+        out.append(loop.push(model(x)[:, -(len(draft) + 1) :]))
     return torch.cat(out, dim=1), loop

@@ -337,6 +337,29 @@ class Chain:
             tensors["generator"] = generator.get_state()
         return self._finish(await self._send("/v1/stage", tensors, header), sampling, generator)
 
+    async def stage_verify(
+        self, tokens: torch.Tensor, *, session: str, pos: int, close: bool, drafted: int
+    ) -> torch.Tensor:
+        """tokens (1, L) at positions pos.., the last `drafted` a draft -> the logits of the
+        last drafted + 1 positions (1, drafted + 1, 256); the router applies the rule."""
+        header = StageHeader(
+            model=self.model.name,
+            fingerprint=self.model.fingerprint,
+            route=self.model.route[1:],
+            final="logits",
+            wire_dtype=self.wire_dtype,
+            stage=0,
+            session=session,
+            pos=pos,
+            close=close,
+            verify=drafted,
+        )
+        out = await self._send("/v1/stage", {"x": bytes_tensor(tokens)}, header)
+        if "logits" not in out:
+            raise HostRefused("the last host answered no logits", host=self.model.route[-1])
+        logits = out["logits"]
+        return logits if drafted else logits[:, None]
+
 
 def unavailable_error(name: str, reason: str) -> HostUnavailable:
     return HostUnavailable(f"model {name!r} cannot be served right now: {reason}")

@@ -343,6 +343,11 @@ class BlockHost:
                 f"model's context of {cfg.seq_len}",
                 param="pos",
             )
+        if header.verify and (header.verify >= length or header.final != "logits"):
+            raise BadRequest(
+                f"verify = {header.verify} needs more than that many tokens and final = logits",
+                param="verify",
+            )
         gen, sampling = self._generator(tensors, header)
         run = functools.partial(self._run_stages, model, header, inp, gen, sampling)
         h, stage, done, visited, seconds = await anyio.to_thread.run_sync(run)
@@ -380,6 +385,8 @@ class BlockHost:
                 stage += 1
             if header.close:
                 self.sessions.close(model.name, header.session, visited)
-            last = stage == model.total
-            final = self._final(h[:, -1], header.final, gen, sampling) if last else None
-            return h, stage, final, visited, time.perf_counter() - t0  # final: logits (N, 256)
+            final = None
+            if stage == model.total:  # logits (N, 256), or (N, D + 1, 256) to verify a draft
+                out = h[:, -(header.verify + 1) :] if header.verify else h[:, -1]
+                final = self._final(out, header.final, gen, sampling)
+            return h, stage, final, visited, time.perf_counter() - t0

@@ -43,6 +43,7 @@ from blocktrain.serving.schemas import (
     Prompt,
 )
 from blocktrain.serving.streams import (
+    autoregressive_speculative_stream,
     autoregressive_stream,
     one_sweep_stream,
     speculative_stream,
@@ -195,9 +196,10 @@ class Router:
         why = None
         if self.settings.drafter is None:
             why = "this router has no drafter (start `blocktrain serve` with --draft-corpus)"
-        elif model.kind != "blocktrain" or model.config.model.span != 1:
+        elif model.kind == "blocktrain" and model.config.model.span != 1:
             why = (
-                f"speculative drafting verifies with a K = 1 one-sweep model; {model.name!r} is not"
+                "speculative drafting verifies with a K = 1 one-sweep model or an "
+                f"autoregressive one; {model.name!r} has K = {model.config.model.span}"
             )
         elif draft_bytes > min(self.settings.max_draft_bytes, model.config.model.seq_len - 2):
             limit = min(self.settings.max_draft_bytes, model.config.model.seq_len - 2)
@@ -216,6 +218,17 @@ class Router:
         )
         prompt = torch.tensor([list(job.prompt)], dtype=torch.long)
         gen = torch.Generator().manual_seed(job.seed)
+        if job.draft_bytes and job.model.kind == "reference":
+            assert self.settings.drafter is not None  # checked when the job was made
+            return autoregressive_speculative_stream(
+                chain,
+                prompt,
+                job.n_bytes,
+                drafter=self.settings.drafter,
+                draft_len=job.draft_bytes,
+                sampling=job.sampling,
+                generator=gen,
+            )
         if job.draft_bytes:
             assert self.settings.drafter is not None  # checked when the job was made
             return speculative_stream(

@@ -29,7 +29,9 @@ class SessionStore:
 
     def open(self, model: str, session: str, stage: int, pos: int) -> KVCache:
         """The cache of `stage` for a step at position `pos`: a fresh one at pos 0, else the one
-        left by the previous step, which must hold exactly `pos` positions."""
+        left by the previous step, which must hold at least `pos` positions. A cache that holds
+        more is cut back to `pos`: the positions past it held drafted bytes that the router's
+        verification rejected (speculative decoding)."""
         now = self.clock()
         for key in [k for k, s in self._items.items() if now - s.touched > self.ttl_s]:
             del self._items[key]
@@ -44,11 +46,13 @@ class SessionStore:
                 f"no KV cache for session {session} (stage {stage}): the host "
                 "restarted or dropped it; prefill again from position 0"
             )
-        elif entry.caches[stage].length != pos:
+        elif entry.caches[stage].length < pos:
             raise SessionLost(
                 f"session {session} stage {stage} holds "
                 f"{entry.caches[stage].length} positions, the step says {pos}"
             )
+        else:
+            entry.caches[stage].truncate(pos)
         entry.touched = now
         self._items.move_to_end(key)
         while len(self._items) > self.max_sessions:

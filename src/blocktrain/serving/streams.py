@@ -84,13 +84,12 @@ async def speculative_stream(
         drafter=drafter,
         draft_len=draft_len,
         seq_len=cfg.seq_len,
-        d_model=cfg.d_model,
-        sigma_max=cfg.sigma_max,
         sampling=sampling,
         generator=generator,
     )
     while not loop.done:
-        x, z, context_len = loop.next_input()
+        draft = loop.next_draft()
+        x, z, context_len = loop.sweep_input(draft, cfg.d_model, cfg.sigma_max)
         logits = await chain.verify(
             x,
             z,
@@ -116,7 +115,8 @@ async def autoregressive_stream(
     The stages' caches hold at most T positions. The first step prefills the last T bytes of
     the prompt; when the caches are full the window restarts from the last T/2 bytes (so the
     context seen is between T/2 and T bytes, where `generate_autoregressive` always sees T). A
-    stage that lost its cache (its host restarted) makes the router prefill again."""
+    stage that lost its cache (its host restarted) makes the router prefill again. A restart
+    keeps the session's name: a step at position 0 replaces its caches on every host."""
     if prompt.shape[1] == 0:
         raise ValueError("the prompt must hold at least one byte")
     window = chain.model.config.model.seq_len
@@ -125,7 +125,7 @@ async def autoregressive_stream(
     pending = context[:, -window:]
     for i in range(n_bytes):
         if pos + pending.shape[1] > window:
-            session, pos, pending = uuid.uuid4().hex, 0, context[:, -(window // 2) :]
+            pos, pending = 0, context[:, -(window // 2) :]
         try:
             new = await chain.stage_step(
                 pending,
@@ -137,7 +137,7 @@ async def autoregressive_stream(
             )
         except SessionLost as exc:
             log.info("prefilling again: %s", exc)
-            session, pos, pending = uuid.uuid4().hex, 0, context[:, -(window // 2) :]
+            pos, pending = 0, context[:, -(window // 2) :]
             new = await chain.stage_step(
                 pending,
                 session=session,
@@ -150,3 +150,55 @@ async def autoregressive_stream(
         pending = new[:, None]
         context = torch.cat((context, pending), dim=1)
         yield pending
+
+
+async def autoregressive_speculative_stream(
+    chain: Chain,
+    prompt: torch.Tensor,
+    n_bytes: int,
+    *,
+    drafter: NgramDrafter,
+    draft_len: int,
+    sampling: Sampling,
+    generator: torch.Generator,
+) -> AsyncIterator[torch.Tensor]:
+    """The autoregressive pipeline with the same drafter, so the comparison stays fair: each
+    traversal sends the bytes not yet cached plus a draft of D, the last stage answers the
+    logits of the D + 1 last positions, and the hosts cut their caches back past the accepted
+    bytes at the next step. The law of the text is the reference's own."""
+    window = chain.model.config.model.seq_len
+    loop = SpeculativeLoop(
+        prompt,
+        n_bytes,
+        drafter=drafter,
+        draft_len=draft_len,
+        seq_len=window,
+        sampling=sampling,
+        generator=generator,
+    )
+    session, pos = uuid.uuid4().hex, 0
+    pending = loop.context[-window:]
+    while not loop.done:
+        draft = loop.next_draft()
+        if pos + len(pending) + len(draft) > window:
+            pos, pending = 0, loop.context[-(window // 2) :]
+        last = len(draft) == loop.n_bytes - loop.produced - 1  # emits everything wanted, at best
+        tokens = torch.tensor([pending + draft])
+        try:
+            logits = await chain.stage_verify(
+                tokens, session=session, pos=pos, close=last, drafted=len(draft)
+            )
+        except SessionLost as exc:
+            log.info("prefilling again: %s", exc)
+            pos, pending = 0, loop.context[-(window // 2) :]
+            tokens = torch.tensor([pending + draft])
+            logits = await chain.stage_verify(
+                tokens, session=session, pos=pos, close=last, drafted=len(draft)
+            )
+        new = loop.push(logits)
+        if last:  # closed: a further step (fewer bytes accepted) opens a fresh session
+            pos, pending = 0, loop.context[-(window // 2) :]
+        else:  # cached: the pending bytes and the accepted drafts; the last byte is not yet
+            pos += len(pending) + new.shape[1] - 1
+            pending = new[0, -1:].tolist()
+        yield new

@@ -77,7 +77,7 @@ class SweepHeader(_Header):
     steps_per_block: int = Field(1, ge=1, le=64)
     sampler: str = "euler"
     """The step between grid points (model.sampler.SAMPLERS)."""
-    drafted: int = Field(0, ge=0, le=62)
+    drafted: int = Field(default=0, ge=0, le=62)
     """A verify sweep (model.speculative): the last `drafted` bytes of x are a draft, and z
     holds drafted + 1 tokens, one per position after the context (K = 1 models; the last host
     answers logits (N, drafted + 1, 256)). 0: an ordinary sweep of one span."""
@@ -97,6 +97,9 @@ class StageHeader(_Header):
     """How many positions the stage caches already hold (0 starts a fresh cache)."""
     close: bool = False
     """Drop the caches after this step (the generation's last byte)."""
+    verify: int = Field(default=0, ge=0, le=62)
+    """The last `verify` tokens are a draft (speculative decoding): the last stage answers the
+    logits of the last verify + 1 positions, (N, verify + 1, 256). 0: the last position's."""
 
 
 class TraceEntry(BaseModel):
