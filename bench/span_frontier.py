@@ -155,15 +155,23 @@ def main() -> None:
                     }
                 )
     drafts = ints(args.drafts) if args.drafts and 1 in spans else []
-    for d in drafts:
-        fields = {"sampler": "euler", "steps_per_block": 1, "draft_bytes": d}
+    for d in drafts:  # the same drafter for the AR pipeline, so the comparison stays fair
+        rows_spec.append(
+            {
+                "method": "ar-spec",
+                "span": 1,
+                "steps_per_block": 0,
+                "run": "ar",
+                "fields": {"draft_bytes": d},
+            }
+        )
         rows_spec.append(
             {
                 "method": "blocktrain-spec-euler",
                 "span": 1,
                 "steps_per_block": 1,
                 "run": "k1",
-                "fields": fields,
+                "fields": {"sampler": "euler", "steps_per_block": 1, "draft_bytes": d},
             }
         )
     data_path = resolve_data_path(None)

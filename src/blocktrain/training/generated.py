@@ -34,7 +34,7 @@ from blocktrain.model import (
     stack_denoiser,
 )
 from blocktrain.model.sampler import check_sampler
-from blocktrain.model.speculative import generate_speculative
+from blocktrain.model.speculative import generate_autoregressive_speculative, generate_speculative
 
 
 @dataclass(frozen=True)
@@ -130,26 +130,14 @@ def continue_prompts(
     else:
         device = model.targets.device
     if settings.draft_bytes:
-        if drafter is None or not isinstance(model, BlockStack) or model.cfg.span != 1:
-            raise ValueError("speculative continuations need a drafter and a K = 1 model")
-        grid = SigmaSchedule.from_config(model.cfg).sampler_grid(settings.steps_per_block)
-        rows = [
-            generate_speculative(
-                stack_denoiser(model),
-                prompts[i : i + 1].to(device),
-                n,
-                drafter=drafter,
-                draft_len=settings.draft_bytes,
-                grid=grid,
-                targets=model.targets,
-                seq_len=model.cfg.seq_len,
-                sampling=sampling,
-                generator=gen,
-                method=settings.sampler,
-            )[0].cpu()
-            for i in range(prompts.shape[0])
-        ]
-        return torch.cat(rows)
+        if drafter is None:
+            raise ValueError("speculative continuations need a drafter")
+        return torch.cat(
+            [
+                _speculative(model, prompts[i : i + 1].to(device), settings, drafter, gen)
+                for i in range(prompts.shape[0])
+            ]
+        )
     out = []
     for start in range(0, prompts.shape[0], settings.batch_size):
         batch = prompts[start : start + settings.batch_size].to(device)
@@ -171,6 +159,46 @@ def continue_prompts(
             )
         out.append(new.cpu())
     return torch.cat(out)
+
+
+def _speculative(
+    model: BlockStack | Reference,
+    prompt: torch.Tensor,
+    settings: GenSettings,
+    drafter: NgramDrafter,
+    gen: torch.Generator,
+) -> torch.Tensor:
+    """One prompt (1, Lp) continued by drafting and verifying: (1, Lc) on the CPU."""
+    sampling = Sampling(temperature=settings.temperature)
+    n, d, t = settings.continuation_bytes, settings.draft_bytes, model.cfg.seq_len
+    if isinstance(model, Reference):
+        out, _ = generate_autoregressive_speculative(
+            model,
+            prompt,
+            n,
+            drafter=drafter,
+            draft_len=d,
+            seq_len=t,
+            sampling=sampling,
+            generator=gen,
+        )
+        return out.cpu()
+    if model.cfg.span != 1:
+        raise ValueError("speculative continuations verify with a K = 1 model")
+    out, _ = generate_speculative(
+        stack_denoiser(model),
+        prompt,
+        n,
+        drafter=drafter,
+        draft_len=d,
+        grid=SigmaSchedule.from_config(model.cfg).sampler_grid(settings.steps_per_block),
+        targets=model.targets,
+        seq_len=t,
+        sampling=sampling,
+        generator=gen,
+        method=settings.sampler,
+    )
+    return out.cpu()
 
 
 def judge_continuations(
