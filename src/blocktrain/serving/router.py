@@ -29,6 +29,7 @@ import torch
 from blocktrain.data.ngram import NgramDrafter
 from blocktrain.errors import ConfigError
 from blocktrain.model import Sampling
+from blocktrain.model.speculative import SpeculativeLoop
 from blocktrain.serving.chain import (
     Chain,
     ChainStats,
@@ -218,29 +219,21 @@ class Router:
         )
         prompt = torch.tensor([list(job.prompt)], dtype=torch.long)
         gen = torch.Generator().manual_seed(job.seed)
-        if job.draft_bytes and job.model.kind == "reference":
+        if job.draft_bytes:
             assert self.settings.drafter is not None  # checked when the job was made
-            return autoregressive_speculative_stream(
-                chain,
+            loop = SpeculativeLoop(
                 prompt,
                 job.n_bytes,
                 drafter=self.settings.drafter,
                 draft_len=job.draft_bytes,
+                seq_len=job.model.config.model.seq_len,
                 sampling=job.sampling,
                 generator=gen,
             )
-        if job.draft_bytes:
-            assert self.settings.drafter is not None  # checked when the job was made
+            if job.model.kind == "reference":
+                return autoregressive_speculative_stream(chain, loop)
             return speculative_stream(
-                chain,
-                prompt,
-                job.n_bytes,
-                drafter=self.settings.drafter,
-                draft_len=job.draft_bytes,
-                sampling=job.sampling,
-                generator=gen,
-                steps_per_block=job.steps_per_block,
-                sampler=job.sampler,
+                chain, loop, steps_per_block=job.steps_per_block, sampler=job.sampler
             )
         if job.model.kind == "blocktrain":
             return one_sweep_stream(

@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator
 
 import torch
 
-from blocktrain.data.ngram import NgramDrafter
 from blocktrain.model import Sampling
 from blocktrain.model.sampler import SpanLoop
 from blocktrain.model.speculative import SpeculativeLoop
@@ -63,41 +62,23 @@ async def one_sweep_stream(
 
 
 async def speculative_stream(
-    chain: Chain,
-    prompt: torch.Tensor,
-    n_bytes: int,
-    *,
-    drafter: NgramDrafter,
-    draft_len: int,
-    sampling: Sampling,
-    generator: torch.Generator,
-    steps_per_block: int = 1,
-    sampler: str = "euler",
+    chain: Chain, loop: SpeculativeLoop, *, steps_per_block: int = 1, sampler: str = "euler"
 ) -> AsyncIterator[torch.Tensor]:
-    """Continue prompt (1, Lp) by n_bytes with a K = 1 model: each traversal verifies
-    draft_len bytes drafted on the router and yields the 1..draft_len + 1 bytes it emits. The
-    same loop (model.speculative.SpeculativeLoop) as model.speculative.generate_speculative."""
+    """Run `loop` (one prompt, its drafter) with the chain's K = 1 model as the verifier: each
+    traversal verifies the bytes drafted on the router and yields the 1..D + 1 it emits. The
+    same loop as model.speculative.generate_speculative."""
     cfg = chain.model.config.model
-    loop = SpeculativeLoop(
-        prompt,
-        n_bytes,
-        drafter=drafter,
-        draft_len=draft_len,
-        seq_len=cfg.seq_len,
-        sampling=sampling,
-        generator=generator,
-    )
     while not loop.done:
         draft = loop.next_draft()
-        x, z, context_len = loop.sweep_input(draft, cfg.d_model, cfg.sigma_max)
+        x, z, _ = loop.sweep_input(draft, cfg.d_model, cfg.sigma_max)
         logits = await chain.verify(
             x,
             z,
-            drafted=x.shape[1] - context_len,
+            drafted=len(draft),
             steps_per_block=steps_per_block,
             sampler=sampler,
-            sampling=sampling,
-            generator=generator,
+            sampling=loop.sampling,
+            generator=loop.generator,
         )
         yield loop.push(logits)
 
@@ -153,29 +134,14 @@ async def autoregressive_stream(
 
 
 async def autoregressive_speculative_stream(
-    chain: Chain,
-    prompt: torch.Tensor,
-    n_bytes: int,
-    *,
-    drafter: NgramDrafter,
-    draft_len: int,
-    sampling: Sampling,
-    generator: torch.Generator,
+    chain: Chain, loop: SpeculativeLoop
 ) -> AsyncIterator[torch.Tensor]:
-    """The autoregressive pipeline with the same drafter, so the comparison stays fair: each
-    traversal sends the bytes not yet cached plus a draft of D, the last stage answers the
-    logits of the D + 1 last positions, and the hosts cut their caches back past the accepted
-    bytes at the next step. The law of the text is the reference's own."""
+    """Run `loop` with the autoregressive pipeline as the verifier, so that it gets the same
+    drafter and the comparison stays fair: each traversal sends the bytes not yet cached plus a
+    draft of D, the last stage answers the logits of the D + 1 last positions, and the hosts
+    cut their caches back past the accepted bytes at the next step. The law of the text is the
+    reference's own."""
     window = chain.model.config.model.seq_len
-    loop = SpeculativeLoop(
-        prompt,
-        n_bytes,
-        drafter=drafter,
-        draft_len=draft_len,
-        seq_len=window,
-        sampling=sampling,
-        generator=generator,
-    )
     session, pos = uuid.uuid4().hex, 0
     pending = loop.context[-window:]
     while not loop.done:
