@@ -43,6 +43,11 @@ from serving import chain, measure  # bench/serving.py
 BLOCKTRAIN = [sys.executable, "-m", "blocktrain.cli.main"]
 WORK = ROOT / "benchmarks" / "work" / "span_frontier"
 OUT_JSON = "span_frontier.json"
+# Training recipes for the span models, as `--set` overrides of the preset (K > 1 only).
+# default: today's defaults (sigma in [1, 10]). lowsigma: span-research.md R3's first test, a
+# trajectory that crosses the window where the noisy state decides a byte (sigma ~ 0.7 to 0.15),
+# so that more steps per block can couple the bytes of a span.
+RECIPES: dict[str, list[str]] = {"default": [], "lowsigma": ["sigma_min=0.1"]}
 
 
 def blocktrain(argv: list[str]) -> None:
@@ -102,6 +107,7 @@ def main() -> None:
     p.add_argument("--spans", default="1,4,16", help="span K of the BlockTrain models")
     p.add_argument("--steps-per-block", default="1,4,16", help="S values for K > 1")
     p.add_argument("--samplers", default="euler,ancestral", help="sampler steps compared")
+    p.add_argument("--recipes", default="default,lowsigma", help=f"of {', '.join(RECIPES)}")
     p.add_argument("--judge-steps", type=int, default=3000, help="training steps of the judge")
     p.add_argument("--hops", default="0,10,50", help="emulated one-way ms per hop")
     p.add_argument("--drafts", default="4,8", help="draft_bytes of the speculative K = 1 rows")
@@ -117,6 +123,9 @@ def main() -> None:
     if args.report:
         report(json.loads((ROOT / "benchmarks" / "results" / OUT_JSON).read_text()))
         return
+    unknown = set(args.recipes.split(",")) - set(RECIPES)
+    if unknown:
+        p.error(f"unknown recipe(s) {sorted(unknown)}; choose from {', '.join(RECIPES)}")
     torch.set_num_threads(args.threads)
     ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
     spans, steps, hops = ints(args.spans), ints(args.steps_per_block), ints(args.hops)
@@ -128,8 +137,13 @@ def main() -> None:
         ["--preset", "judge", "--reference", "--steps", str(args.judge_steps)],
     )
     runs = {"ar": trained(work / "ref", ["--preset", args.preset, "--reference"])}
-    for k in spans:
-        runs[f"k{k}"] = trained(work / f"k{k}", ["--preset", args.preset, "--set", f"span={k}"])
+    span_runs: dict[str, tuple[int, str]] = {}  # run name -> (K, recipe)
+    for recipe in args.recipes.split(","):
+        for k in spans if recipe == "default" else [k for k in spans if k > 1]:
+            name = f"k{k}" if recipe == "default" else f"k{k}-{recipe}"
+            sets = [f"span={k}", *RECIPES[recipe]]
+            runs[name] = trained(work / name, ["--preset", args.preset, "--set", *sets])
+            span_runs[name] = (k, recipe)
 
     _, judge = load_model(judge_dir)
     assert isinstance(judge, Reference)
@@ -141,17 +155,17 @@ def main() -> None:
     rows_spec: list[dict[str, Any]] = [
         {"method": "ar", "span": 1, "steps_per_block": 0, "run": "ar", "fields": {}}
     ]
-    for k in spans:
+    for name, (k, recipe) in span_runs.items():
+        prefix = "blocktrain" if recipe == "default" else f"blocktrain-{recipe}"
         for sampler in samplers:
-            for s in [1] if k == 1 and sampler == "euler" else steps:
-                fields = {"sampler": sampler, "steps_per_block": s}
+            for s in [1] if k == 1 else steps:  # at K = 1 more steps change nothing in [1, 10]
                 rows_spec.append(
                     {
-                        "method": f"blocktrain-{sampler}",
+                        "method": f"{prefix}-{sampler}",
                         "span": k,
                         "steps_per_block": s,
-                        "run": f"k{k}",
-                        "fields": fields,
+                        "run": name,
+                        "fields": {"sampler": sampler, "steps_per_block": s},
                     }
                 )
     drafts = ints(args.drafts) if args.drafts and 1 in spans else []
