@@ -107,26 +107,22 @@ async def autoregressive_stream(
     for i in range(n_bytes):
         if pos + pending.shape[1] > window:
             pos, pending = 0, context[:, -(window // 2) :]
-        try:
-            new = await chain.stage_step(
-                pending,
-                session=session,
-                pos=pos,
-                close=i == n_bytes - 1,
-                sampling=sampling,
-                generator=generator,
-            )
-        except SessionLost as exc:
-            log.info("prefilling again: %s", exc)
-            pos, pending = 0, context[:, -(window // 2) :]
-            new = await chain.stage_step(
-                pending,
-                session=session,
-                pos=pos,
-                close=i == n_bytes - 1,
-                sampling=sampling,
-                generator=generator,
-            )
+        for attempt in (0, 1):  # once more from a fresh prefill if a host lost its cache
+            try:
+                new = await chain.stage_step(
+                    pending,
+                    session=session,
+                    pos=pos,
+                    close=i == n_bytes - 1,
+                    sampling=sampling,
+                    generator=generator,
+                )
+                break
+            except SessionLost as exc:
+                if attempt:
+                    raise
+                log.info("prefilling again: %s", exc)
+                pos, pending = 0, context[:, -(window // 2) :]
         pos += pending.shape[1]
         pending = new[:, None]
         context = torch.cat((context, pending), dim=1)
@@ -149,18 +145,21 @@ async def autoregressive_speculative_stream(
         if pos + len(pending) + len(draft) > window:
             pos, pending = 0, loop.context[-(window // 2) :]
         last = len(draft) == loop.n_bytes - loop.produced - 1  # emits everything wanted, at best
-        tokens = torch.tensor([pending + draft])
-        try:
-            logits = await chain.stage_verify(
-                tokens, session=session, pos=pos, close=last, drafted=len(draft)
-            )
-        except SessionLost as exc:
-            log.info("prefilling again: %s", exc)
-            pos, pending = 0, loop.context[-(window // 2) :]
-            tokens = torch.tensor([pending + draft])
-            logits = await chain.stage_verify(
-                tokens, session=session, pos=pos, close=last, drafted=len(draft)
-            )
+        for attempt in (0, 1):  # once more from a fresh prefill if a host lost its cache
+            try:
+                logits = await chain.stage_verify(
+                    torch.tensor([pending + draft]),
+                    session=session,
+                    pos=pos,
+                    close=last,
+                    drafted=len(draft),
+                )
+                break
+            except SessionLost as exc:
+                if attempt:
+                    raise
+                log.info("prefilling again: %s", exc)
+                pos, pending = 0, loop.context[-(window // 2) :]
         new = loop.push(logits)
         if last:  # closed: a further step (fewer bytes accepted) opens a fresh session
             pos, pending = 0, loop.context[-(window // 2) :]
