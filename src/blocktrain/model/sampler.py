@@ -58,6 +58,12 @@ SAMPLERS = ("euler", "ancestral")
 (re-noise from a sampled byte; draws from the generator)."""
 
 
+DEFAULT_SAMPLER = "euler"
+DEFAULT_STEPS_PER_BLOCK = 1
+# The recipe that generation (`blocktrain generate`, the router) and evaluation use when none is
+# named: the best measured one (BENCHMARKS.md, "Span generation: speed and quality").
+
+
 def check_sampler(method: str) -> str:
     if method not in SAMPLERS:
         raise ValueError(f"unknown sampler {method!r}; choose one of {', '.join(SAMPLERS)}")

@@ -32,20 +32,20 @@ import torch
 import torch.nn.functional as F
 
 from blocktrain.model import BlockStack, Reference, SigmaSchedule, ZLayout, one_sweep
-from blocktrain.model.sampler import stack_denoiser
+from blocktrain.model.sampler import DEFAULT_SAMPLER, DEFAULT_STEPS_PER_BLOCK, stack_denoiser
 
 
 @dataclass(frozen=True)
 class EvalSettings:
     sweeps: int = 16
     """M, the number of independent sweeps for the sampler CE."""
-    steps_per_block: int = 1
+    steps_per_block: int = DEFAULT_STEPS_PER_BLOCK
     """Sampler grid points per block."""
     seed: int = 0
     """Seeds the initial noise and the oracle's sigmas."""
     batch_size: int = 16
     """Windows per forward pass."""
-    sampler: str = "euler"
+    sampler: str = DEFAULT_SAMPLER
     """The sampler's step: "euler" (DESIGN.md 2.6) or "ancestral" (re-noise from a sample)."""
     oracle: bool = True
     """Also measure each block's oracle CE (one more forward per block; per-round curves that

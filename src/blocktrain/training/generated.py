@@ -33,7 +33,7 @@ from blocktrain.model import (
     generate_autoregressive,
     stack_denoiser,
 )
-from blocktrain.model.sampler import check_sampler
+from blocktrain.model.sampler import DEFAULT_SAMPLER, DEFAULT_STEPS_PER_BLOCK, check_sampler
 from blocktrain.model.speculative import generate_autoregressive_speculative, generate_speculative
 
 
@@ -49,9 +49,9 @@ class GenSettings:
     """Bytes generated per prompt (and real bytes the floor is measured on)."""
     temperature: float = 1.0
     """Sampling temperature of the compared models (1: their own distribution)."""
-    steps_per_block: int = 1
+    steps_per_block: int = DEFAULT_STEPS_PER_BLOCK
     """Sampler grid points per block (BlockTrain models)."""
-    sampler: str = "euler"
+    sampler: str = DEFAULT_SAMPLER
     """The sampler's step between grid points (BlockTrain models)."""
     draft_bytes: int = 0
     """Speculative generation (K = 1 BlockTrain models): bytes drafted per verify sweep by the
