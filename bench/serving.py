@@ -81,8 +81,11 @@ def _wait(url: str, procs: list[subprocess.Popen], timeout_s: float = 180) -> No
 
 
 @contextlib.contextmanager
-def chain(models: dict[str, Path], hop_ms: float, threads: int) -> Iterator[str]:
-    """3 host processes and a router process; yields the router's URL."""
+def chain(
+    models: dict[str, Path], hop_ms: float, threads: int, router_args: tuple[str, ...] = ()
+) -> Iterator[str]:
+    """3 host processes and a router process (`router_args` added to its command line); yields
+    the router's URL."""
     cli = [sys.executable, "-m", "blocktrain.cli.main"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     ports = [_free_port() for _ in range(HOSTS + 1)]
@@ -120,6 +123,7 @@ def chain(models: dict[str, Path], hop_ms: float, threads: int) -> Iterator[str]
                     str(ports[-1]),
                     "--hop-ms",
                     str(hop_ms),
+                    *router_args,
                 ],
                 env={**env, "OMP_NUM_THREADS": "1"},
                 stdout=subprocess.DEVNULL,
@@ -138,11 +142,25 @@ def chain(models: dict[str, Path], hop_ms: float, threads: int) -> Iterator[str]
                 p.kill()
 
 
-def timed(client: httpx.Client, router: str, model: str, n: int, seed: int) -> dict[str, Any]:
+def timed(
+    client: httpx.Client,
+    router: str,
+    model: str,
+    n: int,
+    seed: int,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One request of n bytes; `extra` adds request fields (steps_per_block, sampler)."""
     t0 = time.perf_counter()
     r = client.post(
         f"{router}/v1/generate",
-        json={"model": model, "prompt": PROMPT.decode(), "max_bytes": n, "seed": seed},
+        json={
+            "model": model,
+            "prompt": PROMPT.decode(),
+            "max_bytes": n,
+            "seed": seed,
+            **(extra or {}),
+        },
     )
     wall = time.perf_counter() - t0
     r.raise_for_status()
@@ -160,11 +178,18 @@ def timed(client: httpx.Client, router: str, model: str, n: int, seed: int) -> d
     }
 
 
-def measure(client: httpx.Client, router: str, model: str, n: int, repeats: int) -> dict[str, Any]:
+def measure(
+    client: httpx.Client,
+    router: str,
+    model: str,
+    n: int,
+    repeats: int,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Median over repeats (a single run once it takes over 20 s: the noise is small then)."""
-    runs = [timed(client, router, model, n, seed=0)]
+    runs = [timed(client, router, model, n, seed=0, extra=extra)]
     while len(runs) < repeats and runs[0]["seconds"] < 20:
-        runs.append(timed(client, router, model, n, seed=len(runs)))
+        runs.append(timed(client, router, model, n, seed=len(runs), extra=extra))
     mid = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
     return {**mid, "seconds": statistics.median(r["seconds"] for r in runs), "repeats": len(runs)}
 

@@ -288,7 +288,34 @@ def paper() -> RunConfig:
     )
 
 
-PRESETS: dict[str, typing.Callable[[], RunConfig]] = {"tiny": tiny, "small": small, "paper": paper}
+def judge() -> RunConfig:
+    """The fixed judge of generated text (DESIGN.md 2.8): train it with `--reference`. An
+    autoregressive byte model of the small width, 6 layers, T = 256 (a 128-byte prompt and its
+    128-byte continuation in one window), with its own seed so that it is trained apart from every
+    model it judges. About an hour on two CPU cores."""
+    return RunConfig(
+        preset="judge",
+        seed=1,
+        model=ModelConfig(d_model=256, n_heads=4, layers=6, blocks=3, seq_len=256, span=1),
+        train=TrainConfig(
+            steps=3000,
+            batch_size=16,
+            lr=1.5e-3,
+            warmup_steps=100,
+            eval_every=500,
+            eval_bytes=32768,
+            checkpoint_every=250,
+            log_every=50,
+        ),
+    )
+
+
+PRESETS: dict[str, typing.Callable[[], RunConfig]] = {
+    "tiny": tiny,
+    "small": small,
+    "paper": paper,
+    "judge": judge,
+}
 
 
 def preset(name: str) -> RunConfig:

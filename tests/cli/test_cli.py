@@ -176,6 +176,25 @@ def test_generate_takes_the_sampler_and_its_steps(capsys, trained):
     assert all(outs.values()), outs
 
 
+def test_eval_with_a_judge_reports_the_judged_continuations(capsys, tmp_path, trained, corpus):
+    judge = tmp_path / "judge"
+    args = ["--data", str(corpus), "--steps", "2", "--reference", *TINY, "--set", "seq_len=32"]
+    assert main(["train", "--out", str(judge), *args, "seed=1"]) == 0
+    capsys.readouterr()
+    base = ["eval", str(trained), "--data", str(corpus), "--bytes", "32", "--sweeps", "2"]
+    small = ["--prompts", "2", "--prompt-bytes", "10", "--gen-bytes", "6"]
+    assert main([*base, "--judge", str(judge), *small, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    gen = out["generated"]
+    assert {"gen_ce", "floor_ce", "entropy", "real_entropy", "samples"} <= set(gen)
+    assert gen["prompts"] == 2 and gen["continuation_bytes"] == 6
+    assert out["joint_ce"] > 0 and out["span"] == 1
+    assert main([*base, "--judge", str(judge), *small]) == 0
+    assert "judge CE" in capsys.readouterr().out
+    fails_cleanly(capsys, [*base, "--judge", str(trained)], "is not a reference")
+    fails_cleanly(capsys, [*base, "--judge", str(judge), "--gen-bytes", "0"], "--gen-bytes")
+
+
 def test_one_block_run_cannot_be_evaluated_as_a_model(capsys, tmp_path, corpus):
     run = tmp_path / "b1"
     assert (

@@ -4,6 +4,7 @@ hosts running in this process (httpx ASGI transports, no sockets)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ def one_torch_thread() -> Iterator[None]:
 class Runs:
     blocktrain: Path  # span K = 2, T = 16, 3 blocks of 1 layer
     reference: Path
+    next_byte: Path  # the same with span K = 1 (speculative drafting verifies with it)
 
 
 @pytest.fixture(scope="session")
@@ -55,9 +57,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     try:
         for kind in ("blocktrain", "reference"):
             Trainer.create(cfg, root / kind, train, None, kind=kind).run(progress=False)
+        k1 = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, span=1))
+        Trainer.create(k1, root / "k1", train, None, kind="blocktrain").run(progress=False)
     finally:
         torch.set_num_threads(before)
-    return Runs(root / "blocktrain", root / "reference")
+    return Runs(root / "blocktrain", root / "reference", root / "k1")
 
 
 class Apps(httpx.AsyncBaseTransport):
@@ -113,7 +117,11 @@ def start_cluster(
     urls = URLS[: len(parts)]
     for i, (url, held) in enumerate(zip(urls, parts, strict=True)):
         settings = HostSettings(
-            models=(ModelSource("bt", runs.blocktrain), ModelSource("ref", runs.reference)),
+            models=(
+                ModelSource("bt", runs.blocktrain),
+                ModelSource("ref", runs.reference),
+                ModelSource("bt1", runs.next_byte),
+            ),
             parts=held,
             public_url=url,
             next_url=urls[i + 1] if next_urls and i + 1 < len(urls) else None,

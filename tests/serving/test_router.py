@@ -76,7 +76,7 @@ def test_generate_reports_seed_traversals_and_timing(router):
 def test_models_lists_the_assembled_chains(router, cluster):
     data = router.get("/v1/models").json()["data"]
     by_id = {m["id"]: m for m in data}
-    assert set(by_id) == {"bt", "ref"}
+    assert set(by_id) == {"bt", "ref", "bt1"}
     assert by_id["bt"]["kind"] == "blocktrain" and by_id["bt"]["span"] == 2
     assert by_id["ref"]["kind"] == "reference" and by_id["bt"]["hosts"] == cluster.urls
 

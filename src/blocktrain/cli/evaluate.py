@@ -10,12 +10,15 @@ from blocktrain.cli.common import Formatter, add_data_arg, print_json
 from blocktrain.data import load_split
 from blocktrain.errors import CheckpointError, ConfigError
 from blocktrain.model import BlockStack, Reference
+from blocktrain.model.sampler import DEFAULT_SAMPLER, DEFAULT_STEPS_PER_BLOCK, SAMPLERS
 from blocktrain.training import EvalSettings, evaluate_blocktrain, evaluate_reference, load_model
+from blocktrain.training.generated import GenSettings, evaluate_generation
 
 EXAMPLES = """examples:
   blocktrain eval runs/tiny                          # validation split, 16 sweeps
   blocktrain eval runs/tiny --split test --json      # JSON: sampler_ce, from_noise_ce, ...
   blocktrain eval runs/tiny --against runs/ref       # the reference on the same bytes
+  blocktrain eval runs/span16 --judge runs/judge     # + continuations of 64 test prompts, judged
 """
 
 
@@ -32,11 +35,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--split", default="valid", choices=("valid", "test"))
     p.add_argument("--bytes", type=int, default=32768, help="held-out bytes to evaluate")
     p.add_argument("--sweeps", type=int, default=16, help="M, sampler sweeps from pure noise")
-    p.add_argument("--steps-per-block", type=int, default=1, help="sampler points per block")
+    p.add_argument(
+        "--steps-per-block",
+        type=int,
+        default=DEFAULT_STEPS_PER_BLOCK,
+        help="sampler points per block",
+    )
     p.add_argument(
         "--sampler",
-        default="euler",
-        choices=("euler", "ancestral"),
+        default=DEFAULT_SAMPLER,
+        choices=SAMPLERS,
         help="Euler steps, or re-noising from a sampled byte at every step",
     )
     p.add_argument("--seed", type=int, default=0, help="seeds the noise")
@@ -46,14 +54,40 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="REF_RUN_DIR",
         help="also evaluate this reference run on the same bytes",
     )
+    p.add_argument(
+        "--judge",
+        metavar="JUDGE_RUN_DIR",
+        help="a reference run trained apart from the model (e.g. `train --preset judge "
+        "--reference`): continue fixed prompts of the split and report the judge's CE on them "
+        "(gen_ce), on the real continuations (floor_ce) and the outputs' byte entropy",
+    )
+    p.add_argument("--prompts", type=int, default=64, help="fixed prompts, with --judge")
+    p.add_argument("--prompt-bytes", type=int, default=128, help="bytes per prompt, with --judge")
+    p.add_argument("--gen-bytes", type=int, default=128, help="bytes generated per prompt")
+    p.add_argument(
+        "--temperature", type=float, default=1.0, help="of the continuations, with --judge"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("bytes", "sweeps", "steps_per_block", "batch_size"):
+    names = ("bytes", "sweeps", "steps_per_block", "batch_size", "prompts", "prompt_bytes")
+    for name in (*names, "gen_bytes"):
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+    try:
+        gen_settings = GenSettings(
+            prompts=args.prompts,
+            prompt_bytes=args.prompt_bytes,
+            continuation_bytes=args.gen_bytes,
+            temperature=args.temperature,
+            steps_per_block=args.steps_per_block,
+            sampler=args.sampler,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     info, model = load_model(Path(args.run_dir))
     ref = None
     if args.against:
@@ -62,6 +96,11 @@ def run(args: argparse.Namespace) -> int:
             raise CheckpointError(f"--against {args.against} is not a reference run")
         if ref_info.config.model.seq_len != info.config.model.seq_len:
             raise CheckpointError("--against: the two runs use different seq_len")
+    judge = None
+    if args.judge:
+        judge_info, judge = load_model(Path(args.judge))
+        if judge_info.kind != "reference":
+            raise CheckpointError(f"--judge {args.judge} is not a reference (autoregressive) run")
     source = load_split(args.data, args.split)
     windows = source.windows(info.config.model.seq_len, args.bytes)
     settings = EvalSettings(
@@ -85,6 +124,12 @@ def run(args: argparse.Namespace) -> int:
     if ref is not None:
         assert isinstance(ref, Reference)
         result["reference"] = evaluate_reference(ref, windows, settings)
+    if judge is not None:
+        assert isinstance(judge, Reference) and isinstance(model, BlockStack | Reference)
+        span = gen_settings.prompt_bytes + gen_settings.continuation_bytes
+        prompts = source.windows(span, span * gen_settings.prompts)
+        result["generated"] = evaluate_generation(model, judge, prompts, gen_settings)
+        result["generated"]["judge"] = str(args.judge)
     if args.json:
         print_json(result)
     else:
@@ -100,15 +145,30 @@ def _print_table(r: dict[str, Any]) -> None:
             f"perplexity {r['perplexity']:.3f})"
         )
     else:
-        print(
-            f"  sampler CE    {r['sampler_ce']:.4f} nats/byte  ({r['bits_per_byte']:.4f} "
-            f"bits/byte, perplexity {r['perplexity']:.3f}; M = {r['sweeps']} sweeps)"
-        )
+        if r["span"] == 1:
+            print(
+                f"  sampler CE    {r['sampler_ce']:.4f} nats/byte  ({r['bits_per_byte']:.4f} "
+                f"bits/byte, perplexity {r['perplexity']:.3f}; M = {r['sweeps']} sweeps)"
+            )
+        else:
+            print(
+                f"  joint CE      {r['joint_ce']:.4f} nats/byte  (whole spans of K = {r['span']};"
+                f" M = {r['sweeps']} sweeps)"
+            )
+            print(f"  marginal CE   {r['sampler_ce']:.4f}  (per byte; a diagnostic only at K > 1)")
         print(f"  from-noise CE {r['from_noise_ce']:.4f}  (one sweep)")
         print(f"  CE per step   {', '.join(f'{v:.3f}' for v in r['ce_per_step'])}")
         print(
             f"  oracle CE     {r['oracle_ce']:.4f}  (per block "
             f"{', '.join(f'{v:.3f}' for v in r['oracle_ce_per_block'])})"
         )
+    if "generated" in r:
+        g = r["generated"]
+        print(
+            f"  generated     judge CE {g['gen_ce']:.3f} ± {g['gen_ce_sem']:.3f} nats/byte on "
+            f"{g['prompts']} continuations of {g['continuation_bytes']} bytes (real text "
+            f"{g['floor_ce']:.3f}); byte entropy {g['entropy']:.3f} (real {g['real_entropy']:.3f})"
+        )
+        print(f"  a sample      {g['samples'][0]['generated']!r}")
     if "reference" in r:
         print(f"  reference CE  {r['reference']['ce']:.4f}  (same bytes)")

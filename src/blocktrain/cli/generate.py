@@ -19,7 +19,12 @@ from blocktrain.model import (
     generate_autoregressive,
     stack_denoiser,
 )
-from blocktrain.model.sampler import SAMPLERS, check_sampler
+from blocktrain.model.sampler import (
+    DEFAULT_SAMPLER,
+    DEFAULT_STEPS_PER_BLOCK,
+    SAMPLERS,
+    check_sampler,
+)
 from blocktrain.training import load_model
 
 EXAMPLES = """examples:
@@ -45,10 +50,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
     p.add_argument("--top-k", type=int, default=0, help="keep the k likeliest bytes (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    p.add_argument("--steps-per-block", type=int, default=1, help="sampler points per block")
+    p.add_argument(
+        "--steps-per-block",
+        type=int,
+        default=DEFAULT_STEPS_PER_BLOCK,
+        help="sampler points per block",
+    )
     p.add_argument(
         "--sampler",
-        default="euler",
+        default=DEFAULT_SAMPLER,
         help=f"the sampler's step between grid points: {', '.join(SAMPLERS)}",
     )
     p.add_argument(

@@ -9,7 +9,11 @@ import argparse
 import sys
 
 from blocktrain.cli.common import Formatter
-from blocktrain.serving.router import RouterSettings, check_url, create_app
+from blocktrain.data import load_split
+from blocktrain.data.ngram import NgramDrafter
+from blocktrain.errors import ConfigError
+from blocktrain.serving.router import RouterSettings, check_url
+from blocktrain.serving.router_app import create_app
 from blocktrain.serving.server import bind, run, url_of
 
 EXAMPLES = """examples:
@@ -17,6 +21,11 @@ EXAMPLES = """examples:
       --port 8100
   curl -s localhost:8100/v1/completions -H 'content-type: application/json' \\
       -d '{"model": "tiny", "prompt": "The ", "max_tokens": 64, "seed": 1}'
+
+  # speculative generation with a K = 1 model: 6 bytes drafted per traversal, then verified
+  blocktrain serve --hosts ... --port 8100 --draft-corpus data/wikitext-2
+  curl -s localhost:8100/v1/generate -H 'content-type: application/json' \\
+      -d '{"model": "tiny", "prompt": "The ", "max_bytes": 64, "draft_bytes": 6}'
 
   # the openai client, unchanged
   python -c "import openai; c = openai.OpenAI(base_url='http://127.0.0.1:8100/v1', api_key='x');
@@ -63,12 +72,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-output-bytes", type=int, default=4096, help="per request")
     p.add_argument("--max-prompt-bytes", type=int, default=65536, help="per request")
+    p.add_argument(
+        "--draft-corpus",
+        metavar="PATH",
+        help="a corpus (folder or file) whose train split builds the byte n-gram drafter for "
+        "speculative generation (requests' draft_bytes, K = 1 models)",
+    )
+    p.add_argument("--draft-order", type=int, default=3, help="context bytes of the drafter")
     p.set_defaults(handler=run_cmd)
 
 
 def run_cmd(args: argparse.Namespace) -> int:
     hosts = tuple(check_url(h.strip(), "--hosts entry") for h in args.hosts.split(",") if h.strip())
+    drafter = None
+    if args.draft_corpus:
+        try:
+            drafter = NgramDrafter(load_split(args.draft_corpus, "train").read(), args.draft_order)
+        except ValueError as exc:
+            raise ConfigError(f"--draft-corpus {args.draft_corpus}: {exc}") from None
     settings = RouterSettings(
+        drafter=drafter,
         hosts=hosts,
         hop_ms=args.hop_ms,
         timeout_s=args.timeout,

@@ -11,7 +11,8 @@ import torch
 
 from blocktrain.cli.common import Formatter
 from blocktrain.errors import ConfigError
-from blocktrain.serving.host import HostSettings, create_app
+from blocktrain.serving.host import HostSettings
+from blocktrain.serving.host_app import create_app
 from blocktrain.serving.loading import ModelSource
 from blocktrain.serving.router import check_url
 from blocktrain.serving.server import bind, run, url_of

@@ -117,6 +117,12 @@ class ByteSource:
     def __len__(self) -> int:
         return sum(len(span) for span in self._spans)
 
+    def read(self) -> np.ndarray:
+        """Every byte of the split, files one after another, as one uint8 array (a copy)."""
+        if not self._arrays:
+            return np.zeros(0, dtype=np.uint8)
+        return np.concatenate([np.asarray(a) for a in self._arrays])
+
     def __repr__(self) -> str:
         return f"ByteSource(name={self.name!r}, bytes={len(self)}, files={len(self.paths)})"
 

@@ -40,6 +40,14 @@ class KVCache:
     values: dict[int, torch.Tensor] = field(default_factory=dict)
     length: int = 0
 
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` positions (drop those after, e.g. rejected drafts)."""
+        if length < self.length:
+            for i in self.keys:
+                self.keys[i] = self.keys[i][:, :, :length]
+                self.values[i] = self.values[i][:, :, :length]
+            self.length = length
+
     def nbytes(self) -> int:
         return sum(
             t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values())

@@ -58,6 +58,12 @@ SAMPLERS = ("euler", "ancestral")
 (re-noise from a sampled byte; draws from the generator)."""
 
 
+DEFAULT_SAMPLER = "euler"
+DEFAULT_STEPS_PER_BLOCK = 1
+# The recipe that generation (`blocktrain generate`, the router) and evaluation use when none is
+# named: the best measured one (BENCHMARKS.md, "Span generation: speed and quality").
+
+
 def check_sampler(method: str) -> str:
     if method not in SAMPLERS:
         raise ValueError(f"unknown sampler {method!r}; choose one of {', '.join(SAMPLERS)}")
@@ -164,13 +170,12 @@ class Sampling:
             raise ValueError(f"top_p = {self.top_p} must lie in (0, 1]")
 
 
-def sample_bytes(
-    logits: torch.Tensor, sampling: Sampling, generator: torch.Generator
-) -> torch.Tensor:
-    """logits (..., 256) -> bytes (...) int64, greedy or by temperature / top-k / top-p."""
+def sampling_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """logits (..., 256) -> the distribution (..., 256) fp32 that `sample_bytes` draws from:
+    temperature, then top-k, then top-p; greedy (temperature 0) is a point mass on the argmax."""
     logits = logits.float()
     if sampling.temperature == 0:
-        return logits.argmax(dim=-1)
+        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
     logits = logits / sampling.temperature
     if sampling.top_k:
         kth = logits.topk(sampling.top_k, dim=-1).values[..., -1:]
@@ -181,7 +186,16 @@ def sample_bytes(
         drop_sorted = cum - sorted_logits.softmax(dim=-1) >= sampling.top_p  # keep the first past p
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(dim=-1)
+    return logits.softmax(dim=-1)
+
+
+def sample_bytes(
+    logits: torch.Tensor, sampling: Sampling, generator: torch.Generator
+) -> torch.Tensor:
+    """logits (..., 256) -> bytes (...) int64, greedy or by temperature / top-k / top-p."""
+    if sampling.temperature == 0:
+        return logits.float().argmax(dim=-1)
+    probs = sampling_probs(logits, sampling)
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 
@@ -213,6 +227,8 @@ class SpanLoop:
     ) -> None:
         if prompt.shape[1] == 0:
             raise ValueError("the prompt must hold at least one byte")
+        if max_context < 1:
+            raise ValueError(f"a span of K = {span} leaves no context (T - K = {max_context})")
         self.context = prompt  # (N, Lp + produced)
         self.n_bytes, self.span, self.max_context = n_bytes, span, max_context
         self.d_model, self.sigma_max, self.generator = d_model, sigma_max, generator

@@ -19,10 +19,10 @@ from blocktrain.serving.errors import (
     ServingError,
 )
 from blocktrain.serving.host import HostSettings
-from blocktrain.serving.host import create_app as create_host_app
+from blocktrain.serving.host_app import create_app as create_host_app
 from blocktrain.serving.loading import HostedModel, ModelSource, load_hosted_model
 from blocktrain.serving.router import RouterSettings
-from blocktrain.serving.router import create_app as create_router_app
+from blocktrain.serving.router_app import create_app as create_router_app
 
 __all__ = [
     "BadRequest",

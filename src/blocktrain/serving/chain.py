@@ -1,16 +1,12 @@
-"""The router's side of the chain: which hosts serve which model, and the two generation loops.
+"""The router's side of the chain: which hosts serve which model (`Directory`), and one
+traversal of them (`Chain`): a sweep of one span's state, a verify sweep of a draft, or one
+autoregressive step. The generation loops over a chain are in `streams.py`.
 
-- One sweep (`one_sweep_stream`): `model.sampler.generate`'s loop (`SpanLoop`), with the sweep
-  itself (`run_points`) run by the chain of hosts. Per span: the router draws the initial noise
-  from the request's generator, sends z = sigma_max * noise along the chain once, and samples
-  the span's bytes from the final logits with the same generator (or lets the last host sample
-  with the generator's state, which comes back advanced; so does the state when the sampler's
-  steps draw noise on the hosts). With the state in fp32 on the wire, the bytes are those of
-  `generate` (same shapes, same code path).
-  n bytes cost ceil(n / K) traversals of the chain.
-- Autoregressive baseline (`autoregressive_stream`): the reference split into stages on the same
-  hosts; every byte costs one traversal (a prefill of the prompt for the first, then one token);
-  each stage keeps a KV cache per generation.
+Per sweep the router draws the initial noise from the request's generator, sends z = sigma_max *
+noise along the chain once, and samples the span's bytes from the final logits with the same
+generator (or lets the last host sample with the generator's state, which comes back advanced;
+so does the state when the sampler's steps draw noise on the hosts). With the state in fp32 on
+the wire, the bytes are those of `generate` (same shapes, same code path).
 """
 
 from __future__ import annotations
@@ -18,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,8 +24,8 @@ from pydantic import BaseModel, ValidationError
 from blocktrain.config import RunConfig
 from blocktrain.errors import ConfigError
 from blocktrain.model import Sampling, sample_bytes
-from blocktrain.model.sampler import SpanLoop, needs_generator
-from blocktrain.serving.errors import HostRefused, HostUnavailable, SessionLost
+from blocktrain.model.sampler import needs_generator
+from blocktrain.serving.errors import HostRefused, HostUnavailable
 from blocktrain.serving.transport import get_json, post_message
 from blocktrain.serving.wire import (
     WIRE_DTYPES,
@@ -234,6 +228,35 @@ class Chain:
             raise HostRefused("the last host answered no bytes", host=self.model.route[-1])
         return out["bytes"].long()
 
+    async def _sweep(
+        self,
+        x: torch.Tensor,
+        z: torch.Tensor,
+        *,
+        final: Final,
+        drafted: int,
+        steps_per_block: int,
+        sampler: str,
+        sampling: Sampling,
+        generator: torch.Generator,
+    ) -> dict[str, torch.Tensor]:
+        header = SweepHeader(
+            model=self.model.name,
+            fingerprint=self.model.fingerprint,
+            route=self.model.route[1:],
+            final=final,
+            sampling=self._spec(sampling),
+            wire_dtype=self.wire_dtype,
+            step=0,
+            steps_per_block=steps_per_block,
+            sampler=sampler,
+            drafted=drafted,
+        )
+        tensors = {"x": bytes_tensor(x), "z": z.to(WIRE_DTYPES[self.wire_dtype])}
+        if final == "bytes" or needs_generator(sampler):
+            tensors["generator"] = generator.get_state()
+        return await self._send("/v1/sweep", tensors, header)
+
     async def sweep(
         self,
         x: torch.Tensor,
@@ -245,21 +268,46 @@ class Chain:
         generator: torch.Generator,
     ) -> torch.Tensor:
         """x (N, Lx) int64 context, z (N, K, d) fp32 at sigma_max -> the span's bytes (N, K)."""
-        header = SweepHeader(
-            model=self.model.name,
-            fingerprint=self.model.fingerprint,
-            route=self.model.route[1:],
+        out = await self._sweep(
+            x,
+            z,
             final=self.final,
-            sampling=self._spec(sampling),
-            wire_dtype=self.wire_dtype,
-            step=0,
+            drafted=0,
             steps_per_block=steps_per_block,
             sampler=sampler,
+            sampling=sampling,
+            generator=generator,
         )
-        tensors = {"x": bytes_tensor(x), "z": z.to(WIRE_DTYPES[self.wire_dtype])}
-        if self.final == "bytes" or needs_generator(sampler):
-            tensors["generator"] = generator.get_state()
-        return self._finish(await self._send("/v1/sweep", tensors, header), sampling, generator)
+        return self._finish(out, sampling, generator)
+
+    async def verify(
+        self,
+        x: torch.Tensor,
+        z: torch.Tensor,
+        *,
+        drafted: int,
+        steps_per_block: int,
+        sampler: str,
+        sampling: Sampling,
+        generator: torch.Generator,
+    ) -> torch.Tensor:
+        """One verify sweep (model.speculative): x (1, P + D) the context then the draft, z
+        (1, D + 1, d) -> the final logits (1, D + 1, 256); the router applies the rule."""
+        out = await self._sweep(
+            x,
+            z,
+            final="logits",
+            drafted=drafted,
+            steps_per_block=steps_per_block,
+            sampler=sampler,
+            sampling=sampling,
+            generator=generator,
+        )
+        if "generator" in out:
+            generator.set_state(out["generator"])
+        if "logits" not in out:
+            raise HostRefused("the last host answered no logits", host=self.model.route[-1])
+        return out["logits"]
 
     async def stage_step(
         self,
@@ -289,90 +337,28 @@ class Chain:
             tensors["generator"] = generator.get_state()
         return self._finish(await self._send("/v1/stage", tensors, header), sampling, generator)
 
-
-async def one_sweep_stream(
-    chain: Chain,
-    prompt: torch.Tensor,
-    n_bytes: int,
-    *,
-    sampling: Sampling,
-    generator: torch.Generator,
-    steps_per_block: int = 1,
-    sampler: str = "euler",
-) -> AsyncIterator[torch.Tensor]:
-    """Continue prompt (N, Lp) by n_bytes; yields each span's new bytes (N, <= K) as soon as its
-    sweep returns. The same loop (model.sampler.SpanLoop) and the same sweep
-    (model.sampler.run_points, on the hosts) as model.sampler.generate."""
-    cfg = chain.model.config.model
-    loop = SpanLoop(
-        prompt,
-        n_bytes,
-        span=cfg.span,
-        max_context=cfg.seq_len - cfg.span,
-        d_model=cfg.d_model,
-        sigma_max=cfg.sigma_max,  # == the grid's first point, exactly
-        generator=generator,
-    )
-    while not loop.done:
-        x, z = loop.next_input()
-        new = await chain.sweep(
-            x,
-            z,
-            steps_per_block=steps_per_block,
-            sampler=sampler,
-            sampling=sampling,
-            generator=generator,
-        )  # (N, K)
-        yield loop.push(new)
-
-
-async def autoregressive_stream(
-    chain: Chain,
-    prompt: torch.Tensor,
-    n_bytes: int,
-    *,
-    sampling: Sampling,
-    generator: torch.Generator,
-) -> AsyncIterator[torch.Tensor]:
-    """Continue prompt (N, Lp) by n_bytes, one traversal per byte; yields each byte (N, 1).
-
-    The stages' caches hold at most T positions. The first step prefills the last T bytes of
-    the prompt; when the caches are full the window restarts from the last T/2 bytes (so the
-    context seen is between T/2 and T bytes, where `generate_autoregressive` always sees T). A
-    stage that lost its cache (its host restarted) makes the router prefill again."""
-    if prompt.shape[1] == 0:
-        raise ValueError("the prompt must hold at least one byte")
-    window = chain.model.config.model.seq_len
-    context = prompt
-    session, pos = uuid.uuid4().hex, 0
-    pending = context[:, -window:]
-    for i in range(n_bytes):
-        if pos + pending.shape[1] > window:
-            session, pos, pending = uuid.uuid4().hex, 0, context[:, -(window // 2) :]
-        try:
-            new = await chain.stage_step(
-                pending,
-                session=session,
-                pos=pos,
-                close=i == n_bytes - 1,
-                sampling=sampling,
-                generator=generator,
-            )
-        except SessionLost as exc:
-            log.info("prefilling again: %s", exc)
-            session, pos, pending = uuid.uuid4().hex, 0, context[:, -(window // 2) :]
-            new = await chain.stage_step(
-                pending,
-                session=session,
-                pos=pos,
-                close=i == n_bytes - 1,
-                sampling=sampling,
-                generator=generator,
-            )
-        pos += pending.shape[1]
-        pending = new[:, None]
-        context = torch.cat((context, pending), dim=1)
-        yield pending
+    async def stage_verify(
+        self, tokens: torch.Tensor, *, session: str, pos: int, close: bool, drafted: int
+    ) -> torch.Tensor:
+        """tokens (1, L) at positions pos.., the last `drafted` a draft -> the logits of the
+        last drafted + 1 positions (1, drafted + 1, 256); the router applies the rule."""
+        header = StageHeader(
+            model=self.model.name,
+            fingerprint=self.model.fingerprint,
+            route=self.model.route[1:],
+            final="logits",
+            wire_dtype=self.wire_dtype,
+            stage=0,
+            session=session,
+            pos=pos,
+            close=close,
+            verify=drafted,
+        )
+        out = await self._send("/v1/stage", {"x": bytes_tensor(tokens)}, header)
+        if "logits" not in out:
+            raise HostRefused("the last host answered no logits", host=self.model.route[-1])
+        logits = out["logits"]
+        return logits if drafted else logits[:, None]
 
 
 def unavailable_error(name: str, reason: str) -> HostUnavailable:

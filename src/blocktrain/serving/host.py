@@ -1,12 +1,7 @@
 """A block host: serves some blocks of a BlockTrain run (one-sweep generation) and/or some stages
 of a reference run (the autoregressive baseline), and forwards the state along the chain.
 
-    POST /v1/sweep   run this host's points of the sigma grid on a span's state, then forward
-                     the state to the next host; the host of the grid's last point answers
-    POST /v1/stage   run this host's reference stages on new tokens with their KV caches, then
-                     forward the hidden states; the last stage answers
-    GET  /v1/info    the models, blocks/stages and fingerprints held here
-    GET  /healthz    liveness
+The work behind the host's routes (the app itself is `host_app.py`).
 
 Who does what in one sweep (DESIGN.md 2.6): the router draws the span's initial noise; each
 host runs the grid points that belong to its blocks with `model.sampler.run_points`, the same
@@ -25,43 +20,33 @@ import functools
 import logging
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import anyio.to_thread
 import httpx
 import torch
-from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ValidationError
 
 from blocktrain.errors import ConfigError
 from blocktrain.model import Sampling, ZLayout, sample_bytes
-from blocktrain.model.pipeline import KVCache
 from blocktrain.model.sampler import needs_generator, run_points, stack_denoiser
-from blocktrain.serving.errors import BadRequest, HostRefused, ServingError, SessionLost
-from blocktrain.serving.loading import HostedModel, ModelSource, load_hosted_model
-from blocktrain.serving.transport import make_client, post_message
+from blocktrain.model.speculative import verify_layout
+from blocktrain.serving.errors import BadRequest, HostRefused
+from blocktrain.serving.loading import HostedModel, ModelSource
+from blocktrain.serving.requests import byte_input, read_header, read_message, state_input
+from blocktrain.serving.sessions import SessionStore
+from blocktrain.serving.transport import post_message
 from blocktrain.serving.wire import (
-    CONTENT_TYPE,
-    TRACE_HEADER,
     WIRE_DTYPES,
     StageHeader,
     SweepHeader,
     TraceEntry,
-    WireError,
     bytes_tensor,
-    decode,
     encode,
-    trace_to_header,
 )
 
 log = logging.getLogger(__name__)
-
-H = TypeVar("H", bound=BaseModel)
 
 
 @dataclass(frozen=True)
@@ -104,62 +89,6 @@ class HostSettings:
         for name in ("max_body_bytes", "max_batch", "max_sessions"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} = {getattr(self, name)} must be positive")
-
-
-@dataclass
-class _Session:
-    caches: dict[int, KVCache] = field(default_factory=dict)
-    touched: float = 0.0
-
-
-class SessionStore:
-    """The KV caches of the generations in flight, per (model, session id), least recently used
-    first. Not thread-safe by itself: the host uses it under its compute lock."""
-
-    def __init__(self, max_sessions: int, ttl_s: float, clock: Callable[[], float]) -> None:
-        self.max_sessions, self.ttl_s, self.clock = max_sessions, ttl_s, clock
-        self._items: OrderedDict[tuple[str, str], _Session] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def open(self, model: str, session: str, stage: int, pos: int) -> KVCache:
-        """The cache of `stage` for a step at position `pos`: a fresh one at pos 0, else the one
-        left by the previous step, which must hold exactly `pos` positions."""
-        now = self.clock()
-        for key in [k for k, s in self._items.items() if now - s.touched > self.ttl_s]:
-            del self._items[key]
-        key = (model, session)
-        entry = self._items.get(key)
-        if pos == 0:
-            if entry is None:
-                entry = self._items[key] = _Session()
-            entry.caches[stage] = KVCache()
-        elif entry is None or stage not in entry.caches:
-            raise SessionLost(
-                f"no KV cache for session {session} (stage {stage}): the host "
-                "restarted or dropped it; prefill again from position 0"
-            )
-        elif entry.caches[stage].length != pos:
-            raise SessionLost(
-                f"session {session} stage {stage} holds "
-                f"{entry.caches[stage].length} positions, the step says {pos}"
-            )
-        entry.touched = now
-        self._items.move_to_end(key)
-        while len(self._items) > self.max_sessions:
-            self._items.popitem(last=False)
-        return entry.caches[stage]
-
-    def close(self, model: str, session: str, stages: list[int]) -> None:
-        """Drop the caches of `stages` (the session once none is left)."""
-        entry = self._items.get((model, session))
-        if entry is None:
-            return
-        for stage in stages:
-            entry.caches.pop(stage, None)
-        if not entry.caches:
-            del self._items[(model, session)]
 
 
 class BlockHost:
@@ -288,22 +217,31 @@ class BlockHost:
     # ------------------------------------------------------------------ one sweep
 
     async def sweep(self, body: bytes) -> tuple[bytes, list[TraceEntry]]:
-        tensors, raw = _decode(body)
-        header = _header(SweepHeader, raw)
+        tensors, raw = read_message(body)
+        header = read_header(SweepHeader, raw)
         model = self._model(header.model, header.fingerprint, "blocktrain")
         cfg = model.config.model
-        x = _byte_tensor(tensors, "x")  # (N, Lx)
+        x = byte_input(tensors, "x")  # (N, Lx)
         n, lx = x.shape
         if not 1 <= n <= self.settings.max_batch:
             raise BadRequest(
                 f"batch of {n} sequences; at most {self.settings.max_batch}", param="x"
             )
-        if not 1 <= lx <= cfg.seq_len - cfg.span:
+        drafted = header.drafted
+        if drafted and (cfg.span != 1 or header.final != "logits"):
             raise BadRequest(
-                f"context of {lx} bytes; this model takes 1..{cfg.seq_len - cfg.span} (T - K)",
+                "a verify sweep (drafted > 0) needs a K = 1 model and final = logits",
+                param="drafted",
+            )
+        # The z tokens take positions lx - drafted .. lx + K - 1 - drafted, all below T.
+        if not 1 + drafted <= lx <= cfg.seq_len - cfg.span:
+            raise BadRequest(
+                f"context of {lx} bytes with {drafted} drafted; this model takes "
+                f"{1 + drafted}..{cfg.seq_len - cfg.span} (T - K)",
                 param="x",
             )
-        z = _state_tensor(tensors, "z", (n, cfg.span, cfg.d_model), header.wire_dtype)
+        z_len = drafted + 1 if drafted else cfg.span
+        z = state_input(tensors, "z", (n, z_len, cfg.d_model), header.wire_dtype)
         grid = model.grid(header.steps_per_block)
         if header.step >= len(grid):
             raise BadRequest(
@@ -352,7 +290,10 @@ class BlockHost:
         while stop < len(grid) and grid[stop][0] in model.parts:
             stop += 1
         visited = sorted({grid[n][0] for n in range(start, stop)})
-        layout = ZLayout.next_span(x.shape[1], z.shape[1], device=x.device)
+        if header.drafted:
+            layout = verify_layout(x.shape[1] - header.drafted, header.drafted, device=x.device)
+        else:
+            layout = ZLayout.next_span(x.shape[1], z.shape[1], device=x.device)
         with self._compute:
             t0 = time.perf_counter()
             z, logits = run_points(
@@ -373,8 +314,8 @@ class BlockHost:
     # ------------------------------------------------------------------ autoregressive stages
 
     async def stage(self, body: bytes) -> tuple[bytes, list[TraceEntry]]:
-        tensors, raw = _decode(body)
-        header = _header(StageHeader, raw)
+        tensors, raw = read_message(body)
+        header = read_header(StageHeader, raw)
         model = self._model(header.model, header.fingerprint, "reference")
         cfg = model.config.model
         if header.stage not in model.parts:
@@ -385,12 +326,12 @@ class BlockHost:
                 code="misrouted",
             )
         if header.stage == 0:
-            inp = _byte_tensor(tensors, "x")  # (N, L)
+            inp = byte_input(tensors, "x")  # (N, L)
         else:
             if "h" not in tensors or tensors["h"].dim() != 3:
                 raise BadRequest("stage > 0 needs hidden states 'h' (N, L, d)", param="h")
             n_, l_ = tensors["h"].shape[:2]
-            inp = _state_tensor(tensors, "h", (n_, l_, cfg.d_model), header.wire_dtype)
+            inp = state_input(tensors, "h", (n_, l_, cfg.d_model), header.wire_dtype)
         n, length = inp.shape[:2]
         if not 1 <= n <= self.settings.max_batch:
             raise BadRequest(
@@ -401,6 +342,11 @@ class BlockHost:
                 f"positions {header.pos}..{header.pos + length - 1} do not fit the "
                 f"model's context of {cfg.seq_len}",
                 param="pos",
+            )
+        if header.verify and (header.verify >= length or header.final != "logits"):
+            raise BadRequest(
+                f"verify = {header.verify} needs more than that many tokens and final = logits",
+                param="verify",
             )
         gen, sampling = self._generator(tensors, header)
         run = functools.partial(self._run_stages, model, header, inp, gen, sampling)
@@ -439,114 +385,8 @@ class BlockHost:
                 stage += 1
             if header.close:
                 self.sessions.close(model.name, header.session, visited)
-            last = stage == model.total
-            final = self._final(h[:, -1], header.final, gen, sampling) if last else None
-            return h, stage, final, visited, time.perf_counter() - t0  # final: logits (N, 256)
-
-
-def _decode(body: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    try:
-        return decode(body)
-    except WireError as exc:
-        raise BadRequest(str(exc), code="bad_payload") from None
-
-
-def _header(cls: type[H], raw: dict[str, Any]) -> H:
-    try:
-        return cls.model_validate(raw)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "header"
-        raise BadRequest(
-            f"message header: {where}: {first['msg']}", param=where, code="bad_payload"
-        ) from None
-
-
-def _byte_tensor(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    t = tensors.get(name)
-    if t is None or t.dtype != torch.uint8 or t.dim() != 2:
-        raise BadRequest(f"'{name}' must be a (N, L) uint8 tensor of bytes", param=name)
-    return t.long()
-
-
-def _state_tensor(
-    tensors: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], wire_dtype: str
-) -> torch.Tensor:
-    t = tensors.get(name)
-    if t is None or t.dtype != WIRE_DTYPES[wire_dtype] or tuple(t.shape) != shape:
-        got = "nothing" if t is None else f"{t.dtype} {tuple(t.shape)}"
-        raise BadRequest(f"'{name}' must be {wire_dtype} of shape {shape}; got {got}", param=name)
-    if not torch.isfinite(t).all():
-        raise BadRequest(f"'{name}' holds non-finite values", param=name)
-    return t.float()
-
-
-def create_app(
-    settings: HostSettings,
-    *,
-    models: list[HostedModel] | None = None,
-    transport: httpx.AsyncBaseTransport | None = None,
-    clock: Callable[[], float] = time.monotonic,
-) -> FastAPI:
-    """A block host. Loads its blocks/stages from the run folders in `settings` unless `models`
-    are given; `transport` (tests) replaces the network to the next host."""
-    if models is None:
-        models = [load_hosted_model(src, list(settings.parts)) for src in settings.models]
-    client = make_client(timeout_s=settings.timeout_s, hop_ms=settings.hop_ms, transport=transport)
-    host = BlockHost(settings, {m.name: m for m in models}, client, clock)
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        yield
-        await client.aclose()
-
-    app = FastAPI(title="BlockTrain block host", lifespan=lifespan)
-    app.state.host = host
-
-    @app.exception_handler(ServingError)
-    async def serving_error(_: Request, exc: ServingError) -> JSONResponse:
-        if exc.status >= 500:
-            log.warning("%s", exc.message)
-        return JSONResponse(exc.to_json(), status_code=exc.status)
-
-    async def read_body(request: Request) -> bytes:
-        limit = settings.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise BadRequest(
-                f"body of {declared} bytes exceeds the limit of {limit}",
-                code="too_large",
-                status=413,
-            )
-        body = await request.body()
-        if len(body) > limit:
-            raise BadRequest(
-                f"body of {len(body)} bytes exceeds the limit of {limit}",
-                code="too_large",
-                status=413,
-            )
-        return body
-
-    def answer(result: tuple[bytes, list[TraceEntry]]) -> Response:
-        body, trace = result
-        return Response(
-            body, media_type=CONTENT_TYPE, headers={TRACE_HEADER: trace_to_header(trace)}
-        )
-
-    @app.get("/healthz")
-    async def healthz() -> dict[str, Any]:
-        return {"ok": True, "host": settings.public_url}
-
-    @app.get("/v1/info")
-    async def info() -> dict[str, Any]:
-        return host.info()
-
-    @app.post("/v1/sweep")
-    async def sweep(request: Request) -> Response:
-        return answer(await host.sweep(await read_body(request)))
-
-    @app.post("/v1/stage")
-    async def stage(request: Request) -> Response:
-        return answer(await host.stage(await read_body(request)))
-
-    return app
+            final = None
+            if stage == model.total:  # logits (N, 256), or (N, D + 1, 256) to verify a draft
+                out = h[:, -(header.verify + 1) :] if header.verify else h[:, -1]
+                final = self._final(out, header.final, gen, sampling)
+            return h, stage, final, visited, time.perf_counter() - t0

@@ -17,46 +17,38 @@ that has already started, a failure arrives as a last `data: {"error": ...}` eve
 
 from __future__ import annotations
 
-import codecs
-import json
 import logging
 import secrets
-import time
-import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 import httpx
 import torch
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
 
+from blocktrain.data.ngram import NgramDrafter
 from blocktrain.errors import ConfigError
 from blocktrain.model import Sampling
+from blocktrain.model.speculative import SpeculativeLoop
 from blocktrain.serving.chain import (
     Chain,
     ChainStats,
     Directory,
     RemoteModel,
-    autoregressive_stream,
-    one_sweep_stream,
     unavailable_error,
 )
 from blocktrain.serving.errors import BadRequest, HostError, HostRefused, ServingError
 from blocktrain.serving.schemas import (
-    Completion,
-    CompletionChoice,
     CompletionRequest,
     GenerateRequest,
-    GenerateResponse,
     Prompt,
-    Timing,
-    Usage,
 )
-from blocktrain.serving.transport import make_client
+from blocktrain.serving.streams import (
+    autoregressive_speculative_stream,
+    autoregressive_stream,
+    one_sweep_stream,
+    speculative_stream,
+)
 from blocktrain.serving.wire import WireDtype
 
 log = logging.getLogger(__name__)
@@ -94,6 +86,10 @@ class RouterSettings:
     """Most bytes generated per request."""
     max_steps_per_block: int = 16
     """Largest steps_per_block a request may ask for."""
+    drafter: NgramDrafter | None = None
+    """Drafts bytes for speculative generation with K = 1 models (requests' draft_bytes)."""
+    max_draft_bytes: int = 32
+    """Largest draft_bytes a request may ask for."""
 
     def __post_init__(self) -> None:
         if not self.hosts:
@@ -110,7 +106,12 @@ class RouterSettings:
             raise ConfigError(f"--wire {self.wire_dtype!r} must be fp32 or fp16")
         if self.sample_on not in ("router", "last-host"):
             raise ConfigError(f"--sample-on {self.sample_on!r} must be router or last-host")
-        for name in ("max_prompt_bytes", "max_output_bytes", "max_steps_per_block"):
+        for name in (
+            "max_prompt_bytes",
+            "max_output_bytes",
+            "max_steps_per_block",
+            "max_draft_bytes",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} = {getattr(self, name)} must be positive")
 
@@ -126,6 +127,7 @@ class _Job:
     seed: int
     steps_per_block: int
     sampler: str
+    draft_bytes: int
 
 
 class Router:
@@ -139,13 +141,15 @@ class Router:
         if name is None:
             if len(models) == 1:
                 return next(iter(models.values()))
-            raise BadRequest(f"name a model: this router serves {_names(models)}", param="model")
+            raise BadRequest(
+                f"name a model: this router serves {model_names(models)}", param="model"
+            )
         if name in models:
             return models[name]
         if name in self.directory.unavailable:
             raise unavailable_error(name, self.directory.unavailable[name])
         raise BadRequest(
-            f"model {name!r} is not served here; served: {_names(models)}",
+            f"model {name!r} is not served here; served: {model_names(models)}",
             param="model",
             code="model_not_found",
             status=404,
@@ -175,15 +179,34 @@ class Router:
             )
         sampling = Sampling(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p)
         seed = req.seed if req.seed is not None else secrets.randbits(63)
+        remote = await self.resolve(model)
+        if req.draft_bytes:
+            self._check_drafting(remote, req.draft_bytes)
         return _Job(
-            await self.resolve(model),
+            remote,
             data,
             n_bytes,
             sampling,
             seed,
             req.steps_per_block,
             req.sampler,
+            req.draft_bytes,
         )
+
+    def _check_drafting(self, model: RemoteModel, draft_bytes: int) -> None:
+        why = None
+        if self.settings.drafter is None:
+            why = "this router has no drafter (start `blocktrain serve` with --draft-corpus)"
+        elif model.kind == "blocktrain" and model.config.model.span != 1:
+            why = (
+                "speculative drafting verifies with a K = 1 one-sweep model or an "
+                f"autoregressive one; {model.name!r} has K = {model.config.model.span}"
+            )
+        elif draft_bytes > min(self.settings.max_draft_bytes, model.config.model.seq_len - 2):
+            limit = min(self.settings.max_draft_bytes, model.config.model.seq_len - 2)
+            why = f"draft_bytes = {draft_bytes} exceeds the limit of {limit}"
+        if why is not None:
+            raise BadRequest(why, param="draft_bytes")
 
     def stream(self, job: _Job, stats: ChainStats) -> AsyncIterator[torch.Tensor]:
         """The new bytes (1, m) piece by piece: a span per sweep, or a byte per traversal."""
@@ -196,6 +219,22 @@ class Router:
         )
         prompt = torch.tensor([list(job.prompt)], dtype=torch.long)
         gen = torch.Generator().manual_seed(job.seed)
+        if job.draft_bytes:
+            assert self.settings.drafter is not None  # checked when the job was made
+            loop = SpeculativeLoop(
+                prompt,
+                job.n_bytes,
+                drafter=self.settings.drafter,
+                draft_len=job.draft_bytes,
+                seq_len=job.model.config.model.seq_len,
+                sampling=job.sampling,
+                generator=gen,
+            )
+            if job.model.kind == "reference":
+                return autoregressive_speculative_stream(chain, loop)
+            return speculative_stream(
+                chain, loop, steps_per_block=job.steps_per_block, sampler=job.sampler
+            )
         if job.model.kind == "blocktrain":
             return one_sweep_stream(
                 chain,
@@ -225,7 +264,7 @@ class Router:
         return exc
 
 
-def _names(models: dict[str, RemoteModel]) -> str:
+def model_names(models: dict[str, RemoteModel]) -> str:
     return ", ".join(sorted(models)) or "(none)"
 
 
@@ -245,138 +284,3 @@ def prompt_bytes(prompt: Prompt, limit: int) -> bytes:
             code="prompt_too_long",
         )
     return data
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    msg = str(first.get("msg", "invalid")).removeprefix("Value error, ")
-    param = loc[0] if loc else None
-    if first.get("type") == "extra_forbidden":
-        msg = "unknown parameter"
-    return (f"{'.'.join(loc)}: {msg}" if loc else msg), param
-
-
-def create_app(
-    settings: RouterSettings, *, transport: httpx.AsyncBaseTransport | None = None
-) -> FastAPI:
-    """The router app; `transport` (tests) replaces the network to the hosts."""
-    client = make_client(timeout_s=settings.timeout_s, hop_ms=settings.hop_ms, transport=transport)
-    router = Router(settings, client)
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        yield
-        await client.aclose()
-
-    app = FastAPI(title="BlockTrain router", lifespan=lifespan)
-    app.state.router = router
-
-    @app.exception_handler(ServingError)
-    async def serving_error(_: Request, exc: ServingError) -> JSONResponse:
-        exc = router.failed(exc)
-        if exc.status >= 500:
-            log.warning("%s", exc.message)
-        return JSONResponse(exc.to_json(), status_code=exc.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
-        return JSONResponse(BadRequest(message, param=param).to_json(), status_code=400)
-
-    @app.get("/healthz")
-    async def healthz() -> dict[str, Any]:
-        return {"ok": True, "hosts": list(settings.hosts)}
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        served = await router.directory.models()
-        return {
-            "object": "list",
-            "data": [m.describe() for m in served.values()],
-            "unavailable": router.directory.unavailable,
-        }
-
-    @app.post("/v1/generate")
-    async def generate(req: GenerateRequest) -> GenerateResponse:
-        t0 = time.perf_counter()
-        job = await router.job(
-            model=req.model, prompt=req.prompt, n_bytes=req.max_bytes, param="max_bytes", req=req
-        )
-        stats = ChainStats()
-        pieces = [piece async for piece in router.stream(job, stats)]
-        data = bytes(torch.cat(pieces, dim=1)[0].tolist())
-        return GenerateResponse(
-            model=job.model.name,
-            kind=job.model.kind,
-            text=data.decode("utf-8", "replace"),
-            bytes=list(data),
-            seed=job.seed,
-            prompt_bytes=len(job.prompt),
-            output_bytes=len(data),
-            traversals=stats.traversals,
-            hosts=job.model.route,
-            timing=Timing(
-                total_s=time.perf_counter() - t0,
-                chain_s=stats.chain_s,
-                host_compute_s=stats.host_compute_s,
-            ),
-        )
-
-    @app.post("/v1/completions", response_model=None)
-    async def completions(req: CompletionRequest) -> Completion | StreamingResponse:
-        job = await router.job(
-            model=req.model, prompt=req.prompt, n_bytes=req.max_tokens, param="max_tokens", req=req
-        )
-        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        usage = Usage(
-            prompt_tokens=len(job.prompt),
-            completion_tokens=job.n_bytes,
-            total_tokens=len(job.prompt) + job.n_bytes,
-        )
-        pieces = router.stream(job, ChainStats())
-        if not req.stream:
-            out = [piece async for piece in pieces]
-            text = bytes(torch.cat(out, dim=1)[0].tolist()).decode("utf-8", "replace")
-            return Completion(
-                id=cid,
-                created=created,
-                model=job.model.name,
-                usage=usage,
-                choices=[CompletionChoice(text=text, finish_reason="length")],
-            )
-        # The first piece is computed before the response starts, so that a chain that is
-        # down answers with a proper status rather than a stream that breaks at once.
-        first = await anext(pieces)
-
-        def chunk(text: str, finish: bool = False, with_usage: bool = False) -> str:
-            doc = Completion(
-                id=cid,
-                created=created,
-                model=job.model.name,
-                choices=[CompletionChoice(text=text, finish_reason="length" if finish else None)],
-                usage=usage if with_usage else None,
-            )
-            return f"data: {doc.model_dump_json()}\n\n"
-
-        async def events() -> AsyncIterator[str]:
-            decoder = codecs.getincrementaldecoder("utf-8")("replace")
-            yield chunk(decoder.decode(bytes(first[0].tolist())))
-            try:
-                async for piece in pieces:
-                    yield chunk(decoder.decode(bytes(piece[0].tolist())))
-            except ServingError as exc:
-                err = router.failed(exc)
-                log.warning("stream %s failed: %s", cid, err.message)
-                yield f"data: {json.dumps(err.to_json())}\n\n"
-                return
-            yield chunk(
-                decoder.decode(b"", final=True),
-                finish=True,
-                with_usage=bool((req.stream_options or {}).get("include_usage")),
-            )
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    return app

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from blocktrain.model.sampler import check_sampler
+from blocktrain.model.sampler import DEFAULT_SAMPLER, DEFAULT_STEPS_PER_BLOCK, check_sampler
 
 Prompt = str | list[int]
 
@@ -22,11 +22,15 @@ class _Sampling(BaseModel):
     """Keep the k likeliest bytes (0: all); an extension of the OpenAI schema."""
     seed: int | None = Field(None, ge=0, lt=2**63)
     """Seeds the initial noise and the sampling; the same seed gives the same bytes."""
-    steps_per_block: int = Field(1, ge=1)
+    steps_per_block: int = Field(DEFAULT_STEPS_PER_BLOCK, ge=1)
     """Sampler grid points per block (one-sweep models); an extension."""
-    sampler: str = "euler"
+    sampler: str = DEFAULT_SAMPLER
     """The sampler's step between grid points, one of model.sampler.SAMPLERS (one-sweep
     models); an extension."""
+
+    draft_bytes: int = Field(0, ge=0)
+    """Speculative generation with a K = 1 model (an extension): bytes drafted on the router
+    and verified per traversal; the text keeps the model's own law. 0: off."""
 
     @field_validator("sampler")
     @classmethod

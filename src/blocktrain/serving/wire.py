@@ -3,8 +3,9 @@
 A request body is a safetensors file whose metadata key "blocktrain" holds a JSON header
 (`SweepHeader` or `StageHeader`) and whose tensors are the state:
 
-    POST /v1/sweep   x (N, Lx) uint8       the clean context bytes of the span
+    POST /v1/sweep   x (N, Lx) uint8       the clean context bytes of the span (and a draft)
                      z (N, K, d) fp32|fp16 the noisy state at grid point `step`
+                                           ((N, D + 1, d) for a verify sweep of D drafted)
                      generator (S,) uint8  the request's torch.Generator state, when a host
                                            draws from it (final = "bytes", or a sampler
                                            whose steps draw noise); it comes back advanced
@@ -76,6 +77,10 @@ class SweepHeader(_Header):
     steps_per_block: int = Field(1, ge=1, le=64)
     sampler: str = "euler"
     """The step between grid points (model.sampler.SAMPLERS)."""
+    drafted: int = Field(default=0, ge=0, le=62)
+    """A verify sweep (model.speculative): the last `drafted` bytes of x are a draft, and z
+    holds drafted + 1 tokens, one per position after the context (K = 1 models; the last host
+    answers logits (N, drafted + 1, 256)). 0: an ordinary sweep of one span."""
 
     @field_validator("sampler")
     @classmethod
@@ -92,6 +97,9 @@ class StageHeader(_Header):
     """How many positions the stage caches already hold (0 starts a fresh cache)."""
     close: bool = False
     """Drop the caches after this step (the generation's last byte)."""
+    verify: int = Field(default=0, ge=0, le=62)
+    """The last `verify` tokens are a draft (speculative decoding): the last stage answers the
+    logits of the last verify + 1 positions, (N, verify + 1, 256). 0: the last position's."""
 
 
 class TraceEntry(BaseModel):

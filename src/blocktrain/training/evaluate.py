@@ -5,7 +5,13 @@ position i >= 1 of a window predicted from the true clean bytes before its span 
 no context and is not scored, for BlockTrain and the reference alike). All spans of a window are
 denoised at once, exactly as in training, so one sweep over a batch of windows costs B block calls.
 
-- sampler_ce: -log mean_m p_m(true byte) over M independent sweeps from pure noise; the headline.
+- sampler_ce: -log mean_m p_m(true byte) over M independent sweeps from pure noise; the headline
+  for K = 1. For K > 1 it is a per-byte *marginal* and only a diagnostic: it cannot see whether
+  the bytes of a span fit together.
+- joint_ce: -log((1/M) sum_m prod_{j in span} p_m(y_j)) / K, the sampler's joint CE per byte of a
+  whole span, an upper bound that tightens with M (position 0 of a window, unscored, counts as
+  certain); equal to sampler_ce at K = 1. The quality of K > 1 is this and the judged text
+  (training/generated.py), never the marginal.
 - from_noise_ce: the CE of single sweeps' final logits, averaged over the M sweeps.
 - ce_per_step: the CE of the logits at each point of the sampler grid (diagnostic).
 - sampler_ce_per_step: the sampler CE (-log mean over the M sweeps) of each grid point's logits:
@@ -26,20 +32,20 @@ import torch
 import torch.nn.functional as F
 
 from blocktrain.model import BlockStack, Reference, SigmaSchedule, ZLayout, one_sweep
-from blocktrain.model.sampler import stack_denoiser
+from blocktrain.model.sampler import DEFAULT_SAMPLER, DEFAULT_STEPS_PER_BLOCK, stack_denoiser
 
 
 @dataclass(frozen=True)
 class EvalSettings:
     sweeps: int = 16
     """M, the number of independent sweeps for the sampler CE."""
-    steps_per_block: int = 1
+    steps_per_block: int = DEFAULT_STEPS_PER_BLOCK
     """Sampler grid points per block."""
     seed: int = 0
     """Seeds the initial noise and the oracle's sigmas."""
     batch_size: int = 16
     """Windows per forward pass."""
-    sampler: str = "euler"
+    sampler: str = DEFAULT_SAMPLER
     """The sampler's step: "euler" (DESIGN.md 2.6) or "ancestral" (re-noise from a sample)."""
     oracle: bool = True
     """Also measure each block's oracle CE (one more forward per block; per-round curves that
@@ -90,6 +96,7 @@ def evaluate_blocktrain(
 
     n_scored = 0
     sampler_nll = 0.0
+    joint_nll = 0.0
     from_noise_nll = 0.0
     step_nll = [0.0] * len(grid)
     step_mix_nll = [0.0] * len(grid)
@@ -137,6 +144,9 @@ def evaluate_blocktrain(
         for step in range(len(grid)):
             step_mix_nll[step] -= float((logp_steps[step].logsumexp(dim=0) - math.log(m)).sum())
         sampler_nll -= float((logp_true.logsumexp(dim=0) - math.log(m)).sum())
+        # Whole spans: the product of a sweep's probabilities over the K bytes of each span.
+        spans = F.pad(logp_true, (1, 0)).view(m, n, t // cfg.span, cfg.span).sum(-1)
+        joint_nll -= float((spans.logsumexp(dim=0) - math.log(m)).sum())
         for k in sub_ms:
             sub_nll[k] -= float((logp_true[:k].logsumexp(dim=0) - math.log(k)).sum())
         if settings.oracle:
@@ -147,6 +157,8 @@ def evaluate_blocktrain(
     sampler_ce = sampler_nll / n_scored
     return {
         "sampler_ce": sampler_ce,
+        "joint_ce": joint_nll / n_scored,
+        "span": cfg.span,
         "from_noise_ce": from_noise_nll / n_scored,
         "ce_per_step": [v / (n_scored * m) for v in step_nll],
         "sampler_ce_per_step": [v / n_scored for v in step_mix_nll],

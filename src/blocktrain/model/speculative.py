@@ -1,0 +1,215 @@
+"""Speculative generation with a K = 1 stack: draft D bytes cheaply, then verify all of them, and
+draw one more, in ONE sweep of the blocks (span-research.md section 7; Leviathan et al. 2023,
+arXiv 2211.17192, section 2.3; Chen et al. 2023, arXiv 2302.01318).
+
+The verify sweep puts the draft in the clean stream and one z token at each of the D + 1
+positions after the context, each its own span of one byte (the K = 1 training layout, cut to
+those positions): z_i sees the context and the drafted bytes d_<i, never d_i. Each z_i starts
+from fresh noise, independent of the draft, so p_i = the sampler's distribution of byte i given
+(context, d_<i) for that sweep's noise. The rule: accept d_i with probability
+min(1, p_i(d_i) / r_i(d_i)) where r_i is the law d_i was drawn from; at the first rejection draw
+from norm(max(0, p_i - r_i)) and stop; if all are accepted draw a bonus byte from p_D. Whatever
+r is, the emitted bytes follow exactly the K = 1 sampler's law (the same lemma, applied per
+sweep noise and then averaged over it), so the text is the K = 1 model's; the drafter only
+decides how many bytes one traversal yields: (1 - a^(D+1)) / (1 - a) for acceptance a.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from blocktrain.model.block import ZLayout
+from blocktrain.model.sampler import Denoiser, Sampling, one_sweep, sampling_probs
+
+
+class Drafter(Protocol):
+    """Anything that drafts bytes and says the law it drew each one from (data.ngram's
+    NgramDrafter on the router; a small model would do as well)."""
+
+    def draft(
+        self, context: list[int], n: int, generator: torch.Generator
+    ) -> tuple[list[int], torch.Tensor]:
+        """n bytes drawn one after another given the context and the bytes drafted before
+        each -> (the bytes, their laws (n, 256))."""
+        ...
+
+
+def verify_layout(context_len: int, drafted: int, device: torch.device | str = "cpu") -> ZLayout:
+    """z tokens at positions P..P+D for a clean stream of P context bytes and D drafted ones,
+    each its own span: z_i sees clean bytes 0..P+i-1 (the context and d_<i) and itself."""
+    pos = torch.arange(context_len, context_len + drafted + 1, device=device)
+    return ZLayout.build(context_len + drafted, pos, pos)
+
+
+def accept_draft(
+    draft: list[int], laws: torch.Tensor, probs: torch.Tensor, generator: torch.Generator
+) -> list[int]:
+    """The bytes one verify sweep emits: draft (D,) drawn from laws (D, 256); probs (D + 1, 256)
+    the sampler's distributions at the D + 1 verified positions -> 1..D + 1 bytes."""
+    out: list[int] = []
+    for i, byte in enumerate(draft):
+        p, r = probs[i].double(), laws[i].double()
+        u = float(torch.rand((), generator=generator, dtype=torch.float64))
+        if u * float(r[byte]) < float(p[byte]):  # u < p/r, written without dividing by r
+            out.append(byte)
+            continue
+        residual = (p - r).clamp(min=0)
+        if float(residual.sum()) <= 0:  # p <= r everywhere means p == r: cannot reject
+            residual = p
+        out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
+        return out
+    out.append(int(torch.multinomial(probs[len(draft)].double(), 1, generator=generator)))
+    return out
+
+
+class SpeculativeLoop:
+    """The bookkeeping of speculative generation for one sequence, shared by the in-process
+    loops and the router's, so that all draw the same numbers in the same order: the draft, then
+    (for a one-sweep model) the noise of the D + 1 z tokens, then the verify pass (a sweep may
+    draw too), then the acceptance draws. The verifier may be a K = 1 BlockTrain stack or an
+    autoregressive model: the rule is the same.
+
+        loop = SpeculativeLoop(prompt, n, ...)
+        while not loop.done:
+            draft = loop.next_draft()
+            x, z, context_len = loop.sweep_input(draft, d_model, sigma_max)   # one-sweep model
+            logits = ...the verifier's logits at the D + 1 positions...      # (1, D + 1, 256)
+            emitted = loop.push(logits)
+    """
+
+    def __init__(
+        self,
+        prompt: torch.Tensor,
+        n_bytes: int,
+        *,
+        drafter: Drafter,
+        draft_len: int,
+        seq_len: int,
+        sampling: Sampling,
+        generator: torch.Generator,
+    ) -> None:
+        if prompt.shape[0] != 1 or prompt.shape[1] == 0:
+            raise ValueError("speculative generation takes one prompt of at least one byte")
+        if not 0 <= draft_len <= seq_len - 2:
+            raise ValueError(f"draft_len = {draft_len} must lie in 0..T - 2 = {seq_len - 2}")
+        self.context: list[int] = prompt[0].tolist()
+        self.n_bytes, self.draft_len, self.seq_len = n_bytes, draft_len, seq_len
+        self.drafter, self.sampling, self.generator = drafter, sampling, generator
+        self.produced = self.traversals = self.drafted = self.accepted = 0
+        self._pending: tuple[list[int], torch.Tensor] | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.produced >= self.n_bytes
+
+    def next_draft(self) -> list[int]:
+        """The next D bytes drafted after the context (none past the bytes still wanted)."""
+        drafted = min(self.draft_len, self.n_bytes - self.produced - 1)
+        draft, laws = self.drafter.draft(self.context, drafted, self.generator)
+        self._pending = (draft, laws)
+        return draft
+
+    def sweep_input(
+        self, draft: list[int], d_model: int, sigma_max: float
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """A one-sweep verifier's input -> (x (1, P + D): the context's last T - 1 - D bytes then
+        the draft, z (1, D + 1, d) fp32 at sigma_max, P)."""
+        context = self.context[-(self.seq_len - 1 - len(draft)) :]
+        noise = torch.randn(1, len(draft) + 1, d_model, generator=self.generator)
+        x = torch.tensor([context + draft], dtype=torch.long)
+        return x, sigma_max * noise, len(context)
+
+    def push(self, logits: torch.Tensor) -> torch.Tensor:
+        """The verifier's logits at the D + 1 positions (1, D + 1, 256) -> the emitted bytes
+        (1, m), 1 <= m <= D + 1."""
+        assert self._pending is not None, "push follows next_draft"
+        draft, laws = self._pending
+        self._pending = None
+        probs = sampling_probs(logits[0].cpu(), self.sampling)
+        new = accept_draft(draft, laws, probs, self.generator)[: self.n_bytes - self.produced]
+        self.traversals += 1
+        self.drafted += len(draft)
+        self.accepted += sum(1 for a, b in zip(new, draft, strict=False) if a == b)
+        self.context += new
+        self.produced += len(new)
+        return torch.tensor([new], dtype=torch.long)
+
+
+@torch.no_grad()
+def generate_speculative(
+    denoise: Denoiser,
+    prompt: torch.Tensor,
+    n_bytes: int,
+    *,
+    drafter: Drafter,
+    draft_len: int,
+    grid: list[tuple[int, float]],
+    targets: torch.Tensor,
+    seq_len: int,
+    sampling: Sampling,
+    generator: torch.Generator,
+    method: str = "euler",
+) -> tuple[torch.Tensor, SpeculativeLoop]:
+    """Continue prompt (1, Lp) by n_bytes with a K = 1 stack, D = draft_len drafted bytes
+    verified per sweep. -> ((1, n_bytes) int64, the loop with its counts)."""
+    loop = SpeculativeLoop(
+        prompt,
+        n_bytes,
+        drafter=drafter,
+        draft_len=draft_len,
+        seq_len=seq_len,
+        sampling=sampling,
+        generator=generator,
+    )
+    out = []
+    while not loop.done:
+        draft = loop.next_draft()
+        x, z, context_len = loop.sweep_input(draft, targets.shape[1], grid[0][1])
+        layout = verify_layout(context_len, x.shape[1] - context_len, device=targets.device)
+        logits = one_sweep(
+            denoise,
+            x.to(targets.device),
+            z.to(targets.device),
+            grid,
+            targets,
+            layout,
+            method=method,
+            generator=generator,
+        )
+        out.append(loop.push(logits))
+    return torch.cat(out, dim=1), loop
+
+
+@torch.no_grad()
+def generate_autoregressive_speculative(
+    model: Callable[[torch.Tensor], torch.Tensor],
+    prompt: torch.Tensor,
+    n_bytes: int,
+    *,
+    drafter: Drafter,
+    draft_len: int,
+    seq_len: int,
+    sampling: Sampling,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, SpeculativeLoop]:
+    """The same with an autoregressive verifier `model(x (1, L)) -> logits (1, L, 256)`: one
+    pass over the context's last T - D bytes and the draft scores the D + 1 positions."""
+    loop = SpeculativeLoop(
+        prompt,
+        n_bytes,
+        drafter=drafter,
+        draft_len=draft_len,
+        seq_len=seq_len,
+        sampling=sampling,
+        generator=generator,
+    )
+    device = prompt.device
+    out = []
+    while not loop.done:
+        draft = loop.next_draft()
+        x = torch.tensor([loop.context[-(seq_len - len(draft)) :] + draft], device=device)
+        out.append(loop.push(model(x)[:, -(len(draft) + 1) :]))
+    return torch.cat(out, dim=1), loop

@@ -1,0 +1,98 @@
+"""The block host's HTTP app: routes over `host.BlockHost`, body limits, and errors as JSON.
+
+POST /v1/sweep   run this host's points of the sigma grid on a span's state, then forward
+POST /v1/stage   run this host's reference stages (the autoregressive baseline), then forward
+GET  /v1/info    the models, blocks/stages and fingerprints held here
+GET  /healthz    liveness
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+
+from blocktrain.serving.errors import BadRequest, ServingError
+from blocktrain.serving.host import BlockHost, HostSettings
+from blocktrain.serving.loading import HostedModel, load_hosted_model
+from blocktrain.serving.transport import make_client
+from blocktrain.serving.wire import CONTENT_TYPE, TRACE_HEADER, TraceEntry, trace_to_header
+
+log = logging.getLogger(__name__)
+
+
+def create_app(
+    settings: HostSettings,
+    *,
+    models: list[HostedModel] | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> FastAPI:
+    """A block host. Loads its blocks/stages from the run folders in `settings` unless `models`
+    are given; `transport` (tests) replaces the network to the next host."""
+    if models is None:
+        models = [load_hosted_model(src, list(settings.parts)) for src in settings.models]
+    client = make_client(timeout_s=settings.timeout_s, hop_ms=settings.hop_ms, transport=transport)
+    host = BlockHost(settings, {m.name: m for m in models}, client, clock)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await client.aclose()
+
+    app = FastAPI(title="BlockTrain block host", lifespan=lifespan)
+    app.state.host = host
+
+    @app.exception_handler(ServingError)
+    async def serving_error(_: Request, exc: ServingError) -> JSONResponse:
+        if exc.status >= 500:
+            log.warning("%s", exc.message)
+        return JSONResponse(exc.to_json(), status_code=exc.status)
+
+    async def read_body(request: Request) -> bytes:
+        limit = settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise BadRequest(
+                f"body of {declared} bytes exceeds the limit of {limit}",
+                code="too_large",
+                status=413,
+            )
+        body = await request.body()
+        if len(body) > limit:
+            raise BadRequest(
+                f"body of {len(body)} bytes exceeds the limit of {limit}",
+                code="too_large",
+                status=413,
+            )
+        return body
+
+    def answer(result: tuple[bytes, list[TraceEntry]]) -> Response:
+        body, trace = result
+        return Response(
+            body, media_type=CONTENT_TYPE, headers={TRACE_HEADER: trace_to_header(trace)}
+        )
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"ok": True, "host": settings.public_url}
+
+    @app.get("/v1/info")
+    async def info() -> dict[str, Any]:
+        return host.info()
+
+    @app.post("/v1/sweep")
+    async def sweep(request: Request) -> Response:
+        return answer(await host.sweep(await read_body(request)))
+
+    @app.post("/v1/stage")
+    async def stage(request: Request) -> Response:
+        return answer(await host.stage(await read_body(request)))
+
+    return app

@@ -1,0 +1,173 @@
+"""The router's HTTP app: `POST /v1/generate`, the OpenAI-compatible `POST /v1/completions`
+(plain or streamed as server-sent events), `GET /v1/models` and `GET /healthz`, over
+`router.Router`; every error as OpenAI-shaped JSON."""
+
+from __future__ import annotations
+
+import codecs
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from blocktrain.serving.chain import (
+    ChainStats,
+)
+from blocktrain.serving.errors import BadRequest, ServingError
+from blocktrain.serving.router import Router, RouterSettings
+from blocktrain.serving.schemas import (
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    GenerateRequest,
+    GenerateResponse,
+    Timing,
+    Usage,
+)
+from blocktrain.serving.transport import make_client
+
+log = logging.getLogger(__name__)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    msg = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+    param = loc[0] if loc else None
+    if first.get("type") == "extra_forbidden":
+        msg = "unknown parameter"
+    return (f"{'.'.join(loc)}: {msg}" if loc else msg), param
+
+
+def create_app(
+    settings: RouterSettings, *, transport: httpx.AsyncBaseTransport | None = None
+) -> FastAPI:
+    """The router app; `transport` (tests) replaces the network to the hosts."""
+    client = make_client(timeout_s=settings.timeout_s, hop_ms=settings.hop_ms, transport=transport)
+    router = Router(settings, client)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await client.aclose()
+
+    app = FastAPI(title="BlockTrain router", lifespan=lifespan)
+    app.state.router = router
+
+    @app.exception_handler(ServingError)
+    async def serving_error(_: Request, exc: ServingError) -> JSONResponse:
+        exc = router.failed(exc)
+        if exc.status >= 500:
+            log.warning("%s", exc.message)
+        return JSONResponse(exc.to_json(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return JSONResponse(BadRequest(message, param=param).to_json(), status_code=400)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"ok": True, "hosts": list(settings.hosts)}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        served = await router.directory.models()
+        return {
+            "object": "list",
+            "data": [m.describe() for m in served.values()],
+            "unavailable": router.directory.unavailable,
+        }
+
+    @app.post("/v1/generate")
+    async def generate(req: GenerateRequest) -> GenerateResponse:
+        t0 = time.perf_counter()
+        job = await router.job(
+            model=req.model, prompt=req.prompt, n_bytes=req.max_bytes, param="max_bytes", req=req
+        )
+        stats = ChainStats()
+        pieces = [piece async for piece in router.stream(job, stats)]
+        data = bytes(torch.cat(pieces, dim=1)[0].tolist())
+        return GenerateResponse(
+            model=job.model.name,
+            kind=job.model.kind,
+            text=data.decode("utf-8", "replace"),
+            bytes=list(data),
+            seed=job.seed,
+            prompt_bytes=len(job.prompt),
+            output_bytes=len(data),
+            traversals=stats.traversals,
+            hosts=job.model.route,
+            timing=Timing(
+                total_s=time.perf_counter() - t0,
+                chain_s=stats.chain_s,
+                host_compute_s=stats.host_compute_s,
+            ),
+        )
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(req: CompletionRequest) -> Completion | StreamingResponse:
+        job = await router.job(
+            model=req.model, prompt=req.prompt, n_bytes=req.max_tokens, param="max_tokens", req=req
+        )
+        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        usage = Usage(
+            prompt_tokens=len(job.prompt),
+            completion_tokens=job.n_bytes,
+            total_tokens=len(job.prompt) + job.n_bytes,
+        )
+        pieces = router.stream(job, ChainStats())
+        if not req.stream:
+            out = [piece async for piece in pieces]
+            text = bytes(torch.cat(out, dim=1)[0].tolist()).decode("utf-8", "replace")
+            return Completion(
+                id=cid,
+                created=created,
+                model=job.model.name,
+                usage=usage,
+                choices=[CompletionChoice(text=text, finish_reason="length")],
+            )
+        # The first piece is computed before the response starts, so that a chain that is
+        # down answers with a proper status rather than a stream that breaks at once.
+        first = await anext(pieces)
+
+        def chunk(text: str, finish: bool = False, with_usage: bool = False) -> str:
+            doc = Completion(
+                id=cid,
+                created=created,
+                model=job.model.name,
+                choices=[CompletionChoice(text=text, finish_reason="length" if finish else None)],
+                usage=usage if with_usage else None,
+            )
+            return f"data: {doc.model_dump_json()}\n\n"
+
+        async def events() -> AsyncIterator[str]:
+            decoder = codecs.getincrementaldecoder("utf-8")("replace")
+            yield chunk(decoder.decode(bytes(first[0].tolist())))
+            try:
+                async for piece in pieces:
+                    yield chunk(decoder.decode(bytes(piece[0].tolist())))
+            except ServingError as exc:
+                err = router.failed(exc)
+                log.warning("stream %s failed: %s", cid, err.message)
+                yield f"data: {json.dumps(err.to_json())}\n\n"
+                return
+            yield chunk(
+                decoder.decode(b"", final=True),
+                finish=True,
+                with_usage=bool((req.stream_options or {}).get("include_usage")),
+            )
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app

@@ -1,0 +1,89 @@
+"""Speculative generation through the chain: drafted on the router, verified in one traversal
+of the K = 1 model's hosts, and the same bytes as the in-process loop."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from blocktrain.data.ngram import NgramDrafter
+from blocktrain.model import BlockStack, Sampling, SigmaSchedule, stack_denoiser
+from blocktrain.model.speculative import generate_autoregressive_speculative, generate_speculative
+from blocktrain.training import load_model
+from tests.conftest import TEXT
+
+DRAFTER = NgramDrafter(np.frombuffer((TEXT * 10).encode(), dtype=np.uint8), order=3)
+
+
+@pytest.fixture(scope="module")
+def k1(runs) -> BlockStack:
+    _, model = load_model(runs.next_byte)
+    assert isinstance(model, BlockStack) and model.cfg.span == 1
+    return model
+
+
+@pytest.mark.parametrize("sampler", ["euler", "ancestral"])
+def test_verified_drafts_through_the_chain_are_the_in_process_loops_bytes(cluster, k1, sampler):
+    prompt = b"Valkyria Chronicles is a "
+    request = {"model": "bt1", "prompt": prompt.decode(), "max_bytes": 12, "seed": 4}
+    extra = {"draft_bytes": 4, "sampler": sampler, "steps_per_block": 2}
+    with cluster.router(drafter=DRAFTER) as router:
+        r = router.post("/v1/generate", json={**request, **extra})
+    assert r.status_code == 200, r.text
+    expected, loop = generate_speculative(
+        stack_denoiser(k1),
+        torch.tensor([list(prompt)]),
+        12,
+        drafter=DRAFTER,
+        draft_len=4,
+        grid=SigmaSchedule.from_config(k1.cfg).sampler_grid(2),
+        targets=k1.targets,
+        seq_len=k1.cfg.seq_len,
+        sampling=Sampling(),
+        generator=torch.Generator().manual_seed(4),
+        method=sampler,
+    )
+    # The hosts run the in-process loop's code on the same shapes: the same bytes exactly.
+    assert r.json()["bytes"] == expected[0].tolist()
+    assert r.json()["traversals"] == loop.traversals <= 12
+    assert loop.drafted > 0
+
+
+def test_the_autoregressive_pipeline_verifies_the_same_drafts_with_its_caches(cluster, runs):
+    _, ref = load_model(runs.reference)
+    prompt = b"Valkyria Chronicles is a "
+    request = {"model": "ref", "prompt": prompt.decode(), "max_bytes": 20, "seed": 3}
+    with cluster.router(drafter=DRAFTER) as router:
+        r = router.post("/v1/generate", json={**request, "draft_bytes": 4})
+    assert r.status_code == 200, r.text
+    expected, loop = generate_autoregressive_speculative(
+        ref,
+        torch.tensor([list(prompt)]),
+        20,
+        drafter=DRAFTER,
+        draft_len=4,
+        seq_len=ref.cfg.seq_len,
+        sampling=Sampling(),
+        generator=torch.Generator().manual_seed(3),
+    )
+    # The pipeline scores with KV caches, the in-process loop with a full forward: logits
+    # equal to ~1e-6, so an acceptance draw would have to fall within that of its threshold to
+    # decide otherwise; 20 bytes run past T = 16, so caches are cut back and restarted.
+    assert r.json()["bytes"] == expected[0].tolist()
+    assert r.json()["traversals"] == loop.traversals < 20
+    for url in cluster.urls:
+        sessions = cluster.apps.apps[url].state.host.sessions
+        assert len(sessions) == 0, "one session per generation, closed by its last step"
+
+
+def test_drafting_is_refused_where_it_cannot_be_exact(cluster):
+    request = {"prompt": "The ", "max_bytes": 4, "draft_bytes": 3}
+    with cluster.router(drafter=DRAFTER) as router:
+        span2 = router.post("/v1/generate", json={**request, "model": "bt"})
+        too_many = router.post("/v1/generate", json={**request, "model": "bt1", "draft_bytes": 15})
+    assert span2.status_code == 400 and "has K = 2" in span2.json()["error"]["message"]
+    assert too_many.status_code == 400 and "exceeds the limit of 14" in too_many.text
+    with cluster.router() as router:
+        r = router.post("/v1/generate", json={**request, "model": "bt1"})
+    assert r.status_code == 400 and "has no drafter" in r.json()["error"]["message"]
