@@ -21,13 +21,14 @@ from blocktrain.errors import ConfigError
 from blocktrain.model import Block, BlockStack, Reference, Sampling, SigmaSchedule, generate
 from blocktrain.model import stack_denoiser as _stack_denoiser
 from blocktrain.model.pipeline import KVCache, split_reference
+from blocktrain.training.optim import ADAMW_BYTES_PER_PARAM
 
 GIB = 1024**3
 FP16_BYTES = 2
 FP32_BYTES = 4
 # A worker training one block in fp32 with AdamW holds per parameter: the weight, its gradient
 # and two moments (activations come on top and depend on the batch).
-TRAIN_BYTES_PER_PARAM = {"weights": 4, "grads": 4, "adamw_moments": 8}
+TRAIN_BYTES_PER_PARAM = {"weights": 4, "grads": 4, "adamw_moments": ADAMW_BYTES_PER_PARAM}
 
 NAMED_SHAPES: dict[str, dict[str, int]] = {
     # The seed served "up to a 75.80B-parameter logical fp16 shape" on three hosts. This code's
