@@ -10,7 +10,8 @@ import struct
 import pytest
 import torch
 
-from blocktrain.protocol.wire import WireError, decode, encode, looks_like_pickle, metadata_int
+from blocktrain.protocol.wire import WireError, decode, encode, metadata_int
+from blocktrain.tensorwire import looks_like_pickle
 
 
 def tensors() -> dict[str, torch.Tensor]:

@@ -251,7 +251,7 @@ def test_a_host_refuses_state_that_is_not_its_own(cluster, stack, change, code):
 @pytest.mark.parametrize(
     ("body", "reason"),
     [
-        (b"not safetensors", "not a safetensors message"),
+        (b"not safetensors", "not a complete safetensors body"),
         (encode({"x": torch.zeros(1, 4, dtype=torch.uint8)}, {"model": "bt"}), "fingerprint"),
     ],
 )

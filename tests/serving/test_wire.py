@@ -33,6 +33,22 @@ def test_garbage_is_a_wire_error(body):
         decode(body)
 
 
+def test_pickles_and_other_dtypes_are_refused_with_their_reason():
+    import io
+    import pickle
+
+    with pytest.raises(WireError, match="never unpickles") as exc:
+        decode(pickle.dumps({"z": [1.0]}))
+    assert exc.value.reason == "pickle"
+    buf = io.BytesIO()
+    torch.save({"z": torch.zeros(2)}, buf)
+    with pytest.raises(WireError, match="pickle or torch.save"):
+        decode(buf.getvalue())
+    with pytest.raises(WireError, match="I64") as exc:
+        decode(encode({"x": torch.zeros(2, 3, dtype=torch.int64)}))
+    assert exc.value.reason == "bad_dtype"
+
+
 def test_headers_are_strict():
     with pytest.raises(ValueError):
         SweepHeader.model_validate({"model": "m", "fingerprint": "f", "step": 0, "extra": 1})

@@ -19,7 +19,9 @@ samples. Logits always travel in fp32 so that sampling gives the same bytes wher
 the fp16 option only narrows the state. Every host adds a line to the `x-blocktrain-trace`
 response header (JSON list) saying what it computed and for how long.
 
-Errors travel as JSON (`errors.ServingError.to_json`), never as safetensors. Nothing is pickled.
+Bodies are read by `blocktrain.tensorwire`, the parser the aggregator uses too (a pickle or a
+malformed body is refused with its reason). Errors travel as JSON (`errors.ServingError.to_json`),
+never as safetensors. Nothing is pickled.
 """
 
 from __future__ import annotations
@@ -29,22 +31,18 @@ from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-from safetensors import SafetensorError
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
+from blocktrain import tensorwire
 from blocktrain.model.sampler import check_sampler
+from blocktrain.tensorwire import CONTENT_TYPE, WireError
 
-CONTENT_TYPE = "application/vnd.blocktrain.safetensors"
+__all__ = ["CONTENT_TYPE", "WIRE_DTYPES", "WireError", "decode", "encode"]
+
 HEADER_KEY = "blocktrain"
 TRACE_HEADER = "x-blocktrain-trace"
 WIRE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16}
 WireDtype = Literal["fp32", "fp16"]
 Final = Literal["logits", "bytes"]
-
-
-class WireError(ValueError):
-    """A body that is not a well-formed BlockTrain message."""
 
 
 class SamplingSpec(BaseModel):
@@ -110,32 +108,19 @@ class TraceEntry(BaseModel):
 
 
 def encode(tensors: dict[str, torch.Tensor], header: dict[str, Any] | None = None) -> bytes:
-    meta = {HEADER_KEY: json.dumps(header or {}, separators=(",", ":"))}
-    return st_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata=meta)
+    return tensorwire.encode(tensors, {HEADER_KEY: json.dumps(header or {}, separators=(",", ":"))})
 
 
 def decode(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """-> (tensors, header). Raises WireError with the reason for anything malformed."""
-    if len(data) < 8:
-        raise WireError("the body is not a safetensors message (too short)")
-    n = int.from_bytes(data[:8], "little")
-    if n > len(data) - 8:
-        raise WireError("the body is not a safetensors message (truncated header)")
+    decoded = tensorwire.decode(data)
     try:
-        meta = json.loads(data[8 : 8 + n]).get("__metadata__") or {}
-        header = json.loads(meta.get(HEADER_KEY, "{}"))
-        tensors = st_load(data)
-    except (
-        json.JSONDecodeError,
-        UnicodeDecodeError,
-        AttributeError,
-        SafetensorError,
-        ValueError,
-    ) as exc:
-        raise WireError(f"the body is not a readable safetensors message ({exc})") from None
+        header = json.loads(decoded.metadata.get(HEADER_KEY, "{}"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise WireError("bad_metadata", f"the message header is not JSON ({exc})") from None
     if not isinstance(header, dict):
-        raise WireError("the message header is not a JSON object")
-    return tensors, header
+        raise WireError("bad_metadata", "the message header is not a JSON object")
+    return decoded.to_torch(), header
 
 
 def bytes_tensor(t: torch.Tensor) -> torch.Tensor:
