@@ -42,7 +42,7 @@ def test_pickles_and_other_dtypes_are_refused_with_their_reason():
     assert exc.value.reason == "pickle"
     buf = io.BytesIO()
     torch.save({"z": torch.zeros(2)}, buf)
-    with pytest.raises(WireError, match="pickle or torch.save"):
+    with pytest.raises(WireError, match=r"pickle or torch\.save"):
         decode(buf.getvalue())
     with pytest.raises(WireError, match="I64") as exc:
         decode(encode({"x": torch.zeros(2, 3, dtype=torch.int64)}))
