@@ -10,6 +10,7 @@ import typing
 from typing import Any
 
 from blocktrain.config import PRESETS, RunConfig, apply_overrides, preset
+from blocktrain.model.sampler import DEFAULT_SAMPLER, DEFAULT_STEPS_PER_BLOCK, SAMPLERS
 from blocktrain.protocol.settings import AggregatorSettings, declared, default_text
 
 TOKEN_ENV = "BLOCKTRAIN_TOKEN"
@@ -103,3 +104,19 @@ def print_json(obj: Any) -> None:
 
 class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """Keep the examples' line breaks and show defaults."""
+
+
+def add_sampler_args(p: argparse.ArgumentParser) -> None:
+    """--steps-per-block and --sampler, defaulting to the best measured recipe; the command
+    checks the values (one clear error line for an unknown sampler)."""
+    p.add_argument(
+        "--steps-per-block",
+        type=int,
+        default=DEFAULT_STEPS_PER_BLOCK,
+        help="sampler points per block",
+    )
+    p.add_argument(
+        "--sampler",
+        default=DEFAULT_SAMPLER,
+        help=f"the sampler's step between grid points: {', '.join(SAMPLERS)}",
+    )

@@ -6,11 +6,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from blocktrain.cli.common import Formatter, add_data_arg, print_json
+from blocktrain.cli.common import Formatter, add_data_arg, add_sampler_args, print_json
 from blocktrain.data import load_split
 from blocktrain.errors import CheckpointError, ConfigError
 from blocktrain.model import BlockStack, Reference
-from blocktrain.model.sampler import DEFAULT_SAMPLER, DEFAULT_STEPS_PER_BLOCK, SAMPLERS
 from blocktrain.training import EvalSettings, evaluate_blocktrain, evaluate_reference, load_model
 from blocktrain.training.generated import GenSettings, evaluate_generation
 
@@ -35,18 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--split", default="valid", choices=("valid", "test"))
     p.add_argument("--bytes", type=int, default=32768, help="held-out bytes to evaluate")
     p.add_argument("--sweeps", type=int, default=16, help="M, sampler sweeps from pure noise")
-    p.add_argument(
-        "--steps-per-block",
-        type=int,
-        default=DEFAULT_STEPS_PER_BLOCK,
-        help="sampler points per block",
-    )
-    p.add_argument(
-        "--sampler",
-        default=DEFAULT_SAMPLER,
-        choices=SAMPLERS,
-        help="Euler steps, or re-noising from a sampled byte at every step",
-    )
+    add_sampler_args(p)
     p.add_argument("--seed", type=int, default=0, help="seeds the noise")
     p.add_argument("--batch-size", type=int, default=16, help="windows per forward pass")
     p.add_argument(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from blocktrain.cli.common import Formatter
+from blocktrain.cli.common import Formatter, add_sampler_args
 from blocktrain.errors import CheckpointError, ConfigError
 from blocktrain.model import (
     BlockStack,
@@ -20,9 +20,6 @@ from blocktrain.model import (
     stack_denoiser,
 )
 from blocktrain.model.sampler import (
-    DEFAULT_SAMPLER,
-    DEFAULT_STEPS_PER_BLOCK,
-    SAMPLERS,
     check_sampler,
 )
 from blocktrain.training import load_model
@@ -50,17 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
     p.add_argument("--top-k", type=int, default=0, help="keep the k likeliest bytes (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    p.add_argument(
-        "--steps-per-block",
-        type=int,
-        default=DEFAULT_STEPS_PER_BLOCK,
-        help="sampler points per block",
-    )
-    p.add_argument(
-        "--sampler",
-        default=DEFAULT_SAMPLER,
-        help=f"the sampler's step between grid points: {', '.join(SAMPLERS)}",
-    )
+    add_sampler_args(p)
     p.add_argument(
         "--continuation-only",
         action="store_true",
