@@ -75,6 +75,13 @@ def test_bad_serve_input(capsys, busy_port):
     )
 
 
+def test_a_bad_draft_corpus_is_one_clear_line(capsys, tmp_path, runs):
+    serve = ["serve", "--hosts", "http://a:1", "--port", "0", "--draft-corpus"]
+    fails_cleanly(capsys, [*serve, str(tmp_path / "none")], "--draft-corpus")
+    corpus = runs.blocktrain.parent / "corpus"
+    fails_cleanly(capsys, [*serve, str(corpus), "--draft-order", "9"], "order = 9")
+
+
 def test_bad_plan_shape_input(capsys):
     fails_cleanly(capsys, ["plan", "--shape", "nope"], "unknown shape")
     fails_cleanly(capsys, ["plan", "--shape", "seed-75b", "--set", "span=2"], "replaces")

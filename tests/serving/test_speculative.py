@@ -3,6 +3,8 @@ of the K = 1 model's hosts, and the same bytes as the in-process loop."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -75,6 +77,18 @@ def test_the_autoregressive_pipeline_verifies_the_same_drafts_with_its_caches(cl
     for url in cluster.urls:
         sessions = cluster.apps.apps[url].state.host.sessions
         assert len(sessions) == 0, "one session per generation, closed by its last step"
+
+
+def test_streamed_completions_carry_the_verified_bytes(cluster):
+    request = {"model": "bt1", "prompt": "Sega ", "max_tokens": 10, "seed": 2, "draft_bytes": 3}
+    with cluster.router(drafter=DRAFTER) as router:
+        plain = router.post("/v1/completions", json=request).json()["choices"][0]["text"]
+        r = router.post("/v1/completions", json={**request, "stream": True})
+    events = [e for e in r.text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]]
+    assert "".join(chunks) == plain and len(plain.encode("utf-8", "surrogateescape")) >= 1
+    assert len(chunks) - 1 < 10, "several bytes per traversal come as one chunk"
 
 
 def test_drafting_is_refused_where_it_cannot_be_exact(cluster):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from blocktrain.cli.common import Formatter
 from blocktrain.data import load_split
@@ -86,6 +87,8 @@ def run_cmd(args: argparse.Namespace) -> int:
     hosts = tuple(check_url(h.strip(), "--hosts entry") for h in args.hosts.split(",") if h.strip())
     drafter = None
     if args.draft_corpus:
+        if not Path(args.draft_corpus).exists():
+            raise ConfigError(f"--draft-corpus {args.draft_corpus} does not exist")
         try:
             drafter = NgramDrafter(load_split(args.draft_corpus, "train").read(), args.draft_order)
         except ValueError as exc:
