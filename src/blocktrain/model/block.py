@@ -127,12 +127,7 @@ class Block(nn.Module):
         cond = self.noise_mlp(sinusoidal_features(sc.c_noise, self.cfg.noise_dim))  # (N, nd)
 
         x = self.embed(x_bytes)  # (N, Lx, d)
-        h = self.z_in(sc.c_in[:, None, None] * z)  # (N, Lz, d)
-        if self.cfg.z_prev_byte:
-            # The last clean byte each z token may see (BOS before the first span).
-            last = layout.span_start - 1  # (Lz,)
-            prev = torch.where(last >= 0, x_bytes[:, last.clamp(min=0)], BOS)  # (N, Lz)
-            h = h + self.embed(prev)
+        h = self.z_tokens(x_bytes, z, sc.c_in, layout)  # (N, Lz, d)
 
         rope_x = self.rotary.rotation(torch.arange(x_len, device=x_bytes.device))
         rope_z = self.rotary.rotation(layout.z_pos)
@@ -150,6 +145,18 @@ class Block(nn.Module):
         if with_aux and self.aux_head is not None and self.aux_norm is not None:
             aux = self.aux_head(self.aux_norm(x))  # (N, Lx, 256): predicts byte i + 1
         return logits, aux
+
+    def z_tokens(
+        self, x_bytes: torch.Tensor, z: torch.Tensor, c_in: torch.Tensor, layout: ZLayout
+    ) -> torch.Tensor:
+        """The z stream's input tokens (N, Lz, d): the projected c_in * z, plus the clean
+        embedding of the last byte each z token may see (BOS before the first span)."""
+        h = self.z_in(c_in[:, None, None] * z)
+        if self.cfg.z_prev_byte:
+            last = layout.span_start - 1  # (Lz,)
+            prev = torch.where(last >= 0, x_bytes[:, last.clamp(min=0)], BOS)  # (N, Lz)
+            h = h + self.embed(prev)
+        return h
 
 
 def init_block(cfg: ModelConfig, seed: int, index: int) -> Block:
