@@ -3,9 +3,11 @@ into the product. Does revealing a span's bytes in rounds, each block owning an 
 mask rates, write readable text where the Gaussian span models do not?
 
 What it trains, for each span K (tiny shape, the preset's steps per block, seed 0):
-- the same `Block` as the product, fed a masked span instead of a noisy one: z_i = E[y_i] for a
-  revealed byte and 0 for a masked one, and the mask rate t passed through the noise embedding
-  as sigma = 10^t (the block only needs a monotone code of t);
+- the product's `Block`, fed a masked span instead of a noisy one: the state is z_i = E[y_i] for
+  a revealed byte and 0 for a masked one, the mask rate t passes through the noise embedding as
+  sigma = 10^t (the block only needs a monotone code of t), and the z tokens are the block's own
+  byte embedding or a learned [MASK] (`--tokens embed`, R1) or the projected state as in the
+  Gaussian blocks (`--tokens table`);
 - block b owns mask rates t in [(B-1-b)/B, (B-b)/B] (block 0 the most masked), widened by the
   preset's overlap; a sequence draws t, masks each byte with probability t, and the block-local
   loss is the CE on the masked bytes (a mean; MD4's 1/t weight left out of this probe), plus the
@@ -36,16 +38,46 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from blocktrain.config import TrainConfig, preset
+from blocktrain.config import ModelConfig, TrainConfig, preset
 from blocktrain.data import load_split
-from blocktrain.model import BlockStack, Reference, ZLayout
+from blocktrain.model import Block, BlockStack, Reference, ZLayout
 from blocktrain.training import load_model
 from blocktrain.training.generated import judge_continuations, split_prompts
 from blocktrain.training.optim import make_optimizer
 from report import ROOT, machine, update_section, write_json  # bench/report.py
 
 WORK = ROOT / "benchmarks" / "work" / "span_frontier"
+
+
+class MaskedBlock(Block):
+    """The product's block with R1's span tokens: a revealed byte enters the z stream as the
+    block's own (private) byte embedding, a masked one as a learned [MASK] vector, instead of the
+    projected state. The state still travels as z = E[y] or 0, which determines y exactly."""
+
+    def __init__(self, cfg: ModelConfig, targets: torch.Tensor) -> None:
+        super().__init__(cfg)
+        self.mask_token = nn.Parameter(torch.zeros(cfg.d_model))
+        self.register_buffer("table", targets.clone(), persistent=False)
+
+    def z_tokens(
+        self, x_bytes: torch.Tensor, z: torch.Tensor, c_in: torch.Tensor, layout: ZLayout
+    ) -> torch.Tensor:
+        base = super().z_tokens(x_bytes, torch.zeros_like(z), c_in, layout)  # + the prev byte
+        revealed = z.norm(dim=-1, keepdim=True) > 0.5  # (N, Lz, 1)
+        y = (z @ self.table.T).argmax(dim=-1)  # (N, Lz): exact for revealed positions
+        return base + torch.where(revealed, self.embed(y), self.mask_token)
+
+
+def build_stack(cfg: ModelConfig, seed: int, tokens: str) -> BlockStack:
+    stack = BlockStack(cfg, seed)
+    if tokens == "embed":
+        for b in stack.block_ids:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed * 1_000_003 + 7919 * (b + 1))
+                stack.blocks[str(b)] = MaskedBlock(cfg, stack.targets)
+    return stack
 
 
 def mask_interval(block: int, blocks: int, overlap: float) -> tuple[float, float]:
@@ -147,6 +179,12 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument(
+        "--tokens",
+        default="embed",
+        choices=("embed", "table"),
+        help="z tokens: the block's byte embedding / [MASK] (R1), or the projected E[y] / 0",
+    )
+    p.add_argument(
         "--prefix-share", type=float, default=0.5, help="sequences trained on suffix masks"
     )
     args = p.parse_args()
@@ -161,7 +199,7 @@ def main() -> None:
     rows = []
     for k in [int(v) for v in args.spans.split(",")]:
         cfg = dataclasses.replace(base.model, span=k)
-        stack = BlockStack(cfg, base.seed)
+        stack = build_stack(cfg, base.seed, args.tokens)
         t0 = time.perf_counter()
         final = []
         for b in range(cfg.blocks):
@@ -178,6 +216,7 @@ def main() -> None:
                 "rounds_per_block": s,
                 "rounds": cfg.blocks * s,
                 "prefix_share": args.prefix_share,
+                "tokens": args.tokens,
                 "train_loss_per_block": final,
                 "gen_ce": judged["gen_ce"],
                 "gen_ce_sem": judged["gen_ce_sem"],
