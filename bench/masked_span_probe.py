@@ -44,9 +44,15 @@ from blocktrain.config import ModelConfig, TrainConfig, preset
 from blocktrain.data import load_split
 from blocktrain.model import Block, BlockStack, Reference, ZLayout
 from blocktrain.training import load_model
-from blocktrain.training.generated import judge_continuations, split_prompts
+from blocktrain.training.generated import (
+    GenSettings,
+    evaluate_generation,
+    judge_continuations,
+    split_prompts,
+)
 from blocktrain.training.optim import make_optimizer
 from report import ROOT, machine, update_section, write_json  # bench/report.py
+from span_frontier import trained  # bench/span_frontier.py
 
 WORK = ROOT / "benchmarks" / "work" / "span_frontier"
 
@@ -179,6 +185,11 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument(
+        "--name",
+        default="masked_span_probe",
+        help="the JSON file (NAME.json) and BENCHMARKS.md section this run writes",
+    )
+    p.add_argument(
         "--tokens",
         default="embed",
         choices=("embed", "table"),
@@ -229,23 +240,41 @@ def main() -> None:
                 f"  S={s}: gen_ce {row['gen_ce']:.3f} entropy {row['entropy']:.3f}", file=sys.stderr
             )
             rows.append(row)
+    # The plain AR reference trained for as many steps, judged the same way: the fair yardstick
+    # (the span frontier's AR row has the preset's steps).
+    ref_dir = trained(
+        WORK / "tiny" / f"ref-{steps}", ["--preset", "tiny", "--reference", "--steps", str(steps)]
+    )
+    _, ref = load_model(ref_dir)
+    assert isinstance(ref, Reference)
+    windows = torch.cat((prompts, real), dim=1)
+    ar = evaluate_generation(ref, judge, windows, GenSettings(prompts=args.prompts))
+    print(f"AR reference, {steps} steps: gen_ce {ar['gen_ce']:.3f}", file=sys.stderr)
     doc = {
+        "ar_reference": {
+            "steps": steps,
+            "gen_ce": ar["gen_ce"],
+            "gen_ce_sem": ar["gen_ce_sem"],
+            "entropy": ar["entropy"],
+        },
         "preset": "tiny",
         "steps_per_block": steps,
         "judge_steps": args.judge_steps,
         "prompts": args.prompts,
+        "command_args": "".join(f" {a}" for a in sys.argv[1:]),
         "machine": machine(),
         "rows": rows,
     }
-    write_json("masked_span_probe.json", doc)
-    report(doc)
+    write_json(f"{args.name}.json", doc)
+    report(doc, args.name)
 
 
-def report(doc: dict[str, Any]) -> None:
+def report(doc: dict[str, Any], name: str) -> None:
     lines = [
         "## Masked span probe (issue 11, span-research.md R1)",
         "",
-        "`python bench/masked_span_probe.py`; JSON: `benchmarks/results/masked_span_probe.json`. "
+        f"`python bench/masked_span_probe.py{doc.get('command_args', '')}`; JSON: "
+        f"`benchmarks/results/{name}.json`. "
         f"Tiny shape, {doc['steps_per_block']} steps per block; the same judge "
         f"({doc['judge_steps']} steps) and {doc['prompts']} test prompts as the span frontier, "
         "whose table holds the AR pipeline's and the Gaussian span models' gen_ce. Not a product "
@@ -261,7 +290,14 @@ def report(doc: dict[str, Any]) -> None:
             f"{r['gen_ce']:.3f} ± {r['gen_ce_sem']:.3f} | {r['entropy']:.3f} "
             f"({r['real_entropy']:.3f}) | {loss} |"
         )
-    update_section("masked-span-probe", "\n".join(lines))
+    ar = doc.get("ar_reference")
+    if ar is not None:
+        lines += [
+            "",
+            f"The AR reference trained for the same {ar['steps']} steps, same judge and prompts: "
+            f"gen_ce {ar['gen_ce']:.3f} ± {ar['gen_ce_sem']:.3f}, entropy {ar['entropy']:.3f}.",
+        ]
+    update_section(name.replace("_", "-"), "\n".join(lines))
 
 
 if __name__ == "__main__":
