@@ -75,12 +75,17 @@ def quality(
     gen: GenSettings,
     sweeps: int,
     drafter: NgramDrafter | None,
+    joints: dict[tuple[int, int, str], float],
 ) -> dict[str, Any]:
-    """The judged continuations and the joint CE on the test windows (for a speculative row,
-    the K = 1 sampler's: drafting does not change the law of the text)."""
+    """The judged continuations and the joint CE on the test windows. The joint CE depends on
+    the model and its sweep only, so `joints` keeps it by (model, S, sampler): a speculative row
+    reuses its verifier's (drafting does not change the law of the text)."""
     t0 = time.perf_counter()
     judged = evaluate_generation(model, judge, prompts, gen, drafter)
-    if isinstance(model, Reference):
+    key = (id(model), gen.steps_per_block, gen.sampler)
+    if key in joints:
+        joint = joints[key]
+    elif isinstance(model, Reference):
         joint = evaluate_reference(model, windows, EvalSettings())["ce"]  # exact, chain rule
     else:
         settings = EvalSettings(
@@ -90,6 +95,7 @@ def quality(
             oracle=False,
         )
         joint = evaluate_blocktrain(model, windows, settings)["joint_ce"]
+    joints[key] = joint
     print(
         f"  gen_ce {judged['gen_ce']:.3f} (floor {judged['floor_ce']:.3f}) entropy "
         f"{judged['entropy']:.3f} joint_ce {joint:.3f}  [{time.perf_counter() - t0:.0f} s]",
@@ -194,10 +200,16 @@ def main() -> None:
     )
 
     qualities: list[dict[str, Any]] = []
+    joints: dict[tuple[int, int, str], float] = {}
+    loaded: dict[str, BlockStack | Reference] = {}
     for i, row in enumerate(rows_spec):
         print(f"[{i + 1}/{len(rows_spec)}] quality {row}", file=sys.stderr)
-        info, model = load_model(runs[row["run"]])
-        windows = test.windows(info.config.model.seq_len, args.joint_bytes)
+        if row["run"] not in loaded:
+            _, model = load_model(runs[row["run"]])
+            assert isinstance(model, BlockStack | Reference)
+            loaded[row["run"]] = model
+        model = loaded[row["run"]]
+        windows = test.windows(model.cfg.seq_len, args.joint_bytes)
         fields = row["fields"]
         gen = GenSettings(
             prompts=args.prompts,
@@ -205,8 +217,7 @@ def main() -> None:
             sampler=fields.get("sampler", "euler"),
             draft_bytes=fields.get("draft_bytes", 0),
         )
-        assert isinstance(model, BlockStack | Reference)
-        qualities.append(quality(model, judge, prompts, windows, gen, args.sweeps, drafter))
+        qualities.append(quality(model, judge, prompts, windows, gen, args.sweeps, drafter, joints))
 
     rows: list[dict[str, Any]] = []
     models = {name: runs[name] for name in sorted({row["run"] for row in rows_spec})}

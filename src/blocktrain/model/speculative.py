@@ -98,7 +98,7 @@ class SpeculativeLoop:
         self.context: list[int] = prompt[0].tolist()
         self.n_bytes, self.draft_len, self.seq_len = n_bytes, draft_len, seq_len
         self.drafter, self.sampling, self.generator = drafter, sampling, generator
-        self.produced = self.traversals = self.drafted = self.accepted = 0
+        self.produced = self.traversals = self.drafted = 0
         self._pending: tuple[list[int], torch.Tensor] | None = None
 
     @property
@@ -132,7 +132,6 @@ class SpeculativeLoop:
         new = accept_draft(draft, laws, probs, self.generator)[: self.n_bytes - self.produced]
         self.traversals += 1
         self.drafted += len(draft)
-        self.accepted += sum(1 for a, b in zip(new, draft, strict=False) if a == b)
         self.context += new
         self.produced += len(new)
         return torch.tensor([new], dtype=torch.long)
@@ -164,23 +163,23 @@ def generate_speculative(
         sampling=sampling,
         generator=generator,
     )
-    out = []
-    while not loop.done:
-        draft = loop.next_draft()
+
+    def verify(draft: list[int]) -> torch.Tensor:
         x, z, context_len = loop.sweep_input(draft, targets.shape[1], grid[0][1])
-        layout = verify_layout(context_len, x.shape[1] - context_len, device=targets.device)
-        logits = one_sweep(
+        device = targets.device
+        layout = verify_layout(context_len, len(draft), device=device)
+        return one_sweep(
             denoise,
-            x.to(targets.device),
-            z.to(targets.device),
+            x.to(device),
+            z.to(device),
             grid,
             targets,
             layout,
             method=method,
             generator=generator,
         )
-        out.append(loop.push(logits))
-    return torch.cat(out, dim=1), loop
+
+    return _drive(loop, verify), loop
 
 
 @torch.no_grad()
@@ -206,10 +205,19 @@ def generate_autoregressive_speculative(
         sampling=sampling,
         generator=generator,
     )
-    device = prompt.device
+
+    def verify(draft: list[int]) -> torch.Tensor:
+        x = loop.context[-(seq_len - len(draft)) :] + draft
+        return model(torch.tensor([x], device=prompt.device))[:, -(len(draft) + 1) :]
+
+    return _drive(loop, verify), loop
+
+
+def _drive(loop: SpeculativeLoop, verify: Callable[[list[int]], torch.Tensor]) -> torch.Tensor:
+    """Run `loop` in this process: draft, `verify(draft)` -> the logits at the D + 1 positions
+    (1, D + 1, 256), accept; -> the emitted bytes (1, n)."""
     out = []
     while not loop.done:
         draft = loop.next_draft()
-        x = torch.tensor([loop.context[-(seq_len - len(draft)) :] + draft], device=device)
-        out.append(loop.push(model(x)[:, -(len(draft) + 1) :]))
-    return torch.cat(out, dim=1), loop
+        out.append(loop.push(verify(draft)))
+    return torch.cat(out, dim=1)

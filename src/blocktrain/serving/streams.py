@@ -32,8 +32,8 @@ async def one_sweep_stream(
     *,
     sampling: Sampling,
     generator: torch.Generator,
-    steps_per_block: int = 1,
-    sampler: str = "euler",
+    steps_per_block: int,
+    sampler: str,
 ) -> AsyncIterator[torch.Tensor]:
     """Continue prompt (N, Lp) by n_bytes; yields each span's new bytes (N, <= K) as soon as its
     sweep returns. The same loop (model.sampler.SpanLoop) and the same sweep
@@ -62,7 +62,7 @@ async def one_sweep_stream(
 
 
 async def speculative_stream(
-    chain: Chain, loop: SpeculativeLoop, *, steps_per_block: int = 1, sampler: str = "euler"
+    chain: Chain, loop: SpeculativeLoop, *, steps_per_block: int, sampler: str
 ) -> AsyncIterator[torch.Tensor]:
     """Run `loop` (one prompt, its drafter) with the chain's K = 1 model as the verifier: each
     traversal verifies the bytes drafted on the router and yields the 1..D + 1 it emits. The

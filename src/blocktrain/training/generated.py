@@ -23,7 +23,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from blocktrain.data.ngram import NgramDrafter
 from blocktrain.model import (
     BlockStack,
     Reference,
@@ -34,7 +33,11 @@ from blocktrain.model import (
     stack_denoiser,
 )
 from blocktrain.model.sampler import DEFAULT_SAMPLER, DEFAULT_STEPS_PER_BLOCK, check_sampler
-from blocktrain.model.speculative import generate_autoregressive_speculative, generate_speculative
+from blocktrain.model.speculative import (
+    Drafter,
+    generate_autoregressive_speculative,
+    generate_speculative,
+)
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,7 @@ def continue_prompts(
     model: BlockStack | Reference,
     prompts: torch.Tensor,
     settings: GenSettings,
-    drafter: NgramDrafter | None = None,
+    drafter: Drafter | None = None,
 ) -> torch.Tensor:
     """Each model's own continuations of prompts (P, Lp): (P, Lc) int64, drawn in batches with
     one generator seeded by settings.seed, at settings.temperature (speculatively, one prompt at
@@ -165,7 +168,7 @@ def _speculative(
     model: BlockStack | Reference,
     prompt: torch.Tensor,
     settings: GenSettings,
-    drafter: NgramDrafter,
+    drafter: Drafter,
     gen: torch.Generator,
 ) -> torch.Tensor:
     """One prompt (1, Lp) continued by drafting and verifying: (1, Lc) on the CPU."""
@@ -229,7 +232,7 @@ def evaluate_generation(
     judge: Reference,
     windows: torch.Tensor,
     settings: GenSettings,
-    drafter: NgramDrafter | None = None,
+    drafter: Drafter | None = None,
 ) -> dict[str, Any]:
     """windows (P, Lp + Lc) held-out text -> the model's continuations judged (see above), with
     a few of them as text for a reader."""
