@@ -141,15 +141,20 @@ class RoundEngine:
     # ------------------------------------------------------------------ workers
 
     def register(
-        self, now: float, requested: int | None, new_id: Callable[[int], int]
+        self,
+        now: float,
+        requested: int | None,
+        new_id: Callable[[int], int],
+        token: int | None = None,
     ) -> Registered:
         """Assign a block (the requested one, else the fewest live replicas, finished blocks
-        last); `new_id(block)` names the worker (the ledger's row id, or a counter)."""
+        last); `new_id(block)` names the worker (the ledger's row id, or a counter); `token` is
+        the identity it speaks for (`Registry.identity`)."""
         self.tick(now)
         done = [b for b, st in self.blocks.items() if st.rounds.done]
         block = self.registry.choose_block(now, requested, exclude=done)
         worker = new_id(block)
-        self.registry.add(worker, block, now)
+        self.registry.add(worker, block, now, token)
         st = self.blocks[block]
         st.rounds.assign(worker)
         return Registered(worker, block, st.rounds.view())

@@ -38,7 +38,7 @@ class Durable:
         workers = self.ledger.workers(active_only=True)
         registry = Registry(self.n_blocks, self.settings.live_window)
         for w in workers:
-            registry.add(w.id, w.block, w.last_seen)
+            registry.add(w.id, w.block, w.last_seen, w.token_id)
         blocks = {
             b: self._restore_block(b, [w for w in workers if w.block == b])
             for b in range(self.n_blocks)

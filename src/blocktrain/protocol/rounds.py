@@ -272,6 +272,8 @@ class BlockRounds:
 class WorkerEntry:
     block: int
     last_seen: float
+    token: int | None = None
+    """The identity the worker speaks for (its bearer token's id); None: itself."""
 
 
 @dataclass
@@ -282,8 +284,16 @@ class Registry:
     live_window_s: float
     workers: dict[int, WorkerEntry] = field(default_factory=dict)
 
-    def add(self, worker: int, block: int, now: float) -> None:
-        self.workers[worker] = WorkerEntry(block, now)
+    def add(self, worker: int, block: int, now: float, token: int | None = None) -> None:
+        self.workers[worker] = WorkerEntry(block, now, token)
+
+    def identity(self, worker: int) -> tuple[str, int]:
+        """Who a worker votes as: its token when it has one, else itself. Aggregation and
+        quotas count identities, never workers, so one token's many workers are one voice."""
+        entry = self.workers.get(worker)
+        if entry is None or entry.token is None:
+            return ("worker", worker)
+        return ("token", entry.token)
 
     def remove(self, worker: int) -> None:
         self.workers.pop(worker, None)

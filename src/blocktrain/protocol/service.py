@@ -130,7 +130,10 @@ class AggregatorService:
         with self.lock:
             now = self.clock()
             reg = self.engine.register(
-                now, block, lambda chosen: self.ledger.add_worker(token.id, chosen, name, now)
+                now,
+                block,
+                lambda chosen: self.ledger.add_worker(token.id, chosen, name, now),
+                token.id,
             )
         log.info("worker %d (%s) registered on block %d", reg.worker, token.name, reg.block)
         seed = int(self.run_config.get("seed", 0))

@@ -54,9 +54,11 @@ class SimAggregator:
 
     # ------------------------------------------------------------------ workers
 
-    def register(self, now: float, block: int | None = None) -> tuple[int, int]:
-        """(worker id, block)."""
-        reg = self.engine.register(now, block, self._new_id)
+    def register(
+        self, now: float, block: int | None = None, token: int | None = None
+    ) -> tuple[int, int]:
+        """(worker id, block); `token`: the identity the worker speaks for (default: itself)."""
+        reg = self.engine.register(now, block, self._new_id, token)
         return reg.worker, reg.block
 
     def leave(self, worker: int, now: float) -> None:
