@@ -17,6 +17,7 @@ from blocktrain.cli import (
     export,
     generate,
     plan,
+    report,
     serve,
     serve_block,
     simulate,
@@ -41,6 +42,7 @@ SUBCOMMANDS = (
     token,
     status,
     export,
+    report,
     cluster,
     simulate,
 )

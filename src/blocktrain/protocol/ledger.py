@@ -324,6 +324,23 @@ class Ledger:
             )
         ]
 
+    def round_losses(self) -> dict[tuple[int, int], float]:
+        """(block, round) -> the mean training loss the round's accepted updates reported."""
+        return {
+            (int(r["block"]), int(r["counts_in"])): float(r["loss"])
+            for r in self._query(
+                "SELECT block, counts_in, AVG(loss) AS loss FROM updates WHERE fate = 'accepted' "
+                "AND loss IS NOT NULL GROUP BY block, counts_in"
+            )
+        }
+
+    def update_arrivals(self) -> list[tuple[float, int]]:
+        """(received, body bytes) of every update in the ledger, accepted or refused."""
+        return [
+            (float(r["received"]), int(r["bytes"]))
+            for r in self._query("SELECT received, bytes FROM updates ORDER BY received")
+        ]
+
     def worker_counts(self) -> dict[int, dict[str, int]]:
         out: dict[int, dict[str, int]] = {}
         for r in self._query(
