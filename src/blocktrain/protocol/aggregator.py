@@ -7,6 +7,8 @@
     GET    /v1/blocks/{b}/round          the open round (long poll with ?after=R&wait=S)
     POST   /v1/blocks/{b}/updates        push a delta (safetensors body)
     GET    /v1/status                    blocks, versions, rounds, participation, workers, bytes
+    GET    /v1/history                   the loss curve and each block's rounds (for the dashboard)
+    GET    /dashboard                    the live dashboard, an HTML page (no token to load it)
     GET    /metrics                      Prometheus text format (no token)
     GET    /docs                         OpenAPI UI (no token)
 
@@ -32,6 +34,7 @@ from starlette.requests import ClientDisconnect
 
 from blocktrain import __version__
 from blocktrain.errors import Refused
+from blocktrain.protocol import dashboard
 from blocktrain.protocol import metrics as prometheus
 from blocktrain.protocol.auth import Caller, refused
 from blocktrain.protocol.ledger_schema import TokenRow
@@ -371,6 +374,7 @@ def create_app(
         )
         return PlainTextResponse(text, media_type=prometheus.CONTENT_TYPE)
 
+    dashboard.add_routes(app, service, endpoint_token, json_response, REFUSALS)
     return app
 
 
