@@ -9,10 +9,13 @@ import argparse
 import sys
 from pathlib import Path
 
+import httpx
+
 from blocktrain.cli.common import Formatter
 from blocktrain.data import load_split
 from blocktrain.data.ngram import NgramDrafter
 from blocktrain.errors import ConfigError
+from blocktrain.serving.auth import SECRET_ENV, is_loopback, load_secret
 from blocktrain.serving.router import RouterSettings, check_url
 from blocktrain.serving.router_app import create_app
 from blocktrain.serving.server import bind, run, url_of
@@ -27,6 +30,10 @@ EXAMPLES = """examples:
   blocktrain serve --hosts ... --port 8100 --draft-corpus data/wikitext-2
   curl -s localhost:8100/v1/generate -H 'content-type: application/json' \\
       -d '{"model": "tiny", "prompt": "The ", "max_bytes": 64, "draft_bytes": 6}'
+
+  # hosts off loopback: the router presents their shared secret; limits per client and request
+  blocktrain serve --hosts http://10.0.0.5:8101,http://10.0.0.6:8101 --port 8100 \\
+      --secret-file serve.secret --rate-limit 30 --max-work 2048
 
   # the openai client, unchanged
   python -c "import openai; c = openai.OpenAI(base_url='http://127.0.0.1:8100/v1', api_key='x');
@@ -74,6 +81,33 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-output-bytes", type=int, default=4096, help="per request")
     p.add_argument("--max-prompt-bytes", type=int, default=65536, help="per request")
     p.add_argument(
+        "--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 above)"
+    )
+    p.add_argument(
+        "--rate-limit",
+        type=int,
+        default=120,
+        metavar="N",
+        help="generation requests a minute per client address (429 above; 0: no limit)",
+    )
+    p.add_argument(
+        "--max-work",
+        type=int,
+        default=4096,
+        help="most work per request, in output bytes x steps_per_block (422 above)",
+    )
+    p.add_argument(
+        "--max-work-in-flight",
+        type=int,
+        default=16384,
+        help="most work of all requests running at once (429 above)",
+    )
+    p.add_argument(
+        "--secret-file",
+        metavar="PATH",
+        help=f"file holding the secret shared with the block hosts (default: ${SECRET_ENV})",
+    )
+    p.add_argument(
         "--draft-corpus",
         metavar="PATH",
         help="a corpus (folder or file) whose train split builds the byte n-gram drafter for "
@@ -102,10 +136,22 @@ def run_cmd(args: argparse.Namespace) -> int:
         sample_on=args.sample_on,
         max_prompt_bytes=args.max_prompt_bytes,
         max_output_bytes=args.max_output_bytes,
+        max_body_bytes=args.max_body_bytes,
+        rate_per_minute=args.rate_limit,
+        max_work=args.max_work,
+        max_work_in_flight=args.max_work_in_flight,
+        secret=load_secret(args.secret_file),
     )
     sock = bind(args.host, args.port)
     app = create_app(settings)  # builds nothing that can fail: hosts are asked lazily
     print(f"routing to {', '.join(hosts)} on {url_of(sock)}", flush=True)
+    remote = [h for h in hosts if not is_loopback(httpx.URL(h).host)]
+    if settings.secret is None and remote:
+        print(
+            f"no secret: hosts off loopback ({', '.join(remote)}) will refuse this router",
+            file=sys.stderr,
+            flush=True,
+        )
     print("press Ctrl+C to stop", file=sys.stderr, flush=True)
     run(app, sock)
     return 0

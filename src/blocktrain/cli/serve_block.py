@@ -11,6 +11,7 @@ import torch
 
 from blocktrain.cli.common import Formatter
 from blocktrain.errors import ConfigError
+from blocktrain.serving.auth import SECRET_ENV, is_loopback, load_secret
 from blocktrain.serving.host import HostSettings
 from blocktrain.serving.host_app import create_app
 from blocktrain.serving.loading import ModelSource
@@ -18,6 +19,13 @@ from blocktrain.serving.router import check_url
 from blocktrain.serving.server import bind, run, url_of
 
 EXAMPLES = """examples:
+  # hosts take work only from a router holding the same secret (required off loopback)
+  openssl rand -hex 32 > serve.secret
+  blocktrain serve-block runs/tiny --blocks 0 --host 10.0.0.5 --port 8101 \\
+      --secret-file serve.secret
+  export BLOCKTRAIN_SERVE_SECRET=$(cat serve.secret)    # or from the environment
+
+  # on loopback the secret may be left out
   blocktrain serve-block runs/tiny --blocks 0 --port 8101 &
   blocktrain serve-block runs/tiny --blocks 1 --port 8102 &
   blocktrain serve-block runs/tiny --blocks 2 --port 8103 &
@@ -57,7 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--next",
         dest="next_url",
         metavar="URL",
-        help="next host of the chain, for requests that name no route",
+        help="next host of a chain without a router (hosts behind a router take none)",
     )
     p.add_argument(
         "--public-url", metavar="URL", help="how this host names itself (default: http://HOST:PORT)"
@@ -67,6 +75,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=0.0,
         help="emulated one-way latency of the link to the next host, each way",
+    )
+    p.add_argument(
+        "--secret-file",
+        metavar="PATH",
+        help=f"file holding the secret shared with the router (default: ${SECRET_ENV}); "
+        "required unless --host is a loopback address",
     )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the next host")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
@@ -92,6 +106,13 @@ def run_cmd(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     public = check_url(args.public_url, "--public-url") if args.public_url else None
+    secret = load_secret(args.secret_file)
+    if secret is None and not is_loopback(args.host):
+        raise ConfigError(
+            f"a block host listening on {args.host} needs the secret it shares with the "
+            f"router (--secret-file PATH or ${SECRET_ENV}); without it anyone who reaches "
+            "the port could run work on it"
+        )
     sock = bind(args.host, args.port)
     try:
         settings = HostSettings(
@@ -101,6 +122,7 @@ def run_cmd(args: argparse.Namespace) -> int:
             public_url=public or url_of(sock),
             hop_ms=args.hop_ms,
             timeout_s=args.timeout,
+            secret=secret,
         )
         app = create_app(settings)  # loads this host's blocks: errors before we serve
     except BaseException:
@@ -109,6 +131,8 @@ def run_cmd(args: argparse.Namespace) -> int:
     url = settings.public_url
     names = ", ".join(f"{s.name} ({s.run_dir})" for s in sources)
     print(f"serving blocks {list(parts)} of {names} on {url}", flush=True)
+    if secret is None:
+        print("no secret: any local process may call this host", file=sys.stderr, flush=True)
     print("press Ctrl+C to stop", file=sys.stderr, flush=True)
     run(app, sock)
     return 0

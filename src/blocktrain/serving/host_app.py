@@ -1,9 +1,10 @@
-"""The block host's HTTP app: routes over `host.BlockHost`, body limits, and errors as JSON.
+"""The block host's HTTP app: routes over `host.BlockHost`, the shared secret, body limits, and
+errors as JSON.
 
-POST /v1/sweep   run this host's points of the sigma grid on a span's state, then forward
-POST /v1/stage   run this host's reference stages (the autoregressive baseline), then forward
-GET  /v1/info    the models, blocks/stages and fingerprints held here
-GET  /healthz    liveness
+POST /v1/sweep   run this host's points of the sigma grid on a span's state, then pass it on
+POST /v1/stage   run this host's reference stages (the autoregressive baseline), then pass on
+GET  /v1/info    the models, blocks/stages and fingerprints held here (needs the secret)
+GET  /healthz    liveness (open)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
+from blocktrain.serving.auth import RequireSecret
 from blocktrain.serving.errors import BadRequest, ServingError
 from blocktrain.serving.host import BlockHost, HostSettings
 from blocktrain.serving.loading import HostedModel, load_hosted_model
@@ -38,7 +40,12 @@ def create_app(
     are given; `transport` (tests) replaces the network to the next host."""
     if models is None:
         models = [load_hosted_model(src, list(settings.parts)) for src in settings.models]
-    client = make_client(timeout_s=settings.timeout_s, hop_ms=settings.hop_ms, transport=transport)
+    client = make_client(
+        timeout_s=settings.timeout_s,
+        hop_ms=settings.hop_ms,
+        transport=transport,
+        secret=settings.secret,
+    )
     host = BlockHost(settings, {m.name: m for m in models}, client, clock)
 
     @asynccontextmanager
@@ -48,12 +55,14 @@ def create_app(
 
     app = FastAPI(title="BlockTrain block host", lifespan=lifespan)
     app.state.host = host
+    # Outermost: a caller without the secret is answered before its body is read.
+    app.add_middleware(RequireSecret, secret=settings.secret)
 
     @app.exception_handler(ServingError)
     async def serving_error(_: Request, exc: ServingError) -> JSONResponse:
         if exc.status >= 500:
             log.warning("%s", exc.message)
-        return JSONResponse(exc.to_json(), status_code=exc.status)
+        return JSONResponse(exc.to_json(), status_code=exc.status, headers=exc.http_headers())
 
     async def read_body(request: Request) -> bytes:
         limit = settings.max_body_bytes

@@ -14,6 +14,7 @@ import asyncio
 
 import httpx
 
+from blocktrain.serving.auth import auth_headers
 from blocktrain.serving.errors import HostTimeout, HostUnavailable, error_from_json
 from blocktrain.serving.wire import CONTENT_TYPE, TRACE_HEADER, TraceEntry, trace_from_header
 
@@ -38,14 +39,19 @@ class DelayTransport(httpx.AsyncBaseTransport):
 
 
 def make_client(
-    *, timeout_s: float, hop_ms: float = 0.0, transport: httpx.AsyncBaseTransport | None = None
+    *,
+    timeout_s: float,
+    hop_ms: float = 0.0,
+    transport: httpx.AsyncBaseTransport | None = None,
+    secret: str | None = None,
 ) -> httpx.AsyncClient:
-    """An async client for the chain: connect timeout 5 s, read/write/pool `timeout_s`, and the
-    emulated hop latency when hop_ms > 0. `transport` lets tests run hosts in-process."""
+    """An async client for the chain: connect timeout 5 s, read/write/pool `timeout_s`, the
+    emulated hop latency when hop_ms > 0, and the hosts' shared secret on every request.
+    `transport` lets tests run hosts in-process."""
     inner = transport or httpx.AsyncHTTPTransport(retries=0)
     outer: httpx.AsyncBaseTransport = DelayTransport(inner, hop_ms / 1000) if hop_ms > 0 else inner
     timeout = httpx.Timeout(timeout_s, connect=min(CONNECT_TIMEOUT_S, timeout_s))
-    return httpx.AsyncClient(transport=outer, timeout=timeout)
+    return httpx.AsyncClient(transport=outer, timeout=timeout, headers=auth_headers(secret))
 
 
 def join(url: str, path: str) -> str:
