@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from blocktrain.httpserve import ThreadedServer, bind, url_of
 from blocktrain.serving import (
     HostSettings,
     ModelSource,
@@ -25,7 +26,6 @@ from blocktrain.serving import (
     create_host_app,
     create_router_app,
 )
-from blocktrain.serving.server import ThreadedServer, bind, url_of
 from tests.serving.conftest import in_process
 
 pytestmark = [pytest.mark.network, pytest.mark.timeout(180)]

@@ -15,10 +15,10 @@ from blocktrain.cli.common import Formatter
 from blocktrain.data import load_split
 from blocktrain.data.ngram import NgramDrafter
 from blocktrain.errors import ConfigError
+from blocktrain.httpserve import bind, run, url_of
 from blocktrain.serving.auth import SECRET_ENV, is_loopback, load_secret
 from blocktrain.serving.router import RouterSettings, check_url
 from blocktrain.serving.router_app import create_app
-from blocktrain.serving.server import bind, run, url_of
 
 EXAMPLES = """examples:
   blocktrain serve --hosts http://127.0.0.1:8101,http://127.0.0.1:8102,http://127.0.0.1:8103 \\

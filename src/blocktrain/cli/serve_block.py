@@ -11,12 +11,12 @@ import torch
 
 from blocktrain.cli.common import Formatter
 from blocktrain.errors import ConfigError
+from blocktrain.httpserve import bind, run, url_of
 from blocktrain.serving.auth import SECRET_ENV, is_loopback, load_secret
 from blocktrain.serving.host import HostSettings
 from blocktrain.serving.host_app import create_app
 from blocktrain.serving.loading import ModelSource
 from blocktrain.serving.router import check_url
-from blocktrain.serving.server import bind, run, url_of
 
 EXAMPLES = """examples:
   # hosts take work only from a router holding the same secret (required off loopback)

@@ -155,6 +155,12 @@ def error_from_json(status: int, body: Any, *, default_host: str) -> ServingErro
     return cls(err["message"], host=host, code=code, status=status)
 
 
+def error_body(code: str, detail: str) -> dict[str, Any]:
+    """The JSON of the HTTP guard's own refusals (httpserve.HttpGuard: a body over the cap, an
+    absurd Content-Length, a slow client), in the OpenAI shape of every other error."""
+    return BadRequest(detail, code=code).to_json()
+
+
 async def send_error(send: Send, err: ServingError) -> None:
     """Answer an ASGI request with `err` as JSON, from a middleware, before any route (and
     without reading the request's body)."""

@@ -19,8 +19,9 @@ import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
+from blocktrain.httpserve import HttpGuard, Limits
 from blocktrain.serving.auth import RequireSecret
-from blocktrain.serving.errors import BadRequest, ServingError
+from blocktrain.serving.errors import ServingError, error_body
 from blocktrain.serving.host import BlockHost, HostSettings
 from blocktrain.serving.loading import HostedModel, load_hosted_model
 from blocktrain.serving.transport import make_client
@@ -55,7 +56,11 @@ def create_app(
 
     app = FastAPI(title="BlockTrain block host", lifespan=lifespan)
     app.state.host = host
-    # Outermost: a caller without the secret is answered before its body is read.
+    # The body cap (declared or chunked) holds before the route reads a byte; outside it, a
+    # caller without the secret is answered before anything else looks at its request.
+    app.add_middleware(
+        HttpGuard, limits=Limits(max_body=settings.max_body_bytes), error_body=error_body
+    )
     app.add_middleware(RequireSecret, secret=settings.secret)
 
     @app.exception_handler(ServingError)
@@ -63,24 +68,6 @@ def create_app(
         if exc.status >= 500:
             log.warning("%s", exc.message)
         return JSONResponse(exc.to_json(), status_code=exc.status, headers=exc.http_headers())
-
-    async def read_body(request: Request) -> bytes:
-        limit = settings.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise BadRequest(
-                f"body of {declared} bytes exceeds the limit of {limit}",
-                code="too_large",
-                status=413,
-            )
-        body = await request.body()
-        if len(body) > limit:
-            raise BadRequest(
-                f"body of {len(body)} bytes exceeds the limit of {limit}",
-                code="too_large",
-                status=413,
-            )
-        return body
 
     def answer(result: tuple[bytes, list[TraceEntry]]) -> Response:
         body, trace = result
@@ -98,10 +85,10 @@ def create_app(
 
     @app.post("/v1/sweep")
     async def sweep(request: Request) -> Response:
-        return answer(await host.sweep(await read_body(request)))
+        return answer(await host.sweep(await request.body()))
 
     @app.post("/v1/stage")
     async def stage(request: Request) -> Response:
-        return answer(await host.stage(await read_body(request)))
+        return answer(await host.stage(await request.body()))
 
     return app

@@ -21,10 +21,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from blocktrain.httpserve import HttpGuard, Limits
 from blocktrain.serving.chain import (
     ChainStats,
 )
-from blocktrain.serving.errors import BadRequest, ServingError
+from blocktrain.serving.errors import BadRequest, ServingError, error_body
 from blocktrain.serving.limits import RateLimit, RateLimiter
 from blocktrain.serving.router import Router, RouterSettings
 from blocktrain.serving.schemas import (
@@ -91,6 +92,9 @@ def create_app(
 
     app = FastAPI(title="BlockTrain router", lifespan=lifespan)
     app.state.router = router
+    app.add_middleware(
+        HttpGuard, limits=Limits(max_body=settings.max_body_bytes), error_body=error_body
+    )
     app.add_middleware(RateLimit, limiter=limiter)
 
     @app.exception_handler(ServingError)

@@ -81,7 +81,7 @@ async def post_message(
     if resp.status_code != 200:
         try:
             payload = resp.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             payload = resp.text
         raise error_from_json(resp.status_code, payload, default_host=url)
     return resp.content, trace_from_header(resp.headers.get(TRACE_HEADER))
@@ -101,7 +101,7 @@ async def get_json(client: httpx.AsyncClient, url: str, path: str) -> object:
         ) from None
     try:
         payload = resp.json()
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         payload = resp.text
     if resp.status_code != 200:
         raise error_from_json(resp.status_code, payload, default_host=url)

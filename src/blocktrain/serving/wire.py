@@ -133,7 +133,7 @@ def trace_from_header(value: str | None) -> list[TraceEntry]:
         return []
     try:
         return [TraceEntry.model_validate(item) for item in json.loads(value)]
-    except (json.JSONDecodeError, TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         return []
 
 
