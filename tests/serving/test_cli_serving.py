@@ -113,3 +113,13 @@ def test_bad_router_limits_are_one_line(capsys, monkeypatch):
     fails_cleanly(capsys, [*serve, "--max-work", "0"], "max_work = 0")
     fails_cleanly(capsys, [*serve, "--max-body-bytes", "0"], "max_body_bytes = 0")
     fails_cleanly(capsys, [*serve, "--max-work", "100", "--max-work-in-flight", "10"], "no request")
+
+
+def test_bad_tls_input_is_one_line(capsys, runs, tmp_path, monkeypatch):
+    monkeypatch.delenv("BLOCKTRAIN_SERVE_SECRET", raising=False)
+    host = ["serve-block", str(runs.blocktrain), "--blocks", "0", "--port", "0"]
+    fails_cleanly(capsys, [*host, "--tls-cert", "c.pem"], "go together")
+    missing = ["--tls-cert", str(tmp_path / "c.pem"), "--tls-key", str(tmp_path / "k.pem")]
+    fails_cleanly(capsys, [*host, *missing], "cannot use --tls-cert")
+    serve = ["serve", "--hosts", "https://a:1", "--port", "0"]
+    fails_cleanly(capsys, [*serve, "--ca-cert", str(tmp_path / "ca.pem")], "--ca-cert")

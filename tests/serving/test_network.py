@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -18,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from blocktrain.httpserve import ThreadedServer, bind, url_of
+from blocktrain.httpserve import ThreadedServer, TlsFiles, bind, url_of
 from blocktrain.serving import (
     HostSettings,
     ModelSource,
@@ -33,7 +35,11 @@ pytestmark = [pytest.mark.network, pytest.mark.timeout(180)]
 
 @contextlib.contextmanager
 def loopback_chain(
-    runs, hosts: int = 3, secret: str | None = None, **host_settings: object
+    runs,
+    hosts: int = 3,
+    secret: str | None = None,
+    tls: TlsFiles | None = None,
+    **host_settings: object,
 ) -> Iterator[tuple[str, list[str]]]:
     servers: list[ThreadedServer] = []
     try:
@@ -43,14 +49,15 @@ def loopback_chain(
             settings = HostSettings(
                 models=(ModelSource("bt", runs.blocktrain), ModelSource("ref", runs.reference)),
                 parts=(i,),
-                public_url=url_of(sock),
+                public_url=url_of(sock, tls=tls is not None),
                 secret=secret,
                 **host_settings,  # type: ignore[arg-type]
             )
-            servers.append(ThreadedServer.start(create_host_app(settings), sock))
+            servers.append(ThreadedServer.start(create_host_app(settings), sock, tls=tls))
             urls.append(servers[-1].url)
         sock = bind("127.0.0.1", 0)
-        router = create_router_app(RouterSettings(tuple(urls), secret=secret))
+        ca = None if tls is None else tls.cert
+        router = create_router_app(RouterSettings(tuple(urls), secret=secret, ca_cert=ca))
         servers.append(ThreadedServer.start(router, sock))
         yield servers[-1].url, urls
     finally:
@@ -195,3 +202,36 @@ def test_over_sockets_hosts_want_the_secret_and_cut_chunked_uploads_at_their_cap
         except httpx.HTTPError:
             pass  # the host answered 413 and closed while the client was still sending
         assert sent < 8 * 1024 * 1024, f"{sent} bytes went out before the host refused"
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_hosts_on_https_with_a_self_signed_certificate(runs, tmp_path):
+    """Issue 12, Serving: the shared secret crosses the network inside TLS; the router
+    verifies the hosts against the certificate it is given (--ca-cert)."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            "openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+            "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1",
+            "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    tls = TlsFiles(str(cert), str(key))
+    with loopback_chain(runs, secret="tls-test-secret-0123456789", tls=tls) as (router, hosts):
+        assert all(url.startswith("https://") for url in hosts)
+        r = httpx.post(
+            f"{router}/v1/generate",
+            json={"model": "bt", "prompt": "The ", "max_bytes": 4},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        with pytest.raises(httpx.ConnectError):  # not trusted without the certificate
+            httpx.get(f"{hosts[0]}/healthz")
+        assert (
+            httpx.get(
+                f"{hosts[0]}/healthz", verify=ssl.create_default_context(cafile=cert)
+            ).status_code
+            == 200
+        )

@@ -16,7 +16,7 @@ from blocktrain.data import load_split
 from blocktrain.data.ngram import NgramDrafter
 from blocktrain.errors import ConfigError
 from blocktrain.httpserve import bind, run, url_of
-from blocktrain.serving.auth import SECRET_ENV, is_loopback, load_secret
+from blocktrain.serving.auth import SECRET_ENV, is_loopback, load_secret, tls_files
 from blocktrain.serving.router import RouterSettings, check_url
 from blocktrain.serving.router_app import create_app
 
@@ -34,6 +34,9 @@ EXAMPLES = """examples:
   # hosts off loopback: the router presents their shared secret; limits per client and request
   blocktrain serve --hosts http://10.0.0.5:8101,http://10.0.0.6:8101 --port 8100 \\
       --secret-file serve.secret --rate-limit 30 --max-work 2048
+  # hosts on HTTPS with a self-signed certificate: trust it
+  blocktrain serve --hosts https://10.0.0.5:8101 --port 8100 --secret-file serve.secret \\
+      --ca-cert tls/cert.pem
 
   # the openai client, unchanged
   python -c "import openai; c = openai.OpenAI(base_url='http://127.0.0.1:8100/v1', api_key='x');
@@ -102,6 +105,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=16384,
         help="most work of all requests running at once (429 above)",
     )
+    p.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate")
+    p.add_argument("--tls-key", metavar="PEM", help="... and this private key")
+    p.add_argument(
+        "--ca-cert",
+        metavar="PEM",
+        help="trust this CA (or self-signed certificate) for https hosts (default: the system CAs)",
+    )
     p.add_argument(
         "--secret-file",
         metavar="PATH",
@@ -141,10 +151,12 @@ def run_cmd(args: argparse.Namespace) -> int:
         max_work=args.max_work,
         max_work_in_flight=args.max_work_in_flight,
         secret=load_secret(args.secret_file),
+        ca_cert=args.ca_cert,
     )
+    tls = tls_files(args.tls_cert, args.tls_key)
     sock = bind(args.host, args.port)
     app = create_app(settings)  # builds nothing that can fail: hosts are asked lazily
-    print(f"routing to {', '.join(hosts)} on {url_of(sock)}", flush=True)
+    print(f"routing to {', '.join(hosts)} on {url_of(sock, tls=tls is not None)}", flush=True)
     remote = [h for h in hosts if not is_loopback(httpx.URL(h).host)]
     if settings.secret is None and remote:
         print(
@@ -153,5 +165,5 @@ def run_cmd(args: argparse.Namespace) -> int:
             flush=True,
         )
     print("press Ctrl+C to stop", file=sys.stderr, flush=True)
-    run(app, sock)
+    run(app, sock, tls=tls)
     return 0

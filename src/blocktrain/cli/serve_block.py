@@ -12,7 +12,7 @@ import torch
 from blocktrain.cli.common import Formatter
 from blocktrain.errors import ConfigError
 from blocktrain.httpserve import bind, run, url_of
-from blocktrain.serving.auth import SECRET_ENV, is_loopback, load_secret
+from blocktrain.serving.auth import SECRET_ENV, is_loopback, load_secret, tls_files
 from blocktrain.serving.host import HostSettings
 from blocktrain.serving.host_app import create_app
 from blocktrain.serving.loading import ModelSource
@@ -24,6 +24,10 @@ EXAMPLES = """examples:
   blocktrain serve-block runs/tiny --blocks 0 --host 10.0.0.5 --port 8101 \\
       --secret-file serve.secret
   export BLOCKTRAIN_SERVE_SECRET=$(cat serve.secret)    # or from the environment
+
+  # HTTPS, so that the secret never crosses the network in the clear
+  blocktrain serve-block runs/tiny --blocks 0 --host 10.0.0.5 --port 8101 \\
+      --secret-file serve.secret --tls-cert tls/cert.pem --tls-key tls/key.pem
 
   # on loopback the secret may be left out
   blocktrain serve-block runs/tiny --blocks 0 --port 8101 &
@@ -76,6 +80,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=0.0,
         help="emulated one-way latency of the link to the next host, each way",
     )
+    p.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate")
+    p.add_argument("--tls-key", metavar="PEM", help="... and this private key")
+    p.add_argument(
+        "--ca-cert",
+        metavar="PEM",
+        help="trust this CA (or self-signed certificate) for an https --next (default: the system CAs)",
+    )
     p.add_argument(
         "--secret-file",
         metavar="PATH",
@@ -113,16 +124,18 @@ def run_cmd(args: argparse.Namespace) -> int:
             f"router (--secret-file PATH or ${SECRET_ENV}); without it anyone who reaches "
             "the port could run work on it"
         )
+    tls = tls_files(args.tls_cert, args.tls_key)
     sock = bind(args.host, args.port)
     try:
         settings = HostSettings(
             models=sources,
             parts=parts,
             next_url=next_url,
-            public_url=public or url_of(sock),
+            public_url=public or url_of(sock, tls=tls is not None),
             hop_ms=args.hop_ms,
             timeout_s=args.timeout,
             secret=secret,
+            ca_cert=args.ca_cert,
         )
         app = create_app(settings)  # loads this host's blocks: errors before we serve
     except BaseException:
@@ -134,5 +147,5 @@ def run_cmd(args: argparse.Namespace) -> int:
     if secret is None:
         print("no secret: any local process may call this host", file=sys.stderr, flush=True)
     print("press Ctrl+C to stop", file=sys.stderr, flush=True)
-    run(app, sock)
+    run(app, sock, tls=tls)
     return 0

@@ -80,6 +80,8 @@ class HostSettings:
     secret: str | None = field(default=None, repr=False)
     """The shared secret callers must present (auth.py), and this host presents to its
     --next; None: anyone may call (loopback only, see cli/serve_block.py)."""
+    ca_cert: str | None = None
+    """PEM bundle to verify an https --next against (None: the system's CAs)."""
 
     def __post_init__(self) -> None:
         if not self.models:

@@ -46,6 +46,7 @@ def create_app(
         hop_ms=settings.hop_ms,
         transport=transport,
         secret=settings.secret,
+        ca_cert=settings.ca_cert,
     )
     host = BlockHost(settings, {m.name: m for m in models}, client, clock)
 

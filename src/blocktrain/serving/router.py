@@ -102,6 +102,8 @@ class RouterSettings:
     """Most work of all requests in flight together."""
     secret: str | None = field(default=None, repr=False)
     """The hosts' shared secret, sent with every request to them (auth.py)."""
+    ca_cert: str | None = None
+    """PEM bundle to verify https hosts against (None: the system's CAs)."""
 
     def __post_init__(self) -> None:
         if not self.hosts:

@@ -81,6 +81,7 @@ def create_app(
         hop_ms=settings.hop_ms,
         transport=transport,
         secret=settings.secret,
+        ca_cert=settings.ca_cert,
     )
     router = Router(settings, client)
     limiter = RateLimiter(settings.rate_per_minute, clock) if settings.rate_per_minute else None

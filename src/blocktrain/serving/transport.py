@@ -11,9 +11,11 @@ links, out and back: 2 * H * hop_ms of emulated latency on top of the real loopb
 from __future__ import annotations
 
 import asyncio
+import ssl
 
 import httpx
 
+from blocktrain.errors import ConfigError
 from blocktrain.serving.auth import auth_headers
 from blocktrain.serving.errors import HostTimeout, HostUnavailable, error_from_json
 from blocktrain.serving.wire import CONTENT_TYPE, TRACE_HEADER, TraceEntry, trace_from_header
@@ -44,11 +46,17 @@ def make_client(
     hop_ms: float = 0.0,
     transport: httpx.AsyncBaseTransport | None = None,
     secret: str | None = None,
+    ca_cert: str | None = None,
 ) -> httpx.AsyncClient:
     """An async client for the chain: connect timeout 5 s, read/write/pool `timeout_s`, the
-    emulated hop latency when hop_ms > 0, and the hosts' shared secret on every request.
-    `transport` lets tests run hosts in-process."""
-    inner = transport or httpx.AsyncHTTPTransport(retries=0)
+    emulated hop latency when hop_ms > 0, and the hosts' shared secret on every request;
+    https hosts are verified against `ca_cert` (a PEM bundle, e.g. a self-signed certificate)
+    or the system's CAs. `transport` lets tests run hosts in-process."""
+    try:
+        verify = True if ca_cert is None else ssl.create_default_context(cafile=ca_cert)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"cannot use --ca-cert {ca_cert}: {exc}") from None
+    inner = transport or httpx.AsyncHTTPTransport(retries=0, verify=verify)
     outer: httpx.AsyncBaseTransport = DelayTransport(inner, hop_ms / 1000) if hop_ms > 0 else inner
     timeout = httpx.Timeout(timeout_s, connect=min(CONNECT_TIMEOUT_S, timeout_s))
     return httpx.AsyncClient(transport=outer, timeout=timeout, headers=auth_headers(secret))
