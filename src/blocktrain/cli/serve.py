@@ -61,7 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--hop-ms",
         type=float,
         default=0.0,
-        help="emulated one-way latency of the link to the first host, each way",
+        help="emulated one-way latency of the link to each host, each way",
     )
     p.add_argument(
         "--wire",
@@ -84,25 +84,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-output-bytes", type=int, default=4096, help="per request")
     p.add_argument("--max-prompt-bytes", type=int, default=65536, help="per request")
     p.add_argument(
-        "--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 above)"
+        "--max-body-bytes",
+        type=int,
+        default=RouterSettings.max_body_bytes,
+        help="largest request body (413 above)",
     )
     p.add_argument(
         "--rate-limit",
         type=int,
-        default=120,
+        default=RouterSettings.rate_per_minute,
         metavar="N",
         help="generation requests a minute per client address (429 above; 0: no limit)",
     )
     p.add_argument(
         "--max-work",
         type=int,
-        default=4096,
+        default=RouterSettings.max_work,
         help="most work per request, in output bytes x steps_per_block (422 above)",
     )
     p.add_argument(
         "--max-work-in-flight",
         type=int,
-        default=16384,
+        default=RouterSettings.max_work_in_flight,
         help="most work of all requests running at once (429 above)",
     )
     p.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate")
@@ -110,12 +113,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--ca-cert",
         metavar="PEM",
-        help="trust this CA (or self-signed certificate) for https hosts (default: the system CAs)",
+        help="trust this CA (or self-signed certificate) for https hosts, instead of the system's CAs",
     )
     p.add_argument(
         "--secret-file",
         metavar="PATH",
-        help=f"file holding the secret shared with the block hosts (default: ${SECRET_ENV})",
+        help=f"file holding the secret shared with the block hosts (else ${SECRET_ENV})",
     )
     p.add_argument(
         "--draft-corpus",

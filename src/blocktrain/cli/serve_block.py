@@ -1,6 +1,7 @@
 """`blocktrain serve-block`: serve some blocks of a run (and/or stages of a reference run) as one
 host of a serving chain. Each request runs this host's sampler steps on a span's state and
-forwards the state to the next host; the host of the last block answers."""
+answers the state for the next host to the router (or forwards it to its own --next, in a
+chain without a router); the host of the last block answers the logits or bytes."""
 
 from __future__ import annotations
 
@@ -78,19 +79,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--hop-ms",
         type=float,
         default=0.0,
-        help="emulated one-way latency of the link to the next host, each way",
+        help="emulated one-way latency of the link to --next, each way",
     )
     p.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate")
     p.add_argument("--tls-key", metavar="PEM", help="... and this private key")
     p.add_argument(
         "--ca-cert",
         metavar="PEM",
-        help="trust this CA (or self-signed certificate) for an https --next (default: the system CAs)",
+        help="trust this CA (or self-signed certificate) for an https --next, instead of the system's CAs",
     )
     p.add_argument(
         "--secret-file",
         metavar="PATH",
-        help=f"file holding the secret shared with the router (default: ${SECRET_ENV}); "
+        help=f"file holding the secret shared with the router (else ${SECRET_ENV}); "
         "required unless --host is a loopback address",
     )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the next host")

@@ -1,5 +1,6 @@
 """A block host: serves some blocks of a BlockTrain run (one-sweep generation) and/or some stages
-of a reference run (the autoregressive baseline), and forwards the state along the chain.
+of a reference run (the autoregressive baseline), and passes the state on: back to the router,
+or to its own configured --next.
 
 The work behind the host's routes (the app itself is `host_app.py`).
 
@@ -66,7 +67,7 @@ class HostSettings:
     public_url: str = "http://127.0.0.1"
     """How this host names itself in traces and errors."""
     hop_ms: float = 0.0
-    """Emulated one-way latency of the link to the next host (see transport.py)."""
+    """Emulated one-way latency of the link to --next (see transport.py)."""
     timeout_s: float = 300.0
     """Read timeout when forwarding to the next host."""
     max_body_bytes: int = 256 * 2**20

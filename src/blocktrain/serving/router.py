@@ -94,8 +94,9 @@ class RouterSettings:
     """Largest draft_bytes a request may ask for."""
     max_body_bytes: int = 1 << 20
     """Largest request body accepted (a prompt of 65536 byte values as a JSON list fits)."""
-    rate_per_minute: int = 120
-    """Generation requests a minute per client address (0: no limit)."""
+    rate_per_minute: int = 600
+    """Generation requests a minute per client address (0: no limit): a flood of cheap
+    requests; the work limits below bound the compute."""
     max_work: int = 4096
     """Most work in one request, in bytes x steps_per_block (limits.work_units)."""
     max_work_in_flight: int = 16384
