@@ -110,7 +110,10 @@ class Cluster:
 
 
 def start_cluster(
-    runs: Runs, parts: list[tuple[int, ...]] | None = None, next_urls: bool = False
+    runs: Runs,
+    parts: list[tuple[int, ...]] | None = None,
+    next_urls: bool = False,
+    **host_settings: object,
 ) -> Cluster:
     apps = Apps()
     parts = parts or [(0,), (1,), (2,)]
@@ -125,6 +128,7 @@ def start_cluster(
             parts=held,
             public_url=url,
             next_url=urls[i + 1] if next_urls and i + 1 < len(urls) else None,
+            **host_settings,  # type: ignore[arg-type]
         )
         apps.apps[url] = create_host_app(settings, transport=apps)
     return Cluster(apps, urls, runs)

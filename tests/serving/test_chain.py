@@ -103,7 +103,7 @@ def test_the_ancestral_sampler_draws_its_noise_on_the_hosts_from_the_requests_ge
 
 def test_an_ancestral_sweep_without_the_generator_state_is_refused(cluster, stack):
     x, z, _ = _sweep_message(stack, _fingerprint(cluster))
-    header = {"model": "bt", "fingerprint": _fingerprint(cluster), "step": 0, "route": []}
+    header = {"model": "bt", "fingerprint": _fingerprint(cluster), "step": 0}
     body = encode({"x": x, "z": z}, {**header, "sampler": "ancestral"})
     with TestClient(cluster.apps.apps[cluster.urls[0]]) as host0:
         r = host0.post("/v1/sweep", content=body)
@@ -193,13 +193,13 @@ def test_a_stage_that_lost_its_cache_is_prefilled_again(cluster):
     assert r.json()["bytes"][:2] == baseline.json()["bytes"][:2]
 
 
-def _sweep_message(stack, fingerprint, step=0, route=None, model="bt"):
+def _sweep_message(stack, fingerprint, step=0, model="bt"):
     cfg = stack.cfg
     x = torch.tensor([list(b"Valkyria")], dtype=torch.uint8)
     z = cfg.sigma_max * torch.randn(
         1, cfg.span, cfg.d_model, generator=torch.Generator().manual_seed(0)
     )
-    header = {"model": model, "fingerprint": fingerprint, "step": step, "route": route}
+    header = {"model": model, "fingerprint": fingerprint, "step": step}
     return x, z, encode({"x": x, "z": z}, header)
 
 
@@ -239,7 +239,7 @@ def test_a_chain_without_router_follows_next_and_matches_one_sweep(runs, stack):
     ],
 )
 def test_a_host_refuses_state_that_is_not_its_own(cluster, stack, change, code):
-    args = {"fingerprint": _fingerprint(cluster), "route": [], **change}
+    args = {"fingerprint": _fingerprint(cluster), **change}
     _, _, body = _sweep_message(stack, **args)
     with TestClient(cluster.apps.apps[cluster.urls[0]]) as host0:
         r = host0.post("/v1/sweep", content=body)

@@ -87,3 +87,39 @@ def test_bad_plan_shape_input(capsys):
     fails_cleanly(capsys, ["plan", "--shape", "seed-75b", "--set", "span=2"], "replaces")
     fails_cleanly(capsys, ["plan", "--throughput"], "go with --shape")
     fails_cleanly(capsys, ["plan", "--shape", "seed-75b", "--hosts", "4"], "--hosts 4")
+
+
+def test_a_host_off_loopback_needs_the_secret_and_a_bad_secret_is_one_line(
+    capsys, runs, tmp_path, monkeypatch
+):
+    """Issue 12 (router and hosts do not authenticate each other): a host reachable from the
+    network refuses to start without the shared secret; the secret is read from a file or
+    the environment, never only from the command line."""
+    monkeypatch.delenv("BLOCKTRAIN_SERVE_SECRET", raising=False)
+    host = ["serve-block", str(runs.blocktrain), "--blocks", "0", "--port", "0"]
+    fails_cleanly(capsys, [*host, "--host", "0.0.0.0"], "needs the secret it shares")
+    short = tmp_path / "short"
+    short.write_text("abc\n")
+    fails_cleanly(capsys, [*host, "--secret-file", str(short)], "use at least 16")
+    fails_cleanly(capsys, [*host, "--secret-file", str(tmp_path / "none")], "cannot read")
+    monkeypatch.setenv("BLOCKTRAIN_SERVE_SECRET", "too-short")
+    fails_cleanly(capsys, ["serve", "--hosts", "http://a:1", "--port", "0"], "BLOCKTRAIN_SERVE")
+
+
+def test_bad_router_limits_are_one_line(capsys, monkeypatch):
+    monkeypatch.delenv("BLOCKTRAIN_SERVE_SECRET", raising=False)
+    serve = ["serve", "--hosts", "http://a:1", "--port", "0"]
+    fails_cleanly(capsys, [*serve, "--rate-limit", "-1"], "--rate-limit -1")
+    fails_cleanly(capsys, [*serve, "--max-work", "0"], "max_work = 0")
+    fails_cleanly(capsys, [*serve, "--max-body-bytes", "0"], "max_body_bytes = 0")
+    fails_cleanly(capsys, [*serve, "--max-work", "100", "--max-work-in-flight", "10"], "no request")
+
+
+def test_bad_tls_input_is_one_line(capsys, runs, tmp_path, monkeypatch):
+    monkeypatch.delenv("BLOCKTRAIN_SERVE_SECRET", raising=False)
+    host = ["serve-block", str(runs.blocktrain), "--blocks", "0", "--port", "0"]
+    fails_cleanly(capsys, [*host, "--tls-cert", "c.pem"], "go together")
+    missing = ["--tls-cert", str(tmp_path / "c.pem"), "--tls-key", str(tmp_path / "k.pem")]
+    fails_cleanly(capsys, [*host, *missing], "cannot use --tls-cert")
+    serve = ["serve", "--hosts", "https://a:1", "--port", "0"]
+    fails_cleanly(capsys, [*serve, "--ca-cert", str(tmp_path / "ca.pem")], "--ca-cert")

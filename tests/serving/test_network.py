@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -18,6 +20,7 @@ import httpx
 import openai
 import pytest
 
+from blocktrain.httpserve import ThreadedServer, TlsFiles, bind, url_of
 from blocktrain.serving import (
     HostSettings,
     ModelSource,
@@ -25,14 +28,19 @@ from blocktrain.serving import (
     create_host_app,
     create_router_app,
 )
-from blocktrain.serving.server import ThreadedServer, bind, url_of
 from tests.serving.conftest import in_process
 
 pytestmark = [pytest.mark.network, pytest.mark.timeout(180)]
 
 
 @contextlib.contextmanager
-def loopback_chain(runs, hosts: int = 3) -> Iterator[tuple[str, list[str]]]:
+def loopback_chain(
+    runs,
+    hosts: int = 3,
+    secret: str | None = None,
+    tls: TlsFiles | None = None,
+    **host_settings: object,
+) -> Iterator[tuple[str, list[str]]]:
     servers: list[ThreadedServer] = []
     try:
         urls = []
@@ -41,12 +49,16 @@ def loopback_chain(runs, hosts: int = 3) -> Iterator[tuple[str, list[str]]]:
             settings = HostSettings(
                 models=(ModelSource("bt", runs.blocktrain), ModelSource("ref", runs.reference)),
                 parts=(i,),
-                public_url=url_of(sock),
+                public_url=url_of(sock, tls=tls is not None),
+                secret=secret,
+                **host_settings,  # type: ignore[arg-type]
             )
-            servers.append(ThreadedServer.start(create_host_app(settings), sock))
+            servers.append(ThreadedServer.start(create_host_app(settings), sock, tls=tls))
             urls.append(servers[-1].url)
         sock = bind("127.0.0.1", 0)
-        servers.append(ThreadedServer.start(create_router_app(RouterSettings(tuple(urls))), sock))
+        ca = None if tls is None else tls.cert
+        router = create_router_app(RouterSettings(tuple(urls), secret=secret, ca_cert=ca))
+        servers.append(ThreadedServer.start(router, sock))
         yield servers[-1].url, urls
     finally:
         for server in reversed(servers):
@@ -81,7 +93,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_host(run, block: int, port: int, hop_ms: float = 0) -> subprocess.Popen:
+def _start_host(run, block: int, port: int) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(
         [
@@ -94,8 +106,6 @@ def _start_host(run, block: int, port: int, hop_ms: float = 0) -> subprocess.Pop
             str(block),
             "--port",
             str(port),
-            "--hop-ms",
-            str(hop_ms),
             "--threads",
             "1",
         ],
@@ -119,17 +129,14 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 90) -> No
 def test_a_host_killed_mid_request_gives_503_naming_it_then_serving_resumes(runs):
     ports = [_free_port() for _ in range(3)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
-    # Host 1 holds the state 1 s before forwarding it: host 2 dies while the request is on its way.
-    procs = [
-        _start_host(runs.blocktrain, i, p, hop_ms=1000 if i == 1 else 0)
-        for i, p in enumerate(ports)
-    ]
+    procs = [_start_host(runs.blocktrain, i, p) for i, p in enumerate(ports)]
     router = None
     try:
         for url, proc in zip(urls, procs, strict=True):
             _wait_healthy(url, proc)
+        # Each link to a host takes 0.4 s each way: host 2 dies while the state is on its way.
         router = ThreadedServer.start(
-            create_router_app(RouterSettings(tuple(urls))), bind("127.0.0.1", 0)
+            create_router_app(RouterSettings(tuple(urls), hop_ms=400)), bind("127.0.0.1", 0)
         )
         request = {"model": "bt", "prompt": "The ", "max_tokens": 2, "seed": 1}
         ok = httpx.post(f"{router.url}/v1/completions", json=request, timeout=60)
@@ -166,3 +173,65 @@ def test_a_host_killed_mid_request_gives_503_naming_it_then_serving_resumes(runs
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def test_over_sockets_hosts_want_the_secret_and_cut_chunked_uploads_at_their_cap(runs):
+    """Issue 12, Serving: router and hosts authenticate each other, and chunked uploads
+    bypassed the hosts' body limit; here through uvicorn on loopback, as deployed."""
+    secret = "loopback-test-secret-0123456789"
+    with loopback_chain(runs, secret=secret, max_body_bytes=64 * 1024) as (router, hosts):
+        r = httpx.post(
+            f"{router}/v1/generate",
+            json={"model": "bt", "prompt": "The ", "max_bytes": 4},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        assert httpx.post(f"{hosts[0]}/v1/sweep", content=b"x").status_code == 401
+        sent = 0
+
+        def chunks() -> Iterator[bytes]:
+            nonlocal sent
+            for _ in range(4096):  # 64 MiB if nothing stopped it
+                sent += 16 * 1024
+                yield b"\0" * (16 * 1024)
+
+        auth = {"authorization": f"Bearer {secret}"}
+        try:
+            big = httpx.post(f"{hosts[0]}/v1/sweep", content=chunks(), headers=auth, timeout=30)
+            assert big.status_code == 413, big.text
+        except httpx.HTTPError:
+            pass  # the host answered 413 and closed while the client was still sending
+        assert sent < 8 * 1024 * 1024, f"{sent} bytes went out before the host refused"
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_hosts_on_https_with_a_self_signed_certificate(runs, tmp_path):
+    """Issue 12, Serving: the shared secret crosses the network inside TLS; the router
+    verifies the hosts against the certificate it is given (--ca-cert)."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            "openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+            "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1",
+            "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    tls = TlsFiles(str(cert), str(key))
+    with loopback_chain(runs, secret="tls-test-secret-0123456789", tls=tls) as (router, hosts):
+        assert all(url.startswith("https://") for url in hosts)
+        r = httpx.post(
+            f"{router}/v1/generate",
+            json={"model": "bt", "prompt": "The ", "max_bytes": 4},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        with pytest.raises(httpx.ConnectError):  # not trusted without the certificate
+            httpx.get(f"{hosts[0]}/healthz")
+        assert (
+            httpx.get(
+                f"{hosts[0]}/healthz", verify=ssl.create_default_context(cafile=cert)
+            ).status_code
+            == 200
+        )

@@ -9,13 +9,16 @@ import argparse
 import sys
 from pathlib import Path
 
+import httpx
+
 from blocktrain.cli.common import Formatter
 from blocktrain.data import load_split
 from blocktrain.data.ngram import NgramDrafter
 from blocktrain.errors import ConfigError
+from blocktrain.httpserve import bind, run, url_of
+from blocktrain.serving.auth import SECRET_ENV, is_loopback, load_secret, tls_files
 from blocktrain.serving.router import RouterSettings, check_url
 from blocktrain.serving.router_app import create_app
-from blocktrain.serving.server import bind, run, url_of
 
 EXAMPLES = """examples:
   blocktrain serve --hosts http://127.0.0.1:8101,http://127.0.0.1:8102,http://127.0.0.1:8103 \\
@@ -27,6 +30,13 @@ EXAMPLES = """examples:
   blocktrain serve --hosts ... --port 8100 --draft-corpus data/wikitext-2
   curl -s localhost:8100/v1/generate -H 'content-type: application/json' \\
       -d '{"model": "tiny", "prompt": "The ", "max_bytes": 64, "draft_bytes": 6}'
+
+  # hosts off loopback: the router presents their shared secret; limits per client and request
+  blocktrain serve --hosts http://10.0.0.5:8101,http://10.0.0.6:8101 --port 8100 \\
+      --secret-file serve.secret --rate-limit 30 --max-work 2048
+  # hosts on HTTPS with a self-signed certificate: trust it
+  blocktrain serve --hosts https://10.0.0.5:8101 --port 8100 --secret-file serve.secret \\
+      --ca-cert tls/cert.pem
 
   # the openai client, unchanged
   python -c "import openai; c = openai.OpenAI(base_url='http://127.0.0.1:8100/v1', api_key='x');
@@ -51,7 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--hop-ms",
         type=float,
         default=0.0,
-        help="emulated one-way latency of the link to the first host, each way",
+        help="emulated one-way latency of the link to each host, each way",
     )
     p.add_argument(
         "--wire",
@@ -73,6 +83,43 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-output-bytes", type=int, default=4096, help="per request")
     p.add_argument("--max-prompt-bytes", type=int, default=65536, help="per request")
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=RouterSettings.max_body_bytes,
+        help="largest request body (413 above)",
+    )
+    p.add_argument(
+        "--rate-limit",
+        type=int,
+        default=RouterSettings.rate_per_minute,
+        metavar="N",
+        help="generation requests a minute per client address (429 above; 0: no limit)",
+    )
+    p.add_argument(
+        "--max-work",
+        type=int,
+        default=RouterSettings.max_work,
+        help="most work per request, in output bytes x steps_per_block (422 above)",
+    )
+    p.add_argument(
+        "--max-work-in-flight",
+        type=int,
+        default=RouterSettings.max_work_in_flight,
+        help="most work of all requests running at once (429 above)",
+    )
+    p.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate")
+    p.add_argument("--tls-key", metavar="PEM", help="... and this private key")
+    p.add_argument(
+        "--ca-cert",
+        metavar="PEM",
+        help="trust this CA (or self-signed certificate) for https hosts, instead of the system's CAs",
+    )
+    p.add_argument(
+        "--secret-file",
+        metavar="PATH",
+        help=f"file holding the secret shared with the block hosts (else ${SECRET_ENV})",
+    )
     p.add_argument(
         "--draft-corpus",
         metavar="PATH",
@@ -102,10 +149,24 @@ def run_cmd(args: argparse.Namespace) -> int:
         sample_on=args.sample_on,
         max_prompt_bytes=args.max_prompt_bytes,
         max_output_bytes=args.max_output_bytes,
+        max_body_bytes=args.max_body_bytes,
+        rate_per_minute=args.rate_limit,
+        max_work=args.max_work,
+        max_work_in_flight=args.max_work_in_flight,
+        secret=load_secret(args.secret_file),
+        ca_cert=args.ca_cert,
     )
+    tls = tls_files(args.tls_cert, args.tls_key)
     sock = bind(args.host, args.port)
     app = create_app(settings)  # builds nothing that can fail: hosts are asked lazily
-    print(f"routing to {', '.join(hosts)} on {url_of(sock)}", flush=True)
+    print(f"routing to {', '.join(hosts)} on {url_of(sock, tls=tls is not None)}", flush=True)
+    remote = [h for h in hosts if not is_loopback(httpx.URL(h).host)]
+    if settings.secret is None and remote:
+        print(
+            f"no secret: hosts off loopback ({', '.join(remote)}) will refuse this router",
+            file=sys.stderr,
+            flush=True,
+        )
     print("press Ctrl+C to stop", file=sys.stderr, flush=True)
-    run(app, sock)
+    run(app, sock, tls=tls)
     return 0

@@ -1,6 +1,7 @@
 """`blocktrain serve-block`: serve some blocks of a run (and/or stages of a reference run) as one
 host of a serving chain. Each request runs this host's sampler steps on a span's state and
-forwards the state to the next host; the host of the last block answers."""
+answers the state for the next host to the router (or forwards it to its own --next, in a
+chain without a router); the host of the last block answers the logits or bytes."""
 
 from __future__ import annotations
 
@@ -11,13 +12,25 @@ import torch
 
 from blocktrain.cli.common import Formatter
 from blocktrain.errors import ConfigError
+from blocktrain.httpserve import bind, run, url_of
+from blocktrain.serving.auth import SECRET_ENV, is_loopback, load_secret, tls_files
 from blocktrain.serving.host import HostSettings
 from blocktrain.serving.host_app import create_app
 from blocktrain.serving.loading import ModelSource
 from blocktrain.serving.router import check_url
-from blocktrain.serving.server import bind, run, url_of
 
 EXAMPLES = """examples:
+  # hosts take work only from a router holding the same secret (required off loopback)
+  openssl rand -hex 32 > serve.secret
+  blocktrain serve-block runs/tiny --blocks 0 --host 10.0.0.5 --port 8101 \\
+      --secret-file serve.secret
+  export BLOCKTRAIN_SERVE_SECRET=$(cat serve.secret)    # or from the environment
+
+  # HTTPS, so that the secret never crosses the network in the clear
+  blocktrain serve-block runs/tiny --blocks 0 --host 10.0.0.5 --port 8101 \\
+      --secret-file serve.secret --tls-cert tls/cert.pem --tls-key tls/key.pem
+
+  # on loopback the secret may be left out
   blocktrain serve-block runs/tiny --blocks 0 --port 8101 &
   blocktrain serve-block runs/tiny --blocks 1 --port 8102 &
   blocktrain serve-block runs/tiny --blocks 2 --port 8103 &
@@ -57,7 +70,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--next",
         dest="next_url",
         metavar="URL",
-        help="next host of the chain, for requests that name no route",
+        help="next host of a chain without a router (hosts behind a router take none)",
     )
     p.add_argument(
         "--public-url", metavar="URL", help="how this host names itself (default: http://HOST:PORT)"
@@ -66,7 +79,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--hop-ms",
         type=float,
         default=0.0,
-        help="emulated one-way latency of the link to the next host, each way",
+        help="emulated one-way latency of the link to --next, each way",
+    )
+    p.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate")
+    p.add_argument("--tls-key", metavar="PEM", help="... and this private key")
+    p.add_argument(
+        "--ca-cert",
+        metavar="PEM",
+        help="trust this CA (or self-signed certificate) for an https --next, instead of the system's CAs",
+    )
+    p.add_argument(
+        "--secret-file",
+        metavar="PATH",
+        help=f"file holding the secret shared with the router (else ${SECRET_ENV}); "
+        "required unless --host is a loopback address",
     )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the next host")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
@@ -92,15 +118,25 @@ def run_cmd(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     public = check_url(args.public_url, "--public-url") if args.public_url else None
+    secret = load_secret(args.secret_file)
+    if secret is None and not is_loopback(args.host):
+        raise ConfigError(
+            f"a block host listening on {args.host} needs the secret it shares with the "
+            f"router (--secret-file PATH or ${SECRET_ENV}); without it anyone who reaches "
+            "the port could run work on it"
+        )
+    tls = tls_files(args.tls_cert, args.tls_key)
     sock = bind(args.host, args.port)
     try:
         settings = HostSettings(
             models=sources,
             parts=parts,
             next_url=next_url,
-            public_url=public or url_of(sock),
+            public_url=public or url_of(sock, tls=tls is not None),
             hop_ms=args.hop_ms,
             timeout_s=args.timeout,
+            secret=secret,
+            ca_cert=args.ca_cert,
         )
         app = create_app(settings)  # loads this host's blocks: errors before we serve
     except BaseException:
@@ -109,6 +145,8 @@ def run_cmd(args: argparse.Namespace) -> int:
     url = settings.public_url
     names = ", ".join(f"{s.name} ({s.run_dir})" for s in sources)
     print(f"serving blocks {list(parts)} of {names} on {url}", flush=True)
+    if secret is None:
+        print("no secret: any local process may call this host", file=sys.stderr, flush=True)
     print("press Ctrl+C to stop", file=sys.stderr, flush=True)
-    run(app, sock)
+    run(app, sock, tls=tls)
     return 0

@@ -3,7 +3,8 @@ traversal of them (`Chain`): a sweep of one span's state, a verify sweep of a dr
 autoregressive step. The generation loops over a chain are in `streams.py`.
 
 Per sweep the router draws the initial noise from the request's generator, sends z = sigma_max *
-noise along the chain once, and samples the span's bytes from the final logits with the same
+noise along the chain once (to each host of the route in turn: a host answers the state for the
+next one, and the next hop is the router's choice, never a URL in a message), and samples the span's bytes from the final logits with the same
 generator (or lets the last host sample with the generator's state, which comes back advanced;
 so does the state when the sampler's steps draw noise on the hosts). With the state in fp32 on
 the wire, the bytes are those of `generate` (same shapes, same code path).
@@ -43,6 +44,9 @@ from blocktrain.serving.wire import (
 
 log = logging.getLogger(__name__)
 
+FINAL_KEYS = frozenset({"logits", "bytes"})
+"""The tensors of a final answer; any other answer is the state for the next host."""
+
 
 class _ModelInfo(BaseModel):
     name: str
@@ -55,6 +59,7 @@ class _ModelInfo(BaseModel):
 
 class _HostInfo(BaseModel):
     host: str
+    next: str | None = None
     models: list[_ModelInfo]
 
 
@@ -95,6 +100,11 @@ def assemble(infos: list[tuple[str, _HostInfo]]) -> tuple[dict[str, RemoteModel]
     for url, info in infos:
         for m in info.models:
             first = seen.setdefault(m.name, m)
+            if info.next is not None:
+                broken[m.name] = (
+                    f"host {url} forwards to its own --next {info.next}; the hosts behind a "
+                    "router take no --next (the router sends the state from host to host)"
+                )
             if (m.fingerprint, m.kind, m.total) != (first.fingerprint, first.kind, first.total):
                 broken[m.name] = (
                     f"hosts disagree on model {m.name!r}: {url} serves "
@@ -200,18 +210,29 @@ class Chain:
     async def _send(
         self, path: str, tensors: dict[str, torch.Tensor], header: BaseModel
     ) -> dict[str, torch.Tensor]:
+        """One traversal: the message goes to the first host of the route; each host answers
+        the state for the next one, which goes on unchanged to the next host of the route,
+        until a host answers the final logits or bytes."""
         t0 = time.perf_counter()
-        body, trace = await post_message(
-            self.client, self.model.route[0], path, encode(tensors, header.model_dump())
+        message = encode(tensors, header.model_dump())
+        trace: list[TraceEntry] = []
+        for url in self.model.route:
+            message, later = await post_message(self.client, url, path, message)
+            trace += later
+            try:
+                out = decode(message)[0]
+            except WireError as exc:
+                raise HostRefused(
+                    f"host {url} answered an unreadable message ({exc})", host=url
+                ) from None
+            if FINAL_KEYS & out.keys():
+                self.stats.add(time.perf_counter() - t0, trace)
+                return out
+        raise HostRefused(
+            f"the last host of {self.model.name!r}, {self.model.route[-1]}, passed the state "
+            "on instead of answering",
+            host=self.model.route[-1],
         )
-        self.stats.add(time.perf_counter() - t0, trace)
-        try:
-            return decode(body)[0]
-        except WireError as exc:
-            raise HostRefused(
-                f"the chain of {self.model.name!r} answered an unreadable message ({exc})",
-                host=self.model.route[-1],
-            ) from None
 
     def _finish(
         self, out: dict[str, torch.Tensor], sampling: Sampling, generator: torch.Generator
@@ -243,7 +264,6 @@ class Chain:
         header = SweepHeader(
             model=self.model.name,
             fingerprint=self.model.fingerprint,
-            route=self.model.route[1:],
             final=final,
             sampling=self._spec(sampling),
             wire_dtype=self.wire_dtype,
@@ -323,7 +343,6 @@ class Chain:
         header = StageHeader(
             model=self.model.name,
             fingerprint=self.model.fingerprint,
-            route=self.model.route[1:],
             final=self.final,
             sampling=self._spec(sampling),
             wire_dtype=self.wire_dtype,
@@ -345,7 +364,6 @@ class Chain:
         header = StageHeader(
             model=self.model.name,
             fingerprint=self.model.fingerprint,
-            route=self.model.route[1:],
             final="logits",
             wire_dtype=self.wire_dtype,
             stage=0,

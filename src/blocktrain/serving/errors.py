@@ -3,7 +3,11 @@
     BlockTrainError
     └── ServingError          anything a client or an operator of the chain can act on
         ├── BadRequest        the request can never succeed as sent (400; 404 for an unknown
-        │                     model); says which parameter and why
+        │                     model; 413 too large; 422 too much work); says which parameter
+        │                     and why
+        ├── Unauthorized      a host's caller did not present the shared secret (401)
+        ├── TooManyRequests   over the router's rate or concurrent-work limit (429), with
+        │                     the seconds to wait before retrying
         └── HostError         a host of the chain failed; names the host by its URL
             ├── HostUnavailable   unreachable, or died mid-request (503)
             ├── HostTimeout       no answer within the timeout (504)
@@ -20,7 +24,11 @@ names the host that actually failed.
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Any
+
+from starlette.types import Send
 
 from blocktrain.errors import BlockTrainError
 
@@ -50,6 +58,10 @@ class ServingError(BlockTrainError):
         if status is not None:
             self.status = status
 
+    def http_headers(self) -> dict[str, str]:
+        """Headers the error's response carries beside its JSON body."""
+        return {}
+
     def to_json(self) -> dict[str, Any]:
         """The OpenAI-style error body: {"error": {message, type, param, code, host}}."""
         return {
@@ -67,6 +79,28 @@ class BadRequest(ServingError):
     status = 400
     code = "invalid_value"
     kind = "invalid_request_error"
+
+
+class Unauthorized(ServingError):
+    status = 401
+    code = "unauthorized"
+    kind = "authentication_error"
+
+    def http_headers(self) -> dict[str, str]:
+        return {"www-authenticate": "Bearer"}
+
+
+class TooManyRequests(ServingError):
+    status = 429
+    code = "rate_limited"
+    kind = "rate_limit_error"
+
+    def __init__(self, message: str, *, retry_after_s: float, code: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.retry_after_s = retry_after_s
+
+    def http_headers(self) -> dict[str, str]:
+        return {"retry-after": str(max(1, math.ceil(self.retry_after_s)))}
 
 
 class HostError(ServingError):
@@ -119,3 +153,22 @@ def error_from_json(status: int, body: Any, *, default_host: str) -> ServingErro
         cls = HostRefused
     host = err.get("host") if isinstance(err.get("host"), str) else default_host
     return cls(err["message"], host=host, code=code, status=status)
+
+
+def error_body(code: str, detail: str) -> dict[str, Any]:
+    """The JSON of the HTTP guard's own refusals (httpserve.HttpGuard: a body over the cap, an
+    absurd Content-Length, a slow client), in the OpenAI shape of every other error."""
+    return BadRequest(detail, code=code).to_json()
+
+
+async def send_error(send: Send, err: ServingError) -> None:
+    """Answer an ASGI request with `err` as JSON, from a middleware, before any route (and
+    without reading the request's body)."""
+    body = json.dumps(err.to_json()).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        *((k.encode(), v.encode()) for k, v in err.http_headers().items()),
+    ]
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -1,5 +1,6 @@
 """A block host: serves some blocks of a BlockTrain run (one-sweep generation) and/or some stages
-of a reference run (the autoregressive baseline), and forwards the state along the chain.
+of a reference run (the autoregressive baseline), and passes the state on: back to the router,
+or to its own configured --next.
 
 The work behind the host's routes (the app itself is `host_app.py`).
 
@@ -11,7 +12,10 @@ state on the wire is always "z at the next grid point". All steps_per_block poin
 run on its host: they cost compute, not hops. A sampler whose steps draw noise (ancestral)
 draws it from the request's generator, whose state travels with z and comes back advanced. The
 host of the last point answers with its logits (the router samples), or with bytes sampled
-with the request's generator state when asked to (`final = "bytes"`).
+with the request's generator state when asked to (`final = "bytes"`). Any other host answers
+the state for the next point to the router, which sends it to the next host (or forwards it to
+its own configured `--next`, in a chain without a router): the next hop is never read from a
+request.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio.to_thread
@@ -58,11 +62,12 @@ class HostSettings:
     parts: tuple[int, ...]
     """The blocks (of a BlockTrain run) or stages (of a reference run) this host holds."""
     next_url: str | None = None
-    """Where to forward the state when a request names no route (a chain without a router)."""
+    """Where to forward the state (a chain without a router); None: answer it to the caller
+    (the router sends it on to the next host of its route)."""
     public_url: str = "http://127.0.0.1"
     """How this host names itself in traces and errors."""
     hop_ms: float = 0.0
-    """Emulated one-way latency of the link to the next host (see transport.py)."""
+    """Emulated one-way latency of the link to --next (see transport.py)."""
     timeout_s: float = 300.0
     """Read timeout when forwarding to the next host."""
     max_body_bytes: int = 256 * 2**20
@@ -73,6 +78,11 @@ class HostSettings:
     """Autoregressive KV caches kept at once (least recently used dropped first)."""
     session_ttl_s: float = 600.0
     """A KV cache unused this long is dropped (its generation was abandoned)."""
+    secret: str | None = field(default=None, repr=False)
+    """The shared secret callers must present (auth.py), and this host presents to its
+    --next; None: anyone may call (loopback only, see cli/serve_block.py)."""
+    ca_cert: str | None = None
+    """PEM bundle to verify an https --next against (None: the system's CAs)."""
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -143,24 +153,17 @@ class BlockHost:
             )
         return model
 
-    def _next(self, route: list[str] | None, where: str) -> tuple[str, list[str] | None]:
-        if route is not None:
-            if not route:
-                raise HostRefused(
-                    f"host {self.settings.public_url}: {where}, but the route "
-                    "names no further host",
-                    host=self.settings.public_url,
-                    code="misrouted",
-                )
-            return route[0], route[1:]
+    async def _pass_on(
+        self, path: str, message: bytes, trace: TraceEntry
+    ) -> tuple[bytes, list[TraceEntry]]:
+        """The state for the next part: forwarded to this host's own --next (a chain without a
+        router), else answered to the caller, the router, which sends it to the next host of
+        its route. The next hop never comes from the request: a host makes no request to a URL
+        it was not configured with."""
         if self.settings.next_url is None:
-            raise HostRefused(
-                f"host {self.settings.public_url}: {where}, but the request names "
-                "no route and this host has no --next",
-                host=self.settings.public_url,
-                code="misrouted",
-            )
-        return self.settings.next_url, None
+            return message, [trace]
+        answer, later = await post_message(self.client, self.settings.next_url, path, message)
+        return answer, [trace, *later]
 
     def _generator(
         self, tensors: dict[str, torch.Tensor], header: SweepHeader | StageHeader
@@ -262,15 +265,11 @@ class BlockHost:
         trace = self._trace(model, visited, seconds)
         if done is not None:
             return done, [trace]
-        url, rest = self._next(header.route, f"the sweep needs block {grid[step][0]} next")
-        forward = header.model_copy(update={"step": step, "route": rest})
+        forward = header.model_copy(update={"step": step})
         out = {"x": bytes_tensor(x), "z": z.to(WIRE_DTYPES[header.wire_dtype])}
         if gen is not None:
             out["generator"] = gen.get_state()
-        answer, later = await post_message(
-            self.client, url, "/v1/sweep", encode(out, forward.model_dump())
-        )
-        return answer, [trace, *later]
+        return await self._pass_on("/v1/sweep", encode(out, forward.model_dump()), trace)
 
     @torch.no_grad()
     def _run_sweep(
@@ -354,15 +353,11 @@ class BlockHost:
         trace = self._trace(model, visited, seconds)
         if done is not None:
             return done, [trace]
-        url, rest = self._next(header.route, f"the step needs stage {stage} next")
-        forward = header.model_copy(update={"stage": stage, "route": rest})
+        forward = header.model_copy(update={"stage": stage})
         out = {"h": h.to(WIRE_DTYPES[header.wire_dtype])}
         if gen is not None:
             out["generator"] = gen.get_state()
-        answer, later = await post_message(
-            self.client, url, "/v1/stage", encode(out, forward.model_dump())
-        )
-        return answer, [trace, *later]
+        return await self._pass_on("/v1/stage", encode(out, forward.model_dump()), trace)
 
     @torch.no_grad()
     def _run_stages(

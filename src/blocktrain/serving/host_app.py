@@ -1,9 +1,10 @@
-"""The block host's HTTP app: routes over `host.BlockHost`, body limits, and errors as JSON.
+"""The block host's HTTP app: routes over `host.BlockHost`, the shared secret, body limits, and
+errors as JSON.
 
-POST /v1/sweep   run this host's points of the sigma grid on a span's state, then forward
-POST /v1/stage   run this host's reference stages (the autoregressive baseline), then forward
-GET  /v1/info    the models, blocks/stages and fingerprints held here
-GET  /healthz    liveness
+POST /v1/sweep   run this host's points of the sigma grid on a span's state, then pass it on
+POST /v1/stage   run this host's reference stages (the autoregressive baseline), then pass on
+GET  /v1/info    the models, blocks/stages and fingerprints held here (needs the secret)
+GET  /healthz    liveness (open)
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from blocktrain.serving.errors import BadRequest, ServingError
+from blocktrain.httpserve import HttpGuard, Limits
+from blocktrain.serving.auth import RequireSecret
+from blocktrain.serving.errors import ServingError, error_body
 from blocktrain.serving.host import BlockHost, HostSettings
 from blocktrain.serving.loading import HostedModel, load_hosted_model
 from blocktrain.serving.transport import make_client
@@ -38,7 +41,13 @@ def create_app(
     are given; `transport` (tests) replaces the network to the next host."""
     if models is None:
         models = [load_hosted_model(src, list(settings.parts)) for src in settings.models]
-    client = make_client(timeout_s=settings.timeout_s, hop_ms=settings.hop_ms, transport=transport)
+    client = make_client(
+        timeout_s=settings.timeout_s,
+        hop_ms=settings.hop_ms,
+        transport=transport,
+        secret=settings.secret,
+        ca_cert=settings.ca_cert,
+    )
     host = BlockHost(settings, {m.name: m for m in models}, client, clock)
 
     @asynccontextmanager
@@ -48,30 +57,18 @@ def create_app(
 
     app = FastAPI(title="BlockTrain block host", lifespan=lifespan)
     app.state.host = host
+    # The body cap (declared or chunked) holds before the route reads a byte; outside it, a
+    # caller without the secret is answered before anything else looks at its request.
+    app.add_middleware(
+        HttpGuard, limits=Limits(max_body=settings.max_body_bytes), error_body=error_body
+    )
+    app.add_middleware(RequireSecret, secret=settings.secret)
 
     @app.exception_handler(ServingError)
     async def serving_error(_: Request, exc: ServingError) -> JSONResponse:
         if exc.status >= 500:
             log.warning("%s", exc.message)
-        return JSONResponse(exc.to_json(), status_code=exc.status)
-
-    async def read_body(request: Request) -> bytes:
-        limit = settings.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise BadRequest(
-                f"body of {declared} bytes exceeds the limit of {limit}",
-                code="too_large",
-                status=413,
-            )
-        body = await request.body()
-        if len(body) > limit:
-            raise BadRequest(
-                f"body of {len(body)} bytes exceeds the limit of {limit}",
-                code="too_large",
-                status=413,
-            )
-        return body
+        return JSONResponse(exc.to_json(), status_code=exc.status, headers=exc.http_headers())
 
     def answer(result: tuple[bytes, list[TraceEntry]]) -> Response:
         body, trace = result
@@ -89,10 +86,10 @@ def create_app(
 
     @app.post("/v1/sweep")
     async def sweep(request: Request) -> Response:
-        return answer(await host.sweep(await read_body(request)))
+        return answer(await host.sweep(await request.body()))
 
     @app.post("/v1/stage")
     async def stage(request: Request) -> Response:
-        return answer(await host.stage(await read_body(request)))
+        return answer(await host.stage(await request.body()))
 
     return app

@@ -10,7 +10,8 @@ autoregressive pipeline, one traversal per byte. The router learns what the host
 their /v1/info and asks again after any host failure, so it keeps serving once a host is back.
 
 Errors are OpenAI-shaped JSON, `{"error": {"message", "type", "param", "code", "host"}}`: 400 for
-a bad request (404 for an unknown model), 503 naming the host that is unreachable or died
+a bad request (404 for an unknown model, 413 for a body over the limit, 422 for more work than
+one request may ask for, 429 over the rate or in-flight work limit), 503 naming the host that is unreachable or died
 mid-request, 504 for one that timed out, 502 for a host that refused the state. In a stream
 that has already started, a failure arrives as a last `data: {"error": ...}` event.
 """
@@ -20,7 +21,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import httpx
@@ -38,6 +39,7 @@ from blocktrain.serving.chain import (
     unavailable_error,
 )
 from blocktrain.serving.errors import BadRequest, HostError, HostRefused, ServingError
+from blocktrain.serving.limits import WorkLimiter, work_units
 from blocktrain.serving.schemas import (
     CompletionRequest,
     GenerateRequest,
@@ -90,6 +92,19 @@ class RouterSettings:
     """Drafts bytes for speculative generation with K = 1 models (requests' draft_bytes)."""
     max_draft_bytes: int = 32
     """Largest draft_bytes a request may ask for."""
+    max_body_bytes: int = 1 << 20
+    """Largest request body accepted (a prompt of 65536 byte values as a JSON list fits)."""
+    rate_per_minute: int = 600
+    """Generation requests a minute per client address (0: no limit): a flood of cheap
+    requests; the work limits below bound the compute."""
+    max_work: int = 4096
+    """Most work in one request, in bytes x steps_per_block (limits.work_units)."""
+    max_work_in_flight: int = 16384
+    """Most work of all requests in flight together."""
+    secret: str | None = field(default=None, repr=False)
+    """The hosts' shared secret, sent with every request to them (auth.py)."""
+    ca_cert: str | None = None
+    """PEM bundle to verify https hosts against (None: the system's CAs)."""
 
     def __post_init__(self) -> None:
         if not self.hosts:
@@ -111,9 +126,19 @@ class RouterSettings:
             "max_output_bytes",
             "max_steps_per_block",
             "max_draft_bytes",
+            "max_body_bytes",
+            "max_work",
+            "max_work_in_flight",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} = {getattr(self, name)} must be positive")
+        if self.rate_per_minute < 0:
+            raise ConfigError(f"--rate-limit {self.rate_per_minute} must be >= 0 (0: none)")
+        if self.max_work > self.max_work_in_flight:
+            raise ConfigError(
+                f"--max-work {self.max_work} exceeds --max-work-in-flight "
+                f"{self.max_work_in_flight}: no request could ever run"
+            )
 
 
 @dataclass(frozen=True)
@@ -128,6 +153,8 @@ class _Job:
     steps_per_block: int
     sampler: str
     draft_bytes: int
+    units: int
+    """The work admitted for this job, released by `Router.done`."""
 
 
 class Router:
@@ -135,6 +162,7 @@ class Router:
         self.settings = settings
         self.client = client
         self.directory = Directory(list(settings.hosts), client)
+        self.work = WorkLimiter(settings.max_work, settings.max_work_in_flight)
 
     async def resolve(self, name: str | None) -> RemoteModel:
         models = await self.directory.models()
@@ -182,6 +210,10 @@ class Router:
         remote = await self.resolve(model)
         if req.draft_bytes:
             self._check_drafting(remote, req.draft_bytes)
+        # An autoregressive model runs no sampler points: one unit per byte.
+        steps = req.steps_per_block if remote.kind == "blocktrain" else 1
+        what = f"{param} x steps_per_block = {n_bytes} x {steps}"
+        units = self.work.admit(work_units(n_bytes, steps), what, param)
         return _Job(
             remote,
             data,
@@ -191,7 +223,12 @@ class Router:
             req.steps_per_block,
             req.sampler,
             req.draft_bytes,
+            units,
         )
+
+    def done(self, job: _Job) -> None:
+        """The job ended (answered, failed or abandoned): its work is no longer in flight."""
+        self.work.release(job.units)
 
     def _check_drafting(self, model: RemoteModel, draft_bytes: int) -> None:
         why = None

@@ -9,7 +9,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -18,11 +18,15 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
+from blocktrain.httpserve import HttpGuard, Limits
 from blocktrain.serving.chain import (
     ChainStats,
 )
-from blocktrain.serving.errors import BadRequest, ServingError
+from blocktrain.serving.errors import BadRequest, ServingError, error_body
+from blocktrain.serving.limits import RateLimit, RateLimiter
 from blocktrain.serving.router import Router, RouterSettings
 from blocktrain.serving.schemas import (
     Completion,
@@ -48,12 +52,39 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{'.'.join(loc)}: {msg}" if loc else msg), param
 
 
+class _Stream(StreamingResponse):
+    """Server-sent events that hold their job's work in flight until the response ends,
+    however it ends: sent in full, failed, or the client hung up (even before the first
+    event, when the events' generator never ran)."""
+
+    def __init__(self, events: AsyncIterator[str], release: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
 def create_app(
-    settings: RouterSettings, *, transport: httpx.AsyncBaseTransport | None = None
+    settings: RouterSettings,
+    *,
+    transport: httpx.AsyncBaseTransport | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> FastAPI:
-    """The router app; `transport` (tests) replaces the network to the hosts."""
-    client = make_client(timeout_s=settings.timeout_s, hop_ms=settings.hop_ms, transport=transport)
+    """The router app; `transport` (tests) replaces the network to the hosts, `clock` the
+    time the rate limit counts in."""
+    client = make_client(
+        timeout_s=settings.timeout_s,
+        hop_ms=settings.hop_ms,
+        transport=transport,
+        secret=settings.secret,
+        ca_cert=settings.ca_cert,
+    )
     router = Router(settings, client)
+    limiter = RateLimiter(settings.rate_per_minute, clock) if settings.rate_per_minute else None
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -62,13 +93,23 @@ def create_app(
 
     app = FastAPI(title="BlockTrain router", lifespan=lifespan)
     app.state.router = router
+    app.add_middleware(
+        HttpGuard, limits=Limits(max_body=settings.max_body_bytes), error_body=error_body
+    )
+    app.add_middleware(RateLimit, limiter=limiter)
 
     @app.exception_handler(ServingError)
     async def serving_error(_: Request, exc: ServingError) -> JSONResponse:
         exc = router.failed(exc)
         if exc.status >= 500:
             log.warning("%s", exc.message)
-        return JSONResponse(exc.to_json(), status_code=exc.status)
+        return JSONResponse(exc.to_json(), status_code=exc.status, headers=exc.http_headers())
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # FastAPI's own refusals (a body it cannot parse, an unknown path) in the OpenAI shape.
+        err = BadRequest(str(exc.detail), code="invalid_request", status=exc.status_code)
+        return JSONResponse(err.to_json(), status_code=exc.status_code)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -95,7 +136,10 @@ def create_app(
             model=req.model, prompt=req.prompt, n_bytes=req.max_bytes, param="max_bytes", req=req
         )
         stats = ChainStats()
-        pieces = [piece async for piece in router.stream(job, stats)]
+        try:
+            pieces = [piece async for piece in router.stream(job, stats)]
+        finally:
+            router.done(job)
         data = bytes(torch.cat(pieces, dim=1)[0].tolist())
         return GenerateResponse(
             model=job.model.name,
@@ -127,7 +171,10 @@ def create_app(
         )
         pieces = router.stream(job, ChainStats())
         if not req.stream:
-            out = [piece async for piece in pieces]
+            try:
+                out = [piece async for piece in pieces]
+            finally:
+                router.done(job)
             text = bytes(torch.cat(out, dim=1)[0].tolist()).decode("utf-8", "replace")
             return Completion(
                 id=cid,
@@ -138,7 +185,11 @@ def create_app(
             )
         # The first piece is computed before the response starts, so that a chain that is
         # down answers with a proper status rather than a stream that breaks at once.
-        first = await anext(pieces)
+        try:
+            first = await anext(pieces)
+        except BaseException:
+            router.done(job)
+            raise
 
         def chunk(text: str, finish: bool = False, with_usage: bool = False) -> str:
             doc = Completion(
@@ -168,6 +219,6 @@ def create_app(
             )
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return _Stream(events(), release=lambda: router.done(job))
 
     return app

@@ -11,9 +11,12 @@ links, out and back: 2 * H * hop_ms of emulated latency on top of the real loopb
 from __future__ import annotations
 
 import asyncio
+import ssl
 
 import httpx
 
+from blocktrain.errors import ConfigError
+from blocktrain.serving.auth import auth_headers
 from blocktrain.serving.errors import HostTimeout, HostUnavailable, error_from_json
 from blocktrain.serving.wire import CONTENT_TYPE, TRACE_HEADER, TraceEntry, trace_from_header
 
@@ -38,14 +41,25 @@ class DelayTransport(httpx.AsyncBaseTransport):
 
 
 def make_client(
-    *, timeout_s: float, hop_ms: float = 0.0, transport: httpx.AsyncBaseTransport | None = None
+    *,
+    timeout_s: float,
+    hop_ms: float = 0.0,
+    transport: httpx.AsyncBaseTransport | None = None,
+    secret: str | None = None,
+    ca_cert: str | None = None,
 ) -> httpx.AsyncClient:
-    """An async client for the chain: connect timeout 5 s, read/write/pool `timeout_s`, and the
-    emulated hop latency when hop_ms > 0. `transport` lets tests run hosts in-process."""
-    inner = transport or httpx.AsyncHTTPTransport(retries=0)
+    """An async client for the chain: connect timeout 5 s, read/write/pool `timeout_s`, the
+    emulated hop latency when hop_ms > 0, and the hosts' shared secret on every request;
+    https hosts are verified against `ca_cert` (a PEM bundle, e.g. a self-signed certificate)
+    or the system's CAs. `transport` lets tests run hosts in-process."""
+    try:
+        verify = True if ca_cert is None else ssl.create_default_context(cafile=ca_cert)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"cannot use --ca-cert {ca_cert}: {exc}") from None
+    inner = transport or httpx.AsyncHTTPTransport(retries=0, verify=verify)
     outer: httpx.AsyncBaseTransport = DelayTransport(inner, hop_ms / 1000) if hop_ms > 0 else inner
     timeout = httpx.Timeout(timeout_s, connect=min(CONNECT_TIMEOUT_S, timeout_s))
-    return httpx.AsyncClient(transport=outer, timeout=timeout)
+    return httpx.AsyncClient(transport=outer, timeout=timeout, headers=auth_headers(secret))
 
 
 def join(url: str, path: str) -> str:
@@ -75,7 +89,7 @@ async def post_message(
     if resp.status_code != 200:
         try:
             payload = resp.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             payload = resp.text
         raise error_from_json(resp.status_code, payload, default_host=url)
     return resp.content, trace_from_header(resp.headers.get(TRACE_HEADER))
@@ -95,7 +109,7 @@ async def get_json(client: httpx.AsyncClient, url: str, path: str) -> object:
         ) from None
     try:
         payload = resp.json()
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         payload = resp.text
     if resp.status_code != 200:
         raise error_from_json(resp.status_code, payload, default_host=url)

@@ -60,8 +60,6 @@ class _Header(BaseModel):
     """The model's name on the hosts."""
     fingerprint: str = Field(min_length=1, max_length=64)
     """The run the router resolved the model to; a host serving another run refuses."""
-    route: list[str] | None = Field(None, max_length=64)
-    """The hosts still to visit, in order; None: use the host's own --next."""
     final: Final = "logits"
     """What the last host returns: the final logits, or bytes sampled with `generator`."""
     sampling: SamplingSpec | None = None
@@ -118,6 +116,8 @@ def decode(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         header = json.loads(decoded.metadata.get(HEADER_KEY, "{}"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise WireError("bad_metadata", f"the message header is not JSON ({exc})") from None
+    except RecursionError:
+        raise WireError("bad_metadata", "the message header is nested too deeply") from None
     if not isinstance(header, dict):
         raise WireError("bad_metadata", "the message header is not a JSON object")
     return decoded.to_torch(), header
@@ -133,7 +133,7 @@ def trace_from_header(value: str | None) -> list[TraceEntry]:
         return []
     try:
         return [TraceEntry.model_validate(item) for item in json.loads(value)]
-    except (json.JSONDecodeError, TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         return []
 
 

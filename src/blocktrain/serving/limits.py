@@ -1,0 +1,108 @@
+"""The router's admission limits: requests per client per minute, and work, per request and in
+flight at once. A request over a limit is refused before any host computes.
+
+Work is counted in bytes x steps_per_block (`work_units`): the chain's compute grows with both
+(each sampler point of each block runs once per span, and the spans grow with the bytes). At
+the tiny shape one unit costs about 11 ms of chain compute, so the default of 4096 units per
+request bounds one request to about 45 s, where an uncapped one (4096 bytes at 16 steps per
+block) took 12 minutes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from blocktrain.serving.errors import BadRequest, TooManyRequests, send_error
+
+
+def work_units(n_bytes: int, steps_per_block: int) -> int:
+    """The work of one request: bytes to generate x sampler points per block."""
+    return n_bytes * steps_per_block
+
+
+class RateLimiter:
+    """A token bucket per client address: `per_minute` requests a minute, in bursts of up to
+    as many. Buckets that have refilled are forgotten, so idle clients cost no memory."""
+
+    def __init__(self, per_minute: int, clock: Callable[[], float], max_clients: int = 10000):
+        self.rate = per_minute / 60.0
+        self.capacity = float(per_minute)
+        self.clock = clock
+        self.max_clients = max_clients
+        self._buckets: dict[str, tuple[float, float]] = {}  # client -> (tokens, at)
+
+    def _tokens(self, client: str, now: float) -> float:
+        tokens, at = self._buckets.get(client, (self.capacity, now))
+        return min(self.capacity, tokens + (now - at) * self.rate)
+
+    def check(self, client: str) -> None:
+        """Take one request's token for `client`, or raise TooManyRequests."""
+        now = self.clock()
+        if len(self._buckets) >= self.max_clients:
+            self._buckets = {
+                c: (t, at)
+                for c, (t, at) in self._buckets.items()
+                if self._tokens(c, now) < self.capacity
+            }
+        tokens = self._tokens(client, now)
+        if tokens < 1:
+            raise TooManyRequests(
+                f"more than {self.capacity:g} requests a minute from {client}; retry later",
+                retry_after_s=(1 - tokens) / self.rate,
+            )
+        self._buckets[client] = (tokens - 1, now)
+
+
+@dataclass
+class WorkLimiter:
+    """Caps the work of one request (422) and of all requests in flight together (429)."""
+
+    per_request: int
+    in_flight_max: int
+    in_flight: int = 0
+
+    def admit(self, units: int, what: str, param: str) -> int:
+        """Count `units` of work in flight -> the units to `release` when the request ends;
+        `what` says how the units were counted, `param` what the client should change."""
+        if units > self.per_request:
+            raise BadRequest(
+                f"{what} = {units} units of work exceeds this router's limit of "
+                f"{self.per_request} per request; ask for fewer bytes or steps",
+                param=param,
+                code="too_much_work",
+                status=422,
+            )
+        if self.in_flight + units > self.in_flight_max:
+            raise TooManyRequests(
+                f"the router is busy: {self.in_flight} units of work in flight, "
+                f"{units} more would pass its limit of {self.in_flight_max}; retry shortly",
+                retry_after_s=1.0,
+                code="busy",
+            )
+        self.in_flight += units
+        return units
+
+    def release(self, units: int) -> None:
+        self.in_flight -= units
+
+
+class RateLimit:
+    """ASGI middleware: the rate limit on POST requests (the generation routes), checked
+    before the body is read."""
+
+    def __init__(self, app: ASGIApp, limiter: RateLimiter | None) -> None:
+        self.app = app
+        self.limiter = limiter
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.limiter is not None and scope["type"] == "http" and scope["method"] == "POST":
+            client = scope.get("client")
+            try:
+                self.limiter.check(client[0] if client else "unknown")
+            except TooManyRequests as err:
+                await send_error(send, err)
+                return
+        await self.app(scope, receive, send)

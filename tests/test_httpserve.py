@@ -1,0 +1,171 @@
+"""The shared HTTP limits (`blocktrain.httpserve`): body caps before and while streaming, slow
+bodies, half-sent heads. Issue 12, "Resource exhaustion" and "Limits before parsing"."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from typing import Any
+
+import pytest
+from fastapi import FastAPI, Request
+
+from blocktrain.errors import ConfigError
+from blocktrain.httpserve import HttpGuard, Limits, ThreadedServer, bind, declared_length
+
+
+def echo_app(limits: Limits, **guard: Any) -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/echo")
+    async def echo(request: Request) -> dict[str, int]:
+        return {"bytes": len(await request.body())}
+
+    app.add_middleware(HttpGuard, limits=limits, **guard)
+    return app
+
+
+def call(app: Any, headers: dict[str, str], chunks: list[bytes], delay_s: float = 0.0):
+    """Run one POST /echo through the ASGI app; (status, JSON, chunks the app pulled)."""
+    pulled = 0
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        nonlocal pulled
+        if pulled >= len(chunks):
+            await asyncio.sleep(3600)  # a client that never finishes
+        await asyncio.sleep(delay_s)
+        pulled += 1
+        return {
+            "type": "http.request",
+            "body": chunks[pulled - 1],
+            "more_body": pulled < len(chunks),
+        }
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/echo",
+        "raw_path": b"/echo",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+    }
+    asyncio.run(app(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], json.loads(body), pulled
+
+
+@pytest.mark.parametrize(
+    ("value", "want"),
+    [
+        (None, (None, None)),
+        ("12", (12, None)),
+        ("99999999999999999999", (None, "absurd")),
+        ("-1", (None, "decimal")),
+        ("1e3", (None, "decimal")),
+    ],
+)
+def test_declared_length(value, want):
+    headers = [] if value is None else [(b"content-length", value.encode())]
+    got = declared_length(headers)
+    assert got[0] == want[0]
+    assert (got[1] is None) if want[1] is None else (want[1] in got[1])
+
+
+def test_a_declared_body_over_the_cap_is_refused_before_the_app_reads_a_byte():
+    """Finding: `POST /v1/workers` parsed an unbounded body (300 MB took 1.2 GB of memory)."""
+    status, doc, pulled = call(
+        echo_app(Limits(max_body=1000)), {"content-length": str(300 * 2**20)}, [b"x" * 1000] * 5
+    )
+    assert status == 413 and doc["error"] == "too_large", doc
+    assert pulled == 0
+
+
+def test_an_absurd_content_length_is_a_400_not_a_500():
+    """Finding: `Content-Length: 99999999999999999999` made the aggregator answer 500."""
+    status, doc, pulled = call(
+        echo_app(Limits()), {"content-length": "99999999999999999999"}, [b"x"]
+    )
+    assert status == 400 and doc["error"] == "bad_request" and pulled == 0, doc
+
+
+def test_a_chunked_body_is_cut_at_the_cap_while_streaming():
+    """Finding (serving): chunked uploads bypassed the hosts' limit; the guard counts bytes."""
+    refused: list[str] = []
+    app = echo_app(Limits(max_body=2500), on_refuse=lambda scope, code: refused.append(code))
+    status, doc, pulled = call(app, {}, [b"x" * 1000] * 100)
+    assert status == 413 and doc["error"] == "too_large", doc
+    assert pulled == 3, "the guard stops reading at the first chunk over the cap"
+    assert refused == ["too_large"]
+    status, doc, _ = call(app, {}, [b"x" * 1000] * 2)
+    assert status == 200 and doc == {"bytes": 2000}
+
+
+def test_a_body_slower_than_the_minimum_rate_gets_408():
+    app = echo_app(Limits(body_grace_s=0.2, min_body_rate=1000.0), error_body=lambda c, d: {"r": c})
+    started = time.monotonic()
+    status, doc, pulled = call(app, {}, [b"x"] * 1000, delay_s=0.05)
+    assert status == 408 and doc == {"r": "slow_client"}, doc
+    assert time.monotonic() - started < 2.0 and pulled < 20
+
+
+def test_limits_refuse_nonsense():
+    with pytest.raises(ConfigError, match="header_timeout_s"):
+        Limits(header_timeout_s=0)
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    sock.settimeout(seconds)
+    try:
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                return True
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_half_sent_heads_are_closed_after_the_header_timeout():
+    """Finding: half-sent connections were held forever (500 of 500 open after 45 s)."""
+    limits = Limits(header_timeout_s=0.5)
+    server = ThreadedServer.start(echo_app(limits), bind("127.0.0.1", 0), limits=limits)
+    host, port = server.url.rsplit("//", 1)[1].split(":")
+    try:
+        silent = socket.create_connection((host, int(port)))
+        half = socket.create_connection((host, int(port)))
+        half.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Le")
+        assert _closed_within(silent, 5.0) and _closed_within(half, 5.0)
+        # a keep-alive connection that starts a second request and stalls is closed too
+        kept = socket.create_connection((host, int(port)))
+        kept.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nab")
+        kept.settimeout(5.0)
+        assert kept.recv(65536).startswith(b"HTTP/1.1 200")
+        kept.sendall(b"POST /echo HTTP/1.1\r\nHo")
+        assert _closed_within(kept, 5.0)
+        # an honest client is unaffected
+        ok = socket.create_connection((host, int(port)))
+        ok.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
+        ok.settimeout(5.0)
+        reply = b""
+        while b'{"bytes":3}' not in reply:
+            chunk = ok.recv(65536)
+            assert chunk, reply
+            reply += chunk
+        for s in (silent, half, kept, ok):
+            s.close()
+    finally:
+        server.stop()
