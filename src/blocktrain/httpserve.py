@@ -52,6 +52,9 @@ MAX_CONTENT_LENGTH = 2**62
 BODY_BYTES = "body_bytes"
 """Key in the ASGI scope's "state" (`request.state.body_bytes`): the body bytes the app has
 been handed so far, for byte accounting that counts what arrived, not what was declared."""
+GUARD_REFUSAL = "guard_refusal"
+"""Key in the scope's "state": (code, detail) once the guard has cut the body off; the app,
+which then sees a disconnect, can tell why (its response is dropped: the guard answers)."""
 
 
 @dataclass(frozen=True)
@@ -181,6 +184,7 @@ class HttpGuard:
                     "slow_client",
                     f"the body came slower than {self.limits.min_body_rate:.0f} bytes/s",
                 )
+                scope["state"][GUARD_REFUSAL] = body.failure[1:]
                 return {"type": "http.disconnect"}
             if message["type"] == "http.request":
                 body.received += len(message.get("body", b""))
@@ -188,6 +192,7 @@ class HttpGuard:
                 body.complete = not message.get("more_body", False)
                 if body.received > cap:
                     body.failure = (413, "too_large", f"the body exceeds the limit of {cap} bytes")
+                    scope["state"][GUARD_REFUSAL] = body.failure[1:]
                     return {"type": "http.disconnect"}
             return message
 
