@@ -10,7 +10,7 @@ What is enforced, and where:
 
 - a request's head (request line and headers) must arrive within `header_timeout_s` of the
   connection opening or of the previous response; a half-sent head is closed (uvicorn has no
-  such timeout: `_GuardedH11` adds it). Heads over `max_header_bytes` get 400 (h11).
+  such timeout: `_protocol` adds it). Heads over `max_header_bytes` get 400 (h11).
 - at most `max_connections` connections at once; a request beyond it gets 503 (uvicorn's
   `limit_concurrency`). Idle keep-alive connections close after `keep_alive_s`.
 - `HttpGuard`, a pure-ASGI middleware: a request body is refused with 413 when its
@@ -24,13 +24,17 @@ What is enforced, and where:
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
+import shutil
 import socket
 import ssl
+import subprocess
 import threading
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import h11
@@ -332,6 +336,40 @@ def check_tls(tls: TlsFiles | None) -> None:
         raise ConfigError(
             f"cannot use --tls-cert {tls.cert} with --tls-key {tls.key}: {exc}"
         ) from None
+
+
+def self_signed(out: Path, hosts: list[str], days: int = 365) -> TlsFiles:
+    """A self-signed certificate valid for `hosts` (names or IP addresses) and its P-256 key,
+    written to out/cert.pem and out/key.pem (mode 600) by `openssl`. Clients trust it with
+    `--ca-file out/cert.pem`."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise ConfigError("`openssl` is not on PATH; install it, or bring your own certificate")
+    if not hosts or days <= 0:
+        raise ConfigError("give at least one --host, and --days must be positive")
+    names = []
+    for host in hosts:
+        try:
+            names.append(f"IP:{ipaddress.ip_address(host)}")
+        except ValueError:
+            names.append(f"DNS:{host}")
+    out.mkdir(parents=True, exist_ok=True)
+    files = TlsFiles(str(out / "cert.pem"), str(out / "key.pem"))
+    for path in (files.cert, files.key):
+        if Path(path).exists():
+            raise ConfigError(f"{path} exists; remove it or choose another --out")
+    Path(files.key).touch(mode=0o600)  # private from its first byte: openssl keeps the mode
+    command = [
+        openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+        "-nodes", "-sha256", "-days", str(days), "-subj", f"/CN={hosts[0]}",
+        "-addext", "subjectAltName=" + ",".join(names),
+        "-addext", "basicConstraints=critical,CA:TRUE",
+        "-keyout", files.key, "-out", files.cert,
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise ConfigError(f"openssl failed: {done.stderr.strip().splitlines()[-1:]}")
+    return files
 
 
 def run(

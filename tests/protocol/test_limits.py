@@ -6,12 +6,15 @@ and private metrics. Each test names the finding it covers."""
 from __future__ import annotations
 
 import asyncio
+import random
 from typing import Any
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
 from blocktrain.protocol.aggregator import create_app
+from blocktrain.protocol.client import AggregatorClient, RetryPolicy
 from blocktrain.protocol.limits import AccessLimits, RateLimited, RateLimiter
 
 from .conftest import SETTINGS, FakeClock, Harness, add_token, auth, delta_body, make_state
@@ -248,3 +251,22 @@ def test_private_status_puts_metrics_behind_a_token(tmp_path):
     r = client.get("/metrics", headers=auth(alice))
     assert r.status_code == 200 and "blocktrain_block_version" in r.text
     state.close()
+
+
+def test_the_client_waits_out_a_429_as_the_server_asks():
+    answers = [
+        httpx.Response(429, headers={"Retry-After": "2"}, json={"reason": "rate_limited"}),
+        httpx.Response(429, json={"reason": "rate_limited"}),
+        httpx.Response(200, json={"blocks": 2}),
+    ]
+    sleeps: list[float] = []
+    client = AggregatorClient(
+        "http://agg",
+        "t",
+        transport=httpx.MockTransport(lambda request: answers.pop(0)),
+        sleep=sleeps.append,
+        rng=random.Random(0),
+        retry=RetryPolicy(base_s=0.1, cap_s=0.1),
+    )
+    assert client.config() == {"blocks": 2}
+    assert len(sleeps) == 2 and 2.0 <= sleeps[0] <= 2.1 and 1.0 <= sleeps[1] <= 1.1, sleeps

@@ -38,6 +38,12 @@ class AccessLimits:
     def __post_init__(self) -> None:
         if self.keep_refused < 0 or not self.prune_every_s > 0:
             raise ConfigError("keep_refused must be >= 0 and prune_every_s positive")
+        _check_rate(self.rate_per_s, self.burst)
+
+
+def _check_rate(rate_per_s: float, burst: int) -> None:
+    if not (rate_per_s > 0 and math.isfinite(rate_per_s)) or burst < 1:
+        raise ConfigError(f"--rate-limit {rate_per_s} and --rate-burst {burst} must be positive")
 
 
 class RateLimited(Refused):
@@ -53,8 +59,7 @@ class RateLimiter:
     """Token buckets keyed by token id. Thread-safe."""
 
     def __init__(self, rate_per_s: float, burst: int, clock: Callable[[], float]) -> None:
-        if not (rate_per_s > 0 and math.isfinite(rate_per_s)) or burst < 1:
-            raise ConfigError(f"rate {rate_per_s}/s and burst {burst} must be positive")
+        _check_rate(rate_per_s, burst)
         self.rate_per_s = rate_per_s
         self.burst = burst
         self.clock = clock
