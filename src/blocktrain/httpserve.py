@@ -24,17 +24,12 @@ What is enforced, and where:
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
-import shutil
 import socket
-import ssl
-import subprocess
 import threading
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import h11
@@ -42,6 +37,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from blocktrain.errors import ConfigError
+from blocktrain.tls import TlsFiles, check_tls
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -84,14 +80,6 @@ class Limits:
         for name in ("header_timeout_s", "body_grace_s", "min_body_rate"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, not {getattr(self, name)}")
-
-
-@dataclass(frozen=True)
-class TlsFiles:
-    """A PEM certificate (chain) and its private key: the server speaks HTTPS."""
-
-    cert: str
-    key: str
 
 
 def default_error_body(code: str, detail: str) -> dict[str, Any]:
@@ -323,53 +311,6 @@ def _config(
         ssl_certfile=None if tls is None else tls.cert,
         ssl_keyfile=None if tls is None else tls.key,
     )
-
-
-def check_tls(tls: TlsFiles | None) -> None:
-    """A clear ConfigError for a certificate and key that cannot serve (missing, unreadable,
-    not matching)."""
-    if tls is None:
-        return
-    try:
-        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(tls.cert, tls.key)
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(
-            f"cannot use --tls-cert {tls.cert} with --tls-key {tls.key}: {exc}"
-        ) from None
-
-
-def self_signed(out: Path, hosts: list[str], days: int = 365) -> TlsFiles:
-    """A self-signed certificate valid for `hosts` (names or IP addresses) and its P-256 key,
-    written to out/cert.pem and out/key.pem (mode 600) by `openssl`. Clients trust it with
-    `--ca-file out/cert.pem`."""
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        raise ConfigError("`openssl` is not on PATH; install it, or bring your own certificate")
-    if not hosts or days <= 0:
-        raise ConfigError("give at least one --host, and --days must be positive")
-    names = []
-    for host in hosts:
-        try:
-            names.append(f"IP:{ipaddress.ip_address(host)}")
-        except ValueError:
-            names.append(f"DNS:{host}")
-    out.mkdir(parents=True, exist_ok=True)
-    files = TlsFiles(str(out / "cert.pem"), str(out / "key.pem"))
-    for path in (files.cert, files.key):
-        if Path(path).exists():
-            raise ConfigError(f"{path} exists; remove it or choose another --out")
-    Path(files.key).touch(mode=0o600)  # private from its first byte: openssl keeps the mode
-    command = [
-        openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-        "-nodes", "-sha256", "-days", str(days), "-subj", f"/CN={hosts[0]}",
-        "-addext", "subjectAltName=" + ",".join(names),
-        "-addext", "basicConstraints=critical,CA:TRUE",
-        "-keyout", files.key, "-out", files.cert,
-    ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise ConfigError(f"openssl failed: {done.stderr.strip().splitlines()[-1:]}")
-    return files
 
 
 def run(

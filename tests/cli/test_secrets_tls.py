@@ -7,9 +7,10 @@ import pytest
 
 from blocktrain.cli.main import main
 from blocktrain.errors import Unreachable
-from blocktrain.httpserve import ThreadedServer, TlsFiles, bind
+from blocktrain.httpserve import ThreadedServer, bind
 from blocktrain.protocol.aggregator import create_app
 from blocktrain.protocol.client import AggregatorClient, RetryPolicy
+from blocktrain.tls import TlsFiles
 from tests.protocol.conftest import FakeClock, add_token, make_state
 
 from .test_cli import fails_cleanly

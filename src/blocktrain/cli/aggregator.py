@@ -29,11 +29,12 @@ from blocktrain.cli.common import (
     settings_overrides,
 )
 from blocktrain.errors import ConfigError
-from blocktrain.httpserve import Limits, TlsFiles, bind, check_tls, url_of
+from blocktrain.httpserve import Limits, bind, url_of
 from blocktrain.protocol.limits import JSON_BODY_BYTES, AccessLimits
 from blocktrain.protocol.settings import AggregatorSettings
 from blocktrain.protocol.state import create_state
 from blocktrain.protocol.storage import StateDir
+from blocktrain.tls import TlsFiles, check_tls
 from blocktrain.training.local import initial_blocks
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 
 from blocktrain.cli.common import Formatter
-from blocktrain.httpserve import self_signed
+from blocktrain.tls import self_signed
 
 EXAMPLES = """examples:
   blocktrain tls self-signed --out tls --host agg.example --host 10.0.0.5

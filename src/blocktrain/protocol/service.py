@@ -8,7 +8,7 @@ default, so deadlines survive a restart).
 
 An update is handled in four steps:
 
-1. identity: token, worker, its block, the declared size (`begin_push`);
+1. identity: token, rate, worker, its block (`begin_push`; the HTTP guard checked the size);
 2. content: `RoundEngine.check` (safetensors parse, the validator chain), outside the lock;
 3. durability: the body is written to STATE/pending and fsynced, still outside the lock;
 4. timing: under the lock, `RoundEngine.judge`; if accepted, a ledger row, then
