@@ -14,7 +14,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "blocktrain"
 
-BASE = frozenset({"config", "errors", "fsutil", "httpserve", "runtime", "tensorwire"})
+BASE = frozenset({"config", "errors", "fsutil", "httpserve", "runtime", "tensorwire", "tls"})
 # What each part of the package may import from the package, besides itself. "blocktrain" is the
 # package's __init__.py, the public facade. Bottom to top, as docs/architecture.md draws them.
 ALLOWED: dict[str, frozenset[str]] = {
@@ -22,7 +22,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "runtime": frozenset(),
     "tensorwire": frozenset(),
     "fsutil": frozenset({"errors"}),
-    "httpserve": frozenset({"errors"}),
+    "httpserve": frozenset({"errors", "tls"}),
+    "tls": frozenset({"errors"}),
     "config": frozenset({"errors"}),
     "data": BASE,
     "model": frozenset({"config"}),

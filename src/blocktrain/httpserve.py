@@ -10,7 +10,7 @@ What is enforced, and where:
 
 - a request's head (request line and headers) must arrive within `header_timeout_s` of the
   connection opening or of the previous response; a half-sent head is closed (uvicorn has no
-  such timeout: `_GuardedH11` adds it). Heads over `max_header_bytes` get 400 (h11).
+  such timeout: `_protocol` adds it). Heads over `max_header_bytes` get 400 (h11).
 - at most `max_connections` connections at once; a request beyond it gets 503 (uvicorn's
   `limit_concurrency`). Idle keep-alive connections close after `keep_alive_s`.
 - `HttpGuard`, a pure-ASGI middleware: a request body is refused with 413 when its
@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import ssl
 import threading
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -38,6 +37,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from blocktrain.errors import ConfigError
+from blocktrain.tls import TlsFiles, check_tls
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -52,6 +52,9 @@ MAX_CONTENT_LENGTH = 2**62
 BODY_BYTES = "body_bytes"
 """Key in the ASGI scope's "state" (`request.state.body_bytes`): the body bytes the app has
 been handed so far, for byte accounting that counts what arrived, not what was declared."""
+GUARD_REFUSAL = "guard_refusal"
+"""Key in the scope's "state": (code, detail) once the guard has cut the body off; the app,
+which then sees a disconnect, can tell why (its response is dropped: the guard answers)."""
 
 
 @dataclass(frozen=True)
@@ -77,14 +80,6 @@ class Limits:
         for name in ("header_timeout_s", "body_grace_s", "min_body_rate"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, not {getattr(self, name)}")
-
-
-@dataclass(frozen=True)
-class TlsFiles:
-    """A PEM certificate (chain) and its private key: the server speaks HTTPS."""
-
-    cert: str
-    key: str
 
 
 def default_error_body(code: str, detail: str) -> dict[str, Any]:
@@ -181,6 +176,7 @@ class HttpGuard:
                     "slow_client",
                     f"the body came slower than {self.limits.min_body_rate:.0f} bytes/s",
                 )
+                scope["state"][GUARD_REFUSAL] = body.failure[1:]
                 return {"type": "http.disconnect"}
             if message["type"] == "http.request":
                 body.received += len(message.get("body", b""))
@@ -188,6 +184,7 @@ class HttpGuard:
                 body.complete = not message.get("more_body", False)
                 if body.received > cap:
                     body.failure = (413, "too_large", f"the body exceeds the limit of {cap} bytes")
+                    scope["state"][GUARD_REFUSAL] = body.failure[1:]
                     return {"type": "http.disconnect"}
             return message
 
@@ -314,19 +311,6 @@ def _config(
         ssl_certfile=None if tls is None else tls.cert,
         ssl_keyfile=None if tls is None else tls.key,
     )
-
-
-def check_tls(tls: TlsFiles | None) -> None:
-    """A clear ConfigError for a certificate and key that cannot serve (missing, unreadable,
-    not matching)."""
-    if tls is None:
-        return
-    try:
-        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(tls.cert, tls.key)
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(
-            f"cannot use --tls-cert {tls.cert} with --tls-key {tls.key}: {exc}"
-        ) from None
 
 
 def run(

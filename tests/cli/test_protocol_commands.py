@@ -15,7 +15,7 @@ from tests.protocol.conftest import run_state
 
 from .test_cli import fails_cleanly
 
-COMMANDS = ("aggregator", "worker", "token", "status", "export", "cluster")
+COMMANDS = ("aggregator", "worker", "token", "status", "export", "cluster", "tls")
 
 
 def test_help_shows_examples(capsys):
@@ -85,10 +85,9 @@ def test_worker_and_status_refuse_bad_input(capsys, monkeypatch):
     )
 
 
-def test_status_of_an_unreachable_aggregator_is_one_line(capsys):
-    fails_cleanly(
-        capsys, ["status", "http://127.0.0.1:9", "--token", "t", "--timeout", "0.3"], "failed"
-    )
+def test_status_of_an_unreachable_aggregator_is_one_line(capsys, monkeypatch):
+    monkeypatch.setenv("BLOCKTRAIN_TOKEN", "t")
+    fails_cleanly(capsys, ["status", "http://127.0.0.1:9", "--timeout", "0.3"], "failed")
 
 
 def test_create_state_derives_the_bounds_from_the_config(tmp_path):

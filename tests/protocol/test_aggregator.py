@@ -193,7 +193,7 @@ def _cases():
         ("empty body", {"body": b""}, 400, "malformed"),
         ("pickle", {"body": pickle.dumps(good)}, 415, "pickle"),
         ("torch.save", {"body": buf.getvalue()}, 415, "pickle"),
-        ("over the size limit", {"body": b"\0" * (4096 + 1)}, 413, "too_large"),
+        ("over the size limit", {"body": b"\0" * (4096 + 1), "content": 1}, 413, "too_large"),
         ("over the limit, no length", {"stream": b"\0" * (4096 + 1)}, 413, "too_large"),
         ("negative tokens", {"body": delta_body(0, tokens=-3)}, 400, "bad_tokens"),
         ("zero tokens", {"body": delta_body(0, tokens=0)}, 400, "bad_tokens"),
@@ -215,6 +215,9 @@ CASES = _cases()
     ("how", "status", "reason"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
 )
 def test_bad_input_is_refused_with_a_reason_and_a_ledger_row(tmp_path, how, status, reason):
+    """Every refusal has its reason; those after the token is known have a ledger row, those
+    before it (no or bad token, a declared size over the cap) are counted in memory only
+    (issue 12: "every refused push writes an fsynced ledger row, even without a token")."""
     h = make_harness(
         tmp_path / "s",
         AggregatorSettings(
@@ -250,7 +253,9 @@ def test_bad_input_is_refused_with_a_reason_and_a_ledger_row(tmp_path, how, stat
     for b in (0, 1):
         for name, t in before[b].items():
             assert torch.equal(h.weights(b)[name], t), f"weights of block {b} changed"
-    assert refusal_rows(h, reason) == rows_before + 1, "no ledger row for the refusal"
+    unrecorded = reason.endswith("_token") or "content" in how
+    assert refusal_rows(h, reason) == rows_before + (0 if unrecorded else 1), "ledger rows"
+    assert h.service.traffic.refusals()["push"][reason] == 1, "counted in memory"
     assert h.state.pending_names() == [], "a refused body is not kept"
     h.state.close()
 

@@ -214,33 +214,11 @@ def test_tls_and_a_clean_stop_on_sigterm(tmp_path, corpus, capsys):
     """HTTPS with a self-signed certificate; a worker stopped by SIGTERM says goodbye, exits 0
     and the block stops waiting for it."""
     import shutil
-    import subprocess
 
     if shutil.which("openssl") is None:
         pytest.skip("openssl is needed to make a test certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-            "-days",
-            "1",
-            "-subj",
-            "/CN=127.0.0.1",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1",
-        ],
-        check=True,
-        capture_output=True,
-    )
+    assert main(["tls", "self-signed", "--out", str(tmp_path / "tls")]) == 0  # the one command
+    cert, key = tmp_path / "tls" / "cert.pem", tmp_path / "tls" / "key.pem"
     state = run_state(tmp_path / "state", micro_config(), {"deadline_s": 20.0, "local_steps": 2})
     worker_token, observer = token(state, "w"), token(state, "observer")
     logs = tmp_path / "logs"
@@ -267,7 +245,9 @@ def test_tls_and_a_clean_stop_on_sigterm(tmp_path, corpus, capsys):
         assert report["stopped_by"] == "signal" and report["accepted"] >= 2
         status = client.status()
         assert status["blocks"][1]["assigned"] == [], "the worker left"
-        assert main(["status", url, "--token", observer, "--ca-cert", str(cert)]) == 0
+        (tmp_path / "observer.token").write_text(observer)
+        status_argv = ["status", url, "--token-file", str(tmp_path / "observer.token")]
+        assert main([*status_argv, "--ca-file", str(cert)]) == 0
         assert "block 1: round" in capsys.readouterr().out
         plain = AggregatorClient(url, observer, retry=RetryPolicy(give_up_after_s=0.5))
         with pytest.raises(Unreachable, match=r"CERTIFICATE_VERIFY_FAILED"):

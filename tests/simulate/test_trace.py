@@ -145,9 +145,7 @@ def replay(trace: list[Event], root: Path, settings, restarts: set[int]) -> dict
         else:
             body = body_for(b, last_view[w], params)
             try:
-                ctx = service.begin_push(
-                    authorization=auth, worker_header=str(w), block=b, content_length=len(body)
-                )
+                ctx = service.begin_push(authorization=auth, worker_header=str(w), block=b)
                 service.submit(ctx, body)
                 reasons.add("")
             except Refused as exc:

@@ -4,6 +4,12 @@ A new --state folder is created from --preset (version 0 of every block, initial
 run's seed); an existing one is resumed from its last committed version, and flags given here
 replace its saved protocol settings. Stop it with Ctrl-C or SIGTERM; kill it at any time: the
 state folder is consistent after every commit.
+
+Limits: every body is capped before it is read (pushes at max_body_bytes, JSON at 16 KiB),
+tokens are checked before bodies, each token may send --rate-limit requests a second (after a
+burst of --rate-burst), a request's head must arrive within 10 s and its body at 16 KiB/s
+after 30 s, and at most --max-connections are served at once. /v1/status always needs a
+token; /metrics needs one with --private-status (default: public, for Prometheus scrapers).
 """
 
 from __future__ import annotations
@@ -23,10 +29,12 @@ from blocktrain.cli.common import (
     settings_overrides,
 )
 from blocktrain.errors import ConfigError
+from blocktrain.httpserve import Limits, bind, url_of
+from blocktrain.protocol.limits import JSON_BODY_BYTES, AccessLimits
 from blocktrain.protocol.settings import AggregatorSettings
 from blocktrain.protocol.state import create_state
 from blocktrain.protocol.storage import StateDir
-from blocktrain.serving.server import bind
+from blocktrain.tls import TlsFiles, check_tls
 from blocktrain.training.local import initial_blocks
 
 log = logging.getLogger(__name__)
@@ -35,7 +43,9 @@ EXAMPLES = """examples:
   blocktrain aggregator --state runs/agg --preset tiny --port 8470
   blocktrain token add --state runs/agg --name alice          # prints the token
   blocktrain aggregator --state runs/agg --deadline 30         # resume with a new deadline
-  blocktrain aggregator --state runs/agg --tls-cert cert.pem --tls-key key.pem
+  blocktrain tls self-signed --out tls --host agg.example      # then:
+  blocktrain aggregator --state runs/agg --tls-cert tls/cert.pem --tls-key tls/key.pem
+  blocktrain aggregator --state runs/agg --private-status --rate-limit 20
 """
 
 
@@ -57,6 +67,36 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8470, help="port (0: any free port)")
     p.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate")
     p.add_argument("--tls-key", metavar="PEM", help="... and this private key")
+    limits = AccessLimits()
+    p.add_argument(
+        "--private-status",
+        action="store_true",
+        help="/metrics needs a token too (/v1/status always does)",
+    )
+    p.add_argument(
+        "--rate-limit",
+        type=float,
+        default=limits.rate_per_s,
+        metavar="R",
+        help="requests a second each token may send, after its burst",
+    )
+    p.add_argument(
+        "--rate-burst", type=int, default=limits.burst, metavar="N", help="a token's burst"
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=limits.http.max_connections,
+        metavar="N",
+        help="connections served at once (503 beyond)",
+    )
+    p.add_argument(
+        "--keep-refused",
+        type=int,
+        default=limits.keep_refused,
+        metavar="N",
+        help="refused updates kept in the ledger (older ones are pruned; counts stay)",
+    )
     add_setting_args(p)
     p.set_defaults(handler=run)
 
@@ -85,9 +125,18 @@ def prepare_state(args: argparse.Namespace) -> tuple[StateDir, AggregatorSetting
     return state, state.settings()
 
 
-def run(args: argparse.Namespace) -> int:
-    import uvicorn
+def access_limits(args: argparse.Namespace) -> AccessLimits:
+    return AccessLimits(
+        http=Limits(max_body=JSON_BODY_BYTES, max_connections=args.max_connections),
+        rate_per_s=args.rate_limit,
+        burst=args.rate_burst,
+        private_status=args.private_status,
+        keep_refused=args.keep_refused,
+    )
 
+
+def run(args: argparse.Namespace) -> int:
+    from blocktrain.httpserve import run as serve
     from blocktrain.protocol.aggregator import create_app
 
     if bool(args.tls_cert) != bool(args.tls_key):
@@ -95,22 +144,13 @@ def run(args: argparse.Namespace) -> int:
     for path in (args.tls_cert, args.tls_key):
         if path and not Path(path).is_file():
             raise ConfigError(f"{path} does not exist")
+    tls = TlsFiles(args.tls_cert, args.tls_key) if args.tls_cert else None
+    check_tls(tls)
+    limits = access_limits(args)  # a clear error before the state is touched
     state, settings = prepare_state(args)
-    app = create_app(settings, storage=state)
+    app = create_app(settings, storage=state, limits=limits)
     sock = bind(args.host, args.port)
-    port = sock.getsockname()[1]
-    scheme = "https" if args.tls_cert else "http"
-    shown = f"[{args.host}]" if ":" in args.host else args.host
-    url = f"{scheme}://{shown}:{port}"
-    config = uvicorn.Config(
-        app,
-        log_level="debug" if args.verbose else "warning",
-        ssl_certfile=args.tls_cert,
-        ssl_keyfile=args.tls_key,
-        timeout_keep_alive=30,
-        access_log=False,
-    )
-    server = uvicorn.Server(config)
+    url = url_of(sock, tls=tls is not None)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to the handler
     # it found; with these no-op handlers the process then exits 0 through the cleanup below.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -122,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     try:
-        server.run(sockets=[sock])
+        serve(app, sock, limits.http, tls=tls, verbose=args.verbose)
     finally:
         state.clear_endpoint()
         state.close()

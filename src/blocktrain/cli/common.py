@@ -4,17 +4,80 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import types
 import typing
+from pathlib import Path
 from typing import Any
 
 from blocktrain.config import PRESETS, RunConfig, apply_overrides, preset
+from blocktrain.errors import ConfigError
 from blocktrain.model.sampler import DEFAULT_SAMPLER, DEFAULT_STEPS_PER_BLOCK, SAMPLERS
 from blocktrain.protocol.settings import AggregatorSettings, declared, default_text
 
 TOKEN_ENV = "BLOCKTRAIN_TOKEN"
-"""Where `worker` and `status` read the bearer token when --token is not given."""
+"""Where `worker` and `status` read the bearer token when neither --token-file nor --token is
+given."""
+
+
+def add_token_args(parser: argparse.ArgumentParser, what: str = "bearer token") -> None:
+    """--token-file and --token; `resolve_token` reads them, then $BLOCKTRAIN_TOKEN."""
+    parser.add_argument(
+        "--token-file",
+        metavar="PATH",
+        help=f"read the {what} from this file (its first line; keep it mode 600)",
+    )
+    parser.add_argument(
+        "--token",
+        help=f"the {what} itself; it shows in `ps`: prefer --token-file or ${TOKEN_ENV}",
+    )
+
+
+def resolve_token(args: argparse.Namespace) -> str:
+    """The token from --token-file, --token or $BLOCKTRAIN_TOKEN (in that order); a warning
+    on stderr for --token, which any local user can read in the process list."""
+    if args.token_file and args.token:
+        raise ConfigError("give --token-file or --token, not both")
+    if args.token_file:
+        try:
+            lines = Path(args.token_file).read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read --token-file {args.token_file}: {exc}") from None
+        token = lines[0].strip() if lines else ""
+        if not token:
+            raise ConfigError(f"--token-file {args.token_file} is empty")
+        return token
+    if args.token:
+        print(
+            f"blocktrain: warning: --token shows in `ps`; use --token-file or ${TOKEN_ENV}",
+            file=sys.stderr,
+        )
+        return str(args.token)
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    if not token:
+        raise ConfigError(
+            f"no token: pass --token-file PATH or set {TOKEN_ENV} (create one with "
+            "`blocktrain token add --state DIR --name NAME`)"
+        )
+    return token
+
+
+def add_ca_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--ca-cert",
+        "--ca-file",
+        dest="ca_cert",
+        metavar="PEM",
+        help="trust this CA (or self-signed certificate) for an https aggregator",
+    )
+
+
+def checked_ca(args: argparse.Namespace) -> str | bool:
+    """What `AggregatorClient(verify=...)` takes: the --ca-cert file, or the system's CAs."""
+    if args.ca_cert and not Path(args.ca_cert).is_file():
+        raise ConfigError(f"--ca-cert {args.ca_cert} does not exist")
+    return str(args.ca_cert) if args.ca_cert else True
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:

@@ -4,17 +4,22 @@ live workers and bytes moved."""
 from __future__ import annotations
 
 import argparse
-import os
-from pathlib import Path
 from typing import Any
 
-from blocktrain.cli.common import TOKEN_ENV, Formatter, print_json
+from blocktrain.cli.common import (
+    Formatter,
+    add_ca_arg,
+    add_token_args,
+    checked_ca,
+    print_json,
+    resolve_token,
+)
 from blocktrain.errors import ConfigError
 from blocktrain.protocol.client import AggregatorClient, RetryPolicy
 
 EXAMPLES = """examples:
-  blocktrain status http://127.0.0.1:8470 --token bt_...
-  BLOCKTRAIN_TOKEN=bt_... blocktrain status https://agg.example:8470 --json
+  blocktrain status http://127.0.0.1:8470 --token-file token.txt
+  BLOCKTRAIN_TOKEN=bt_... blocktrain status https://agg.example:8470 --ca-file cert.pem --json
 """
 
 
@@ -27,8 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=Formatter,
     )
     p.add_argument("url", metavar="URL", help="the aggregator's URL")
-    p.add_argument("--token", help=f"any valid token (default: ${TOKEN_ENV})")
-    p.add_argument("--ca-cert", metavar="PEM", help="trust this CA for https")
+    add_token_args(p, "token (any valid one)")
+    add_ca_arg(p)
     p.add_argument("--rounds", type=int, default=5, help="recent rounds to show per block")
     p.add_argument(
         "--timeout",
@@ -76,19 +81,16 @@ def render(s: dict[str, Any], rounds: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    token = args.token or os.environ.get(TOKEN_ENV)
-    if not token:
-        raise ConfigError(f"no token: pass --token or set {TOKEN_ENV}")
-    if args.ca_cert and not Path(args.ca_cert).is_file():
-        raise ConfigError(f"--ca-cert {args.ca_cert} does not exist")
     if not args.url.startswith(("http://", "https://")):
         raise ConfigError(f"{args.url!r}: expected http://HOST:PORT or https://HOST:PORT")
     if args.rounds <= 0 or args.timeout <= 0:
         raise ConfigError("--rounds and --timeout must be positive")
+    token = resolve_token(args)
+    verify = checked_ca(args)
     client = AggregatorClient(
         args.url,
         token,
-        verify=args.ca_cert or True,
+        verify=verify,
         retry=RetryPolicy(base_s=0.2, cap_s=1.0, give_up_after_s=args.timeout),
     )
     try:

@@ -10,15 +10,21 @@ or Ctrl-C.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import threading
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from blocktrain.cli.common import TOKEN_ENV, Formatter, add_data_arg, print_json
+from blocktrain.cli.common import (
+    Formatter,
+    add_ca_arg,
+    add_data_arg,
+    add_token_args,
+    checked_ca,
+    print_json,
+    resolve_token,
+)
 from blocktrain.config import RunConfig
 from blocktrain.data import load_split
 from blocktrain.errors import ConfigError
@@ -28,9 +34,10 @@ from blocktrain.training.local import LocalBlockTrainer
 from blocktrain.training.trainer import resolve_device
 
 EXAMPLES = """examples:
-  blocktrain worker --aggregator http://10.0.0.5:8470 --token bt_...
+  blocktrain worker --aggregator http://10.0.0.5:8470 --token-file ~/.blocktrain-token
   BLOCKTRAIN_TOKEN=bt_... blocktrain worker --aggregator https://agg.example:8470 --block 1
-  blocktrain worker --aggregator http://127.0.0.1:8470 --token bt_... --data my-corpus/
+  blocktrain worker --aggregator https://agg.example:8470 --ca-file tls/cert.pem \
+      --token-file token.txt --data my-corpus/
 """
 
 
@@ -43,13 +50,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=Formatter,
     )
     p.add_argument("--aggregator", required=True, metavar="URL", help="the aggregator's URL")
-    p.add_argument("--token", help=f"bearer token (default: ${TOKEN_ENV})")
+    add_token_args(p)
     p.add_argument("--block", type=int, metavar="B", help="ask for this block")
     add_data_arg(p)
     p.add_argument("--name", help="a label shown in the aggregator's status")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
-    p.add_argument("--ca-cert", metavar="PEM", help="trust this CA for an https aggregator")
+    add_ca_arg(p)
     p.add_argument("--max-rounds", type=int, help="stop after this many rounds")
     p.add_argument(
         "--give-up-after",
@@ -63,14 +70,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    token = args.token or os.environ.get(TOKEN_ENV)
-    if not token:
-        raise ConfigError(
-            f"no token: pass --token or set {TOKEN_ENV} (create one with "
-            "`blocktrain token add --state DIR --name NAME`)"
-        )
-    if args.ca_cert and not Path(args.ca_cert).is_file():
-        raise ConfigError(f"--ca-cert {args.ca_cert} does not exist")
     if not args.aggregator.startswith(("http://", "https://")):
         raise ConfigError(
             f"--aggregator {args.aggregator!r}: expected http://HOST:PORT or https://HOST:PORT"
@@ -79,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--block must be >= 0")
     if args.threads < 0 or (args.max_rounds is not None and args.max_rounds <= 0):
         raise ConfigError("--threads must be >= 0 and --max-rounds positive")
+    token = resolve_token(args)
+    verify = checked_ca(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     train = load_split(args.data, "train")
@@ -95,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     client = AggregatorClient(
         args.aggregator,
         token,
-        verify=args.ca_cert or True,
+        verify=verify,
         retry=RetryPolicy(give_up_after_s=args.give_up_after),
         stop=stop,
     )

@@ -9,12 +9,15 @@
     GET    /v1/status                    blocks, versions, rounds, participation, workers, bytes
     GET    /v1/history                   the loss curve and each block's rounds (for the dashboard)
     GET    /dashboard                    the live dashboard, an HTML page (no token to load it)
-    GET    /metrics                      Prometheus text format (no token)
+    GET    /metrics                      Prometheus text format (a token with --private-status)
     GET    /docs                         OpenAPI UI (no token)
 
-Every other call needs `Authorization: Bearer <token>`. A refusal is a 4xx with
+Every other call needs `Authorization: Bearer <token>`, checked before the body is read, and
+is subject to the token's rate limit. A refusal is a 4xx with
 `{"accepted": false, "reason": CODE, "detail": TEXT}`; the codes are `verdict.REASONS`.
-Build the app with `create_app(settings, storage=..., clock=...)`; nothing is built at import.
+`httpserve.HttpGuard` caps every body (pushes at `max_body_bytes`, JSON at a few KiB) before
+the routes run. Build the app with `create_app(settings, storage=..., clock=..., limits=...)`;
+nothing is built at import.
 """
 
 from __future__ import annotations
@@ -27,17 +30,29 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 import anyio
-from fastapi import Depends, FastAPI, Header, Path, Query, Request
+from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
 from blocktrain import __version__
 from blocktrain.errors import Refused
+from blocktrain.httpserve import BODY_BYTES, GUARD_REFUSAL, HttpGuard, Scope
 from blocktrain.protocol import dashboard
 from blocktrain.protocol import metrics as prometheus
 from blocktrain.protocol.auth import Caller, refused
 from blocktrain.protocol.ledger_schema import TokenRow
+from blocktrain.protocol.limits import AccessLimits, RateLimited
+from blocktrain.protocol.routing import (
+    PUSH_PATH,
+    endpoint_caller,
+    endpoint_of,
+    endpoint_token,
+    errors_text,
+    push_context,
+    tag,
+)
 from blocktrain.protocol.schemas import (
     ConfigOut,
     LeaveOut,
@@ -61,7 +76,13 @@ MAX_WAIT_S = 60.0
 
 
 REFUSALS: dict[int | str, dict[str, Any]] = {
-    code: {"model": RefusalOut} for code in (400, 401, 403, 404, 409, 410, 413, 415, 422)
+    code: {"model": RefusalOut} for code in (400, 401, 403, 404, 408, 409, 410, 413, 415, 422, 429)
+}
+REGISTER_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": False,
+        "content": {"application/json": {"schema": RegisterIn.model_json_schema()}},
+    }
 }
 
 SAFETENSORS_BODY: dict[str, Any] = {
@@ -70,77 +91,6 @@ SAFETENSORS_BODY: dict[str, Any] = {
         "content": {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}},
     }
 }
-
-
-# ---------------------------------------------------------------------------------------------
-# Accounting tags and authentication, as FastAPI dependencies
-# ---------------------------------------------------------------------------------------------
-
-
-def _service(request: Request) -> AggregatorService:
-    service: AggregatorService = request.app.state.service
-    return service
-
-
-def tag(
-    request: Request, endpoint: str, block: int | None = None, worker: int | None = None
-) -> None:
-    request.state.endpoint = endpoint
-    request.state.block = block
-    request.state.worker = worker
-    if not hasattr(request.state, "bytes_in"):
-        request.state.bytes_in = _int_or_none(request.headers.get("content-length")) or 0
-
-
-def path_block(request: Request) -> int | None:
-    return _int_or_none(request.path_params.get("block"))
-
-
-def endpoint_token(endpoint: str) -> Any:
-    """A dependency: tags the request for accounting, then checks its bearer token."""
-
-    def dependency(request: Request, authorization: str | None = Header(None)) -> TokenRow:
-        tag(request, endpoint, path_block(request))
-        return _service(request).authenticate(authorization)
-
-    return Depends(dependency)
-
-
-def endpoint_caller(endpoint: str) -> Any:
-    """A dependency: the token and the worker it speaks for (X-Worker-Id)."""
-
-    def dependency(
-        request: Request,
-        authorization: str | None = Header(None),
-        x_worker_id: str | None = Header(None),
-    ) -> Caller:
-        worker = _int_or_none(request.path_params.get("worker_id"))
-        tag(request, endpoint, path_block(request), worker)
-        if worker is not None:
-            x_worker_id = str(worker)
-        return _service(request).identify(authorization, x_worker_id)
-
-    return Depends(dependency)
-
-
-def push_context(
-    request: Request,
-    block: int = Path(ge=0),
-    authorization: str | None = Header(None),
-    x_worker_id: str | None = Header(None),
-    content_length: str | None = Header(None),
-) -> PushContext:
-    """Identity and declared size of a push, refused (with a ledger row) before its body
-    is read."""
-    tag(request, "push", block)
-    ctx = _service(request).begin_push(
-        authorization=authorization,
-        worker_header=x_worker_id,
-        block=block,
-        content_length=_int_or_none(content_length),
-    )
-    tag(request, "push", block, ctx.worker_id)
-    return ctx
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,10 +104,13 @@ def create_app(
     storage: StateDir,
     clock: Clock = time.time,
     tick_interval_s: float = 0.1,
+    limits: AccessLimits | None = None,
 ) -> FastAPI:
     """The aggregator over an initialised state folder. `clock` is injected so that tests can
-    drive deadlines; `tick_interval_s` is how often deadlines are checked while served."""
-    service = AggregatorService(settings, storage=storage, clock=clock)
+    drive deadlines; `tick_interval_s` is how often deadlines are checked while served;
+    `limits` caps what clients may cost (serve it with `httpserve.run(app, sock,
+    limits.http)` so that the connection limits match)."""
+    service = AggregatorService(settings, storage=storage, clock=clock, limits=limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -187,10 +140,30 @@ def create_app(
     )
     app.state.service = service
 
+    def push_cap(scope: Scope) -> int:
+        if scope.get("method") == "POST" and PUSH_PATH.fullmatch(scope.get("path", "")):
+            return service.max_body
+        return service.limits.http.max_body
+
+    app.add_middleware(
+        HttpGuard,
+        limits=service.limits.http,
+        body_limit=push_cap,
+        error_body=lambda code, detail: {"accepted": False, "reason": code, "detail": detail},
+        on_refuse=lambda scope, code: service.traffic.refused(endpoint_of(scope), code),
+    )
+
     def refusal(request: Request, exc: Refused) -> JSONResponse:
+        headers = None
+        if isinstance(exc, RateLimited):
+            headers = {"Retry-After": str(max(1, int(exc.retry_after_s + 0.999)))}
         response = JSONResponse(
-            {"accepted": False, "reason": exc.reason, "detail": exc.detail}, status_code=exc.status
+            {"accepted": False, "reason": exc.reason, "detail": exc.detail},
+            status_code=exc.status,
+            headers=headers,
         )
+        if not hasattr(request.state, GUARD_REFUSAL):  # the guard answers, and counts it
+            service.traffic.refused(getattr(request.state, "endpoint", "other"), exc.reason)
         _account(request, len(response.body))
         return response
 
@@ -201,7 +174,7 @@ def create_app(
                 endpoint,
                 getattr(request.state, "block", None),
                 getattr(request.state, "worker", None),
-                getattr(request.state, "bytes_in", 0),
+                getattr(request.state, BODY_BYTES, 0),
                 bytes_out,
             )
 
@@ -211,10 +184,7 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        detail = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()
-        )[:500]
-        return refusal(request, refused("bad_request", detail or "invalid request"))
+        return refusal(request, refused("bad_request", errors_text(exc.errors())))
 
     def json_response(request: Request, payload: Any, status: int = 200) -> JSONResponse:
         response = JSONResponse(payload, status_code=status)
@@ -227,18 +197,26 @@ def create_app(
         "/v1/workers",
         response_model=RegisterOut,
         responses=REFUSALS,
+        openapi_extra=REGISTER_BODY,
         summary="Register a worker; the aggregator assigns its block",
     )
-    def register(
-        request: Request,
-        token: Annotated[TokenRow, endpoint_token("register")],
-        body: RegisterIn | None = None,
+    async def register(
+        request: Request, token: Annotated[TokenRow, endpoint_token("register")]
     ) -> JSONResponse:
+        # the body is read here, after the token: FastAPI reads a declared body parameter
+        # before it runs any dependency
+        try:
+            raw = await request.body()
+            body = RegisterIn.model_validate_json(raw) if raw.strip() else None
+        except ValidationError as exc:
+            raise refused("bad_request", errors_text(exc.errors())) from None
         tag(request, "register", None if body is None else body.block)
-        out = service.register(
-            token=token,
-            block=None if body is None else body.block,
-            name=None if body is None else body.name,
+        out = await anyio.to_thread.run_sync(
+            lambda: service.register(
+                token=token,
+                block=None if body is None else body.block,
+                name=None if body is None else body.name,
+            )
         )
         tag(request, "register", out["block"], out["worker_id"])
         return json_response(request, RegisterOut(**out).model_dump())
@@ -328,25 +306,18 @@ def create_app(
         block: int = Path(ge=0),
     ) -> JSONResponse:
         chunks: list[bytes] = []
-        size = 0
-        try:
+        try:  # the guard caps the size (and the time) while streaming
             async for chunk in request.stream():
-                size += len(chunk)
-                if size > service.max_body:
-                    request.state.bytes_in = size
-                    raise service.refuse_push(
-                        ctx,
-                        "too_large",
-                        f"the body exceeds the limit of {service.max_body} bytes",
-                        size,
-                    )
                 chunks.append(chunk)
         except ClientDisconnect:
+            size = getattr(request.state, BODY_BYTES, 0)
+            reason, detail = getattr(request.state, GUARD_REFUSAL, ("", ""))
+            if reason:  # the token is known: the refusal gets its ledger row
+                raise service.refuse_push(ctx, reason, detail, size) from None
             raise service.refuse_push(
                 ctx, "malformed", "the client sent a partial body and disconnected", size
             ) from None
         body = b"".join(chunks)
-        request.state.bytes_in = len(body)
         out = await anyio.to_thread.run_sync(service.submit, ctx, body)
         return json_response(request, UpdateOut(**out).model_dump())
 
@@ -367,19 +338,23 @@ def create_app(
             request, StatusOut(**snapshot(service, last_rounds=rounds)).model_dump()
         )
 
-    @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics")
     def metrics() -> PlainTextResponse:
         text = prometheus.exposition(
             snapshot(service, last_rounds=1), service.ledger.update_counts()
         )
         return PlainTextResponse(text, media_type=prometheus.CONTENT_TYPE)
 
+    def private_metrics(
+        _: Annotated[TokenRow, endpoint_token("metrics")],
+    ) -> PlainTextResponse:
+        return metrics()
+
+    app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses=REFUSALS if service.limits.private_status else None,
+        summary="Prometheus metrics" + (" (a token)" if service.limits.private_status else ""),
+    )(private_metrics if service.limits.private_status else metrics)
+
     dashboard.add_routes(app, service, endpoint_token, json_response, REFUSALS)
     return app
-
-
-def _int_or_none(text: str | None) -> int | None:
-    try:
-        return None if text is None else int(text)
-    except ValueError:
-        return None

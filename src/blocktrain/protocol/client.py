@@ -3,7 +3,8 @@
 `AggregatorClient` is httpx with explicit timeouts and an injectable transport (or a whole
 `httpx.Client`, e.g. a FastAPI TestClient, so that tests run client and app in one process).
 Transient failures (connection errors, timeouts, 5xx) are retried with exponential backoff and
-full jitter; a 4xx is a refusal (`errors.Refused`) and is never retried blindly.
+full jitter; a 429 (the token's rate limit) is retried after its Retry-After; any other 4xx is
+a refusal (`errors.Refused`) and is never retried blindly.
 """
 
 from __future__ import annotations
@@ -140,17 +141,20 @@ class AggregatorClient:
                 response = self.http.request(
                     method, path, headers={**self._headers(), **(headers or {})}, **kwargs
                 )
-                if response.status_code < 500:
+                retry_after = _retry_after(response)
+                if response.status_code < 500 and retry_after is None:
                     return response
                 problem = f"HTTP {response.status_code}"
             except httpx.TransportError as exc:  # connect, read, write, pool, protocol errors
-                problem = f"{type(exc).__name__}: {exc}"
+                problem, retry_after = f"{type(exc).__name__}: {exc}", None
             waited = self._clock() - started
             if self.stop.is_set() or waited > self.retry.give_up_after_s:
                 raise Unreachable(
                     f"{method} {self.base_url}{path} failed for {waited:.0f}s ({problem})"
                 )
             delay = self.retry.delay(attempt, self._rng)
+            if retry_after is not None:  # the server said when; jitter spreads the herd
+                delay = retry_after + delay
             log.info("%s %s: %s; retrying in %.2fs", method, path, problem, delay)
             attempt += 1
             if self._wait(delay):
@@ -268,3 +272,14 @@ class AggregatorClient:
                 False, refusal.reason, refusal.detail, response.status_code, len(body), doc
             )
         return PushResult(bool(doc.get("accepted")), "", "", response.status_code, len(body), doc)
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    """For a 429, the seconds its Retry-After asks for (1 when absent or unreadable, at most
+    60); None for any other answer."""
+    if response.status_code != 429:
+        return None
+    try:
+        return min(max(float(response.headers.get("Retry-After", "1")), 0.0), 60.0)
+    except ValueError:
+        return 1.0

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from blocktrain.protocol import ledger_counts
 from blocktrain.protocol.ledger_schema import (
     SCHEMA,
     SCHEMA_VERSION,
@@ -27,6 +28,8 @@ from blocktrain.protocol.ledger_schema import (
     UpdateRow,
     WorkerRow,
 )
+
+BLOCKS = "SELECT block FROM blocks ORDER BY block"
 
 
 class Ledger:
@@ -49,6 +52,7 @@ class Ledger:
             db.execute(
                 "INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
             )
+            self._counts = ledger_counts.load(db)
 
     def close(self) -> None:
         with self._lock:
@@ -114,6 +118,8 @@ class Ledger:
             return int(next_id)
 
     def worker(self, worker_id: int) -> WorkerRow | None:
+        if not 0 <= worker_id < 2**63:  # an id from a request: SQLite cannot even compare it
+            return None
         rows = self._query("SELECT * FROM workers WHERE id = ?", (worker_id,))
         return WorkerRow(**dict(rows[0])) if rows else None
 
@@ -223,19 +229,25 @@ class Ledger:
 
     def rounds(self, block: int | None = None, *, last: int | None = None) -> list[dict[str, Any]]:
         """Closed rounds, each with `in_time`: its accepted updates of the round itself (the
-        numerator of its participation; `accepted` also counts updates counted in it late)."""
+        numerator of its participation; `accepted` also counts updates counted in it late).
+        With `last`, the last rounds of each block only, read through the primary key: the cost
+        does not grow with the run's length."""
         sql = (
             "SELECT r.*, (SELECT COUNT(*) FROM updates u WHERE u.block = r.block "
             "AND u.round = r.round AND u.counts_in = r.round AND u.fate = 'accepted') AS in_time "
-            "FROM rounds r" + (" WHERE r.block = ?" if block is not None else "")
+            "FROM rounds r"
         )
-        sql += " ORDER BY r.block, r.round"
-        rows = [dict(r) for r in self._query(sql, () if block is None else (block,))]
-        if last is not None:
-            by_block: dict[int, list[dict[str, Any]]] = {}
-            for r in rows:
-                by_block.setdefault(r["block"], []).append(r)
-            rows = [r for rs in by_block.values() for r in rs[-last:]]
+        if last is None:
+            where = " WHERE r.block = ?" if block is not None else ""
+            args = () if block is None else (block,)
+            return [dict(r) for r in self._query(sql + where + " ORDER BY r.block, r.round", args)]
+        blocks = [block] if block is not None else [r[0] for r in self._query(BLOCKS)]
+        rows: list[dict[str, Any]] = []
+        for b in blocks:
+            recent = self._query(
+                sql + " WHERE r.block = ? ORDER BY r.round DESC LIMIT ?", (b, last)
+            )
+            rows += [dict(r) for r in reversed(recent)]
         return rows
 
     # ------------------------------------------------------------------ updates
@@ -261,36 +273,46 @@ class Ledger:
         pending: str | None = None,
         seen: float | None = None,
     ) -> int:
-        with self._tx() as db:
-            cur = db.execute(
-                "INSERT INTO updates (received, token_id, worker_id, block, round, base_version,"
-                " tokens, loss, norm, bytes, fate, reason, detail, weight, counts_in, pending) "
-                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                (
-                    received,
-                    token_id,
-                    worker_id,
-                    block,
-                    round,
-                    base_version,
-                    tokens,
-                    loss,
-                    norm,
-                    bytes,
-                    fate,
-                    reason,
-                    (detail or "")[:500] or None,
-                    weight,
-                    counts_in,
-                    pending,
-                ),
-            )
-            if seen is not None and worker_id is not None:
-                db.execute(
-                    "UPDATE workers SET last_seen = MAX(last_seen, ?) WHERE id = ?",
-                    (seen, worker_id),
+        with self._lock:  # the in-memory counters change with the committed row
+            with self._tx() as db:
+                cur = db.execute(
+                    "INSERT INTO updates (received, token_id, worker_id, block, round, base_version,"
+                    " tokens, loss, norm, bytes, fate, reason, detail, weight, counts_in, pending) "
+                    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    (
+                        received,
+                        token_id,
+                        worker_id,
+                        block,
+                        round,
+                        base_version,
+                        tokens,
+                        loss,
+                        norm,
+                        bytes,
+                        fate,
+                        reason,
+                        (detail or "")[:500] or None,
+                        weight,
+                        counts_in,
+                        pending,
+                    ),
                 )
-            return int(cur.lastrowid or 0)
+                k = ledger_counts.key(block, worker_id, fate, reason)
+                ledger_counts.bump(db, k)
+                if seen is not None and worker_id is not None:
+                    db.execute(
+                        "UPDATE workers SET last_seen = MAX(last_seen, ?) WHERE id = ?",
+                        (seen, worker_id),
+                    )
+                update_id = int(cur.lastrowid or 0)
+            self._counts[k] = self._counts.get(k, 0) + 1
+            return update_id
+
+    def prune_refused(self, keep: int) -> int:
+        """Keep only the newest `keep` refused rows; how many were deleted."""
+        with self._tx() as db:
+            return ledger_counts.prune_refused(db, keep)
 
     def updates(
         self, *, block: int | None = None, round: int | None = None, fate: str | None = None
@@ -315,14 +337,10 @@ class Ledger:
         ]
 
     def update_counts(self) -> list[dict[str, Any]]:
-        """(block, fate, reason) -> count, for metrics and status."""
-        return [
-            dict(r)
-            for r in self._query(
-                "SELECT block, fate, COALESCE(reason, '') AS reason, COUNT(*) AS n FROM updates "
-                "GROUP BY block, fate, reason ORDER BY block, fate, reason"
-            )
-        ]
+        """(block, fate, reason) -> count of every update ever recorded (pruned rows included),
+        for metrics and status; from memory, not a scan."""
+        with self._lock:
+            return ledger_counts.by_block(self._counts)
 
     def round_losses(self) -> dict[tuple[int, int], float]:
         """(block, round) -> the mean training loss the round's accepted updates reported."""
@@ -342,13 +360,8 @@ class Ledger:
         ]
 
     def worker_counts(self) -> dict[int, dict[str, int]]:
-        out: dict[int, dict[str, int]] = {}
-        for r in self._query(
-            "SELECT worker_id, fate, COUNT(*) AS n FROM updates WHERE "
-            "worker_id IS NOT NULL GROUP BY worker_id, fate"
-        ):
-            out.setdefault(int(r["worker_id"]), {})[r["fate"]] = int(r["n"])
-        return out
+        with self._lock:
+            return ledger_counts.by_worker(self._counts)
 
     # ------------------------------------------------------------------ traffic
 

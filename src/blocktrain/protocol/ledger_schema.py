@@ -70,6 +70,15 @@ CREATE TABLE IF NOT EXISTS updates (
 );
 CREATE INDEX IF NOT EXISTS updates_round ON updates (block, round);
 CREATE INDEX IF NOT EXISTS updates_open ON updates (block, fate, committed_version);
+CREATE INDEX IF NOT EXISTS updates_fate ON updates (fate, id);
+CREATE TABLE IF NOT EXISTS update_counts (
+    block INTEGER NOT NULL,
+    worker_id INTEGER NOT NULL,
+    fate TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    n INTEGER NOT NULL,
+    PRIMARY KEY (block, worker_id, fate, reason)
+);
 CREATE TABLE IF NOT EXISTS traffic (
     endpoint TEXT NOT NULL,
     block INTEGER NOT NULL,
@@ -82,7 +91,7 @@ CREATE TABLE IF NOT EXISTS traffic (
 """
 
 NONE_KEY = -1
-"""Stands for "no block" / "no worker" in the traffic table's key."""
+"""Stands for "no block" / "no worker" in the keys of the traffic and update_counts tables."""
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,17 @@ def exposition(snapshot: dict[str, Any], update_counts: list[dict[str, Any]]) ->
         ],
     )
     metric(
+        "refused_requests_total",
+        "counter",
+        "Requests refused since the aggregator started, by endpoint and reason (ledger rows "
+        "or not).",
+        [
+            ({"endpoint": ep, "reason": reason}, n)
+            for ep, by_reason in sorted(snapshot.get("refused_requests", {}).items())
+            for reason, n in sorted(by_reason.items())
+        ],
+    )
+    metric(
         "uptime_seconds",
         "gauge",
         "Seconds since the aggregator started.",

@@ -135,3 +135,8 @@ class StatusOut(Out):
     updates: UpdatesOut
     bytes: dict[str, Any] = Field(description="totals, and by endpoint, block and worker")
     settings: dict[str, Any]
+    refused_requests: dict[str, dict[str, int]] = Field(
+        default_factory=dict,
+        description="endpoint -> reason -> requests refused since the aggregator started "
+        "(in memory: refusals before authentication never reach the ledger)",
+    )

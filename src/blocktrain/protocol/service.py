@@ -8,13 +8,16 @@ default, so deadlines survive a restart).
 
 An update is handled in four steps:
 
-1. identity: token, worker, its block, the declared size (`begin_push`);
+1. identity: token, rate, worker, its block (`begin_push`; the HTTP guard checked the size);
 2. content: `RoundEngine.check` (safetensors parse, the validator chain), outside the lock;
 3. durability: the body is written to STATE/pending and fsynced, still outside the lock;
 4. timing: under the lock, `RoundEngine.judge`; if accepted, a ledger row, then
    `RoundEngine.record` and `tick` (which may close the round); else the pending file is removed.
 
-Every refusal, at any step, gets a ledger row with its reason before the 4xx goes out.
+A refused push gets a ledger row with its reason before the 4xx goes out once its token is
+known and admitted; earlier refusals (token, rate, the HTTP guard's limits) are counted in
+memory only (`traffic.refusals`), so that no one who merely reaches the port fills the disk.
+Old refused rows are pruned (`AccessLimits.keep_refused`); the ledger's counters keep totals.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from blocktrain.protocol import auth
 from blocktrain.protocol.auth import Caller, refused
 from blocktrain.protocol.core import Checked, Committed, EngineBlock
 from blocktrain.protocol.ledger_schema import TokenRow
+from blocktrain.protocol.limits import AccessLimits, RateLimiter
 from blocktrain.protocol.persist import Durable
 from blocktrain.protocol.rounds import RoundView
 from blocktrain.protocol.settings import AggregatorSettings
@@ -74,15 +78,20 @@ class AggregatorService:
         *,
         storage: StateDir,
         clock: Clock = time.time,
+        limits: AccessLimits | None = None,
+        rate_clock: Clock = time.monotonic,
     ) -> None:
         self.storage = storage
+        self.limits = limits or AccessLimits()
+        self.limiter = RateLimiter(self.limits.rate_per_s, self.limits.burst, rate_clock)
+        self._pruned_at: float | None = None
         manifest = storage.manifest()
         self.settings = settings if settings is not None else storage.settings()
         self.run_config: dict[str, Any] = dict(manifest["run_config"])
         self.n_blocks = int(manifest["blocks"])
         self.clock = clock
         self.ledger = storage.ledger
-        self.traffic = Traffic(self.ledger)
+        self.traffic = Traffic(self.ledger, self.n_blocks)
         self.lock = threading.RLock()
         self.started_at = clock()
         self.durable = Durable(storage, self.settings)
@@ -101,6 +110,10 @@ class AggregatorService:
 
     def identify(self, authorization: str | None, worker_header: str | None) -> Caller:
         return auth.identify(self.ledger, authorization, worker_header)
+
+    def admit(self, token_id: int) -> None:
+        """The token's rate limit (RateLimited, a 429, when it is spent)."""
+        self.limiter.admit(token_id)
 
     def _check_block(self, block: int) -> None:
         if not 0 <= block < self.n_blocks:
@@ -222,31 +235,23 @@ class AggregatorService:
     # ------------------------------------------------------------------ pushes
 
     def begin_push(
-        self,
-        *,
-        authorization: str | None,
-        worker_header: str | None,
-        block: int,
-        content_length: int | None,
+        self, *, authorization: str | None, worker_header: str | None, block: int
     ) -> PushContext:
-        """Who is pushing, to which block, and how much: refused (with a ledger row) before a
-        byte of the body is read."""
+        """Who is pushing, to which block: refused before a byte of the body is read. Only an
+        authenticated, admitted token's refusals get a ledger row (the HTTP guard has already
+        checked the declared size)."""
         received = self.clock()
-        token_id: int | None = None
+        token = self.authenticate(authorization)
+        self.admit(token.id)
         worker: int | None = None
         try:
             caller = self.identify(authorization, worker_header)
-            token_id, worker = caller.token_id, caller.worker_id
+            worker = caller.worker_id
             worker = self._worker_on(caller, block)
-            if content_length is not None and content_length > self.max_body:
-                raise refused(
-                    "too_large",
-                    f"the body declares {content_length} bytes; the limit is {self.max_body}",
-                )
         except Refused as exc:
-            self._record_refusal(received, token_id, worker, block, exc, content_length or 0)
+            self._record_refusal(received, token.id, worker, block, exc, 0)
             raise
-        return PushContext(received, caller.token_id, worker, block)
+        return PushContext(received, token.id, worker, block)
 
     def refuse_push(self, ctx: PushContext, reason: str, detail: str, size: int) -> Refused:
         exc = refused(reason, detail)
@@ -355,10 +360,14 @@ class AggregatorService:
 
     def tick(self) -> list[Committed]:
         """Close every round whose deadline passed (the aggregator calls this a few times a
-        second) and flush the traffic counters."""
+        second), flush the traffic counters and, now and then, prune refused ledger rows."""
         with self.lock:
-            committed = self.engine.tick(self.clock())
+            now = self.clock()
+            committed = self.engine.tick(now)
         self.traffic.flush()
+        if self._pruned_at is None or now - self._pruned_at >= self.limits.prune_every_s:
+            self._pruned_at = now
+            self.ledger.prune_refused(self.limits.keep_refused)
         return committed
 
     def flush_traffic(self) -> None:

@@ -1,5 +1,7 @@
 """What `/v1/status` shows: the blocks' open rounds, the workers, the participation of the last
-rounds, the updates by fate and the bytes moved."""
+rounds, the updates by fate and the bytes moved. Its cost does not grow with the ledger: the
+update counts are the ledger's counters, the rounds the last few of each block, the traffic one
+row per (endpoint, block, worker) (tests/protocol/test_limits.py counts the rows read)."""
 
 from __future__ import annotations
 
@@ -100,4 +102,5 @@ def snapshot(service: AggregatorService, *, last_rounds: int = 20) -> dict[str, 
         },
         "bytes": service.traffic.summary(),
         "settings": service.public_settings(),
+        "refused_requests": service.traffic.refusals(),
     }

@@ -1,6 +1,11 @@
 """Byte counters per endpoint, block and worker, and the batched marks of pulls: kept in memory
 between the aggregator's ticks and flushed to the ledger by them, so that a pull or a push does
-not pay for a SQLite transaction of its own."""
+not pay for a SQLite transaction of its own. Refused requests are counted by endpoint and
+reason in memory only (since the start): a flood of unauthenticated requests costs no disk.
+
+The keys come from the aggregator, never from the request as sent: a block outside the run
+and an unauthenticated worker count under NONE_KEY, and bytes in are the bytes read, so a
+request cannot add rows to the traffic table or numbers SQLite cannot store."""
 
 from __future__ import annotations
 
@@ -14,8 +19,10 @@ from blocktrain.protocol.ledger_schema import NONE_KEY
 class Traffic:
     """Thread-safe counters over one ledger."""
 
-    def __init__(self, ledger: Ledger) -> None:
+    def __init__(self, ledger: Ledger, n_blocks: int) -> None:
         self.ledger = ledger
+        self.n_blocks = n_blocks
+        self._refused: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
         self._counts: dict[tuple[str, int, int], list[int]] = {}
         self._pulls: dict[int, tuple[int, float]] = {}
@@ -26,7 +33,7 @@ class Traffic:
     ) -> None:
         key = (
             endpoint,
-            NONE_KEY if block is None else block,
+            block if block is not None and 0 <= block < self.n_blocks else NONE_KEY,
             NONE_KEY if worker is None else worker,
         )
         with self._lock:
@@ -34,6 +41,18 @@ class Traffic:
             row[0] += 1
             row[1] += bytes_in
             row[2] += bytes_out
+
+    def refused(self, endpoint: str, reason: str) -> None:
+        with self._lock:
+            self._refused[(endpoint, reason)] = self._refused.get((endpoint, reason), 0) + 1
+
+    def refusals(self) -> dict[str, dict[str, int]]:
+        """endpoint -> reason -> requests refused since the start."""
+        out: dict[str, dict[str, int]] = {}
+        with self._lock:
+            for (endpoint, reason), n in sorted(self._refused.items()):
+                out.setdefault(endpoint, {})[reason] = n
+        return out
 
     def mark_pull(self, worker: int, round: int, now: float) -> None:
         with self._lock:

@@ -39,6 +39,9 @@ REASONS: dict[str, tuple[int, str]] = {
     "future_round": (409, "the update names a round that has not opened"),
     "duplicate": (409, "this worker already reported for this round"),
     "done": (410, "the block has finished its rounds"),
+    # limits (never a ledger row: counted in memory, see docs/protocol.md, Limits)
+    "slow_client": (408, "the request's body came slower than the minimum rate"),
+    "rate_limited": (429, "the token sent more requests than its rate allows; see Retry-After"),
 }
 """Reason code -> (HTTP status, meaning)."""
 

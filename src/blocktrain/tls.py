@@ -1,0 +1,69 @@
+"""TLS files for the package's servers: a certificate and its key (`TlsFiles`), a clear error
+when they cannot serve (`check_tls`), and a self-signed pair made in one command
+(`self_signed`, behind `blocktrain tls self-signed`)."""
+
+from __future__ import annotations
+
+import ipaddress
+import shutil
+import ssl
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from blocktrain.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """A PEM certificate (chain) and its private key: the server speaks HTTPS."""
+
+    cert: str
+    key: str
+
+
+def check_tls(tls: TlsFiles | None) -> None:
+    """A clear ConfigError for a certificate and key that cannot serve (missing, unreadable,
+    not matching)."""
+    if tls is None:
+        return
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(tls.cert, tls.key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(
+            f"cannot use --tls-cert {tls.cert} with --tls-key {tls.key}: {exc}"
+        ) from None
+
+
+def self_signed(out: Path, hosts: list[str], days: int = 365) -> TlsFiles:
+    """A self-signed certificate valid for `hosts` (names or IP addresses) and its P-256 key,
+    written to out/cert.pem and out/key.pem (mode 600) by `openssl`. Clients trust it with
+    `--ca-file out/cert.pem`."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise ConfigError("`openssl` is not on PATH; install it, or bring your own certificate")
+    if not hosts or days <= 0:
+        raise ConfigError("give at least one --host, and --days must be positive")
+    names = []
+    for host in hosts:
+        try:
+            names.append(f"IP:{ipaddress.ip_address(host)}")
+        except ValueError:
+            names.append(f"DNS:{host}")
+    out.mkdir(parents=True, exist_ok=True)
+    files = TlsFiles(str(out / "cert.pem"), str(out / "key.pem"))
+    for path in (files.cert, files.key):
+        if Path(path).exists():
+            raise ConfigError(f"{path} exists; remove it or choose another --out")
+    Path(files.key).touch(mode=0o600)  # private from its first byte: openssl keeps the mode
+    command = [
+        openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+        "-nodes", "-sha256", "-days", str(days), "-subj", f"/CN={hosts[0]}",
+        "-addext", "subjectAltName=" + ",".join(names),
+        "-addext", "basicConstraints=critical,CA:TRUE",
+        "-keyout", files.key, "-out", files.cert,
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise ConfigError(f"openssl failed: {done.stderr.strip().splitlines()[-1:]}")
+    return files

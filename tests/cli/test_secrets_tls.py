@@ -1,0 +1,100 @@
+"""Secrets and TLS (issue 12): tokens from a file or the environment, never needed on the
+command line; HTTPS with a one-command self-signed certificate, end to end."""
+
+from __future__ import annotations
+
+import pytest
+
+from blocktrain.cli.main import main
+from blocktrain.errors import Unreachable
+from blocktrain.httpserve import ThreadedServer, bind
+from blocktrain.protocol.aggregator import create_app
+from blocktrain.protocol.client import AggregatorClient, RetryPolicy
+from blocktrain.tls import TlsFiles
+from tests.protocol.conftest import FakeClock, add_token, make_state
+
+from .test_cli import fails_cleanly
+
+
+@pytest.fixture
+def served(tmp_path):
+    """An aggregator on loopback over HTTPS with a certificate from `blocktrain tls`."""
+    assert main(["tls", "self-signed", "--out", str(tmp_path / "tls")]) == 0
+    tls = TlsFiles(str(tmp_path / "tls" / "cert.pem"), str(tmp_path / "tls" / "key.pem"))
+    state = make_state(tmp_path / "s")
+    token = add_token(state, "alice")
+    app = create_app(storage=state, clock=FakeClock())
+    server = ThreadedServer.start(app, bind("127.0.0.1", 0), tls=tls)
+    yield server.url, token, tls
+    server.stop()
+    state.close()
+
+
+def test_tls_self_signed_serves_https_that_clients_trust_with_ca_file(served, capsys):
+    url, token, tls = served
+    assert url.startswith("https://127.0.0.1:")
+    client = AggregatorClient(url, token, verify=tls.cert)
+    try:
+        assert client.config()["blocks"] == 2
+    finally:
+        client.close()
+    untrusting = AggregatorClient(url, token, retry=RetryPolicy(give_up_after_s=0.2))
+    with pytest.raises(Unreachable, match="CERTIFICATE_VERIFY_FAILED"):
+        untrusting.config()
+    untrusting.close()
+    plain = AggregatorClient(
+        url.replace("https", "http"), token, retry=RetryPolicy(give_up_after_s=0.2)
+    )
+    with pytest.raises(Unreachable):
+        plain.config()
+    plain.close()
+    capsys.readouterr()
+    fails_cleanly(
+        capsys,
+        ["tls", "self-signed", "--out", str(tls.cert).rsplit("/", 1)[0]],
+        "exists",
+    )
+
+
+def test_the_token_never_needs_the_command_line(served, tmp_path, capsys, monkeypatch):
+    """Finding: `--token` on the command line shows in `ps`. `status` (and `worker`, through
+    the same helper) read it from --token-file or $BLOCKTRAIN_TOKEN; --token warns."""
+    url, token, tls = served
+    monkeypatch.delenv("BLOCKTRAIN_TOKEN", raising=False)
+    path = tmp_path / "token.txt"
+    path.write_text(token + "\n")
+    base = ["status", url, "--ca-file", tls.cert, "--timeout", "2"]
+    capsys.readouterr()
+    assert main([*base, "--token-file", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert "uptime" in out and err == ""
+    monkeypatch.setenv("BLOCKTRAIN_TOKEN", token)
+    assert main(base) == 0
+    out, err = capsys.readouterr()
+    assert "uptime" in out and err == ""
+    monkeypatch.delenv("BLOCKTRAIN_TOKEN")
+    assert main([*base, "--token", token]) == 0
+    assert "shows in `ps`" in capsys.readouterr().err
+    (tmp_path / "empty").write_text("\n")
+    fails_cleanly(capsys, [*base, "--token-file", str(tmp_path / "empty")], "is empty")
+    fails_cleanly(capsys, [*base, "--token-file", str(tmp_path / "none")], "cannot read")
+    fails_cleanly(capsys, [*base, "--token-file", str(path), "--token", "x"], "not both")
+    fails_cleanly(capsys, base, "no token")
+
+
+def test_aggregator_refuses_bad_limits_and_tls_files(tmp_path, capsys):
+    state = tmp_path / "s"
+    make_state(state).close()
+    fails_cleanly(
+        capsys, ["aggregator", "--state", str(state), "--rate-limit", "0"], "--rate-limit"
+    )
+    fails_cleanly(
+        capsys, ["aggregator", "--state", str(state), "--max-connections", "0"], "max_connections"
+    )
+    bogus = tmp_path / "bogus.pem"
+    bogus.write_text("not a certificate")
+    fails_cleanly(
+        capsys,
+        ["aggregator", "--state", str(state), "--tls-cert", str(bogus), "--tls-key", str(bogus)],
+        "cannot use --tls-cert",
+    )
