@@ -32,7 +32,8 @@ def two_on_block0(h: Harness) -> tuple[int, int]:
 
 
 def test_register_assigns_blocks_evenly(harness):
-    blocks = [harness.register(harness.alice)["block"] for _ in range(4)]
+    tokens = [harness.alice, harness.bob] + [add_token(harness.state, f"t{i}") for i in range(2)]
+    blocks = [harness.register(token)["block"] for token in tokens]
     assert blocks == [0, 1, 0, 1]
     out = harness.register(harness.bob, block=1)
     assert out["block"] == 1 and out["data_seed"] == 5 * SETTINGS.n_workers + out["worker_id"]

@@ -43,6 +43,9 @@ def test_every_setting_checks_its_bounds_by_name() -> None:
         "n_workers": 0,
         "live_window_s": 0.0,
         "keep_versions": -1,
+        "max_workers_per_token": 0,
+        "quorum": 0.0,
+        "grace_s": -1.0,
     }
     assert set(bad) == {f.name for f, _ in declared()}, "a new setting needs a bad value here"
     for name, value in bad.items():

@@ -21,7 +21,7 @@ there, before any pull can see them) and only then published.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +53,8 @@ class Registered:
     worker: int
     block: int
     view: RoundView
+    replaced: tuple[int, ...] = ()
+    """The token's older workers this registration retired (max_workers_per_token)."""
 
 
 @dataclass(frozen=True)
@@ -146,18 +148,27 @@ class RoundEngine:
         requested: int | None,
         new_id: Callable[[int], int],
         token: int | None = None,
+        allowed: Collection[int] | None = None,
     ) -> Registered:
-        """Assign a block (the requested one, else the fewest live replicas, finished blocks
-        last); `new_id(block)` names the worker (the ledger's row id, or a counter); `token` is
-        the identity it speaks for (`Registry.identity`)."""
+        """Assign a block (the requested one, else the fewest live identities among `allowed`,
+        finished blocks last); `new_id(block)` names the worker (the ledger's row id, or a
+        counter); `token` is the identity it speaks for (`Registry.identity`). A token at its
+        `max_workers_per_token` has its oldest workers retired first, so that a worker that
+        restarts rejoins at once and a token never holds more workers than allowed."""
         self.tick(now)
+        replaced: list[int] = []
+        if token is not None:
+            mine = self.registry.workers_of(token)
+            replaced = mine[: max(0, len(mine) - self.settings.max_workers_per_token + 1)]
+            for old in replaced:
+                self.leave(old, now)
         done = [b for b, st in self.blocks.items() if st.rounds.done]
-        block = self.registry.choose_block(now, requested, exclude=done)
+        block = self.registry.choose_block(now, requested, exclude=done, allowed=allowed)
         worker = new_id(block)
         self.registry.add(worker, block, now, token)
         st = self.blocks[block]
-        st.rounds.assign(worker)
-        return Registered(worker, block, st.rounds.view())
+        st.rounds.assign(worker, now)
+        return Registered(worker, block, st.rounds.view(), tuple(replaced))
 
     def leave(self, worker: int, now: float) -> list[Committed]:
         """The worker stops: its block no longer waits for it."""

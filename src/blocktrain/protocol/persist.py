@@ -34,7 +34,9 @@ class Durable:
     def restore(self) -> RoundEngine:
         """The engine as the ledger and the state folder left it: each block's last committed
         version, and its open round with the accepted updates, pulls, reports and deadline;
-        bodies written but never accepted are removed."""
+        bodies written but never accepted, and temporary files of interrupted writes, are
+        removed."""
+        self.storage.remove_temporaries()
         workers = self.ledger.workers(active_only=True)
         registry = Registry(self.n_blocks, self.settings.live_window)
         for w in workers:
@@ -60,6 +62,7 @@ class Durable:
             for u in self.ledger.updates(block=b, round=round_)
             if u.worker_id is not None and u.reason not in NOT_A_REPORT
         ]
+        reports = self.ledger.last_reports(b)
         prev = {
             u.worker_id
             for u in self.ledger.updates(block=b, round=round_ - 1)
@@ -101,6 +104,11 @@ class Durable:
             accepted=contributions,
             refused=sum(1 for u in rows if u.fate == "refused"),
             published=published,
+            heard={w.id: max(w.registered, reports.get(w.id, w.registered)) for w in workers},
+            report_times={
+                w: min(u.received for u in rows if u.worker_id == w)
+                for w in {u.worker_id for u in rows if u.worker_id is not None}
+            },
         )
         st = RoundEngine.block(b, weights, momentum, self.settings, rounds)
         for delta, weight in deltas:
@@ -157,3 +165,34 @@ class Durable:
             len(closed.expected),
             closed.new_version,
         )
+
+    def drop_token(self, engine: RoundEngine, token_id: int, reason: str, now: float) -> None:
+        """A revoked or banned token (`reason`): its accepted updates leave their open rounds
+        (in the ledger first, then the engine) before its workers leave their blocks, since a
+        leave may close a round, which must not count them."""
+        rows = self.ledger.open_accepted_of(token_id)
+        if rows:
+            detail = f"dropped from its round: the token was {reason.removesuffix('_token')}"
+            self.ledger.drop_updates([u.id for u in rows], reason, detail)
+        by_block: dict[int, list[int]] = {}
+        for u in rows:
+            if u.block is not None:
+                by_block.setdefault(u.block, []).append(u.id)
+        for block, ids in by_block.items():
+            engine.discard(block, ids)
+            for uid in ids:
+                name = self.pending[block].pop(uid, None)
+                if name is not None:
+                    self.storage.remove_pending(name)
+        workers = engine.registry.workers_of(token_id)
+        for worker in workers:
+            self.ledger.worker_left(worker, now)
+            engine.leave(worker, now)
+        if rows or workers:
+            log.warning(
+                "token %d (%s): dropped %d pending update(s) and %d worker(s)",
+                token_id,
+                reason,
+                len(rows),
+                len(workers),
+            )

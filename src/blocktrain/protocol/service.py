@@ -92,6 +92,7 @@ class AggregatorService:
         self.engine.on_commit.append(self.durable.commit)
         self.blocks: dict[int, EngineBlock] = self.engine.blocks
         self.max_body = self.engine.max_body
+        self._shut_out: set[int] = set()  # revoked or banned tokens already dropped
         self.tick()
 
     # ------------------------------------------------------------------ identity
@@ -127,14 +128,16 @@ class AggregatorService:
     ) -> dict[str, Any]:
         if block is not None:
             self._check_block(block)
+        allowed = auth.allowed_blocks(token, self.n_blocks, block)
         with self.lock:
             now = self.clock()
-            reg = self.engine.register(
-                now,
-                block,
-                lambda chosen: self.ledger.add_worker(token.id, chosen, name, now),
-                token.id,
-            )
+
+            def add(chosen: int) -> int:
+                return self.ledger.add_worker(token.id, chosen, name, now)
+
+            reg = self.engine.register(now, block, add, token.id, allowed)
+            for old in reg.replaced:  # the token's oldest workers, retired for this one
+                self.ledger.worker_left(old, now)
         log.info("worker %d (%s) registered on block %d", reg.worker, token.name, reg.block)
         seed = int(self.run_config.get("seed", 0))
         return {
@@ -354,10 +357,16 @@ class AggregatorService:
     # ------------------------------------------------------------------ rounds
 
     def tick(self) -> list[Committed]:
-        """Close every round whose deadline passed (the aggregator calls this a few times a
-        second) and flush the traffic counters."""
+        """Drop what tokens revoked or banned since the last tick left (`token revoke` and `ban`
+        write the ledger from another process), close every round that is due (the aggregator
+        calls this a few times a second) and flush the traffic counters."""
         with self.lock:
-            committed = self.engine.tick(self.clock())
+            now = self.clock()
+            shut_out = self.ledger.shut_out_tokens()
+            for token_id in sorted(set(shut_out) - self._shut_out):
+                self.durable.drop_token(self.engine, token_id, shut_out[token_id], now)
+            self._shut_out = set(shut_out)
+            committed = self.engine.tick(now)
         self.traffic.flush()
         return committed
 

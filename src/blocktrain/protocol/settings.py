@@ -188,12 +188,41 @@ class AggregatorSettings:
         default_text="3 x deadline_s",
     )
     keep_versions: int = setting(
-        3,
-        "Committed versions kept on disk per block (0: keep all, e.g. to evaluate every round).",
+        10,
+        "Committed versions kept on disk per block, the versions `blocktrain rollback` can "
+        "return to (0: keep all, e.g. to evaluate every round).",
         lambda v: v >= 0,
         "must be >= 0",
         flag="--keep-versions",
         simulated=False,
+    )
+    max_workers_per_token: int = setting(
+        1,
+        "Registered workers per token; registering one more retires the token's oldest "
+        "worker (a restarted worker rejoins at once).",
+        _positive,
+        "must be positive",
+        flag="--max-workers-per-token",
+        metavar="N",
+        simulated=False,  # simulated workers speak for themselves
+    )
+    quorum: float = setting(
+        0.5,
+        "Fraction of the expected replicas whose reports close a round after the grace period "
+        "(1: wait for all of them, up to the deadline).",
+        lambda v: 0 < v <= 1,
+        "must lie in (0, 1]",
+        flag="--quorum",
+        metavar="F",
+    )
+    grace_s: float | None = setting(
+        None,
+        "Seconds a round stays open after its quorum reported, for the other replicas.",
+        lambda v: v is None or v >= 0,
+        "must be >= 0 (or none)",
+        flag="--grace",
+        metavar="S",
+        default_text="as long as the quorum took, at least deadline_s / 10",
     )
 
     def __post_init__(self) -> None:

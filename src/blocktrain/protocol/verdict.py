@@ -13,6 +13,8 @@ REASONS: dict[str, tuple[int, str]] = {
     "missing_token": (401, "no `Authorization: Bearer` header"),
     "invalid_token": (401, "the token is not known to this aggregator"),
     "revoked_token": (401, "the token was revoked"),
+    "banned_token": (403, "the token was banned (`blocktrain ban`); it is refused for good"),
+    "block_not_allowed": (403, "the token is pinned to other blocks (`token add --block`)"),
     "unknown_worker": (404, "no such worker id, or it left; register again"),
     "not_your_worker": (403, "the worker id belongs to another token"),
     "not_assigned": (403, "the worker is not assigned to this block"),
@@ -39,6 +41,7 @@ REASONS: dict[str, tuple[int, str]] = {
     "future_round": (409, "the update names a round that has not opened"),
     "duplicate": (409, "this worker already reported for this round"),
     "done": (410, "the block has finished its rounds"),
+    "rolled_back": (409, "the round was dropped by `blocktrain rollback`; pull and train again"),
 }
 """Reason code -> (HTTP status, meaning)."""
 

@@ -1,0 +1,125 @@
+"""The ledger's part for identity and recovery: bans, revoked tokens' dropped updates, when each
+worker last reported, and rollbacks. A mixin of `ledger.Ledger`, which provides the connection;
+kept apart so that each file holds one concern."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
+from typing import Any
+
+from blocktrain.protocol.ledger_schema import UpdateRow
+
+UPDATE_COLUMNS = (
+    "id, received, worker_id, block, round, base_version, tokens, fate, reason, weight, "
+    "counts_in, pending, committed_version"
+)
+
+
+class RecoveryTables:
+    """Methods over the connection `Ledger` opens; every method is one transaction."""
+
+    def _tx(self) -> AbstractContextManager[sqlite3.Connection]:
+        raise NotImplementedError
+
+    def _query(self, sql: str, args: Iterable[Any] = ()) -> list[sqlite3.Row]:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ tokens
+
+    def ban_token(self, name: str, now: float, reason: str | None = None) -> bool:
+        """Revoke (if not yet) and ban a token; False if it was banned already."""
+        with self._tx() as db:
+            cur = db.execute(
+                "UPDATE tokens SET revoked = COALESCE(revoked, ?), banned = ?, ban_reason = ? "
+                "WHERE name = ? AND banned IS NULL",
+                (now, now, reason, name),
+            )
+            return cur.rowcount > 0
+
+    def shut_out_tokens(self) -> dict[int, str]:
+        """Revoked or banned tokens: id -> the reason code their pending updates are dropped
+        with (a small table: cheap enough for every tick)."""
+        rows = self._query(
+            "SELECT id, banned FROM tokens WHERE revoked IS NOT NULL OR banned IS NOT NULL"
+        )
+        return {
+            int(r["id"]): "banned_token" if r["banned"] is not None else "revoked_token"
+            for r in rows
+        }
+
+    # ------------------------------------------------------------------ updates and rounds
+
+    def open_accepted_of(self, token_id: int) -> list[UpdateRow]:
+        """A token's accepted updates not yet committed, in any block."""
+        rows = self._query(
+            f"SELECT {UPDATE_COLUMNS} FROM updates WHERE token_id = ? "
+            "AND fate = 'accepted' AND committed_version IS NULL ORDER BY id",
+            (token_id,),
+        )
+        return [UpdateRow(**dict(r)) for r in rows]
+
+    def drop_updates(self, update_ids: Iterable[int], reason: str, detail: str) -> None:
+        """Accepted, uncommitted updates taken out of their round: they become refusals with
+        `reason`, so that every accepted update still goes into exactly one version."""
+        with self._tx() as db:
+            db.executemany(
+                "UPDATE updates SET fate = 'refused', reason = ?, detail = ?, pending = NULL "
+                "WHERE id = ? AND fate = 'accepted' AND committed_version IS NULL",
+                [(reason, detail[:500], uid) for uid in update_ids],
+            )
+
+    def last_reports(self, block: int) -> dict[int, float]:
+        """Worker -> when its last update for `block` arrived (accepted or refused)."""
+        rows = self._query(
+            "SELECT worker_id, MAX(received) AS at FROM updates WHERE block = ? AND "
+            "worker_id IS NOT NULL GROUP BY worker_id",
+            (block,),
+        )
+        return {int(r["worker_id"]): float(r["at"]) for r in rows}
+
+    def rollback(self, *, block: int, to_version: int, now: float) -> tuple[int, int, list[str]]:
+        """Close the open round of `block` as a rollback to `to_version`, published as the next
+        version number (the caller has written its weights there), and drop the round's accepted
+        updates, all in one transaction. Returns (closed round, new version, dropped bodies)."""
+        with self._tx() as db:
+            row = db.execute(
+                "SELECT version, round FROM blocks WHERE block = ?", (block,)
+            ).fetchone()
+            if row is None:
+                raise KeyError(block)
+            version, round_ = int(row["version"]), int(row["round"])
+            new_version = version + 1
+            dropped = db.execute(
+                "SELECT id, pending FROM updates WHERE block = ? AND fate = 'accepted' "
+                "AND committed_version IS NULL",
+                (block,),
+            ).fetchall()
+            db.execute(
+                "INSERT INTO rounds VALUES (?,?,?,?,NULL,NULL,?,'rollback',0,?,0,0,0)",
+                (block, round_, version, new_version, now, len(dropped)),
+            )
+            db.execute(
+                "INSERT INTO rollbacks VALUES (?,?,?,?,?,?)",
+                (block, round_, version, to_version, new_version, now),
+            )
+            db.execute(
+                "UPDATE blocks SET version = ?, round = ?, started_at = NULL WHERE block = ?",
+                (new_version, round_ + 1, block),
+            )
+            db.executemany(
+                "UPDATE updates SET fate = 'refused', reason = 'rolled_back', detail = ?, "
+                "pending = NULL WHERE id = ?",
+                [
+                    (f"block {block} was rolled back to version {to_version}", r["id"])
+                    for r in dropped
+                ],
+            )
+        return round_, new_version, [r["pending"] for r in dropped if r["pending"]]
+
+    def rollbacks(self, block: int | None = None) -> list[dict[str, Any]]:
+        sql = "SELECT * FROM rollbacks" + (" WHERE block = ?" if block is not None else "")
+        return [
+            dict(r) for r in self._query(sql + " ORDER BY at", () if block is None else (block,))
+        ]
