@@ -15,7 +15,7 @@ from tests.protocol.conftest import run_state
 
 from .test_cli import fails_cleanly
 
-COMMANDS = ("aggregator", "worker", "token", "status", "export", "cluster")
+COMMANDS = ("aggregator", "worker", "token", "status", "export", "cluster", "ban", "rollback")
 
 
 def test_help_shows_examples(capsys):

@@ -11,12 +11,14 @@ from collections.abc import Sequence
 from blocktrain import __version__
 from blocktrain.cli import (
     aggregator,
+    ban,
     cluster,
     data,
     evaluate,
     export,
     generate,
     plan,
+    rollback,
     serve,
     serve_block,
     simulate,
@@ -39,6 +41,8 @@ SUBCOMMANDS = (
     aggregator,
     worker,
     token,
+    ban,
+    rollback,
     status,
     export,
     cluster,
