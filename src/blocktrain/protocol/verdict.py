@@ -39,6 +39,13 @@ REASONS: dict[str, tuple[int, str]] = {
     "future_round": (409, "the update names a round that has not opened"),
     "duplicate": (409, "this worker already reported for this round"),
     "done": (410, "the block has finished its rounds"),
+    # effect
+    "harmful": (
+        422,
+        "the update raises the block's loss on the aggregator's held-out slice beyond the "
+        "tolerance",
+    ),
+    "low_reputation": (403, "the identity's reputation fell below the minimum (harmful updates)"),
 }
 """Reason code -> (HTTP status, meaning)."""
 
