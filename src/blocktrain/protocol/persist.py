@@ -42,7 +42,7 @@ class Durable:
         for w in workers:
             registry.add(w.id, w.block, w.last_seen, w.token_id)
         blocks = {
-            b: self._restore_block(b, [w for w in workers if w.block == b])
+            b: self._restore_block(b, [w for w in workers if w.block == b], registry)
             for b in range(self.n_blocks)
         }
         referenced = {name for pending in self.pending.values() for name in pending.values()}
@@ -51,7 +51,7 @@ class Durable:
                 self.storage.remove_pending(name)
         return RoundEngine(self.settings, blocks, registry)
 
-    def _restore_block(self, b: int, workers: list[WorkerRow]) -> EngineBlock:
+    def _restore_block(self, b: int, workers: list[WorkerRow], registry: Registry) -> EngineBlock:
         version, round_, started_at = self.ledger.block_state(b)
         weights = self.storage.load_tensors(b, version)
         momentum = None
@@ -68,7 +68,7 @@ class Durable:
             for u in self.ledger.updates(block=b, round=round_ - 1)
             if u.worker_id is not None and u.reason not in NOT_A_REPORT
         }
-        deltas: list[tuple[Tensors, float]] = []
+        deltas: list[tuple[int, int, Tensors, float, int]] = []
         contributions: list[Contribution] = []
         pending: dict[int, str] = {}
         for u in self.ledger.open_accepted(b):
@@ -80,7 +80,7 @@ class Durable:
                 log.error("block %d: accepted update %d lost its body %s", b, u.id, u.pending)
                 continue
             weight = float(u.weight or 1.0)
-            deltas.append((decode(body).to_torch(), weight * int(u.tokens or 1)))
+            deltas.append((u.id, u.worker_id, decode(body).to_torch(), weight, int(u.tokens or 1)))
             contributions.append(
                 Contribution(u.id, u.worker_id, int(u.tokens or 1), weight, u.round)
             )
@@ -111,8 +111,8 @@ class Durable:
             },
         )
         st = RoundEngine.block(b, weights, momentum, self.settings, rounds)
-        for delta, weight in deltas:
-            st.acc.add(delta, weight)
+        for uid, worker, delta, weight, tokens in deltas:
+            st.acc.add(uid, delta, identity=registry.identity(worker), weight=weight, tokens=tokens)
         self.pending[b] = pending
         if contributions:
             log.info(
@@ -154,6 +154,8 @@ class Durable:
             if name is not None:
                 self.storage.remove_pending(name)
         self.storage.prune(b, closed.new_version, self.settings.keep_versions)
+        if event.held:
+            log.warning("block %d round %d: %s", b, closed.round, event.held)
         log.info(
             "block %d round %d closed (%s): %d accepted, %d refused, %d/%d reported; version %d",
             b,

@@ -288,7 +288,7 @@ class AggregatorService:
 
     def submit(self, ctx: PushContext, body: bytes) -> dict[str, Any]:
         """Check, store and judge one update; returns the acceptance or raises Refused."""
-        checked = self.engine.check(ctx.block, body)
+        checked = self.engine.check(ctx.block, body, ctx.worker_id)
         meta = checked.meta
         fields = {} if meta is None else _update_fields(meta, checked)
         if not checked.verdict.accepted:

@@ -42,6 +42,13 @@ REASONS: dict[str, tuple[int, str]] = {
     "duplicate": (409, "this worker already reported for this round"),
     "done": (410, "the block has finished its rounds"),
     "rolled_back": (409, "the round was dropped by `blocktrain rollback`; pull and train again"),
+    # effect
+    "harmful": (
+        422,
+        "the update raises the block's loss on the aggregator's held-out slice beyond the "
+        "tolerance",
+    ),
+    "low_reputation": (403, "the identity's reputation fell below the minimum (harmful updates)"),
 }
 """Reason code -> (HTTP status, meaning)."""
 
