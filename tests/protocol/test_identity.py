@@ -16,9 +16,9 @@ def test_one_token_cannot_register_thirty_workers(harness: Harness):
     rejoins at once and a flood of registrations leaves one voice."""
     h = harness
     ids = [h.register(h.alice, block=0)["worker_id"] for _ in range(30)]
+    assert h.service.blocks[0].rounds.assigned == {ids[-1]}
     registry = h.service.engine.registry
     assert registry.workers_of(registry.identity(ids[-1])[1]) == [ids[-1]]
-    assert h.service.blocks[0].rounds.assigned == {ids[-1]}
     retired = h.pull(h.alice, ids[0], 0)
     assert retired.status_code == 404 and retired.json()["reason"] == "unknown_worker"
     assert h.pull(h.alice, ids[-1], 0).status_code == 200
