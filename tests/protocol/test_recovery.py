@@ -182,3 +182,23 @@ def test_a_silent_worker_cannot_make_every_round_wait_for_the_deadline(tmp_path)
         (row,) = [x for x in h.state.ledger.rounds(0) if x["round"] == r]
         assert row["cause"] == "quorum" and row["closed_at"] - start < SETTINGS.deadline_s / 3
     h.state.close()
+
+
+def test_no_late_update_counts_from_a_round_a_rollback_undid(tmp_path):
+    """With staleness, an update trained on the weights a rollback undid is refused, not
+    counted late in the next round."""
+    h = make_harness(tmp_path / "s", replace(SETTINGS, staleness=2))
+    a = commit_rounds(h, 2)
+    b = h.register(h.bob, block=0)["worker_id"]
+    h.pull(h.bob, b, 0)  # round 2, version 2: bob trains on it through the rollback
+    h.service.tick()
+    h.state.close()
+    state = StateDir(h.state.root)
+    rollback(state, block=0, to_version=1, now=h.clock.now)
+    state.close()
+    h2 = h.reopen()
+    r = h2.push(h2.bob, b, 0, delta_body(0, base_version=2, round=2))
+    assert r.status_code == 409 and r.json()["reason"] == "stale_version", r.text
+    pulled = h2.pull(h2.alice, a, 0)
+    assert pulled.headers["X-Version"] == "3" and pulled.headers["X-Round"] == "3"
+    h2.state.close()

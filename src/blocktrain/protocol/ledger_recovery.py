@@ -9,13 +9,6 @@ from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import Any
 
-from blocktrain.protocol.ledger_schema import UpdateRow
-
-UPDATE_COLUMNS = (
-    "id, received, worker_id, block, round, base_version, tokens, fate, reason, weight, "
-    "counts_in, pending, committed_version"
-)
-
 
 class RecoveryTables:
     """Methods over the connection `Ledger` opens; every method is one transaction."""
@@ -51,14 +44,16 @@ class RecoveryTables:
 
     # ------------------------------------------------------------------ updates and rounds
 
-    def open_accepted_of(self, token_id: int) -> list[UpdateRow]:
-        """A token's accepted updates not yet committed, in any block."""
-        rows = self._query(
-            f"SELECT {UPDATE_COLUMNS} FROM updates WHERE token_id = ? "
-            "AND fate = 'accepted' AND committed_version IS NULL ORDER BY id",
-            (token_id,),
-        )
-        return [UpdateRow(**dict(r)) for r in rows]
+    def owners(self, update_ids: Iterable[int]) -> dict[int, int | None]:
+        """Update id -> the token that sent it, by primary key (cheap for a round's updates)."""
+        ids = list(update_ids)
+        out: dict[int, int | None] = {}
+        for start in range(0, len(ids), 500):  # SQLite's bound on variables per statement
+            chunk = ids[start : start + 500]
+            marks = ",".join("?" * len(chunk))
+            for r in self._query(f"SELECT id, token_id FROM updates WHERE id IN ({marks})", chunk):
+                out[int(r["id"])] = None if r["token_id"] is None else int(r["token_id"])
+        return out
 
     def drop_updates(self, update_ids: Iterable[int], reason: str, detail: str) -> None:
         """Accepted, uncommitted updates taken out of their round: they become refusals with
@@ -97,11 +92,14 @@ class RecoveryTables:
                 (block,),
             ).fetchall()
             db.execute(
-                "INSERT INTO rounds VALUES (?,?,?,?,NULL,NULL,?,'rollback',0,?,0,0,0)",
+                "INSERT INTO rounds (block, round, base_version, new_version, started_at, "
+                "deadline, closed_at, cause, accepted, refused, expected, reported, tokens) "
+                "VALUES (?,?,?,?,NULL,NULL,?,'rollback',0,?,0,0,0)",
                 (block, round_, version, new_version, now, len(dropped)),
             )
             db.execute(
-                "INSERT INTO rollbacks VALUES (?,?,?,?,?,?)",
+                "INSERT INTO rollbacks (block, round, from_version, to_version, new_version, at) "
+                "VALUES (?,?,?,?,?,?)",
                 (block, round_, version, to_version, new_version, now),
             )
             db.execute(

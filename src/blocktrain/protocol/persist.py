@@ -63,6 +63,7 @@ class Durable:
             if u.worker_id is not None and u.reason not in NOT_A_REPORT
         ]
         reports = self.ledger.last_reports(b)
+        rolled_back = self.ledger.rollbacks(b)
         prev = {
             u.worker_id
             for u in self.ledger.updates(block=b, round=round_ - 1)
@@ -85,10 +86,10 @@ class Durable:
                 Contribution(u.id, u.worker_id, int(u.tokens or 1), weight, u.round)
             )
             pending[u.id] = u.pending
+        # rounds up to a rollback published the weights it undid: no late update from them
+        since = max([round_ - self.settings.staleness] + [r["round"] + 1 for r in rolled_back])
         published = {
-            r["round"]: r["base_version"]
-            for r in self.ledger.rounds(b)
-            if r["round"] >= round_ - self.settings.staleness
+            r["round"]: r["base_version"] for r in self.ledger.rounds(b) if r["round"] >= since
         }
         published[round_] = version
         rounds = restore(
@@ -168,33 +169,32 @@ class Durable:
             closed.new_version,
         )
 
-    def drop_token(self, engine: RoundEngine, token_id: int, reason: str, now: float) -> None:
-        """A revoked or banned token (`reason`): its accepted updates leave their open rounds
-        (in the ledger first, then the engine) before its workers leave their blocks, since a
-        leave may close a round, which must not count them."""
-        rows = self.ledger.open_accepted_of(token_id)
-        if rows:
-            detail = f"dropped from its round: the token was {reason.removesuffix('_token')}"
-            self.ledger.drop_updates([u.id for u in rows], reason, detail)
-        by_block: dict[int, list[int]] = {}
-        for u in rows:
-            if u.block is not None:
-                by_block.setdefault(u.block, []).append(u.id)
-        for block, ids in by_block.items():
-            engine.discard(block, ids)
+    def drop_tokens(self, engine: RoundEngine, shut_out: dict[int, str], now: float) -> None:
+        """Tokens revoked or banned (token id -> the reason code): their accepted updates leave
+        their open rounds (in the ledger first, then the engine) before their workers leave
+        their blocks, since a leave may close a round, which must not count them."""
+        if not shut_out:
+            return
+        open_ids = {uid: b for b, pending in self.pending.items() for uid in pending}
+        owners = self.ledger.owners(open_ids)
+        for token_id, reason in shut_out.items():
+            ids = [uid for uid, owner in owners.items() if owner == token_id]
+            if ids:
+                detail = f"dropped from its round: the token was {reason.removesuffix('_token')}"
+                self.ledger.drop_updates(ids, reason, detail)
             for uid in ids:
-                name = self.pending[block].pop(uid, None)
-                if name is not None:
-                    self.storage.remove_pending(name)
-        workers = engine.registry.workers_of(token_id)
-        for worker in workers:
-            self.ledger.worker_left(worker, now)
-            engine.leave(worker, now)
-        if rows or workers:
-            log.warning(
-                "token %d (%s): dropped %d pending update(s) and %d worker(s)",
-                token_id,
-                reason,
-                len(rows),
-                len(workers),
-            )
+                block = open_ids[uid]
+                engine.discard(block, [uid])
+                self.storage.remove_pending(self.pending[block].pop(uid))
+            workers = engine.registry.workers_of(token_id)
+            for worker in workers:
+                self.ledger.worker_left(worker, now)
+                engine.leave(worker, now)
+            if ids or workers:
+                log.warning(
+                    "token %d (%s): dropped %d pending update(s) and %d worker(s)",
+                    token_id,
+                    reason,
+                    len(ids),
+                    len(workers),
+                )

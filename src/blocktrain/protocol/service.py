@@ -363,8 +363,8 @@ class AggregatorService:
         with self.lock:
             now = self.clock()
             shut_out = self.ledger.shut_out_tokens()
-            for token_id in sorted(set(shut_out) - self._shut_out):
-                self.durable.drop_token(self.engine, token_id, shut_out[token_id], now)
+            new = {t: why for t, why in shut_out.items() if t not in self._shut_out}
+            self.durable.drop_tokens(self.engine, new, now)
             self._shut_out = set(shut_out)
             committed = self.engine.tick(now)
         self.traffic.flush()

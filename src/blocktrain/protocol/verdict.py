@@ -36,7 +36,10 @@ REASONS: dict[str, tuple[int, str]] = {
     "non_finite": (400, "the delta holds NaN or Inf"),
     "norm_too_large": (400, "the delta's global L2 norm exceeds the bound"),
     # timing
-    "late": (409, "the update's round closed before it arrived (deadline or all reported)"),
+    "late": (
+        409,
+        "the update's round closed before it arrived (deadline, all reported, or quorum and grace)",
+    ),
     "stale_version": (409, "base_version is not the version the round published"),
     "future_round": (409, "the update names a round that has not opened"),
     "duplicate": (409, "this worker already reported for this round"),
