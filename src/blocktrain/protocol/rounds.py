@@ -125,7 +125,7 @@ class BlockRounds:
     """When each assigned worker last registered or reported (pulls do not count: a worker that
     only pulls is not doing the round's work)."""
     quorum_at: float | None = None
-    """When the open round's quorum reported (None: not yet, or not since a restart)."""
+    """When the open round's quorum reported (None: not yet; `restore` finds it again)."""
 
     def __post_init__(self) -> None:
         self.published.setdefault(self.round, self.version)
