@@ -108,3 +108,30 @@ def test_a_token_banned_while_the_aggregator_was_down_is_dropped_at_start(harnes
     assert "sign flips" in r.json()["detail"]
     _only_bobs_update_went_in(h2, b, before)
     h2.state.close()
+
+
+def test_a_retired_worker_cannot_vote_in_the_engine():
+    """Finding "each Sybil votes", where no HTTP layer checks the worker (the simulator drives
+    the engine directly): four workers registered under one token leave one registered, and
+    the three retired ones are refused rather than counted as identities of their own."""
+    from blocktrain.protocol.core import RoundEngine
+
+    from .conftest import block_tensors
+
+    eng = RoundEngine.fresh({0: block_tensors(100)}, replace(SETTINGS, quorum=1.0))
+    ids = iter(range(100))
+    sybils = [eng.register(0.0, 0, lambda _b: next(ids), token=7).worker for _ in range(4)]
+    honest = [eng.register(0.0, 0, lambda _b: next(ids), token=8 + i).worker for i in range(2)]
+    for w in sybils + honest:
+        eng.pull(w, 0, 0.0)
+    verdicts = {}
+    for w in sybils + honest:
+        checked = eng.check(0, delta_body(0))
+        assert checked.meta is not None
+        verdicts[w] = eng.judge(w, 0, checked.meta, 1.0)
+        eng.record(w, 0, verdicts[w], 1.0, checked=checked, update_id=w)
+    assert [verdicts[w].reason for w in sybils[:3]] == ["unknown_worker"] * 3
+    assert all(verdicts[w].accepted for w in sybils[3:] + honest)
+    closed = eng.blocks[0].rounds
+    assert closed.round == 0 and {c.worker_id for c in closed.accepted} == {sybils[3], *honest}
+    assert eng.tick(1.0)[0].closed.cause == "all_reported"

@@ -235,8 +235,15 @@ class RoundEngine:
 
     def judge(self, worker: int, block: int, meta: UpdateMeta, now: float) -> Verdict:
         """The timing verdict on an update that passed `check` (closing due rounds first).
-        Changes no update state: `record` the verdict once the driver has stored it."""
+        Changes no update state: `record` the verdict once the driver has stored it. A worker
+        no longer registered on `block` (retired for a newer worker of its token, or gone) is
+        refused: its vote would otherwise count as an identity of its own."""
         self.tick(now)
+        assigned = self.registry.block_of(worker)
+        if assigned != block:
+            if assigned is None:
+                return Verdict.refuse("unknown_worker", f"worker {worker} is not registered")
+            return Verdict.refuse("not_assigned", f"worker {worker} trains block {assigned}")
         return self.blocks[block].rounds.judge(
             worker, round=meta.round, base_version=meta.base_version, now=now
         )

@@ -34,8 +34,9 @@ from blocktrain.protocol.registry import Registry as Registry
 from blocktrain.protocol.registry import WorkerEntry as WorkerEntry
 from blocktrain.protocol.verdict import Verdict
 
-NOT_A_REPORT = frozenset({"duplicate", "future_round", "done"})
-"""Refusals that do not count as a replica reporting for its round."""
+NOT_A_REPORT = frozenset({"duplicate", "future_round", "done", "unknown_worker", "not_assigned"})
+"""Refusals that do not count as a replica reporting for its round (the last two: the worker is
+not a replica of the block)."""
 
 
 class RoundPolicy(Protocol):
