@@ -15,7 +15,17 @@ from tests.protocol.conftest import run_state
 
 from .test_cli import fails_cleanly
 
-COMMANDS = ("aggregator", "worker", "token", "status", "export", "cluster", "tls")
+COMMANDS = (
+    "aggregator",
+    "worker",
+    "token",
+    "status",
+    "export",
+    "cluster",
+    "tls",
+    "ban",
+    "rollback",
+)
 
 
 def test_help_shows_examples(capsys):

@@ -45,7 +45,12 @@ def block_tensors(seed: int) -> dict[str, torch.Tensor]:
 
 
 SETTINGS = AggregatorSettings(
-    deadline_s=30.0, local_steps=2, max_delta_norm=50.0, max_tokens=10_000, n_workers=16
+    deadline_s=30.0,
+    local_steps=2,
+    max_delta_norm=50.0,
+    max_tokens=10_000,
+    n_workers=16,
+    quorum=1.0,  # rounds wait for every live replica up to the deadline, unless a test says so
 )
 
 
@@ -60,9 +65,9 @@ def make_state(
     )
 
 
-def add_token(state: StateDir, name: str) -> str:
+def add_token(state: StateDir, name: str, blocks: tuple[int, ...] | list[int] = ()) -> str:
     token = new_token()
-    state.ledger.add_token(name, hash_token(token), T0)
+    state.ledger.add_token(name, hash_token(token), T0, blocks=blocks)
     return token
 
 

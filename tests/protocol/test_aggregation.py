@@ -8,7 +8,9 @@ import torch
 from blocktrain.protocol.aggregation import (
     Accumulator,
     OuterOptimizer,
+    Policy,
     coordinate_median,
+    trim_count,
     trimmed_mean,
     weighted_mean,
 )
@@ -37,30 +39,108 @@ def test_median_and_trimmed_mean_resist_an_outlier():
     assert weighted_mean(ds, [1] * 5)["w"][0, 0] > 100, "the plain mean does not"
 
 
-def test_trimmed_mean_with_nothing_to_trim_is_the_mean():
-    ds = deltas(1.0, 3.0)
-    assert torch.allclose(trimmed_mean(ds, 0.2)["w"], weighted_mean(ds, [1, 1])["w"])
+def test_trimmed_mean_trims_at_small_n_and_refuses_when_n_is_at_most_2k():
+    """Finding (Poisoning): trimmed_mean at trim 0.1 trimmed nothing below 10 updates
+    (floor(0.1 n) = 0). Now it trims ceil(trim n), at least f, and refuses n <= 2k."""
+    ds = deltas(1.0, 1.2, 1000.0)
+    assert trim_count(3, 0.1) == 1 and trim_count(9, 0.1) == 1 and trim_count(3, 0.0, 1) == 1
+    assert torch.allclose(trimmed_mean(ds, 0.1)["w"], torch.full((2, 2), 1.2))
+    with pytest.raises(ValueError, match="more than 2"):
+        trimmed_mean(deltas(1.0, 3.0), 0.2)
     with pytest.raises(ValueError):
         trimmed_mean(ds, 0.5)
+
+
+@pytest.mark.parametrize("rule", ["median", "trimmed_mean"])
+def test_robust_rules_commit_nothing_and_say_why_when_n_is_at_most_2f(rule):
+    acc = Accumulator(Policy(rule=rule, tolerate=1, clip=0))
+    for i, v in enumerate((1.0, 50.0)):
+        acc.add(i, deltas(v)[0], identity=i)
+    got = acc.result()
+    assert got.delta is None and "needs more than 2 votes; 2 came" in got.held
+    acc.add(2, deltas(1.1)[0], identity=2)
+    assert acc.result().delta is not None
 
 
 @pytest.mark.parametrize("rule", ["mean", "median", "trimmed_mean"])
 def test_accumulator_matches_the_batch_rules(rule):
     ds = deltas(0.5, 2.0, -1.0)
-    weights = [10.0, 30.0, 60.0]
-    acc = Accumulator(rule, trim=0.34)
-    assert acc.result() is None
-    for d, w in zip(ds, weights, strict=True):
-        acc.add(d, w)
-    got = acc.result()
+    weights = [0.25, 1.0, 0.5]
+    acc = Accumulator(Policy(rule=rule, trim=0.2, tolerate=0, clip=0))
+    assert acc.result().delta is None
+    for i, (d, w) in enumerate(zip(ds, weights, strict=True)):
+        acc.add(i, d, identity=i, weight=w)
+    got = acc.result().delta
     assert got is not None
     want = {
         "mean": lambda: weighted_mean(ds, weights),
         "median": lambda: coordinate_median(ds),
-        "trimmed_mean": lambda: trimmed_mean(ds, 0.34),
+        "trimmed_mean": lambda: trimmed_mean(ds, 0.2),
     }[rule]()
     for name in want:
         assert torch.allclose(got[name], want[name]), (rule, name)
+
+
+def test_accumulator_mean_weights_identities_by_staleness_not_claimed_tokens():
+    """Finding (Poisoning): the mean was weighted by the token counts workers report."""
+    acc = Accumulator(Policy(clip=0))
+    acc.add(1, deltas(1.0)[0], identity="honest", tokens=100)
+    acc.add(2, deltas(-5.0)[0], identity="liar", tokens=10**9)
+    acc.add(3, deltas(4.0)[0], identity="late", weight=0.5, tokens=100)
+    got = acc.result().delta
+    assert got is not None
+    assert torch.allclose(got["w"], torch.full((2, 2), (1.0 - 5.0 + 0.5 * 4.0) / 2.5))
+    old = Accumulator(Policy(clip=0, weighting="reported"))
+    old.add(1, deltas(1.0)[0], identity="honest", tokens=100)
+    old.add(2, deltas(-5.0)[0], identity="liar", tokens=10**9)
+    old_delta = old.result().delta
+    assert old_delta is not None and old_delta["w"][0, 0] < -4.99, "what the liar bought"
+
+
+def test_sybils_under_one_token_are_one_vote_so_the_median_holds():
+    """Finding (Poisoning): median failed against 4 Sybils and 3 honest workers (50.5)."""
+    acc = Accumulator(Policy(rule="median", clip=0))
+    for i, v in enumerate((1.0, 1.1, 0.9)):
+        acc.add(i, deltas(v)[0], identity=("token", i))
+    for i in range(4):
+        acc.add(10 + i, deltas(100.0)[0], identity=("token", 99))
+    got = acc.result()
+    assert got.votes == 4 and got.delta is not None
+    assert float(got.delta["w"].max()) <= 1.1, "one Sybil vote cannot move the median far"
+    per_worker = coordinate_median(deltas(1.0, 1.1, 0.9, *[100.0] * 4))["w"]
+    assert torch.allclose(per_worker, torch.full((2, 2), 100.0)), "counted per worker it would"
+
+
+def test_clipping_bounds_each_vote_to_c_times_the_median_norm_per_tensor():
+    acc = Accumulator(Policy(clip=2.0))
+    acc.add(1, {"w": torch.full((2, 2), 1.0), "b": torch.tensor([1.0, 0.0])}, identity=1)
+    acc.add(2, {"w": torch.full((2, 2), 1.0), "b": torch.tensor([3.0, 0.0])}, identity=2)
+    acc.add(3, {"w": torch.full((2, 2), -100.0), "b": torch.tensor([2.0, 0.0])}, identity=3)
+    got = acc.result().delta
+    assert got is not None
+    # w: norms 2, 2, 200, median 2, so the attacker's w is scaled to norm 4, i.e. -2 each
+    assert torch.allclose(got["w"], torch.full((2, 2), (1 + 1 - 2) / 3))
+    # b: norms 1, 3, 2, median 2, bound 4: nothing clipped
+    assert torch.allclose(got["b"], torch.tensor([2.0, 0.0]))
+
+
+def test_centered_clip_resists_an_outlier_and_keeps_agreeing_votes():
+    acc = Accumulator(Policy(rule="centered_clip", clip=0))
+    for i, v in enumerate((1.0, 1.0, 1.0, 1000.0)):
+        acc.add(i, deltas(v)[0], identity=i)
+    got = acc.result().delta
+    assert got is not None and torch.allclose(got["w"], torch.full((2, 2), 1.0))
+
+
+def test_discard_removes_updates_by_id():
+    acc = Accumulator(Policy(clip=0))
+    acc.add(7, deltas(1.0)[0], identity=1)
+    acc.add(8, deltas(3.0)[0], identity=2)
+    assert acc.discard([8, 99]) == [8] and acc.count == 1
+    got = acc.result().delta
+    assert got is not None and torch.allclose(got["w"], torch.full((2, 2), 1.0))
+    with pytest.raises(ValueError):
+        acc.add(7, deltas(1.0)[0], identity=1)
 
 
 def test_plain_outer_step_adds_the_delta():
@@ -88,9 +168,11 @@ def test_outer_nesterov_matches_the_diloco_update():
 
 def test_bad_arguments():
     with pytest.raises(ValueError):
-        Accumulator("mode")
+        Accumulator(Policy(rule="mode"))
     with pytest.raises(ValueError):
-        Accumulator().add(deltas(1.0)[0], 0.0)
+        Accumulator(Policy(weighting="tokens"))
+    with pytest.raises(ValueError):
+        Accumulator().add(1, deltas(1.0)[0], identity=1, weight=0.0)
     with pytest.raises(ValueError):
         weighted_mean([], [])
     with pytest.raises(ValueError):

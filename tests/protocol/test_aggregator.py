@@ -32,7 +32,8 @@ def two_on_block0(h: Harness) -> tuple[int, int]:
 
 
 def test_register_assigns_blocks_evenly(harness):
-    blocks = [harness.register(harness.alice)["block"] for _ in range(4)]
+    tokens = [harness.alice, harness.bob] + [add_token(harness.state, f"t{i}") for i in range(2)]
+    blocks = [harness.register(token)["block"] for token in tokens]
     assert blocks == [0, 1, 0, 1]
     out = harness.register(harness.bob, block=1)
     assert out["block"] == 1 and out["data_seed"] == 5 * SETTINGS.n_workers + out["worker_id"]
@@ -54,7 +55,9 @@ def test_pull_answers_safetensors_with_the_round_metadata(harness):
         assert torch.equal(tensors[name], t.half())
 
 
-def test_round_with_every_replica_in_closes_early_with_the_token_weighted_mean(harness):
+def test_round_with_every_replica_in_closes_early_with_the_identity_mean(harness):
+    """Each token is one vote of equal weight; the tokens a push claims do not weight it
+    (finding: the mean was weighted by self-reported token counts)."""
     h = harness
     a, b = two_on_block0(h)
     before = h.weights(0)
@@ -67,7 +70,7 @@ def test_round_with_every_replica_in_closes_early_with_the_token_weighted_mean(h
     assert st.round == 1 and st.version == 1, "all replicas in: closed before the deadline"
     d_a = torch.tensor(0.02, dtype=torch.float16).float()
     d_b = torch.tensor(-0.01, dtype=torch.float16).float()
-    want = (300 * d_a + 100 * d_b) / 400
+    want = (d_a + d_b) / 2
     after = h.weights(0)
     for name in before:
         assert torch.allclose(after[name], before[name] + want, atol=1e-6), name

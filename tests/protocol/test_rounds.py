@@ -20,6 +20,8 @@ D = 10.0  # deadline
 
 
 def fresh(**policy: object) -> BlockRounds:
+    """Two replicas on block 0; the quorum is off (1) unless a test turns it on."""
+    policy = {"quorum": 1.0, **policy}
     r = BlockRounds(0, AggregatorSettings(deadline_s=D, **policy))  # type: ignore[arg-type]
     for w in (1, 2):
         r.assign(w)
@@ -291,3 +293,116 @@ def test_rounds_module_stays_free_of_http_sqlite_and_torch():
         assert not imported & {"torch", "sqlite3", "httpx", "fastapi", "starlette"}, (
             f"{module.__name__} imports {imported}"
         )
+
+
+# ------------------------------------------------------------------------------ liveness
+
+
+def test_a_worker_that_pulls_and_never_pushes_stops_holding_rounds_up():
+    """Finding "a worker that pulls and never pushes makes every round wait for its deadline":
+    pulls do not keep a worker expected; once the live window passes without a report from
+    it, rounds close as soon as the others reported (the quorum is off here, to show this
+    alone)."""
+    r = fresh(live_window_s=2.5 * D)
+    for w in (1, 2):
+        r.assign(w, now=0.0)
+    causes = []
+    t = 0.0
+    for _ in range(6):
+        r.pull(1, now=t)
+        r.pull(2, now=t)  # worker 2 pulls every round and never pushes
+        assert push(r, 1, now=t + 1).accepted
+        closed = r.tick(t + 1) or r.tick(t + D)
+        assert closed is not None
+        causes.append(closed.cause)
+        t = closed.closed_at
+    assert causes[:3] == ["deadline"] * 3, "heard at registration: waited for, for a while"
+    assert causes[3:] == ["all_reported"] * 3, "then no longer"
+
+
+def test_a_reporting_worker_stays_expected_across_many_rounds():
+    r = fresh(live_window_s=1.5 * D)
+    for w in (1, 2):
+        r.assign(w, now=0.0)
+    t = 0.0
+    for _ in range(5):
+        r.pull(1, now=t)
+        r.pull(2, now=t)
+        assert push(r, 1, now=t + 1).accepted
+        assert r.tick(t + 8) is None, "worker 2 reported last round: the round waits for it"
+        assert push(r, 2, now=t + 9).accepted
+        closed = r.tick(t + 9)
+        assert closed is not None and closed.cause == "all_reported"
+        t += 9
+
+
+def test_the_quorum_closes_a_round_after_the_grace_period():
+    r = fresh(quorum=0.5, grace_s=2.0)
+    r.assign(3, now=0.0)
+    for w in (1, 2, 3):
+        r.pull(w, now=0.0)
+    assert push(r, 1, now=1.0).accepted
+    assert r.tick(3.5) is None, "one of three is not a quorum of 0.5"
+    assert push(r, 2, now=4.0).accepted
+    assert r.tick(5.9) is None, "quorum at 4.0: the grace period runs to 6.0"
+    closed = r.tick(6.0)
+    assert closed is not None and closed.cause == "quorum" and closed.closed_at < D
+    assert closed.expected == {1, 2, 3} and closed.reported == {1, 2}
+    assert r.quorum_at is None, "the next round starts without a quorum"
+
+
+def test_the_default_grace_is_as_long_as_the_quorum_took():
+    r = fresh(quorum=0.5)
+    for w in (1, 2):
+        r.pull(w, now=0.0)
+    assert push(r, 1, now=3.0).accepted
+    assert r.tick(5.9) is None
+    closed = r.tick(6.0)
+    assert closed is not None and closed.cause == "quorum"
+    r2 = fresh(quorum=0.5)
+    for w in (1, 2):
+        r2.pull(w, now=0.0)
+    assert push(r2, 1, now=0.0).accepted
+    assert r2.tick(D / 10 - 0.01) is None, "at least a tenth of the deadline"
+    assert r2.tick(D / 10) is not None
+
+
+def test_restore_finds_when_the_quorum_reported():
+    r = fresh(quorum=0.5, grace_s=2.0)
+    r.assign(3, now=0.0)
+    for w in (1, 2, 3):
+        r.pull(w, now=0.0)
+    assert push(r, 1, now=1.0).accepted
+    assert push(r, 2, now=4.0).accepted
+    again = restore(
+        0,
+        r.policy,
+        round=0,
+        version=0,
+        started_at=0.0,
+        assigned=r.assigned,
+        pulled=r.pulled,
+        reported=r.reported,
+        prev_reported=set(),
+        accepted=r.accepted,
+        refused=0,
+        published={0: 0},
+        report_times={1: 1.0, 2: 4.0},
+    )
+    assert again.quorum_at == r.quorum_at == 4.0
+    closed = again.tick(6.0)
+    assert closed is not None and closed.cause == "quorum"
+
+
+def test_blocks_are_chosen_by_identities_not_workers():
+    """Finding "honest workers were steered away": ten workers of one token on block 0 are one
+    voice there; pinned tokens choose among their blocks only."""
+    reg = Registry(blocks=3, live_window_s=30.0)
+    for w in range(10):
+        reg.add(w, 0, now=0.0, token=7)
+    assert reg.live_per_block(0.0) == [1, 0, 0]
+    reg.add(10, 1, now=0.0, token=8)
+    reg.add(11, 2, now=0.0)
+    assert reg.choose_block(0.0) == 0, "ties: lowest index; the flood counts once"
+    assert reg.choose_block(0.0, allowed=[1, 2]) == 1
+    assert reg.workers_of(7) == list(range(10))

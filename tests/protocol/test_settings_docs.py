@@ -34,6 +34,12 @@ def test_every_setting_checks_its_bounds_by_name() -> None:
         "max_rounds": 0,
         "rule": "mode",
         "trim": 0.5,
+        "tolerate": -1,
+        "clip": 0.5,
+        "weighting": "tokens",
+        "effect_probe": "maybe",
+        "probe_tolerance": 1.0,
+        "min_reputation": 1.5,
         "outer_lr": 0.0,
         "outer_momentum": 1.0,
         "wire_dtype": "int8",
@@ -43,6 +49,9 @@ def test_every_setting_checks_its_bounds_by_name() -> None:
         "n_workers": 0,
         "live_window_s": 0.0,
         "keep_versions": -1,
+        "max_workers_per_token": 0,
+        "quorum": 0.0,
+        "grace_s": -1.0,
     }
     assert set(bad) == {f.name for f, _ in declared()}, "a new setting needs a bad value here"
     for name, value in bad.items():

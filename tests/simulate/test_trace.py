@@ -74,6 +74,10 @@ def body_for(block: int, view: tuple[int, int], params: dict) -> bytes:
     )
 
 
+TRACE = replace(SETTINGS, max_workers_per_token=8)
+"""The trace's five workers share one token."""
+
+
 def round_state(service: AggregatorService) -> list[tuple]:
     """What a restart must restore of each block's open round."""
     return [
@@ -167,9 +171,9 @@ def replay(trace: list[Event], root: Path, settings, restarts: set[int]) -> dict
 @pytest.mark.parametrize(
     "seed, settings",
     [
-        (0, replace(SETTINGS, max_rounds=8, keep_versions=0)),
-        (1, replace(SETTINGS, max_rounds=8, staleness=1, stale_weight=0.5, keep_versions=0)),
-        (2, replace(SETTINGS, max_rounds=5, outer_momentum=0.9, outer_lr=0.7, rule="median")),
+        (0, replace(TRACE, max_rounds=8, keep_versions=0)),
+        (1, replace(TRACE, max_rounds=8, staleness=1, stale_weight=0.5, keep_versions=0)),
+        (2, replace(TRACE, max_rounds=5, outer_momentum=0.9, outer_lr=0.7, rule="median")),
     ],
 )
 def test_every_commit_is_in_the_ledger_and_on_disk(tmp_path: Path, seed: int, settings) -> None:

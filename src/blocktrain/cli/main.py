@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from blocktrain import __version__
 from blocktrain.cli import (
     aggregator,
+    ban,
     cluster,
     data,
     evaluate,
@@ -18,6 +19,7 @@ from blocktrain.cli import (
     generate,
     plan,
     report,
+    rollback,
     serve,
     serve_block,
     simulate,
@@ -42,6 +44,8 @@ SUBCOMMANDS = (
     worker,
     token,
     tls,
+    ban,
+    rollback,
     status,
     export,
     report,

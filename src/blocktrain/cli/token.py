@@ -1,7 +1,10 @@
 """`blocktrain token`: create, list and revoke the bearer tokens of an aggregator's state.
 
 Tokens are shown once, when created, and stored only as SHA-256 hashes in the state's ledger.
-A running aggregator sees additions and revocations at once.
+A token pinned to blocks (`--block`, repeatable) registers only on those. A running aggregator
+sees additions and revocations at once: a revoked token's accepted but uncommitted updates are
+dropped from their open rounds within a tick, and its workers retired (`blocktrain ban` does
+the same and refuses the token for good).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from blocktrain.protocol.tokens import hash_token, new_token
 
 EXAMPLES = """examples:
   blocktrain token add --state runs/agg --name alice      # prints the new token alone
+  blocktrain token add bob --state runs/agg --block 2 --block 3   # bob trains blocks 2, 3 only
   blocktrain token list --state runs/agg
   blocktrain token revoke --state runs/agg --name alice
 """
@@ -36,7 +40,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         "add", help="create a token and print it", epilog=EXAMPLES, formatter_class=Formatter
     )
     a.add_argument("--state", required=True, metavar="DIR", help="the aggregator's state folder")
-    a.add_argument("--name", required=True, help="a unique name for the token's holder")
+    a.add_argument("positional_name", nargs="?", metavar="NAME", help="the same as --name")
+    a.add_argument("--name", help="a unique name for the token's holder")
+    a.add_argument(
+        "--block",
+        type=int,
+        action="append",
+        default=[],
+        metavar="B",
+        help="pin the token to block B (repeatable); unpinned tokens may train any block",
+    )
     a.set_defaults(handler=run_add)
     ls = tsub.add_parser(
         "list", help="list tokens (never their values)", epilog=EXAMPLES, formatter_class=Formatter
@@ -52,7 +65,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.set_defaults(handler=run_revoke)
 
 
-def _state(path: str, *, create: bool) -> StateDir:
+def open_ledger_state(path: str, *, create: bool = False) -> StateDir:
+    """The state folder at `path`, which must hold a ledger unless `create`."""
     root = Path(path)
     if not create and not (root.is_dir() and (root / "ledger.sqlite").is_file()):
         raise ConfigError(
@@ -65,18 +79,25 @@ def _state(path: str, *, create: bool) -> StateDir:
 
 
 def run_add(args: argparse.Namespace) -> int:
-    name = args.name.strip()
+    if args.positional_name is not None and args.name is not None:
+        raise ConfigError("give the name once: NAME or --name")
+    name = (args.name if args.name is not None else args.positional_name or "").strip()
     if not name or len(name) > 100:
-        raise ConfigError("--name must hold 1 to 100 characters")
-    state = _state(args.state, create=True)
+        raise ConfigError("NAME (or --name) must hold 1 to 100 characters")
+    state = open_ledger_state(args.state, create=True)
     try:
+        n_blocks = state.n_blocks() if state.initialised else None
+        for b in args.block:
+            if b < 0 or (n_blocks is not None and b >= n_blocks):
+                limit = "" if n_blocks is None else f" 0..{n_blocks - 1}"
+                raise ConfigError(f"--block {b} is not a block of{limit or ' the run'}")
         if state.ledger.token_by_name(name) is not None:
             raise ConfigError(
                 f"a token named {name!r} already exists in {args.state}; "
                 "choose another --name (or revoke that one)"
             )
         token = new_token()
-        state.ledger.add_token(name, hash_token(token), time.time())
+        state.ledger.add_token(name, hash_token(token), time.time(), blocks=args.block)
     finally:
         state.close()
     print(token)
@@ -90,24 +111,39 @@ def _when(ts: float | None) -> str:
 
 
 def run_list(args: argparse.Namespace) -> int:
-    state = _state(args.state, create=False)
+    state = open_ledger_state(args.state)
     try:
         rows = state.ledger.tokens()
     finally:
         state.close()
     if args.json:
         print_json(
-            [{"id": r.id, "name": r.name, "created": r.created, "revoked": r.revoked} for r in rows]
+            [
+                {
+                    "id": r.id,
+                    "name": r.name,
+                    "created": r.created,
+                    "revoked": r.revoked,
+                    "banned": r.banned,
+                    "ban_reason": r.ban_reason,
+                    "blocks": list(r.blocks),
+                }
+                for r in rows
+            ]
         )
         return 0
-    print(f"{'name':24s} {'created':22s} revoked")
+    print(f"{'name':24s} {'created':22s} {'revoked':22s} {'banned':22s} blocks")
     for r in rows:
-        print(f"{r.name:24s} {_when(r.created):22s} {_when(r.revoked)}")
+        pins = ",".join(map(str, r.blocks)) or "any"
+        print(
+            f"{r.name:24s} {_when(r.created):22s} {_when(r.revoked):22s} "
+            f"{_when(r.banned):22s} {pins}"
+        )
     return 0
 
 
 def run_revoke(args: argparse.Namespace) -> int:
-    state = _state(args.state, create=False)
+    state = open_ledger_state(args.state)
     try:
         row = state.ledger.token_by_name(args.name)
         if row is None:

@@ -1,8 +1,24 @@
 """Aggregation of one block's accepted deltas (DESIGN.md section 4), over dicts of tensors.
 
-    mean          sum_i w_i t_i delta_i / sum_i w_i t_i   (t_i tokens, w_i staleness factor)
-    median        coordinate-wise median of the deltas (unweighted)
-    trimmed_mean  per coordinate, drop the floor(trim * n) smallest and largest, average the rest
+A round's accepted updates become one delta in three steps (docs/protocol.md, Aggregation):
+
+1. **Votes.** With `weighting = "identity"` (the default) each identity (a token, or a worker
+   without one: `rounds.Registry.identity`) casts ONE vote, the staleness-weighted mean of its
+   updates, so a token's many workers (Sybils) count once. `"reported"` is the old rule: each
+   update is a vote weighted by the token count its worker reports, which a liar inflates.
+2. **Clipping.** With `clip = c > 0`, each vote is scaled, tensor by tensor, to at most c times
+   the median norm of that tensor over the round's votes.
+3. **The rule** over the votes:
+
+    mean           sum_i w_i v_i / sum_i w_i   (w_i: staleness factor x reputation)
+    median         coordinate-wise median of the votes (unweighted)
+    trimmed_mean   per coordinate, drop the k smallest and k largest and average the rest,
+                   k = max(tolerate, ceil(trim * n)); refused when n <= 2k
+    centered_clip  Karimireddy et al. 2021 (arXiv 2012.10333): from the coordinate median v,
+                   3 times v <- v + mean_i clip(v_i - v, tau), tau the median distance to v
+
+`median` is refused too when n <= 2 * tolerate: with that few votes it is one attacker's
+choice. A refused aggregation commits no change, and says why (`Aggregate.held`).
 
 The result is applied by an outer optimizer. With outer_lr = 1 and no momentum it is plain
 averaging, theta + mean delta. With momentum mu it is DiLoCo's outer Nesterov step (Douillard
@@ -16,14 +32,18 @@ All arithmetic is fp32 whatever the wire dtype.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import statistics
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 Tensors = dict[str, torch.Tensor]
 
-RULES = ("mean", "median", "trimmed_mean")
+RULES = ("mean", "median", "trimmed_mean", "centered_clip")
+WEIGHTINGS = ("identity", "reported")
+CENTERED_CLIP_ITERS = 3
 
 
 def weighted_mean(deltas: Sequence[Tensors], weights: Sequence[float]) -> Tensors:
@@ -53,13 +73,21 @@ def coordinate_median(deltas: Sequence[Tensors]) -> Tensors:
     }
 
 
-def trimmed_mean(deltas: Sequence[Tensors], trim: float) -> Tensors:
-    if not deltas:
-        raise ValueError("nothing to aggregate")
+def trim_count(n: int, trim: float, tolerate: int = 0) -> int:
+    """Values dropped at each end of a coordinate: at least `tolerate`, and ceil(trim * n), so
+    that a positive trim trims at every n (floor(0.1 * n) trimmed nothing below 10)."""
     if not 0 <= trim < 0.5:
         raise ValueError(f"trim = {trim} must lie in [0, 0.5)")
+    return max(tolerate, math.ceil(trim * n - 1e-9))
+
+
+def trimmed_mean(deltas: Sequence[Tensors], trim: float, tolerate: int = 0) -> Tensors:
+    if not deltas:
+        raise ValueError("nothing to aggregate")
     n = len(deltas)
-    k = math.floor(trim * n)
+    k = trim_count(n, trim, tolerate)
+    if n <= 2 * k:
+        raise ValueError(f"trimming {k} at each end needs more than {2 * k} deltas, not {n}")
     out: Tensors = {}
     for name in deltas[0]:
         stacked = torch.stack([d[name].float() for d in deltas])
@@ -69,44 +97,165 @@ def trimmed_mean(deltas: Sequence[Tensors], trim: float) -> Tensors:
     return out
 
 
+def _norm(t: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(t, dtype=torch.float32))
+
+
+def clip_to_median(votes: Sequence[Tensors], c: float) -> list[Tensors]:
+    """Each vote scaled, per tensor, to at most c x that tensor's median norm over the votes."""
+    out: list[Tensors] = [{} for _ in votes]
+    for name in votes[0]:
+        norms = [_norm(v[name]) for v in votes]
+        bound = c * statistics.median(norms)
+        for i, (v, norm) in enumerate(zip(votes, norms, strict=True)):
+            scale = bound / norm if norm > bound else 1.0
+            out[i][name] = v[name].float() * scale
+    return out
+
+
+def centered_clip(votes: Sequence[Tensors], weights: Sequence[float]) -> Tensors:
+    """Centered clipping from the coordinate median, with the median distance as radius."""
+    center = coordinate_median(votes)
+
+    def distance(v: Tensors) -> float:
+        return math.sqrt(sum(_norm(v[k].float() - center[k]) ** 2 for k in center))
+
+    tau = statistics.median(distance(v) for v in votes)
+    total = float(sum(weights))
+    for _ in range(CENTERED_CLIP_ITERS):
+        step = {k: torch.zeros_like(t) for k, t in center.items()}
+        for v, w in zip(votes, weights, strict=True):
+            d = distance(v)
+            scale = min(1.0, tau / d) if d > 0 else 0.0
+            for k in center:
+                step[k].add_(v[k].float() - center[k], alpha=scale * w / total)
+        center = {k: center[k] + step[k] for k in center}
+    return center
+
+
+class AggregationPolicy(Protocol):
+    """The aggregation fields of `settings.AggregatorSettings`, where each is documented."""
+
+    @property
+    def rule(self) -> str: ...
+    @property
+    def trim(self) -> float: ...
+    @property
+    def tolerate(self) -> int: ...
+    @property
+    def clip(self) -> float: ...
+    @property
+    def weighting(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A plain `AggregationPolicy` (the settings are one, too)."""
+
+    rule: str = "mean"
+    trim: float = 0.1
+    tolerate: int = 1
+    clip: float = 2.0
+    weighting: str = "identity"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One accepted update as the accumulator keeps it."""
+
+    delta: Tensors
+    identity: Hashable
+    weight: float
+    """Staleness factor x the identity's reputation."""
+    tokens: int
+    """As reported by the worker: read only by the `reported` weighting."""
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    """A round's aggregated delta, or None with the reason (`held`) when it was refused."""
+
+    delta: Tensors | None
+    held: str = ""
+    votes: int = 0
+
+
 class Accumulator:
-    """Collects one round's accepted deltas. The mean needs only a running weighted sum (one
-    fp32 copy of the block, however many replicas); the robust rules keep every delta."""
+    """Collects one round's accepted updates, each kept under its update id until the round
+    closes, so that `discard` can take a revoked identity's updates back out."""
 
-    def __init__(self, rule: str = "mean", trim: float = 0.1) -> None:
-        if rule not in RULES:
-            raise ValueError(f"aggregation rule {rule!r} is not one of {', '.join(RULES)}")
-        self.rule = rule
-        self.trim = trim
-        self.count = 0
-        self.total_weight = 0.0
-        self._sum: Tensors | None = None
-        self._kept: list[Tensors] = []
+    def __init__(self, policy: AggregationPolicy | None = None) -> None:
+        self.policy = policy or Policy()
+        if self.policy.rule not in RULES:
+            raise ValueError(f"aggregation rule {self.policy.rule!r} is not one of {RULES}")
+        if self.policy.weighting not in WEIGHTINGS:
+            raise ValueError(f"weighting {self.policy.weighting!r} is not one of {WEIGHTINGS}")
+        self.entries: dict[int, Entry] = {}
 
-    def add(self, delta: Tensors, weight: float) -> None:
-        """Add a delta with its weight (tokens x staleness factor; ignored by robust rules)."""
-        if not weight > 0:
-            raise ValueError("a delta's weight must be positive")
-        self.count += 1
-        self.total_weight += weight
-        if self.rule == "mean":
-            if self._sum is None:
-                self._sum = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in delta.items()}
-            for name, value in delta.items():
-                self._sum[name].add_(value.float(), alpha=weight)
-        else:
-            self._kept.append(delta)
+    @property
+    def count(self) -> int:
+        return len(self.entries)
 
-    def result(self) -> Tensors | None:
-        """The aggregated delta, or None when nothing was added."""
-        if self.count == 0:
-            return None
-        if self.rule == "mean":
-            assert self._sum is not None
-            return {k: v / self.total_weight for k, v in self._sum.items()}
-        if self.rule == "median":
-            return coordinate_median(self._kept)
-        return trimmed_mean(self._kept, self.trim)
+    def add(
+        self,
+        update_id: int,
+        delta: Tensors,
+        *,
+        identity: Hashable,
+        weight: float = 1.0,
+        tokens: int = 1,
+    ) -> None:
+        if update_id in self.entries:
+            raise ValueError(f"update {update_id} is already in the round")
+        if not weight > 0 or not tokens > 0:
+            raise ValueError("an update's weight and tokens must be positive")
+        self.entries[update_id] = Entry(delta, identity, weight, tokens)
+
+    def discard(self, update_ids: Iterable[int]) -> list[int]:
+        """Remove these updates (ids not held are ignored); returns the ids removed."""
+        removed = [u for u in update_ids if self.entries.pop(u, None) is not None]
+        return removed
+
+    def votes(self) -> tuple[list[Tensors], list[float]]:
+        """(votes, their weights) under the policy's weighting (step 1)."""
+        entries = list(self.entries.values())
+        if self.policy.weighting == "reported":
+            return [e.delta for e in entries], [e.weight * e.tokens for e in entries]
+        groups: dict[Hashable, list[Entry]] = {}
+        for e in entries:
+            groups.setdefault(e.identity, []).append(e)
+        votes, weights = [], []
+        for group in groups.values():
+            ws = [e.weight for e in group]
+            votes.append(
+                group[0].delta if len(group) == 1 else weighted_mean([e.delta for e in group], ws)
+            )
+            weights.append(sum(ws) / len(ws))
+        return votes, weights
+
+    def result(self) -> Aggregate:
+        """The aggregated delta (None when nothing was added, or when the rule refuses)."""
+        if not self.entries:
+            return Aggregate(None)
+        p = self.policy
+        votes, weights = self.votes()
+        n = len(votes)
+        if p.clip > 0:
+            votes = clip_to_median(votes, p.clip)
+        if p.rule in ("median", "trimmed_mean"):
+            k = p.tolerate if p.rule == "median" else trim_count(n, p.trim, p.tolerate)
+            if n <= 2 * k:
+                held = (
+                    f"{p.rule} tolerating {k} attacker(s) needs more than {2 * k} votes; "
+                    f"{n} came ({self.count} update(s)): no change committed"
+                )
+                return Aggregate(None, held, n)
+            if p.rule == "median":
+                return Aggregate(coordinate_median(votes), votes=n)
+            return Aggregate(trimmed_mean(votes, p.trim, p.tolerate), votes=n)
+        if p.rule == "centered_clip":
+            return Aggregate(centered_clip(votes, weights), votes=n)
+        return Aggregate(weighted_mean(votes, weights), votes=n)
 
 
 @dataclass(frozen=True)

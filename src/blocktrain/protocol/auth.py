@@ -26,13 +26,16 @@ class Caller:
 
 
 def authenticate(ledger: Ledger, authorization: str | None) -> TokenRow:
-    """The token of an `Authorization: Bearer` header, if known and not revoked."""
+    """The token of an `Authorization: Bearer` header, if known, neither banned nor revoked."""
     token = bearer(authorization)
     if isinstance(token, Verdict):
         raise refused(token.reason, token.detail)
     row = ledger.token_by_hash(hash_token(token))
     if row is None:
         raise refused("invalid_token", "this token is not known to the aggregator")
+    if row.banned is not None:
+        why = f": {row.ban_reason}" if row.ban_reason else ""
+        raise refused("banned_token", f"token {row.name!r} was banned{why}")
     if row.revoked is not None:
         raise refused("revoked_token", f"token {row.name!r} was revoked")
     return row
@@ -57,3 +60,14 @@ def identify(ledger: Ledger, authorization: str | None, worker_header: str | Non
         return Caller(token.id, token.name, worker_id)
     latest = ledger.latest_worker_of(token.id)
     return Caller(token.id, token.name, None if latest is None else latest.id)
+
+
+def allowed_blocks(token: TokenRow, n_blocks: int, block: int | None) -> list[int] | None:
+    """The blocks a token may register on (None: any), refusing a request outside them."""
+    if not token.blocks:
+        return None
+    allowed = [b for b in token.blocks if b < n_blocks]
+    if not allowed or (block is not None and block not in allowed):
+        pins = ", ".join(map(str, token.blocks))
+        raise refused("block_not_allowed", f"token {token.name!r} may only train block(s) {pins}")
+    return allowed

@@ -12,8 +12,9 @@ Two drivers, no second copy of a decision:
                                  committed versions) and serves it over HTTP
     simulate.SimAggregator       virtual clock; one process
 
-An update goes through `check` (content), `judge` (timing, read-only), then `record` (the
-round's state and, if accepted, the accumulator); a driver persists what it must between `judge`
+An update goes through `check` (content, then its effect on the block's held-out loss when a
+probe is wired in), `judge` (timing, read-only), then `record` (the round's state, the
+identity's reputation and, if accepted, the accumulator); a driver persists what it must between `judge`
 and `record`, and calls `tick` afterwards. A round that closes is committed by `tick`: the new
 weights are computed, handed to every `on_commit` listener (the service writes them to disk
 there, before any pull can see them) and only then published.
@@ -21,12 +22,13 @@ there, before any pull can see them) and only then published.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 import torch
 
 from blocktrain.protocol.aggregation import Accumulator, OuterOptimizer
+from blocktrain.protocol.effect import Effect, EffectProbe, ProbeCache, Reputation, judge_effect
 from blocktrain.protocol.rounds import BlockRounds, Registry, RoundClosed, RoundView
 from blocktrain.protocol.settings import AggregatorSettings
 from blocktrain.protocol.validation import BlockSpec, Candidate, Limits, UpdateMeta, validate
@@ -53,6 +55,8 @@ class Registered:
     worker: int
     block: int
     view: RoundView
+    replaced: tuple[int, ...] = ()
+    """The token's older workers this registration retired (max_workers_per_token)."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,8 @@ class Checked:
 
     verdict: Verdict
     candidate: Candidate | None
+    effect: Effect | None = None
+    """The effect probe's reading, when it ran."""
 
     @property
     def meta(self) -> UpdateMeta | None:
@@ -78,12 +84,14 @@ class Checked:
 @dataclass(frozen=True)
 class Committed:
     """A closed round and the block's weights after it (the old ones when nothing was
-    accepted; then `changed` is False)."""
+    accepted; then `changed` is False). `held` says why a round that accepted updates still
+    commits the old weights (the rule refused to aggregate); its new version is written."""
 
     closed: RoundClosed
     weights: Tensors
     momentum: Tensors | None
     changed: bool
+    held: str = ""
 
 
 CommitListener = Callable[[Committed], None]
@@ -102,10 +110,16 @@ class RoundEngine:
         settings: AggregatorSettings,
         blocks: dict[int, EngineBlock],
         registry: Registry | None = None,
+        probe: EffectProbe | None = None,
     ) -> None:
         self.settings = settings
         self.blocks = blocks
         self.registry = registry or Registry(len(blocks), settings.live_window)
+        self.probe = (
+            ProbeCache(probe) if probe is not None and settings.effect_probe == "on" else None
+        )
+        self.reputation = Reputation(settings.min_reputation)
+        self._auto_id = 0  # ids for updates recorded without one (the simulator has no ledger)
         self.outer = OuterOptimizer(settings.outer_lr, settings.outer_momentum)
         self.limits = Limits(settings.max_delta_norm, settings.max_tokens)
         self.max_body = max_body_bytes(settings, max(st.spec.n_params for st in blocks.values()))
@@ -113,13 +127,18 @@ class RoundEngine:
         """Called with each commit before its weights are published."""
 
     @classmethod
-    def fresh(cls, initial: dict[int, Tensors], settings: AggregatorSettings) -> RoundEngine:
+    def fresh(
+        cls,
+        initial: dict[int, Tensors],
+        settings: AggregatorSettings,
+        probe: EffectProbe | None = None,
+    ) -> RoundEngine:
         """Version 0 of every block, round 0, no workers."""
         blocks = {
             b: cls.block(b, {k: v.detach().float().clone() for k, v in w.items()}, None, settings)
             for b, w in sorted(initial.items())
         }
-        return cls(settings, blocks)
+        return cls(settings, blocks, probe=probe)
 
     @staticmethod
     def block(
@@ -135,7 +154,7 @@ class RoundEngine:
             momentum,
             BlockSpec.of(weights, settings.wire_dtype),
             rounds if rounds is not None else BlockRounds(index, settings),
-            Accumulator(settings.rule, settings.trim),
+            Accumulator(settings),
         )
 
     # ------------------------------------------------------------------ workers
@@ -146,18 +165,27 @@ class RoundEngine:
         requested: int | None,
         new_id: Callable[[int], int],
         token: int | None = None,
+        allowed: Collection[int] | None = None,
     ) -> Registered:
-        """Assign a block (the requested one, else the fewest live replicas, finished blocks
-        last); `new_id(block)` names the worker (the ledger's row id, or a counter); `token` is
-        the identity it speaks for (`Registry.identity`)."""
+        """Assign a block (the requested one, else the fewest live identities among `allowed`,
+        finished blocks last); `new_id(block)` names the worker (the ledger's row id, or a
+        counter); `token` is the identity it speaks for (`Registry.identity`). A token at its
+        `max_workers_per_token` has its oldest workers retired first, so that a worker that
+        restarts rejoins at once and a token never holds more workers than allowed."""
         self.tick(now)
+        replaced: list[int] = []
+        if token is not None:
+            mine = self.registry.workers_of(token)
+            replaced = mine[: max(0, len(mine) - self.settings.max_workers_per_token + 1)]
+            for old in replaced:
+                self.leave(old, now)
         done = [b for b, st in self.blocks.items() if st.rounds.done]
-        block = self.registry.choose_block(now, requested, exclude=done)
+        block = self.registry.choose_block(now, requested, exclude=done, allowed=allowed)
         worker = new_id(block)
         self.registry.add(worker, block, now, token)
         st = self.blocks[block]
-        st.rounds.assign(worker)
-        return Registered(worker, block, st.rounds.view())
+        st.rounds.assign(worker, now)
+        return Registered(worker, block, st.rounds.view(), tuple(replaced))
 
     def leave(self, worker: int, now: float) -> list[Committed]:
         """The worker stops: its block no longer waits for it."""
@@ -180,9 +208,11 @@ class RoundEngine:
         self.registry.seen(worker, now)
         return PullEvent(view, started and view.deadline is not None)
 
-    def check(self, block: int, body: bytes) -> Checked:
-        """The content verdict on an update body: size, safetensors, the validator chain.
-        Reads no round state, so a driver may call it outside its lock."""
+    def check(self, block: int, body: bytes, worker: int | None = None) -> Checked:
+        """The content verdict on an update body: size, safetensors, the validator chain, then
+        (for `worker`'s identity in good standing) the effect probe against the block's current
+        weights. Changes no state, so a driver may call it outside its lock (the probe, the
+        costly part, should run there)."""
         if len(body) > self.max_body:
             detail = f"the body declares {len(body)} bytes; the limit is {self.max_body}"
             return Checked(Verdict.refuse("too_large", detail), None)
@@ -191,12 +221,29 @@ class RoundEngine:
         except WireError as exc:
             return Checked(Verdict.refuse(exc.reason, exc.detail), None)
         candidate = Candidate(block, decoded, self.blocks[block].spec, self.limits)
-        return Checked(validate(candidate), candidate)
+        verdict = validate(candidate)
+        if not verdict.accepted:
+            return Checked(verdict, candidate)
+        if worker is not None:
+            standing = self.reputation.excluded(self.registry.identity(worker))
+            if not standing.accepted:
+                return Checked(standing, candidate)
+        if self.probe is None:
+            return Checked(verdict, candidate)
+        effect = self.probe.effect(block, self.blocks[block].weights, candidate.tensors)
+        return Checked(judge_effect(effect, self.settings.probe_tolerance), candidate, effect)
 
     def judge(self, worker: int, block: int, meta: UpdateMeta, now: float) -> Verdict:
         """The timing verdict on an update that passed `check` (closing due rounds first).
-        Changes no update state: `record` the verdict once the driver has stored it."""
+        Changes no update state: `record` the verdict once the driver has stored it. A worker
+        no longer registered on `block` (retired for a newer worker of its token, or gone) is
+        refused: its vote would otherwise count as an identity of its own."""
         self.tick(now)
+        assigned = self.registry.block_of(worker)
+        if assigned != block:
+            if assigned is None:
+                return Verdict.refuse("unknown_worker", f"worker {worker} is not registered")
+            return Verdict.refuse("not_assigned", f"worker {worker} trains block {assigned}")
         return self.blocks[block].rounds.judge(
             worker, round=meta.round, base_version=meta.base_version, now=now
         )
@@ -217,19 +264,41 @@ class RoundEngine:
         meta = checked.meta
         if meta is None:
             return False  # unreadable: it names no round
+        identity = self.registry.identity(worker)
+        if checked.effect is not None and (verdict.accepted or verdict.reason == "harmful"):
+            self.reputation.observe(identity, helpful=verdict.accepted)
         rounds = self.blocks[block].rounds
         if not verdict.accepted:
             rounds.record(worker, verdict, round=meta.round, now=now)
             return False
         candidate = checked.candidate
         assert candidate is not None and candidate.tensors is not None
+        if update_id < 0:
+            self._auto_id -= 1
+            update_id = self._auto_id
         idle = rounds.started_at is None
         rounds.record(
             worker, verdict, round=meta.round, now=now, update_id=update_id, tokens=meta.tokens
         )
-        self.blocks[block].acc.add(candidate.tensors, verdict.weight * meta.tokens)
+        self.blocks[block].acc.add(
+            update_id,
+            candidate.tensors,
+            identity=identity,
+            weight=verdict.weight * self.reputation.of(identity),
+            tokens=meta.tokens,
+        )
         self.registry.seen(worker, now)
         return idle and rounds.started_at is not None
+
+    def discard(self, block: int, update_ids: Iterable[int]) -> list[int]:
+        """Take accepted updates back out of the open round (the accumulator and the round's
+        accepted list), e.g. those of a revoked or banned token; ids not in the open round are
+        ignored. Returns the ids removed. A round left with none commits no change."""
+        st = self.blocks[block]
+        removed = st.acc.discard(update_ids)
+        gone = set(removed)
+        st.rounds.accepted = [c for c in st.rounds.accepted if c.update_id not in gone]
+        return removed
 
     # ------------------------------------------------------------------ rounds
 
@@ -243,13 +312,14 @@ class RoundEngine:
         return committed
 
     def _commit(self, st: EngineBlock, closed: RoundClosed) -> Committed:
-        delta = st.acc.result()
+        aggregate = st.acc.result()
         weights, momentum = st.weights, st.momentum
-        if delta is not None:
-            weights, momentum = self.outer.apply(st.weights, delta, st.momentum)
-        event = Committed(closed, weights, momentum, delta is not None)
+        if aggregate.delta is not None:
+            weights, momentum = self.outer.apply(st.weights, aggregate.delta, st.momentum)
+        changed = closed.new_version != closed.base_version
+        event = Committed(closed, weights, momentum, changed, aggregate.held)
         for listener in self.on_commit:
             listener(event)
         st.weights, st.momentum = weights, momentum
-        st.acc = Accumulator(self.settings.rule, self.settings.trim)
+        st.acc = Accumulator(self.settings)
         return event

@@ -21,9 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from blocktrain.protocol import ledger_counts
+from blocktrain.protocol.ledger_recovery import RecoveryTables
 from blocktrain.protocol.ledger_schema import (
+    COLUMNS_ADDED,
     SCHEMA,
     SCHEMA_VERSION,
+    TOKEN_SELECT,
     TokenRow,
     UpdateRow,
     WorkerRow,
@@ -32,7 +35,7 @@ from blocktrain.protocol.ledger_schema import (
 BLOCKS = "SELECT block FROM blocks ORDER BY block"
 
 
-class Ledger:
+class Ledger(RecoveryTables):
     """Typed access to the ledger file. Every method is one transaction."""
 
     def __init__(self, path: Path) -> None:
@@ -49,8 +52,12 @@ class Ledger:
         with self._lock:
             self._db.executescript(SCHEMA)
         with self._tx() as db:
+            for table, column, kind in COLUMNS_ADDED:  # a ledger of an earlier schema
+                have = {r["name"] for r in db.execute(f"PRAGMA table_info({table})")}
+                if column not in have:
+                    db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
             db.execute(
-                "INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
+                "INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
             )
             self._counts = ledger_counts.load(db)
 
@@ -75,28 +82,29 @@ class Ledger:
 
     # ------------------------------------------------------------------ tokens
 
-    def add_token(self, name: str, token_hash: str, now: float) -> int:
+    def add_token(self, name: str, token_hash: str, now: float, blocks: Iterable[int] = ()) -> int:
+        """A new token; `blocks`: the only blocks it may register on (none: any)."""
         with self._tx() as db:
             cur = db.execute(
                 "INSERT INTO tokens (name, hash, created) VALUES (?, ?, ?)", (name, token_hash, now)
             )
-            return int(cur.lastrowid or 0)
+            token_id = int(cur.lastrowid or 0)
+            db.executemany(
+                "INSERT OR IGNORE INTO token_blocks VALUES (?, ?)",
+                [(token_id, int(b)) for b in blocks],
+            )
+            return token_id
 
     def token_by_hash(self, token_hash: str) -> TokenRow | None:
-        rows = self._query(
-            "SELECT id, name, created, revoked FROM tokens WHERE hash = ?", (token_hash,)
-        )
-        return TokenRow(**dict(rows[0])) if rows else None
+        rows = self._query(TOKEN_SELECT + " WHERE t.hash = ?", (token_hash,))
+        return TokenRow.of(rows[0]) if rows else None
 
     def token_by_name(self, name: str) -> TokenRow | None:
-        rows = self._query("SELECT id, name, created, revoked FROM tokens WHERE name = ?", (name,))
-        return TokenRow(**dict(rows[0])) if rows else None
+        rows = self._query(TOKEN_SELECT + " WHERE t.name = ?", (name,))
+        return TokenRow.of(rows[0]) if rows else None
 
     def tokens(self) -> list[TokenRow]:
-        return [
-            TokenRow(**dict(r))
-            for r in self._query("SELECT id, name, created, revoked FROM tokens ORDER BY id")
-        ]
+        return [TokenRow.of(r) for r in self._query(TOKEN_SELECT + " ORDER BY t.id")]
 
     def revoke_token(self, name: str, now: float) -> bool:
         with self._tx() as db:

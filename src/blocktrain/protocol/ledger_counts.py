@@ -31,6 +31,31 @@ def bump(db: sqlite3.Connection, k: CountKey) -> None:
     )
 
 
+def refuse(db: sqlite3.Connection, ids: list[int], reason: str) -> list[tuple[CountKey, CountKey]]:
+    """Move the counts of accepted, uncommitted updates `ids` to (refused, `reason`), as their
+    rows are about to be (a revoked token's dropped updates, a rolled-back round); the moves,
+    for the in-memory mirror. Call it in the transaction that changes the rows."""
+    moves = []
+    for start in range(0, len(ids), 500):  # SQLite's bound on variables per statement
+        chunk = ids[start : start + 500]
+        rows = db.execute(
+            f"SELECT block, worker_id, reason FROM updates WHERE id IN ({','.join('?' * len(chunk))})"
+            " AND fate = 'accepted' AND committed_version IS NULL",
+            chunk,
+        ).fetchall()
+        for block, worker, old_reason in rows:
+            old = key(block, worker, "accepted", old_reason)
+            new = key(block, worker, "refused", reason)
+            db.execute(
+                "UPDATE update_counts SET n = n - 1 WHERE block = ? AND worker_id = ? "
+                "AND fate = ? AND reason = ?",
+                old,
+            )
+            bump(db, new)
+            moves.append((old, new))
+    return moves
+
+
 def load(db: sqlite3.Connection) -> dict[CountKey, int]:
     """The counters, filled once from the updates table when the ledger predates them."""
     (have,) = db.execute("SELECT COUNT(*) FROM update_counts").fetchone()
@@ -54,6 +79,7 @@ def by_block(counts: dict[CountKey, int]) -> list[dict[str, Any]]:
     return [
         {"block": None if b == NONE_KEY else b, "fate": f, "reason": r, "n": n}
         for (b, f, r), n in sorted(out.items())
+        if n  # a count moved away by `refuse` leaves a zero behind
     ]
 
 

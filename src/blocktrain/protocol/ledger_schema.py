@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -79,6 +80,20 @@ CREATE TABLE IF NOT EXISTS update_counts (
     n INTEGER NOT NULL,
     PRIMARY KEY (block, worker_id, fate, reason)
 );
+CREATE TABLE IF NOT EXISTS token_blocks (
+    token_id INTEGER NOT NULL REFERENCES tokens(id),
+    block INTEGER NOT NULL,
+    PRIMARY KEY (token_id, block)
+);
+CREATE TABLE IF NOT EXISTS rollbacks (
+    block INTEGER NOT NULL,
+    round INTEGER NOT NULL,
+    from_version INTEGER NOT NULL,
+    to_version INTEGER NOT NULL,
+    new_version INTEGER NOT NULL,
+    at REAL NOT NULL,
+    PRIMARY KEY (block, round)
+);
 CREATE TABLE IF NOT EXISTS traffic (
     endpoint TEXT NOT NULL,
     block INTEGER NOT NULL,
@@ -90,6 +105,19 @@ CREATE TABLE IF NOT EXISTS traffic (
 );
 """
 
+COLUMNS_ADDED = (
+    # (table, column, type), in the order they were added; a ledger written before gets them
+    # on open (schema version 2: bans)
+    ("tokens", "banned", "REAL"),
+    ("tokens", "ban_reason", "TEXT"),
+)
+
+TOKEN_SELECT = (
+    "SELECT t.id, t.name, t.created, t.revoked, t.banned, t.ban_reason, "
+    "(SELECT group_concat(b.block) FROM token_blocks b WHERE b.token_id = t.id) AS blocks "
+    "FROM tokens t"
+)
+
 NONE_KEY = -1
 """Stands for "no block" / "no worker" in the keys of the traffic and update_counts tables."""
 
@@ -100,6 +128,18 @@ class TokenRow:
     name: str
     created: float
     revoked: float | None
+    banned: float | None = None
+    ban_reason: str | None = None
+    blocks: tuple[int, ...] = ()
+    """The blocks the token is pinned to (empty: any block)."""
+
+    @classmethod
+    def of(cls, row: Any) -> TokenRow:
+        """A row of TOKEN_SELECT."""
+        data = dict(row)
+        text = data.pop("blocks")
+        blocks = tuple(sorted(int(b) for b in text.split(","))) if text else ()
+        return cls(**data, blocks=blocks)
 
 
 @dataclass(frozen=True)

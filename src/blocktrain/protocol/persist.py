@@ -34,13 +34,15 @@ class Durable:
     def restore(self) -> RoundEngine:
         """The engine as the ledger and the state folder left it: each block's last committed
         version, and its open round with the accepted updates, pulls, reports and deadline;
-        bodies written but never accepted are removed."""
+        bodies written but never accepted, and temporary files of interrupted writes, are
+        removed."""
+        self.storage.remove_temporaries()
         workers = self.ledger.workers(active_only=True)
         registry = Registry(self.n_blocks, self.settings.live_window)
         for w in workers:
             registry.add(w.id, w.block, w.last_seen, w.token_id)
         blocks = {
-            b: self._restore_block(b, [w for w in workers if w.block == b])
+            b: self._restore_block(b, [w for w in workers if w.block == b], registry)
             for b in range(self.n_blocks)
         }
         referenced = {name for pending in self.pending.values() for name in pending.values()}
@@ -49,7 +51,7 @@ class Durable:
                 self.storage.remove_pending(name)
         return RoundEngine(self.settings, blocks, registry)
 
-    def _restore_block(self, b: int, workers: list[WorkerRow]) -> EngineBlock:
+    def _restore_block(self, b: int, workers: list[WorkerRow], registry: Registry) -> EngineBlock:
         version, round_, started_at = self.ledger.block_state(b)
         weights = self.storage.load_tensors(b, version)
         momentum = None
@@ -60,12 +62,14 @@ class Durable:
             for u in self.ledger.updates(block=b, round=round_)
             if u.worker_id is not None and u.reason not in NOT_A_REPORT
         ]
+        reports = self.ledger.last_reports(b)
+        rolled_back = self.ledger.rollbacks(b)
         prev = {
             u.worker_id
             for u in self.ledger.updates(block=b, round=round_ - 1)
             if u.worker_id is not None and u.reason not in NOT_A_REPORT
         }
-        deltas: list[tuple[Tensors, float]] = []
+        deltas: list[tuple[int, int, Tensors, float, int]] = []
         contributions: list[Contribution] = []
         pending: dict[int, str] = {}
         for u in self.ledger.open_accepted(b):
@@ -77,15 +81,15 @@ class Durable:
                 log.error("block %d: accepted update %d lost its body %s", b, u.id, u.pending)
                 continue
             weight = float(u.weight or 1.0)
-            deltas.append((decode(body).to_torch(), weight * int(u.tokens or 1)))
+            deltas.append((u.id, u.worker_id, decode(body).to_torch(), weight, int(u.tokens or 1)))
             contributions.append(
                 Contribution(u.id, u.worker_id, int(u.tokens or 1), weight, u.round)
             )
             pending[u.id] = u.pending
+        # rounds up to a rollback published the weights it undid: no late update from them
+        since = max([round_ - self.settings.staleness] + [r["round"] + 1 for r in rolled_back])
         published = {
-            r["round"]: r["base_version"]
-            for r in self.ledger.rounds(b)
-            if r["round"] >= round_ - self.settings.staleness
+            r["round"]: r["base_version"] for r in self.ledger.rounds(b) if r["round"] >= since
         }
         published[round_] = version
         rounds = restore(
@@ -101,10 +105,15 @@ class Durable:
             accepted=contributions,
             refused=sum(1 for u in rows if u.fate == "refused"),
             published=published,
+            heard={w.id: max(w.registered, reports.get(w.id, w.registered)) for w in workers},
+            report_times={
+                w: min(u.received for u in rows if u.worker_id == w)
+                for w in {u.worker_id for u in rows if u.worker_id is not None}
+            },
         )
         st = RoundEngine.block(b, weights, momentum, self.settings, rounds)
-        for delta, weight in deltas:
-            st.acc.add(delta, weight)
+        for uid, worker, delta, weight, tokens in deltas:
+            st.acc.add(uid, delta, identity=registry.identity(worker), weight=weight, tokens=tokens)
         self.pending[b] = pending
         if contributions:
             log.info(
@@ -146,6 +155,8 @@ class Durable:
             if name is not None:
                 self.storage.remove_pending(name)
         self.storage.prune(b, closed.new_version, self.settings.keep_versions)
+        if event.held:
+            log.warning("block %d round %d: %s", b, closed.round, event.held)
         log.info(
             "block %d round %d closed (%s): %d accepted, %d refused, %d/%d reported; version %d",
             b,
@@ -157,3 +168,33 @@ class Durable:
             len(closed.expected),
             closed.new_version,
         )
+
+    def drop_tokens(self, engine: RoundEngine, shut_out: dict[int, str], now: float) -> None:
+        """Tokens revoked or banned (token id -> the reason code): their accepted updates leave
+        their open rounds (in the ledger first, then the engine) before their workers leave
+        their blocks, since a leave may close a round, which must not count them."""
+        if not shut_out:
+            return
+        open_ids = {uid: b for b, pending in self.pending.items() for uid in pending}
+        owners = self.ledger.owners(open_ids)
+        for token_id, reason in shut_out.items():
+            ids = [uid for uid, owner in owners.items() if owner == token_id]
+            if ids:
+                detail = f"dropped from its round: the token was {reason.removesuffix('_token')}"
+                self.ledger.drop_updates(ids, reason, detail)
+            for uid in ids:
+                block = open_ids[uid]
+                engine.discard(block, [uid])
+                self.storage.remove_pending(self.pending[block].pop(uid))
+            workers = engine.registry.workers_of(token_id)
+            for worker in workers:
+                self.ledger.worker_left(worker, now)
+                engine.leave(worker, now)
+            if ids or workers:
+                log.warning(
+                    "token %d (%s): dropped %d pending update(s) and %d worker(s)",
+                    token_id,
+                    reason,
+                    len(ids),
+                    len(workers),
+                )

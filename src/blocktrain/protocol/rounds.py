@@ -1,5 +1,5 @@
-"""Rounds and deadlines (DESIGN.md section 4): the pure state machine of one block, and the
-registry that assigns workers to blocks.
+"""Rounds and deadlines (DESIGN.md section 4): the pure state machine of one block (the registry
+that assigns workers to blocks is `registry.Registry`, re-exported here).
 
 Nothing here reads a clock, sleeps, does I/O or touches tensors: every method that depends on
 time takes `now` (seconds on whatever clock the caller keeps), so the aggregator, the
@@ -10,25 +10,33 @@ Life of round r of block b:
     opened    when round r-1 closes (round 0 at the start), publishing version v
     started   at the first pull of round r: its deadline is started + deadline_s
     judged    each update: accepted, or refused with a reason (late, stale_version, ...)
-    closed    at the deadline, or early once every expected replica has reported
+    closed    at the deadline; early once every expected replica has reported; or once a
+              quorum of them reported and the grace period after it passed
     committed version v + 1 if at least one update was accepted, else v (weights kept)
 
-A replica is *expected* in round r if it is still assigned to the block and either pulled round
-r or pushed something for round r-1. A worker that dies therefore holds its block up for at
-most one deadline: it is expected in the round it died in, which closes at the deadline, and
-not in the next one (it neither pulled it nor pushed for the one before).
+A replica is *expected* in round r if it is still assigned to the block, either pulled round
+r or pushed something for round r-1, and was heard from (registered or reported, accepted or
+not) within the live window. A worker that dies therefore holds its block up for at most one
+deadline: it is expected in the round it died in, which closes at the deadline, and not in the
+next one (it neither pulled it nor pushed for the one before). A worker that pulls every round
+and never pushes stops being expected once the live window passes, and until then the quorum
+closes its rounds after the grace period rather than at the deadline.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import math
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from blocktrain.protocol.registry import Registry as Registry
+from blocktrain.protocol.registry import WorkerEntry as WorkerEntry
 from blocktrain.protocol.verdict import Verdict
 
-NOT_A_REPORT = frozenset({"duplicate", "future_round", "done"})
-"""Refusals that do not count as a replica reporting for its round."""
+NOT_A_REPORT = frozenset({"duplicate", "future_round", "done", "unknown_worker", "not_assigned"})
+"""Refusals that do not count as a replica reporting for its round (the last two: the worker is
+not a replica of the block)."""
 
 
 class RoundPolicy(Protocol):
@@ -43,6 +51,12 @@ class RoundPolicy(Protocol):
     def stale_weight(self) -> float: ...
     @property
     def max_rounds(self) -> int | None: ...
+    @property
+    def live_window(self) -> float: ...
+    @property
+    def quorum(self) -> float: ...
+    @property
+    def grace_s(self) -> float | None: ...
 
 
 @dataclass(frozen=True)
@@ -81,7 +95,7 @@ class RoundClosed:
     deadline: float | None
     closed_at: float
     cause: str
-    """"deadline" or "all_reported"."""
+    """"deadline", "all_reported" or "quorum"."""
     accepted: tuple[Contribution, ...]
     refused: int
     reported: frozenset[int]
@@ -108,6 +122,11 @@ class BlockRounds:
     """Version published by each recent round (for updates counted late)."""
     stale_seen: set[tuple[int, int]] = field(default_factory=set)
     """(worker, round) of updates counted late, to refuse duplicates of them."""
+    heard: dict[int, float] = field(default_factory=dict)
+    """When each assigned worker last registered or reported (pulls do not count: a worker that
+    only pulls is not doing the round's work)."""
+    quorum_at: float | None = None
+    """When the open round's quorum reported (None: not yet; `restore` finds it again)."""
 
     def __post_init__(self) -> None:
         self.published.setdefault(self.round, self.version)
@@ -122,21 +141,51 @@ class BlockRounds:
     def done(self) -> bool:
         return self.policy.max_rounds is not None and self.round >= self.policy.max_rounds
 
-    def expected(self) -> frozenset[int]:
-        """Replicas whose report the round waits for (see the module docstring)."""
-        return frozenset((self.pulled | self.prev_reported) & self.assigned)
+    def expected(self, now: float | None = None) -> frozenset[int]:
+        """Replicas whose report the round waits for (see the module docstring); without `now`,
+        before the live window is applied."""
+        active = (self.pulled | self.prev_reported) & self.assigned
+        if now is not None:
+            window = self.policy.live_window
+            active = {w for w in active if now - self.heard.get(w, now) <= window}
+        return frozenset(active)
+
+    def quorum_met(self, reported: Collection[int], expected: frozenset[int]) -> bool:
+        """Whether `reported` holds the quorum of `expected` (at least one replica)."""
+        need = max(1, math.ceil(self.policy.quorum * len(expected)))
+        return bool(expected) and len(expected.intersection(reported)) >= need
+
+    def _quorum(self, expected: frozenset[int], now: float) -> bool:
+        """Whether the quorum has reported; notes when it first did."""
+        if self.quorum_at is None:
+            if not self.quorum_met(self.reported, expected):
+                return False
+            self.quorum_at = now
+        return True
+
+    def _grace_over(self, now: float) -> bool:
+        assert self.quorum_at is not None
+        grace = self.policy.grace_s
+        if grace is None:  # as long again as the quorum took, at least a tenth of the deadline
+            took = self.quorum_at - (self.started_at if self.started_at is not None else now)
+            grace = max(took, self.policy.deadline_s / 10)
+        return now >= self.quorum_at + grace
 
     def view(self) -> RoundView:
         return RoundView(self.block, self.round, self.version, self.deadline, self.done)
 
     # ------------------------------------------------------------------ events
 
-    def assign(self, worker: int) -> None:
+    def assign(self, worker: int, now: float | None = None) -> None:
+        """`worker` trains this block from now on (registered at `now`)."""
         self.assigned.add(worker)
+        if now is not None:
+            self.heard[worker] = max(self.heard.get(worker, now), now)
 
     def unassign(self, worker: int) -> None:
         """A worker left (or was moved): the round no longer waits for it."""
         self.assigned.discard(worker)
+        self.heard.pop(worker, None)
 
     def pull(self, worker: int, now: float) -> RoundView:
         """`worker` fetched the weights of the open round; the first pull starts its clock."""
@@ -212,25 +261,30 @@ class BlockRounds:
                 self.started_at = now
         if verdict.reason in NOT_A_REPORT:
             return
+        self.heard[worker] = max(self.heard.get(worker, now), now)
         if round == self.round:
             self.reported.add(worker)
             if not verdict.accepted:
                 self.refused += 1
+            self._quorum(self.expected(now), now)
         elif round == self.round - 1:
             # it is alive: expect it in this round (a restart rebuilds this set from the
             # ledger's reports for the previous round, hence the same filter)
             self.prev_reported.add(worker)
 
     def tick(self, now: float) -> RoundClosed | None:
-        """Close the open round if its deadline passed or every expected replica reported."""
+        """Close the open round if its deadline passed, every expected replica reported, or
+        the quorum reported and the grace period after it passed."""
         if self.done:
             return None
         deadline = self.deadline
-        expected = self.expected()
+        expected = self.expected(now)
         if deadline is not None and now >= deadline:
             cause = "deadline"
         elif self.reported and expected <= self.reported:
             cause = "all_reported"
+        elif self._quorum(expected, now) and self._grace_over(now):
+            cause = "quorum"
         else:
             return None
         new_version = self.version + 1 if self.accepted else self.version
@@ -252,6 +306,7 @@ class BlockRounds:
         self.round += 1
         self.version = new_version
         self.started_at = None
+        self.quorum_at = None
         self.pulled = set()
         self.reported = set()
         self.accepted = []
@@ -261,77 +316,6 @@ class BlockRounds:
         self.published = {r: v for r, v in self.published.items() if r >= keep}
         self.stale_seen = {(w, r) for w, r in self.stale_seen if r >= keep}
         return closed
-
-
-# ---------------------------------------------------------------------------------------------
-# Workers and their blocks
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class WorkerEntry:
-    block: int
-    last_seen: float
-    token: int | None = None
-    """The identity the worker speaks for (its bearer token's id); None: itself."""
-
-
-@dataclass
-class Registry:
-    """Which worker trains which block, and when each was last heard from."""
-
-    blocks: int
-    live_window_s: float
-    workers: dict[int, WorkerEntry] = field(default_factory=dict)
-
-    def add(self, worker: int, block: int, now: float, token: int | None = None) -> None:
-        self.workers[worker] = WorkerEntry(block, now, token)
-
-    def identity(self, worker: int) -> tuple[str, int]:
-        """Who a worker votes as: its token when it has one, else itself. Aggregation and
-        quotas count identities, never workers, so one token's many workers are one voice."""
-        entry = self.workers.get(worker)
-        if entry is None or entry.token is None:
-            return ("worker", worker)
-        return ("token", entry.token)
-
-    def remove(self, worker: int) -> None:
-        self.workers.pop(worker, None)
-
-    def seen(self, worker: int, now: float) -> None:
-        entry = self.workers.get(worker)
-        if entry is not None:
-            entry.last_seen = max(entry.last_seen, now)
-
-    def block_of(self, worker: int) -> int | None:
-        entry = self.workers.get(worker)
-        return None if entry is None else entry.block
-
-    def live(self, now: float) -> dict[int, int]:
-        """Worker -> block, for workers heard from within the live window."""
-        return {
-            w: e.block for w, e in self.workers.items() if now - e.last_seen <= self.live_window_s
-        }
-
-    def live_per_block(self, now: float) -> list[int]:
-        counts = [0] * self.blocks
-        for block in self.live(now).values():
-            counts[block] += 1
-        return counts
-
-    def choose_block(
-        self, now: float, requested: int | None = None, exclude: Iterable[int] = ()
-    ) -> int:
-        """The requested block, else the one with the fewest live replicas (lowest index on
-        ties), skipping `exclude` (e.g. finished blocks) when another is left."""
-        if requested is not None:
-            if not 0 <= requested < self.blocks:
-                raise ValueError(f"block {requested} is outside 0..{self.blocks - 1}")
-            return requested
-        counts = self.live_per_block(now)
-        skip = set(exclude)
-        candidates = [b for b in range(self.blocks) if b not in skip] or list(range(self.blocks))
-        return min(candidates, key=lambda b: (counts[b], b))
 
 
 def in_time(closed: RoundClosed) -> int:
@@ -363,8 +347,12 @@ def restore(
     accepted: Iterable[Contribution],
     refused: int,
     published: Mapping[int, int],
+    heard: Mapping[int, float] | None = None,
+    report_times: Mapping[int, float] | None = None,
 ) -> BlockRounds:
-    """A block's round state rebuilt from a ledger after a restart."""
+    """A block's round state rebuilt from a ledger after a restart. `heard`: when each assigned
+    worker last registered or reported (one left out counts as just heard); `report_times`:
+    when each reporter of the open round first reported, to find when its quorum did."""
     state = BlockRounds(
         block,
         policy,
@@ -378,6 +366,12 @@ def restore(
         accepted=list(accepted),
         refused=refused,
         published=dict(published),
+        heard=dict(heard or {}),
     )
     state.stale_seen = {(c.worker_id, c.round) for c in state.accepted if c.round != round}
+    times = sorted((t, w) for w, t in (report_times or {}).items() if w in state.reported)
+    for i, (t, _) in enumerate(times):  # the first report that made the quorum
+        if state.quorum_met({w for _, w in times[: i + 1]}, state.expected(t)):
+            state.quorum_at = t
+            break
     return state

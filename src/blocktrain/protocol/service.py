@@ -101,6 +101,7 @@ class AggregatorService:
         self.engine.on_commit.append(self.durable.commit)
         self.blocks: dict[int, EngineBlock] = self.engine.blocks
         self.max_body = self.engine.max_body
+        self._shut_out: set[int] = set()  # revoked or banned tokens already dropped
         self.tick()
 
     # ------------------------------------------------------------------ identity
@@ -140,14 +141,16 @@ class AggregatorService:
     ) -> dict[str, Any]:
         if block is not None:
             self._check_block(block)
+        allowed = auth.allowed_blocks(token, self.n_blocks, block)
         with self.lock:
             now = self.clock()
-            reg = self.engine.register(
-                now,
-                block,
-                lambda chosen: self.ledger.add_worker(token.id, chosen, name, now),
-                token.id,
-            )
+
+            def add(chosen: int) -> int:
+                return self.ledger.add_worker(token.id, chosen, name, now)
+
+            reg = self.engine.register(now, block, add, token.id, allowed)
+            for old in reg.replaced:  # the token's oldest workers, retired for this one
+                self.ledger.worker_left(old, now)
         log.info("worker %d (%s) registered on block %d", reg.worker, token.name, reg.block)
         seed = int(self.run_config.get("seed", 0))
         return {
@@ -290,7 +293,7 @@ class AggregatorService:
 
     def submit(self, ctx: PushContext, body: bytes) -> dict[str, Any]:
         """Check, store and judge one update; returns the acceptance or raises Refused."""
-        checked = self.engine.check(ctx.block, body)
+        checked = self.engine.check(ctx.block, body, ctx.worker_id)
         meta = checked.meta
         fields = {} if meta is None else _update_fields(meta, checked)
         if not checked.verdict.accepted:
@@ -359,10 +362,16 @@ class AggregatorService:
     # ------------------------------------------------------------------ rounds
 
     def tick(self) -> list[Committed]:
-        """Close every round whose deadline passed (the aggregator calls this a few times a
-        second), flush the traffic counters and, now and then, prune refused ledger rows."""
+        """Drop what tokens revoked or banned since the last tick left (`token revoke` and `ban`
+        write the ledger from another process), close every round that is due (the aggregator
+        calls this a few times a second), flush the traffic counters and, now and then, prune
+        refused ledger rows."""
         with self.lock:
             now = self.clock()
+            shut_out = self.ledger.shut_out_tokens()
+            new = {t: why for t, why in shut_out.items() if t not in self._shut_out}
+            self.durable.drop_tokens(self.engine, new, now)
+            self._shut_out = set(shut_out)
             committed = self.engine.tick(now)
         self.traffic.flush()
         if self._pruned_at is None or now - self._pruned_at >= self.limits.prune_every_s:

@@ -17,7 +17,7 @@ from typing import Any
 
 from blocktrain.config import RunConfig
 from blocktrain.errors import ConfigError
-from blocktrain.protocol.aggregation import RULES
+from blocktrain.protocol.aggregation import RULES, WEIGHTINGS
 from blocktrain.protocol.wire import WIRE_DTYPES
 
 
@@ -109,7 +109,8 @@ class AggregatorSettings:
     )
     rule: str = setting(
         "mean",
-        "Aggregation: mean (token-weighted), median (coordinate-wise) or trimmed_mean.",
+        "Aggregation of the votes: mean (weighted), median (coordinate-wise), trimmed_mean or "
+        "centered_clip.",
         lambda v: v in RULES,
         f"must be one of {', '.join(RULES)}",
         flag="--rule",
@@ -121,6 +122,57 @@ class AggregatorSettings:
         lambda v: 0 <= v < 0.5,
         "must lie in [0, 0.5)",
         flag="--trim",
+    )
+    tolerate: int = setting(
+        1,
+        "f, the attackers median and trimmed_mean tolerate: they trim at least f per end and "
+        "commit no change when a round has n <= 2f votes.",
+        lambda v: v >= 0,
+        "must be >= 0",
+        flag="--tolerate",
+        metavar="F",
+    )
+    clip: float = setting(
+        2.0,
+        "Clip each vote, tensor by tensor, to this many times the round's median norm of that "
+        "tensor; 0 turns clipping off.",
+        lambda v: v == 0 or v >= 1,
+        "must be 0 (off) or >= 1",
+        flag="--clip",
+        metavar="C",
+    )
+    weighting: str = setting(
+        "identity",
+        "identity: one vote per token (its workers' updates averaged first); reported: one "
+        "vote per update weighted by the tokens its worker claims (unsafe, for comparison).",
+        lambda v: v in WEIGHTINGS,
+        f"must be one of {', '.join(WEIGHTINGS)}",
+        flag="--weighting",
+        choices=tuple(WEIGHTINGS),
+    )
+    effect_probe: str = setting(
+        "on",
+        "on: refuse an update that raises the block's denoising loss on a fixed held-out "
+        "slice by more than probe_tolerance (needs the data; see docs/protocol.md).",
+        lambda v: v in ("on", "off"),
+        "must be on or off",
+        flag="--effect-probe",
+        choices=("on", "off"),
+    )
+    probe_tolerance: float = setting(
+        0.002,
+        "Relative loss increase the effect probe forgives (0.002: 0.2 %).",
+        lambda v: 0 <= v < 1,
+        "must lie in [0, 1)",
+        flag="--probe-tolerance",
+    )
+    min_reputation: float = setting(
+        0.1,
+        "An identity whose reputation (halved by each harmful update, +0.1 per helpful one, "
+        "at most 1; it weights the identity's vote) falls below this is refused.",
+        lambda v: 0 <= v <= 1,
+        "must lie in [0, 1]",
+        flag="--min-reputation",
     )
     outer_lr: float = setting(
         1.0,
@@ -188,12 +240,41 @@ class AggregatorSettings:
         default_text="3 x deadline_s",
     )
     keep_versions: int = setting(
-        3,
-        "Committed versions kept on disk per block (0: keep all, e.g. to evaluate every round).",
+        10,
+        "Committed versions kept on disk per block, the versions `blocktrain rollback` can "
+        "return to (0: keep all, e.g. to evaluate every round).",
         lambda v: v >= 0,
         "must be >= 0",
         flag="--keep-versions",
         simulated=False,
+    )
+    max_workers_per_token: int = setting(
+        1,
+        "Registered workers per token; registering one more retires the token's oldest "
+        "worker (a restarted worker rejoins at once).",
+        _positive,
+        "must be positive",
+        flag="--max-workers-per-token",
+        metavar="N",
+        simulated=False,  # simulated workers speak for themselves
+    )
+    quorum: float = setting(
+        0.5,
+        "Fraction of the expected replicas whose reports close a round after the grace period "
+        "(1: wait for all of them, up to the deadline).",
+        lambda v: 0 < v <= 1,
+        "must lie in (0, 1]",
+        flag="--quorum",
+        metavar="F",
+    )
+    grace_s: float | None = setting(
+        None,
+        "Seconds a round stays open after its quorum reported, for the other replicas.",
+        lambda v: v is None or v >= 0,
+        "must be >= 0 (or none)",
+        flag="--grace",
+        metavar="S",
+        default_text="as long as the quorum took, at least deadline_s / 10",
     )
 
     def __post_init__(self) -> None:

@@ -8,7 +8,8 @@
     STATE/endpoint.json                    where the running aggregator listens (url, pid)
 
 Every file is written atomically (temporary file, fsync, rename) and tensors are safetensors
-only. The module moves tensors as payload; it knows nothing of the model.
+only; the temporary files a killed process left (`.NAME.*.tmp`) are removed when the aggregator
+starts (`remove_temporaries`). The module moves tensors as payload; it knows nothing of the model.
 """
 
 from __future__ import annotations
@@ -196,6 +197,16 @@ class StateDir:
         if not folder.is_dir():
             return []
         return sorted(str(p.relative_to(self.root)) for p in folder.glob("*/*.safetensors"))
+
+    def remove_temporaries(self) -> list[Path]:
+        """Delete the temporary files of writes a kill interrupted (`fsutil.atomic_write_bytes`
+        names them `.NAME.XXXX.tmp`); call it only while no write can be under way."""
+        removed = [p for p in self.root.rglob(".*.tmp") if p.is_file()]
+        for path in removed:
+            path.unlink(missing_ok=True)
+        if removed:
+            log.info("removed %d temporary file(s) left by an interrupted write", len(removed))
+        return removed
 
     # ------------------------------------------------------------------ endpoint
 

@@ -13,6 +13,8 @@ REASONS: dict[str, tuple[int, str]] = {
     "missing_token": (401, "no `Authorization: Bearer` header"),
     "invalid_token": (401, "the token is not known to this aggregator"),
     "revoked_token": (401, "the token was revoked"),
+    "banned_token": (403, "the token was banned (`blocktrain ban`); it is refused for good"),
+    "block_not_allowed": (403, "the token is pinned to other blocks (`token add --block`)"),
     "unknown_worker": (404, "no such worker id, or it left; register again"),
     "not_your_worker": (403, "the worker id belongs to another token"),
     "not_assigned": (403, "the worker is not assigned to this block"),
@@ -34,7 +36,10 @@ REASONS: dict[str, tuple[int, str]] = {
     "non_finite": (400, "the delta holds NaN or Inf"),
     "norm_too_large": (400, "the delta's global L2 norm exceeds the bound"),
     # timing
-    "late": (409, "the update's round closed before it arrived (deadline or all reported)"),
+    "late": (
+        409,
+        "the update's round closed before it arrived (deadline, all reported, or quorum and grace)",
+    ),
     "stale_version": (409, "base_version is not the version the round published"),
     "future_round": (409, "the update names a round that has not opened"),
     "duplicate": (409, "this worker already reported for this round"),
@@ -42,6 +47,14 @@ REASONS: dict[str, tuple[int, str]] = {
     # limits (never a ledger row: counted in memory, see docs/protocol.md, Limits)
     "slow_client": (408, "the request's body came slower than the minimum rate"),
     "rate_limited": (429, "the token sent more requests than its rate allows; see Retry-After"),
+    "rolled_back": (409, "the round was dropped by `blocktrain rollback`; pull and train again"),
+    # effect
+    "harmful": (
+        422,
+        "the update raises the block's loss on the aggregator's held-out slice beyond the "
+        "tolerance",
+    ),
+    "low_reputation": (403, "the identity's reputation fell below the minimum (harmful updates)"),
 }
 """Reason code -> (HTTP status, meaning)."""
 

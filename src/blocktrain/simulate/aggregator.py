@@ -84,7 +84,7 @@ class SimAggregator:
 
     def push(self, worker: int, block: int, body: bytes, now: float) -> Judged:
         """Check, judge and record one update body."""
-        checked = self.engine.check(block, body)
+        checked = self.engine.check(block, body, worker)
         meta = checked.meta
         verdict = checked.verdict
         if verdict.accepted:
