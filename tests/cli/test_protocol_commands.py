@@ -25,6 +25,9 @@ COMMANDS = (
     "tls",
     "ban",
     "rollback",
+    "doctor",
+    "join",
+    "report",
 )
 
 

@@ -50,6 +50,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=Formatter,
     )
     p.add_argument("--aggregator", required=True, metavar="URL", help="the aggregator's URL")
+    add_worker_args(p)
+    p.set_defaults(handler=run)
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    """Every flag of a worker but the aggregator's URL (`blocktrain join` takes them too)."""
     add_token_args(p)
     p.add_argument("--block", type=int, metavar="B", help="ask for this block")
     add_data_arg(p)
@@ -66,7 +72,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="exit when the aggregator has not answered for S seconds",
     )
     p.add_argument("--json", action="store_true", help="print the final report as JSON")
-    p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
