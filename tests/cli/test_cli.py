@@ -37,14 +37,6 @@ def fails_cleanly(capsys, argv, match):
     return lines[0]
 
 
-@pytest.fixture
-def trained(tmp_path, corpus, capsys):
-    run = tmp_path / "run"
-    assert main(["train", "--data", str(corpus), "--out", str(run), "--steps", "2", *TINY]) == 0
-    capsys.readouterr()
-    return run
-
-
 def snapshot(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
 

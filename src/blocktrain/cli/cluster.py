@@ -11,19 +11,18 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
-
-from tqdm import tqdm
 
 from blocktrain.cli.common import (
     Formatter,
     add_config_args,
     add_data_arg,
+    add_progress_arg,
     add_setting_args,
     print_json,
+    progress_bar,
     resolve_rounds_config,
     settings_overrides,
 )
@@ -75,7 +74,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--timeout", type=float, default=3600.0, metavar="S", help="give up after S seconds"
     )
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_progress_arg(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_setting_args(p)
     p.set_defaults(handler=run)
@@ -143,13 +142,11 @@ def run(args: argparse.Namespace) -> int:
     observer = new_token()
     state.ledger.add_token("cluster", hash_token(observer), time.time())
 
-    bar = tqdm(
+    bar = progress_bar(
+        args,
         total=args.rounds * cfg.model.blocks,
-        disable=args.no_progress,
         unit="round",
         desc=f"cluster {args.workers} workers",
-        dynamic_ncols=True,
-        file=sys.stderr,
     )
 
     def progress(status: dict[str, Any]) -> None:

@@ -11,6 +11,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from blocktrain.config import PRESETS, RunConfig, apply_overrides, preset
 from blocktrain.errors import ConfigError
 from blocktrain.model.sampler import DEFAULT_SAMPLER, DEFAULT_STEPS_PER_BLOCK, SAMPLERS
@@ -158,6 +160,24 @@ def add_data_arg(parser: argparse.ArgumentParser) -> None:
         help="a WikiText raw folder, a text file or a folder of text files "
         "(default: $BLOCKTRAIN_DATA)",
     )
+
+
+def add_progress_arg(parser: argparse.ArgumentParser) -> None:
+    """--quiet (alias --no-progress): no progress bar. Without it a bar is drawn on stderr
+    only when stderr is a terminal (never into a log file or a pipe)."""
+    parser.add_argument(
+        "-q",
+        "--quiet",
+        "--no-progress",
+        dest="quiet",
+        action="store_true",
+        help="no progress bar (there is none anyway when stderr is not a terminal)",
+    )
+
+
+def progress_bar(args: argparse.Namespace, **kwargs: Any) -> tqdm:
+    """A tqdm bar on stderr, off with --quiet or when stderr is not a terminal."""
+    return tqdm(file=sys.stderr, disable=True if args.quiet else None, dynamic_ncols=True, **kwargs)
 
 
 def print_json(obj: Any) -> None:

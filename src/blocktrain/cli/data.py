@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from tqdm import tqdm
-
-from blocktrain.cli.common import Formatter, print_json
+from blocktrain.cli.common import Formatter, add_progress_arg, print_json, progress_bar
 from blocktrain.data import ByteCorpus, fetch_wikitext, resolve_data_path
 
 EXAMPLES = """examples:
@@ -36,6 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--to", required=True, metavar="DIR", help="folder for the wiki.*.raw files")
     f.add_argument("--url", help="archive URL (default: the official one)")
     f.add_argument("--sha256", help="expected archive checksum")
+    add_progress_arg(f)
     f.set_defaults(handler=run_fetch)
     i = dsub.add_parser(
         "info", help="describe a corpus and its splits", epilog=EXAMPLES, formatter_class=Formatter
@@ -45,9 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_fetch(args: argparse.Namespace) -> int:
-    bar = tqdm(
-        unit="B", unit_scale=True, desc=f"fetch {args.name}", file=sys.stderr, disable=None
-    )  # no bar when stderr is not a terminal
+    bar = progress_bar(args, unit="B", unit_scale=True, desc=f"fetch {args.name}")
 
     def progress(done: int, total: int | None) -> None:
         if total and bar.total != total:

@@ -6,7 +6,14 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from blocktrain.cli.common import Formatter, add_data_arg, add_sampler_args, print_json
+from blocktrain.cli.common import (
+    Formatter,
+    add_data_arg,
+    add_progress_arg,
+    add_sampler_args,
+    print_json,
+    progress_bar,
+)
 from blocktrain.data import load_split
 from blocktrain.errors import CheckpointError, ConfigError
 from blocktrain.model import BlockStack, Reference
@@ -56,6 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--temperature", type=float, default=1.0, help="of the continuations, with --judge"
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_progress_arg(p)
     p.set_defaults(handler=run)
 
 
@@ -99,8 +107,11 @@ def run(args: argparse.Namespace) -> int:
         sampler=args.sampler,
     )
     result: dict[str, Any] = {"run_dir": str(args.run_dir), "kind": info.kind, "split": args.split}
+    work = windows.shape[0] * (2 if ref is not None else 1)
+    work += gen_settings.prompts if judge is not None else 0
+    bar = progress_bar(args, total=work, unit="window", desc=f"eval {Path(args.run_dir).name}")
     if isinstance(model, Reference):
-        result.update(evaluate_reference(model, windows, settings))
+        result.update(evaluate_reference(model, windows, settings, bar.update))
     else:
         assert isinstance(model, BlockStack)
         if not model.has_all_blocks():
@@ -108,16 +119,19 @@ def run(args: argparse.Namespace) -> int:
                 f"{args.run_dir} holds only block(s) {model.block_ids} of {info.config.model.blocks};"
                 " evaluation needs the assembled model"
             )
-        result.update(evaluate_blocktrain(model, windows, settings))
+        result.update(evaluate_blocktrain(model, windows, settings, bar.update))
     if ref is not None:
         assert isinstance(ref, Reference)
-        result["reference"] = evaluate_reference(ref, windows, settings)
+        result["reference"] = evaluate_reference(ref, windows, settings, bar.update)
     if judge is not None:
         assert isinstance(judge, Reference) and isinstance(model, BlockStack | Reference)
         span = gen_settings.prompt_bytes + gen_settings.continuation_bytes
         prompts = source.windows(span, span * gen_settings.prompts)
-        result["generated"] = evaluate_generation(model, judge, prompts, gen_settings)
+        result["generated"] = evaluate_generation(
+            model, judge, prompts, gen_settings, progress=bar.update
+        )
         result["generated"]["judge"] = str(args.judge)
+    bar.close()
     if args.json:
         print_json(result)
     else:

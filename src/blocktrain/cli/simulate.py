@@ -18,19 +18,19 @@ virtual time).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from blocktrain.cli.common import (
     Formatter,
     add_config_args,
     add_data_arg,
+    add_progress_arg,
     add_setting_args,
     print_json,
+    progress_bar,
     resolve_rounds_config,
     settings_overrides,
 )
@@ -88,7 +88,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="no training: zero deltas, to measure a regime's participation in seconds",
     )
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_progress_arg(p)
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     add_setting_args(p, "protocol settings (virtual seconds)", simulated_only=True)
     p.set_defaults(handler=run)
@@ -128,12 +128,10 @@ def run(args: argparse.Namespace) -> int:
     bars: dict[str, Any] = {}
 
     def progress(name: str, done: int, total: int) -> None:
-        if args.no_progress:
-            return
         bar = bars.get(name)
         if bar is None:
-            bar = bars[name] = tqdm(
-                total=total, desc=f"simulate {name}", unit="round", file=sys.stderr, leave=True
+            bar = bars[name] = progress_bar(
+                args, total=total, desc=f"simulate {name}", unit="round", leave=True
             )
         bar.update(done - bar.n)
         if done == total:

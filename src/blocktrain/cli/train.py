@@ -9,6 +9,7 @@ from blocktrain.cli.common import (
     Formatter,
     add_config_args,
     add_data_arg,
+    add_progress_arg,
     print_json,
     resolve_config,
 )
@@ -49,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_progress_arg(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(handler=run)
 
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
             blocks=blocks,
             overwrite=args.overwrite,
         )
-    summary = trainer.run(progress=not args.no_progress)
+    summary = trainer.run(progress=not args.quiet)
     summary["run_dir"] = str(trainer.run_dir)
     if args.json:
         print_json(summary)

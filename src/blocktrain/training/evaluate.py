@@ -25,6 +25,7 @@ denoised at once, exactly as in training, so one sweep over a batch of windows c
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,9 @@ import torch.nn.functional as F
 
 from blocktrain.model import BlockStack, Reference, SigmaSchedule, ZLayout, one_sweep
 from blocktrain.model.sampler import DEFAULT_SAMPLER, DEFAULT_STEPS_PER_BLOCK, stack_denoiser
+
+Progress = Callable[[int], None]
+"""Told how many more windows (or prompts) are done, after each batch (a progress bar)."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,10 @@ def ce_summary(ce: float) -> dict[str, float]:
 
 @torch.no_grad()
 def evaluate_blocktrain(
-    stack: BlockStack, windows: torch.Tensor, settings: EvalSettings
+    stack: BlockStack,
+    windows: torch.Tensor,
+    settings: EvalSettings,
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
     """windows (W, T) int64 held-out bytes -> the metrics above (all blocks must be present)."""
     cfg = stack.cfg
@@ -153,6 +160,8 @@ def evaluate_blocktrain(
             for b in range(cfg.blocks):
                 oracle_nll[b] += _oracle_nll(stack, b, x, layout, gen)
         n_scored += target.numel()
+        if progress is not None:
+            progress(n)
 
     sampler_ce = sampler_nll / n_scored
     return {
@@ -175,7 +184,10 @@ def evaluate_blocktrain(
 
 @torch.no_grad()
 def evaluate_reference(
-    model: Reference, windows: torch.Tensor, settings: EvalSettings
+    model: Reference,
+    windows: torch.Tensor,
+    settings: EvalSettings,
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
     """The reference's plain next-byte CE on the same scored bytes."""
     device = next(model.parameters()).device
@@ -187,6 +199,8 @@ def evaluate_reference(
             F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten(), reduction="sum")
         )
         count += x[:, 1:].numel()
+        if progress is not None:
+            progress(x.shape[0])
     ce = nll / count
     return {"ce": ce, **ce_summary(ce), "bytes": count}
 

@@ -38,6 +38,7 @@ from blocktrain.model.speculative import (
     generate_autoregressive_speculative,
     generate_speculative,
 )
+from blocktrain.training.evaluate import Progress
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,7 @@ def continue_prompts(
     prompts: torch.Tensor,
     settings: GenSettings,
     drafter: Drafter | None = None,
+    progress: Progress | None = None,
 ) -> torch.Tensor:
     """Each model's own continuations of prompts (P, Lp): (P, Lc) int64, drawn in batches with
     one generator seeded by settings.seed, at settings.temperature (speculatively, one prompt at
@@ -135,12 +137,14 @@ def continue_prompts(
     if settings.draft_bytes:
         if drafter is None:
             raise ValueError("speculative continuations need a drafter")
-        return torch.cat(
-            [
+        drafted = []
+        for i in range(prompts.shape[0]):
+            drafted.append(
                 _speculative(model, prompts[i : i + 1].to(device), settings, drafter, gen)
-                for i in range(prompts.shape[0])
-            ]
-        )
+            )
+            if progress is not None:
+                progress(1)
+        return torch.cat(drafted)
     out = []
     for start in range(0, prompts.shape[0], settings.batch_size):
         batch = prompts[start : start + settings.batch_size].to(device)
@@ -161,6 +165,8 @@ def continue_prompts(
                 method=settings.sampler,
             )
         out.append(new.cpu())
+        if progress is not None:
+            progress(batch.shape[0])
     return torch.cat(out)
 
 
@@ -233,11 +239,12 @@ def evaluate_generation(
     windows: torch.Tensor,
     settings: GenSettings,
     drafter: Drafter | None = None,
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
     """windows (P, Lp + Lc) held-out text -> the model's continuations judged (see above), with
     a few of them as text for a reader."""
     prompts, real = split_prompts(windows, settings.prompt_bytes)
-    generated = continue_prompts(model, prompts, settings, drafter)
+    generated = continue_prompts(model, prompts, settings, drafter, progress)
     result = judge_continuations(judge, prompts, generated, real)
     result["samples"] = [
         {
