@@ -26,8 +26,10 @@ from typing import Annotated, Any
 
 import anyio
 from fastapi import Depends, FastAPI, Header, Path, Query, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from blocktrain import __version__
@@ -212,6 +214,12 @@ def create_app(
             f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()
         )[:500]
         return refusal(request, refused("bad_request", detail or "invalid request"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 400:  # FastAPI's own: a JSON body it cannot parse
+            return refusal(request, refused("bad_request", str(exc.detail)))
+        return await http_exception_handler(request, exc)
 
     def json_response(request: Request, payload: Any, status: int = 200) -> JSONResponse:
         response = JSONResponse(payload, status_code=status)
