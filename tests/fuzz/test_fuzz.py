@@ -10,6 +10,10 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip(
+    "schemathesis", reason="the fuzz tests need schemathesis (pip install -e .[dev])"
+)
+
 from tests.fuzz.bodies import nested, raw_safetensors, split
 from tests.fuzz.harness import Target, fuzz, targets
 from tests.protocol.conftest import Harness, auth, make_harness
