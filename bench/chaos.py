@@ -71,7 +71,9 @@ def main() -> int:
     p.add_argument("--eval-seeds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0, help="seeds the faults")
     p.add_argument("--data", default=None, help="corpus (default: $BLOCKTRAIN_DATA)")
-    p.add_argument("--out", default="chaos.json", help="file name under benchmarks/results")
+    p.add_argument(
+        "--out", default="chaos.json", help="file under benchmarks/results, or an absolute path"
+    )
     args = p.parse_args()
     if args.minutes <= 0 or args.workers <= 0:
         p.error("--minutes and --workers must be positive")

@@ -226,7 +226,9 @@ class Soak:
         for i in self.workers:
             self.start_worker(i)
         end = self.t0 + self.args.minutes * 60
-        next_fault = self.t0 + 20.0  # let the first round start undisturbed
+        span = self.args.minutes * 60
+        # the first round starts undisturbed; the last stretch heals, so that rounds can close
+        next_fault, calm_from = self.t0 + min(20.0, 0.1 * span), end - min(30.0, 0.15 * span)
         hostile: list[subprocess.Popen[bytes]] = []
         reports = []
         while time.monotonic() < end:
@@ -253,7 +255,7 @@ class Soak:
                 if h.poll() is not None:
                     reports.append(json.loads((h.stdout.read() if h.stdout else b"{}") or b"{}"))
                     hostile.remove(h)
-            if now < next_fault or now > end - 30:  # the last 30 s heal, so rounds can close
+            if now < next_fault or now > calm_from:
                 continue
             next_fault = now + self.rng.uniform(*self.args.fault_every)
             fault = self.rng.choice(
