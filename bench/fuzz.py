@@ -15,7 +15,6 @@ import argparse
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 from report import ROOT, machine, write_json  # bench/report.py
@@ -35,7 +34,6 @@ def main() -> int:
     args = p.parse_args()
     if args.cases <= 0:
         p.error("--cases must be positive")
-    warnings.simplefilter("ignore")  # hypothesis warns about the repr of megabyte bodies
     t0 = time.perf_counter()
     apps = {}
     with tempfile.TemporaryDirectory() as tmp, targets(Path(tmp)) as served:
