@@ -76,7 +76,9 @@ class Net:
             sh("ip", "netns", "del", ns, check=False)
 
 
-def build_net() -> Net:
+def build_net(impaired: bool = True) -> Net:
+    """The namespaces and links, impaired (delay and loss) unless `impaired` is False
+    (bench/chaos.py toggles its own impairments)."""
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root")
     if not shutil.which("ip"):
@@ -120,7 +122,8 @@ def build_net() -> Net:
             sh("ip", "-n", net.agg, "link", "set", a_end, "master", "br0", "up")
             sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", h_end)
             sh("ip", "-n", ns, "link", "set", h_end, "up")
-        impair(net)
+        if impaired:
+            impair(net)
     except BaseException:
         net.teardown()
         raise

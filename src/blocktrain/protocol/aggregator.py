@@ -31,9 +31,11 @@ from typing import Annotated, Any
 
 import anyio
 from fastapi import Depends, FastAPI, Path, Query, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from blocktrain import __version__
@@ -185,6 +187,12 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         return refusal(request, refused("bad_request", errors_text(exc.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 400:  # FastAPI's own: a JSON body it cannot parse
+            return refusal(request, refused("bad_request", str(exc.detail)))
+        return await http_exception_handler(request, exc)
 
     def json_response(request: Request, payload: Any, status: int = 200) -> JSONResponse:
         response = JSONResponse(payload, status_code=status)

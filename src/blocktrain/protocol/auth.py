@@ -52,7 +52,8 @@ def identify(ledger: Ledger, authorization: str | None, worker_header: str | Non
             raise refused(
                 "unknown_worker", f"X-Worker-Id {worker_header[:40]!r} is not a worker id"
             ) from None
-        row = ledger.worker(worker_id)
+        # beyond SQLite's 64-bit integers no worker can exist (and the query would fail)
+        row = ledger.worker(worker_id) if abs(worker_id) < 2**63 else None
         if row is None or row.left_at is not None:
             raise refused("unknown_worker", f"worker {worker_id} is not registered; register again")
         if row.token_id != token.id:

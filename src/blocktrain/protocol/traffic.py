@@ -15,6 +15,9 @@ from typing import Any
 from blocktrain.protocol.ledger import Ledger
 from blocktrain.protocol.ledger_schema import NONE_KEY
 
+SQLITE_MAX = 2**63 - 1
+"""The largest integer a SQLite INTEGER column holds."""
+
 
 class Traffic:
     """Thread-safe counters over one ledger."""
@@ -31,16 +34,18 @@ class Traffic:
     def account(
         self, endpoint: str, block: int | None, worker: int | None, bytes_in: int, bytes_out: int
     ) -> None:
+        # A path or a Content-Length header may claim any number; the ledger holds 64-bit
+        # integers, and one row it cannot store would fail every flush after it.
         key = (
             endpoint,
             block if block is not None and 0 <= block < self.n_blocks else NONE_KEY,
-            NONE_KEY if worker is None else worker,
+            worker if worker is not None and 0 <= worker < SQLITE_MAX else NONE_KEY,
         )
         with self._lock:
             row = self._counts.setdefault(key, [0, 0, 0])
             row[0] += 1
-            row[1] += bytes_in
-            row[2] += bytes_out
+            row[1] = min(row[1] + max(bytes_in, 0), SQLITE_MAX)
+            row[2] = min(row[2] + bytes_out, SQLITE_MAX)
 
     def refused(self, endpoint: str, reason: str) -> None:
         with self._lock:

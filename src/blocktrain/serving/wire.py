@@ -116,7 +116,7 @@ def decode(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         header = json.loads(decoded.metadata.get(HEADER_KEY, "{}"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise WireError("bad_metadata", f"the message header is not JSON ({exc})") from None
-    except RecursionError:
+    except RecursionError:  # JSON nested deeper than the parser's recursion limit
         raise WireError("bad_metadata", "the message header is nested too deeply") from None
     if not isinstance(header, dict):
         raise WireError("bad_metadata", "the message header is not a JSON object")
