@@ -72,12 +72,11 @@ class Piece:
 
 
 class StopScanner:
-    """Cuts a choice's bytes at the first stop sequence. Bytes that could begin a stop sequence
-    are held back until the next bytes settle it, so that no part of one is ever sent."""
+    """Cuts a choice's bytes at the first stop sequence. The bytes that could begin one are held
+    back until the next bytes settle it, so that no part of a stop sequence is ever sent."""
 
     def __init__(self, stops: list[bytes]) -> None:
         self.stops = stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
         self.buf = b""
 
     def push(self, data: bytes) -> tuple[bytes, bool]:
@@ -87,8 +86,11 @@ class StopScanner:
         if found:
             out, self.buf = self.buf[: min(found)], b""
             return out, True
-        out = self.buf[: len(self.buf) - self.hold]
-        self.buf = self.buf[len(out) :]
+        hold = max(
+            (k for s in self.stops for k in range(1, len(s)) if self.buf.endswith(s[:k])),
+            default=0,
+        )
+        out, self.buf = self.buf[: len(self.buf) - hold], self.buf[len(self.buf) - hold :]
         return out, False
 
     def flush(self) -> bytes:
