@@ -131,7 +131,8 @@ class Run:
     """None: no logprobs; k: each byte's and the k likeliest."""
     arrived: float
     stats: list[ChainStats] = field(default_factory=list)
-    generated: list[int] = field(default_factory=list)
+    made: int = 0
+    """Bytes the chain generated, all choices together."""
     started: float | None = None
     first: float | None = None
 
@@ -162,27 +163,31 @@ class Run:
             sent += len(data)
             return Piece(index, data, logprobs, finish)
 
-        async for new in self.router.stream(job, stats):
-            self.first = self.first or time.perf_counter()
-            data = bytes(new[0].tolist())
-            generated += data
-            self.generated.append(len(data))
-            out, stopped = scanner.push(data)
-            if stopped:
-                yield piece(out, "stop")
-                return
-            if out:
-                yield piece(out, None)
-        yield piece(scanner.flush(), "length")
+        stream = self.router.stream(job, stats)
+        try:
+            async for new in stream:
+                self.first = self.first or time.perf_counter()
+                data = bytes(new[0].tolist())
+                generated += data
+                self.made += len(data)
+                out, stopped = scanner.push(data)
+                if stopped:
+                    yield piece(out, "stop")
+                    return
+                if out:
+                    yield piece(out, None)
+            yield piece(scanner.flush(), "length")
+        finally:  # stopped early or cancelled: the loop ends now (a host's cache expires)
+            if isinstance(stream, AsyncGenerator):
+                await stream.aclose()
 
     def usage(self) -> Usage:
         """Tokens are bytes; completion tokens count every byte the chain generated, a stop
         sequence and the rest of its span included."""
-        made = sum(self.generated)
         return Usage(
             prompt_tokens=len(self.prompt),
-            completion_tokens=made,
-            total_tokens=len(self.prompt) + made,
+            completion_tokens=self.made,
+            total_tokens=len(self.prompt) + self.made,
         )
 
     def timings(self) -> Timings:

@@ -9,6 +9,7 @@ import json
 import logging
 import time
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,30 +89,30 @@ class _Choice:
         return text, offsets
 
 
-class _Shape:
+class _Shape(ABC):
     """How a route writes its choices: the completions shape or the chat shape."""
 
     def __init__(self, run: Run, req: CompletionRequest | ChatCompletionRequest) -> None:
         self.run, self.req = run, req
         self.created = int(time.time())
         self.model = run.job.model.name
-        self.prefix = "chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl"
-        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        prefix = "chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl"
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
 
     def start(self) -> _Choice:
         return _Choice(Text())
 
+    @abstractmethod
     def chunk(self, piece: Piece, text: str, offsets: list[int], first: bool) -> Any:
         """The choice of one stream chunk."""
-        raise NotImplementedError
 
+    @abstractmethod
     def choice(self, index: int, c: _Choice) -> Any:
         """A choice of the whole response."""
-        raise NotImplementedError
 
+    @abstractmethod
     def response(self, choices: list[Any], last: bool, stream: bool) -> BaseModel:
         """The whole response (`last`), or a chunk of a stream."""
-        raise NotImplementedError
 
     def extras(self, last: bool) -> dict[str, Any]:
         """What the response, or the last chunk of a stream, carries beside its choices."""
