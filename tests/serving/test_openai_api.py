@@ -214,6 +214,15 @@ def test_a_chat_reply_is_the_templates_continuation_up_to_a_newline(client):
         assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt)
 
 
+def test_a_chat_reply_ends_before_the_requests_own_stop_sequence(client):
+    req = {"model": "bt", "messages": MESSAGES, "max_tokens": 40, "seed": 9, "stop": ["@@"]}
+    reply = client.chat.completions.create(**req).choices[0].message.content or ""
+    stop = next(ch for ch in reply[1:] if ch.isascii())
+    stopped = client.chat.completions.create(**{**req, "stop": ["@@", stop]}).choices[0]
+    assert stopped.message.content == reply[: reply.index(stop)]
+    assert stopped.finish_reason == "stop"
+
+
 def test_chat_streams_n_choices_with_logprobs(client):
     req = {
         "model": "bt",
@@ -245,7 +254,11 @@ def test_chat_streams_n_choices_with_logprobs(client):
     [
         ({"messages": []}, "messages", "at least 1 item"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages", "role"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages", ""),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages",
+            "messages.0.content: a byte-level model reads text parts only, not 'image_url'",
+        ),
         ({"top_logprobs": 2}, "top_logprobs", "top_logprobs needs logprobs: true"),
         ({"max_tokens": 3, "max_completion_tokens": 3}, None, "not both"),
         ({"n": 17}, "n", "less than or equal to 16"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from blocktrain.serving.errors import BadRequest
 from blocktrain.serving.schemas import MAX_TOP_LOGPROBS, OpenAIParams, Timings, Usage
@@ -31,6 +31,15 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, value: object) -> object:
+        for part in value if isinstance(value, list) else []:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"a byte-level model reads text parts only, not {kind!r}")
+        return value
 
     def text(self) -> str:
         if isinstance(self.content, str):
