@@ -3,8 +3,9 @@
 - `host`: a block host (FastAPI app) that runs its blocks' sampler steps, or its stages of the
   reference with KV caches, and answers the state for the next host (or forwards it to its
   own --next); it takes work only with the shared secret (`auth`).
-- `router`: the router (FastAPI app) with `/v1/generate` and OpenAI-compatible `/v1/completions`;
-  `limits` caps its requests per client and the work per request and in flight.
+- `router`: the router (FastAPI app) with `/v1/generate` and the OpenAI-compatible
+  `/v1/completions` and `/v1/chat/completions` (`openai_api`, `choices`, `chat`); `limits` caps
+  its requests per client and the work per request and in flight.
 - `chain`: the router's generation loops: one sweep per span, or one traversal per byte.
 - `wire`, `transport`, `errors`: the message format, HTTP with emulated hop latency, the errors.
 - `loading`, `shapes`: what a host loads; logical shapes for planning and throughput runs.

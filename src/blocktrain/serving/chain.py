@@ -175,11 +175,18 @@ class ChainStats:
     chain_s: float = 0.0
     host_compute_s: float = 0.0
     trace: list[TraceEntry] = field(default_factory=list)
+    host_ms: dict[str, float] = field(default_factory=dict)
+    """Each host's compute over all traversals, in milliseconds."""
+    logits: list[torch.Tensor] | None = None
+    """A list to keep the final logits of every traversal sampled on the router (logprobs);
+    None keeps none."""
 
     def add(self, seconds: float, trace: list[TraceEntry]) -> None:
         self.traversals += 1
         self.chain_s += seconds
         self.host_compute_s += sum(t.compute_ms for t in trace) / 1000
+        for t in trace:
+            self.host_ms[t.host] = self.host_ms.get(t.host, 0.0) + t.compute_ms
         if not self.trace:
             self.trace = trace
 
@@ -244,6 +251,8 @@ class Chain:
         if self.final == "logits":
             if "logits" not in out:
                 raise HostRefused("the last host answered no logits", host=self.model.route[-1])
+            if self.stats.logits is not None:
+                self.stats.logits.append(out["logits"].cpu())
             return sample_bytes(out["logits"].cpu(), sampling, generator)
         if "bytes" not in out or "generator" not in out:
             raise HostRefused("the last host answered no bytes", host=self.model.route[-1])

@@ -2,6 +2,7 @@
 
     POST /v1/generate      BlockTrain's own API (bytes, seed, traversals, timing)
     POST /v1/completions   OpenAI-compatible completions, non-streaming and streaming (SSE)
+    POST /v1/chat/completions   the same for chat, over a byte-level template (chat.py)
     GET  /v1/models        the models the hosts assemble into complete chains
     GET  /healthz          liveness of the router itself
 
@@ -40,11 +41,7 @@ from blocktrain.serving.chain import (
 )
 from blocktrain.serving.errors import BadRequest, HostError, HostRefused, ServingError
 from blocktrain.serving.limits import WorkLimiter, work_units
-from blocktrain.serving.schemas import (
-    CompletionRequest,
-    GenerateRequest,
-    Prompt,
-)
+from blocktrain.serving.schemas import Prompt, SamplingParams
 from blocktrain.serving.streams import (
     autoregressive_speculative_stream,
     autoregressive_stream,
@@ -190,8 +187,10 @@ class Router:
         prompt: Prompt,
         n_bytes: int,
         param: str,
-        req: GenerateRequest | CompletionRequest,
+        req: SamplingParams,
+        choices: int = 1,
     ) -> _Job:
+        """A validated job, its work admitted: `choices` samples of n_bytes each."""
         data = prompt_bytes(prompt, self.settings.max_prompt_bytes)
         if n_bytes > self.settings.max_output_bytes:
             raise BadRequest(
@@ -213,7 +212,9 @@ class Router:
         # An autoregressive model runs no sampler points: one unit per byte.
         steps = req.steps_per_block if remote.kind == "blocktrain" else 1
         what = f"{param} x steps_per_block = {n_bytes} x {steps}"
-        units = self.work.admit(work_units(n_bytes, steps), what, param)
+        if choices > 1:
+            what = f"n x {param} x steps_per_block = {choices} x {n_bytes} x {steps}"
+        units = self.work.admit(choices * work_units(n_bytes, steps), what, param)
         return _Job(
             remote,
             data,

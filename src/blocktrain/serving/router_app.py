@@ -1,14 +1,11 @@
-"""The router's HTTP app: `POST /v1/generate`, the OpenAI-compatible `POST /v1/completions`
-(plain or streamed as server-sent events), `GET /v1/models` and `GET /healthz`, over
+"""The router's HTTP app: `POST /v1/generate`, the OpenAI-compatible `POST /v1/completions` and
+`POST /v1/chat/completions` (openai_api.py), `GET /v1/models` and `GET /healthz`, over
 `router.Router`; every error as OpenAI-shaped JSON."""
 
 from __future__ import annotations
 
-import codecs
-import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -17,9 +14,8 @@ import httpx
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
 
 from blocktrain.httpserve import HttpGuard, Limits
 from blocktrain.serving.chain import (
@@ -27,15 +23,12 @@ from blocktrain.serving.chain import (
 )
 from blocktrain.serving.errors import BadRequest, ServingError, error_body
 from blocktrain.serving.limits import RateLimit, RateLimiter
+from blocktrain.serving.openai_api import add_openai_routes
 from blocktrain.serving.router import Router, RouterSettings
 from blocktrain.serving.schemas import (
-    Completion,
-    CompletionChoice,
-    CompletionRequest,
     GenerateRequest,
     GenerateResponse,
     Timing,
-    Usage,
 )
 from blocktrain.serving.transport import make_client
 
@@ -50,22 +43,6 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if first.get("type") == "extra_forbidden":
         msg = "unknown parameter"
     return (f"{'.'.join(loc)}: {msg}" if loc else msg), param
-
-
-class _Stream(StreamingResponse):
-    """Server-sent events that hold their job's work in flight until the response ends,
-    however it ends: sent in full, failed, or the client hung up (even before the first
-    event, when the events' generator never ran)."""
-
-    def __init__(self, events: AsyncIterator[str], release: Callable[[], None]) -> None:
-        super().__init__(events, media_type="text/event-stream")
-        self._release = release
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._release()
 
 
 def create_app(
@@ -158,67 +135,5 @@ def create_app(
             ),
         )
 
-    @app.post("/v1/completions", response_model=None)
-    async def completions(req: CompletionRequest) -> Completion | StreamingResponse:
-        job = await router.job(
-            model=req.model, prompt=req.prompt, n_bytes=req.max_tokens, param="max_tokens", req=req
-        )
-        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        usage = Usage(
-            prompt_tokens=len(job.prompt),
-            completion_tokens=job.n_bytes,
-            total_tokens=len(job.prompt) + job.n_bytes,
-        )
-        pieces = router.stream(job, ChainStats())
-        if not req.stream:
-            try:
-                out = [piece async for piece in pieces]
-            finally:
-                router.done(job)
-            text = bytes(torch.cat(out, dim=1)[0].tolist()).decode("utf-8", "replace")
-            return Completion(
-                id=cid,
-                created=created,
-                model=job.model.name,
-                usage=usage,
-                choices=[CompletionChoice(text=text, finish_reason="length")],
-            )
-        # The first piece is computed before the response starts, so that a chain that is
-        # down answers with a proper status rather than a stream that breaks at once.
-        try:
-            first = await anext(pieces)
-        except BaseException:
-            router.done(job)
-            raise
-
-        def chunk(text: str, finish: bool = False, with_usage: bool = False) -> str:
-            doc = Completion(
-                id=cid,
-                created=created,
-                model=job.model.name,
-                choices=[CompletionChoice(text=text, finish_reason="length" if finish else None)],
-                usage=usage if with_usage else None,
-            )
-            return f"data: {doc.model_dump_json()}\n\n"
-
-        async def events() -> AsyncIterator[str]:
-            decoder = codecs.getincrementaldecoder("utf-8")("replace")
-            yield chunk(decoder.decode(bytes(first[0].tolist())))
-            try:
-                async for piece in pieces:
-                    yield chunk(decoder.decode(bytes(piece[0].tolist())))
-            except ServingError as exc:
-                err = router.failed(exc)
-                log.warning("stream %s failed: %s", cid, err.message)
-                yield f"data: {json.dumps(err.to_json())}\n\n"
-                return
-            yield chunk(
-                decoder.decode(b"", final=True),
-                finish=True,
-                with_usage=bool((req.stream_options or {}).get("include_usage")),
-            )
-            yield "data: [DONE]\n\n"
-
-        return _Stream(events(), release=lambda: router.done(job))
-
+    add_openai_routes(app, router)
     return app

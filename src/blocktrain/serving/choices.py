@@ -1,0 +1,276 @@
+"""The generation behind the OpenAI routes: the `n` choices of one request, each its own sample
+(choice i draws from seed + i), run concurrently over the chain. A choice ends at its first stop
+sequence (not returned; finish "stop") or when its bytes are all generated (finish "length"),
+and keeps, when asked, the log-probability of each byte it returns. A token is one byte."""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import dataclasses
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from blocktrain.model import Sampling
+from blocktrain.model.sampler import sampling_probs
+from blocktrain.serving.chain import ChainStats
+from blocktrain.serving.errors import BadRequest
+from blocktrain.serving.router import Router, _Job
+from blocktrain.serving.schemas import Hop, OpenAIParams, Prompt, Timings, Usage
+
+Finish = Literal["stop", "length"]
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed choice `index` draws from: the request's seed for choice 0."""
+    return (seed + index) % 2**63
+
+
+def byte_token(b: int) -> str:
+    """One byte as a token's text: itself when ASCII, else a `bytes:\\xNN` escape (a byte of a
+    multi-byte character is no text of its own)."""
+    return chr(b) if b < 0x80 else f"bytes:\\x{b:02x}"
+
+
+def log_distribution(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """logits (L, 256) -> log-probabilities (L, 256) of the distribution each byte was drawn
+    from: temperature, top-k and top-p applied (-inf outside them). Greedy draws from a point
+    mass, which tells nothing, so at temperature 0 this is the model's own distribution."""
+    if sampling.temperature == 0:
+        return logits.float().log_softmax(dim=-1)
+    return sampling_probs(logits, sampling).log()
+
+
+@dataclass(frozen=True)
+class ByteLogprob:
+    byte: int
+    logprob: float
+    top: list[tuple[int, float]]
+    """The likeliest bytes at this position, likeliest first (none outside top-k/top-p)."""
+
+
+def byte_logprob(dist: torch.Tensor, byte: int, top: int) -> ByteLogprob:
+    values, order = dist.topk(top) if top else (dist[:0], dist[:0].long())
+    alternatives = [
+        (int(b), float(v)) for b, v in zip(order.tolist(), values.tolist(), strict=True)
+    ]
+    return ByteLogprob(byte, float(dist[byte]), [a for a in alternatives if a[1] > -float("inf")])
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Bytes of one choice as they come; the last piece of a choice has its finish reason."""
+
+    index: int
+    data: bytes
+    logprobs: list[ByteLogprob]
+    finish: Finish | None
+
+
+class StopScanner:
+    """Cuts a choice's bytes at the first stop sequence. The bytes that could begin one are held
+    back until the next bytes settle it, so that no part of a stop sequence is ever sent."""
+
+    def __init__(self, stops: list[bytes]) -> None:
+        self.stops = stops
+        self.buf = b""
+
+    def push(self, data: bytes) -> tuple[bytes, bool]:
+        """-> (the bytes safe to send, whether a stop sequence ended the choice)."""
+        self.buf += data
+        found = [i for i in (self.buf.find(s) for s in self.stops) if i >= 0]
+        if found:
+            out, self.buf = self.buf[: min(found)], b""
+            return out, True
+        hold = max(
+            (k for s in self.stops for k in range(1, len(s)) if self.buf.endswith(s[:k])),
+            default=0,
+        )
+        out, self.buf = self.buf[: len(self.buf) - hold], self.buf[len(self.buf) - hold :]
+        return out, False
+
+    def flush(self) -> bytes:
+        out, self.buf = self.buf, b""
+        return out
+
+
+class Text:
+    """A choice's bytes as text, decoded as they come (UTF-8, invalid sequences replaced), and
+    each byte's character offset in it (a byte inside a character has that character's)."""
+
+    def __init__(self, offset: int = 0) -> None:
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.chars = offset
+
+    def feed(self, data: bytes, final: bool = False) -> tuple[str, list[int]]:
+        parts, offsets = [], []
+        for b in data:
+            offsets.append(self.chars)
+            parts.append(self.decoder.decode(bytes([b])))
+            self.chars += len(parts[-1])
+        if final:
+            parts.append(self.decoder.decode(b"", final=True))
+            self.chars += len(parts[-1])
+        return "".join(parts), offsets
+
+
+@dataclass
+class Run:
+    """One OpenAI request's choices on the chain, and what they cost."""
+
+    router: Router
+    job: _Job
+    prompt: bytes
+    n: int
+    stops: list[bytes]
+    top_logprobs: int | None
+    """None: no logprobs; k: each byte's and the k likeliest."""
+    arrived: float
+    stats: list[ChainStats] = field(default_factory=list)
+    made: int = 0
+    """Bytes the chain generated, all choices together."""
+    started: float | None = None
+    first: float | None = None
+
+    def pieces(self) -> AsyncGenerator[Piece]:
+        """The choices' pieces, interleaved as they come."""
+        self.started = time.perf_counter()
+        return interleave([self._choice(i) for i in range(self.n)])
+
+    async def _choice(self, index: int) -> AsyncIterator[Piece]:
+        job = dataclasses.replace(self.job, seed=choice_seed(self.job.seed, index))
+        stats = ChainStats(logits=[] if self.top_logprobs is not None else None)
+        self.stats.append(stats)
+        scanner, generated, sent = StopScanner(self.stops), bytearray(), 0
+        dists: list[torch.Tensor] = []
+
+        def piece(data: bytes, finish: Finish | None) -> Piece:
+            nonlocal sent
+            if stats.logits:  # the traversals' logits so far: their bytes' distributions
+                flat = torch.cat([t.reshape(-1, t.shape[-1]) for t in stats.logits])
+                dists.extend(log_distribution(flat, job.sampling).unbind(0))
+                stats.logits.clear()
+            top = self.top_logprobs
+            logprobs = [
+                byte_logprob(dists[p], generated[p], top)
+                for p in range(sent, sent + len(data))
+                if top is not None
+            ]
+            sent += len(data)
+            return Piece(index, data, logprobs, finish)
+
+        stream = self.router.stream(job, stats)
+        try:
+            async for new in stream:
+                self.first = self.first or time.perf_counter()
+                data = bytes(new[0].tolist())
+                generated += data
+                self.made += len(data)
+                out, stopped = scanner.push(data)
+                if stopped:
+                    yield piece(out, "stop")
+                    return
+                if out:
+                    yield piece(out, None)
+            yield piece(scanner.flush(), "length")
+        finally:  # stopped early or cancelled: the loop ends now (a host's cache expires)
+            if isinstance(stream, AsyncGenerator):
+                await stream.aclose()
+
+    def usage(self) -> Usage:
+        """Tokens are bytes; completion tokens count every byte the chain generated, a stop
+        sequence and the rest of its span included."""
+        return Usage(
+            prompt_tokens=len(self.prompt),
+            completion_tokens=self.made,
+            total_tokens=len(self.prompt) + self.made,
+        )
+
+    def timings(self) -> Timings:
+        now = time.perf_counter()
+        started = self.started or now
+        hops: dict[str, float] = {url: 0.0 for url in self.job.model.route}
+        for s in self.stats:
+            for host, ms in s.host_ms.items():
+                hops[host] = hops.get(host, 0.0) + ms
+        return Timings(
+            queue_ms=(started - self.arrived) * 1000,
+            prefill_ms=((self.first or now) - started) * 1000,
+            total_ms=(now - self.arrived) * 1000,
+            chain_ms=sum(s.chain_s for s in self.stats) * 1000,
+            host_compute_ms=sum(s.host_compute_s for s in self.stats) * 1000,
+            traversals=sum(s.traversals for s in self.stats),
+            hops=[Hop(host=h, compute_ms=ms) for h, ms in hops.items()],
+        )
+
+    def done(self) -> None:
+        self.router.done(self.job)
+
+
+async def start_run(
+    router: Router,
+    req: OpenAIParams,
+    *,
+    prompt: Prompt,
+    n_bytes: int,
+    param: str,
+    top_logprobs: int | None,
+    arrived: float,
+) -> Run:
+    """Validate a request and admit its work (n choices of n_bytes); `Run.done` releases it."""
+    if top_logprobs is not None:
+        why = None
+        if router.settings.sample_on != "router":
+            why = "logprobs need the router to sample (this one runs with --sample-on last-host)"
+        elif req.draft_bytes:
+            why = "logprobs are not reported for speculative generation (draft_bytes > 0)"
+        if why:
+            raise BadRequest(why, param="logprobs")
+    job = await router.job(
+        model=req.model, prompt=prompt, n_bytes=n_bytes, param=param, req=req, choices=req.n
+    )
+    return Run(
+        router,
+        job,
+        job.prompt,
+        req.n,
+        [s.encode("utf-8") for s in req.stops()],
+        top_logprobs,
+        arrived,
+    )
+
+
+async def interleave(gens: list[AsyncIterator[Piece]]) -> AsyncGenerator[Piece]:
+    """The items of several async iterators, run concurrently, in the order they come. The
+    first failure is raised here, and every iterator still running is cancelled when this one
+    ends, however it ends (a client that hung up included)."""
+    queue: asyncio.Queue[tuple[Piece | None, Exception | None]] = asyncio.Queue()
+
+    async def pump(gen: AsyncIterator[Piece]) -> None:
+        try:
+            async for item in gen:
+                await queue.put((item, None))
+        except Exception as exc:  # raised where the items are read
+            await queue.put((None, exc))
+            return
+        await queue.put((None, None))
+
+    tasks = [asyncio.create_task(pump(g)) for g in gens]
+    try:
+        running = len(tasks)
+        while running:
+            item, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if item is None:
+                running -= 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
