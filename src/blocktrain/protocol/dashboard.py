@@ -106,9 +106,11 @@ function curve(points) {
   line.setAttribute("points", points.map(p => sx(p.rounds) + "," + sy(p.loss)).join(" "));
   line.setAttribute("fill", "none"); line.setAttribute("stroke", "#1f77b4");
   line.setAttribute("stroke-width", "2"); svg.appendChild(line);
-  for (const [y, v] of [[sy(y0), y0], [sy(y1), y1]]) {
-    const t = document.createElementNS(ns, "text"); t.setAttribute("x", 2);
-    t.setAttribute("y", y); t.setAttribute("font-size", "11"); t.textContent = v.toFixed(3);
+  const labels = [[2, sy(y0), y0.toFixed(3)], [2, sy(y1), y1.toFixed(3)],
+    [P, H - 8, "round " + x0], [W - P - 50, H - 8, "round " + x1]];
+  for (const [x, y, text] of labels) {
+    const t = document.createElementNS(ns, "text"); t.setAttribute("x", x);
+    t.setAttribute("y", y); t.setAttribute("font-size", "11"); t.textContent = text;
     svg.appendChild(t);
   }
   svg.dataset.last = points[points.length - 1].loss.toFixed(4);
