@@ -3,10 +3,15 @@ discarding accepted updates, the robust defaults, the effect probe and reputatio
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from blocktrain.config import tiny
 from blocktrain.protocol.core import Committed, RoundEngine
-from blocktrain.protocol.settings import AggregatorSettings
+from blocktrain.protocol.settings import AggregatorSettings, derived_settings
+from blocktrain.protocol.state import largest_block
+from blocktrain.training.local import initial_blocks
 from tests.protocol.conftest import block_tensors, delta_body
 
 BASE = block_tensors(100)
@@ -169,3 +174,15 @@ def test_the_probe_setting_turns_it_off():
     eng, _ = engine(SETTINGS.replace(effect_probe="off"), probe=probe)
     (w,) = join(eng, 1)
     assert push(eng, w, toward(probe.target, -0.1)).accepted and probe.calls == 0
+
+
+def test_the_default_norm_bound_is_a_few_honest_updates_not_the_whole_block():
+    """Finding (Poisoning): the bound (56.25 at tiny) was 1.7x the norm of the whole trained
+    block and ~22x an honest update. It is now derived from measured honest deltas (largest
+    3.96 at tiny, docs/protocol.md), so the -0.76x flip of even the initial block is refused."""
+    cfg = tiny()
+    initial = initial_blocks(cfg)
+    bound = derived_settings(cfg, {}, largest_block(initial)).max_delta_norm
+    assert 3.96 < bound < 2 * 3.96
+    flip = 1.76 * math.sqrt(sum(float(v.pow(2).sum()) for v in initial[0].values()))
+    assert flip > bound

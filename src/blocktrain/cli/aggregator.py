@@ -18,16 +18,20 @@ from pathlib import Path
 from blocktrain.cli.common import (
     Formatter,
     add_config_args,
+    add_data_arg,
     add_setting_args,
     resolve_config,
     settings_overrides,
 )
-from blocktrain.errors import ConfigError
+from blocktrain.config import RunConfig
+from blocktrain.data import load_split
+from blocktrain.errors import ConfigError, DataError
 from blocktrain.protocol.settings import AggregatorSettings
 from blocktrain.protocol.state import create_state
 from blocktrain.protocol.storage import StateDir
 from blocktrain.serving.server import bind
 from blocktrain.training.local import initial_blocks
+from blocktrain.training.probe import BlockProbe
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +40,8 @@ EXAMPLES = """examples:
   blocktrain token add --state runs/agg --name alice          # prints the token
   blocktrain aggregator --state runs/agg --deadline 30         # resume with a new deadline
   blocktrain aggregator --state runs/agg --tls-cert cert.pem --tls-key key.pem
+  blocktrain aggregator --state runs/agg --data wikitext/   # the effect probe's held-out slice
+  blocktrain aggregator --state runs/agg --effect-probe off --rule trimmed_mean --tolerate 1
 """
 
 
@@ -57,6 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8470, help="port (0: any free port)")
     p.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate")
     p.add_argument("--tls-key", metavar="PEM", help="... and this private key")
+    add_data_arg(p)  # the validation split feeds the effect probe
     add_setting_args(p)
     p.set_defaults(handler=run)
 
@@ -85,6 +92,21 @@ def prepare_state(args: argparse.Namespace) -> tuple[StateDir, AggregatorSetting
     return state, state.settings()
 
 
+def effect_probe(
+    args: argparse.Namespace, state: StateDir, settings: AggregatorSettings
+) -> BlockProbe | None:
+    """The probe on the validation split of --data (or $BLOCKTRAIN_DATA), unless it is off."""
+    if settings.effect_probe == "off":
+        return None
+    try:
+        valid = load_split(args.data, "valid")
+    except DataError as exc:
+        raise ConfigError(
+            f"the effect probe needs the data ({exc}), or --effect-probe off"
+        ) from exc
+    return BlockProbe(RunConfig.from_dict(state.run_config()), valid)
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -96,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         if path and not Path(path).is_file():
             raise ConfigError(f"{path} does not exist")
     state, settings = prepare_state(args)
-    app = create_app(settings, storage=state)
+    app = create_app(settings, storage=state, probe=effect_probe(args, state, settings))
     sock = bind(args.host, args.port)
     port = sock.getsockname()[1]
     scheme = "https" if args.tls_cert else "http"

@@ -34,6 +34,7 @@ from blocktrain import __version__
 from blocktrain.errors import Refused
 from blocktrain.protocol import metrics as prometheus
 from blocktrain.protocol.auth import Caller, refused
+from blocktrain.protocol.effect import EffectProbe
 from blocktrain.protocol.ledger_schema import TokenRow
 from blocktrain.protocol.schemas import (
     ConfigOut,
@@ -151,10 +152,13 @@ def create_app(
     storage: StateDir,
     clock: Clock = time.time,
     tick_interval_s: float = 0.1,
+    probe: EffectProbe | None = None,
 ) -> FastAPI:
     """The aggregator over an initialised state folder. `clock` is injected so that tests can
-    drive deadlines; `tick_interval_s` is how often deadlines are checked while served."""
+    drive deadlines; `tick_interval_s` is how often deadlines are checked while served;
+    `probe` judges each update by its effect (`effect.EffectProbe`)."""
     service = AggregatorService(settings, storage=storage, clock=clock)
+    service.engine.use_probe(probe)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

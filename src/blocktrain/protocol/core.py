@@ -113,9 +113,8 @@ class RoundEngine:
         self.settings = settings
         self.blocks = blocks
         self.registry = registry or Registry(len(blocks), settings.live_window)
-        self.probe = (
-            ProbeCache(probe) if probe is not None and settings.effect_probe == "on" else None
-        )
+        self.probe: ProbeCache | None = None
+        self.use_probe(probe)
         self.reputation = Reputation(settings.min_reputation)
         self._auto_id = 0  # ids for updates recorded without one (the simulator has no ledger)
         self.outer = OuterOptimizer(settings.outer_lr, settings.outer_momentum)
@@ -123,6 +122,11 @@ class RoundEngine:
         self.max_body = max_body_bytes(settings, max(st.spec.n_params for st in blocks.values()))
         self.on_commit: list[CommitListener] = []
         """Called with each commit before its weights are published."""
+
+    def use_probe(self, probe: EffectProbe | None) -> None:
+        """Judge updates by their effect with `probe` (unless the setting turns it off)."""
+        on = probe is not None and self.settings.effect_probe == "on"
+        self.probe = ProbeCache(probe) if on and probe is not None else None
 
     @classmethod
     def fresh(

@@ -202,7 +202,7 @@ class AggregatorSettings:
         _positive,
         "must be positive",
         flag="--max-delta-norm",
-        default_text="4 x lr x H x sqrt(params), see delta_norm_bound",
+        default_text="0.5 x lr x H x sqrt(params), see delta_norm_bound",
     )
     max_tokens: int = setting(
         1 << 31,
@@ -302,10 +302,21 @@ def settings_table() -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def delta_norm_bound(cfg: RunConfig, local_steps: int, n_params: int, slack: float = 4.0) -> float:
-    """A bound on the L2 norm of an honest worker's delta. AdamW moves each coordinate by about
-    lr per step at most (|m_hat / sqrt(v_hat)| <= 1 for steady gradients), so H steps move the
-    block by at most lr * H * sqrt(n_params); `slack` leaves room for the rare larger step."""
+TIGHT_SLACK = 0.5
+"""Measured (docs/protocol.md, Aggregation): honest deltas at the tiny preset reach at most
+0.28 x lr x H x sqrt(params) (3.96 of 14.06, right after warmup), so 0.5 leaves 1.8x room."""
+LOOSE_SLACK = 4.0
+"""The bound before issue 12 (56.25 at the tiny preset, 14x the largest honest delta): kept
+for comparisons (`bench/adversarial.py`, defences none)."""
+
+
+def delta_norm_bound(
+    cfg: RunConfig, local_steps: int, n_params: int, slack: float = TIGHT_SLACK
+) -> float:
+    """A bound on the L2 norm of an honest worker's delta. AdamW moves each coordinate by at
+    most about lr per step, so H steps move the block by at most lr * H * sqrt(n_params); honest
+    deltas stay far below that (their steps do not all point the same way, and the schedule
+    warms up and decays), so `slack` scales it to what honest workers were measured to send."""
     return slack * cfg.train.lr * local_steps * math.sqrt(n_params)
 
 
