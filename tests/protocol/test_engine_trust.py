@@ -3,11 +3,14 @@ discarding accepted updates, the robust defaults, the effect probe and reputatio
 
 from __future__ import annotations
 
+import argparse
 import math
 
+import pytest
 import torch
 
 from blocktrain.config import tiny
+from blocktrain.errors import ConfigError
 from blocktrain.protocol.core import Committed, RoundEngine
 from blocktrain.protocol.settings import AggregatorSettings, derived_settings
 from blocktrain.protocol.state import largest_block
@@ -186,3 +189,19 @@ def test_the_default_norm_bound_is_a_few_honest_updates_not_the_whole_block():
     assert 3.96 < bound < 2 * 3.96
     flip = 1.76 * math.sqrt(sum(float(v.pow(2).sum()) for v in initial[0].values()))
     assert flip > bound
+
+
+def test_the_aggregator_needs_data_for_its_probe_or_the_probe_off(tmp_path, monkeypatch):
+    """`blocktrain aggregator` builds the probe from --data or $BLOCKTRAIN_DATA; without either
+    it stops with one clear line (exit 2) instead of serving without the defence."""
+    from blocktrain.cli.aggregator import effect_probe
+    from blocktrain.protocol.state import create_state
+
+    monkeypatch.delenv("BLOCKTRAIN_DATA", raising=False)
+    cfg = tiny()
+    state = create_state(tmp_path / "agg", cfg, {}, initial_blocks(cfg))
+    args = argparse.Namespace(data=None)
+    with pytest.raises(ConfigError, match="effect probe needs the data"):
+        effect_probe(args, state, state.settings())
+    assert effect_probe(args, state, state.settings().replace(effect_probe="off")) is None
+    state.close()
