@@ -11,15 +11,17 @@ norm bound in force and claiming the largest token count the aggregator accepts:
     shrink         one attacker: -s x the block's weights (the issue's -0.76x flip)
     bias           one attacker: one coordinate at the bound
     noise          one attacker: Gaussian noise at the bound
-    sybils         4 attackers under ONE token, all on block 0, shrinking
-    four_tokens    4 attackers under 4 tokens, all on block 0 (against its 2 honest), shrinking
+    sybils         4 attackers under ONE token, shrinking
+    four_tokens    4 attackers under 4 tokens (against the block's 2 honest workers), shrinking
+
+all on the last block (TARGET, the one the final CE hangs on),
 
 under `default` (the aggregator's defaults: one vote per identity, clipping, tight bound, effect
 probe) and `none` (the old aggregator: mean weighted by claimed tokens, no clipping, the loose
 bound 4 x lr x H x sqrt(params), no probe). final_ce is the final model's sampler CE (M = 16
 sweeps on 16384 validation bytes), clean_ce the clean row's under the same defences.
 
-    python bench/adversarial.py                 # about 25 minutes on an idle 2-core machine
+    python bench/adversarial.py                 # 12 rows of 10 rounds: about 20 minutes idle
     python bench/adversarial.py --force         # re-run rows already in the JSON
     python bench/adversarial.py --only sybils   # rows of one attack
 """
@@ -42,13 +44,17 @@ from blocktrain.simulate.regimes import load_regime
 from report import RESULTS, machine, update_section, write_json  # bench/report.py
 
 NAME = "adversarial.json"
+TARGET = 2
+"""Every attacker goes for the last block (the lowest noise levels): the final sampler CE hangs
+on it. In a clean 10-round run, replacing block 0 or 1 by -0.76x its weights moved the CE by
+0.002, block 2 by 1.41."""
 ATTACKS: dict[str, Attack | None] = {
     "clean": None,
-    "shrink": Attack("shrink"),
-    "bias": Attack("bias"),
-    "noise": Attack("noise"),
-    "sybils": Attack("shrink", 4, block=0, shared_token=True),
-    "four_tokens": Attack("shrink", 4, block=0),
+    "shrink": Attack("shrink", block=TARGET),
+    "bias": Attack("bias", block=TARGET),
+    "noise": Attack("noise", block=TARGET),
+    "sybils": Attack("shrink", 4, block=TARGET, shared_token=True),
+    "four_tokens": Attack("shrink", 4, block=TARGET),
 }
 DEFENCES = ("default", "none")
 

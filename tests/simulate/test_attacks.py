@@ -32,6 +32,8 @@ def test_forged_deltas_sit_at_the_bound_and_claim_the_most_tokens():
     bias = ForgingTrainer("bias", 2.0, 1, 0)
     bias.load(weights)
     assert int((bias.delta()["a"] != 0).sum() + (bias.delta()["b"] != 0).sum()) == 1
+    bias.load({**weights, "head.bias": torch.zeros(5)})
+    assert float(bias.delta()["head.bias"][0]) == pytest.approx(1.98), "a byte's logit"
     loose = ForgingTrainer("shrink", 1e6, 1, 0)
     loose.load(weights)
     assert torch.allclose(loose.delta()["a"], -1.76 * weights["a"]), "the -0.76x flip"

@@ -7,7 +7,8 @@ the aggregator accepts (which bought weight under the old token-weighted mean):
 
     shrink    -s x the block's weights, s as large as the bound allows (at most 1.76: the
               issue's "-0.76x its weights")
-    bias      one coordinate (the first of the first tensor) at the bound, zeros elsewhere
+    bias      one coordinate at the bound, zeros elsewhere: the logit bias of byte 0 in the
+              block's output head (`head.bias`), else the first coordinate of the first tensor
     noise     Gaussian noise scaled to the bound, fresh each round
 
 `Attack.count` attackers, all on `block` (default: where the registry puts them), each with a
@@ -35,6 +36,7 @@ KINDS = ("shrink", "bias", "noise")
 AT_BOUND = 0.99
 """Forged deltas sit just inside the bound (fp16 rounding must not push them over)."""
 MAX_SHRINK = 1.76
+BIAS_TENSOR = "head.bias"
 
 
 def undefended(cfg: RunConfig, local_steps: int) -> dict[str, Any]:
@@ -118,8 +120,8 @@ class ForgingTrainer:
             return {k: -s * v for k, v in w.items()}
         if self.kind == "bias":
             out = {k: torch.zeros_like(v) for k, v in w.items()}
-            first = sorted(out)[0]
-            out[first].view(-1)[0] = self.bound
+            target = BIAS_TENSOR if BIAS_TENSOR in out else sorted(out)[0]
+            out[target].view(-1)[0] = self.bound
             return out
         gen = torch.Generator().manual_seed(self.seed * 100_003 + self.round)
         noise = {k: torch.randn(v.shape, generator=gen) for k, v in w.items()}
