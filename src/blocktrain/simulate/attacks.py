@@ -26,7 +26,7 @@ import torch
 
 from blocktrain.config import RunConfig
 from blocktrain.errors import ConfigError
-from blocktrain.protocol.settings import LOOSE_SLACK, delta_norm_bound
+from blocktrain.protocol.settings import loose_delta_norm_bound
 from blocktrain.protocol.state import largest_block
 from blocktrain.training.local import initial_blocks
 
@@ -48,7 +48,7 @@ def undefended(cfg: RunConfig, local_steps: int) -> dict[str, Any]:
         "weighting": "reported",
         "clip": 0.0,
         "effect_probe": "off",
-        "max_delta_norm": delta_norm_bound(cfg, local_steps, n_params, LOOSE_SLACK),
+        "max_delta_norm": loose_delta_norm_bound(cfg, local_steps, n_params),
     }
 
 
