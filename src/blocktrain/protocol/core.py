@@ -14,10 +14,10 @@ Two drivers, no second copy of a decision:
 
 An update goes through `check` (content, then its effect on the block's held-out loss when a
 probe is wired in), `judge` (timing, read-only), then `record` (the round's state, the
-identity's reputation and, if accepted, the accumulator); a driver persists what it must between `judge`
-and `record`, and calls `tick` afterwards. A round that closes is committed by `tick`: the new
-weights are computed, handed to every `on_commit` listener (the service writes them to disk
-there, before any pull can see them) and only then published.
+identity's reputation and, if accepted, the accumulator); a driver persists what it must
+between `judge` and `record`, and calls `tick` afterwards. A round that closes is committed by
+`tick`: the new weights are computed, handed to every `on_commit` listener (the service writes
+them to disk there, before any pull can see them) and only then published.
 """
 
 from __future__ import annotations
