@@ -23,15 +23,19 @@ sweeps on 16384 validation bytes), clean_ce the clean row's under the same defen
 
     python bench/adversarial.py                 # 12 rows of 10 rounds: about 20 minutes idle
     python bench/adversarial.py --force         # re-run rows already in the JSON
-    python bench/adversarial.py --only sybils   # rows of one attack
+    python bench/adversarial.py --only sybils,clean/none   # some rows (several processes
+                                                # may share the JSON: each saves under a lock)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -116,41 +120,64 @@ def main() -> None:
     p.add_argument("--local-steps", type=int, default=10, help="H, every row")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--force", action="store_true", help="re-run rows already in the JSON")
-    p.add_argument("--only", choices=sorted(ATTACKS), help="only this attack's rows")
+    p.add_argument(
+        "--only",
+        type=lambda text: [x.strip() for x in text.split(",") if x.strip()],
+        default=[],
+        metavar="ROWS",
+        help="only these rows: ATTACK (both defences) or ATTACK/DEFENCES, comma-separated",
+    )
     p.add_argument("--data", help="data path (default: $BLOCKTRAIN_DATA)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     args.train, args.valid = load_split(args.data, "train"), load_split(args.data, "valid")
-    path = RESULTS / NAME
-    result: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {"rows": []}
-    rows = {(r["attack"], r["defences"]): r for r in result["rows"]}
-    for attack in ATTACKS:
-        if args.only and attack not in (args.only, "clean"):
-            continue
-        for defences in DEFENCES:
+    wanted = [(a, d) for a in ATTACKS for d in DEFENCES]
+    if args.only:
+        unknown = [x for x in args.only if x.split("/")[0] not in ATTACKS]
+        if unknown:
+            p.error(f"--only: unknown attack {unknown[0]!r}; known: {', '.join(ATTACKS)}")
+        wanted = [(a, d) for a, d in wanted if a in args.only or f"{a}/{d}" in args.only]
+    for attack, defences in wanted:
+        with locked() as rows:
             old = rows.get((attack, defences))
-            same = old is not None and (old["rounds"], old["local_steps"]) == (
-                args.rounds,
-                args.local_steps,
-            )
-            if same and not args.force:
-                continue
-            print(f"adversarial: {attack} / {defences} ...", file=sys.stderr, flush=True)
-            rows[(attack, defences)] = run_row(attack, defences, args)
-            save(rows, args)
-    save(rows, args)
-    print(markdown(json.loads(path.read_text())))
+        if old is not None and not args.force and same_run(old, args):
+            continue
+        print(f"adversarial: {attack} / {defences} ...", file=sys.stderr, flush=True)
+        row = run_row(attack, defences, args)
+        with locked() as rows:
+            rows[(attack, defences)] = row
+    with locked() as rows:
+        print(markdown(result_of(rows)))
 
 
-def save(rows: dict[tuple[str, str], dict[str, Any]], args: argparse.Namespace) -> None:
+def same_run(row: dict[str, Any], args: argparse.Namespace) -> bool:
+    return (row["rounds"], row["local_steps"]) == (args.rounds, args.local_steps)
+
+
+@contextlib.contextmanager
+def locked() -> Iterator[dict[tuple[str, str], dict[str, Any]]]:
+    """The JSON's rows, under a lock; what the caller leaves in the dict is saved (with the
+    BENCHMARKS.md section), so that several processes can share the bench."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / NAME
+    with open(RESULTS / f".{NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        result = json.loads(path.read_text()) if path.exists() else {"rows": []}
+        rows = {(r["attack"], r["defences"]): r for r in result["rows"]}
+        before = json.dumps(result["rows"], sort_keys=True)
+        yield rows
+        saved = result_of(rows)
+        if json.dumps(saved["rows"], sort_keys=True) != before:
+            write_json(NAME, saved)
+            update_section("adversarial", markdown(saved))
+
+
+def result_of(rows: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
     ordered = [rows[k] for k in sorted(rows, key=order)]
     for r in ordered:
         clean = rows.get(("clean", r["defences"]))
         r["clean_ce"] = None if clean is None else clean["final_ce"]
-    command = "python bench/adversarial.py " + " ".join(sys.argv[1:])
-    result = {"command": command.strip(), "machine": machine(), "rows": ordered}
-    write_json(NAME, result)
-    update_section("adversarial", markdown(result))
+    return {"command": "python bench/adversarial.py", "machine": machine(), "rows": ordered}
 
 
 def order(key: tuple[str, str]) -> tuple[int, int]:
