@@ -45,9 +45,10 @@ from blocktrain.data import load_split
 from blocktrain.simulate import SimSpec, simulate
 from blocktrain.simulate.attacks import Attack, undefended
 from blocktrain.simulate.regimes import load_regime
-from report import RESULTS, machine, update_section, write_json  # bench/report.py
+from report import RESULTS, ROOT, machine, update_section, write_json  # bench/report.py
 
 NAME = "adversarial.json"
+LOCK = ROOT / "benchmarks" / "work" / "adversarial.lock"  # kept out of git
 TARGET = 2
 """Every attacker goes for the last block (the lowest noise levels): the final sampler CE hangs
 on it. In a clean 10-round run, replacing block 0 or 1 by -0.76x its weights moved the CE by
@@ -160,7 +161,8 @@ def locked() -> Iterator[dict[tuple[str, str], dict[str, Any]]]:
     BENCHMARKS.md section), so that several processes can share the bench."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / NAME
-    with open(RESULTS / f".{NAME}.lock", "w") as lock:
+    LOCK.parent.mkdir(parents=True, exist_ok=True)
+    with open(LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         result = json.loads(path.read_text()) if path.exists() else {"rows": []}
         rows = {(r["attack"], r["defences"]): r for r in result["rows"]}
