@@ -205,3 +205,15 @@ def test_the_aggregator_needs_data_for_its_probe_or_the_probe_off(tmp_path, monk
         effect_probe(args, state, state.settings())
     assert effect_probe(args, state, state.settings().replace(effect_probe="off")) is None
     state.close()
+
+
+def test_an_update_that_changes_nothing_is_refused_without_reputation_cost():
+    """Four tokens shrinking a block whose output is still zero do not move its loss; counted,
+    they outvoted the block's honest workers every round (bench/adversarial.py, four_tokens)."""
+    target = {k: v + 1.0 for k, v in BASE.items()}
+    probe = TargetProbe(target)
+    eng, _ = engine(probe=probe)
+    (w,) = join(eng, 1)
+    verdict = push(eng, w, {k: torch.zeros_like(v) for k, v in BASE.items()})
+    assert not verdict.accepted and verdict.reason == "no_gain"
+    assert eng.reputation.of(("token", w)) == 1.0
