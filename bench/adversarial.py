@@ -21,7 +21,7 @@ probe) and `none` (the old aggregator: mean weighted by claimed tokens, no clipp
 bound 4 x lr x H x sqrt(params), no probe). final_ce is the final model's sampler CE (M = 16
 sweeps on 16384 validation bytes), clean_ce the clean row's under the same defences.
 
-    python bench/adversarial.py                 # 12 rows of 10 rounds: about 20 minutes idle
+    python bench/adversarial.py                 # 12 rows of 10 rounds (4-6 min a row here)
     python bench/adversarial.py --force         # re-run rows already in the JSON
     python bench/adversarial.py --only sybils,clean/none   # some rows (several processes
                                                 # may share the JSON: each saves under a lock)
