@@ -3,10 +3,18 @@ discarding accepted updates, the robust defaults, the effect probe and reputatio
 
 from __future__ import annotations
 
+import argparse
+import math
+
+import pytest
 import torch
 
+from blocktrain.config import tiny
+from blocktrain.errors import ConfigError
 from blocktrain.protocol.core import Committed, RoundEngine
-from blocktrain.protocol.settings import AggregatorSettings
+from blocktrain.protocol.settings import AggregatorSettings, derived_settings
+from blocktrain.protocol.state import largest_block
+from blocktrain.training.local import initial_blocks
 from tests.protocol.conftest import block_tensors, delta_body
 
 BASE = block_tensors(100)
@@ -169,3 +177,43 @@ def test_the_probe_setting_turns_it_off():
     eng, _ = engine(SETTINGS.replace(effect_probe="off"), probe=probe)
     (w,) = join(eng, 1)
     assert push(eng, w, toward(probe.target, -0.1)).accepted and probe.calls == 0
+
+
+def test_the_default_norm_bound_is_a_few_honest_updates_not_the_whole_block():
+    """Finding (Poisoning): the bound (56.25 at tiny) was 1.7x the norm of the whole trained
+    block and ~22x an honest update. It is now derived from measured honest deltas (largest
+    3.96 at tiny, docs/protocol.md), so the -0.76x flip of even the initial block is refused."""
+    cfg = tiny()
+    initial = initial_blocks(cfg)
+    bound = derived_settings(cfg, {}, largest_block(initial)).max_delta_norm
+    assert 3.96 < bound < 2.5 * 3.96
+    flip = 1.76 * math.sqrt(sum(float(v.pow(2).sum()) for v in initial[0].values()))
+    assert flip > bound
+
+
+def test_the_aggregator_needs_data_for_its_probe_or_the_probe_off(tmp_path, monkeypatch):
+    """`blocktrain aggregator` builds the probe from --data or $BLOCKTRAIN_DATA; without either
+    it stops with one clear line (exit 2) instead of serving without the defence."""
+    from blocktrain.cli.aggregator import effect_probe
+    from blocktrain.protocol.state import create_state
+
+    monkeypatch.delenv("BLOCKTRAIN_DATA", raising=False)
+    cfg = tiny()
+    state = create_state(tmp_path / "agg", cfg, {}, initial_blocks(cfg))
+    args = argparse.Namespace(data=None)
+    with pytest.raises(ConfigError, match="effect probe needs the data"):
+        effect_probe(args, state, state.settings())
+    assert effect_probe(args, state, state.settings().replace(effect_probe="off")) is None
+    state.close()
+
+
+def test_an_update_that_changes_nothing_is_refused_without_reputation_cost():
+    """Four tokens shrinking a block whose output is still zero do not move its loss; counted,
+    they outvoted the block's honest workers every round (bench/adversarial.py, four_tokens)."""
+    target = {k: v + 1.0 for k, v in BASE.items()}
+    probe = TargetProbe(target)
+    eng, _ = engine(probe=probe)
+    (w,) = join(eng, 1)
+    verdict = push(eng, w, {k: torch.zeros_like(v) for k, v in BASE.items()})
+    assert not verdict.accepted and verdict.reason == "no_gain"
+    assert eng.reputation.of(("token", w)) == 1.0

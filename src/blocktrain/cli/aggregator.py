@@ -24,11 +24,14 @@ from pathlib import Path
 from blocktrain.cli.common import (
     Formatter,
     add_config_args,
+    add_data_arg,
     add_setting_args,
     resolve_config,
     settings_overrides,
 )
-from blocktrain.errors import ConfigError
+from blocktrain.config import RunConfig
+from blocktrain.data import load_split
+from blocktrain.errors import ConfigError, DataError
 from blocktrain.httpserve import Limits, bind, url_of
 from blocktrain.protocol.limits import JSON_BODY_BYTES, AccessLimits
 from blocktrain.protocol.settings import AggregatorSettings
@@ -36,6 +39,7 @@ from blocktrain.protocol.state import create_state
 from blocktrain.protocol.storage import StateDir
 from blocktrain.tls import TlsFiles, check_tls
 from blocktrain.training.local import initial_blocks
+from blocktrain.training.probe import BlockProbe
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,8 @@ EXAMPLES = """examples:
   blocktrain tls self-signed --out tls --host agg.example      # then:
   blocktrain aggregator --state runs/agg --tls-cert tls/cert.pem --tls-key tls/key.pem
   blocktrain aggregator --state runs/agg --private-status --rate-limit 20
+  blocktrain aggregator --state runs/agg --data wikitext/   # the effect probe's held-out slice
+  blocktrain aggregator --state runs/agg --effect-probe off --rule trimmed_mean --tolerate 1
 """
 
 
@@ -97,6 +103,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="refused updates kept in the ledger (older ones are pruned; counts stay)",
     )
+    add_data_arg(p)  # the validation split feeds the effect probe
     add_setting_args(p)
     p.set_defaults(handler=run)
 
@@ -135,6 +142,21 @@ def access_limits(args: argparse.Namespace) -> AccessLimits:
     )
 
 
+def effect_probe(
+    args: argparse.Namespace, state: StateDir, settings: AggregatorSettings
+) -> BlockProbe | None:
+    """The probe on the validation split of --data (or $BLOCKTRAIN_DATA), unless it is off."""
+    if settings.effect_probe == "off":
+        return None
+    try:
+        valid = load_split(args.data, "valid")
+    except DataError as exc:
+        raise ConfigError(
+            f"the effect probe needs the data ({exc}), or --effect-probe off"
+        ) from exc
+    return BlockProbe(RunConfig.from_dict(state.run_config()), valid)
+
+
 def run(args: argparse.Namespace) -> int:
     from blocktrain.httpserve import run as serve
     from blocktrain.protocol.aggregator import create_app
@@ -148,7 +170,9 @@ def run(args: argparse.Namespace) -> int:
     check_tls(tls)
     limits = access_limits(args)  # a clear error before the state is touched
     state, settings = prepare_state(args)
-    app = create_app(settings, storage=state, limits=limits)
+    app = create_app(
+        settings, storage=state, limits=limits, probe=effect_probe(args, state, settings)
+    )
     sock = bind(args.host, args.port)
     url = url_of(sock, tls=tls is not None)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to the handler

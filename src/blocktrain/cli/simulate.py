@@ -37,6 +37,7 @@ from blocktrain.cli.common import (
 from blocktrain.data import load_split, resolve_data_path
 from blocktrain.errors import ConfigError
 from blocktrain.simulate import SimSpec, parse_regimes, simulate, write_outputs
+from blocktrain.simulate.attacks import KINDS, Attack
 from blocktrain.simulate.run import table
 
 EXAMPLES = """examples:
@@ -44,6 +45,8 @@ EXAMPLES = """examples:
       --out runs/sim
   blocktrain simulate --workers 6 --rounds 30 --regime wan --staleness 1 --json
   blocktrain simulate --workers 12 --rounds 50 --regime mild,my-regime.toml --timing-only
+  blocktrain simulate --regime lockstep --rounds 10 --attack shrink:4:0   # 4 attackers, block 0
+  blocktrain simulate --regime lockstep --attack noise --effect-probe off --clip 0
 """
 
 
@@ -87,11 +90,25 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="no training: zero deltas, to measure a regime's participation in seconds",
     )
+    p.add_argument(
+        "--attack",
+        type=_attack,
+        metavar="KIND[:COUNT[:BLOCK]][:shared]",
+        help=f"add hostile workers ({', '.join(KINDS)}), at the norm bound; shared: all "
+        "under one token (Sybils); BLOCK: all on that block",
+    )
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     add_progress_arg(p)
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     add_setting_args(p, "protocol settings (virtual seconds)", simulated_only=True)
     p.set_defaults(handler=run)
+
+
+def _attack(text: str) -> Attack:
+    try:
+        return Attack.parse(text)
+    except ConfigError as exc:  # argparse answers it with usage and exit 2
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         final_sweeps=args.final_sweeps,
         final_bytes=args.final_bytes,
         timing_only=args.timing_only,
+        attack=args.attack,
     )
     out = Path(args.out) if args.out else None
     if out is not None and out.exists() and not out.is_dir():

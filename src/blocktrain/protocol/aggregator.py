@@ -44,6 +44,7 @@ from blocktrain.httpserve import BODY_BYTES, GUARD_REFUSAL, HttpGuard, Scope
 from blocktrain.protocol import dashboard
 from blocktrain.protocol import metrics as prometheus
 from blocktrain.protocol.auth import Caller, refused
+from blocktrain.protocol.effect import EffectProbe
 from blocktrain.protocol.ledger_schema import TokenRow
 from blocktrain.protocol.limits import AccessLimits, RateLimited
 from blocktrain.protocol.routing import (
@@ -107,12 +108,15 @@ def create_app(
     clock: Clock = time.time,
     tick_interval_s: float = 0.1,
     limits: AccessLimits | None = None,
+    probe: EffectProbe | None = None,
 ) -> FastAPI:
     """The aggregator over an initialised state folder. `clock` is injected so that tests can
     drive deadlines; `tick_interval_s` is how often deadlines are checked while served;
     `limits` caps what clients may cost (serve it with `httpserve.run(app, sock,
-    limits.http)` so that the connection limits match)."""
+    limits.http)` so that the connection limits match); `probe` judges each update by its
+    effect (`effect.EffectProbe`)."""
     service = AggregatorService(settings, storage=storage, clock=clock, limits=limits)
+    service.engine.use_probe(probe)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -198,7 +198,8 @@ def run_cluster(
     if state.settings().max_rounds is None:
         raise ProtocolError("a cluster run needs max_rounds in the aggregator settings")
     started = time.monotonic()
-    aggregator, url = start_aggregator(state, logs, host=host)
+    probe_data = ["--data", data] if data else []  # the aggregator's effect probe reads it
+    aggregator, url = start_aggregator(state, logs, host=host, extra=probe_data)
     workers: list[Proc] = []
     client = AggregatorClient(
         url, observer_token, retry=RetryPolicy(base_s=0.2, cap_s=2.0, give_up_after_s=60.0)

@@ -14,10 +14,10 @@ Two drivers, no second copy of a decision:
 
 An update goes through `check` (content, then its effect on the block's held-out loss when a
 probe is wired in), `judge` (timing, read-only), then `record` (the round's state, the
-identity's reputation and, if accepted, the accumulator); a driver persists what it must between `judge`
-and `record`, and calls `tick` afterwards. A round that closes is committed by `tick`: the new
-weights are computed, handed to every `on_commit` listener (the service writes them to disk
-there, before any pull can see them) and only then published.
+identity's reputation and, if accepted, the accumulator); a driver persists what it must
+between `judge` and `record`, and calls `tick` afterwards. A round that closes is committed by
+`tick`: the new weights are computed, handed to every `on_commit` listener (the service writes
+them to disk there, before any pull can see them) and only then published.
 """
 
 from __future__ import annotations
@@ -115,9 +115,8 @@ class RoundEngine:
         self.settings = settings
         self.blocks = blocks
         self.registry = registry or Registry(len(blocks), settings.live_window)
-        self.probe = (
-            ProbeCache(probe) if probe is not None and settings.effect_probe == "on" else None
-        )
+        self.probe: ProbeCache | None = None
+        self.use_probe(probe)
         self.reputation = Reputation(settings.min_reputation)
         self._auto_id = 0  # ids for updates recorded without one (the simulator has no ledger)
         self.outer = OuterOptimizer(settings.outer_lr, settings.outer_momentum)
@@ -125,6 +124,11 @@ class RoundEngine:
         self.max_body = max_body_bytes(settings, max(st.spec.n_params for st in blocks.values()))
         self.on_commit: list[CommitListener] = []
         """Called with each commit before its weights are published."""
+
+    def use_probe(self, probe: EffectProbe | None) -> None:
+        """Judge updates by their effect with `probe` (unless the setting turns it off)."""
+        on = probe is not None and self.settings.effect_probe == "on"
+        self.probe = ProbeCache(probe) if on and probe is not None else None
 
     @classmethod
     def fresh(

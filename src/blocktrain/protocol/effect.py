@@ -44,13 +44,18 @@ class Effect:
 
 
 def judge_effect(effect: Effect, tolerance: float) -> Verdict:
-    """Refuse an update that raises the loss by more than `tolerance` (relative)."""
+    """Refuse an update that raises the loss by more than `tolerance` (relative): `harmful`,
+    which costs reputation; or that does not lower it at all: `no_gain`, which costs nothing
+    (an honest update late in a run may be noise) but keeps votes that do nothing from
+    diluting those that train, e.g. a majority shrinking a block whose output is still zero."""
+    detail = (
+        f"the block's held-out loss goes from {effect.before:.5g} to {effect.after:.5g} "
+        f"({effect.relative:+.3%}; tolerance {tolerance:+.3%})"
+    )
     if not effect.relative <= tolerance:  # NaN is harmful too
-        return Verdict.refuse(
-            "harmful",
-            f"the block's held-out loss goes from {effect.before:.5g} to {effect.after:.5g} "
-            f"({effect.relative:+.3%}; tolerance {tolerance:+.3%})",
-        )
+        return Verdict.refuse("harmful", detail)
+    if not effect.after < effect.before:
+        return Verdict.refuse("no_gain", detail)
     return Verdict.ok()
 
 

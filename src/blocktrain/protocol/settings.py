@@ -202,7 +202,7 @@ class AggregatorSettings:
         _positive,
         "must be positive",
         flag="--max-delta-norm",
-        default_text="4 x lr x H x sqrt(params), see delta_norm_bound",
+        default_text="2 x lr x sqrt(H x params), see delta_norm_bound",
     )
     max_tokens: int = setting(
         1 << 31,
@@ -331,11 +331,26 @@ def settings_table() -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def delta_norm_bound(cfg: RunConfig, local_steps: int, n_params: int, slack: float = 4.0) -> float:
-    """A bound on the L2 norm of an honest worker's delta. AdamW moves each coordinate by about
-    lr per step at most (|m_hat / sqrt(v_hat)| <= 1 for steady gradients), so H steps move the
-    block by at most lr * H * sqrt(n_params); `slack` leaves room for the rare larger step."""
-    return slack * cfg.train.lr * local_steps * math.sqrt(n_params)
+TIGHT_SLACK = 2.0
+"""Measured (docs/protocol.md, Aggregation): honest deltas at the tiny preset reach at most
+0.89 x lr x sqrt(H x params) (3.96 of 4.45, right after warmup), so 2 leaves 2.2x room."""
+
+
+def delta_norm_bound(
+    cfg: RunConfig, local_steps: int, n_params: int, slack: float = TIGHT_SLACK
+) -> float:
+    """A bound on the L2 norm of an honest worker's delta: slack x lr x sqrt(H x n_params).
+    AdamW moves each coordinate by about lr per step, and over H steps those moves add up like
+    a random walk (their signs decorrelate), not in a line; `slack` covers what honest workers
+    were measured to send, and the first steps of a run, whose moves do line up (H x lr at
+    most, within the slack for H <= 4)."""
+    return slack * cfg.train.lr * math.sqrt(local_steps * n_params)
+
+
+def loose_delta_norm_bound(cfg: RunConfig, local_steps: int, n_params: int) -> float:
+    """The bound before issue 12, 4 x lr x H x sqrt(params) (56.25 at the tiny preset, 14x the
+    largest honest delta): kept for comparisons (`bench/adversarial.py`, defences none)."""
+    return 4.0 * cfg.train.lr * local_steps * math.sqrt(n_params)
 
 
 def token_bound(cfg: RunConfig, local_steps: int, slack: float = 2.0) -> int:

@@ -55,6 +55,7 @@ REASONS: dict[str, tuple[int, str]] = {
         "tolerance",
     ),
     "low_reputation": (403, "the identity's reputation fell below the minimum (harmful updates)"),
+    "no_gain": (422, "the update does not lower the block's loss on the held-out slice"),
 }
 """Reason code -> (HTTP status, meaning)."""
 

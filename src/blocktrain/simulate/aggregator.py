@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from blocktrain.protocol.core import Committed, EngineBlock, RoundEngine
+from blocktrain.protocol.effect import EffectProbe
 from blocktrain.protocol.rounds import RoundView
 from blocktrain.protocol.settings import AggregatorSettings
 from blocktrain.protocol.verdict import Verdict
@@ -38,9 +39,14 @@ class Judged:
 class SimAggregator:
     """A `RoundEngine` fed with explicit virtual times."""
 
-    def __init__(self, initial: dict[int, Tensors], settings: AggregatorSettings) -> None:
+    def __init__(
+        self,
+        initial: dict[int, Tensors],
+        settings: AggregatorSettings,
+        probe: EffectProbe | None = None,
+    ) -> None:
         self.settings = settings
-        self.engine = RoundEngine.fresh(initial, settings)
+        self.engine = RoundEngine.fresh(initial, settings, probe)
         self.blocks: dict[int, EngineBlock] = self.engine.blocks
         self.on_close: list[Callable[[Committed], None]] = self.engine.on_commit
         """Called with each commit (the round and the block's new weights)."""

@@ -29,12 +29,14 @@ from typing import Any
 import torch
 
 from blocktrain.protocol.core import Committed
+from blocktrain.protocol.effect import EffectProbe
 from blocktrain.protocol.rounds import RoundClosed, RoundView, in_time, participation
 from blocktrain.protocol.settings import AggregatorSettings
 from blocktrain.protocol.state import largest_block
 from blocktrain.protocol.wire import update_body
 from blocktrain.protocol.worker import LocalTrainer
 from blocktrain.simulate.aggregator import Judged, SimAggregator
+from blocktrain.simulate.attacks import Attack, ForgingTrainer
 from blocktrain.simulate.regimes import Regime
 
 Tensors = dict[str, torch.Tensor]
@@ -78,6 +80,7 @@ class VirtualWorker:
     refused: Counter[str] = field(default_factory=Counter)
     dropped: int = 0
     local_steps: int = 0
+    attacker: bool = False
 
 
 @dataclass
@@ -123,7 +126,11 @@ class Simulation:
         evaluate: Evaluator | None = None,
         eval_every: int = 1,
         on_round: Callable[[int, int], None] | None = None,
+        probe: EffectProbe | None = None,
+        attack: Attack | None = None,
     ) -> None:
+        """`n_workers` honest workers (ids 0..n-1, as in a clean run), then the `attack`'s
+        workers; `probe`: the aggregator's effect probe."""
         if settings.max_rounds is None:
             raise ValueError("a simulation needs settings.max_rounds")
         self.regime = regime
@@ -132,7 +139,7 @@ class Simulation:
         wire_bytes = n_params * (4 if settings.wire_dtype == "fp32" else 2)
         self.deadline_s = regime.deadline_for(settings.local_steps, wire_bytes, wire_bytes)
         self.settings = settings.replace(deadline_s=self.deadline_s)
-        self.agg = SimAggregator(initial, self.settings)
+        self.agg = SimAggregator(initial, self.settings, probe)
         self.agg.on_close.append(self._closed)
         self.evaluate = evaluate
         self.eval_every = eval_every
@@ -161,6 +168,23 @@ class Simulation:
                     bandwidth=regime.bandwidth_MBps.draw(self.rng) * 1e6,
                 )
             )
+        for i in range(attack.count if attack is not None else 0):
+            assert attack is not None
+            worker_id, block = self.agg.register(0.0, attack.block, attack.token(i))
+            forger = ForgingTrainer(
+                attack.kind, self.settings.max_delta_norm, self.settings.max_tokens, seed + i
+            )
+            self.workers.append(
+                VirtualWorker(
+                    worker_id,
+                    block,
+                    forger,
+                    speed=regime.speed.draw(self.rng),
+                    bandwidth=regime.bandwidth_MBps.draw(self.rng) * 1e6,
+                    attacker=True,
+                )
+            )
+        self.held: dict[tuple[int, int], str] = {}
         self._by_id = {w.id: w for w in self.workers}
         self._wire_bytes = wire_bytes
 
@@ -264,6 +288,8 @@ class Simulation:
         closed, weights = event.closed, event.weights
         b, r = closed.block, closed.round
         self.closed[(b, r)] = closed
+        if event.held:
+            self.held[(b, r)] = event.held
         waiting, self._waiting[b] = self._waiting[b], []
         for w in waiting:  # the long poll answers; the pull follows
             self._at(closed.closed_at + self._latency() + self._latency(), "pull", w.id)
@@ -311,6 +337,7 @@ class Simulation:
                             "expected": len(d.expected),
                             "reported": len(d.reported),
                             "participation": participation(n_own, len(d.expected)),
+                            "held": self.held.get((d.block, r), ""),
                         }
                         for d, n_own in zip(done, own, strict=True)
                     ],
@@ -348,6 +375,7 @@ class Simulation:
                     "refused": dict(sorted(w.refused.items())),
                     "dropped": w.dropped,
                     "local_steps": w.local_steps,
+                    "attacker": w.attacker,
                 }
                 for w in self.workers
             ],

@@ -24,11 +24,13 @@ from blocktrain.model import BlockStack
 from blocktrain.protocol.settings import derived_settings
 from blocktrain.protocol.state import largest_block
 from blocktrain.protocol.worker import LocalTrainer
+from blocktrain.simulate.attacks import Attack
 from blocktrain.simulate.engine import Simulation, TimingOnlyTrainer
 from blocktrain.simulate.regimes import Regime
 from blocktrain.training import EvalSettings, evaluate_blocktrain
 from blocktrain.training import checkpoint as ckpt
 from blocktrain.training.local import LocalBlockTrainer, initial_blocks
+from blocktrain.training.probe import BlockProbe
 
 Tensors = dict[str, torch.Tensor]
 
@@ -50,6 +52,8 @@ class SimSpec:
     final_bytes: int = 16384
     """Validation bytes for the final model's sampler CE (more than per round: it decides)."""
     timing_only: bool = False
+    attack: Attack | None = None
+    """Hostile workers added to the honest ones (`simulate.attacks`)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -110,6 +114,7 @@ def simulate(
         largest_block(initial),
     )
     evaluate: RoundEvaluator | None = None
+    probe: BlockProbe | None = None
     initial_ce: float | None = None
     if not spec.timing_only:
         if train is None or valid is None:
@@ -120,6 +125,8 @@ def simulate(
             valid.windows(cfg.model.seq_len, spec.final_bytes),
         )
         initial_ce = evaluate(initial)
+        if settings.effect_probe == "on":  # its slice starts after the evaluation's windows
+            probe = BlockProbe(cfg, valid, skip_bytes=max(spec.eval_bytes, spec.final_bytes))
     report: dict[str, Any] = {
         "config": cfg.to_dict(),
         "workers": spec.workers,
@@ -134,6 +141,7 @@ def simulate(
             "final_sweeps": spec.final_sweeps,
             "final_bytes": spec.final_bytes,
         },
+        "attack": None if spec.attack is None else dataclasses.asdict(spec.attack),
         "regimes": {},
     }
     weights: dict[str, dict[int, Tensors]] = {}
@@ -159,6 +167,8 @@ def simulate(
             evaluate=evaluate,
             eval_every=spec.eval_every,
             on_round=on_round,
+            probe=probe,
+            attack=spec.attack,
         )
         sim.run()
         summary = sim.summary()

@@ -1,0 +1,220 @@
+"""Poisoning: hostile workers against the simulator's aggregator, with the defences on and off
+(issue 12, Must show). Writes benchmarks/results/adversarial.json and the "adversarial" section
+of BENCHMARKS.md.
+
+Each row is one `blocktrain.simulate` run (the protocol's own RoundEngine, real local training,
+a virtual clock) of 6 honest workers at the tiny preset (2 replicas per block, regime lockstep,
+the same seed and rounds everywhere) plus the attackers of the row, every forged delta at the
+norm bound in force and claiming the largest token count the aggregator accepts:
+
+    clean          no attacker
+    shrink         one attacker: -s x the block's weights (the issue's -0.76x flip)
+    bias           one attacker: one coordinate at the bound
+    noise          one attacker: Gaussian noise at the bound
+    sybils         4 attackers under ONE token, shrinking
+    four_tokens    4 attackers under 4 tokens (against the block's 2 honest workers), shrinking
+
+all on the last block (TARGET, the one the final CE hangs on),
+
+under `default` (the aggregator's defaults: one vote per identity, clipping, tight bound, effect
+probe) and `none` (the old aggregator: mean weighted by claimed tokens, no clipping, the loose
+bound 4 x lr x H x sqrt(params), no probe). final_ce is the final model's sampler CE (M = 16
+sweeps on 16384 validation bytes), clean_ce the clean row's under the same defences.
+
+    python bench/adversarial.py                 # 12 rows of 10 rounds (4-6 min a row here)
+    python bench/adversarial.py --force         # re-run rows already in the JSON
+    python bench/adversarial.py --only sybils,clean/none   # some rows (several processes
+                                                # may share the JSON: each saves under a lock)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from blocktrain.config import apply_overrides, tiny
+from blocktrain.data import load_split
+from blocktrain.simulate import SimSpec, simulate
+from blocktrain.simulate.attacks import Attack, undefended
+from blocktrain.simulate.regimes import load_regime
+from report import RESULTS, ROOT, machine, update_section, write_json  # bench/report.py
+
+NAME = "adversarial.json"
+LOCK = ROOT / "benchmarks" / "work" / "adversarial.lock"  # kept out of git
+TARGET = 2
+"""Every attacker goes for the last block (the lowest noise levels): the final sampler CE hangs
+on it. In a clean 10-round run, replacing block 0 or 1 by -0.76x its weights moved the CE by
+0.002, block 2 by 1.41."""
+ATTACKS: dict[str, Attack | None] = {
+    "clean": None,
+    "shrink": Attack("shrink", block=TARGET),
+    "bias": Attack("bias", block=TARGET),
+    "noise": Attack("noise", block=TARGET),
+    "sybils": Attack("shrink", 4, block=TARGET, shared_token=True),
+    "four_tokens": Attack("shrink", 4, block=TARGET),
+}
+DEFENCES = ("default", "none")
+
+
+def run_row(attack: str, defences: str, args: argparse.Namespace) -> dict[str, Any]:
+    cfg = apply_overrides(tiny(), [f"steps={args.rounds * args.local_steps}"])
+    protocol: dict[str, Any] = {"local_steps": args.local_steps}
+    if defences == "none":
+        protocol.update(undefended(cfg, args.local_steps))
+    spec = SimSpec(
+        cfg,
+        workers=6,
+        rounds=args.rounds,
+        protocol=protocol,
+        eval_every=args.rounds,  # the final model is what the table compares
+        attack=ATTACKS[attack],
+    )
+    t0 = time.perf_counter()
+    report, _ = simulate(spec, [load_regime("lockstep")], args.train, args.valid)
+    wall = time.perf_counter() - t0
+    r = report["regimes"]["lockstep"]
+    attackers = [w for w in r["workers"] if w["attacker"]]
+    refused: dict[str, int] = {}
+    for w in attackers:
+        for reason, n in w["refused"].items():
+            refused[reason] = refused.get(reason, 0) + n
+    honest_refused: dict[str, int] = {}
+    for w in r["workers"]:
+        if not w["attacker"]:
+            for reason, n in w["refused"].items():
+                honest_refused[reason] = honest_refused.get(reason, 0) + n
+    held = sum(1 for rec in r["rounds"] for b in rec["blocks"] if b["held"])
+    return {
+        "attack": attack,
+        "defences": defences,
+        "final_ce": r["final_sampler_ce"],
+        "clean_ce": None,  # filled in from the clean row
+        "final_from_noise_ce": r["final_from_noise_ce"],
+        "initial_ce": r["initial_ce"],
+        "seed": report["seed"],
+        "rounds": args.rounds,
+        "local_steps": args.local_steps,
+        "attackers": len(attackers),
+        "attacker_accepted": sum(w["accepted"] for w in attackers),
+        "attacker_refused": refused,
+        "honest_refused": honest_refused,
+        "rounds_held": held,
+        "max_delta_norm": report["protocol"]["max_delta_norm"],
+        "protocol": report["protocol"],
+        "wall_s": wall,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--rounds", type=int, default=10, help="rounds per block, every row")
+    p.add_argument("--local-steps", type=int, default=10, help="H, every row")
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--force", action="store_true", help="re-run rows already in the JSON")
+    p.add_argument(
+        "--only",
+        type=lambda text: [x.strip() for x in text.split(",") if x.strip()],
+        default=[],
+        metavar="ROWS",
+        help="only these rows: ATTACK (both defences) or ATTACK/DEFENCES, comma-separated",
+    )
+    p.add_argument("--data", help="data path (default: $BLOCKTRAIN_DATA)")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    args.train, args.valid = load_split(args.data, "train"), load_split(args.data, "valid")
+    wanted = [(a, d) for a in ATTACKS for d in DEFENCES]
+    if args.only:
+        unknown = [x for x in args.only if x.split("/")[0] not in ATTACKS]
+        if unknown:
+            p.error(f"--only: unknown attack {unknown[0]!r}; known: {', '.join(ATTACKS)}")
+        wanted = [(a, d) for a, d in wanted if a in args.only or f"{a}/{d}" in args.only]
+    for attack, defences in wanted:
+        with locked() as rows:
+            old = rows.get((attack, defences))
+        if old is not None and not args.force and same_run(old, args):
+            continue
+        print(f"adversarial: {attack} / {defences} ...", file=sys.stderr, flush=True)
+        row = run_row(attack, defences, args)
+        with locked() as rows:
+            rows[(attack, defences)] = row
+    with locked() as rows:
+        print(markdown(result_of(rows)))
+
+
+def same_run(row: dict[str, Any], args: argparse.Namespace) -> bool:
+    return (row["rounds"], row["local_steps"]) == (args.rounds, args.local_steps)
+
+
+@contextlib.contextmanager
+def locked() -> Iterator[dict[tuple[str, str], dict[str, Any]]]:
+    """The JSON's rows, under a lock; what the caller leaves in the dict is saved (with the
+    BENCHMARKS.md section), so that several processes can share the bench."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / NAME
+    LOCK.parent.mkdir(parents=True, exist_ok=True)
+    with open(LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        result = json.loads(path.read_text()) if path.exists() else {"rows": []}
+        rows = {(r["attack"], r["defences"]): r for r in result["rows"]}
+        before = json.dumps(result["rows"], sort_keys=True)
+        yield rows
+        saved = result_of(rows)
+        if json.dumps(saved["rows"], sort_keys=True) != before:
+            write_json(NAME, saved)
+            update_section("adversarial", markdown(saved))
+
+
+def result_of(rows: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
+    ordered = [rows[k] for k in sorted(rows, key=order)]
+    for r in ordered:
+        clean = rows.get(("clean", r["defences"]))
+        r["clean_ce"] = None if clean is None else clean["final_ce"]
+    return {"command": "python bench/adversarial.py", "machine": machine(), "rows": ordered}
+
+
+def order(key: tuple[str, str]) -> tuple[int, int]:
+    return list(ATTACKS).index(key[0]), DEFENCES.index(key[1])
+
+
+def markdown(result: dict[str, Any]) -> str:
+    rows = result["rows"]
+    first = rows[0] if rows else {"rounds": "?", "local_steps": "?", "seed": "?"}
+    lines = [
+        f"`{result['command']}`; JSON: `benchmarks/results/{NAME}`. 6 honest workers, preset "
+        f"tiny (2 replicas per block), regime lockstep, {first['rounds']} rounds of H = "
+        f"{first['local_steps']}, seed {first['seed']}; final CE: the sampler CE (M = 16, 16384 "
+        "validation bytes). Attackers forge at the norm bound in force and claim the largest "
+        "token count.",
+        "",
+        "| attack | defences | final CE | clean CE | final − clean | norm bound | attacker "
+        "updates accepted | attacker refusals | honest refusals | rounds held |",
+        "|---|---|---:|---:|---:|---:|---:|---|---|---:|",
+    ]
+    for r in rows:
+        diff = "—" if r["clean_ce"] is None else f"{r['final_ce'] - r['clean_ce']:+.3f}"
+        clean = "—" if r["clean_ce"] is None else f"{r['clean_ce']:.3f}"
+        lines.append(
+            f"| {r['attack']} | {r['defences']} | {r['final_ce']:.3f} | {clean} | {diff} | "
+            f"{r['max_delta_norm']:.3g} | {r['attacker_accepted']} | "
+            f"{_counts(r['attacker_refused'])} | {_counts(r['honest_refused'])} | "
+            f"{r['rounds_held']} |"
+        )
+    return "\n".join(lines)
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none"
+
+
+if __name__ == "__main__":
+    main()
