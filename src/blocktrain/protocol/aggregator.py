@@ -66,10 +66,11 @@ from blocktrain.protocol.schemas import (
     StatusOut,
     UpdateOut,
 )
-from blocktrain.protocol.service import AggregatorService, Clock, PushContext
+from blocktrain.protocol.service import AggregatorService, Clock
 from blocktrain.protocol.settings import AggregatorSettings
 from blocktrain.protocol.status import snapshot
 from blocktrain.protocol.storage import StateDir
+from blocktrain.protocol.updates import PushContext
 from blocktrain.protocol.wire import CONTENT_TYPE
 
 log = logging.getLogger(__name__)

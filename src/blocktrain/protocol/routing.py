@@ -11,7 +11,8 @@ from fastapi import Depends, Header, Path, Request
 from blocktrain.httpserve import Scope
 from blocktrain.protocol.auth import Caller
 from blocktrain.protocol.ledger_schema import TokenRow
-from blocktrain.protocol.service import AggregatorService, PushContext
+from blocktrain.protocol.service import AggregatorService
+from blocktrain.protocol.updates import PushContext
 
 PUSH_PATH = re.compile(r"/v1/blocks/[^/]+/updates/?")
 

@@ -23,11 +23,9 @@ Old refused rows are pruned (`AccessLimits.keep_refused`); the ledger's counters
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,34 +37,16 @@ from blocktrain.protocol.core import Checked, Committed, EngineBlock
 from blocktrain.protocol.ledger_schema import TokenRow
 from blocktrain.protocol.limits import AccessLimits, RateLimiter
 from blocktrain.protocol.persist import Durable
-from blocktrain.protocol.rounds import RoundView
 from blocktrain.protocol.settings import AggregatorSettings
 from blocktrain.protocol.storage import StateDir
 from blocktrain.protocol.traffic import Traffic
-from blocktrain.protocol.validation import UpdateMeta
+from blocktrain.protocol.updates import PullReply, PushContext, update_fields
 from blocktrain.protocol.wire import encode
 
 log = logging.getLogger(__name__)
 
 Tensors = dict[str, torch.Tensor]
 Clock = Callable[[], float]
-
-
-@dataclass(frozen=True)
-class PushContext:
-    received: float
-    token_id: int
-    worker_id: int
-    block: int
-
-
-@dataclass(frozen=True)
-class PullReply:
-    """The body of a pull (the weights in the wire dtype) and the round it serves."""
-
-    body: bytes
-    view: RoundView
-    deadline_in: float | None
 
 
 class AggregatorService:
@@ -295,7 +275,7 @@ class AggregatorService:
         """Check, store and judge one update; returns the acceptance or raises Refused."""
         checked = self.engine.check(ctx.block, body, ctx.worker_id)
         meta = checked.meta
-        fields = {} if meta is None else _update_fields(meta, checked)
+        fields = {} if meta is None else update_fields(meta, checked)
         if not checked.verdict.accepted:
             with self.lock:
                 now = self.clock()
@@ -381,22 +361,6 @@ class AggregatorService:
 
     def flush_traffic(self) -> None:
         self.traffic.flush()
-
-
-def _finite(value: float | None) -> float | None:
-    return value if value is not None and math.isfinite(value) else None
-
-
-def _update_fields(meta: UpdateMeta, checked: Checked) -> dict[str, Any]:
-    """The ledger columns an update's metadata fills, accepted or refused."""
-    norm = None if checked.candidate is None else checked.candidate.norm
-    return {
-        "round": meta.round,
-        "base_version": meta.base_version,
-        "tokens": meta.tokens,
-        "loss": _finite(meta.loss),
-        "norm": _finite(norm),
-    }
 
 
 def open_service(
