@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -31,15 +32,11 @@ from blocktrain.data.ngram import NgramDrafter
 from blocktrain.errors import ConfigError
 from blocktrain.model import Sampling
 from blocktrain.model.speculative import SpeculativeLoop
-from blocktrain.serving.chain import (
-    Chain,
-    ChainStats,
-    Directory,
-    RemoteModel,
-    unavailable_error,
-)
+from blocktrain.serving.chain import Chain, ChainStats
+from blocktrain.serving.directory import Directory, RemoteModel, unavailable_error
 from blocktrain.serving.errors import BadRequest, HostError, HostRefused, ServingError
 from blocktrain.serving.limits import WorkLimiter, work_units
+from blocktrain.serving.replicas import Health, parse_positions
 from blocktrain.serving.schemas import (
     CompletionRequest,
     GenerateRequest,
@@ -72,7 +69,8 @@ class RouterSettings:
     """How the router runs."""
 
     hosts: tuple[str, ...]
-    """Block hosts, in chain order (the first receives each request)."""
+    """Block hosts, in chain order (the first receives each request); an entry may name
+    replicas of one position as `URL|URL` (replicas.py)."""
     hop_ms: float = 0.0
     """Emulated one-way latency of the link to the first host (see transport.py)."""
     timeout_s: float = 300.0
@@ -106,13 +104,15 @@ class RouterSettings:
     ca_cert: str | None = None
     """PEM bundle to verify https hosts against (None: the system's CAs)."""
 
+    @property
+    def positions(self) -> tuple[tuple[str, ...], ...]:
+        """The replicas of each position of the chain."""
+        return parse_positions(self.hosts, check_url)
+
     def __post_init__(self) -> None:
         if not self.hosts:
             raise ConfigError("--hosts must name at least one block host")
-        for url in self.hosts:
-            check_url(url)
-        if len(set(self.hosts)) != len(self.hosts):
-            raise ConfigError(f"--hosts lists a host twice: {', '.join(self.hosts)}")
+        parse_positions(self.hosts, check_url)  # every URL, and none twice
         if self.hop_ms < 0:
             raise ConfigError(f"--hop-ms {self.hop_ms} must be >= 0")
         if self.timeout_s <= 0:
@@ -158,11 +158,27 @@ class _Job:
 
 
 class Router:
-    def __init__(self, settings: RouterSettings, client: httpx.AsyncClient) -> None:
+    def __init__(
+        self,
+        settings: RouterSettings,
+        client: httpx.AsyncClient,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.settings = settings
         self.client = client
-        self.directory = Directory(list(settings.hosts), client)
+        self.health = Health(clock)
+        self.directory = Directory(settings.positions, client, self.health, clock)
         self.work = WorkLimiter(settings.max_work, settings.max_work_in_flight)
+
+    def chain(self, model: RemoteModel, stats: ChainStats | None = None) -> Chain:
+        return Chain(
+            self.client,
+            model,
+            wire_dtype=cast(WireDtype, self.settings.wire_dtype),
+            sample_on=self.settings.sample_on,
+            stats=stats,
+            health=self.health,
+        )
 
     async def resolve(self, name: str | None) -> RemoteModel:
         models = await self.directory.models()
@@ -247,13 +263,7 @@ class Router:
 
     def stream(self, job: _Job, stats: ChainStats) -> AsyncIterator[torch.Tensor]:
         """The new bytes (1, m) piece by piece: a span per sweep, or a byte per traversal."""
-        chain = Chain(
-            self.client,
-            job.model,
-            wire_dtype=cast(WireDtype, self.settings.wire_dtype),
-            sample_on=self.settings.sample_on,
-            stats=stats,
-        )
+        chain = self.chain(job.model, stats)
         prompt = torch.tensor([list(job.prompt)], dtype=torch.long)
         gen = torch.Generator().manual_seed(job.seed)
         if job.draft_bytes:
