@@ -4,10 +4,12 @@
     POST /v1/completions   OpenAI-compatible completions, non-streaming and streaming (SSE)
     GET  /v1/models        the models the hosts assemble into complete chains
     GET  /healthz          liveness of the router itself
+    GET  /readyz           readiness: a 1-byte sweep through every host (readiness.py)
 
 A BlockTrain model is served by one sweep per span of K bytes; a reference model by the
 autoregressive pipeline, one traversal per byte. The router learns what the hosts serve from
-their /v1/info and asks again after any host failure, so it keeps serving once a host is back.
+their /v1/info and asks again after any host failure, so it keeps serving once a host is back;
+a position of the chain may hold replicas, and a failed hop is retried on another (replicas.py).
 
 Errors are OpenAI-shaped JSON, `{"error": {"message", "type", "param", "code", "host"}}`: 400 for
 a bad request (404 for an unknown model, 413 for a body over the limit, 422 for more work than
