@@ -66,6 +66,10 @@ def check_url(url: str, what: str = "host URL") -> str:
     return url.rstrip("/")
 
 
+def _positions(hosts: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    return parse_positions(hosts, lambda url: check_url(url, "--hosts entry"))
+
+
 @dataclass(frozen=True)
 class RouterSettings:
     """How the router runs."""
@@ -109,12 +113,12 @@ class RouterSettings:
     @property
     def positions(self) -> tuple[tuple[str, ...], ...]:
         """The replicas of each position of the chain."""
-        return parse_positions(self.hosts, check_url)
+        return _positions(self.hosts)
 
     def __post_init__(self) -> None:
         if not self.hosts:
             raise ConfigError("--hosts must name at least one block host")
-        parse_positions(self.hosts, check_url)  # every URL, and none twice
+        _positions(self.hosts)  # checks every URL, and that none appears twice
         if self.hop_ms < 0:
             raise ConfigError(f"--hop-ms {self.hop_ms} must be >= 0")
         if self.timeout_s <= 0:
