@@ -3,6 +3,7 @@ replica dies mid-stream, a clear 503 naming the block when no replica is left, a
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -10,7 +11,9 @@ import pytest
 
 from blocktrain.errors import ConfigError
 from blocktrain.serving import HostSettings, ModelSource, RouterSettings, create_host_app
+from blocktrain.serving.directory import Directory
 from blocktrain.serving.replicas import Health
+from blocktrain.serving.transport import make_client
 from tests.serving.conftest import URLS, Apps, Cluster, Runs, in_process
 
 REPLICA = "http://host1b:8112"
@@ -192,3 +195,25 @@ def test_readyz_sweeps_every_replica_and_names_the_one_that_fails(runs):
 
         cluster.apps.down.clear()
         assert router.get("/readyz").status_code == 200, "ready again once the host is back"
+
+
+def test_a_replica_left_out_is_asked_again_after_the_recheck_interval(runs):
+    cluster = replica_cluster(runs)
+    now = [0.0]
+    health = Health(lambda: now[0])
+    positions = RouterSettings(hosts=tuple(cluster.urls)).positions
+    client = make_client(timeout_s=30, transport=cluster.apps)
+    directory = Directory(positions, client, health, lambda: now[0], recheck_s=10)
+    cluster.apps.down.add(REPLICA)
+
+    async def hops() -> tuple[tuple[str, ...], ...]:
+        return (await directory.models())["bt"].replicas
+
+    assert asyncio.run(hops())[1] == (URLS[1],), "the down replica is left out"
+    assert REPLICA in directory.down and not health.describe(REPLICA)["healthy"]
+    cluster.apps.down.clear()
+    now[0] = 9.0
+    assert asyncio.run(hops())[1] == (URLS[1],), "not asked again before the interval"
+    now[0] = 10.0
+    assert asyncio.run(hops())[1] == (URLS[1], REPLICA), "back once asked again"
+    assert directory.down == {}

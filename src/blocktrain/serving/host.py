@@ -16,6 +16,9 @@ with the request's generator state when asked to (`final = "bytes"`). Any other 
 the state for the next point to the router, which sends it to the next host (or forwards it to
 its own configured `--next`, in a chain without a router): the next hop is never read from a
 request.
+
+Concurrent sweeps at the same grid point with the same shapes run as one batch through the
+block's forward pass (`batching.py` gathers them, `sweeps.py` runs them).
 """
 
 from __future__ import annotations
