@@ -253,6 +253,18 @@ def report(doc: dict[str, Any]) -> None:
         + ", ".join(f"{k} ({v:.0%})" for k, v in list(many["top_ops"].items())[:3])
         + ".",
     ]
+    gain = one["ms_per_sequence"] / many["ms_per_sequence"]
+    if doc["speedup"] < 4:
+        lines += [
+            "",
+            f"The 4x goal is missed here. On this CPU a sequence costs {gain:.2f}x less in a batch "
+            "of 32 than alone: the forward pass is bound by its matrix products (one sweep "
+            "recomputes the clean stream over the whole context), which a batch does not make "
+            "cheaper per row on one core. Batching saves the per-request costs around the "
+            "compute (a thread hand-off and a lock per sweep, and the queueing of sweeps behind "
+            "one another), which is what the measured gain is; on an accelerator, where one "
+            "sequence leaves the device mostly idle, the same batches would pay far more.",
+        ]
     update_section("serving-load", "\n".join(lines))
 
 
