@@ -262,8 +262,9 @@ def report(doc: dict[str, Any]) -> None:
             "recomputes the clean stream over the whole context), which a batch does not make "
             "cheaper per row on one core. Batching saves the per-request costs around the "
             "compute (a thread hand-off and a lock per sweep, and the queueing of sweeps behind "
-            "one another), which is what the measured gain is; on an accelerator, where one "
-            "sequence leaves the device mostly idle, the same batches would pay far more.",
+            "one another), which is what the measured gain is. On an accelerator, where one "
+            "sequence leaves the device mostly idle, batches should pay far more (not measured: "
+            "no accelerator here).",
         ]
     update_section("serving-load", "\n".join(lines))
 
