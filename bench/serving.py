@@ -82,10 +82,14 @@ def _wait(url: str, procs: list[subprocess.Popen], timeout_s: float = 180) -> No
 
 @contextlib.contextmanager
 def chain(
-    models: dict[str, Path], hop_ms: float, threads: int, router_args: tuple[str, ...] = ()
+    models: dict[str, Path],
+    hop_ms: float,
+    threads: int,
+    router_args: tuple[str, ...] = (),
+    host_args: tuple[str, ...] = (),
 ) -> Iterator[str]:
-    """3 host processes and a router process (`router_args` added to its command line); yields
-    the router's URL."""
+    """3 host processes and a router process (`router_args` and `host_args` added to their
+    command lines); yields the router's URL."""
     cli = [sys.executable, "-m", "blocktrain.cli.main"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     ports = [_free_port() for _ in range(HOSTS + 1)]
@@ -107,6 +111,7 @@ def chain(
                         str(hop_ms),
                         "--threads",
                         str(threads),
+                        *host_args,
                     ],
                     env=env,
                     stdout=subprocess.DEVNULL,

@@ -17,7 +17,7 @@ from blocktrain.data.ngram import NgramDrafter
 from blocktrain.errors import ConfigError
 from blocktrain.httpserve import bind, run, url_of
 from blocktrain.serving.auth import SECRET_ENV, is_loopback, load_secret, tls_files
-from blocktrain.serving.router import RouterSettings, check_url
+from blocktrain.serving.router import RouterSettings
 from blocktrain.serving.router_app import create_app
 
 EXAMPLES = """examples:
@@ -25,6 +25,11 @@ EXAMPLES = """examples:
       --port 8100
   curl -s localhost:8100/v1/completions -H 'content-type: application/json' \\
       -d '{"model": "tiny", "prompt": "The ", "max_tokens": 64, "seed": 1}'
+
+  # two replicas of block 1: a request whose replica dies mid-stream goes on on the other
+  blocktrain serve --hosts 'http://127.0.0.1:8101,http://127.0.0.1:8102|http://127.0.0.1:8112,http://127.0.0.1:8103' \
+      --port 8100
+  curl -s localhost:8100/readyz    # 200 once a 1-byte sweep gets through every host
 
   # speculative generation with a K = 1 model: 6 bytes drafted per traversal, then verified
   blocktrain serve --hosts ... --port 8100 --draft-corpus data/wikitext-2
@@ -53,7 +58,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=Formatter,
     )
     p.add_argument(
-        "--hosts", required=True, metavar="URL,URL,...", help="the block hosts, in chain order"
+        "--hosts",
+        required=True,
+        metavar="URL,URL,...",
+        help="the block hosts, in chain order; replicas of one position as URL|URL (a failed "
+        "replica's work goes to another)",
     )
     p.add_argument("--port", type=int, required=True, help="TCP port (0: any free port)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -131,7 +140,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_cmd(args: argparse.Namespace) -> int:
-    hosts = tuple(check_url(h.strip(), "--hosts entry") for h in args.hosts.split(",") if h.strip())
+    hosts = tuple(h.strip() for h in args.hosts.split(",") if h.strip())
     drafter = None
     if args.draft_corpus:
         if not Path(args.draft_corpus).exists():
@@ -160,7 +169,8 @@ def run_cmd(args: argparse.Namespace) -> int:
     sock = bind(args.host, args.port)
     app = create_app(settings)  # builds nothing that can fail: hosts are asked lazily
     print(f"routing to {', '.join(hosts)} on {url_of(sock, tls=tls is not None)}", flush=True)
-    remote = [h for h in hosts if not is_loopback(httpx.URL(h).host)]
+    urls = [u for position in settings.positions for u in position]
+    remote = [h for h in urls if not is_loopback(httpx.URL(h).host)]
     if settings.secret is None and remote:
         print(
             f"no secret: hosts off loopback ({', '.join(remote)}) will refuse this router",

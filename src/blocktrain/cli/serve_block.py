@@ -38,6 +38,12 @@ EXAMPLES = """examples:
 
   # the same hosts also serve the reference, split into as many stages (the AR baseline)
   blocktrain serve-block tiny=runs/tiny ref=runs/ref --blocks 0 --port 8101
+  # batching (on by default): concurrent sweeps at the same point share a forward pass
+  blocktrain serve-block runs/tiny --blocks 0 --port 8101 --batch-window-ms 5 --batch-rows 32
+  blocktrain serve-block runs/tiny --blocks 0 --port 8101 --no-batching
+  # a replica of block 1 (name both in the router's --hosts: URL|URL)
+  blocktrain serve-block runs/tiny --blocks 1 --port 8112
+
   # a chain without a router: forward to the next host yourself
   blocktrain serve-block runs/tiny --blocks 0 --port 8101 --next http://127.0.0.1:8102
 """
@@ -96,6 +102,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the next host")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    p.add_argument(
+        "--batch-window-ms",
+        type=float,
+        default=HostSettings.batch_window_ms,
+        help="how long a sweep waits for concurrent ones to share its forward pass",
+    )
+    p.add_argument(
+        "--batch-rows",
+        type=int,
+        default=HostSettings.batch_rows,
+        help="most sequences in one batched forward pass",
+    )
+    p.add_argument(
+        "--no-batching",
+        action="store_true",
+        help="run every request alone (one forward pass each), e.g. to compare",
+    )
     p.set_defaults(handler=run_cmd)
 
 
@@ -137,6 +160,8 @@ def run_cmd(args: argparse.Namespace) -> int:
             timeout_s=args.timeout,
             secret=secret,
             ca_cert=args.ca_cert,
+            batch_window_ms=args.batch_window_ms,
+            batch_rows=1 if args.no_batching else args.batch_rows,
         )
         app = create_app(settings)  # loads this host's blocks: errors before we serve
     except BaseException:

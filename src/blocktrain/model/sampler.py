@@ -17,6 +17,9 @@ from blocktrain.model.block import BlockStack, ZLayout
 
 Denoiser = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, ZLayout], torch.Tensor]
 StepHook = Callable[[int, int, float, torch.Tensor], None]
+RowGenerators = list[tuple[int, torch.Generator]]
+"""A batch of several requests (a block host's batched sweep): (rows, generator) per request, in
+row order, so that each request's noise comes from its own generator, drawn as if it ran alone."""
 
 
 def stack_denoiser(stack: BlockStack) -> Denoiser:
@@ -53,6 +56,23 @@ def ancestral_step(
     return targets[y_hat] + sigma_next * eps.to(logits.device)
 
 
+def _ancestral_rows(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    sigma_next: float,
+    generator: torch.Generator | RowGenerators,
+) -> torch.Tensor:
+    if isinstance(generator, torch.Generator):
+        return ancestral_step(logits, targets, sigma_next, generator)
+    parts = logits.split([rows for rows, _ in generator])
+    return torch.cat(
+        [
+            ancestral_step(p, targets, sigma_next, g)
+            for p, (_, g) in zip(parts, generator, strict=True)
+        ]
+    )
+
+
 SAMPLERS = ("euler", "ancestral")
 """The sampler steps between grid points: "euler" (deterministic, DESIGN.md 2.6) or "ancestral"
 (re-noise from a sampled byte; draws from the generator)."""
@@ -86,7 +106,7 @@ def run_points(
     start: int = 0,
     stop: int | None = None,
     method: str = "euler",
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | RowGenerators | None = None,
     on_step: StepHook | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The sweep itself, written once: run grid points start..stop-1 on the state z (N, Lz, d),
@@ -96,7 +116,8 @@ def run_points(
 
     A whole sweep is start = 0, stop = len(grid) (`one_sweep`); a block host runs the
     consecutive points of the blocks it holds and forwards z to the host of the next point.
-    `on_step(n, block, sigma, logits)` sees every point's logits."""
+    `on_step(n, block, sigma, logits)` sees every point's logits. `generator` may be one per
+    request of a batch (RowGenerators)."""
     check_sampler(method)
     stop = len(grid) if stop is None else stop
     if not 0 <= start < stop <= len(grid):
@@ -117,7 +138,7 @@ def run_points(
             z = euler_step(z, logits, targets, sigma, grid[n + 1][1])
         else:
             assert generator is not None
-            z = ancestral_step(logits, targets, grid[n + 1][1], generator)
+            z = _ancestral_rows(logits, targets, grid[n + 1][1], generator)
     return z, logits
 
 

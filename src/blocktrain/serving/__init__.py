@@ -2,11 +2,14 @@
 
 - `host`: a block host (FastAPI app) that runs its blocks' sampler steps, or its stages of the
   reference with KV caches, and answers the state for the next host (or forwards it to its
-  own --next); it takes work only with the shared secret (`auth`).
+  own --next); it takes work only with the shared secret (`auth`). `batching` and `sweeps` run
+  concurrent sweeps at the same point as one batch.
 - `router`: the router (FastAPI app) with `/v1/generate` and the OpenAI-compatible
   `/v1/completions` and `/v1/chat/completions` (`openai_api`, `choices`, `chat`); `limits` caps
   its requests per client and the work per request and in flight.
-- `chain`: the router's generation loops: one sweep per span, or one traversal per byte.
+- `chain`: one traversal of the hosts (failing over between replicas); `streams`: the
+  generation loops over it; `directory`: which hosts serve which model; `replicas`: `URL|URL`
+  positions and health scores; `readiness`: `/readyz`, a 1-byte sweep through every host.
 - `wire`, `transport`, `errors`: the message format, HTTP with emulated hop latency, the errors.
 - `loading`, `shapes`: what a host loads; logical shapes for planning and throughput runs.
 

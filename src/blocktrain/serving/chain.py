@@ -1,6 +1,6 @@
-"""The router's side of the chain: which hosts serve which model (`Directory`), and one
-traversal of them (`Chain`): a sweep of one span's state, a verify sweep of a draft, or one
-autoregressive step. The generation loops over a chain are in `streams.py`.
+"""The router's side of the chain: one traversal of the hosts of a model (`Chain`): a sweep of
+one span's state, a verify sweep of a draft, or one autoregressive step. Which hosts serve which
+model is `directory.py`; the generation loops over a chain are in `streams.py`.
 
 Per sweep the router draws the initial noise from the request's generator, sends z = sigma_max *
 noise along the chain once (to each host of the route in turn: a host answers the state for the
@@ -8,26 +8,28 @@ next one, and the next hop is the router's choice, never a URL in a message), an
 generator (or lets the last host sample with the generator's state, which comes back advanced;
 so does the state when the sampler's steps draw noise on the hosts). With the state in fp32 on
 the wire, the bytes are those of `generate` (same shapes, same code path).
+
+A hop with several replicas (replicas.py) sends to the healthiest, and sends the same message to
+the next one when a replica fails (connection error, timeout, 5xx): the traversal goes on, and
+fails (503, naming the blocks) only when no replica of a hop is left.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 import torch
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
-from blocktrain.config import RunConfig
-from blocktrain.errors import ConfigError
 from blocktrain.model import Sampling, sample_bytes
 from blocktrain.model.sampler import needs_generator
-from blocktrain.serving.errors import HostRefused, HostUnavailable
-from blocktrain.serving.transport import get_json, post_message
+from blocktrain.serving.directory import RemoteModel
+from blocktrain.serving.errors import HostError, HostRefused, HostUnavailable, ServingError
+from blocktrain.serving.replicas import SEPARATOR, Health
+from blocktrain.serving.transport import post_message
 from blocktrain.serving.wire import (
     WIRE_DTYPES,
     Final,
@@ -46,124 +48,6 @@ log = logging.getLogger(__name__)
 
 FINAL_KEYS = frozenset({"logits", "bytes"})
 """The tensors of a final answer; any other answer is the state for the next host."""
-
-
-class _ModelInfo(BaseModel):
-    name: str
-    kind: str
-    parts: list[int]
-    total: int
-    fingerprint: str
-    config: dict[str, Any]
-
-
-class _HostInfo(BaseModel):
-    host: str
-    next: str | None = None
-    models: list[_ModelInfo]
-
-
-@dataclass(frozen=True)
-class RemoteModel:
-    """A model assembled from the hosts that hold its parts."""
-
-    name: str
-    kind: str  # "blocktrain" (one sweep) or "reference" (autoregressive)
-    config: RunConfig
-    fingerprint: str
-    route: list[str]  # host URLs in the order a traversal visits them
-    total: int  # blocks (or stages)
-
-    def describe(self) -> dict[str, Any]:
-        m = self.config.model
-        return {
-            "id": self.name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "blocktrain",
-            "kind": self.kind,
-            "hosts": self.route,
-            "span": m.span if self.kind == "blocktrain" else 1,
-            "context": m.seq_len,
-            "blocks": self.total,
-            "d_model": m.d_model,
-            "fingerprint": self.fingerprint,
-        }
-
-
-def assemble(infos: list[tuple[str, _HostInfo]]) -> tuple[dict[str, RemoteModel], dict[str, str]]:
-    """Models whose parts the hosts cover exactly once, and the reasons the others cannot be
-    served. Hosts are given in chain order; parts are visited in increasing order."""
-    holders: dict[str, dict[int, str]] = {}
-    seen: dict[str, _ModelInfo] = {}
-    broken: dict[str, str] = {}
-    for url, info in infos:
-        for m in info.models:
-            first = seen.setdefault(m.name, m)
-            if info.next is not None:
-                broken[m.name] = (
-                    f"host {url} forwards to its own --next {info.next}; the hosts behind a "
-                    "router take no --next (the router sends the state from host to host)"
-                )
-            if (m.fingerprint, m.kind, m.total) != (first.fingerprint, first.kind, first.total):
-                broken[m.name] = (
-                    f"hosts disagree on model {m.name!r}: {url} serves "
-                    f"fingerprint {m.fingerprint}, another {first.fingerprint}"
-                )
-            for p in m.parts:
-                other = holders.setdefault(m.name, {}).setdefault(p, url)
-                if other != url:
-                    broken[m.name] = f"part {p} of {m.name!r} is on both {other} and {url}"
-    models: dict[str, RemoteModel] = {}
-    for name, m in seen.items():
-        if name in broken:
-            continue
-        missing = [p for p in range(m.total) if p not in holders.get(name, {})]
-        what = "block" if m.kind == "blocktrain" else "stage"
-        if missing:
-            broken[name] = f"no host holds {what}(s) {missing} of {name!r}"
-            continue
-        try:
-            config = RunConfig.from_dict(m.config)
-        except ConfigError as exc:
-            broken[name] = f"model {name!r}: {exc}"
-            continue
-        route: list[str] = []
-        for p in range(m.total):
-            if not route or route[-1] != holders[name][p]:
-                route.append(holders[name][p])
-        models[name] = RemoteModel(name, m.kind, config, m.fingerprint, route, m.total)
-    return models, broken
-
-
-class Directory:
-    """What the hosts serve, asked once and cached until a host fails (then asked again)."""
-
-    def __init__(self, hosts: list[str], client: httpx.AsyncClient) -> None:
-        self.hosts = hosts
-        self.client = client
-        self._models: dict[str, RemoteModel] | None = None
-        self.unavailable: dict[str, str] = {}
-        self._lock = asyncio.Lock()
-
-    def invalidate(self) -> None:
-        self._models = None
-
-    async def models(self) -> dict[str, RemoteModel]:
-        async with self._lock:
-            if self._models is None:
-                infos = await asyncio.gather(*(self._info(url) for url in self.hosts))
-                self._models, self.unavailable = assemble(list(zip(self.hosts, infos, strict=True)))
-            return self._models
-
-    async def _info(self, url: str) -> _HostInfo:
-        raw = await get_json(self.client, url, "/v1/info")
-        try:
-            return _HostInfo.model_validate(raw)
-        except ValidationError:
-            raise HostRefused(
-                f"{url} is not a BlockTrain block host (bad /v1/info)", host=url
-            ) from None
 
 
 @dataclass
@@ -202,12 +86,18 @@ class Chain:
         wire_dtype: WireDtype = "fp32",
         sample_on: str = "router",
         stats: ChainStats | None = None,
+        health: Health | None = None,
     ) -> None:
         self.client = client
         self.model = model
         self.wire_dtype = wire_dtype
         self.final: Final = "bytes" if sample_on == "last-host" else "logits"
         self.stats = stats if stats is not None else ChainStats()
+        self.health = health if health is not None else Health(time.monotonic)
+        self._pinned: dict[int, str] = {}
+        """The replica each hop used last: a generation stays on it (its KV caches live there)
+        until it fails."""
+        self._last_url = model.route[-1]
 
     def _spec(self, sampling: Sampling) -> SamplingSpec:
         return SamplingSpec(
@@ -217,14 +107,14 @@ class Chain:
     async def _send(
         self, path: str, tensors: dict[str, torch.Tensor], header: BaseModel
     ) -> dict[str, torch.Tensor]:
-        """One traversal: the message goes to the first host of the route; each host answers
-        the state for the next one, which goes on unchanged to the next host of the route,
+        """One traversal: the message goes to the first hop of the route; each host answers
+        the state for the next one, which goes on unchanged to the next hop of the route,
         until a host answers the final logits or bytes."""
         t0 = time.perf_counter()
         message = encode(tensors, header.model_dump())
         trace: list[TraceEntry] = []
-        for url in self.model.route:
-            message, later = await post_message(self.client, url, path, message)
+        for hop in range(len(self.model.replicas)):
+            message, later, url = await self._hop(hop, path, message)
             trace += later
             try:
                 out = decode(message)[0]
@@ -233,12 +123,53 @@ class Chain:
                     f"host {url} answered an unreadable message ({exc})", host=url
                 ) from None
             if FINAL_KEYS & out.keys():
+                self._last_url = url
                 self.stats.add(time.perf_counter() - t0, trace)
                 return out
         raise HostRefused(
-            f"the last host of {self.model.name!r}, {self.model.route[-1]}, passed the state "
-            "on instead of answering",
-            host=self.model.route[-1],
+            f"the last host of {self.model.name!r}, {url}, passed the state on instead of "
+            "answering",
+            host=url,
+        )
+
+    async def _hop(
+        self, hop: int, path: str, message: bytes
+    ) -> tuple[bytes, list[TraceEntry], str]:
+        """Send `message` to a replica of `hop`: the pinned one, else the healthiest; on a
+        failure of the host itself, to the next replica. -> (answer, trace, the host used)."""
+        replicas = self.model.replicas[hop]
+        order = self.health.order(replicas)
+        pinned = self._pinned.get(hop)
+        if pinned in order and not self.health.recently_failed(pinned):
+            order.remove(pinned)
+            order.insert(0, pinned)
+        failures: list[str] = []
+        for url in order:
+            self.health.started(url)
+            t0 = time.perf_counter()
+            try:
+                answer, trace = await post_message(self.client, url, path, message)
+            except ServingError as exc:
+                # A refusal (4xx) would be the same on every replica: not the host's failure.
+                if not isinstance(exc, HostError) or exc.status < 500:
+                    self.health.succeeded(url, time.perf_counter() - t0)
+                    raise
+                self.health.failed(url, exc.message)
+                if len(replicas) == 1:
+                    raise  # no replicas: the host's own error, as before
+                log.warning("replica failed, trying the next: %s", exc.message)
+                failures.append(exc.message)
+                continue
+            self.health.succeeded(url, time.perf_counter() - t0)
+            self._pinned[hop] = url
+            return answer, trace, url
+        what = "block" if self.model.kind == "blocktrain" else "stage"
+        parts = list(self.model.parts[hop]) if self.model.parts else [hop]
+        raise HostUnavailable(
+            f"no replica of {what}(s) {parts} of {self.model.name!r} is left: "
+            + "; ".join(failures),
+            host=SEPARATOR.join(replicas),
+            code="no_replica",
         )
 
     def _finish(
@@ -250,12 +181,12 @@ class Chain:
             generator.set_state(out["generator"])
         if self.final == "logits":
             if "logits" not in out:
-                raise HostRefused("the last host answered no logits", host=self.model.route[-1])
+                raise HostRefused("the last host answered no logits", host=self._last_url)
             if self.stats.logits is not None:
                 self.stats.logits.append(out["logits"].cpu())
             return sample_bytes(out["logits"].cpu(), sampling, generator)
         if "bytes" not in out or "generator" not in out:
-            raise HostRefused("the last host answered no bytes", host=self.model.route[-1])
+            raise HostRefused("the last host answered no bytes", host=self._last_url)
         return out["bytes"].long()
 
     async def _sweep(
@@ -335,7 +266,7 @@ class Chain:
         if "generator" in out:
             generator.set_state(out["generator"])
         if "logits" not in out:
-            raise HostRefused("the last host answered no logits", host=self.model.route[-1])
+            raise HostRefused("the last host answered no logits", host=self._last_url)
         return out["logits"]
 
     async def stage_step(
@@ -383,10 +314,6 @@ class Chain:
         )
         out = await self._send("/v1/stage", {"x": bytes_tensor(tokens)}, header)
         if "logits" not in out:
-            raise HostRefused("the last host answered no logits", host=self.model.route[-1])
+            raise HostRefused("the last host answered no logits", host=self._last_url)
         logits = out["logits"]
         return logits if drafted else logits[:, None]
-
-
-def unavailable_error(name: str, reason: str) -> HostUnavailable:
-    return HostUnavailable(f"model {name!r} cannot be served right now: {reason}")

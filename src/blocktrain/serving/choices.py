@@ -193,7 +193,9 @@ class Run:
     def timings(self) -> Timings:
         now = time.perf_counter()
         started = self.started or now
-        hops: dict[str, float] = {url: 0.0 for url in self.job.model.route}
+        # every host in route order, with 0 for one that computed nothing; a position with
+        # replicas lists those that served (the trace names the replica that answered)
+        hops: dict[str, float] = {r[0]: 0.0 for r in self.job.model.replicas if len(r) == 1}
         for s in self.stats:
             for host, ms in s.host_ms.items():
                 hops[host] = hops.get(host, 0.0) + ms

@@ -16,6 +16,9 @@ with the request's generator state when asked to (`final = "bytes"`). Any other 
 the state for the next point to the router, which sends it to the next host (or forwards it to
 its own configured `--next`, in a chain without a router): the next hop is never read from a
 request.
+
+Concurrent sweeps at the same grid point with the same shapes run as one batch through the
+block's forward pass (`batching.py` gathers them, `sweeps.py` runs them).
 """
 
 from __future__ import annotations
@@ -33,13 +36,14 @@ import httpx
 import torch
 
 from blocktrain.errors import ConfigError
-from blocktrain.model import Sampling, ZLayout, sample_bytes
-from blocktrain.model.sampler import needs_generator, run_points, stack_denoiser
-from blocktrain.model.speculative import verify_layout
+from blocktrain.model import Sampling
+from blocktrain.model.sampler import needs_generator
+from blocktrain.serving.batching import Batcher
 from blocktrain.serving.errors import BadRequest, HostRefused
 from blocktrain.serving.loading import HostedModel, ModelSource
 from blocktrain.serving.requests import byte_input, read_header, read_message, state_input
 from blocktrain.serving.sessions import SessionStore
+from blocktrain.serving.sweeps import SweepJob, SweepKey, SweepResult, final_answer, run_sweeps
 from blocktrain.serving.transport import post_message
 from blocktrain.serving.wire import (
     WIRE_DTYPES,
@@ -83,6 +87,10 @@ class HostSettings:
     --next; None: anyone may call (loopback only, see cli/serve_block.py)."""
     ca_cert: str | None = None
     """PEM bundle to verify an https --next against (None: the system's CAs)."""
+    batch_window_ms: float = 2.0
+    """How long a sweep waits for others to share its forward pass (batching.py)."""
+    batch_rows: int = 64
+    """Most sequences in one batched forward pass; 1 turns batching off."""
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -96,7 +104,9 @@ class HostSettings:
             raise ConfigError(f"--hop-ms {self.hop_ms} must be >= 0")
         if self.timeout_s <= 0:
             raise ConfigError(f"--timeout {self.timeout_s} must be positive")
-        for name in ("max_body_bytes", "max_batch", "max_sessions"):
+        if self.batch_window_ms < 0:
+            raise ConfigError(f"--batch-window-ms {self.batch_window_ms} must be >= 0")
+        for name in ("max_body_bytes", "max_batch", "max_sessions", "batch_rows"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} = {getattr(self, name)} must be positive")
 
@@ -115,9 +125,14 @@ class BlockHost:
         self.models = models
         self.client = client
         self.sessions = SessionStore(settings.max_sessions, settings.session_ttl_s, clock)
-        # One computation at a time: torch already uses every core for one request, and the
+        # One computation at a time: torch already uses every core for one batch, and the
         # KV caches are only touched under this lock.
         self._compute = threading.Lock()
+        self.batcher: Batcher[SweepKey, SweepJob, SweepResult] = Batcher(
+            self._run_sweeps,
+            window_s=settings.batch_window_ms / 1000,
+            max_rows=settings.batch_rows,
+        )
 
     # ------------------------------------------------------------------ common checks
 
@@ -126,6 +141,11 @@ class BlockHost:
             "host": self.settings.public_url,
             "next": self.settings.next_url,
             "models": [m.describe() for m in self.models.values()],
+            "batching": {
+                "window_ms": self.settings.batch_window_ms,
+                "max_rows": self.settings.batch_rows,
+                **self.batcher.stats.describe(),
+            },
         }
 
     def _model(self, name: str, fingerprint: str, kind: str) -> HostedModel:
@@ -194,24 +214,6 @@ class BlockHost:
         )
         return gen, sampling
 
-    def _final(
-        self,
-        logits: torch.Tensor,
-        final: str,
-        gen: torch.Generator | None,
-        sampling: Sampling | None,
-    ) -> bytes:
-        """The last host's answer: logits, or bytes drawn here; with the advanced generator
-        state whenever the request sent one."""
-        if final != "bytes":
-            out = {"logits": logits.float().contiguous()}
-        else:
-            assert gen is not None and sampling is not None
-            out = {"bytes": bytes_tensor(sample_bytes(logits.cpu(), sampling, gen))}
-        if gen is not None:
-            out["generator"] = gen.get_state()
-        return encode(out)
-
     def _trace(self, model: HostedModel, parts: list[int], seconds: float) -> TraceEntry:
         return TraceEntry(
             host=self.settings.public_url, model=model.name, parts=parts, compute_ms=seconds * 1000
@@ -259,9 +261,10 @@ class BlockHost:
                 code="misrouted",
             )
         gen, sampling = self._generator(tensors, header)
-        run = functools.partial(self._run_sweep, model, header, x, z, grid, gen, sampling)
-        # In a worker thread, so that the host keeps answering (health, info) while it computes.
-        z, step, done, visited, seconds = await anyio.to_thread.run_sync(run)
+        # Sweeps at the same point with the same shapes share one forward pass (batching.py).
+        key = (model.name, header.step, header.steps_per_block, header.sampler, drafted, lx, z_len)
+        job = SweepJob(model, header, x, z, grid, gen, sampling)
+        z, step, done, visited, seconds = await self.batcher.submit(key, n, job)
         trace = self._trace(model, visited, seconds)
         if done is not None:
             return done, [trace]
@@ -271,44 +274,8 @@ class BlockHost:
             out["generator"] = gen.get_state()
         return await self._pass_on("/v1/sweep", encode(out, forward.model_dump()), trace)
 
-    @torch.no_grad()
-    def _run_sweep(
-        self,
-        model: HostedModel,
-        header: SweepHeader,
-        x: torch.Tensor,
-        z: torch.Tensor,
-        grid: list[tuple[int, float]],
-        gen: torch.Generator | None,
-        sampling: Sampling | None,
-    ) -> tuple[torch.Tensor, int, bytes | None, list[int], float]:
-        """This host's consecutive points of the grid, by the one sweep of model.sampler.
-        -> (z, next step, the final answer or None, blocks run, compute seconds)."""
-        assert model.stack is not None
-        start = stop = header.step
-        while stop < len(grid) and grid[stop][0] in model.parts:
-            stop += 1
-        visited = sorted({grid[n][0] for n in range(start, stop)})
-        if header.drafted:
-            layout = verify_layout(x.shape[1] - header.drafted, header.drafted, device=x.device)
-        else:
-            layout = ZLayout.next_span(x.shape[1], z.shape[1], device=x.device)
-        with self._compute:
-            t0 = time.perf_counter()
-            z, logits = run_points(
-                stack_denoiser(model.stack),
-                x,
-                z,
-                grid,
-                model.stack.targets,
-                layout,
-                start=start,
-                stop=stop,
-                method=header.sampler,
-                generator=gen,
-            )
-            final = self._final(logits, header.final, gen, sampling) if stop == len(grid) else None
-            return z, stop, final, visited, time.perf_counter() - t0
+    def _run_sweeps(self, key: SweepKey, jobs: list[SweepJob]) -> list[SweepResult]:
+        return run_sweeps(jobs, self._compute)
 
     # ------------------------------------------------------------------ autoregressive stages
 
@@ -383,5 +350,5 @@ class BlockHost:
             final = None
             if stage == model.total:  # logits (N, 256), or (N, D + 1, 256) to verify a draft
                 out = h[:, -(header.verify + 1) :] if header.verify else h[:, -1]
-                final = self._final(out, header.final, gen, sampling)
+                final = final_answer(out, header.final, gen, sampling)
             return h, stage, final, visited, time.perf_counter() - t0

@@ -3,7 +3,8 @@ errors as JSON.
 
 POST /v1/sweep   run this host's points of the sigma grid on a span's state, then pass it on
 POST /v1/stage   run this host's reference stages (the autoregressive baseline), then pass on
-GET  /v1/info    the models, blocks/stages and fingerprints held here (needs the secret)
+GET  /v1/info    the models, blocks/stages and fingerprints held here, and the batching
+                 counters (needs the secret)
 GET  /healthz    liveness (open)
 """
 

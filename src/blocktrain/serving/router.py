@@ -5,10 +5,12 @@
     POST /v1/chat/completions   the same for chat, over a byte-level template (chat.py)
     GET  /v1/models        the models the hosts assemble into complete chains
     GET  /healthz          liveness of the router itself
+    GET  /readyz           readiness: a 1-byte sweep through every host (readiness.py)
 
 A BlockTrain model is served by one sweep per span of K bytes; a reference model by the
 autoregressive pipeline, one traversal per byte. The router learns what the hosts serve from
-their /v1/info and asks again after any host failure, so it keeps serving once a host is back.
+their /v1/info and asks again after any host failure, so it keeps serving once a host is back;
+a position of the chain may hold replicas, and a failed hop is retried on another (replicas.py).
 
 Errors are OpenAI-shaped JSON, `{"error": {"message", "type", "param", "code", "host"}}`: 400 for
 a bad request (404 for an unknown model, 413 for a body over the limit, 422 for more work than
@@ -21,7 +23,8 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -32,15 +35,11 @@ from blocktrain.data.ngram import NgramDrafter
 from blocktrain.errors import ConfigError
 from blocktrain.model import Sampling
 from blocktrain.model.speculative import SpeculativeLoop
-from blocktrain.serving.chain import (
-    Chain,
-    ChainStats,
-    Directory,
-    RemoteModel,
-    unavailable_error,
-)
+from blocktrain.serving.chain import Chain, ChainStats
+from blocktrain.serving.directory import Directory, RemoteModel, unavailable_error
 from blocktrain.serving.errors import BadRequest, HostError, HostRefused, ServingError
 from blocktrain.serving.limits import WorkLimiter, work_units
+from blocktrain.serving.replicas import Health, parse_positions
 from blocktrain.serving.schemas import Prompt, SamplingParams
 from blocktrain.serving.streams import (
     autoregressive_speculative_stream,
@@ -64,12 +63,17 @@ def check_url(url: str, what: str = "host URL") -> str:
     return url.rstrip("/")
 
 
+def _positions(hosts: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    return parse_positions(hosts, lambda url: check_url(url, "--hosts entry"))
+
+
 @dataclass(frozen=True)
 class RouterSettings:
     """How the router runs."""
 
     hosts: tuple[str, ...]
-    """Block hosts, in chain order (the first receives each request)."""
+    """Block hosts, in chain order (the first receives each request); an entry may name
+    replicas of one position as `URL|URL` (replicas.py)."""
     hop_ms: float = 0.0
     """Emulated one-way latency of the link to the first host (see transport.py)."""
     timeout_s: float = 300.0
@@ -103,13 +107,15 @@ class RouterSettings:
     ca_cert: str | None = None
     """PEM bundle to verify https hosts against (None: the system's CAs)."""
 
+    @property
+    def positions(self) -> tuple[tuple[str, ...], ...]:
+        """The replicas of each position of the chain."""
+        return _positions(self.hosts)
+
     def __post_init__(self) -> None:
         if not self.hosts:
             raise ConfigError("--hosts must name at least one block host")
-        for url in self.hosts:
-            check_url(url)
-        if len(set(self.hosts)) != len(self.hosts):
-            raise ConfigError(f"--hosts lists a host twice: {', '.join(self.hosts)}")
+        _positions(self.hosts)  # checks every URL, and that none appears twice
         if self.hop_ms < 0:
             raise ConfigError(f"--hop-ms {self.hop_ms} must be >= 0")
         if self.timeout_s <= 0:
@@ -155,11 +161,27 @@ class _Job:
 
 
 class Router:
-    def __init__(self, settings: RouterSettings, client: httpx.AsyncClient) -> None:
+    def __init__(
+        self,
+        settings: RouterSettings,
+        client: httpx.AsyncClient,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.settings = settings
         self.client = client
-        self.directory = Directory(list(settings.hosts), client)
+        self.health = Health(clock)
+        self.directory = Directory(settings.positions, client, self.health, clock)
         self.work = WorkLimiter(settings.max_work, settings.max_work_in_flight)
+
+    def chain(self, model: RemoteModel, stats: ChainStats | None = None) -> Chain:
+        return Chain(
+            self.client,
+            model,
+            wire_dtype=cast(WireDtype, self.settings.wire_dtype),
+            sample_on=self.settings.sample_on,
+            stats=stats,
+            health=self.health,
+        )
 
     async def resolve(self, name: str | None) -> RemoteModel:
         models = await self.directory.models()
@@ -248,13 +270,7 @@ class Router:
 
     def stream(self, job: _Job, stats: ChainStats) -> AsyncIterator[torch.Tensor]:
         """The new bytes (1, m) piece by piece: a span per sweep, or a byte per traversal."""
-        chain = Chain(
-            self.client,
-            job.model,
-            wire_dtype=cast(WireDtype, self.settings.wire_dtype),
-            sample_on=self.settings.sample_on,
-            stats=stats,
-        )
+        chain = self.chain(job.model, stats)
         prompt = torch.tensor([list(job.prompt)], dtype=torch.long)
         gen = torch.Generator().manual_seed(job.seed)
         if job.draft_bytes:

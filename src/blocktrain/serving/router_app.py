@@ -1,6 +1,6 @@
 """The router's HTTP app: `POST /v1/generate`, the OpenAI-compatible `POST /v1/completions` and
-`POST /v1/chat/completions` (openai_api.py), `GET /v1/models` and `GET /healthz`, over
-`router.Router`; every error as OpenAI-shaped JSON."""
+`POST /v1/chat/completions` (openai_api.py), `GET /v1/models`, `GET /healthz` and `GET /readyz`
+(readiness.py), over `router.Router`; every error as OpenAI-shaped JSON."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from blocktrain.serving.chain import (
 from blocktrain.serving.errors import BadRequest, ServingError, error_body
 from blocktrain.serving.limits import RateLimit, RateLimiter
 from blocktrain.serving.openai_api import add_openai_routes
+from blocktrain.serving.readiness import Readiness
 from blocktrain.serving.router import Router, RouterSettings
 from blocktrain.serving.schemas import (
     GenerateRequest,
@@ -61,6 +62,7 @@ def create_app(
         ca_cert=settings.ca_cert,
     )
     router = Router(settings, client)
+    readiness = Readiness(router)
     limiter = RateLimiter(settings.rate_per_minute, clock) if settings.rate_per_minute else None
 
     @asynccontextmanager
@@ -96,6 +98,12 @@ def create_app(
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
         return {"ok": True, "hosts": list(settings.hosts)}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        # 200 only when a 1-byte sweep gets through every model's chain (readiness.py).
+        ready, body = await readiness.check()
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
