@@ -147,6 +147,15 @@ def main() -> int:
         "rss_under_bound": soak.peak_rss_kb / 1024 < args.rss_bound_mb,
         "ce_within_noise": gap <= tolerance,
         "rounds_closed": rounds > 0,
+        # the servers' head and body-rate timeouts (httpserve.Limits) close every slowloris
+        # connection within the clients' 40 s; vacuous without a hostile batch, so it fails then
+        "slowloris_closed": bool(hostile) and all(h.get("still_open") == 0 for h in hostile),
+        "oversized_refused": bool(hostile)
+        and all(
+            not str(outcome).startswith("HTTP/1.1 2")
+            for h in hostile
+            for outcome in h.get("oversized", {}).values()
+        ),
     }
     faults: dict[str, int] = {}
     for e in soak.events:
