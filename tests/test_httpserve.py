@@ -3,7 +3,6 @@ bodies, half-sent heads. Issue 12, "Resource exhaustion" and "Limits before pars
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
 import time
@@ -14,6 +13,7 @@ from fastapi import FastAPI, Request
 
 from blocktrain.errors import ConfigError
 from blocktrain.httpserve import HttpGuard, Limits, ThreadedServer, bind, declared_length
+from tests.asgi import asgi_request
 
 
 def echo_app(limits: Limits, **guard: Any) -> FastAPI:
@@ -29,42 +29,8 @@ def echo_app(limits: Limits, **guard: Any) -> FastAPI:
 
 def call(app: Any, headers: dict[str, str], chunks: list[bytes], delay_s: float = 0.0):
     """Run one POST /echo through the ASGI app; (status, JSON, chunks the app pulled)."""
-    pulled = 0
-    sent: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        nonlocal pulled
-        if pulled >= len(chunks):
-            await asyncio.sleep(3600)  # a client that never finishes
-        await asyncio.sleep(delay_s)
-        pulled += 1
-        return {
-            "type": "http.request",
-            "body": chunks[pulled - 1],
-            "more_body": pulled < len(chunks),
-        }
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/echo",
-        "raw_path": b"/echo",
-        "root_path": "",
-        "query_string": b"",
-        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 2),
-    }
-    asyncio.run(app(scope, receive, send))
-    start = next(m for m in sent if m["type"] == "http.response.start")
-    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    return start["status"], json.loads(body), pulled
+    answer = asgi_request(app, "POST", "/echo", headers, chunks, delay_s=delay_s)
+    return answer.status, json.loads(answer.body), answer.chunks_pulled
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,6 @@ and private metrics. Each test names the finding it covers."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 from typing import Any
 
@@ -16,45 +15,15 @@ from fastapi.testclient import TestClient
 from blocktrain.protocol.aggregator import create_app
 from blocktrain.protocol.client import AggregatorClient, RetryPolicy
 from blocktrain.protocol.limits import AccessLimits, RateLimited, RateLimiter
+from tests.asgi import asgi_request
 
 from .conftest import SETTINGS, FakeClock, Harness, add_token, auth, delta_body, make_state
 
 
 def asgi_call(app: Any, method: str, path: str, headers: dict[str, str], chunks: list[bytes]):
-    """One request straight into the ASGI app, so that a test sees how much of the body the
-    server pulled: (status, JSON body, chunks pulled)."""
-    pulled = 0
-    sent: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        nonlocal pulled
-        if pulled >= len(chunks):
-            await asyncio.sleep(3600)
-        pulled += 1
-        more = pulled < len(chunks)
-        return {"type": "http.request", "body": chunks[pulled - 1], "more_body": more}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": method,
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "root_path": "",
-        "query_string": b"",
-        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
-        "client": ("127.0.0.1", 1),
-        "server": ("agg", 80),
-    }
-    asyncio.run(app(scope, receive, send))
-    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
-    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    return status, body, pulled
+    """(status, body, chunks the server pulled) of one request straight into the app."""
+    answer = asgi_request(app, method, path, headers, chunks)
+    return answer.status, answer.body, answer.chunks_pulled
 
 
 def ledger_rows(h: Harness) -> int:

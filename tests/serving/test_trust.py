@@ -6,7 +6,6 @@ Each test names the finding it covers; each fails on the code before these fixes
 
 from __future__ import annotations
 
-import asyncio
 import json
 import struct
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ from blocktrain.errors import ConfigError
 from blocktrain.serving.auth import SECRET_ENV, load_secret
 from blocktrain.serving.limits import RateLimiter, WorkLimiter
 from blocktrain.serving.wire import CONTENT_TYPE, decode, encode
+from tests.asgi import asgi_request
 from tests.serving.conftest import Runs, start_cluster
 from tests.serving.test_chain import _fingerprint, _sweep_message
 
@@ -32,39 +32,8 @@ def asgi_post(
 ) -> tuple[int, dict, int]:
     """POST to an ASGI app, the body sent chunk by chunk as a chunked upload would arrive
     (no Content-Length) -> (status, JSON answer, body bytes the app pulled)."""
-    pulled = 0
-    sent: list[dict] = []
-    hdrs = [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"transfer-encoding", b"chunked"), *hdrs],
-        "client": ("10.0.0.9", 5000),
-        "server": ("host0", 8101),
-    }
-
-    async def receive() -> dict:
-        nonlocal pulled
-        chunk = next(chunks, None)
-        if chunk is None:
-            return {"type": "http.request", "body": b"", "more_body": False}
-        pulled += len(chunk)
-        return {"type": "http.request", "body": chunk, "more_body": True}
-
-    async def send(message: dict) -> None:
-        sent.append(message)
-
-    asyncio.run(app(scope, receive, send))  # type: ignore[operator]
-    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
-    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    return status, json.loads(body), pulled
+    answer = asgi_request(app, "POST", path, headers, chunks, chunked=True)
+    return answer.status, json.loads(answer.body), answer.bytes_pulled
 
 
 def endless(chunk: int = 1024) -> Iterator[bytes]:
