@@ -30,6 +30,7 @@ class RegisterOut(Out):
     round: int
     version: int
     wire_dtype: str
+    delta_wire: str = Field(description="how pushes carry deltas: fp16|bf16|fp32|int8|topk:RATIO")
     done: bool
 
 
