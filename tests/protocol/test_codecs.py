@@ -4,6 +4,7 @@ aggregator's refusal of compressed bodies that could open a hole."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -259,6 +260,10 @@ def test_compressed_bodies_are_a_fraction_of_fp16():
     assert size["int8"] <= 0.51 * size["fp16"]  # 1 byte a value, a 4-byte scale a row
     assert size["topk:0.1"] <= 0.31 * size["fp16"]  # 2 + 4 bytes a kept value
     assert size["topk:0.03"] <= 0.1 * size["fp16"]
+    shapes = {k: tuple(v.shape) for k, v in big.items()}
+    for wire, n in size.items():  # the status's delta_bytes: the data, without the header
+        data = BlockSpec(shapes, "fp16", wire).delta_bytes
+        assert data < n < data + 1024, wire
 
 
 def test_a_restarted_aggregator_decodes_its_pending_compressed_bodies(tmp_path):
@@ -285,3 +290,27 @@ def test_a_restarted_aggregator_decodes_its_pending_compressed_bodies(tmp_path):
             assert torch.allclose(w - base[k], sent.sent[k], atol=1e-6), k
     finally:
         h2.state.close()
+
+
+def test_a_worker_told_another_wire_re_registers_and_follows_it(tmp_path, monkeypatch):
+    """An aggregator restarted with another --wire refuses the old codec (wrong_wire); the
+    worker registers again, learns the new delta_wire and pushes in it."""
+    from .test_worker import SETTINGS
+
+    h = make_harness(tmp_path / "s", SETTINGS.replace(delta_wire="int8"))
+    c = client_for(h, h.alice)
+    real = c.register
+    calls = []
+
+    def stale_first(*args, **kwargs):
+        reg = real(*args, **kwargs)
+        calls.append(reg.delta_wire)
+        return replace(reg, delta_wire="fp16") if len(calls) == 1 else reg
+
+    monkeypatch.setattr(c, "register", stale_first)
+    try:
+        report = WorkerLoop(c, lambda reg, cfg: FakeTrainer(), block=0).run()
+        assert report.refused == {"wrong_wire": 1} and report.accepted >= 3, report
+        assert calls == ["int8", "int8"]
+    finally:
+        h.state.close()

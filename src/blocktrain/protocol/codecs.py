@@ -148,6 +148,20 @@ def expected_parts(
     return out
 
 
+def data_bytes(shapes: dict[str, tuple[int, ...]], wire: DeltaWire) -> int:
+    """Bytes of tensor data in one push of a block of these shapes (top-k: k at the ratio)."""
+    total = 0
+    for shape in shapes.values():
+        numel = math.prod(shape)
+        if wire.dense:
+            total += numel * DENSE[wire.kind][1].itemsize
+        elif wire.kind == "int8":
+            total += numel + 4 * (shape[0] if len(shape) >= 2 else 1)
+        else:
+            total += 6 * wire.k(numel)
+    return total
+
+
 def check_k(raw: dict[str, RawTensor], shapes: dict[str, tuple[int, ...]]) -> None:
     """Top-k parts: values and indices 1-d of one length k, with k no more than the tensor's
     size (WireError bad_k otherwise)."""

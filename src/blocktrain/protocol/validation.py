@@ -42,6 +42,11 @@ class BlockSpec:
         return codecs.DeltaWire.parse(self.delta_wire or self.wire_dtype)
 
     @property
+    def delta_bytes(self) -> int:
+        """Bytes of a push's tensor data in the delta wire (the least a push of it costs)."""
+        return codecs.data_bytes(self.shapes, self.push_wire)
+
+    @property
     def parts(self) -> dict[str, tuple[str, tuple[int, ...] | None]]:
         """The tensors a push body holds: part name -> (dtype code, shape or None)."""
         return codecs.expected_parts(self.shapes, self.push_wire)

@@ -34,8 +34,9 @@ LONG_POLL_S = 5.0
 SIGTERM can take to be noticed while waiting)."""
 RESYNC_REASONS = frozenset({"late", "stale_version", "future_round", "duplicate"})
 """Refusals after which a worker simply pulls the open round again."""
-REREGISTER_REASONS = frozenset({"unknown_worker", "not_assigned", "not_your_worker"})
-"""Refusals after which a worker registers again."""
+REREGISTER_REASONS = frozenset({"unknown_worker", "not_assigned", "not_your_worker", "wrong_wire"})
+"""Refusals after which a worker registers again (wrong_wire: the aggregator was restarted with
+another `--wire`; registering tells the new one)."""
 FATAL_REASONS = frozenset({"missing_token", "invalid_token", "revoked_token"})
 """Refusals no retry can fix."""
 
