@@ -19,7 +19,7 @@ from blocktrain.protocol.wire import decode as decode_body
 from blocktrain.protocol.wire import update_body
 from blocktrain.protocol.worker import WorkerLoop
 
-from .conftest import block_tensors, make_harness
+from .conftest import auth, block_tensors, make_harness
 from .test_worker import FakeTrainer, client_for
 
 SHAPES = {"w": (6, 5), "b": (6,), "s": ()}
@@ -239,6 +239,12 @@ def test_workers_push_the_announced_wire_and_the_aggregator_counts_its_bytes(tmp
             assert report.stopped_by == "done" and report.accepted == 4, report
             traffic = h.service.traffic.summary()["by_endpoint"]
             assert traffic["push"]["bytes_in"] == report.bytes_up
+            (status,) = [
+                b
+                for b in h.client.get("/v1/status", headers=auth(h.alice)).json()["blocks"]
+                if b["block"] == 0
+            ]
+            assert status["delta_bytes"] == h.service.blocks[0].spec.delta_bytes
             sizes[wire] = report.bytes_up
             base = block_tensors(100)  # block 0's version 0
             moved = {k: h.service.engine.blocks[0].weights[k] - base[k] for k in base}

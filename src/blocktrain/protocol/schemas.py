@@ -87,6 +87,7 @@ class BlockStatusOut(Out):
     live_replicas: int
     params: int
     wire_bytes: int
+    delta_bytes: int = Field(description="bytes of one push's tensor data in the delta wire")
 
 
 class WorkerStatusOut(Out):
