@@ -23,6 +23,10 @@ def echo_app(limits: Limits, **guard: Any) -> FastAPI:
     async def echo(request: Request) -> dict[str, int]:
         return {"bytes": len(await request.body())}
 
+    @app.post("/refuse")
+    async def refuse() -> dict[str, str]:  # answers without reading the body, as a 401 does
+        return {"refused": "before the body"}
+
     app.add_middleware(HttpGuard, limits=limits, **guard)
     return app
 
@@ -132,6 +136,32 @@ def test_half_sent_heads_are_closed_after_the_header_timeout():
             assert chunk, reply
             reply += chunk
         for s in (silent, half, kept, ok):
+            s.close()
+    finally:
+        server.stop()
+
+
+def test_an_answer_before_the_body_closes_the_connection():
+    """Found by the chaos soak (bench/chaos.py): a client that declares a body, sends part of
+    it and then trickles bytes held its connection after an early answer (a 401 before the
+    body), since the server waits to drain the declared body before the next request. An
+    answer given before the body is complete now says `Connection: close` and closes."""
+    limits = Limits()
+    server = ThreadedServer.start(echo_app(limits), bind("127.0.0.1", 0), limits=limits)
+    host, port = server.url.rsplit("//", 1)[1].split(":")
+    try:
+        slow = socket.create_connection((host, int(port)))
+        slow.sendall(b"POST /refuse HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
+        slow.settimeout(5.0)
+        reply = slow.recv(65536)
+        assert reply.startswith(b"HTTP/1.1 200") and b"connection: close" in reply.lower()
+        assert _closed_within(slow, 5.0)
+        # a body the app read whole keeps its connection (keep-alive is unaffected)
+        whole = socket.create_connection((host, int(port)))
+        whole.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nab")
+        whole.settimeout(5.0)
+        assert b"connection: close" not in whole.recv(65536).lower()
+        for s in (slow, whole):
             s.close()
     finally:
         server.stop()

@@ -161,6 +161,8 @@ class HttpGuard:
             )
             return
         body = _Body(cap, self.limits)
+        chunked = any(k == b"transfer-encoding" for k, _ in scope["headers"])
+        expects_body = chunked or bool(length)
 
         async def guarded_receive() -> Message:
             if body.failure is not None:
@@ -193,6 +195,11 @@ class HttpGuard:
                 if body.failure is not None:
                     return  # the guard answers instead
                 body.response_started = True
+                if expects_body and not body.complete:
+                    # an answer before the whole body (a refusal): close after it, or the
+                    # server would wait to drain the body, as slowly as the client sends it
+                    headers = [*message.get("headers", []), (b"connection", b"close")]
+                    message = {**message, "headers": headers}
             elif not body.response_started:
                 return
             await send(message)

@@ -41,7 +41,8 @@ BIAS_TENSOR = "head.bias"
 
 def undefended(cfg: RunConfig, local_steps: int) -> dict[str, Any]:
     """The aggregator settings before issue 12 (the comparison's "defences none"): the mean
-    weighted by claimed tokens, no clipping, no effect probe, the loose norm bound."""
+    weighted by claimed tokens, no clipping, no effect probe, the loose norm bound, and any
+    number of live workers per token (one per token is a defence of issue 12 too)."""
     n_params = largest_block(initial_blocks(cfg))
     return {
         "rule": "mean",
@@ -49,6 +50,7 @@ def undefended(cfg: RunConfig, local_steps: int) -> dict[str, Any]:
         "clip": 0.0,
         "effect_probe": "off",
         "max_delta_norm": loose_delta_norm_bound(cfg, local_steps, n_params),
+        "max_workers_per_token": 1024,
     }
 
 
