@@ -26,6 +26,8 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "BF16": torch.bfloat16,
     "F32": torch.float32,
     "U8": torch.uint8,
+    "I8": torch.int8,
+    "I32": torch.int32,
 }
 """The safetensors dtype codes a body may hold, and their torch dtypes."""
 

@@ -47,3 +47,22 @@ def test_bad_inputs_fail_cleanly(capsys, tmp_path: Path) -> None:
     bad = tmp_path / "r.toml"
     bad.write_text("dropout = 2\n")
     fails_cleanly(capsys, ["simulate", "--regime", str(bad), "--timing-only"], "dropout")
+
+
+def test_bad_delta_wires_fail_cleanly(capsys) -> None:
+    """`--wire topk:0`, `topk:2`, `int9`: one line naming what is accepted, exit 2."""
+    for wire in ("topk:0", "topk:2", "int9"):
+        argv = ["simulate", "--timing-only", "--rounds", "2", "--wire", wire]
+        line = fails_cleanly(capsys, argv, f"delta_wire = '{wire}'")
+        assert "topk:RATIO" in line
+
+
+def test_the_wire_is_reported_and_changes_the_bytes_pushed(capsys) -> None:
+    up = {}
+    for wire in ("fp16", "topk:0.03"):
+        argv = ["simulate", "--timing-only", "--rounds", "2", "--regime", "lockstep"]
+        assert main([*argv, "--wire", wire, "--json", "--no-progress"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["protocol"]["delta_wire"] == wire
+        up[wire] = report["regimes"]["lockstep"]["bytes"]["up"]
+    assert up["topk:0.03"] < 0.1 * up["fp16"]

@@ -113,4 +113,4 @@ def test_verdict_refuses_unknown_reasons():
     with pytest.raises(ValueError):
         Verdict.refuse("because")
     assert Verdict.ok().status == 200 and Verdict.refuse("late").status == 409
-    assert len(DEFAULT_CHAIN) == 7
+    assert len(DEFAULT_CHAIN) == 9

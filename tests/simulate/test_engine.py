@@ -132,3 +132,18 @@ def test_too_few_workers_is_a_clear_error() -> None:
         SimSpec(micro_config(), 2, 3, {})
     with pytest.raises(ConfigError, match="rounds"):
         SimSpec(micro_config(), 6, 0, {})
+
+
+@pytest.mark.parametrize("wire", ["int8", "topk:0.1"])
+def test_compressed_deltas_train(corpus: Path, wire: str) -> None:
+    """End to end: pushes in int8 or top-k (error feedback on each virtual worker) are accepted,
+    move fewer bytes than fp16, and the CE goes down."""
+    compressed = replace(spec(), protocol={"local_steps": 2, "delta_wire": wire})
+    train, valid = load_split(corpus, "train"), load_split(corpus, "valid")
+    report, _ = simulate(compressed, [REGIMES["lockstep"]], train, valid)
+    result = report["regimes"]["lockstep"]
+    assert result["updates"]["accepted"] == 6 * ROUNDS, result["updates"]
+    assert result["final_sampler_ce"] < result["initial_ce"] - 0.05
+    dense, _ = run(corpus, [REGIMES["lockstep"]])
+    assert result["bytes"]["up"] < 0.6 * dense["regimes"]["lockstep"]["bytes"]["up"]
+    assert result["bytes"]["down"] == dense["regimes"]["lockstep"]["bytes"]["down"]

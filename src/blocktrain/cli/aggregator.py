@@ -52,6 +52,8 @@ EXAMPLES = """examples:
   blocktrain aggregator --state runs/agg --private-status --rate-limit 20
   blocktrain aggregator --state runs/agg --data wikitext/   # the effect probe's held-out slice
   blocktrain aggregator --state runs/agg --effect-probe off --rule trimmed_mean --tolerate 1
+  blocktrain aggregator --state runs/agg --wire int8        # deltas as int8, a scale per row
+  blocktrain aggregator --state runs/agg --wire topk:0.03   # 3 % of each delta, error feedback
 """
 
 

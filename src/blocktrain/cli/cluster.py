@@ -192,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
     )
     status = result.status
     wire = {b["block"]: b["wire_bytes"] for b in status["blocks"]}
+    pushed = {b["block"]: b["delta_bytes"] for b in status["blocks"]}
     summary = {
         "preset": cfg.preset,
         "workers": args.workers,
@@ -200,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
         "worker_steps_per_replica": args.rounds * local_steps,
         "deadline_s": state.settings().deadline_s,
         "wire_dtype": state.settings().wire_dtype,
+        "delta_wire": state.settings().push_wire,
         "rule": state.settings().rule,
         "wall_seconds": result.wall_seconds,
         "blocks": cfg.model.blocks,
@@ -215,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
             if rounds
         },
         "updates": status["updates"],
-        "bytes": bytes_summary(status, wire),
+        "bytes": bytes_summary(status, wire, pushed),
         "from_noise_ce_per_round": [r["from_noise_ce"] for r in per_round],
         "sampler_ce_per_round": [r["sampler_ce"] for r in per_round],
         "per_round_eval": {

@@ -47,6 +47,7 @@ EXAMPLES = """examples:
   blocktrain simulate --workers 12 --rounds 50 --regime mild,my-regime.toml --timing-only
   blocktrain simulate --regime lockstep --rounds 10 --attack shrink:4:0   # 4 attackers, block 0
   blocktrain simulate --regime lockstep --attack noise --effect-probe off --clip 0
+  blocktrain simulate --regime lockstep --rounds 10 --wire topk:0.1   # compressed deltas
 """
 
 

@@ -51,6 +51,8 @@ class Registration:
     data_seed: int
     local_steps: int
     wire_dtype: str
+    delta_wire: str
+    """How pushes carry deltas (an aggregator that does not say takes wire_dtype)."""
 
 
 @dataclass(frozen=True)
@@ -193,6 +195,7 @@ class AggregatorClient:
             int(doc["data_seed"]),
             int(doc["local_steps"]),
             str(doc["wire_dtype"]),
+            str(doc.get("delta_wire") or doc["wire_dtype"]),
         )
 
     def leave(self) -> None:

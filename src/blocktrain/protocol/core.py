@@ -156,7 +156,7 @@ class RoundEngine:
             index,
             weights,
             momentum,
-            BlockSpec.of(weights, settings.wire_dtype),
+            BlockSpec.of(weights, settings.wire_dtype, settings.delta_wire),
             rounds if rounds is not None else BlockRounds(index, settings),
             Accumulator(settings),
         )

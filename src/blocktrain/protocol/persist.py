@@ -8,6 +8,7 @@ import logging
 
 import torch
 
+from blocktrain.protocol import codecs
 from blocktrain.protocol.core import Committed, EngineBlock, RoundEngine
 from blocktrain.protocol.ledger_schema import WorkerRow
 from blocktrain.protocol.rounds import NOT_A_REPORT, Contribution, Registry, restore
@@ -81,7 +82,10 @@ class Durable:
                 log.error("block %d: accepted update %d lost its body %s", b, u.id, u.pending)
                 continue
             weight = float(u.weight or 1.0)
-            deltas.append((u.id, u.worker_id, decode(body).to_torch(), weight, int(u.tokens or 1)))
+            parsed = decode(body)
+            shapes = {k: tuple(v.shape) for k, v in weights.items()}
+            delta = codecs.decode(parsed.tensors, shapes, codecs.declared(parsed.metadata))
+            deltas.append((u.id, u.worker_id, delta, weight, int(u.tokens or 1)))
             contributions.append(
                 Contribution(u.id, u.worker_id, int(u.tokens or 1), weight, u.round)
             )

@@ -30,6 +30,7 @@ class RegisterOut(Out):
     round: int
     version: int
     wire_dtype: str
+    delta_wire: str = Field(description="how pushes carry deltas: fp16|bf16|fp32|int8|topk:RATIO")
     done: bool
 
 
@@ -86,6 +87,7 @@ class BlockStatusOut(Out):
     live_replicas: int
     params: int
     wire_bytes: int
+    delta_bytes: int = Field(description="bytes of one push's tensor data in the delta wire")
 
 
 class WorkerStatusOut(Out):

@@ -141,6 +141,7 @@ class AggregatorService:
             "round": reg.view.round,
             "version": reg.view.version,
             "wire_dtype": self.settings.wire_dtype,
+            "delta_wire": self.settings.push_wire,
             "done": reg.view.done,
         }
 

@@ -18,6 +18,7 @@ from typing import Any
 from blocktrain.config import RunConfig
 from blocktrain.errors import ConfigError
 from blocktrain.protocol.aggregation import RULES, WEIGHTINGS
+from blocktrain.protocol.codecs import WIRE_HELP, valid_wire
 from blocktrain.protocol.wire import WIRE_DTYPES
 
 
@@ -190,11 +191,22 @@ class AggregatorSettings:
     )
     wire_dtype: str = setting(
         "fp16",
-        "dtype of weights and deltas on the wire.",
+        "dtype of weights on the wire (and of deltas unless delta_wire says otherwise).",
         lambda v: v in WIRE_DTYPES,
         f"must be one of {', '.join(WIRE_DTYPES)}",
         flag="--wire-dtype",
         choices=tuple(WIRE_DTYPES),
+    )
+    delta_wire: str | None = setting(
+        None,
+        "How pushed deltas travel: fp16, bf16 or fp32 (dense), int8 (a scale per row) or "
+        "topk:RATIO (the RATIO largest-magnitude values of each tensor, error feedback on the "
+        "worker); see docs/protocol.md, Compressed deltas.",
+        lambda v: v is None or valid_wire(v),
+        f"must be {WIRE_HELP}",
+        flag="--wire",
+        metavar="WIRE",
+        default_text="wire_dtype",
     )
     max_delta_norm: float = setting(
         100.0,
@@ -283,6 +295,11 @@ class AggregatorSettings:
             value = getattr(self, f.name)
             if not meta.check(value):
                 raise ConfigError(f"aggregator setting {f.name} = {value!r} {meta.why}")
+
+    @property
+    def push_wire(self) -> str:
+        """The codec of pushed deltas: delta_wire, else the weights' dtype."""
+        return self.delta_wire or self.wire_dtype
 
     @property
     def live_window(self) -> float:

@@ -80,10 +80,14 @@ def round_versions(state: StateDir, rounds: int) -> list[dict[int, int]]:
     return out
 
 
-def bytes_summary(status: dict[str, Any], wire_bytes: dict[int, int]) -> dict[str, Any]:
-    """Bytes moved against the minimum: one weights download and one delta upload per worker
-    per round it took part in (a push that reached the aggregator, accepted or not). The
-    orchestrator's own status polls are monitoring, not protocol, and are left out."""
+def bytes_summary(
+    status: dict[str, Any], wire_bytes: dict[int, int], delta_bytes: dict[int, int] | None = None
+) -> dict[str, Any]:
+    """Bytes moved against the minimum: one weights download (`wire_bytes`) and one delta
+    upload (`delta_bytes`, compressed or not; default: `wire_bytes`) per worker per round it
+    took part in (a push that reached the aggregator, accepted or not). The orchestrator's own
+    status polls are monitoring, not protocol, and are left out."""
+    up_bytes = delta_bytes or wire_bytes
     by_endpoint = status["bytes"]["by_endpoint"]
     protocol = {ep: v for ep, v in by_endpoint.items() if ep != "status"}
     down = sum(v["bytes_out"] for v in protocol.values())
@@ -91,7 +95,7 @@ def bytes_summary(status: dict[str, Any], wire_bytes: dict[int, int]) -> dict[st
     pushes = {int(b): 0 for b in wire_bytes}
     for b, rounds in status["participation"].items():
         pushes[int(b)] = sum(r["reported"] for r in rounds)
-    minimum = sum(2 * wire_bytes[b] * n for b, n in pushes.items())
+    minimum = sum((wire_bytes[b] + up_bytes[b]) * n for b, n in pushes.items())
     return {
         "total": down + up,
         "down": down,
@@ -102,5 +106,5 @@ def bytes_summary(status: dict[str, Any], wire_bytes: dict[int, int]) -> dict[st
         "status_polls": by_endpoint.get("status", {}),
         "by_endpoint": protocol,
         "note": "HTTP bodies only (headers and TCP/IP framing not counted); minimum = "
-        "2 x block wire bytes per worker per round",
+        "(block wire bytes + delta bytes) per worker per round",
     }

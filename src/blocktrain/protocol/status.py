@@ -54,6 +54,7 @@ def snapshot(service: AggregatorService, *, last_rounds: int = 20) -> dict[str, 
                     "live_replicas": sum(1 for blk in live.values() if blk == b),
                     "params": st.spec.n_params,
                     "wire_bytes": st.spec.wire_bytes,
+                    "delta_bytes": st.spec.delta_bytes,
                 }
             )
         per_block = registry.live_per_block(now)

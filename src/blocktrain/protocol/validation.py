@@ -14,14 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from blocktrain.protocol import codecs
 from blocktrain.protocol.verdict import Verdict
-from blocktrain.protocol.wire import (
-    SAFETENSORS_CODES,
-    Decoded,
-    WireError,
-    metadata_float,
-    metadata_int,
-)
+from blocktrain.protocol.wire import Decoded, WireError, metadata_float, metadata_int
 
 REQUIRED_METADATA = ("block", "base_version", "round", "tokens")
 """Keys every update's `__metadata__` must hold (integers)."""
@@ -29,14 +24,32 @@ REQUIRED_METADATA = ("block", "base_version", "round", "tokens")
 
 @dataclass(frozen=True)
 class BlockSpec:
-    """The tensors of one block: names and shapes, and the dtype they travel in."""
+    """The tensors of one block: names and shapes, the dtype weights travel in, and the
+    codec of pushed deltas (`delta_wire`; None: the weights' dtype)."""
 
     shapes: dict[str, tuple[int, ...]]
     wire_dtype: str = "fp16"
+    delta_wire: str | None = None
 
     @staticmethod
-    def of(tensors: dict[str, torch.Tensor], wire_dtype: str = "fp16") -> BlockSpec:
-        return BlockSpec({k: tuple(v.shape) for k, v in tensors.items()}, wire_dtype)
+    def of(
+        tensors: dict[str, torch.Tensor], wire_dtype: str = "fp16", delta_wire: str | None = None
+    ) -> BlockSpec:
+        return BlockSpec({k: tuple(v.shape) for k, v in tensors.items()}, wire_dtype, delta_wire)
+
+    @property
+    def push_wire(self) -> codecs.DeltaWire:
+        return codecs.DeltaWire.parse(self.delta_wire or self.wire_dtype)
+
+    @property
+    def delta_bytes(self) -> int:
+        """Bytes of a push's tensor data in the delta wire (the least a push of it costs)."""
+        return codecs.data_bytes(self.shapes, self.push_wire)
+
+    @property
+    def parts(self) -> dict[str, tuple[str, tuple[int, ...] | None]]:
+        """The tensors a push body holds: part name -> (dtype code, shape or None)."""
+        return codecs.expected_parts(self.shapes, self.push_wire)
 
     @property
     def n_params(self) -> int:
@@ -127,8 +140,21 @@ def check_tokens(c: Candidate) -> Verdict:
     return Verdict.ok()
 
 
+def check_wire(c: Candidate) -> Verdict:
+    """The codec the body declares (`delta_wire`; none: dense) is the one announced."""
+    declared = c.decoded.metadata.get("delta_wire", "dense")
+    want = c.spec.push_wire
+    if declared != ("dense" if want.dense else want.kind):
+        return Verdict.refuse(
+            "wrong_wire",
+            f"the body is {declared[:20]!r}; this aggregator takes "
+            f"{c.spec.delta_wire or c.spec.wire_dtype} deltas (`delta_wire` in /v1/config)",
+        )
+    return Verdict.ok()
+
+
 def check_names(c: Candidate) -> Verdict:
-    got, want = set(c.decoded.tensors), set(c.spec.shapes)
+    got, want = set(c.decoded.tensors), set(c.spec.parts)
     missing, extra = sorted(want - got), sorted(got - want)
     if missing:
         return Verdict.refuse(
@@ -142,28 +168,42 @@ def check_names(c: Candidate) -> Verdict:
 
 
 def check_shapes(c: Candidate) -> Verdict:
-    for name, raw in c.decoded.tensors.items():
-        if raw.shape != c.spec.shapes[name]:
+    """Each part's shape; top-k parts have a length k of the sender's choice (`check_k`)."""
+    for name, (_, shape) in c.spec.parts.items():
+        raw = c.decoded.tensors[name]
+        if shape is not None and raw.shape != shape:
             return Verdict.refuse(
-                "bad_shape",
-                f"{name} has shape {list(raw.shape)}; the block's is {list(c.spec.shapes[name])}",
+                "bad_shape", f"{name} has shape {list(raw.shape)}; the block's is {list(shape)}"
             )
+    if c.spec.push_wire.kind == "topk":
+        try:
+            codecs.check_k(c.decoded.tensors, c.spec.shapes)
+        except WireError as exc:
+            return Verdict.refuse(exc.reason, exc.detail)
     return Verdict.ok()
 
 
 def check_dtypes(c: Candidate) -> Verdict:
-    want = SAFETENSORS_CODES[c.spec.wire_dtype]
-    for name, raw in c.decoded.tensors.items():
+    wire = c.spec.delta_wire or c.spec.wire_dtype
+    for name, (want, _) in c.spec.parts.items():
+        raw = c.decoded.tensors[name]
         if raw.dtype != want:
             return Verdict.refuse(
-                "bad_dtype",
-                f"{name} is {raw.dtype}; this aggregator takes {want} ({c.spec.wire_dtype})",
+                "bad_dtype", f"{name} is {raw.dtype}; this aggregator takes {want} ({wire})"
             )
     return Verdict.ok()
 
 
+def check_decode(c: Candidate) -> Verdict:
+    """The dense delta the parts describe (refused when they describe none)."""
+    try:
+        c.tensors = codecs.decode(c.decoded.tensors, c.spec.shapes, c.spec.push_wire)
+    except WireError as exc:
+        return Verdict.refuse(exc.reason, exc.detail)
+    return Verdict.ok()
+
+
 def check_finite(c: Candidate) -> Verdict:
-    c.tensors = c.decoded.to_torch()
     for name, t in c.tensors.items():
         # An fp32 sum is finite when every value is (fp16 values cannot overflow it), and it is
         # about 8x cheaper than isfinite on a half tensor; a non-finite sum gets the exact test.
@@ -190,9 +230,11 @@ def check_norm(c: Candidate) -> Verdict:
 DEFAULT_CHAIN: tuple[Validator, ...] = (
     check_metadata,
     check_tokens,
+    check_wire,
     check_names,
     check_shapes,
     check_dtypes,
+    check_decode,
     check_finite,
     check_norm,
 )

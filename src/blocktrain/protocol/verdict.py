@@ -56,6 +56,11 @@ REASONS: dict[str, tuple[int, str]] = {
     ),
     "low_reputation": (403, "the identity's reputation fell below the minimum (harmful updates)"),
     "no_gain": (422, "the update does not lower the block's loss on the held-out slice"),
+    # compressed deltas (docs/protocol.md, Compressed deltas)
+    "wrong_wire": (400, "the body's delta_wire is not the one the aggregator announced"),
+    "bad_scales": (400, "an int8 delta's scale is NaN, Inf or negative"),
+    "bad_indices": (400, "a top-k delta's indices are out of range, repeated or not ascending"),
+    "bad_k": (400, "a top-k delta's values and indices differ in length, or k exceeds the tensor"),
 }
 """Reason code -> (HTTP status, meaning)."""
 

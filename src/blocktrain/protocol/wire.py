@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from blocktrain import tensorwire
+from blocktrain.protocol.codecs import DENSE, Compressed, DeltaWire, compress
 from blocktrain.tensorwire import CONTENT_TYPE, Decoded, RawTensor, WireError, decode
 
 __all__ = [
@@ -23,14 +24,10 @@ __all__ = [
     "wire_dtype",
 ]
 
-WIRE_DTYPES: dict[str, torch.dtype] = {
-    "fp16": torch.float16,
-    "bf16": torch.bfloat16,
-    "fp32": torch.float32,
-}
+WIRE_DTYPES: dict[str, torch.dtype] = {name: dtype for name, (_, dtype) in DENSE.items()}
 """Wire dtype names -> torch dtypes."""
 
-SAFETENSORS_CODES: dict[str, str] = {"fp16": "F16", "bf16": "BF16", "fp32": "F32"}
+SAFETENSORS_CODES: dict[str, str] = {name: code for name, (code, _) in DENSE.items()}
 """Wire dtype names -> the dtype codes in a safetensors header."""
 
 
@@ -52,7 +49,7 @@ def encode(
 
 def update_body(
     block: int,
-    delta: dict[str, torch.Tensor],
+    delta: dict[str, torch.Tensor] | Compressed,
     *,
     base_version: int,
     round: int,
@@ -61,8 +58,12 @@ def update_body(
     worker_id: int | None = None,
     dtype: str = "fp16",
 ) -> bytes:
-    """The body of a push: the delta in the wire dtype, with the metadata the aggregator's
-    validators read (the simulator builds its pushes with this too)."""
+    """The body of a push: the delta in the delta wire `dtype` (fp16, bf16, fp32, int8 or
+    topk:RATIO; see `codecs`), or already compressed by a worker's `codecs.DeltaEncoder`, with
+    the metadata the aggregator's validators read (the simulator builds its pushes with this
+    too)."""
+    if not isinstance(delta, Compressed):
+        delta = compress(delta, DeltaWire.parse(dtype))
     meta: dict[str, object] = {
         "block": block,
         "base_version": base_version,
@@ -73,7 +74,9 @@ def update_body(
         meta["loss"] = f"{loss:.6f}"
     if worker_id is not None:
         meta["worker_id"] = worker_id
-    return encode(delta, meta, dtype)
+    if not delta.wire.dense:
+        meta["delta_wire"] = delta.wire.kind
+    return tensorwire.encode(delta.parts, {k: str(v) for k, v in meta.items()})
 
 
 def metadata_int(metadata: dict[str, str], key: str) -> int:

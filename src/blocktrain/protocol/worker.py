@@ -22,6 +22,8 @@ import torch
 
 from blocktrain.errors import ProtocolError, Refused, Unreachable
 from blocktrain.protocol.client import AggregatorClient, Registration, RetryPolicy
+from blocktrain.protocol.codecs import DeltaEncoder
+from blocktrain.protocol.wire import update_body
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +34,9 @@ LONG_POLL_S = 5.0
 SIGTERM can take to be noticed while waiting)."""
 RESYNC_REASONS = frozenset({"late", "stale_version", "future_round", "duplicate"})
 """Refusals after which a worker simply pulls the open round again."""
-REREGISTER_REASONS = frozenset({"unknown_worker", "not_assigned", "not_your_worker"})
-"""Refusals after which a worker registers again."""
+REREGISTER_REASONS = frozenset({"unknown_worker", "not_assigned", "not_your_worker", "wrong_wire"})
+"""Refusals after which a worker registers again (wrong_wire: the aggregator was restarted with
+another `--wire`; registering tells the new one)."""
 FATAL_REASONS = frozenset({"missing_token", "invalid_token", "revoked_token"})
 """Refusals no retry can fix."""
 
@@ -101,6 +104,8 @@ class WorkerLoop:
         self.report = WorkerReport()
         self._registration: Registration | None = None
         self._trainer: LocalTrainer | None = None
+        self._encoder: DeltaEncoder | None = None
+        """Compresses pushes in the announced delta wire, keeping the error-feedback residual."""
         self._config: dict[str, Any] | None = None
 
     def _register(self) -> Registration:
@@ -109,6 +114,9 @@ class WorkerLoop:
             if self._config is None:
                 self._config = self.client.config()
             self._trainer = self.make_trainer(reg, self._config)
+            self._encoder = None
+        if self._encoder is None or self._encoder.name != reg.delta_wire:
+            self._encoder = DeltaEncoder(reg.delta_wire)
         self._registration = reg
         self.report.worker_id, self.report.block = reg.worker_id, reg.block
         log.info(
@@ -168,7 +176,7 @@ class WorkerLoop:
                 if new.worker_id != reg.worker_id:
                     reg, last_round = new, -1
                 continue
-            assert self._trainer is not None
+            assert self._trainer is not None and self._encoder is not None
             self._trainer.load(pulled.tensors)
             logs = self._trainer.train(
                 reg.local_steps, pulled.round * reg.local_steps, self.stop.is_set
@@ -177,21 +185,23 @@ class WorkerLoop:
             if self.stop.is_set():
                 return
             self.report.last_loss = float(logs["loss"])
-            result = self.client.push(
+            body = update_body(
                 reg.block,
-                self._trainer.delta(),
+                self._encoder.compress(self._trainer.delta()),
                 base_version=pulled.version,
                 round=pulled.round,
                 tokens=int(logs["tokens"]),
                 loss=float(logs["loss"]),
-                dtype=reg.wire_dtype,
+                worker_id=self.client.worker_id,
             )
+            result = self.client.push_bytes(reg.block, body)
             self.report.rounds += 1
             last_round = pulled.round
             if result.accepted or result.reason == "duplicate":  # a retried push that got in
                 self.report.accepted += 1
                 continue
             self.report.refused[result.reason] = self.report.refused.get(result.reason, 0) + 1
+            self._encoder.reset()
             log.info("round %d refused: %s (%s)", pulled.round, result.reason, result.detail)
             new = self._handle_refusal(Refused(result.reason, result.detail, result.status), reg)
             if self.report.stopped_by:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from blocktrain.protocol.codecs import DeltaEncoder
 from blocktrain.protocol.core import Committed
 from blocktrain.protocol.effect import EffectProbe
 from blocktrain.protocol.rounds import RoundClosed, RoundView, in_time, participation
@@ -67,6 +68,8 @@ class VirtualWorker:
     id: int
     block: int
     trainer: LocalTrainer
+    encoder: DeltaEncoder
+    """Its pushes in the delta wire, with its error-feedback residual (as a WorkerLoop's)."""
     speed: float
     bandwidth: float
     """Bytes per virtual second."""
@@ -164,6 +167,7 @@ class Simulation:
                     worker_id,
                     block,
                     make_trainer(worker_id, block),
+                    DeltaEncoder(self.settings.push_wire),
                     speed=regime.speed.draw(self.rng),
                     bandwidth=regime.bandwidth_MBps.draw(self.rng) * 1e6,
                 )
@@ -179,6 +183,7 @@ class Simulation:
                     worker_id,
                     block,
                     forger,
+                    DeltaEncoder(self.settings.push_wire),
                     speed=regime.speed.draw(self.rng),
                     bandwidth=regime.bandwidth_MBps.draw(self.rng) * 1e6,
                     attacker=True,
@@ -248,13 +253,12 @@ class Simulation:
         loss = float(logs["loss"])
         body = update_body(
             w.block,
-            w.trainer.delta(),
+            w.encoder.compress(w.trainer.delta()),
             base_version=view.version,
             round=view.round,
             tokens=int(logs["tokens"]),
             loss=loss if math.isfinite(loss) else None,
             worker_id=w.id,
-            dtype=self.settings.wire_dtype,
         )
         w.body = (view.round, body)
         compute = h * step_s * w.speed
@@ -280,6 +284,7 @@ class Simulation:
             w.accepted += 1
             return
         w.refused[judged.verdict.reason] += 1
+        w.encoder.reset()  # as a WorkerLoop does after a refusal
         if judged.round is not None:
             key = (judged.block, judged.round)
             self.refusals.setdefault(key, Counter())[judged.verdict.reason] += 1

@@ -1,0 +1,172 @@
+"""Compressed deltas on the wire (issue 14, Must show): the same run with every pushed delta in
+fp16, int8 (a scale per row) and top-k at several ratios (error feedback on each worker).
+Writes benchmarks/results/compression.json and the "compression" section of BENCHMARKS.md.
+
+Each row is one `blocktrain.simulate` run (the protocol's own RoundEngine with its defaults:
+validation, norm bound, effect probe, one vote per identity; real local training; a virtual
+clock) of 6 workers at the tiny preset (2 replicas per block), regime lockstep, the same seed,
+rounds and H in every row; only `delta_wire` differs. Pulls (the weights) travel as fp16 in
+every row. final_sampler_ce: the final model's sampler CE (M = 16 sweeps, 16384 validation
+bytes); bytes_total: every pull and push body of the run (bytes_up: the pushes alone).
+
+    python bench/compression.py                       # 4 rows of 10 rounds of H = 10
+    python bench/compression.py --wires topk:0.01     # add a row (rows in the JSON are kept)
+    python bench/compression.py --force               # re-run rows already in the JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import torch
+
+from blocktrain.config import apply_overrides, tiny
+from blocktrain.data import load_split
+from blocktrain.protocol.codecs import DeltaWire
+from blocktrain.simulate import SimSpec, simulate
+from blocktrain.simulate.regimes import load_regime
+from report import RESULTS, machine, update_section, write_json  # bench/report.py
+
+NAME = "compression.json"
+WIRES = ("fp16", "int8", "topk:0.1", "topk:0.03")
+BAR = {"int8": (0.01, 0.55)}
+"""The issue's bar for int8 and goal for top-k: (CE within, bytes at most) against fp16."""
+GOAL = {"topk": (0.03, 0.1)}
+
+
+def run_row(wire: str, args: argparse.Namespace) -> dict[str, Any]:
+    cfg = apply_overrides(tiny(), [f"steps={args.rounds * args.local_steps}"])
+    spec = SimSpec(
+        cfg,
+        workers=6,
+        rounds=args.rounds,
+        protocol={"local_steps": args.local_steps, "delta_wire": wire},
+        eval_every=args.rounds,  # the final model is what the table compares
+    )
+    t0 = time.perf_counter()
+    report, _ = simulate(spec, [load_regime("lockstep")], args.train, args.valid)
+    r = report["regimes"]["lockstep"]
+    return {
+        "wire": wire,
+        "final_sampler_ce": r["final_sampler_ce"],
+        "bytes_total": r["bytes"]["up"] + r["bytes"]["down"],
+        "bytes_up": r["bytes"]["up"],
+        "bytes_down": r["bytes"]["down"],
+        "final_from_noise_ce": r["final_from_noise_ce"],
+        "initial_ce": r["initial_ce"],
+        "accepted": r["updates"]["accepted"],
+        "refused": r["updates"]["refused"],
+        "seed": report["seed"],
+        "rounds": args.rounds,
+        "local_steps": args.local_steps,
+        "workers": 6,
+        "wall_s": time.perf_counter() - t0,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--rounds", type=int, default=10, help="rounds per block, every row")
+    p.add_argument("--local-steps", type=int, default=10, help="H, every row")
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--force", action="store_true", help="re-run rows already in the JSON")
+    p.add_argument(
+        "--wires",
+        type=lambda text: [x.strip() for x in text.split(",") if x.strip()],
+        default=list(WIRES),
+        metavar="WIRES",
+        help=f"comma-separated delta wires (default: {','.join(WIRES)})",
+    )
+    p.add_argument("--data", help="data path (default: $BLOCKTRAIN_DATA)")
+    args = p.parse_args()
+    for wire in args.wires:
+        try:
+            DeltaWire.parse(wire)
+        except ValueError as exc:
+            p.error(str(exc))
+    torch.set_num_threads(args.threads)
+    args.train, args.valid = load_split(args.data, "train"), load_split(args.data, "valid")
+    path = RESULTS / NAME
+    rows = {r["wire"]: r for r in json.loads(path.read_text())["rows"]} if path.exists() else {}
+    for wire in args.wires:
+        old = rows.get(wire)
+        if old is not None and not args.force and same_run(old, args):
+            continue
+        print(f"compression: {wire} ...", file=sys.stderr, flush=True)
+        rows[wire] = run_row(wire, args)
+        result = result_of(rows)  # saved after every row: an interrupted run resumes
+        write_json(NAME, result)
+        update_section("compression", markdown(result))
+    print(markdown(result_of(rows)))
+
+
+def same_run(row: dict[str, Any], args: argparse.Namespace) -> bool:
+    return (row["rounds"], row["local_steps"]) == (args.rounds, args.local_steps)
+
+
+def result_of(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    ordered = sorted(rows.values(), key=lambda r: (r["wire"] not in WIRES, -r["bytes_up"]))
+    base = rows.get("fp16")
+    for r in ordered:
+        if base is None or r["rounds"] != base["rounds"]:
+            r["ce_vs_fp16"] = r["bytes_vs_fp16"] = r["bytes_up_vs_fp16"] = None
+            continue
+        r["ce_vs_fp16"] = r["final_sampler_ce"] - base["final_sampler_ce"]
+        r["bytes_vs_fp16"] = r["bytes_total"] / base["bytes_total"]
+        r["bytes_up_vs_fp16"] = r["bytes_up"] / base["bytes_up"]
+    return {"command": "python bench/compression.py", "machine": machine(), "rows": ordered}
+
+
+def verdict(r: dict[str, Any]) -> str:
+    """Bar (int8) or goal (top-k), on the total bytes and on the pushed bytes alone."""
+    kind = r["wire"].split(":")[0]
+    target = BAR.get(kind) or GOAL.get(kind)
+    if target is None or r["ce_vs_fp16"] is None:
+        return "—"
+    ce_ok = r["ce_vs_fp16"] <= target[0]
+    name = "bar" if kind in BAR else "goal"
+
+    def met(ratio: float) -> str:
+        return "met" if ce_ok and ratio <= target[1] else "not met"
+
+    return (
+        f"{name} (CE +{target[0]}, bytes ≤ {target[1]}): total {met(r['bytes_vs_fp16'])}, "
+        f"pushes {met(r['bytes_up_vs_fp16'])}"
+    )
+
+
+def markdown(result: dict[str, Any]) -> str:
+    rows = result["rows"]
+    first = rows[0] if rows else {"rounds": "?", "local_steps": "?", "seed": "?"}
+    lines = [
+        f"`{result['command']}`; JSON: `benchmarks/results/{NAME}`. 6 workers, preset tiny "
+        f"(2 replicas per block), regime lockstep, {first['rounds']} rounds of H = "
+        f"{first['local_steps']}, seed {first['seed']}, the aggregator's defaults; only the "
+        "pushed deltas' wire differs (pulls are fp16 in every row). Final CE: the sampler CE "
+        "(M = 16, 16384 validation bytes).",
+        "",
+        "| wire | final CE | − fp16 | bytes total | ÷ fp16 | bytes pushed | ÷ fp16 | "
+        "accepted | refused | bar / goal |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for r in rows:
+        ce = "—" if r["ce_vs_fp16"] is None else f"{r['ce_vs_fp16']:+.4f}"
+        total = "—" if r["bytes_vs_fp16"] is None else f"{r['bytes_vs_fp16']:.3f}"
+        up = "—" if r["bytes_up_vs_fp16"] is None else f"{r['bytes_up_vs_fp16']:.3f}"
+        refused = ", ".join(f"{k} {v}" for k, v in sorted(r["refused"].items())) or "none"
+        lines.append(
+            f"| {r['wire']} | {r['final_sampler_ce']:.4f} | {ce} | {r['bytes_total'] / 1e6:.1f} MB"
+            f" | {total} | {r['bytes_up'] / 1e6:.1f} MB | {up} | {r['accepted']} | {refused} | "
+            f"{verdict(r)} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
