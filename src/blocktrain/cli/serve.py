@@ -1,6 +1,8 @@
 """`blocktrain serve`: the router in front of a chain of block hosts, with BlockTrain's own
-`POST /v1/generate` and an OpenAI-compatible `POST /v1/completions` (streaming or not), so the
-official `openai` client works against it unchanged. A BlockTrain model generates a span of K
+`POST /v1/generate`, OpenAI-compatible `POST /v1/completions` and `POST /v1/chat/completions`
+(streaming or not; `stop`, `n`, per-byte `logprobs`, `echo`, `seed`, `user`), `GET /readyz` (a
+1-byte sweep through every host) and `GET /healthz`, so the official `openai` client works
+against it unchanged. A BlockTrain model generates a span of K
 bytes per traversal of the chain (one sweep); a reference model one byte per traversal."""
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ EXAMPLES = """examples:
   # the openai client, unchanged
   python -c "import openai; c = openai.OpenAI(base_url='http://127.0.0.1:8100/v1', api_key='x');
   print(c.completions.create(model='tiny', prompt='The ', max_tokens=64).choices[0].text)"
+  curl -s localhost:8100/v1/chat/completions -H 'content-type: application/json' \\
+      -d '{"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "stop": ["."]}'
 """
 
 
