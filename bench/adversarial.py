@@ -45,7 +45,14 @@ from blocktrain.data import load_split
 from blocktrain.simulate import SimSpec, simulate
 from blocktrain.simulate.attacks import Attack, undefended
 from blocktrain.simulate.regimes import load_regime
-from report import RESULTS, ROOT, machine, update_section, write_json  # bench/report.py
+from report import (
+    RESULTS,
+    ROOT,
+    add_simulated_row_args,  # bench/report.py  # bench/report.py
+    machine,
+    update_section,
+    write_json,
+)
 
 NAME = "adversarial.json"
 LOCK = ROOT / "benchmarks" / "work" / "adversarial.lock"  # kept out of git
@@ -117,10 +124,7 @@ def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--rounds", type=int, default=10, help="rounds per block, every row")
-    p.add_argument("--local-steps", type=int, default=10, help="H, every row")
-    p.add_argument("--threads", type=int, default=2, help="torch threads")
-    p.add_argument("--force", action="store_true", help="re-run rows already in the JSON")
+    add_simulated_row_args(p)
     p.add_argument(
         "--only",
         type=lambda text: [x.strip() for x in text.split(",") if x.strip()],
@@ -128,7 +132,6 @@ def main() -> None:
         metavar="ROWS",
         help="only these rows: ATTACK (both defences) or ATTACK/DEFENCES, comma-separated",
     )
-    p.add_argument("--data", help="data path (default: $BLOCKTRAIN_DATA)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     args.train, args.valid = load_split(args.data, "train"), load_split(args.data, "valid")

@@ -29,7 +29,13 @@ from blocktrain.data import load_split
 from blocktrain.protocol.codecs import DeltaWire
 from blocktrain.simulate import SimSpec, simulate
 from blocktrain.simulate.regimes import load_regime
-from report import RESULTS, machine, update_section, write_json  # bench/report.py
+from report import (
+    RESULTS,
+    add_simulated_row_args,  # bench/report.py  # bench/report.py
+    machine,
+    update_section,
+    write_json,
+)
 
 NAME = "compression.json"
 WIRES = ("fp16", "int8", "topk:0.1", "topk:0.03")
@@ -72,10 +78,7 @@ def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--rounds", type=int, default=10, help="rounds per block, every row")
-    p.add_argument("--local-steps", type=int, default=10, help="H, every row")
-    p.add_argument("--threads", type=int, default=2, help="torch threads")
-    p.add_argument("--force", action="store_true", help="re-run rows already in the JSON")
+    add_simulated_row_args(p)
     p.add_argument(
         "--wires",
         type=lambda text: [x.strip() for x in text.split(",") if x.strip()],
@@ -83,7 +86,6 @@ def main() -> None:
         metavar="WIRES",
         help=f"comma-separated delta wires (default: {','.join(WIRES)})",
     )
-    p.add_argument("--data", help="data path (default: $BLOCKTRAIN_DATA)")
     args = p.parse_args()
     for wire in args.wires:
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -49,6 +50,16 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "commit": commit,
     }
+
+
+def add_simulated_row_args(p: argparse.ArgumentParser) -> None:
+    """The flags of a bench whose rows are simulator runs of the same length and seed, kept in
+    its JSON (a row already there is skipped unless --force)."""
+    p.add_argument("--rounds", type=int, default=10, help="rounds per block, every row")
+    p.add_argument("--local-steps", type=int, default=10, help="H, every row")
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--force", action="store_true", help="re-run rows already in the JSON")
+    p.add_argument("--data", help="data path (default: $BLOCKTRAIN_DATA)")
 
 
 def write_json(name: str, data: dict[str, Any]) -> Path:
