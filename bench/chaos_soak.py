@@ -18,7 +18,7 @@ from report import ROOT  # bench/report.py
 
 sys.path.insert(0, str(ROOT))  # the namespaces come from tests/protocol/test_netns.py
 
-from tests.protocol.test_netns import Net, iptables, sh
+from tests.protocol.test_netns import Net, delay_rule, iptables, loss_rule, sh
 
 from blocktrain.config import preset
 from blocktrain.data import resolve_data_path
@@ -119,36 +119,9 @@ class Soak:
     def toggle(self, kind: str) -> None:
         ns = self.rng.choice(self.net.hosts)
         if kind == "delay":
-            rules = [
-                [
-                    "OUTPUT",
-                    "!",
-                    "-o",
-                    "lo",
-                    "-j",
-                    "NFQUEUE",
-                    "--queue-num",
-                    str(DELAY_QUEUE),
-                    "--queue-bypass",
-                ]
-            ]
+            rules = [delay_rule(DELAY_QUEUE)]
         elif kind == "loss":
-            rules = [
-                [
-                    "OUTPUT",
-                    "!",
-                    "-o",
-                    "lo",
-                    "-m",
-                    "statistic",
-                    "--mode",
-                    "random",
-                    "--probability",
-                    "0.05",
-                    "-j",
-                    "DROP",
-                ]
-            ]
+            rules = [loss_rule(0.05)]
         else:  # partition: nothing in or out
             rules = [
                 ["OUTPUT", "!", "-o", "lo", "-j", "DROP"],

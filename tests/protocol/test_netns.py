@@ -76,6 +76,20 @@ class Net:
             sh("ip", "netns", "del", ns, check=False)
 
 
+def loss_rule(probability: float) -> list[str]:
+    """An iptables rule (chain and match, no -A/-I) that drops this share of a namespace's
+    outgoing packets (this kernel has no sch_netem); bench/chaos_soak.py toggles it too."""
+    return [
+        "OUTPUT", "!", "-o", "lo", "-m", "statistic", "--mode", "random",
+        "--probability", str(probability), "-j", "DROP",
+    ]  # fmt: skip
+
+
+def delay_rule(queue: int) -> list[str]:
+    """An iptables rule that queues a namespace's outgoing packets for the delay program."""
+    return ["OUTPUT", "!", "-o", "lo", "-j", "NFQUEUE", "--queue-num", str(queue), "--queue-bypass"]
+
+
 def build_net(impaired: bool = True) -> Net:
     """The namespaces and links, impaired (delay and loss) unless `impaired` is False
     (bench/chaos.py toggles its own impairments)."""
@@ -181,35 +195,7 @@ def impair(net: Net) -> None:
         pytest.skip("no netem in this kernel and no iptables for the netfilter fallback")
     for q, ns in enumerate([net.agg, *net.hosts]):
         # egress of each namespace: drop 1%, queue the rest for the delay program
-        rules = [
-            [
-                "-A",
-                "OUTPUT",
-                "!",
-                "-o",
-                "lo",
-                "-m",
-                "statistic",
-                "--mode",
-                "random",
-                "--probability",
-                str(LOSS),
-                "-j",
-                "DROP",
-            ],
-            [
-                "-A",
-                "OUTPUT",
-                "!",
-                "-o",
-                "lo",
-                "-j",
-                "NFQUEUE",
-                "--queue-num",
-                str(10 + q),
-                "--queue-bypass",
-            ],
-        ]
+        rules = [["-A", *loss_rule(LOSS)], ["-A", *delay_rule(10 + q)]]
         for rule in rules:
             done = sh("ip", "netns", "exec", ns, ipt, *rule, check=False)
             if done.returncode != 0:
