@@ -145,7 +145,7 @@ class RouterSettings:
 
 
 @dataclass(frozen=True)
-class _Job:
+class Job:
     """One validated generation request."""
 
     model: RemoteModel
@@ -211,7 +211,7 @@ class Router:
         param: str,
         req: SamplingParams,
         choices: int = 1,
-    ) -> _Job:
+    ) -> Job:
         """A validated job, its work admitted: `choices` samples of n_bytes each."""
         data = prompt_bytes(prompt, self.settings.max_prompt_bytes)
         if n_bytes > self.settings.max_output_bytes:
@@ -237,7 +237,7 @@ class Router:
         if choices > 1:
             what = f"n x {param} x steps_per_block = {choices} x {n_bytes} x {steps}"
         units = self.work.admit(choices * work_units(n_bytes, steps), what, param)
-        return _Job(
+        return Job(
             remote,
             data,
             n_bytes,
@@ -249,7 +249,7 @@ class Router:
             units,
         )
 
-    def done(self, job: _Job) -> None:
+    def done(self, job: Job) -> None:
         """The job ended (answered, failed or abandoned): its work is no longer in flight."""
         self.work.release(job.units)
 
@@ -268,7 +268,7 @@ class Router:
         if why is not None:
             raise BadRequest(why, param="draft_bytes")
 
-    def stream(self, job: _Job, stats: ChainStats) -> AsyncIterator[torch.Tensor]:
+    def stream(self, job: Job, stats: ChainStats) -> AsyncIterator[torch.Tensor]:
         """The new bytes (1, m) piece by piece: a span per sweep, or a byte per traversal."""
         chain = self.chain(job.model, stats)
         prompt = torch.tensor([list(job.prompt)], dtype=torch.long)
