@@ -425,6 +425,20 @@ def test_restart_before_the_pull_marks_are_written_still_expects_every_worker(ha
     h2.state.close()
 
 
+def test_status_says_why_the_rule_refused_to_aggregate(tmp_path):
+    """A round whose rule refuses to aggregate (trimmed mean tolerating one attacker, two votes)
+    commits no change; /v1/status and the ledger say why."""
+    from dataclasses import replace
+
+    h = make_harness(tmp_path / "s", replace(SETTINGS, rule="trimmed_mean", tolerate=1))
+    a, b = two_on_block0(h)
+    for tok, w in ((h.alice, a), (h.bob, b)):
+        assert h.push(tok, w, 0, delta_body(0)).status_code == 200
+    (row,) = h.client.get("/v1/status", headers=auth(h.alice)).json()["participation"]["0"]
+    assert "needs more than 2 votes; 2 came" in row["held"]
+    h.state.close()
+
+
 def test_restart_after_the_deadline_closes_the_round_at_once(harness):
     h = harness
     a, _ = two_on_block0(h)

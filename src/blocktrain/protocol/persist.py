@@ -156,6 +156,7 @@ class Durable:
             expected=len(closed.expected),
             reported=len(closed.reported),
             update_ids=ids,
+            held=event.held,
         )
         for uid in ids:
             name = self.pending[b].pop(uid, None)
