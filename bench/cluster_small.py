@@ -26,8 +26,10 @@ evaluated; a finished evaluation is only reported.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import signal
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -190,6 +192,10 @@ def summarise(args: argparse.Namespace, work: Path, final: dict[str, Any]) -> di
     latest = [(b, state.ledger.block_state(b)[0]) for b in range(state.n_blocks())]
     params = [sum(t.numel() for t in state.load_tensors(*bv).values()) for bv in latest]
     state.close()
+    closes: dict[int, float] = {}  # round -> when its last block closed it
+    for r in rounds:
+        closes[r["round"]] = max(closes.get(r["round"], 0.0), r["closed_at"])
+    gaps = [b - a for a, b in itertools.pairwise(closes[k] for k in sorted(closes))]
     per_block: dict[str, list[float]] = {}
     for r in rounds:
         per_block.setdefault(str(r["block"]), []).append(participation(r["in_time"], r["expected"]))
@@ -224,6 +230,7 @@ def summarise(args: argparse.Namespace, work: Path, final: dict[str, Any]) -> di
         "bytes_total": sum(r["bytes_in"] + r["bytes_out"] for r in traffic),
         "bytes_up": sum(r["bytes_in"] for r in traffic),
         "bytes_down": sum(r["bytes_out"] for r in traffic),
+        "seconds_per_round_median": statistics.median(gaps) if gaps else None,
         "attempts": progress,
         "wall_s": sum(a["wall_s"] for a in progress),
         "final": final,
@@ -250,7 +257,8 @@ per block, preset {r["preset"]}; {r["rounds"]} rounds of H = {r["local_steps"]} 
 {r["steps_per_replica"]} steps per replica, the learning-rate schedule spanning the run as in the
 converged single-process run of `benchmarks/results/quality.json` ({r["single_steps"]} steps per
 block, the same preset, batch and schedule). Wire {r["delta_wire"]}, round deadline {r["deadline_s"]:g} s.
-{len(attempts)} invocation(s), {r["wall_s"] / 3600:.2f} h of wall clock in all.
+{len(attempts)} invocation(s), {r["wall_s"] / 3600:.2f} h of wall clock in all, a round every
+{r["seconds_per_round_median"] or 0:.0f} s (median).
 {caveat}
 Sampler CE on the test split ({f["bytes"]:,} scored bytes, M = {f["sweeps"]}, seed {TEST_SEED}: the bytes and
 noise of quality.json's figure):

@@ -8,7 +8,8 @@ It speaks the nfnetlink_queue protocol over a raw netlink socket (no library nee
 the queue in metadata-only copy mode, and answers each packet's verdict (accept) `delay` after
 it arrived, in arrival order. With a jitter each packet's delay is drawn uniformly from
 delay +- jitter, but no packet overtakes an earlier one (it waits for it instead): jitter
-without reordering, which TCP would otherwise read as loss. Standard library only, so it starts
+without reordering, which TCP would otherwise read as loss. Within a burst the delays therefore
+climb toward delay + jitter (never past it); sparse packets see the whole range. Standard library only, so it starts
 fast and imports no torch.
 """
 
@@ -80,6 +81,15 @@ def packet_ids(data: bytes) -> list[int]:
     return ids
 
 
+def release_at(
+    now: float, delay: float, jitter: float, previous: float, rng: random.Random
+) -> float:
+    """When a packet that arrived `now` is let through: delay +- jitter later, but not before
+    the packet ahead of it (released at `previous`): no overtaking."""
+    at = now + delay + (rng.uniform(-jitter, jitter) if jitter else 0.0)
+    return max(at, previous)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--queue", type=int, required=True)
@@ -128,8 +138,7 @@ def main() -> int:
                 continue
             now = time.monotonic()
             for pid in packet_ids(data):
-                at = now + delay + (rng.uniform(-jitter, jitter) if jitter else 0.0)
-                due.append((max(at, due[-1][0]) if due else at, pid))  # in order: no overtaking
+                due.append((release_at(now, delay, jitter, due[-1][0] if due else 0.0, rng), pid))
         now = time.monotonic()
         while due and due[0][0] <= now:
             _, pid = due.popleft()
