@@ -33,10 +33,11 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from blocktrain.config import RunConfig, apply_overrides, preset
 from blocktrain.data import resolve_data_path
+from blocktrain.errors import ProtocolError
 from blocktrain.protocol.cluster import run_cluster
 from blocktrain.protocol.rounds import participation
 from blocktrain.protocol.storage import StateDir
@@ -114,17 +115,22 @@ def open_run(args: argparse.Namespace, work: Path) -> tuple[StateDir, list[str],
         tokens_file.write_text(json.dumps({"workers": tokens, "observer": observer}))
         return state, tokens, observer
     state = StateDir(work / "state")
-    saved = state.settings()
     if not state.initialised or not tokens_file.exists():
-        sys.exit(f"{work} holds no run of this bench: remove it or pass another --work")
+        fail(f"{work} holds no run of this bench: remove it or pass another --work")
+    saved = state.settings()
     ours = (cfg.to_dict(), args.local_steps, args.rounds, args.workers)
     if (state.run_config(), saved.local_steps, saved.max_rounds, saved.n_workers) != ours:
-        sys.exit(
+        fail(
             f"{work} holds another run (preset, steps, H, rounds or workers differ): run the "
             "command that started it to resume it, or pass another --work"
         )
     doc = json.loads(tokens_file.read_text())
     return state, list(doc["workers"]), str(doc["observer"])
+
+
+def fail(message: str) -> NoReturn:
+    print(f"cluster_small: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def closed_rounds(state: StateDir) -> int:
@@ -289,6 +295,9 @@ def main() -> int:
             file=sys.stderr,
         )
         return INTERRUPTED
+    except ProtocolError as exc:  # e.g. every worker died: the logs say why
+        print(f"cluster_small: {exc}; the same command resumes ({work})", file=sys.stderr)
+        return 1
     final = evaluate(args, work)
     result = summarise(args, work, final)
     path = Path(args.out)

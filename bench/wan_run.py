@@ -40,7 +40,7 @@ from blocktrain.training import EvalSettings, evaluate_blocktrain
 from blocktrain.training.local import build_stack, write_assembled
 
 Counts = dict[str, int]
-ZERO: Counts = {"requests": 0, "bytes_in": 0, "bytes_out": 0}
+ZERO: Counts = {"requests": 0, "bytes_in": 0, "bytes_out": 0}  # and the order of a row's counts
 HOST_SUMS = ("aggregator_bytes_in", "aggregator_push_bytes_in", "aggregator_bytes_out")
 HOST_SUMS += ("workers_bytes_up", "workers_bytes_down")
 PARTICIPATION = ("round", "accepted", "refused", "expected", "cause", "duration_s")
@@ -79,10 +79,10 @@ def parse_args() -> argparse.Namespace:
 
 
 def traffic(ledger: Any) -> dict[str, list[int]]:
-    """The aggregator's cumulative body bytes, "endpoint worker" -> [requests, in, out]; the
+    """The aggregator's cumulative body bytes, "endpoint block worker" -> [requests, in, out]; the
     bench's own status polls left out."""
     return {
-        f"{r['endpoint']} {r['worker_id']}": [r["requests"], r["bytes_in"], r["bytes_out"]]
+        f"{r['endpoint']} {r['block']} {r['worker_id']}": [r[k] for k in ZERO]
         for r in ledger.traffic()
         if r["endpoint"] != "status"
     }
@@ -167,10 +167,10 @@ def train(net: Net, args: argparse.Namespace, work: Path, data: str) -> dict[str
 
 
 def group(rows: dict[str, list[int]], name: Callable[[str, int], str]) -> dict[str, Counts]:
-    """Sum traffic rows ("endpoint worker" -> [requests, in, out]) by name(endpoint, worker)."""
+    """Sum traffic rows ("endpoint block worker" -> counts) by name(endpoint, worker)."""
     out: dict[str, Counts] = {}
     for key, (req, b_in, b_out) in rows.items():
-        endpoint, worker = key.split()
+        endpoint, _, worker = key.split()
         e = out.setdefault(name(endpoint, int(worker)), dict(ZERO))
         e["requests"] += req
         e["bytes_in"] += b_in

@@ -88,3 +88,9 @@ def test_cluster_small_resumes_after_an_interrupt(corpus: Path, tmp_path: Path) 
     again = json.loads(out.read_text())
     assert len(again["attempts"]) == 2, "a finished run is not trained again"
     assert again["cluster_sampler_ce"] == result["cluster_sampler_ce"]  # the cached evaluation
+
+    assert cmd[4] == "--rounds"
+    other = [*cmd[:5], str(ROUNDS + 1), *cmd[6:]]  # another run in the same folder
+    refused = subprocess.run(other, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2
+    assert "holds another run" in refused.stderr and "Traceback" not in refused.stderr

@@ -44,6 +44,11 @@ def test_wan_run_smoke(corpus: Path, tmp_path: Path) -> None:
     for h in hosts.values():  # each host's pushes counted alike at both ends, whatever was lost
         assert len(h["workers"]) == 2
         assert h["aggregator_push_bytes_in"] == h["workers_bytes_up"] > 0
+    # and every body byte the workers received, from the ledger's rows of every block
+    every = r["bytes_by_host"].values()
+    assert sum(h["aggregator_bytes_out"] for h in every) == sum(
+        h["workers_bytes_down"] for h in every
+    )
     assert r["bytes"]["total"] >= r["bytes"]["minimum"] > 0
     assert math.isfinite(r["wan_sampler_ce"]) and math.isfinite(r["single_sampler_ce"])
     assert "wan-run:begin" in md.read_text()
