@@ -18,6 +18,7 @@ from typing import Any, Union
 from blocktrain.errors import ConfigError
 
 VOCAB_SIZE = 256  # byte values; the vocabulary is fixed
+PROCESSES = ("gaussian", "masked")
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,13 @@ class ModelConfig:
     """adaLN gates act as (1 + gate), so residual branches start open instead of shut."""
     aux_weight: float = 1.0
     """Weight of the block-local next-byte loss on the clean stream (0 turns it off)."""
+    process: str = "gaussian"
+    """The span's corruption: "gaussian" (z = E[y] + sigma * eps, DESIGN.md 2.1) or "masked"
+    (each byte revealed, z = E[y], or masked, z = 0; block b owns an interval of mask rates and
+    reveals bytes left to right: docs/model.md)."""
+    mask_loss: str = "elbo"
+    """A masked run's loss on the masked bytes: "elbo" (MD4's (1/t)-weighted sum, each sequence
+    weighted alike) or "mean" (their plain mean over the batch, the probe's)."""
 
     def __post_init__(self) -> None:
         _check(self.d_model > 0, "d_model", self.d_model, "must be positive")
@@ -120,6 +128,21 @@ class ModelConfig:
         )
         _check(0 <= self.overlap < 1, "overlap", self.overlap, "must lie in [0, 1)")
         _check(self.aux_weight >= 0, "aux_weight", self.aux_weight, "must be >= 0")
+        _check(
+            self.process in PROCESSES,
+            "process",
+            self.process,
+            f"must be one of {', '.join(PROCESSES)}",
+        )
+        _check(
+            self.mask_loss in ("elbo", "mean"), "mask_loss", self.mask_loss, "must be elbo or mean"
+        )
+        _check(
+            self.process != "masked" or self.span >= self.blocks,
+            "span",
+            self.span,
+            f"must be >= blocks = {self.blocks} with process=masked (every block reveals a byte)",
+        )
 
     @property
     def layers_per_block(self) -> int:
