@@ -16,6 +16,7 @@ from blocktrain.data import load_split
 from blocktrain.model import BlockStack, target_table
 from blocktrain.model.masking import draw_masks, mask_interval, masked_state
 from blocktrain.training import BlockLoss, EvalSettings, Trainer, evaluate_blocktrain, load_model
+from blocktrain.training.plan import plan
 from tests.cli.test_cli import TINY, fails_cleanly
 from tests.conftest import TEXT, micro_config
 from tests.training.test_loss import LinearBlock, hand_ce
@@ -121,3 +122,10 @@ def test_the_cli_trains_a_masked_run_and_refuses_gaussian_samplers(capsys, tmp_p
         ],
         "process = 'uniform' must be one of gaussian, masked",
     )
+
+
+def test_plan_counts_the_mask_token_of_masked_blocks():
+    gaussian = micro_config()
+    masked = dataclasses.replace(gaussian, model=masked_model())
+    extra = plan(masked)["params_per_block"][0] - plan(gaussian)["params_per_block"][0]
+    assert extra == gaussian.model.d_model
