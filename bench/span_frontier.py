@@ -17,6 +17,11 @@ and the `span-frontier` section of BENCHMARKS.md.
 
     python bench/span_frontier.py --preset tiny                 # ~40 min on 2 cores, judge included
     python bench/span_frontier.py --preset tiny --report        # rebuild the section from the JSON
+    python bench/span_frontier.py --recipes masked --spans 4,16 --steps 1200 --quality-only
+
+--steps N trains every compared model (not the judge) N steps, in benchmarks/work/span_frontier/
+PRESET-N/. --quality-only skips the speed phase and writes span_frontier_quality.json and the
+`span-frontier-quality` section (--name) instead.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import Any
 import httpx
 import torch
 
+from blocktrain.config import preset
 from blocktrain.data import load_split, resolve_data_path
 from blocktrain.data.ngram import NgramDrafter
 from blocktrain.model import BlockStack, Reference
@@ -47,7 +53,14 @@ OUT_JSON = "span_frontier.json"
 # default: today's defaults (sigma in [1, 10]). lowsigma: span-research.md R3's first test, a
 # trajectory that crosses the window where the noisy state decides a byte (sigma ~ 0.7 to 0.15),
 # so that more steps per block can couple the bytes of a span.
-RECIPES: dict[str, list[str]] = {"default": [], "lowsigma": ["sigma_min=0.1"]}
+# masked: block-local masked span diffusion (model/masking.py, span-research.md R1), sampled by
+# revealing bytes left to right; its rows run the reveal sampler at --masked-steps.
+RECIPES: dict[str, list[str]] = {
+    "default": [],
+    "lowsigma": ["sigma_min=0.1"],
+    "masked": ["process=masked"],
+    "masked-mean": ["process=masked", "mask_loss=mean"],
+}
 
 
 def blocktrain(argv: list[str]) -> None:
@@ -75,7 +88,7 @@ def quality(
     gen: GenSettings,
     sweeps: int,
     drafter: NgramDrafter | None,
-    joints: dict[tuple[int, int, str], float],
+    joints: dict[tuple[int, int, str | None], float],
 ) -> dict[str, Any]:
     """The judged continuations and the joint CE on the test windows. The joint CE depends on
     the model and its sweep only, so `joints` keeps it by (model, S, sampler): a speculative row
@@ -124,10 +137,22 @@ def main() -> None:
     p.add_argument("--speed-bytes", type=int, default=64, help="bytes per timed request")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2, help="torch threads per host process")
+    p.add_argument("--masked-steps", default="1,2,6", help="S values of the masked recipes")
+    p.add_argument("--steps", type=int, default=0, help="training steps (0: the preset's)")
+    p.add_argument("--quality-only", action="store_true", help="skip the speed phase")
+    p.add_argument(
+        "--name",
+        default="span_frontier_quality",
+        help="with --quality-only: the JSON (NAME.json) and BENCHMARKS.md section it writes",
+    )
     p.add_argument("--report", action="store_true", help="only rebuild BENCHMARKS.md")
     args = p.parse_args()
     if args.report:
-        report(json.loads((ROOT / "benchmarks" / "results" / OUT_JSON).read_text()))
+        if args.quality_only:
+            doc = json.loads((ROOT / "benchmarks" / "results" / f"{args.name}.json").read_text())
+            report_quality(doc, args.name)
+        else:
+            report(json.loads((ROOT / "benchmarks" / "results" / OUT_JSON).read_text()))
         return
     unknown = set(args.recipes.split(",")) - set(RECIPES)
     if unknown:
@@ -137,18 +162,23 @@ def main() -> None:
     spans, steps, hops = ints(args.spans), ints(args.steps_per_block), ints(args.hops)
     samplers = args.samplers.split(",")
 
-    work = WORK / args.preset
+    work = WORK / (f"{args.preset}-{args.steps}" if args.steps else args.preset)
+    base = preset(args.preset).model
+    train_args = ["--preset", args.preset, *(["--steps", str(args.steps)] if args.steps else [])]
     judge_dir = trained(
         WORK / f"judge-{args.judge_steps}",
         ["--preset", "judge", "--reference", "--steps", str(args.judge_steps)],
     )
-    runs = {"ar": trained(work / "ref", ["--preset", args.preset, "--reference"])}
+    runs = {"ar": trained(work / "ref", [*train_args, "--reference"])}
     span_runs: dict[str, tuple[int, str]] = {}  # run name -> (K, recipe)
     for recipe in args.recipes.split(","):
         for k in spans if recipe == "default" else [k for k in spans if k > 1]:
+            if k >= base.seq_len or (recipe.startswith("masked") and k < base.blocks):
+                print(f"skipping K = {k} ({recipe}): does not fit the preset", file=sys.stderr)
+                continue
             name = f"k{k}" if recipe == "default" else f"k{k}-{recipe}"
             sets = [f"span={k}", *RECIPES[recipe]]
-            runs[name] = trained(work / name, ["--preset", args.preset, "--set", *sets])
+            runs[name] = trained(work / name, [*train_args, "--set", *sets])
             span_runs[name] = (k, recipe)
 
     _, judge = load_model(judge_dir)
@@ -163,8 +193,10 @@ def main() -> None:
     ]
     for name, (k, recipe) in span_runs.items():
         prefix = "blocktrain" if recipe == "default" else f"blocktrain-{recipe}"
-        for sampler in samplers:
-            for s in [1] if k == 1 else steps:  # at K = 1 more steps change nothing in [1, 10]
+        masked = recipe.startswith("masked")
+        for sampler in ["reveal"] if masked else samplers:
+            # At K = 1 more steps change nothing in [1, 10].
+            for s in ints(args.masked_steps) if masked else [1] if k == 1 else steps:
                 rows_spec.append(
                     {
                         "method": f"{prefix}-{sampler}",
@@ -200,7 +232,7 @@ def main() -> None:
     )
 
     qualities: list[dict[str, Any]] = []
-    joints: dict[tuple[int, int, str], float] = {}
+    joints: dict[tuple[int, int, str | None], float] = {}
     loaded: dict[str, BlockStack | Reference] = {}
     for i, row in enumerate(rows_spec):
         print(f"[{i + 1}/{len(rows_spec)}] quality {row}", file=sys.stderr)
@@ -214,10 +246,35 @@ def main() -> None:
         gen = GenSettings(
             prompts=args.prompts,
             steps_per_block=fields.get("steps_per_block", 1),
-            sampler=fields.get("sampler", "euler"),
+            sampler=fields.get("sampler"),
             draft_bytes=fields.get("draft_bytes", 0),
         )
         qualities.append(quality(model, judge, prompts, windows, gen, args.sweeps, drafter, joints))
+    if args.quality_only:
+        quality_doc = {
+            "preset": args.preset,
+            "steps": args.steps or preset(args.preset).train.steps,
+            "judge": {"run": str(judge_dir.relative_to(ROOT)), "steps": args.judge_steps},
+            "prompts": args.prompts,
+            "sweeps": args.sweeps,
+            "joint_bytes": args.joint_bytes,
+            "command_args": "".join(f" {a}" for a in sys.argv[1:]),
+            "machine": machine(),
+            "rows": [
+                {
+                    "method": row["method"],
+                    "span": row["span"],
+                    "steps_per_block": row["steps_per_block"],
+                    "draft_bytes": row["fields"].get("draft_bytes", 0),
+                    **{key: q[key] for key in QUALITY_KEYS},
+                    "sample": q["samples"][0]["generated"],
+                }
+                for row, q in zip(rows_spec, qualities, strict=True)
+            ],
+        }
+        write_json(f"{args.name}.json", quality_doc)
+        report_quality(quality_doc, args.name)
+        return
 
     rows: list[dict[str, Any]] = []
     models = {name: runs[name] for name in sorted({row["run"] for row in rows_spec})}
@@ -269,6 +326,44 @@ def main() -> None:
     }
     write_json(OUT_JSON, doc)
     report(doc)
+
+
+QUALITY_KEYS = ("gen_ce", "gen_ce_sem", "floor_ce", "entropy", "real_entropy", "joint_ce")
+
+
+def report_quality(doc: dict[str, Any], name: str) -> None:
+    """The section NAME (dashes for underscores): the quality columns of a --quality-only run."""
+    ar = next(r for r in doc["rows"] if r["method"] == "ar")
+    lines = [
+        "## Span generation: quality at equal training steps",
+        "",
+        f"`python bench/span_frontier.py{doc['command_args']}`; JSON: "
+        f"`benchmarks/results/{name}.json`. Preset `{doc['preset']}`, every compared model "
+        f"trained {doc['steps']} steps (per block); the judge and prompts of the span frontier "
+        f"({doc['prompts']} prompts; judge {doc['judge']['steps']} steps). joint_ce on "
+        f"{doc['joint_bytes']} test bytes: exact for the AR and masked rows, M = {doc['sweeps']} "
+        "sweeps for Gaussian ones. No speed columns: the frontier's speed phase measures those.",
+        "",
+        "| method | K | S | gen_ce (± s.e.) | vs AR | entropy (real) | joint_ce |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in doc["rows"]:
+        lines.append(
+            f"| {r['method']} | {r['span']} | {r['steps_per_block'] or '-'} | "
+            f"{r['gen_ce']:.3f} ± {r['gen_ce_sem']:.3f} | {r['gen_ce'] - ar['gen_ce']:+.3f} | "
+            f"{r['entropy']:.3f} ({r['real_entropy']:.3f}) | {r['joint_ce']:.3f} |"
+        )
+    lines += [
+        "",
+        f"The judge's CE on the real continuations (the floor): {ar['floor_ce']:.3f}.",
+        "",
+        "A continuation of the first prompt, per row:",
+        "",
+    ]
+    for r in doc["rows"]:
+        text = json.dumps(r["sample"])[1:-1][:120].replace("`", "'")
+        lines.append(f"- {r['method']} K = {r['span']} S = {r['steps_per_block'] or '-'}: `{text}`")
+    update_section(name.replace("_", "-"), "\n".join(lines))
 
 
 def against_the_goal(rows: list[dict[str, Any]]) -> list[str]:
