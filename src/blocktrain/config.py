@@ -64,9 +64,10 @@ class ModelConfig:
     """The span's corruption: "gaussian" (z = E[y] + sigma * eps, DESIGN.md 2.1) or "masked"
     (each byte revealed, z = E[y], or masked, z = 0; block b owns an interval of mask rates and
     reveals bytes left to right: docs/model.md)."""
-    mask_loss: str = "elbo"
-    """A masked run's loss on the masked bytes: "elbo" (MD4's (1/t)-weighted sum, each sequence
-    weighted alike) or "mean" (their plain mean over the batch, the probe's)."""
+    mask_loss: str = "mean"
+    """A masked run's loss on the masked bytes: "mean" (their plain mean over the batch) or
+    "elbo" (MD4's (1/t)-weighted sum, each sequence weighted alike), which measured worse at
+    tiny (BENCHMARKS.md, "Span generation: quality at equal training steps")."""
 
     def __post_init__(self) -> None:
         _check(self.d_model > 0, "d_model", self.d_model, "must be positive")

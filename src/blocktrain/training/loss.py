@@ -27,8 +27,8 @@ class BlockLoss:
         L_b = E_sigma~block b's interval [ w(sigma) * CE(block(x, E[y] + sigma * eps, sigma), y) ]
               + aux_weight * CE(clean-stream next-byte logits)
 
-    or, for a masked run (model/masking.py), E_t~block b's interval [ (1/t) * sum of the CE over
-    the masked bytes, per byte ] + the same auxiliary term.
+    or, for a masked run (model/masking.py), the CE of the masked bytes, t drawn from block b's
+    interval (their mean, or MD4's (1/t)-weighted sum per byte) + the same auxiliary term.
 
     Only block b's parameters receive gradients; nothing here touches another block."""
 
@@ -89,9 +89,10 @@ class BlockLoss:
         want_aux: bool,
     ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor | None]:
         """model/masking.py: t from the block's interval (at least 1/K: the sampler never runs a
-        block on a span with nothing masked), masks drawn at rate t, and MD4's weighting
-        (1/t) * sum over the masked bytes of the CE, per byte of the batch (or, with
-        mask_loss = mean, the mean CE of the masked bytes)."""
+        block on a span with nothing masked), masks drawn at rate t, and the mean CE of the
+        masked bytes (mask_loss = mean), or MD4's (1/t) * their summed CE per byte of the batch
+        (mask_loss = elbo), which weights a sequence with few masked bytes up to K times more
+        and measured worse."""
         n, t_len = x_bytes.shape
         k = self.cfg.span
         lo, hi = mask_interval(index, self.cfg.blocks, self.cfg.overlap)
