@@ -59,7 +59,7 @@ RECIPES: dict[str, list[str]] = {
     "default": [],
     "lowsigma": ["sigma_min=0.1"],
     "masked": ["process=masked"],
-    "masked-mean": ["process=masked", "mask_loss=mean"],
+    "masked-elbo": ["process=masked", "mask_loss=elbo"],
 }
 
 
@@ -334,8 +334,9 @@ QUALITY_KEYS = ("gen_ce", "gen_ce_sem", "floor_ce", "entropy", "real_entropy", "
 def report_quality(doc: dict[str, Any], name: str) -> None:
     """The section NAME (dashes for underscores): the quality columns of a --quality-only run."""
     ar = next(r for r in doc["rows"] if r["method"] == "ar")
+    methods = ", ".join(dict.fromkeys(r["method"] for r in doc["rows"] if r["method"] != "ar"))
     lines = [
-        "## Span generation: quality at equal training steps",
+        f"## Span generation: quality at equal training steps ({methods})",
         "",
         f"`python bench/span_frontier.py{doc['command_args']}`; JSON: "
         f"`benchmarks/results/{name}.json`. Preset `{doc['preset']}`, every compared model "
@@ -353,7 +354,21 @@ def report_quality(doc: dict[str, Any], name: str) -> None:
             f"{r['gen_ce']:.3f} ± {r['gen_ce_sem']:.3f} | {r['gen_ce'] - ar['gen_ce']:+.3f} | "
             f"{r['entropy']:.3f} ({r['real_entropy']:.3f}) | {r['joint_ce']:.3f} |"
         )
+    margins = []
+    for margin, min_span in ((0.10, 1), (0.30, 4)):  # issue 11's goal and bar, quality side
+        ok = [
+            f"{r['method']} K = {r['span']} S = {r['steps_per_block']}"
+            for r in doc["rows"]
+            if r["method"] != "ar"
+            and r["span"] >= min_span
+            and r["gen_ce"] <= ar["gen_ce"] + margin
+        ]
+        margins.append(f"within {margin:.2f} (K >= {min_span}): {', '.join(ok) or 'no row'}")
     lines += [
+        "",
+        "The quality side of issue 11's goal and bar, gen_ce against the AR row's: "
+        + "; ".join(margins)
+        + ".",
         "",
         f"The judge's CE on the real continuations (the floor): {ar['floor_ce']:.3f}.",
         "",
