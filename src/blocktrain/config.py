@@ -61,13 +61,9 @@ class ModelConfig:
     aux_weight: float = 1.0
     """Weight of the block-local next-byte loss on the clean stream (0 turns it off)."""
     process: str = "gaussian"
-    """The span's corruption: "gaussian" (z = E[y] + sigma * eps, DESIGN.md 2.1) or "masked"
-    (each byte revealed, z = E[y], or masked, z = 0; block b owns an interval of mask rates and
-    reveals bytes left to right: docs/model.md)."""
+    """The span's corruption: gaussian (z = E[y] + sigma * eps) or masked (docs/model.md)."""
     mask_loss: str = "mean"
-    """A masked run's loss on the masked bytes: "mean" (their plain mean over the batch) or
-    "elbo" (MD4's (1/t)-weighted sum, each sequence weighted alike), which measured worse at
-    tiny (BENCHMARKS.md, "Span generation: quality at equal training steps")."""
+    """A masked run's loss: the masked bytes' mean CE, or MD4's elbo (measured worse)."""
 
     def __post_init__(self) -> None:
         _check(self.d_model > 0, "d_model", self.d_model, "must be positive")
@@ -129,21 +125,11 @@ class ModelConfig:
         )
         _check(0 <= self.overlap < 1, "overlap", self.overlap, "must lie in [0, 1)")
         _check(self.aux_weight >= 0, "aux_weight", self.aux_weight, "must be >= 0")
-        _check(
-            self.process in PROCESSES,
-            "process",
-            self.process,
-            f"must be one of {', '.join(PROCESSES)}",
-        )
-        _check(
-            self.mask_loss in ("elbo", "mean"), "mask_loss", self.mask_loss, "must be elbo or mean"
-        )
-        _check(
-            self.process != "masked" or self.span >= self.blocks,
-            "span",
-            self.span,
-            f"must be >= blocks = {self.blocks} with process=masked (every block reveals a byte)",
-        )
+        for name, ok in (("process", PROCESSES), ("mask_loss", ("mean", "elbo"))):
+            value = getattr(self, name)
+            _check(value in ok, name, value, f"must be one of {', '.join(ok)}")
+        why = f"must be >= blocks = {self.blocks} with process=masked (each block reveals bytes)"
+        _check(self.process != "masked" or self.span >= self.blocks, "span", self.span, why)
 
     @property
     def layers_per_block(self) -> int:
