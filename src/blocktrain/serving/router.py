@@ -34,6 +34,7 @@ import torch
 from blocktrain.data.ngram import NgramDrafter
 from blocktrain.errors import ConfigError
 from blocktrain.model import Sampling
+from blocktrain.model.sampler import DEFAULT_SAMPLER, sampler_for
 from blocktrain.model.speculative import SpeculativeLoop
 from blocktrain.serving.chain import Chain, ChainStats
 from blocktrain.serving.directory import Directory, RemoteModel, unavailable_error
@@ -229,6 +230,12 @@ class Router:
         sampling = Sampling(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p)
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         remote = await self.resolve(model)
+        sampler = req.sampler
+        if remote.kind == "blocktrain":
+            try:
+                sampler = sampler_for(req.sampler, remote.config.model.process)
+            except ValueError as exc:
+                raise BadRequest(str(exc), param="sampler") from None
         if req.draft_bytes:
             self._check_drafting(remote, req.draft_bytes)
         # An autoregressive model runs no sampler points: one unit per byte.
@@ -244,7 +251,7 @@ class Router:
             sampling,
             seed,
             req.steps_per_block,
-            req.sampler,
+            sampler or DEFAULT_SAMPLER,
             req.draft_bytes,
             units,
         )
