@@ -40,7 +40,7 @@ from starlette.requests import ClientDisconnect
 
 from blocktrain import __version__
 from blocktrain.errors import Refused
-from blocktrain.httpserve import BODY_BYTES, GUARD_REFUSAL, HttpGuard, Scope
+from blocktrain.httpserve import BODY_BYTES, GUARD_REFUSAL, HttpGuard, Scope, read_body
 from blocktrain.protocol import dashboard
 from blocktrain.protocol import metrics as prometheus
 from blocktrain.protocol.auth import Caller, refused
@@ -318,10 +318,8 @@ def create_app(
         ctx: Annotated[PushContext, Depends(push_context)],
         block: int = Path(ge=0),
     ) -> JSONResponse:
-        chunks: list[bytes] = []
         try:  # the guard caps the size (and the time) while streaming
-            async for chunk in request.stream():
-                chunks.append(chunk)
+            body = await read_body(request.scope, request.stream())
         except ClientDisconnect:
             size = getattr(request.state, BODY_BYTES, 0)
             reason, detail = getattr(request.state, GUARD_REFUSAL, ("", ""))
@@ -330,7 +328,6 @@ def create_app(
             raise service.refuse_push(
                 ctx, "malformed", "the client sent a partial body and disconnected", size
             ) from None
-        body = b"".join(chunks)
         out = await anyio.to_thread.run_sync(service.submit, ctx, body)
         return json_response(request, UpdateOut(**out).model_dump())
 

@@ -272,7 +272,7 @@ class AggregatorService:
             exc.detail,
         )
 
-    def submit(self, ctx: PushContext, body: bytes) -> dict[str, Any]:
+    def submit(self, ctx: PushContext, body: bytes | bytearray) -> dict[str, Any]:
         """Check, store and judge one update; returns the acceptance or raises Refused."""
         checked = self.engine.check(ctx.block, body, ctx.worker_id)
         meta = checked.meta
@@ -332,7 +332,7 @@ class AggregatorService:
         checked: Checked,
         reason: str,
         detail: str,
-        body: bytes,
+        body: bytes | bytearray,
         fields: dict[str, Any],
     ) -> None:
         exc = refused(reason, detail)
