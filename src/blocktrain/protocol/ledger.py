@@ -8,7 +8,8 @@ marks all of its accepted updates with the version they went into, in one transa
 except those of the round still open.
 
 WAL journal with synchronous=FULL: a committed transaction survives a process kill and a power
-cut. The connection is shared between threads behind a lock.
+cut. Writes share one connection behind a lock; every request's token and worker reads go
+through a second one, which in WAL mode sees the last commit without waiting for a writer's fsync.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from blocktrain.protocol.ledger_schema import (
     TokenRow,
     UpdateRow,
     WorkerRow,
+    connect,
 )
 
 BLOCKS = "SELECT block FROM blocks ORDER BY block"
@@ -42,13 +44,7 @@ class Ledger(RecoveryTables):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
-        self._db = sqlite3.connect(
-            str(self.path), check_same_thread=False, timeout=30.0, isolation_level=None
-        )
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db = connect(self.path, writer=True)
         with self._lock:
             self._db.executescript(SCHEMA)
         with self._tx() as db:
@@ -60,8 +56,12 @@ class Ledger(RecoveryTables):
                 "INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
             )
             self._counts = ledger_counts.load(db)
+        self._read_lock = threading.Lock()
+        self._reader = connect(self.path, writer=False)
 
     def close(self) -> None:
+        with self._read_lock:
+            self._reader.close()
         with self._lock:
             self._db.close()
 
@@ -80,6 +80,10 @@ class Ledger(RecoveryTables):
         with self._lock:
             return list(self._db.execute(sql, tuple(args)))
 
+    def _read(self, sql: str, args: Iterable[Any] = ()) -> list[sqlite3.Row]:
+        with self._read_lock:
+            return list(self._reader.execute(sql, tuple(args)))
+
     # ------------------------------------------------------------------ tokens
 
     def add_token(self, name: str, token_hash: str, now: float, blocks: Iterable[int] = ()) -> int:
@@ -96,7 +100,7 @@ class Ledger(RecoveryTables):
             return token_id
 
     def token_by_hash(self, token_hash: str) -> TokenRow | None:
-        rows = self._query(TOKEN_SELECT + " WHERE t.hash = ?", (token_hash,))
+        rows = self._read(TOKEN_SELECT + " WHERE t.hash = ?", (token_hash,))
         return TokenRow.of(rows[0]) if rows else None
 
     def token_by_name(self, name: str) -> TokenRow | None:
@@ -128,7 +132,7 @@ class Ledger(RecoveryTables):
     def worker(self, worker_id: int) -> WorkerRow | None:
         if not 0 <= worker_id < 2**63:  # an id from a request: SQLite cannot even compare it
             return None
-        rows = self._query("SELECT * FROM workers WHERE id = ?", (worker_id,))
+        rows = self._read("SELECT * FROM workers WHERE id = ?", (worker_id,))
         return WorkerRow(**dict(rows[0])) if rows else None
 
     def workers(self, *, active_only: bool = True) -> list[WorkerRow]:
@@ -136,7 +140,7 @@ class Ledger(RecoveryTables):
         return [WorkerRow(**dict(r)) for r in self._query(sql + " ORDER BY id")]
 
     def latest_worker_of(self, token_id: int) -> WorkerRow | None:
-        rows = self._query(
+        rows = self._read(
             "SELECT * FROM workers WHERE token_id = ? AND left_at IS NULL ORDER BY id DESC LIMIT 1",
             (token_id,),
         )

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sqlite3
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 SCHEMA_VERSION = 2
@@ -169,3 +171,18 @@ class UpdateRow:
     counts_in: int | None
     pending: str | None
     committed_version: int | None
+
+
+def connect(path: Path, *, writer: bool) -> sqlite3.Connection:
+    """A connection to the ledger file, shareable between threads (behind a lock): the writer
+    (WAL, synchronous=FULL, foreign keys) or a reader (query_only)."""
+    db = sqlite3.connect(str(path), check_same_thread=False, timeout=30.0, isolation_level=None)
+    db.row_factory = sqlite3.Row
+    pragmas = (
+        ("journal_mode=WAL", "synchronous=FULL", "foreign_keys=ON")
+        if writer
+        else ("query_only=ON",)
+    )
+    for pragma in pragmas:
+        db.execute(f"PRAGMA {pragma}")
+    return db

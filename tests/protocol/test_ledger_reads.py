@@ -1,0 +1,51 @@
+"""Token and worker reads go through the ledger's second connection: they do not queue behind
+a write in progress, and they see every commit, the CLI's (another process) included."""
+
+from __future__ import annotations
+
+import threading
+
+from blocktrain.protocol.ledger import Ledger
+from blocktrain.protocol.tokens import hash_token
+from tests.protocol.conftest import T0, add_token, make_state
+
+
+def test_token_reads_do_not_wait_for_the_writer(tmp_path):
+    state = make_state(tmp_path / "s")
+    token = add_token(state, "alice")
+    ledger = state.ledger
+    held, release = threading.Event(), threading.Event()
+
+    def writer() -> None:
+        with ledger._lock:  # a commit in progress (its fsync) holds the writer's lock
+            held.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        assert held.wait(5)
+        got: list[object] = []
+        reader = threading.Thread(
+            target=lambda: got.append(ledger.token_by_hash(hash_token(token)))
+        )
+        reader.start()
+        reader.join(2)
+        assert not reader.is_alive(), "the token read waited for the writer's lock"
+        assert got and got[0] is not None
+    finally:
+        release.set()
+        thread.join()
+        state.close()
+
+
+def test_reads_see_a_revocation_written_by_another_connection(tmp_path):
+    state = make_state(tmp_path / "s")
+    token = add_token(state, "alice")
+    ledger = state.ledger
+    assert ledger.token_by_hash(hash_token(token)).revoked is None
+    other = Ledger(state.root / "ledger.sqlite")  # as `blocktrain token revoke` opens it
+    assert other.revoke_token("alice", T0 + 1)
+    other.close()
+    assert ledger.token_by_hash(hash_token(token)).revoked is not None
+    state.close()
