@@ -50,6 +50,7 @@ EXAMPLES = """examples:
   blocktrain tls self-signed --out tls --host agg.example      # then:
   blocktrain aggregator --state runs/agg --tls-cert tls/cert.pem --tls-key tls/key.pem
   blocktrain aggregator --state runs/agg --private-status --rate-limit 20
+  blocktrain aggregator --state runs/agg --public-weights    # versions cacheable by a CDN
   blocktrain aggregator --state runs/agg --data wikitext/   # the effect probe's held-out slice
   blocktrain aggregator --state runs/agg --effect-probe off --rule trimmed_mean --tolerate 1
   blocktrain aggregator --state runs/agg --wire int8        # deltas as int8, a scale per row
@@ -80,6 +81,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--private-status",
         action="store_true",
         help="/metrics needs a token too (/v1/status always does)",
+    )
+    p.add_argument(
+        "--public-weights",
+        action="store_true",
+        help="serve committed versions (GET /v1/blocks/B/versions/V) without a token and as "
+        "Cache-Control: public, so that a CDN may cache them for every worker; the weights are "
+        "then readable by anyone who reaches the URL",
     )
     p.add_argument(
         "--rate-limit",
@@ -140,6 +148,7 @@ def access_limits(args: argparse.Namespace) -> AccessLimits:
         rate_per_s=args.rate_limit,
         burst=args.rate_burst,
         private_status=args.private_status,
+        public_weights=args.public_weights,
         keep_refused=args.keep_refused,
     )
 

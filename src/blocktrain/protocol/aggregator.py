@@ -3,7 +3,9 @@
     POST   /v1/workers                   register; JSON {"block"?: int, "name"?: str}
     DELETE /v1/workers/{id}              leave (a stopping worker says goodbye)
     GET    /v1/config                    the run config and protocol settings
-    GET    /v1/blocks/{b}                the open round's weights (safetensors body)
+    GET    /v1/blocks/{b}                the open round's weights (safetensors body; with
+                                         ?redirect=1, 303 to the version's immutable URL)
+    GET    /v1/blocks/{b}/versions/{v}   a committed version (cacheable: ETag, Range; weights.py)
     GET    /v1/blocks/{b}/round          the open round (long poll with ?after=R&wait=S)
     POST   /v1/blocks/{b}/updates        push a delta (safetensors body)
     GET    /v1/status                    blocks, versions, rounds, participation, workers, bytes
@@ -41,7 +43,7 @@ from starlette.requests import ClientDisconnect
 from blocktrain import __version__
 from blocktrain.errors import Refused
 from blocktrain.httpserve import BODY_BYTES, GUARD_REFUSAL, HttpGuard, Scope, read_body
-from blocktrain.protocol import dashboard
+from blocktrain.protocol import dashboard, weights
 from blocktrain.protocol import metrics as prometheus
 from blocktrain.protocol.auth import Caller, refused
 from blocktrain.protocol.effect import EffectProbe
@@ -71,6 +73,7 @@ from blocktrain.protocol.settings import AggregatorSettings
 from blocktrain.protocol.status import snapshot
 from blocktrain.protocol.storage import StateDir
 from blocktrain.protocol.updates import PushContext
+from blocktrain.protocol.weights import RangeNotSatisfiable, version_path
 from blocktrain.protocol.wire import CONTENT_TYPE
 
 log = logging.getLogger(__name__)
@@ -164,6 +167,8 @@ def create_app(
         headers = None
         if isinstance(exc, RateLimited):
             headers = {"Retry-After": str(max(1, int(exc.retry_after_s + 0.999)))}
+        elif isinstance(exc, RangeNotSatisfiable):
+            headers = {"Content-Range": f"bytes */{exc.size}"}
         response = JSONResponse(
             {"accepted": False, "reason": exc.reason, "detail": exc.detail},
             status_code=exc.status,
@@ -273,8 +278,9 @@ def create_app(
         request: Request,
         caller: Annotated[Caller, endpoint_caller("pull")],
         block: int = Path(ge=0),
+        redirect: bool = Query(False, description="303 to the version's immutable URL"),
     ) -> Response:
-        pulled = service.pull(caller=caller, block=block)
+        pulled = service.pull(caller=caller, block=block, with_body=not redirect)
         view = pulled.view
         headers = {
             "X-Block": str(block),
@@ -282,8 +288,13 @@ def create_app(
             "X-Round": str(view.round),
             "X-Deadline": "" if view.deadline is None else f"{view.deadline:.6f}",
             "X-Deadline-In": "" if pulled.deadline_in is None else f"{pulled.deadline_in:.3f}",
+            "X-Weights-Url": version_path(block, view.version),
+            "Cache-Control": "no-store",  # it records a pull: every one must reach us
         }
         _account(request, len(pulled.body))
+        if redirect:
+            headers["Location"] = headers["X-Weights-Url"]
+            return Response(status_code=303, headers=headers)
         return Response(pulled.body, media_type=CONTENT_TYPE, headers=headers)
 
     @app.get(
@@ -367,4 +378,5 @@ def create_app(
     )(private_metrics if service.limits.private_status else metrics)
 
     dashboard.add_routes(app, service, endpoint_token, json_response, REFUSALS)
+    weights.add_routes(app, service, endpoint_token, _account, REFUSALS)
     return app

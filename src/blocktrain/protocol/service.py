@@ -96,7 +96,7 @@ class AggregatorService:
         """The token's rate limit (RateLimited, a 429, when it is spent)."""
         self.limiter.admit(token_id)
 
-    def _check_block(self, block: int) -> None:
+    def check_block(self, block: int) -> None:
         if not 0 <= block < self.n_blocks:
             raise refused("unknown_block", f"block {block} is outside 0..{self.n_blocks - 1}")
 
@@ -105,7 +105,7 @@ class AggregatorService:
             raise refused(
                 "unknown_worker", "this token has no registered worker; POST /v1/workers first"
             )
-        self._check_block(block)
+        self.check_block(block)
         assigned = self.engine.registry.block_of(caller.worker_id)
         if assigned != block:
             raise refused(
@@ -120,7 +120,7 @@ class AggregatorService:
         self, *, token: TokenRow, block: int | None = None, name: str | None = None
     ) -> dict[str, Any]:
         if block is not None:
-            self._check_block(block)
+            self.check_block(block)
         allowed = auth.allowed_blocks(token, self.n_blocks, block)
         with self.lock:
             now = self.clock()
@@ -170,9 +170,9 @@ class AggregatorService:
 
     # ------------------------------------------------------------------ pulls
 
-    def pull(self, *, caller: Caller, block: int) -> PullReply:
-        """The open round's weights in the wire dtype; the first pull starts the round's
-        clock."""
+    def pull(self, *, caller: Caller, block: int, with_body: bool = True) -> PullReply:
+        """The open round's weights in the wire dtype (an empty body unless `with_body`: the
+        caller fetches the version's own URL); the first pull starts the round's clock."""
         worker = self._worker_on(caller, block)
         with self.lock:
             now = self.clock()
@@ -187,7 +187,9 @@ class AggregatorService:
             self.traffic.mark_pull(worker, view.round, now)
             key = (view.version, view.round, view.deadline)
             cached = self._cache.get(block)
-            if cached is None or cached[0] != key:
+            if not with_body:
+                cached = (key, b"")
+            elif cached is None or cached[0] != key:
                 meta = {
                     "block": block,
                     "version": view.version,
@@ -204,7 +206,7 @@ class AggregatorService:
 
     def peek(self, block: int) -> dict[str, Any]:
         """The open round of a block, without side effects (for long polls)."""
-        self._check_block(block)
+        self.check_block(block)
         view = self.blocks[block].rounds.view()
         now = self.clock()
         return {
