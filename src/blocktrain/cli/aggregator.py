@@ -33,6 +33,7 @@ from blocktrain.config import RunConfig
 from blocktrain.data import load_split
 from blocktrain.errors import ConfigError, DataError
 from blocktrain.httpserve import Limits, bind, url_of
+from blocktrain.protocol.directory import Directory, parse_blocks, parse_peer
 from blocktrain.protocol.limits import JSON_BODY_BYTES, AccessLimits
 from blocktrain.protocol.settings import AggregatorSettings
 from blocktrain.protocol.state import create_state
@@ -51,6 +52,12 @@ EXAMPLES = """examples:
   blocktrain aggregator --state runs/agg --tls-cert tls/cert.pem --tls-key tls/key.pem
   blocktrain aggregator --state runs/agg --private-status --rate-limit 20
   blocktrain aggregator --state runs/agg --public-weights    # versions cacheable by a CDN
+  # one aggregator per block, same preset and seed, one state folder each:
+  blocktrain aggregator --state runs/agg0 --preset tiny --blocks 0 --port 8470 \
+      --peer 1=http://10.0.0.6:8471 --peer 2=http://10.0.0.7:8472
+  blocktrain aggregator --state runs/agg1 --preset tiny --blocks 1 --port 8471 \
+      --peer 0=http://10.0.0.5:8470 --peer 2=http://10.0.0.7:8472
+  blocktrain token add alice --state runs/agg0 --state runs/agg1 --state runs/agg2
   blocktrain aggregator --state runs/agg --data wikitext/   # the effect probe's held-out slice
   blocktrain aggregator --state runs/agg --effect-probe off --rule trimmed_mean --tolerate 1
   blocktrain aggregator --state runs/agg --wire int8        # deltas as int8, a scale per row
@@ -81,6 +88,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--private-status",
         action="store_true",
         help="/metrics needs a token too (/v1/status always does)",
+    )
+    p.add_argument(
+        "--blocks",
+        metavar="B[,B...]",
+        help="serve only these blocks (default: all); run one aggregator per block or subset, "
+        "each with its own --state, and name the others with --peer",
+    )
+    p.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="BLOCK=URL",
+        help="where another aggregator serves BLOCK (repeatable), for GET /v1/directory: "
+        "workers asking here for BLOCK are sent there",
     )
     p.add_argument(
         "--public-weights",
@@ -180,9 +201,16 @@ def run(args: argparse.Namespace) -> int:
     tls = TlsFiles(args.tls_cert, args.tls_key) if args.tls_cert else None
     check_tls(tls)
     limits = access_limits(args)  # a clear error before the state is touched
+    served = None if args.blocks is None else parse_blocks(args.blocks)
+    peers = dict(parse_peer(text) for text in args.peer)
     state, settings = prepare_state(args)
+    directory = Directory.build(state.n_blocks(), served, peers)
     app = create_app(
-        settings, storage=state, limits=limits, probe=effect_probe(args, state, settings)
+        settings,
+        storage=state,
+        limits=limits,
+        probe=effect_probe(args, state, settings),
+        directory=directory,
     )
     sock = bind(args.host, args.port)
     url = url_of(sock, tls=tls is not None)
@@ -192,7 +220,8 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: None)
     state.write_endpoint(url, os.getpid())
     print(
-        f"aggregator for {state.n_blocks()} blocks listening on {url} (state {args.state})",
+        f"aggregator for block(s) {','.join(map(str, directory.served))} of {state.n_blocks()} "
+        f"listening on {url} (state {args.state})",
         file=sys.stderr,
         flush=True,
     )

@@ -6,6 +6,7 @@
     GET    /v1/blocks/{b}                the open round's weights (safetensors body; with
                                          ?redirect=1, 303 to the version's immutable URL)
     GET    /v1/blocks/{b}/versions/{v}   a committed version (cacheable: ETag, Range; weights.py)
+    GET    /v1/directory                 where each block's aggregator lives (directory.py)
     GET    /v1/blocks/{b}/round          the open round (long poll with ?after=R&wait=S)
     POST   /v1/blocks/{b}/updates        push a delta (safetensors body)
     GET    /v1/status                    blocks, versions, rounds, participation, workers, bytes
@@ -46,6 +47,8 @@ from blocktrain.httpserve import BODY_BYTES, GUARD_REFUSAL, HttpGuard, Scope, re
 from blocktrain.protocol import dashboard, weights
 from blocktrain.protocol import metrics as prometheus
 from blocktrain.protocol.auth import Caller, refused
+from blocktrain.protocol.directory import Directory, here
+from blocktrain.protocol.directory import add_routes as add_directory
 from blocktrain.protocol.effect import EffectProbe
 from blocktrain.protocol.ledger_schema import TokenRow
 from blocktrain.protocol.limits import AccessLimits, RateLimited
@@ -83,7 +86,8 @@ MAX_WAIT_S = 60.0
 
 
 REFUSALS: dict[int | str, dict[str, Any]] = {
-    code: {"model": RefusalOut} for code in (400, 401, 403, 404, 408, 409, 410, 413, 415, 422, 429)
+    code: {"model": RefusalOut}
+    for code in (400, 401, 403, 404, 408, 409, 410, 413, 415, 416, 421, 422, 429)
 }
 REGISTER_BODY: dict[str, Any] = {
     "requestBody": {
@@ -113,13 +117,16 @@ def create_app(
     tick_interval_s: float = 0.1,
     limits: AccessLimits | None = None,
     probe: EffectProbe | None = None,
+    directory: Directory | None = None,
 ) -> FastAPI:
     """The aggregator over an initialised state folder. `clock` is injected so that tests can
     drive deadlines; `tick_interval_s` is how often deadlines are checked while served;
     `limits` caps what clients may cost (serve it with `httpserve.run(app, sock,
     limits.http)` so that the connection limits match); `probe` judges each update by its
     effect (`effect.EffectProbe`)."""
-    service = AggregatorService(settings, storage=storage, clock=clock, limits=limits)
+    service = AggregatorService(
+        settings, storage=storage, clock=clock, limits=limits, directory=directory
+    )
     service.engine.use_probe(probe)
 
     @contextlib.asynccontextmanager
@@ -259,7 +266,8 @@ def create_app(
         summary="The run config, protocol settings and the blocks' tensor shapes",
     )
     def config(request: Request, _: Annotated[TokenRow, endpoint_token("config")]) -> JSONResponse:
-        return json_response(request, ConfigOut(**service.config()).model_dump())
+        where = service.directory.to_dict(here(request))
+        return json_response(request, ConfigOut(**service.config(), directory=where).model_dump())
 
     # ------------------------------------------------------------------ blocks
 
@@ -379,4 +387,5 @@ def create_app(
 
     dashboard.add_routes(app, service, endpoint_token, json_response, REFUSALS)
     weights.add_routes(app, service, endpoint_token, _account, REFUSALS)
+    add_directory(app, service.directory, endpoint_token, json_response, REFUSALS)
     return app

@@ -142,8 +142,9 @@ class AggregatorClient:
         attempt = 0
         while True:
             try:
+                url = path if path.startswith(("http://", "https://")) else self.base_url + path
                 response = self.http.request(
-                    method, path, headers={**self._headers(), **(headers or {})}, **kwargs
+                    method, url, headers={**self._headers(), **(headers or {})}, **kwargs
                 )
                 retry_after = _retry_after(response)
                 if response.status_code < 500 and retry_after is None:
@@ -206,6 +207,16 @@ class AggregatorClient:
 
     def config(self) -> dict[str, Any]:
         return self._json("GET", "/v1/config")
+
+    def directory(self) -> dict[str, Any]:
+        """Where each block's aggregator lives (`protocol.directory`)."""
+        return self._json("GET", "/v1/directory")
+
+    def move_to(self, url: str) -> None:
+        """Talk to another aggregator of the run from now on (register there next)."""
+        self.base_url = url.rstrip("/")
+        self.worker_id = None
+        self._held = None
 
     def status(self) -> dict[str, Any]:
         return self._json("GET", "/v1/status")

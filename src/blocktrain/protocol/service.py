@@ -34,6 +34,7 @@ from blocktrain.errors import ProtocolError, Refused
 from blocktrain.protocol import auth
 from blocktrain.protocol.auth import Caller, refused
 from blocktrain.protocol.core import Checked, Committed, EngineBlock
+from blocktrain.protocol.directory import Directory
 from blocktrain.protocol.ledger_schema import TokenRow
 from blocktrain.protocol.limits import AccessLimits, RateLimiter
 from blocktrain.protocol.persist import Durable
@@ -60,6 +61,7 @@ class AggregatorService:
         clock: Clock = time.time,
         limits: AccessLimits | None = None,
         rate_clock: Clock = time.monotonic,
+        directory: Directory | None = None,
     ) -> None:
         self.storage = storage
         self.limits = limits or AccessLimits()
@@ -69,6 +71,8 @@ class AggregatorService:
         self.settings = settings if settings is not None else storage.settings()
         self.run_config: dict[str, Any] = dict(manifest["run_config"])
         self.n_blocks = int(manifest["blocks"])
+        self.directory = directory or Directory.build(self.n_blocks)
+        """The blocks served here; the others are refused with where they live."""
         self.clock = clock
         self.ledger = storage.ledger
         self.traffic = Traffic(self.ledger, self.n_blocks)
@@ -99,6 +103,7 @@ class AggregatorService:
     def check_block(self, block: int) -> None:
         if not 0 <= block < self.n_blocks:
             raise refused("unknown_block", f"block {block} is outside 0..{self.n_blocks - 1}")
+        self.directory.check(block)
 
     def _worker_on(self, caller: Caller, block: int) -> int:
         if caller.worker_id is None:
@@ -122,6 +127,8 @@ class AggregatorService:
         if block is not None:
             self.check_block(block)
         allowed = auth.allowed_blocks(token, self.n_blocks, block)
+        if len(self.directory.served) < self.n_blocks:
+            allowed = self.directory.allowed(allowed)
         with self.lock:
             now = self.clock()
 

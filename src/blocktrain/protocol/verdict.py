@@ -19,6 +19,10 @@ REASONS: dict[str, tuple[int, str]] = {
     "not_your_worker": (403, "the worker id belongs to another token"),
     "not_assigned": (403, "the worker is not assigned to this block"),
     "unknown_block": (404, "no such block"),
+    "wrong_aggregator": (
+        421,
+        "another aggregator of the run serves the block (the detail names it)",
+    ),
     "bad_request": (422, "the request's JSON or parameters do not match the schema"),
     # the body
     "too_large": (413, "the body exceeds the size limit"),

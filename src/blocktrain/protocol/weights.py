@@ -202,7 +202,6 @@ def add_routes(
             206: {"description": "the byte range asked for"},
             304: {"description": "not modified (If-None-Match)"},
             **refusals,
-            416: refusals[400],
         },
         "summary": "A committed version's weights at an immutable (cacheable) URL",
     }
