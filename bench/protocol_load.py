@@ -13,9 +13,9 @@ Arrival. `burst`: all N pull at one moment, then all push at one moment (the wor
 rounds of the first table in BENCHMARKS.md). `staggered`: each worker pulls at a uniformly
 random moment within `--spread` seconds of its round's opening and pushes a uniformly random
 time within `--spread` after its pull, as workers that finish their local steps at different
-times do within a deadline round; each opens a connection per round, as a worker idle for
-minutes between rounds would. One long poll per block tells the workers a round opened (the
-aggregator's long poll re-checks every 50 ms, which 1,000 polls at once would measure instead).
+times do within a deadline round, over a connection of its own per round (a worker idle for
+minutes between rounds would open a new one). Each worker long-polls for its round, as the
+worker's client does.
 
 The workers speak HTTP/1.1 through `load_http.Connection` (asyncio streams, the body prebuilt,
 one per block and round): with httpx, the load generator used more CPU than the aggregator on
@@ -153,23 +153,14 @@ async def drive(fleet: Fleet, run: Run, params: int) -> None:
     """Every worker through `run.rounds` rounds; fills `fleet.log`."""
     delta = {k: torch.full_like(v, 1e-3) for k, v in block(params).items()}
     bodies: dict[tuple[int, int, int], bytes] = {}  # (block, version, round) -> the push body
-    opened: dict[tuple[int, int], asyncio.Event] = {}
     barrier = asyncio.Barrier(run.workers)
     rng = random.Random(0)
 
-    def event(b: int, r: int) -> asyncio.Event:
-        return opened.setdefault((b, r), asyncio.Event())
-
-    async def watch(b: int) -> None:  # one long poll per block
-        conn, last = Connection(fleet.url_of_block[b]), -1
-        headers = {"Authorization": f"Bearer {fleet.tokens[b]}"}
-        while last < run.rounds - 1:
-            path = f"/v1/blocks/{b}/round?after={last}&wait=30"
-            info = json.loads((await conn.request("GET", path, headers)).body)
-            if info["round"] > last:
-                last = info["round"]
-                event(b, last).set()
-        await conn.close()
+    async def arrive() -> None:
+        if run.arrival == "burst":
+            await barrier.wait()
+        else:
+            await asyncio.sleep(rng.uniform(0, run.spread_s))
 
     async def worker(i: int) -> None:
         b = i % run.blocks
@@ -177,14 +168,15 @@ async def drive(fleet: Fleet, run: Run, params: int) -> None:
         headers = {"Authorization": f"Bearer {fleet.tokens[i]}"}
         r = await conn.request("POST", "/v1/workers", headers, json.dumps({"block": b}).encode())
         headers["X-Worker-Id"] = str(json.loads(r.body)["worker_id"])
-        if run.arrival == "staggered":
-            await conn.close()
-        for round_ in range(run.rounds):
-            await event(b, round_).wait()
-            if run.arrival == "burst":
-                await barrier.wait()
-            else:
-                await asyncio.sleep(rng.uniform(0, run.spread_s))
+        last = -1
+        for _ in range(run.rounds):
+            while True:  # the worker's long poll for the next round
+                path = f"/v1/blocks/{b}/round?after={last}&wait=30"
+                info = json.loads((await conn.request("GET", path, headers)).body)
+                if info["round"] > last:
+                    break
+            round_ = last = info["round"]
+            await arrive()
             t0 = time.perf_counter()
             moved = await conn.request("GET", f"/v1/blocks/{b}?redirect=1", headers)
             pulled = await conn.request("GET", moved.headers["location"], headers)
@@ -194,26 +186,21 @@ async def drive(fleet: Fleet, run: Run, params: int) -> None:
             if key not in bodies:
                 meta = {"block": b, "base_version": version, "round": round_, "tokens": 4096}
                 bodies[key] = encode(delta, meta, "fp16")
-            if run.arrival == "burst":
-                await barrier.wait()
-            else:
-                await asyncio.sleep(rng.uniform(0, run.spread_s))
+            await arrive()
             t2 = time.perf_counter()
             push_headers = {**headers, "Content-Type": CONTENT_TYPE}
             pushed = await conn.request(
                 "POST", f"/v1/blocks/{b}/updates", push_headers, bodies[key]
             )
             t3 = time.perf_counter()
-            if run.arrival == "staggered":
+            if run.arrival == "staggered":  # idle until the next round: a new connection then
                 await conn.close()
             reason = "" if pushed.status == 200 else json.loads(pushed.body).get("reason", "")
             fleet.log["pull"].append(((b, round_), t0, t1, len(pulled.body)))
             fleet.log["push"].append(((b, round_), t2, t3, len(bodies[key]), pushed.status, reason))
         await conn.close()
 
-    await asyncio.gather(
-        *(watch(b) for b in range(run.blocks)), *(worker(i) for i in range(run.workers))
-    )
+    await asyncio.gather(*(worker(i) for i in range(run.workers)))
 
 
 def phase(entries: list[tuple], nbytes_index: int = 3) -> dict[str, Any]:

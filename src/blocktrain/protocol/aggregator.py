@@ -52,6 +52,7 @@ from blocktrain.protocol.directory import add_routes as add_directory
 from blocktrain.protocol.effect import EffectProbe
 from blocktrain.protocol.ledger_schema import TokenRow
 from blocktrain.protocol.limits import AccessLimits, RateLimited
+from blocktrain.protocol.longpoll import RoundSignal
 from blocktrain.protocol.routing import (
     PUSH_PATH,
     endpoint_caller,
@@ -128,6 +129,8 @@ def create_app(
         settings, storage=storage, clock=clock, limits=limits, directory=directory
     )
     service.engine.use_probe(probe)
+    rounds = RoundSignal()
+    service.engine.on_commit.append(lambda event: rounds.notify(event.closed.block))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -318,10 +321,13 @@ def create_app(
         after: int = Query(-1, ge=-1),
         wait: float = Query(0.0, ge=0.0),
     ) -> JSONResponse:
+        changed = rounds.event(block)
         info = service.peek(block)
         limit = time.monotonic() + min(wait, MAX_WAIT_S)
         while info["round"] <= after and not info["done"] and time.monotonic() < limit:
-            await asyncio.sleep(0.05)
+            # woken when a round of the block closes (re-read at least once a second)
+            await rounds.wait(changed, min(1.0, limit - time.monotonic()))
+            changed = rounds.event(block)
             info = service.peek(block)
         return json_response(request, RoundOut(**info).model_dump())
 
