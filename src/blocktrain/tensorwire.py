@@ -134,15 +134,13 @@ def decode(body: Body, *, max_bytes: int | None = None) -> Decoded:
         )
     (header_len,) = struct.unpack("<Q", view[:8])
     if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
-        raise WireError(
-            "malformed", f"the header length {header_len} does not fit the body of {size} bytes"
-        )
+        raise _malformed(f"the header length {header_len} does not fit the body of {size} bytes")
     header = _header(view[8 : 8 + header_len])
     raw_meta = header.pop("__metadata__", None)
     if raw_meta is None:
         raw_meta = {}
     if not isinstance(raw_meta, dict) or not all(isinstance(v, str) for v in raw_meta.values()):
-        raise WireError("malformed", "__metadata__ must map names to strings")
+        raise _malformed("__metadata__ must map names to strings")
     data = view[8 + header_len :]
     entries = sorted(
         ((name, _info(name, info)) for name, info in header.items()), key=lambda e: e[1][2]
@@ -151,16 +149,18 @@ def decode(body: Body, *, max_bytes: int | None = None) -> Decoded:
     tensors = {}
     for name, (dtype, shape, (begin, end)) in entries:
         if begin != start or end < begin:
-            raise WireError("malformed", f"{name[:80]!r}: data_offsets do not follow on")
+            raise _malformed(f"{name[:80]!r}: data_offsets do not follow on")
         if math.prod(shape) * BITS[dtype] != 8 * (end - begin):
-            raise WireError("malformed", f"{name[:80]!r}: its shape and data_offsets disagree")
+            raise _malformed(f"{name[:80]!r}: its shape and data_offsets disagree")
         start = end
         tensors[name] = RawTensor(dtype, shape, data[begin:end])
     if start != len(data):
-        raise WireError(
-            "malformed", f"the tensors cover {start} of the {len(data)} data bytes of the body"
-        )
+        raise _malformed(f"the tensors cover {start} of the {len(data)} data bytes of the body")
     return Decoded(tensors, dict(raw_meta))
+
+
+def _malformed(why: str) -> WireError:
+    return WireError("malformed", f"not a complete safetensors body: {why}")
 
 
 def _header(raw: memoryview) -> dict[str, object]:
@@ -183,23 +183,23 @@ def _header(raw: memoryview) -> dict[str, object]:
         text = raw.tobytes().decode("utf-8")
         header = json.loads(text, object_pairs_hook=pairs, parse_constant=constant)
     except (ValueError, RecursionError) as exc:
-        raise WireError("malformed", f"unreadable header: {str(exc)[:200]}") from None
+        raise _malformed(f"unreadable header: {str(exc)[:200]}") from None
     if not isinstance(header, dict):
-        raise WireError("malformed", "the header is not a JSON object")
+        raise _malformed("the header is not a JSON object")
     return header
 
 
 def _info(name: str, info: object) -> tuple[str, tuple[int, ...], tuple[int, int]]:
     """(dtype, shape, (begin, end)) of one tensor's header entry (WireError when malformed)."""
     if not isinstance(info, dict):
-        raise WireError("malformed", f"{name[:80]!r}: not a tensor description")
+        raise _malformed(f"{name[:80]!r}: not a tensor description")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in BITS:
-        raise WireError("malformed", f"{name[:80]!r}: unknown dtype {str(dtype)[:20]!r}")
+        raise _malformed(f"{name[:80]!r}: unknown dtype {str(dtype)[:20]!r}")
     if not isinstance(shape, list) or not all(_u64(d) for d in shape):
-        raise WireError("malformed", f"{name[:80]!r}: the shape is not a list of sizes")
+        raise _malformed(f"{name[:80]!r}: the shape is not a list of sizes")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_u64(o) for o in offsets):
-        raise WireError("malformed", f"{name[:80]!r}: data_offsets is not [begin, end]")
+        raise _malformed(f"{name[:80]!r}: data_offsets is not [begin, end]")
     return dtype, tuple(shape), (offsets[0], offsets[1])
 
 

@@ -32,8 +32,9 @@ Tensors = dict[str, torch.Tensor]
 LONG_POLL_S = 5.0
 """How long a worker waits in one long poll for the next round (also bounds how long a
 SIGTERM can take to be noticed while waiting)."""
-RESYNC_REASONS = frozenset({"late", "stale_version", "future_round", "duplicate"})
-"""Refusals after which a worker simply pulls the open round again."""
+RESYNC_REASONS = frozenset({"late", "stale_version", "future_round", "duplicate", "version_gone"})
+"""Refusals after which a worker simply pulls the open round again (version_gone: a round
+closed, and its version was pruned, between the pull and the download)."""
 REREGISTER_REASONS = frozenset({"unknown_worker", "not_assigned", "not_your_worker", "wrong_wire"})
 """Refusals after which a worker registers again (wrong_wire: the aggregator was restarted with
 another `--wire`; registering tells the new one)."""
