@@ -112,3 +112,14 @@ def test_token_add_writes_one_token_to_several_states(tmp_path, capsys):
         assert row is not None and row.name == "carol"
         state.close()
     assert main(["token", "add", "carol", "--state", states[0], "--state", states[1]]) == 2
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [(["--blocks", "x"], "--blocks 'x'"), (["--peer", "one=http://h"], "--peer 'one=http://h'")],
+)
+def test_bad_blocks_and_peers_exit_2_before_any_state_is_made(tmp_path, capsys, flags, message):
+    argv = ["aggregator", "--state", str(tmp_path / "s"), "--preset", "tiny", *flags]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
