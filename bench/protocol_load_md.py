@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 from typing import Any
+
+from report import RESULTS  # bench/report.py, beside this script
 
 
 def row(r: dict[str, Any]) -> str:
@@ -55,29 +58,59 @@ All on {m["cpu"]} ({m["cores"]} cores, shared with other work); the workers, and
 aggregators all 3 processes, share those cores, so one aggregator per block can only show what
 splitting the locks and the event loop buys, not what more machines would.
 
-**Where the time went** (py-spy 0.4 attached to the aggregator, `py-spy record --pid`, with and
-without `--gil`, 100 workers x 3 rounds in bursts, before the changes): with the httpx load
-generator the client used 12.5 s of CPU against the aggregator's 7.0 s, so the load generator is
-now `bench/load_http.py` (0.9 s). In the aggregator, of the samples of threads not idle in
-`select` or the thread pool's wait (time blocked on a lock or in fsync counts): 21 to 39 %
-waited for the service lock in `submit` (held for each accepted push's ledger commit, an fsync,
-and for the round's aggregation), 7 to 9 % were token look-ups waiting for the ledger's lock
-behind those commits, 6 to 13 % fsynced the pending body, 3.5 to 4.9 % were `clip_to_median`
-making an fp32 copy of every vote at the round's close, about 4 % parsing and decoding bodies,
-1.4 to 2.8 % joining the body's chunks. Of the GIL's time, 18.5 % was the garbage collector
-walking the heap torch and the app leave at start-up (0.7 % once frozen); the rest mostly h11
-and asyncio framing requests and writing sockets. After the changes one update (its push and
-its pull) costs the aggregator about 9 ms of CPU (50 workers in bursts: 5.2 ms user, 3.8 ms
-system), which on 2 shared cores bounds a burst of 100 at roughly a second.
-
-**What moved**: token and worker look-ups read through a second, query-only SQLite connection
-(no queueing behind commits); the clipped mean folds the clip factors into the fp32 sum (no
-per-vote copy: 400 MB less at each close of a 100-vote round); a push's body is read once into
-a buffer of its Content-Length and parsed in place (`tensorwire.decode` reads safetensors from
-a view; the delta that is validated and accumulated shares that buffer); the start-up heap is
-frozen out of the garbage collector (`gc.freeze`); a long poll sleeps until its block's round
-closes instead of re-reading it every 50 ms (1,000 waiting workers made 20,000 reads a second);
-pulls go through the version's immutable URL, which a CDN may serve. The durability rule
-stays: an update is answered only after its body is fsynced and its ledger row committed
-(`synchronous=FULL`).
+{profile_text()}
 """
+
+
+def _share(entries: list[list[Any]], needle: str) -> float:
+    return sum(float(v) for f, v in entries if needle in f)
+
+
+def profile_text() -> str:
+    """What `bench/protocol_profile.py` measured (benchmarks/results/protocol_profile.json):
+    the aggregator before and after these changes, same load, same machine, alternated."""
+    path = RESULTS / "protocol_profile.json"
+    if not path.exists():
+        return "(no protocol_profile.json: run bench/protocol_profile.py)"
+    doc = json.loads(path.read_text())
+
+    def mean(prefix: str, key: str) -> float:
+        runs = [r for k, r in doc.items() if k.startswith(prefix) and "py_spy" not in k]
+        return statistics.fmean(r[key] for r in runs)
+
+    def p99(prefix: str) -> float:
+        runs = [r for k, r in doc.items() if k.startswith(prefix) and "py_spy" not in k]
+        return statistics.fmean(r["push"]["p99_ms"] for r in runs)
+
+    before, after = doc["before_py_spy"]["py_spy"], doc["after_py_spy"]["py_spy"]
+    lock_b = _share(before["self_percent"], "service.py:291")
+    lock_a = _share(after["self_percent"], "service.py:300")
+    token_b = _share(before["self_percent"], "Ledger._query")
+    n = doc["after_1"]["workers"]
+    return f"""**Where the time went, and what moved** (`bench/protocol_profile.py`, JSON in
+`benchmarks/results/protocol_profile.json`: {n} workers in bursts against the aggregator of the
+commit before this work (`git archive 17d5078`) and of this one, alternated, plain pulls, the
+same lean load generator; py-spy 0.4 attached with `record --pid`, with and without `--gil`).
+With httpx as the load generator, the client had used more CPU than the aggregator it loaded, so
+the generator is now `bench/load_http.py`. Before: {mean("before_", "aggregator_cpu_ms_per_update"):.1f} ms of aggregator CPU
+per update (push and pull; {mean("before_", "aggregator_user_ms_per_update"):.1f} user, {mean("before_", "aggregator_system_ms_per_update"):.1f} system), push p99 {p99("before_"):.0f} ms.
+After: {mean("after_", "aggregator_cpu_ms_per_update"):.1f} ms ({mean("after_", "aggregator_user_ms_per_update"):.1f} user, {mean("after_", "aggregator_system_ms_per_update"):.1f} system), push p99 {p99("after_"):.0f} ms. Of the samples of threads not
+idle in `select` or the thread pool's wait (waiting on a lock or in fsync counts), before:
+{lock_b:.0f} % waited for the service lock in `submit`, {token_b:.1f} % were token look-ups
+queueing for the ledger's lock behind commits, and the pending body's write and fsync, the
+round's aggregation (`clip_to_median` made an fp32 copy of every vote) and parsing followed at
+a few % each. Under the GIL, request framing (h11, asyncio) dominated; in one `--native` run
+before `gc.freeze`, 18.5 % of GIL samples were the garbage collector walking the start-up heap.
+
+Changes: token and worker look-ups read through a second, query-only SQLite connection (no
+queueing behind commits); the clipped mean folds the clip factors into the fp32 sum (no
+per-vote copy: 400 MB less at each close of a 100-vote round); a push's body is read once into a
+buffer of its Content-Length and parsed in place (`tensorwire.decode` reads safetensors from a
+view; the validated, accumulated delta shares that buffer); the start-up heap is frozen out of
+the garbage collector (`gc.freeze`); a long poll sleeps until its block's round closes instead
+of re-reading it every 50 ms (1,000 waiting workers made 20,000 reads a second); pulls go
+through the version's immutable URL, which a CDN may serve. What remains: after, {lock_a:.0f} % of
+busy samples wait for the service lock, held for each accepted push's ledger commit (an fsync:
+the durability rule stays, `synchronous=FULL`, body fsynced before the answer) and for the
+round's close. Committing the rows of concurrent pushes together (group commit) is the next
+step; a second machine per block is the other."""
