@@ -142,3 +142,17 @@ def test_the_worker_client_pulls_through_the_versioned_url_and_revalidates(harne
 @pytest.mark.parametrize("header", ["bytes=0-0", "bytes=-1"])
 def test_a_one_byte_range(harness, header):
     assert len(fetch(harness, Range=header).content) == 1
+
+
+def test_the_report_counts_the_bytes_of_pulls_through_the_versioned_url(harness):
+    from blocktrain.protocol.history import from_state
+
+    c = AggregatorClient("http://agg", harness.alice, client=harness.client, rng=random.Random(0))
+    c.register(block=0)
+    pulled = c.pull(0)  # a 303, then the version's body
+    delta = {k: torch.full_like(v, 0.01) for k, v in pulled.tensors.items()}
+    pushed = c.push(0, delta, base_version=0, round=0, tokens=64)
+    assert pushed.accepted
+    harness.service.flush_traffic()
+    (point,) = from_state(harness.state).points
+    assert point.bytes_total == pushed.nbytes + pulled.nbytes  # not the push alone
