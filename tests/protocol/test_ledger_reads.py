@@ -49,3 +49,37 @@ def test_reads_see_a_revocation_written_by_another_connection(tmp_path):
     other.close()
     assert ledger.token_by_hash(hash_token(token)).revoked is not None
     state.close()
+
+
+def test_an_accepted_row_is_fsynced_outside_the_service_lock_before_the_answer(
+    harness, monkeypatch
+):
+    import blocktrain.protocol.ledger as ledger_module
+    import blocktrain.protocol.service as service_module
+    from blocktrain.protocol.ledger_schema import fsync_wal
+
+    from .conftest import delta_body
+
+    service = harness.service
+    syncs: list[tuple[str, bool, int]] = []
+
+    def recorder(where: str):
+        def sync(path):
+            rows = len(service.ledger.updates(fate="accepted"))
+            syncs.append((where, service.lock._is_owned(), rows))
+            fsync_wal(path)
+
+        return sync
+
+    monkeypatch.setattr(service_module, "fsync_wal", recorder("service"))
+    monkeypatch.setattr(ledger_module, "fsync_wal", recorder("ledger"))
+    w = harness.register(harness.alice, block=0)["worker_id"]
+    wb = harness.register(harness.bob, block=0)["worker_id"]
+    harness.pull(harness.alice, w, 0)
+    harness.pull(harness.bob, wb, 0)  # a second expected replica: the push closes no round
+    syncs.clear()
+    r = harness.push(harness.alice, w, 0, delta_body(0, worker=w))
+    assert r.status_code == 200, r.text
+    # the row's own transaction did not fsync; the service did, without its lock, row written
+    assert [s for s in syncs if s[0] == "service"] == [("service", False, 1)], syncs
+    assert not any(s[0] == "ledger" and s[2] == 1 and s[1] for s in syncs), syncs

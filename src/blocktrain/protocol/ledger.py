@@ -1,15 +1,12 @@
 """The ledger: one SQLite file recording tokens (hashed), workers, each block's committed state,
-every closed round, every update's fate, and the bytes moved.
+every closed round, every update's fate, and the bytes moved: the aggregator's source of truth
+across restarts. An update is acknowledged as accepted only after its row is durable here (and
+its body fsynced); a round's commit marks its accepted updates with the version they went into,
+in one transaction: every row with fate 'accepted' has a committed_version, but the open round's.
 
-The ledger is the aggregator's source of truth across restarts: an update is acknowledged as
-accepted only after its row is committed here (and its body fsynced), and a round's commit
-marks all of its accepted updates with the version they went into, in one transaction. So
-"no accepted update is lost" reads: every row with fate 'accepted' has a committed_version,
-except those of the round still open.
-
-WAL journal with synchronous=FULL: a committed transaction survives a process kill and a power
-cut. Writes share one connection behind a lock; every request's token and worker reads go
-through a second one, which in WAL mode sees the last commit without waiting for a writer's fsync.
+WAL journal, fsynced after every transaction (`ledger_schema.fsync_wal`, what synchronous=FULL
+does), except an accepted update's row, which the service fsyncs outside its lock before it
+answers. Writes share one connection behind a lock; token and worker reads use a second one.
 """
 
 from __future__ import annotations
@@ -32,6 +29,7 @@ from blocktrain.protocol.ledger_schema import (
     UpdateRow,
     WorkerRow,
     connect,
+    fsync_wal,
 )
 
 BLOCKS = "SELECT block FROM blocks ORDER BY block"
@@ -66,7 +64,7 @@ class Ledger(RecoveryTables):
             self._db.close()
 
     @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
+    def _tx(self, sync: bool = True) -> Iterator[sqlite3.Connection]:
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -75,6 +73,8 @@ class Ledger(RecoveryTables):
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
+            if sync:
+                fsync_wal(self.path)
 
     def _query(self, sql: str, args: Iterable[Any] = ()) -> list[sqlite3.Row]:
         with self._lock:
@@ -284,9 +284,10 @@ class Ledger(RecoveryTables):
         counts_in: int | None = None,
         pending: str | None = None,
         seen: float | None = None,
+        sync: bool = True,
     ) -> int:
         with self._lock:  # the in-memory counters change with the committed row
-            with self._tx() as db:
+            with self._tx(sync) as db:
                 cur = db.execute(
                     "INSERT INTO updates (received, token_id, worker_id, block, round, base_version,"
                     " tokens, loss, norm, bytes, fate, reason, detail, weight, counts_in, pending) "

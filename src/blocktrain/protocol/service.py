@@ -6,13 +6,15 @@ identity (`auth`), the ledger, durable update bodies, committed versions on disk
 (`traffic`) and a lock. Time comes from the injected `clock` (seconds since the epoch by
 default, so deadlines survive a restart).
 
-An update is handled in four steps:
+An update is handled in five steps:
 
 1. identity: token, rate, worker, its block (`begin_push`; the HTTP guard checked the size);
 2. content: `RoundEngine.check` (safetensors parse, the validator chain), outside the lock;
 3. durability: the body is written to STATE/pending and fsynced, still outside the lock;
 4. timing: under the lock, `RoundEngine.judge`; if accepted, a ledger row, then
-   `RoundEngine.record` and `tick` (which may close the round); else the pending file is removed.
+   `RoundEngine.record` and `tick` (which may close the round); else the pending file is removed;
+5. an accepted row is fsynced after the lock is released (one fsync covers every row committed
+   so far, so concurrent pushes share them), and only then is the push answered.
 
 A refused push gets a ledger row with its reason before the 4xx goes out once its token is
 known and admitted; earlier refusals (token, rate, the HTTP guard's limits) are counted in
@@ -35,7 +37,7 @@ from blocktrain.protocol import auth
 from blocktrain.protocol.auth import Caller, refused
 from blocktrain.protocol.core import Checked, Committed, EngineBlock
 from blocktrain.protocol.directory import Directory
-from blocktrain.protocol.ledger_schema import TokenRow
+from blocktrain.protocol.ledger_schema import TokenRow, fsync_wal
 from blocktrain.protocol.limits import AccessLimits, RateLimiter
 from blocktrain.protocol.persist import Durable
 from blocktrain.protocol.settings import AggregatorSettings
@@ -317,6 +319,7 @@ class AggregatorService:
                 counts_in=verdict.counts_in,
                 pending=name,
                 seen=now,
+                sync=False,  # fsynced below, outside the lock: concurrent pushes share fsyncs
                 **fields,
             )
             self.durable.pending[ctx.block][update_id] = name
@@ -326,6 +329,7 @@ class AggregatorService:
             if started:  # so that a restart restores the round's deadline
                 self.ledger.round_started(ctx.block, self.blocks[ctx.block].rounds.round, now)
             self.engine.tick(now)
+        fsync_wal(self.ledger.path)  # the row is durable before the answer says accepted
         return {
             "accepted": True,
             "update_id": update_id,
