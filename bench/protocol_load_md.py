@@ -86,7 +86,9 @@ def profile_text() -> str:
     lock_b = _share(before["self_percent"], "AggregatorService.submit")  # its own time: the lock
     lock_a = _share(after["self_percent"], "AggregatorService.submit")
     token_b = _share(before["self_percent"], "Ledger._query")
-    read_a = _share(after["self_percent"], "Ledger._read")
+    read_a = _share(after["self_percent"], "Readers.query")
+    write_a = _share(after["self_percent"], "atomic_write_bytes")
+    sync_a = _share(after["self_percent"], "fsync_wal")
     waits_a = f"{lock_a:.0f} %" if lock_a else "too few to rank among the 15 largest entries"
     n = doc["after_1"]["workers"]
     return f"""**Where the time went, and what moved** (`bench/protocol_profile.py`, JSON in
@@ -104,8 +106,8 @@ round's aggregation (`clip_to_median` made an fp32 copy of every vote) and parsi
 a few % each. Under the GIL, request framing (h11, asyncio) dominated; in one `--native` run
 before `gc.freeze`, 18.5 % of GIL samples were the garbage collector walking the start-up heap.
 
-Changes: token and worker look-ups read through a second, query-only SQLite connection (no
-queueing behind commits); the clipped mean folds the clip factors into the fp32 sum (no
+Changes: token and worker look-ups read through query-only SQLite connections, one per
+thread (no queueing behind commits); the clipped mean folds the clip factors into the fp32 sum (no
 per-vote copy: 400 MB less at each close of a 100-vote round); a push's body is read once into a
 buffer of its Content-Length and parsed in place (`tensorwire.decode` reads safetensors from a
 view; the validated, accumulated delta shares that buffer); the start-up heap is frozen out of
@@ -115,7 +117,7 @@ through the version's immutable URL, which a CDN may serve; and an accepted row'
 after the service's lock is released (the WAL is fsynced explicitly, `synchronous=NORMAL` plus
 `fsync_wal`: each transaction is as durable as with FULL, and the answer still waits for it),
 so that concurrent pushes share fsyncs instead of queueing for one each. After, the samples
-waiting in `submit` for the service lock are {waits_a} (before: {lock_b:.0f} %); what leads is
-registrations at the start, token reads queueing for the one reader connection ({read_a:.0f} %)
-and the pending body's write and fsync. One reader connection per thread would be the next
-step, then a second machine per block."""
+waiting in `submit` for the service lock are {waits_a} (before: {lock_b:.0f} %). What leads: those reads ({read_a:.0f} %),
+registrations at the start, writing and fsyncing the pending body ({write_a:.0f} %) and the rows'
+fsyncs ({sync_a:.0f} %), the price of durability; a second machine per block would divide it. Next
+for the code: the requests' framing (h11 in Python; see `--gil`)."""

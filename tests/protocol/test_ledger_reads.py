@@ -83,3 +83,24 @@ def test_an_accepted_row_is_fsynced_outside_the_service_lock_before_the_answer(
     # the row's own transaction did not fsync; the service did, without its lock, row written
     assert [s for s in syncs if s[0] == "service"] == [("service", False, 1)], syncs
     assert not any(s[0] == "ledger" and s[2] == 1 and s[1] for s in syncs), syncs
+
+
+def test_each_thread_reads_through_its_own_connection(tmp_path):
+    state = make_state(tmp_path / "s")
+    token = add_token(state, "alice")
+    ledger = state.ledger
+    seen = []
+
+    def read() -> None:
+        assert ledger.token_by_hash(hash_token(token)) is not None
+        seen.append(ledger._readers._local.db)
+
+    threads = [threading.Thread(target=read) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    read()
+    assert len({id(db) for db in seen}) == 4  # none shared, so no read queues for another
+    state.close()
+    assert ledger._readers._all == []

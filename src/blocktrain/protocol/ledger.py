@@ -6,7 +6,7 @@ in one transaction: every row with fate 'accepted' has a committed_version, but 
 
 WAL journal, fsynced after every transaction (`ledger_schema.fsync_wal`, what synchronous=FULL
 does), except an accepted update's row, which the service fsyncs outside its lock before it
-answers. Writes share one connection behind a lock; token and worker reads use a second one.
+answers. Writes share one connection behind a lock; token and worker reads use one per thread.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from blocktrain.protocol.ledger_schema import (
     SCHEMA,
     SCHEMA_VERSION,
     TOKEN_SELECT,
+    Readers,
     TokenRow,
     UpdateRow,
     WorkerRow,
@@ -54,12 +55,10 @@ class Ledger(RecoveryTables):
                 "INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
             )
             self._counts = ledger_counts.load(db)
-        self._read_lock = threading.Lock()
-        self._reader = connect(self.path, writer=False)
+        self._readers = Readers(self.path)
 
     def close(self) -> None:
-        with self._read_lock:
-            self._reader.close()
+        self._readers.close()
         with self._lock:
             self._db.close()
 
@@ -81,8 +80,7 @@ class Ledger(RecoveryTables):
             return list(self._db.execute(sql, tuple(args)))
 
     def _read(self, sql: str, args: Iterable[Any] = ()) -> list[sqlite3.Row]:
-        with self._read_lock:
-            return list(self._reader.execute(sql, tuple(args)))
+        return self._readers.query(sql, tuple(args))
 
     # ------------------------------------------------------------------ tokens
 

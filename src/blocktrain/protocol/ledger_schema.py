@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -201,3 +202,29 @@ def fsync_wal(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class Readers:
+    """Query-only connections to the ledger, one per thread: every request reads its token and
+    worker here, and such reads then wait neither for each other nor for the writer's fsync (in
+    WAL mode a reader sees the last commit at once)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._local = threading.local()
+        self._all: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
+
+    def query(self, sql: str, args: tuple[object, ...]) -> list[sqlite3.Row]:
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = self._local.db = connect(self.path, writer=False)
+            with self._lock:
+                self._all.append(db)
+        return list(db.execute(sql, args))
+
+    def close(self) -> None:
+        with self._lock:
+            for db in self._all:
+                db.close()
+            self._all.clear()
