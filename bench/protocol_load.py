@@ -270,6 +270,7 @@ def measure(run: Run, params: int) -> dict[str, Any]:
         "aggregator_cpu_s": cpu,
         "aggregator_cpu_s_per_update": cpu / max(1, accepted),
         "elapsed_s": elapsed,
+        "load_average_1min_after": os.getloadavg()[0],  # the machine is shared: how busy it was
     }
 
 
