@@ -53,7 +53,7 @@ from blocktrain.protocol.tokens import hash_token, new_token
 from blocktrain.protocol.wire import CONTENT_TYPE, encode
 from load_http import Connection  # bench/load_http.py, beside this script
 from protocol_load_md import row, section  # beside this script: the table and its prose
-from report import machine, update_section, write_json  # bench/report.py, beside this script
+from report import RESULTS, machine, update_section, write_json  # beside this script
 
 
 def block(params: int) -> dict[str, torch.Tensor]:
@@ -301,7 +301,15 @@ def main() -> None:
     )
     p.add_argument("--quick", action="store_true", help="20 and 60 workers, 2 rounds")
     p.add_argument("--no-write", action="store_true", help="print only; write no JSON or docs")
+    p.add_argument(
+        "--section-only", action="store_true", help="rewrite BENCHMARKS.md from the JSON; no runs"
+    )
     args = p.parse_args()
+    if args.section_only:
+        update_section(
+            "protocol-load", section(json.loads((RESULTS / "protocol_load.json").read_text()))
+        )
+        return
     if args.quick:
         args.workers, args.large, args.rounds, args.large_rounds, args.spread = 20, 60, 2, 1, 2.0
     torch.set_num_threads(1)
