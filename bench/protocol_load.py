@@ -1,38 +1,59 @@
-"""Load on the aggregator: N concurrent simulated workers pushing deltas of a 1M-parameter block.
+"""Load on the aggregator: N simulated workers pulling and pushing fp16 deltas of 1M-parameter
+blocks, against one aggregator process or one per block.
 
-A real aggregator process (uvicorn, the same `blocktrain aggregator` command) serves one
-synthetic block of `--params` parameters; N asyncio workers in this process, each with its own
-token, register, then for each round: wait for the round, pull the weights (fp16), and push an
-fp16 delta at once (no training), all N at the same moment. Every push goes the whole way:
-safetensors parse, validation (names, shapes, dtypes, finite, norm), fsync of the body, ledger
-row, accumulation; the round closes when all N have reported.
+Real aggregator processes (the `blocktrain aggregator` command, uvicorn, loopback) serve
+synthetic blocks of `--params` parameters; N asyncio workers in this process, each with its own
+token (known to every aggregator), register on block `i % blocks`, then for each round: pull
+the weights as the worker's client does (`?redirect=1`, then the version's immutable URL) and
+push an fp16 delta (no training). Every push goes the whole way: safetensors parse, validation
+(names, shapes, dtypes, finite, norm), fsync of the body, ledger row, accumulation; a round
+closes when all of its block's workers have reported (quorum 1).
 
-Reports push latency (p50/p99, from the first byte sent to the answer), accepted updates per
-second and MB/s over each round's push phase, and the same for pulls.
+Arrival. `burst`: all N pull at one moment, then all push at one moment (the worst case; the
+rounds of the first table in BENCHMARKS.md). `staggered`: each worker pulls at a uniformly
+random moment within `--spread` seconds of its round's opening and pushes a uniformly random
+time within `--spread` after its pull, as workers that finish their local steps at different
+times do within a deadline round, over a connection of its own per round (a worker idle for
+minutes between rounds would open a new one). Each worker long-polls for its round, as the
+worker's client does.
 
-    python bench/protocol_load.py                       # 100 workers, 1M params, 5 rounds
-    python bench/protocol_load.py --workers 20 --rounds 2
+The workers speak HTTP/1.1 through `load_http.Connection` (asyncio streams, the body prebuilt,
+one per block and round): with httpx, the load generator used more CPU than the aggregator on
+the same 2 cores (measured: 12.5 s against 7.0 s for 100 workers x 3 rounds).
+
+Reports push and pull latency (p50/p99 from the request's first byte to the answer; a pull is
+the 303 and the version's body), accepted updates per second and MB/s over each round's phase,
+and the aggregators' CPU seconds (user + system, all requests) per accepted update.
+
+    python bench/protocol_load.py                    # the runs of BENCHMARKS.md (~5 minutes)
+    python bench/protocol_load.py --quick --no-write # 20 and 60 workers, a smoke test
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
+import random
+import socket
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
 
-from blocktrain.protocol.cluster import start_aggregator, stop
+from blocktrain.protocol.cluster import Proc, start_aggregator, stop
 from blocktrain.protocol.settings import AggregatorSettings
 from blocktrain.protocol.storage import StateDir
 from blocktrain.protocol.tokens import hash_token, new_token
 from blocktrain.protocol.wire import CONTENT_TYPE, encode
-from report import machine, update_section, write_json  # bench/report.py, beside this script
+from load_http import Connection  # bench/load_http.py, beside this script
+from protocol_load_md import row, section  # beside this script: the table and its prose
+from report import RESULTS, machine, update_section, write_json  # beside this script
 
 
 def block(params: int) -> dict[str, torch.Tensor]:
@@ -40,12 +61,11 @@ def block(params: int) -> dict[str, torch.Tensor]:
     cols = 512
     rows = (params - cols) // (2 * cols)
     gen = torch.Generator().manual_seed(0)
-    tensors = {
+    return {
         "w_in": torch.randn(rows, cols, generator=gen) * 0.02,
         "w_out": torch.randn(cols, rows, generator=gen) * 0.02,
         "bias": torch.zeros(params - 2 * rows * cols),
     }
-    return tensors
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -53,80 +73,153 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-async def worker(
-    client: httpx.AsyncClient,
-    token: str,
-    rounds: int,
-    delta: dict[str, Any],
-    start: asyncio.Barrier,
-    log: dict[str, list],
-) -> None:
-    headers = {"Authorization": f"Bearer {token}"}
-    r = await client.post("/v1/workers", json={"block": 0}, headers=headers)
-    r.raise_for_status()
-    wid = r.json()["worker_id"]
-    headers["X-Worker-Id"] = str(wid)
-    last = -1
-    for _ in range(rounds):
-        while True:  # long poll for the next round
-            info = (
-                await client.get(
-                    "/v1/blocks/0/round", params={"after": last, "wait": 30}, headers=headers
-                )
-            ).json()
-            if info["round"] > last:
-                break
-        await start.wait()  # every worker pulls, then pushes, at the same moment
-        t0 = time.perf_counter()
-        pulled = await client.get("/v1/blocks/0", headers=headers)
-        t1 = time.perf_counter()
-        pulled.raise_for_status()
-        round_ = int(pulled.headers["X-Round"])
-        version = int(pulled.headers["X-Version"])
-        body = encode(
-            delta,
-            {
-                "block": 0,
-                "base_version": version,
-                "round": round_,
-                "tokens": 4096,
-                "worker_id": wid,
-            },
-            "fp16",
-        )
-        await start.wait()
-        t2 = time.perf_counter()
-        pushed = await client.post(
-            "/v1/blocks/0/updates", content=body, headers={**headers, "Content-Type": CONTENT_TYPE}
-        )
-        t3 = time.perf_counter()
-        log["pull"].append((round_, t0, t1, len(pulled.content)))
-        log["push"].append(
-            (round_, t2, t3, len(body), pushed.status_code, pushed.json().get("reason", ""))
-        )
-        last = round_
+@dataclass(frozen=True)
+class Run:
+    workers: int
+    aggregators: int
+    blocks: int
+    arrival: str  # burst | staggered
+    rounds: int
+    spread_s: float = 0.0
 
 
-async def drive(url: str, tokens: list[str], rounds: int, params: int) -> dict[str, list]:
+@dataclass
+class Fleet:
+    """The aggregators of one run and what the workers need to reach them."""
+
+    procs: list[Proc]
+    url_of_block: dict[int, str]
+    tokens: list[str]
+    states: list[StateDir]
+    log: dict[str, list] = field(default_factory=lambda: {"pull": [], "push": []})
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def start_fleet(root: Path, run: Run, params: int) -> Fleet:
+    """`run.aggregators` processes: one serving every block, or one per block (`--blocks`,
+    `--peer`), each with its own state folder holding the same version 0."""
+    settings = AggregatorSettings(
+        deadline_s=600.0,
+        local_steps=1,
+        max_delta_norm=1e6,
+        max_tokens=1 << 20,
+        keep_versions=2,
+        n_workers=run.workers,
+        effect_probe="off",  # synthetic blocks: no model to probe
+        quorum=1.0,
+    )
+    tensors = block(params)
+    tokens = [new_token() for _ in range(run.workers)]
+    ports = free_ports(run.aggregators)
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    fleet = Fleet([], {}, tokens, [])
+    for k in range(run.aggregators):
+        state = StateDir.create(
+            root / f"state{k}",
+            run_config={"seed": 0, "bench": True},
+            settings=settings,
+            blocks={b: tensors for b in range(run.blocks)},
+        )
+        for i, token in enumerate(tokens):
+            state.ledger.add_token(f"w{i}", hash_token(token), time.time())
+        extra = ["--max-connections", str(2 * run.workers + 64)]
+        if run.aggregators > 1:  # one per block
+            extra += ["--blocks", str(k)]
+            extra += [f"--peer={j}={urls[j]}" for j in range(run.aggregators) if j != k]
+        proc, url = start_aggregator(
+            state, root / "logs", port=ports[k], extra=extra, name=f"aggregator{k}"
+        )
+        fleet.procs.append(proc)
+        fleet.states.append(state)
+        served = range(run.blocks) if run.aggregators == 1 else [k]
+        fleet.url_of_block.update({b: url for b in served})
+    return fleet
+
+
+async def drive(fleet: Fleet, run: Run, params: int) -> None:
+    """Every worker through `run.rounds` rounds; fills `fleet.log`."""
     delta = {k: torch.full_like(v, 1e-3) for k, v in block(params).items()}
-    log: dict[str, list] = {"pull": [], "push": []}
-    limits = httpx.Limits(max_connections=len(tokens) + 8, max_keepalive_connections=len(tokens))
-    timeout = httpx.Timeout(connect=30, read=300, write=300, pool=300)
-    start = asyncio.Barrier(len(tokens))
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
-        await asyncio.gather(*(worker(client, t, rounds, delta, start, log) for t in tokens))
-    return log
+    bodies: dict[tuple[int, int, int], bytes] = {}  # (block, version, round) -> the push body
+    barrier = asyncio.Barrier(run.workers)
+    rng = random.Random(0)
+
+    async def arrive() -> None:
+        if run.arrival == "burst":
+            await barrier.wait()
+        else:
+            await asyncio.sleep(rng.uniform(0, run.spread_s))
+
+    async def worker(i: int) -> None:
+        b = i % run.blocks
+        conn = Connection(fleet.url_of_block[b])
+        headers = {"Authorization": f"Bearer {fleet.tokens[i]}"}
+        r = await conn.request("POST", "/v1/workers", headers, json.dumps({"block": b}).encode())
+        headers["X-Worker-Id"] = str(json.loads(r.body)["worker_id"])
+        last = -1
+        for _ in range(run.rounds):
+            while True:  # the worker's long poll for the next round
+                path = f"/v1/blocks/{b}/round?after={last}&wait=30"
+                info = json.loads((await conn.request("GET", path, headers)).body)
+                if info["round"] > last:
+                    break
+            round_ = last = info["round"]
+            await arrive()
+            t0 = time.perf_counter()
+            moved = await conn.request("GET", f"/v1/blocks/{b}?redirect=1", headers)
+            pulled = await conn.request("GET", moved.headers["location"], headers)
+            t1 = time.perf_counter()
+            version = int(moved.headers["x-version"])
+            key = (b, version, round_)
+            if key not in bodies:
+                meta = {"block": b, "base_version": version, "round": round_, "tokens": 4096}
+                bodies[key] = encode(delta, meta, "fp16")
+            await arrive()
+            t2 = time.perf_counter()
+            push_headers = {**headers, "Content-Type": CONTENT_TYPE}
+            pushed = await conn.request(
+                "POST", f"/v1/blocks/{b}/updates", push_headers, bodies[key]
+            )
+            t3 = time.perf_counter()
+            if run.arrival == "staggered":  # idle until the next round: a new connection then
+                await conn.close()
+            reason = "" if pushed.status == 200 else json.loads(pushed.body).get("reason", "")
+            fleet.log["pull"].append(((b, round_), t0, t1, len(pulled.body)))
+            fleet.log["push"].append(((b, round_), t2, t3, len(bodies[key]), pushed.status, reason))
+        await conn.close()
+
+    await asyncio.gather(*(worker(i) for i in range(run.workers)))
 
 
-def phase(entries: list[tuple], nbytes_index: int) -> dict[str, float]:
-    """Latency percentiles and throughput of one kind of request, per round then overall."""
+def phase(entries: list[tuple], nbytes_index: int = 3) -> dict[str, Any]:
+    """Latency percentiles and throughput of one kind of request: per (block, round) phase,
+    from its first request's start to its last answer, then overall."""
     latencies = [e[2] - e[1] for e in entries]
-    by_round: dict[int, list[tuple]] = {}
+    by_round: dict[Any, list[tuple]] = {}
     for e in entries:
         by_round.setdefault(e[0], []).append(e)
     walls = [max(e[2] for e in es) - min(e[1] for e in es) for es in by_round.values()]
+    # blocks overlap in time: throughput over the union of each round index's phases
+    spans: dict[int, tuple[float, float]] = {}
+    for (_, r), es in by_round.items():
+        lo, hi = min(e[1] for e in es), max(e[2] for e in es)
+        old = spans.get(r, (lo, hi))
+        spans[r] = (min(old[0], lo), max(old[1], hi))
+    wall = sum(hi - lo for lo, hi in spans.values())
     total_bytes = sum(e[nbytes_index] for e in entries)
-    wall = sum(walls)
     return {
         "requests": len(entries),
         "p50_ms": 1e3 * percentile(latencies, 50),
@@ -140,95 +233,106 @@ def phase(entries: list[tuple], nbytes_index: int) -> dict[str, float]:
     }
 
 
+def measure(run: Run, params: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        fleet = start_fleet(Path(tmp), run, params)
+        try:
+            cpu0 = [cpu_seconds(p.popen.pid) for p in fleet.procs]
+            started = time.perf_counter()
+            asyncio.run(drive(fleet, run, params))
+            elapsed = time.perf_counter() - started
+            cpu = sum(cpu_seconds(p.popen.pid) - c for p, c in zip(fleet.procs, cpu0, strict=True))
+        finally:
+            stop(fleet.procs)
+        versions = [fleet.states[k if run.aggregators > 1 else 0].ledger.block_state(b)[0]
+                    for k, b in enumerate(range(run.blocks))]  # fmt: skip
+        for state in fleet.states:
+            state.close()
+    log = fleet.log
+    refused = [e for e in log["push"] if e[4] != 200]
+    accepted = len(log["push"]) - len(refused)
+    return {
+        "workers": run.workers,
+        "aggregators": run.aggregators,
+        "blocks": run.blocks,
+        "arrival": run.arrival,
+        "spread_s": run.spread_s,
+        "params": params,
+        "rounds": run.rounds,
+        "wire_dtype": "fp16",
+        "body_bytes": log["push"][0][3],
+        "push": phase(log["push"]),
+        "pull": phase(log["pull"]),
+        "accepted": accepted,
+        "refused": len(refused),
+        "refusal_reasons": sorted({e[5] for e in refused}),
+        "final_versions": versions,
+        "aggregator_cpu_s": cpu,
+        "aggregator_cpu_s_per_update": cpu / max(1, accepted),
+        "elapsed_s": elapsed,
+        "load_average_1min_after": os.getloadavg()[0],  # the machine is shared: how busy it was
+    }
+
+
+def runs_of(args: argparse.Namespace) -> list[Run]:
+    """The first is the comparison with earlier measurements (its keys are the JSON's top
+    level): N workers on one block of one aggregator, in bursts."""
+    small, large = args.workers, args.large
+    return [
+        Run(small, 1, 1, "burst", args.rounds),
+        Run(small, 1, 3, "burst", args.rounds),
+        Run(small, 3, 3, "burst", args.rounds),
+        Run(large, 1, 3, "staggered", args.large_rounds, args.spread),
+        Run(large, 3, 3, "staggered", args.large_rounds, args.spread),
+    ]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--workers", type=int, default=100)
-    p.add_argument("--params", type=int, default=1_048_576)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
+    p.add_argument("--workers", type=int, default=100, help="workers of the burst runs")
+    p.add_argument("--large", type=int, default=1000, help="workers of the staggered runs")
+    p.add_argument("--params", type=int, default=1_048_576, help="parameters per block")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of the burst runs")
+    p.add_argument("--large-rounds", type=int, default=2, help="rounds of the staggered runs")
+    p.add_argument(
+        "--spread", type=float, default=20.0, help="seconds over which staggered workers arrive"
+    )
+    p.add_argument("--quick", action="store_true", help="20 and 60 workers, 2 rounds")
+    p.add_argument("--no-write", action="store_true", help="print only; write no JSON or docs")
+    p.add_argument(
+        "--section-only", action="store_true", help="rewrite BENCHMARKS.md from the JSON; no runs"
+    )
     args = p.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        tensors = block(args.params)
-        n_params = sum(t.numel() for t in tensors.values())
-        settings = AggregatorSettings(
-            deadline_s=300.0,
-            local_steps=1,
-            max_delta_norm=1e6,
-            max_tokens=1 << 20,
-            keep_versions=1,
-            n_workers=args.workers,
+    if args.section_only:
+        update_section(
+            "protocol-load", section(json.loads((RESULTS / "protocol_load.json").read_text()))
         )
-        state = StateDir.create(
-            Path(tmp) / "state",
-            run_config={"seed": 0, "bench": True},
-            settings=settings,
-            blocks={0: tensors},
-        )
-        tokens = []
-        for i in range(args.workers):
-            tokens.append(new_token())
-            state.ledger.add_token(f"w{i}", hash_token(tokens[-1]), time.time())
-        proc, url = start_aggregator(state, Path(tmp) / "logs")
-        try:
-            started = time.perf_counter()
-            log = asyncio.run(drive(url, tokens, args.rounds, args.params))
-            elapsed = time.perf_counter() - started
-            versions = state.ledger.block_state(0)[0]
-        finally:
-            stop([proc])
-            state.close()
-    refused = [e for e in log["push"] if e[4] != 200]
+        return
+    if args.quick:
+        args.workers, args.large, args.rounds, args.large_rounds, args.spread = 20, 60, 2, 1, 2.0
+    torch.set_num_threads(1)
+    results = []
+    for run in runs_of(args):
+        r = measure(run, args.params)
+        results.append(r)
+        print(row(r), flush=True)
+    first = results[0]
     result = {
-        "workers": args.workers,
-        "params": n_params,
-        "rounds": args.rounds,
-        "wire_dtype": "fp16",
-        "body_bytes": log["push"][0][3],
-        "push": phase(log["push"], 3),
-        "pull": phase(log["pull"], 3),
-        "accepted": len(log["push"]) - len(refused),
-        "refused": len(refused),
-        "refusal_reasons": sorted({e[5] for e in refused}),
-        "final_version": versions,
-        "elapsed_s": elapsed,
+        **{k: first[k] for k in ("workers", "params", "rounds", "wire_dtype", "body_bytes")},
+        **{k: first[k] for k in ("push", "pull", "accepted", "refused", "refusal_reasons")},
+        "final_version": first["final_versions"][0],
+        "elapsed_s": first["elapsed_s"],
+        "client": "bench/load_http.py (asyncio streams)",
+        "runs": results,
         "machine": machine(),
     }
-    path = write_json("protocol_load.json", result)
-    push, pull = result["push"], result["pull"]
-    print(
-        f"{args.workers} workers x {args.rounds} rounds, {n_params:,} params "
-        f"({result['body_bytes'] / 1e6:.2f} MB per fp16 delta): push p50 {push['p50_ms']:.0f} "
-        f"ms, p99 {push['p99_ms']:.0f} ms, {push['per_s']:.1f} updates/s, "
-        f"{push['mb_per_s']:.1f} MB/s; pull {pull['per_s']:.1f}/s, {pull['mb_per_s']:.1f} "
-        f"MB/s; {result['refused']} refused; wrote {path}"
-    )
     if args.no_write:
         return
-    update_section(
-        "protocol-load",
-        f"""
-### Aggregator under load: {args.workers} concurrent workers, {n_params:,}-parameter block
-
-Command: `python bench/protocol_load.py --workers {args.workers} --rounds {args.rounds}` (writes
-`benchmarks/results/protocol_load.json`). One real aggregator process (uvicorn) on loopback; {args.workers}
-simulated workers (asyncio, one token each) pull the block and push an fp16 delta
-({result["body_bytes"] / 1e6:.2f} MB) all at the same moment, {args.rounds} rounds. Every push is parsed,
-validated (names, shapes, dtypes, finite, norm), its body fsynced and its ledger row committed
-before the answer; each round closes when all {args.workers} have reported.
-
-| | p50 latency | p99 latency | requests/s | MB/s |
-|---|---:|---:|---:|---:|
-| push (delta up) | {push["p50_ms"]:.0f} ms | {push["p99_ms"]:.0f} ms | {push["per_s"]:.1f} | {push["mb_per_s"]:.1f} |
-| pull (weights down) | {pull["p50_ms"]:.0f} ms | {pull["p99_ms"]:.0f} ms | {pull["per_s"]:.1f} | {pull["mb_per_s"]:.1f} |
-
-{result["accepted"]} updates accepted, {result["refused"]} refused; final version {versions}.
-Latency counts from the request's first byte to the answer, so with {args.workers} pushes in flight it
-is mostly queueing: the push phase of a round lasts about {statistics.fmean(push["wall_s_per_round"]):.1f} s. Measured on
-{result["machine"]["cpu"]} ({result["machine"]["cores"]} cores, shared with other work; client and server on the same cores).
-""",
-    )
+    path = write_json("protocol_load.json", result)
+    print(f"wrote {path}")
+    update_section("protocol-load", section(result))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def atomic_write_bytes(path: Path, data: bytes | bytearray) -> None:
     """Write via a temporary file in the same folder, fsync it, rename it over `path`, then
     fsync the folder: a crash leaves either the old file or the new one, never a torn one."""
     path = Path(path)

@@ -15,6 +15,7 @@ token; /metrics needs one with --private-status (default: public, for Prometheus
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import signal
@@ -33,6 +34,7 @@ from blocktrain.config import RunConfig
 from blocktrain.data import load_split
 from blocktrain.errors import ConfigError, DataError
 from blocktrain.httpserve import Limits, bind, url_of
+from blocktrain.protocol.directory import Directory, parse_blocks, parse_peer
 from blocktrain.protocol.limits import JSON_BODY_BYTES, AccessLimits
 from blocktrain.protocol.settings import AggregatorSettings
 from blocktrain.protocol.state import create_state
@@ -50,6 +52,13 @@ EXAMPLES = """examples:
   blocktrain tls self-signed --out tls --host agg.example      # then:
   blocktrain aggregator --state runs/agg --tls-cert tls/cert.pem --tls-key tls/key.pem
   blocktrain aggregator --state runs/agg --private-status --rate-limit 20
+  blocktrain aggregator --state runs/agg --public-weights    # versions cacheable by a CDN
+  # one aggregator per block, same preset and seed, one state folder each:
+  blocktrain aggregator --state runs/agg0 --preset tiny --blocks 0 --port 8470 \\
+      --peer 1=http://10.0.0.6:8471 --peer 2=http://10.0.0.7:8472
+  blocktrain aggregator --state runs/agg1 --preset tiny --blocks 1 --port 8471 \\
+      --peer 0=http://10.0.0.5:8470 --peer 2=http://10.0.0.7:8472
+  blocktrain token add alice --state runs/agg0 --state runs/agg1 --state runs/agg2
   blocktrain aggregator --state runs/agg --data wikitext/   # the effect probe's held-out slice
   blocktrain aggregator --state runs/agg --effect-probe off --rule trimmed_mean --tolerate 1
   blocktrain aggregator --state runs/agg --wire int8        # deltas as int8, a scale per row
@@ -80,6 +89,27 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--private-status",
         action="store_true",
         help="/metrics needs a token too (/v1/status always does)",
+    )
+    p.add_argument(
+        "--blocks",
+        metavar="B[,B...]",
+        help="serve only these blocks (default: all); run one aggregator per block or subset, "
+        "each with its own --state, and name the others with --peer",
+    )
+    p.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="BLOCK=URL",
+        help="where another aggregator serves BLOCK (repeatable), for GET /v1/directory: "
+        "workers asking here for BLOCK are sent there",
+    )
+    p.add_argument(
+        "--public-weights",
+        action="store_true",
+        help="serve committed versions (GET /v1/blocks/B/versions/V) without a token and as "
+        "Cache-Control: public, so that a CDN may cache them for every worker; the weights are "
+        "then readable by anyone who reaches the URL",
     )
     p.add_argument(
         "--rate-limit",
@@ -140,6 +170,7 @@ def access_limits(args: argparse.Namespace) -> AccessLimits:
         rate_per_s=args.rate_limit,
         burst=args.rate_burst,
         private_status=args.private_status,
+        public_weights=args.public_weights,
         keep_refused=args.keep_refused,
     )
 
@@ -171,19 +202,32 @@ def run(args: argparse.Namespace) -> int:
     tls = TlsFiles(args.tls_cert, args.tls_key) if args.tls_cert else None
     check_tls(tls)
     limits = access_limits(args)  # a clear error before the state is touched
+    served = None if args.blocks is None else parse_blocks(args.blocks)
+    peers = dict(parse_peer(text) for text in args.peer)
     state, settings = prepare_state(args)
+    directory = Directory.build(state.n_blocks(), served, peers)
     app = create_app(
-        settings, storage=state, limits=limits, probe=effect_probe(args, state, settings)
+        settings,
+        storage=state,
+        limits=limits,
+        probe=effect_probe(args, state, settings),
+        directory=directory,
     )
     sock = bind(args.host, args.port)
     url = url_of(sock, tls=tls is not None)
+    # Every request allocates thousands of small objects, and each full collection walked the
+    # whole heap torch and the app left at start-up: 18 % of the GIL's time under load
+    # (py-spy --gil, bench/protocol_load.py). Frozen, those objects are never scanned again.
+    gc.collect()
+    gc.freeze()
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to the handler
     # it found; with these no-op handlers the process then exits 0 through the cleanup below.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     state.write_endpoint(url, os.getpid())
     print(
-        f"aggregator for {state.n_blocks()} blocks listening on {url} (state {args.state})",
+        f"aggregator for block(s) {','.join(map(str, directory.served))} of {state.n_blocks()} "
+        f"listening on {url} (state {args.state})",
         file=sys.stderr,
         flush=True,
     )

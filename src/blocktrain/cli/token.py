@@ -22,6 +22,7 @@ from blocktrain.protocol.tokens import hash_token, new_token
 EXAMPLES = """examples:
   blocktrain token add --state runs/agg --name alice      # prints the new token alone
   blocktrain token add bob --state runs/agg --block 2 --block 3   # bob trains blocks 2, 3 only
+  blocktrain token add carol --state runs/agg0 --state runs/agg1   # one token, two aggregators
   blocktrain token list --state runs/agg
   blocktrain token revoke --state runs/agg --name alice
 """
@@ -39,7 +40,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     a = tsub.add_parser(
         "add", help="create a token and print it", epilog=EXAMPLES, formatter_class=Formatter
     )
-    a.add_argument("--state", required=True, metavar="DIR", help="the aggregator's state folder")
+    a.add_argument(
+        "--state",
+        required=True,
+        action="append",
+        metavar="DIR",
+        help="the aggregator's state folder; repeat it to add one token to several (one "
+        "aggregator per block: the worker's token must be known to each)",
+    )
     a.add_argument("positional_name", nargs="?", metavar="NAME", help="the same as --name")
     a.add_argument("--name", help="a unique name for the token's holder")
     a.add_argument(
@@ -84,22 +92,25 @@ def run_add(args: argparse.Namespace) -> int:
     name = (args.name if args.name is not None else args.positional_name or "").strip()
     if not name or len(name) > 100:
         raise ConfigError("NAME (or --name) must hold 1 to 100 characters")
-    state = open_ledger_state(args.state, create=True)
+    states = [open_ledger_state(path, create=True) for path in args.state]
     try:
-        n_blocks = state.n_blocks() if state.initialised else None
-        for b in args.block:
-            if b < 0 or (n_blocks is not None and b >= n_blocks):
-                limit = "" if n_blocks is None else f" 0..{n_blocks - 1}"
-                raise ConfigError(f"--block {b} is not a block of{limit or ' the run'}")
-        if state.ledger.token_by_name(name) is not None:
-            raise ConfigError(
-                f"a token named {name!r} already exists in {args.state}; "
-                "choose another --name (or revoke that one)"
-            )
+        for path, state in zip(args.state, states, strict=True):  # every check before a write
+            n_blocks = state.n_blocks() if state.initialised else None
+            for b in args.block:
+                if b < 0 or (n_blocks is not None and b >= n_blocks):
+                    limit = "" if n_blocks is None else f" 0..{n_blocks - 1}"
+                    raise ConfigError(f"--block {b} is not a block of{limit or ' the run'}")
+            if state.ledger.token_by_name(name) is not None:
+                raise ConfigError(
+                    f"a token named {name!r} already exists in {path}; "
+                    "choose another --name (or revoke that one)"
+                )
         token = new_token()
-        state.ledger.add_token(name, hash_token(token), time.time(), blocks=args.block)
+        for state in states:
+            state.ledger.add_token(name, hash_token(token), time.time(), blocks=args.block)
     finally:
-        state.close()
+        for state in states:
+            state.close()
     print(token)
     return 0
 

@@ -1,7 +1,8 @@
 """`blocktrain worker`: train one block replica for an aggregator.
 
 Registers with the aggregator (which assigns the block with the fewest live replicas, or
---block), then loops: wait for a new round, pull the block's weights, train H local steps on
+--block; with one aggregator per block, the worker follows GET /v1/directory to the aggregator
+of its --block), then loops: wait for a new round, pull the block's weights, train H local steps on
 this machine's data (the AdamW state stays here, across rounds), push the delta. Retries with
 backoff when the aggregator is away, re-syncs after a refusal, and leaves cleanly on SIGTERM
 or Ctrl-C.
@@ -38,6 +39,8 @@ EXAMPLES = """examples:
   BLOCKTRAIN_TOKEN=bt_... blocktrain worker --aggregator https://agg.example:8470 --block 1
   blocktrain worker --aggregator https://agg.example:8470 --ca-file tls/cert.pem \
       --token-file token.txt --data my-corpus/
+  # one aggregator per block: any of them; the worker follows its directory to block 2's
+  blocktrain worker --aggregator http://10.0.0.5:8470 --token-file token.txt --block 2
 """
 
 

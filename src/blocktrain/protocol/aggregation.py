@@ -46,7 +46,13 @@ WEIGHTINGS = ("identity", "reported")
 CENTERED_CLIP_ITERS = 3
 
 
-def weighted_mean(deltas: Sequence[Tensors], weights: Sequence[float]) -> Tensors:
+def weighted_mean(
+    deltas: Sequence[Tensors],
+    weights: Sequence[float],
+    scales: Sequence[dict[str, float]] | None = None,
+) -> Tensors:
+    """sum_i w_i v_i / sum_i w_i in fp32, each tensor of v_i first multiplied by its factor in
+    `scales` (clipping, folded in: no scaled copy of any vote is made)."""
     if not deltas:
         raise ValueError("nothing to aggregate")
     if len(weights) != len(deltas):
@@ -57,8 +63,9 @@ def weighted_mean(deltas: Sequence[Tensors], weights: Sequence[float]) -> Tensor
     out: Tensors = {}
     for name in deltas[0]:
         acc = torch.zeros_like(deltas[0][name], dtype=torch.float32)
-        for delta, w in zip(deltas, weights, strict=True):
-            acc.add_(delta[name].float(), alpha=w / total)
+        for i, (delta, w) in enumerate(zip(deltas, weights, strict=True)):
+            scale = 1.0 if scales is None else scales[i][name]
+            acc.add_(delta[name], alpha=w / total * scale)  # fp16 in, summed in fp32
         out[name] = acc
     return out
 
@@ -101,16 +108,24 @@ def _norm(t: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(t, dtype=torch.float32))
 
 
-def clip_to_median(votes: Sequence[Tensors], c: float) -> list[Tensors]:
-    """Each vote scaled, per tensor, to at most c x that tensor's median norm over the votes."""
-    out: list[Tensors] = [{} for _ in votes]
+def clip_scales(votes: Sequence[Tensors], c: float) -> list[dict[str, float]]:
+    """Per vote and tensor, the factor that brings the tensor to at most c x that tensor's
+    median norm over the votes (1 for those within it)."""
+    scales: list[dict[str, float]] = [{} for _ in votes]
     for name in votes[0]:
         norms = [_norm(v[name]) for v in votes]
         bound = c * statistics.median(norms)
-        for i, (v, norm) in enumerate(zip(votes, norms, strict=True)):
-            scale = bound / norm if norm > bound else 1.0
-            out[i][name] = v[name].float() * scale
-    return out
+        for factors, norm in zip(scales, norms, strict=True):
+            factors[name] = bound / norm if norm > bound else 1.0
+    return scales
+
+
+def clip_to_median(votes: Sequence[Tensors], c: float) -> list[Tensors]:
+    """Each vote scaled, per tensor, to at most c x that tensor's median norm over the votes."""
+    return [
+        {name: t.float() * factors[name] for name, t in v.items()}
+        for v, factors in zip(votes, clip_scales(votes, c), strict=True)
+    ]
 
 
 def centered_clip(votes: Sequence[Tensors], weights: Sequence[float]) -> Tensors:
@@ -240,6 +255,9 @@ class Accumulator:
         p = self.policy
         votes, weights = self.votes()
         n = len(votes)
+        if p.rule == "mean":  # clipping folded into the sum: no fp32 copy of each vote
+            scales = clip_scales(votes, p.clip) if p.clip > 0 else None
+            return Aggregate(weighted_mean(votes, weights, scales), votes=n)
         if p.clip > 0:
             votes = clip_to_median(votes, p.clip)
         if p.rule in ("median", "trimmed_mean"):
@@ -253,9 +271,7 @@ class Accumulator:
             if p.rule == "median":
                 return Aggregate(coordinate_median(votes), votes=n)
             return Aggregate(trimmed_mean(votes, p.trim, p.tolerate), votes=n)
-        if p.rule == "centered_clip":
-            return Aggregate(centered_clip(votes, weights), votes=n)
-        return Aggregate(weighted_mean(votes, weights), votes=n)
+        return Aggregate(centered_clip(votes, weights), votes=n)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,10 @@
     POST   /v1/workers                   register; JSON {"block"?: int, "name"?: str}
     DELETE /v1/workers/{id}              leave (a stopping worker says goodbye)
     GET    /v1/config                    the run config and protocol settings
-    GET    /v1/blocks/{b}                the open round's weights (safetensors body)
+    GET    /v1/blocks/{b}                the open round's weights (safetensors body; with
+                                         ?redirect=1, 303 to the version's immutable URL)
+    GET    /v1/blocks/{b}/versions/{v}   a committed version (cacheable: ETag, Range; weights.py)
+    GET    /v1/directory                 where each block's aggregator lives (directory.py)
     GET    /v1/blocks/{b}/round          the open round (long poll with ?after=R&wait=S)
     POST   /v1/blocks/{b}/updates        push a delta (safetensors body)
     GET    /v1/status                    blocks, versions, rounds, participation, workers, bytes
@@ -40,13 +43,16 @@ from starlette.requests import ClientDisconnect
 
 from blocktrain import __version__
 from blocktrain.errors import Refused
-from blocktrain.httpserve import BODY_BYTES, GUARD_REFUSAL, HttpGuard, Scope
-from blocktrain.protocol import dashboard
+from blocktrain.httpserve import BODY_BYTES, GUARD_REFUSAL, HttpGuard, Scope, read_body
+from blocktrain.protocol import dashboard, weights
 from blocktrain.protocol import metrics as prometheus
 from blocktrain.protocol.auth import Caller, refused
+from blocktrain.protocol.directory import Directory, here
+from blocktrain.protocol.directory import add_routes as add_directory
 from blocktrain.protocol.effect import EffectProbe
 from blocktrain.protocol.ledger_schema import TokenRow
 from blocktrain.protocol.limits import AccessLimits, RateLimited
+from blocktrain.protocol.longpoll import RoundSignal
 from blocktrain.protocol.routing import (
     PUSH_PATH,
     endpoint_caller,
@@ -71,6 +77,7 @@ from blocktrain.protocol.settings import AggregatorSettings
 from blocktrain.protocol.status import snapshot
 from blocktrain.protocol.storage import StateDir
 from blocktrain.protocol.updates import PushContext
+from blocktrain.protocol.weights import RangeNotSatisfiable, version_path
 from blocktrain.protocol.wire import CONTENT_TYPE
 
 log = logging.getLogger(__name__)
@@ -80,7 +87,8 @@ MAX_WAIT_S = 60.0
 
 
 REFUSALS: dict[int | str, dict[str, Any]] = {
-    code: {"model": RefusalOut} for code in (400, 401, 403, 404, 408, 409, 410, 413, 415, 422, 429)
+    code: {"model": RefusalOut}
+    for code in (400, 401, 403, 404, 408, 409, 410, 413, 415, 416, 421, 422, 429)
 }
 REGISTER_BODY: dict[str, Any] = {
     "requestBody": {
@@ -110,14 +118,19 @@ def create_app(
     tick_interval_s: float = 0.1,
     limits: AccessLimits | None = None,
     probe: EffectProbe | None = None,
+    directory: Directory | None = None,
 ) -> FastAPI:
     """The aggregator over an initialised state folder. `clock` is injected so that tests can
     drive deadlines; `tick_interval_s` is how often deadlines are checked while served;
     `limits` caps what clients may cost (serve it with `httpserve.run(app, sock,
     limits.http)` so that the connection limits match); `probe` judges each update by its
     effect (`effect.EffectProbe`)."""
-    service = AggregatorService(settings, storage=storage, clock=clock, limits=limits)
+    service = AggregatorService(
+        settings, storage=storage, clock=clock, limits=limits, directory=directory
+    )
     service.engine.use_probe(probe)
+    rounds = RoundSignal()
+    service.engine.on_commit.append(lambda event: rounds.notify(event.closed.block))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -164,6 +177,8 @@ def create_app(
         headers = None
         if isinstance(exc, RateLimited):
             headers = {"Retry-After": str(max(1, int(exc.retry_after_s + 0.999)))}
+        elif isinstance(exc, RangeNotSatisfiable):
+            headers = {"Content-Range": f"bytes */{exc.size}"}
         response = JSONResponse(
             {"accepted": False, "reason": exc.reason, "detail": exc.detail},
             status_code=exc.status,
@@ -254,7 +269,8 @@ def create_app(
         summary="The run config, protocol settings and the blocks' tensor shapes",
     )
     def config(request: Request, _: Annotated[TokenRow, endpoint_token("config")]) -> JSONResponse:
-        return json_response(request, ConfigOut(**service.config()).model_dump())
+        where = service.directory.to_dict(here(request))
+        return json_response(request, ConfigOut(**service.config(), directory=where).model_dump())
 
     # ------------------------------------------------------------------ blocks
 
@@ -273,8 +289,9 @@ def create_app(
         request: Request,
         caller: Annotated[Caller, endpoint_caller("pull")],
         block: int = Path(ge=0),
+        redirect: bool = Query(False, description="303 to the version's immutable URL"),
     ) -> Response:
-        pulled = service.pull(caller=caller, block=block)
+        pulled = service.pull(caller=caller, block=block, with_body=not redirect)
         view = pulled.view
         headers = {
             "X-Block": str(block),
@@ -282,8 +299,13 @@ def create_app(
             "X-Round": str(view.round),
             "X-Deadline": "" if view.deadline is None else f"{view.deadline:.6f}",
             "X-Deadline-In": "" if pulled.deadline_in is None else f"{pulled.deadline_in:.3f}",
+            "X-Weights-Url": version_path(block, view.version),
+            "Cache-Control": "no-store",  # it records a pull: every one must reach us
         }
         _account(request, len(pulled.body))
+        if redirect:
+            headers["Location"] = headers["X-Weights-Url"]
+            return Response(status_code=303, headers=headers)
         return Response(pulled.body, media_type=CONTENT_TYPE, headers=headers)
 
     @app.get(
@@ -299,10 +321,13 @@ def create_app(
         after: int = Query(-1, ge=-1),
         wait: float = Query(0.0, ge=0.0),
     ) -> JSONResponse:
+        changed = rounds.event(block)
         info = service.peek(block)
         limit = time.monotonic() + min(wait, MAX_WAIT_S)
         while info["round"] <= after and not info["done"] and time.monotonic() < limit:
-            await asyncio.sleep(0.05)
+            # woken when a round of the block closes (re-read at least once a second)
+            await rounds.wait(changed, min(1.0, limit - time.monotonic()))
+            changed = rounds.event(block)
             info = service.peek(block)
         return json_response(request, RoundOut(**info).model_dump())
 
@@ -318,10 +343,8 @@ def create_app(
         ctx: Annotated[PushContext, Depends(push_context)],
         block: int = Path(ge=0),
     ) -> JSONResponse:
-        chunks: list[bytes] = []
         try:  # the guard caps the size (and the time) while streaming
-            async for chunk in request.stream():
-                chunks.append(chunk)
+            body = await read_body(request.scope, request.stream())
         except ClientDisconnect:
             size = getattr(request.state, BODY_BYTES, 0)
             reason, detail = getattr(request.state, GUARD_REFUSAL, ("", ""))
@@ -330,7 +353,6 @@ def create_app(
             raise service.refuse_push(
                 ctx, "malformed", "the client sent a partial body and disconnected", size
             ) from None
-        body = b"".join(chunks)
         out = await anyio.to_thread.run_sync(service.submit, ctx, body)
         return json_response(request, UpdateOut(**out).model_dump())
 
@@ -370,4 +392,6 @@ def create_app(
     )(private_metrics if service.limits.private_status else metrics)
 
     dashboard.add_routes(app, service, endpoint_token, json_response, REFUSALS)
+    weights.add_routes(app, service, endpoint_token, _account, REFUSALS)
+    add_directory(app, service.directory, endpoint_token, json_response, REFUSALS)
     return app

@@ -113,6 +113,8 @@ class AggregatorClient:
         self.worker_id: int | None = None
         self.bytes_down = 0
         self.bytes_up = 0
+        self._held: tuple[str, str, Tensors] | None = None
+        """(URL, ETag, tensors) of the last version downloaded, revalidated when pulled again."""
 
     def close(self) -> None:
         self.http.close()
@@ -140,8 +142,9 @@ class AggregatorClient:
         attempt = 0
         while True:
             try:
+                url = path if path.startswith(("http://", "https://")) else self.base_url + path
                 response = self.http.request(
-                    method, path, headers={**self._headers(), **(headers or {})}, **kwargs
+                    method, url, headers={**self._headers(), **(headers or {})}, **kwargs
                 )
                 retry_after = _retry_after(response)
                 if response.status_code < 500 and retry_after is None:
@@ -205,6 +208,16 @@ class AggregatorClient:
     def config(self) -> dict[str, Any]:
         return self._json("GET", "/v1/config")
 
+    def directory(self) -> dict[str, Any]:
+        """Where each block's aggregator lives (`protocol.directory`)."""
+        return self._json("GET", "/v1/directory")
+
+    def move_to(self, url: str) -> None:
+        """Talk to another aggregator of the run from now on (register there next)."""
+        self.base_url = url.rstrip("/")
+        self.worker_id = None
+        self._held = None
+
     def status(self) -> dict[str, Any]:
         return self._json("GET", "/v1/status")
 
@@ -212,25 +225,68 @@ class AggregatorClient:
         return self._json("GET", f"/v1/blocks/{block}/round", params={"after": after, "wait": wait})
 
     def pull(self, block: int) -> Pulled:
-        response = self.request("GET", f"/v1/blocks/{block}")
-        body = response.content
-        self.bytes_down += len(body)
+        """The open round's weights. The aggregator records the pull and answers 303 with the
+        round in its headers (`?redirect=1`); the bytes come from the version's immutable URL,
+        which a plain HTTP cache or CDN may serve, and a version already held is revalidated
+        (If-None-Match, 304) instead of downloaded again. An aggregator without versioned URLs
+        answers with the body at once, as before."""
+        response = self.request(
+            "GET", f"/v1/blocks/{block}", params={"redirect": 1}, follow_redirects=False
+        )
+        self.bytes_down += len(response.content)
         if response.status_code >= 400:
             raise self._refusal(response)
+        h = response.headers
+        if response.status_code == 303:
+            version = int(h["X-Version"])
+            tensors, nbytes = self._version(h["Location"], block, version)
+            return Pulled(
+                tensors,
+                block,
+                version,
+                int(h["X-Round"]),
+                _seconds(h),
+                nbytes + len(response.content),
+            )
+        meta, tensors = self._weights(response.content)
+        if "round" not in meta:  # something between us followed the 303 for us
+            raise ProtocolError(f"GET /v1/blocks/{block} answered a body without its round")
+        return Pulled(
+            tensors,
+            int(meta["block"]),
+            int(meta["version"]),
+            int(meta["round"]),
+            _seconds(h),
+            len(response.content),
+        )
+
+    def _version(self, url: str, block: int, version: int) -> tuple[Tensors, int]:
+        """A committed version's tensors (fp32) and the bytes its answer carried."""
+        held = self._held if self._held is not None and self._held[0] == url else None
+        headers = {} if held is None else {"If-None-Match": held[1]}
+        response = self.request("GET", url, headers=headers, follow_redirects=True)
+        self.bytes_down += len(response.content)
+        if response.status_code == 304 and held is not None:
+            return {k: v.clone() for k, v in held[2].items()}, len(response.content)
+        if response.status_code >= 400:
+            raise self._refusal(response)
+        meta, tensors = self._weights(response.content)
+        if (meta.get("block"), meta.get("version")) != (str(block), str(version)):
+            raise ProtocolError(
+                f"{url} holds block {meta.get('block')} version {meta.get('version')}, "
+                f"not block {block} version {version}"
+            )
+        etag = response.headers.get("ETag")
+        self._held = None if etag is None else (url, etag, tensors)
+        return {k: v.clone() for k, v in tensors.items()}, len(response.content)
+
+    @staticmethod
+    def _weights(body: bytes) -> tuple[dict[str, str], Tensors]:
         try:
             decoded = decode(body)
         except WireError as exc:
             raise ProtocolError(f"the aggregator sent unreadable weights: {exc.detail}") from exc
-        meta = decoded.metadata
-        deadline_in = response.headers.get("X-Deadline-In") or None
-        return Pulled(
-            {k: v.float() for k, v in decoded.to_torch().items()},
-            int(meta["block"]),
-            int(meta["version"]),
-            int(meta["round"]),
-            None if deadline_in is None else float(deadline_in),
-            len(body),
-        )
+        return decoded.metadata, {k: v.float() for k, v in decoded.to_torch().items()}
 
     def push(
         self,
@@ -275,6 +331,12 @@ class AggregatorClient:
                 False, refusal.reason, refusal.detail, response.status_code, len(body), doc
             )
         return PushResult(bool(doc.get("accepted")), "", "", response.status_code, len(body), doc)
+
+
+def _seconds(headers: httpx.Headers) -> float | None:
+    """X-Deadline-In: the seconds left in the round (None before its clock started)."""
+    value = headers.get("X-Deadline-In") or None
+    return None if value is None else float(value)
 
 
 def _retry_after(response: httpx.Response) -> float | None:

@@ -212,7 +212,7 @@ class RoundEngine:
         self.registry.seen(worker, now)
         return PullEvent(view, started and view.deadline is not None)
 
-    def check(self, block: int, body: bytes, worker: int | None = None) -> Checked:
+    def check(self, block: int, body: bytes | bytearray, worker: int | None = None) -> Checked:
         """The content verdict on an update body: size, safetensors, the validator chain, then
         (for `worker`'s identity in good standing) the effect probe against the block's current
         weights. Changes no state, so a driver may call it outside its lock (the probe, the

@@ -106,10 +106,12 @@ def from_state(state: StateDir) -> History:
         return hist
     t0 = min(r["started_at"] if r["started_at"] is not None else r["closed_at"] for r in rows)
     # Bytes: every update body by the time it arrived, plus each round's pulls, estimated as
-    # one block body per worker that reported (the ledger keeps pull bytes only in totals).
+    # one block body per worker that reported (the ledger keeps pull bytes only in totals). A
+    # pull's body comes with it, or from the version's URL after a 303 ("weights"; bytes a
+    # cache in front served instead never reach the ledger).
     pushed = sorted(ledger.update_arrivals())
     traffic = ledger.traffic()
-    pull_bytes = sum(t["bytes_out"] for t in traffic if t["endpoint"] == "pull")
+    pull_bytes = sum(t["bytes_out"] for t in traffic if t["endpoint"] in ("pull", "weights"))
     pulls = sum(t["requests"] for t in traffic if t["endpoint"] == "pull") or 1
     per_pull = pull_bytes / pulls
     reported_so_far = 0

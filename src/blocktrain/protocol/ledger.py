@@ -1,14 +1,12 @@
 """The ledger: one SQLite file recording tokens (hashed), workers, each block's committed state,
-every closed round, every update's fate, and the bytes moved.
+every closed round, every update's fate, and the bytes moved: the aggregator's source of truth
+across restarts. An update is acknowledged as accepted only after its row is durable here (and
+its body fsynced); a round's commit marks its accepted updates with the version they went into,
+in one transaction: every row with fate 'accepted' has a committed_version, but the open round's.
 
-The ledger is the aggregator's source of truth across restarts: an update is acknowledged as
-accepted only after its row is committed here (and its body fsynced), and a round's commit
-marks all of its accepted updates with the version they went into, in one transaction. So
-"no accepted update is lost" reads: every row with fate 'accepted' has a committed_version,
-except those of the round still open.
-
-WAL journal with synchronous=FULL: a committed transaction survives a process kill and a power
-cut. The connection is shared between threads behind a lock.
+WAL journal, fsynced after every transaction (`ledger_schema.fsync_wal`, what synchronous=FULL
+does), except an accepted update's row, which the service fsyncs outside its lock before it
+answers. Writes share one connection behind a lock; token and worker reads use one per thread.
 """
 
 from __future__ import annotations
@@ -27,9 +25,12 @@ from blocktrain.protocol.ledger_schema import (
     SCHEMA,
     SCHEMA_VERSION,
     TOKEN_SELECT,
+    Readers,
     TokenRow,
     UpdateRow,
     WorkerRow,
+    connect,
+    fsync_wal,
 )
 
 BLOCKS = "SELECT block FROM blocks ORDER BY block"
@@ -42,13 +43,7 @@ class Ledger(RecoveryTables):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
-        self._db = sqlite3.connect(
-            str(self.path), check_same_thread=False, timeout=30.0, isolation_level=None
-        )
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db = connect(self.path, writer=True)
         with self._lock:
             self._db.executescript(SCHEMA)
         with self._tx() as db:
@@ -60,13 +55,15 @@ class Ledger(RecoveryTables):
                 "INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
             )
             self._counts = ledger_counts.load(db)
+        self._readers = Readers(self.path)
 
     def close(self) -> None:
+        self._readers.close()
         with self._lock:
             self._db.close()
 
     @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
+    def _tx(self, sync: bool = True) -> Iterator[sqlite3.Connection]:
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -75,10 +72,15 @@ class Ledger(RecoveryTables):
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
+            if sync:
+                fsync_wal(self.path)
 
     def _query(self, sql: str, args: Iterable[Any] = ()) -> list[sqlite3.Row]:
         with self._lock:
             return list(self._db.execute(sql, tuple(args)))
+
+    def _read(self, sql: str, args: Iterable[Any] = ()) -> list[sqlite3.Row]:
+        return self._readers.query(sql, tuple(args))
 
     # ------------------------------------------------------------------ tokens
 
@@ -96,7 +98,7 @@ class Ledger(RecoveryTables):
             return token_id
 
     def token_by_hash(self, token_hash: str) -> TokenRow | None:
-        rows = self._query(TOKEN_SELECT + " WHERE t.hash = ?", (token_hash,))
+        rows = self._read(TOKEN_SELECT + " WHERE t.hash = ?", (token_hash,))
         return TokenRow.of(rows[0]) if rows else None
 
     def token_by_name(self, name: str) -> TokenRow | None:
@@ -128,7 +130,7 @@ class Ledger(RecoveryTables):
     def worker(self, worker_id: int) -> WorkerRow | None:
         if not 0 <= worker_id < 2**63:  # an id from a request: SQLite cannot even compare it
             return None
-        rows = self._query("SELECT * FROM workers WHERE id = ?", (worker_id,))
+        rows = self._read("SELECT * FROM workers WHERE id = ?", (worker_id,))
         return WorkerRow(**dict(rows[0])) if rows else None
 
     def workers(self, *, active_only: bool = True) -> list[WorkerRow]:
@@ -136,7 +138,7 @@ class Ledger(RecoveryTables):
         return [WorkerRow(**dict(r)) for r in self._query(sql + " ORDER BY id")]
 
     def latest_worker_of(self, token_id: int) -> WorkerRow | None:
-        rows = self._query(
+        rows = self._read(
             "SELECT * FROM workers WHERE token_id = ? AND left_at IS NULL ORDER BY id DESC LIMIT 1",
             (token_id,),
         )
@@ -284,9 +286,10 @@ class Ledger(RecoveryTables):
         counts_in: int | None = None,
         pending: str | None = None,
         seen: float | None = None,
+        sync: bool = True,
     ) -> int:
         with self._lock:  # the in-memory counters change with the committed row
-            with self._tx() as db:
+            with self._tx(sync) as db:
                 cur = db.execute(
                     "INSERT INTO updates (received, token_id, worker_id, block, round, base_version,"
                     " tokens, loss, norm, bytes, fate, reason, detail, weight, counts_in, pending) "

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import sqlite3
+import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 SCHEMA_VERSION = 3
@@ -171,3 +175,58 @@ class UpdateRow:
     counts_in: int | None
     pending: str | None
     committed_version: int | None
+
+
+def connect(path: Path, *, writer: bool) -> sqlite3.Connection:
+    """A connection to the ledger file, shareable between threads (behind a lock): the writer
+    (WAL, fsynced by `fsync_wal` after each transaction; foreign keys) or a reader (query_only)."""
+    db = sqlite3.connect(str(path), check_same_thread=False, timeout=30.0, isolation_level=None)
+    db.row_factory = sqlite3.Row
+    # NORMAL, not FULL: a commit does not fsync the WAL itself; the writer does, through
+    # `fsync_wal`, after each transaction, or (an accepted update's row) the service does
+    # once it has released its lock, so that concurrent pushes share an fsync.
+    pragmas = (
+        ("journal_mode=WAL", "synchronous=NORMAL", "foreign_keys=ON")
+        if writer
+        else ("query_only=ON",)
+    )
+    for pragma in pragmas:
+        db.execute(f"PRAGMA {pragma}")
+    return db
+
+
+def fsync_wal(path: Path) -> None:
+    """Make every transaction committed so far durable: fsync the WAL (what synchronous=FULL
+    does at each commit), or the database when no WAL is left."""
+    wal = path.with_name(path.name + "-wal")
+    fd = os.open(wal if wal.exists() else path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Readers:
+    """Query-only connections to the ledger, one per thread: every request reads its token and
+    worker here, and such reads then wait neither for each other nor for the writer's fsync (in
+    WAL mode a reader sees the last commit at once)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._local = threading.local()
+        self._all: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
+
+    def query(self, sql: str, args: tuple[object, ...]) -> list[sqlite3.Row]:
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = self._local.db = connect(self.path, writer=False)
+            with self._lock:
+                self._all.append(db)
+        return list(db.execute(sql, args))
+
+    def close(self) -> None:
+        with self._lock:
+            for db in self._all:
+                db.close()
+            self._all.clear()

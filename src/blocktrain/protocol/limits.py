@@ -31,6 +31,8 @@ class AccessLimits:
     burst: int = 200
     private_status: bool = False
     """/metrics needs a token too (/v1/status always does)."""
+    public_weights: bool = False
+    """GET /v1/blocks/{b}/versions/{v} needs no token, and CDNs may cache it for everyone."""
     keep_refused: int = 100_000
     """Refused updates kept in the ledger (the oldest are pruned; the counts keep them)."""
     prune_every_s: float = 60.0

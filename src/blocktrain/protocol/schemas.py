@@ -71,6 +71,10 @@ class ConfigOut(Out):
     protocol: dict[str, Any] = Field(description="the aggregator's settings")
     blocks: int
     tensors: dict[str, dict[str, list[int]]] = Field(description="block -> name -> shape")
+    directory: dict[str, Any] = Field(
+        default_factory=dict,
+        description="blocks: block -> the URL of its aggregator; served: the blocks served here",
+    )
 
 
 class BlockStatusOut(Out):

@@ -6,13 +6,15 @@ identity (`auth`), the ledger, durable update bodies, committed versions on disk
 (`traffic`) and a lock. Time comes from the injected `clock` (seconds since the epoch by
 default, so deadlines survive a restart).
 
-An update is handled in four steps:
+An update is handled in five steps:
 
 1. identity: token, rate, worker, its block (`begin_push`; the HTTP guard checked the size);
 2. content: `RoundEngine.check` (safetensors parse, the validator chain), outside the lock;
 3. durability: the body is written to STATE/pending and fsynced, still outside the lock;
 4. timing: under the lock, `RoundEngine.judge`; if accepted, a ledger row, then
-   `RoundEngine.record` and `tick` (which may close the round); else the pending file is removed.
+   `RoundEngine.record` and `tick` (which may close the round); else the pending file is removed;
+5. an accepted row is fsynced after the lock is released (one fsync covers every row committed
+   so far, so concurrent pushes share them), and only then is the push answered.
 
 A refused push gets a ledger row with its reason before the 4xx goes out once its token is
 known and admitted; earlier refusals (token, rate, the HTTP guard's limits) are counted in
@@ -34,7 +36,8 @@ from blocktrain.errors import ProtocolError, Refused
 from blocktrain.protocol import auth
 from blocktrain.protocol.auth import Caller, refused
 from blocktrain.protocol.core import Checked, Committed, EngineBlock
-from blocktrain.protocol.ledger_schema import TokenRow
+from blocktrain.protocol.directory import Directory
+from blocktrain.protocol.ledger_schema import TokenRow, fsync_wal
 from blocktrain.protocol.limits import AccessLimits, RateLimiter
 from blocktrain.protocol.persist import Durable
 from blocktrain.protocol.settings import AggregatorSettings
@@ -60,6 +63,7 @@ class AggregatorService:
         clock: Clock = time.time,
         limits: AccessLimits | None = None,
         rate_clock: Clock = time.monotonic,
+        directory: Directory | None = None,
     ) -> None:
         self.storage = storage
         self.limits = limits or AccessLimits()
@@ -69,6 +73,8 @@ class AggregatorService:
         self.settings = settings if settings is not None else storage.settings()
         self.run_config: dict[str, Any] = dict(manifest["run_config"])
         self.n_blocks = int(manifest["blocks"])
+        self.directory = directory or Directory.build(self.n_blocks)
+        """The blocks served here; the others are refused with where they live."""
         self.clock = clock
         self.ledger = storage.ledger
         self.traffic = Traffic(self.ledger, self.n_blocks)
@@ -96,16 +102,17 @@ class AggregatorService:
         """The token's rate limit (RateLimited, a 429, when it is spent)."""
         self.limiter.admit(token_id)
 
-    def _check_block(self, block: int) -> None:
+    def check_block(self, block: int) -> None:
         if not 0 <= block < self.n_blocks:
             raise refused("unknown_block", f"block {block} is outside 0..{self.n_blocks - 1}")
+        self.directory.check(block)
 
     def _worker_on(self, caller: Caller, block: int) -> int:
         if caller.worker_id is None:
             raise refused(
                 "unknown_worker", "this token has no registered worker; POST /v1/workers first"
             )
-        self._check_block(block)
+        self.check_block(block)
         assigned = self.engine.registry.block_of(caller.worker_id)
         if assigned != block:
             raise refused(
@@ -120,8 +127,10 @@ class AggregatorService:
         self, *, token: TokenRow, block: int | None = None, name: str | None = None
     ) -> dict[str, Any]:
         if block is not None:
-            self._check_block(block)
+            self.check_block(block)
         allowed = auth.allowed_blocks(token, self.n_blocks, block)
+        if len(self.directory.served) < self.n_blocks:
+            allowed = self.directory.allowed(allowed)
         with self.lock:
             now = self.clock()
 
@@ -170,9 +179,9 @@ class AggregatorService:
 
     # ------------------------------------------------------------------ pulls
 
-    def pull(self, *, caller: Caller, block: int) -> PullReply:
-        """The open round's weights in the wire dtype; the first pull starts the round's
-        clock."""
+    def pull(self, *, caller: Caller, block: int, with_body: bool = True) -> PullReply:
+        """The open round's weights in the wire dtype (an empty body unless `with_body`: the
+        caller fetches the version's own URL); the first pull starts the round's clock."""
         worker = self._worker_on(caller, block)
         with self.lock:
             now = self.clock()
@@ -187,7 +196,9 @@ class AggregatorService:
             self.traffic.mark_pull(worker, view.round, now)
             key = (view.version, view.round, view.deadline)
             cached = self._cache.get(block)
-            if cached is None or cached[0] != key:
+            if not with_body:
+                cached = (key, b"")
+            elif cached is None or cached[0] != key:
                 meta = {
                     "block": block,
                     "version": view.version,
@@ -204,7 +215,7 @@ class AggregatorService:
 
     def peek(self, block: int) -> dict[str, Any]:
         """The open round of a block, without side effects (for long polls)."""
-        self._check_block(block)
+        self.check_block(block)
         view = self.blocks[block].rounds.view()
         now = self.clock()
         return {
@@ -272,7 +283,7 @@ class AggregatorService:
             exc.detail,
         )
 
-    def submit(self, ctx: PushContext, body: bytes) -> dict[str, Any]:
+    def submit(self, ctx: PushContext, body: bytes | bytearray) -> dict[str, Any]:
         """Check, store and judge one update; returns the acceptance or raises Refused."""
         checked = self.engine.check(ctx.block, body, ctx.worker_id)
         meta = checked.meta
@@ -308,6 +319,7 @@ class AggregatorService:
                 counts_in=verdict.counts_in,
                 pending=name,
                 seen=now,
+                sync=False,  # fsynced below, outside the lock: concurrent pushes share fsyncs
                 **fields,
             )
             self.durable.pending[ctx.block][update_id] = name
@@ -317,6 +329,7 @@ class AggregatorService:
             if started:  # so that a restart restores the round's deadline
                 self.ledger.round_started(ctx.block, self.blocks[ctx.block].rounds.round, now)
             self.engine.tick(now)
+        fsync_wal(self.ledger.path)  # the row is durable before the answer says accepted
         return {
             "accepted": True,
             "update_id": update_id,
@@ -332,7 +345,7 @@ class AggregatorService:
         checked: Checked,
         reason: str,
         detail: str,
-        body: bytes,
+        body: bytes | bytearray,
         fields: dict[str, Any],
     ) -> None:
         exc = refused(reason, detail)

@@ -180,7 +180,7 @@ class StateDir:
 
     # ------------------------------------------------------------------ pending updates
 
-    def write_pending(self, block: int, body: bytes) -> str:
+    def write_pending(self, block: int, body: bytes | bytearray) -> str:
         """Store an update's body durably; returns its name (relative to the state folder)."""
         name = f"pending/{block}/{uuid.uuid4().hex}.safetensors"
         atomic_write_bytes(self.root / name, body)

@@ -19,6 +19,10 @@ REASONS: dict[str, tuple[int, str]] = {
     "not_your_worker": (403, "the worker id belongs to another token"),
     "not_assigned": (403, "the worker is not assigned to this block"),
     "unknown_block": (404, "no such block"),
+    "wrong_aggregator": (
+        421,
+        "another aggregator of the run serves the block (the detail names it)",
+    ),
     "bad_request": (422, "the request's JSON or parameters do not match the schema"),
     # the body
     "too_large": (413, "the body exceeds the size limit"),
@@ -44,6 +48,10 @@ REASONS: dict[str, tuple[int, str]] = {
     "future_round": (409, "the update names a round that has not opened"),
     "duplicate": (409, "this worker already reported for this round"),
     "done": (410, "the block has finished its rounds"),
+    # committed versions at immutable URLs (docs/protocol.md, Pulls through a cache)
+    "unknown_version": (404, "the block has not reached this version"),
+    "version_gone": (410, "the version was pruned (keep_versions); pull the open round"),
+    "bad_range": (416, "the byte range starts past the end of the body"),
     # limits (never a ledger row: counted in memory, see docs/protocol.md, Limits)
     "slow_client": (408, "the request's body came slower than the minimum rate"),
     "rate_limited": (429, "the token sent more requests than its rate allows; see Retry-After"),

@@ -32,8 +32,9 @@ Tensors = dict[str, torch.Tensor]
 LONG_POLL_S = 5.0
 """How long a worker waits in one long poll for the next round (also bounds how long a
 SIGTERM can take to be noticed while waiting)."""
-RESYNC_REASONS = frozenset({"late", "stale_version", "future_round", "duplicate"})
-"""Refusals after which a worker simply pulls the open round again."""
+RESYNC_REASONS = frozenset({"late", "stale_version", "future_round", "duplicate", "version_gone"})
+"""Refusals after which a worker simply pulls the open round again (version_gone: a round
+closed, and its version was pruned, between the pull and the download)."""
 REREGISTER_REASONS = frozenset({"unknown_worker", "not_assigned", "not_your_worker", "wrong_wire"})
 """Refusals after which a worker registers again (wrong_wire: the aggregator was restarted with
 another `--wire`; registering tells the new one)."""
@@ -108,7 +109,23 @@ class WorkerLoop:
         """Compresses pushes in the announced delta wire, keeping the error-feedback residual."""
         self._config: dict[str, Any] | None = None
 
+    def _locate(self, block: int | None) -> None:
+        """Move to the aggregator that serves `block`, as the directory of the one we talk to
+        says (an aggregator without a directory serves every block)."""
+        if block is None:
+            return
+        try:
+            url = self.client.directory().get("blocks", {}).get(str(block))
+        except Refused as exc:
+            if exc.status != 404:
+                raise
+            return
+        if url and url.rstrip("/") != self.client.base_url:
+            log.info("block %d is served by %s: moving there", block, url)
+            self.client.move_to(url)
+
     def _register(self) -> Registration:
+        self._locate(self.want_block)
         reg = self.client.register(self.want_block, self.name)
         if self._registration is None or reg.block != self._registration.block:
             if self._config is None:
@@ -215,6 +232,9 @@ class WorkerLoop:
             return reg
         if exc.reason in FATAL_REASONS:
             raise exc
+        if exc.reason == "wrong_aggregator":  # the block moved (or the directory changed)
+            self._locate(reg.block if self.want_block is None else self.want_block)
+            return self._register()
         if exc.reason in REREGISTER_REASONS:
             log.info("re-registering after %s", exc.reason)
             return self._register()

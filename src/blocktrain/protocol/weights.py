@@ -1,0 +1,228 @@
+"""Committed versions of a block's weights at immutable URLs, for plain HTTP caches and CDNs.
+
+    GET /v1/blocks/{b}/versions/{v}     version v of block b in the wire dtype (safetensors)
+
+A committed version never changes, so its answer carries `Cache-Control: ..., max-age=31536000,
+immutable` and a strong `ETag` (the SHA-256 of the body); `If-None-Match` is answered 304, and
+one byte range `Range: bytes=...` 206 (`Accept-Ranges: bytes`; 416 `bad_range` when it starts
+past the end; several ranges, or a stale `If-Range`, get the whole body). A version the block has
+not reached is `unknown_version` (404); one pruned by `keep_versions` is `version_gone` (410).
+
+Access. By default the route checks the bearer token like every other, and the answer is
+`private`: a worker's own cache may keep it, a shared cache must not hand it to others, who
+would skip the token check. With `--public-weights` (`AccessLimits.public_weights`) it needs no
+token and is `public`, so that a CDN may cache it once and serve every worker: the weights are
+then as public as the URL.
+
+The round's pull (`GET /v1/blocks/{b}`) still answers with the body, and says where the
+version lives (`X-Weights-Url`); with `?redirect=1` it records the pull as always (the round's
+clock, who pulled) and answers 303 See Other to that URL, with the round's headers, so that the
+bytes come from wherever the URL is cached. The worker's client pulls so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from fastapi import FastAPI, Path, Request
+from fastapi.responses import Response
+
+from blocktrain.errors import ProtocolError, Refused
+from blocktrain.protocol.auth import refused
+from blocktrain.protocol.routing import tag
+from blocktrain.protocol.service import AggregatorService
+from blocktrain.protocol.wire import CONTENT_TYPE, encode
+
+IMMUTABLE = "max-age=31536000, immutable"
+CACHED_VERSIONS = 4
+"""Encoded bodies kept in memory (the versions workers pull are the newest of each block)."""
+_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
+
+
+def version_path(block: int, version: int) -> str:
+    return f"/v1/blocks/{block}/versions/{version}"
+
+
+@dataclass(frozen=True)
+class VersionBody:
+    body: bytes
+    etag: str
+    """A strong entity tag: the body's SHA-256, quoted."""
+
+
+class RangeNotSatisfiable(Refused):
+    """416 `bad_range`, answered with `Content-Range: bytes */SIZE`."""
+
+    def __init__(self, detail: str, size: int) -> None:
+        base = refused("bad_range", detail)
+        super().__init__(base.reason, base.detail, base.status)
+        self.size = size
+
+
+class Versions:
+    """The encoded bodies of committed versions, a few kept in memory."""
+
+    def __init__(self, service: AggregatorService, keep: int = CACHED_VERSIONS) -> None:
+        self.service = service
+        self.keep = keep
+        self._bodies: OrderedDict[tuple[int, int], VersionBody] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, block: int, version: int) -> VersionBody:
+        service = self.service
+        service.check_block(block)
+        with service.lock:  # the published version and its weights, together
+            st = service.blocks[block]
+            current, weights = st.rounds.version, st.weights
+        if version > current:
+            raise refused("unknown_version", f"block {block} is at version {current}")
+        on_disk = service.storage.has_tensors(block, version)
+        if version < current and not on_disk:
+            raise self._gone(block, version)
+        key = (block, version)
+        with self._lock:
+            cached = self._bodies.get(key)
+            if cached is not None:
+                self._bodies.move_to_end(key)
+                return cached
+        if version < current:
+            try:
+                weights = service.storage.load_tensors(block, version)
+            except ProtocolError:  # pruned meanwhile
+                raise self._gone(block, version) from None
+        out = self._encode(block, version, weights)
+        with self._lock:
+            self._bodies[key] = out
+            while len(self._bodies) > self.keep:
+                self._bodies.popitem(last=False)
+        return out
+
+    def _encode(self, block: int, version: int, weights: dict[str, torch.Tensor]) -> VersionBody:
+        settings = self.service.settings
+        meta = {
+            "block": block,
+            "version": version,
+            "dtype": settings.wire_dtype,
+            "local_steps": settings.local_steps,
+        }
+        body = encode(weights, meta, settings.wire_dtype)
+        return VersionBody(body, f'"{hashlib.sha256(body).hexdigest()}"')
+
+    def _gone(self, block: int, version: int) -> Refused:
+        keep = self.service.settings.keep_versions
+        return refused(
+            "version_gone",
+            f"block {block} version {version} was pruned (the aggregator keeps the last {keep} "
+            "and version 0); pull the open round",
+        )
+
+
+def etag_matches(header: str | None, etag: str) -> bool:
+    """If-None-Match: `*`, or a list of entity tags, compared weakly (RFC 9110 13.1.2)."""
+    if header is None:
+        return False
+    tags = [t.strip().removeprefix("W/") for t in header.split(",")]
+    return "*" in tags or etag in tags
+
+
+def byte_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """[start, end) of the one range `bytes=A-B`, `bytes=A-` or `bytes=-N` asks for, clipped
+    to the body; None to send the whole body (no header, or one not served here: several
+    ranges, another unit, bad syntax; RFC 9110 lets a server ignore those). A range that starts
+    past the end raises RangeNotSatisfiable."""
+    if header is None:
+        return None
+    m = _RANGE.fullmatch(header.strip())
+    if m is None or (not m.group(1) and not m.group(2)):
+        return None
+    first, last = m.group(1), m.group(2)
+    if not first:  # a suffix: the last N bytes
+        n = int(last)
+        if n == 0:
+            raise RangeNotSatisfiable("an empty suffix range", size)
+        return max(0, size - n), size
+    start = int(first)
+    end = size if not last else min(size, int(last) + 1)
+    if last and int(last) < start:
+        return None  # invalid: ignored
+    if start >= size:
+        raise RangeNotSatisfiable(f"the range starts at {start}; the body has {size} bytes", size)
+    return start, end
+
+
+def add_routes(
+    app: FastAPI,
+    service: AggregatorService,
+    token: Callable[[str], Any],
+    account: Callable[[Request, int], None],
+    refusals: dict[int | str, dict[str, Any]],
+) -> Versions:
+    """GET /v1/blocks/{b}/versions/{v}, behind `token(endpoint)` (the app's authentication
+    dependency) unless the weights are public; `account(request, bytes_out)` counts bytes."""
+    versions = Versions(service)
+    public = service.limits.public_weights
+    scope = "public" if public else "private"
+
+    def answer(request: Request, block: int, version: int) -> Response:
+        tag(request, "weights", block)
+        found = versions.get(block, version)
+        headers = {
+            "ETag": found.etag,
+            "Cache-Control": f"{scope}, {IMMUTABLE}",
+            "Accept-Ranges": "bytes",
+            "X-Block": str(block),
+            "X-Version": str(version),
+        }
+        if etag_matches(request.headers.get("if-none-match"), found.etag):
+            return Response(status_code=304, headers=headers)
+        size = len(found.body)
+        span = None
+        if request.headers.get("if-range") in (None, found.etag):  # else: it changed, send all
+            span = byte_range(request.headers.get("range"), size)
+        if span is None:
+            account(request, size)
+            return Response(found.body, media_type=CONTENT_TYPE, headers=headers)
+        start, end = span
+        headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
+        account(request, end - start)
+        return Response(
+            found.body[start:end], status_code=206, media_type=CONTENT_TYPE, headers=headers
+        )
+
+    spec: dict[str, Any] = {
+        "responses": {
+            200: {"content": {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}}},
+            206: {"description": "the byte range asked for"},
+            304: {"description": "not modified (If-None-Match)"},
+            **refusals,
+        },
+        "summary": "A committed version's weights at an immutable (cacheable) URL",
+    }
+    if public:
+
+        @app.get("/v1/blocks/{block}/versions/{version}", **spec)
+        def public_version(
+            request: Request, block: int = Path(ge=0), version: int = Path(ge=0)
+        ) -> Response:
+            return answer(request, block, version)
+
+    else:
+        authenticated = token("weights")  # a default: see dashboard.add_routes
+
+        @app.get("/v1/blocks/{block}/versions/{version}", **spec)
+        def private_version(
+            request: Request,
+            block: int = Path(ge=0),
+            version: int = Path(ge=0),
+            _: Any = authenticated,
+        ) -> Response:
+            return answer(request, block, version)
+
+    return versions
