@@ -27,6 +27,7 @@ PRESET-N/. --quality-only skips the speed phase and writes span_frontier_quality
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import subprocess
 import sys
@@ -237,6 +238,15 @@ def main() -> None:
     loaded: dict[str, BlockStack | Reference] = {}
     for i, row in enumerate(rows_spec):
         print(f"[{i + 1}/{len(rows_spec)}] quality {row}", file=sys.stderr)
+        # A row's quality is seeded and deterministic: kept per row, so that an interrupted
+        # run, or a later speed-only pass over a --quality-only run, does not recompute it.
+        same = [row, args.judge_steps, args.prompts, args.sweeps, args.joint_bytes]
+        digest = hashlib.sha256(json.dumps(same, sort_keys=True).encode()).hexdigest()[:16]
+        kept = work / "quality" / f"{row['method']}-k{row['span']}-{digest}.json"
+        if kept.exists():
+            qualities.append(json.loads(kept.read_text()))
+            print(f"  kept: {kept.name}", file=sys.stderr)
+            continue
         if row["run"] not in loaded:
             _, model = load_model(runs[row["run"]])
             assert isinstance(model, BlockStack | Reference)
@@ -251,6 +261,8 @@ def main() -> None:
             draft_bytes=fields.get("draft_bytes", 0),
         )
         qualities.append(quality(model, judge, prompts, windows, gen, args.sweeps, drafter, joints))
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        kept.write_text(json.dumps(qualities[-1]))
     if args.quality_only:
         quality_doc = {
             "preset": args.preset,
