@@ -77,6 +77,11 @@ class SweepHeader(_Header):
     """A verify sweep (model.speculative): the last `drafted` bytes of x are a draft, and z
     holds drafted + 1 tokens, one per position after the context (K = 1 models; the last host
     answers logits (N, drafted + 1, 256)). 0: an ordinary sweep of one span."""
+    session: str | None = Field(default=None, min_length=1, max_length=64)
+    """Names one generation: each host keeps its blocks' clean-stream caches under it and
+    reuses them as far as the next sweep's context repeats the cached bytes. None: no cache."""
+    close: bool = False
+    """The generation's last sweep: the hosts drop its caches afterwards."""
 
     @field_validator("sampler")
     @classmethod
