@@ -181,7 +181,8 @@ class Block(nn.Module):
         rope_z = self.rotary.rotation(clean.positions(layout.z_pos).flatten())
         rope_z = rope_z.view(n, 1, -1, rope_z.shape[-1])
         z_mask = clean.z_mask(layout.mask)
-        x = rope_x = x_mask = None
+        x: torch.Tensor | None = None
+        rope_x = x_mask = torch.empty(0)
         if fresh:
             index = torch.arange(length - fresh, length, device=x_bytes.device)
             x = self.embed(x_bytes[:, length - fresh :])  # (N, fresh, d)
