@@ -140,18 +140,24 @@ class CleanBatch:
         return (index[None, :] - self.pad[:, None]).clamp(min=0)
 
     def clean_mask(self) -> torch.Tensor:
-        """(N, 1, fresh, length) bool: the last `fresh` indices attend causally to the indices
-        holding their row's bytes; a padding query attends to itself only (its output is never
-        read, and a query that may attend to nothing would give NaN)."""
+        """(N, 1, fresh, length) additive: the last `fresh` indices attend causally to the
+        indices holding their row's bytes; a padding query attends to itself only (its output
+        is never read, and a query that may attend to nothing would give NaN)."""
         index = torch.arange(self.length)
         query = index[self.length - self.fresh :]
         causal = index[None, :] <= query[:, None]  # (fresh, length)
         own = index[None, :] == query[:, None]
-        return ((causal[None] & self.valid()[:, None, :]) | own[None])[:, None]
+        return additive(((causal[None] & self.valid()[:, None, :]) | own[None])[:, None])
 
     def z_mask(self, layout_mask: torch.Tensor) -> torch.Tensor:
         """The layout's mask (Lz, length + Lz) with every row's padding keys masked out ->
-        (N, 1, Lz, length + Lz)."""
+        (N, 1, Lz, length + Lz) additive."""
         n, z_len = self.pad.shape[0], layout_mask.shape[0]
         keys = torch.cat((self.valid(), torch.ones(n, z_len, dtype=torch.bool)), dim=1)
-        return (layout_mask[None] & keys[:, None, :])[:, None]
+        return additive((layout_mask[None] & keys[:, None, :])[:, None])
+
+
+def additive(allowed: torch.Tensor) -> torch.Tensor:
+    """A bool mask (True = may attend) as the additive one SDPA adds to the scores (0 or -inf):
+    made once per pass, where SDPA would convert a bool mask in every call of every layer."""
+    return torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))

@@ -107,8 +107,9 @@ class DualStreamLayer(nn.Module):
         follow P cached ones: x (N, L, d), rot (L, hd/2) their rotations (or (N, 1, L, hd/2),
         one row's positions each), past the (k, v) of the cached positions, each (N, H, P, hd),
         or None -> (x (N, L, d), (k, v) each (N, H, P + L, hd), rotated: what the z stream
-        attends to and what a KV cache keeps). `mask` (N, 1, L, P + L) bool, True = may attend,
-        replaces the causal mask (rows padded to one length, model/cached.py)."""
+        attends to and what a KV cache keeps). `mask` (N, 1, L, P + L), bool (True = may
+        attend) or additive, replaces the causal mask (rows padded to one length,
+        model/cached.py)."""
         q, k, v = self._heads(self.ln1(x))  # each (N, H, L, hd)
         q, k = apply_rotary(q, rot), apply_rotary(k, rot)
         if mask is not None:

@@ -123,8 +123,12 @@ class SessionStore:
     # Under the lock:
 
     def _expire(self) -> None:
+        # The least recently used first: the expired ones lead, the first live one ends it.
         now = self.clock()
-        for key in [k for k, s in self._items.items() if now - s.touched > self.ttl_s]:
+        while self._items:
+            key, first = next(iter(self._items.items()))
+            if now - first.touched <= self.ttl_s:
+                break
             self._drop(key)
 
     def _count(self, entry: _Session) -> None:

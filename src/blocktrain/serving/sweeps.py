@@ -185,9 +185,11 @@ def run_sweeps(
                 final_answer(lj, j.header.final, j.gen, j.sampling)
                 for j, lj in zip(jobs, logits.split(rows), strict=True)
             ]
-        if stats is not None:
-            stats.computed += fresh * sum(rows) * len(visited)
-            stats.reused += sum((j.x.shape[1] - fresh) * j.x.shape[0] for j in jobs) * len(visited)
+        if stats is not None:  # a row's own positions (padding is neither)
+            for j in jobs:
+                n, length = j.x.shape
+                stats.computed += min(fresh, length) * n * len(visited)
+                stats.reused += max(0, length - fresh) * n * len(visited)
         if sessions is not None:
             keep(jobs, visited, clean, sessions)
         seconds = time.perf_counter() - t0
