@@ -9,9 +9,11 @@ import asyncio
 import pytest
 import torch
 
+from blocktrain.cli.main import main
 from blocktrain.serving import HostSettings, ModelSource, create_host_app
 from blocktrain.serving.host import BlockHost
 from blocktrain.serving.wire import SweepHeader, decode, encode
+from tests.cli.test_cli import fails_cleanly
 from tests.serving.conftest import Cluster, Runs, in_process, start_cluster
 from tests.serving.test_speculative import DRAFTER
 
@@ -170,3 +172,17 @@ def test_verify_sweeps_reuse_the_accepted_bytes(cluster: Cluster):
     host = cluster.apps.apps[cluster.urls[0]].state.host  # type: ignore[attr-defined]
     # Each later sweep reuses at least the prompt and what was accepted before it.
     assert positions(host)[1] >= 4 * (r.json()["traversals"] - 1), "each later sweep reuses"
+
+
+def test_serve_block_takes_the_cache_flags(capsys, runs):
+    with pytest.raises(SystemExit):
+        main(["serve-block", "--help"])
+    out = capsys.readouterr().out
+    assert "--no-kv-cache" in out and "--max-cache-mb 256" in out, "flags and an example"
+    run = str(runs.blocktrain)
+    for bad in ("0", "-5", "nan"):
+        fails_cleanly(
+            capsys,
+            ["serve-block", run, "--blocks", "0", "--port", "0", "--max-cache-mb", bad],
+            "--max-cache-mb",
+        )

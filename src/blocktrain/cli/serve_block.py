@@ -154,6 +154,8 @@ def run_cmd(args: argparse.Namespace) -> int:
     next_url = check_url(args.next_url, "--next") if args.next_url else None
     if args.threads < 0:
         raise ConfigError(f"--threads {args.threads} must be >= 0")
+    if not args.max_cache_mb > 0:
+        raise ConfigError(f"--max-cache-mb {args.max_cache_mb} must be positive")
     if args.threads:
         torch.set_num_threads(args.threads)
     public = check_url(args.public_url, "--public-url") if args.public_url else None

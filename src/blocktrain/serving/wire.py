@@ -13,6 +13,10 @@ A request body is a safetensors file whose metadata key "blocktrain" holds a JSO
                      h (N, L, d) fp32|fp16 hidden states (to the later stages)
                      generator (S,) uint8  as above
 
+A sweep's header may name its generation (`session`): each host keeps its blocks' clean streams
+under it and reuses them as far as the next sweep's context repeats the cached bytes
+(sessions.py, model/cached.py).
+
 A final answer is a safetensors body too: `logits` (N, K, 256) fp32 for a sweep, (N, 256) for a
 stage step; or `bytes` (N, K) / (N,) uint8 and the advanced `generator` state when the last host
 samples. Logits always travel in fp32 so that sampling gives the same bytes wherever it runs;
