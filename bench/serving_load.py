@@ -376,19 +376,30 @@ def report(doc: dict[str, Any]) -> None:
         + ".",
     ]
     if doc["speedup"] < 4:
-        batched = doc["settings"]["batched"]["cpu_ms_per_traversal"]
+        per = {k: r["cpu_ms_per_traversal"] for k, r in doc["settings"].items()}
+        own = {k: p["router"] + p["hosts"] for k, p in per.items()}
+        compute = 3 * hit32["ms_per_sequence"]
         lines += [
             "",
-            f"The 4x goal is missed. With the cache a batched traversal costs the hosts' "
-            f"compute about {3 * hit32['ms_per_sequence']:.2f} ms per sequence (3 blocks), "
-            f"but the measured CPU per traversal was {batched['router']:.1f} ms in the router "
-            f"and {batched['hosts']:.1f} ms in the three hosts: the per-request work around "
-            "the compute (HTTP in and out of every host and the router, decoding and encoding "
-            "the state, the event loops) is now most of the cost, and batching on the hosts "
-            "does not reduce it, since every sweep is still its own request. What would move "
-            "it: fewer requests per traversal (a chain that forwards host to host with "
-            "`--next` spares the router two of every three), a cheaper router-side HTTP "
-            "client, or sweeps of several generations sent as one request.",
+            f"The 4x goal is missed. Where the time goes: a traversal cost the router and the "
+            f"hosts {own['batched']:.1f} ms of CPU batched and {own['unbatched']:.1f} ms "
+            f"unbatched (both with the cache; {own['unbatched, no cache']:.1f} ms unbatched "
+            f"without it); while the CPU is what bounds the throughput, batching can give "
+            f"about {own['unbatched'] / own['batched']:.2f}x here. Of the batched "
+            f"{own['batched']:.1f} ms, the router took {per['batched']['router']:.1f} ms and "
+            f"the three hosts {per['batched']['hosts']:.1f} ms, of which the blocks' compute "
+            f"is about {compute:.1f} ms (the cached pass above, 3 blocks): the rest, "
+            f"{per['batched']['hosts'] - compute:.1f} ms (about "
+            f"{(per['batched']['hosts'] - compute) / 3:.1f} ms per host), is the hosts' "
+            "per-request work "
+            "(HTTP in and out, decoding, checking and encoding the state, the event loop and "
+            "the hand-off to the compute thread), which a batch does not share, since every "
+            "sweep is still its own request. The cache removed most of the compute that "
+            "batching used to amortise. What would move it: fewer requests per traversal "
+            "(sweeps of several generations sent as one request by the router, or a chain "
+            "that forwards host to host with `--next`, which spares the router's hops), and a "
+            "cheaper HTTP path on both sides; on an accelerator the compute per sequence "
+            "would shrink further, so the same holds there.",
         ]
     update_section("serving-load", "\n".join(lines))
 
