@@ -8,14 +8,20 @@ import os
 import platform
 import re
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from blocktrain.config import RunConfig
 from blocktrain.data import ByteSource
+from blocktrain.protocol.state import create_state
+from blocktrain.protocol.storage import StateDir
+from blocktrain.protocol.tokens import hash_token, new_token
 from blocktrain.training import Trainer
 from blocktrain.training.flops import FlopCount, count_flops
+from blocktrain.training.local import initial_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -102,3 +108,17 @@ def forward_flops(trainer: Trainer, source: ByteSource) -> FlopCount:
 def train_flops_per_step(trainer: Trainer, source: ByteSource) -> int:
     """Training FLOPs of one step of `trainer`: 3 x forward (the backward costs twice it)."""
     return 3 * forward_flops(trainer, source).total
+
+
+def cluster_state(
+    root: Path, cfg: RunConfig, settings: dict[str, Any], workers: int
+) -> tuple[StateDir, list[str], str]:
+    """A new aggregator state folder for `cfg` (version 0: fresh blocks), a bearer token for
+    each of `workers` workers (named worker-I) and one for the bench's own status polls."""
+    state = create_state(root, cfg, settings, initial_blocks(cfg))
+    tokens = [new_token() for _ in range(workers)]
+    for i, token in enumerate(tokens):
+        state.ledger.add_token(f"worker-{i}", hash_token(token), time.time())
+    observer = new_token()
+    state.ledger.add_token("observer", hash_token(observer), time.time())
+    return state, tokens, observer

@@ -17,6 +17,11 @@ and the `span-frontier` section of BENCHMARKS.md.
 
     python bench/span_frontier.py --preset tiny                 # ~40 min on 2 cores, judge included
     python bench/span_frontier.py --preset tiny --report        # rebuild the section from the JSON
+    python bench/span_frontier.py --recipes masked --spans 4,16 --steps 1200 --quality-only
+
+--steps N trains every compared model (not the judge) N steps, in benchmarks/work/span_frontier/
+PRESET-N/. --quality-only skips the speed phase and writes span_frontier_quality.json and the
+`span-frontier-quality` section (--name) instead.
 """
 
 from __future__ import annotations
@@ -32,13 +37,15 @@ from typing import Any
 import httpx
 import torch
 
+from blocktrain.config import preset
 from blocktrain.data import load_split, resolve_data_path
 from blocktrain.data.ngram import NgramDrafter
 from blocktrain.model import BlockStack, Reference
 from blocktrain.training import EvalSettings, evaluate_blocktrain, evaluate_reference, load_model
 from blocktrain.training.generated import GenSettings, evaluate_generation
-from report import ROOT, machine, update_section, write_json  # bench/report.py
+from report import ROOT, machine, write_json  # bench/report.py
 from serving import chain, measure  # bench/serving.py
+from span_report import QUALITY_KEYS, report, report_quality  # bench/span_report.py
 
 BLOCKTRAIN = [sys.executable, "-m", "blocktrain.cli.main"]
 WORK = ROOT / "benchmarks" / "work" / "span_frontier"
@@ -47,7 +54,14 @@ OUT_JSON = "span_frontier.json"
 # default: today's defaults (sigma in [1, 10]). lowsigma: span-research.md R3's first test, a
 # trajectory that crosses the window where the noisy state decides a byte (sigma ~ 0.7 to 0.15),
 # so that more steps per block can couple the bytes of a span.
-RECIPES: dict[str, list[str]] = {"default": [], "lowsigma": ["sigma_min=0.1"]}
+# masked: block-local masked span diffusion (model/masking.py, span-research.md R1), sampled by
+# revealing bytes left to right; its rows run the reveal sampler at --masked-steps.
+RECIPES: dict[str, list[str]] = {
+    "default": [],
+    "lowsigma": ["sigma_min=0.1"],
+    "masked": ["process=masked"],
+    "masked-elbo": ["process=masked", "mask_loss=elbo"],
+}
 
 
 def blocktrain(argv: list[str]) -> None:
@@ -75,7 +89,7 @@ def quality(
     gen: GenSettings,
     sweeps: int,
     drafter: NgramDrafter | None,
-    joints: dict[tuple[int, int, str], float],
+    joints: dict[tuple[int, int, str | None], float],
 ) -> dict[str, Any]:
     """The judged continuations and the joint CE on the test windows. The joint CE depends on
     the model and its sweep only, so `joints` keeps it by (model, S, sampler): a speculative row
@@ -124,10 +138,22 @@ def main() -> None:
     p.add_argument("--speed-bytes", type=int, default=64, help="bytes per timed request")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2, help="torch threads per host process")
+    p.add_argument("--masked-steps", default="1,2,6", help="S values of the masked recipes")
+    p.add_argument("--steps", type=int, default=0, help="training steps (0: the preset's)")
+    p.add_argument("--quality-only", action="store_true", help="skip the speed phase")
+    p.add_argument(
+        "--name",
+        default="span_frontier_quality",
+        help="with --quality-only: the JSON (NAME.json) and BENCHMARKS.md section it writes",
+    )
     p.add_argument("--report", action="store_true", help="only rebuild BENCHMARKS.md")
     args = p.parse_args()
     if args.report:
-        report(json.loads((ROOT / "benchmarks" / "results" / OUT_JSON).read_text()))
+        if args.quality_only:
+            doc = json.loads((ROOT / "benchmarks" / "results" / f"{args.name}.json").read_text())
+            report_quality(doc, args.name)
+        else:
+            report(json.loads((ROOT / "benchmarks" / "results" / OUT_JSON).read_text()))
         return
     unknown = set(args.recipes.split(",")) - set(RECIPES)
     if unknown:
@@ -137,18 +163,23 @@ def main() -> None:
     spans, steps, hops = ints(args.spans), ints(args.steps_per_block), ints(args.hops)
     samplers = args.samplers.split(",")
 
-    work = WORK / args.preset
+    work = WORK / (f"{args.preset}-{args.steps}" if args.steps else args.preset)
+    base = preset(args.preset).model
+    train_args = ["--preset", args.preset, *(["--steps", str(args.steps)] if args.steps else [])]
     judge_dir = trained(
         WORK / f"judge-{args.judge_steps}",
         ["--preset", "judge", "--reference", "--steps", str(args.judge_steps)],
     )
-    runs = {"ar": trained(work / "ref", ["--preset", args.preset, "--reference"])}
+    runs = {"ar": trained(work / "ref", [*train_args, "--reference"])}
     span_runs: dict[str, tuple[int, str]] = {}  # run name -> (K, recipe)
     for recipe in args.recipes.split(","):
         for k in spans if recipe == "default" else [k for k in spans if k > 1]:
+            if k >= base.seq_len or (recipe.startswith("masked") and k < base.blocks):
+                print(f"skipping K = {k} ({recipe}): does not fit the preset", file=sys.stderr)
+                continue
             name = f"k{k}" if recipe == "default" else f"k{k}-{recipe}"
             sets = [f"span={k}", *RECIPES[recipe]]
-            runs[name] = trained(work / name, ["--preset", args.preset, "--set", *sets])
+            runs[name] = trained(work / name, [*train_args, "--set", *sets])
             span_runs[name] = (k, recipe)
 
     _, judge = load_model(judge_dir)
@@ -163,8 +194,10 @@ def main() -> None:
     ]
     for name, (k, recipe) in span_runs.items():
         prefix = "blocktrain" if recipe == "default" else f"blocktrain-{recipe}"
-        for sampler in samplers:
-            for s in [1] if k == 1 else steps:  # at K = 1 more steps change nothing in [1, 10]
+        masked = recipe.startswith("masked")
+        for sampler in ["reveal"] if masked else samplers:
+            # At K = 1 more steps change nothing in [1, 10].
+            for s in ints(args.masked_steps) if masked else [1] if k == 1 else steps:
                 rows_spec.append(
                     {
                         "method": f"{prefix}-{sampler}",
@@ -200,7 +233,7 @@ def main() -> None:
     )
 
     qualities: list[dict[str, Any]] = []
-    joints: dict[tuple[int, int, str], float] = {}
+    joints: dict[tuple[int, int, str | None], float] = {}
     loaded: dict[str, BlockStack | Reference] = {}
     for i, row in enumerate(rows_spec):
         print(f"[{i + 1}/{len(rows_spec)}] quality {row}", file=sys.stderr)
@@ -214,10 +247,35 @@ def main() -> None:
         gen = GenSettings(
             prompts=args.prompts,
             steps_per_block=fields.get("steps_per_block", 1),
-            sampler=fields.get("sampler", "euler"),
+            sampler=fields.get("sampler"),
             draft_bytes=fields.get("draft_bytes", 0),
         )
         qualities.append(quality(model, judge, prompts, windows, gen, args.sweeps, drafter, joints))
+    if args.quality_only:
+        quality_doc = {
+            "preset": args.preset,
+            "steps": args.steps or preset(args.preset).train.steps,
+            "judge": {"run": str(judge_dir.relative_to(ROOT)), "steps": args.judge_steps},
+            "prompts": args.prompts,
+            "sweeps": args.sweeps,
+            "joint_bytes": args.joint_bytes,
+            "command_args": "".join(f" {a}" for a in sys.argv[1:]),
+            "machine": machine(),
+            "rows": [
+                {
+                    "method": row["method"],
+                    "span": row["span"],
+                    "steps_per_block": row["steps_per_block"],
+                    "draft_bytes": row["fields"].get("draft_bytes", 0),
+                    **{key: q[key] for key in QUALITY_KEYS},
+                    "sample": q["samples"][0]["generated"],
+                }
+                for row, q in zip(rows_spec, qualities, strict=True)
+            ],
+        }
+        write_json(f"{args.name}.json", quality_doc)
+        report_quality(quality_doc, args.name)
+        return
 
     rows: list[dict[str, Any]] = []
     models = {name: runs[name] for name in sorted({row["run"] for row in rows_spec})}
@@ -269,76 +327,6 @@ def main() -> None:
     }
     write_json(OUT_JSON, doc)
     report(doc)
-
-
-def against_the_goal(rows: list[dict[str, Any]]) -> list[str]:
-    """Issue 11's goal (>= 4x the plain AR pipeline's bytes/s at 10 ms hops with gen_ce within
-    0.10 of the AR pipeline's own samples) and bar (a K >= 4 point at >= 2x within 0.30), read
-    off the rows: the fastest row that keeps each quality margin, at each hop."""
-    out = ["Read against issue 11's goal and bar (gen_ce margin over the plain AR pipeline's):", ""]
-    for hop in sorted({r["hop_ms"] for r in rows}):
-        at = [r for r in rows if r["hop_ms"] == hop and not r["method"].startswith("ar")]
-        ar = next(r for r in rows if r["hop_ms"] == hop and r["method"] == "ar")
-        for margin, min_span in ((0.10, 1), (0.30, 4)):
-            ok = [r for r in at if r["gen_ce"] <= ar["gen_ce"] + margin and r["span"] >= min_span]
-            what = f"within {margin:.2f}" + (f", K >= {min_span}" if min_span > 1 else "")
-            if not ok:
-                out.append(f"- {hop} ms hops, {what}: no BlockTrain row")
-                continue
-            best = max(ok, key=lambda r: r["ratio_to_ar"])
-            out.append(
-                f"- {hop} ms hops, {what}: best {best['method']} K = {best['span']} "
-                f"S = {best['steps_per_block']} D = {best['draft_bytes'] or '-'}, "
-                f"{best['ratio_to_ar']:.2f}x the AR pipeline (gen_ce {best['gen_ce']:.3f} "
-                f"against {ar['gen_ce']:.3f})"
-            )
-    return out
-
-
-def report(doc: dict[str, Any]) -> None:
-    rows = doc["rows"]
-    hops = sorted({r["hop_ms"] for r in rows})
-    by_key: dict[tuple[str, int, int, int], dict[int, dict[str, Any]]] = {}
-    for r in rows:
-        key = (r["method"], r["span"], r["steps_per_block"], r["draft_bytes"])
-        by_key.setdefault(key, {})[r["hop_ms"]] = r
-    first = rows[0]
-    lines = [
-        "## Span generation: speed and quality",
-        "",
-        f"`python bench/span_frontier.py --preset {doc['preset']}`; JSON: "
-        "`benchmarks/results/span_frontier.json`. Preset "
-        f"`{doc['preset']}`; judge: preset `judge` (T = 256, seed 1), {doc['judge']['steps']} "
-        f"steps. {doc['prompts']} test prompts of {doc['prompt_bytes']} bytes, "
-        f"{doc['continuation_bytes']} bytes generated each at temperature {doc['temperature']}. "
-        f"The judge's CE on the real continuations (the floor): **{first['floor_ce']:.3f}**; "
-        f"their byte entropy {first['real_entropy']:.3f}. joint_ce: M = {doc['sweeps']} sweeps "
-        f"on {doc['joint_bytes']} test bytes (the AR row: its exact CE). Speed: one request of "
-        f"{doc['speed_bytes']} bytes through 3 host processes and a router on loopback, the hop "
-        "latency emulated; ratio = bytes/s over the plain AR pipeline's at the same hop. "
-        f"Machine: {doc['machine'].get('cpu', '?')}.",
-        "",
-        "| method | K | S | D | gen_ce (± s.e.) | entropy | joint_ce | "
-        + " | ".join(f"bytes/s at {h} ms (x AR)" for h in hops)
-        + " |",
-        "|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(hops),
-    ]
-    for (method, k, s, d), per_hop in by_key.items():
-        r = next(iter(per_hop.values()))
-        speed = " | ".join(
-            f"{per_hop[h]['bytes_per_s']:.1f} ({per_hop[h]['ratio_to_ar']:.2f})" for h in hops
-        )
-        lines.append(
-            f"| {method} | {k} | {s or '-'} | {d or '-'} | {r['gen_ce']:.3f} ± {r['gen_ce_sem']:.3f} | "
-            f"{r['entropy']:.3f} | {r['joint_ce']:.3f} | {speed} |"
-        )
-    lines += ["", *against_the_goal(rows)]
-    lines += ["", "A continuation of the first prompt, per row (hop 0):", ""]
-    for (method, k, s, d), per_hop in by_key.items():
-        sample = next(iter(per_hop.values()))["sample"]
-        text = json.dumps(sample)[1:-1][:120].replace("`", "'")
-        lines.append(f"- {method} K = {k} S = {s or '-'} D = {d or '-'}: `{text}`")
-    update_section("span-frontier", "\n".join(lines))
 
 
 if __name__ == "__main__":

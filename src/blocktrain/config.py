@@ -18,6 +18,7 @@ from typing import Any, Union
 from blocktrain.errors import ConfigError
 
 VOCAB_SIZE = 256  # byte values; the vocabulary is fixed
+PROCESSES = ("gaussian", "masked")
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,10 @@ class ModelConfig:
     """adaLN gates act as (1 + gate), so residual branches start open instead of shut."""
     aux_weight: float = 1.0
     """Weight of the block-local next-byte loss on the clean stream (0 turns it off)."""
+    process: str = "gaussian"
+    """The span's corruption: gaussian (z = E[y] + sigma * eps) or masked (docs/model.md)."""
+    mask_loss: str = "mean"
+    """A masked run's loss: the masked bytes' mean CE, or MD4's elbo (measured worse)."""
 
     def __post_init__(self) -> None:
         _check(self.d_model > 0, "d_model", self.d_model, "must be positive")
@@ -120,6 +125,11 @@ class ModelConfig:
         )
         _check(0 <= self.overlap < 1, "overlap", self.overlap, "must lie in [0, 1)")
         _check(self.aux_weight >= 0, "aux_weight", self.aux_weight, "must be >= 0")
+        for name, ok in (("process", PROCESSES), ("mask_loss", ("mean", "elbo"))):
+            value = getattr(self, name)
+            _check(value in ok, name, value, f"must be one of {', '.join(ok)}")
+        why = f"must be >= blocks = {self.blocks} with process=masked (each block reveals bytes)"
+        _check(self.process != "masked" or self.span >= self.blocks, "span", self.span, why)
 
     @property
     def layers_per_block(self) -> int:

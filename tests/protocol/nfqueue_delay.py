@@ -2,17 +2,22 @@
 on kernels built without sch_netem (the netns test falls back to it). Run it inside the network
 namespace whose iptables rules send packets to the queue:
 
-    ip netns exec NS python nfqueue_delay.py --queue 7 --delay-ms 20
+    ip netns exec NS python nfqueue_delay.py --queue 7 --delay-ms 20 [--jitter-ms 10]
 
 It speaks the nfnetlink_queue protocol over a raw netlink socket (no library needed): it binds
 the queue in metadata-only copy mode, and answers each packet's verdict (accept) `delay` after
-it arrived, in arrival order. Standard library only, so it starts fast and imports no torch.
+it arrived, in arrival order. With a jitter each packet's delay is drawn uniformly from
+delay +- jitter, but no packet overtakes an earlier one (it waits for it instead): jitter
+without reordering, which TCP would otherwise read as loss. Within a burst the delays therefore
+climb toward delay + jitter (never past it); sparse packets see the whole range. Standard library only, so it starts
+fast and imports no torch.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import random
 import select
 import signal
 import socket
@@ -76,12 +81,26 @@ def packet_ids(data: bytes) -> list[int]:
     return ids
 
 
+def release_at(
+    now: float, delay: float, jitter: float, previous: float, rng: random.Random
+) -> float:
+    """When a packet that arrived `now` is let through: delay +- jitter later, but not before
+    the packet ahead of it (released at `previous`): no overtaking."""
+    at = now + delay + (rng.uniform(-jitter, jitter) if jitter else 0.0)
+    return max(at, previous)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--queue", type=int, required=True)
     p.add_argument("--delay-ms", type=float, required=True)
+    p.add_argument("--jitter-ms", type=float, default=0.0, help="uniform, +- around the delay")
+    p.add_argument("--seed", type=int, default=0, help="seeds the jitter")
     args = p.parse_args()
-    delay = args.delay_ms / 1000.0
+    if not 0 <= args.jitter_ms <= args.delay_ms:
+        p.error("--jitter-ms must be between 0 and --delay-ms")
+    delay, jitter = args.delay_ms / 1000.0, args.jitter_ms / 1000.0
+    rng = random.Random(args.seed)
     sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
     sock.bind((0, 0))
@@ -118,7 +137,8 @@ def main() -> int:
             except OSError:  # ENOBUFS: the kernel dropped messages; keep going
                 continue
             now = time.monotonic()
-            due.extend((now + delay, pid) for pid in packet_ids(data))
+            for pid in packet_ids(data):
+                due.append((release_at(now, delay, jitter, due[-1][0] if due else 0.0, rng), pid))
         now = time.monotonic()
         while due and due[0][0] <= now:
             _, pid = due.popleft()

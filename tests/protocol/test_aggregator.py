@@ -408,6 +408,37 @@ def test_restart_resumes_the_open_round_with_its_accepted_updates(harness):
     h2.state.close()
 
 
+def test_restart_before_the_pull_marks_are_written_still_expects_every_worker(harness):
+    """A crash before the ticker writes the batched pull marks loses them; the restored round
+    must still wait for the other replica instead of closing on the first report."""
+    h = harness
+    a, b = two_on_block0(h)
+    assert h.push(h.alice, a, 0, delta_body(0, scale=0.03)).status_code == 200
+    h2 = h.reopen()  # no tick: the pulls of round 0 never reached the ledger
+    st = h2.service.blocks[0].rounds
+    assert st.expected() == {a, b}
+    h2.service.tick()
+    assert st.round == 0, "the round waits for bob"
+    assert h2.push(h2.bob, b, 0, delta_body(0, scale=0.01)).status_code == 200
+    assert st.round == 1
+    assert all(u.committed_version == 1 for u in h2.state.ledger.updates(fate="accepted"))
+    h2.state.close()
+
+
+def test_status_says_why_the_rule_refused_to_aggregate(tmp_path):
+    """A round whose rule refuses to aggregate (trimmed mean tolerating one attacker, two votes)
+    commits no change; /v1/status and the ledger say why."""
+    from dataclasses import replace
+
+    h = make_harness(tmp_path / "s", replace(SETTINGS, rule="trimmed_mean", tolerate=1))
+    a, b = two_on_block0(h)
+    for tok, w in ((h.alice, a), (h.bob, b)):
+        assert h.push(tok, w, 0, delta_body(0)).status_code == 200
+    (row,) = h.client.get("/v1/status", headers=auth(h.alice)).json()["participation"]["0"]
+    assert "needs more than 2 votes; 2 came" in row["held"]
+    h.state.close()
+
+
 def test_restart_after_the_deadline_closes_the_round_at_once(harness):
     h = harness
     a, _ = two_on_block0(h)

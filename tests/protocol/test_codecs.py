@@ -288,8 +288,9 @@ def test_a_restarted_aggregator_decodes_its_pending_compressed_bodies(tmp_path):
     r = h.push(h.alice, a, 0, body)
     assert r.status_code == 200, r.text
     assert h.service.blocks[0].rounds.version == 0, "the round waits for bob"
-    h2 = h.reopen()  # killed with alice's body pending: the restart commits it
+    h2 = h.reopen()  # killed with alice's body pending: the deadline commits it
     try:
+        h2.clock.advance(SETTINGS.deadline_s + 1)
         h2.service.tick()
         assert h2.service.blocks[0].rounds.version == 1
         for k, w in h2.weights(0).items():

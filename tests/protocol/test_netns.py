@@ -60,6 +60,10 @@ class Net:
     host_ips: list[str]
     impairment: str = ""
     helpers: list[subprocess.Popen] = dataclasses.field(default_factory=list)
+    delay_ms: float = DELAY_MS
+    """One-way delay each namespace adds to its outgoing packets (mean, with jitter_ms)."""
+    jitter_ms: float = 0.0
+    loss: float = LOSS
 
     def exec_prefix(self, ns: str) -> list[str]:
         return ["ip", "netns", "exec", ns]
@@ -90,9 +94,17 @@ def delay_rule(queue: int) -> list[str]:
     return ["OUTPUT", "!", "-o", "lo", "-j", "NFQUEUE", "--queue-num", str(queue), "--queue-bypass"]
 
 
-def build_net(impaired: bool = True) -> Net:
-    """The namespaces and links, impaired (delay and loss) unless `impaired` is False
-    (bench/chaos.py toggles its own impairments)."""
+def build_net(
+    impaired: bool = True,
+    *,
+    hosts: int = 2,
+    delay_ms: float = DELAY_MS,
+    jitter_ms: float = 0.0,
+    loss: float = LOSS,
+) -> Net:
+    """The aggregator's namespace and `hosts` worker hosts, impaired (delay +- jitter and loss
+    on every namespace's egress) unless `impaired` is False (bench/chaos.py toggles its own
+    impairments). bench/wan_run.py asks for 3 hosts and a WAN's delay."""
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root")
     if not shutil.which("ip"):
@@ -101,9 +113,12 @@ def build_net(impaired: bool = True) -> Net:
     net = Net(
         tag,
         f"{tag}a",
-        [f"{tag}h1", f"{tag}h2"],
+        [f"{tag}h{i + 1}" for i in range(hosts)],
         SUBNET.format(0, 1),
-        [SUBNET.format(0, 2), SUBNET.format(0, 3)],
+        [SUBNET.format(0, 2 + i) for i in range(hosts)],
+        delay_ms=delay_ms,
+        jitter_ms=jitter_ms,
+        loss=loss,
     )
     probe = sh("ip", "netns", "add", net.agg, check=False)
     if probe.returncode != 0:
@@ -148,54 +163,29 @@ def impair(net: Net) -> None:
     links = [(net.agg, f"va{i}") for i in range(len(net.hosts))] + [
         (ns, f"vh{i}") for i, ns in enumerate(net.hosts)
     ]
-    netem = (
-        [
-            sh(
-                "tc",
-                "-n",
-                ns,
-                "qdisc",
-                "add",
-                "dev",
-                dev,
-                "root",
-                "netem",
-                "delay",
-                f"{DELAY_MS}ms",
-                "loss",
-                f"{LOSS * 100:g}%",
-                check=False,
-            )
-            for ns, dev in links[:1]
-        ]
-        if shutil.which("tc")
-        else []
-    )
-    if netem and netem[0].returncode == 0:
+    jitter = f" +- {net.jitter_ms:g}ms" if net.jitter_ms else ""
+    netem_args = ["delay", f"{net.delay_ms:g}ms"]
+    netem_args += [f"{net.jitter_ms:g}ms"] if net.jitter_ms else []
+    netem_args += ["loss", f"{net.loss * 100:g}%"]
+
+    def netem(ns: str, dev: str, check: bool) -> subprocess.CompletedProcess:
+        return sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "netem", *netem_args,
+                  check=check)  # fmt: skip
+
+    first = netem(*links[0], check=False) if shutil.which("tc") else None
+    if first is not None and first.returncode == 0:
         for ns, dev in links[1:]:
-            sh(
-                "tc",
-                "-n",
-                ns,
-                "qdisc",
-                "add",
-                "dev",
-                dev,
-                "root",
-                "netem",
-                "delay",
-                f"{DELAY_MS}ms",
-                "loss",
-                f"{LOSS * 100:g}%",
-            )
-        net.impairment = f"tc netem delay {DELAY_MS}ms loss {LOSS:.0%} on every veth"
+            netem(ns, dev, check=True)
+        net.impairment = (
+            f"tc netem delay {net.delay_ms:g}ms{jitter} loss {net.loss:.0%} on every veth"
+        )
         return
     ipt = iptables()
     if ipt is None:
         pytest.skip("no netem in this kernel and no iptables for the netfilter fallback")
     for q, ns in enumerate([net.agg, *net.hosts]):
-        # egress of each namespace: drop 1%, queue the rest for the delay program
-        rules = [["-A", *loss_rule(LOSS)], ["-A", *delay_rule(10 + q)]]
+        # egress of each namespace: drop a share, queue the rest for the delay program
+        rules = [["-A", *loss_rule(net.loss)], ["-A", *delay_rule(10 + q)]]
         for rule in rules:
             done = sh("ip", "netns", "exec", ns, ipt, *rule, check=False)
             if done.returncode != 0:
@@ -211,7 +201,11 @@ def impair(net: Net) -> None:
                 "--queue",
                 str(10 + q),
                 "--delay-ms",
-                str(DELAY_MS),
+                str(net.delay_ms),
+                "--jitter-ms",
+                str(net.jitter_ms),
+                "--seed",
+                str(q),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -223,7 +217,7 @@ def impair(net: Net) -> None:
             err = helper.stderr.read() if helper.stderr else ""
             pytest.skip(f"NFQUEUE delay unavailable: {err.strip()[:200]}")
     net.impairment = (
-        f"netfilter: statistic drop {LOSS:.0%} + NFQUEUE delay {DELAY_MS}ms on "
+        f"netfilter: statistic drop {net.loss:.0%} + NFQUEUE delay {net.delay_ms:g}ms{jitter} on "
         "each namespace's egress (no sch_netem in this kernel)"
     )
 

@@ -146,6 +146,12 @@ def test_a_ledger_of_the_first_schema_gains_the_new_columns(tmp_path):
         "CREATE TABLE tokens (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE,"
         " hash TEXT NOT NULL UNIQUE, created REAL NOT NULL, revoked REAL);"
         "INSERT INTO tokens VALUES (1, 'alice', 'h', 5.0, NULL);"
+        "CREATE TABLE rounds (block INTEGER NOT NULL, round INTEGER NOT NULL,"
+        " base_version INTEGER NOT NULL, new_version INTEGER NOT NULL, started_at REAL,"
+        " deadline REAL, closed_at REAL NOT NULL, cause TEXT NOT NULL,"
+        " accepted INTEGER NOT NULL, refused INTEGER NOT NULL, expected INTEGER NOT NULL,"
+        " reported INTEGER NOT NULL, tokens INTEGER NOT NULL, PRIMARY KEY (block, round));"
+        "INSERT INTO rounds VALUES (0, 0, 0, 1, 1.0, 2.0, 2.0, 'deadline', 1, 0, 1, 1, 9);"
     )
     db.commit()
     db.close()
@@ -156,9 +162,15 @@ def test_a_ledger_of_the_first_schema_gains_the_new_columns(tmp_path):
     row = ledger.token_by_name("alice")
     assert row is not None and (row.revoked, row.banned, row.ban_reason) == (6.0, 6.0, "spam")
     assert ledger.shut_out_tokens() == {1: "banned_token"}
+    ledger.commit_round(
+        block=0, round=1, base_version=1, new_version=2, started_at=3.0, deadline=4.0,
+        closed_at=4.0, cause="quorum", refused=0, expected=2, reported=2, update_ids=[],
+        held="median needs more votes",
+    )  # fmt: skip
+    assert [r["held"] for r in ledger.rounds(0)] == [None, "median needs more votes"]
     ledger.close()
     with sqlite3.connect(path) as db:
-        assert db.execute("SELECT value FROM meta").fetchone() == ("2",)
+        assert db.execute("SELECT value FROM meta").fetchone() == ("3",)
 
 
 def test_a_silent_worker_cannot_make_every_round_wait_for_the_deadline(tmp_path):

@@ -15,8 +15,14 @@ from tqdm import tqdm
 
 from blocktrain.config import PRESETS, RunConfig, apply_overrides, preset
 from blocktrain.errors import ConfigError
-from blocktrain.model.sampler import DEFAULT_SAMPLER, DEFAULT_STEPS_PER_BLOCK, SAMPLERS
+from blocktrain.model.sampler import (
+    DEFAULT_SAMPLER,
+    DEFAULT_STEPS_PER_BLOCK,
+    SAMPLERS,
+    sampler_for,
+)
 from blocktrain.protocol.settings import AggregatorSettings, declared, default_text
+from blocktrain.training.checkpoint import RunInfo
 
 TOKEN_ENV = "BLOCKTRAIN_TOKEN"
 """Where `worker` and `status` read the bearer token when neither --token-file nor --token is
@@ -185,6 +191,17 @@ def print_json(obj: Any) -> None:
     sys.stdout.write("\n")
 
 
+def check_model_sampler(method: str | None, info: RunInfo) -> str | None:
+    """The sampler a run takes for --sampler `method` (None: its default); a ConfigError (exit 2)
+    for one that does not fit the run's process. None for a reference (no sampler)."""
+    if info.kind != "blocktrain":
+        return method
+    try:
+        return sampler_for(method, info.config.model.process)
+    except ValueError as exc:
+        raise ConfigError(f"{exc}") from None
+
+
 class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """Keep the examples' line breaks and show defaults."""
 
@@ -200,6 +217,7 @@ def add_sampler_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--sampler",
-        default=DEFAULT_SAMPLER,
-        help=f"the sampler's step between grid points: {', '.join(SAMPLERS)}",
+        default=None,
+        help=f"the sampler's step between grid points: {', '.join(SAMPLERS)} (default: "
+        f"{DEFAULT_SAMPLER} for Gaussian models, reveal for masked ones, --set process=masked)",
     )

@@ -11,6 +11,7 @@ from blocktrain.cli.common import (
     add_data_arg,
     add_progress_arg,
     add_sampler_args,
+    check_model_sampler,
     print_json,
     progress_bar,
 )
@@ -25,6 +26,7 @@ EXAMPLES = """examples:
   blocktrain eval runs/tiny --split test --json      # JSON: sampler_ce, from_noise_ce, ...
   blocktrain eval runs/tiny --against runs/ref       # the reference on the same bytes
   blocktrain eval runs/span16 --judge runs/judge     # + continuations of 64 test prompts, judged
+  blocktrain eval runs/masked --steps-per-block 2    # a masked run: exact joint CE, reveal
 """
 
 
@@ -85,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     info, model = load_model(Path(args.run_dir))
+    check_model_sampler(args.sampler, info)
     ref = None
     if args.against:
         ref_info, ref = load_model(Path(args.against))
@@ -147,7 +150,12 @@ def _print_table(r: dict[str, Any]) -> None:
             f"perplexity {r['perplexity']:.3f})"
         )
     else:
-        if r["span"] == 1:
+        if r.get("process") == "masked":
+            print(
+                f"  joint CE      {r['joint_ce']:.4f} nats/byte  (exact: the reveal sampler's own "
+                f"probability of each span of K = {r['span']})"
+            )
+        elif r["span"] == 1:
             print(
                 f"  sampler CE    {r['sampler_ce']:.4f} nats/byte  ({r['bits_per_byte']:.4f} "
                 f"bits/byte, perplexity {r['perplexity']:.3f}; M = {r['sweeps']} sweeps)"
@@ -158,12 +166,14 @@ def _print_table(r: dict[str, Any]) -> None:
                 f" M = {r['sweeps']} sweeps)"
             )
             print(f"  marginal CE   {r['sampler_ce']:.4f}  (per byte; a diagnostic only at K > 1)")
-        print(f"  from-noise CE {r['from_noise_ce']:.4f}  (one sweep)")
+        if r.get("process") != "masked":
+            print(f"  from-noise CE {r['from_noise_ce']:.4f}  (one sweep)")
         print(f"  CE per step   {', '.join(f'{v:.3f}' for v in r['ce_per_step'])}")
-        print(
-            f"  oracle CE     {r['oracle_ce']:.4f}  (per block "
-            f"{', '.join(f'{v:.3f}' for v in r['oracle_ce_per_block'])})"
-        )
+        if r["oracle_ce"] is not None:
+            print(
+                f"  oracle CE     {r['oracle_ce']:.4f}  (per block "
+                f"{', '.join(f'{v:.3f}' for v in r['oracle_ce_per_block'])})"
+            )
     if "generated" in r:
         g = r["generated"]
         print(

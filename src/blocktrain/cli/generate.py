@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from blocktrain.cli.common import Formatter, add_sampler_args
+from blocktrain.cli.common import Formatter, add_sampler_args, check_model_sampler
 from blocktrain.errors import CheckpointError, ConfigError
 from blocktrain.model import (
     BlockStack,
@@ -19,9 +19,7 @@ from blocktrain.model import (
     generate_autoregressive,
     stack_denoiser,
 )
-from blocktrain.model.sampler import (
-    check_sampler,
-)
+from blocktrain.model.sampler import DEFAULT_SAMPLER, check_sampler
 from blocktrain.training import load_model
 
 EXAMPLES = """examples:
@@ -29,6 +27,7 @@ EXAMPLES = """examples:
   blocktrain generate runs/tiny --prompt "The " --temperature 0       # greedy
   blocktrain generate runs/tiny --prompt "The " --top-p 0.9 --seed 3
   blocktrain generate runs/tiny --prompt "The " --sampler ancestral --steps-per-block 4
+  blocktrain generate runs/masked --prompt "The " --steps-per-block 2   # a masked run: reveal
 """
 
 
@@ -66,11 +65,13 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--steps-per-block must be positive")
     try:
         sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-        check_sampler(args.sampler)
+        if args.sampler is not None:
+            check_sampler(args.sampler)
     except ValueError as exc:
         raise ConfigError(f"{exc}") from None
     info, model = load_model(Path(args.run_dir))
     cfg = info.config.model
+    method = check_model_sampler(args.sampler, info)
     x = torch.tensor([list(prompt)], dtype=torch.long)
     gen = torch.Generator().manual_seed(args.seed)
     if isinstance(model, Reference):
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
             max_context=cfg.seq_len - cfg.span,
             sampling=sampling,
             generator=gen,
-            method=args.sampler,
+            method=method or DEFAULT_SAMPLER,
         )
     data = bytes(out[0].tolist())
     text = (b"" if args.continuation_only else prompt) + data

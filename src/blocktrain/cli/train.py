@@ -20,6 +20,7 @@ from blocktrain.training import Trainer, read_config
 EXAMPLES = """examples:
   blocktrain train --preset tiny --out runs/tiny            # all blocks, about a minute on CPU
   blocktrain train --preset small --set span=4 lr=1e-3      # override config fields
+  blocktrain train --preset tiny --set span=4 process=masked # masked spans (docs/model.md)
   blocktrain train --preset tiny --block 1 --out runs/b1    # one block, as a worker would
   blocktrain train --preset tiny --reference --out runs/ref # the end-to-end reference
   blocktrain train --resume --out runs/tiny --steps 600     # continue a run (to 600 steps)

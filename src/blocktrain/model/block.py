@@ -20,6 +20,7 @@ from torch import nn
 
 from blocktrain.config import VOCAB_SIZE, ModelConfig
 from blocktrain.model.layers import DualStreamLayer, Rotary, modulate, sinusoidal_features
+from blocktrain.model.masking import read_state
 from blocktrain.model.sigma import EDMScalings, edm_scalings
 
 if TYPE_CHECKING:  # model/cached.py imports the pipeline, which imports the sampler and this
@@ -216,11 +217,34 @@ class Block(nn.Module):
         return h
 
 
+class MaskedBlock(Block):
+    """The block of a masked run (`process = masked`, model/masking.py): a revealed byte enters
+    the z stream as the block's own byte embedding, a masked one as a learned [MASK] vector,
+    instead of the projected state (which carries nothing but the byte). The state still
+    travels as z = E[y] or 0, which determines y exactly."""
+
+    table: torch.Tensor  # (256, d) E, to read the revealed bytes off z; derived, not saved
+
+    def __init__(self, cfg: ModelConfig, targets: torch.Tensor) -> None:
+        super().__init__(cfg)
+        self.mask_token = nn.Parameter(torch.zeros(cfg.d_model))
+        self.register_buffer("table", targets.clone(), persistent=False)
+
+    def z_tokens(
+        self, x_bytes: torch.Tensor, z: torch.Tensor, c_in: torch.Tensor, layout: ZLayout
+    ) -> torch.Tensor:
+        base = super().z_tokens(x_bytes, torch.zeros_like(z), c_in, layout)  # + the prev byte
+        revealed, y = read_state(z, self.table)  # (N, Lz)
+        return base + torch.where(revealed[..., None], self.embed(y), self.mask_token)
+
+
 def init_block(cfg: ModelConfig, seed: int, index: int) -> Block:
     """Block `index` initialised from (seed, index) alone, so a worker that builds only its
     block gets bit-for-bit the same initial weights as a process that builds all of them."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed * 1_000_003 + 7919 * (index + 1))
+        if cfg.process == "masked":
+            return MaskedBlock(cfg, target_table(seed, cfg.d_model))
         return Block(cfg)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from blocktrain.model.block import BlockStack, ZLayout
+from blocktrain.model.masking import masked_count, pin_revealed, read_state, to_reveal
 
 Denoiser = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, ZLayout], torch.Tensor]
 StepHook = Callable[[int, int, float, torch.Tensor], None]
@@ -73,15 +74,19 @@ def _ancestral_rows(
     )
 
 
-SAMPLERS = ("euler", "ancestral")
+SAMPLERS = ("euler", "ancestral", "reveal")
 """The sampler steps between grid points: "euler" (deterministic, DESIGN.md 2.6) or "ancestral"
-(re-noise from a sampled byte; draws from the generator)."""
+(re-noise from a sampled byte; draws from the generator) for Gaussian models; "reveal" (draw the
+leftmost masked bytes, model/masking.py) for masked ones."""
 
+PROCESS_SAMPLERS = {"gaussian": ("euler", "ancestral"), "masked": ("reveal",)}
+"""The samplers a model of each `process` runs, its default first."""
 
 DEFAULT_SAMPLER = "euler"
 DEFAULT_STEPS_PER_BLOCK = 1
 # The recipe that generation (`blocktrain generate`, the router) and evaluation use when none is
-# named: the best measured one (BENCHMARKS.md, "Span generation: speed and quality").
+# named: the best measured one (BENCHMARKS.md, "Span generation: speed and quality"); a masked
+# model's default sampler is "reveal".
 
 
 def check_sampler(method: str) -> str:
@@ -90,9 +95,59 @@ def check_sampler(method: str) -> str:
     return method
 
 
+def sampler_for(method: str | None, process: str) -> str:
+    """The sampler a model of `process` runs for a request of `method` (None: the process's
+    default); one clear ValueError when the two do not fit."""
+    fits = PROCESS_SAMPLERS[process]
+    if method is None:
+        return fits[0]
+    check_sampler(method)
+    if method not in fits:
+        raise ValueError(
+            f"the {method} sampler does not run a {process} model; choose {' or '.join(fits)}"
+        )
+    return method
+
+
 def needs_generator(method: str) -> bool:
     """Whether the steps of `method` draw random numbers (then they need the generator)."""
-    return check_sampler(method) == "ancestral"
+    return check_sampler(method) in ("ancestral", "reveal")
+
+
+def _per_request(
+    generator: torch.Generator | RowGenerators, sampling: Sampling | list[Sampling] | None, n: int
+) -> list[tuple[int, torch.Generator, Sampling]]:
+    """(rows, generator, sampling) per request of a batch of n rows."""
+    if isinstance(generator, torch.Generator):
+        one = sampling if isinstance(sampling, Sampling) else Sampling()
+        return [(n, generator, one)]
+    samplings = (
+        sampling if isinstance(sampling, list) else [sampling or Sampling()] * len(generator)
+    )
+    return [(rows, g, s) for (rows, g), s in zip(generator, samplings, strict=True)]
+
+
+def reveal_step(
+    z: torch.Tensor,
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    still_masked: int,
+    generator: torch.Generator | RowGenerators,
+    sampling: Sampling | list[Sampling] | None = None,
+) -> torch.Tensor:
+    """One round of a masked model (model/masking.py): the leftmost masked bytes of z (N, K, d),
+    all but `still_masked` of them, drawn from logits (N, K, 256) with each request's sampling
+    and generator, enter the state as E[y]."""
+    revealed, _ = read_state(z, targets)
+    reveal = to_reveal(revealed, still_masked)  # (N, K)
+    requests = _per_request(generator, sampling, z.shape[0])
+    parts = logits.split([rows for rows, _, _ in requests])
+    drawn = [
+        sample_bytes(part.to(g.device), s, g).to(z.device)
+        for part, (_, g, s) in zip(parts, requests, strict=True)
+    ]
+    y = torch.cat(drawn)  # (N, K)
+    return torch.where(reveal[..., None], targets[y].to(z.dtype), z)
 
 
 def run_points(
@@ -108,6 +163,7 @@ def run_points(
     method: str = "euler",
     generator: torch.Generator | RowGenerators | None = None,
     on_step: StepHook | None = None,
+    sampling: Sampling | list[Sampling] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The sweep itself, written once: run grid points start..stop-1 on the state z (N, Lz, d),
     which lies at grid[start]'s sigma. After every point but the grid's last, z moves to the next
@@ -117,7 +173,13 @@ def run_points(
     A whole sweep is start = 0, stop = len(grid) (`one_sweep`); a block host runs the
     consecutive points of the blocks it holds and forwards z to the host of the next point.
     `on_step(n, block, sigma, logits)` sees every point's logits. `generator` may be one per
-    request of a batch (RowGenerators)."""
+    request of a batch (RowGenerators).
+
+    "reveal" (masked models) starts from the one all-masked state, z = 0, whatever z it is given
+    at point 0; it draws each round's bytes with `sampling` (one per request of a batch, or one
+    for all; default temperature 1), and the last point's logits come back with the revealed
+    positions pinned (`masking.pin_revealed`), so that drawing the span's bytes from them, as for
+    any model, reveals the rest."""
     check_sampler(method)
     stop = len(grid) if stop is None else stop
     if not 0 <= start < stop <= len(grid):
@@ -126,6 +188,8 @@ def run_points(
         raise ValueError(f"the {method} sampler needs a generator")
     n_seq = x_bytes.shape[0]
     logits = z.new_empty(0)
+    if method == "reveal" and start == 0:
+        z = torch.zeros_like(z)
     for n in range(start, stop):
         block, sigma = grid[n]
         sigma_t = torch.full((n_seq,), sigma, dtype=torch.float32, device=z.device)
@@ -133,9 +197,15 @@ def run_points(
         if on_step is not None:
             on_step(n, block, sigma, logits)
         if n == len(grid) - 1:
+            if method == "reveal":
+                logits = pin_revealed(logits, z, targets)
             break
         if method == "euler":
             z = euler_step(z, logits, targets, sigma, grid[n + 1][1])
+        elif method == "reveal":
+            assert generator is not None
+            still = masked_count(grid[n + 1][1], z.shape[1])
+            z = reveal_step(z, logits, targets, still, generator, sampling)
         else:
             assert generator is not None
             z = _ancestral_rows(logits, targets, grid[n + 1][1], generator)
@@ -153,6 +223,7 @@ def one_sweep(
     *,
     method: str = "euler",
     generator: torch.Generator | None = None,
+    sampling: Sampling | None = None,
 ) -> torch.Tensor:
     """Refine z (N, Lz, d), which starts as sigma_max * eps, through the whole grid; return the
     final logits (N, Lz, 256)."""
@@ -168,6 +239,7 @@ def one_sweep(
         method=method,
         generator=generator,
         on_step=on_step,
+        sampling=sampling,
     )[1]
 
 
@@ -306,7 +378,15 @@ def generate(
         x, z = loop.next_input()
         layout = ZLayout.next_span(x.shape[1], span, device=x.device)
         logits = one_sweep(
-            denoise, x, z.to(x.device), grid, targets, layout, method=method, generator=generator
+            denoise,
+            x,
+            z.to(x.device),
+            grid,
+            targets,
+            layout,
+            method=method,
+            generator=generator,
+            sampling=sampling,
         )
         out.append(loop.push(sample_bytes(logits.cpu(), sampling, generator)))
     return torch.cat(out, dim=1)

@@ -14,6 +14,7 @@ from statistics import NormalDist
 import torch
 
 from blocktrain.config import ModelConfig
+from blocktrain.model.masking import masked_grid
 
 _STD_NORMAL = NormalDist()
 
@@ -29,10 +30,22 @@ class SigmaSchedule:
     p_std: float
     blocks: int
     overlap: float
+    process: str = "gaussian"
+    """"masked": the sampler grid is the masked process's (model/masking.py)."""
+    span: int = 1
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> SigmaSchedule:
-        return cls(cfg.sigma_min, cfg.sigma_max, cfg.p_mean, cfg.p_std, cfg.blocks, cfg.overlap)
+        return cls(
+            cfg.sigma_min,
+            cfg.sigma_max,
+            cfg.p_mean,
+            cfg.p_std,
+            cfg.blocks,
+            cfg.overlap,
+            cfg.process,
+            cfg.span,
+        )
 
     def cdf(self, sigma: float) -> float:
         """q(s) = Phi((ln s - P_mean) / P_std)."""
@@ -94,7 +107,12 @@ class SigmaSchedule:
 
         Point n belongs to block n // steps_per_block; that point always lies inside the block's
         interval, so the blocks are visited 0..B-1, each for steps_per_block consecutive points.
+
+        A masked process's grid is `masking.masked_grid`: (block, mask_code) points, the blocks
+        visited 0..B-1, each for at most steps_per_block rounds.
         """
+        if self.process == "masked":
+            return masked_grid(self.span, self.blocks, steps_per_block)
         if steps_per_block < 1:
             raise ValueError("steps_per_block must be >= 1")
         n_points = self.blocks * steps_per_block

@@ -199,16 +199,19 @@ class Ledger(RecoveryTables):
         expected: int,
         reported: int,
         update_ids: list[int],
+        held: str = "",
     ) -> None:
         """Close a round: its row, the block's new state, and the version each accepted update
-        went into, atomically."""
+        went into, atomically. `held`: why the rule refused to aggregate, if it did."""
         with self._tx() as db:
             tokens = 0
             for uid in update_ids:
                 row = db.execute("SELECT tokens FROM updates WHERE id = ?", (uid,)).fetchone()
                 tokens += int(row["tokens"] or 0) if row else 0
             db.execute(
-                "INSERT INTO rounds VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                "INSERT INTO rounds (block, round, base_version, new_version, started_at, "
+                "deadline, closed_at, cause, accepted, refused, expected, reported, tokens, held) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     block,
                     round,
@@ -223,6 +226,7 @@ class Ledger(RecoveryTables):
                     expected,
                     reported,
                     tokens,
+                    held or None,
                 ),
             )
             db.execute(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -46,6 +46,7 @@ CREATE TABLE IF NOT EXISTS rounds (
     expected INTEGER NOT NULL,
     reported INTEGER NOT NULL,
     tokens INTEGER NOT NULL,
+    held TEXT,
     PRIMARY KEY (block, round)
 );
 CREATE TABLE IF NOT EXISTS updates (
@@ -107,9 +108,10 @@ CREATE TABLE IF NOT EXISTS traffic (
 
 COLUMNS_ADDED = (
     # (table, column, type), in the order they were added; a ledger written before gets them
-    # on open (schema version 2: bans)
+    # on open (schema version 2: bans; 3: why a round's rule refused to aggregate)
     ("tokens", "banned", "REAL"),
     ("tokens", "ban_reason", "TEXT"),
+    ("rounds", "held", "TEXT"),
 )
 
 TOKEN_SELECT = (

@@ -103,7 +103,10 @@ class Durable:
             version=version,
             started_at=started_at,
             assigned=[w.id for w in workers],
-            pulled=[w.id for w in workers if w.pulled_round == round_],
+            # Pull marks are written in batches (the ticker), so a crash can lose the last
+            # ones: expect every assigned worker, or the first report would close the round
+            # as "all_reported" before the others push. Silent ones still expire.
+            pulled=[w.id for w in workers],
             reported={u.worker_id for u in rows if u.worker_id is not None},
             prev_reported={w for w in prev if w is not None},
             accepted=contributions,
@@ -153,6 +156,7 @@ class Durable:
             expected=len(closed.expected),
             reported=len(closed.reported),
             update_ids=ids,
+            held=event.held,
         )
         for uid in ids:
             name = self.pending[b].pop(uid, None)

@@ -114,6 +114,9 @@ class RoundRecordOut(Out):
     expected: int
     reported: int
     cause: str
+    held: str | None = Field(
+        description="why the aggregation rule committed no change (too few votes), or null"
+    )
     version: int
     participation: float = Field(description="in_time / expected (docs/protocol.md)")
     duration_s: float | None

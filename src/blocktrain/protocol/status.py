@@ -23,6 +23,7 @@ def round_record(row: dict[str, Any]) -> dict[str, Any]:
         "expected": row["expected"],
         "reported": row["reported"],
         "cause": row["cause"],
+        "held": row["held"],  # why the rule committed no change, or None
         "version": row["new_version"],
         "participation": participation(row["in_time"], row["expected"]),
         "duration_s": None if row["started_at"] is None else row["closed_at"] - row["started_at"],

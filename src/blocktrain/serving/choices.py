@@ -19,7 +19,7 @@ from blocktrain.model import Sampling
 from blocktrain.model.sampler import sampling_probs
 from blocktrain.serving.chain import ChainStats
 from blocktrain.serving.errors import BadRequest
-from blocktrain.serving.router import Router, _Job
+from blocktrain.serving.router import Job, Router
 from blocktrain.serving.schemas import Hop, OpenAIParams, Prompt, Timings, Usage
 
 Finish = Literal["stop", "length"]
@@ -123,7 +123,7 @@ class Run:
     """One OpenAI request's choices on the chain, and what they cost."""
 
     router: Router
-    job: _Job
+    job: Job
     prompt: bytes
     n: int
     stops: list[bytes]

@@ -38,7 +38,7 @@ import torch
 
 from blocktrain.errors import ConfigError
 from blocktrain.model import Sampling
-from blocktrain.model.sampler import needs_generator
+from blocktrain.model.sampler import needs_generator, sampler_for
 from blocktrain.serving.batching import Batcher
 from blocktrain.serving.errors import BadRequest, HostRefused
 from blocktrain.serving.loading import HostedModel, ModelSource
@@ -259,6 +259,10 @@ class BlockHost:
         header = read_header(SweepHeader, raw)
         model = self._model(header.model, header.fingerprint, "blocktrain")
         cfg = model.config.model
+        try:
+            sampler_for(header.sampler, cfg.process)
+        except ValueError as exc:
+            raise BadRequest(str(exc), param="sampler") from None
         x = byte_input(tensors, "x")  # (N, Lx)
         n, lx = x.shape
         if not 1 <= n <= self.settings.max_batch:

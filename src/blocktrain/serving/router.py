@@ -34,6 +34,7 @@ import torch
 from blocktrain.data.ngram import NgramDrafter
 from blocktrain.errors import ConfigError
 from blocktrain.model import Sampling
+from blocktrain.model.sampler import DEFAULT_SAMPLER, sampler_for
 from blocktrain.model.speculative import SpeculativeLoop
 from blocktrain.serving.chain import Chain, ChainStats
 from blocktrain.serving.directory import Directory, RemoteModel, unavailable_error
@@ -145,7 +146,7 @@ class RouterSettings:
 
 
 @dataclass(frozen=True)
-class _Job:
+class Job:
     """One validated generation request."""
 
     model: RemoteModel
@@ -211,7 +212,7 @@ class Router:
         param: str,
         req: SamplingParams,
         choices: int = 1,
-    ) -> _Job:
+    ) -> Job:
         """A validated job, its work admitted: `choices` samples of n_bytes each."""
         data = prompt_bytes(prompt, self.settings.max_prompt_bytes)
         if n_bytes > self.settings.max_output_bytes:
@@ -229,6 +230,12 @@ class Router:
         sampling = Sampling(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p)
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         remote = await self.resolve(model)
+        sampler = req.sampler
+        if remote.kind == "blocktrain":
+            try:
+                sampler = sampler_for(req.sampler, remote.config.model.process)
+            except ValueError as exc:
+                raise BadRequest(str(exc), param="sampler") from None
         if req.draft_bytes:
             self._check_drafting(remote, req.draft_bytes)
         # An autoregressive model runs no sampler points: one unit per byte.
@@ -237,19 +244,19 @@ class Router:
         if choices > 1:
             what = f"n x {param} x steps_per_block = {choices} x {n_bytes} x {steps}"
         units = self.work.admit(choices * work_units(n_bytes, steps), what, param)
-        return _Job(
+        return Job(
             remote,
             data,
             n_bytes,
             sampling,
             seed,
             req.steps_per_block,
-            req.sampler,
+            sampler or DEFAULT_SAMPLER,
             req.draft_bytes,
             units,
         )
 
-    def done(self, job: _Job) -> None:
+    def done(self, job: Job) -> None:
         """The job ended (answered, failed or abandoned): its work is no longer in flight."""
         self.work.release(job.units)
 
@@ -268,7 +275,7 @@ class Router:
         if why is not None:
             raise BadRequest(why, param="draft_bytes")
 
-    def stream(self, job: _Job, stats: ChainStats) -> AsyncIterator[torch.Tensor]:
+    def stream(self, job: Job, stats: ChainStats) -> AsyncIterator[torch.Tensor]:
         """The new bytes (1, m) piece by piece: a span per sweep, or a byte per traversal."""
         chain = self.chain(job.model, stats)
         prompt = torch.tensor([list(job.prompt)], dtype=torch.long)

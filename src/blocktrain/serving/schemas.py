@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from blocktrain.model.sampler import DEFAULT_SAMPLER, DEFAULT_STEPS_PER_BLOCK, check_sampler
+from blocktrain.model.sampler import DEFAULT_STEPS_PER_BLOCK, check_sampler
 
 Prompt = str | list[int]
 
@@ -25,9 +25,10 @@ class SamplingParams(BaseModel):
     """Seeds the initial noise and the sampling; the same seed gives the same bytes."""
     steps_per_block: int = Field(DEFAULT_STEPS_PER_BLOCK, ge=1)
     """Sampler grid points per block (one-sweep models); an extension."""
-    sampler: str = DEFAULT_SAMPLER
+    sampler: str | None = None
     """The sampler's step between grid points, one of model.sampler.SAMPLERS (one-sweep
-    models); an extension."""
+    models; default: the model's, DEFAULT_SAMPLER for Gaussian models, "reveal" for masked
+    ones); an extension."""
 
     draft_bytes: int = Field(0, ge=0)
     """Speculative generation with a K = 1 model (an extension): bytes drafted on the router
@@ -35,8 +36,8 @@ class SamplingParams(BaseModel):
 
     @field_validator("sampler")
     @classmethod
-    def _known_sampler(cls, value: str) -> str:
-        return check_sampler(value)
+    def _known_sampler(cls, value: str | None) -> str | None:
+        return None if value is None else check_sampler(value)
 
 
 class GenerateRequest(SamplingParams):

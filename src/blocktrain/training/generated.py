@@ -32,7 +32,7 @@ from blocktrain.model import (
     generate_autoregressive,
     stack_denoiser,
 )
-from blocktrain.model.sampler import DEFAULT_SAMPLER, DEFAULT_STEPS_PER_BLOCK, check_sampler
+from blocktrain.model.sampler import DEFAULT_STEPS_PER_BLOCK, check_sampler, sampler_for
 from blocktrain.model.speculative import (
     Drafter,
     generate_autoregressive_speculative,
@@ -55,8 +55,8 @@ class GenSettings:
     """Sampling temperature of the compared models (1: their own distribution)."""
     steps_per_block: int = DEFAULT_STEPS_PER_BLOCK
     """Sampler grid points per block (BlockTrain models)."""
-    sampler: str = DEFAULT_SAMPLER
-    """The sampler's step between grid points (BlockTrain models)."""
+    sampler: str | None = None
+    """The sampler's step between grid points (BlockTrain models; None: the model's default)."""
     draft_bytes: int = 0
     """Speculative generation (K = 1 BlockTrain models): bytes drafted per verify sweep by the
     drafter passed along; 0: plain sweeps."""
@@ -75,7 +75,8 @@ class GenSettings:
             raise ValueError(f"batch_size = {self.batch_size} must be positive")
         if self.temperature < 0:
             raise ValueError(f"temperature = {self.temperature} must be >= 0")
-        check_sampler(self.sampler)
+        if self.sampler is not None:
+            check_sampler(self.sampler)
 
 
 def split_prompts(windows: torch.Tensor, prompt_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,7 +163,7 @@ def continue_prompts(
                 max_context=cfg.seq_len - cfg.span,
                 sampling=sampling,
                 generator=gen,
-                method=settings.sampler,
+                method=sampler_for(settings.sampler, cfg.process),
             )
         out.append(new.cpu())
         if progress is not None:
@@ -205,7 +206,7 @@ def _speculative(
         seq_len=t,
         sampling=sampling,
         generator=gen,
-        method=settings.sampler,
+        method=sampler_for(settings.sampler, model.cfg.process),
     )
     return out.cpu()
 
@@ -257,7 +258,9 @@ def evaluate_generation(
     result.update(
         temperature=settings.temperature,
         steps_per_block=settings.steps_per_block,
-        sampler=settings.sampler,
+        sampler=None
+        if isinstance(model, Reference)
+        else sampler_for(settings.sampler, model.cfg.process),
         draft_bytes=settings.draft_bytes,
         seed=settings.seed,
     )

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from blocktrain.config import ModelConfig
 from blocktrain.model import Block, Reference, SigmaSchedule, ZLayout, loss_weight
+from blocktrain.model.masking import draw_masks, mask_interval, masked_state
 
 
 @dataclass
@@ -25,6 +26,9 @@ class BlockLoss:
 
         L_b = E_sigma~block b's interval [ w(sigma) * CE(block(x, E[y] + sigma * eps, sigma), y) ]
               + aux_weight * CE(clean-stream next-byte logits)
+
+    or, for a masked run (model/masking.py), the CE of the masked bytes, t drawn from block b's
+    interval (their mean, or MD4's (1/t)-weighted sum per byte) + the same auxiliary term.
 
     Only block b's parameters receive gradients; nothing here touches another block."""
 
@@ -42,26 +46,73 @@ class BlockLoss:
     def __call__(
         self, block: Block, index: int, x_bytes: torch.Tensor, generator: torch.Generator
     ) -> LossParts:
-        """x_bytes (N, T) on the block's device; `generator` (same device) draws sigma and eps."""
-        n, t = x_bytes.shape
-        device = x_bytes.device
-        sigma = self.schedule.sample_training_sigma(index, n, generator)  # (N,)
-        eps = torch.randn(n, t, self.cfg.d_model, generator=generator, device=device)
-        z = torch.addcmul(self.targets[x_bytes], sigma[:, None, None], eps)  # (N, T, d)
+        """x_bytes (N, T) on the block's device; `generator` (same device) draws sigma and eps
+        (or, for a masked run, the mask rates and the masks)."""
         want_aux = self.cfg.aux_weight > 0
-        logits, aux = block(x_bytes, z, sigma, self.layout(device), with_aux=want_aux)
-        ce = F.cross_entropy(
-            logits.float().flatten(0, 1), x_bytes.flatten(), reduction="none"
-        ).view(n, t)
-        weight = loss_weight(sigma, self.cfg.sigma_data_value)  # (N,)
-        total = (weight[:, None] * ce).mean()
-        logs = {"loss_denoise": float(ce.detach().mean())}
+        if self.cfg.process == "masked":
+            total, logs, aux = self._masked(block, index, x_bytes, generator, want_aux)
+        else:
+            total, logs, aux = self._gaussian(block, index, x_bytes, generator, want_aux)
         if aux is not None:
             aux_ce = F.cross_entropy(aux[:, :-1].float().flatten(0, 1), x_bytes[:, 1:].flatten())
             total = total + self.cfg.aux_weight * aux_ce
             logs["loss_aux"] = float(aux_ce.detach())
         logs["loss"] = float(total.detach())
         return LossParts(total, logs)
+
+    def _gaussian(
+        self,
+        block: Block,
+        index: int,
+        x_bytes: torch.Tensor,
+        generator: torch.Generator,
+        want_aux: bool,
+    ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor | None]:
+        n, t = x_bytes.shape
+        device = x_bytes.device
+        sigma = self.schedule.sample_training_sigma(index, n, generator)  # (N,)
+        eps = torch.randn(n, t, self.cfg.d_model, generator=generator, device=device)
+        z = torch.addcmul(self.targets[x_bytes], sigma[:, None, None], eps)  # (N, T, d)
+        logits, aux = block(x_bytes, z, sigma, self.layout(device), with_aux=want_aux)
+        ce = F.cross_entropy(
+            logits.float().flatten(0, 1), x_bytes.flatten(), reduction="none"
+        ).view(n, t)
+        weight = loss_weight(sigma, self.cfg.sigma_data_value)  # (N,)
+        return (weight[:, None] * ce).mean(), {"loss_denoise": float(ce.detach().mean())}, aux
+
+    def _masked(
+        self,
+        block: Block,
+        index: int,
+        x_bytes: torch.Tensor,
+        generator: torch.Generator,
+        want_aux: bool,
+    ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor | None]:
+        """model/masking.py: t from the block's interval (at least 1/K: the sampler never runs a
+        block on a span with nothing masked), masks drawn at rate t, and the mean CE of the
+        masked bytes (mask_loss = mean), or MD4's (1/t) * their summed CE per byte of the batch
+        (mask_loss = elbo), which weights a sequence with few masked bytes up to K times more
+        and measured worse."""
+        n, t_len = x_bytes.shape
+        k = self.cfg.span
+        lo, hi = mask_interval(index, self.cfg.blocks, self.cfg.overlap)
+        lo = max(lo, 1.0 / k)
+        u = torch.rand(n, generator=generator, device=generator.device)
+        rate = (lo + (hi - lo) * u).to(x_bytes.device)  # (N,)
+        masked = draw_masks(x_bytes, rate, k, generator)  # (N, T)
+        z = masked_state(self.targets, x_bytes, ~masked)
+        code = torch.pow(10.0, rate)  # masking.mask_code, per sequence
+        logits, aux = block(x_bytes, z, code, self.layout(x_bytes.device), with_aux=want_aux)
+        ce = F.cross_entropy(
+            logits.float().flatten(0, 1), x_bytes.flatten(), reduction="none"
+        ).view(n, t_len)
+        on_masked = ce * masked
+        mean_masked = on_masked.sum() / masked.sum().clamp(min=1)
+        if self.cfg.mask_loss == "elbo":
+            total = (on_masked.sum(dim=1) / rate).sum() / (n * t_len)
+        else:
+            total = mean_masked
+        return total, {"loss_denoise": float(mean_masked.detach())}, aux
 
 
 def reference_loss(model: Reference, x_bytes: torch.Tensor) -> LossParts:

@@ -9,6 +9,7 @@ import torch
 
 from blocktrain.config import RunConfig
 from blocktrain.model import Block, Reference, SigmaSchedule
+from blocktrain.model.block import MaskedBlock
 from blocktrain.training.optim import ADAMW_BYTES_PER_PARAM
 
 
@@ -20,7 +21,9 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
     """Parameter and optimizer-state accounting, built on the meta device (no memory)."""
     m = cfg.model
     with torch.device("meta"):
-        per_block = _count(Block(m))  # every block has the same shape
+        # Every block has the same shape; a masked run's blocks add their [MASK] vector.
+        block = MaskedBlock(m, torch.zeros(256, m.d_model)) if m.process == "masked" else Block(m)
+        per_block = _count(block)
         reference = _count(Reference(m))
     schedule = SigmaSchedule.from_config(m)
     total = per_block * m.blocks
