@@ -1,6 +1,6 @@
-"""Batching on a block host: concurrent sweeps at the same grid point and context length share one
-forward pass, give what each would alone (up to float rounding), and keep each request's
-randomness its own."""
+"""Batching on a block host: concurrent sweeps at the same grid point share one forward pass
+(contexts of different lengths right-aligned), give what each would alone (up to float
+rounding), and keep each request's randomness its own."""
 
 from __future__ import annotations
 
@@ -134,13 +134,18 @@ def test_bytes_drawn_on_the_host_use_each_request_s_own_generator(runs):
     assert len(states) == N, "every request's generator advanced on its own"
 
 
-def test_sweeps_of_different_context_lengths_go_in_different_batches(runs):
-    host = host_of(runs, batch_rows=64)
-    answers = run_all(host, requests(host, [3, 5, 3, 5, 7], "euler", "logits"))
-    assert len(answers) == 5
-    assert host.batcher.stats.batches == 3, "one batch per context length"
-    info = host.info()["batching"]
-    assert info["jobs"] == 5 and info["largest"] == 2 and info["max_rows"] == 64
+def test_sweeps_of_different_context_lengths_share_a_batch_by_the_positions_they_compute(runs):
+    """Contexts of different lengths run right-aligned in one pass (model/cached.py), bucketed
+    by the clean positions they compute (here, without caches, their lengths: 3 | 5, 7 | 12),
+    and each gets what it would alone."""
+    batched, alone = host_of(runs, batch_rows=64), host_of(runs, batch_rows=1)
+    bodies = requests(batched, [3, 5, 3, 5, 7, 12], "euler", "logits")
+    together, apart = run_all(batched, bodies), run_all(alone, bodies)
+    assert batched.batcher.stats.batches == 3, "one batch per bucket: 1-4, 5-8, 9-16"
+    info = batched.info()["batching"]
+    assert info["jobs"] == 6 and info["largest"] == 3 and info["max_rows"] == 64
+    for t, a in zip(together, apart, strict=True):
+        torch.testing.assert_close(t["logits"], a["logits"], rtol=1e-4, atol=1e-5)
 
 
 def test_concurrent_requests_through_the_router_are_batched_on_the_hosts(runs):

@@ -48,9 +48,10 @@ def test_chained_sweep_gives_the_in_process_samplers_bytes(
     assert r.status_code == 200, r.text
     body = r.json()
     expected = in_process(stack, PROMPT, n, seed, Sampling(**sampling))
-    # The hosts run the very code of generate() (model.sampler.run_points) on the same shapes,
-    # with the fp32 state passed exactly: the bytes must be the same, bit for bit.
-    assert body["bytes"] == expected, "the chain must reproduce generate() bit for bit"
+    # The hosts run the very loop of generate() (model.sampler.run_points), with the fp32 state
+    # passed exactly; their cached forward differs from Block.forward by float rounding only,
+    # far too little to move a byte drawn here.
+    assert body["bytes"] == expected, "the chain must reproduce generate()'s bytes"
     assert body["traversals"] == -(-n // stack.cfg.span), "one traversal per span of K bytes"
     assert body["hosts"] == cluster.urls
 
@@ -223,8 +224,9 @@ def test_a_chain_without_router_follows_next_and_matches_one_sweep(runs, stack):
         stack.targets,
         ZLayout.next_span(x.shape[1], cfg.span),
     )
-    # The same run_points on the same shapes, the fp32 state passed exactly: equal bit for bit.
-    assert torch.equal(logits, expected)
+    # The same run_points, the fp32 state passed exactly; the hosts run the cached forward
+    # (model/cached.py), the same math in another order: equal up to float rounding.
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
     trace = r.headers[TRACE_HEADER]
     assert all(url in trace for url in cluster.urls), "every host reports its compute"
 

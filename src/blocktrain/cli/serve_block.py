@@ -41,6 +41,9 @@ EXAMPLES = """examples:
   # batching (on by default): concurrent sweeps at the same point share a forward pass
   blocktrain serve-block runs/tiny --blocks 0 --port 8101 --batch-window-ms 5 --batch-rows 32
   blocktrain serve-block runs/tiny --blocks 0 --port 8101 --no-batching
+  # each generation's clean stream is cached per block (on by default), within a memory cap
+  blocktrain serve-block runs/tiny --blocks 0 --port 8101 --max-cache-mb 256
+  blocktrain serve-block runs/tiny --blocks 0 --port 8101 --no-kv-cache
   # a replica of block 1 (name both in the router's --hosts: URL|URL)
   blocktrain serve-block runs/tiny --blocks 1 --port 8112
 
@@ -119,6 +122,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="run every request alone (one forward pass each), e.g. to compare",
     )
+    p.add_argument(
+        "--no-kv-cache",
+        action="store_true",
+        help="keep no clean-stream cache per generation: every sweep computes its whole "
+        "context (the same results up to float rounding; e.g. to compare)",
+    )
+    p.add_argument(
+        "--max-cache-mb",
+        type=float,
+        default=HostSettings.max_cache_bytes / 2**20,
+        help="memory all kept caches may take (MiB); the least recently used generations "
+        "are dropped past it",
+    )
     p.set_defaults(handler=run_cmd)
 
 
@@ -138,6 +154,8 @@ def run_cmd(args: argparse.Namespace) -> int:
     next_url = check_url(args.next_url, "--next") if args.next_url else None
     if args.threads < 0:
         raise ConfigError(f"--threads {args.threads} must be >= 0")
+    if not args.max_cache_mb > 0:
+        raise ConfigError(f"--max-cache-mb {args.max_cache_mb} must be positive")
     if args.threads:
         torch.set_num_threads(args.threads)
     public = check_url(args.public_url, "--public-url") if args.public_url else None
@@ -162,6 +180,8 @@ def run_cmd(args: argparse.Namespace) -> int:
             ca_cert=args.ca_cert,
             batch_window_ms=args.batch_window_ms,
             batch_rows=1 if args.no_batching else args.batch_rows,
+            kv_cache=not args.no_kv_cache,
+            max_cache_bytes=int(args.max_cache_mb * 2**20),
         )
         app = create_app(settings)  # loads this host's blocks: errors before we serve
     except BaseException:

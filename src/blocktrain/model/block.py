@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,10 @@ from torch import nn
 from blocktrain.config import VOCAB_SIZE, ModelConfig
 from blocktrain.model.layers import DualStreamLayer, Rotary, modulate, sinusoidal_features
 from blocktrain.model.masking import read_state
-from blocktrain.model.sigma import edm_scalings
+from blocktrain.model.sigma import EDMScalings, edm_scalings
+
+if TYPE_CHECKING:  # model/cached.py imports the pipeline, which imports the sampler and this
+    from blocktrain.model.cached import CleanBatch
 
 BOS = VOCAB_SIZE  # the extra embedding row a z token sees when no clean byte precedes its span
 
@@ -124,8 +128,7 @@ class Block(nn.Module):
         """x_bytes (N, Lx) int64; z (N, Lz, d); sigma (N,) -> logits (N, Lz, 256), and the clean
         stream's next-byte logits (N, Lx, 256) when `with_aux` (else None)."""
         x_len = x_bytes.shape[1]
-        sc = edm_scalings(sigma.to(z.dtype), self.sigma_data)
-        cond = self.noise_mlp(sinusoidal_features(sc.c_noise, self.cfg.noise_dim))  # (N, nd)
+        sc, cond = self.conditioning(sigma.to(z.dtype))
 
         x = self.embed(x_bytes)  # (N, Lx, d)
         h = self.z_tokens(x_bytes, z, sc.c_in, layout)  # (N, Lz, d)
@@ -137,15 +140,69 @@ class Block(nn.Module):
             assert h_out is not None
             h = h_out
 
-        f = self.out_proj(F.layer_norm(h, h.shape[-1:]))  # (N, Lz, d)
-        denoised = sc.c_skip[:, None, None] * z + sc.c_out[:, None, None] * f
-        shift, scale = self.final_mod(F.silu(cond)).chunk(2, dim=-1)
-        logits = self.head(modulate(F.layer_norm(denoised, denoised.shape[-1:]), shift, scale))
-
+        logits = self.readout(h, z, sc, cond)
         aux = None
         if with_aux and self.aux_head is not None and self.aux_norm is not None:
             aux = self.aux_head(self.aux_norm(x))  # (N, Lx, 256): predicts byte i + 1
         return logits, aux
+
+    def conditioning(self, sigma: torch.Tensor) -> tuple[EDMScalings, torch.Tensor]:
+        """sigma (N,) -> (the EDM scalings, the noise embedding (N, nd) that drives adaLN)."""
+        sc = edm_scalings(sigma, self.sigma_data)
+        return sc, self.noise_mlp(sinusoidal_features(sc.c_noise, self.cfg.noise_dim))
+
+    def readout(
+        self, h: torch.Tensor, z: torch.Tensor, sc: EDMScalings, cond: torch.Tensor
+    ) -> torch.Tensor:
+        """The z stream's last hidden states h (N, Lz, d) -> logits (N, Lz, 256): D = c_skip *
+        z + c_out * F, then the final adaLN and the head."""
+        f = self.out_proj(F.layer_norm(h, h.shape[-1:]))  # (N, Lz, d)
+        denoised = sc.c_skip[:, None, None] * z + sc.c_out[:, None, None] * f
+        shift, scale = self.final_mod(F.silu(cond)).chunk(2, dim=-1)
+        return self.head(modulate(F.layer_norm(denoised, denoised.shape[-1:]), shift, scale))
+
+    def forward_cached(
+        self,
+        x_bytes: torch.Tensor,
+        z: torch.Tensor,
+        sigma: torch.Tensor,
+        layout: ZLayout,
+        clean: CleanBatch,
+    ) -> torch.Tensor:
+        """`forward`'s logits (N, Lz, 256) with the clean stream taken from `clean` (a batch of
+        right-aligned contexts, model/cached.py): only its last `clean.fresh` indices run
+        through the layers, and they are left in `clean` for the next call. x_bytes (N, Lx)
+        right-aligned (Lx = clean.length), z (N, Lz, d), sigma (N,), layout built for Lx."""
+        length, fresh = x_bytes.shape[1], clean.fresh
+        assert length == clean.length and len(clean.keys) == len(self.layers)
+        sc, cond = self.conditioning(sigma.to(z.dtype))
+        h = self.z_tokens(x_bytes, z, sc.c_in, layout)  # (N, Lz, d)
+        n = x_bytes.shape[0]
+        # Per-row positions (index less the row's padding): rotations (N, 1, L, hd/2).
+        rope_z = self.rotary.rotation(clean.positions(layout.z_pos).flatten())
+        rope_z = rope_z.view(n, 1, -1, rope_z.shape[-1])
+        z_mask = clean.z_mask(layout.mask)
+        x: torch.Tensor | None = None
+        rope_x = x_mask = torch.empty(0)
+        if fresh:
+            index = torch.arange(length - fresh, length, device=x_bytes.device)
+            x = self.embed(x_bytes[:, length - fresh :])  # (N, fresh, d)
+            rope_x = self.rotary.rotation(clean.positions(index).flatten())
+            rope_x = rope_x.view(n, 1, fresh, rope_x.shape[-1])
+            x_mask = clean.clean_mask()
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, DualStreamLayer)
+            if x is not None:
+                past = (clean.keys[i], clean.values[i])
+                x, (clean.keys[i], clean.values[i]) = layer.attend_clean(
+                    x, rope_x, past, mask=x_mask
+                )
+                if i < last:  # the last layer's clean MLP feeds nothing the logits read
+                    x = layer.mlp_clean(x)
+            h = layer.noisy(h, (clean.keys[i], clean.values[i]), cond, rope_z, z_mask)
+        clean.fresh = 0
+        return self.readout(h, z, sc, cond)
 
     def z_tokens(
         self, x_bytes: torch.Tensor, z: torch.Tensor, c_in: torch.Tensor, layout: ZLayout

@@ -6,7 +6,8 @@ A BlockTrain block runs two streams through the same layers (DESIGN.md 2.3-2.4):
     before its span's start and to every z token of its own span, and its residual branches are
     modulated by the noise level (adaLN).
 Nothing attends from x to z, so the clean stream does not depend on z or sigma: the reference is
-exactly the clean stream alone, and at inference its keys and values could be cached.
+exactly the clean stream alone, and at inference its keys and values are cached per generation
+(model/cached.py).
 """
 
 from __future__ import annotations
@@ -100,14 +101,22 @@ class DualStreamLayer(nn.Module):
         x: torch.Tensor,
         rot: torch.Tensor,
         past: tuple[torch.Tensor, torch.Tensor] | None = None,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """The clean stream's causal attention with its residual, for L new positions that
-        follow P cached ones: x (N, L, d), rot (L, hd/2) their rotations, past the (k, v) of the
-        cached positions, each (N, H, P, hd), or None -> (x (N, L, d), (k, v) each
-        (N, H, P + L, hd), rotated: what the z stream attends to and what a KV cache keeps)."""
+        follow P cached ones: x (N, L, d), rot (L, hd/2) their rotations (or (N, 1, L, hd/2),
+        one row's positions each), past the (k, v) of the cached positions, each (N, H, P, hd),
+        or None -> (x (N, L, d), (k, v) each (N, H, P + L, hd), rotated: what the z stream
+        attends to and what a KV cache keeps). `mask` (N, 1, L, P + L), bool (True = may
+        attend) or additive, replaces the causal mask (rows padded to one length,
+        model/cached.py)."""
         q, k, v = self._heads(self.ln1(x))  # each (N, H, L, hd)
         q, k = apply_rotary(q, rot), apply_rotary(k, rot)
-        if past is None:
+        if mask is not None:
+            if past is not None:
+                k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        elif past is None:
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)
@@ -141,7 +150,23 @@ class DualStreamLayer(nn.Module):
         x, (kx, vx) = self.attend_clean(x, rope_x)
         if z is None:
             return self.mlp_clean(x), None
-        assert self.modulation is not None and cond is not None and rope_z is not None
+        assert cond is not None and rope_z is not None
+        z = self.noisy(z, (kx, vx), cond, rope_z, z_mask)
+        return self.mlp_clean(x), z
+
+    def noisy(
+        self,
+        z: torch.Tensor,
+        clean: tuple[torch.Tensor, torch.Tensor],
+        cond: torch.Tensor,
+        rope_z: torch.Tensor,
+        z_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The z stream's attention and MLP with their residuals: z (N, Lz, d), clean the
+        rotated (k, v) of the clean stream, each (N, H, Lx, hd) (this layer's, fresh or from a
+        cache), cond (N, cond_dim), rope_z (Lz, hd/2) or (N, 1, Lz, hd/2), z_mask (Lz, Lx + Lz)
+        or (N, 1, Lz, Lx + Lz) -> z (N, Lz, d). The clean stream never reads it."""
+        assert self.modulation is not None
         mods = self.modulation(F.silu(cond)).chunk(6, dim=-1)  # 6 x (N, d)
         shift1, scale1, gate1, shift2, scale2, gate2 = mods
         if self.gates_open:
@@ -150,15 +175,13 @@ class DualStreamLayer(nn.Module):
         qz, kz, vz = self._heads(hz)
         qz, kz = apply_rotary(qz, rope_z), apply_rotary(kz, rope_z)
         # z queries see the clean keys before their span and the z keys of their span.
+        kx, vx = clean
         az = F.scaled_dot_product_attention(
             qz, torch.cat((kx, kz), dim=2), torch.cat((vx, vz), dim=2), attn_mask=z_mask
         )
         z = torch.addcmul(z, gate1[:, None, :], self._merge(az))
-        # --- MLP ---
-        x = self.mlp_clean(x)
         hz = modulate(F.layer_norm(z, z.shape[-1:]), shift2, scale2)
-        z = torch.addcmul(z, gate2[:, None, :], self._mlp(hz))
-        return x, z
+        return torch.addcmul(z, gate2[:, None, :], self._mlp(hz))
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(h)))

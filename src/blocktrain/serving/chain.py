@@ -200,6 +200,8 @@ class Chain:
         sampler: str,
         sampling: Sampling,
         generator: torch.Generator,
+        session: str | None,
+        close: bool,
     ) -> dict[str, torch.Tensor]:
         header = SweepHeader(
             model=self.model.name,
@@ -211,6 +213,8 @@ class Chain:
             steps_per_block=steps_per_block,
             sampler=sampler,
             drafted=drafted,
+            session=session,
+            close=close,
         )
         tensors = {"x": bytes_tensor(x), "z": z.to(WIRE_DTYPES[self.wire_dtype])}
         if final == "bytes" or needs_generator(sampler):
@@ -226,8 +230,12 @@ class Chain:
         sampler: str,
         sampling: Sampling,
         generator: torch.Generator,
+        session: str | None = None,
+        close: bool = False,
     ) -> torch.Tensor:
-        """x (N, Lx) int64 context, z (N, K, d) fp32 at sigma_max -> the span's bytes (N, K)."""
+        """x (N, Lx) int64 context, z (N, K, d) fp32 at sigma_max -> the span's bytes (N, K).
+        `session` names the generation, whose clean streams the hosts cache until a sweep
+        with `close` (the last)."""
         out = await self._sweep(
             x,
             z,
@@ -237,6 +245,8 @@ class Chain:
             sampler=sampler,
             sampling=sampling,
             generator=generator,
+            session=session,
+            close=close,
         )
         return self._finish(out, sampling, generator)
 
@@ -250,9 +260,12 @@ class Chain:
         sampler: str,
         sampling: Sampling,
         generator: torch.Generator,
+        session: str | None = None,
+        close: bool = False,
     ) -> torch.Tensor:
         """One verify sweep (model.speculative): x (1, P + D) the context then the draft, z
-        (1, D + 1, d) -> the final logits (1, D + 1, 256); the router applies the rule."""
+        (1, D + 1, d) -> the final logits (1, D + 1, 256); the router applies the rule. The
+        hosts cut the session's caches back to the bytes the next sweep keeps."""
         out = await self._sweep(
             x,
             z,
@@ -262,6 +275,8 @@ class Chain:
             sampler=sampler,
             sampling=sampling,
             generator=generator,
+            session=session,
+            close=close,
         )
         if "generator" in out:
             generator.set_state(out["generator"])

@@ -17,8 +17,9 @@ the state for the next point to the router, which sends it to the next host (or 
 its own configured `--next`, in a chain without a router): the next hop is never read from a
 request.
 
-Concurrent sweeps at the same grid point with the same shapes run as one batch through the
-block's forward pass (`batching.py` gathers them, `sweeps.py` runs them).
+Concurrent sweeps at the same grid point run as one batch through the block's forward pass
+(`batching.py` gathers them, `sweeps.py` runs them), each block's clean stream taken from the
+generation's cache on this host where it holds the context (`sessions.py`, model/cached.py).
 """
 
 from __future__ import annotations
@@ -43,7 +44,17 @@ from blocktrain.serving.errors import BadRequest, HostRefused
 from blocktrain.serving.loading import HostedModel, ModelSource
 from blocktrain.serving.requests import byte_input, read_header, read_message, state_input
 from blocktrain.serving.sessions import SessionStore
-from blocktrain.serving.sweeps import SweepJob, SweepKey, SweepResult, final_answer, run_sweeps
+from blocktrain.serving.sweeps import (
+    CacheStats,
+    SweepJob,
+    SweepKey,
+    SweepResult,
+    final_answer,
+    fresh_bucket,
+    host_points,
+    reusable,
+    run_sweeps,
+)
 from blocktrain.serving.transport import post_message
 from blocktrain.serving.wire import (
     WIRE_DTYPES,
@@ -79,9 +90,9 @@ class HostSettings:
     max_batch: int = 64
     """Most sequences in one request."""
     max_sessions: int = 256
-    """Autoregressive KV caches kept at once (least recently used dropped first)."""
+    """Generations whose caches are kept at once (least recently used dropped first)."""
     session_ttl_s: float = 600.0
-    """A KV cache unused this long is dropped (its generation was abandoned)."""
+    """A generation's caches unused this long are dropped (it was abandoned)."""
     secret: str | None = field(default=None, repr=False)
     """The shared secret callers must present (auth.py), and this host presents to its
     --next; None: anyone may call (loopback only, see cli/serve_block.py)."""
@@ -91,6 +102,12 @@ class HostSettings:
     """How long a sweep waits for others to share its forward pass (batching.py)."""
     batch_rows: int = 64
     """Most sequences in one batched forward pass; 1 turns batching off."""
+    kv_cache: bool = True
+    """Keep each generation's clean stream per block (model/cached.py); off: every sweep
+    computes its whole context."""
+    max_cache_bytes: int = 1 << 30
+    """The bytes all kept caches (clean streams and autoregressive KV) may take; the least
+    recently used generations are dropped past it."""
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -106,7 +123,13 @@ class HostSettings:
             raise ConfigError(f"--timeout {self.timeout_s} must be positive")
         if self.batch_window_ms < 0:
             raise ConfigError(f"--batch-window-ms {self.batch_window_ms} must be >= 0")
-        for name in ("max_body_bytes", "max_batch", "max_sessions", "batch_rows"):
+        for name in (
+            "max_body_bytes",
+            "max_batch",
+            "max_sessions",
+            "batch_rows",
+            "max_cache_bytes",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} = {getattr(self, name)} must be positive")
 
@@ -124,7 +147,10 @@ class BlockHost:
         self.settings = settings
         self.models = models
         self.client = client
-        self.sessions = SessionStore(settings.max_sessions, settings.session_ttl_s, clock)
+        self.sessions = SessionStore(
+            settings.max_sessions, settings.session_ttl_s, clock, settings.max_cache_bytes
+        )
+        self.cache_stats = CacheStats()
         # One computation at a time: torch already uses every core for one batch, and the
         # KV caches are only touched under this lock.
         self._compute = threading.Lock()
@@ -145,6 +171,13 @@ class BlockHost:
                 "window_ms": self.settings.batch_window_ms,
                 "max_rows": self.settings.batch_rows,
                 **self.batcher.stats.describe(),
+            },
+            "kv_cache": {
+                "enabled": self.settings.kv_cache,
+                "sessions": len(self.sessions),
+                "bytes": self.sessions.nbytes,
+                "max_bytes": self.settings.max_cache_bytes,
+                **self.cache_stats.describe(),
             },
         }
 
@@ -265,9 +298,23 @@ class BlockHost:
                 code="misrouted",
             )
         gen, sampling = self._generator(tensors, header)
-        # Sweeps at the same point with the same shapes share one forward pass (batching.py).
-        key = (model.name, header.step, header.steps_per_block, header.sampler, drafted, lx, z_len)
-        job = SweepJob(model, header, x, z, grid, gen, sampling)
+        session = header.session if self.settings.kv_cache else None
+        job = SweepJob(model, header, x, z, grid, gen, sampling, session)
+        # Sweeps at the same point with the same state shape share one forward pass
+        # (batching.py), bucketed by the clean positions they compute (their caches may be
+        # dropped before they run: that costs time, never the result).
+        points = host_points(grid, header.step, model.parts)
+        blocks = sorted({grid[i][0] for i in points})
+        fresh = lx - reusable([job], blocks, self.sessions)[0][0]
+        key = (
+            model.name,
+            header.step,
+            header.steps_per_block,
+            header.sampler,
+            drafted,
+            z_len,
+            fresh_bucket(fresh),
+        )
         z, step, done, visited, seconds = await self.batcher.submit(key, n, job)
         trace = self._trace(model, visited, seconds)
         if done is not None:
@@ -279,7 +326,7 @@ class BlockHost:
         return await self._pass_on("/v1/sweep", encode(out, forward.model_dump()), trace)
 
     def _run_sweeps(self, key: SweepKey, jobs: list[SweepJob]) -> list[SweepResult]:
-        return run_sweeps(jobs, self._compute)
+        return run_sweeps(jobs, self._compute, self.sessions, self.cache_stats)
 
     # ------------------------------------------------------------------ autoregressive stages
 

@@ -48,6 +48,7 @@ async def one_sweep_stream(
         sigma_max=cfg.sigma_max,  # == the grid's first point, exactly
         generator=generator,
     )
+    session = uuid.uuid4().hex  # the hosts cache the clean streams under it
     while not loop.done:
         x, z = loop.next_input()
         new = await chain.sweep(
@@ -57,6 +58,8 @@ async def one_sweep_stream(
             sampler=sampler,
             sampling=sampling,
             generator=generator,
+            session=session,
+            close=loop.produced + loop.span >= loop.n_bytes,
         )  # (N, K)
         yield loop.push(new)
 
@@ -68,6 +71,7 @@ async def speculative_stream(
     traversal verifies the bytes drafted on the router and yields the 1..D + 1 it emits. The
     same loop as model.speculative.generate_speculative."""
     cfg = chain.model.config.model
+    session = uuid.uuid4().hex  # the hosts cache the clean streams under it
     while not loop.done:
         draft = loop.next_draft()
         x, z, _ = loop.sweep_input(draft, cfg.d_model, cfg.sigma_max)
@@ -79,6 +83,9 @@ async def speculative_stream(
             sampler=sampler,
             sampling=loop.sampling,
             generator=loop.generator,
+            # Never `close`: which sweep is the last depends on its acceptances, and a sweep
+            # after a closed one would recompute its context; the hosts' bounds drop it.
+            session=session,
         )
         yield loop.push(logits)
 

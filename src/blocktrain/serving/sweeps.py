@@ -1,6 +1,13 @@
-"""A block host's compute for sweeps: a batch of sweeps that share a grid point and shapes runs as
-one pass of `model.sampler.run_points` over their rows together (batching.py gathers them), and
-the last host's answer (logits, or bytes drawn with the request's own generator).
+"""A block host's compute for sweeps: a batch of sweeps at the same grid point runs as one pass of
+`model.sampler.run_points` over their rows together (batching.py gathers them), and the last
+host's answer (logits, or bytes drawn with the request's own generator).
+
+Each block's clean stream comes from the generation's cache on this host as far as it holds the
+context (compared byte by byte), so a sweep computes only the positions its cache lacks (one per
+sweep at K = 1) and the z tokens; contexts of different lengths share the pass right-aligned
+(model/cached.py). Without a cache (none yet, evicted, the window moved, another replica, or
+`--no-kv-cache`) a sweep computes its whole context: the cache changes the cost, never the
+result beyond float rounding.
 
 Batched and unbatched sweeps follow one law: the rows of one request see the same layout, the
 same grid points and the same steps as they would alone; a step that draws noise (ancestral)
@@ -11,19 +18,23 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
 
 from blocktrain.model import Sampling, ZLayout, sample_bytes
-from blocktrain.model.sampler import RowGenerators, needs_generator, run_points, stack_denoiser
+from blocktrain.model.cached import CleanBatch, CleanCache, right_align
+from blocktrain.model.sampler import RowGenerators, needs_generator, run_points
 from blocktrain.model.speculative import verify_layout
 from blocktrain.serving.loading import HostedModel
+from blocktrain.serving.sessions import SessionStore
 from blocktrain.serving.wire import SweepHeader, bytes_tensor, encode
 
 SweepKey = tuple[str, int, int, str, int, int, int]
 """What sweeps must share to run as one batch: model, grid point, steps per block, sampler,
-drafted bytes, context length, state length."""
+drafted bytes, state length (so one layout serves the batch), and the bucket of the clean
+positions to compute (`fresh_bucket`). Context lengths may differ (model/cached.py)."""
 SweepResult = tuple[torch.Tensor, int, bytes | None, list[int], float]
 """Per sweep: (z, next step, the final answer or None, blocks run, compute seconds of its
 batch)."""
@@ -40,6 +51,35 @@ class SweepJob:
     grid: list[tuple[int, float]]
     gen: torch.Generator | None
     sampling: Sampling | None
+    session: str | None = None
+    """The generation's clean-stream caches on this host (None: keep none)."""
+
+
+@dataclass
+class CacheStats:
+    """What the clean-stream caches saved, for /v1/info and the load bench: context positions
+    run through a block, and those taken from a cache instead."""
+
+    computed: int = 0
+    reused: int = 0
+
+    def describe(self) -> dict[str, int]:
+        return {"positions_computed": self.computed, "positions_reused": self.reused}
+
+
+def host_points(grid: list[tuple[int, float]], start: int, parts: Collection[int]) -> range:
+    """The grid points a host runs from `start` on: the consecutive ones of its blocks."""
+    stop = start
+    while stop < len(grid) and grid[stop][0] in parts:
+        stop += 1
+    return range(start, stop)
+
+
+def fresh_bucket(positions: int) -> int:
+    """Sweeps that compute about as many clean positions batch together (0, 1, 2, 4, 8, ...):
+    a batch computes its largest, so a prompt's first sweep (the whole context) must not make
+    the sweeps that add one byte recompute theirs; within a bucket at most 2x."""
+    return 0 if positions <= 0 else 1 << (positions - 1).bit_length()
 
 
 def final_answer(
@@ -60,22 +100,41 @@ def final_answer(
     return encode(out)
 
 
+def reusable(
+    jobs: list[SweepJob], blocks: list[int], sessions: SessionStore | None
+) -> list[tuple[int, dict[int, CleanCache]]]:
+    """Per job: how many leading context positions every one of `blocks` holds in its cache
+    (compared byte by byte with the context sent: nothing a caller claims is trusted), and
+    those caches."""
+    out = []
+    for j in jobs:
+        caches = (
+            {}
+            if sessions is None or j.session is None
+            else sessions.clean(j.model.name, j.session, blocks)
+        )
+        held = [caches[b].reusable(j.x) if b in caches else 0 for b in blocks]
+        out.append((min(held), caches))
+    return out
+
+
 @torch.no_grad()
-def run_sweeps(jobs: list[SweepJob], compute: threading.Lock) -> list[SweepResult]:
-    """This host's consecutive points of the grid for `jobs` (same key), under `compute`."""
+def run_sweeps(
+    jobs: list[SweepJob],
+    compute: threading.Lock,
+    sessions: SessionStore | None = None,
+    stats: CacheStats | None = None,
+) -> list[SweepResult]:
+    """This host's consecutive points of the grid for `jobs` (same key), under `compute`: the
+    contexts right-aligned in one batch, each block's clean stream taken from the jobs' caches
+    in `sessions` as far as they hold it, and the caches kept for the jobs' next sweeps."""
     head = jobs[0]
     model, header, grid = head.model, head.header, head.grid
-    assert model.stack is not None
-    start = stop = header.step
-    while stop < len(grid) and grid[stop][0] in model.parts:
-        stop += 1
-    visited = sorted({grid[n][0] for n in range(start, stop)})
-    x = torch.cat([j.x for j in jobs]) if len(jobs) > 1 else head.x
-    z = torch.cat([j.z for j in jobs]) if len(jobs) > 1 else head.z
-    if header.drafted:
-        layout = verify_layout(x.shape[1] - header.drafted, header.drafted, device=x.device)
-    else:
-        layout = ZLayout.next_span(x.shape[1], z.shape[1], device=x.device)
+    stack = model.stack
+    assert stack is not None
+    points = host_points(grid, header.step, model.parts)
+    visited = sorted({grid[n][0] for n in points})
+    cfg = model.config.model
     rows = [j.x.shape[0] for j in jobs]
     gens: RowGenerators | None = None
     samplings: list[Sampling] = []  # each request's, for the steps that draw bytes (reveal)
@@ -84,24 +143,77 @@ def run_sweeps(jobs: list[SweepJob], compute: threading.Lock) -> list[SweepResul
         samplings = [j.sampling or Sampling() for j in jobs if j.gen is not None]
     with compute:
         t0 = time.perf_counter()
+        held = reusable(jobs, visited, sessions)
+        fresh = max(j.x.shape[1] - p for j, (p, _) in zip(jobs, held, strict=True))
+        clean = {
+            b: CleanBatch.gather(
+                [
+                    (j.x.shape[0], j.x.shape[1], c.get(b))
+                    for j, (_, c) in zip(jobs, held, strict=True)
+                ],
+                fresh,
+                layers=cfg.layers_per_block,
+                heads=cfg.n_heads,
+                head_dim=cfg.head_dim,
+            )
+            for b in visited
+        }
+        x, _ = right_align([j.x for j in jobs])
+        if header.drafted:
+            layout = verify_layout(x.shape[1] - header.drafted, header.drafted, device=x.device)
+        else:
+            layout = ZLayout.next_span(x.shape[1], head.z.shape[1], device=x.device)
+
+        def denoise(
+            b: int, xb: torch.Tensor, zb: torch.Tensor, sigma: torch.Tensor, lay: ZLayout
+        ) -> torch.Tensor:
+            return stack.block(b).forward_cached(xb, zb, sigma, lay, clean[b])
+
         z, logits = run_points(
-            stack_denoiser(model.stack),
+            denoise,
             x,
-            z,
+            torch.cat([j.z for j in jobs]) if len(jobs) > 1 else head.z,
             grid,
-            model.stack.targets,
+            stack.targets,
             layout,
-            start=start,
-            stop=stop,
+            start=points.start,
+            stop=points.stop,
             method=header.sampler,
             generator=gens,
             sampling=samplings,
         )
         finals: list[bytes | None] = [None] * len(jobs)
-        if stop == len(grid):
+        if points.stop == len(grid):
             finals = [
                 final_answer(lj, j.header.final, j.gen, j.sampling)
                 for j, lj in zip(jobs, logits.split(rows), strict=True)
             ]
+        if stats is not None:  # a row's own positions (padding is neither)
+            for j in jobs:
+                n, length = j.x.shape
+                stats.computed += min(fresh, length) * n * len(visited)
+                stats.reused += max(0, length - fresh) * n * len(visited)
+        if sessions is not None:
+            keep(jobs, visited, clean, sessions)
         seconds = time.perf_counter() - t0
-    return [(zj, stop, f, visited, seconds) for zj, f in zip(z.split(rows), finals, strict=True)]
+    return [
+        (zj, points.stop, f, visited, seconds) for zj, f in zip(z.split(rows), finals, strict=True)
+    ]
+
+
+def keep(
+    jobs: list[SweepJob],
+    blocks: list[int],
+    clean: dict[int, CleanBatch],
+    sessions: SessionStore,
+) -> None:
+    """Each job's caches of `blocks` for its next sweep, or none after its last (`close`)."""
+    contexts = [j.x for j in jobs]
+    split = {b: clean[b].split(contexts) for b in blocks}
+    for i, j in enumerate(jobs):
+        if j.session is None:
+            continue
+        if j.header.close:
+            sessions.close(j.model.name, j.session, blocks)
+        else:
+            sessions.keep(j.model.name, j.session, {b: split[b][i] for b in blocks})

@@ -13,6 +13,10 @@ A request body is a safetensors file whose metadata key "blocktrain" holds a JSO
                      h (N, L, d) fp32|fp16 hidden states (to the later stages)
                      generator (S,) uint8  as above
 
+A sweep's header may name its generation (`session`): each host keeps its blocks' clean streams
+under it and reuses them as far as the next sweep's context repeats the cached bytes
+(sessions.py, model/cached.py).
+
 A final answer is a safetensors body too: `logits` (N, K, 256) fp32 for a sweep, (N, 256) for a
 stage step; or `bytes` (N, K) / (N,) uint8 and the advanced `generator` state when the last host
 samples. Logits always travel in fp32 so that sampling gives the same bytes wherever it runs;
@@ -77,6 +81,11 @@ class SweepHeader(_Header):
     """A verify sweep (model.speculative): the last `drafted` bytes of x are a draft, and z
     holds drafted + 1 tokens, one per position after the context (K = 1 models; the last host
     answers logits (N, drafted + 1, 256)). 0: an ordinary sweep of one span."""
+    session: str | None = Field(default=None, min_length=1, max_length=64)
+    """Names one generation: each host keeps its blocks' clean-stream caches under it and
+    reuses them as far as the next sweep's context repeats the cached bytes. None: no cache."""
+    close: bool = False
+    """The generation's last sweep: the hosts drop its caches afterwards."""
 
     @field_validator("sampler")
     @classmethod

@@ -1,0 +1,163 @@
+"""A block's clean stream cached per generation, and contexts of different lengths in one
+forward pass: what a block host runs per sweep (`Block.forward_cached`, serving/sweeps.py).
+
+The clean stream of a block does not depend on z or sigma (layers.py): position i's keys and
+values depend only on bytes 0..i. A generation's next sweep sees the same context plus a few new
+bytes (K after a span, the accepted bytes after a verify sweep), so a host keeps each layer's
+rotated (k, v) of the context and computes only the new positions and the z tokens.
+
+Several generations share one forward pass with their contexts **right-aligned** to one length
+L: row r's L_r bytes sit at indices L - L_r .. L - 1 (`pad` = L - L_r indices of padding before
+them), so every row's z tokens sit at the same indices and one `ZLayout`, built for L, serves
+the batch (the z path, `Block.z_tokens`, reads the byte before a span at the same index in
+every row). A token's position (its rotation) is its index less its row's pad; padding keys are
+masked out of every query. The last `fresh` indices of every row are computed (the most any row
+lacks in its cache; a row that lacks fewer recomputes a few cached positions, which costs
+little and keeps one query block for the batch); the indices before them come from the caches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from blocktrain.model.pipeline import KVCache
+
+
+@dataclass
+class CleanCache(KVCache):
+    """One block's clean stream for one generation's rows: keys and values per layer, each
+    (N, H, P, hd), of the bytes `tokens` (N, P): position i holds byte tokens[:, i]."""
+
+    tokens: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0, dtype=torch.long))
+
+    def reusable(self, x: torch.Tensor) -> int:
+        """How many leading positions of the context x (N, L) this cache holds: the bytes that
+        x and the cache share from position 0 on, in every row (0 when the rows differ). The
+        cache is trusted only as far as the bytes say, never a length a caller claims."""
+        if self.tokens.shape[0] != x.shape[0]:
+            return 0
+        n = min(self.length, x.shape[1])
+        differ = (self.tokens[:, :n] != x[:, :n].to(self.tokens.dtype)).any(dim=0)
+        first = torch.nonzero(differ)
+        return int(first[0]) if len(first) else n
+
+    def nbytes(self) -> int:
+        return super().nbytes() + self.tokens.numel() * self.tokens.element_size()
+
+
+def right_align(xs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contexts [(n_j, L_j) int64] -> (x (N, L) with each row right-aligned, padded with byte 0
+    in front; pad (N,) int64: the padding indices of each row), L = max L_j."""
+    length = max(x.shape[1] for x in xs)
+    if all(x.shape[1] == length for x in xs):
+        x = torch.cat(xs) if len(xs) > 1 else xs[0]
+        return x, torch.zeros(x.shape[0], dtype=torch.long)
+    out = torch.zeros(sum(x.shape[0] for x in xs), length, dtype=xs[0].dtype)
+    pads, row = [], 0
+    for x in xs:
+        n, own = x.shape
+        out[row : row + n, length - own :] = x
+        pads += [length - own] * n
+        row += n
+    return out, torch.tensor(pads, dtype=torch.long)
+
+
+@dataclass
+class CleanBatch:
+    """One block's clean stream for a batch of right-aligned contexts of `length` indices. The
+    keys/values (per layer (N, H, length - fresh, hd)) hold the indices before the last `fresh`;
+    `Block.forward_cached` computes those and leaves all `length` indices here (fresh = 0), so
+    the next grid point of the same block (steps_per_block > 1) computes only z."""
+
+    pad: torch.Tensor  # (N,) int64
+    length: int
+    fresh: int
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @staticmethod
+    def gather(
+        jobs: list[tuple[int, int, CleanCache | None]],
+        fresh: int,
+        *,
+        layers: int,
+        heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> CleanBatch:
+        """The batch of `jobs`, each (rows, context length L_j, its cache or None), in row
+        order; every job's cache must hold its first L_j - fresh positions (`reusable`)."""
+        length = max(lj for _, lj, _ in jobs)
+        pad = torch.tensor([length - lj for n, lj, _ in jobs for _ in range(n)], dtype=torch.long)
+        past = length - fresh
+        if len(jobs) == 1:  # one generation, no padding: its cache as it is, no copy
+            n, _, cache = jobs[0]
+            if past == 0:
+                empty = torch.zeros(n, heads, 0, head_dim, dtype=dtype)
+                return CleanBatch(pad, length, fresh, [empty] * layers, [empty] * layers)
+            assert cache is not None and cache.length >= past, "gather past the cache"
+            keys = [cache.keys[i][:, :, :past] for i in range(layers)]
+            values = [cache.values[i][:, :, :past] for i in range(layers)]
+            return CleanBatch(pad, length, fresh, keys, values)
+        # Padding keys are zeros (finite: a masked key still enters the matrix product).
+        n_rows = int(pad.shape[0])
+        keys = [torch.zeros(n_rows, heads, past, head_dim, dtype=dtype) for _ in range(layers)]
+        values = [torch.zeros(n_rows, heads, past, head_dim, dtype=dtype) for _ in range(layers)]
+        row = 0
+        for n, lj, cache in jobs:
+            used = lj - fresh
+            if used > 0:
+                assert cache is not None and cache.length >= used, "gather past the cache"
+                for i in range(layers):
+                    keys[i][row : row + n, :, past - used :] = cache.keys[i][:, :, :used]
+                    values[i][row : row + n, :, past - used :] = cache.values[i][:, :, :used]
+            row += n
+        return CleanBatch(pad, length, fresh, keys, values)
+
+    def split(self, contexts: list[torch.Tensor]) -> list[CleanCache]:
+        """After the forward pass: each job's own cache of its context (n_j, L_j), in row
+        order (copies, so that no job's cache holds the batch's tensors alive)."""
+        assert self.fresh == 0, "split after the forward pass"
+        out, row = [], 0
+        whole = len(contexts) == 1 and contexts[0].shape[1] == self.length
+        for x in contexts:
+            n, lj = x.shape
+            rows, idx = slice(row, row + n), slice(self.length - lj, self.length)
+            keys = {i: k if whole else k[rows, :, idx].clone() for i, k in enumerate(self.keys)}
+            values = {i: v if whole else v[rows, :, idx].clone() for i, v in enumerate(self.values)}
+            out.append(CleanCache(keys, values, lj, x.clone()))
+            row += n
+        return out
+
+    def valid(self) -> torch.Tensor:
+        """(N, length) bool: the indices holding a row's bytes (not padding)."""
+        return torch.arange(self.length)[None, :] >= self.pad[:, None]
+
+    def positions(self, index: torch.Tensor) -> torch.Tensor:
+        """Indices (L,) -> each row's positions there (N, L) (0 in padding)."""
+        return (index[None, :] - self.pad[:, None]).clamp(min=0)
+
+    def clean_mask(self) -> torch.Tensor:
+        """(N, 1, fresh, length) additive: the last `fresh` indices attend causally to the
+        indices holding their row's bytes; a padding query attends to itself only (its output
+        is never read, and a query that may attend to nothing would give NaN)."""
+        index = torch.arange(self.length)
+        query = index[self.length - self.fresh :]
+        causal = index[None, :] <= query[:, None]  # (fresh, length)
+        own = index[None, :] == query[:, None]
+        return additive(((causal[None] & self.valid()[:, None, :]) | own[None])[:, None])
+
+    def z_mask(self, layout_mask: torch.Tensor) -> torch.Tensor:
+        """The layout's mask (Lz, length + Lz) with every row's padding keys masked out ->
+        (N, 1, Lz, length + Lz) additive."""
+        n, z_len = self.pad.shape[0], layout_mask.shape[0]
+        keys = torch.cat((self.valid(), torch.ones(n, z_len, dtype=torch.bool)), dim=1)
+        return additive((layout_mask[None] & keys[:, None, :])[:, None])
+
+
+def additive(allowed: torch.Tensor) -> torch.Tensor:
+    """A bool mask (True = may attend) as the additive one SDPA adds to the scores (0 or -inf):
+    made once per pass, where SDPA would convert a bool mask in every call of every layer."""
+    return torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
