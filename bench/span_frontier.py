@@ -326,6 +326,8 @@ def main() -> None:
                 )
     doc = {
         "preset": args.preset,
+        "steps": args.steps or preset(args.preset).train.steps,
+        "command_args": "".join(f" {a}" for a in sys.argv[1:]),
         "judge": {"run": str(judge_dir.relative_to(ROOT)), "steps": args.judge_steps},
         "prompts": args.prompts,
         "prompt_bytes": gen0.prompt_bytes,

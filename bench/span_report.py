@@ -96,9 +96,9 @@ def report(doc: dict[str, Any]) -> None:
     lines = [
         "## Span generation: speed and quality",
         "",
-        f"`python bench/span_frontier.py --preset {doc['preset']}`; JSON: "
-        "`benchmarks/results/span_frontier.json`. Preset "
-        f"`{doc['preset']}`; judge: preset `judge` (T = 256, seed 1), {doc['judge']['steps']} "
+        f"`python bench/span_frontier.py{doc.get('command_args', ' --preset ' + doc['preset'])}`"
+        "; JSON: `benchmarks/results/span_frontier.json`. Preset "
+        f"`{doc['preset']}`, every compared model trained {doc.get('steps', '?')} steps; judge: preset `judge` (T = 256, seed 1), {doc['judge']['steps']} "
         f"steps. {doc['prompts']} test prompts of {doc['prompt_bytes']} bytes, "
         f"{doc['continuation_bytes']} bytes generated each at temperature {doc['temperature']}. "
         f"The judge's CE on the real continuations (the floor): **{first['floor_ce']:.3f}**; "
