@@ -318,7 +318,9 @@ def markdown(r: dict[str, Any]) -> str:
         eps = x["bytes_by_endpoint"]
         acc = " ".join(f"{v['accepted']}/{v['expected']}" for v in x["blocks"].values())
         refused = sum(v["refused"] for v in x["blocks"].values())
-        pull, push = eps.get("pull", ZERO)["bytes_out"], eps.get("push", ZERO)["bytes_in"]
+        # a pull's body comes with it, or from the version's URL after a 303 ("weights")
+        pull = sum(eps.get(ep, ZERO)["bytes_out"] for ep in ("pull", "weights"))
+        push = eps.get("push", ZERO)["bytes_in"]
         other = sum(v["bytes_in"] + v["bytes_out"] for v in eps.values()) - pull - push
         rows.append(
             f"| {x['round']} | {x['closed_at_s']:.0f} s | {x['from_noise_ce']:.3f} | "
