@@ -8,14 +8,18 @@ already holds `max_rows` rows; while one batch computes, the next ones fill up, 
 the batches grow by themselves. One batch computes at a time per host (in a worker thread, so
 that the event loop keeps answering), oldest bucket first. `max_rows = 1` is batching off: every
 job runs alone, through the same code.
+
+`run` may be a coroutine function (the router's coalescing, coalesce.py): it is awaited on the
+event loop instead of running in a worker thread; still one batch at a time per batcher.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Hashable
+import inspect
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import anyio.to_thread
 
@@ -63,11 +67,16 @@ class Batcher(Generic[K, J, R]):
     submitted under the same key."""
 
     def __init__(
-        self, run: Callable[[K, list[J]], list[R]], *, window_s: float, max_rows: int
+        self,
+        run: Callable[[K, list[J]], list[R]] | Callable[[K, list[J]], Awaitable[list[R]]],
+        *,
+        window_s: float,
+        max_rows: int,
     ) -> None:
         if window_s < 0 or max_rows < 1:
             raise ValueError(f"window {window_s} s must be >= 0 and max rows {max_rows} >= 1")
         self.run, self.window_s, self.max_rows = run, window_s, max_rows
+        self._async = inspect.iscoroutinefunction(run)
         self.stats = BatchStats()
         self._buckets: dict[K, list[_Pending[J]]] = {}
         self._drainer: asyncio.Task[None] | None = None
@@ -108,7 +117,12 @@ class Batcher(Generic[K, J, R]):
                 continue
             self.stats.add(len(batch), sum(p.rows for p in batch))
             try:
-                results = await anyio.to_thread.run_sync(self.run, key, [p.job for p in batch])
+                jobs = [p.job for p in batch]
+                if self._async:
+                    results = await cast(Awaitable[list[R]], self.run(key, jobs))
+                else:
+                    run = cast(Callable[[K, list[J]], list[R]], self.run)
+                    results = await anyio.to_thread.run_sync(run, key, jobs)
             except Exception as exc:  # the batch's error is each of its jobs' error
                 for p in batch:
                     if not p.future.done():

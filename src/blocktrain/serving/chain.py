@@ -26,10 +26,10 @@ from pydantic import BaseModel
 
 from blocktrain.model import Sampling, sample_bytes
 from blocktrain.model.sampler import needs_generator
+from blocktrain.serving.coalesce import Coalescer
 from blocktrain.serving.directory import RemoteModel
 from blocktrain.serving.errors import HostError, HostRefused, HostUnavailable, ServingError
 from blocktrain.serving.replicas import SEPARATOR, Health
-from blocktrain.serving.transport import post_message
 from blocktrain.serving.wire import (
     WIRE_DTYPES,
     Final,
@@ -87,8 +87,11 @@ class Chain:
         sample_on: str = "router",
         stats: ChainStats | None = None,
         health: Health | None = None,
+        coalescer: Coalescer | None = None,
     ) -> None:
         self.client = client
+        self.coalescer = coalescer or Coalescer(client, window_s=0.0, max_sweeps=1)
+        """Posts the messages: sweeps bound for one host go together when it coalesces."""
         self.model = model
         self.wire_dtype = wire_dtype
         self.final: Final = "bytes" if sample_on == "last-host" else "logits"
@@ -148,7 +151,7 @@ class Chain:
             self.health.started(url)
             t0 = time.perf_counter()
             try:
-                answer, trace = await post_message(self.client, url, path, message)
+                answer, trace = await self.coalescer.post(url, path, message)
             except ServingError as exc:
                 # A refusal (4xx) would be the same on every replica: not the host's failure.
                 if not isinstance(exc, HostError) or exc.status < 500:

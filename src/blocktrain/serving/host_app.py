@@ -2,6 +2,7 @@
 errors as JSON.
 
 POST /v1/sweep   run this host's points of the sigma grid on a span's state, then pass it on
+POST /v1/sweeps  several sweeps in one request, each answered on its own (coalesce.py)
 POST /v1/stage   run this host's reference stages (the autoregressive baseline), then pass on
 GET  /v1/info    the models, blocks/stages and fingerprints held here, and the batching
                  counters (needs the secret)
@@ -22,6 +23,7 @@ from fastapi.responses import JSONResponse
 
 from blocktrain.httpserve import HttpGuard, Limits
 from blocktrain.serving.auth import RequireSecret
+from blocktrain.serving.coalesce import host_sweeps
 from blocktrain.serving.errors import ServingError, error_body
 from blocktrain.serving.host import BlockHost, HostSettings
 from blocktrain.serving.loading import HostedModel, load_hosted_model
@@ -88,6 +90,11 @@ def create_app(
     @app.post("/v1/sweep")
     async def sweep(request: Request) -> Response:
         return answer(await host.sweep(await request.body()))
+
+    @app.post("/v1/sweeps")
+    async def sweeps(request: Request) -> Response:
+        body = await host_sweeps(host.sweep, await request.body(), settings.max_batch)
+        return answer((body, []))
 
     @app.post("/v1/stage")
     async def stage(request: Request) -> Response:

@@ -37,6 +37,7 @@ from blocktrain.model import Sampling
 from blocktrain.model.sampler import DEFAULT_SAMPLER, sampler_for
 from blocktrain.model.speculative import SpeculativeLoop
 from blocktrain.serving.chain import Chain, ChainStats
+from blocktrain.serving.coalesce import Coalescer
 from blocktrain.serving.directory import Directory, RemoteModel, unavailable_error
 from blocktrain.serving.errors import BadRequest, HostError, HostRefused, ServingError
 from blocktrain.serving.limits import WorkLimiter, work_units
@@ -107,6 +108,11 @@ class RouterSettings:
     """The hosts' shared secret, sent with every request to them (auth.py)."""
     ca_cert: str | None = None
     """PEM bundle to verify https hosts against (None: the system's CAs)."""
+    coalesce_sweeps: int = 1
+    """Most sweeps of concurrent generations sent to one host in one request (coalesce.py);
+    1: each its own request. At most the hosts' --max-batch."""
+    coalesce_window_ms: float = 2.0
+    """How long a sweep waits for others bound for the same host."""
 
     @property
     def positions(self) -> tuple[tuple[str, ...], ...]:
@@ -133,9 +139,12 @@ class RouterSettings:
             "max_body_bytes",
             "max_work",
             "max_work_in_flight",
+            "coalesce_sweeps",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} = {getattr(self, name)} must be positive")
+        if self.coalesce_window_ms < 0:
+            raise ConfigError(f"--coalesce-window-ms {self.coalesce_window_ms} must be >= 0")
         if self.rate_per_minute < 0:
             raise ConfigError(f"--rate-limit {self.rate_per_minute} must be >= 0 (0: none)")
         if self.max_work > self.max_work_in_flight:
@@ -173,6 +182,11 @@ class Router:
         self.health = Health(clock)
         self.directory = Directory(settings.positions, client, self.health, clock)
         self.work = WorkLimiter(settings.max_work, settings.max_work_in_flight)
+        self.coalescer = Coalescer(
+            client,
+            window_s=settings.coalesce_window_ms / 1000,
+            max_sweeps=settings.coalesce_sweeps,
+        )
 
     def chain(self, model: RemoteModel, stats: ChainStats | None = None) -> Chain:
         return Chain(
@@ -182,6 +196,7 @@ class Router:
             sample_on=self.settings.sample_on,
             stats=stats,
             health=self.health,
+            coalescer=self.coalescer,
         )
 
     async def resolve(self, name: str | None) -> RemoteModel:
