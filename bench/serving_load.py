@@ -264,10 +264,11 @@ def main() -> None:
     window = ("--batch-window-ms", str(args.batch_window_ms))
     # Batching is the hosts' batcher and the router's coalescing together (docs/serving.md).
     coalesce = ("--coalesce-sweeps", "64", "--coalesce-window-ms", str(args.batch_window_ms))
+    single = ("--coalesce-sweeps", "1")  # each sweep its own request
     settings: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-        "unbatched": (("--no-batching",), ()),
+        "unbatched": (("--no-batching",), single),
         "batched": (window, coalesce),
-        "unbatched, no cache": (("--no-batching", "--no-kv-cache"), ()),
+        "unbatched, no cache": (("--no-batching", "--no-kv-cache"), single),
         "batched, no cache": ((*window, "--no-kv-cache"), coalesce),
     }
     router_args = ("--rate-limit", "0", "--max-work-in-flight", "65536")

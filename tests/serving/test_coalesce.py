@@ -98,7 +98,7 @@ def test_coalesced_generations_give_the_bytes_of_generate(runs, stack, sample_on
 
 def test_without_coalescing_every_sweep_is_its_own_request(runs, stack):
     cluster = start_cluster(runs, batch_rows=1)
-    responses, router = generate_together(cluster, REQUESTS[:3])
+    responses, router = generate_together(cluster, REQUESTS[:3], coalesce_sweeps=1)
     assert [r.json()["bytes"] for r in responses] == [expected(stack, q) for q in REQUESTS[:3]]
     assert router.coalescer.describe() == {}
     assert not [c for c in cluster.apps.calls if c.endswith("/v1/sweeps")]

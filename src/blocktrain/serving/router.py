@@ -108,9 +108,9 @@ class RouterSettings:
     """The hosts' shared secret, sent with every request to them (auth.py)."""
     ca_cert: str | None = None
     """PEM bundle to verify https hosts against (None: the system's CAs)."""
-    coalesce_sweeps: int = 1
+    coalesce_sweeps: int = 64
     """Most sweeps of concurrent generations sent to one host in one request (coalesce.py);
-    1: each its own request. At most the hosts' --max-batch."""
+    1: each its own request. At most the hosts' --max-batch (default 64 too)."""
     coalesce_window_ms: float = 2.0
     """How long a sweep waits for others bound for the same host."""
 
