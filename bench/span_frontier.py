@@ -38,7 +38,7 @@ from typing import Any
 import httpx
 import torch
 
-from blocktrain.config import preset
+from blocktrain.config import apply_overrides, preset
 from blocktrain.data import load_split, resolve_data_path
 from blocktrain.data.ngram import NgramDrafter
 from blocktrain.model import BlockStack, Reference
@@ -141,6 +141,16 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="torch threads per host process")
     p.add_argument("--masked-steps", default="1,2,6", help="S values of the masked recipes")
     p.add_argument("--steps", type=int, default=0, help="training steps (0: the preset's)")
+    p.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        dest="overrides",
+        help="settings for every compared model (not the judge), e.g. layers=1 blocks=1; "
+        "the work dir gets --tag",
+    )
+    p.add_argument("--tag", default="", help="suffix of the work dir (needed with --set)")
     p.add_argument("--quality-only", action="store_true", help="skip the speed phase")
     p.add_argument(
         "--name",
@@ -164,14 +174,19 @@ def main() -> None:
     spans, steps, hops = ints(args.spans), ints(args.steps_per_block), ints(args.hops)
     samplers = args.samplers.split(",")
 
-    work = WORK / (f"{args.preset}-{args.steps}" if args.steps else args.preset)
-    base = preset(args.preset).model
+    if args.overrides and not args.tag:
+        p.error("--set changes the models: name their work dir with --tag")
+    work = WORK / "-".join(
+        [args.preset, *([str(args.steps)] if args.steps else []), *([args.tag] if args.tag else [])]
+    )
+    base = apply_overrides(preset(args.preset), args.overrides).model
     train_args = ["--preset", args.preset, *(["--steps", str(args.steps)] if args.steps else [])]
     judge_dir = trained(
         WORK / f"judge-{args.judge_steps}",
         ["--preset", "judge", "--reference", "--steps", str(args.judge_steps)],
     )
-    runs = {"ar": trained(work / "ref", [*train_args, "--reference"])}
+    model_sets = ["--set", *args.overrides] if args.overrides else []
+    runs = {"ar": trained(work / "ref", [*train_args, "--reference", *model_sets])}
     span_runs: dict[str, tuple[int, str]] = {}  # run name -> (K, recipe)
     for recipe in args.recipes.split(","):
         for k in spans if recipe == "default" else [k for k in spans if k > 1]:
@@ -179,7 +194,7 @@ def main() -> None:
                 print(f"skipping K = {k} ({recipe}): does not fit the preset", file=sys.stderr)
                 continue
             name = f"k{k}" if recipe == "default" else f"k{k}-{recipe}"
-            sets = [f"span={k}", *RECIPES[recipe]]
+            sets = [f"span={k}", *RECIPES[recipe], *args.overrides]
             runs[name] = trained(work / name, [*train_args, "--set", *sets])
             span_runs[name] = (k, recipe)
 
@@ -272,6 +287,7 @@ def main() -> None:
             "sweeps": args.sweeps,
             "joint_bytes": args.joint_bytes,
             "command_args": "".join(f" {a}" for a in sys.argv[1:]),
+            "overrides": args.overrides,
             "machine": machine(),
             "rows": [
                 {
@@ -295,7 +311,15 @@ def main() -> None:
     with httpx.Client(timeout=600) as client:
         for hop in hops:
             print(f"speed at {hop} ms per hop", file=sys.stderr, flush=True)
-            with chain(models, hop, args.threads, router_args if drafts else ()) as router:
+            # One request at a time: the batching windows (hosts and router) only delay it,
+            # and the AR stages have none, so both pipelines run without them here.
+            with chain(
+                models,
+                hop,
+                args.threads,
+                (*(router_args if drafts else ()), "--coalesce-sweeps", "1"),
+                ("--batch-window-ms", "0"),
+            ) as router:
                 speeds = [
                     measure(
                         client, router, row["run"], args.speed_bytes, args.repeats, row["fields"]

@@ -15,10 +15,13 @@ def report_quality(doc: dict[str, Any], name: str) -> None:
     """The section NAME (dashes for underscores): the quality columns of a --quality-only run."""
     ar = next(r for r in doc["rows"] if r["method"] == "ar")
     methods = ", ".join(dict.fromkeys(r["method"] for r in doc["rows"] if r["method"] != "ar"))
+    sets = (
+        f" Every model with `--set {' '.join(doc['overrides'])}`." if doc.get("overrides") else ""
+    )
     lines = [
         f"## Span generation: quality at equal training steps ({methods})",
         "",
-        f"`python bench/span_frontier.py{doc['command_args']}`; JSON: "
+        f"`python bench/span_frontier.py{doc['command_args']}`;{sets} JSON: "
         f"`benchmarks/results/{name}.json`. Preset `{doc['preset']}`, every compared model "
         f"trained {doc['steps']} steps (per block); the judge and prompts of the span frontier "
         f"({doc['prompts']} prompts; judge {doc['judge']['steps']} steps). joint_ce on "
@@ -104,8 +107,8 @@ def report(doc: dict[str, Any]) -> None:
         f"The judge's CE on the real continuations (the floor): **{first['floor_ce']:.3f}**; "
         f"their byte entropy {first['real_entropy']:.3f}. joint_ce: M = {doc['sweeps']} sweeps "
         f"on {doc['joint_bytes']} test bytes (the AR row: its exact CE). Speed: one request of "
-        f"{doc['speed_bytes']} bytes through 3 host processes and a router on loopback, the hop "
-        "latency emulated; ratio = bytes/s over the plain AR pipeline's at the same hop. "
+        f"{doc['speed_bytes']} bytes through 3 host processes and a router on loopback (batching "
+        "windows off: one request gains nothing from them), the hop latency emulated; ratio = bytes/s over the plain AR pipeline's at the same hop. "
         f"Machine: {doc['machine'].get('cpu', '?')}.",
         "",
         "| method | K | S | D | gen_ce (± s.e.) | entropy | joint_ce | "
