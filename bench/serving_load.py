@@ -252,7 +252,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="rounds of each setting, in turns")
     p.add_argument("--prompt-bytes", type=int, default=64)
     p.add_argument("--max-bytes", type=int, default=16, help="bytes generated per request")
-    p.add_argument("--batch-window-ms", type=float, default=2.0)
+    p.add_argument("--batch-window-ms", type=float, default=0.0, help="hosts and router")
     p.add_argument("--report-only", action="store_true", help="rewrite BENCHMARKS.md from JSON")
     args = p.parse_args()
     if args.report_only:

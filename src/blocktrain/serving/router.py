@@ -111,8 +111,9 @@ class RouterSettings:
     coalesce_sweeps: int = 64
     """Most sweeps of concurrent generations sent to one host in one request (coalesce.py);
     1: each its own request. At most the hosts' --max-batch (default 64 too)."""
-    coalesce_window_ms: float = 2.0
-    """How long a sweep waits for others bound for the same host."""
+    coalesce_window_ms: float = 0.0
+    """How long a sweep waits for others bound for the same host (0: none; those that arrive
+    while a request to the host is in flight go together after it)."""
 
     @property
     def positions(self) -> tuple[tuple[str, ...], ...]:
