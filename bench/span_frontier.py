@@ -311,15 +311,9 @@ def main() -> None:
     with httpx.Client(timeout=600) as client:
         for hop in hops:
             print(f"speed at {hop} ms per hop", file=sys.stderr, flush=True)
-            # One request at a time: the batching windows (hosts and router) only delay it,
-            # and the AR stages have none, so both pipelines run without them here.
-            with chain(
-                models,
-                hop,
-                args.threads,
-                (*(router_args if drafts else ()), "--coalesce-sweeps", "1"),
-                ("--batch-window-ms", "0"),
-            ) as router:
+            # One request at a time, with the serving defaults: no batching window, so a lone
+            # sweep waits for nothing (the AR stages have none either).
+            with chain(models, hop, args.threads, router_args if drafts else ()) as router:
                 speeds = [
                     measure(
                         client, router, row["run"], args.speed_bytes, args.repeats, row["fields"]

@@ -107,8 +107,8 @@ def report(doc: dict[str, Any]) -> None:
         f"The judge's CE on the real continuations (the floor): **{first['floor_ce']:.3f}**; "
         f"their byte entropy {first['real_entropy']:.3f}. joint_ce: M = {doc['sweeps']} sweeps "
         f"on {doc['joint_bytes']} test bytes (the AR row: its exact CE). Speed: one request of "
-        f"{doc['speed_bytes']} bytes through 3 host processes and a router on loopback (batching "
-        "windows off: one request gains nothing from them), the hop latency emulated; ratio = bytes/s over the plain AR pipeline's at the same hop. "
+        f"{doc['speed_bytes']} bytes through 3 host processes and a router on loopback (no batching "
+        "window: the serving defaults), the hop latency emulated; ratio = bytes/s over the plain AR pipeline's at the same hop. "
         f"Machine: {doc['machine'].get('cpu', '?')}.",
         "",
         "| method | K | S | D | gen_ce (± s.e.) | entropy | joint_ce | "
