@@ -64,6 +64,9 @@ class ModelConfig:
     """The span's corruption: gaussian (z = E[y] + sigma * eps) or masked (docs/model.md)."""
     mask_loss: str = "mean"
     """A masked run's loss: the masked bytes' mean CE, or MD4's elbo (measured worse)."""
+    mask_suffix_share: float = 0.5
+    """A masked run's share of training sequences masked as a suffix of every span (the states
+    the left-to-right sampler visits); the rest are masked at random (CDCD's mix)."""
 
     def __post_init__(self) -> None:
         _check(self.d_model > 0, "d_model", self.d_model, "must be positive")
@@ -125,6 +128,8 @@ class ModelConfig:
         )
         _check(0 <= self.overlap < 1, "overlap", self.overlap, "must lie in [0, 1)")
         _check(self.aux_weight >= 0, "aux_weight", self.aux_weight, "must be >= 0")
+        share = self.mask_suffix_share
+        _check(0 <= share <= 1, "mask_suffix_share", share, "must lie in [0, 1]")
         for name, ok in (("process", PROCESSES), ("mask_loss", ("mean", "elbo"))):
             value = getattr(self, name)
             _check(value in ok, name, value, f"must be one of {', '.join(ok)}")

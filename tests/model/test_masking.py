@@ -78,11 +78,19 @@ def test_mask_intervals_tile_the_rates_with_block_0_the_most_masked():
 def test_training_masks_are_random_at_rate_t_or_suffixes_of_every_span():
     x = torch.zeros(4000, 16, dtype=torch.long)
     t = torch.full((4000,), 0.5)
-    masked = draw_masks(x, t, 4, torch.Generator().manual_seed(0))
+    masked = draw_masks(x, t, 4, torch.Generator().manual_seed(0), suffix_share=0.5)
     spans = masked.view(4000, 4, 4)
     suffix = spans.eq(torch.tensor([False, False, True, True])).all(-1).all(-1)
     assert 0.45 < float(suffix.float().mean()) < 0.55, "half the rows: the last t K of each span"
     assert float(masked[~suffix].float().mean()) == pytest.approx(0.5, abs=0.01)
+
+
+@pytest.mark.parametrize("share, suffixes", [(1.0, 4000), (0.0, 0)])
+def test_the_suffix_share_sets_how_many_rows_mask_span_suffixes(share, suffixes):
+    x = torch.zeros(4000, 16, dtype=torch.long)
+    masked = draw_masks(x, torch.full((4000,), 0.5), 4, torch.Generator().manual_seed(0), share)
+    suffix = masked.view(4000, 4, 4).eq(torch.tensor([False, False, True, True])).all(-1).all(-1)
+    assert int(suffix.sum()) == pytest.approx(suffixes, abs=40)  # a random row is rarely one
 
 
 def test_the_state_determines_the_revealed_bytes_in_fp32_and_fp16():

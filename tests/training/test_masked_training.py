@@ -43,7 +43,7 @@ def test_masked_loss_equals_the_hand_written_loss(mask_loss):
     lo, hi = mask_interval(BLOCK, model.blocks, model.overlap)
     lo = max(lo, 1 / model.span)
     t = lo + (hi - lo) * torch.rand(N, generator=gen)
-    masked = draw_masks(x, t, model.span, gen)
+    masked = draw_masks(x, t, model.span, gen, model.mask_suffix_share)
     z = masked_state(targets, x, ~masked)
     assert torch.equal(call["z"], z), "revealed bytes enter as E[y], masked ones as 0"
     assert torch.allclose(call["sigma"], 10.0**t), "the block sees t as sigma = 10^t"

@@ -6,7 +6,8 @@ and wire format. The mask rate t (the share of a span still masked) plays the pa
 
 - training: block b owns t in [(B-1-b)/B, (B-b)/B] (block 0 the most masked), widened by the
   overlap; a sequence draws t, and each span byte is masked with probability t, or (for a share of
-  the sequences) the last round(t K) bytes of every span are, the states the sampler visits;
+  the sequences, `mask_suffix_share`) the last round(t K) bytes of every span are, the states
+  the sampler visits;
 - sampling: all masked; block b takes each span from the top of its interval to the bottom, in up
   to S rounds, each revealing the leftmost masked bytes drawn from that round's logits. With B S
   >= K every round reveals one byte: a left-to-right factorisation with an exact likelihood.
@@ -20,10 +21,6 @@ from __future__ import annotations
 import math
 
 import torch
-
-PREFIX_SHARE = 0.5
-"""Share of the training sequences masked as a suffix of every span (the left-to-right sampler's
-states) rather than at random (CDCD's mix; span-research.md R1)."""
 
 PIN_LOGIT = -1.0e4
 """The logit of every byte but the revealed one in a revealed position's final logits: finite
@@ -90,16 +87,17 @@ def to_reveal(revealed: torch.Tensor, still_masked: int) -> torch.Tensor:
 
 
 def draw_masks(
-    x: torch.Tensor, t: torch.Tensor, span: int, generator: torch.Generator
+    x: torch.Tensor, t: torch.Tensor, span: int, generator: torch.Generator, suffix_share: float
 ) -> torch.Tensor:
     """The training masks (N, T) bool for bytes x (N, T) at mask rates t (N,): each byte masked
-    with probability t, or, for PREFIX_SHARE of the rows, the last round(t K) bytes of every span."""
+    with probability t, or, for `suffix_share` of the rows (`mask_suffix_share`), the last
+    round(t K) bytes of every span."""
     n, seq = x.shape
     dev = generator.device
     random = torch.rand(n, seq, generator=generator, device=dev) < t[:, None]
     in_span = (torch.arange(seq, device=dev) % span)[None, :]
     suffix = in_span >= torch.round((1 - t) * span)[:, None]
-    rows = torch.rand(n, generator=generator, device=dev) < PREFIX_SHARE
+    rows = torch.rand(n, generator=generator, device=dev) < suffix_share
     return torch.where(rows[:, None], suffix, random).to(x.device)
 
 

@@ -99,7 +99,7 @@ class BlockLoss:
         lo = max(lo, 1.0 / k)
         u = torch.rand(n, generator=generator, device=generator.device)
         rate = (lo + (hi - lo) * u).to(x_bytes.device)  # (N,)
-        masked = draw_masks(x_bytes, rate, k, generator)  # (N, T)
+        masked = draw_masks(x_bytes, rate, k, generator, self.cfg.mask_suffix_share)  # (N, T)
         z = masked_state(self.targets, x_bytes, ~masked)
         code = torch.pow(10.0, rate)  # masking.mask_code, per sequence
         logits, aux = block(x_bytes, z, code, self.layout(x_bytes.device), with_aux=want_aux)
