@@ -170,7 +170,7 @@ def test_a_ledger_of_the_first_schema_gains_the_new_columns(tmp_path):
     assert [r["held"] for r in ledger.rounds(0)] == [None, "median needs more votes"]
     ledger.close()
     with sqlite3.connect(path) as db:
-        assert db.execute("SELECT value FROM meta").fetchone() == ("3",)
+        assert db.execute("SELECT value FROM meta").fetchone() == ("4",)
 
 
 def test_a_silent_worker_cannot_make_every_round_wait_for_the_deadline(tmp_path):

@@ -95,6 +95,8 @@ class Committed:
 
 
 CommitListener = Callable[[Committed], None]
+ReputationListener = Callable[[tuple[str, int], float, float], None]
+"""Called with (identity, its new reputation, the time) when an update changed it."""
 
 
 def max_body_bytes(settings: AggregatorSettings, largest_block_params: int) -> int:
@@ -124,6 +126,7 @@ class RoundEngine:
         self.max_body = max_body_bytes(settings, max(st.spec.n_params for st in blocks.values()))
         self.on_commit: list[CommitListener] = []
         """Called with each commit before its weights are published."""
+        self.on_reputation: list[ReputationListener] = []
 
     def use_probe(self, probe: EffectProbe | None) -> None:
         """Judge updates by their effect with `probe` (unless the setting turns it off)."""
@@ -269,8 +272,10 @@ class RoundEngine:
         if meta is None:
             return False  # unreadable: it names no round
         identity = self.registry.identity(worker)
-        if checked.effect is not None and (verdict.accepted or verdict.reason == "harmful"):
-            self.reputation.observe(identity, helpful=verdict.accepted)
+        judged = checked.effect is not None and (verdict.accepted or verdict.reason == "harmful")
+        if judged and self.reputation.observe(identity, helpful=verdict.accepted):
+            for listener in self.on_reputation:
+                listener(identity, self.reputation.of(identity), now)
         rounds = self.blocks[block].rounds
         if not verdict.accepted:
             rounds.record(worker, verdict, round=meta.round, now=now)

@@ -79,9 +79,13 @@ class Reputation:
             )
         return Verdict.ok()
 
-    def observe(self, identity: Hashable, helpful: bool) -> None:
+    def observe(self, identity: Hashable, helpful: bool) -> bool:
+        """Score one judged update; whether the identity's reputation changed (a helpful update
+        of an identity at 1 does not change it)."""
         score = self.of(identity)
-        self.scores[identity] = min(1.0, score + REWARD) if helpful else score * PENALTY
+        new = min(1.0, score + REWARD) if helpful else score * PENALTY
+        self.scores[identity] = new
+        return new != score
 
 
 class ProbeCache:

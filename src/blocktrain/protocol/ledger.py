@@ -1,8 +1,9 @@
 """The ledger: one SQLite file recording tokens (hashed), workers, each block's committed state,
-every closed round, every update's fate, and the bytes moved: the aggregator's source of truth
-across restarts. An update is acknowledged as accepted only after its row is durable here (and
-its body fsynced); a round's commit marks its accepted updates with the version they went into,
-in one transaction: every row with fate 'accepted' has a committed_version, but the open round's.
+every closed round, every update's fate, the bytes moved and each identity's reputation: the
+aggregator's source of truth across restarts. An update is acknowledged as accepted only after
+its row is durable here (and its body fsynced); a round's commit marks its accepted updates
+with the version they went into, in one transaction: every row with fate 'accepted' has a
+committed_version, but the open round's.
 
 WAL journal, fsynced after every transaction (`ledger_schema.fsync_wal`, what synchronous=FULL
 does), except an accepted update's row, which the service fsyncs outside its lock before it
@@ -21,9 +22,7 @@ from typing import Any
 from blocktrain.protocol import ledger_counts
 from blocktrain.protocol.ledger_recovery import RecoveryTables
 from blocktrain.protocol.ledger_schema import (
-    COLUMNS_ADDED,
     SCHEMA,
-    SCHEMA_VERSION,
     TOKEN_SELECT,
     Readers,
     TokenRow,
@@ -31,6 +30,7 @@ from blocktrain.protocol.ledger_schema import (
     WorkerRow,
     connect,
     fsync_wal,
+    migrate,
 )
 
 BLOCKS = "SELECT block FROM blocks ORDER BY block"
@@ -47,13 +47,7 @@ class Ledger(RecoveryTables):
         with self._lock:
             self._db.executescript(SCHEMA)
         with self._tx() as db:
-            for table, column, kind in COLUMNS_ADDED:  # a ledger of an earlier schema
-                have = {r["name"] for r in db.execute(f"PRAGMA table_info({table})")}
-                if column not in have:
-                    db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
-            db.execute(
-                "INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
-            )
+            migrate(db)  # a ledger of an earlier schema
             self._counts = ledger_counts.load(db)
         self._readers = Readers(self.path)
 

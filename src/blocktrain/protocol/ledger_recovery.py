@@ -1,5 +1,5 @@
-"""The ledger's part for identity and recovery: bans, revoked tokens' dropped updates, when each
-worker last reported, and rollbacks. A mixin of `ledger.Ledger`, which provides the connection;
+"""The ledger's part for identity and recovery: bans, reputations, revoked tokens' dropped
+updates, when each worker last reported, and rollbacks. A mixin of `ledger.Ledger`, which provides the connection;
 kept apart so that each file holds one concern."""
 
 from __future__ import annotations
@@ -47,6 +47,22 @@ class RecoveryTables:
             int(r["id"]): "banned_token" if r["banned"] is not None else "revoked_token"
             for r in rows
         }
+
+    def save_reputation(self, identity: tuple[str, int], score: float, now: float) -> None:
+        """An identity's reputation (`effect.Reputation`; `Registry.identity` names it) after
+        an update changed it, so that a penalty outlives a restart."""
+        kind, ident = identity
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO reputation VALUES (?, ?, ?, ?) ON CONFLICT (kind, id) "
+                "DO UPDATE SET score = excluded.score, updated = excluded.updated",
+                (kind, ident, score, now),
+            )
+
+    def reputations(self) -> dict[tuple[str, int], float]:
+        """Every identity whose reputation an update changed: (kind, id) -> its score."""
+        rows = self._query("SELECT kind, id, score FROM reputation")
+        return {(str(r["kind"]), int(r["id"])): float(r["score"]) for r in rows}
 
     # ------------------------------------------------------------------ updates and rounds
 

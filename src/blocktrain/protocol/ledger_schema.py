@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -108,7 +108,17 @@ CREATE TABLE IF NOT EXISTS traffic (
     bytes_out INTEGER NOT NULL,
     PRIMARY KEY (endpoint, block, worker_id)
 );
+CREATE TABLE IF NOT EXISTS reputation (
+    kind TEXT NOT NULL CHECK (kind IN ('token', 'worker')),
+    id INTEGER NOT NULL,
+    score REAL NOT NULL,
+    updated REAL NOT NULL,
+    PRIMARY KEY (kind, id)
+);
 """
+# Schema version 4 added the reputation table: `CREATE TABLE IF NOT EXISTS` gives it to an
+# older ledger on open (an identity without a row has reputation 1, as every identity had
+# before), and `migrate` records the version.
 
 COLUMNS_ADDED = (
     # (table, column, type), in the order they were added; a ledger written before gets them
@@ -117,6 +127,17 @@ COLUMNS_ADDED = (
     ("tokens", "ban_reason", "TEXT"),
     ("rounds", "held", "TEXT"),
 )
+
+
+def migrate(db: sqlite3.Connection) -> None:
+    """Bring a ledger of an earlier schema to this one, after SCHEMA created what it lacked:
+    the columns added since, and the version. Call it in a transaction."""
+    for table, column, kind in COLUMNS_ADDED:
+        have = {r["name"] for r in db.execute(f"PRAGMA table_info({table})")}
+        if column not in have:
+            db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+    db.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+
 
 TOKEN_SELECT = (
     "SELECT t.id, t.name, t.created, t.revoked, t.banned, t.ban_reason, "
