@@ -2,7 +2,11 @@
 
 A new --state folder is created from --preset (version 0 of every block, initialised from the
 run's seed); an existing one is resumed from its last committed version, and flags given here
-replace its saved protocol settings. Stop it with Ctrl-C or SIGTERM; kill it at any time: the
+replace its saved protocol settings. The folder saves the run, the settings, the blocks served
+(--blocks) and their peers (--peer) at the first start, and its ledger keeps every round,
+update, token, ban and reputation: a restart carries on where the last process stopped. Without
+--blocks a restart serves the saved blocks; other blocks are refused (exit 2). A --peer
+replaces its block's saved URL. Stop it with Ctrl-C or SIGTERM; kill it at any time: the
 state folder is consistent after every commit.
 
 Limits: every body is capped before it is read (pushes at max_body_bytes, JSON at 16 KiB),
@@ -34,7 +38,7 @@ from blocktrain.config import RunConfig
 from blocktrain.data import load_split
 from blocktrain.errors import ConfigError, DataError
 from blocktrain.httpserve import Limits, bind, url_of
-from blocktrain.protocol.directory import Directory, parse_blocks, parse_peer
+from blocktrain.protocol.directory import Directory, parse_blocks, parse_peer, placed
 from blocktrain.protocol.limits import JSON_BODY_BYTES, AccessLimits
 from blocktrain.protocol.settings import AggregatorSettings
 from blocktrain.protocol.state import create_state
@@ -59,6 +63,8 @@ EXAMPLES = """examples:
   blocktrain aggregator --state runs/agg1 --preset tiny --blocks 1 --port 8471 \\
       --peer 0=http://10.0.0.5:8470 --peer 2=http://10.0.0.7:8472
   blocktrain token add alice --state runs/agg0 --state runs/agg1 --state runs/agg2
+  blocktrain aggregator --state runs/agg0 --port 8470       # restart: block 0, saved peers
+  blocktrain aggregator --state runs/agg0 --port 8470 --peer 1=http://10.0.0.8:8471  # moved
   blocktrain aggregator --state runs/agg --data wikitext/   # the effect probe's held-out slice
   blocktrain aggregator --state runs/agg --effect-probe off --rule trimmed_mean --tolerate 1
   blocktrain aggregator --state runs/agg --wire int8        # deltas as int8, a scale per row
@@ -94,7 +100,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--blocks",
         metavar="B[,B...]",
         help="serve only these blocks (default: all); run one aggregator per block or subset, "
-        "each with its own --state, and name the others with --peer",
+        "each with its own --state, and name the others with --peer. Saved in the state at "
+        "its first start: a restart without --blocks serves them, one with others exits 2",
     )
     p.add_argument(
         "--peer",
@@ -102,7 +109,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=[],
         metavar="BLOCK=URL",
         help="where another aggregator serves BLOCK (repeatable), for GET /v1/directory: "
-        "workers asking here for BLOCK are sent there",
+        "workers asking here for BLOCK are sent there. Saved in the state; at a restart a "
+        "--peer replaces its block's saved URL, and the others stay",
     )
     p.add_argument(
         "--public-weights",
@@ -140,28 +148,35 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
-def prepare_state(args: argparse.Namespace) -> tuple[StateDir, AggregatorSettings]:
+def prepare_state(args: argparse.Namespace) -> tuple[StateDir, AggregatorSettings, Directory]:
+    """The state folder (created from --preset, or resumed with the settings' overrides) and
+    the directory of its blocks (`directory.placed`: --blocks and --peer checked against the
+    saved ones before anything is written)."""
     state = StateDir(Path(args.state))
     overrides = settings_overrides(args)
+    served = None if args.blocks is None else parse_blocks(args.blocks)
+    peers = dict(parse_peer(text) for text in args.peer)
     if state.initialised:
         if args.preset is not None or args.overrides or args.seed is not None:
             raise ConfigError(
                 f"{args.state} already holds a run; omit --preset/--set/--seed "
                 "to resume it, or choose a new --state"
             )
+        directory = placed(state, served, peers)
         settings = state.settings().replace(**overrides)
         if overrides:
             state.write_manifest(
                 run_config=state.run_config(), settings=settings, n_blocks=state.n_blocks()
             )
-        return state, settings
+        return state, settings, directory
     if args.preset is None:
         raise ConfigError(
             f"{args.state} holds no aggregator state yet: give --preset NAME to create one"
         )
     cfg = resolve_config(args)
+    Directory.build(cfg.model.blocks, served, peers)  # a clear error before the state is made
     state = create_state(Path(args.state), cfg, overrides, initial_blocks(cfg))
-    return state, state.settings()
+    return state, state.settings(), placed(state, served, peers)
 
 
 def access_limits(args: argparse.Namespace) -> AccessLimits:
@@ -202,10 +217,7 @@ def run(args: argparse.Namespace) -> int:
     tls = TlsFiles(args.tls_cert, args.tls_key) if args.tls_cert else None
     check_tls(tls)
     limits = access_limits(args)  # a clear error before the state is touched
-    served = None if args.blocks is None else parse_blocks(args.blocks)
-    peers = dict(parse_peer(text) for text in args.peer)
-    state, settings = prepare_state(args)
-    directory = Directory.build(state.n_blocks(), served, peers)
+    state, settings, directory = prepare_state(args)
     app = create_app(
         settings,
         storage=state,

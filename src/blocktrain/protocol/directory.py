@@ -16,6 +16,11 @@ trains for (`blocktrain token add --state A --state B ...` adds one token to sev
 maps every block the aggregator knows of to a URL: its own blocks to the URL the request came
 in on, the others to their `--peer`. A worker (`protocol.worker.WorkerLoop`) reads it before it
 registers and after a `wrong_aggregator` refusal, and talks to the aggregator of its block.
+
+The state folder saves the blocks served and the peers at the first start (`placed`): a restart
+without `--blocks` serves the same blocks, one with other blocks is refused, and a `--peer`
+replaces its block's saved URL. Only the served blocks are loaded (`persist.Durable.restore`),
+so the others open no round, and `/v1/status`, `/metrics` and the ledger hold nothing of them.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from fastapi.responses import JSONResponse
 
 from blocktrain.errors import ConfigError
 from blocktrain.protocol.auth import refused
+from blocktrain.protocol.storage import StateDir
 
 PEER_HELP = "BLOCK=URL, e.g. 1=http://10.0.0.6:8470"
 
@@ -95,6 +101,34 @@ class Directory:
             "blocks": dict(sorted(urls.items(), key=lambda kv: int(kv[0]))),
             "served": list(self.served),
         }
+
+
+def placed(
+    storage: StateDir, served: Collection[int] | None = None, peers: dict[int, str] | None = None
+) -> Directory:
+    """The directory of an aggregator over `storage`, given its start's `--blocks` (`served`;
+    None: not given) and `--peer`s, saved in the state folder (`StateDir.placement`).
+
+    The first start saves the blocks it serves (all when not given); every later start serves
+    those: a `served` that disagrees is a ConfigError naming both, since the folder holds those
+    blocks' rounds and no other's. Peers may move: one given replaces the saved URL of its
+    block, and the folder keeps the latest."""
+    saved_served, saved_peers = storage.placement()
+    if served is not None and saved_served is not None and sorted(set(served)) != saved_served:
+        raise ConfigError(
+            f"--blocks {_blocks(served)} disagrees with {storage.root}, which serves block(s) "
+            f"{_blocks(saved_served)} (saved at its first start); omit --blocks to serve "
+            "those, or give another --state"
+        )
+    chosen = served if served is not None else saved_served
+    directory = Directory.build(storage.n_blocks(), chosen, {**saved_peers, **(peers or {})})
+    if (saved_served, saved_peers) != (list(directory.served), directory.peers):
+        storage.save_placement(directory.served, directory.peers)
+    return directory
+
+
+def _blocks(blocks: Collection[int]) -> str:
+    return ",".join(map(str, sorted(set(blocks))))
 
 
 def parse_peer(text: str) -> tuple[int, str]:

@@ -5,11 +5,13 @@ updates are tracked here, so that a commit removes exactly those it aggregated."
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 
 import torch
 
 from blocktrain.protocol import codecs
 from blocktrain.protocol.core import Committed, EngineBlock, RoundEngine
+from blocktrain.protocol.effect import Reputation
 from blocktrain.protocol.ledger_schema import WorkerRow
 from blocktrain.protocol.rounds import NOT_A_REPORT, Contribution, Registry, restore
 from blocktrain.protocol.settings import AggregatorSettings
@@ -32,27 +34,35 @@ class Durable:
         self.pending: dict[int, dict[int, str]] = {}
         """block -> update id -> pending body file, for the open round's accepted updates."""
 
-    def restore(self) -> RoundEngine:
-        """The engine as the ledger and the state folder left it: each block's last committed
-        version, and its open round with the accepted updates, pulls, reports and deadline;
-        bodies written but never accepted, and temporary files of interrupted writes, are
-        removed."""
+    def restore(self, served: Collection[int]) -> RoundEngine:
+        """The engine of the `served` blocks as the ledger and the state folder left it: each
+        block's last committed version, its open round with the accepted updates, pulls, reports
+        and deadline, and every identity's reputation. Bodies written but never accepted, and
+        temporary files of interrupted writes, are removed. A block not served here is not
+        loaded, so it opens no round and commits no version."""
         self.storage.remove_temporaries()
-        workers = self.ledger.workers(active_only=True)
+        workers = [w for w in self.ledger.workers(active_only=True) if w.block in served]
         registry = Registry(self.n_blocks, self.settings.live_window)
         for w in workers:
             registry.add(w.id, w.block, w.last_seen, w.token_id)
+        standing = Reputation(self.settings.min_reputation, dict(self.ledger.reputations()))
         blocks = {
-            b: self._restore_block(b, [w for w in workers if w.block == b], registry)
-            for b in range(self.n_blocks)
+            b: self._restore_block(b, [w for w in workers if w.block == b], registry, standing)
+            for b in sorted(served)
         }
         referenced = {name for pending in self.pending.values() for name in pending.values()}
+        mine = {f"pending/{b}" for b in served}  # another block's bodies are not ours to judge
         for name in self.storage.pending_names():  # bodies written before a crash, never accepted
-            if name not in referenced:
+            if name not in referenced and name.rpartition("/")[0] in mine:
                 self.storage.remove_pending(name)
-        return RoundEngine(self.settings, blocks, registry)
+        engine = RoundEngine(self.settings, blocks, registry)
+        engine.reputation = standing
+        engine.on_reputation.append(self.ledger.save_reputation)
+        return engine
 
-    def _restore_block(self, b: int, workers: list[WorkerRow], registry: Registry) -> EngineBlock:
+    def _restore_block(
+        self, b: int, workers: list[WorkerRow], registry: Registry, standing: Reputation
+    ) -> EngineBlock:
         version, round_, started_at = self.ledger.block_state(b)
         weights = self.storage.load_tensors(b, version)
         momentum = None
@@ -120,7 +130,11 @@ class Durable:
         )
         st = RoundEngine.block(b, weights, momentum, self.settings, rounds)
         for uid, worker, delta, weight, tokens in deltas:
-            st.acc.add(uid, delta, identity=registry.identity(worker), weight=weight, tokens=tokens)
+            identity = registry.identity(worker)
+            # the ledger keeps the timing weight; the vote also carries the identity's standing,
+            # as `RoundEngine.record` gave it
+            weight *= standing.of(identity)
+            st.acc.add(uid, delta, identity=identity, weight=weight, tokens=tokens)
         self.pending[b] = pending
         if contributions:
             log.info(

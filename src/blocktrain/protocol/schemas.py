@@ -106,7 +106,7 @@ class WorkerStatusOut(Out):
 class WorkersOut(Out):
     registered: int
     live: int
-    per_block: list[int]
+    per_block: list[int] = Field(description="live identities of each block in `blocks`")
     list: list[WorkerStatusOut]
 
 
@@ -139,6 +139,8 @@ class StatusOut(Out):
     versions: list[int]
     rounds: list[int]
     done: bool
+    served: list[int] = Field(description="the blocks served here: those `blocks` lists")
+    peers: dict[str, str] = Field(description="block -> the URL of the aggregator serving it")
     workers: WorkersOut
     participation: dict[str, list[RoundRecordOut]] = Field(description="block -> last rounds")
     updates: UpdatesOut

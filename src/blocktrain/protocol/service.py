@@ -36,7 +36,7 @@ from blocktrain.errors import ProtocolError, Refused
 from blocktrain.protocol import auth
 from blocktrain.protocol.auth import Caller, refused
 from blocktrain.protocol.core import Checked, Committed, EngineBlock
-from blocktrain.protocol.directory import Directory
+from blocktrain.protocol.directory import Directory, placed
 from blocktrain.protocol.ledger_schema import TokenRow, fsync_wal
 from blocktrain.protocol.limits import AccessLimits, RateLimiter
 from blocktrain.protocol.persist import Durable
@@ -73,17 +73,22 @@ class AggregatorService:
         self.settings = settings if settings is not None else storage.settings()
         self.run_config: dict[str, Any] = dict(manifest["run_config"])
         self.n_blocks = int(manifest["blocks"])
-        self.directory = directory or Directory.build(self.n_blocks)
-        """The blocks served here; the others are refused with where they live."""
+        self.directory = (
+            placed(storage)
+            if directory is None
+            else placed(storage, directory.served, directory.peers)
+        )
+        """The blocks served here (as the state folder saved them, `directory.placed`); the
+        others are refused with where they live, and leave no trace here."""
         self.clock = clock
         self.ledger = storage.ledger
-        self.traffic = Traffic(self.ledger, self.n_blocks)
+        self.traffic = Traffic(self.ledger, self.directory.served)
         self.lock = threading.RLock()
         self.started_at = clock()
         self.durable = Durable(storage, self.settings)
         self._cache: dict[int, tuple[tuple[int, int, float | None], bytes]] = {}
         """block -> ((version, round, deadline), the encoded body of the last pull)."""
-        self.engine = self.durable.restore()
+        self.engine = self.durable.restore(self.directory.served)
         self.engine.on_commit.append(self.durable.commit)
         self.blocks: dict[int, EngineBlock] = self.engine.blocks
         self.max_body = self.engine.max_body
@@ -263,7 +268,7 @@ class AggregatorService:
         size: int,
         **fields: Any,
     ) -> None:
-        known_block = block if block is not None and 0 <= block < self.n_blocks else None
+        known_block = block if block in self.directory.served else None
         self.ledger.record_update(
             received=received,
             bytes=size,

@@ -1,7 +1,8 @@
-"""What `/v1/status` shows: the blocks' open rounds, the workers, the participation of the last
-rounds, the updates by fate and the bytes moved. Its cost does not grow with the ledger: the
-update counts are the ledger's counters, the rounds the last few of each block, the traffic one
-row per (endpoint, block, worker) (tests/protocol/test_limits.py counts the rows read)."""
+"""What `/v1/status` shows: the open rounds of the blocks served here (and where the others
+live), the workers, the participation of the last rounds, the updates by fate and the bytes
+moved. Its cost does not grow with the ledger: the update counts are the ledger's counters, the
+rounds the last few of each block, the traffic one row per (endpoint, block, worker)
+(tests/protocol/test_limits.py counts the rows read)."""
 
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ def snapshot(service: AggregatorService, *, last_rounds: int = 20) -> dict[str, 
                     "delta_bytes": st.spec.delta_bytes,
                 }
             )
-        per_block = registry.live_per_block(now)
+        live_identities = registry.live_per_block(now)
+        per_block = [live_identities[b] for b in service.blocks]
     ledger = service.ledger
     counts = ledger.worker_counts()
     workers = [
@@ -81,8 +83,9 @@ def snapshot(service: AggregatorService, *, last_rounds: int = 20) -> dict[str, 
             refused_total += row["n"]
             by_reason[row["reason"]] = by_reason.get(row["reason"], 0) + row["n"]
     part: dict[str, list[dict[str, Any]]] = {}
-    for row in ledger.rounds(last=last_rounds):
-        part.setdefault(str(row["block"]), []).append(round_record(row))
+    for b in service.blocks:
+        for row in ledger.rounds(b, last=last_rounds):
+            part.setdefault(str(b), []).append(round_record(row))
     return {
         "time": now,
         "uptime_s": now - service.started_at,
@@ -90,6 +93,8 @@ def snapshot(service: AggregatorService, *, last_rounds: int = 20) -> dict[str, 
         "versions": [b["version"] for b in blocks],
         "rounds": [b["round"] for b in blocks],
         "done": all(b["done"] for b in blocks),
+        "served": list(service.directory.served),
+        "peers": {str(b): url for b, url in sorted(service.directory.peers.items())},
         "workers": {
             "registered": len(entries),
             "live": len(live),

@@ -1,6 +1,7 @@
 """The aggregator's state folder.
 
-    STATE/aggregator.json                  run config (opaque here), settings, block count
+    STATE/aggregator.json                  run config (opaque here), settings, block count,
+                                           the blocks served here and their peers' URLs
     STATE/ledger.sqlite                    tokens, workers, rounds, updates, traffic
     STATE/blocks/{b}/v{version}.safetensors   committed fp32 weights of each version
     STATE/blocks/{b}/m{version}.safetensors   outer momentum, when enabled
@@ -18,6 +19,7 @@ import json
 import logging
 import re
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +84,7 @@ class StateDir:
     def write_manifest(
         self, *, run_config: dict[str, Any], settings: AggregatorSettings, n_blocks: int
     ) -> None:
+        """Write the run, settings and block count (the saved placement stays as it was)."""
         doc = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -89,6 +92,11 @@ class StateDir:
             "run_config": run_config,
             "settings": settings.to_dict(),
         }
+        if self.initialised:
+            doc.update({k: v for k, v in self.manifest().items() if k in ("served", "peers")})
+        self._write_manifest(doc)
+
+    def _write_manifest(self, doc: dict[str, Any]) -> None:
         atomic_write_bytes(self.root / MANIFEST, (json.dumps(doc, indent=2) + "\n").encode())
 
     def manifest(self) -> dict[str, Any]:
@@ -119,6 +127,23 @@ class StateDir:
 
     def n_blocks(self) -> int:
         return int(self.manifest()["blocks"])
+
+    def placement(self) -> tuple[list[int] | None, dict[int, str]]:
+        """The blocks served over this folder (None: never saved, a folder older than the
+        record) and where the others live, as `directory.placed` saved them."""
+        doc = self.manifest()
+        served = doc.get("served")
+        peers = doc.get("peers") or {}
+        return (
+            None if served is None else [int(b) for b in served],
+            {int(b): str(url) for b, url in peers.items()},
+        )
+
+    def save_placement(self, served: Iterable[int], peers: dict[int, str]) -> None:
+        doc = self.manifest()
+        doc["served"] = sorted(served)
+        doc["peers"] = {str(b): url for b, url in sorted(peers.items())}
+        self._write_manifest(doc)
 
     # ------------------------------------------------------------------ ledger
 

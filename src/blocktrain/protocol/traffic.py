@@ -3,13 +3,14 @@ between the aggregator's ticks and flushed to the ledger by them, so that a pull
 not pay for a SQLite transaction of its own. Refused requests are counted by endpoint and
 reason in memory only (since the start): a flood of unauthenticated requests costs no disk.
 
-The keys come from the aggregator, never from the request as sent: a block outside the run
-and an unauthenticated worker count under NONE_KEY, and bytes in are the bytes read, so a
+The keys come from the aggregator, never from the request as sent: a block not served here
+(outside the run, or another aggregator's) and an unauthenticated worker count under NONE_KEY, and bytes in are the bytes read, so a
 request cannot add rows to the traffic table or numbers SQLite cannot store."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Collection
 from typing import Any
 
 from blocktrain.protocol.ledger import Ledger
@@ -22,9 +23,10 @@ SQLITE_MAX = 2**63 - 1
 class Traffic:
     """Thread-safe counters over one ledger."""
 
-    def __init__(self, ledger: Ledger, n_blocks: int) -> None:
+    def __init__(self, ledger: Ledger, blocks: Collection[int]) -> None:
         self.ledger = ledger
-        self.n_blocks = n_blocks
+        self.blocks = frozenset(blocks)
+        """The blocks served here; any other counts under NONE_KEY."""
         self._refused: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
         self._counts: dict[tuple[str, int, int], list[int]] = {}
@@ -38,7 +40,7 @@ class Traffic:
         # integers, and one row it cannot store would fail every flush after it.
         key = (
             endpoint,
-            block if block is not None and 0 <= block < self.n_blocks else NONE_KEY,
+            block if block in self.blocks else NONE_KEY,
             worker if worker is not None and 0 <= worker < SQLITE_MAX else NONE_KEY,
         )
         with self._lock:
