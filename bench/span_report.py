@@ -19,7 +19,7 @@ def report_quality(doc: dict[str, Any], name: str) -> None:
         f" Every model with `--set {' '.join(doc['overrides'])}`." if doc.get("overrides") else ""
     )
     lines = [
-        f"## Span generation: quality at equal training steps ({methods})",
+        f"## Span generation quality, `{name}`: {methods} at {doc['preset']}, {doc['steps']} steps",
         "",
         f"`python bench/span_frontier.py{doc['command_args']}`;{sets} JSON: "
         f"`benchmarks/results/{name}.json`. Preset `{doc['preset']}`, every compared model "
