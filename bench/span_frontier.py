@@ -57,14 +57,15 @@ OUT_JSON = "span_frontier.json"
 # so that more steps per block can couple the bytes of a span.
 # masked: block-local masked span diffusion (model/masking.py, span-research.md R1), sampled by
 # revealing bytes left to right; its rows run the reveal sampler at --masked-steps.
-# masked-suffix: the same, trained only on the states that sampler visits (every span's masks a
-# suffix) instead of half of them at random.
+# masked-suffix / masked-random: the same, trained only on the states that sampler visits (every
+# span's masks a suffix), or only on random masks, instead of half and half.
 RECIPES: dict[str, list[str]] = {
     "default": [],
     "lowsigma": ["sigma_min=0.1"],
     "masked": ["process=masked"],
     "masked-elbo": ["process=masked", "mask_loss=elbo"],
     "masked-suffix": ["process=masked", "mask_suffix_share=1"],
+    "masked-random": ["process=masked", "mask_suffix_share=0"],
 }
 
 
