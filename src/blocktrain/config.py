@@ -66,7 +66,8 @@ class ModelConfig:
     """A masked run's loss: the masked bytes' mean CE, or MD4's elbo (measured worse)."""
     mask_suffix_share: float = 0.5
     """A masked run's share of training sequences masked as a suffix of every span (the states
-    the left-to-right sampler visits); the rest are masked at random (CDCD's mix)."""
+    the left-to-right sampler visits); the rest are masked at random (CDCD's mix, measured
+    better than either alone: docs/model.md)."""
 
     def __post_init__(self) -> None:
         _check(self.d_model > 0, "d_model", self.d_model, "must be positive")
