@@ -77,6 +77,12 @@ def parse_args() -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="config overrides (a smoke run's smaller model); the run is then not comparable",
     )
+    p.add_argument(
+        "--effect-probe",
+        choices=("on", "off"),
+        default="on",
+        help="the aggregator's effect probe (on, its default; a new run only)",
+    )
     p.add_argument("--out", default=str(RESULTS / "cluster_small.json"), help="the JSON")
     p.add_argument("--benchmarks", default=str(BENCHMARKS_MD), help="the Markdown to update")
     args = p.parse_args()
@@ -107,6 +113,7 @@ def open_run(args: argparse.Namespace, work: Path) -> tuple[StateDir, list[str],
         "local_steps": args.local_steps,
         "n_workers": args.workers,
         "max_rounds": args.rounds,
+        "effect_probe": args.effect_probe,
     }
     tokens_file = work / "tokens.json"
     if not (work / "state").exists():
@@ -119,7 +126,8 @@ def open_run(args: argparse.Namespace, work: Path) -> tuple[StateDir, list[str],
         fail(f"{work} holds no run of this bench: remove it or pass another --work")
     saved = state.settings()
     ours = (cfg.to_dict(), args.local_steps, args.rounds, args.workers)
-    if (state.run_config(), saved.local_steps, saved.max_rounds, saved.n_workers) != ours:
+    theirs = RunConfig.from_dict(state.run_config()).to_dict()  # keys added since: defaults
+    if (theirs, saved.local_steps, saved.max_rounds, saved.n_workers) != ours:
         fail(
             f"{work} holds another run (preset, steps, H, rounds or workers differ): run the "
             "command that started it to resume it, or pass another --work"
@@ -194,6 +202,10 @@ def summarise(args: argparse.Namespace, work: Path, final: dict[str, Any]) -> di
     state = StateDir(work / "state")
     rounds = state.ledger.rounds()
     traffic = [r for r in state.ledger.traffic() if r["endpoint"] != "status"]  # not protocol
+    updates: dict[str, int] = {}  # "accepted", or the refusal's reason -> updates
+    for r in state.ledger.updates():
+        key = r.fate if r.fate == "accepted" else str(r.reason)
+        updates[key] = updates.get(key, 0) + 1
     settings = state.settings()
     latest = [(b, state.ledger.block_state(b)[0]) for b in range(state.n_blocks())]
     params = [sum(t.numel() for t in state.load_tensors(*bv).values()) for bv in latest]
@@ -206,7 +218,8 @@ def summarise(args: argparse.Namespace, work: Path, final: dict[str, Any]) -> di
     for r in rounds:
         per_block.setdefault(str(r["block"]), []).append(participation(r["in_time"], r["expected"]))
     quality = json.loads((RESULTS / "quality.json").read_text())["converged"]
-    ours, theirs = run_config(args).to_dict(), quality["config"]
+    # Through RunConfig, so that keys added since quality.json was written take their defaults.
+    ours, theirs = run_config(args).to_dict(), RunConfig.from_dict(quality["config"]).to_dict()
     comparable = (
         ours["model"] == theirs["model"]
         and ours["seed"] == theirs["seed"]
@@ -224,6 +237,8 @@ def summarise(args: argparse.Namespace, work: Path, final: dict[str, Any]) -> di
         "steps_per_replica": args.rounds * args.local_steps,
         "deadline_s": settings.deadline_s,
         "delta_wire": settings.push_wire,
+        "effect_probe": settings.effect_probe,
+        "updates": updates,
         "cluster_sampler_ce": final["sampler_ce"],
         "single_sampler_ce": quality["blocktrain_sampler_ce"],
         "gap": final["sampler_ce"] - quality["blocktrain_sampler_ce"],
@@ -274,7 +289,9 @@ noise of quality.json's figure):
 | cluster, {r["workers"]} workers over HTTP | {r["steps_per_replica"]} | **{r["cluster_sampler_ce"]:.4f}** | {f["from_noise_ce"]:.4f} |
 | single process (quality.json, converged) | {r["single_steps"]} | **{r["single_sampler_ce"]:.4f}** | |
 
-Gap {r["gap"]:+.4f} (goal: within 0.02, bar: within 0.05). Participation (accepted in time over
+Gap {r["gap"]:+.4f} (goal: within 0.02, bar: within 0.05). The aggregator's effect probe:
+{r["effect_probe"]}; updates by fate: {", ".join(f"{k} {v}" for k, v in r["updates"].items())}.
+Participation (accepted in time over
 expected, mean per block): {part}; overall {r["participation_mean"]:.3f}. Bytes moved (HTTP bodies,
 status polls excluded): {r["bytes_total"] / 1e9:.2f} GB ({r["bytes_down"] / 1e9:.2f} GB down,
 {r["bytes_up"] / 1e9:.2f} GB up).

@@ -50,7 +50,6 @@ from span_report import QUALITY_KEYS, report, report_quality  # bench/span_repor
 
 BLOCKTRAIN = [sys.executable, "-m", "blocktrain.cli.main"]
 WORK = ROOT / "benchmarks" / "work" / "span_frontier"
-OUT_JSON = "span_frontier.json"
 # Training recipes for the span models, as `--set` overrides of the preset (K > 1 only).
 # default: today's defaults (sigma in [1, 10]). lowsigma: span-research.md R3's first test, a
 # trajectory that crosses the window where the noisy state decides a byte (sigma ~ 0.7 to 0.15),
@@ -158,17 +157,15 @@ def main() -> None:
     p.add_argument("--quality-only", action="store_true", help="skip the speed phase")
     p.add_argument(
         "--name",
-        default="span_frontier_quality",
-        help="with --quality-only: the JSON (NAME.json) and BENCHMARKS.md section it writes",
+        help="the JSON (NAME.json) and BENCHMARKS.md section it writes (default: span_frontier, "
+        "or span_frontier_quality with --quality-only)",
     )
     p.add_argument("--report", action="store_true", help="only rebuild BENCHMARKS.md")
     args = p.parse_args()
+    args.name = args.name or ("span_frontier_quality" if args.quality_only else "span_frontier")
     if args.report:
-        if args.quality_only:
-            doc = json.loads((ROOT / "benchmarks" / "results" / f"{args.name}.json").read_text())
-            report_quality(doc, args.name)
-        else:
-            report(json.loads((ROOT / "benchmarks" / "results" / OUT_JSON).read_text()))
+        doc = json.loads((ROOT / "benchmarks" / "results" / f"{args.name}.json").read_text())
+        (report_quality if args.quality_only else report)(doc, args.name)
         return
     unknown = set(args.recipes.split(",")) - set(RECIPES)
     if unknown:
@@ -361,8 +358,8 @@ def main() -> None:
         "machine": machine(),
         "rows": rows,
     }
-    write_json(OUT_JSON, doc)
-    report(doc)
+    write_json(f"{args.name}.json", doc)
+    report(doc, args.name)
 
 
 if __name__ == "__main__":

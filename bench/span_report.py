@@ -88,7 +88,8 @@ def against_the_goal(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def report(doc: dict[str, Any]) -> None:
+def report(doc: dict[str, Any], name: str = "span_frontier") -> None:
+    """The section NAME (dashes for underscores) of a run with its speed phase."""
     rows = doc["rows"]
     hops = sorted({r["hop_ms"] for r in rows})
     by_key: dict[tuple[str, int, int, int], dict[int, dict[str, Any]]] = {}
@@ -97,10 +98,11 @@ def report(doc: dict[str, Any]) -> None:
         by_key.setdefault(key, {})[r["hop_ms"]] = r
     first = rows[0]
     lines = [
-        "## Span generation: speed and quality",
+        "## Span generation: speed and quality"
+        + ("" if name == "span_frontier" else f", `{name}`"),
         "",
         f"`python bench/span_frontier.py{doc.get('command_args', ' --preset ' + doc['preset'])}`"
-        "; JSON: `benchmarks/results/span_frontier.json`. Preset "
+        f"; JSON: `benchmarks/results/{name}.json`. Preset "
         f"`{doc['preset']}`, every compared model trained {doc.get('steps', '?')} steps; judge: preset `judge` (T = 256, seed 1), {doc['judge']['steps']} "
         f"steps. {doc['prompts']} test prompts of {doc['prompt_bytes']} bytes, "
         f"{doc['continuation_bytes']} bytes generated each at temperature {doc['temperature']}. "
@@ -131,4 +133,4 @@ def report(doc: dict[str, Any]) -> None:
         sample = next(iter(per_hop.values()))["sample"]
         text = json.dumps(sample)[1:-1][:120].replace("`", "'")
         lines.append(f"- {method} K = {k} S = {s or '-'} D = {d or '-'}: `{text}`")
-    update_section("span-frontier", "\n".join(lines))
+    update_section(name.replace("_", "-"), "\n".join(lines))
