@@ -3,11 +3,13 @@ hosts running in this process (httpx ASGI transports, no sockets)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -177,3 +179,22 @@ def in_process(
 def router(cluster: Cluster) -> Iterator[TestClient]:
     with cluster.router() as client:
         yield client
+
+
+def generate_together(
+    cluster: Cluster, bodies: list[dict[str, Any]], **settings: Any
+) -> tuple[list[httpx.Response], Any]:
+    """POST every body to a router over `cluster` at once (asyncio.gather through an ASGI
+    transport); the responses in order, and the router."""
+    app = create_router_app(
+        RouterSettings(hosts=tuple(cluster.urls), **settings), transport=cluster.apps
+    )
+
+    async def main() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            return await asyncio.gather(
+                *(client.post("/v1/generate", json=body, timeout=60) for body in bodies)
+            )
+
+    return asyncio.run(main()), app.state.router

@@ -6,21 +6,18 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
 import pytest
 import torch
 
 from blocktrain.serving import (
     HostSettings,
     ModelSource,
-    RouterSettings,
     create_host_app,
-    create_router_app,
 )
 from blocktrain.serving.batching import Batcher
 from blocktrain.serving.host import BlockHost
 from blocktrain.serving.wire import SamplingSpec, SweepHeader, decode, encode
-from tests.serving.conftest import Cluster, Runs, start_cluster
+from tests.serving.conftest import Cluster, Runs, generate_together, start_cluster
 
 N = 6
 
@@ -150,23 +147,8 @@ def test_sweeps_of_different_context_lengths_share_a_batch_by_the_positions_they
 
 def test_concurrent_requests_through_the_router_are_batched_on_the_hosts(runs):
     cluster: Cluster = start_cluster(runs, batch_window_ms=100.0)
-    app = create_router_app(RouterSettings(hosts=tuple(cluster.urls)), transport=cluster.apps)
-
-    async def main() -> list[httpx.Response]:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
-            return await asyncio.gather(
-                *(
-                    client.post(
-                        "/v1/generate",
-                        json={"model": "bt", "prompt": "The ", "max_bytes": 6, "seed": s},
-                        timeout=60,
-                    )
-                    for s in range(N)
-                )
-            )
-
-    responses = asyncio.run(main())
+    body = {"model": "bt", "prompt": "The ", "max_bytes": 6}
+    responses, _ = generate_together(cluster, [{**body, "seed": s} for s in range(N)])
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
     assert all(r.json()["output_bytes"] == 6 for r in responses)
     hosts = [cluster.apps.apps[url].state.host for url in cluster.urls]  # type: ignore[attr-defined]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -16,15 +15,13 @@ from blocktrain.model import Sampling
 from blocktrain.serving import (
     HostSettings,
     ModelSource,
-    RouterSettings,
     create_host_app,
-    create_router_app,
 )
 from blocktrain.serving.batching import Batcher
 from blocktrain.serving.coalesce import pack, unpack_answers
 from blocktrain.serving.errors import HostRefused
 from blocktrain.serving.wire import SamplingSpec, SweepHeader, decode, encode
-from tests.serving.conftest import Runs, in_process, start_cluster
+from tests.serving.conftest import Runs, generate_together, in_process, start_cluster
 from tests.serving.test_trust import SECRET, asgi_post, endless
 
 # Different prompts (longer and shorter than T = 16), seeds, samplers, sampling and lengths: the
@@ -51,26 +48,8 @@ def expected(stack: Any, req: dict[str, Any]) -> list[int]:
     )
 
 
-def generate_together(cluster: Any, reqs: list[dict[str, Any]], **settings: Any) -> Any:
-    app = create_router_app(
-        RouterSettings(hosts=tuple(cluster.urls), **settings), transport=cluster.apps
-    )
-
-    async def main() -> list[httpx.Response]:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
-            return await asyncio.gather(
-                *(
-                    client.post(
-                        "/v1/generate",
-                        json={"model": "bt", "steps_per_block": 1, **r},
-                        timeout=60,
-                    )
-                    for r in reqs
-                )
-            )
-
-    return asyncio.run(main()), app.state.router
+def bodies(reqs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"model": "bt", "steps_per_block": 1, **r} for r in reqs]
 
 
 @pytest.mark.parametrize("sample_on", ["router", "last-host"])
@@ -80,7 +59,11 @@ def test_coalesced_generations_give_the_bytes_of_generate(runs, stack, sample_on
     # (test_batching.py).
     cluster = start_cluster(runs, batch_rows=1)
     responses, router = generate_together(
-        cluster, REQUESTS, sample_on=sample_on, coalesce_sweeps=64, coalesce_window_ms=50.0
+        cluster,
+        bodies(REQUESTS),
+        sample_on=sample_on,
+        coalesce_sweeps=64,
+        coalesce_window_ms=50.0,
     )
     for req, r in zip(REQUESTS, responses, strict=True):
         assert r.status_code == 200, r.text
@@ -98,7 +81,7 @@ def test_coalesced_generations_give_the_bytes_of_generate(runs, stack, sample_on
 
 def test_without_coalescing_every_sweep_is_its_own_request(runs, stack):
     cluster = start_cluster(runs, batch_rows=1)
-    responses, router = generate_together(cluster, REQUESTS[:3], coalesce_sweeps=1)
+    responses, router = generate_together(cluster, bodies(REQUESTS[:3]), coalesce_sweeps=1)
     assert [r.json()["bytes"] for r in responses] == [expected(stack, q) for q in REQUESTS[:3]]
     assert router.coalescer.describe() == {}
     assert not [c for c in cluster.apps.calls if c.endswith("/v1/sweeps")]

@@ -113,13 +113,14 @@ class RoundEngine:
         blocks: dict[int, EngineBlock],
         registry: Registry | None = None,
         probe: EffectProbe | None = None,
+        reputation: Reputation | None = None,
     ) -> None:
         self.settings = settings
         self.blocks = blocks
         self.registry = registry or Registry(len(blocks), settings.live_window)
         self.probe: ProbeCache | None = None
         self.use_probe(probe)
-        self.reputation = Reputation(settings.min_reputation)
+        self.reputation = Reputation(settings.min_reputation) if reputation is None else reputation
         self._auto_id = 0  # ids for updates recorded without one (the simulator has no ledger)
         self.outer = OuterOptimizer(settings.outer_lr, settings.outer_momentum)
         self.limits = Limits(settings.max_delta_norm, settings.max_tokens)

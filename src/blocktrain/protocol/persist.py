@@ -55,8 +55,7 @@ class Durable:
         for name in self.storage.pending_names():  # bodies written before a crash, never accepted
             if name not in referenced and name.rpartition("/")[0] in mine:
                 self.storage.remove_pending(name)
-        engine = RoundEngine(self.settings, blocks, registry)
-        engine.reputation = standing
+        engine = RoundEngine(self.settings, blocks, registry, reputation=standing)
         engine.on_reputation.append(self.ledger.save_reputation)
         return engine
 
