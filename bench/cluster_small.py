@@ -81,7 +81,7 @@ def parse_args() -> argparse.Namespace:
         "--effect-probe",
         choices=("on", "off"),
         default="on",
-        help="the aggregator's effect probe (on, its default; a new run only)",
+        help="the aggregator's effect probe (on, its default); a resume must pass the same",
     )
     p.add_argument("--out", default=str(RESULTS / "cluster_small.json"), help="the JSON")
     p.add_argument("--benchmarks", default=str(BENCHMARKS_MD), help="the Markdown to update")
@@ -125,12 +125,13 @@ def open_run(args: argparse.Namespace, work: Path) -> tuple[StateDir, list[str],
     if not state.initialised or not tokens_file.exists():
         fail(f"{work} holds no run of this bench: remove it or pass another --work")
     saved = state.settings()
-    ours = (cfg.to_dict(), args.local_steps, args.rounds, args.workers)
+    ours = (cfg.to_dict(), args.local_steps, args.rounds, args.workers, args.effect_probe)
     theirs = RunConfig.from_dict(state.run_config()).to_dict()  # keys added since: defaults
-    if (theirs, saved.local_steps, saved.max_rounds, saved.n_workers) != ours:
+    saved_run = (theirs, saved.local_steps, saved.max_rounds, saved.n_workers, saved.effect_probe)
+    if saved_run != ours:
         fail(
-            f"{work} holds another run (preset, steps, H, rounds or workers differ): run the "
-            "command that started it to resume it, or pass another --work"
+            f"{work} holds another run (preset, steps, H, rounds, workers or effect probe "
+            "differ): run the command that started it to resume it, or pass another --work"
         )
     doc = json.loads(tokens_file.read_text())
     return state, list(doc["workers"]), str(doc["observer"])
