@@ -28,7 +28,14 @@ from dataclasses import dataclass
 import torch
 
 from blocktrain.protocol.aggregation import Accumulator, OuterOptimizer
-from blocktrain.protocol.effect import Effect, EffectProbe, ProbeCache, Reputation, judge_effect
+from blocktrain.protocol.effect import (
+    Effect,
+    EffectProbe,
+    HonestBand,
+    ProbeCache,
+    Reputation,
+    judge_effect,
+)
 from blocktrain.protocol.rounds import BlockRounds, Registry, RoundClosed, RoundView
 from blocktrain.protocol.settings import AggregatorSettings
 from blocktrain.protocol.validation import BlockSpec, Candidate, Limits, UpdateMeta, validate
@@ -75,6 +82,9 @@ class Checked:
     candidate: Candidate | None
     effect: Effect | None = None
     """The effect probe's reading, when it ran."""
+    judged: Verdict | None = None
+    """The probe's verdict, when it ran. It is `verdict` unless the identity is excluded: then
+    the update is refused all the same, but a helpful one earns reputation back."""
 
     @property
     def meta(self) -> UpdateMeta | None:
@@ -121,6 +131,8 @@ class RoundEngine:
         self.probe: ProbeCache | None = None
         self.use_probe(probe)
         self.reputation = Reputation(settings.min_reputation) if reputation is None else reputation
+        self.bands: dict[int, HonestBand] = {}
+        """Each block's recent accepted effects (empty after a restart: it refills)."""
         self._auto_id = 0  # ids for updates recorded without one (the simulator has no ledger)
         self.outer = OuterOptimizer(settings.outer_lr, settings.outer_momentum)
         self.limits = Limits(settings.max_delta_norm, settings.max_tokens)
@@ -218,9 +230,10 @@ class RoundEngine:
 
     def check(self, block: int, body: bytes | bytearray, worker: int | None = None) -> Checked:
         """The content verdict on an update body: size, safetensors, the validator chain, then
-        (for `worker`'s identity in good standing) the effect probe against the block's current
-        weights. Changes no state, so a driver may call it outside its lock (the probe, the
-        costly part, should run there)."""
+        (unless off) the effect probe against the block's current weights, then `worker`'s
+        identity's standing: an excluded identity's update is refused, but probed all the same.
+        Changes no state, so a driver may call it outside its lock (the probe, the costly part,
+        should run there)."""
         if len(body) > self.max_body:
             detail = f"the body declares {len(body)} bytes; the limit is {self.max_body}"
             return Checked(Verdict.refuse("too_large", detail), None)
@@ -234,12 +247,12 @@ class RoundEngine:
             return Checked(verdict, candidate)
         if worker is not None:
             standing = self.reputation.excluded(self.registry.identity(worker))
-            if not standing.accepted:
-                return Checked(standing, candidate)
+            verdict = verdict if standing.accepted else standing
         if self.probe is None:
             return Checked(verdict, candidate)
         effect = self.probe.effect(block, self.blocks[block].weights, candidate.tensors)
-        return Checked(judge_effect(effect, self.settings.probe_tolerance), candidate, effect)
+        judged = judge_effect(effect, self.settings.probe_tolerance, self.bands.get(block))
+        return Checked(judged if verdict.accepted else verdict, candidate, effect, judged)
 
     def judge(self, worker: int, block: int, meta: UpdateMeta, now: float) -> Verdict:
         """The timing verdict on an update that passed `check` (closing due rounds first).
@@ -273,8 +286,12 @@ class RoundEngine:
         if meta is None:
             return False  # unreadable: it names no round
         identity = self.registry.identity(worker)
-        judged = checked.effect is not None and (verdict.accepted or verdict.reason == "harmful")
-        if judged and self.reputation.observe(identity, helpful=verdict.accepted):
+        probed = checked.judged
+        if (
+            probed is not None
+            and (probed.accepted or probed.reason == "harmful")
+            and self.reputation.observe(identity, helpful=probed.accepted)
+        ):
             for listener in self.on_reputation:
                 listener(identity, self.reputation.of(identity), now)
         rounds = self.blocks[block].rounds
@@ -283,6 +300,8 @@ class RoundEngine:
             return False
         candidate = checked.candidate
         assert candidate is not None and candidate.tensors is not None
+        if checked.effect is not None:
+            self.bands[block] = self.bands.get(block, HonestBand()).add(checked.effect.relative)
         if update_id < 0:
             self._auto_id -= 1
             update_id = self._auto_id

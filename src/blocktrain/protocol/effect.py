@@ -9,6 +9,7 @@ in. It is pure in (block, weights, delta): fixed batch, fixed noise, fixed sigma
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -23,6 +24,13 @@ REWARD = 0.1
 """Reputation regained by a helpful update (at most 1)."""
 PENALTY = 0.5
 """Factor a harmful update multiplies its identity's reputation by."""
+
+BAND_WINDOW = 16
+"""Accepted updates per block whose effects describe what an honest update does now."""
+BAND_MIN = 4
+"""With fewer, the probe judges against zero and the tolerance alone (a run's start, a restart)."""
+BAND_WIDTH = 3.0
+"""How many robust standard deviations (1.4826 x MAD) above their median the band reaches."""
 
 
 class EffectProbe(Protocol):
@@ -43,18 +51,48 @@ class Effect:
         return (self.after - self.before) / abs(self.before)
 
 
-def judge_effect(effect: Effect, tolerance: float) -> Verdict:
-    """Refuse an update that raises the loss by more than `tolerance` (relative): `harmful`,
-    which costs reputation; or that does not lower it at all: `no_gain`, which costs nothing
-    (an honest update late in a run may be noise) but keeps votes that do nothing from
-    diluting those that train, e.g. a majority shrinking a block whose output is still zero."""
+@dataclass(frozen=True)
+class HonestBand:
+    """The relative effects of a block's last BAND_WINDOW accepted updates: what its honest
+    workers' updates do to the held-out loss at this point of the run. Late in a run one
+    replica's 10-step delta moves the slice's loss by about as much up as down (measured at the
+    small shape: up to +1.8 %), so a fixed tolerance around zero excluded every honest worker
+    (docs/protocol.md, Effect probe). Immutable, so `check` may read it outside the lock."""
+
+    recent: tuple[float, ...] = ()
+
+    def add(self, relative: float) -> HonestBand:
+        return HonestBand((*self.recent, relative)[-BAND_WINDOW:])
+
+    @property
+    def upper(self) -> float | None:
+        """Median + BAND_WIDTH robust standard deviations; None while fewer than BAND_MIN."""
+        if len(self.recent) < BAND_MIN:
+            return None
+        median = statistics.median(self.recent)
+        spread = 1.4826 * statistics.median(abs(x - median) for x in self.recent)
+        return median + BAND_WIDTH * spread
+
+
+def judge_effect(effect: Effect, tolerance: float, band: HonestBand | None = None) -> Verdict:
+    """Refuse an update that raises the loss by more than `tolerance` (relative) and more than
+    the upper edge of its block's honest band: `harmful`, which costs reputation. Refuse one
+    that does not lower the loss at all while the band says honest updates do (or there is no
+    band yet): `no_gain`, which costs nothing (an honest update may be noise) but keeps votes
+    that do nothing from diluting those that train, e.g. a majority shrinking a block whose
+    output is still zero. Once the honest band reaches above zero, an update's sign on one
+    slice no longer tells an honest worker from a useless one, and neither rule refuses it."""
+    upper = None if band is None else band.upper
+    limit = tolerance if upper is None else max(tolerance, upper)
     detail = (
         f"the block's held-out loss goes from {effect.before:.5g} to {effect.after:.5g} "
-        f"({effect.relative:+.3%}; tolerance {tolerance:+.3%})"
+        f"({effect.relative:+.3%}; tolerance {tolerance:+.3%}"
+        + ("" if upper is None else f", recent accepted updates up to {upper:+.3%}")
+        + ")"
     )
-    if not effect.relative <= tolerance:  # NaN is harmful too
+    if not effect.relative <= limit:  # NaN is harmful too
         return Verdict.refuse("harmful", detail)
-    if not effect.after < effect.before:
+    if (upper is None or upper < 0) and not effect.after < effect.before:
         return Verdict.refuse("no_gain", detail)
     return Verdict.ok()
 
@@ -62,7 +100,8 @@ def judge_effect(effect: Effect, tolerance: float) -> Verdict:
 @dataclass
 class Reputation:
     """Each identity's standing in [0, 1], from 1: a harmful update halves it, a helpful one
-    adds REWARD. It weights the identity's vote, and below `minimum` it is refused outright."""
+    adds REWARD. It weights the identity's vote; below `minimum` its updates are refused, but
+    still probed, so that a helpful one earns its way back (a false verdict is not forever)."""
 
     minimum: float
     scores: dict[Hashable, float] = field(default_factory=dict)
