@@ -162,7 +162,8 @@ class AggregatorSettings:
     )
     probe_tolerance: float = setting(
         0.002,
-        "Relative loss increase the effect probe forgives (0.002: 0.2 %).",
+        "Relative loss increase the effect probe forgives at least (0.002: 0.2 %); it forgives "
+        "more when the block's recent accepted updates do (the honest band).",
         lambda v: 0 <= v < 1,
         "must lie in [0, 1)",
         flag="--probe-tolerance",
@@ -170,7 +171,8 @@ class AggregatorSettings:
     min_reputation: float = setting(
         0.1,
         "An identity whose reputation (halved by each harmful update, +0.1 per helpful one, "
-        "at most 1; it weights the identity's vote) falls below this is refused.",
+        "at most 1; it weights the identity's vote) falls below this is refused, until a "
+        "helpful update (still probed) lifts it back.",
         lambda v: 0 <= v <= 1,
         "must lie in [0, 1]",
         flag="--min-reputation",

@@ -60,10 +60,18 @@ REASONS: dict[str, tuple[int, str]] = {
     "harmful": (
         422,
         "the update raises the block's loss on the aggregator's held-out slice beyond the "
-        "tolerance",
+        "tolerance and the block's honest band",
     ),
-    "low_reputation": (403, "the identity's reputation fell below the minimum (harmful updates)"),
-    "no_gain": (422, "the update does not lower the block's loss on the held-out slice"),
+    "low_reputation": (
+        403,
+        "the identity's reputation fell below the minimum (harmful updates; a helpful update "
+        "still earns it back)",
+    ),
+    "no_gain": (
+        422,
+        "the update does not lower the block's loss on the held-out slice while honest "
+        "updates do",
+    ),
     # compressed deltas (docs/protocol.md, Compressed deltas)
     "wrong_wire": (400, "the body's delta_wire is not the one the aggregator announced"),
     "bad_scales": (400, "an int8 delta's scale is NaN, Inf or negative"),
