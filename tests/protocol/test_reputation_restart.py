@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 
 from blocktrain.protocol.aggregator import create_app
 from blocktrain.protocol.ledger import Ledger
+from blocktrain.protocol.status import snapshot
 from blocktrain.protocol.storage import StateDir
 
 from .conftest import SETTINGS, FakeClock, add_token, auth, block_tensors, delta_body, make_state
@@ -66,6 +67,8 @@ def test_a_penalty_and_an_exclusion_survive_a_restart(setup):
     mallory = ("token", ids["mallory"])
     assert agg.push(tokens["mallory"], workers["mallory"], BAD) == (422, "harmful")
     assert agg.push(tokens["alice"], workers["alice"], GOOD) == (200, "accepted")
+    block = snapshot(agg.service)["blocks"][0]
+    assert block["probe_band"] is None, "one accepted update is no band yet"
     rep = agg.service.engine.reputation
     assert rep.of(mallory) == 0.5 and rep.of(("token", ids["alice"])) == 1.0
     assert agg.state.ledger.reputations() == {mallory: 0.5}, "an unchanged 1 writes no row"
@@ -81,6 +84,10 @@ def test_a_penalty_and_an_exclusion_survive_a_restart(setup):
     assert agg.service.engine.reputation.of(mallory) == pytest.approx(0.0625)
     assert agg.push(tokens["mallory"], workers["mallory"], GOOD) == (403, "low_reputation")
     assert agg.push(tokens["bob"], workers["bob"], GOOD) == (403, "banned_token")
+    back = pytest.approx(0.1625)  # refused, but probed: the helpful update counts
+    assert agg.state.ledger.reputations()[mallory] == back
+    shown = {w["worker_id"]: w["reputation"] for w in snapshot(agg.service)["workers"]["list"]}
+    assert shown[workers["mallory"]] == back and shown[workers["alice"]] == 1.0
     agg.state.close()
 
 

@@ -92,6 +92,11 @@ class BlockStatusOut(Out):
     params: int
     wire_bytes: int
     delta_bytes: int = Field(description="bytes of one push's tensor data in the delta wire")
+    probe_band: float | None = Field(
+        None,
+        description="the upper edge of the effect probe's honest band (relative loss change; "
+        "null with the probe off or fewer than 4 accepted updates since the start)",
+    )
 
 
 class WorkerStatusOut(Out):
@@ -101,6 +106,7 @@ class WorkerStatusOut(Out):
     last_seen_s: float
     accepted: int
     refused: int
+    reputation: float = Field(1.0, description="its identity's reputation (1 for a newcomer)")
 
 
 class WorkersOut(Out):

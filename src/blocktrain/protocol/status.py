@@ -35,7 +35,8 @@ def snapshot(service: AggregatorService, *, last_rounds: int = 20) -> dict[str, 
     """Everything /v1/status shows (no authentication: for the CLI and tests)."""
     now = service.clock()
     with service.lock:
-        registry = service.engine.registry
+        engine = service.engine
+        registry = engine.registry
         live = registry.live(now)
         entries = dict(registry.workers)
         blocks = []
@@ -57,8 +58,10 @@ def snapshot(service: AggregatorService, *, last_rounds: int = 20) -> dict[str, 
                     "params": st.spec.n_params,
                     "wire_bytes": st.spec.wire_bytes,
                     "delta_bytes": st.spec.delta_bytes,
+                    "probe_band": engine.bands[b].upper if b in engine.bands else None,
                 }
             )
+        reputation = {w: engine.reputation.of(registry.identity(w)) for w in registry.workers}
         live_identities = registry.live_per_block(now)
         per_block = [live_identities[b] for b in service.blocks]
     ledger = service.ledger
@@ -71,6 +74,7 @@ def snapshot(service: AggregatorService, *, last_rounds: int = 20) -> dict[str, 
             "last_seen_s": now - e.last_seen,
             "accepted": counts.get(w, {}).get("accepted", 0),
             "refused": counts.get(w, {}).get("refused", 0),
+            "reputation": reputation[w],
         }
         for w, e in sorted(entries.items())
     ]
