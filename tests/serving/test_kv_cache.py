@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 import torch
+from fastapi.testclient import TestClient
 
 from blocktrain.cli.main import main
 from blocktrain.serving import HostSettings, ModelSource, create_host_app
@@ -172,6 +173,42 @@ def test_verify_sweeps_reuse_the_accepted_bytes(cluster: Cluster):
     host = cluster.apps.apps[cluster.urls[0]].state.host  # type: ignore[attr-defined]
     # Each later sweep reuses at least the prompt and what was accepted before it.
     assert positions(host)[1] >= 4 * (r.json()["traversals"] - 1), "each later sweep reuses"
+    hosts = [cluster.apps.apps[u].state.host for u in cluster.urls]  # type: ignore[attr-defined]
+    assert all(len(h.sessions) == 0 for h in hosts), "never closed, so released at its end"
+
+
+def test_a_generation_cut_by_a_stop_sequence_releases_its_caches(cluster: Cluster):
+    """It ends before its closing sweep: the router tells the hosts it used to drop its caches
+    (POST /v1/release) instead of leaving them to the store's bounds."""
+    request = {"model": "bt", "prompt": "Sega ", "max_tokens": 12, "seed": 5}
+    hosts = [cluster.apps.apps[u].state.host for u in cluster.urls]  # type: ignore[attr-defined]
+    with cluster.router() as router:
+        full = router.post("/v1/completions", json=request).json()["choices"][0]["text"]
+        stop = full[4]
+        cut = router.post("/v1/completions", json={**request, "stop": [stop]}).json()
+    assert cut["choices"][0]["finish_reason"] == "stop" and len(cut["choices"][0]["text"]) < 12
+    assert all(len(h.sessions) == 0 for h in hosts)
+    assert sum(positions(h)[1] for h in hosts) > 0, "the cache was used, then released"
+
+
+def test_the_release_endpoint_drops_one_session_and_refuses_a_bad_body(runs):
+    app = create_host_app(
+        HostSettings(
+            models=(ModelSource("bt", runs.blocktrain),), parts=(0, 1, 2), batch_window_ms=0.0
+        ),
+    )
+    host = app.state.host
+    logits(host, body(host, context(1, 8), 1, session="a"))
+    logits(host, body(host, context(1, 8), 1, session="b"))
+    with TestClient(app) as http:
+        first = http.post("/v1/release", json={"model": "bt", "session": "a"})
+        assert first.status_code == 200 and first.json() == {"released": True}
+        again = http.post("/v1/release", json={"model": "bt", "session": "a"})
+        assert again.status_code == 200 and again.json() == {"released": False}
+        for bad in ('{"model": "bt"}', '{"model": "bt", "session": "b", "x": 1}', "[]", "no"):
+            r = http.post("/v1/release", content=bad)
+            assert r.status_code == 400 and "not a release request" in r.text, bad
+    assert host.sessions.clean("bt", "b", [0, 1, 2]), "the other generation keeps its caches"
 
 
 def test_serve_block_takes_the_cache_flags(capsys, runs):

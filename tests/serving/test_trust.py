@@ -104,6 +104,9 @@ def test_a_host_refuses_work_without_the_secret_before_reading_the_body(secured,
         assert host0.get("/healthz").status_code == 200  # liveness stays open
         assert host0.get("/v1/info").status_code == 401  # the run's config and layout do not
         assert host0.get("/v1/info", headers=BEARER).status_code == 200
+        release = {"model": "bt", "session": "someone-else-s"}  # no dropping others' caches
+        assert host0.post("/v1/release", json=release).status_code == 401
+        assert host0.post("/v1/release", json=release, headers=BEARER).status_code == 200
         _, _, body = _sweep_message(stack, _fingerprint(secured))
         assert host0.post("/v1/sweep", content=body, headers=BEARER).status_code == 200
 
@@ -319,7 +322,7 @@ def test_malformed_host_messages_are_4xx(cluster, body):
     Every one is a 400 that says why. The nested headers were the 500s at the hosts; the
     other cases (refused by safetensors' parser or the host's checks) keep them 400."""
     with TestClient(cluster.apps.apps[cluster.urls[0]], raise_server_exceptions=False) as h:
-        for path in ("/v1/sweep", "/v1/stage"):
+        for path in ("/v1/sweep", "/v1/stage", "/v1/release"):
             r = h.post(path, content=body, headers={"content-type": CONTENT_TYPE})
             assert r.status_code == 400, r.text
             assert r.json()["error"]["message"]

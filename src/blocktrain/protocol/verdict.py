@@ -69,8 +69,7 @@ REASONS: dict[str, tuple[int, str]] = {
     ),
     "no_gain": (
         422,
-        "the update does not lower the block's loss on the held-out slice while honest "
-        "updates do",
+        "the update does not lower the block's loss on the held-out slice while honest updates do",
     ),
     # compressed deltas (docs/protocol.md, Compressed deltas)
     "wrong_wire": (400, "the body's delta_wire is not the one the aggregator announced"),

@@ -16,6 +16,7 @@ fails (503, naming the blocks) only when no replica of a hop is left.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from blocktrain.serving.coalesce import Coalescer
 from blocktrain.serving.directory import RemoteModel
 from blocktrain.serving.errors import HostError, HostRefused, HostUnavailable, ServingError
 from blocktrain.serving.replicas import SEPARATOR, Health
+from blocktrain.serving.transport import post_json
 from blocktrain.serving.wire import (
     WIRE_DTYPES,
     Final,
@@ -101,6 +103,21 @@ class Chain:
         """The replica each hop used last: a generation stays on it (its KV caches live there)
         until it fails."""
         self._last_url = model.route[-1]
+
+    async def release(self, session: str) -> None:
+        """Ask the hosts this generation used to drop its caches: for a generation that ended
+        without a closing message (a stop sequence, a speculative one, a client that left),
+        so that its caches do not wait for the hosts' bounds and crowd out live ones. Best
+        effort: a host that cannot be reached drops them at its bounds all the same."""
+        payload = {"model": self.model.name, "session": session}
+        urls = sorted(set(self._pinned.values()))
+        results = await asyncio.gather(
+            *(post_json(self.client, url, "/v1/release", payload) for url in urls),
+            return_exceptions=True,
+        )
+        for url, result in zip(urls, results, strict=True):
+            if isinstance(result, BaseException):
+                log.info("could not release session %s on %s: %s", session, url, result)
 
     def _spec(self, sampling: Sampling) -> SamplingSpec:
         return SamplingSpec(

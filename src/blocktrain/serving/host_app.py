@@ -4,6 +4,8 @@ errors as JSON.
 POST /v1/sweep   run this host's points of the sigma grid on a span's state, then pass it on
 POST /v1/sweeps  several sweeps in one request, each answered on its own (coalesce.py)
 POST /v1/stage   run this host's reference stages (the autoregressive baseline), then pass on
+POST /v1/release drop one generation's caches here (JSON {"model", "session"}): the router's
+                 word for a generation that ended without a closing message
 GET  /v1/info    the models, blocks/stages and fingerprints held here, and the batching
                  counters (needs the secret)
 GET  /healthz    liveness (open)
@@ -20,15 +22,22 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 
 from blocktrain.httpserve import HttpGuard, Limits
 from blocktrain.serving.auth import RequireSecret
 from blocktrain.serving.coalesce import host_sweeps
-from blocktrain.serving.errors import ServingError, error_body
+from blocktrain.serving.errors import BadRequest, ServingError, error_body
 from blocktrain.serving.host import BlockHost, HostSettings
 from blocktrain.serving.loading import HostedModel, load_hosted_model
 from blocktrain.serving.transport import make_client
-from blocktrain.serving.wire import CONTENT_TYPE, TRACE_HEADER, TraceEntry, trace_to_header
+from blocktrain.serving.wire import (
+    CONTENT_TYPE,
+    TRACE_HEADER,
+    Release,
+    TraceEntry,
+    trace_to_header,
+)
 
 log = logging.getLogger(__name__)
 
@@ -99,5 +108,13 @@ def create_app(
     @app.post("/v1/stage")
     async def stage(request: Request) -> Response:
         return answer(await host.stage(await request.body()))
+
+    @app.post("/v1/release")
+    async def release(request: Request) -> dict[str, bool]:
+        try:
+            req = Release.model_validate_json(await request.body())
+        except ValidationError as exc:
+            raise BadRequest(f"not a release request: {exc.errors()[0]['msg']}") from None
+        return {"released": host.sessions.release(req.model, req.session)}
 
     return app

@@ -120,6 +120,16 @@ class SessionStore:
             else:
                 self._count(entry)
 
+    def release(self, model: str, session: str) -> bool:
+        """Drop every cache of a generation that ended without a closing message (a stop
+        sequence, a speculative one, a client that left); whether it held any here."""
+        with self._lock:
+            key = (model, session)
+            if key not in self._items:
+                return False
+            self._drop(key)
+            return True
+
     # Under the lock:
 
     def _expire(self) -> None:

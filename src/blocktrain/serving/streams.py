@@ -49,19 +49,26 @@ async def one_sweep_stream(
         generator=generator,
     )
     session = uuid.uuid4().hex  # the hosts cache the clean streams under it
-    while not loop.done:
-        x, z = loop.next_input()
-        new = await chain.sweep(
-            x,
-            z,
-            steps_per_block=steps_per_block,
-            sampler=sampler,
-            sampling=sampling,
-            generator=generator,
-            session=session,
-            close=loop.produced + loop.span >= loop.n_bytes,
-        )  # (N, K)
-        yield loop.push(new)
+    closed = False
+    try:
+        while not loop.done:
+            x, z = loop.next_input()
+            last = loop.produced + loop.span >= loop.n_bytes
+            new = await chain.sweep(
+                x,
+                z,
+                steps_per_block=steps_per_block,
+                sampler=sampler,
+                sampling=sampling,
+                generator=generator,
+                session=session,
+                close=last,
+            )  # (N, K)
+            closed = last
+            yield loop.push(new)
+    finally:
+        if not closed:  # stopped early (a stop sequence, an error, a client gone)
+            await chain.release(session)
 
 
 async def speculative_stream(
@@ -72,22 +79,25 @@ async def speculative_stream(
     same loop as model.speculative.generate_speculative."""
     cfg = chain.model.config.model
     session = uuid.uuid4().hex  # the hosts cache the clean streams under it
-    while not loop.done:
-        draft = loop.next_draft()
-        x, z, _ = loop.sweep_input(draft, cfg.d_model, cfg.sigma_max)
-        logits = await chain.verify(
-            x,
-            z,
-            drafted=len(draft),
-            steps_per_block=steps_per_block,
-            sampler=sampler,
-            sampling=loop.sampling,
-            generator=loop.generator,
-            # Never `close`: which sweep is the last depends on its acceptances, and a sweep
-            # after a closed one would recompute its context; the hosts' bounds drop it.
-            session=session,
-        )
-        yield loop.push(logits)
+    try:
+        while not loop.done:
+            draft = loop.next_draft()
+            x, z, _ = loop.sweep_input(draft, cfg.d_model, cfg.sigma_max)
+            logits = await chain.verify(
+                x,
+                z,
+                drafted=len(draft),
+                steps_per_block=steps_per_block,
+                sampler=sampler,
+                sampling=loop.sampling,
+                generator=loop.generator,
+                # Never `close`: which sweep is the last depends on its acceptances, and a
+                # sweep after a closed one would recompute its context. Released at the end.
+                session=session,
+            )
+            yield loop.push(logits)
+    finally:
+        await chain.release(session)
 
 
 async def autoregressive_stream(
@@ -111,29 +121,35 @@ async def autoregressive_stream(
     context = prompt
     session, pos = uuid.uuid4().hex, 0
     pending = context[:, -window:]
-    for i in range(n_bytes):
-        if pos + pending.shape[1] > window:
-            pos, pending = 0, context[:, -(window // 2) :]
-        for attempt in (0, 1):  # once more from a fresh prefill if a host lost its cache
-            try:
-                new = await chain.stage_step(
-                    pending,
-                    session=session,
-                    pos=pos,
-                    close=i == n_bytes - 1,
-                    sampling=sampling,
-                    generator=generator,
-                )
-                break
-            except SessionLost as exc:
-                if attempt:
-                    raise
-                log.info("prefilling again: %s", exc)
+    closed = False
+    try:
+        for i in range(n_bytes):
+            if pos + pending.shape[1] > window:
                 pos, pending = 0, context[:, -(window // 2) :]
-        pos += pending.shape[1]
-        pending = new[:, None]
-        context = torch.cat((context, pending), dim=1)
-        yield pending
+            for attempt in (0, 1):  # once more from a fresh prefill if a host lost its cache
+                try:
+                    new = await chain.stage_step(
+                        pending,
+                        session=session,
+                        pos=pos,
+                        close=i == n_bytes - 1,
+                        sampling=sampling,
+                        generator=generator,
+                    )
+                    break
+                except SessionLost as exc:
+                    if attempt:
+                        raise
+                    log.info("prefilling again: %s", exc)
+                    pos, pending = 0, context[:, -(window // 2) :]
+            closed = i == n_bytes - 1
+            pos += pending.shape[1]
+            pending = new[:, None]
+            context = torch.cat((context, pending), dim=1)
+            yield pending
+    finally:
+        if not closed:  # stopped early (a stop sequence, an error, a client gone)
+            await chain.release(session)
 
 
 async def autoregressive_speculative_stream(
@@ -147,30 +163,36 @@ async def autoregressive_speculative_stream(
     window = chain.model.config.model.seq_len
     session, pos = uuid.uuid4().hex, 0
     pending = loop.context[-window:]
-    while not loop.done:
-        draft = loop.next_draft()
-        if pos + len(pending) + len(draft) > window:
-            pos, pending = 0, loop.context[-(window // 2) :]
-        last = len(draft) == loop.n_bytes - loop.produced - 1  # emits everything wanted, at best
-        for attempt in (0, 1):  # once more from a fresh prefill if a host lost its cache
-            try:
-                logits = await chain.stage_verify(
-                    torch.tensor([pending + draft]),
-                    session=session,
-                    pos=pos,
-                    close=last,
-                    drafted=len(draft),
-                )
-                break
-            except SessionLost as exc:
-                if attempt:
-                    raise
-                log.info("prefilling again: %s", exc)
+    closed = False
+    try:
+        while not loop.done:
+            draft = loop.next_draft()
+            if pos + len(pending) + len(draft) > window:
                 pos, pending = 0, loop.context[-(window // 2) :]
-        new = loop.push(logits)
-        if last:  # closed: a further step (fewer bytes accepted) opens a fresh session
-            pos, pending = 0, loop.context[-(window // 2) :]
-        else:  # cached: the pending bytes and the accepted drafts; the last byte is not yet
-            pos += len(pending) + new.shape[1] - 1
-            pending = new[0, -1:].tolist()
-        yield new
+            last = len(draft) == loop.n_bytes - loop.produced - 1  # emits all wanted, at best
+            for attempt in (0, 1):  # once more from a fresh prefill if a host lost its cache
+                try:
+                    logits = await chain.stage_verify(
+                        torch.tensor([pending + draft]),
+                        session=session,
+                        pos=pos,
+                        close=last,
+                        drafted=len(draft),
+                    )
+                    break
+                except SessionLost as exc:
+                    if attempt:
+                        raise
+                    log.info("prefilling again: %s", exc)
+                    pos, pending = 0, loop.context[-(window // 2) :]
+            closed = last
+            new = loop.push(logits)
+            if last:  # closed: a further step (fewer bytes accepted) opens a fresh session
+                pos, pending = 0, loop.context[-(window // 2) :]
+            else:  # cached: the pending bytes and the accepted drafts; not yet the last byte
+                pos += len(pending) + new.shape[1] - 1
+                pending = new[0, -1:].tolist()
+            yield new
+    finally:
+        if not closed:  # stopped early (a stop sequence, an error, a client gone)
+            await chain.release(session)

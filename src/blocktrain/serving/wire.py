@@ -26,6 +26,8 @@ response header (JSON list) saying what it computed and for how long.
 Bodies are read by `blocktrain.tensorwire`, the parser the aggregator uses too (a pickle or a
 malformed body is refused with its reason). Errors travel as JSON (`errors.ServingError.to_json`),
 never as safetensors. Nothing is pickled.
+
+    POST /v1/release {"model", "session"}  (JSON) drop a generation's caches on this host
 """
 
 from __future__ import annotations
@@ -91,6 +93,15 @@ class SweepHeader(_Header):
     @classmethod
     def _known_sampler(cls, value: str) -> str:
         return check_sampler(value)
+
+
+class Release(BaseModel):
+    """POST /v1/release, a JSON body: drop one generation's caches on this host (one that
+    ended without a closing message)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(min_length=1, max_length=200)
+    session: str = Field(min_length=1, max_length=64)
 
 
 class StageHeader(_Header):
