@@ -95,30 +95,23 @@ async def post_message(
     return resp.content, trace_from_header(resp.headers.get(TRACE_HEADER))
 
 
-async def post_json(client: httpx.AsyncClient, url: str, path: str, payload: object) -> object:
-    """POST a JSON document to host `url`; -> its JSON answer (errors as post_message)."""
-    try:
-        resp = await client.post(join(url, path), json=payload)
-    except httpx.TimeoutException:
-        raise HostTimeout(f"host {url} did not answer within the timeout", host=url) from None
-    except httpx.TransportError as exc:
-        raise HostUnavailable(
-            f"host {url} is unavailable ({type(exc).__name__}: {exc or 'connection lost'})",
-            host=url,
-        ) from None
-    try:
-        answer = resp.json()
-    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
-        answer = resp.text
-    if resp.status_code != 200:
-        raise error_from_json(resp.status_code, answer, default_host=url)
-    return answer
-
-
 async def get_json(client: httpx.AsyncClient, url: str, path: str) -> object:
     """GET a JSON document from host `url` (its info or health), with the same error mapping."""
+    return await _json_call(client, "GET", url, path, None)
+
+
+async def post_json(client: httpx.AsyncClient, url: str, path: str, payload: object) -> object:
+    """POST a JSON document to host `url`; -> its JSON answer (the same error mapping)."""
+    return await _json_call(client, "POST", url, path, payload)
+
+
+async def _json_call(
+    client: httpx.AsyncClient, method: str, url: str, path: str, payload: object
+) -> object:
     try:
-        resp = await client.get(join(url, path))
+        resp = await client.request(
+            method, join(url, path), json=payload if method == "POST" else None
+        )
     except httpx.TimeoutException:
         raise HostTimeout(f"host {url} did not answer within the timeout", host=url) from None
     except httpx.TransportError as exc:
@@ -128,9 +121,9 @@ async def get_json(client: httpx.AsyncClient, url: str, path: str) -> object:
             host=url,
         ) from None
     try:
-        payload = resp.json()
+        answer = resp.json()
     except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
-        payload = resp.text
+        answer = resp.text
     if resp.status_code != 200:
-        raise error_from_json(resp.status_code, payload, default_host=url)
-    return payload
+        raise error_from_json(resp.status_code, answer, default_host=url)
+    return answer
