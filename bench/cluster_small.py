@@ -208,6 +208,8 @@ def summarise(args: argparse.Namespace, work: Path, final: dict[str, Any]) -> di
         key = r.fate if r.fate == "accepted" else str(r.reason)
         updates[key] = updates.get(key, 0) + 1
     settings = state.settings()
+    # The identities whose reputation moved, as the ledger holds it at the end (1: unmoved).
+    reputation = {f"{kind}:{i}": score for (kind, i), score in state.ledger.reputations().items()}
     latest = [(b, state.ledger.block_state(b)[0]) for b in range(state.n_blocks())]
     params = [sum(t.numel() for t in state.load_tensors(*bv).values()) for bv in latest]
     state.close()
@@ -240,6 +242,7 @@ def summarise(args: argparse.Namespace, work: Path, final: dict[str, Any]) -> di
         "delta_wire": settings.push_wire,
         "effect_probe": settings.effect_probe,
         "updates": updates,
+        "reputation_final": reputation,
         "cluster_sampler_ce": final["sampler_ce"],
         "single_sampler_ce": quality["blocktrain_sampler_ce"],
         "gap": final["sampler_ce"] - quality["blocktrain_sampler_ce"],
@@ -264,6 +267,8 @@ def markdown(r: dict[str, Any]) -> str:
     f = r["final"]
     attempts = r["attempts"]
     part = ", ".join(f"{v:.3f}" for v in r["participation_mean_per_block"].values())
+    moved = r.get("reputation_final", {})
+    reputation = ", ".join(f"{k} {v:.3g}" for k, v in moved.items()) or "every identity at 1"
     caveat = (
         ""
         if r["comparable"]
@@ -291,7 +296,8 @@ noise of quality.json's figure):
 | single process (quality.json, converged) | {r["single_steps"]} | **{r["single_sampler_ce"]:.4f}** | |
 
 Gap {r["gap"]:+.4f} (goal: within 0.02, bar: within 0.05). The aggregator's effect probe:
-{r["effect_probe"]}; updates by fate: {", ".join(f"{k} {v}" for k, v in r["updates"].items())}.
+{r["effect_probe"]}; updates by fate: {", ".join(f"{k} {v}" for k, v in r["updates"].items())};
+reputation at the end: {reputation}.
 Participation (accepted in time over
 expected, mean per block): {part}; overall {r["participation_mean"]:.3f}. Bytes moved (HTTP bodies,
 status polls excluded): {r["bytes_total"] / 1e9:.2f} GB ({r["bytes_down"] / 1e9:.2f} GB down,

@@ -81,7 +81,8 @@ def test_cluster_small_resumes_after_an_interrupt(corpus: Path, tmp_path: Path) 
     assert result["bytes_down"] >= ROUNDS * fp16 and result["bytes_up"] >= ROUNDS * fp16
     assert result["bytes_total"] == result["bytes_down"] + result["bytes_up"]
     assert result["final"]["sweeps"] == 2
-    assert "cluster-small:begin" in md.read_text()
+    assert "cluster-small:begin" in md.read_text() and "reputation at the end" in md.read_text()
+    assert all(0 <= v <= 1 for v in result["reputation_final"].values())
 
     third = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert third.returncode == 0, third.stderr[-2000:]
