@@ -24,12 +24,15 @@ def run(attack: float | None, rounds: int = 300, seed: int = 0) -> dict[str, obj
     band, reputation = HonestBand(), Reputation(MIN_REPUTATION)
     accepted = {"a": 0, "b": 0, "evil": 0}
     lowest = {"a": 1.0, "b": 1.0}
+    excluded_rounds = {"a": 0, "b": 0}
     for r in range(rounds):
         sent = {"a": honest_effect(rng, r, rounds), "b": honest_effect(rng, r, rounds)}
         if attack is not None:
             sent["evil"] = attack
         for who, relative in sent.items():  # as RoundEngine.check, then .record
             excluded = not reputation.excluded(who).accepted
+            if excluded and who in excluded_rounds:
+                excluded_rounds[who] += 1
             probed = judge_effect(Effect(1.0, 1.0 + relative), TOLERANCE, band)
             if probed.accepted or probed.reason == "harmful":  # excluded ones are probed too
                 reputation.observe(who, helpful=probed.accepted)
@@ -38,16 +41,23 @@ def run(attack: float | None, rounds: int = 300, seed: int = 0) -> dict[str, obj
                 band = band.add(relative)
             if who in lowest:
                 lowest[who] = min(lowest[who], reputation.of(who))
-    return {"accepted": accepted, "lowest": lowest, "band": band.upper}
+    return {
+        "accepted": accepted,
+        "lowest": lowest,
+        "excluded_rounds": excluded_rounds,
+        "band": band.upper,
+    }
 
 
 def test_honest_workers_keep_their_standing_through_a_whole_run():
+    """Updates that do not lower the slice's loss are refused (late in the run about half),
+    but honest identities are excluded for at most a few rounds, and come back."""
     for seed in range(5):
         out = run(attack=None, seed=seed)
-        accepted, lowest = out["accepted"], out["lowest"]
-        assert isinstance(accepted, dict) and isinstance(lowest, dict)
-        assert min(accepted["a"], accepted["b"]) >= 0.85 * 300, (seed, accepted)
-        assert min(lowest.values()) >= MIN_REPUTATION, (seed, lowest)
+        accepted, excluded = out["accepted"], out["excluded_rounds"]
+        assert isinstance(accepted, dict) and isinstance(excluded, dict)
+        assert min(accepted["a"], accepted["b"]) >= 0.75 * 300, (seed, accepted)
+        assert max(excluded.values()) <= 0.02 * 300, (seed, excluded)
 
 
 def test_a_fixed_tolerance_alone_excludes_them():

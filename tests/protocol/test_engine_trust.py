@@ -167,39 +167,45 @@ def test_the_effect_probe_refuses_harmful_updates_and_reputation_excludes_their_
     assert push_round(eng, evil, toward(target, 0.1)).accepted, "...but earns its way back"
 
 
-def test_an_honest_band_above_zero_forgives_noise_but_not_harm():
+def test_an_honest_band_forgives_noise_but_not_harm():
     """Finding (cluster_small): late in a run one replica's honest 10-step delta raised the
     probe's loss by up to 1.8 %, the fixed 0.2 % tolerance judged 35 of them harmful, and
-    every honest worker was excluded. Judged against the block's recent accepted effects,
-    honest noise passes while a delta far outside it is still refused."""
+    every honest worker was excluded. Such an update is still refused, but within the band of
+    recent accepted effects it is `no_gain` and costs no reputation; harm beyond it does."""
     target = {k: v + 1.0 for k, v in BASE.items()}
     eng, _ = engine(SETTINGS.replace(max_workers_per_token=1), probe=TargetProbe(target))
     a, b, c = join(eng, 3)
-    noise = toward(target, -0.002)  # the slice's loss rises by 0.4 %
+    noise = toward(target, -0.0015)  # the slice's loss rises by 0.3 %
     assert eng.check(0, body_for(eng, noise), a).verdict.reason == "harmful", "no band yet"
-    # honest rounds late in a run: small gains at first (no_gain refuses a rise until the band
-    # allows one), then the slice's loss moving by -0.4 % .. +0.18 %
-    for i, last in enumerate((0.0001, 0.0001, -0.0009, -0.0009)):
-        for w, f in zip((a, b, c), (0.002, 0.0005, last), strict=True):
+    for i in range(3):  # accepted updates lowering the loss by 0.4 %, 0.2 % and 0.02 %
+        for w, f in zip((a, b, c), (0.002, 0.001, 0.0001), strict=True):
             assert push_round(eng, w, toward(target, f)).accepted, (i, w)
     upper = eng.bands[0].upper
-    assert upper is not None and 0.004 < upper < 0.03
-    assert eng.check(0, body_for(eng, noise), a).verdict.accepted
-    harm = eng.check(0, body_for(eng, toward(target, -0.1)), a).verdict
+    assert upper is not None and 0.003 < upper < 0.03
+    forgiven = push_round(eng, a, noise)
+    assert forgiven.reason == "no_gain" and eng.reputation.of(("token", a)) == 1.0
+    harm = push_round(eng, b, toward(target, -0.1))
     assert harm.reason == "harmful" and "recent accepted updates up to" in harm.detail
+    assert eng.reputation.of(("token", b)) == 0.5
 
 
-def test_no_gain_is_refused_only_while_honest_updates_clearly_gain():
+def test_an_update_that_does_not_lower_the_loss_is_never_accepted():
+    """Finding (bench/adversarial.py, four_tokens): while the band decided acceptance, four
+    tokens on one block (against its two honest workers) widened it and had their shrinking
+    updates accepted, +2.0 CE. Acceptance rests on the update lowering the loss, whatever the
+    band says, so a majority cannot loosen it."""
     target = {k: v + 1.0 for k, v in BASE.items()}
     eng, _ = engine(SETTINGS.replace(max_workers_per_token=1), probe=TargetProbe(target))
-    a, b = join(eng, 2)
+    workers = join(eng, 6)
     nothing = {k: torch.zeros_like(v) for k, v in BASE.items()}
-    assert eng.check(0, body_for(eng, nothing), a).verdict.reason == "no_gain", "no band yet"
-    for _ in range(3):
-        for w in (a, b):
-            assert push_round(eng, w, toward(target, 0.05)).accepted
-    assert eng.bands[0].upper < 0
-    assert eng.check(0, body_for(eng, nothing), a).verdict.reason == "no_gain"
+    assert eng.check(0, body_for(eng, nothing), workers[0]).verdict.reason == "no_gain"
+    for _ in range(3):  # helpful updates of very different sizes: a band reaching above zero
+        for w, f in zip(workers, (0.2, 0.1, 0.0001, 0.0001, 0.05, 0.0002), strict=True):
+            assert push_round(eng, w, toward(target, f)).accepted
+    upper = eng.bands[0].upper
+    assert upper is not None and upper > 0
+    for w in workers:
+        assert eng.check(0, body_for(eng, nothing), w).verdict.reason == "no_gain"
 
 
 def body_for(eng: RoundEngine, tensors: dict) -> bytes:

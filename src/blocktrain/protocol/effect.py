@@ -53,11 +53,11 @@ class Effect:
 
 @dataclass(frozen=True)
 class HonestBand:
-    """The relative effects of a block's last BAND_WINDOW accepted updates: what its honest
-    workers' updates do to the held-out loss at this point of the run. Late in a run one
-    replica's 10-step delta moves the slice's loss by about as much up as down (measured at the
-    small shape: up to +1.8 %), so a fixed tolerance around zero excluded every honest worker
-    (docs/protocol.md, Effect probe). Immutable, so `check` may read it outside the lock."""
+    """The relative effects of a block's last BAND_WINDOW accepted updates: how far its
+    workers' updates move the held-out loss at this point of the run. It decides only whether
+    a refused update costs reputation, never whether one is accepted, so the most a majority
+    of hostile identities can do with it is narrow it back to the tolerance. Immutable, so
+    `check` may read it outside the lock."""
 
     recent: tuple[float, ...] = ()
 
@@ -75,13 +75,18 @@ class HonestBand:
 
 
 def judge_effect(effect: Effect, tolerance: float, band: HonestBand | None = None) -> Verdict:
-    """Refuse an update that raises the loss by more than `tolerance` (relative) and more than
-    the upper edge of its block's honest band: `harmful`, which costs reputation. Refuse one
-    that does not lower the loss at all while the band says honest updates do (or there is no
-    band yet): `no_gain`, which costs nothing (an honest update may be noise) but keeps votes
-    that do nothing from diluting those that train, e.g. a majority shrinking a block whose
-    output is still zero. Once the honest band reaches above zero, an update's sign on one
-    slice no longer tells an honest worker from a useless one, and neither rule refuses it."""
+    """Accept an update only if it lowers the block's loss on the held-out slice. That rule
+    rests on nothing a worker controls, so a majority of hostile identities cannot loosen it
+    (bench/adversarial.py: while the honest band decided acceptance, four tokens on one block
+    shifted it, their updates were accepted and the block was wrecked, +2.0 CE). A refused
+    update costs reputation (`harmful`) only if it raises the loss by more than `tolerance`
+    (relative) and more than the upper edge of its block's honest band. Otherwise it is
+    `no_gain`, which costs nothing: late in a run an honest replica's delta raises the slice's
+    loss about as often as it lowers it (cluster_small), and penalising that noise excluded
+    every honest worker. `no_gain` also keeps votes that do nothing from diluting those that
+    train, e.g. a majority shrinking a block whose output is still zero."""
+    if effect.after < effect.before:  # NaN is refused too
+        return Verdict.ok()
     upper = None if band is None else band.upper
     limit = tolerance if upper is None else max(tolerance, upper)
     detail = (
@@ -90,11 +95,9 @@ def judge_effect(effect: Effect, tolerance: float, band: HonestBand | None = Non
         + ("" if upper is None else f", recent accepted updates up to {upper:+.3%}")
         + ")"
     )
-    if not effect.relative <= limit:  # NaN is harmful too
+    if not effect.relative <= limit:  # NaN is harmful
         return Verdict.refuse("harmful", detail)
-    if (upper is None or upper < 0) and not effect.after < effect.before:
-        return Verdict.refuse("no_gain", detail)
-    return Verdict.ok()
+    return Verdict.refuse("no_gain", detail)
 
 
 @dataclass

@@ -162,8 +162,9 @@ class AggregatorSettings:
     )
     probe_tolerance: float = setting(
         0.002,
-        "Relative loss increase the effect probe forgives at least (0.002: 0.2 %); it forgives "
-        "more when the block's recent accepted updates do (the honest band).",
+        "Relative loss increase that the effect probe refuses without a reputation cost "
+        "(0.002: 0.2 %; more when the block's honest band reaches higher). An update is "
+        "accepted only if the loss falls.",
         lambda v: 0 <= v < 1,
         "must lie in [0, 1)",
         flag="--probe-tolerance",

@@ -69,7 +69,8 @@ REASONS: dict[str, tuple[int, str]] = {
     ),
     "no_gain": (
         422,
-        "the update does not lower the block's loss on the held-out slice while honest updates do",
+        "the update does not lower the block's loss on the held-out slice (within the "
+        "tolerance and the honest band: no reputation cost)",
     ),
     # compressed deltas (docs/protocol.md, Compressed deltas)
     "wrong_wire": (400, "the body's delta_wire is not the one the aggregator announced"),
