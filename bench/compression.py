@@ -5,8 +5,9 @@ Writes benchmarks/results/compression.json and the "compression" section of BENC
 Each row is one `blocktrain.simulate` run (the protocol's own RoundEngine with its defaults:
 validation, norm bound, effect probe, one vote per identity; real local training; a virtual
 clock) of 6 workers at the tiny preset (2 replicas per block), regime lockstep, the same seed,
-rounds and H in every row; only `delta_wire` differs. Pulls (the weights) travel as fp16 in
-every row. final_sampler_ce: the final model's sampler CE (M = 16 sweeps, 16384 validation
+rounds and H in every row; only `delta_wire` differs, and with it the pulls: fp16 whole versions
+for fp16, and deltas in the push codec from the view each worker holds for int8 and top-k (the
+aggregator's default `pull_wire`; protocol/pulls.py). final_sampler_ce: the final model's sampler CE (M = 16 sweeps, 16384 validation
 bytes); bytes_total: every pull and push body of the run (bytes_up: the pushes alone).
 
     python bench/compression.py                       # 4 rows of 10 rounds of H = 10
@@ -27,6 +28,7 @@ import torch
 from blocktrain.config import apply_overrides, tiny
 from blocktrain.data import load_split
 from blocktrain.protocol.codecs import DeltaWire
+from blocktrain.protocol.settings import AggregatorSettings
 from blocktrain.simulate import SimSpec, simulate
 from blocktrain.simulate.regimes import load_regime
 from report import (
@@ -58,6 +60,7 @@ def run_row(wire: str, args: argparse.Namespace) -> dict[str, Any]:
     r = report["regimes"]["lockstep"]
     return {
         "wire": wire,
+        "pull_wire": pull_wire(wire),
         "final_sampler_ce": r["final_sampler_ce"],
         "bytes_total": r["bytes"]["up"] + r["bytes"]["down"],
         "bytes_up": r["bytes"]["up"],
@@ -108,8 +111,17 @@ def main() -> None:
     print(markdown(result_of(rows)))
 
 
+def pull_wire(wire: str) -> str:
+    """How the row's pulls travel: the aggregator's default for this push codec."""
+    return AggregatorSettings(delta_wire=wire).pulls
+
+
 def same_run(row: dict[str, Any], args: argparse.Namespace) -> bool:
-    return (row["rounds"], row["local_steps"]) == (args.rounds, args.local_steps)
+    return (row["rounds"], row["local_steps"], row.get("pull_wire")) == (
+        args.rounds,
+        args.local_steps,
+        pull_wire(row["wire"]),
+    )
 
 
 def result_of(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -150,12 +162,13 @@ def markdown(result: dict[str, Any]) -> str:
         f"`{result['command']}`; JSON: `benchmarks/results/{NAME}`. 6 workers, preset tiny "
         f"(2 replicas per block), regime lockstep, {first['rounds']} rounds of H = "
         f"{first['local_steps']}, seed {first['seed']}, the aggregator's defaults; only the "
-        "pushed deltas' wire differs (pulls are fp16 in every row). Final CE: the sampler CE "
+        "wire differs: pushes in the row's codec, pulls as fp16 whole versions (fp16) or as "
+        "deltas in the push codec from the view each worker holds (int8, top-k). Final CE: the sampler CE "
         "(M = 16, 16384 validation bytes).",
         "",
-        "| wire | final CE | − fp16 | bytes total | ÷ fp16 | bytes pushed | ÷ fp16 | "
+        "| wire | pulls | final CE | − fp16 | bytes total | ÷ fp16 | bytes pushed | ÷ fp16 | "
         "accepted | refused | bar / goal |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
         ce = "—" if r["ce_vs_fp16"] is None else f"{r['ce_vs_fp16']:+.4f}"
@@ -163,7 +176,7 @@ def markdown(result: dict[str, Any]) -> str:
         up = "—" if r["bytes_up_vs_fp16"] is None else f"{r['bytes_up_vs_fp16']:.3f}"
         refused = ", ".join(f"{k} {v}" for k, v in sorted(r["refused"].items())) or "none"
         lines.append(
-            f"| {r['wire']} | {r['final_sampler_ce']:.4f} | {ce} | {r['bytes_total'] / 1e6:.1f} MB"
+            f"| {r['wire']} | {r.get('pull_wire', 'fp16')} | {r['final_sampler_ce']:.4f} | {ce} | {r['bytes_total'] / 1e6:.1f} MB"
             f" | {total} | {r['bytes_up'] / 1e6:.1f} MB | {up} | {r['accepted']} | {refused} | "
             f"{verdict(r)} |"
         )

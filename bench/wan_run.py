@@ -319,7 +319,7 @@ def markdown(r: dict[str, Any]) -> str:
         acc = " ".join(f"{v['accepted']}/{v['expected']}" for v in x["blocks"].values())
         refused = sum(v["refused"] for v in x["blocks"].values())
         # a pull's body comes with it, or from the version's URL after a 303 ("weights")
-        pull = sum(eps.get(ep, ZERO)["bytes_out"] for ep in ("pull", "weights"))
+        pull = sum(eps.get(ep, ZERO)["bytes_out"] for ep in ("pull", "weights", "delta"))
         push = eps.get("push", ZERO)["bytes_in"]
         other = sum(v["bytes_in"] + v["bytes_out"] for v in eps.values()) - pull - push
         rows.append(

@@ -137,7 +137,7 @@ def test_too_few_workers_is_a_clear_error() -> None:
 @pytest.mark.parametrize("wire", ["int8", "topk:0.1"])
 def test_compressed_deltas_train(corpus: Path, wire: str) -> None:
     """End to end: pushes in int8 or top-k (error feedback on each virtual worker) are accepted,
-    move fewer bytes than fp16, and the CE goes down."""
+    pushes and pulls move fewer bytes than fp16, and the CE goes down."""
     compressed = replace(spec(), protocol={"local_steps": 2, "delta_wire": wire})
     train, valid = load_split(corpus, "train"), load_split(corpus, "valid")
     report, _ = simulate(compressed, [REGIMES["lockstep"]], train, valid)
@@ -146,4 +146,5 @@ def test_compressed_deltas_train(corpus: Path, wire: str) -> None:
     assert result["final_sampler_ce"] < result["initial_ce"] - 0.05
     dense, _ = run(corpus, [REGIMES["lockstep"]])
     assert result["bytes"]["up"] < 0.6 * dense["regimes"]["lockstep"]["bytes"]["up"]
-    assert result["bytes"]["down"] == dense["regimes"]["lockstep"]["bytes"]["down"]
+    # pulls: each worker's first whole, then deltas in the push codec (the default pull_wire)
+    assert result["bytes"]["down"] < 0.8 * dense["regimes"]["lockstep"]["bytes"]["down"]

@@ -202,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
         "deadline_s": state.settings().deadline_s,
         "wire_dtype": state.settings().wire_dtype,
         "delta_wire": state.settings().push_wire,
+        "pull_wire": state.settings().pulls,
         "rule": state.settings().rule,
         "wall_seconds": result.wall_seconds,
         "blocks": cfg.model.blocks,

@@ -392,6 +392,6 @@ def create_app(
     )(private_metrics if service.limits.private_status else metrics)
 
     dashboard.add_routes(app, service, endpoint_token, json_response, REFUSALS)
-    weights.add_routes(app, service, endpoint_token, _account, REFUSALS)
+    app.state.versions = weights.add_routes(app, service, endpoint_token, _account, REFUSALS)
     add_directory(app, service.directory, endpoint_token, json_response, REFUSALS)
     return app

@@ -22,6 +22,8 @@ import httpx
 import torch
 
 from blocktrain.errors import ProtocolError, Refused, Unreachable
+from blocktrain.protocol.codecs import FULL, pull_codec
+from blocktrain.protocol.pulls import View, read_delta
 from blocktrain.protocol.wire import CONTENT_TYPE, WireError, decode, update_body
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,8 @@ class Registration:
     wire_dtype: str
     delta_wire: str
     """How pushes carry deltas (an aggregator that does not say takes wire_dtype)."""
+    pull_wire: str = FULL
+    """How pulls travel: whole versions, or deltas from the view held (`protocol.pulls`)."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,10 @@ class AggregatorClient:
         self.bytes_up = 0
         self._held: tuple[str, str, Tensors] | None = None
         """(URL, ETag, tensors) of the last version downloaded, revalidated when pulled again."""
+        self.pull_wire = FULL
+        """The registration's pull wire: with a codec, pulls are deltas from `_view`."""
+        self._view: View | None = None
+        """The weights last pulled, as they arrived (the wire dtype)."""
 
     def close(self) -> None:
         self.http.close()
@@ -192,6 +200,7 @@ class AggregatorClient:
         self.worker_id = None
         doc = self._json("POST", "/v1/workers", json=body)
         self.worker_id = int(doc["worker_id"])
+        self.pull_wire = str(doc.get("pull_wire") or FULL)
         return Registration(
             self.worker_id,
             int(doc["block"]),
@@ -199,6 +208,7 @@ class AggregatorClient:
             int(doc["local_steps"]),
             str(doc["wire_dtype"]),
             str(doc.get("delta_wire") or doc["wire_dtype"]),
+            self.pull_wire,
         )
 
     def leave(self) -> None:
@@ -217,6 +227,7 @@ class AggregatorClient:
         self.base_url = url.rstrip("/")
         self.worker_id = None
         self._held = None
+        self._view = None
 
     def status(self) -> dict[str, Any]:
         return self._json("GET", "/v1/status")
@@ -228,8 +239,9 @@ class AggregatorClient:
         """The open round's weights. The aggregator records the pull and answers 303 with the
         round in its headers (`?redirect=1`); the bytes come from the version's immutable URL,
         which a plain HTTP cache or CDN may serve, and a version already held is revalidated
-        (If-None-Match, 304) instead of downloaded again. An aggregator without versioned URLs
-        answers with the body at once, as before."""
+        (If-None-Match, 304) instead of downloaded again. With a `pull_wire` codec the next
+        version comes as a delta from the view held (`protocol.pulls`). An aggregator without
+        versioned URLs answers with the body at once, as before."""
         response = self.request(
             "GET", f"/v1/blocks/{block}", params={"redirect": 1}, follow_redirects=False
         )
@@ -249,6 +261,7 @@ class AggregatorClient:
                 nbytes + len(response.content),
             )
         meta, tensors = self._weights(response.content)
+        tensors = _fp32(tensors)
         if "round" not in meta:  # something between us followed the 303 for us
             raise ProtocolError(f"GET /v1/blocks/{block} answered a body without its round")
         return Pulled(
@@ -261,32 +274,70 @@ class AggregatorClient:
         )
 
     def _version(self, url: str, block: int, version: int) -> tuple[Tensors, int]:
-        """A committed version's tensors (fp32) and the bytes its answer carried."""
+        """A committed version's tensors (fp32) and the bytes its answer carried: the view
+        held when it is that version, else a delta from it (a pull wire with a codec), else
+        the whole version."""
+        view = self._view if self._view is not None and self._view.block == block else None
+        if view is not None and view.version == version:
+            return _fp32(view.tensors), 0
+        codec = pull_codec(self.pull_wire)
+        nbytes = 0
+        if codec is not None and view is not None and view.version < version:
+            chained, nbytes = self._delta(url, view, version)
+            if chained is not None:
+                self._view = chained
+                return _fp32(chained.tensors), nbytes
         held = self._held if self._held is not None and self._held[0] == url else None
         headers = {} if held is None else {"If-None-Match": held[1]}
         response = self.request("GET", url, headers=headers, follow_redirects=True)
         self.bytes_down += len(response.content)
+        nbytes += len(response.content)
         if response.status_code == 304 and held is not None:
-            return {k: v.clone() for k, v in held[2].items()}, len(response.content)
-        if response.status_code >= 400:
-            raise self._refusal(response)
-        meta, tensors = self._weights(response.content)
-        if (meta.get("block"), meta.get("version")) != (str(block), str(version)):
-            raise ProtocolError(
-                f"{url} holds block {meta.get('block')} version {meta.get('version')}, "
-                f"not block {block} version {version}"
-            )
-        etag = response.headers.get("ETag")
-        self._held = None if etag is None else (url, etag, tensors)
-        return {k: v.clone() for k, v in tensors.items()}, len(response.content)
+            tensors = held[2]
+        else:
+            if response.status_code >= 400:
+                raise self._refusal(response)
+            meta, tensors = self._weights(response.content)
+            if (meta.get("block"), meta.get("version")) != (str(block), str(version)):
+                raise ProtocolError(
+                    f"{url} holds block {meta.get('block')} version {meta.get('version')}, "
+                    f"not block {block} version {version}"
+                )
+            etag = response.headers.get("ETag")
+            self._held = None if etag is None else (url, etag, tensors)
+        self._view = View.of(block, version, tensors) if codec is not None else None
+        return _fp32(tensors), nbytes
+
+    def _delta(self, url: str, base: View, version: int) -> tuple[View | None, int]:
+        """`version` as a delta from `base`, and the bytes received; no view after any refusal
+        (unknown_base after a restart, an old aggregator) or a bad body: the caller then pulls
+        the whole version."""
+        codec = pull_codec(self.pull_wire)
+        assert codec is not None
+        response = self.request(
+            "GET",
+            url.rstrip("/") + "/delta",
+            params={"base": base.id, "wire": self.pull_wire},
+            follow_redirects=True,
+        )
+        self.bytes_down += len(response.content)
+        if response.status_code != 200:
+            log.info("delta pull of version %d refused (HTTP %d)", version, response.status_code)
+            return None, len(response.content)
+        try:
+            return read_delta(response.content, base, version, codec), len(response.content)
+        except ProtocolError as exc:
+            log.warning("delta pull of version %d unusable (%s); pulling it whole", version, exc)
+            return None, len(response.content)
 
     @staticmethod
     def _weights(body: bytes) -> tuple[dict[str, str], Tensors]:
+        """The metadata and tensors of a weights body, as they travelled (the wire dtype)."""
         try:
             decoded = decode(body)
         except WireError as exc:
             raise ProtocolError(f"the aggregator sent unreadable weights: {exc.detail}") from exc
-        return decoded.metadata, {k: v.float() for k, v in decoded.to_torch().items()}
+        return decoded.metadata, decoded.to_torch()
 
     def push(
         self,
@@ -331,6 +382,11 @@ class AggregatorClient:
                 False, refusal.reason, refusal.detail, response.status_code, len(body), doc
             )
         return PushResult(bool(doc.get("accepted")), "", "", response.status_code, len(body), doc)
+
+
+def _fp32(tensors: Tensors) -> Tensors:
+    """The trainer's own fp32 copy (the held tensors stay as they arrived)."""
+    return {k: v.float() if v.dtype != torch.float32 else v.clone() for k, v in tensors.items()}
 
 
 def _seconds(headers: httpx.Headers) -> float | None:

@@ -67,6 +67,10 @@ class DeltaWire:
                 return DeltaWire(name, ratio)
         raise ValueError(f"delta wire {text!r} is not one of {WIRE_HELP}")
 
+    def __str__(self) -> str:
+        """The text `parse` reads back."""
+        return f"{self.kind}:{self.ratio:g}" if self.kind == "topk" else self.kind
+
     @property
     def dense(self) -> bool:
         return self.kind in DENSE
@@ -83,6 +87,28 @@ class DeltaWire:
 def valid_wire(text: object) -> bool:
     try:
         DeltaWire.parse(str(text))
+    except ValueError:
+        return False
+    return True
+
+
+FULL = "full"
+"""The pull wire (`pull_wire`) that sends every version whole, in the weights' dtype."""
+
+
+def pull_codec(text: str) -> DeltaWire | None:
+    """A `pull_wire`: None for "full", else a lossy codec (ValueError for anything else)."""
+    if text == FULL:
+        return None
+    wire = DeltaWire.parse(text)
+    if not wire.lossy:
+        raise ValueError(f"pull wire {text!r}: a dense pull is the whole version, say {FULL!r}")
+    return wire
+
+
+def valid_pull_wire(text: object) -> bool:
+    try:
+        pull_codec(str(text))
     except ValueError:
         return False
     return True

@@ -111,7 +111,9 @@ def from_state(state: StateDir) -> History:
     # cache in front served instead never reach the ledger).
     pushed = sorted(ledger.update_arrivals())
     traffic = ledger.traffic()
-    pull_bytes = sum(t["bytes_out"] for t in traffic if t["endpoint"] in ("pull", "weights"))
+    pull_bytes = sum(
+        t["bytes_out"] for t in traffic if t["endpoint"] in ("pull", "weights", "delta")
+    )
     pulls = sum(t["requests"] for t in traffic if t["endpoint"] == "pull") or 1
     per_pull = pull_bytes / pulls
     reported_so_far = 0

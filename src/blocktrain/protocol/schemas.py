@@ -31,6 +31,9 @@ class RegisterOut(Out):
     version: int
     wire_dtype: str
     delta_wire: str = Field(description="how pushes carry deltas: fp16|bf16|fp32|int8|topk:RATIO")
+    pull_wire: str = Field(
+        description="how pulls travel: full, or int8|topk:RATIO deltas from the view held"
+    )
     done: bool
 
 

@@ -156,6 +156,7 @@ class AggregatorService:
             "version": reg.view.version,
             "wire_dtype": self.settings.wire_dtype,
             "delta_wire": self.settings.push_wire,
+            "pull_wire": self.settings.pulls,
             "done": reg.view.done,
         }
 

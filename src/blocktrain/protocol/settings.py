@@ -18,7 +18,7 @@ from typing import Any
 from blocktrain.config import RunConfig
 from blocktrain.errors import ConfigError
 from blocktrain.protocol.aggregation import RULES, WEIGHTINGS
-from blocktrain.protocol.codecs import WIRE_HELP, valid_wire
+from blocktrain.protocol.codecs import FULL, WIRE_HELP, DeltaWire, valid_pull_wire, valid_wire
 from blocktrain.protocol.wire import WIRE_DTYPES
 
 
@@ -211,6 +211,17 @@ class AggregatorSettings:
         metavar="WIRE",
         default_text="wire_dtype",
     )
+    pull_wire: str | None = setting(
+        None,
+        "How workers pull a new version: full (the whole version in wire_dtype), or int8 or "
+        "topk:RATIO (a delta from the view the worker holds, error feedback in the view); see "
+        "docs/protocol.md, Compressed pulls.",
+        lambda v: v is None or valid_pull_wire(v),
+        "must be full, int8 or topk:RATIO with 0 < RATIO < 1",
+        flag="--pull-wire",
+        metavar="WIRE",
+        default_text="the push codec when it is int8 or topk, else full",
+    )
     max_delta_norm: float = setting(
         100.0,
         "Refuse updates with a larger global L2 norm.",
@@ -303,6 +314,13 @@ class AggregatorSettings:
     def push_wire(self) -> str:
         """The codec of pushed deltas: delta_wire, else the weights' dtype."""
         return self.delta_wire or self.wire_dtype
+
+    @property
+    def pulls(self) -> str:
+        """How pulls travel: pull_wire, else the push codec when it is lossy, else full."""
+        if self.pull_wire is not None:
+            return self.pull_wire
+        return self.push_wire if DeltaWire.parse(self.push_wire).lossy else FULL
 
     @property
     def live_window(self) -> float:

@@ -52,6 +52,7 @@ REASONS: dict[str, tuple[int, str]] = {
     "unknown_version": (404, "the block has not reached this version"),
     "version_gone": (410, "the version was pruned (keep_versions); pull the open round"),
     "bad_range": (416, "the byte range starts past the end of the body"),
+    "unknown_base": (404, "the aggregator holds no such view to send a delta from; pull it whole"),
     # limits (never a ledger row: counted in memory, see docs/protocol.md, Limits)
     "slow_client": (408, "the request's body came slower than the minimum rate"),
     "rate_limited": (429, "the token sent more requests than its rate allows; see Retry-After"),

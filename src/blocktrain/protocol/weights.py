@@ -31,16 +31,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from fastapi import FastAPI, Path, Request
+from fastapi import FastAPI, Path, Query, Request
 from fastapi.responses import Response
 
 from blocktrain.errors import ProtocolError, Refused
 from blocktrain.protocol.auth import refused
+from blocktrain.protocol.codecs import FULL, pull_codec
+from blocktrain.protocol.pulls import DeltaBody, Views
 from blocktrain.protocol.routing import tag
 from blocktrain.protocol.service import AggregatorService
 from blocktrain.protocol.wire import CONTENT_TYPE, encode
 
 IMMUTABLE = "max-age=31536000, immutable"
+delta_path_template = "/v1/blocks/{block}/versions/{version}/delta"
 CACHED_VERSIONS = 4
 """Encoded bodies kept in memory (the versions workers pull are the newest of each block)."""
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)")
@@ -73,9 +76,34 @@ class Versions:
         self.service = service
         self.keep = keep
         self._bodies: OrderedDict[tuple[int, int], VersionBody] = OrderedDict()
+        self.views = Views(service.settings.wire_dtype)
         self._lock = threading.Lock()
 
     def get(self, block: int, version: int) -> VersionBody:
+        newest = self._published(block, version)
+        key = (block, version)
+        with self._lock:
+            cached = self._bodies.get(key)
+            if cached is not None:
+                self._bodies.move_to_end(key)
+                return cached
+        weights = newest if newest is not None else self._load(block, version)
+        out = self._encode(block, version, weights)
+        with self._lock:
+            self._bodies[key] = out
+            while len(self._bodies) > self.keep:
+                self._bodies.popitem(last=False)
+        return out
+
+    def weights(self, block: int, version: int) -> dict[str, torch.Tensor]:
+        """A committed version's fp32 weights (unknown_version: not reached yet; version_gone:
+        pruned)."""
+        newest = self._published(block, version)
+        return newest if newest is not None else self._load(block, version)
+
+    def _published(self, block: int, version: int) -> dict[str, torch.Tensor] | None:
+        """The block's weights when `version` is its newest; None for an older version still
+        on disk; unknown_version or version_gone otherwise."""
         service = self.service
         service.check_block(block)
         with service.lock:  # the published version and its weights, together
@@ -83,26 +111,31 @@ class Versions:
             current, weights = st.rounds.version, st.weights
         if version > current:
             raise refused("unknown_version", f"block {block} is at version {current}")
-        on_disk = service.storage.has_tensors(block, version)
-        if version < current and not on_disk:
+        if version == current:
+            return weights
+        if not service.storage.has_tensors(block, version):
             raise self._gone(block, version)
-        key = (block, version)
-        with self._lock:
-            cached = self._bodies.get(key)
-            if cached is not None:
-                self._bodies.move_to_end(key)
-                return cached
-        if version < current:
-            try:
-                weights = service.storage.load_tensors(block, version)
-            except ProtocolError:  # pruned meanwhile
-                raise self._gone(block, version) from None
-        out = self._encode(block, version, weights)
-        with self._lock:
-            self._bodies[key] = out
-            while len(self._bodies) > self.keep:
-                self._bodies.popitem(last=False)
-        return out
+        return None
+
+    def _load(self, block: int, version: int) -> dict[str, torch.Tensor]:
+        try:
+            return self.service.storage.load_tensors(block, version)
+        except ProtocolError:  # pruned meanwhile
+            raise self._gone(block, version) from None
+
+    def delta(self, block: int, version: int, base: str, wire: str) -> DeltaBody:
+        """Version `version` as a delta from view `base` in `wire`, the aggregator's pull wire
+        (wrong_wire otherwise; unknown_base when it holds no such view)."""
+        pulls = self.service.settings.pulls
+        if wire != pulls:
+            raise refused(
+                "wrong_wire",
+                f"this aggregator sends pulls as {pulls!r} (`pull_wire` in /v1/config), not "
+                f"{wire[:20]!r}",
+            )
+        codec = pull_codec(wire)
+        assert codec is not None  # "full" is no codec, and a wire equal to it was refused
+        return self.views.delta(block, version, self.weights(block, version), base, codec)
 
     def _encode(self, block: int, version: int, weights: dict[str, torch.Tensor]) -> VersionBody:
         settings = self.service.settings
@@ -113,6 +146,8 @@ class Versions:
             "local_steps": settings.local_steps,
         }
         body = encode(weights, meta, settings.wire_dtype)
+        if settings.pulls != FULL:  # a worker that pulls this may ask for the next as a delta
+            self.views.whole(block, version, weights)
         return VersionBody(body, f'"{hashlib.sha256(body).hexdigest()}"')
 
     def _gone(self, block: int, version: int) -> Refused:
@@ -170,59 +205,99 @@ def add_routes(
     public = service.limits.public_weights
     scope = "public" if public else "private"
 
-    def answer(request: Request, block: int, version: int) -> Response:
-        tag(request, "weights", block)
-        found = versions.get(block, version)
+    def send(request: Request, body: bytes, etag: str, headers: dict[str, str]) -> Response:
+        """An immutable body: 304 on a matching If-None-Match, 206 for one byte range."""
         headers = {
-            "ETag": found.etag,
+            "ETag": etag,
             "Cache-Control": f"{scope}, {IMMUTABLE}",
             "Accept-Ranges": "bytes",
-            "X-Block": str(block),
-            "X-Version": str(version),
+            **headers,
         }
-        if etag_matches(request.headers.get("if-none-match"), found.etag):
+        if etag_matches(request.headers.get("if-none-match"), etag):
             return Response(status_code=304, headers=headers)
-        size = len(found.body)
+        size = len(body)
         span = None
-        if request.headers.get("if-range") in (None, found.etag):  # else: it changed, send all
+        if request.headers.get("if-range") in (None, etag):  # else: it changed, send all
             span = byte_range(request.headers.get("range"), size)
         if span is None:
             account(request, size)
-            return Response(found.body, media_type=CONTENT_TYPE, headers=headers)
+            return Response(body, media_type=CONTENT_TYPE, headers=headers)
         start, end = span
         headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
         account(request, end - start)
-        return Response(
-            found.body[start:end], status_code=206, media_type=CONTENT_TYPE, headers=headers
+        return Response(body[start:end], status_code=206, media_type=CONTENT_TYPE, headers=headers)
+
+    def version_answer(request: Request, block: int, version: int) -> Response:
+        tag(request, "weights", block)
+        found = versions.get(block, version)
+        return send(
+            request, found.body, found.etag, {"X-Block": str(block), "X-Version": str(version)}
         )
 
+    def delta_answer(request: Request, block: int, version: int, base: str, wire: str) -> Response:
+        tag(request, "delta", block)
+        found = versions.delta(block, version, base, wire)
+        headers = {"X-Block": str(block), "X-Version": str(version), "X-View": found.view.id}
+        return send(request, found.body, found.etag, headers)
+
+    binary = {"content": {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}}}
+    cached: dict[int | str, dict[str, Any]] = {
+        206: {"description": "the byte range asked for"},
+        304: {"description": "not modified (If-None-Match)"},
+        **refusals,
+    }
     spec: dict[str, Any] = {
-        "responses": {
-            200: {"content": {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}}},
-            206: {"description": "the byte range asked for"},
-            304: {"description": "not modified (If-None-Match)"},
-            **refusals,
-        },
+        "responses": {200: binary, **cached},
         "summary": "A committed version's weights at an immutable (cacheable) URL",
     }
+    delta_spec: dict[str, Any] = {
+        "responses": {200: binary, **cached},
+        "summary": "A committed version as a delta from a view the worker holds (pull_wire)",
+    }
+    base_query = Query(min_length=1, max_length=64, description="the id of the view held (X-View)")
+    wire_query = Query(max_length=40, description="the aggregator's pull_wire")
+    version_url = "/v1/blocks/{block}/versions/{version}"
     if public:
 
-        @app.get("/v1/blocks/{block}/versions/{version}", **spec)
+        @app.get(version_url, **spec)
         def public_version(
             request: Request, block: int = Path(ge=0), version: int = Path(ge=0)
         ) -> Response:
-            return answer(request, block, version)
+            return version_answer(request, block, version)
+
+        @app.get(delta_path_template, **delta_spec)
+        def public_delta(
+            request: Request,
+            block: int = Path(ge=0),
+            version: int = Path(ge=0),
+            base: str = base_query,
+            wire: str = wire_query,
+        ) -> Response:
+            return delta_answer(request, block, version, base, wire)
 
     else:
         authenticated = token("weights")  # a default: see dashboard.add_routes
 
-        @app.get("/v1/blocks/{block}/versions/{version}", **spec)
+        @app.get(version_url, **spec)
         def private_version(
             request: Request,
             block: int = Path(ge=0),
             version: int = Path(ge=0),
             _: Any = authenticated,
         ) -> Response:
-            return answer(request, block, version)
+            return version_answer(request, block, version)
+
+        delta_token = token("delta")
+
+        @app.get(delta_path_template, **delta_spec)
+        def private_delta(
+            request: Request,
+            block: int = Path(ge=0),
+            version: int = Path(ge=0),
+            base: str = base_query,
+            wire: str = wire_query,
+            _: Any = delta_token,
+        ) -> Response:
+            return delta_answer(request, block, version, base, wire)
 
     return versions

@@ -13,12 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
+from blocktrain.protocol.codecs import pull_codec
 from blocktrain.protocol.core import Committed, EngineBlock, RoundEngine
 from blocktrain.protocol.effect import EffectProbe
+from blocktrain.protocol.pulls import View, Views, read_delta
 from blocktrain.protocol.rounds import RoundView
 from blocktrain.protocol.settings import AggregatorSettings
 from blocktrain.protocol.verdict import Verdict
-from blocktrain.protocol.wire import wire_dtype
 
 Tensors = dict[str, torch.Tensor]
 
@@ -50,8 +51,10 @@ class SimAggregator:
         self.blocks: dict[int, EngineBlock] = self.engine.blocks
         self.on_close: list[Callable[[Committed], None]] = self.engine.on_commit
         """Called with each commit (the round and the block's new weights)."""
-        self._published: dict[int, tuple[int, Tensors]] = {}
-        """block -> (version, weights in the wire dtype) of the last pull."""
+        self._published: dict[int, View] = {}
+        """block -> the last version pulled whole, in the wire dtype."""
+        self.views = Views(settings.wire_dtype)
+        """What an HTTP aggregator's `Versions.views` holds (compressed pulls)."""
         self._next_worker = 0  # ids as the ledger gives them: 0, 1, 2, ...
 
     def _new_id(self, _block: int) -> int:
@@ -72,21 +75,26 @@ class SimAggregator:
 
     # ------------------------------------------------------------------ pulls and pushes
 
-    def pull(self, worker: int, block: int, now: float) -> tuple[RoundView, Tensors | None]:
-        """The open round and its weights as they travel (the wire dtype); no weights when the
-        block is done."""
+    def pull(
+        self, worker: int, block: int, now: float, held: View | None = None
+    ) -> tuple[RoundView, View | None, int | None]:
+        """The open round, the weights the worker then holds (the wire dtype; none when the
+        block is done) and the bytes of a delta pull (`protocol.pulls`: with a pull codec and a
+        view `held`, exactly what an HTTP worker would get and compute); None for a whole one."""
         view = self.engine.pull(worker, block, now).view
         if view.done:
-            return view, None
+            return view, None, None
+        weights = self.blocks[block].weights
+        codec = pull_codec(self.settings.pulls)
+        if codec is not None and held is not None and held.block == block:
+            if held.version == view.version:
+                return view, held, 0
+            sent = self.views.delta(block, view.version, weights, held.id, codec)
+            return view, read_delta(sent.body, held, view.version, codec), len(sent.body)
         published = self._published.get(block)
-        if published is None or published[0] != view.version:
-            dtype = wire_dtype(self.settings.wire_dtype)
-            weights = self.blocks[block].weights
-            published = self._published[block] = (
-                view.version,
-                {k: v.to(dtype) for k, v in weights.items()},
-            )
-        return view, published[1]
+        if published is None or published.version != view.version:
+            published = self._published[block] = self.views.whole(block, view.version, weights)
+        return view, published, None
 
     def push(self, worker: int, block: int, body: bytes, now: float) -> Judged:
         """Check, judge and record one update body."""

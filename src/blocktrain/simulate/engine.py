@@ -31,6 +31,7 @@ import torch
 from blocktrain.protocol.codecs import DeltaEncoder
 from blocktrain.protocol.core import Committed
 from blocktrain.protocol.effect import EffectProbe
+from blocktrain.protocol.pulls import View
 from blocktrain.protocol.rounds import RoundClosed, RoundView, in_time, participation
 from blocktrain.protocol.settings import AggregatorSettings
 from blocktrain.protocol.state import largest_block
@@ -76,6 +77,8 @@ class VirtualWorker:
     last_round: int = -1
     """The last round it trained on (or gave up on); it waits for a later one."""
     holding: tuple[RoundView, Tensors] | None = None
+    held: View | None = None
+    """The weights it last pulled, as they arrived (compressed pulls are deltas from it)."""
     body: tuple[int, bytes] | None = None
     """(round, body) of the push in flight."""
     stopped: bool = False
@@ -223,16 +226,18 @@ class Simulation:
         if not rounds.done and rounds.round <= w.last_round:
             self._waiting[w.block].append(w)  # long poll until the round closes
             return
-        view, weights = self.agg.pull(w.id, w.block, now)
+        view, weights, delta_bytes = self.agg.pull(w.id, w.block, now, w.held)
         if weights is None:
             w.stopped = True
             return
         if view.deadline is not None and (w.block, view.round) not in self._deadline_ticks:
             self._deadline_ticks.add((w.block, view.round))
             self._at(view.deadline, "tick", w.block)
-        w.holding = (view, weights)
-        self.bytes_down += self._wire_bytes
-        self._at(now + self._latency() + self._wire_bytes / w.bandwidth, "pulled", w.id)
+        w.holding = (view, weights.tensors)
+        w.held = weights
+        nbytes = self._wire_bytes if delta_bytes is None else delta_bytes
+        self.bytes_down += nbytes
+        self._at(now + self._latency() + nbytes / w.bandwidth, "pulled", w.id)
 
     def _on_pulled(self, w: VirtualWorker, now: float) -> None:
         assert w.holding is not None
