@@ -178,3 +178,17 @@ def test_delta_route_checks_the_wire_and_the_token(tmp_path):
     assert r.status_code == 401
     r = h.client.get(url, params={"base": "x" * 65, "wire": "int8"}, headers=headers)
     assert r.status_code == 422
+
+
+def test_a_worker_told_wrong_wire_pulls_whole_versions_until_it_registers_again(tmp_path):
+    h = make_harness(tmp_path / "s", SETTINGS.replace(pull_wire="int8"))
+    paths, _ = record(h)
+    c = AggregatorClient("http://agg", h.alice, client=h.client, rng=random.Random(0))
+    c.register(block=0)
+    first = c.pull(0)
+    c.pull_wire = "topk:0.1"  # as if the aggregator restarted with another --pull-wire
+    delta = {k: torch.full_like(v, 0.01) for k, v in first.tensors.items()}
+    assert c.push(0, delta, base_version=0, round=0, tokens=64).accepted
+    assert c.pull(0).version == 1
+    assert ("/v1/blocks/0/versions/1/delta", 400) in paths
+    assert paths[-1] == ("/v1/blocks/0/versions/1", 200) and c.pull_wire == "full"

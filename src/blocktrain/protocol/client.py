@@ -323,6 +323,8 @@ class AggregatorClient:
         self.bytes_down += len(response.content)
         if response.status_code != 200:
             log.info("delta pull of version %d refused (HTTP %d)", version, response.status_code)
+            if response.status_code == 400:  # wrong_wire: restarted with another pull wire
+                self.pull_wire = FULL  # whole pulls until the next registration says again
             return None, len(response.content)
         try:
             return read_delta(response.content, base, version, codec), len(response.content)
