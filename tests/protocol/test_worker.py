@@ -198,13 +198,19 @@ def test_loop_gives_up_on_a_revoked_token(h):
     assert exc.value.reason == "revoked_token"
 
 
-def test_loop_comes_back_after_an_aggregator_restart(h):
+@pytest.mark.parametrize("wire", ["fp16", "int8"])
+def test_loop_comes_back_after_an_aggregator_restart(tmp_path, wire):
     """The aggregator goes away mid-run and comes back on the same state folder: the worker's
-    retries reconnect and it carries on from the restored round."""
+    retries reconnect and it carries on from the restored round. With int8 the pulls are
+    deltas from the worker's view; the restarted aggregator holds no views, so the first pull
+    after it is whole (unknown_base), and the ones after are deltas again."""
+    h = make_harness(tmp_path / "s", SETTINGS.replace(delta_wire=wire))
     target = {"client": h.client, "down": 0}
     stop = threading.Event()
+    paths: list[tuple[str, int]] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
+        paths.append((request.url.path, -1))
         if target["down"] > 0:
             target["down"] -= 1
             raise httpx.ConnectError("connection refused", request=request)
@@ -215,6 +221,7 @@ def test_loop_comes_back_after_an_aggregator_restart(h):
             content=request.content,
             follow_redirects=False,  # a transport hands a 303 back, as httpx does
         )
+        paths[-1] = (request.url.path, r.status_code)
         return httpx.Response(r.status_code, headers=r.headers, content=r.content)
 
     def crash(n: int) -> None:
@@ -236,6 +243,11 @@ def test_loop_comes_back_after_an_aggregator_restart(h):
     h2 = target["h2"]
     assert h2.service.blocks[0].rounds.version == 4
     assert all(u.committed_version is not None for u in h2.state.ledger.updates(fate="accepted"))
+    deltas = [status for path, status in paths if path.endswith("/delta")]
+    if wire == "int8":
+        assert deltas.count(200) == 2 and deltas.count(404) == 1, paths  # versions 1, 3; 2
+    else:
+        assert deltas == []
     h2.state.close()
 
 
