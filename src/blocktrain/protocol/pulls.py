@@ -150,23 +150,23 @@ class Views:
         """Version `version` (`weights`, fp32) as a delta from view `base`; Refused
         unknown_base when the block holds no such view (the worker pulls it whole)."""
         key = (block, version, base, str(codec))
-        with self._lock:  # one computation per key; the others wait and find it cached
+        with self._lock:  # one computation per key: the others wait, then find it cached
             found = self._deltas.get(key)
             if found is not None:
                 self._deltas.move_to_end(key)
-                return found
-            held = self._views.get(block, OrderedDict()).get(base)
-            if held is None:
-                raise refused(
-                    "unknown_base",
-                    f"block {block} holds no view {base[:40]!r} (restarted, or too old); pull "
-                    "the whole version",
-                )
-            found = self._encode(held, version, weights, codec)
-            self._deltas[key] = found
-            while len(self._deltas) > self.keep_deltas:
-                self._deltas.popitem(last=False)
-        self._remember(found.view)
+            else:
+                held = self._views.get(block, OrderedDict()).get(base)
+                if held is None:
+                    raise refused(
+                        "unknown_base",
+                        f"block {block} holds no view {base[:40]!r} (restarted, or too old); "
+                        "pull the whole version",
+                    )
+                found = self._encode(held, version, weights, codec)
+                self._deltas[key] = found
+                while len(self._deltas) > self.keep_deltas:
+                    self._deltas.popitem(last=False)
+        self._remember(found.view)  # its holders may ask for a delta from it next
         return found
 
     def _encode(
@@ -178,8 +178,8 @@ class Views:
         meta["delta_wire"] = codec.kind
         # The result is computed from the body as the worker will read it, then named in it.
         draft = tensorwire.decode(tensorwire.encode(parts, meta))
-        spec = BlockSpec({k: tuple(v.shape) for k, v in base.tensors.items()})
-        sent = codecs.decode(draft.tensors, spec.shapes, codec)
+        shapes = {k: tuple(v.shape) for k, v in base.tensors.items()}
+        sent = codecs.decode(draft.tensors, shapes, codec)
         view = View.of(base.block, version, apply(base.tensors, sent))
         body = tensorwire.encode(parts, {**meta, "view": view.id})
         return DeltaBody(body, f'"{hashlib.sha256(body).hexdigest()}"', view)
