@@ -19,6 +19,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import httpx
@@ -50,6 +53,15 @@ log = logging.getLogger(__name__)
 
 FINAL_KEYS = frozenset({"logits", "bytes"})
 """The tensors of a final answer; any other answer is the state for the next host."""
+
+
+@dataclass
+class Generation:
+    """One generation's session on the hosts (`Chain.session`)."""
+
+    name: str
+    closed: bool = False
+    """Its last message told the hosts to drop its caches: nothing to release."""
 
 
 @dataclass
@@ -103,6 +115,17 @@ class Chain:
         """The replica each hop used last: a generation stays on it (its KV caches live there)
         until it fails."""
         self._last_url = model.route[-1]
+
+    @asynccontextmanager
+    async def session(self) -> AsyncIterator[Generation]:
+        """A generation's name on the hosts (they cache its streams under it), released on
+        the way out unless its last message closed it (`Generation.closed`)."""
+        generation = Generation(uuid.uuid4().hex)
+        try:
+            yield generation
+        finally:
+            if not generation.closed:  # stopped early: a stop sequence, an error, a client gone
+                await self.release(generation.name)
 
     async def release(self, session: str) -> None:
         """Ask the hosts this generation used to drop its caches: for a generation that ended

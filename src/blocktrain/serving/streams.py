@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import AsyncIterator
 
 import torch
@@ -48,9 +47,7 @@ async def one_sweep_stream(
         sigma_max=cfg.sigma_max,  # == the grid's first point, exactly
         generator=generator,
     )
-    session = uuid.uuid4().hex  # the hosts cache the clean streams under it
-    closed = False
-    try:
+    async with chain.session() as session:  # the hosts cache the clean streams under it
         while not loop.done:
             x, z = loop.next_input()
             last = loop.produced + loop.span >= loop.n_bytes
@@ -61,14 +58,11 @@ async def one_sweep_stream(
                 sampler=sampler,
                 sampling=sampling,
                 generator=generator,
-                session=session,
+                session=session.name,
                 close=last,
             )  # (N, K)
-            closed = last
+            session.closed = last
             yield loop.push(new)
-    finally:
-        if not closed:  # stopped early (a stop sequence, an error, a client gone)
-            await chain.release(session)
 
 
 async def speculative_stream(
@@ -78,8 +72,7 @@ async def speculative_stream(
     traversal verifies the bytes drafted on the router and yields the 1..D + 1 it emits. The
     same loop as model.speculative.generate_speculative."""
     cfg = chain.model.config.model
-    session = uuid.uuid4().hex  # the hosts cache the clean streams under it
-    try:
+    async with chain.session() as session:  # the hosts cache the clean streams under it
         while not loop.done:
             draft = loop.next_draft()
             x, z, _ = loop.sweep_input(draft, cfg.d_model, cfg.sigma_max)
@@ -93,11 +86,9 @@ async def speculative_stream(
                 generator=loop.generator,
                 # Never `close`: which sweep is the last depends on its acceptances, and a
                 # sweep after a closed one would recompute its context. Released at the end.
-                session=session,
+                session=session.name,
             )
             yield loop.push(logits)
-    finally:
-        await chain.release(session)
 
 
 async def autoregressive_stream(
@@ -119,10 +110,9 @@ async def autoregressive_stream(
         raise ValueError("the prompt must hold at least one byte")
     window = chain.model.config.model.seq_len
     context = prompt
-    session, pos = uuid.uuid4().hex, 0
+    pos = 0
     pending = context[:, -window:]
-    closed = False
-    try:
+    async with chain.session() as session:
         for i in range(n_bytes):
             if pos + pending.shape[1] > window:
                 pos, pending = 0, context[:, -(window // 2) :]
@@ -130,7 +120,7 @@ async def autoregressive_stream(
                 try:
                     new = await chain.stage_step(
                         pending,
-                        session=session,
+                        session=session.name,
                         pos=pos,
                         close=i == n_bytes - 1,
                         sampling=sampling,
@@ -142,14 +132,11 @@ async def autoregressive_stream(
                         raise
                     log.info("prefilling again: %s", exc)
                     pos, pending = 0, context[:, -(window // 2) :]
-            closed = i == n_bytes - 1
+            session.closed = i == n_bytes - 1
             pos += pending.shape[1]
             pending = new[:, None]
             context = torch.cat((context, pending), dim=1)
             yield pending
-    finally:
-        if not closed:  # stopped early (a stop sequence, an error, a client gone)
-            await chain.release(session)
 
 
 async def autoregressive_speculative_stream(
@@ -161,10 +148,9 @@ async def autoregressive_speculative_stream(
     cut their caches back past the accepted bytes at the next step. The law of the text is the
     reference's own."""
     window = chain.model.config.model.seq_len
-    session, pos = uuid.uuid4().hex, 0
+    pos = 0
     pending = loop.context[-window:]
-    closed = False
-    try:
+    async with chain.session() as session:
         while not loop.done:
             draft = loop.next_draft()
             if pos + len(pending) + len(draft) > window:
@@ -174,7 +160,7 @@ async def autoregressive_speculative_stream(
                 try:
                     logits = await chain.stage_verify(
                         torch.tensor([pending + draft]),
-                        session=session,
+                        session=session.name,
                         pos=pos,
                         close=last,
                         drafted=len(draft),
@@ -185,7 +171,7 @@ async def autoregressive_speculative_stream(
                         raise
                     log.info("prefilling again: %s", exc)
                     pos, pending = 0, loop.context[-(window // 2) :]
-            closed = last
+            session.closed = last
             new = loop.push(logits)
             if last:  # closed: a further step (fewer bytes accepted) opens a fresh session
                 pos, pending = 0, loop.context[-(window // 2) :]
@@ -193,6 +179,3 @@ async def autoregressive_speculative_stream(
                 pos += len(pending) + new.shape[1] - 1
                 pending = new[0, -1:].tolist()
             yield new
-    finally:
-        if not closed:  # stopped early (a stop sequence, an error, a client gone)
-            await chain.release(session)
