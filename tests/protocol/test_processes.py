@@ -81,6 +81,7 @@ def test_cluster_command_runs_rounds_over_http(tmp_path, corpus, capsys):
         assert [r["round"] for r in rounds] == [0, 1, 2]
         assert all(r["accepted"] == 1 for r in rounds), rounds
     assert summary["updates"]["accepted"] == 9 and summary["updates"]["refused"] == 0
+    assert (summary["effect_probe"], summary["pull_wire"]) == ("off", "full")  # the defaults
     b = summary["bytes"]
     assert b["worker_rounds"] == 9 and 1.0 <= b["ratio_to_minimum"] < 1.2, b
     assert all(code == 0 for code in summary["exit_codes"].values()), summary["exit_codes"]

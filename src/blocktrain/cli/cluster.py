@@ -4,6 +4,8 @@ processes over real HTTP on loopback, then the from-noise CE of every round's co
 Writes OUT/state (the aggregator's state folder, every version kept), OUT/logs, OUT/model (the
 final assembled run folder, for `blocktrain eval` and `generate`) and OUT/summary.json: rounds,
 participation per block, bytes moved against the minimum, from-noise CE per round, final CE.
+Every worker here is the user's own, so the aggregator's effect probe is off unless
+`--effect-probe on`, and rounds have a 60 s deadline unless `--deadline`.
 """
 
 from __future__ import annotations
@@ -76,8 +78,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
     add_progress_arg(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    add_setting_args(p)
+    add_setting_args(p, defaults=CLUSTER_DEFAULTS)
     p.set_defaults(handler=run)
+
+
+CLUSTER_DEFAULTS = {"deadline_s": 60.0, "effect_probe": "off"}
+"""Settings that differ here from a public aggregator's: short rounds, and no effect probe, since
+every worker of a cluster is the user's own, and the probe refuses honest updates near the
+learning rate's peak (BENCHMARKS.md, The shared-node run; `--effect-probe on` to have it)."""
 
 
 PARTICIPATION_KEYS = (
@@ -122,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         (out / "summary.json").unlink(missing_ok=True)
     data_path = str(resolve_data_path(args.data))
     valid = load_split(data_path, "valid")
-    overrides = settings_overrides(args)
+    overrides = {**CLUSTER_DEFAULTS, **settings_overrides(args)}
     local_steps = overrides.get("local_steps", 10)
     cfg = resolve_rounds_config(args, local_steps)
     overrides.update(
@@ -133,7 +141,6 @@ def run(args: argparse.Namespace) -> int:
             "local_steps": local_steps,
         }
     )
-    overrides.setdefault("deadline_s", 60.0)
     state = create_state(out / "state", cfg, overrides, initial_blocks(cfg))
     tokens = []
     for i in range(args.workers):
@@ -203,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
         "wire_dtype": state.settings().wire_dtype,
         "delta_wire": state.settings().push_wire,
         "pull_wire": state.settings().pulls,
+        "effect_probe": state.settings().effect_probe,
         "rule": state.settings().rule,
         "wall_seconds": result.wall_seconds,
         "blocks": cfg.model.blocks,

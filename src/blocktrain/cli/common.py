@@ -131,10 +131,13 @@ def add_setting_args(
     title: str = "protocol settings (saved in the state folder)",
     *,
     simulated_only: bool = False,
+    defaults: dict[str, Any] | None = None,
 ) -> None:
     """One flag per `AggregatorSettings` field, from its declaration (the simulator's commands
     take only the simulated ones). An absent flag leaves no attribute: the saved or default
-    value stands (see `settings_overrides`)."""
+    value stands (see `settings_overrides`). `defaults`: the command's own defaults, by field
+    name, as its help shows them (the command applies them itself)."""
+    defaults = defaults or {}
     group = parser.add_argument_group(title)
     group.argument_default = argparse.SUPPRESS
     hints = typing.get_type_hints(AggregatorSettings)
@@ -150,7 +153,9 @@ def add_setting_args(
             type=kind,
             choices=s.choices,
             metavar=s.metavar,
-            help=f"{s.doc} (default: {default_text(f, s)})".replace("%", "%%"),
+            help=f"{s.doc} (default: {defaults.get(f.name, default_text(f, s))})".replace(
+                "%", "%%"
+            ),
         )
 
 
