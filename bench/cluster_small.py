@@ -265,6 +265,18 @@ def summarise(args: argparse.Namespace, work: Path, final: dict[str, Any]) -> di
     }
 
 
+def unrecorded(attempts: list[dict[str, Any]]) -> str:
+    """What the recorded invocations leave out: rounds run by one killed before it could
+    record itself (SIGKILL, or the machine going away)."""
+    first = attempts[0]["started_at_round"] if attempts else 0
+    if not first:
+        return ""
+    return (
+        f" (rounds {first} on; rounds 0-{first - 1} ran in an invocation killed before it "
+        "recorded itself)"
+    )
+
+
 def markdown(r: dict[str, Any]) -> str:
     f = r["final"]
     attempts = r["attempts"]
@@ -286,8 +298,8 @@ per block, preset {r["preset"]}; {r["rounds"]} rounds of H = {r["local_steps"]} 
 {r["steps_per_replica"]} steps per replica, the learning-rate schedule spanning the run as in the
 converged single-process run of `benchmarks/results/quality.json` ({r["single_steps"]} steps per
 block, the same preset, batch and schedule). Wire {r["delta_wire"]}, round deadline {r["deadline_s"]:g} s.
-{len(attempts)} invocation(s), {r["wall_s"] / 3600:.2f} h of wall clock in all, a round every
-{r["seconds_per_round_median"] or 0:.0f} s (median).
+{len(attempts)} recorded invocation(s), {r["wall_s"] / 3600:.2f} h of wall clock in all{unrecorded(attempts)}, a
+round every {r["seconds_per_round_median"] or 0:.0f} s (median).
 {caveat}
 Sampler CE on the test split ({f["bytes"]:,} scored bytes, M = {f["sweeps"]}, seed {TEST_SEED}: the bytes and
 noise of quality.json's figure):
@@ -297,7 +309,7 @@ noise of quality.json's figure):
 | cluster, {r["workers"]} workers over HTTP | {r["steps_per_replica"]} | **{r["cluster_sampler_ce"]:.4f}** | {f["from_noise_ce"]:.4f} |
 | single process (quality.json, converged) | {r["single_steps"]} | **{r["single_sampler_ce"]:.4f}** | |
 
-Gap {r["gap"]:+.4f} (goal: within 0.02, bar: within 0.05). The aggregator's effect probe:
+Gap {r["gap"]:+.4f}, cluster minus single (goal: within 0.02, bar: within 0.05). The aggregator's effect probe:
 {r["effect_probe"]}; updates by fate: {", ".join(f"{k} {v}" for k, v in r["updates"].items())};
 reputation at the end: {reputation}.
 Participation (accepted in time over
