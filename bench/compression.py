@@ -13,12 +13,14 @@ bytes); bytes_total: every pull and push body of the run (bytes_up: the pushes a
     python bench/compression.py                       # 4 rows of 10 rounds of H = 10
     python bench/compression.py --wires topk:0.01     # add a row (rows in the JSON are kept)
     python bench/compression.py --force               # re-run rows already in the JSON
+    python bench/compression.py --wires fp16,int8 --seeds 0,1,2   # the spread between seeds
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from typing import Any
@@ -46,13 +48,14 @@ BAR = {"int8": (0.01, 0.55)}
 GOAL = {"topk": (0.03, 0.1)}
 
 
-def run_row(wire: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_row(wire: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     cfg = apply_overrides(tiny(), [f"steps={args.rounds * args.local_steps}"])
     spec = SimSpec(
         cfg,
         workers=6,
         rounds=args.rounds,
         protocol={"local_steps": args.local_steps, "delta_wire": wire},
+        seed=seed,
         eval_every=args.rounds,  # the final model is what the table compares
     )
     t0 = time.perf_counter()
@@ -89,6 +92,14 @@ def main() -> None:
         metavar="WIRES",
         help=f"comma-separated delta wires (default: {','.join(WIRES)})",
     )
+    p.add_argument(
+        "--seeds",
+        type=lambda text: [int(x) for x in text.split(",") if x.strip()],
+        default=[0],
+        metavar="SEEDS",
+        help="comma-separated seeds; the table is seed 0's, the others give the spread of "
+        "each wire's CE against fp16 of the same seed (default: 0)",
+    )
     args = p.parse_args()
     for wire in args.wires:
         try:
@@ -98,16 +109,21 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     args.train, args.valid = load_split(args.data, "train"), load_split(args.data, "valid")
     path = RESULTS / NAME
-    rows = {r["wire"]: r for r in json.loads(path.read_text())["rows"]} if path.exists() else {}
-    for wire in args.wires:
-        old = rows.get(wire)
-        if old is not None and not args.force and same_run(old, args):
-            continue
-        print(f"compression: {wire} ...", file=sys.stderr, flush=True)
-        rows[wire] = run_row(wire, args)
-        result = result_of(rows)  # saved after every row: an interrupted run resumes
-        write_json(NAME, result)
-        update_section("compression", markdown(result))
+    rows: dict[tuple[str, int], dict[str, Any]] = {}
+    if path.exists():
+        saved = json.loads(path.read_text())
+        for r in [*saved["rows"], *saved.get("seed_rows", [])]:
+            rows[(r["wire"], r["seed"])] = r
+    for seed in args.seeds:
+        for wire in args.wires:
+            old = rows.get((wire, seed))
+            if old is not None and not args.force and same_run(old, args):
+                continue
+            print(f"compression: {wire}, seed {seed} ...", file=sys.stderr, flush=True)
+            rows[(wire, seed)] = run_row(wire, seed, args)
+            result = result_of(rows)  # saved after every row: an interrupted run resumes
+            write_json(NAME, result)
+            update_section("compression", markdown(result))
     print(markdown(result_of(rows)))
 
 
@@ -124,9 +140,12 @@ def same_run(row: dict[str, Any], args: argparse.Namespace) -> bool:
     )
 
 
-def result_of(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    ordered = sorted(rows.values(), key=lambda r: (r["wire"] not in WIRES, -r["bytes_up"]))
-    base = rows.get("fp16")
+def result_of(rows: dict[tuple[str, int], dict[str, Any]]) -> dict[str, Any]:
+    """`rows`: seed 0's, each against fp16 of seed 0 (the table); `seed_rows`: the other seeds';
+    `seeds`: per wire, its CE minus fp16's of the same seed, for every seed run with both."""
+    first = {wire: r for (wire, seed), r in rows.items() if seed == 0}
+    ordered = sorted(first.values(), key=lambda r: (r["wire"] not in WIRES, -r["bytes_up"]))
+    base = first.get("fp16")
     for r in ordered:
         if base is None or r["rounds"] != base["rounds"]:
             r["ce_vs_fp16"] = r["bytes_vs_fp16"] = r["bytes_up_vs_fp16"] = None
@@ -134,7 +153,27 @@ def result_of(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
         r["ce_vs_fp16"] = r["final_sampler_ce"] - base["final_sampler_ce"]
         r["bytes_vs_fp16"] = r["bytes_total"] / base["bytes_total"]
         r["bytes_up_vs_fp16"] = r["bytes_up"] / base["bytes_up"]
-    return {"command": "python bench/compression.py", "machine": machine(), "rows": ordered}
+    seeds: dict[str, dict[str, Any]] = {}
+    for (wire, seed), r in sorted(rows.items(), key=lambda kv: kv[0][1]):
+        fp16 = rows.get(("fp16", seed))
+        if wire == "fp16" or fp16 is None or fp16["rounds"] != r["rounds"]:
+            continue
+        entry = seeds.setdefault(wire, {"seeds": [], "ce_vs_fp16": [], "bytes_vs_fp16": []})
+        entry["seeds"].append(seed)
+        entry["ce_vs_fp16"].append(r["final_sampler_ce"] - fp16["final_sampler_ce"])
+        entry["bytes_vs_fp16"].append(r["bytes_total"] / fp16["bytes_total"])
+    for entry in seeds.values():
+        ce = entry["ce_vs_fp16"]
+        entry["ce_vs_fp16_mean"] = statistics.fmean(ce)
+        entry["ce_vs_fp16_sd"] = statistics.stdev(ce) if len(ce) > 1 else None
+    others = [r for (_, seed), r in sorted(rows.items(), key=lambda kv: kv[0][1]) if seed != 0]
+    return {
+        "command": "python bench/compression.py",
+        "machine": machine(),
+        "rows": ordered,
+        "seed_rows": others,
+        "seeds": seeds,
+    }
 
 
 def verdict(r: dict[str, Any]) -> str:
@@ -180,6 +219,24 @@ def markdown(result: dict[str, Any]) -> str:
             f" | {total} | {r['bytes_up'] / 1e6:.1f} MB | {up} | {r['accepted']} | {refused} | "
             f"{verdict(r)} |"
         )
+    spread = {w: e for w, e in result.get("seeds", {}).items() if len(e["seeds"]) > 1}
+    if spread:
+        lines += [
+            "",
+            "Seeds: each wire's final CE minus fp16's of the same seed (the same rounds; a "
+            "difference smaller than the spread between seeds is no difference).",
+            "",
+            "| wire | seeds | CE − fp16, each seed | mean ± sd | bytes ÷ fp16, each seed |",
+            "|---|---|---|---:|---|",
+        ]
+        for wire, e in spread.items():
+            each = ", ".join(f"{x:+.4f}" for x in e["ce_vs_fp16"])
+            ratios = ", ".join(f"{x:.3f}" for x in e["bytes_vs_fp16"])
+            seeds = ", ".join(str(x) for x in e["seeds"])
+            lines.append(
+                f"| {wire} | {seeds} | {each} | {e['ce_vs_fp16_mean']:+.4f} ± "
+                f"{e['ce_vs_fp16_sd']:.4f} | {ratios} |"
+            )
     return "\n".join(lines)
 
 

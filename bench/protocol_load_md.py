@@ -57,8 +57,8 @@ accepted update.
 moved). Spread over 3 blocks, the 100 workers see push p99 {result["runs"][1]["push"]["p99_ms"]:.0f} ms from one aggregator and
 {result["runs"][2]["push"]["p99_ms"]:.0f} ms from one aggregator per block. In a burst, latency is queueing: the last of {first["workers"]} pushes waits for the
 ones before it, so p99 is about the whole push phase ({statistics.fmean(push["wall_s_per_round"]):.2f} s a round here).
-All on {m["cpu"]} ({m["cores"]} cores, shared with other work: the 1-minute load average after
-the runs was {loads}, another job's training run held one core throughout); the workers, and
+All on {m["cpu"]} ({m["cores"]} cores; the 1-minute load average after the runs, which
+counts the load generator and the aggregators themselves, was {loads}); the workers, and
 with 3 aggregators all 3 processes, share those cores, so one aggregator per block can only
 show what splitting the locks and the event loop buys, not what more machines would. It buys
 most at 1,000 workers: one aggregator closes each block's round (the aggregation of its 333
