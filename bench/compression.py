@@ -49,7 +49,8 @@ GOAL = {"topk": (0.03, 0.1)}
 
 
 def run_row(wire: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
-    cfg = apply_overrides(tiny(), [f"steps={args.rounds * args.local_steps}"])
+    # the run's seed draws the model's initial weights and each worker's batches
+    cfg = apply_overrides(tiny(), [f"steps={args.rounds * args.local_steps}", f"seed={seed}"])
     spec = SimSpec(
         cfg,
         workers=6,
@@ -226,16 +227,18 @@ def markdown(result: dict[str, Any]) -> str:
             "Seeds: each wire's final CE minus fp16's of the same seed (the same rounds; a "
             "difference smaller than the spread between seeds is no difference).",
             "",
-            "| wire | seeds | CE − fp16, each seed | mean ± sd | bytes ÷ fp16, each seed |",
+            "| wire | seeds | CE − fp16, each seed | mean ± sd (± standard error) | "
+            "bytes ÷ fp16, each seed |",
             "|---|---|---|---:|---|",
         ]
         for wire, e in spread.items():
             each = ", ".join(f"{x:+.4f}" for x in e["ce_vs_fp16"])
             ratios = ", ".join(f"{x:.3f}" for x in e["bytes_vs_fp16"])
             seeds = ", ".join(str(x) for x in e["seeds"])
+            sem = e["ce_vs_fp16_sd"] / len(e["seeds"]) ** 0.5
             lines.append(
                 f"| {wire} | {seeds} | {each} | {e['ce_vs_fp16_mean']:+.4f} ± "
-                f"{e['ce_vs_fp16_sd']:.4f} | {ratios} |"
+                f"{e['ce_vs_fp16_sd']:.4f} (± {sem:.4f}) | {ratios} |"
             )
     return "\n".join(lines)
 
