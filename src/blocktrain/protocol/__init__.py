@@ -4,6 +4,8 @@ training one block replica.
     verdict      refusal reasons and the Verdict type (pure)
     rounds       the round/deadline state machine, registry and participation (pure)
     wire         safetensors bodies with metadata, fp16/bf16 casting, size limit, no pickle
+    codecs       how deltas travel: dense, int8 with a scale per row, top-k with error feedback
+    pulls        compressed pulls: a version as a delta from the view a worker holds
     validation   validators chained into one, each returning a Verdict with a reason
     aggregation  token-weighted mean, median, trimmed mean, outer Nesterov momentum
     core         the round engine: every decision, time passed in (service and simulator)

@@ -6,6 +6,7 @@
     GET    /v1/blocks/{b}                the open round's weights (safetensors body; with
                                          ?redirect=1, 303 to the version's immutable URL)
     GET    /v1/blocks/{b}/versions/{v}   a committed version (cacheable: ETag, Range; weights.py)
+    GET    /v1/blocks/{b}/versions/{v}/delta   the same as a delta from a view held (pulls.py)
     GET    /v1/directory                 where each block's aggregator lives (directory.py)
     GET    /v1/blocks/{b}/round          the open round (long poll with ?after=R&wait=S)
     POST   /v1/blocks/{b}/updates        push a delta (safetensors body)

@@ -1,9 +1,12 @@
 """Committed versions of a block's weights at immutable URLs, for plain HTTP caches and CDNs.
 
     GET /v1/blocks/{b}/versions/{v}     version v of block b in the wire dtype (safetensors)
+    GET /v1/blocks/{b}/versions/{v}/delta?base=VIEW&wire=CODEC
+                                        version v as a delta from a view the worker holds
+                                        (with a pull_wire codec; protocol/pulls.py)
 
-A committed version never changes, so its answer carries `Cache-Control: ..., max-age=31536000,
-immutable` and a strong `ETag` (the SHA-256 of the body); `If-None-Match` is answered 304, and
+A committed version never changes (nor does a delta, named by its version, base and codec),
+so its answer carries `Cache-Control: ..., max-age=31536000, immutable` and a strong `ETag` (the SHA-256 of the body); `If-None-Match` is answered 304, and
 one byte range `Range: bytes=...` 206 (`Accept-Ranges: bytes`; 416 `bad_range` when it starts
 past the end; several ranges, or a stale `If-Range`, get the whole body). A version the block has
 not reached is `unknown_version` (404); one pruned by `keep_versions` is `version_gone` (410).
@@ -43,7 +46,7 @@ from blocktrain.protocol.service import AggregatorService
 from blocktrain.protocol.wire import CONTENT_TYPE, encode
 
 IMMUTABLE = "max-age=31536000, immutable"
-delta_path_template = "/v1/blocks/{block}/versions/{version}/delta"
+DELTA_PATH = "/v1/blocks/{block}/versions/{version}/delta"
 CACHED_VERSIONS = 4
 """Encoded bodies kept in memory (the versions workers pull are the newest of each block)."""
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)")
@@ -265,7 +268,7 @@ def add_routes(
         ) -> Response:
             return version_answer(request, block, version)
 
-        @app.get(delta_path_template, **delta_spec)
+        @app.get(DELTA_PATH, **delta_spec)
         def public_delta(
             request: Request,
             block: int = Path(ge=0),
@@ -289,7 +292,7 @@ def add_routes(
 
         delta_token = token("delta")
 
-        @app.get(delta_path_template, **delta_spec)
+        @app.get(DELTA_PATH, **delta_spec)
         def private_delta(
             request: Request,
             block: int = Path(ge=0),
