@@ -266,7 +266,7 @@ def main() -> int:
     measured = measure(run, args, work, data)
     status = run["status"]
     status["bytes"]["by_endpoint"] = group(run["final_traffic"], lambda ep, _: ep)  # all in
-    wire = {b["block"]: b["wire_bytes"] for b in status["blocks"]}
+    wire = {b["block"]: b["pull_bytes"] for b in status["blocks"]}
     pushed = {b["block"]: b["delta_bytes"] for b in status["blocks"]}
     result = {
         "command": " ".join(["python bench/wan_run.py", *sys.argv[1:]]),

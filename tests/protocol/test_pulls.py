@@ -15,6 +15,7 @@ from blocktrain.protocol.client import AggregatorClient
 from blocktrain.protocol.codecs import DeltaWire, pull_codec
 from blocktrain.protocol.pulls import View, Views, apply, read_delta, view_id
 from blocktrain.protocol.settings import AggregatorSettings
+from blocktrain.protocol.status import snapshot
 
 from .conftest import SETTINGS, Harness, block_tensors, make_harness
 
@@ -132,7 +133,7 @@ def record(h: Harness) -> tuple[list[tuple[str, int]], list[bytes]]:
 
 
 def test_a_worker_pulls_the_next_version_as_a_delta_over_http(tmp_path):
-    h = make_harness(tmp_path / "s", SETTINGS.replace(pull_wire="int8"))
+    h = make_harness(tmp_path / "s", SETTINGS.replace(delta_wire="int8"))  # pulls follow
     paths, delta_bodies = record(h)
     c = AggregatorClient("http://agg", h.alice, client=h.client, rng=random.Random(0))
     reg = c.register(block=0)
@@ -140,7 +141,9 @@ def test_a_worker_pulls_the_next_version_as_a_delta_over_http(tmp_path):
     first = c.pull(0)
     for version in range(3):  # one replica: each push closes a round, a new version
         delta = {k: torch.full_like(v, 0.01 * (version + 1)) for k, v in first.tensors.items()}
-        assert c.push(0, delta, base_version=version, round=version, tokens=64).accepted
+        assert c.push(
+            0, delta, base_version=version, round=version, tokens=64, dtype="int8"
+        ).accepted
         pulled = c.pull(0)
         assert pulled.version == version + 1
         assert paths[-1] == (f"/v1/blocks/0/versions/{version + 1}/delta", 200)
@@ -150,6 +153,8 @@ def test_a_worker_pulls_the_next_version_as_a_delta_over_http(tmp_path):
         first = pulled
     again = c.pull(0)  # the version held: no request for its weights at all
     assert again.version == 3 and paths[-1][0] == "/v1/blocks/0"
+    block = snapshot(h.service)["blocks"][0]
+    assert block["pull_bytes"] == block["delta_bytes"] < block["wire_bytes"]  # int8 both ways
 
 
 def test_a_worker_falls_back_to_a_whole_pull_when_the_base_is_unknown(tmp_path):

@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
         EvalSettings(sweeps=args.final_sweeps, seed=0),
     )
     status = result.status
-    wire = {b["block"]: b["wire_bytes"] for b in status["blocks"]}
+    wire = {b["block"]: b["pull_bytes"] for b in status["blocks"]}
     pushed = {b["block"]: b["delta_bytes"] for b in status["blocks"]}
     summary = {
         "preset": cfg.preset,

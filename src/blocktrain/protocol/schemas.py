@@ -95,6 +95,9 @@ class BlockStatusOut(Out):
     params: int
     wire_bytes: int
     delta_bytes: int = Field(description="bytes of one push's tensor data in the delta wire")
+    pull_bytes: int = Field(
+        description="bytes of one pull's tensor data after the first: the block, or a delta"
+    )
     probe_band: float | None = Field(
         None,
         description="the upper edge of the effect probe's honest band (relative loss change; "

@@ -83,10 +83,11 @@ def round_versions(state: StateDir, rounds: int) -> list[dict[int, int]]:
 def bytes_summary(
     status: dict[str, Any], wire_bytes: dict[int, int], delta_bytes: dict[int, int] | None = None
 ) -> dict[str, Any]:
-    """Bytes moved against the minimum: one weights download (`wire_bytes`) and one delta
-    upload (`delta_bytes`, compressed or not; default: `wire_bytes`) per worker per round it
-    took part in (a push that reached the aggregator, accepted or not). The orchestrator's own
-    status polls are monitoring, not protocol, and are left out."""
+    """Bytes moved against the minimum: one pull (`wire_bytes`: the block, or with compressed
+    pulls the delta `pull_bytes` of /v1/status) and one delta upload (`delta_bytes`, compressed
+    or not; default: `wire_bytes`) per worker per round it took part in (a push that reached
+    the aggregator, accepted or not). The orchestrator's own status polls are monitoring, not
+    protocol, and are left out."""
     up_bytes = delta_bytes or wire_bytes
     by_endpoint = status["bytes"]["by_endpoint"]
     protocol = {ep: v for ep, v in by_endpoint.items() if ep != "status"}
@@ -106,5 +107,6 @@ def bytes_summary(
         "status_polls": by_endpoint.get("status", {}),
         "by_endpoint": protocol,
         "note": "HTTP bodies only (headers and TCP/IP framing not counted); minimum = "
-        "(block wire bytes + delta bytes) per worker per round",
+        "(pull bytes + delta bytes) per worker per round, a pull being the block's weights or, "
+        "with compressed pulls, a delta (each worker's first pull is whole: above the minimum)",
     }

@@ -58,6 +58,7 @@ def snapshot(service: AggregatorService, *, last_rounds: int = 20) -> dict[str, 
                     "params": st.spec.n_params,
                     "wire_bytes": st.spec.wire_bytes,
                     "delta_bytes": st.spec.delta_bytes,
+                    "pull_bytes": st.spec.pull_bytes(service.settings.pulls),
                     "probe_band": engine.bands[b].upper if b in engine.bands else None,
                 }
             )

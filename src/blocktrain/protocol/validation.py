@@ -60,6 +60,12 @@ class BlockSpec:
         """Bytes of the tensor data on the wire (the minimum a transfer of the block costs)."""
         return self.n_params * (4 if self.wire_dtype == "fp32" else 2)
 
+    def pull_bytes(self, pull_wire: str) -> int:
+        """Bytes of tensor data in one pull after the first: the whole block, or a delta in the
+        pull wire's codec (`protocol.pulls`)."""
+        codec = codecs.pull_codec(pull_wire)
+        return self.wire_bytes if codec is None else codecs.data_bytes(self.shapes, codec)
+
 
 @dataclass(frozen=True)
 class Limits:
