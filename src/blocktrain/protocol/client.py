@@ -22,7 +22,7 @@ import httpx
 import torch
 
 from blocktrain.errors import ProtocolError, Refused, Unreachable
-from blocktrain.protocol.codecs import FULL, pull_codec
+from blocktrain.protocol.codecs import FULL, DeltaWire, pull_codec
 from blocktrain.protocol.pulls import View, read_delta
 from blocktrain.protocol.wire import CONTENT_TYPE, WireError, decode, update_body
 
@@ -283,7 +283,7 @@ class AggregatorClient:
         codec = pull_codec(self.pull_wire)
         nbytes = 0
         if codec is not None and view is not None and view.version < version:
-            chained, nbytes = self._delta(url, view, version)
+            chained, nbytes = self._delta(url, view, version, codec)
             if chained is not None:
                 self._view = chained
                 return _fp32(chained.tensors), nbytes
@@ -308,12 +308,12 @@ class AggregatorClient:
         self._view = View.of(block, version, tensors) if codec is not None else None
         return _fp32(tensors), nbytes
 
-    def _delta(self, url: str, base: View, version: int) -> tuple[View | None, int]:
+    def _delta(
+        self, url: str, base: View, version: int, codec: DeltaWire
+    ) -> tuple[View | None, int]:
         """`version` as a delta from `base`, and the bytes received; no view after any refusal
         (unknown_base after a restart, an old aggregator) or a bad body: the caller then pulls
         the whole version."""
-        codec = pull_codec(self.pull_wire)
-        assert codec is not None
         response = self.request(
             "GET",
             url.rstrip("/") + "/delta",

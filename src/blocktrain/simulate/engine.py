@@ -76,7 +76,8 @@ class VirtualWorker:
     """Bytes per virtual second."""
     last_round: int = -1
     """The last round it trained on (or gave up on); it waits for a later one."""
-    holding: tuple[RoundView, Tensors] | None = None
+    holding: RoundView | None = None
+    """The round of the pull in flight (its weights: `held`)."""
     held: View | None = None
     """The weights it last pulled, as they arrived (compressed pulls are deltas from it)."""
     body: tuple[int, bytes] | None = None
@@ -233,15 +234,15 @@ class Simulation:
         if view.deadline is not None and (w.block, view.round) not in self._deadline_ticks:
             self._deadline_ticks.add((w.block, view.round))
             self._at(view.deadline, "tick", w.block)
-        w.holding = (view, weights.tensors)
+        w.holding = view
         w.held = weights
         nbytes = self._wire_bytes if delta_bytes is None else delta_bytes
         self.bytes_down += nbytes
         self._at(now + self._latency() + nbytes / w.bandwidth, "pulled", w.id)
 
     def _on_pulled(self, w: VirtualWorker, now: float) -> None:
-        assert w.holding is not None
-        view, weights = w.holding
+        assert w.holding is not None and w.held is not None
+        view, weights = w.holding, w.held.tensors
         w.holding = None
         if self.rng.random() < self.regime.dropout:
             w.dropped += 1
