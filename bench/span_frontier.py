@@ -42,6 +42,7 @@ from blocktrain.config import apply_overrides, preset
 from blocktrain.data import load_split, resolve_data_path
 from blocktrain.data.ngram import NgramDrafter
 from blocktrain.model import BlockStack, Reference
+from blocktrain.model.speculative import Drafter, ModelDrafter
 from blocktrain.training import EvalSettings, evaluate_blocktrain, evaluate_reference, load_model
 from blocktrain.training.generated import GenSettings, evaluate_generation
 from report import ROOT, machine, write_json  # bench/report.py
@@ -85,6 +86,13 @@ def trained(run: Path, argv: list[str]) -> Path:
     return run
 
 
+def router_of(row: dict[str, Any]) -> str | None:
+    """The drafter of the router that measures a row's speed: None, the default router, which
+    drafts with the n-gram when the run has one."""
+    drafter = row.get("drafter")
+    return None if drafter == "ngram" else drafter
+
+
 def quality(
     model: BlockStack | Reference,
     judge: Reference,
@@ -92,7 +100,7 @@ def quality(
     windows: torch.Tensor,
     gen: GenSettings,
     sweeps: int,
-    drafter: NgramDrafter | None,
+    drafter: Drafter | None,
     joints: dict[tuple[int, int, str | None], float],
 ) -> dict[str, Any]:
     """The judged continuations and the joint CE on the test windows. The joint CE depends on
@@ -135,7 +143,17 @@ def main() -> None:
     p.add_argument("--judge-steps", type=int, default=3000, help="training steps of the judge")
     p.add_argument("--hops", default="0,10,50", help="emulated one-way ms per hop")
     p.add_argument("--drafts", default="4,8", help="draft_bytes of the speculative K = 1 rows")
-    p.add_argument("--draft-order", type=int, default=3, help="context bytes of the drafter")
+    p.add_argument("--draft-order", type=int, default=3, help="context bytes of the n-gram drafter")
+    p.add_argument(
+        "--drafters",
+        default="ngram,lm",
+        help="drafters of the speculative rows: ngram (the router's byte n-gram) and lm (a small "
+        "autoregressive model on the router, trained here)",
+    )
+    p.add_argument(
+        "--drafter-steps", type=int, default=1200, help="training steps of the lm drafter"
+    )
+    p.add_argument("--verify-draws", default="1,4", help="rows M of the BlockTrain verify sweeps")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--sweeps", type=int, default=16, help="M for joint_ce")
     p.add_argument("--joint-bytes", type=int, default=16384, help="test bytes for joint_ce")
@@ -225,29 +243,70 @@ def main() -> None:
                     }
                 )
     drafts = ints(args.drafts) if args.drafts and 1 in spans else []
-    for d in drafts:  # the same drafter for the AR pipeline, so the comparison stays fair
-        rows_spec.append(
-            {
-                "method": "ar-spec",
-                "span": 1,
-                "steps_per_block": 0,
-                "run": "ar",
-                "fields": {"draft_bytes": d},
-            }
-        )
-        rows_spec.append(
-            {
-                "method": "blocktrain-spec-euler",
-                "span": 1,
-                "steps_per_block": 1,
-                "run": "k1",
-                "fields": {"sampler": "euler", "steps_per_block": 1, "draft_bytes": d},
-            }
-        )
+    drafter_kinds = args.drafters.split(",") if drafts else []
+    for d in drafts:  # the same drafters for the AR pipeline, so the comparison stays fair
+        for kind in drafter_kinds:
+            tag = "" if kind == "ngram" else f"-{kind}"
+            rows_spec.append(
+                {
+                    "method": f"ar-spec{tag}",
+                    "span": 1,
+                    "steps_per_block": 0,
+                    "run": "ar",
+                    "drafter": kind,
+                    "fields": {"draft_bytes": d},
+                }
+            )
+            for m in ints(args.verify_draws):
+                rows_spec.append(
+                    {
+                        "method": f"blocktrain-spec{tag}-euler",
+                        "span": 1,
+                        "steps_per_block": 1,
+                        "run": "k1",
+                        "drafter": kind,
+                        "fields": {
+                            "sampler": "euler",
+                            "steps_per_block": 1,
+                            "draft_bytes": d,
+                            "verify_draws": m,
+                        },
+                    }
+                )
     data_path = resolve_data_path(None)
-    drafter = (
-        NgramDrafter(load_split(data_path, "train").read(), args.draft_order) if drafts else None
-    )
+    drafters: dict[str, Drafter] = {}
+    router_args: dict[str | None, tuple[str, ...]] = {None: ()}  # by router_of(row)
+    if "ngram" in drafter_kinds:
+        drafters["ngram"] = NgramDrafter(load_split(data_path, "train").read(), args.draft_order)
+        router_args[None] = (
+            "--draft-corpus",
+            str(data_path),
+            "--draft-order",
+            str(args.draft_order),
+        )
+    if "lm" in drafter_kinds:
+        # A 1-layer autoregressive byte model of the tiny width, with the compared models' T.
+        lm_dir = trained(
+            WORK / f"drafter-T{base.seq_len}-{args.drafter_steps}",
+            [
+                "--preset",
+                "tiny",
+                "--reference",
+                "--steps",
+                str(args.drafter_steps),
+                "--set",
+                "layers=1",
+                "blocks=1",
+                f"seq_len={base.seq_len}",
+            ],
+        )
+        lm = load_model(lm_dir)[1]
+        assert isinstance(lm, Reference)
+        drafters["lm"] = ModelDrafter(lm)
+        router_args["lm"] = ("--draft-model", str(lm_dir))
+    unknown_drafters = set(drafter_kinds) - set(drafters)
+    if unknown_drafters:
+        p.error(f"unknown drafter(s) {sorted(unknown_drafters)}; choose from ngram, lm")
 
     qualities: list[dict[str, Any]] = []
     joints: dict[tuple[int, int, str | None], float] = {}
@@ -275,7 +334,9 @@ def main() -> None:
             steps_per_block=fields.get("steps_per_block", 1),
             sampler=fields.get("sampler"),
             draft_bytes=fields.get("draft_bytes", 0),
+            verify_draws=fields.get("verify_draws", 1),
         )
+        drafter = drafters.get(row.get("drafter", ""))
         qualities.append(quality(model, judge, prompts, windows, gen, args.sweeps, drafter, joints))
         kept.parent.mkdir(parents=True, exist_ok=True)
         kept.write_text(json.dumps(qualities[-1]))
@@ -296,6 +357,8 @@ def main() -> None:
                     "span": row["span"],
                     "steps_per_block": row["steps_per_block"],
                     "draft_bytes": row["fields"].get("draft_bytes", 0),
+                    "verify_draws": row["fields"].get("verify_draws", 0),
+                    "drafter": row.get("drafter"),
                     **{key: q[key] for key in QUALITY_KEYS},
                     "sample": q["samples"][0]["generated"],
                 }
@@ -308,19 +371,25 @@ def main() -> None:
 
     rows: list[dict[str, Any]] = []
     models = {name: runs[name] for name in sorted({row["run"] for row in rows_spec})}
-    router_args = ("--draft-corpus", str(data_path), "--draft-order", str(args.draft_order))
     with httpx.Client(timeout=600) as client:
         for hop in hops:
             print(f"speed at {hop} ms per hop", file=sys.stderr, flush=True)
             # One request at a time, with the serving defaults: no batching window, so a lone
-            # sweep waits for nothing (the AR stages have none either).
-            with chain(models, hop, args.threads, router_args if drafts else ()) as router:
-                speeds = [
-                    measure(
-                        client, router, row["run"], args.speed_bytes, args.repeats, row["fields"]
-                    )
-                    for row in rows_spec
-                ]
+            # sweep waits for nothing (the AR stages have none either). One chain per router
+            # drafter; the first (no drafter, or the n-gram) measures every row without one.
+            speeds: list[dict[str, Any]] = [{}] * len(rows_spec)
+            for kind in dict.fromkeys(router_of(row) for row in rows_spec):
+                with chain(models, hop, args.threads, router_args[kind]) as router:
+                    for i, row in enumerate(rows_spec):
+                        if router_of(row) == kind:
+                            speeds[i] = measure(
+                                client,
+                                router,
+                                row["run"],
+                                args.speed_bytes,
+                                args.repeats,
+                                row["fields"],
+                            )
             ar_rate = args.speed_bytes / speeds[0]["seconds"]
             for row, q, speed in zip(rows_spec, qualities, speeds, strict=True):
                 rate = args.speed_bytes / speed["seconds"]
@@ -330,6 +399,8 @@ def main() -> None:
                         "span": row["span"],
                         "steps_per_block": row["steps_per_block"],
                         "draft_bytes": row["fields"].get("draft_bytes", 0),
+                        "verify_draws": row["fields"].get("verify_draws", 0),
+                        "drafter": row.get("drafter"),
                         "gen_ce": q["gen_ce"],
                         "gen_ce_sem": q["gen_ce_sem"],
                         "floor_ce": q["floor_ce"],

@@ -64,6 +64,13 @@ def report_quality(doc: dict[str, Any], name: str) -> None:
     update_section(name.replace("_", "-"), "\n".join(lines))
 
 
+def _draws(row: dict[str, Any]) -> str:
+    """M = ... for a speculative BlockTrain row (rows before verify draws had one)."""
+    if not row["draft_bytes"] or row["method"].startswith("ar"):
+        return ""
+    return f" M = {row.get('verify_draws') or 1}"
+
+
 def against_the_goal(rows: list[dict[str, Any]]) -> list[str]:
     """Issue 11's goal (>= 4x the plain AR pipeline's bytes/s at 10 ms hops with gen_ce within
     0.10 of the AR pipeline's own samples) and bar (a K >= 4 point at >= 2x within 0.30), read
@@ -81,7 +88,8 @@ def against_the_goal(rows: list[dict[str, Any]]) -> list[str]:
             best = max(ok, key=lambda r: r["ratio_to_ar"])
             out.append(
                 f"- {hop} ms hops, {what}: best {best['method']} K = {best['span']} "
-                f"S = {best['steps_per_block']} D = {best['draft_bytes'] or '-'}, "
+                f"S = {best['steps_per_block']} D = {best['draft_bytes'] or '-'}"
+                f"{_draws(best)}, "
                 f"{best['ratio_to_ar']:.2f}x the AR pipeline (gen_ce {best['gen_ce']:.3f} "
                 f"against {ar['gen_ce']:.3f})"
             )
@@ -92,9 +100,15 @@ def report(doc: dict[str, Any], name: str = "span_frontier") -> None:
     """The section NAME (dashes for underscores) of a run with its speed phase."""
     rows = doc["rows"]
     hops = sorted({r["hop_ms"] for r in rows})
-    by_key: dict[tuple[str, int, int, int], dict[int, dict[str, Any]]] = {}
+    by_key: dict[tuple[str, int, int, int, int], dict[int, dict[str, Any]]] = {}
     for r in rows:
-        key = (r["method"], r["span"], r["steps_per_block"], r["draft_bytes"])
+        key = (
+            r["method"],
+            r["span"],
+            r["steps_per_block"],
+            r["draft_bytes"],
+            r.get("verify_draws", 0),
+        )
         by_key.setdefault(key, {})[r["hop_ms"]] = r
     first = rows[0]
     lines = [
@@ -113,24 +127,29 @@ def report(doc: dict[str, Any], name: str = "span_frontier") -> None:
         "window: the serving defaults), the hop latency emulated; ratio = bytes/s over the plain AR pipeline's at the same hop. "
         f"Machine: {doc['machine'].get('cpu', '?')}.",
         "",
-        "| method | K | S | D | gen_ce (± s.e.) | entropy | joint_ce | "
+        "D: bytes drafted per traversal (speculative rows: `ar-spec` and `blocktrain-spec` with "
+        "the router's byte n-gram, `-lm` with a 1-layer autoregressive byte model on the router); "
+        "M: rows of noise per BlockTrain verify sweep, whose mean law the rule takes.",
+        "",
+        "| method | K | S | D | M | gen_ce (± s.e.) | entropy | joint_ce | "
         + " | ".join(f"bytes/s at {h} ms (x AR)" for h in hops)
         + " |",
-        "|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(hops),
+        "|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(hops),
     ]
-    for (method, k, s, d), per_hop in by_key.items():
+    for (method, k, s, d, _), per_hop in by_key.items():
         r = next(iter(per_hop.values()))
         speed = " | ".join(
             f"{per_hop[h]['bytes_per_s']:.1f} ({per_hop[h]['ratio_to_ar']:.2f})" for h in hops
         )
+        m = _draws(r).removeprefix(" M = ") or "-"
         lines.append(
-            f"| {method} | {k} | {s or '-'} | {d or '-'} | {r['gen_ce']:.3f} ± {r['gen_ce_sem']:.3f} | "
+            f"| {method} | {k} | {s or '-'} | {d or '-'} | {m} | {r['gen_ce']:.3f} ± {r['gen_ce_sem']:.3f} | "
             f"{r['entropy']:.3f} | {r['joint_ce']:.3f} | {speed} |"
         )
     lines += ["", *against_the_goal(rows)]
     lines += ["", "A continuation of the first prompt, per row (hop 0):", ""]
-    for (method, k, s, d), per_hop in by_key.items():
-        sample = next(iter(per_hop.values()))["sample"]
-        text = json.dumps(sample)[1:-1][:120].replace("`", "'")
-        lines.append(f"- {method} K = {k} S = {s or '-'} D = {d or '-'}: `{text}`")
+    for (method, k, s, d, _), per_hop in by_key.items():
+        r = next(iter(per_hop.values()))
+        text = json.dumps(r["sample"])[1:-1][:120].replace("`", "'")
+        lines.append(f"- {method} K = {k} S = {s or '-'} D = {d or '-'}{_draws(r)}: `{text}`")
     update_section(name.replace("_", "-"), "\n".join(lines))

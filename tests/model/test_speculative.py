@@ -9,8 +9,13 @@ import torch
 
 from blocktrain.config import ModelConfig
 from blocktrain.data.ngram import NgramDrafter
-from blocktrain.model import Sampling, SigmaSchedule, generate
-from blocktrain.model.speculative import accept_draft, generate_speculative, verify_layout
+from blocktrain.model import Sampling, SigmaSchedule, generate, init_reference
+from blocktrain.model.speculative import (
+    ModelDrafter,
+    accept_draft,
+    generate_speculative,
+    verify_layout,
+)
 
 CFG = ModelConfig(d_model=8, n_heads=2, layers=3, blocks=3, seq_len=16, span=1)
 TARGETS = torch.nn.functional.normalize(
@@ -65,7 +70,8 @@ class ToyDenoiser:
         return logits
 
 
-def test_draft_and_verify_emit_exactly_the_k1_samplers_law():
+@pytest.mark.parametrize("verify_draws", [1, 4])
+def test_draft_and_verify_emit_exactly_the_k1_samplers_law(verify_draws):
     grid = SigmaSchedule.from_config(CFG).sampler_grid(1)
     prompt = torch.tensor([[61, 62, 63]])
     draws = 1500
@@ -98,6 +104,7 @@ def test_draft_and_verify_emit_exactly_the_k1_samplers_law():
             seq_len=CFG.seq_len,
             sampling=Sampling(),
             generator=gen,
+            draws=verify_draws,
         )
         spec.append(out[0].tolist())
     a = torch.tensor([(p[0] - 60) * 4 + (p[1] - 60) for p in plain.tolist()])
@@ -110,3 +117,55 @@ def test_draft_and_verify_emit_exactly_the_k1_samplers_law():
     chi2 = float((((ca - cb) ** 2) / (ca + cb))[keep].sum())
     assert chi2 < 37.7, f"chi2 = {chi2:.1f}: {ca.tolist()} vs {cb.tolist()}"
     assert len(set(b.tolist())) > 8, "the toy's law is spread, so the test has power"
+
+
+def _bytes_per_traversal(drafter, draws: int, prompts: int = 100, seed: int = 3) -> float:
+    grid = SigmaSchedule.from_config(CFG).sampler_grid(1)
+    gen = torch.Generator().manual_seed(seed)
+    made = traversals = 0
+    for _ in range(prompts):
+        _, loop = generate_speculative(
+            ToyDenoiser(),
+            torch.tensor([[61, 62, 63]]),
+            12,
+            drafter=drafter,
+            draft_len=4,
+            grid=grid,
+            targets=TARGETS,
+            seq_len=CFG.seq_len,
+            sampling=Sampling(),
+            generator=gen,
+            draws=draws,
+        )
+        made, traversals = made + loop.produced, traversals + loop.traversals
+    return made / traversals
+
+
+def test_averaging_verify_draws_accepts_more_of_a_draft():
+    """One sweep's law is a noisy estimate of the sampler's; the mean of M rows is closer, and
+    the rule accepts a draft by how close the two laws are (span-research.md section 7)."""
+    # The toy's law favours repeating the last byte; so does this drafter.
+    runs = b"".join(bytes([b]) * 5 for b in range(60, 64)) * 20
+    drafter = NgramDrafter(np.frombuffer(runs, dtype=np.uint8), order=1)
+    one, eight = _bytes_per_traversal(drafter, 1), _bytes_per_traversal(drafter, 8)
+    assert eight > one + 0.1, (one, eight)  # seeds 0-5: +0.18 to +0.36
+    with pytest.raises(ValueError, match="verify_draws"):
+        _bytes_per_traversal(drafter, 0)
+
+
+def test_a_model_drafter_drafts_from_its_own_law():
+    cfg = ModelConfig(d_model=16, n_heads=2, layers=1, blocks=1, seq_len=8, span=1)
+    model = init_reference(cfg, seed=0)
+    torch.nn.init.normal_(model.head.weight, std=0.5)  # a law far from uniform
+    drafter = ModelDrafter(model)
+    context = list(b"abcdefghij")
+    drafted, laws = drafter.draft(context, 3, torch.Generator().manual_seed(0))
+    assert len(drafted) == 3 and laws.shape == (3, 256)
+    assert torch.allclose(laws.sum(1), torch.ones(3, dtype=torch.float64))
+    with torch.no_grad():
+        first = torch.softmax(model(torch.tensor([context[-8:]]))[0, -1].double(), dim=-1)
+        second = torch.softmax(
+            model(torch.tensor([[*context, drafted[0]][-8:]]))[0, -1].double(), dim=-1
+        )
+    assert torch.allclose(laws[0], first) and torch.allclose(laws[1], second)
+    assert drafter.draft(context, 0, torch.Generator())[0] == []

@@ -80,6 +80,11 @@ def test_a_bad_draft_corpus_is_one_clear_line(capsys, tmp_path, runs):
     fails_cleanly(capsys, [*serve, str(tmp_path / "none")], "--draft-corpus")
     corpus = runs.blocktrain.parent / "corpus"
     fails_cleanly(capsys, [*serve, str(corpus), "--draft-order", "9"], "order = 9")
+    model = [*serve[:-1], "--draft-model"]
+    fails_cleanly(capsys, [*model, str(tmp_path)], "not a run folder")
+    fails_cleanly(capsys, [*model, str(runs.blocktrain)], "takes a --reference one")
+    both = [*model, str(runs.reference), "--draft-corpus", str(corpus)]
+    fails_cleanly(capsys, both, "not both")
 
 
 def test_bad_plan_shape_input(capsys):

@@ -11,7 +11,11 @@ import torch
 
 from blocktrain.data.ngram import NgramDrafter
 from blocktrain.model import BlockStack, Sampling, SigmaSchedule, stack_denoiser
-from blocktrain.model.speculative import generate_autoregressive_speculative, generate_speculative
+from blocktrain.model.speculative import (
+    ModelDrafter,
+    generate_autoregressive_speculative,
+    generate_speculative,
+)
 from blocktrain.training import load_model
 from tests.conftest import TEXT
 
@@ -25,19 +29,30 @@ def k1(runs) -> BlockStack:
     return model
 
 
-@pytest.mark.parametrize("sampler", ["euler", "ancestral"])
-def test_verified_drafts_through_the_chain_are_the_in_process_loops_bytes(cluster, k1, sampler):
+@pytest.mark.parametrize(
+    ("sampler", "verify_draws", "drafter"),
+    [("euler", 1, "ngram"), ("ancestral", 3, "ngram"), ("euler", 4, "model")],
+)
+def test_verified_drafts_through_the_chain_are_the_in_process_loops_bytes(
+    cluster, runs, k1, sampler, verify_draws, drafter
+):
     prompt = b"Valkyria Chronicles is a "
     request = {"model": "bt1", "prompt": prompt.decode(), "max_bytes": 12, "seed": 4}
-    extra = {"draft_bytes": 4, "sampler": sampler, "steps_per_block": 2}
-    with cluster.router(drafter=DRAFTER) as router:
+    extra = {
+        "draft_bytes": 4,
+        "sampler": sampler,
+        "steps_per_block": 2,
+        "verify_draws": verify_draws,
+    }
+    drafts = DRAFTER if drafter == "ngram" else ModelDrafter(load_model(runs.reference)[1])
+    with cluster.router(drafter=drafts) as router:
         r = router.post("/v1/generate", json={**request, **extra})
     assert r.status_code == 200, r.text
     expected, loop = generate_speculative(
         stack_denoiser(k1),
         torch.tensor([list(prompt)]),
         12,
-        drafter=DRAFTER,
+        drafter=drafts,
         draft_len=4,
         grid=SigmaSchedule.from_config(k1.cfg).sampler_grid(2),
         targets=k1.targets,
@@ -45,6 +60,7 @@ def test_verified_drafts_through_the_chain_are_the_in_process_loops_bytes(cluste
         sampling=Sampling(),
         generator=torch.Generator().manual_seed(4),
         method=sampler,
+        draws=verify_draws,
     )
     # The hosts run the in-process loop's code on the same shapes: the same bytes exactly.
     assert r.json()["bytes"] == expected[0].tolist()
@@ -96,8 +112,14 @@ def test_drafting_is_refused_where_it_cannot_be_exact(cluster):
     with cluster.router(drafter=DRAFTER) as router:
         span2 = router.post("/v1/generate", json={**request, "model": "bt"})
         too_many = router.post("/v1/generate", json={**request, "model": "bt1", "draft_bytes": 15})
+        draws = [
+            router.post("/v1/generate", json={**request, "model": "bt1", "verify_draws": m})
+            for m in (0, 17)
+        ]
     assert span2.status_code == 400 and "has K = 2" in span2.json()["error"]["message"]
     assert too_many.status_code == 400 and "exceeds the limit of 14" in too_many.text
+    for r in draws:
+        assert r.status_code == 400 and r.json()["error"]["param"] == "verify_draws", r.text
     with cluster.router() as router:
         r = router.post("/v1/generate", json={**request, "model": "bt1"})
     assert r.status_code == 400 and "has no drafter" in r.json()["error"]["message"]

@@ -18,9 +18,12 @@ from blocktrain.data import load_split
 from blocktrain.data.ngram import NgramDrafter
 from blocktrain.errors import ConfigError
 from blocktrain.httpserve import bind, run, url_of
+from blocktrain.model import Reference
+from blocktrain.model.speculative import Drafter, ModelDrafter
 from blocktrain.serving.auth import SECRET_ENV, is_loopback, load_secret, tls_files
 from blocktrain.serving.router import RouterSettings
 from blocktrain.serving.router_app import create_app
+from blocktrain.training.checkpoint import load_model
 
 EXAMPLES = """examples:
   blocktrain serve --hosts http://127.0.0.1:8101,http://127.0.0.1:8102,http://127.0.0.1:8103 \\
@@ -40,6 +43,11 @@ EXAMPLES = """examples:
   blocktrain serve --hosts ... --port 8100 --draft-corpus data/wikitext-2
   curl -s localhost:8100/v1/generate -H 'content-type: application/json' \\
       -d '{"model": "tiny", "prompt": "The ", "max_bytes": 64, "draft_bytes": 6}'
+  # ... drafted by a small autoregressive model on the router (a --reference run), each
+  # verify sweep 8 rows of noise (default 4): more bytes accepted per traversal
+  blocktrain serve --hosts ... --port 8100 --draft-model runs/drafter
+  curl -s localhost:8100/v1/generate -H 'content-type: application/json' \\
+      -d '{"model": "tiny", "prompt": "The ", "max_bytes": 64, "draft_bytes": 12, "verify_draws": 8}'
 
   # hosts off loopback: the router presents their shared secret; limits per client and request
   blocktrain serve --hosts http://10.0.0.5:8101,http://10.0.0.6:8101 --port 8100 \\
@@ -157,12 +165,32 @@ def register(sub: argparse._SubParsersAction) -> None:
         "speculative generation (requests' draft_bytes, K = 1 models)",
     )
     p.add_argument("--draft-order", type=int, default=3, help="context bytes of the drafter")
+    p.add_argument(
+        "--draft-model",
+        metavar="RUN",
+        help="a trained --reference run folder: a small autoregressive byte model on the router "
+        "as the drafter (instead of --draft-corpus)",
+    )
     p.set_defaults(handler=run_cmd)
+
+
+def model_drafter(run: Path) -> ModelDrafter:
+    """The drafter of --draft-model: a trained autoregressive run, on the router's CPU."""
+    if not (run / "config.json").exists():
+        raise ConfigError(f"--draft-model {run} is not a run folder (no config.json)")
+    _, model = load_model(run)
+    if not isinstance(model, Reference):
+        raise ConfigError(f"--draft-model {run} is a BlockTrain run; it takes a --reference one")
+    return ModelDrafter(model)
 
 
 def run_cmd(args: argparse.Namespace) -> int:
     hosts = tuple(h.strip() for h in args.hosts.split(",") if h.strip())
-    drafter = None
+    drafter: Drafter | None = None
+    if args.draft_corpus and args.draft_model:
+        raise ConfigError("give --draft-corpus or --draft-model, not both")
+    if args.draft_model:
+        drafter = model_drafter(Path(args.draft_model))
     if args.draft_corpus:
         if not Path(args.draft_corpus).exists():
             raise ConfigError(f"--draft-corpus {args.draft_corpus} does not exist")

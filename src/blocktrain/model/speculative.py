@@ -12,6 +12,13 @@ from norm(max(0, p_i - r_i)) and stop; if all are accepted draw a bonus byte fro
 r is, the emitted bytes follow exactly the K = 1 sampler's law (the same lemma, applied per
 sweep noise and then averaged over it), so the text is the K = 1 model's; the drafter only
 decides how many bytes one traversal yields: (1 - a^(D+1)) / (1 - a) for acceptance a.
+
+Verify draws. One sweep's p_i is a noisy estimate of the sampler's law q_i = E_noise p_i (at the
+small shape one sweep's CE is 1.80 nats/byte, the 32-sweep mixture's 1.55), and the noise costs
+acceptance: E sum min(p, r) <= sum min(q, r). So the verify sweep runs M rows of the same context
+and draft, each with its own noise, and the rule takes their mean p_bar_i = (1/M) sum_m p_i,m:
+still exact, since E p_bar_i = q_i, and the M rows cost compute on each host, never a hop.
+An autoregressive verifier is deterministic: it takes one row.
 """
 
 from __future__ import annotations
@@ -22,12 +29,24 @@ from typing import Protocol
 import torch
 
 from blocktrain.model.block import ZLayout
+from blocktrain.model.reference import Reference
 from blocktrain.model.sampler import Denoiser, Sampling, one_sweep, sampling_probs
+
+DEFAULT_VERIFY_DRAWS = 4
+"""Rows M of a one-sweep verify sweep: the best measured (BENCHMARKS.md, "Span generation:
+speed and quality"; at tiny, D = 8, M = 1 / 4 / 16 gave 2.47 / 3.11 / 3.18 bytes a traversal)."""
+MAX_VERIFY_DRAWS = 16
+
+
+def check_verify_draws(draws: int) -> int:
+    if not 1 <= draws <= MAX_VERIFY_DRAWS:
+        raise ValueError(f"verify_draws = {draws} must lie in 1..{MAX_VERIFY_DRAWS}")
+    return draws
 
 
 class Drafter(Protocol):
     """Anything that drafts bytes and says the law it drew each one from (data.ngram's
-    NgramDrafter on the router; a small model would do as well)."""
+    NgramDrafter, or a small autoregressive model: ModelDrafter)."""
 
     def draft(
         self, context: list[int], n: int, generator: torch.Generator
@@ -35,6 +54,29 @@ class Drafter(Protocol):
         """n bytes drawn one after another given the context and the bytes drafted before
         each -> (the bytes, their laws (n, 256))."""
         ...
+
+
+class ModelDrafter:
+    """A small autoregressive byte model on the router (a `--reference` run) as the drafter:
+    one forward pass over its last T bytes per drafted byte, drawn from its own distribution
+    (temperature 1), which is the law the rule needs."""
+
+    def __init__(self, model: Reference) -> None:
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+
+    @torch.no_grad()
+    def draft(
+        self, context: list[int], n: int, generator: torch.Generator
+    ) -> tuple[list[int], torch.Tensor]:
+        window = self.model.cfg.seq_len
+        text = list(context)
+        laws = torch.zeros(n, 256, dtype=torch.float64)
+        for i in range(n):
+            x = torch.tensor([text[-window:]], device=self.device)
+            laws[i] = torch.softmax(self.model(x)[0, -1].double().cpu(), dim=-1)
+            text.append(int(torch.multinomial(laws[i], 1, generator=generator)))
+        return text[len(context) :], laws
 
 
 def verify_layout(context_len: int, drafted: int, device: torch.device | str = "cpu") -> ZLayout:
@@ -90,6 +132,7 @@ class SpeculativeLoop:
         seq_len: int,
         sampling: Sampling,
         generator: torch.Generator,
+        draws: int = 1,
     ) -> None:
         if prompt.shape[0] != 1 or prompt.shape[1] == 0:
             raise ValueError("speculative generation takes one prompt of at least one byte")
@@ -97,6 +140,7 @@ class SpeculativeLoop:
             raise ValueError(f"draft_len = {draft_len} must lie in 0..T - 2 = {seq_len - 2}")
         self.context: list[int] = prompt[0].tolist()
         self.n_bytes, self.draft_len, self.seq_len = n_bytes, draft_len, seq_len
+        self.draws = check_verify_draws(draws)
         self.drafter, self.sampling, self.generator = drafter, sampling, generator
         self.produced = self.traversals = self.drafted = 0
         self._pending: tuple[list[int], torch.Tensor] | None = None
@@ -115,20 +159,21 @@ class SpeculativeLoop:
     def sweep_input(
         self, draft: list[int], d_model: int, sigma_max: float
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """A one-sweep verifier's input -> (x (1, P + D): the context's last T - 1 - D bytes then
-        the draft, z (1, D + 1, d) fp32 at sigma_max, P)."""
+        """A one-sweep verifier's input, M = draws rows of it -> (x (M, P + D): the context's
+        last T - 1 - D bytes then the draft, z (M, D + 1, d) fp32 at sigma_max, each row its own
+        noise, P)."""
         context = self.context[-(self.seq_len - 1 - len(draft)) :]
-        noise = torch.randn(1, len(draft) + 1, d_model, generator=self.generator)
-        x = torch.tensor([context + draft], dtype=torch.long)
+        noise = torch.randn(self.draws, len(draft) + 1, d_model, generator=self.generator)
+        x = torch.tensor([context + draft], dtype=torch.long).repeat(self.draws, 1)
         return x, sigma_max * noise, len(context)
 
     def push(self, logits: torch.Tensor) -> torch.Tensor:
-        """The verifier's logits at the D + 1 positions (1, D + 1, 256) -> the emitted bytes
-        (1, m), 1 <= m <= D + 1."""
+        """The verifier's logits at the D + 1 positions (M, D + 1, 256), one row per verify
+        draw -> the emitted bytes (1, m), 1 <= m <= D + 1."""
         assert self._pending is not None, "push follows next_draft"
         draft, laws = self._pending
         self._pending = None
-        probs = sampling_probs(logits[0].cpu(), self.sampling)
+        probs = sampling_probs(logits.cpu(), self.sampling).mean(dim=0)  # p_bar (D + 1, 256)
         new = accept_draft(draft, laws, probs, self.generator)[: self.n_bytes - self.produced]
         self.traversals += 1
         self.drafted += len(draft)
@@ -151,9 +196,10 @@ def generate_speculative(
     sampling: Sampling,
     generator: torch.Generator,
     method: str = "euler",
+    draws: int = DEFAULT_VERIFY_DRAWS,
 ) -> tuple[torch.Tensor, SpeculativeLoop]:
     """Continue prompt (1, Lp) by n_bytes with a K = 1 stack, D = draft_len drafted bytes
-    verified per sweep. -> ((1, n_bytes) int64, the loop with its counts)."""
+    verified per sweep of M = draws rows. -> ((1, n_bytes) int64, the loop with its counts)."""
     loop = SpeculativeLoop(
         prompt,
         n_bytes,
@@ -162,6 +208,7 @@ def generate_speculative(
         seq_len=seq_len,
         sampling=sampling,
         generator=generator,
+        draws=draws,
     )
 
     def verify(draft: list[int]) -> torch.Tensor:

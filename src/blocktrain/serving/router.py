@@ -31,11 +31,10 @@ from typing import cast
 import httpx
 import torch
 
-from blocktrain.data.ngram import NgramDrafter
 from blocktrain.errors import ConfigError
 from blocktrain.model import Sampling
 from blocktrain.model.sampler import DEFAULT_SAMPLER, sampler_for
-from blocktrain.model.speculative import SpeculativeLoop
+from blocktrain.model.speculative import Drafter, SpeculativeLoop
 from blocktrain.serving.chain import Chain, ChainStats
 from blocktrain.serving.coalesce import Coalescer
 from blocktrain.serving.directory import Directory, RemoteModel, unavailable_error
@@ -91,8 +90,9 @@ class RouterSettings:
     """Most bytes generated per request."""
     max_steps_per_block: int = 16
     """Largest steps_per_block a request may ask for."""
-    drafter: NgramDrafter | None = None
-    """Drafts bytes for speculative generation with K = 1 models (requests' draft_bytes)."""
+    drafter: Drafter | None = None
+    """Drafts bytes for speculative generation with K = 1 models (requests' draft_bytes): a
+    byte n-gram (data.ngram) or a small autoregressive model (model.speculative.ModelDrafter)."""
     max_draft_bytes: int = 32
     """Largest draft_bytes a request may ask for."""
     max_body_bytes: int = 1 << 20
@@ -167,6 +167,7 @@ class Job:
     steps_per_block: int
     sampler: str
     draft_bytes: int
+    verify_draws: int
     units: int
     """The work admitted for this job, released by `Router.done`."""
 
@@ -254,12 +255,15 @@ class Router:
                 raise BadRequest(str(exc), param="sampler") from None
         if req.draft_bytes:
             self._check_drafting(remote, req.draft_bytes)
-        # An autoregressive model runs no sampler points: one unit per byte.
-        steps = req.steps_per_block if remote.kind == "blocktrain" else 1
-        what = f"{param} x steps_per_block = {n_bytes} x {steps}"
-        if choices > 1:
-            what = f"n x {param} x steps_per_block = {choices} x {n_bytes} x {steps}"
-        units = self.work.admit(choices * work_units(n_bytes, steps), what, param)
+        # An autoregressive model runs no sampler points: one unit per byte. A verify sweep of
+        # M rows computes M sweeps' worth on every host.
+        blocktrain = remote.kind == "blocktrain"
+        steps = req.steps_per_block if blocktrain else 1
+        draws = req.verify_draws if blocktrain and req.draft_bytes else 1
+        names = ["n"] * (choices > 1) + [param, "steps_per_block"] + ["verify_draws"] * (draws > 1)
+        values = [choices] * (choices > 1) + [n_bytes, steps] + [draws] * (draws > 1)
+        what = f"{' x '.join(names)} = {' x '.join(map(str, values))}"
+        units = self.work.admit(choices * work_units(n_bytes, steps * draws), what, param)
         return Job(
             remote,
             data,
@@ -269,6 +273,7 @@ class Router:
             req.steps_per_block,
             sampler or DEFAULT_SAMPLER,
             req.draft_bytes,
+            req.verify_draws,
             units,
         )
 
@@ -279,7 +284,10 @@ class Router:
     def _check_drafting(self, model: RemoteModel, draft_bytes: int) -> None:
         why = None
         if self.settings.drafter is None:
-            why = "this router has no drafter (start `blocktrain serve` with --draft-corpus)"
+            why = (
+                "this router has no drafter (start `blocktrain serve` with --draft-corpus or "
+                "--draft-model)"
+            )
         elif model.kind == "blocktrain" and model.config.model.span != 1:
             why = (
                 "speculative drafting verifies with a K = 1 one-sweep model or an "
@@ -306,6 +314,8 @@ class Router:
                 seq_len=job.model.config.model.seq_len,
                 sampling=job.sampling,
                 generator=gen,
+                # An autoregressive verifier is deterministic: more rows would repeat one.
+                draws=1 if job.model.kind == "reference" else job.verify_draws,
             )
             if job.model.kind == "reference":
                 return autoregressive_speculative_stream(chain, loop)

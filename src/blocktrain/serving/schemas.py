@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from blocktrain.model.sampler import DEFAULT_STEPS_PER_BLOCK, check_sampler
+from blocktrain.model.speculative import DEFAULT_VERIFY_DRAWS, MAX_VERIFY_DRAWS
 
 Prompt = str | list[int]
 
@@ -33,6 +34,10 @@ class SamplingParams(BaseModel):
     draft_bytes: int = Field(0, ge=0)
     """Speculative generation with a K = 1 model (an extension): bytes drafted on the router
     and verified per traversal; the text keeps the model's own law. 0: off."""
+    verify_draws: int = Field(DEFAULT_VERIFY_DRAWS, ge=1, le=MAX_VERIFY_DRAWS)
+    """Rows of each verify sweep of a one-sweep model, each its own noise, whose mean law the
+    rule takes (model.speculative): more bytes accepted per traversal, at compute, not hops;
+    an extension. An autoregressive verifier is deterministic and takes one."""
 
     @field_validator("sampler")
     @classmethod

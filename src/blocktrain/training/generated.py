@@ -34,7 +34,9 @@ from blocktrain.model import (
 )
 from blocktrain.model.sampler import DEFAULT_STEPS_PER_BLOCK, check_sampler, sampler_for
 from blocktrain.model.speculative import (
+    DEFAULT_VERIFY_DRAWS,
     Drafter,
+    check_verify_draws,
     generate_autoregressive_speculative,
     generate_speculative,
 )
@@ -60,6 +62,8 @@ class GenSettings:
     draft_bytes: int = 0
     """Speculative generation (K = 1 BlockTrain models): bytes drafted per verify sweep by the
     drafter passed along; 0: plain sweeps."""
+    verify_draws: int = DEFAULT_VERIFY_DRAWS
+    """Rows of noise per verify sweep of a one-sweep model (model.speculative)."""
     seed: int = 0
     """Seeds the generation."""
     batch_size: int = 64
@@ -71,6 +75,7 @@ class GenSettings:
                 raise ValueError(f"{name} = {getattr(self, name)} must be positive")
         if self.draft_bytes < 0:
             raise ValueError(f"draft_bytes = {self.draft_bytes} must be >= 0")
+        check_verify_draws(self.verify_draws)
         if self.batch_size <= 0:
             raise ValueError(f"batch_size = {self.batch_size} must be positive")
         if self.temperature < 0:
@@ -207,6 +212,7 @@ def _speculative(
         sampling=sampling,
         generator=gen,
         method=sampler_for(settings.sampler, model.cfg.process),
+        draws=settings.verify_draws,
     )
     return out.cpu()
 
@@ -262,6 +268,7 @@ def evaluate_generation(
         if isinstance(model, Reference)
         else sampler_for(settings.sampler, model.cfg.process),
         draft_bytes=settings.draft_bytes,
+        verify_draws=settings.verify_draws,
         seed=settings.seed,
     )
     return result
