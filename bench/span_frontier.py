@@ -12,12 +12,19 @@ every row is measured on the same test text:
   emulated in the transport, bytes/s of one request of --speed-bytes bytes at each hop setting,
   and the ratio to the plain AR pipeline at the same hop, measured in the same chain.
 
+Speculative rows (--drafts D): the K = 1 model and the AR pipeline verify D bytes drafted on the
+router by each of --drafters: `ngram` (the byte n-gram) and `lm` (a 1-layer autoregressive byte
+model of the tiny width, trained here --drafter-steps steps); BlockTrain verify sweeps carry each
+of --verify-draws rows of noise. Each drafter's rows are timed through a chain of their own.
+
 Writes benchmarks/results/span_frontier.json ({"rows": [...]}, one row per method, K, S and hop)
 and the `span-frontier` section of BENCHMARKS.md.
 
     python bench/span_frontier.py --preset tiny                 # ~40 min on 2 cores, judge included
     python bench/span_frontier.py --preset tiny --report        # rebuild the section from the JSON
     python bench/span_frontier.py --recipes masked --spans 4,16 --steps 1200 --quality-only
+    python bench/span_frontier.py --preset small --judge-steps 4000 --spans 1 --recipes \
+        default,masked --recipe-spans 4 --masked-steps 2,6 --drafts 16 --verify-draws 1,4,16
 
 --steps N trains every compared model (not the judge) N steps, in benchmarks/work/span_frontier/
 PRESET-N/. --quality-only skips the speed phase and writes span_frontier_quality.json and the
@@ -137,6 +144,12 @@ def main() -> None:
     )
     p.add_argument("--preset", default="tiny", help="the shape of the compared models")
     p.add_argument("--spans", default="1,4,16", help="span K of the BlockTrain models")
+    p.add_argument(
+        "--recipe-spans",
+        default="",
+        help="span K of the recipes other than default, where they differ from --spans (e.g. "
+        "--spans 1 --recipe-spans 4: the K = 1 model and the recipes' K = 4 ones)",
+    )
     p.add_argument("--steps-per-block", default="1,4,16", help="S values for K > 1")
     p.add_argument("--samplers", default="euler,ancestral", help="sampler steps compared")
     p.add_argument("--recipes", default="default,lowsigma", help=f"of {', '.join(RECIPES)}")
@@ -191,6 +204,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
     spans, steps, hops = ints(args.spans), ints(args.steps_per_block), ints(args.hops)
+    recipe_spans = ints(args.recipe_spans) if args.recipe_spans else spans
     samplers = args.samplers.split(",")
 
     if args.overrides and not args.tag:
@@ -208,7 +222,7 @@ def main() -> None:
     runs = {"ar": trained(work / "ref", [*train_args, "--reference", *model_sets])}
     span_runs: dict[str, tuple[int, str]] = {}  # run name -> (K, recipe)
     for recipe in args.recipes.split(","):
-        for k in spans if recipe == "default" else [k for k in spans if k > 1]:
+        for k in spans if recipe == "default" else [k for k in recipe_spans if k > 1]:
             if k >= base.seq_len or (recipe.startswith("masked") and k < base.blocks):
                 print(f"skipping K = {k} ({recipe}): does not fit the preset", file=sys.stderr)
                 continue

@@ -64,6 +64,8 @@ class ModelDrafter:
     def __init__(self, model: Reference) -> None:
         self.model = model.eval()
         self.device = next(model.parameters()).device
+        with torch.no_grad():  # the first forward pass of a process is slow: not a request's
+            self.model(torch.zeros(1, 1, dtype=torch.long, device=self.device))
 
     @torch.no_grad()
     def draft(
