@@ -29,6 +29,7 @@ from typing import Protocol
 import torch
 
 from blocktrain.model.block import ZLayout
+from blocktrain.model.pipeline import KVCache, split_reference
 from blocktrain.model.reference import Reference
 from blocktrain.model.sampler import Denoiser, Sampling, one_sweep, sampling_probs
 
@@ -57,28 +58,36 @@ class Drafter(Protocol):
 
 
 class ModelDrafter:
-    """A small autoregressive byte model on the router (a `--reference` run) as the drafter:
-    one forward pass over its last T bytes per drafted byte, drawn from its own distribution
-    (temperature 1), which is the law the rule needs."""
+    """A small autoregressive byte model on the router (a `--reference` run) as the drafter, drawing
+    from its own distribution (temperature 1), the law the rule needs. A draft of n bytes is one
+    pass over the context's last T - n bytes, then one cached token per byte (model.pipeline),
+    so each drafted byte sees at most the model's T bytes."""
 
     def __init__(self, model: Reference) -> None:
-        self.model = model.eval()
+        self.seq_len = model.cfg.seq_len
+        self.stage = split_reference(model, 1)[0]
         self.device = next(model.parameters()).device
         with torch.no_grad():  # the first forward pass of a process is slow: not a request's
-            self.model(torch.zeros(1, 1, dtype=torch.long, device=self.device))
+            self.stage(torch.zeros(1, 1, dtype=torch.long, device=self.device))
 
     @torch.no_grad()
     def draft(
         self, context: list[int], n: int, generator: torch.Generator
     ) -> tuple[list[int], torch.Tensor]:
-        window = self.model.cfg.seq_len
-        text = list(context)
         laws = torch.zeros(n, 256, dtype=torch.float64)
+        if n == 0:
+            return [], laws
+        cache = KVCache()
+        window = context[-max(1, self.seq_len - n) :]
+        logits = self.stage(torch.tensor([window], device=self.device), cache)[0, -1]
+        drafted: list[int] = []
         for i in range(n):
-            x = torch.tensor([text[-window:]], device=self.device)
-            laws[i] = torch.softmax(self.model(x)[0, -1].double().cpu(), dim=-1)
-            text.append(int(torch.multinomial(laws[i], 1, generator=generator)))
-        return text[len(context) :], laws
+            laws[i] = torch.softmax(logits.double().cpu(), dim=-1)
+            drafted.append(int(torch.multinomial(laws[i], 1, generator=generator)))
+            if i < n - 1:
+                new = torch.tensor([[drafted[-1]]], device=self.device)
+                logits = self.stage(new, cache)[0, -1]
+        return drafted, laws
 
 
 def verify_layout(context_len: int, drafted: int, device: torch.device | str = "cpu") -> ZLayout:
