@@ -212,6 +212,7 @@ def serving(root: Path, stack: ExitStack) -> tuple[Target, Target]:
             "steps_per_block": st.integers(-1, 70),
             "sampler": st.sampled_from(["euler", "heun", "ddpm", "nope"]),
             "drafted": st.integers(-1, 70),
+            "draws": st.integers(-1, 20),
             "wire_dtype": st.sampled_from(["fp32", "fp16", "bf16"]),
             "step": st.integers(-1, 40),
             "pos": st.integers(-1, 40),

@@ -16,6 +16,7 @@ from blocktrain.model.speculative import (
     generate_speculative,
     verify_layout,
 )
+from tests.model.test_block import randomised_block
 
 CFG = ModelConfig(d_model=8, n_heads=2, layers=3, blocks=3, seq_len=16, span=1)
 TARGETS = torch.nn.functional.normalize(
@@ -170,3 +171,21 @@ def test_a_model_drafter_drafts_from_its_own_law():
             full = model(torch.tensor([window + drafted[:i]]))[0, -1].double()
             assert torch.allclose(laws[i], torch.softmax(full, dim=-1), atol=1e-6), i
     assert drafter.draft(context, 0, torch.Generator())[0] == []
+
+
+def test_the_draws_of_a_verify_sweep_are_independent_sweeps_sharing_the_clean_stream():
+    """M draws in one sequence (verify_layout(draws=M)) give, draw by draw, the logits of M
+    separate verify sweeps of the same context and draft: no draw sees another."""
+    cfg = ModelConfig(d_model=32, n_heads=2, layers=4, blocks=2, seq_len=32, span=1)
+    block = randomised_block(cfg)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (1, 12), generator=gen)  # 9 context bytes, 3 drafted
+    z = torch.randn(1, 3 * 4, cfg.d_model, generator=gen) * 3  # 3 draws of 4 positions
+    sigma = torch.full((1,), 2.5)
+    together = block(x, z, sigma, verify_layout(9, 3, draws=3))[0]
+    for m in range(3):
+        alone = block(x, z[:, 4 * m : 4 * (m + 1)], sigma, verify_layout(9, 3))[0]
+        torch.testing.assert_close(together[:, 4 * m : 4 * (m + 1)], alone, rtol=1e-4, atol=1e-5)
+    layout = verify_layout(9, 3, draws=2)
+    assert layout.z_pos.tolist() == [9, 10, 11, 12] * 2
+    assert torch.equal(layout.mask[:, 12:], torch.eye(8, dtype=torch.bool)), "each draw alone"

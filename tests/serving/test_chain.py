@@ -284,3 +284,15 @@ def test_a_host_rejects_bad_state(cluster, stack):
                 "/v1/sweep", content=encode(tensors, {"model": "bt", "fingerprint": fp, "step": 0})
             )
             assert r.status_code == 400, f"{what}: {r.text}"
+
+
+def test_a_host_refuses_verify_draws_on_a_span_model(cluster, stack):
+    """draws > 1 makes a verify sweep, which needs a K = 1 model: one clear 400 naming draws."""
+    assert stack.cfg.span > 1
+    x = torch.tensor([list(b"abc")], dtype=torch.uint8)
+    z = torch.zeros(1, 2, stack.cfg.d_model)
+    header = {"model": "bt", "fingerprint": _fingerprint(cluster), "step": 0, "draws": 2}
+    with TestClient(cluster.apps.apps[cluster.urls[0]]) as host0:
+        r = host0.post("/v1/sweep", content=encode({"x": x, "z": z}, header))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "draws" and "K = 1" in r.json()["error"]["message"]

@@ -15,10 +15,11 @@ decides how many bytes one traversal yields: (1 - a^(D+1)) / (1 - a) for accepta
 
 Verify draws. One sweep's p_i is a noisy estimate of the sampler's law q_i = E_noise p_i (at the
 small shape one sweep's CE is 1.80 nats/byte, the 32-sweep mixture's 1.55), and the noise costs
-acceptance: E sum min(p, r) <= sum min(q, r). So the verify sweep runs M rows of the same context
-and draft, each with its own noise, and the rule takes their mean p_bar_i = (1/M) sum_m p_i,m:
-still exact, since E p_bar_i = q_i, and the M rows cost compute on each host, never a hop.
-An autoregressive verifier is deterministic: it takes one row.
+acceptance: E sum min(p, r) <= sum min(q, r). So the verify sweep carries M z tokens per
+position, each its own noise and seeing only itself and the clean stream (one clean stream for
+all M), and the rule takes their mean p_bar_i = (1/M) sum_m p_i,m: still exact, since
+E p_bar_i = q_i, and the M draws cost compute on each host, never a hop. An autoregressive
+verifier is deterministic: it takes one.
 """
 
 from __future__ import annotations
@@ -90,11 +91,16 @@ class ModelDrafter:
         return drafted, laws
 
 
-def verify_layout(context_len: int, drafted: int, device: torch.device | str = "cpu") -> ZLayout:
-    """z tokens at positions P..P+D for a clean stream of P context bytes and D drafted ones,
-    each its own span: z_i sees clean bytes 0..P+i-1 (the context and d_<i) and itself."""
-    pos = torch.arange(context_len, context_len + drafted + 1, device=device)
-    return ZLayout.build(context_len + drafted, pos, pos)
+def verify_layout(
+    context_len: int, drafted: int, draws: int = 1, device: torch.device | str = "cpu"
+) -> ZLayout:
+    """z tokens at positions P..P+D, `draws` times over, for a clean stream of P context bytes
+    and D drafted ones: z_i sees clean bytes 0..P+i-1 (the context and d_<i) and itself only,
+    so the draws of one position are independent sweeps that share one clean stream."""
+    pos = torch.arange(context_len, context_len + drafted + 1, device=device).repeat(draws)
+    to_x = torch.arange(context_len + drafted, device=device)[None, :] < pos[:, None]
+    to_z = torch.eye(len(pos), dtype=torch.bool, device=device)
+    return ZLayout(pos, pos, torch.cat((to_x, to_z), dim=1))
 
 
 def accept_draft(
@@ -170,21 +176,22 @@ class SpeculativeLoop:
     def sweep_input(
         self, draft: list[int], d_model: int, sigma_max: float
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """A one-sweep verifier's input, M = draws rows of it -> (x (M, P + D): the context's
-        last T - 1 - D bytes then the draft, z (M, D + 1, d) fp32 at sigma_max, each row its own
-        noise, P)."""
+        """A one-sweep verifier's input -> (x (1, P + D): the context's last T - 1 - D bytes
+        then the draft, z (1, M * (D + 1), d) fp32 at sigma_max: the M = draws draws of the
+        D + 1 positions, one after another (verify_layout), P)."""
         context = self.context[-(self.seq_len - 1 - len(draft)) :]
         noise = torch.randn(self.draws, len(draft) + 1, d_model, generator=self.generator)
-        x = torch.tensor([context + draft], dtype=torch.long).repeat(self.draws, 1)
-        return x, sigma_max * noise, len(context)
+        x = torch.tensor([context + draft], dtype=torch.long)
+        return x, sigma_max * noise.reshape(1, -1, d_model), len(context)
 
     def push(self, logits: torch.Tensor) -> torch.Tensor:
-        """The verifier's logits at the D + 1 positions (M, D + 1, 256), one row per verify
-        draw -> the emitted bytes (1, m), 1 <= m <= D + 1."""
+        """The verifier's logits at the D + 1 positions, M draws of them one after another
+        (1, M * (D + 1), 256) -> the emitted bytes (1, m), 1 <= m <= D + 1."""
         assert self._pending is not None, "push follows next_draft"
         draft, laws = self._pending
         self._pending = None
-        probs = sampling_probs(logits.cpu(), self.sampling).mean(dim=0)  # p_bar (D + 1, 256)
+        per_draw = logits.cpu().reshape(-1, len(draft) + 1, logits.shape[-1])  # (M, D + 1, 256)
+        probs = sampling_probs(per_draw, self.sampling).mean(dim=0)  # p_bar (D + 1, 256)
         new = accept_draft(draft, laws, probs, self.generator)[: self.n_bytes - self.produced]
         self.traversals += 1
         self.drafted += len(draft)
@@ -210,7 +217,7 @@ def generate_speculative(
     draws: int = DEFAULT_VERIFY_DRAWS,
 ) -> tuple[torch.Tensor, SpeculativeLoop]:
     """Continue prompt (1, Lp) by n_bytes with a K = 1 stack, D = draft_len drafted bytes
-    verified per sweep of M = draws rows. -> ((1, n_bytes) int64, the loop with its counts)."""
+    verified per sweep, which takes M = draws noise draws. -> ((1, n_bytes) int64, the loop with its counts)."""
     loop = SpeculativeLoop(
         prompt,
         n_bytes,
@@ -225,7 +232,7 @@ def generate_speculative(
     def verify(draft: list[int]) -> torch.Tensor:
         x, z, context_len = loop.sweep_input(draft, targets.shape[1], grid[0][1])
         device = targets.device
-        layout = verify_layout(context_len, len(draft), device=device)
+        layout = verify_layout(context_len, len(draft), loop.draws, device=device)
         return one_sweep(
             denoise,
             x.to(device),

@@ -239,6 +239,7 @@ class Chain:
         *,
         final: Final,
         drafted: int,
+        draws: int = 1,
         steps_per_block: int,
         sampler: str,
         sampling: Sampling,
@@ -256,6 +257,7 @@ class Chain:
             steps_per_block=steps_per_block,
             sampler=sampler,
             drafted=drafted,
+            draws=draws,
             session=session,
             close=close,
         )
@@ -299,6 +301,7 @@ class Chain:
         z: torch.Tensor,
         *,
         drafted: int,
+        draws: int = 1,
         steps_per_block: int,
         sampler: str,
         sampling: Sampling,
@@ -307,13 +310,15 @@ class Chain:
         close: bool = False,
     ) -> torch.Tensor:
         """One verify sweep (model.speculative): x (1, P + D) the context then the draft, z
-        (1, D + 1, d) -> the final logits (1, D + 1, 256); the router applies the rule. The
-        hosts cut the session's caches back to the bytes the next sweep keeps."""
+        (1, M (D + 1), d), M = draws -> the final logits (1, M (D + 1), 256); the router
+        applies the rule. The hosts cut the session's caches back to the bytes the next sweep
+        keeps."""
         out = await self._sweep(
             x,
             z,
             final="logits",
             drafted=drafted,
+            draws=draws,
             steps_per_block=steps_per_block,
             sampler=sampler,
             sampling=sampling,

@@ -272,10 +272,10 @@ class BlockHost:
                 f"batch of {n} sequences; at most {self.settings.max_batch}", param="x"
             )
         drafted = header.drafted
-        if drafted and (cfg.span != 1 or header.final != "logits"):
+        if header.verifies and (cfg.span != 1 or header.final != "logits"):
             raise BadRequest(
-                "a verify sweep (drafted > 0) needs a K = 1 model and final = logits",
-                param="drafted",
+                "a verify sweep (drafted > 0 or draws > 1) needs a K = 1 model and final = logits",
+                param="drafted" if drafted else "draws",
             )
         # The z tokens take positions lx - drafted .. lx + K - 1 - drafted, all below T.
         if not 1 + drafted <= lx <= cfg.seq_len - cfg.span:
@@ -284,7 +284,7 @@ class BlockHost:
                 f"{1 + drafted}..{cfg.seq_len - cfg.span} (T - K)",
                 param="x",
             )
-        z_len = drafted + 1 if drafted else cfg.span
+        z_len = header.draws * (drafted + 1) if header.verifies else cfg.span
         z = state_input(tensors, "z", (n, z_len, cfg.d_model), header.wire_dtype)
         grid = model.grid(header.steps_per_block)
         if header.step >= len(grid):

@@ -256,7 +256,7 @@ class Router:
         if req.draft_bytes:
             self._check_drafting(remote, req.draft_bytes)
         # An autoregressive model runs no sampler points: one unit per byte. A verify sweep of
-        # M rows computes M sweeps' worth on every host.
+        # M draws computes M sweeps' z tokens on every host.
         blocktrain = remote.kind == "blocktrain"
         steps = req.steps_per_block if blocktrain else 1
         draws = req.verify_draws if blocktrain and req.draft_bytes else 1

@@ -80,6 +80,7 @@ async def speculative_stream(
                 x,
                 z,
                 drafted=len(draft),
+                draws=loop.draws,
                 steps_per_block=steps_per_block,
                 sampler=sampler,
                 sampling=loop.sampling,

@@ -159,8 +159,10 @@ def run_sweeps(
             for b in visited
         }
         x, _ = right_align([j.x for j in jobs])
-        if header.drafted:
-            layout = verify_layout(x.shape[1] - header.drafted, header.drafted, device=x.device)
+        if header.verifies:
+            layout = verify_layout(
+                x.shape[1] - header.drafted, header.drafted, header.draws, device=x.device
+            )
         else:
             layout = ZLayout.next_span(x.shape[1], head.z.shape[1], device=x.device)
 

@@ -5,7 +5,7 @@ A request body is a safetensors file whose metadata key "blocktrain" holds a JSO
 
     POST /v1/sweep   x (N, Lx) uint8       the clean context bytes of the span (and a draft)
                      z (N, K, d) fp32|fp16 the noisy state at grid point `step`
-                                           ((N, D + 1, d) for a verify sweep of D drafted)
+                                           ((N, M (D + 1), d) for a verify sweep of D drafted, M draws)
                      generator (S,) uint8  the request's torch.Generator state, when a host
                                            draws from it (final = "bytes", or a sampler
                                            whose steps draw noise); it comes back advanced
@@ -83,11 +83,21 @@ class SweepHeader(_Header):
     """A verify sweep (model.speculative): the last `drafted` bytes of x are a draft, and z
     holds drafted + 1 tokens, one per position after the context (K = 1 models; the last host
     answers logits (N, drafted + 1, 256)). 0: an ordinary sweep of one span."""
+    draws: int = Field(default=1, ge=1, le=16)
+    """In a verify sweep z holds draws x (drafted + 1) tokens, the positions after the context
+    `draws` times over, each an independent sweep that shares the clean stream
+    (model.speculative.verify_layout); the logits come back in the same order. draws > 1 makes
+    a sweep a verify sweep even with nothing drafted (the drafter may find no draft)."""
     session: str | None = Field(default=None, min_length=1, max_length=64)
     """Names one generation: each host keeps its blocks' clean-stream caches under it and
     reuses them as far as the next sweep's context repeats the cached bytes. None: no cache."""
     close: bool = False
     """The generation's last sweep: the hosts drop its caches afterwards."""
+
+    @property
+    def verifies(self) -> bool:
+        """A verify sweep: z tokens laid out by model.speculative.verify_layout."""
+        return self.drafted > 0 or self.draws > 1
 
     @field_validator("sampler")
     @classmethod
