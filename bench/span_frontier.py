@@ -15,7 +15,7 @@ every row is measured on the same test text:
 Speculative rows (--drafts D): the K = 1 model and the AR pipeline verify D bytes drafted on the
 router by each of --drafters: `ngram` (the byte n-gram) and `lm` (a 1-layer autoregressive byte
 model of the tiny width, trained here --drafter-steps steps); BlockTrain verify sweeps carry each
-of --verify-draws rows of noise. Each drafter's rows are timed through a chain of their own.
+of --verify-draws noise draws. Each drafter's rows are timed through a chain of their own.
 
 Writes benchmarks/results/span_frontier.json ({"rows": [...]}, one row per method, K, S and hop)
 and the `span-frontier` section of BENCHMARKS.md.

@@ -129,7 +129,8 @@ def report(doc: dict[str, Any], name: str = "span_frontier") -> None:
         "",
         "D: bytes drafted per traversal (speculative rows: `ar-spec` and `blocktrain-spec` with "
         "the router's byte n-gram, `-lm` with a 1-layer autoregressive byte model on the router); "
-        "M: rows of noise per BlockTrain verify sweep, whose mean law the rule takes.",
+        "M: noise draws per BlockTrain verify sweep (M z tokens per position sharing one clean "
+        "stream), whose mean law the rule takes.",
         "",
         "| method | K | S | D | M | gen_ce (± s.e.) | entropy | joint_ce | "
         + " | ".join(f"bytes/s at {h} ms (x AR)" for h in hops)
