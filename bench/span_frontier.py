@@ -330,6 +330,8 @@ def main() -> None:
         # A row's quality is seeded and deterministic: kept per row, so that an interrupted
         # run, or a later speed-only pass over a --quality-only run, does not recompute it.
         same = [row, args.judge_steps, args.prompts, args.sweeps, args.joint_bytes]
+        if row.get("drafter"):  # the samples depend on the drafter (the same law, other draws)
+            same.append({"ngram": args.draft_order, "lm": args.drafter_steps}[row["drafter"]])
         digest = hashlib.sha256(json.dumps(same, sort_keys=True).encode()).hexdigest()[:16]
         kept = work / "quality" / f"{row['method']}-k{row['span']}-{digest}.json"
         if kept.exists():
