@@ -94,19 +94,7 @@ def test_draft_and_verify_emit_exactly_the_k1_samplers_law(verify_draws):
     gen = torch.Generator().manual_seed(2)
     spec = []
     for _ in range(draws):
-        out, _ = generate_speculative(
-            ToyDenoiser(),
-            prompt,
-            2,
-            drafter=drafter,
-            draft_len=3,
-            grid=grid,
-            targets=TARGETS,
-            seq_len=CFG.seq_len,
-            sampling=Sampling(),
-            generator=gen,
-            draws=verify_draws,
-        )
+        out, _ = _toy_speculative(prompt, 2, drafter, 3, gen, verify_draws)
         spec.append(out[0].tolist())
     a = torch.tensor([(p[0] - 60) * 4 + (p[1] - 60) for p in plain.tolist()])
     b = torch.tensor([(s[0] - 60) * 4 + (s[1] - 60) for s in spec])
@@ -120,24 +108,28 @@ def test_draft_and_verify_emit_exactly_the_k1_samplers_law(verify_draws):
     assert len(set(b.tolist())) > 8, "the toy's law is spread, so the test has power"
 
 
+def _toy_speculative(prompt, n_bytes: int, drafter, draft_len: int, gen, draws: int):
+    """generate_speculative on the toy denoiser with one step per block."""
+    return generate_speculative(
+        ToyDenoiser(),
+        prompt,
+        n_bytes,
+        drafter=drafter,
+        draft_len=draft_len,
+        grid=SigmaSchedule.from_config(CFG).sampler_grid(1),
+        targets=TARGETS,
+        seq_len=CFG.seq_len,
+        sampling=Sampling(),
+        generator=gen,
+        draws=draws,
+    )
+
+
 def _bytes_per_traversal(drafter, draws: int, prompts: int = 100, seed: int = 3) -> float:
-    grid = SigmaSchedule.from_config(CFG).sampler_grid(1)
     gen = torch.Generator().manual_seed(seed)
     made = traversals = 0
     for _ in range(prompts):
-        _, loop = generate_speculative(
-            ToyDenoiser(),
-            torch.tensor([[61, 62, 63]]),
-            12,
-            drafter=drafter,
-            draft_len=4,
-            grid=grid,
-            targets=TARGETS,
-            seq_len=CFG.seq_len,
-            sampling=Sampling(),
-            generator=gen,
-            draws=draws,
-        )
+        _, loop = _toy_speculative(torch.tensor([[61, 62, 63]]), 12, drafter, 4, gen, draws)
         made, traversals = made + loop.produced, traversals + loop.traversals
     return made / traversals
 

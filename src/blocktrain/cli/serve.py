@@ -44,7 +44,7 @@ EXAMPLES = """examples:
   curl -s localhost:8100/v1/generate -H 'content-type: application/json' \\
       -d '{"model": "tiny", "prompt": "The ", "max_bytes": 64, "draft_bytes": 6}'
   # ... drafted by a small autoregressive model on the router (a --reference run), each
-  # verify sweep 8 rows of noise (default 4): more bytes accepted per traversal
+  # verify sweep 8 noise draws (default 4): more bytes accepted per traversal
   blocktrain serve --hosts ... --port 8100 --draft-model runs/drafter
   curl -s localhost:8100/v1/generate -H 'content-type: application/json' \\
       -d '{"model": "tiny", "prompt": "The ", "max_bytes": 64, "draft_bytes": 12, "verify_draws": 8}'

@@ -35,8 +35,9 @@ from blocktrain.model.reference import Reference
 from blocktrain.model.sampler import Denoiser, Sampling, one_sweep, sampling_probs
 
 DEFAULT_VERIFY_DRAWS = 4
-"""Rows M of a one-sweep verify sweep: the best measured (BENCHMARKS.md, "Span generation:
-speed and quality"; at tiny, D = 8, M = 1 / 4 / 16 gave 2.47 / 3.11 / 3.18 bytes a traversal)."""
+"""Noise draws M of a one-sweep verify sweep. At the small shape with D = 16 and 10 ms hops, M = 4
+was the fastest BlockTrain row with an 8,000-step lm drafter and M = 16 with a 4,000-step one
+(BENCHMARKS.md, "Span generation: speed and quality"); M = 4 costs far less compute at 0 ms."""
 MAX_VERIFY_DRAWS = 16
 
 
@@ -217,7 +218,8 @@ def generate_speculative(
     draws: int = DEFAULT_VERIFY_DRAWS,
 ) -> tuple[torch.Tensor, SpeculativeLoop]:
     """Continue prompt (1, Lp) by n_bytes with a K = 1 stack, D = draft_len drafted bytes
-    verified per sweep, which takes M = draws noise draws. -> ((1, n_bytes) int64, the loop with its counts)."""
+    verified per sweep, which takes M = draws noise draws. -> ((1, n_bytes) int64, the loop
+    with its counts)."""
     loop = SpeculativeLoop(
         prompt,
         n_bytes,

@@ -314,7 +314,7 @@ class Router:
                 seq_len=job.model.config.model.seq_len,
                 sampling=job.sampling,
                 generator=gen,
-                # An autoregressive verifier is deterministic: more rows would repeat one.
+                # An autoregressive verifier is deterministic: more draws would repeat one.
                 draws=1 if job.model.kind == "reference" else job.verify_draws,
             )
             if job.model.kind == "reference":

@@ -35,7 +35,7 @@ class SamplingParams(BaseModel):
     """Speculative generation with a K = 1 model (an extension): bytes drafted on the router
     and verified per traversal; the text keeps the model's own law. 0: off."""
     verify_draws: int = Field(DEFAULT_VERIFY_DRAWS, ge=1, le=MAX_VERIFY_DRAWS)
-    """Rows of each verify sweep of a one-sweep model, each its own noise, whose mean law the
+    """Noise draws of each verify sweep of a one-sweep model, whose mean law the
     rule takes (model.speculative): more bytes accepted per traversal, at compute, not hops;
     an extension. An autoregressive verifier is deterministic and takes one."""
 

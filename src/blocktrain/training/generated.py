@@ -63,7 +63,7 @@ class GenSettings:
     """Speculative generation (K = 1 BlockTrain models): bytes drafted per verify sweep by the
     drafter passed along; 0: plain sweeps."""
     verify_draws: int = DEFAULT_VERIFY_DRAWS
-    """Rows of noise per verify sweep of a one-sweep model (model.speculative)."""
+    """Noise draws per verify sweep of a one-sweep model (model.speculative)."""
     seed: int = 0
     """Seeds the generation."""
     batch_size: int = 64
