@@ -15,7 +15,9 @@ every row is measured on the same test text:
 Speculative rows (--drafts D): the K = 1 model and the AR pipeline verify D bytes drafted on the
 router by each of --drafters: `ngram` (the byte n-gram) and `lm` (a 1-layer autoregressive byte
 model of the tiny width, trained here --drafter-steps steps); BlockTrain verify sweeps carry each
-of --verify-draws noise draws. Each drafter's rows are timed through a chain of their own.
+of --verify-draws noise draws, under each of --samplers (the ancestral sampler's draws fork at
+the last grid point: model.speculative.verify_fork). Each drafter's rows are timed through a
+chain of their own.
 
 Writes benchmarks/results/span_frontier.json ({"rows": [...]}, one row per method, K, S and hop)
 and the `span-frontier` section of BENCHMARKS.md.
@@ -271,22 +273,23 @@ def main() -> None:
                     "fields": {"draft_bytes": d},
                 }
             )
-            for m in ints(args.verify_draws):
-                rows_spec.append(
-                    {
-                        "method": f"blocktrain-spec{tag}-euler",
-                        "span": 1,
-                        "steps_per_block": 1,
-                        "run": "k1",
-                        "drafter": kind,
-                        "fields": {
-                            "sampler": "euler",
+            for sampler in samplers:  # ancestral draws fork at the last grid point
+                for m in ints(args.verify_draws):
+                    rows_spec.append(
+                        {
+                            "method": f"blocktrain-spec{tag}-{sampler}",
+                            "span": 1,
                             "steps_per_block": 1,
-                            "draft_bytes": d,
-                            "verify_draws": m,
-                        },
-                    }
-                )
+                            "run": "k1",
+                            "drafter": kind,
+                            "fields": {
+                                "sampler": sampler,
+                                "steps_per_block": 1,
+                                "draft_bytes": d,
+                                "verify_draws": m,
+                            },
+                        }
+                    )
     data_path = resolve_data_path(None)
     drafters: dict[str, Drafter] = {}
     router_args: dict[str | None, tuple[str, ...]] = {None: ()}  # by router_of(row)

@@ -96,6 +96,13 @@ def against_the_goal(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def _per_traversal(doc: dict[str, Any], per_hop: dict[int, dict[str, Any]]) -> str:
+    """Bytes per traversal of the timed request at the lowest hop setting ('-' where the run
+    recorded no traversals)."""
+    r = per_hop[min(per_hop)]
+    return f"{doc['speed_bytes'] / r['traversals']:.2f}" if r.get("traversals") else "-"
+
+
 def report(doc: dict[str, Any], name: str = "span_frontier") -> None:
     """The section NAME (dashes for underscores) of a run with its speed phase."""
     rows = doc["rows"]
@@ -130,12 +137,15 @@ def report(doc: dict[str, Any], name: str = "span_frontier") -> None:
         "D: bytes drafted per traversal (speculative rows: `ar-spec` and `blocktrain-spec` with "
         "the router's byte n-gram, `-lm` with a 1-layer autoregressive byte model on the router); "
         "M: noise draws per BlockTrain verify sweep (M z tokens per position sharing one clean "
-        "stream), whose mean law the rule takes.",
+        "stream), whose mean law the rule takes; under the ancestral sampler (`-ancestral` rows) "
+        "the M draws fork at the last grid point (one copy of the tokens through the first "
+        "blocks, M copies in the last). bytes/trav: bytes per traversal of the chain in the "
+        "timed request at 0 ms.",
         "",
-        "| method | K | S | D | M | gen_ce (± s.e.) | entropy | joint_ce | "
+        "| method | K | S | D | M | gen_ce (± s.e.) | entropy | joint_ce | bytes/trav | "
         + " | ".join(f"bytes/s at {h} ms (x AR)" for h in hops)
         + " |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(hops),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(hops),
     ]
     for (method, k, s, d, _), per_hop in by_key.items():
         r = next(iter(per_hop.values()))
@@ -145,7 +155,8 @@ def report(doc: dict[str, Any], name: str = "span_frontier") -> None:
         m = _draws(r).removeprefix(" M = ") or "-"
         lines.append(
             f"| {method} | {k} | {s or '-'} | {d or '-'} | {m} | {r['gen_ce']:.3f} ± {r['gen_ce_sem']:.3f} | "
-            f"{r['entropy']:.3f} | {r['joint_ce']:.3f} | {speed} |"
+            f"{r['entropy']:.3f} | {r['joint_ce']:.3f} | {_per_traversal(doc, per_hop)} | "
+            f"{speed} |"
         )
     lines += ["", *against_the_goal(rows)]
     lines += ["", "A continuation of the first prompt, per row (hop 0):", ""]

@@ -10,10 +10,12 @@ import torch
 from blocktrain.config import ModelConfig
 from blocktrain.data.ngram import NgramDrafter
 from blocktrain.model import Sampling, SigmaSchedule, generate, init_reference
+from blocktrain.model.sampler import Fork, one_sweep
 from blocktrain.model.speculative import (
     ModelDrafter,
     accept_draft,
     generate_speculative,
+    verify_fork,
     verify_layout,
 )
 from tests.model.test_block import randomised_block
@@ -71,8 +73,9 @@ class ToyDenoiser:
         return logits
 
 
-@pytest.mark.parametrize("verify_draws", [1, 4])
-def test_draft_and_verify_emit_exactly_the_k1_samplers_law(verify_draws):
+@pytest.mark.parametrize(("method", "verify_draws"), [("euler", 1), ("euler", 4), ("ancestral", 4)])
+def test_draft_and_verify_emit_exactly_the_k1_samplers_law(method, verify_draws):
+    """Ancestral draws fork at the last grid point (verify_fork): exact all the same."""
     grid = SigmaSchedule.from_config(CFG).sampler_grid(1)
     prompt = torch.tensor([[61, 62, 63]])
     draws = 1500
@@ -86,6 +89,7 @@ def test_draft_and_verify_emit_exactly_the_k1_samplers_law(verify_draws):
         max_context=CFG.seq_len - 1,
         sampling=Sampling(),
         generator=torch.Generator().manual_seed(1),
+        method=method,
     )
     # A drafter that is often wrong: it knows nothing of the toy's rules.
     drafter = NgramDrafter(
@@ -94,7 +98,7 @@ def test_draft_and_verify_emit_exactly_the_k1_samplers_law(verify_draws):
     gen = torch.Generator().manual_seed(2)
     spec = []
     for _ in range(draws):
-        out, _ = _toy_speculative(prompt, 2, drafter, 3, gen, verify_draws)
+        out, _ = _toy_speculative(prompt, 2, drafter, 3, gen, verify_draws, method)
         spec.append(out[0].tolist())
     a = torch.tensor([(p[0] - 60) * 4 + (p[1] - 60) for p in plain.tolist()])
     b = torch.tensor([(s[0] - 60) * 4 + (s[1] - 60) for s in spec])
@@ -108,7 +112,9 @@ def test_draft_and_verify_emit_exactly_the_k1_samplers_law(verify_draws):
     assert len(set(b.tolist())) > 8, "the toy's law is spread, so the test has power"
 
 
-def _toy_speculative(prompt, n_bytes: int, drafter, draft_len: int, gen, draws: int):
+def _toy_speculative(
+    prompt, n_bytes: int, drafter, draft_len: int, gen, draws: int, method: str = "euler"
+):
     """generate_speculative on the toy denoiser with one step per block."""
     return generate_speculative(
         ToyDenoiser(),
@@ -122,14 +128,18 @@ def _toy_speculative(prompt, n_bytes: int, drafter, draft_len: int, gen, draws: 
         sampling=Sampling(),
         generator=gen,
         draws=draws,
+        method=method,
     )
 
 
-def _bytes_per_traversal(drafter, draws: int, prompts: int = 100, seed: int = 3) -> float:
+def _bytes_per_traversal(
+    drafter, draws: int, prompts: int = 100, seed: int = 3, method: str = "euler"
+) -> float:
     gen = torch.Generator().manual_seed(seed)
     made = traversals = 0
     for _ in range(prompts):
-        _, loop = _toy_speculative(torch.tensor([[61, 62, 63]]), 12, drafter, 4, gen, draws)
+        prompt = torch.tensor([[61, 62, 63]])
+        _, loop = _toy_speculative(prompt, 12, drafter, 4, gen, draws, method)
         made, traversals = made + loop.produced, traversals + loop.traversals
     return made / traversals
 
@@ -181,3 +191,55 @@ def test_the_draws_of_a_verify_sweep_are_independent_sweeps_sharing_the_clean_st
     layout = verify_layout(9, 3, draws=2)
     assert layout.z_pos.tolist() == [9, 10, 11, 12] * 2
     assert torch.equal(layout.mask[:, 12:], torch.eye(8, dtype=torch.bool)), "each draw alone"
+
+
+def test_forked_draws_share_the_sweep_up_to_the_fork_and_part_there():
+    """Ancestral draws run one copy of the tokens until the fork (the last grid point), then
+    each copy draws its own state: the points before see D + 1 tokens, the last M (D + 1), and
+    the copies differ."""
+    grid = SigmaSchedule.from_config(CFG).sampler_grid(2)
+    fork = verify_fork(len(grid), "ancestral", 3)
+    assert fork == len(grid) - 1 == 5
+    assert verify_fork(len(grid), "euler", 3) == verify_fork(len(grid), "ancestral", 1) == 0
+    seen: list[torch.Tensor] = []
+
+    def denoise(b, x, z, sigma, layout):
+        seen.append(z.clone())
+        return ToyDenoiser()(b, x, z, sigma, layout)
+
+    x = torch.tensor([[61, 62, 63, 60, 61]])  # 3 context bytes, 2 drafted
+    copies = verify_layout(3, 2, draws=3)
+    logits = one_sweep(
+        denoise,
+        x,
+        torch.randn(1, 3, 8),
+        grid,
+        TARGETS,
+        verify_layout(3, 2),
+        method="ancestral",
+        generator=torch.Generator().manual_seed(0),
+        fork=Fork(fork, 3, copies),
+    )
+    assert [z.shape[1] for z in seen] == [3] * 5 + [9] and logits.shape == (1, 9, 256)
+    last = seen[-1].view(3, 3, 8)
+    assert not torch.equal(last[0], last[1]) and not torch.equal(last[1], last[2])
+    with pytest.raises(ValueError, match="ancestral"):
+        one_sweep(
+            denoise,
+            x,
+            torch.randn(1, 3, 8),
+            grid,
+            TARGETS,
+            verify_layout(3, 2),
+            fork=Fork(fork, 3, copies),
+        )
+
+
+def test_forked_draws_accept_about_as_much_as_draws_from_the_noise():
+    """Most of a sweep's randomness enters at its last step: forked draws (M copies at the last
+    point) recover the acceptance of M whole sweeps at a fraction of their compute."""
+    runs = b"".join(bytes([b]) * 5 for b in range(60, 64)) * 20
+    drafter = NgramDrafter(np.frombuffer(runs, dtype=np.uint8), order=1)
+    one = _bytes_per_traversal(drafter, 1, method="ancestral")
+    forked = _bytes_per_traversal(drafter, 8, method="ancestral")
+    assert forked > one + 0.1, (one, forked)

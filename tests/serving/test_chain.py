@@ -296,3 +296,37 @@ def test_a_host_refuses_verify_draws_on_a_span_model(cluster, stack):
         r = host0.post("/v1/sweep", content=encode({"x": x, "z": z}, header))
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "draws" and "K = 1" in r.json()["error"]["message"]
+
+
+def test_a_host_refuses_a_fork_the_sampler_cannot_make_and_copies_before_it(cluster):
+    """Draws fork only under the ancestral sampler, at a point of the grid, and before the fork
+    z holds one copy of the tokens: each wrong header is one 400 naming its field."""
+    host = cluster.apps.apps[cluster.urls[0]].state.host
+    d_model = host.models["bt1"].config.model.d_model
+    x = torch.tensor([list(b"abcde")], dtype=torch.uint8)  # 3 context bytes, 2 drafted
+    gen = torch.Generator().manual_seed(0).get_state()
+    header = {
+        "model": "bt1",
+        "fingerprint": host.models["bt1"].fingerprint,
+        "step": 0,
+        "drafted": 2,
+        "draws": 4,
+        "sampler": "ancestral",
+    }
+    one_copy = {"x": x, "z": torch.zeros(1, 3, d_model), "generator": gen}
+    cases = {
+        "fork": [
+            ({**header, "fork": 2, "sampler": "euler"}, one_copy),
+            ({**header, "fork": 2, "draws": 1}, one_copy),
+            ({**header, "fork": 99}, one_copy),
+        ],
+        "z": [({**header, "fork": 2}, {**one_copy, "z": torch.zeros(1, 12, d_model)})],
+    }
+    with TestClient(cluster.apps.apps[cluster.urls[0]]) as host0:
+        for param, bodies in cases.items():
+            for head, tensors in bodies:
+                r = host0.post("/v1/sweep", content=encode(tensors, head))
+                assert r.status_code == 400, r.text
+                assert r.json()["error"]["param"] == param, r.text
+        ok = host0.post("/v1/sweep", content=encode(one_copy, {**header, "fork": 2}))
+    assert ok.status_code == 200, ok.text

@@ -30,18 +30,23 @@ def k1(runs) -> BlockStack:
 
 
 @pytest.mark.parametrize(
-    ("sampler", "verify_draws", "drafter"),
-    [("euler", 1, "ngram"), ("ancestral", 3, "ngram"), ("euler", 4, "model")],
+    ("sampler", "steps", "verify_draws", "drafter"),
+    [
+        ("euler", 2, 1, "ngram"),
+        ("ancestral", 2, 3, "ngram"),  # the draws fork inside the last host
+        ("ancestral", 1, 3, "ngram"),  # the host before the last forks them: copies travel
+        ("euler", 2, 4, "model"),
+    ],
 )
 def test_verified_drafts_through_the_chain_are_the_in_process_loops_bytes(
-    cluster, runs, k1, sampler, verify_draws, drafter
+    cluster, runs, k1, sampler, steps, verify_draws, drafter
 ):
     prompt = b"Valkyria Chronicles is a "
     request = {"model": "bt1", "prompt": prompt.decode(), "max_bytes": 12, "seed": 4}
     extra = {
         "draft_bytes": 4,
         "sampler": sampler,
-        "steps_per_block": 2,
+        "steps_per_block": steps,
         "verify_draws": verify_draws,
     }
     drafts = DRAFTER if drafter == "ngram" else ModelDrafter(load_model(runs.reference)[1])
@@ -54,7 +59,7 @@ def test_verified_drafts_through_the_chain_are_the_in_process_loops_bytes(
         12,
         drafter=drafts,
         draft_len=4,
-        grid=SigmaSchedule.from_config(k1.cfg).sampler_grid(2),
+        grid=SigmaSchedule.from_config(k1.cfg).sampler_grid(steps),
         targets=k1.targets,
         seq_len=k1.cfg.seq_len,
         sampling=Sampling(),

@@ -150,6 +150,22 @@ def reveal_step(
     return torch.where(reveal[..., None], targets[y].to(z.dtype), z)
 
 
+@dataclass(frozen=True)
+class Fork:
+    """Noise draws that share a sweep up to grid point `point` (model.speculative's verify
+    draws): the ancestral step into `point` takes each of `draws` copies of the state's tokens
+    through its own byte and noise draw, and from `point` on the copies run under `layout`, as
+    `draws` sweeps that share everything before. Each copy's state then has the law the sweep's
+    state has at `point`, so the mean of the copies' laws is still an unbiased estimate of the
+    sampler's law; only the ancestral sampler draws at a step (an Euler step would copy one
+    state `draws` times)."""
+
+    point: int
+    draws: int
+    layout: ZLayout
+    """The layout of the copies: the state's tokens `draws` times over, draw after draw."""
+
+
 def run_points(
     denoise: Denoiser,
     x_bytes: torch.Tensor,
@@ -164,6 +180,7 @@ def run_points(
     generator: torch.Generator | RowGenerators | None = None,
     on_step: StepHook | None = None,
     sampling: Sampling | list[Sampling] | None = None,
+    fork: Fork | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The sweep itself, written once: run grid points start..stop-1 on the state z (N, Lz, d),
     which lies at grid[start]'s sigma. After every point but the grid's last, z moves to the next
@@ -179,13 +196,24 @@ def run_points(
     at point 0; it draws each round's bytes with `sampling` (one per request of a batch, or one
     for all; default temperature 1), and the last point's logits come back with the revealed
     positions pinned (`masking.pin_revealed`), so that drawing the span's bytes from them, as for
-    any model, reveals the rest."""
+    any model, reveals the rest.
+
+    `fork` (ancestral only): from fork.point on, z holds fork.draws copies of its tokens under
+    fork.layout; a run that starts at or past the point is given the copies already."""
     check_sampler(method)
     stop = len(grid) if stop is None else stop
     if not 0 <= start < stop <= len(grid):
         raise ValueError(f"grid points {start}..{stop - 1} do not lie in 0..{len(grid) - 1}")
     if needs_generator(method) and generator is None:
         raise ValueError(f"the {method} sampler needs a generator")
+    if fork is not None:
+        if method != "ancestral" or not 0 < fork.point < len(grid):
+            raise ValueError(
+                f"draws fork at a grid point 1..{len(grid) - 1} of the ancestral sampler, "
+                f"not at {fork.point} of {method}"
+            )
+        if start >= fork.point:
+            layout = fork.layout
     n_seq = x_bytes.shape[0]
     logits = z.new_empty(0)
     if method == "reveal" and start == 0:
@@ -208,6 +236,8 @@ def run_points(
             z = reveal_step(z, logits, targets, still, generator, sampling)
         else:
             assert generator is not None
+            if fork is not None and n + 1 == fork.point:
+                logits, layout = logits.repeat(1, fork.draws, 1), fork.layout
             z = _ancestral_rows(logits, targets, grid[n + 1][1], generator)
     return z, logits
 
@@ -224,9 +254,10 @@ def one_sweep(
     method: str = "euler",
     generator: torch.Generator | None = None,
     sampling: Sampling | None = None,
+    fork: Fork | None = None,
 ) -> torch.Tensor:
     """Refine z (N, Lz, d), which starts as sigma_max * eps, through the whole grid; return the
-    final logits (N, Lz, 256)."""
+    final logits (N, Lz', 256) (Lz' = fork.draws * Lz with a fork)."""
     if not grid:
         raise ValueError("the sigma grid is empty")
     return run_points(
@@ -240,6 +271,7 @@ def one_sweep(
         generator=generator,
         on_step=on_step,
         sampling=sampling,
+        fork=fork,
     )[1]
 
 

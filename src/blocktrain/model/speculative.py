@@ -20,6 +20,13 @@ position, each its own noise and seeing only itself and the clean stream (one cl
 all M), and the rule takes their mean p_bar_i = (1/M) sum_m p_i,m: still exact, since
 E p_bar_i = q_i, and the M draws cost compute on each host, never a hop. An autoregressive
 verifier is deterministic: it takes one.
+
+Forked draws. Under the ancestral sampler the M draws need not start apart: the sweep runs one
+copy of the D + 1 tokens up to its last grid point, and the ancestral step into that point draws
+each of M copies its own byte and noise (model.sampler.Fork). Given the shared first part each
+copy's state has the sweep's law, so E p_bar_i = q_i still holds, and the draws cost the last
+point's compute only (one block of B, on one host). Under Euler, whose steps draw nothing, the
+draws are M sweeps from M noises.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import torch
 from blocktrain.model.block import ZLayout
 from blocktrain.model.pipeline import KVCache, split_reference
 from blocktrain.model.reference import Reference
-from blocktrain.model.sampler import Denoiser, Sampling, one_sweep, sampling_probs
+from blocktrain.model.sampler import Denoiser, Fork, Sampling, one_sweep, sampling_probs
 
 DEFAULT_VERIFY_DRAWS = 4
 """Noise draws M of a one-sweep verify sweep. At the small shape with D = 16 and 10 ms hops, M = 4
@@ -45,6 +52,13 @@ def check_verify_draws(draws: int) -> int:
     if not 1 <= draws <= MAX_VERIFY_DRAWS:
         raise ValueError(f"verify_draws = {draws} must lie in 1..{MAX_VERIFY_DRAWS}")
     return draws
+
+
+def verify_fork(points: int, method: str, draws: int) -> int:
+    """The grid point (of `points`) where a verify sweep's M = draws copies part: the last one
+    under the ancestral sampler, whose step into it draws each copy's own state; 0 (M sweeps
+    from M noises) under a sampler whose steps draw nothing, or with one draw."""
+    return points - 1 if method == "ancestral" and draws > 1 and points > 1 else 0
 
 
 class Drafter(Protocol):
@@ -104,6 +118,17 @@ def verify_layout(
     return ZLayout(pos, pos, torch.cat((to_x, to_z), dim=1))
 
 
+def verify_sweep_layout(
+    context_len: int, drafted: int, draws: int, fork: int, device: torch.device | str = "cpu"
+) -> tuple[ZLayout, Fork | None]:
+    """The layout a verify sweep starts under, and its Fork (None: the draws start apart):
+    one copy of the D + 1 tokens until the fork point, `draws` copies after it."""
+    copies = verify_layout(context_len, drafted, draws, device=device)
+    if not fork:
+        return copies, None
+    return verify_layout(context_len, drafted, device=device), Fork(fork, draws, copies)
+
+
 def accept_draft(
     draft: list[int], laws: torch.Tensor, probs: torch.Tensor, generator: torch.Generator
 ) -> list[int]:
@@ -151,6 +176,7 @@ class SpeculativeLoop:
         sampling: Sampling,
         generator: torch.Generator,
         draws: int = 1,
+        fork: int = 0,
     ) -> None:
         if prompt.shape[0] != 1 or prompt.shape[1] == 0:
             raise ValueError("speculative generation takes one prompt of at least one byte")
@@ -159,6 +185,8 @@ class SpeculativeLoop:
         self.context: list[int] = prompt[0].tolist()
         self.n_bytes, self.draft_len, self.seq_len = n_bytes, draft_len, seq_len
         self.draws = check_verify_draws(draws)
+        self.fork = fork
+        """The grid point where the draws part (verify_fork); 0: they start apart."""
         self.drafter, self.sampling, self.generator = drafter, sampling, generator
         self.produced = self.traversals = self.drafted = 0
         self._pending: tuple[list[int], torch.Tensor] | None = None
@@ -179,9 +207,11 @@ class SpeculativeLoop:
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """A one-sweep verifier's input -> (x (1, P + D): the context's last T - 1 - D bytes
         then the draft, z (1, M * (D + 1), d) fp32 at sigma_max: the M = draws draws of the
-        D + 1 positions, one after another (verify_layout), P)."""
+        D + 1 positions, one after another (verify_layout), P). With a fork, z holds one draw
+        (1, D + 1, d): the copies part later."""
         context = self.context[-(self.seq_len - 1 - len(draft)) :]
-        noise = torch.randn(self.draws, len(draft) + 1, d_model, generator=self.generator)
+        copies = 1 if self.fork else self.draws
+        noise = torch.randn(copies, len(draft) + 1, d_model, generator=self.generator)
         x = torch.tensor([context + draft], dtype=torch.long)
         return x, sigma_max * noise.reshape(1, -1, d_model), len(context)
 
@@ -218,8 +248,8 @@ def generate_speculative(
     draws: int = DEFAULT_VERIFY_DRAWS,
 ) -> tuple[torch.Tensor, SpeculativeLoop]:
     """Continue prompt (1, Lp) by n_bytes with a K = 1 stack, D = draft_len drafted bytes
-    verified per sweep, which takes M = draws noise draws. -> ((1, n_bytes) int64, the loop
-    with its counts)."""
+    verified per sweep, which takes M = draws noise draws (forked at verify_fork). -> ((1,
+    n_bytes) int64, the loop with its counts)."""
     loop = SpeculativeLoop(
         prompt,
         n_bytes,
@@ -229,12 +259,15 @@ def generate_speculative(
         sampling=sampling,
         generator=generator,
         draws=draws,
+        fork=verify_fork(len(grid), method, draws),
     )
 
     def verify(draft: list[int]) -> torch.Tensor:
         x, z, context_len = loop.sweep_input(draft, targets.shape[1], grid[0][1])
         device = targets.device
-        layout = verify_layout(context_len, len(draft), loop.draws, device=device)
+        layout, fork = verify_sweep_layout(
+            context_len, len(draft), loop.draws, loop.fork, device=device
+        )
         return one_sweep(
             denoise,
             x.to(device),
@@ -244,6 +277,7 @@ def generate_speculative(
             layout,
             method=method,
             generator=generator,
+            fork=fork,
         )
 
     return _drive(loop, verify), loop

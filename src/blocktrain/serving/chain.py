@@ -240,6 +240,7 @@ class Chain:
         final: Final,
         drafted: int,
         draws: int = 1,
+        fork: int = 0,
         steps_per_block: int,
         sampler: str,
         sampling: Sampling,
@@ -258,6 +259,7 @@ class Chain:
             sampler=sampler,
             drafted=drafted,
             draws=draws,
+            fork=fork,
             session=session,
             close=close,
         )
@@ -302,6 +304,7 @@ class Chain:
         *,
         drafted: int,
         draws: int = 1,
+        fork: int = 0,
         steps_per_block: int,
         sampler: str,
         sampling: Sampling,
@@ -310,7 +313,8 @@ class Chain:
         close: bool = False,
     ) -> torch.Tensor:
         """One verify sweep (model.speculative): x (1, P + D) the context then the draft, z
-        (1, M (D + 1), d), M = draws -> the final logits (1, M (D + 1), 256); the router
+        (1, M (D + 1), d), M = draws ((1, D + 1, d) when the draws `fork` later) -> the final
+        logits (1, M (D + 1), 256); the router
         applies the rule. The hosts cut the session's caches back to the bytes the next sweep
         keeps."""
         out = await self._sweep(
@@ -319,6 +323,7 @@ class Chain:
             final="logits",
             drafted=drafted,
             draws=draws,
+            fork=fork,
             steps_per_block=steps_per_block,
             sampler=sampler,
             sampling=sampling,

@@ -284,13 +284,24 @@ class BlockHost:
                 f"{1 + drafted}..{cfg.seq_len - cfg.span} (T - K)",
                 param="x",
             )
-        z_len = header.draws * (drafted + 1) if header.verifies else cfg.span
-        z = state_input(tensors, "z", (n, z_len, cfg.d_model), header.wire_dtype)
         grid = model.grid(header.steps_per_block)
         if header.step >= len(grid):
             raise BadRequest(
                 f"step {header.step} is past the grid's {len(grid)} points", param="step"
             )
+        if header.fork and (
+            header.sampler != "ancestral" or header.draws < 2 or header.fork >= len(grid)
+        ):
+            raise BadRequest(
+                f"draws fork at a grid point 1..{len(grid) - 1} of an ancestral verify sweep "
+                f"of 2 or more draws, not at {header.fork} ({header.sampler}, {header.draws} "
+                "draws)",
+                param="fork",
+            )
+        z_len = cfg.span
+        if header.verifies:  # the copies of the draws exist from the fork on
+            z_len = (header.draws if header.step >= header.fork else 1) * (drafted + 1)
+        z = state_input(tensors, "z", (n, z_len, cfg.d_model), header.wire_dtype)
         first_block = grid[header.step][0]
         if first_block not in model.parts:
             raise HostRefused(
@@ -314,6 +325,8 @@ class BlockHost:
             header.steps_per_block,
             header.sampler,
             drafted,
+            header.draws,
+            header.fork,
             z_len,
             fresh_bucket(fresh),
         )

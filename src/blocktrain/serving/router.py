@@ -32,9 +32,9 @@ import httpx
 import torch
 
 from blocktrain.errors import ConfigError
-from blocktrain.model import Sampling
+from blocktrain.model import Sampling, SigmaSchedule
 from blocktrain.model.sampler import DEFAULT_SAMPLER, sampler_for
-from blocktrain.model.speculative import Drafter, SpeculativeLoop
+from blocktrain.model.speculative import Drafter, SpeculativeLoop, verify_fork
 from blocktrain.serving.chain import Chain, ChainStats
 from blocktrain.serving.coalesce import Coalescer
 from blocktrain.serving.directory import Directory, RemoteModel, unavailable_error
@@ -306,6 +306,11 @@ class Router:
         gen = torch.Generator().manual_seed(job.seed)
         if job.draft_bytes:
             assert self.settings.drafter is not None  # checked when the job was made
+            draws = 1 if job.model.kind == "reference" else job.verify_draws
+            points = 0  # of the one-sweep model's grid, where its draws may fork
+            if job.model.kind == "blocktrain":
+                schedule = SigmaSchedule.from_config(job.model.config.model)
+                points = len(schedule.sampler_grid(job.steps_per_block))
             loop = SpeculativeLoop(
                 prompt,
                 job.n_bytes,
@@ -315,7 +320,8 @@ class Router:
                 sampling=job.sampling,
                 generator=gen,
                 # An autoregressive verifier is deterministic: more draws would repeat one.
-                draws=1 if job.model.kind == "reference" else job.verify_draws,
+                draws=draws,
+                fork=verify_fork(points, job.sampler, draws),
             )
             if job.model.kind == "reference":
                 return autoregressive_speculative_stream(chain, loop)

@@ -81,6 +81,7 @@ async def speculative_stream(
                 z,
                 drafted=len(draft),
                 draws=loop.draws,
+                fork=loop.fork,
                 steps_per_block=steps_per_block,
                 sampler=sampler,
                 sampling=loop.sampling,

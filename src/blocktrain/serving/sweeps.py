@@ -26,15 +26,16 @@ import torch
 from blocktrain.model import Sampling, ZLayout, sample_bytes
 from blocktrain.model.cached import CleanBatch, CleanCache, right_align
 from blocktrain.model.sampler import RowGenerators, needs_generator, run_points
-from blocktrain.model.speculative import verify_layout
+from blocktrain.model.speculative import verify_sweep_layout
 from blocktrain.serving.loading import HostedModel
 from blocktrain.serving.sessions import SessionStore
 from blocktrain.serving.wire import SweepHeader, bytes_tensor, encode
 
-SweepKey = tuple[str, int, int, str, int, int, int]
+SweepKey = tuple[str, int, int, str, int, int, int, int, int]
 """What sweeps must share to run as one batch: model, grid point, steps per block, sampler,
-drafted bytes, state length (so one layout serves the batch), and the bucket of the clean
-positions to compute (`fresh_bucket`). Context lengths may differ (model/cached.py)."""
+drafted bytes, verify draws and their fork, state length (so one layout serves the batch), and
+the bucket of the clean positions to compute (`fresh_bucket`). Context lengths may differ
+(model/cached.py)."""
 SweepResult = tuple[torch.Tensor, int, bytes | None, list[int], float]
 """Per sweep: (z, next step, the final answer or None, blocks run, compute seconds of its
 batch)."""
@@ -159,9 +160,14 @@ def run_sweeps(
             for b in visited
         }
         x, _ = right_align([j.x for j in jobs])
+        fork = None
         if header.verifies:
-            layout = verify_layout(
-                x.shape[1] - header.drafted, header.drafted, header.draws, device=x.device
+            layout, fork = verify_sweep_layout(
+                x.shape[1] - header.drafted,
+                header.drafted,
+                header.draws,
+                header.fork,
+                device=x.device,
             )
         else:
             layout = ZLayout.next_span(x.shape[1], head.z.shape[1], device=x.device)
@@ -183,6 +189,7 @@ def run_sweeps(
             method=header.sampler,
             generator=gens,
             sampling=samplings,
+            fork=fork,
         )
         finals: list[bytes | None] = [None] * len(jobs)
         if points.stop == len(grid):

@@ -5,7 +5,8 @@ A request body is a safetensors file whose metadata key "blocktrain" holds a JSO
 
     POST /v1/sweep   x (N, Lx) uint8       the clean context bytes of the span (and a draft)
                      z (N, K, d) fp32|fp16 the noisy state at grid point `step`
-                                           ((N, M (D + 1), d) for a verify sweep of D drafted, M draws)
+                                           ((N, M (D + 1), d) for a verify sweep of D drafted, M draws;
+                                           (N, D + 1, d) before its `fork`)
                      generator (S,) uint8  the request's torch.Generator state, when a host
                                            draws from it (final = "bytes", or a sampler
                                            whose steps draw noise); it comes back advanced
@@ -88,6 +89,10 @@ class SweepHeader(_Header):
     `draws` times over, each an independent sweep that shares the clean stream
     (model.speculative.verify_layout); the logits come back in the same order. draws > 1 makes
     a sweep a verify sweep even with nothing drafted (the drafter may find no draft)."""
+    fork: int = Field(default=0, ge=0, le=4096)
+    """The grid point where a verify sweep's draws part (model.speculative.verify_fork): before
+    it z holds one copy of the drafted + 1 tokens, from it on `draws` copies, each drawn its own
+    state by the ancestral step into the point. 0: the draws start apart (z holds them all)."""
     session: str | None = Field(default=None, min_length=1, max_length=64)
     """Names one generation: each host keeps its blocks' clean-stream caches under it and
     reuses them as far as the next sweep's context repeats the cached bytes. None: no cache."""
