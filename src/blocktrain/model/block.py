@@ -19,7 +19,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from blocktrain.config import VOCAB_SIZE, ModelConfig
-from blocktrain.model.layers import DualStreamLayer, Rotary, modulate, sinusoidal_features
+from blocktrain.model.layers import (
+    AdaLN,
+    DualStreamLayer,
+    Rotary,
+    modulate,
+    sinusoidal_features,
+)
 from blocktrain.model.masking import read_state
 from blocktrain.model.sigma import EDMScalings, edm_scalings
 
@@ -66,6 +72,21 @@ class ZLayout:
         return ZLayout.build(context_len, pos, torch.full_like(pos, context_len))
 
 
+SIGMA_MEMO_SIZE = 64
+"""Sigma values whose terms a block keeps (Block.sigma_terms): a grid has B * S points."""
+
+
+@dataclass(frozen=True)
+class SigmaTerms:
+    """What a block's pass derives from sigma alone (Block.sigma_terms)."""
+
+    scalings: EDMScalings
+    layers: list[AdaLN]
+    """Each layer's adaLN terms of the z stream."""
+    final: tuple[torch.Tensor, torch.Tensor]
+    """The final adaLN's shift and scale."""
+
+
 class Block(nn.Module):
     """The denoiser of block b: D = c_skip * z + c_out * F(x, c_in * z, sigma), then adaLN and a
     zero-initialised head to byte logits. Optionally a next-byte head on the clean stream for the
@@ -108,6 +129,12 @@ class Block(nn.Module):
         self.head = nn.Linear(d, VOCAB_SIZE)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
+        self._sigma_memo: dict[tuple[tuple[float, ...], tuple[int, ...]], SigmaTerms] = {}
+        self._sigma_params = [
+            *self.noise_mlp.parameters(),
+            *(p for layer in self.layers for p in layer.modulation.parameters()),  # type: ignore[union-attr]
+            *self.final_mod.parameters(),
+        ]
         self.aux_norm: nn.LayerNorm | None = None
         self.aux_head: nn.Linear | None = None
         if cfg.aux_weight > 0:
@@ -140,7 +167,7 @@ class Block(nn.Module):
             assert h_out is not None
             h = h_out
 
-        logits = self.readout(h, z, sc, cond)
+        logits = self.readout(h, z, sc, self.final_adaln(cond))
         aux = None
         if with_aux and self.aux_head is not None and self.aux_norm is not None:
             aux = self.aux_head(self.aux_norm(x))  # (N, Lx, 256): predicts byte i + 1
@@ -151,15 +178,41 @@ class Block(nn.Module):
         sc = edm_scalings(sigma, self.sigma_data)
         return sc, self.noise_mlp(sinusoidal_features(sc.c_noise, self.cfg.noise_dim))
 
+    def final_adaln(self, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The final adaLN's shift and scale (N, d) from the noise embedding cond."""
+        shift, scale = self.final_mod(F.silu(cond)).chunk(2, dim=-1)
+        return shift, scale
+
     def readout(
-        self, h: torch.Tensor, z: torch.Tensor, sc: EDMScalings, cond: torch.Tensor
+        self,
+        h: torch.Tensor,
+        z: torch.Tensor,
+        sc: EDMScalings,
+        final: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         """The z stream's last hidden states h (N, Lz, d) -> logits (N, Lz, 256): D = c_skip *
-        z + c_out * F, then the final adaLN and the head."""
+        z + c_out * F, then the final adaLN (`final_adaln`) and the head."""
         f = self.out_proj(F.layer_norm(h, h.shape[-1:]))  # (N, Lz, d)
         denoised = sc.c_skip[:, None, None] * z + sc.c_out[:, None, None] * f
-        shift, scale = self.final_mod(F.silu(cond)).chunk(2, dim=-1)
-        return self.head(modulate(F.layer_norm(denoised, denoised.shape[-1:]), shift, scale))
+        return self.head(modulate(F.layer_norm(denoised, denoised.shape[-1:]), *final))
+
+    def sigma_terms(self, sigma: torch.Tensor) -> SigmaTerms:
+        """Everything a pass derives from sigma (N,) alone, for inference: the EDM scalings,
+        each layer's adaLN terms and the final adaLN's. Memoised: a block host calls its blocks
+        at the same few grid sigmas on every sweep, and recomputing these was about a fifth of
+        a plain sweep's compute (py-spy, small shape). The key holds the parameters' versions,
+        so weights loaded or trained in place are never served stale terms."""
+        params = self._sigma_params
+        key = (tuple(sigma.tolist()), tuple(p._version for p in params))
+        terms = self._sigma_memo.get(key)
+        if terms is None:
+            if len(self._sigma_memo) >= SIGMA_MEMO_SIZE:
+                self._sigma_memo.clear()
+            sc, cond = self.conditioning(sigma)
+            layers = [layer.adaln(cond) for layer in self.layers]  # type: ignore[operator]
+            terms = SigmaTerms(sc, layers, self.final_adaln(cond))
+            self._sigma_memo[key] = terms
+        return terms
 
     def forward_cached(
         self,
@@ -175,7 +228,8 @@ class Block(nn.Module):
         right-aligned (Lx = clean.length), z (N, Lz, d), sigma (N,), layout built for Lx."""
         length, fresh = x_bytes.shape[1], clean.fresh
         assert length == clean.length and len(clean.keys) == len(self.layers)
-        sc, cond = self.conditioning(sigma.to(z.dtype))
+        terms = self.sigma_terms(sigma.to(z.dtype))
+        sc = terms.scalings
         h = self.z_tokens(x_bytes, z, sc.c_in, layout)  # (N, Lz, d)
         n = x_bytes.shape[0]
         # Per-row positions (index less the row's padding): rotations (N, 1, L, hd/2).
@@ -193,16 +247,19 @@ class Block(nn.Module):
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DualStreamLayer)
-            if x is not None:
-                past = (clean.keys[i], clean.values[i])
-                x, (clean.keys[i], clean.values[i]) = layer.attend_clean(
-                    x, rope_x, past, mask=x_mask
-                )
-                if i < last:  # the last layer's clean MLP feeds nothing the logits read
-                    x = layer.mlp_clean(x)
-            h = layer.noisy(h, (clean.keys[i], clean.values[i]), cond, rope_z, z_mask)
+            x, (clean.keys[i], clean.values[i]), h = layer.cached_step(
+                x,
+                rope_x,
+                (clean.keys[i], clean.values[i]),
+                x_mask,
+                h,
+                terms.layers[i],
+                rope_z,
+                z_mask,
+                clean_mlp=i < last,  # the last layer's clean MLP feeds nothing the logits read
+            )
         clean.fresh = 0
-        return self.readout(h, z, sc, cond)
+        return self.readout(h, z, sc, terms.final)
 
     def z_tokens(
         self, x_bytes: torch.Tensor, z: torch.Tensor, c_in: torch.Tensor, layout: ZLayout

@@ -48,6 +48,10 @@ def modulate(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
     return torch.addcmul(shift[:, None, :], h, 1 + scale[:, None, :])
 
 
+AdaLN = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+"""A layer's adaLN terms for the z stream (DualStreamLayer.adaln), each (N, d)."""
+
+
 class DualStreamLayer(nn.Module):
     """One pre-norm Transformer layer applied to the clean stream and, optionally, to the
     noise-conditioned stream. With `conditioned=False` it is a plain causal layer (the
@@ -151,26 +155,33 @@ class DualStreamLayer(nn.Module):
         if z is None:
             return self.mlp_clean(x), None
         assert cond is not None and rope_z is not None
-        z = self.noisy(z, (kx, vx), cond, rope_z, z_mask)
+        z = self.noisy(z, (kx, vx), self.adaln(cond), rope_z, z_mask)
         return self.mlp_clean(x), z
+
+    def adaln(self, cond: torch.Tensor) -> AdaLN:
+        """The z stream's adaLN terms from the noise embedding cond (N, cond_dim): shift, scale
+        and gate of the attention branch, then of the MLP branch, each (N, d)."""
+        assert self.modulation is not None
+        shift1, scale1, gate1, shift2, scale2, gate2 = self.modulation(F.silu(cond)).chunk(
+            6, dim=-1
+        )
+        if self.gates_open:
+            gate1, gate2 = 1 + gate1, 1 + gate2
+        return shift1, scale1, gate1, shift2, scale2, gate2
 
     def noisy(
         self,
         z: torch.Tensor,
         clean: tuple[torch.Tensor, torch.Tensor],
-        cond: torch.Tensor,
+        terms: AdaLN,
         rope_z: torch.Tensor,
         z_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         """The z stream's attention and MLP with their residuals: z (N, Lz, d), clean the
         rotated (k, v) of the clean stream, each (N, H, Lx, hd) (this layer's, fresh or from a
-        cache), cond (N, cond_dim), rope_z (Lz, hd/2) or (N, 1, Lz, hd/2), z_mask (Lz, Lx + Lz)
-        or (N, 1, Lz, Lx + Lz) -> z (N, Lz, d). The clean stream never reads it."""
-        assert self.modulation is not None
-        mods = self.modulation(F.silu(cond)).chunk(6, dim=-1)  # 6 x (N, d)
-        shift1, scale1, gate1, shift2, scale2, gate2 = mods
-        if self.gates_open:
-            gate1, gate2 = 1 + gate1, 1 + gate2
+        cache), terms its adaLN terms (`adaln`), rope_z (Lz, hd/2) or (N, 1, Lz, hd/2), z_mask
+        (Lz, Lx + Lz) or (N, 1, Lz, Lx + Lz) -> z (N, Lz, d). The clean stream never reads it."""
+        shift1, scale1, gate1, shift2, scale2, gate2 = terms
         hz = modulate(F.layer_norm(z, z.shape[-1:]), shift1, scale1)
         qz, kz, vz = self._heads(hz)
         qz, kz = apply_rotary(qz, rope_z), apply_rotary(kz, rope_z)
@@ -182,6 +193,52 @@ class DualStreamLayer(nn.Module):
         z = torch.addcmul(z, gate1[:, None, :], self._merge(az))
         hz = modulate(F.layer_norm(z, z.shape[-1:]), shift2, scale2)
         return torch.addcmul(z, gate2[:, None, :], self._mlp(hz))
+
+    def cached_step(
+        self,
+        x: torch.Tensor | None,
+        rope_x: torch.Tensor,
+        past: tuple[torch.Tensor, torch.Tensor],
+        x_mask: torch.Tensor,
+        z: torch.Tensor,
+        terms: AdaLN,
+        rope_z: torch.Tensor,
+        z_mask: torch.Tensor,
+        *,
+        clean_mlp: bool = True,
+    ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """`attend_clean` (and `mlp_clean` when clean_mlp) on the fresh clean positions x
+        (N, L, d), or None when the cache holds them all, then `noisy` on z (N, Lz, d), as in
+        Block.forward_cached, with the two streams' rows in one matrix product per weight: at
+        inference the rows are few and each product costs about a read of its weights, so one
+        read serves both streams. -> (x, the clean (k, v) with x's appended, z)."""
+        shift1, scale1, gate1, shift2, scale2, gate2 = terms
+        n_x = 0 if x is None else x.shape[1]
+        hz = modulate(F.layer_norm(z, z.shape[-1:]), shift1, scale1)
+        rows = hz if x is None else torch.cat((self.ln1(x), hz), dim=1)
+        q, k, v = self._heads(rows)  # each (N, H, L + Lz, hd)
+        qz, kz, vz = q[:, :, n_x:], k[:, :, n_x:], v[:, :, n_x:]
+        kx, vx = past
+        merged = []
+        if x is not None:
+            qx, kx_new = apply_rotary(q[:, :, :n_x], rope_x), apply_rotary(k[:, :, :n_x], rope_x)
+            kx, vx = torch.cat((kx, kx_new), dim=2), torch.cat((vx, v[:, :, :n_x]), dim=2)
+            merged.append(F.scaled_dot_product_attention(qx, kx, vx, attn_mask=x_mask))
+        qz, kz = apply_rotary(qz, rope_z), apply_rotary(kz, rope_z)
+        merged.append(
+            F.scaled_dot_product_attention(
+                qz, torch.cat((kx, kz), dim=2), torch.cat((vx, vz), dim=2), attn_mask=z_mask
+            )
+        )
+        out = self._merge(torch.cat(merged, dim=2))  # (N, L + Lz, d)
+        z = torch.addcmul(z, gate1[:, None, :], out[:, n_x:])
+        hz = modulate(F.layer_norm(z, z.shape[-1:]), shift2, scale2)
+        if x is not None:
+            x = x + out[:, :n_x]
+        if x is None or not clean_mlp:
+            return x, (kx, vx), torch.addcmul(z, gate2[:, None, :], self._mlp(hz))
+        out = self._mlp(torch.cat((self.ln2(x), hz), dim=1))
+        return x + out[:, :n_x], (kx, vx), torch.addcmul(z, gate2[:, None, :], out[:, n_x:])
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(h)))
