@@ -198,3 +198,23 @@ def test_a_masked_block_s_cached_forward_is_its_forward():
     got, _ = cached_step(block, contexts, caches, z, 0.5)
     torch.testing.assert_close(got[:1], reference(block, contexts[0], z[:1], 0.5), **TOL)
     torch.testing.assert_close(got[1:], reference(block, contexts[1], z[1:], 0.5), **TOL)
+
+
+def test_the_sigma_terms_follow_weights_changed_in_place():
+    """The cached pass keeps each sigma's adaLN terms; weights loaded or trained in place after
+    a pass must not be served the old terms."""
+    cfg = config(1)
+    block = randomised_block(cfg)
+    x, z = data(1, 10, 1, cfg.d_model, 4)
+    before, _ = cached_step(block, [x], [None], z, 2.0)
+    with torch.no_grad():
+        for p in (
+            block.noise_mlp[0].weight,
+            block.layers[0].modulation.weight,
+            block.final_mod.bias,
+        ):
+            p.add_(0.3 * torch.randn_like(p))
+            after, _ = cached_step(block, [x], [None], z, 2.0)
+            torch.testing.assert_close(after, reference(block, x, z, 2.0), **TOL)
+            assert not torch.allclose(after, before, **TOL), "the change moves the logits"
+            before = after
