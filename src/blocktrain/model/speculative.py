@@ -42,9 +42,10 @@ from blocktrain.model.reference import Reference
 from blocktrain.model.sampler import Denoiser, Fork, Sampling, one_sweep, sampling_probs
 
 DEFAULT_VERIFY_DRAWS = 4
-"""Noise draws M of a one-sweep verify sweep. At the small shape with D = 16 and 10 ms hops, M = 4
-was the fastest BlockTrain row with an 8,000-step lm drafter and M = 16 with a 4,000-step one
-(BENCHMARKS.md, "Span generation: speed and quality"); M = 4 costs far less compute at 0 ms."""
+"""Noise draws M of a one-sweep verify sweep. At the small shape with D = 16 and the lm drafter,
+M = 4 yields 4.1 bytes a traversal and M = 16 4.5, against 3.0 at M = 1 (BENCHMARKS.md,
+"Speculative K = 1: bytes per verify traversal"); whole-sweep draws at M = 16 cost more compute
+than they save at 10 ms hops, forked (ancestral) ones do not."""
 MAX_VERIFY_DRAWS = 16
 
 
