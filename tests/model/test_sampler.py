@@ -1,3 +1,5 @@
+import itertools
+
 import pytest
 import torch
 
@@ -133,8 +135,14 @@ def test_generate_continues_from_the_context_it_has_produced(span):
         generator=torch.Generator().manual_seed(0),
     )
     assert out[0].tolist() == list(range(63, 83)), "each span follows the bytes before it"
-    assert max(calls) == CFG.seq_len - span, "the context is cut to its last T - K bytes"
     assert len(calls) == 3 * -(-20 // span), "one sweep of B = 3 calls per span"
+    seen, cap = calls[::3], CFG.seq_len - span  # one context length per sweep
+    assert max(seen) <= cap, "the window never holds more than T - K bytes"
+    for before, after in itertools.pairwise(seen):
+        # The window stands still and grows by a span (the hosts' caches hold), or restarts
+        # at the last (T - K) // 2 bytes once the next span would not fit.
+        assert after == before + span or (after == cap // 2 and before + span > cap), seen
+    assert cap // 2 in seen[1:], f"20 bytes outgrow the window, which restarts: {seen}"
 
 
 def test_a_sweep_split_into_ranges_of_points_is_the_whole_sweep():

@@ -223,3 +223,25 @@ def test_serve_block_takes_the_cache_flags(capsys, runs):
             ["serve-block", run, "--blocks", "0", "--port", "0", "--max-cache-mb", bad],
             "--max-cache-mb",
         )
+
+
+def test_a_generation_past_the_window_recomputes_its_context_only_when_the_window_restarts(
+    cluster, stack
+):
+    """The one-sweep window stands still while the context fits (T - K bytes) and then
+    restarts at the last (T - K) // 2 (model.sampler.window_start): a long generation's sweeps
+    compute their new bytes, plus the kept half at each restart, where a window sliding a span
+    per sweep would recompute all T - K bytes at every sweep."""
+    cfg = stack.cfg
+    cap, n, prompt = cfg.seq_len - cfg.span, 40, b"The "
+    with cluster.router() as router:
+        r = router.post(
+            "/v1/generate", json={"model": "bt", "prompt": "The ", "max_bytes": n, "seed": 0}
+        )
+    assert r.status_code == 200, r.text
+    assert r.json()["bytes"] == in_process(stack, prompt, n, 0), "the law of `generate`"
+    computed = positions(cluster.apps.apps[cluster.urls[0]].state.host)[0]
+    restarts = n // (cap - cap // 2) + 1
+    assert computed <= len(prompt) + n + restarts * (cap // 2), computed
+    sweeps = -(-n // cfg.span)
+    assert computed < sweeps * cap // 2, "a sliding window would compute about sweeps * cap"

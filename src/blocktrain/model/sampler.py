@@ -325,12 +325,32 @@ def sample_bytes(
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 
 
+def window_start(length: int, start: int, capacity: int) -> int:
+    """Where a generation's context window starts (SpanLoop, SpeculativeLoop), given its
+    context's `length` and the window's current `start`: it stays put while the context fits in
+    `capacity` bytes from it, so that each sweep's context extends the last one's and the
+    hosts' clean-stream caches hold; once it would not fit, it restarts at the last
+    capacity // 2 bytes, as the autoregressive stages do. A sweep then recomputes its whole
+    context once per capacity // 2 new bytes instead of at every sweep, and sees between
+    capacity // 2 and capacity bytes of context. A loop's first window is the prompt's last
+    `capacity` bytes (`first_window`)."""
+    if length - start <= capacity:
+        return start
+    return length - max(1, capacity // 2)
+
+
+def first_window(length: int, capacity: int) -> int:
+    """The start of a generation's first window: its prompt's last `capacity` bytes."""
+    return max(0, length - capacity)
+
+
 class SpanLoop:
     """The bookkeeping of generation by spans, shared by `generate` (blocks in this process)
     and the router (blocks on a chain of hosts), so that both draw the same numbers in the same
-    order: per span, the context window, then the initial noise z = sigma_max * eps drawn from the
-    request's generator on the CPU (results do not depend on the device), then the sweep (which
-    may draw from the generator too), then the bytes sampled from the final logits.
+    order: per span, the context window (`window_start`), then the initial noise z = sigma_max *
+    eps drawn from the request's generator on the CPU (results do not depend on the device), then
+    the sweep (which may draw from the generator too), then the bytes sampled from the final
+    logits.
 
         loop = SpanLoop(prompt, n, ...)
         while not loop.done:
@@ -358,14 +378,17 @@ class SpanLoop:
         self.n_bytes, self.span, self.max_context = n_bytes, span, max_context
         self.d_model, self.sigma_max, self.generator = d_model, sigma_max, generator
         self.produced = 0
+        self.start = first_window(prompt.shape[1], max_context)
 
     @property
     def done(self) -> bool:
         return self.produced >= self.n_bytes
 
     def next_input(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (x (N, Lx) the last max_context bytes, z (N, K, d) fp32 at sigma_max, CPU)."""
-        x = self.context[:, -self.max_context :]
+        """-> (x (N, Lx) the context's window, at most max_context bytes, z (N, K, d) fp32 at
+        sigma_max, CPU)."""
+        self.start = window_start(self.context.shape[1], self.start, self.max_context)
+        x = self.context[:, self.start :]
         noise = torch.randn(x.shape[0], self.span, self.d_model, generator=self.generator)
         return x, self.sigma_max * noise
 
@@ -393,7 +416,8 @@ def generate(
     method: str = "euler",
 ) -> torch.Tensor:
     """Continue `prompt` (N, Lp) by n_bytes, one span of K bytes per sweep: ceil(n / K) sweeps.
-    The context keeps its last `max_context` bytes (T - K for a model trained on T bytes).
+    The context window holds at most `max_context` bytes (T - K for a model trained on T bytes;
+    `window_start`).
     Returns (N, n_bytes) int64."""
     check_sampler(method)
     loop = SpanLoop(

@@ -39,7 +39,15 @@ import torch
 from blocktrain.model.block import ZLayout
 from blocktrain.model.pipeline import KVCache, split_reference
 from blocktrain.model.reference import Reference
-from blocktrain.model.sampler import Denoiser, Fork, Sampling, one_sweep, sampling_probs
+from blocktrain.model.sampler import (
+    Denoiser,
+    Fork,
+    Sampling,
+    first_window,
+    one_sweep,
+    sampling_probs,
+    window_start,
+)
 
 DEFAULT_VERIFY_DRAWS = 4
 """Noise draws M of a one-sweep verify sweep. At the small shape with D = 16 and the lm drafter,
@@ -190,6 +198,9 @@ class SpeculativeLoop:
         """The grid point where the draws part (verify_fork); 0: they start apart."""
         self.drafter, self.sampling, self.generator = drafter, sampling, generator
         self.produced = self.traversals = self.drafted = 0
+        # The window leaves room for the longest draft: context + draft <= T - 1 bytes.
+        self.capacity = seq_len - 1 - draft_len
+        self.start = first_window(len(self.context), self.capacity)
         self._pending: tuple[list[int], torch.Tensor] | None = None
 
     @property
@@ -206,11 +217,12 @@ class SpeculativeLoop:
     def sweep_input(
         self, draft: list[int], d_model: int, sigma_max: float
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """A one-sweep verifier's input -> (x (1, P + D): the context's last T - 1 - D bytes
-        then the draft, z (1, M * (D + 1), d) fp32 at sigma_max: the M = draws draws of the
+        """A one-sweep verifier's input -> (x (1, P + D): the context's window (at most
+        T - 1 - draft_len bytes; model.sampler.window_start) then the draft, z (1, M * (D + 1), d) fp32 at sigma_max: the M = draws draws of the
         D + 1 positions, one after another (verify_layout), P). With a fork, z holds one draw
         (1, D + 1, d): the copies part later."""
-        context = self.context[-(self.seq_len - 1 - len(draft)) :]
+        self.start = window_start(len(self.context), self.start, self.capacity)
+        context = self.context[self.start :]
         copies = 1 if self.fork else self.draws
         noise = torch.randn(copies, len(draft) + 1, d_model, generator=self.generator)
         x = torch.tensor([context + draft], dtype=torch.long)
