@@ -52,8 +52,8 @@ from blocktrain.model.sampler import (
 DEFAULT_VERIFY_DRAWS = 4
 """Noise draws M of a one-sweep verify sweep. At the small shape with D = 16 and the lm drafter,
 M = 4 yields 4.1 bytes a traversal and M = 16 4.5, against 3.0 at M = 1 (BENCHMARKS.md,
-"Speculative K = 1: bytes per verify traversal"); whole-sweep draws at M = 16 cost more compute
-than they save at 10 ms hops, forked (ancestral) ones do not."""
+"Speculative K = 1: bytes per verify traversal"); at 10 ms hops M = 4 is the faster of the two,
+forked or not, and M = 16 pays only at 50 ms, forked."""
 MAX_VERIFY_DRAWS = 16
 
 
