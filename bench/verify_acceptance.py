@@ -28,7 +28,7 @@ import torch
 from blocktrain.data import load_split
 from blocktrain.model import BlockStack, Sampling, SigmaSchedule, stack_denoiser
 from blocktrain.model.reference import Reference
-from blocktrain.model.speculative import ModelDrafter, generate_speculative
+from blocktrain.model.speculative import ModelDrafter, generate_speculative, verify_fork
 from blocktrain.training import load_model
 from report import ROOT, machine, update_section, write_json  # bench/report.py
 
@@ -79,7 +79,7 @@ def main() -> None:
                 {
                     "sampler": sampler,
                     "verify_draws": m,
-                    "forked": sampler == "ancestral" and m > 1,
+                    "forked": verify_fork(len(grid), sampler, m) > 0,
                     "bytes_per_traversal": statistics.mean(per_prompt),
                     "sem": statistics.stdev(per_prompt) / len(per_prompt) ** 0.5,
                     "per_prompt": per_prompt,

@@ -235,9 +235,10 @@ def test_forked_draws_share_the_sweep_up_to_the_fork_and_part_there():
         )
 
 
-def test_forked_draws_accept_about_as_much_as_draws_from_the_noise():
-    """Most of a sweep's randomness enters at its last step: forked draws (M copies at the last
-    point) recover the acceptance of M whole sweeps at a fraction of their compute."""
+def test_forked_draws_accept_more_of_a_draft_than_one_draw():
+    """Under the ancestral sampler much of a sweep's randomness enters at its last step, so M
+    copies forked there bring p_bar closer to the sampler's law than one draw does
+    (bench/verify_acceptance.py compares them with M whole sweeps)."""
     runs = b"".join(bytes([b]) * 5 for b in range(60, 64)) * 20
     drafter = NgramDrafter(np.frombuffer(runs, dtype=np.uint8), order=1)
     one = _bytes_per_traversal(drafter, 1, method="ancestral")

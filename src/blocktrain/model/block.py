@@ -199,9 +199,9 @@ class Block(nn.Module):
     def sigma_terms(self, sigma: torch.Tensor) -> SigmaTerms:
         """Everything a pass derives from sigma (N,) alone, for inference: the EDM scalings,
         each layer's adaLN terms and the final adaLN's. Memoised: a block host calls its blocks
-        at the same few grid sigmas on every sweep, and recomputing these was about a fifth of
-        a plain sweep's compute (py-spy, small shape). The key holds the parameters' versions,
-        so weights loaded or trained in place are never served stale terms."""
+        at the same few grid sigmas on every sweep, and these terms showed in a py-spy profile
+        of a host's sweeps. The key holds the parameters' versions, so weights loaded or
+        trained in place are never served stale terms."""
         params = self._sigma_params
         key = (tuple(sigma.tolist()), tuple(p._version for p in params))
         terms = self._sigma_memo.get(key)

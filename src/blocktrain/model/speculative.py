@@ -218,9 +218,10 @@ class SpeculativeLoop:
         self, draft: list[int], d_model: int, sigma_max: float
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """A one-sweep verifier's input -> (x (1, P + D): the context's window (at most
-        T - 1 - draft_len bytes; model.sampler.window_start) then the draft, z (1, M * (D + 1), d) fp32 at sigma_max: the M = draws draws of the
-        D + 1 positions, one after another (verify_layout), P). With a fork, z holds one draw
-        (1, D + 1, d): the copies part later."""
+        T - 1 - draft_len bytes; model.sampler.window_start) then the draft, z (1, M * (D + 1),
+        d) fp32 at sigma_max: the M = draws draws of the D + 1 positions, one after another
+        (verify_layout), P). With a fork, z holds one draw (1, D + 1, d): the copies part
+        later."""
         self.start = window_start(len(self.context), self.start, self.capacity)
         context = self.context[self.start :]
         copies = 1 if self.fork else self.draws

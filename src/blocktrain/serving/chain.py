@@ -314,9 +314,8 @@ class Chain:
     ) -> torch.Tensor:
         """One verify sweep (model.speculative): x (1, P + D) the context then the draft, z
         (1, M (D + 1), d), M = draws ((1, D + 1, d) when the draws `fork` later) -> the final
-        logits (1, M (D + 1), 256); the router
-        applies the rule. The hosts cut the session's caches back to the bytes the next sweep
-        keeps."""
+        logits (1, M (D + 1), 256); the router applies the rule. The hosts cut the session's
+        caches back to the bytes the next sweep keeps."""
         out = await self._sweep(
             x,
             z,

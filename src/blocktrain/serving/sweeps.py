@@ -160,7 +160,6 @@ def run_sweeps(
             for b in visited
         }
         x, _ = right_align([j.x for j in jobs])
-        fork = None
         if header.verifies:
             layout, fork = verify_sweep_layout(
                 x.shape[1] - header.drafted,
@@ -170,7 +169,7 @@ def run_sweeps(
                 device=x.device,
             )
         else:
-            layout = ZLayout.next_span(x.shape[1], head.z.shape[1], device=x.device)
+            layout, fork = ZLayout.next_span(x.shape[1], head.z.shape[1], device=x.device), None
 
         def denoise(
             b: int, xb: torch.Tensor, zb: torch.Tensor, sigma: torch.Tensor, lay: ZLayout
