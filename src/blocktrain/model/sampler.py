@@ -8,6 +8,7 @@ so a local BlockStack, a single worker's block or a chain of remote hosts all pl
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -57,21 +58,62 @@ def ancestral_step(
     return targets[y_hat] + sigma_next * eps.to(logits.device)
 
 
-def _ancestral_rows(
+def antithetic_normal(
+    copies: int, shape: tuple[int, ...], generator: torch.Generator
+) -> torch.Tensor:
+    """`copies` standard normal draws of `shape` (copies, *shape), in antithetic pairs: the
+    first ceil(M / 2) are drawn, the rest are minus the first ones. Each copy alone is a
+    standard normal draw, so the mean of any function of them keeps its expectation, and when
+    the function is near odd in the noise (a sweep's law at high sigma) the pairs cancel much of
+    its variance. One copy is one plain draw."""
+    drawn = torch.randn((copies + 1) // 2, *shape, generator=generator, device=generator.device)
+    return torch.cat((drawn, -drawn[: copies // 2]))
+
+
+def fork_step(
     logits: torch.Tensor,
     targets: torch.Tensor,
     sigma_next: float,
+    draws: int,
+    generator: torch.Generator,
+    antithetic: bool = True,
+) -> torch.Tensor:
+    """The ancestral step into a fork point (Fork): logits (N, L, 256) -> the states of `draws`
+    copies of the L tokens (N, draws * L, d), draw after draw, each E[y_hat] + sigma_next * eps.
+
+    Antithetic (the default): the copies' bytes y_hat are drawn stratified (copy m inverts the
+    CDF at (u + m) / M for one uniform u, so the M bytes spread over the law instead of piling
+    on its mode) and their noises in antithetic pairs (antithetic_normal). Copy m alone is then
+    not distributed as one draw, but a copy picked at random is, so the mean of the copies' laws
+    keeps the expectation a verify sweep's rule needs, with less variance (fewer rejections).
+    Otherwise each copy is an independent ancestral step."""
+    n, length, vocab = logits.shape
+    if not antithetic:
+        return ancestral_step(logits.repeat(1, draws, 1), targets, sigma_next, generator)
+    gdev = generator.device
+    probs = torch.softmax(logits.float(), dim=-1).to(gdev).reshape(-1, vocab).double()
+    cdf = probs.cumsum(dim=-1)
+    cdf = cdf / cdf[:, -1:]
+    u = torch.rand(n * length, 1, generator=generator, dtype=torch.float64, device=gdev)
+    strata = (u + torch.arange(draws, dtype=torch.float64, device=gdev)) / draws
+    y_hat = torch.searchsorted(cdf, strata, right=True).clamp(max=vocab - 1)  # (N L, M)
+    y_hat = y_hat.reshape(n, length, draws).transpose(1, 2).reshape(n, draws * length)
+    eps = antithetic_normal(draws, (n, length, targets.shape[1]), generator)
+    eps = eps.transpose(0, 1).reshape(n, draws * length, -1)
+    return targets[y_hat.to(logits.device)] + sigma_next * eps.to(logits.device)
+
+
+def _per_rows(
+    step: Callable[..., torch.Tensor],
+    logits: torch.Tensor,
     generator: torch.Generator | RowGenerators,
 ) -> torch.Tensor:
+    """step(logits, generator=...), a step that draws, run on each request's rows with its own
+    generator."""
     if isinstance(generator, torch.Generator):
-        return ancestral_step(logits, targets, sigma_next, generator)
+        return step(logits, generator=generator)
     parts = logits.split([rows for rows, _ in generator])
-    return torch.cat(
-        [
-            ancestral_step(p, targets, sigma_next, g)
-            for p, (_, g) in zip(parts, generator, strict=True)
-        ]
-    )
+    return torch.cat([step(p, generator=g) for p, (_, g) in zip(parts, generator, strict=True)])
 
 
 SAMPLERS = ("euler", "ancestral", "reveal")
@@ -154,16 +196,19 @@ def reveal_step(
 class Fork:
     """Noise draws that share a sweep up to grid point `point` (model.speculative's verify
     draws): the ancestral step into `point` takes each of `draws` copies of the state's tokens
-    through its own byte and noise draw, and from `point` on the copies run under `layout`, as
-    `draws` sweeps that share everything before. Each copy's state then has the law the sweep's
-    state has at `point`, so the mean of the copies' laws is still an unbiased estimate of the
-    sampler's law; only the ancestral sampler draws at a step (an Euler step would copy one
-    state `draws` times)."""
+    through its own byte and noise draw (fork_step), and from `point` on the copies run under
+    `layout`, as `draws` sweeps that share everything before. A copy picked at random has the
+    law the sweep's state has at `point`, so the mean of the copies' laws is still an unbiased
+    estimate of the sampler's law; only the ancestral sampler draws at a step (an Euler step
+    would copy one state `draws` times)."""
 
     point: int
     draws: int
     layout: ZLayout
     """The layout of the copies: the state's tokens `draws` times over, draw after draw."""
+    antithetic: bool = True
+    """The copies' bytes stratified and their noises in antithetic pairs (fork_step); False:
+    independent draws."""
 
 
 def run_points(
@@ -236,9 +281,20 @@ def run_points(
             z = reveal_step(z, logits, targets, still, generator, sampling)
         else:
             assert generator is not None
+            sigma_next = grid[n + 1][1]
+            step: Callable[..., torch.Tensor] = functools.partial(
+                ancestral_step, targets=targets, sigma_next=sigma_next
+            )
             if fork is not None and n + 1 == fork.point:
-                logits, layout = logits.repeat(1, fork.draws, 1), fork.layout
-            z = _ancestral_rows(logits, targets, grid[n + 1][1], generator)
+                step = functools.partial(
+                    fork_step,
+                    targets=targets,
+                    sigma_next=sigma_next,
+                    draws=fork.draws,
+                    antithetic=fork.antithetic,
+                )
+                layout = fork.layout
+            z = _per_rows(step, logits, generator)
     return z, logits
 
 

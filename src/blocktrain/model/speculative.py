@@ -23,10 +23,18 @@ verifier is deterministic: it takes one.
 
 Forked draws. Under the ancestral sampler the M draws need not start apart: the sweep runs one
 copy of the D + 1 tokens up to its last grid point, and the ancestral step into that point draws
-each of M copies its own byte and noise (model.sampler.Fork). Given the shared first part each
-copy's state has the sweep's law, so E p_bar_i = q_i still holds, and the draws cost the last
-point's compute only (one block of B, on one host). Under Euler, whose steps draw nothing, the
-draws are M sweeps from M noises.
+each of M copies its own byte and noise (model.sampler.Fork). Given the shared first part a copy
+picked at random has the sweep's law, so E p_bar_i = q_i still holds, and the draws cost the
+last point's compute only (one block of B, on one host). Under Euler, whose steps draw nothing,
+the draws are M sweeps from M noises.
+
+Antithetic draws. Nothing in the rule needs the M draws to be independent of each other, only
+of the draft, and each to keep its law on average. So the M starting noises come in antithetic
+pairs (eps, -eps; model.sampler.antithetic_normal), and at a fork the copies' bytes are drawn
+stratified and their noises paired (model.sampler.fork_step). A sweep's law moves with its
+noise in a nearly odd way, so the pairs cancel much of p_bar's variance: at the small shape,
+M = 4 antithetic draws accept about as much as M = 16 independent ones
+(bench/verify_acceptance.py).
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from blocktrain.model.sampler import (
     Denoiser,
     Fork,
     Sampling,
+    antithetic_normal,
     first_window,
     one_sweep,
     sampling_probs,
@@ -128,14 +137,20 @@ def verify_layout(
 
 
 def verify_sweep_layout(
-    context_len: int, drafted: int, draws: int, fork: int, device: torch.device | str = "cpu"
+    context_len: int,
+    drafted: int,
+    draws: int,
+    fork: int,
+    device: torch.device | str = "cpu",
+    antithetic: bool = True,
 ) -> tuple[ZLayout, Fork | None]:
     """The layout a verify sweep starts under, and its Fork (None: the draws start apart):
     one copy of the D + 1 tokens until the fork point, `draws` copies after it."""
     copies = verify_layout(context_len, drafted, draws, device=device)
     if not fork:
         return copies, None
-    return verify_layout(context_len, drafted, device=device), Fork(fork, draws, copies)
+    one = verify_layout(context_len, drafted, device=device)
+    return one, Fork(fork, draws, copies, antithetic)
 
 
 def accept_draft(
@@ -186,6 +201,7 @@ class SpeculativeLoop:
         generator: torch.Generator,
         draws: int = 1,
         fork: int = 0,
+        antithetic: bool = True,
     ) -> None:
         if prompt.shape[0] != 1 or prompt.shape[1] == 0:
             raise ValueError("speculative generation takes one prompt of at least one byte")
@@ -196,6 +212,9 @@ class SpeculativeLoop:
         self.draws = check_verify_draws(draws)
         self.fork = fork
         """The grid point where the draws part (verify_fork); 0: they start apart."""
+        self.antithetic = antithetic
+        """The draws' noises in antithetic pairs (and a fork's bytes stratified); False:
+        independent draws, for comparison."""
         self.drafter, self.sampling, self.generator = drafter, sampling, generator
         self.produced = self.traversals = self.drafted = 0
         # The window leaves room for the longest draft: context + draft <= T - 1 bytes.
@@ -220,12 +239,17 @@ class SpeculativeLoop:
         """A one-sweep verifier's input -> (x (1, P + D): the context's window (at most
         T - 1 - draft_len bytes; model.sampler.window_start) then the draft, z (1, M * (D + 1),
         d) fp32 at sigma_max: the M = draws draws of the D + 1 positions, one after another
-        (verify_layout), P). With a fork, z holds one draw (1, D + 1, d): the copies part
-        later."""
+        (verify_layout), in antithetic pairs unless the loop says otherwise, P). With a fork, z
+        holds one draw (1, D + 1, d): the copies part later."""
         self.start = window_start(len(self.context), self.start, self.capacity)
         context = self.context[self.start :]
         copies = 1 if self.fork else self.draws
-        noise = torch.randn(copies, len(draft) + 1, d_model, generator=self.generator)
+        shape = (len(draft) + 1, d_model)
+        noise = (
+            antithetic_normal(copies, shape, self.generator)
+            if self.antithetic
+            else torch.randn(copies, *shape, generator=self.generator)
+        )
         x = torch.tensor([context + draft], dtype=torch.long)
         return x, sigma_max * noise.reshape(1, -1, d_model), len(context)
 
@@ -260,10 +284,11 @@ def generate_speculative(
     generator: torch.Generator,
     method: str = "euler",
     draws: int = DEFAULT_VERIFY_DRAWS,
+    antithetic: bool = True,
 ) -> tuple[torch.Tensor, SpeculativeLoop]:
     """Continue prompt (1, Lp) by n_bytes with a K = 1 stack, D = draft_len drafted bytes
-    verified per sweep, which takes M = draws noise draws (forked at verify_fork). -> ((1,
-    n_bytes) int64, the loop with its counts)."""
+    verified per sweep, which takes M = draws noise draws (forked at verify_fork; antithetic
+    unless told otherwise). -> ((1, n_bytes) int64, the loop with its counts)."""
     loop = SpeculativeLoop(
         prompt,
         n_bytes,
@@ -274,13 +299,14 @@ def generate_speculative(
         generator=generator,
         draws=draws,
         fork=verify_fork(len(grid), method, draws),
+        antithetic=antithetic,
     )
 
     def verify(draft: list[int]) -> torch.Tensor:
         x, z, context_len = loop.sweep_input(draft, targets.shape[1], grid[0][1])
         device = targets.device
         layout, fork = verify_sweep_layout(
-            context_len, len(draft), loop.draws, loop.fork, device=device
+            context_len, len(draft), loop.draws, loop.fork, device, loop.antithetic
         )
         return one_sweep(
             denoise,
