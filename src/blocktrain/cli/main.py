@@ -14,6 +14,7 @@ from blocktrain.cli import (
     ban,
     cluster,
     data,
+    distill,
     doctor,
     evaluate,
     export,
@@ -36,6 +37,7 @@ from blocktrain.runtime import keep_freed_memory
 
 SUBCOMMANDS = (
     train,
+    distill,
     evaluate,
     generate,
     plan,

@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         read_config(Path(args.out))  # a clear error before the data is opened
         if args.steps is not None and args.steps <= 0:
             raise ConfigError(f"--steps {args.steps} must be positive")
-        train, valid = _splits(args.data)
+        train, valid = splits(args.data)
         trainer = Trainer.resume(Path(args.out), train, valid, steps=args.steps)
     else:
         cfg = resolve_config(args)
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
             else (f"-block{'_'.join(map(str, blocks))}" if blocks is not None else "")
         )
         out = Path(args.out or f"runs/{cfg.preset}{suffix}")
-        train, valid = _splits(args.data)
+        train, valid = splits(args.data)
         trainer = Trainer.create(
             cfg,
             out,
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _splits(data: str | None) -> tuple[ByteSource, ByteSource | None]:
+def splits(data: str | None) -> tuple[ByteSource, ByteSource | None]:
     train = load_split(data, "train")
     try:
         valid = load_split(data, "valid")

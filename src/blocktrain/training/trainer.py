@@ -24,17 +24,18 @@ from tqdm import tqdm
 
 from blocktrain.config import RunConfig
 from blocktrain.data import ByteSource
-from blocktrain.errors import CheckpointError
+from blocktrain.errors import CheckpointError, ConfigError
 from blocktrain.fsutil import atomic_write_bytes
 from blocktrain.model import BlockStack, Reference, init_reference
 from blocktrain.training import checkpoint as ckpt
+from blocktrain.training.distill import DISTILL_FILE, Teacher, TeacherSpec, distill_loss
 from blocktrain.training.evaluate import (
     EvalSettings,
     evaluate_blocktrain,
     evaluate_oracle_block,
     evaluate_reference,
 )
-from blocktrain.training.loss import BlockLoss, reference_loss
+from blocktrain.training.loss import BlockLoss, LossParts, reference_loss
 from blocktrain.training.optim import (
     learning_rate,
     load_optimizer_tensors,
@@ -69,7 +70,12 @@ class Trainer:
     """Trains the units of one run folder. Build it with `Trainer.create` or `Trainer.resume`."""
 
     def __init__(
-        self, info: ckpt.RunInfo, run_dir: Path, train: ByteSource, valid: ByteSource | None
+        self,
+        info: ckpt.RunInfo,
+        run_dir: Path,
+        train: ByteSource,
+        valid: ByteSource | None,
+        teacher: TeacherSpec | None = None,
     ) -> None:
         self.info = info
         self.cfg: RunConfig = info.config
@@ -87,15 +93,25 @@ class Trainer:
         self.stack: BlockStack | None = None
         self.reference: Reference | None = None
         self.units: list[Unit] = []
+        self.teacher = teacher
+        if teacher is not None and info.kind != "reference":
+            raise ConfigError("only an autoregressive (reference) run distils from a teacher")
         if info.kind == "reference":
             reference = self.reference = init_reference(mcfg, self.cfg.seed).to(self.device)
+            law = None if teacher is None else Teacher(teacher, mcfg.seq_len, self.device)
+
+            def objective(x: torch.Tensor, noise: torch.Generator) -> LossParts:
+                if law is None:
+                    return reference_loss(reference, x)  # noiseless
+                return distill_loss(reference, law, x, noise)
+
             self.units.append(
                 Unit(
                     "reference.",
                     REFERENCE_UNIT,
                     reference,
                     make_optimizer(reference, self.cfg.train),
-                    lambda x, _noise: reference_loss(reference, x),  # noiseless
+                    objective,
                 )
             )
         else:
@@ -126,8 +142,12 @@ class Trainer:
         kind: str = "blocktrain",
         blocks: list[int] | None = None,
         overwrite: bool = False,
+        teacher: TeacherSpec | None = None,
+        init_from: Path | None = None,
     ) -> Trainer:
-        """A fresh run in `run_dir` (refused if it already holds one, unless `overwrite`)."""
+        """A fresh run in `run_dir` (refused if it already holds one, unless `overwrite`);
+        `teacher`: distil towards its law (training/distill.py) instead of the data;
+        `init_from`: start from the weights of that run, of the same kind and model config."""
         run_dir = Path(run_dir)
         ckpt.check_run_dir_free(run_dir, overwrite=overwrite)
         if blocks is not None:
@@ -141,12 +161,34 @@ class Trainer:
             if kind == "reference"
             else sorted(blocks if blocks is not None else range(cfg.model.blocks)),
         )
-        trainer = cls(info, run_dir, train, valid)
+        trainer = cls(info, run_dir, train, valid, teacher)
+        if init_from is not None:
+            trainer._init_weights(Path(init_from))
         run_dir.mkdir(parents=True, exist_ok=True)
-        for name in (ckpt.MODEL_FILE, ckpt.OPTIMIZER_FILE, ckpt.STATE_FILE, ckpt.METRICS_FILE):
+        for name in (
+            ckpt.MODEL_FILE,
+            ckpt.OPTIMIZER_FILE,
+            ckpt.STATE_FILE,
+            ckpt.METRICS_FILE,
+            DISTILL_FILE,
+        ):
             (run_dir / name).unlink(missing_ok=True)
         ckpt.write_config(run_dir, info)
+        if teacher is not None:
+            teacher.write(run_dir)
         return trainer
+
+    def _init_weights(self, source: Path) -> None:
+        """Load the weights of run `source` (its model config must equal this run's)."""
+        theirs = ckpt.read_config(source)
+        if theirs.kind != self.info.kind or theirs.config.model != self.cfg.model:
+            raise ConfigError(
+                f"{source} is a {theirs.kind} run of another model config; a run starts only "
+                f"from the weights of a {self.info.kind} run of its own"
+            )
+        weights, _ = ckpt.load_tensors(source / ckpt.MODEL_FILE)
+        for unit in self.units:
+            ckpt.load_module_tensors(unit.module, weights, unit.name, source / ckpt.MODEL_FILE)
 
     @classmethod
     def resume(
@@ -167,7 +209,7 @@ class Trainer:
                 info.blocks,
             )
             ckpt.write_config(run_dir, info)
-        trainer = cls(info, run_dir, train, valid)
+        trainer = cls(info, run_dir, train, valid, TeacherSpec.read(run_dir))
         trainer._load_checkpoint()
         return trainer
 
@@ -351,7 +393,7 @@ class Trainer:
 
     def _describe(self) -> str:
         if self.info.kind == "reference":
-            return "reference"
+            return "reference" if self.teacher is None else "reference (distilling)"
         return "blocks " + ",".join(map(str, self.info.blocks))
 
     def _postfix(self, logs: dict[str, float]) -> dict[str, str]:
