@@ -102,6 +102,7 @@ def test_evaluate_generation_judges_both_kinds_of_model_on_the_same_real_text():
     assert bt["floor_ce"] == ar["floor_ce"], "the same judge on the same real continuations"
     assert bt["gen_ce"] != ar["floor_ce"] and math.isfinite(bt["gen_ce"])
     assert bt["continuation_bytes"] == 8 and len(bt["samples"]) == 3
+    assert bt["bytes_per_traversal"] == 4 and ar["bytes_per_traversal"] == 1, "a span a sweep"
     assert bt["real_entropy"] == ar["real_entropy"]
     again = evaluate_generation(lively_stack(4), judge, windows, settings)
     assert again["gen_ce"] == bt["gen_ce"], "seeded"
@@ -120,6 +121,8 @@ def test_speculative_continuations_need_a_drafter_and_a_k1_model():
     settings = GenSettings(prompts=2, prompt_bytes=12, continuation_bytes=8, draft_bytes=3)
     out = evaluate_generation(lively_stack(1), judge, windows, settings, drafter)
     assert out["draft_bytes"] == 3 and math.isfinite(out["gen_ce"])
+    # 8 bytes a prompt at 1 to D + 1 = 4 bytes a verify sweep: 2 to 8 sweeps each.
+    assert 1 <= out["bytes_per_traversal"] <= 4
     with pytest.raises(ValueError, match="K = 1"):
         evaluate_generation(lively_stack(4), judge, windows, settings, drafter)
     with pytest.raises(ValueError, match="drafter"):

@@ -36,6 +36,7 @@ from blocktrain.model.sampler import DEFAULT_STEPS_PER_BLOCK, check_sampler, sam
 from blocktrain.model.speculative import (
     DEFAULT_VERIFY_DRAWS,
     Drafter,
+    SpeculativeLoop,
     check_verify_draws,
     generate_autoregressive_speculative,
     generate_speculative,
@@ -129,10 +130,11 @@ def continue_prompts(
     settings: GenSettings,
     drafter: Drafter | None = None,
     progress: Progress | None = None,
-) -> torch.Tensor:
-    """Each model's own continuations of prompts (P, Lp): (P, Lc) int64, drawn in batches with
-    one generator seeded by settings.seed, at settings.temperature (speculatively, one prompt at
-    a time, when settings.draft_bytes > 0)."""
+) -> tuple[torch.Tensor, int]:
+    """Each model's own continuations of prompts (P, Lp): ((P, Lc) int64, the traversals of a
+    chain they took: one per span, or per verify sweep), drawn in batches with one generator
+    seeded by settings.seed, at settings.temperature (speculatively, one prompt at a time, when
+    settings.draft_bytes > 0)."""
     sampling = Sampling(temperature=settings.temperature)
     gen = torch.Generator().manual_seed(settings.seed)
     n = settings.continuation_bytes
@@ -143,14 +145,14 @@ def continue_prompts(
     if settings.draft_bytes:
         if drafter is None:
             raise ValueError("speculative continuations need a drafter")
-        drafted = []
+        drafted, traversals = [], 0
         for i in range(prompts.shape[0]):
-            drafted.append(
-                _speculative(model, prompts[i : i + 1].to(device), settings, drafter, gen)
-            )
+            one, loop = _speculative(model, prompts[i : i + 1].to(device), settings, drafter, gen)
+            drafted.append(one)
+            traversals += loop.traversals
             if progress is not None:
                 progress(1)
-        return torch.cat(drafted)
+        return torch.cat(drafted), traversals
     out = []
     for start in range(0, prompts.shape[0], settings.batch_size):
         batch = prompts[start : start + settings.batch_size].to(device)
@@ -173,7 +175,8 @@ def continue_prompts(
         out.append(new.cpu())
         if progress is not None:
             progress(batch.shape[0])
-    return torch.cat(out)
+    span = 1 if isinstance(model, Reference) else model.cfg.span
+    return torch.cat(out), prompts.shape[0] * math.ceil(n / span)
 
 
 def _speculative(
@@ -182,12 +185,13 @@ def _speculative(
     settings: GenSettings,
     drafter: Drafter,
     gen: torch.Generator,
-) -> torch.Tensor:
-    """One prompt (1, Lp) continued by drafting and verifying: (1, Lc) on the CPU."""
+) -> tuple[torch.Tensor, SpeculativeLoop]:
+    """One prompt (1, Lp) continued by drafting and verifying: ((1, Lc) on the CPU, the loop
+    with its counts)."""
     sampling = Sampling(temperature=settings.temperature)
     n, d, t = settings.continuation_bytes, settings.draft_bytes, model.cfg.seq_len
     if isinstance(model, Reference):
-        out, _ = generate_autoregressive_speculative(
+        out, loop = generate_autoregressive_speculative(
             model,
             prompt,
             n,
@@ -197,10 +201,10 @@ def _speculative(
             sampling=sampling,
             generator=gen,
         )
-        return out.cpu()
+        return out.cpu(), loop
     if model.cfg.span != 1:
         raise ValueError("speculative continuations verify with a K = 1 model")
-    out, _ = generate_speculative(
+    out, loop = generate_speculative(
         stack_denoiser(model),
         prompt,
         n,
@@ -214,7 +218,7 @@ def _speculative(
         method=sampler_for(settings.sampler, model.cfg.process),
         draws=settings.verify_draws,
     )
-    return out.cpu()
+    return out.cpu(), loop
 
 
 def judge_continuations(
@@ -251,8 +255,9 @@ def evaluate_generation(
     """windows (P, Lp + Lc) held-out text -> the model's continuations judged (see above), with
     a few of them as text for a reader."""
     prompts, real = split_prompts(windows, settings.prompt_bytes)
-    generated = continue_prompts(model, prompts, settings, drafter, progress)
+    generated, traversals = continue_prompts(model, prompts, settings, drafter, progress)
     result = judge_continuations(judge, prompts, generated, real)
+    result["bytes_per_traversal"] = generated.numel() / traversals
     result["samples"] = [
         {
             "prompt": bytes(prompts[i].tolist()).decode("utf-8", "replace"),
