@@ -13,11 +13,13 @@ every row is measured on the same test text:
   and the ratio to the plain AR pipeline at the same hop, measured in the same chain.
 
 Speculative rows (--drafts D): the K = 1 model and the AR pipeline verify D bytes drafted on the
-router by each of --drafters: `ngram` (the byte n-gram) and `lm` (a 1-layer autoregressive byte
-model of the tiny width, trained here --drafter-steps steps); BlockTrain verify sweeps carry each
-of --verify-draws noise draws, under each of --samplers (the ancestral sampler's draws fork at
-the last grid point: model.speculative.verify_fork). Each drafter's rows are timed through a
-chain of their own.
+router by each of --drafters: `ngram` (the byte n-gram), `lm` (a 1-layer autoregressive byte
+model of the tiny width, trained here --drafter-steps steps on the text) and `lm-kd` (that model
+after --drafter-distill steps of `blocktrain distill` towards the row's verifier: the K = 1
+model's Euler sampler for the BlockTrain rows, the AR model for the AR rows, so that both get
+the same help); BlockTrain verify sweeps carry each of --verify-draws noise draws, antithetic,
+under each of --samplers (the ancestral sampler's draws fork at the last grid point:
+model.speculative.verify_fork). Each drafter's rows are timed through a chain of their own.
 
 Writes benchmarks/results/span_frontier.json ({"rows": [...]}, one row per method, K, S and hop)
 and the `span-frontier` section of BENCHMARKS.md.
@@ -25,8 +27,9 @@ and the `span-frontier` section of BENCHMARKS.md.
     python bench/span_frontier.py --preset tiny                 # ~40 min on 2 cores, judge included
     python bench/span_frontier.py --preset tiny --report        # rebuild the section from the JSON
     python bench/span_frontier.py --recipes masked --spans 4,16 --steps 1200 --quality-only
-    python bench/span_frontier.py --preset small --judge-steps 4000 --spans 1 --recipes \
-        default,masked --recipe-spans 4 --masked-steps 2,6 --drafts 16 --verify-draws 1,4,16
+    python bench/span_frontier.py --preset small --judge-steps 3000 --spans 1 --recipes \
+        default,masked --recipe-spans 4 --masked-steps 1,2 --drafts 16 --drafters ngram,lm-kd \
+        --drafter-steps 8000 --verify-draws 1,4,16 --speed-bytes 128
 
 --steps N trains every compared model (not the judge) N steps, in benchmarks/work/span_frontier/
 PRESET-N/. --quality-only skips the speed phase and writes span_frontier_quality.json and the
@@ -95,10 +98,29 @@ def trained(run: Path, argv: list[str]) -> Path:
     return run
 
 
+def drafter_of(row: dict[str, Any]) -> str | None:
+    """The drafter a row drafts with: its kind, and for `lm-kd` the run it was distilled
+    towards (each verifier gets its own: the AR pipeline's is distilled towards the AR model)."""
+    kind = row.get("drafter")
+    return f"lm-kd:{row['run']}" if kind == "lm-kd" else kind
+
+
+def distilled(run: Path, teacher: Path, student: Path, steps: int) -> Path:
+    """`student` distilled `steps` steps towards `teacher` into `run`, resuming it, or reused."""
+    state = run / "state.json"
+    if state.exists():
+        if json.loads(state.read_text())["step"] < steps:
+            blocktrain(["distill", "--resume", "--out", str(run), "--no-progress"])
+        return run
+    argv = ["--teacher", str(teacher), "--student", str(student), "--steps", str(steps)]
+    blocktrain(["distill", *argv, "--out", str(run), "--no-progress"])
+    return run
+
+
 def router_of(row: dict[str, Any]) -> str | None:
     """The drafter of the router that measures a row's speed: None, the default router, which
     drafts with the n-gram when the run has one."""
-    drafter = row.get("drafter")
+    drafter = drafter_of(row)
     return None if drafter == "ngram" else drafter
 
 
@@ -162,11 +184,18 @@ def main() -> None:
     p.add_argument(
         "--drafters",
         default="ngram,lm",
-        help="drafters of the speculative rows: ngram (the router's byte n-gram) and lm (a small "
-        "autoregressive model on the router, trained here)",
+        help="drafters of the speculative rows: ngram (the router's byte n-gram), lm (a small "
+        "autoregressive model on the router, trained here) and lm-kd (lm distilled towards each "
+        "verifier)",
     )
     p.add_argument(
         "--drafter-steps", type=int, default=1200, help="training steps of the lm drafter"
+    )
+    p.add_argument(
+        "--drafter-distill",
+        type=int,
+        default=800,
+        help="steps of `blocktrain distill` that turn the lm drafter into the lm-kd ones",
     )
     p.add_argument("--verify-draws", default="1,4", help="rows M of the BlockTrain verify sweeps")
     p.add_argument("--prompts", type=int, default=64)
@@ -301,7 +330,7 @@ def main() -> None:
             "--draft-order",
             str(args.draft_order),
         )
-    if "lm" in drafter_kinds:
+    if {"lm", "lm-kd"} & set(drafter_kinds):
         # A 1-layer autoregressive byte model of the tiny width, with the compared models' T.
         lm_dir = trained(
             WORK / f"drafter-T{base.seq_len}-{args.drafter_steps}",
@@ -321,7 +350,21 @@ def main() -> None:
         assert isinstance(lm, Reference)
         drafters["lm"] = ModelDrafter(lm)
         router_args["lm"] = ("--draft-model", str(lm_dir))
-    unknown_drafters = set(drafter_kinds) - set(drafters)
+    if "lm-kd" in drafter_kinds:
+        # The lm drafter distilled towards each verifier's law (blocktrain distill): the K = 1
+        # model's one-sweep sampler (Euler, the default) and the AR model's softmax.
+        for run in ("k1", "ar"):
+            kd_dir = distilled(
+                lm_dir.with_name(f"{lm_dir.name}-kd{args.drafter_distill}-{run}"),
+                runs[run],
+                lm_dir,
+                args.drafter_distill,
+            )
+            kd = load_model(kd_dir)[1]
+            assert isinstance(kd, Reference)
+            drafters[f"lm-kd:{run}"] = ModelDrafter(kd)
+            router_args[f"lm-kd:{run}"] = ("--draft-model", str(kd_dir))
+    unknown_drafters = {drafter_of(r) for r in rows_spec if r.get("drafter")} - set(drafters)
     if unknown_drafters:
         p.error(f"unknown drafter(s) {sorted(unknown_drafters)}; choose from ngram, lm")
 
@@ -334,7 +377,16 @@ def main() -> None:
         # run, or a later speed-only pass over a --quality-only run, does not recompute it.
         same = [row, args.judge_steps, args.prompts, args.sweeps, args.joint_bytes]
         if row.get("drafter"):  # the samples depend on the drafter (the same law, other draws)
-            same.append({"ngram": args.draft_order, "lm": args.drafter_steps}[row["drafter"]])
+            same.append(
+                {
+                    "ngram": args.draft_order,
+                    "lm": args.drafter_steps,
+                    "lm-kd": [args.drafter_steps, args.drafter_distill],
+                }[row["drafter"]]
+            )
+            same.append("traversals")  # results before session 12 did not count them
+        if row["fields"].get("verify_draws", 1) > 1:  # and on how the draws are drawn
+            same.append("antithetic")
         digest = hashlib.sha256(json.dumps(same, sort_keys=True).encode()).hexdigest()[:16]
         kept = work / "quality" / f"{row['method']}-k{row['span']}-{digest}.json"
         if kept.exists():
@@ -355,7 +407,7 @@ def main() -> None:
             draft_bytes=fields.get("draft_bytes", 0),
             verify_draws=fields.get("verify_draws", 1),
         )
-        drafter = drafters.get(row.get("drafter", ""))
+        drafter = drafters.get(drafter_of(row) or "")
         qualities.append(quality(model, judge, prompts, windows, gen, args.sweeps, drafter, joints))
         kept.parent.mkdir(parents=True, exist_ok=True)
         kept.write_text(json.dumps(qualities[-1]))
@@ -412,6 +464,12 @@ def main() -> None:
             ar_rate = args.speed_bytes / speeds[0]["seconds"]
             for row, q, speed in zip(rows_spec, qualities, speeds, strict=True):
                 rate = args.speed_bytes / speed["seconds"]
+                # The timed request's acceptance is one short draw; its time per traversal is
+                # not. At the judged continuations' bytes per traversal (64 prompts), that time
+                # gives the expected rate.
+                seconds_per_traversal = speed["seconds"] / speed["traversals"]
+                judged = q.get("bytes_per_traversal", None if row.get("drafter") else row["span"])
+                expected = None if judged is None else judged / seconds_per_traversal
                 rows.append(
                     {
                         "method": row["method"],
@@ -430,6 +488,10 @@ def main() -> None:
                         "bytes_per_s": rate,
                         "ratio_to_ar": rate / ar_rate,
                         "traversals": speed["traversals"],
+                        "ms_per_traversal": 1000 * seconds_per_traversal,
+                        "gen_bytes_per_traversal": judged,
+                        "expected_bytes_per_s": expected,
+                        "expected_ratio_to_ar": None if expected is None else expected / ar_rate,
                         "sample": q["samples"][0]["generated"],
                     }
                 )

@@ -3,16 +3,18 @@
 The span frontier times one short request per row, so its bytes-per-traversal column carries the
 luck of a few dozen acceptance draws. This script measures the acceptance side alone, in process
 (model.speculative.generate_speculative, the router's loop), over --prompts test prompts: for
-each sampler and number of noise draws M, the bytes a traversal yields (mean over prompts, and
-its standard error). Under the ancestral sampler the M draws fork at the last grid point, so the
-question it answers is whether forked draws accept as much as M whole sweeps.
+each drafter, sampler, number of noise draws M and kind of draws (antithetic, the default, or
+independent), the bytes a traversal yields (mean over prompts, and its standard error). Under
+the ancestral sampler the M draws fork at the last grid point.
 
 Takes the small frontier's trained models (benchmarks/work/span_frontier, made by
-bench/span_frontier.py --preset small ...). Writes benchmarks/results/verify_acceptance.json and
-the `verify-acceptance` section of BENCHMARKS.md.
+bench/span_frontier.py --preset small ...): the K = 1 verifier and the lm drafters named by
+--drafters (run folders there: the one trained on text, and the one distilled towards the
+verifier by `blocktrain distill`). Writes benchmarks/results/verify_acceptance.json and the
+`verify-acceptance` section of BENCHMARKS.md.
 
-    python bench/verify_acceptance.py                 # ~10 min on 2 cores
-    python bench/verify_acceptance.py --prompts 4 --draws 1,4     # a smoke run
+    python bench/verify_acceptance.py                 # ~8 min on 2 cores
+    python bench/verify_acceptance.py --prompts 4 --configs euler:4:anti     # a smoke run
 """
 
 from __future__ import annotations
@@ -42,21 +44,36 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=16, help="test prompts of 128 bytes")
     p.add_argument("--bytes", type=int, default=128, help="bytes generated per prompt")
     p.add_argument("--draft-bytes", type=int, default=16)
-    p.add_argument("--draws", default="1,4,16", help="noise draws M per verify sweep")
-    p.add_argument("--samplers", default="euler,ancestral")
-    p.add_argument("--drafter", default="drafter-T128-4000", help="the lm drafter's run")
+    p.add_argument(
+        "--configs",
+        default="euler:1:iid,euler:4:iid,euler:4:anti,ancestral:4:iid,ancestral:4:anti,"
+        "ancestral:16:anti",
+        help="SAMPLER:M:DRAWS per row, DRAWS anti (antithetic) or iid (independent)",
+    )
+    p.add_argument(
+        "--drafters",
+        default="drafter-T128-8000,drafter-T128-8000-kd800-k1",
+        help="the lm drafters' runs in benchmarks/work/span_frontier",
+    )
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     _, k1 = load_model(WORK / "small" / "k1")
-    _, lm = load_model(WORK / args.drafter)
-    assert isinstance(k1, BlockStack) and isinstance(lm, Reference)
-    drafter = ModelDrafter(lm)
+    assert isinstance(k1, BlockStack)
     prompts = load_split(None, "test").windows(256, 256 * args.prompts)[:, :128]
     grid = SigmaSchedule.from_config(k1.cfg).sampler_grid(1)
+    configs = []
+    for text in args.configs.split(","):
+        sampler, m, kind = text.split(":")
+        if kind not in ("anti", "iid"):
+            p.error(f"--configs {text}: draws are anti or iid")
+        configs.append((sampler, int(m), kind == "anti"))
     rows: list[dict[str, Any]] = []
-    for sampler in args.samplers.split(","):
-        for m in (int(v) for v in args.draws.split(",")):
+    for name in args.drafters.split(","):
+        _, lm = load_model(WORK / name)
+        assert isinstance(lm, Reference)
+        drafter = ModelDrafter(lm)
+        for sampler, m, antithetic in configs:
             t0 = time.perf_counter()
             per_prompt = []
             for i in range(prompts.shape[0]):
@@ -73,21 +90,25 @@ def main() -> None:
                     generator=torch.Generator().manual_seed(i),
                     method=sampler,
                     draws=m,
+                    antithetic=antithetic,
                 )
                 per_prompt.append(loop.produced / loop.traversals)
             rows.append(
                 {
+                    "drafter": name,
                     "sampler": sampler,
                     "verify_draws": m,
                     "forked": verify_fork(len(grid), sampler, m) > 0,
+                    "antithetic": antithetic and m > 1,
                     "bytes_per_traversal": statistics.mean(per_prompt),
                     "sem": statistics.stdev(per_prompt) / len(per_prompt) ** 0.5,
                     "per_prompt": per_prompt,
                 }
             )
             print(
-                f"{sampler} M = {m}: {rows[-1]['bytes_per_traversal']:.2f} ± "
-                f"{rows[-1]['sem']:.2f} bytes/traversal [{time.perf_counter() - t0:.0f} s]",
+                f"{name} {sampler} M = {m} {'anti' if antithetic else 'iid'}: "
+                f"{rows[-1]['bytes_per_traversal']:.2f} ± {rows[-1]['sem']:.2f} "
+                f"bytes/traversal [{time.perf_counter() - t0:.0f} s]",
                 file=sys.stderr,
                 flush=True,
             )
@@ -96,7 +117,6 @@ def main() -> None:
         "prompts": args.prompts,
         "bytes": args.bytes,
         "draft_bytes": args.draft_bytes,
-        "drafter": args.drafter,
         "machine": machine(),
         "rows": rows,
     }
@@ -110,17 +130,28 @@ def report(doc: dict[str, Any]) -> None:
         "",
         f"`python bench/verify_acceptance.py{doc['command_args']}`; JSON: "
         "`benchmarks/results/verify_acceptance.json`. The small frontier's K = 1 model verifies "
-        f"D = {doc['draft_bytes']} bytes drafted by the 1-layer lm drafter (`{doc['drafter']}`), "
-        f"in process, {doc['bytes']} bytes after each of {doc['prompts']} test prompts (seed = "
-        "the prompt's index); mean over prompts ± s.e. Forked: the ancestral sampler's M draws "
-        "share the sweep up to its last grid point.",
+        f"D = {doc['draft_bytes']} bytes drafted by a 1-layer lm drafter, in process, "
+        f"{doc['bytes']} bytes after each of {doc['prompts']} test prompts (seed = the prompt's "
+        "index); mean over prompts ± s.e. Drafters: `drafter-T128-8000` is trained 8,000 steps "
+        "on the text; `-kd800-k1` is it after 800 more steps of `blocktrain distill` towards the "
+        "K = 1 Euler sampler's law. Forked: the ancestral sampler's M draws share the sweep up "
+        "to its last grid point. Antithetic: the M draws' noises in pairs (eps, -eps), and a "
+        "fork's bytes stratified (model.sampler.fork_step); else independent.",
         "",
-        "| sampler | M | forked | bytes per traversal |",
-        "|---|---:|---|---:|",
+        "| drafter | sampler | M | forked | draws | bytes per traversal |",
+        "|---|---|---:|---|---|---:|",
     ]
     for r in doc["rows"]:
+        draws = (
+            "antithetic"
+            if r.get("antithetic")
+            else "independent"
+            if r["verify_draws"] > 1
+            else "one"
+        )
         lines.append(
-            f"| {r['sampler']} | {r['verify_draws']} | {'yes' if r['forked'] else 'no'} | "
+            f"| {r.get('drafter', '')} | {r['sampler']} | {r['verify_draws']} | "
+            f"{'yes' if r['forked'] else 'no'} | {draws} | "
             f"{r['bytes_per_traversal']:.2f} ± {r['sem']:.2f} |"
         )
     update_section("verify-acceptance", "\n".join(lines))

@@ -59,10 +59,13 @@ from blocktrain.model.sampler import (
 )
 
 DEFAULT_VERIFY_DRAWS = 4
-"""Noise draws M of a one-sweep verify sweep. At the small shape with D = 16 and the lm drafter,
-M = 4 yields 4.1 bytes a traversal and M = 16 4.5, against 3.0 at M = 1 (BENCHMARKS.md,
-"Speculative K = 1: bytes per verify traversal"); at 10 ms hops M = 4 is the faster of the two,
-forked or not, and M = 16 pays only at 50 ms, forked."""
+"""Noise draws M of a one-sweep verify sweep. At the small shape with D = 16 and the lm drafter
+distilled towards the K = 1 sampler (`blocktrain distill`), M = 4 antithetic draws yield 5.8
+bytes a traversal (Euler, or ancestral forked), M = 16 6.1 and M = 1 3.7 (BENCHMARKS.md,
+"Speculative K = 1: bytes per verify traversal"). At 10 ms hops M = 4 is the fastest: 4.35x
+and 4.19x the plain AR pipeline (Euler, ancestral; expected from 64 judged continuations), where
+Euler M = 16 takes 36 ms more a traversal for 0.4 more bytes (BENCHMARKS.md, "Span generation:
+speed and quality")."""
 MAX_VERIFY_DRAWS = 16
 
 
