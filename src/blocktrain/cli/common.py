@@ -208,7 +208,13 @@ def check_model_sampler(method: str | None, info: RunInfo) -> str | None:
 
 
 class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Keep the examples' line breaks and show defaults."""
+    """Keep the examples' line breaks and show defaults, except the empty ones (None, False: an
+    option left out, a flag not given), which say nothing a reader needs."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def add_sampler_args(p: argparse.ArgumentParser) -> None:

@@ -55,7 +55,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--student", metavar="RUN", help="the drafter to start from (a --reference run)")
     p.add_argument("--out", metavar="DIR", required=True, help="the distilled drafter's run")
-    p.add_argument("--steps", type=int, help=f"updates (default {DEFAULT_STEPS})")
+    p.add_argument(
+        "--steps", type=int, help=f"updates (default {DEFAULT_STEPS}; with --resume, a new total)"
+    )
     p.add_argument("--lr", type=float, help=f"peak learning rate (default {DEFAULT_LR})")
     p.add_argument(
         "--sampler",
