@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -419,7 +420,7 @@ def main() -> None:
             "prompts": args.prompts,
             "sweeps": args.sweeps,
             "joint_bytes": args.joint_bytes,
-            "command_args": "".join(f" {a}" for a in sys.argv[1:]),
+            "command_args": "".join(f" {shlex.quote(a)}" for a in sys.argv[1:]),
             "overrides": args.overrides,
             "machine": machine(),
             "rows": [
@@ -498,7 +499,7 @@ def main() -> None:
     doc = {
         "preset": args.preset,
         "steps": args.steps or preset(args.preset).train.steps,
-        "command_args": "".join(f" {a}" for a in sys.argv[1:]),
+        "command_args": "".join(f" {shlex.quote(a)}" for a in sys.argv[1:]),
         "judge": {"run": str(judge_dir.relative_to(ROOT)), "steps": args.judge_steps},
         "prompts": args.prompts,
         "prompt_bytes": gen0.prompt_bytes,
