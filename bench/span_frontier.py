@@ -87,15 +87,16 @@ def blocktrain(argv: list[str]) -> None:
     subprocess.run([*BLOCKTRAIN, *argv], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
 
 
-def trained(run: Path, argv: list[str]) -> Path:
-    """Train `run` with `argv` to its configured steps, resuming it, or reuse it when done."""
+def trained(run: Path, argv: list[str], command: str = "train") -> Path:
+    """Run `blocktrain COMMAND` (train, or distill) with `argv` into `run` to its configured
+    steps, resuming it, or reuse it when done."""
     state = run / "state.json"
     if state.exists():
         steps = json.loads((run / "config.json").read_text())["train"]["steps"]
         if json.loads(state.read_text())["step"] < steps:
-            blocktrain(["train", "--resume", "--out", str(run), "--no-progress"])
+            blocktrain([command, "--resume", "--out", str(run), "--no-progress"])
         return run
-    blocktrain(["train", *argv, "--out", str(run), "--no-progress"])
+    blocktrain([command, *argv, "--out", str(run), "--no-progress"])
     return run
 
 
@@ -104,18 +105,6 @@ def drafter_of(row: dict[str, Any]) -> str | None:
     towards (each verifier gets its own: the AR pipeline's is distilled towards the AR model)."""
     kind = row.get("drafter")
     return f"lm-kd:{row['run']}" if kind == "lm-kd" else kind
-
-
-def distilled(run: Path, teacher: Path, student: Path, steps: int) -> Path:
-    """`student` distilled `steps` steps towards `teacher` into `run`, resuming it, or reused."""
-    state = run / "state.json"
-    if state.exists():
-        if json.loads(state.read_text())["step"] < steps:
-            blocktrain(["distill", "--resume", "--out", str(run), "--no-progress"])
-        return run
-    argv = ["--teacher", str(teacher), "--student", str(student), "--steps", str(steps)]
-    blocktrain(["distill", *argv, "--out", str(run), "--no-progress"])
-    return run
 
 
 def router_of(row: dict[str, Any]) -> str | None:
@@ -355,11 +344,13 @@ def main() -> None:
         # The lm drafter distilled towards each verifier's law (blocktrain distill): the K = 1
         # model's one-sweep sampler (Euler, the default) and the AR model's softmax.
         for run in ("k1", "ar"):
-            kd_dir = distilled(
+            kd_dir = trained(
                 lm_dir.with_name(f"{lm_dir.name}-kd{args.drafter_distill}-{run}"),
-                runs[run],
-                lm_dir,
-                args.drafter_distill,
+                [
+                    *("--teacher", str(runs[run]), "--student", str(lm_dir)),
+                    *("--steps", str(args.drafter_distill)),
+                ],
+                command="distill",
             )
             kd = load_model(kd_dir)[1]
             assert isinstance(kd, Reference)

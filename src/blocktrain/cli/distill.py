@@ -14,14 +14,8 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from blocktrain.cli.common import (
-    Formatter,
-    add_data_arg,
-    add_progress_arg,
-    check_model_sampler,
-    print_json,
-)
-from blocktrain.cli.train import splits
+from blocktrain.cli.common import Formatter, add_data_arg, add_progress_arg, check_model_sampler
+from blocktrain.cli.train import run_and_report, splits
 from blocktrain.errors import ConfigError
 from blocktrain.training import Trainer, read_config
 from blocktrain.training.distill import TeacherSpec
@@ -125,17 +119,4 @@ def run(args: argparse.Namespace) -> int:
             teacher=spec,
             init_from=Path(args.student),
         )
-    summary = trainer.run(progress=not args.quiet)
-    summary["run_dir"] = str(trainer.run_dir)
-    if args.json:
-        print_json(summary)
-    else:
-        ce = (summary["last_eval"] or {}).get("ce")
-        line = (
-            f"distilled {trainer.run_dir} to step {summary['step']} in "
-            f"{summary['wall_seconds']:.0f}s; last loss {summary['last_train'].get('loss', 0):.3f}"
-        )
-        if ce is not None:
-            line += f"; validation CE on the text {ce:.3f} nats/byte"
-        print(line)
-    return 0
+    return run_and_report(trainer, args, "distilled")

@@ -98,6 +98,12 @@ def run(args: argparse.Namespace) -> int:
             blocks=blocks,
             overwrite=args.overwrite,
         )
+    return run_and_report(trainer, args, "trained")
+
+
+def run_and_report(trainer: Trainer, args: argparse.Namespace, verb: str) -> int:
+    """Run `trainer` to its steps and print its summary (JSON with --json), for train and
+    distill."""
     summary = trainer.run(progress=not args.quiet)
     summary["run_dir"] = str(trainer.run_dir)
     if args.json:
@@ -106,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         ev = summary["last_eval"] or {}
         figure = ev.get("sampler_ce", ev.get("ce"))
         line = (
-            f"trained {trainer.run_dir} to step {summary['step']} in "
+            f"{verb} {trainer.run_dir} to step {summary['step']} in "
             f"{summary['wall_seconds']:.0f}s; last loss {summary['last_train'].get('loss', 0):.3f}"
         )
         if figure is not None:

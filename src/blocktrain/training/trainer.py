@@ -181,9 +181,12 @@ class Trainer:
     def _init_weights(self, source: Path) -> None:
         """Load the weights of run `source` (its model config must equal this run's)."""
         theirs = ckpt.read_config(source)
-        if theirs.kind != self.info.kind or theirs.config.model != self.cfg.model:
+        # A BlockTrain run's target table comes from its seed: weights of another seed's stack
+        # would denoise towards other targets.
+        other_seed = self.stack is not None and theirs.config.seed != self.cfg.seed
+        if theirs.kind != self.info.kind or theirs.config.model != self.cfg.model or other_seed:
             raise ConfigError(
-                f"{source} is a {theirs.kind} run of another model config; a run starts only "
+                f"{source} is a {theirs.kind} run of another model config or seed; a run starts only "
                 f"from the weights of a {self.info.kind} run of its own"
             )
         weights, _ = ckpt.load_tensors(source / ckpt.MODEL_FILE)
