@@ -166,6 +166,11 @@ def main() -> None:
     )
     p.add_argument("--steps-per-block", default="1,4,16", help="S values for K > 1")
     p.add_argument("--samplers", default="euler,ancestral", help="sampler steps compared")
+    p.add_argument(
+        "--span-samplers",
+        help="samplers of the default recipe's K > 1 rows (default: --samplers); the K = 1 and "
+        "speculative rows run --samplers",
+    )
     p.add_argument("--recipes", default="default,lowsigma", help=f"of {', '.join(RECIPES)}")
     p.add_argument("--judge-steps", type=int, default=3000, help="training steps of the judge")
     p.add_argument("--hops", default="0,10,50", help="emulated one-way ms per hop")
@@ -227,6 +232,7 @@ def main() -> None:
     spans, steps, hops = ints(args.spans), ints(args.steps_per_block), ints(args.hops)
     recipe_spans = ints(args.recipe_spans) if args.recipe_spans else spans
     samplers = args.samplers.split(",")
+    span_samplers = args.span_samplers.split(",") if args.span_samplers else samplers
 
     if args.overrides and not args.tag:
         p.error("--set changes the models: name their work dir with --tag")
@@ -265,7 +271,7 @@ def main() -> None:
     for name, (k, recipe) in span_runs.items():
         prefix = "blocktrain" if recipe == "default" else f"blocktrain-{recipe}"
         masked = recipe.startswith("masked")
-        for sampler in ["reveal"] if masked else samplers:
+        for sampler in ["reveal"] if masked else samplers if k == 1 else span_samplers:
             # At K = 1 more steps change nothing in [1, 10].
             for s in ints(args.masked_steps) if masked else [1] if k == 1 else steps:
                 rows_spec.append(

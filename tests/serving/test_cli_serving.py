@@ -85,6 +85,8 @@ def test_a_bad_draft_corpus_is_one_clear_line(capsys, tmp_path, runs):
     fails_cleanly(capsys, [*model, str(runs.blocktrain)], "takes a --reference one")
     both = [*model, str(runs.reference), "--draft-corpus", str(corpus)]
     fails_cleanly(capsys, both, "not both")
+    fails_cleanly(capsys, [*serve[:-1], "--draft-bytes", "4"], "needs a drafter")
+    fails_cleanly(capsys, [*serve, str(corpus), "--draft-bytes", "33"], "must lie in 0..32")
 
 
 def test_bad_plan_shape_input(capsys):

@@ -128,3 +128,23 @@ def test_drafting_is_refused_where_it_cannot_be_exact(cluster):
     with cluster.router() as router:
         r = router.post("/v1/generate", json={**request, "model": "bt1"})
     assert r.status_code == 400 and "has no drafter" in r.json()["error"]["message"]
+
+
+def test_the_routers_default_draft_applies_where_drafting_can_be_exact(cluster):
+    """`serve --draft-bytes`: requests that leave draft_bytes out draft that many, unless the
+    model has K > 1 or the request asks for logprobs; 0 opts out."""
+    request = {"model": "bt1", "prompt": "Valkyria Chronicles is a ", "max_bytes": 12, "seed": 4}
+    with cluster.router(drafter=DRAFTER, draft_bytes=4) as router:
+        default = router.post("/v1/generate", json=request).json()
+        asked = router.post("/v1/generate", json={**request, "draft_bytes": 4}).json()
+        off = router.post("/v1/generate", json={**request, "draft_bytes": 0}).json()
+        span2 = router.post("/v1/generate", json={**request, "model": "bt"})
+        completion = {"model": "bt1", "prompt": "Sega ", "max_tokens": 6, "logprobs": 1}
+        logprobs = router.post("/v1/completions", json=completion)
+        refused = router.post("/v1/completions", json={**completion, "draft_bytes": 3})
+    assert (default["bytes"], default["traversals"]) == (asked["bytes"], asked["traversals"])
+    assert default["traversals"] < 12 and off["traversals"] == 12
+    assert span2.status_code == 200 and span2.json()["traversals"] == 6  # K = 2: not drafted
+    assert logprobs.status_code == 200, logprobs.text
+    assert len(logprobs.json()["choices"][0]["logprobs"]["token_logprobs"]) == 6
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "logprobs"

@@ -233,7 +233,13 @@ async def start_run(
         if why:
             raise BadRequest(why, param="logprobs")
     job = await router.job(
-        model=req.model, prompt=prompt, n_bytes=n_bytes, param=param, req=req, choices=req.n
+        model=req.model,
+        prompt=prompt,
+        n_bytes=n_bytes,
+        param=param,
+        req=req,
+        choices=req.n,
+        logprobs=top_logprobs is not None,
     )
     return Run(
         router,

@@ -95,6 +95,9 @@ class RouterSettings:
     byte n-gram (data.ngram) or a small autoregressive model (model.speculative.ModelDrafter)."""
     max_draft_bytes: int = 32
     """Largest draft_bytes a request may ask for."""
+    draft_bytes: int = 0
+    """draft_bytes of the requests that leave it out, where drafting applies: a K = 1 or
+    autoregressive model, and no logprobs asked (0: requests opt in)."""
     max_body_bytes: int = 1 << 20
     """Largest request body accepted (a prompt of 65536 byte values as a JSON list fits)."""
     rate_per_minute: int = 600
@@ -144,6 +147,12 @@ class RouterSettings:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} = {getattr(self, name)} must be positive")
+        if not 0 <= self.draft_bytes <= self.max_draft_bytes:
+            raise ConfigError(
+                f"--draft-bytes {self.draft_bytes} must lie in 0..{self.max_draft_bytes}"
+            )
+        if self.draft_bytes and self.drafter is None:
+            raise ConfigError("--draft-bytes needs a drafter: --draft-corpus or --draft-model")
         if self.coalesce_window_ms < 0:
             raise ConfigError(f"--coalesce-window-ms {self.coalesce_window_ms} must be >= 0")
         if self.rate_per_minute < 0:
@@ -229,8 +238,10 @@ class Router:
         param: str,
         req: SamplingParams,
         choices: int = 1,
+        logprobs: bool = False,
     ) -> Job:
-        """A validated job, its work admitted: `choices` samples of n_bytes each."""
+        """A validated job, its work admitted: `choices` samples of n_bytes each (with their
+        logprobs: then it drafts only when the request asks)."""
         data = prompt_bytes(prompt, self.settings.max_prompt_bytes)
         if n_bytes > self.settings.max_output_bytes:
             raise BadRequest(
@@ -253,13 +264,16 @@ class Router:
                 sampler = sampler_for(req.sampler, remote.config.model.process)
             except ValueError as exc:
                 raise BadRequest(str(exc), param="sampler") from None
-        if req.draft_bytes:
-            self._check_drafting(remote, req.draft_bytes)
+        draft = req.draft_bytes
+        if draft is None:
+            draft = 0 if logprobs else self._default_draft(remote)
+        elif draft:
+            self._check_drafting(remote, draft)
         # An autoregressive model runs no sampler points: one unit per byte. A verify sweep of
         # M draws computes M sweeps' z tokens on every host.
         blocktrain = remote.kind == "blocktrain"
         steps = req.steps_per_block if blocktrain else 1
-        draws = req.verify_draws if blocktrain and req.draft_bytes else 1
+        draws = req.verify_draws if blocktrain and draft else 1
         names = ["n"] * (choices > 1) + [param, "steps_per_block"] + ["verify_draws"] * (draws > 1)
         values = [choices] * (choices > 1) + [n_bytes, steps] + [draws] * (draws > 1)
         what = f"{' x '.join(names)} = {' x '.join(map(str, values))}"
@@ -272,7 +286,7 @@ class Router:
             seed,
             req.steps_per_block,
             sampler or DEFAULT_SAMPLER,
-            req.draft_bytes,
+            draft,
             req.verify_draws,
             units,
         )
@@ -280,6 +294,19 @@ class Router:
     def done(self, job: Job) -> None:
         """The job ended (answered, failed or abandoned): its work is no longer in flight."""
         self.work.release(job.units)
+
+    def _draft_limit(self, model: RemoteModel) -> int:
+        """The most bytes a traversal may verify: the window keeps room for the context."""
+        return min(self.settings.max_draft_bytes, model.config.model.seq_len - 2)
+
+    def _default_draft(self, model: RemoteModel) -> int:
+        """The router's draft_bytes for a request that leaves it out: 0 where drafting does not
+        apply (no default, or a K > 1 model), else the default within the model's limit."""
+        if not self.settings.draft_bytes:
+            return 0
+        if model.kind == "blocktrain" and model.config.model.span != 1:
+            return 0
+        return min(self.settings.draft_bytes, self._draft_limit(model))
 
     def _check_drafting(self, model: RemoteModel, draft_bytes: int) -> None:
         why = None
@@ -293,9 +320,8 @@ class Router:
                 "speculative drafting verifies with a K = 1 one-sweep model or an "
                 f"autoregressive one; {model.name!r} has K = {model.config.model.span}"
             )
-        elif draft_bytes > min(self.settings.max_draft_bytes, model.config.model.seq_len - 2):
-            limit = min(self.settings.max_draft_bytes, model.config.model.seq_len - 2)
-            why = f"draft_bytes = {draft_bytes} exceeds the limit of {limit}"
+        elif draft_bytes > self._draft_limit(model):
+            why = f"draft_bytes = {draft_bytes} exceeds the limit of {self._draft_limit(model)}"
         if why is not None:
             raise BadRequest(why, param="draft_bytes")
 

@@ -31,9 +31,10 @@ class SamplingParams(BaseModel):
     models; default: the model's, DEFAULT_SAMPLER for Gaussian models, "reveal" for masked
     ones); an extension."""
 
-    draft_bytes: int = Field(0, ge=0)
+    draft_bytes: int | None = Field(None, ge=0)
     """Speculative generation with a K = 1 model (an extension): bytes drafted on the router
-    and verified per traversal; the text keeps the model's own law. 0: off."""
+    and verified per traversal; the text keeps the model's own law. 0: off; left out: the
+    router's default (`serve --draft-bytes`), where drafting applies."""
     verify_draws: int = Field(DEFAULT_VERIFY_DRAWS, ge=1, le=MAX_VERIFY_DRAWS)
     """Noise draws of each verify sweep of a one-sweep model, whose mean law the
     rule takes (model.speculative): more bytes accepted per traversal, at compute, not hops;
