@@ -72,7 +72,7 @@ def _wait(url: str, procs: list[subprocess.Popen], timeout_s: float = 180) -> No
     while time.monotonic() < deadline:
         for p in procs:
             if p.poll() is not None:
-                raise RuntimeError(f"a server exited with {p.returncode} ({p.args})")
+                raise RuntimeError(f"a server exited with {p.returncode} ({p.args!r})")
         with contextlib.suppress(httpx.TransportError):
             if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
                 return

@@ -55,6 +55,7 @@ from blocktrain.config import apply_overrides, preset
 from blocktrain.data import load_split, resolve_data_path
 from blocktrain.data.ngram import NgramDrafter
 from blocktrain.model import BlockStack, Reference
+from blocktrain.model.masking import masked_grid
 from blocktrain.model.speculative import Drafter, ModelDrafter
 from blocktrain.training import EvalSettings, evaluate_blocktrain, evaluate_reference, load_model
 from blocktrain.training.generated import GenSettings, evaluate_generation
@@ -273,7 +274,20 @@ def main() -> None:
         masked = recipe.startswith("masked")
         for sampler in ["reveal"] if masked else samplers if k == 1 else span_samplers:
             # At K = 1 more steps change nothing in [1, 10].
-            for s in ints(args.masked_steps) if masked else [1] if k == 1 else steps:
+            steps_of = ints(args.masked_steps) if masked else [1] if k == 1 else steps
+            for s in steps_of:
+                # The reveal sampler takes at most one round per byte: past that S, the grid
+                # (and the row) is a smaller S's.
+                fewer = [
+                    t
+                    for t in steps_of
+                    if masked
+                    and t < s
+                    and masked_grid(k, base.blocks, t) == masked_grid(k, base.blocks, s)
+                ]
+                if fewer:
+                    print(f"K = {k} ({recipe}): S = {s} is S = {fewer[0]}'s grid", file=sys.stderr)
+                    continue
                 rows_spec.append(
                     {
                         "method": f"{prefix}-{sampler}",
@@ -362,9 +376,9 @@ def main() -> None:
             assert isinstance(kd, Reference)
             drafters[f"lm-kd:{run}"] = ModelDrafter(kd)
             router_args[f"lm-kd:{run}"] = ("--draft-model", str(kd_dir))
-    unknown_drafters = {drafter_of(r) for r in rows_spec if r.get("drafter")} - set(drafters)
+    unknown_drafters = {str(drafter_of(r)) for r in rows_spec if r.get("drafter")} - set(drafters)
     if unknown_drafters:
-        p.error(f"unknown drafter(s) {sorted(unknown_drafters)}; choose from ngram, lm")
+        p.error(f"unknown drafter(s) {sorted(unknown_drafters)}; choose from ngram, lm, lm-kd")
 
     qualities: list[dict[str, Any]] = []
     joints: dict[tuple[int, int, str | None], float] = {}
