@@ -27,9 +27,10 @@ and the `span-frontier` section of BENCHMARKS.md.
     python bench/span_frontier.py --preset tiny                 # ~40 min on 2 cores, judge included
     python bench/span_frontier.py --preset tiny --report        # rebuild the section from the JSON
     python bench/span_frontier.py --recipes masked --spans 4,16 --steps 1200 --quality-only
-    python bench/span_frontier.py --preset small --judge-steps 3000 --spans 1 --recipes \
-        default,masked --recipe-spans 4 --masked-steps 1,2 --drafts 16 --drafters ngram,lm-kd \
-        --drafter-steps 8000 --verify-draws 1,4,16 --speed-bytes 128
+    python bench/span_frontier.py --preset small --judge-steps 3000 --spans 1,4,16,64 \
+        --recipes default,masked --recipe-spans 4,16,64 --samplers euler,ancestral \
+        --span-samplers euler --masked-steps 1,2,4,16 --drafts 16 --drafters ngram,lm-kd \
+        --verify-draws 1,4,16 --drafter-steps 8000 --drafter-distill 800 --speed-bytes 128
 
 --steps N trains every compared model (not the judge) N steps, in benchmarks/work/span_frontier/
 PRESET-N/. --quality-only skips the speed phase and writes span_frontier_quality.json and the

@@ -142,9 +142,22 @@ def test_the_routers_default_draft_applies_where_drafting_can_be_exact(cluster):
         completion = {"model": "bt1", "prompt": "Sega ", "max_tokens": 6, "logprobs": 1}
         logprobs = router.post("/v1/completions", json=completion)
         refused = router.post("/v1/completions", json={**completion, "draft_bytes": 3})
+        ar = {**request, "model": "ref", "max_bytes": 20}
+        ar_default = router.post("/v1/generate", json=ar).json()
+        ar_asked = router.post("/v1/generate", json={**ar, "draft_bytes": 4}).json()
+        greedy = {**ar, "temperature": 0}
+        greedy_drafted = router.post("/v1/generate", json=greedy).json()
+        greedy_plain = router.post("/v1/generate", json={**greedy, "draft_bytes": 0}).json()
     assert (default["bytes"], default["traversals"]) == (asked["bytes"], asked["traversals"])
     assert default["traversals"] < 12 and off["traversals"] == 12
     assert span2.status_code == 200 and span2.json()["traversals"] == 6  # K = 2: not drafted
     assert logprobs.status_code == 200, logprobs.text
     assert len(logprobs.json()["choices"][0]["logprobs"]["token_logprobs"]) == 6
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "logprobs"
+    assert (ar_default["bytes"], ar_default["traversals"]) == (
+        ar_asked["bytes"],
+        ar_asked["traversals"],
+    )
+    assert ar_default["traversals"] < 20
+    # Greedy autoregressive text is one string however it is drafted.
+    assert greedy_drafted["bytes"] == greedy_plain["bytes"]
