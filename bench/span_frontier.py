@@ -202,6 +202,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2, help="torch threads per host process")
     p.add_argument("--masked-steps", default="1,2,6", help="S values of the masked recipes")
+    p.add_argument(
+        "--skip",
+        default="",
+        help="rows left out, as METHOD:K:S,... (e.g. blocktrain-euler:64:16: a row too costly "
+        "for the run's time), named in the command the report quotes",
+    )
     p.add_argument("--steps", type=int, default=0, help="training steps (0: the preset's)")
     p.add_argument(
         "--set",
@@ -235,6 +241,7 @@ def main() -> None:
     recipe_spans = ints(args.recipe_spans) if args.recipe_spans else spans
     samplers = args.samplers.split(",")
     span_samplers = args.span_samplers.split(",") if args.span_samplers else samplers
+    skipped = set(args.skip.split(",")) - {""}
 
     if args.overrides and not args.tag:
         p.error("--set changes the models: name their work dir with --tag")
@@ -288,6 +295,8 @@ def main() -> None:
                 ]
                 if fewer:
                     print(f"K = {k} ({recipe}): S = {s} is S = {fewer[0]}'s grid", file=sys.stderr)
+                    continue
+                if f"{prefix}-{sampler}:{k}:{s}" in skipped:
                     continue
                 rows_spec.append(
                     {
