@@ -299,12 +299,15 @@ class Router:
         """The most bytes a traversal may verify: the window keeps room for the context."""
         return min(self.settings.max_draft_bytes, model.config.model.seq_len - 2)
 
+    @staticmethod
+    def _spans(model: RemoteModel) -> bool:
+        """A one-sweep model with K > 1: its span is drawn at once, there is nothing to verify."""
+        return model.kind == "blocktrain" and model.config.model.span != 1
+
     def _default_draft(self, model: RemoteModel) -> int:
         """The router's draft_bytes for a request that leaves it out: 0 where drafting does not
         apply (no default, or a K > 1 model), else the default within the model's limit."""
-        if not self.settings.draft_bytes:
-            return 0
-        if model.kind == "blocktrain" and model.config.model.span != 1:
+        if not self.settings.draft_bytes or self._spans(model):
             return 0
         return min(self.settings.draft_bytes, self._draft_limit(model))
 
@@ -315,7 +318,7 @@ class Router:
                 "this router has no drafter (start `blocktrain serve` with --draft-corpus or "
                 "--draft-model)"
             )
-        elif model.kind == "blocktrain" and model.config.model.span != 1:
+        elif self._spans(model):
             why = (
                 "speculative drafting verifies with a K = 1 one-sweep model or an "
                 f"autoregressive one; {model.name!r} has K = {model.config.model.span}"
