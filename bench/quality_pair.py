@@ -13,34 +13,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from report import ROOT, machine, update_section, write_json  # bench/report.py
-
-BLOCKTRAIN = [sys.executable, "-m", "blocktrain.cli.main"]
+from report import ROOT, blocktrain, machine, trained, update_section, write_json
 
 
-def blocktrain(argv: list[str]) -> str:
-    print("$ blocktrain " + " ".join(argv), file=sys.stderr, flush=True)
-    return subprocess.run(
-        [*BLOCKTRAIN, *argv], cwd=ROOT, check=True, stdout=subprocess.PIPE, text=True
-    ).stdout
-
-
-def trained(run: Path, preset: str, reference: bool) -> None:
+def trained_preset(run: Path, preset: str, reference: bool) -> None:
     """Train `run` to the preset's steps, resuming it or leaving it as it is when finished."""
-    state = run / "state.json"
-    if state.exists():
-        steps = json.loads((run / "config.json").read_text())["train"]["steps"]
-        if json.loads(state.read_text())["step"] >= steps:
-            return
-        blocktrain(["train", "--resume", "--out", str(run), "--no-progress"])
-        return
-    argv = ["train", "--preset", preset, "--out", str(run), "--no-progress"]
-    blocktrain([*argv, "--reference"] if reference else argv)
+    argv = ["--preset", preset, *(["--reference"] if reference else [])]
+    trained(run, argv)
 
 
 def main() -> None:
@@ -53,8 +36,8 @@ def main() -> None:
     args = p.parse_args()
     work = ROOT / "benchmarks" / "work"
     bt, ref = work / f"pair-{args.preset}-bt", work / f"pair-{args.preset}-ref"
-    trained(bt, args.preset, reference=False)
-    trained(ref, args.preset, reference=True)
+    trained_preset(bt, args.preset, reference=False)
+    trained_preset(ref, args.preset, reference=True)
     argv = ["eval", str(bt), "--against", str(ref), "--split", "test", "--json"]
     argv += ["--sweeps", str(args.sweeps), "--bytes", str(args.bytes)]
     ev = json.loads(blocktrain(argv))

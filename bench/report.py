@@ -8,6 +8,7 @@ import os
 import platform
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,30 @@ from blocktrain.training.local import initial_blocks
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
+
+
+BLOCKTRAIN = [sys.executable, "-m", "blocktrain.cli.main"]
+
+
+def blocktrain(argv: list[str]) -> str:
+    """Run `blocktrain ARGV` from the repository root, echoing the command; its stdout."""
+    print("$ blocktrain " + " ".join(argv), file=sys.stderr, flush=True)
+    return subprocess.run(
+        [*BLOCKTRAIN, *argv], cwd=ROOT, check=True, stdout=subprocess.PIPE, text=True
+    ).stdout
+
+
+def trained(run: Path, argv: list[str], command: str = "train") -> Path:
+    """Run `blocktrain COMMAND` (train, or distill) with `argv` into `run` to its configured
+    steps, resuming it, or reuse it when done."""
+    state = run / "state.json"
+    if state.exists():
+        steps = json.loads((run / "config.json").read_text())["train"]["steps"]
+        if json.loads(state.read_text())["step"] < steps:
+            blocktrain([command, "--resume", "--out", str(run), "--no-progress"])
+        return run
+    blocktrain([command, *argv, "--out", str(run), "--no-progress"])
+    return run
 
 
 def machine() -> dict[str, Any]:

@@ -43,10 +43,8 @@ import argparse
 import hashlib
 import json
 import shlex
-import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -60,11 +58,10 @@ from blocktrain.model.masking import masked_grid
 from blocktrain.model.speculative import Drafter, ModelDrafter
 from blocktrain.training import EvalSettings, evaluate_blocktrain, evaluate_reference, load_model
 from blocktrain.training.generated import GenSettings, evaluate_generation
-from report import ROOT, machine, write_json  # bench/report.py
+from report import ROOT, machine, trained, write_json  # bench/report.py
 from serving import chain, measure  # bench/serving.py
 from span_report import QUALITY_KEYS, report, report_quality  # bench/span_report.py
 
-BLOCKTRAIN = [sys.executable, "-m", "blocktrain.cli.main"]
 WORK = ROOT / "benchmarks" / "work" / "span_frontier"
 # Training recipes for the span models, as `--set` overrides of the preset (K > 1 only).
 # default: today's defaults (sigma in [1, 10]). lowsigma: span-research.md R3's first test, a
@@ -82,24 +79,6 @@ RECIPES: dict[str, list[str]] = {
     "masked-suffix": ["process=masked", "mask_suffix_share=1"],
     "masked-random": ["process=masked", "mask_suffix_share=0"],
 }
-
-
-def blocktrain(argv: list[str]) -> None:
-    print("$ blocktrain " + " ".join(argv), file=sys.stderr, flush=True)
-    subprocess.run([*BLOCKTRAIN, *argv], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-
-
-def trained(run: Path, argv: list[str], command: str = "train") -> Path:
-    """Run `blocktrain COMMAND` (train, or distill) with `argv` into `run` to its configured
-    steps, resuming it, or reuse it when done."""
-    state = run / "state.json"
-    if state.exists():
-        steps = json.loads((run / "config.json").read_text())["train"]["steps"]
-        if json.loads(state.read_text())["step"] < steps:
-            blocktrain([command, "--resume", "--out", str(run), "--no-progress"])
-        return run
-    blocktrain([command, *argv, "--out", str(run), "--no-progress"])
-    return run
 
 
 def drafter_of(row: dict[str, Any]) -> str | None:

@@ -19,6 +19,7 @@ from blocktrain.errors import ConfigError
 
 VOCAB_SIZE = 256  # byte values; the vocabulary is fixed
 PROCESSES = ("gaussian", "masked")
+ROUTES = ("state", "features")
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,10 @@ class ModelConfig:
     """adaLN gates act as (1 + gate), so residual branches start open instead of shut."""
     aux_weight: float = 1.0
     """Weight of the block-local next-byte loss on the clean stream (0 turns it off)."""
+    route: str = "state"
+    """What block b+1 reads from block b: only the noisy state z (`state`), or also its clean
+    stream's output, which block b+1's clean stream continues with no gradient into block b
+    (`features`, docs/model.md)."""
     process: str = "gaussian"
     """The span's corruption: gaussian (z = E[y] + sigma * eps) or masked (docs/model.md)."""
     mask_loss: str = "mean"
@@ -131,7 +136,11 @@ class ModelConfig:
         _check(self.aux_weight >= 0, "aux_weight", self.aux_weight, "must be >= 0")
         share = self.mask_suffix_share
         _check(0 <= share <= 1, "mask_suffix_share", share, "must lie in [0, 1]")
-        for name, ok in (("process", PROCESSES), ("mask_loss", ("mean", "elbo"))):
+        for name, ok in (
+            ("process", PROCESSES),
+            ("mask_loss", ("mean", "elbo")),
+            ("route", ROUTES),
+        ):
             value = getattr(self, name)
             _check(value in ok, name, value, f"must be one of {', '.join(ok)}")
         why = f"must be >= blocks = {self.blocks} with process=masked (each block reveals bytes)"
@@ -243,6 +252,16 @@ class RunConfig:
             )
         except TypeError as exc:  # an unknown or missing key
             raise ConfigError(f"config does not match this version of blocktrain: {exc}") from exc
+
+
+def require_state_route(cfg: ModelConfig, where: str) -> None:
+    """Refuse a `route = features` model in `where`, a part that passes only the noisy state
+    between blocks: it would run each block without the features it was trained on."""
+    if cfg.route != "state":
+        raise ConfigError(
+            f"route = {cfg.route} is not supported by {where} yet: train and use such a model "
+            "in one process (blocktrain train, eval, generate); docs/model.md"
+        )
 
 
 def _check(ok: bool, name: str, value: object, why: str) -> None:

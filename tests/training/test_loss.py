@@ -25,7 +25,8 @@ class LinearBlock(torch.nn.Module):
         self.aux_table = torch.randn(256, 256, generator=gen)  # (V, V)
         self.calls: list[dict[str, object]] = []
 
-    def forward(self, x_bytes, z, sigma, layout, *, with_aux):
+    def forward(self, x_bytes, z, sigma, layout, *, with_aux, upstream=None):
+        assert upstream is None  # route = state: the loss passes nothing from upstream
         self.calls.append({"z": z, "sigma": sigma, "with_aux": with_aux})
         return z @ self.to_logits, self.aux_table[x_bytes] if with_aux else None  # (N, T, V)
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blocktrain.config import VOCAB_SIZE, ModelConfig
+from blocktrain.errors import ConfigError
 from blocktrain.model.layers import (
     AdaLN,
     DualStreamLayer,
@@ -151,14 +152,17 @@ class Block(nn.Module):
         layout: ZLayout,
         *,
         with_aux: bool = False,
+        upstream: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x_bytes (N, Lx) int64; z (N, Lz, d); sigma (N,) -> logits (N, Lz, 256), and the clean
-        stream's next-byte logits (N, Lx, 256) when `with_aux` (else None)."""
+        stream's next-byte logits (N, Lx, 256) when `with_aux` (else None). `upstream` (N, Lx,
+        d): the previous block's clean stream output (`route = features`), which this block's
+        clean stream continues."""
         x_len = x_bytes.shape[1]
         sc, cond = self.conditioning(sigma.to(z.dtype))
 
-        x = self.embed(x_bytes)  # (N, Lx, d)
-        h = self.z_tokens(x_bytes, z, sc.c_in, layout)  # (N, Lz, d)
+        x = self.clean_input(x_bytes, upstream)  # (N, Lx, d)
+        h = self.z_tokens(x_bytes, z, sc.c_in, layout, upstream)  # (N, Lz, d)
 
         rope_x = self.rotary.rotation(torch.arange(x_len, device=x_bytes.device))
         rope_z = self.rotary.rotation(layout.z_pos)
@@ -172,6 +176,24 @@ class Block(nn.Module):
         if with_aux and self.aux_head is not None and self.aux_norm is not None:
             aux = self.aux_head(self.aux_norm(x))  # (N, Lx, 256): predicts byte i + 1
         return logits, aux
+
+    def clean_input(self, x_bytes: torch.Tensor, upstream: torch.Tensor | None) -> torch.Tensor:
+        """The clean stream's input (N, Lx, d): the byte embeddings, plus the previous block's
+        clean output when the run passes features (`route = features`)."""
+        x = self.embed(x_bytes)
+        return x if upstream is None else x + upstream
+
+    def clean_stream(
+        self, x_bytes: torch.Tensor, upstream: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The clean stream alone: x_bytes (N, Lx) -> its last residual (N, Lx, d), what the
+        next block reads under `route = features`. It depends on the context only, never on z
+        or sigma."""
+        x = self.clean_input(x_bytes, upstream)
+        rope_x = self.rotary.rotation(torch.arange(x_bytes.shape[1], device=x_bytes.device))
+        for layer in self.layers:
+            x, _ = layer(x, rope_x)
+        return x
 
     def conditioning(self, sigma: torch.Tensor) -> tuple[EDMScalings, torch.Tensor]:
         """sigma (N,) -> (the EDM scalings, the noise embedding (N, nd) that drives adaLN)."""
@@ -262,15 +284,25 @@ class Block(nn.Module):
         return self.readout(h, z, sc, terms.final)
 
     def z_tokens(
-        self, x_bytes: torch.Tensor, z: torch.Tensor, c_in: torch.Tensor, layout: ZLayout
+        self,
+        x_bytes: torch.Tensor,
+        z: torch.Tensor,
+        c_in: torch.Tensor,
+        layout: ZLayout,
+        upstream: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The z stream's input tokens (N, Lz, d): the projected c_in * z, plus the clean
-        embedding of the last byte each z token may see (BOS before the first span)."""
+        embedding of the last byte each z token may see (BOS before the first span), plus the
+        upstream features (N, Lx, d) at that byte when given: the deep residual from which an
+        end-to-end model of the stack's depth would predict the next byte."""
         h = self.z_in(c_in[:, None, None] * z)
+        last = layout.span_start - 1  # (Lz,)
         if self.cfg.z_prev_byte:
-            last = layout.span_start - 1  # (Lz,)
             prev = torch.where(last >= 0, x_bytes[:, last.clamp(min=0)], BOS)  # (N, Lz)
             h = h + self.embed(prev)
+        if upstream is not None:
+            seen = (last >= 0)[None, :, None]
+            h = h + torch.where(seen, upstream[:, last.clamp(min=0)], 0.0)
         return h
 
 
@@ -288,9 +320,14 @@ class MaskedBlock(Block):
         self.register_buffer("table", targets.clone(), persistent=False)
 
     def z_tokens(
-        self, x_bytes: torch.Tensor, z: torch.Tensor, c_in: torch.Tensor, layout: ZLayout
+        self,
+        x_bytes: torch.Tensor,
+        z: torch.Tensor,
+        c_in: torch.Tensor,
+        layout: ZLayout,
+        upstream: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        base = super().z_tokens(x_bytes, torch.zeros_like(z), c_in, layout)  # + the prev byte
+        base = super().z_tokens(x_bytes, torch.zeros_like(z), c_in, layout, upstream)
         revealed, y = read_state(z, self.table)  # (N, Lz)
         return base + torch.where(revealed[..., None], self.embed(y), self.mask_token)
 
@@ -316,6 +353,10 @@ class BlockStack(nn.Module):
         self.block_ids = list(range(cfg.blocks)) if blocks is None else sorted(blocks)
         self.blocks = nn.ModuleDict({str(b): init_block(cfg, seed, b) for b in self.block_ids})
         self.register_buffer("targets", target_table(seed, cfg.d_model))
+        # The last context's upstream chain (`upstream`); the tensor is held so its id stays its.
+        self._upstream_memo: tuple[tuple[object, ...], torch.Tensor, list[torch.Tensor]] | None = (
+            None
+        )
 
     def block(self, index: int) -> Block:
         module = self.blocks[str(index)]
@@ -324,3 +365,47 @@ class BlockStack(nn.Module):
 
     def has_all_blocks(self) -> bool:
         return self.block_ids == list(range(self.cfg.blocks))
+
+    def denoise(
+        self,
+        index: int,
+        x_bytes: torch.Tensor,
+        z: torch.Tensor,
+        sigma: torch.Tensor,
+        layout: ZLayout,
+        *,
+        with_aux: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Block `index`'s forward pass with what it reads from the blocks before it
+        (`upstream`): how every caller of a held block runs it."""
+        upstream = self.upstream(index, x_bytes)
+        return self.block(index)(x_bytes, z, sigma, layout, with_aux=with_aux, upstream=upstream)
+
+    @torch.no_grad()
+    def upstream(self, index: int, x_bytes: torch.Tensor) -> torch.Tensor | None:
+        """What block `index` reads from the blocks before it besides z: None under `route =
+        state`; under `route = features`, the clean stream of blocks 0..index-1 run in turn on
+        x_bytes (N, Lx), with no gradient, so no block's loss reaches another's weights.
+
+        The clean stream depends on the context alone, so the sampler's calls on one context
+        (every grid point, every sweep) share it: the chain of the last context is kept, keyed
+        by the tensor, its version and the blocks' parameter versions."""
+        if self.cfg.route == "state" or index == 0:
+            return None
+        missing = [b for b in range(index) if b not in self.block_ids]
+        if missing:
+            raise ConfigError(
+                f"block {index} reads the clean streams of blocks 0..{index - 1} (route = "
+                f"features), and this process does not hold block(s) {missing}"
+            )
+        key = (id(x_bytes), x_bytes._version, tuple(x_bytes.shape), self._versions(index))
+        memo = self._upstream_memo
+        if memo is None or memo[0] != key:
+            memo = self._upstream_memo = (key, x_bytes, [])
+        chain = memo[2]
+        while len(chain) < index:
+            chain.append(self.block(len(chain)).clean_stream(x_bytes, chain[-1] if chain else None))
+        return chain[index - 1]
+
+    def _versions(self, index: int) -> tuple[int, ...]:
+        return tuple(p._version for b in range(index) for p in self.block(b).parameters())

@@ -30,7 +30,7 @@ def stack_denoiser(stack: BlockStack) -> Denoiser:
     def denoise(
         b: int, x: torch.Tensor, z: torch.Tensor, sigma: torch.Tensor, layout: ZLayout
     ) -> torch.Tensor:
-        return stack.block(b)(x, z, sigma, layout)[0]
+        return stack.denoise(b, x, z, sigma, layout)[0]
 
     return denoise
 

@@ -72,7 +72,9 @@ def _oracle_nll(
     n, t = x.shape
     sigma = schedule.sample_sigma(*schedule.interval(block), n, generator)
     eps = torch.randn(n, t, cfg.d_model, generator=generator, device=x.device)
-    logits = stack.block(block)(x, stack.targets[x] + sigma[:, None, None] * eps, sigma, layout)[0]
+    logits = stack.denoise(block, x, stack.targets[x] + sigma[:, None, None] * eps, sigma, layout)[
+        0
+    ]
     keep = _scored(t)
     return float(
         F.cross_entropy(
@@ -208,7 +210,7 @@ def masked_logp(
         still = masked_count(grid[step + 1][1], k) if step + 1 < len(grid) else 0
         now = to_reveal(revealed, still).view(n, t)  # the sampler's reveals, as it makes them
         sigma = torch.full((n,), code, device=x.device)
-        logits = stack.block(block)(x, z, sigma, layout)[0]
+        logits = stack.denoise(block, x, z, sigma, layout)[0]
         lp = logits.float().log_softmax(dim=-1).gather(-1, x[..., None])[..., 0]
         logp = torch.where(now, lp, logp)
         point[now[0]] = step

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from blocktrain.config import RunConfig
+from blocktrain.config import RunConfig, require_state_route
 from blocktrain.data import ByteSource
 from blocktrain.errors import CheckpointError, ProtocolError
 from blocktrain.model import BlockStack, init_block, target_table
@@ -45,6 +45,7 @@ class LocalBlockTrainer:
     ) -> None:
         if not 0 <= block < cfg.model.blocks:
             raise ProtocolError(f"block {block} is outside 0..{cfg.model.blocks - 1}")
+        require_state_route(cfg.model, "decentralised workers and the simulator")
         self.cfg = cfg
         self.block_index = block
         self.data = data

@@ -3,6 +3,7 @@ and weighting and take the network as an argument."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,9 @@ import torch.nn.functional as F
 from blocktrain.config import ModelConfig
 from blocktrain.model import Block, Reference, SigmaSchedule, ZLayout, loss_weight
 from blocktrain.model.masking import draw_masks, mask_interval, masked_state
+
+# What block b reads from the blocks before it (BlockStack.upstream): (b, x_bytes) -> features.
+Upstream = Callable[[int, torch.Tensor], torch.Tensor | None]
 
 
 @dataclass
@@ -32,9 +36,12 @@ class BlockLoss:
 
     Only block b's parameters receive gradients; nothing here touches another block."""
 
-    def __init__(self, cfg: ModelConfig, targets: torch.Tensor) -> None:
+    def __init__(
+        self, cfg: ModelConfig, targets: torch.Tensor, upstream: Upstream | None = None
+    ) -> None:
         self.cfg = cfg
         self.targets = targets
+        self.upstream = upstream
         self.schedule = SigmaSchedule.from_config(cfg)
         self._layouts: dict[torch.device, ZLayout] = {}
 
@@ -60,6 +67,9 @@ class BlockLoss:
         logs["loss"] = float(total.detach())
         return LossParts(total, logs)
 
+    def _up(self, index: int, x_bytes: torch.Tensor) -> torch.Tensor | None:
+        return None if self.upstream is None else self.upstream(index, x_bytes)
+
     def _gaussian(
         self,
         block: Block,
@@ -73,7 +83,14 @@ class BlockLoss:
         sigma = self.schedule.sample_training_sigma(index, n, generator)  # (N,)
         eps = torch.randn(n, t, self.cfg.d_model, generator=generator, device=device)
         z = torch.addcmul(self.targets[x_bytes], sigma[:, None, None], eps)  # (N, T, d)
-        logits, aux = block(x_bytes, z, sigma, self.layout(device), with_aux=want_aux)
+        logits, aux = block(
+            x_bytes,
+            z,
+            sigma,
+            self.layout(device),
+            with_aux=want_aux,
+            upstream=self._up(index, x_bytes),
+        )
         ce = F.cross_entropy(
             logits.float().flatten(0, 1), x_bytes.flatten(), reduction="none"
         ).view(n, t)
@@ -102,7 +119,14 @@ class BlockLoss:
         masked = draw_masks(x_bytes, rate, k, generator, self.cfg.mask_suffix_share)  # (N, T)
         z = masked_state(self.targets, x_bytes, ~masked)
         code = torch.pow(10.0, rate)  # masking.mask_code, per sequence
-        logits, aux = block(x_bytes, z, code, self.layout(x_bytes.device), with_aux=want_aux)
+        logits, aux = block(
+            x_bytes,
+            z,
+            code,
+            self.layout(x_bytes.device),
+            with_aux=want_aux,
+            upstream=self._up(index, x_bytes),
+        )
         ce = F.cross_entropy(
             logits.float().flatten(0, 1), x_bytes.flatten(), reduction="none"
         ).view(n, t_len)

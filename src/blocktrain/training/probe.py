@@ -14,7 +14,7 @@ import threading
 
 import torch
 
-from blocktrain.config import RunConfig
+from blocktrain.config import RunConfig, require_state_route
 from blocktrain.data import ByteSource
 from blocktrain.model import init_block, target_table
 from blocktrain.training.loss import BlockLoss
@@ -36,6 +36,7 @@ class BlockProbe:
         windows: int = 32,
         skip_bytes: int = 16384,
     ) -> None:
+        require_state_route(cfg.model, "the aggregator's effect probe")
         t = cfg.model.seq_len
         skip = -(-skip_bytes // t)
         rows = valid.windows(t, (skip + windows) * t)

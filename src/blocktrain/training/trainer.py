@@ -116,7 +116,7 @@ class Trainer:
             )
         else:
             self.stack = BlockStack(mcfg, self.cfg.seed, info.blocks).to(self.device)
-            loss = BlockLoss(mcfg, self.stack.targets)
+            loss = BlockLoss(mcfg, self.stack.targets, self.stack.upstream)
             for b in self.stack.block_ids:
                 block = self.stack.block(b)
                 self.units.append(

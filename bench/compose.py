@@ -1,0 +1,283 @@
+"""Do blocks compose? B blocks against one block and against end-to-end models of the same depth.
+
+Every row is a `blocktrain train` run to the same step count, scored by `blocktrain eval` on the
+same test bytes (the sampler CE over M sweeps for BlockTrain, the exact CE for a reference):
+
+  - B blocks of L layers each, for each B in --blocks and each route in --routes (`state`: only
+    the noisy state passes between blocks; `features`: block b+1 also reads block b's clean
+    stream, docs/model.md);
+  - one block of B x L layers for each B in --deep (the stack's depth trained end to end inside
+    one block: B times a worker's memory);
+  - the end-to-end references of L and of B x L layers.
+
+From them, the depth delivered by blocks,
+
+    D = (CE of 1 block of L layers - CE of B blocks) / (CE of 1 block of L - CE of 1 block of B x L)
+
+and the same numerator over (reference of L layers - reference of B x L). Runs are kept under
+benchmarks/work/compose/ and reused; each call adds its seeds to the rows already in
+benchmarks/results/compose.json, so a row's `test_ce` is the mean over every seed measured.
+
+    python bench/compose.py --preset tiny --blocks 1,2,3,6 --seeds 0
+    python bench/compose.py --preset tiny --blocks 1,3 --seeds 1,2     # more seeds where it matters
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from blocktrain.config import RunConfig, apply_overrides, preset
+from blocktrain.data import load_split, resolve_data_path
+from blocktrain.training import Trainer
+from blocktrain.training.checkpoint import RunInfo
+from blocktrain.training.flops import count_flops
+from blocktrain.training.plan import TRAINED_BYTES_PER_PARAM, plan
+from report import ROOT, blocktrain, machine, trained, update_section, write_json
+
+RESULT = "compose.json"
+WORK = ROOT / "benchmarks" / "work" / "compose"
+DEFAULT_SWEEPS = {"tiny": 16, "small": 64}
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    preset: str
+    model: str  # blocktrain or reference
+    blocks: int
+    layers_per_block: int
+    route: str  # state, features, or end-to-end for a reference
+    steps: int
+
+    @property
+    def key(self) -> str:
+        return (
+            f"{self.preset}-{self.model}-b{self.blocks}-l{self.layers_per_block}-"
+            f"{self.route}-{self.steps}"
+        )
+
+    def overrides(self, seed: int, threads: int) -> list[str]:
+        layers = self.blocks * self.layers_per_block
+        sets = [f"blocks={self.blocks}", f"layers={layers}", f"seed={seed}"]
+        if self.model == "blocktrain":
+            sets.append(f"route={self.route}")
+        return [*sets, f"threads={threads}", "eval_every=0"]
+
+    def config(self, seed: int, threads: int) -> RunConfig:
+        cfg = apply_overrides(preset(self.preset), self.overrides(seed, threads))
+        return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=self.steps))
+
+
+def grid(args: argparse.Namespace) -> list[Row]:
+    lpb = {"tiny": 1, "small": 2}.get(args.preset, 1)
+    steps = args.steps
+    rows = [Row(args.preset, "blocktrain", 1, lpb, "state", steps)]
+    for b in args.blocks:
+        if b > 1:
+            rows += [Row(args.preset, "blocktrain", b, lpb, r, steps) for r in args.routes]
+    for b in args.deep:
+        rows.append(Row(args.preset, "blocktrain", 1, b * lpb, "state", steps))
+    for layers in sorted({lpb, *(b * lpb for b in args.deep)}):
+        rows.append(Row(args.preset, "reference", 1, layers, "end-to-end", steps))
+    return rows
+
+
+def train_gflops(row: Row, cfg: RunConfig, data: Path) -> float:
+    """Training GFLOPs of the whole run, counted as the code runs on one batch: 3 x forward for
+    what is trained (the backward costs twice the forward), 1 x forward for the upstream
+    features (no gradient)."""
+    source = load_split(data, "train")
+    kind = "reference" if row.model == "reference" else "blocktrain"
+    blocks = [] if kind == "reference" else list(range(cfg.model.blocks))
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = Trainer(RunInfo(cfg, kind, blocks), Path(tmp), source, None)
+    x = source.sample(cfg.train.batch_size, cfg.model.seq_len, torch.Generator().manual_seed(0))
+    total = 0
+    with torch.no_grad():
+        for unit in trainer.units:
+            step = count_flops(lambda u=unit: u.objective(x, torch.Generator().manual_seed(0)))
+            stack, upstream = trainer.stack, 0
+            if stack is not None:
+                upstream = count_flops(lambda u=unit, s=stack: s.upstream(u.index, x)).total
+            total += 3 * (step.total - upstream) + upstream
+    return total * cfg.train.steps / 1e9
+
+
+def worker_bytes(row: Row, cfg: RunConfig) -> int:
+    """The largest worker's training memory (training/plan.py); a reference trains as one unit."""
+    p = plan(cfg)
+    if row.model == "reference":
+        return p["reference_params"] * TRAINED_BYTES_PER_PARAM
+    return max(p["worker_state_bytes_per_block"])
+
+
+def measure(row: Row, seed: int, args: argparse.Namespace, data: Path) -> dict[str, Any]:
+    run = WORK / f"{row.key}-seed{seed}"
+    argv = ["--preset", row.preset, "--steps", str(row.steps)]
+    argv += ["--reference"] if row.model == "reference" else []
+    argv += ["--set", *row.overrides(seed, args.threads)]
+    trained(run, argv)
+    argv = ["eval", str(run), "--split", "test", "--json", "-q"]
+    ev = json.loads(blocktrain([*argv, "--bytes", str(args.bytes), "--sweeps", str(args.sweeps)]))
+    state = json.loads((run / "state.json").read_text())
+    out = {"test_ce": ev["ce"] if row.model == "reference" else ev["sampler_ce"]}
+    if row.model == "blocktrain":
+        out["from_noise_ce"] = ev["from_noise_ce"]
+        out["sampler_ce_per_step"] = ev["sampler_ce_per_step"]
+    return {**out, "train_seconds": round(state["wall_seconds"], 1)}
+
+
+def summarise(row: Row, by_seed: dict[str, Any], cfg: RunConfig, data: Path) -> dict[str, Any]:
+    ces = [r["test_ce"] for r in by_seed.values()]
+    return {
+        **dataclasses.asdict(row),
+        "train_gflops": round(train_gflops(row, cfg, data), 1),
+        "test_ce": statistics.fmean(ces),
+        "test_ce_se": statistics.stdev(ces) / len(ces) ** 0.5 if len(ces) > 1 else None,
+        "seeds": sorted(int(s) for s in by_seed),
+        "worker_state_bytes": worker_bytes(row, cfg),
+        "by_seed": by_seed,
+    }
+
+
+def depth_delivered(rows: list[dict[str, Any]], preset_name: str) -> list[dict[str, Any]]:
+    """D for every stack that has its one-block and deep-block rows, per route."""
+
+    def ce(model: str, blocks: int, lpb: int, route: str) -> float | None:
+        for r in rows:
+            same = (r["preset"], r["model"], r["blocks"], r["layers_per_block"], r["route"])
+            if same == (preset_name, model, blocks, lpb, route):
+                return float(r["test_ce"])
+        return None
+
+    out = []
+    lpb = min(r["layers_per_block"] for r in rows if r["preset"] == preset_name)
+    one = ce("blocktrain", 1, lpb, "state")
+    for r in rows:
+        b = r["blocks"]
+        if r["preset"] != preset_name or r["model"] != "blocktrain" or b == 1 or one is None:
+            continue
+        deep = ce("blocktrain", 1, b * lpb, "state")
+        ref_one, ref_deep = (
+            ce("reference", 1, lpb, "end-to-end"),
+            ce("reference", 1, b * lpb, "end-to-end"),
+        )
+        gain = one - r["test_ce"]
+        out.append(
+            {
+                "preset": preset_name,
+                "blocks": b,
+                "route": r["route"],
+                "D": None if deep is None else gain / (one - deep),
+                "D_reference": None
+                if ref_one is None or ref_deep is None
+                else gain / (ref_one - ref_deep),
+            }
+        )
+    return out
+
+
+def markdown(result: dict[str, Any]) -> str:
+    mib = 1024**2
+    sweeps = ", ".join(f"{m} at {name}" for name, m in result["sweeps"].items())
+    lines = [
+        f"Each row a `blocktrain train` run, scored on the same {result['test_bytes']:,} test "
+        f"bytes (BlockTrain: sampler CE over M sweeps, M = {sweeps}; a reference: its exact CE); "
+        "`test_ce` is the mean over the seeds listed, with its standard error where there are "
+        "several. Worker MiB: the largest worker's weights, gradients and AdamW moments, plus "
+        "the frozen 16-bit upstream clean streams under `features` (training/plan.py).",
+        "",
+        "| preset | model | blocks x layers | route | steps | train GFLOP | worker MiB | test CE | seeds |",
+        "|---|---|---|---|---:|---:|---:|---:|---|",
+    ]
+    for r in result["rows"]:
+        se = f" ± {r['test_ce_se']:.3f}" if r["test_ce_se"] else ""
+        lines.append(
+            f"| {r['preset']} | {r['model']} | {r['blocks']} x {r['layers_per_block']} | "
+            f"{r['route']} | {r['steps']} | {r['train_gflops']:.0f} | "
+            f"{r['worker_state_bytes'] / mib:.2f} | {r['test_ce']:.3f}{se} | "
+            f"{','.join(map(str, r['seeds']))} |"
+        )
+    lines += [
+        "",
+        "| preset | blocks | route | D (deep block) | D (references) |",
+        "|---|---:|---|---:|---:|",
+    ]
+    for d in result["depth"]:
+        fmt = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
+        lines.append(
+            f"| {d['preset']} | {d['blocks']} | {d['route']} | {fmt(d['D'])} | {fmt(d['D_reference'])} |"
+        )
+    lines += ["", "```sh", *result["commands"], "```"]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--preset", default="tiny", choices=("tiny", "small"))
+    p.add_argument("--steps", type=int, default=1000, help="training steps of every row")
+    p.add_argument("--blocks", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2, 3, 6])
+    p.add_argument("--routes", type=lambda s: s.split(","), default=["state", "features"])
+    p.add_argument(
+        "--deep",
+        type=lambda s: [int(v) for v in s.split(",") if v],
+        default=[3],
+        help="B values whose one-block-of-B x L-layers row and references are run",
+    )
+    p.add_argument("--seeds", type=lambda s: [int(v) for v in s.split(",")], default=[0])
+    p.add_argument("--sweeps", type=int, help="M of the sampler CE (default: 16 tiny, 64 small)")
+    p.add_argument("--bytes", type=int, default=32768, help="test bytes")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--data", help="data path (default: $BLOCKTRAIN_DATA)")
+    args = p.parse_args()
+    args.sweeps = args.sweeps or DEFAULT_SWEEPS[args.preset]
+    torch.set_num_threads(args.threads)
+    data = resolve_data_path(args.data)
+    path = ROOT / "benchmarks" / "results" / RESULT
+    old = json.loads(path.read_text()) if path.exists() else {"rows": [], "commands": []}
+    by_key = {Row(**{k: r[k] for k in Row.__dataclass_fields__}).key: r for r in old["rows"]}
+    for row in grid(args):
+        by_seed = dict(by_key[row.key]["by_seed"]) if row.key in by_key else {}
+        for seed in args.seeds:
+            if str(seed) not in by_seed:
+                by_seed[str(seed)] = measure(row, seed, args, data)
+                print(f"{row.key} seed {seed}: {by_seed[str(seed)]['test_ce']:.4f}", flush=True)
+        by_key[row.key] = summarise(row, by_seed, row.config(0, args.threads), data)
+    rows = sorted(
+        by_key.values(),
+        key=lambda r: (
+            r["preset"],
+            r["model"] != "blocktrain",
+            r["blocks"],
+            r["layers_per_block"],
+            r["route"],
+        ),
+    )
+    command = "python bench/compose.py " + " ".join(sys.argv[1:])
+    commands = [c for c in old.get("commands", []) if c != command] + [command]
+    presets = sorted({r["preset"] for r in rows})
+    result = {
+        "machine": machine(),
+        "sweeps": DEFAULT_SWEEPS,
+        "test_bytes": args.bytes,
+        "commands": commands,
+        "rows": rows,
+        "depth": [d for name in presets for d in depth_delivered(rows, name)],
+    }
+    write_json(RESULT, result)
+    update_section("compose", markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

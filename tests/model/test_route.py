@@ -1,0 +1,134 @@
+"""`route = features`: block b+1 continues block b's clean stream, with no gradient across."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from blocktrain.cli.main import main
+from blocktrain.config import ModelConfig
+from blocktrain.errors import ConfigError
+from blocktrain.model import BlockStack, ZLayout
+from blocktrain.training.local import LocalBlockTrainer
+from blocktrain.training.loss import BlockLoss
+from blocktrain.training.plan import TRAINED_BYTES_PER_PARAM, UPSTREAM_BYTES_PER_PARAM, plan
+from tests.cli.test_cli import TINY, fails_cleanly
+from tests.conftest import micro_config
+
+FEATURES = [*TINY[:-1], "route=features", TINY[-1]]  # TINY's --set, plus the route
+CFG = ModelConfig(d_model=32, n_heads=2, layers=3, blocks=3, seq_len=16, span=1, route="features")
+
+
+def randomised_stack(cfg: ModelConfig = CFG) -> BlockStack:
+    """A stack whose zero-initialised parts are made non-zero, so every path carries signal."""
+    stack = BlockStack(cfg, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in stack.blocks.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return stack.eval()
+
+
+def inputs(cfg: ModelConfig = CFG) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ZLayout]:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 256, (2, cfg.seq_len), generator=gen)
+    z = torch.randn(2, cfg.seq_len, cfg.d_model, generator=gen)
+    return x, z, torch.full((2,), 1.5), ZLayout.training(cfg.seq_len, cfg.span)
+
+
+def test_a_block_reads_the_chain_of_clean_streams_before_it():
+    stack = randomised_stack()
+    x, z, sigma, layout = inputs()
+    chain = stack.block(1).clean_stream(x, stack.block(0).clean_stream(x))
+    expected = stack.block(2)(x, z, sigma, layout, upstream=chain)[0]
+    torch.testing.assert_close(stack.denoise(2, x, z, sigma, layout)[0], expected)
+    assert stack.upstream(0, x) is None
+    # Under route = state the same weights read nothing from upstream.
+    state = BlockStack(dataclasses.replace(CFG, route="state"), seed=0)
+    state.load_state_dict(stack.state_dict())
+    assert state.upstream(2, x) is None
+    alone = stack.block(2)(x, z, sigma, layout)[0]
+    torch.testing.assert_close(state.denoise(2, x, z, sigma, layout)[0], alone)
+    assert (alone - expected).abs().max() > 1e-3
+
+
+def test_the_kept_chain_follows_a_new_context_and_new_weights():
+    stack = randomised_stack()
+    x, z, sigma, layout = inputs()
+    first = stack.denoise(2, x, z, sigma, layout)[0]
+    x2 = x.clone()
+    x2[:, 0] = (x2[:, 0] + 1) % 256
+    assert (stack.denoise(2, x2, z, sigma, layout)[0] - first).abs().max() > 0
+    with torch.no_grad():
+        stack.block(0).layers[0].fc1.weight.mul_(2.0)  # in place: the same tensors
+    chain = stack.block(1).clean_stream(x, stack.block(0).clean_stream(x))
+    expected = stack.block(2)(x, z, sigma, layout, upstream=chain)[0]
+    torch.testing.assert_close(stack.denoise(2, x, z, sigma, layout)[0], expected)
+
+
+def test_no_gradient_crosses_a_block_boundary():
+    stack = randomised_stack().train()
+    loss = BlockLoss(CFG, stack.targets, stack.upstream)
+    x = inputs()[0]
+    parts = loss(stack.block(2), 2, x, torch.Generator().manual_seed(0))
+    parts.total.backward()
+    assert all(p.grad is None for b in (0, 1) for p in stack.block(b).parameters())
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in stack.block(2).parameters())
+
+
+def test_a_context_byte_reaches_only_later_positions_through_the_chain():
+    stack = randomised_stack()
+    x, z, sigma, layout = inputs()
+    x2 = x.clone()
+    x2[:, 5] = (x2[:, 5] + 3) % 256
+    moved = stack.denoise(2, x, z, sigma, layout)[0] - stack.denoise(2, x2, z, sigma, layout)[0]
+    moved = moved.abs().amax(dim=(0, 2))  # (T,)
+    assert (moved[:6] == 0).all(), moved  # position i sees bytes < i (K = 1)
+    assert moved[6:].min() > 0
+
+
+def test_a_stack_without_the_upstream_blocks_says_so():
+    stack = BlockStack(CFG, seed=0, blocks=[2])
+    x, z, sigma, layout = inputs()
+    with pytest.raises(ConfigError, match=r"does not hold block\(s\) \[0, 1\]"):
+        stack.denoise(2, x, z, sigma, layout)
+
+
+def test_plan_counts_the_frozen_upstream_in_a_worker_memory():
+    cfg = dataclasses.replace(micro_config(), model=CFG)
+    state = dataclasses.replace(cfg, model=dataclasses.replace(CFG, route="state"))
+    own = plan(state)["worker_state_bytes_per_block"]
+    up = plan(cfg)["worker_state_bytes_per_block"]
+    assert own == [plan(state)["params_per_block"][0] * TRAINED_BYTES_PER_PARAM] * 3
+    step = up[1] - up[0]
+    assert up[0] == own[0] and up == [own[0], own[0] + step, own[0] + 2 * step]
+    assert 0 < step < own[0] * UPSTREAM_BYTES_PER_PARAM / TRAINED_BYTES_PER_PARAM
+
+
+def test_parts_that_pass_only_the_state_refuse_a_features_model(corpus, tmp_path, capsys):
+    cfg = dataclasses.replace(micro_config(), model=CFG)
+    with pytest.raises(ConfigError, match="not supported by decentralised workers"):
+        LocalBlockTrainer(cfg, 1, None, data_seed=0)  # type: ignore[arg-type]
+    run = tmp_path / "run"
+    argv = ["train", "--data", str(corpus), "--out", str(run), "--steps", "2", *FEATURES]
+    assert main(argv) == 0
+    capsys.readouterr()
+    fails_cleanly(capsys, ["serve-block", str(run), "--blocks", "0", "--port", "0"], "block hosts")
+    state = tmp_path / "state"
+    aggregator = ["aggregator", "--state", str(state), "--preset", "tiny", "--data", str(corpus)]
+    fails_cleanly(capsys, [*aggregator, "--set", "route=features"], "the aggregator")
+    assert not state.exists()
+
+
+def test_train_eval_generate_a_features_run(corpus, tmp_path, capsys):
+    run = tmp_path / "run"
+    argv = ["train", "--data", str(corpus), "--out", str(run), "--steps", "2", *FEATURES]
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert main(["eval", str(run), "--data", str(corpus), "--json", "--bytes", "64", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert '"oracle_ce"' in out and '"sampler_ce"' in out
+    assert main(["generate", str(run), "--prompt", "The ", "--bytes", "8"]) == 0
+    assert capsys.readouterr().out.startswith("The ")
