@@ -25,6 +25,7 @@ benchmarks/results/compose.json, so a row's `test_ce` is the mean over every see
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import statistics
@@ -37,6 +38,7 @@ import torch
 
 from blocktrain.config import RunConfig, apply_overrides, preset
 from blocktrain.data import load_split, resolve_data_path
+from blocktrain.model import BlockStack
 from blocktrain.training import Trainer
 from blocktrain.training.checkpoint import RunInfo
 from blocktrain.training.flops import count_flops
@@ -56,13 +58,20 @@ class Row:
     layers_per_block: int
     route: str  # state, features, or end-to-end for a reference
     steps: int
+    upstream_every: int = 1
+    """Steps between refreshes of the upstream copy a block reads (1: always the latest)."""
+    upstream_lag: int = 0
+    """Refreshes the upstream copy lags behind: a worker that pulls upstream versions once a
+    round of H = upstream_every steps, k rounds old."""
 
     @property
     def key(self) -> str:
-        return (
+        key = (
             f"{self.preset}-{self.model}-b{self.blocks}-l{self.layers_per_block}-"
             f"{self.route}-{self.steps}"
         )
+        stale = (self.upstream_every, self.upstream_lag) != (1, 0)
+        return key + (f"-up{self.upstream_every}x{self.upstream_lag}" if stale else "")
 
     def overrides(self, seed: int, threads: int) -> list[str]:
         layers = self.blocks * self.layers_per_block
@@ -80,9 +89,10 @@ def grid(args: argparse.Namespace) -> list[Row]:
     lpb = {"tiny": 1, "small": 2}.get(args.preset, 1)
     steps = args.steps
     rows = [Row(args.preset, "blocktrain", 1, lpb, "state", steps)]
-    for b in args.blocks:
-        if b > 1:
-            rows += [Row(args.preset, "blocktrain", b, lpb, r, steps) for r in args.routes]
+    for b in (b for b in args.blocks if b > 1):
+        rows += [Row(args.preset, "blocktrain", b, lpb, r, steps) for r in args.routes]
+        for every, lag in args.stale:
+            rows.append(Row(args.preset, "blocktrain", b, lpb, "features", steps, every, lag))
     for b in args.deep:
         rows.append(Row(args.preset, "blocktrain", 1, b * lpb, "state", steps))
     for layers in sorted({lpb, *(b * lpb for b in args.deep)}):
@@ -119,12 +129,35 @@ def worker_bytes(row: Row, cfg: RunConfig) -> int:
     return max(p["worker_state_bytes_per_block"])
 
 
+def train_stale(run: Path, row: Row, cfg: RunConfig, data: Path) -> None:
+    """`blocktrain train`'s loop, with every block reading a copy of the stack that is
+    refreshed every `upstream_every` steps and lags `upstream_lag` refreshes behind: what a
+    worker sees that pulls the upstream versions once a round."""
+    state = run / "state.json"
+    if state.exists() and json.loads(state.read_text())["step"] >= cfg.train.steps:
+        return
+    trainer = Trainer.create(cfg, run, load_split(data, "train"), None, overwrite=True)
+    assert trainer.stack is not None
+    stale = BlockStack(cfg.model, cfg.seed).to(trainer.device).eval()
+    for unit in trainer.units:
+        loss = unit.objective.func  # type: ignore[attr-defined]  # partial(BlockLoss, block, b)
+        loss.upstream = stale.upstream
+    kept: list[dict[str, torch.Tensor]] = []
+    for start in range(0, cfg.train.steps, row.upstream_every):
+        kept = [*kept, copy.deepcopy(trainer.stack.state_dict())][-(row.upstream_lag + 1) :]
+        stale.load_state_dict(kept[0])
+        trainer.run(progress=False, until=start + row.upstream_every)
+
+
 def measure(row: Row, seed: int, args: argparse.Namespace, data: Path) -> dict[str, Any]:
     run = WORK / f"{row.key}-seed{seed}"
-    argv = ["--preset", row.preset, "--steps", str(row.steps)]
-    argv += ["--reference"] if row.model == "reference" else []
-    argv += ["--set", *row.overrides(seed, args.threads)]
-    trained(run, argv)
+    if (row.upstream_every, row.upstream_lag) != (1, 0):
+        print(f"training {run} in process (stale upstream)", file=sys.stderr, flush=True)
+        train_stale(run, row, row.config(seed, args.threads), data)
+    else:
+        argv = ["--preset", row.preset, "--steps", str(row.steps)]
+        argv += ["--reference"] if row.model == "reference" else []
+        trained(run, [*argv, "--set", *row.overrides(seed, args.threads)])
     argv = ["eval", str(run), "--split", "test", "--json", "-q"]
     ev = json.loads(blocktrain([*argv, "--bytes", str(args.bytes), "--sweeps", str(args.sweeps)]))
     state = json.loads((run / "state.json").read_text())
@@ -176,6 +209,8 @@ def depth_delivered(rows: list[dict[str, Any]], preset_name: str) -> list[dict[s
                 "preset": preset_name,
                 "blocks": b,
                 "route": r["route"],
+                "upstream_every": r.get("upstream_every", 1),
+                "upstream_lag": r.get("upstream_lag", 0),
                 "D": None if deep is None else gain / (one - deep),
                 "D_reference": None
                 if ref_one is None or ref_deep is None
@@ -183,6 +218,13 @@ def depth_delivered(rows: list[dict[str, Any]], preset_name: str) -> list[dict[s
             }
         )
     return out
+
+
+def route_label(r: dict[str, Any]) -> str:
+    every, lag = r.get("upstream_every", 1), r.get("upstream_lag", 0)
+    if (every, lag) == (1, 0):
+        return str(r["route"])
+    return f"{r['route']}, upstream every {every} steps, {lag} behind"
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -202,7 +244,7 @@ def markdown(result: dict[str, Any]) -> str:
         se = f" ± {r['test_ce_se']:.3f}" if r["test_ce_se"] else ""
         lines.append(
             f"| {r['preset']} | {r['model']} | {r['blocks']} x {r['layers_per_block']} | "
-            f"{r['route']} | {r['steps']} | {r['train_gflops']:.0f} | "
+            f"{route_label(r)} | {r['steps']} | {r['train_gflops']:.0f} | "
             f"{r['worker_state_bytes'] / mib:.2f} | {r['test_ce']:.3f}{se} | "
             f"{','.join(map(str, r['seeds']))} |"
         )
@@ -214,7 +256,7 @@ def markdown(result: dict[str, Any]) -> str:
     for d in result["depth"]:
         fmt = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
         lines.append(
-            f"| {d['preset']} | {d['blocks']} | {d['route']} | {fmt(d['D'])} | {fmt(d['D_reference'])} |"
+            f"| {d['preset']} | {d['blocks']} | {route_label(d)} | {fmt(d['D'])} | {fmt(d['D_reference'])} |"
         )
     lines += ["", "```sh", *result["commands"], "```"]
     return "\n".join(lines)
@@ -234,6 +276,13 @@ def main() -> None:
         default=[3],
         help="B values whose one-block-of-B x L-layers row and references are run",
     )
+    p.add_argument(
+        "--stale",
+        type=lambda s: [tuple(int(v) for v in item.split(":")) for item in s.split(",") if item],
+        default=[],
+        help="EVERY:LAG,...: features rows whose upstream copy is refreshed every EVERY steps, "
+        "LAG refreshes behind",
+    )
     p.add_argument("--seeds", type=lambda s: [int(v) for v in s.split(",")], default=[0])
     p.add_argument("--sweeps", type=int, help="M of the sampler CE (default: 16 tiny, 64 small)")
     p.add_argument("--bytes", type=int, default=32768, help="test bytes")
@@ -245,7 +294,8 @@ def main() -> None:
     data = resolve_data_path(args.data)
     path = ROOT / "benchmarks" / "results" / RESULT
     old = json.loads(path.read_text()) if path.exists() else {"rows": [], "commands": []}
-    by_key = {Row(**{k: r[k] for k in Row.__dataclass_fields__}).key: r for r in old["rows"]}
+    fields = Row.__dataclass_fields__
+    by_key = {Row(**{k: r[k] for k in fields if k in r}).key: r for r in old["rows"]}
     for row in grid(args):
         by_seed = dict(by_key[row.key]["by_seed"]) if row.key in by_key else {}
         for seed in args.seeds:
@@ -261,6 +311,8 @@ def main() -> None:
             r["blocks"],
             r["layers_per_block"],
             r["route"],
+            r.get("upstream_every", 1),
+            r.get("upstream_lag", 0),
         ),
     )
     command = "python bench/compose.py " + " ".join(sys.argv[1:])
