@@ -9,9 +9,11 @@ import torch
 
 from blocktrain.cli.main import main
 from blocktrain.config import ModelConfig
-from blocktrain.errors import ConfigError
+from blocktrain.data import load_split
+from blocktrain.errors import ConfigError, ProtocolError
 from blocktrain.model import BlockStack, ZLayout
-from blocktrain.training.local import LocalBlockTrainer
+from blocktrain.simulate import REGIMES, SimSpec, simulate
+from blocktrain.training.local import LocalBlockTrainer, initial_blocks
 from blocktrain.training.loss import BlockLoss
 from blocktrain.training.plan import TRAINED_BYTES_PER_PARAM, UPSTREAM_BYTES_PER_PARAM, plan
 from tests.cli.test_cli import TINY, fails_cleanly
@@ -107,10 +109,65 @@ def test_plan_counts_the_frozen_upstream_in_a_worker_memory():
     assert 0 < step < own[0] * UPSTREAM_BYTES_PER_PARAM / TRAINED_BYTES_PER_PARAM
 
 
-def test_parts_that_pass_only_the_state_refuse_a_features_model(corpus, tmp_path, capsys):
+def test_a_worker_trains_on_the_upstream_versions_it_was_given(corpus):
     cfg = dataclasses.replace(micro_config(), model=CFG)
-    with pytest.raises(ConfigError, match="not supported by decentralised workers"):
-        LocalBlockTrainer(cfg, 1, None, data_seed=0)  # type: ignore[arg-type]
+    train = load_split(corpus, "train")
+    initial = initial_blocks(cfg)
+    deltas = []
+    for scale in (1.0, 3.0):
+        worker = LocalBlockTrainer(cfg, 2, train, data_seed=0)
+        assert worker.upstream_blocks == [0, 1]
+        worker.load(initial[2])
+        with pytest.raises(ProtocolError, match="load_upstream"):
+            worker.train(1, 0)
+        with pytest.raises(ProtocolError, match="reads blocks"):
+            worker.load_upstream({0: initial[0]})
+        worker.load_upstream({b: {k: v * scale for k, v in initial[b].items()} for b in (0, 1)})
+        worker.train(2, 0)
+        deltas.append(worker.delta())
+        assert worker.upstream is not None
+        assert all(p.grad is None for p in worker.upstream.parameters())
+    # the features come from the versions given: other upstream weights, another update
+    assert any(not torch.equal(deltas[0][k], deltas[1][k]) for k in deltas[0])
+    assert LocalBlockTrainer(cfg, 0, train, data_seed=0).upstream_blocks == []
+
+
+def test_the_simulator_pulls_the_upstream_versions_each_round(corpus):
+    rounds, workers = 3, 6
+    reports = {}
+    for route in ("state", "features"):
+        cfg = dataclasses.replace(micro_config(steps=2 * rounds), model=CFG)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(CFG, route=route))
+        spec = SimSpec(
+            cfg,
+            workers,
+            rounds,
+            {"local_steps": 2, "effect_probe": "off"},
+            seed=cfg.seed,
+            eval_bytes=256,
+            final_bytes=512,
+        )
+        report, _ = simulate(
+            spec, [REGIMES["lockstep"]], load_split(corpus, "train"), load_split(corpus, "valid")
+        )
+        reports[route] = report["regimes"]["lockstep"]
+    features = reports["features"]
+    assert features["updates"]["accepted"] == workers * rounds
+    assert features["final_sampler_ce"] < features["initial_ce"]
+    # two workers a block; block b's worker also pulls blocks 0..b-1 whole, in 16 bits
+    numel = sum(v.numel() for v in initial_blocks(cfg)[0].values())
+    extra = rounds * 2 * (0 + 1 + 2) * numel * 2
+    assert features["bytes"]["down"] - reports["state"]["bytes"]["down"] == extra
+    with pytest.raises(ConfigError, match="effect-probe off"):
+        simulate(
+            dataclasses.replace(spec, protocol={"local_steps": 2}),
+            [REGIMES["lockstep"]],
+            load_split(corpus, "train"),
+            load_split(corpus, "valid"),
+        )
+
+
+def test_parts_that_pass_only_the_state_refuse_a_features_model(corpus, tmp_path, capsys):
     run = tmp_path / "run"
     argv = ["train", "--data", str(corpus), "--out", str(run), "--steps", "2", *FEATURES]
     assert main(argv) == 0

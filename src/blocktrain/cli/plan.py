@@ -118,4 +118,7 @@ def run(args: argparse.Namespace) -> int:
         f"  AdamW state       worker {result['optimizer_state_bytes_worker'] / gib:.4f} GiB, "
         f"full model {result['optimizer_state_bytes_full'] / gib:.4f} GiB"
     )
+    workers = ", ".join(f"{b / gib:.4f}" for b in result["worker_state_bytes_per_block"])
+    upstream = " + the frozen upstream clean streams" if m["route"] == "features" else ""
+    print(f"  worker memory     {workers} GiB by block (weights, gradients, AdamW{upstream})")
     return 0

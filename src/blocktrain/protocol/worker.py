@@ -45,8 +45,15 @@ FATAL_REASONS = frozenset({"missing_token", "invalid_token", "revoked_token"})
 class LocalTrainer(Protocol):
     """What the loop needs of a block replica's trainer."""
 
+    upstream_blocks: list[int]
+    """The blocks whose latest versions it reads each round besides its own (`route =
+    features`: the blocks before it); empty when only the noisy state passes."""
+
     def load(self, weights: Tensors) -> None:
         """Start a round from these weights (the optimizer state carries over)."""
+
+    def load_upstream(self, blocks: dict[int, Tensors]) -> None:
+        """The versions of `upstream_blocks` this round reads, frozen."""
 
     def train(
         self, steps: int, first_step: int, should_stop: Callable[[], bool]

@@ -100,6 +100,7 @@ class ForgingTrainer:
 
     def __init__(self, kind: str, bound: float, tokens: int, seed: int) -> None:
         self.kind = kind
+        self.upstream_blocks: list[int] = []  # it reads nothing from other blocks
         self.bound = AT_BOUND * bound
         self.tokens = tokens
         self.seed = seed
@@ -108,6 +109,9 @@ class ForgingTrainer:
 
     def load(self, weights: Tensors) -> None:
         self.weights = {k: v.float() for k, v in weights.items()}
+
+    def load_upstream(self, blocks: dict[int, Tensors]) -> None:
+        pass
 
     def train(
         self, steps: int, first_step: int, should_stop: Callable[[], bool] = lambda: False

@@ -50,9 +50,13 @@ class TimingOnlyTrainer:
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], tokens_per_step: int) -> None:
         self.zeros = {k: torch.zeros(s) for k, s in shapes.items()}
+        self.upstream_blocks: list[int] = []  # it reads nothing from other blocks
         self.tokens_per_step = tokens_per_step
 
     def load(self, weights: Tensors) -> None:
+        pass
+
+    def load_upstream(self, blocks: dict[int, Tensors]) -> None:
         pass
 
     def train(
@@ -80,6 +84,8 @@ class VirtualWorker:
     """The round of the pull in flight (its weights: `held`)."""
     held: View | None = None
     """The weights it last pulled, as they arrived (compressed pulls are deltas from it)."""
+    upstream: dict[int, Tensors] = field(default_factory=dict)
+    """The committed versions of its trainer's upstream blocks, pulled with its own."""
     body: tuple[int, bytes] | None = None
     """(round, body) of the push in flight."""
     stopped: bool = False
@@ -143,7 +149,8 @@ class Simulation:
         self.regime = regime
         self.rng = random.Random(f"blocktrain-simulate:{seed}:{regime.name}")
         n_params = largest_block(initial)
-        wire_bytes = n_params * (4 if settings.wire_dtype == "fp32" else 2)
+        self._dtype_bytes = 4 if settings.wire_dtype == "fp32" else 2
+        wire_bytes = n_params * self._dtype_bytes
         self.deadline_s = regime.deadline_for(settings.local_steps, wire_bytes, wire_bytes)
         self.settings = settings.replace(deadline_s=self.deadline_s)
         self.agg = SimAggregator(initial, self.settings, probe)
@@ -237,6 +244,12 @@ class Simulation:
         w.holding = view
         w.held = weights
         nbytes = self._wire_bytes if delta_bytes is None else delta_bytes
+        # route = features: the latest committed versions of the blocks it reads, pulled whole
+        # in the wire dtype with its own (commits build new dicts: these stay as pulled)
+        w.upstream = {b: self.agg.blocks[b].weights for b in w.trainer.upstream_blocks}
+        nbytes += sum(
+            self._dtype_bytes * v.numel() for t in w.upstream.values() for v in t.values()
+        )
         self.bytes_down += nbytes
         self._at(now + self._latency() + nbytes / w.bandwidth, "pulled", w.id)
 
@@ -252,6 +265,7 @@ class Simulation:
         h = self.settings.local_steps
         step_s = self.regime.step_s.draw(self.rng)
         w.trainer.load(weights)
+        w.trainer.load_upstream(w.upstream)
         t0 = time.perf_counter()
         logs = w.trainer.train(h, view.round * h, _never)
         self.clocks.train_s += time.perf_counter() - t0

@@ -126,6 +126,11 @@ def simulate(
         )
         initial_ce = evaluate(initial)
         if settings.effect_probe == "on":  # its slice starts after the evaluation's windows
+            if cfg.model.route != "state":
+                raise ConfigError(
+                    f"route = {cfg.model.route} simulates with --effect-probe off: the probe "
+                    "does not read upstream features yet"
+                )
             probe = BlockProbe(cfg, valid, skip_bytes=max(spec.eval_bytes, spec.final_bytes))
     report: dict[str, Any] = {
         "config": cfg.to_dict(),

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from blocktrain.config import RunConfig, require_state_route
+from blocktrain.config import RunConfig
 from blocktrain.data import ByteSource
 from blocktrain.errors import CheckpointError, ProtocolError
 from blocktrain.model import BlockStack, init_block, target_table
@@ -45,7 +45,6 @@ class LocalBlockTrainer:
     ) -> None:
         if not 0 <= block < cfg.model.blocks:
             raise ProtocolError(f"block {block} is outside 0..{cfg.model.blocks - 1}")
-        require_state_route(cfg.model, "decentralised workers and the simulator")
         self.cfg = cfg
         self.block_index = block
         self.data = data
@@ -53,7 +52,18 @@ class LocalBlockTrainer:
         self.device = torch.device(device)
         self.module = init_block(cfg.model, cfg.seed, block).to(self.device)
         self.targets = target_table(cfg.seed, cfg.model.d_model).to(self.device)
-        self.objective = functools.partial(BlockLoss(cfg.model, self.targets), self.module, block)
+        # route = features: the blocks before this one, frozen, refreshed each round
+        self.upstream: BlockStack | None = None
+        self.upstream_blocks: list[int] = []
+        self._upstream_loaded = False
+        if cfg.model.route == "features" and block > 0:
+            self.upstream_blocks = list(range(block))
+            self.upstream = BlockStack(cfg.model, cfg.seed, self.upstream_blocks).to(self.device)
+            self.upstream.eval().requires_grad_(False)
+        loss = BlockLoss(
+            cfg.model, self.targets, None if self.upstream is None else self.upstream.upstream
+        )
+        self.objective = functools.partial(loss, self.module, block)
         self.optimizer = make_optimizer(self.module, cfg.train)
         self.base: Tensors | None = None
         self.steps_done = 0
@@ -61,29 +71,31 @@ class LocalBlockTrainer:
     def load(self, weights: Tensors) -> None:
         """Set the block's weights to a round's published version (names and shapes must match
         exactly); the optimizer state is kept."""
-        own = self.module.state_dict()
-        missing, extra = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
-        if missing or extra:
-            raise ProtocolError(
-                f"the aggregator's block {self.block_index} does not match this "
-                f"model ({len(missing)} missing, {len(extra)} unexpected "
-                f"tensors, e.g. {(missing or extra)[0]!r})"
-            )
-        with torch.no_grad():
-            for name, value in weights.items():
-                if value.shape != own[name].shape:
-                    raise ProtocolError(
-                        f"{name} has shape {tuple(value.shape)}; this model's is "
-                        f"{tuple(own[name].shape)}"
-                    )
-                own[name].copy_(value)
+        _copy_weights(self.module, weights, self.block_index)
         self.base = {k: v.detach().float().clone() for k, v in self.module.state_dict().items()}
+
+    def load_upstream(self, blocks: dict[int, Tensors]) -> None:
+        """The versions of the blocks before this one that this round's features come from."""
+        if sorted(blocks) != self.upstream_blocks:
+            raise ProtocolError(
+                f"block {self.block_index} reads blocks {self.upstream_blocks} upstream, "
+                f"not {sorted(blocks)}"
+            )
+        if self.upstream is not None:
+            for b, weights in blocks.items():
+                _copy_weights(self.upstream.block(b), weights, b)
+            self._upstream_loaded = True
 
     def train(
         self, steps: int, first_step: int, should_stop: Callable[[], bool] = lambda: False
     ) -> dict[str, float]:
         """Up to `steps` AdamW updates at run steps first_step, first_step + 1, ... Returns the
         target bytes trained on ("tokens"), the mean loss and the steps done."""
+        if self.upstream is not None and not self._upstream_loaded:
+            raise ProtocolError(
+                f"block {self.block_index} reads the clean streams of blocks "
+                f"{self.upstream_blocks} (route = features): load_upstream() first"
+            )
         self.module.train()
         losses: list[float] = []
         tokens = 0
@@ -112,6 +124,26 @@ class LocalBlockTrainer:
         if self.base is None:
             raise ProtocolError("no weights loaded yet: call load() first")
         return {k: v.detach().float() - self.base[k] for k, v in self.module.state_dict().items()}
+
+
+def _copy_weights(module: torch.nn.Module, weights: Tensors, index: int) -> None:
+    """Copy a published version into `module` in place; names and shapes must match exactly."""
+    own = module.state_dict()
+    missing, extra = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
+    if missing or extra:
+        raise ProtocolError(
+            f"the aggregator's block {index} does not match this "
+            f"model ({len(missing)} missing, {len(extra)} unexpected "
+            f"tensors, e.g. {(missing or extra)[0]!r})"
+        )
+    with torch.no_grad():
+        for name, value in weights.items():
+            if value.shape != own[name].shape:
+                raise ProtocolError(
+                    f"{name} has shape {tuple(value.shape)}; this model's is "
+                    f"{tuple(own[name].shape)}"
+                )
+            own[name].copy_(value)
 
 
 def initial_blocks(cfg: RunConfig) -> dict[int, Tensors]:
