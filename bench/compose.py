@@ -39,9 +39,11 @@ import torch
 from blocktrain.config import RunConfig, apply_overrides, preset
 from blocktrain.data import load_split, resolve_data_path
 from blocktrain.model import BlockStack
-from blocktrain.training import Trainer
+from blocktrain.simulate import REGIMES, SimSpec, simulate
+from blocktrain.training import EvalSettings, Trainer, evaluate_blocktrain
 from blocktrain.training.checkpoint import RunInfo
 from blocktrain.training.flops import count_flops
+from blocktrain.training.local import build_stack
 from blocktrain.training.plan import TRAINED_BYTES_PER_PARAM, plan
 from report import ROOT, blocktrain, machine, trained, update_section, write_json
 
@@ -220,6 +222,56 @@ def depth_delivered(rows: list[dict[str, Any]], preset_name: str) -> list[dict[s
     return out
 
 
+HEAD_TO_HEAD = (
+    ("blocktrain", 3, "state"),
+    ("blocktrain", 3, "features"),
+    ("blocktrain", 1, "state"),
+)
+"""The decentralised rows: (method, blocks, route), W workers spread evenly over the blocks."""
+
+
+def head_to_head(args: argparse.Namespace, data: Path) -> list[dict[str, Any]]:
+    """The simulator with real local training: W workers of equal memory (one block each),
+    R rounds of H local steps, the lockstep regime, no effect probe; the final model's
+    sampler CE on the bench's test bytes."""
+    workers, rounds, h = args.simulate
+    lpb = {"tiny": 1, "small": 2}.get(args.preset, 1)
+    out = []
+    test = load_split(data, "test").windows(preset(args.preset).model.seq_len, args.bytes)
+    for method, blocks, route in HEAD_TO_HEAD:
+        row = Row(args.preset, "blocktrain", blocks, lpb, route, rounds * h)
+        cfg = row.config(args.seeds[0], args.threads)
+        protocol = {"local_steps": h, "effect_probe": "off"}
+        spec = SimSpec(cfg, workers, rounds, protocol, seed=cfg.seed)
+        print(f"simulating {row.key} with {workers} workers", file=sys.stderr, flush=True)
+        report, weights = simulate(
+            spec, [REGIMES["lockstep"]], load_split(data, "train"), load_split(data, "valid")
+        )
+        result = report["regimes"]["lockstep"]
+        stack = build_stack(cfg, weights["lockstep"])
+        ev = evaluate_blocktrain(stack, test, EvalSettings(sweeps=args.sweeps, seed=0))
+        out.append(
+            {
+                "method": f"{method} B = {blocks}, {route}",
+                "preset": args.preset,
+                "blocks": blocks,
+                "route": route,
+                "params_total": plan(cfg)["params_total"],
+                "workers": workers,
+                "rounds": rounds,
+                "local_steps": h,
+                "bytes_moved": result["bytes"]["down"] + result["bytes"]["up"],
+                "virtual_time_s": result["virtual_time_s"],
+                "accepted": result["updates"]["accepted"],
+                "worker_state_bytes": worker_bytes(row, cfg),
+                "test_ce": ev["sampler_ce"],
+                "seed": cfg.seed,
+            }
+        )
+        print(f"  test CE {ev['sampler_ce']:.4f}", file=sys.stderr, flush=True)
+    return out
+
+
 def route_label(r: dict[str, Any]) -> str:
     every, lag = r.get("upstream_every", 1), r.get("upstream_lag", 0)
     if (every, lag) == (1, 0):
@@ -258,6 +310,22 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(
             f"| {d['preset']} | {d['blocks']} | {route_label(d)} | {fmt(d['D'])} | {fmt(d['D_reference'])} |"
         )
+    if result.get("head_to_head"):
+        lines += [
+            "",
+            "Decentralised, in the simulator with real local training (lockstep regime, no "
+            "effect probe, fp16 wire): every worker holds one block.",
+            "",
+            "| method | params | workers | rounds x H | bytes moved (MB) | virtual s | worker MiB | test CE |",
+            "|---|---:|---:|---|---:|---:|---:|---:|",
+        ]
+        for r in result["head_to_head"]:
+            lines.append(
+                f"| {r['method']} | {r['params_total']:,} | {r['workers']} | "
+                f"{r['rounds']} x {r['local_steps']} | {r['bytes_moved'] / 1e6:.1f} | "
+                f"{r['virtual_time_s']:.0f} | {r['worker_state_bytes'] / mib:.2f} | "
+                f"{r['test_ce']:.3f} |"
+            )
     lines += ["", "```sh", *result["commands"], "```"]
     return "\n".join(lines)
 
@@ -283,6 +351,12 @@ def main() -> None:
         help="EVERY:LAG,...: features rows whose upstream copy is refreshed every EVERY steps, "
         "LAG refreshes behind",
     )
+    p.add_argument(
+        "--simulate",
+        type=lambda s: tuple(int(v) for v in s.split(":")),
+        help="W:R:H: (only) the decentralised head-to-head in the simulator: W workers, R "
+        "rounds of H local steps",
+    )
     p.add_argument("--seeds", type=lambda s: [int(v) for v in s.split(",")], default=[0])
     p.add_argument("--sweeps", type=int, help="M of the sampler CE (default: 16 tiny, 64 small)")
     p.add_argument("--bytes", type=int, default=32768, help="test bytes")
@@ -296,6 +370,15 @@ def main() -> None:
     old = json.loads(path.read_text()) if path.exists() else {"rows": [], "commands": []}
     fields = Row.__dataclass_fields__
     by_key = {Row(**{k: r[k] for k in fields if k in r}).key: r for r in old["rows"]}
+    if args.simulate:
+        old = {"sweeps": DEFAULT_SWEEPS, "test_bytes": args.bytes, "depth": [], **old}
+        old["head_to_head"] = head_to_head(args, data)
+        command = "python bench/compose.py " + " ".join(sys.argv[1:])
+        old["commands"] = [c for c in old.get("commands", []) if c != command] + [command]
+        write_json(RESULT, old)
+        update_section("compose", markdown(old))
+        print(markdown(old))
+        return
     for row in grid(args):
         by_seed = dict(by_key[row.key]["by_seed"]) if row.key in by_key else {}
         for seed in args.seeds:
@@ -325,6 +408,7 @@ def main() -> None:
         "commands": commands,
         "rows": rows,
         "depth": [d for name in presets for d in depth_delivered(rows, name)],
+        "head_to_head": old.get("head_to_head", []),
     }
     write_json(RESULT, result)
     update_section("compose", markdown(result))
