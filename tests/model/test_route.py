@@ -179,6 +179,14 @@ def test_parts_that_pass_only_the_state_refuse_a_features_model(corpus, tmp_path
     assert not state.exists()
 
 
+def test_a_later_block_alone_cannot_train_under_features(corpus, tmp_path, capsys):
+    run = tmp_path / "one"
+    argv = ["train", "--data", str(corpus), "--out", str(run), "--steps", "2", "--block", "1"]
+    fails_cleanly(capsys, [*argv, *FEATURES], "read the clean streams of the blocks before")
+    assert not run.exists()
+    assert main([*argv[:-1], "0", *FEATURES]) == 0  # block 0 reads nothing upstream
+
+
 def test_train_eval_generate_a_features_run(corpus, tmp_path, capsys):
     run = tmp_path / "run"
     argv = ["train", "--data", str(corpus), "--out", str(run), "--steps", "2", *FEATURES]

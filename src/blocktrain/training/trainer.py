@@ -115,7 +115,14 @@ class Trainer:
                 )
             )
         else:
-            self.stack = BlockStack(mcfg, self.cfg.seed, info.blocks).to(self.device)
+            held = info.blocks
+            if mcfg.route == "features" and held != list(range(len(held))):
+                raise ConfigError(
+                    f"blocks {held} of a route = features run read the clean streams of the "
+                    "blocks before them: train them together with every block before them "
+                    "(or the whole stack), or as workers in the simulator"
+                )
+            self.stack = BlockStack(mcfg, self.cfg.seed, held).to(self.device)
             loss = BlockLoss(mcfg, self.stack.targets, self.stack.upstream)
             for b in self.stack.block_ids:
                 block = self.stack.block(b)
