@@ -87,14 +87,21 @@ class Row:
         return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=self.steps))
 
 
-def grid(args: argparse.Namespace) -> list[Row]:
+def grid(args: argparse.Namespace, data: Path) -> list[Row]:
     lpb = {"tiny": 1, "small": 2}.get(args.preset, 1)
     steps = args.steps
-    rows = [Row(args.preset, "blocktrain", 1, lpb, "state", steps)]
+    one = Row(args.preset, "blocktrain", 1, lpb, "state", steps)
+    rows = [one]
     for b in (b for b in args.blocks if b > 1):
         rows += [Row(args.preset, "blocktrain", b, lpb, r, steps) for r in args.routes]
         for every, lag in args.stale:
             rows.append(Row(args.preset, "blocktrain", b, lpb, "features", steps, every, lag))
+        if args.match_flops:  # one block trained as long as the features stack costs
+            stack = Row(args.preset, "blocktrain", b, lpb, "features", steps)
+            ratio = train_gflops(stack, stack.config(0, 1), data) / train_gflops(
+                one, one.config(0, 1), data
+            )
+            rows.append(dataclasses.replace(one, steps=round(steps * ratio)))
     for b in args.deep:
         rows.append(Row(args.preset, "blocktrain", 1, b * lpb, "state", steps))
     for layers in sorted({lpb, *(b * lpb for b in args.deep)}):
@@ -186,24 +193,25 @@ def summarise(row: Row, by_seed: dict[str, Any], cfg: RunConfig, data: Path) -> 
 def depth_delivered(rows: list[dict[str, Any]], preset_name: str) -> list[dict[str, Any]]:
     """D for every stack that has its one-block and deep-block rows, per route."""
 
-    def ce(model: str, blocks: int, lpb: int, route: str) -> float | None:
+    def ce(model: str, blocks: int, lpb: int, route: str, steps: int) -> float | None:
         for r in rows:
             same = (r["preset"], r["model"], r["blocks"], r["layers_per_block"], r["route"])
-            if same == (preset_name, model, blocks, lpb, route):
+            fresh = (r.get("upstream_every", 1), r.get("upstream_lag", 0)) == (1, 0)
+            if same == (preset_name, model, blocks, lpb, route) and r["steps"] == steps and fresh:
                 return float(r["test_ce"])
         return None
 
     out = []
     lpb = min(r["layers_per_block"] for r in rows if r["preset"] == preset_name)
-    one = ce("blocktrain", 1, lpb, "state")
     for r in rows:
-        b = r["blocks"]
+        b, steps = r["blocks"], r["steps"]
+        one = ce("blocktrain", 1, lpb, "state", steps)
         if r["preset"] != preset_name or r["model"] != "blocktrain" or b == 1 or one is None:
             continue
-        deep = ce("blocktrain", 1, b * lpb, "state")
+        deep = ce("blocktrain", 1, b * lpb, "state", steps)
         ref_one, ref_deep = (
-            ce("reference", 1, lpb, "end-to-end"),
-            ce("reference", 1, b * lpb, "end-to-end"),
+            ce("reference", 1, lpb, "end-to-end", steps),
+            ce("reference", 1, b * lpb, "end-to-end", steps),
         )
         gain = one - r["test_ce"]
         out.append(
@@ -352,6 +360,11 @@ def main() -> None:
         "LAG refreshes behind",
     )
     p.add_argument(
+        "--match-flops",
+        action="store_true",
+        help="also train one block for as many FLOPs as each features stack",
+    )
+    p.add_argument(
         "--simulate",
         type=lambda s: tuple(int(v) for v in s.split(":")),
         help="W:R:H: (only) the decentralised head-to-head in the simulator: W workers, R "
@@ -379,7 +392,7 @@ def main() -> None:
         update_section("compose", markdown(old))
         print(markdown(old))
         return
-    for row in grid(args):
+    for row in grid(args, data):
         by_seed = dict(by_key[row.key]["by_seed"]) if row.key in by_key else {}
         for seed in args.seeds:
             if str(seed) not in by_seed:
