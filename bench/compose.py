@@ -38,9 +38,9 @@ import torch
 
 from blocktrain.config import RunConfig, apply_overrides, preset
 from blocktrain.data import load_split, resolve_data_path
-from blocktrain.model import BlockStack
+from blocktrain.model import BlockStack, init_reference
 from blocktrain.simulate import REGIMES, SimSpec, simulate
-from blocktrain.training import EvalSettings, Trainer, evaluate_blocktrain
+from blocktrain.training import EvalSettings, Trainer, evaluate_blocktrain, evaluate_reference
 from blocktrain.training.checkpoint import RunInfo
 from blocktrain.training.flops import count_flops
 from blocktrain.training.local import build_stack
@@ -230,53 +230,79 @@ def depth_delivered(rows: list[dict[str, Any]], preset_name: str) -> list[dict[s
     return out
 
 
+DILOCO = {"outer_lr": 0.7, "outer_momentum": 0.9}
+"""DiLoCo's published outer Nesterov (Douillard et al. 2023)."""
 HEAD_TO_HEAD = (
-    ("blocktrain", 3, "state"),
-    ("blocktrain", 3, "features"),
-    ("blocktrain", 1, "state"),
+    ("blocktrain", 3, 1, "state"),
+    ("blocktrain", 3, 1, "features"),
+    ("blocktrain", 1, 1, "state"),
+    ("diloco", 1, 1, "end-to-end"),
+    ("diloco", 1, 3, "end-to-end"),
 )
-"""The decentralised rows: (method, blocks, route), W workers spread evenly over the blocks."""
+"""The decentralised rows: (method, blocks, layers as a multiple of one block's, route); W
+workers spread evenly over the blocks. DiLoCo trains the end-to-end reference as one unit."""
 
 
 def head_to_head(args: argparse.Namespace, data: Path) -> list[dict[str, Any]]:
-    """The simulator with real local training: W workers of equal memory (one block each),
-    R rounds of H local steps, the lockstep regime, no effect probe; the final model's
-    sampler CE on the bench's test bytes."""
+    """The simulator with real local training: W workers, each holding one unit (a block, or
+    DiLoCo's end-to-end replica), R rounds of H local steps, the lockstep regime, no effect
+    probe; the final model's CE on the bench's test bytes (a stack's sampler CE)."""
     workers, rounds, h = args.simulate
     lpb = {"tiny": 1, "small": 2}.get(args.preset, 1)
     out = []
     test = load_split(data, "test").windows(preset(args.preset).model.seq_len, args.bytes)
-    for method, blocks, route in HEAD_TO_HEAD:
-        row = Row(args.preset, "blocktrain", blocks, lpb, route, rounds * h)
+    for method, blocks, depth, route in HEAD_TO_HEAD:
+        model = "reference" if method == "diloco" else "blocktrain"
+        row = Row(args.preset, model, blocks, depth * lpb, route, rounds * h)
         cfg = row.config(args.seeds[0], args.threads)
-        protocol = {"local_steps": h, "effect_probe": "off"}
-        spec = SimSpec(cfg, workers, rounds, protocol, seed=cfg.seed)
+        protocol: dict[str, Any] = {"local_steps": h, "effect_probe": "off"}
+        protocol |= DILOCO if method == "diloco" else {}
+        unit = "reference" if method == "diloco" else "block"
+        spec = SimSpec(cfg, workers, rounds, protocol, seed=cfg.seed, unit=unit)
         print(f"simulating {row.key} with {workers} workers", file=sys.stderr, flush=True)
         report, weights = simulate(
             spec, [REGIMES["lockstep"]], load_split(data, "train"), load_split(data, "valid")
         )
         result = report["regimes"]["lockstep"]
-        stack = build_stack(cfg, weights["lockstep"])
-        ev = evaluate_blocktrain(stack, test, EvalSettings(sweeps=args.sweeps, seed=0))
+        if method == "diloco":
+            reference = init_reference(cfg.model, cfg.seed).eval()
+            reference.load_state_dict(weights["lockstep"][0])
+            ce = evaluate_reference(reference, test, EvalSettings(seed=0))["ce"]
+            params = plan(cfg)["reference_params"]
+        else:
+            stack = build_stack(cfg, weights["lockstep"])
+            ce = evaluate_blocktrain(stack, test, EvalSettings(sweeps=args.sweeps, seed=0))[
+                "sampler_ce"
+            ]
+            params = plan(cfg)["params_total"]
+        name = (
+            f"DiLoCo, {depth * lpb}-layer replicas"
+            if method == "diloco"
+            else f"BlockTrain B = {blocks}, {route}"
+        )
         out.append(
             {
-                "method": f"{method} B = {blocks}, {route}",
+                "method": name,
                 "preset": args.preset,
                 "blocks": blocks,
+                "layers": cfg.model.layers,
                 "route": route,
-                "params_total": plan(cfg)["params_total"],
+                "params_total": params,
                 "workers": workers,
                 "rounds": rounds,
                 "local_steps": h,
+                "outer": {
+                    k: protocol.get(k, v) for k, v in (("outer_lr", 1.0), ("outer_momentum", 0.0))
+                },
                 "bytes_moved": result["bytes"]["down"] + result["bytes"]["up"],
                 "virtual_time_s": result["virtual_time_s"],
                 "accepted": result["updates"]["accepted"],
                 "worker_state_bytes": worker_bytes(row, cfg),
-                "test_ce": ev["sampler_ce"],
+                "test_ce": ce,
                 "seed": cfg.seed,
             }
         )
-        print(f"  test CE {ev['sampler_ce']:.4f}", file=sys.stderr, flush=True)
+        print(f"  test CE {ce:.4f}", file=sys.stderr, flush=True)
     return out
 
 
@@ -322,15 +348,18 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [
             "",
             "Decentralised, in the simulator with real local training (lockstep regime, no "
-            "effect probe, fp16 wire): every worker holds one block.",
+            "effect probe, fp16 wire): every worker holds one unit, a block or DiLoCo's "
+            "end-to-end replica; a reference's CE is exact, a stack's the sampler CE.",
             "",
-            "| method | params | workers | rounds x H | bytes moved (MB) | virtual s | worker MiB | test CE |",
-            "|---|---:|---:|---|---:|---:|---:|---:|",
+            "| method | params | workers | rounds x H | outer lr, momentum | bytes moved (MB) | virtual s | worker MiB | test CE |",
+            "|---|---:|---:|---|---|---:|---:|---:|---:|",
         ]
         for r in result["head_to_head"]:
             lines.append(
                 f"| {r['method']} | {r['params_total']:,} | {r['workers']} | "
-                f"{r['rounds']} x {r['local_steps']} | {r['bytes_moved'] / 1e6:.1f} | "
+                f"{r['rounds']} x {r['local_steps']} | "
+                f"{r['outer']['outer_lr']}, {r['outer']['outer_momentum']} | "
+                f"{r['bytes_moved'] / 1e6:.1f} | "
                 f"{r['virtual_time_s']:.0f} | {r['worker_state_bytes'] / mib:.2f} | "
                 f"{r['test_ce']:.3f} |"
             )
@@ -392,6 +421,8 @@ def main() -> None:
         update_section("compose", markdown(old))
         print(markdown(old))
         return
+    command = "python bench/compose.py " + " ".join(sys.argv[1:])
+    commands = [c for c in old.get("commands", []) if c != command] + [command]
     for row in grid(args, data):
         by_seed = dict(by_key[row.key]["by_seed"]) if row.key in by_key else {}
         for seed in args.seeds:
@@ -399,6 +430,13 @@ def main() -> None:
                 by_seed[str(seed)] = measure(row, seed, args, data)
                 print(f"{row.key} seed {seed}: {by_seed[str(seed)]['test_ce']:.4f}", flush=True)
         by_key[row.key] = summarise(row, by_seed, row.config(0, args.threads), data)
+        result = save(old, by_key, commands, args)  # after every row: a stopped run keeps it
+    print(markdown(result))
+
+
+def save(
+    old: dict[str, Any], by_key: dict[str, Any], commands: list[str], args: argparse.Namespace
+) -> dict[str, Any]:
     rows = sorted(
         by_key.values(),
         key=lambda r: (
@@ -409,10 +447,9 @@ def main() -> None:
             r["route"],
             r.get("upstream_every", 1),
             r.get("upstream_lag", 0),
+            r["steps"],
         ),
     )
-    command = "python bench/compose.py " + " ".join(sys.argv[1:])
-    commands = [c for c in old.get("commands", []) if c != command] + [command]
     presets = sorted({r["preset"] for r in rows})
     result = {
         "machine": machine(),
@@ -425,7 +462,7 @@ def main() -> None:
     }
     write_json(RESULT, result)
     update_section("compose", markdown(result))
-    print(markdown(result))
+    return result
 
 
 if __name__ == "__main__":

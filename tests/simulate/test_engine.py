@@ -13,6 +13,7 @@ from blocktrain.config import RunConfig, apply_overrides
 from blocktrain.data import load_split
 from blocktrain.errors import ConfigError
 from blocktrain.simulate import REGIMES, Dist, Regime, SimSpec, simulate, write_outputs
+from blocktrain.training import Trainer
 from tests.conftest import micro_config
 
 ROUNDS = 4
@@ -148,3 +149,26 @@ def test_compressed_deltas_train(corpus: Path, wire: str) -> None:
     assert result["bytes"]["up"] < 0.6 * dense["regimes"]["lockstep"]["bytes"]["up"]
     # pulls: each worker's first whole, then deltas in the push codec (the default pull_wire)
     assert result["bytes"]["down"] < 0.8 * dense["regimes"]["lockstep"]["bytes"]["down"]
+
+
+def test_a_reference_unit_alone_is_the_reference_trained_in_one_process(
+    corpus: Path, tmp_path: Path
+) -> None:
+    """DiLoCo's replica (`--unit reference`): one worker, plain averaging and an fp32 wire
+    make its rounds exactly `train --reference` (same batches, steps and AdamW state)."""
+    cfg = apply_overrides(micro_config(), [f"steps={ROUNDS * 2}"])
+    protocol = {"local_steps": 2, "effect_probe": "off", "wire_dtype": "fp32"}
+    one = SimSpec(cfg, 1, ROUNDS, protocol, seed=cfg.seed, eval_bytes=256, unit="reference")
+    assert one.cfg.model.blocks == 1  # the reference has no blocks
+    train, valid = load_split(corpus, "train"), load_split(corpus, "valid")
+    report, weights = simulate(one, [REGIMES["lockstep"]], train, valid)
+    result = report["regimes"]["lockstep"]
+    assert report["unit"] == "reference" and result["updates"]["accepted"] == ROUNDS
+    assert result["final_ce"] < result["initial_ce"]
+    trainer = Trainer.create(one.cfg, tmp_path / "ref", train, None, kind="reference")
+    trainer.run(progress=False)
+    assert trainer.reference is not None
+    for name, value in trainer.reference.state_dict().items():
+        torch.testing.assert_close(weights["lockstep"][0][name], value, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ConfigError, match="--unit reference simulates with --effect-probe off"):
+        simulate(replace(one, protocol={"local_steps": 2}), [REGIMES["lockstep"]], train, valid)

@@ -48,6 +48,8 @@ EXAMPLES = """examples:
   blocktrain simulate --regime lockstep --rounds 10 --attack shrink:4:0   # 4 attackers, block 0
   blocktrain simulate --regime lockstep --attack noise --effect-probe off --clip 0
   blocktrain simulate --regime lockstep --rounds 10 --wire topk:0.1   # compressed deltas
+  blocktrain simulate --unit reference --set layers=3 --outer-lr 0.7 --outer-momentum 0.9 \
+      --effect-probe off            # DiLoCo: end-to-end replicas, outer Nesterov
 """
 
 
@@ -98,6 +100,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help=f"add hostile workers ({', '.join(KINDS)}), at the norm bound; shared: all "
         "under one token (Sybils); BLOCK: all on that block",
     )
+    p.add_argument(
+        "--unit",
+        choices=("block", "reference"),
+        default="block",
+        help="what a worker trains: a block of the stack, or the end-to-end reference of "
+        "`layers` layers as one unit (DiLoCo)",
+    )
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     add_progress_arg(p)
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
@@ -133,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
         final_bytes=args.final_bytes,
         timing_only=args.timing_only,
         attack=args.attack,
+        unit=args.unit,
     )
     out = Path(args.out) if args.out else None
     if out is not None and out.exists() and not out.is_dir():

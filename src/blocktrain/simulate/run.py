@@ -20,19 +20,22 @@ from blocktrain.config import RunConfig
 from blocktrain.data import ByteSource
 from blocktrain.errors import ConfigError
 from blocktrain.fsutil import atomic_write_bytes
-from blocktrain.model import BlockStack
+from blocktrain.model import BlockStack, Reference, init_reference
 from blocktrain.protocol.settings import derived_settings
 from blocktrain.protocol.state import largest_block
 from blocktrain.protocol.worker import LocalTrainer
 from blocktrain.simulate.attacks import Attack
 from blocktrain.simulate.engine import Simulation, TimingOnlyTrainer
 from blocktrain.simulate.regimes import Regime
-from blocktrain.training import EvalSettings, evaluate_blocktrain
+from blocktrain.training import EvalSettings, evaluate_blocktrain, evaluate_reference
 from blocktrain.training import checkpoint as ckpt
-from blocktrain.training.local import LocalBlockTrainer, initial_blocks
+from blocktrain.training.local import LocalBlockTrainer, LocalReferenceTrainer, initial_blocks
 from blocktrain.training.probe import BlockProbe
 
 Tensors = dict[str, torch.Tensor]
+
+
+UNITS = ("block", "reference")
 
 
 @dataclass(frozen=True)
@@ -54,8 +57,16 @@ class SimSpec:
     timing_only: bool = False
     attack: Attack | None = None
     """Hostile workers added to the honest ones (`simulate.attacks`)."""
+    unit: str = "block"
+    """What a worker trains: a `block` of the stack, or the end-to-end `reference` (of `layers`
+    layers) as the run's one unit: DiLoCo, with the same rounds, averaging and outer optimizer."""
 
     def __post_init__(self) -> None:
+        if self.unit not in UNITS:
+            raise ConfigError(f"--unit {self.unit!r}: choose one of {', '.join(UNITS)}")
+        if self.unit == "reference" and self.cfg.model.blocks != 1:
+            one = dataclasses.replace(self.cfg.model, blocks=1)  # the reference has no blocks
+            object.__setattr__(self, "cfg", dataclasses.replace(self.cfg, model=one))
         for name in (
             "workers",
             "rounds",
@@ -75,10 +86,16 @@ class SimSpec:
 
 class RoundEvaluator:
     """The per-round CE (one sweep from noise) and the final sampler CE (M sweeps), on fixed
-    validation windows with fixed noise."""
+    validation windows with fixed noise; for a reference unit, its exact CE as both."""
 
-    def __init__(self, cfg: RunConfig, windows: torch.Tensor, final_windows: torch.Tensor) -> None:
-        self.stack = BlockStack(cfg.model, cfg.seed).eval()
+    def __init__(
+        self, cfg: RunConfig, windows: torch.Tensor, final_windows: torch.Tensor, unit: str
+    ) -> None:
+        self.model: BlockStack | Reference = (
+            init_reference(cfg.model, cfg.seed)
+            if unit == "reference"
+            else BlockStack(cfg.model, cfg.seed)
+        ).eval()
         self.windows = windows
         self.final_windows = final_windows
         self.seed = cfg.seed
@@ -86,12 +103,16 @@ class RoundEvaluator:
     def evaluate(
         self, blocks: dict[int, Tensors], sweeps: int = 1, *, final: bool = False
     ) -> dict[str, Any]:
-        with torch.no_grad():
-            for b, weights in blocks.items():
-                self.stack.block(b).load_state_dict(weights)
         settings = EvalSettings(sweeps=sweeps, seed=self.seed, oracle=False)
         windows = self.final_windows if final else self.windows
-        return evaluate_blocktrain(self.stack, windows, settings)
+        if isinstance(self.model, Reference):
+            self.model.load_state_dict(blocks[0])
+            ce = evaluate_reference(self.model, windows, settings)["ce"]
+            return {"from_noise_ce": ce, "sampler_ce": ce}
+        with torch.no_grad():
+            for b, weights in blocks.items():
+                self.model.block(b).load_state_dict(weights)
+        return evaluate_blocktrain(self.model, windows, settings)
 
     def __call__(self, blocks: dict[int, Tensors]) -> float:
         return float(self.evaluate(blocks)["from_noise_ce"])
@@ -107,7 +128,11 @@ def simulate(
 ) -> tuple[dict[str, Any], dict[str, dict[int, Tensors]]]:
     """Run every regime; returns the report and each regime's final weights per block."""
     cfg = spec.cfg
-    initial = initial_blocks(cfg)
+    initial = (
+        {0: init_reference(cfg.model, cfg.seed).state_dict()}
+        if spec.unit == "reference"
+        else initial_blocks(cfg)
+    )
     settings = derived_settings(
         cfg,
         {**spec.protocol, "max_rounds": spec.rounds, "n_workers": spec.workers},
@@ -123,17 +148,20 @@ def simulate(
             cfg,
             valid.windows(cfg.model.seq_len, spec.eval_bytes),
             valid.windows(cfg.model.seq_len, spec.final_bytes),
+            spec.unit,
         )
         initial_ce = evaluate(initial)
         if settings.effect_probe == "on":  # its slice starts after the evaluation's windows
-            if cfg.model.route != "state":
+            if cfg.model.route != "state" or spec.unit != "block":
+                what = f"route = {cfg.model.route}" if spec.unit == "block" else "--unit reference"
                 raise ConfigError(
-                    f"route = {cfg.model.route} simulates with --effect-probe off: the probe "
-                    "does not read upstream features yet"
+                    f"{what} simulates with --effect-probe off: the probe judges blocks that "
+                    "read only the noisy state"
                 )
             probe = BlockProbe(cfg, valid, skip_bytes=max(spec.eval_bytes, spec.final_bytes))
     report: dict[str, Any] = {
         "config": cfg.to_dict(),
+        "unit": spec.unit,
         "workers": spec.workers,
         "rounds": spec.rounds,
         "seed": spec.seed,
@@ -207,7 +235,8 @@ def trainer_factory(
             shapes = {k: tuple(v.shape) for k, v in initial[block].items()}
             return TimingOnlyTrainer(shapes, cfg.train.batch_size * cfg.model.seq_len)
         assert train is not None
-        return LocalBlockTrainer(cfg, block, train, data_seed=cfg.seed * spec.workers + worker_id)
+        local = LocalReferenceTrainer if spec.unit == "reference" else LocalBlockTrainer
+        return local(cfg, block, train, data_seed=cfg.seed * spec.workers + worker_id)
 
     return make
 

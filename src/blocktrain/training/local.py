@@ -22,11 +22,11 @@ import torch
 from blocktrain.config import RunConfig
 from blocktrain.data import ByteSource
 from blocktrain.errors import CheckpointError, ProtocolError
-from blocktrain.model import BlockStack, init_block, target_table
+from blocktrain.model import BlockStack, Reference, init_block, init_reference, target_table
 from blocktrain.training import checkpoint as ckpt
-from blocktrain.training.loss import BlockLoss
+from blocktrain.training.loss import BlockLoss, LossParts, reference_loss
 from blocktrain.training.optim import make_optimizer
-from blocktrain.training.step import train_step
+from blocktrain.training.step import Objective, train_step
 
 Tensors = dict[str, torch.Tensor]
 
@@ -50,23 +50,25 @@ class LocalBlockTrainer:
         self.data = data
         self.data_seed = data_seed
         self.device = torch.device(device)
-        self.module = init_block(cfg.model, cfg.seed, block).to(self.device)
-        self.targets = target_table(cfg.seed, cfg.model.d_model).to(self.device)
         # route = features: the blocks before this one, frozen, refreshed each round
         self.upstream: BlockStack | None = None
         self.upstream_blocks: list[int] = []
         self._upstream_loaded = False
+        self.module, self.objective = self._build()
+        self.optimizer = make_optimizer(self.module, cfg.train)
+        self.base: Tensors | None = None
+        self.steps_done = 0
+
+    def _build(self) -> tuple[torch.nn.Module, Objective]:
+        cfg, block = self.cfg, self.block_index
+        module = init_block(cfg.model, cfg.seed, block).to(self.device)
+        targets = target_table(cfg.seed, cfg.model.d_model).to(self.device)
         if cfg.model.route == "features" and block > 0:
             self.upstream_blocks = list(range(block))
             self.upstream = BlockStack(cfg.model, cfg.seed, self.upstream_blocks).to(self.device)
             self.upstream.eval().requires_grad_(False)
-        loss = BlockLoss(
-            cfg.model, self.targets, None if self.upstream is None else self.upstream.upstream
-        )
-        self.objective = functools.partial(loss, self.module, block)
-        self.optimizer = make_optimizer(self.module, cfg.train)
-        self.base: Tensors | None = None
-        self.steps_done = 0
+        upstream = None if self.upstream is None else self.upstream.upstream
+        return module, functools.partial(BlockLoss(cfg.model, targets, upstream), module, block)
 
     def load(self, weights: Tensors) -> None:
         """Set the block's weights to a round's published version (names and shapes must match
@@ -124,6 +126,19 @@ class LocalBlockTrainer:
         if self.base is None:
             raise ProtocolError("no weights loaded yet: call load() first")
         return {k: v.detach().float() - self.base[k] for k, v in self.module.state_dict().items()}
+
+
+class LocalReferenceTrainer(LocalBlockTrainer):
+    """The end-to-end reference as one unit (unit 0) of a decentralised run: DiLoCo's replica
+    (`simulate --unit reference`), the same rounds, averaging and outer optimizer as a block."""
+
+    def _build(self) -> tuple[torch.nn.Module, Objective]:
+        module = init_reference(self.cfg.model, self.cfg.seed).to(self.device)
+        return module, functools.partial(_reference_objective, module)
+
+
+def _reference_objective(model: Reference, x: torch.Tensor, _noise: torch.Generator) -> LossParts:
+    return reference_loss(model, x)  # noiseless
 
 
 def _copy_weights(module: torch.nn.Module, weights: Tensors, index: int) -> None:
