@@ -280,3 +280,68 @@ def test_data_fetch_from_a_local_archive(capsys, tmp_path):
         ],
         "sha256",
     )
+
+
+def no_gpu(monkeypatch):
+    """This machine as one without CUDA, whatever it has."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def test_a_missing_gpu_is_one_line_before_anything_is_written(
+    capsys, monkeypatch, tmp_path, corpus
+):
+    no_gpu(monkeypatch)
+    out = tmp_path / "r"
+    base = ["train", "--data", str(corpus), "--out", str(out), "--steps", "1", *TINY]
+    line = fails_cleanly(capsys, [*base, "--set", "device=cuda"], "is not available")
+    assert "use --device cpu" in line
+    fails_cleanly(capsys, [*base, "--device", "cuda:0"], "is not available")
+    fails_cleanly(capsys, [*base, "--device", "gpu"], "must be auto, cpu or cuda")
+    assert not out.exists()
+
+
+def test_eval_generate_and_resume_refuse_a_missing_gpu(capsys, monkeypatch, trained, corpus):
+    no_gpu(monkeypatch)
+    before = snapshot(trained)
+    fails_cleanly(capsys, ["eval", str(trained), "--data", str(corpus), "--device", "cuda"], "cuda")
+    fails_cleanly(capsys, ["generate", str(trained), "--prompt", "a", "--device", "cuda"], "cuda")
+    resume = ["train", "--resume", "--out", str(trained), "--data", str(corpus), "--no-progress"]
+    fails_cleanly(capsys, [*resume, "--steps", "3", "--device", "cuda"], "is not available")
+    assert snapshot(trained) == before  # the new --steps was not written either
+
+
+def test_worker_and_join_refuse_a_missing_gpu_before_registering(capsys, monkeypatch, corpus):
+    from blocktrain.cli import doctor, worker
+
+    def contacted(*_args, **_kwargs):
+        raise AssertionError("the aggregator was contacted")
+
+    no_gpu(monkeypatch)
+    monkeypatch.setattr(worker, "AggregatorClient", contacted)
+    monkeypatch.setattr(doctor, "checks_for", contacted)
+    token = ["--token", "t", "--data", str(corpus), "--device", "cuda"]
+    fails_cleanly(capsys, ["worker", "--aggregator", "http://127.0.0.1:1", *token], "cuda")
+    capsys.readouterr()
+    fails_cleanly(capsys, ["join", "http://127.0.0.1:1", *token], "is not available")
+
+
+def test_device_cpu_is_honoured_where_a_gpu_is_seen(capsys, monkeypatch, tmp_path, corpus):
+    """--device cpu runs on the CPU even when torch reports a GPU (here a pretended one: were
+    it used, the first tensor moved to it would fail), and train records the device."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    run = tmp_path / "cpu"
+    args = ["--data", str(corpus), "--device", "cpu"]
+    assert main(["train", "--out", str(run), "--steps", "1", *args, *TINY]) == 0
+    assert json.loads((run / "config.json").read_text())["train"]["device"] == "cpu"
+    capsys.readouterr()
+    assert main(["eval", str(run), *args, "--bytes", "32", "--sweeps", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["from_noise_ce"] > 0
+    assert main(["generate", str(run), "--prompt", "a", "--bytes", "4", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out
+    resume = ["train", "--resume", "--out", str(run), "--steps", "2", "--no-progress", *args]
+    assert main(resume) == 0
