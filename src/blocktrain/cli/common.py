@@ -94,7 +94,7 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
         "--preset",
         default="tiny",
         choices=sorted(PRESETS),
-        help="named configuration to start from (default: tiny)",
+        help="named configuration to start from",
     )
     parser.add_argument(
         "--set",

@@ -37,7 +37,7 @@ from blocktrain.training.local import LocalBlockTrainer
 EXAMPLES = """examples:
   blocktrain worker --aggregator http://10.0.0.5:8470 --token-file ~/.blocktrain-token
   BLOCKTRAIN_TOKEN=bt_... blocktrain worker --aggregator https://agg.example:8470 --block 1
-  blocktrain worker --aggregator https://agg.example:8470 --ca-file tls/cert.pem \
+  blocktrain worker --aggregator https://agg.example:8470 --ca-file tls/cert.pem \\
       --token-file token.txt --data my-corpus/
   # one aggregator per block: any of them; the worker follows its directory to block 2's
   blocktrain worker --aggregator http://10.0.0.5:8470 --token-file token.txt --block 2
@@ -62,7 +62,11 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     add_token_args(p)
     p.add_argument("--block", type=int, metavar="B", help="ask for this block")
     add_data_arg(p)
-    p.add_argument("--name", help="a label shown in the aggregator's status")
+    p.add_argument(
+        "--name",
+        help="a label shown in the aggregator's status "
+        "(`blocktrain status`, /v1/status, the dashboard)",
+    )
     p.add_argument("--device", default="auto", metavar="DEVICE", help=DEVICE_HELP)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     add_ca_arg(p)
