@@ -345,3 +345,16 @@ def test_device_cpu_is_honoured_where_a_gpu_is_seen(capsys, monkeypatch, tmp_pat
     assert capsys.readouterr().out
     resume = ["train", "--resume", "--out", str(run), "--steps", "2", "--no-progress", *args]
     assert main(resume) == 0
+
+
+def test_no_data_says_how_to_point_at_data_as_the_readme_does(capsys, tmp_path, monkeypatch):
+    """The README promised a default corpus that only the Makefile set; now both say that the
+    command needs --data or $BLOCKTRAIN_DATA, and the error says how to get one."""
+    monkeypatch.delenv("BLOCKTRAIN_DATA", raising=False)
+    line = fails_cleanly(capsys, ["train", "--out", str(tmp_path / "r"), *TINY], "no data given")
+    assert "--data PATH or set BLOCKTRAIN_DATA=PATH" in line
+    assert "blocktrain data fetch wikitext-2" in line
+    readme = " ".join((Path(__file__).parents[2] / "README.md").read_text().split())
+    assert "defaults to the WikiText" not in readme
+    assert "has no default corpus" in readme
+    assert not (tmp_path / "r").exists()

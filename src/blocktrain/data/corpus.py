@@ -79,7 +79,11 @@ def resolve_data_path(path: str | os.PathLike[str] | None) -> Path:
     if value is None:
         value = os.environ.get(DATA_ENV) or None
     if value is None:
-        raise DataError(f"no data given: pass --data PATH or set {DATA_ENV}")
+        raise DataError(
+            f"no data given: pass --data PATH or set {DATA_ENV}=PATH (a WikiText raw folder, "
+            "a text file or a folder of text files; there is no default corpus), e.g. after "
+            "`blocktrain data fetch wikitext-2 --to data/wikitext-2`"
+        )
     resolved = Path(value).expanduser()
     if not resolved.exists():
         raise DataError(f"data path {resolved} does not exist; pass --data PATH or set {DATA_ENV}")
