@@ -358,3 +358,55 @@ def test_no_data_says_how_to_point_at_data_as_the_readme_does(capsys, tmp_path, 
     assert "defaults to the WikiText" not in readme
     assert "has no default corpus" in readme
     assert not (tmp_path / "r").exists()
+
+
+def test_a_run_records_its_data_and_warns_when_other_data_is_given(capsys, tmp_path, corpus):
+    """data.json names the corpus (path, split rule, sha256 of each split); eval, generate
+    --data and train --resume say in one stderr line when the data given is not that one, and
+    eval's JSON names the data it read."""
+    import hashlib
+    import shutil
+
+    from tests.conftest import TEXT
+
+    other = tmp_path / "other"
+    other.mkdir()
+    for split, times in (("train", 40), ("valid", 6), ("test", 6)):
+        (other / f"wiki.{split}.raw").write_text(TEXT.upper() * times)
+    moved = tmp_path / "moved"
+    shutil.copytree(corpus, moved)
+    run = tmp_path / "run"
+    assert main(["train", "--data", str(corpus), "--out", str(run), "--steps", "1", *TINY]) == 0
+    record = json.loads((run / "data.json").read_text())
+    assert record["path"] == str(corpus.resolve()) and record["layout"] == "wikitext"
+    assert "wiki.valid.raw" in record["split_rule"]
+    assert set(record["splits"]) == {"train", "valid", "test"}
+    valid_sha = hashlib.sha256((corpus / "wiki.valid.raw").read_bytes()).hexdigest()
+    assert record["splits"]["valid"]["sha256"] == valid_sha
+    capsys.readouterr()
+
+    def call(*argv: str) -> tuple[str, list[str]]:
+        assert main(list(argv)) == 0
+        captured = capsys.readouterr()
+        warnings = [line for line in captured.err.splitlines() if "warning" in line]
+        return captured.out, warnings
+
+    evaluate = ["eval", str(run), "--bytes", "32", "--sweeps", "1", "--json", "--data"]
+    for same in (corpus, moved):  # the same bytes, wherever they lie: no warning
+        out, warnings = call(*evaluate, str(same))
+        assert warnings == []
+        data = json.loads(out)["data"]
+        assert data["same_as_training"] is True and data["path"] == str(same.resolve())
+        assert data["splits"]["valid"]["sha256"] == valid_sha
+    out, warnings = call(*evaluate, str(other))
+    assert len(warnings) == 1 and warnings[0].startswith("blocktrain: warning:"), warnings
+    assert "trained on other data" in warnings[0] and str(corpus.resolve()) in warnings[0]
+    assert json.loads(out)["data"]["same_as_training"] is False
+    out, _ = call(*evaluate[:-2], "--data", str(other))  # the table names the data too
+    assert "NOT as trained" in out
+    gen = ["generate", str(run), "--prompt", "a", "--bytes", "2", "--data"]
+    assert call(*gen, str(corpus))[1] == []
+    assert len(call(*gen, str(other))[1]) == 1
+    resume = ["train", "--resume", "--out", str(run), "--steps", "2", "--no-progress"]
+    assert len(call(*resume, "--data", str(other))[1]) == 1
+    assert json.loads((run / "data.json").read_text()) == record  # still what it began on

@@ -17,6 +17,7 @@ from blocktrain.cli.common import (
     progress_bar,
 )
 from blocktrain.data import load_split
+from blocktrain.data.provenance import check_data
 from blocktrain.device import resolve_device
 from blocktrain.errors import CheckpointError, ConfigError
 from blocktrain.model import BlockStack, Reference
@@ -105,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         judge_info, judge = load_model(Path(args.judge), device)
         if judge_info.kind != "reference":
             raise CheckpointError(f"--judge {args.judge} is not a reference (autoregressive) run")
+    data = check_data(Path(args.run_dir), args.data, (args.split,))
     source = load_split(args.data, args.split)
     windows = source.windows(info.config.model.seq_len, args.bytes)
     settings = EvalSettings(
@@ -140,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
         )
         result["generated"]["judge"] = str(args.judge)
     bar.close()
+    result["data"] = data
     if args.json:
         print_json(result)
     else:
@@ -194,3 +197,10 @@ def _print_table(r: dict[str, Any]) -> None:
         print(f"  a sample      {g['samples'][0]['generated']!r}")
     if "reference" in r:
         print(f"  reference CE  {r['reference']['ce']:.4f}  (same bytes)")
+    d = r["data"]
+    split = d["splits"].get(r["split"], {})
+    same = {None: "not recorded by the run", True: "as trained", False: "NOT as trained"}
+    print(
+        f"  data          {d['path']} ({r['split']} sha256 {split.get('sha256', '?')[:12]}; "
+        f"{same[d['same_as_training']]})"
+    )

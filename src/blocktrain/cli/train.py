@@ -15,6 +15,7 @@ from blocktrain.cli.common import (
     resolve_config,
 )
 from blocktrain.data import ByteSource, load_split
+from blocktrain.data.provenance import check_data, corpus_record, write_record
 from blocktrain.device import resolve_device
 from blocktrain.errors import ConfigError, DataError
 from blocktrain.training import Trainer, read_config
@@ -83,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         if args.steps is not None and args.steps <= 0:
             raise ConfigError(f"--steps {args.steps} must be positive")
         train, valid = splits(args.data)
+        check_data(Path(args.out), args.data, ("train",))  # a warning line when it differs
         trainer = Trainer.resume(Path(args.out), train, valid, steps=args.steps, device=args.device)
     else:
         cfg = resolve_config(args)
@@ -95,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
         )
         out = Path(args.out or f"runs/{cfg.preset}{suffix}")
         train, valid = splits(args.data)
+        record = corpus_record(args.data)
         trainer = Trainer.create(
             cfg,
             out,
@@ -104,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
             blocks=blocks,
             overwrite=args.overwrite,
         )
+        write_record(out, record)  # data.json: what eval, generate and --resume compare with
     return run_and_report(trainer, args, "trained")
 
 
