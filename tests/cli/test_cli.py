@@ -280,3 +280,133 @@ def test_data_fetch_from_a_local_archive(capsys, tmp_path):
         ],
         "sha256",
     )
+
+
+def no_gpu(monkeypatch):
+    """This machine as one without CUDA, whatever it has."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def test_a_missing_gpu_is_one_line_before_anything_is_written(
+    capsys, monkeypatch, tmp_path, corpus
+):
+    no_gpu(monkeypatch)
+    out = tmp_path / "r"
+    base = ["train", "--data", str(corpus), "--out", str(out), "--steps", "1", *TINY]
+    line = fails_cleanly(capsys, [*base, "--set", "device=cuda"], "is not available")
+    assert "use --device cpu" in line
+    fails_cleanly(capsys, [*base, "--device", "cuda:0"], "is not available")
+    fails_cleanly(capsys, [*base, "--device", "gpu"], "must be auto, cpu or cuda")
+    assert not out.exists()
+
+
+def test_eval_generate_and_resume_refuse_a_missing_gpu(capsys, monkeypatch, trained, corpus):
+    no_gpu(monkeypatch)
+    before = snapshot(trained)
+    fails_cleanly(capsys, ["eval", str(trained), "--data", str(corpus), "--device", "cuda"], "cuda")
+    fails_cleanly(capsys, ["generate", str(trained), "--prompt", "a", "--device", "cuda"], "cuda")
+    resume = ["train", "--resume", "--out", str(trained), "--data", str(corpus), "--no-progress"]
+    fails_cleanly(capsys, [*resume, "--steps", "3", "--device", "cuda"], "is not available")
+    assert snapshot(trained) == before  # the new --steps was not written either
+
+
+def test_worker_and_join_refuse_a_missing_gpu_before_registering(capsys, monkeypatch, corpus):
+    from blocktrain.cli import doctor, worker
+
+    def contacted(*_args, **_kwargs):
+        raise AssertionError("the aggregator was contacted")
+
+    no_gpu(monkeypatch)
+    monkeypatch.setattr(worker, "AggregatorClient", contacted)
+    monkeypatch.setattr(doctor, "checks_for", contacted)
+    token = ["--token", "t", "--data", str(corpus), "--device", "cuda"]
+    fails_cleanly(capsys, ["worker", "--aggregator", "http://127.0.0.1:1", *token], "cuda")
+    capsys.readouterr()
+    fails_cleanly(capsys, ["join", "http://127.0.0.1:1", *token], "is not available")
+
+
+def test_device_cpu_is_honoured_where_a_gpu_is_seen(capsys, monkeypatch, tmp_path, corpus):
+    """--device cpu runs on the CPU even when torch reports a GPU (here a pretended one: were
+    it used, the first tensor moved to it would fail), and train records the device."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    run = tmp_path / "cpu"
+    args = ["--data", str(corpus), "--device", "cpu"]
+    assert main(["train", "--out", str(run), "--steps", "1", *args, *TINY]) == 0
+    assert json.loads((run / "config.json").read_text())["train"]["device"] == "cpu"
+    capsys.readouterr()
+    assert main(["eval", str(run), *args, "--bytes", "32", "--sweeps", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["from_noise_ce"] > 0
+    assert main(["generate", str(run), "--prompt", "a", "--bytes", "4", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out
+    resume = ["train", "--resume", "--out", str(run), "--steps", "2", "--no-progress", *args]
+    assert main(resume) == 0
+
+
+def test_no_data_says_how_to_point_at_data_as_the_readme_does(capsys, tmp_path, monkeypatch):
+    """The README promised a default corpus that only the Makefile set; now both say that the
+    command needs --data or $BLOCKTRAIN_DATA, and the error says how to get one."""
+    monkeypatch.delenv("BLOCKTRAIN_DATA", raising=False)
+    line = fails_cleanly(capsys, ["train", "--out", str(tmp_path / "r"), *TINY], "no data given")
+    assert "--data PATH or set BLOCKTRAIN_DATA=PATH" in line
+    assert "blocktrain data fetch wikitext-2" in line
+    readme = " ".join((Path(__file__).parents[2] / "README.md").read_text().split())
+    assert "defaults to the WikiText" not in readme
+    assert "has no default corpus" in readme
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_run_records_its_data_and_warns_when_other_data_is_given(capsys, tmp_path, corpus):
+    """data.json names the corpus (path, split rule, sha256 of each split); eval, generate
+    --data and train --resume say in one stderr line when the data given is not that one, and
+    eval's JSON names the data it read."""
+    import hashlib
+    import shutil
+
+    from tests.conftest import TEXT
+
+    other = tmp_path / "other"
+    other.mkdir()
+    for split, times in (("train", 40), ("valid", 6), ("test", 6)):
+        (other / f"wiki.{split}.raw").write_text(TEXT.upper() * times)
+    moved = tmp_path / "moved"
+    shutil.copytree(corpus, moved)
+    run = tmp_path / "run"
+    assert main(["train", "--data", str(corpus), "--out", str(run), "--steps", "1", *TINY]) == 0
+    record = json.loads((run / "data.json").read_text())
+    assert record["path"] == str(corpus.resolve()) and record["layout"] == "wikitext"
+    assert "wiki.valid.raw" in record["split_rule"]
+    assert set(record["splits"]) == {"train", "valid", "test"}
+    valid_sha = hashlib.sha256((corpus / "wiki.valid.raw").read_bytes()).hexdigest()
+    assert record["splits"]["valid"]["sha256"] == valid_sha
+    capsys.readouterr()
+
+    def call(*argv: str) -> tuple[str, list[str]]:
+        assert main(list(argv)) == 0
+        captured = capsys.readouterr()
+        warnings = [line for line in captured.err.splitlines() if "warning" in line]
+        return captured.out, warnings
+
+    evaluate = ["eval", str(run), "--bytes", "32", "--sweeps", "1", "--json", "--data"]
+    for same in (corpus, moved):  # the same bytes, wherever they lie: no warning
+        out, warnings = call(*evaluate, str(same))
+        assert warnings == []
+        data = json.loads(out)["data"]
+        assert data["same_as_training"] is True and data["path"] == str(same.resolve())
+        assert data["splits"]["valid"]["sha256"] == valid_sha
+    out, warnings = call(*evaluate, str(other))
+    assert len(warnings) == 1 and warnings[0].startswith("blocktrain: warning:"), warnings
+    assert "trained on other data" in warnings[0] and str(corpus.resolve()) in warnings[0]
+    assert json.loads(out)["data"]["same_as_training"] is False
+    out, _ = call(*evaluate[:-2], "--data", str(other))  # the table names the data too
+    assert "NOT as trained" in out
+    gen = ["generate", str(run), "--prompt", "a", "--bytes", "2", "--data"]
+    assert call(*gen, str(corpus))[1] == []
+    assert len(call(*gen, str(other))[1]) == 1
+    resume = ["train", "--resume", "--out", str(run), "--steps", "2", "--no-progress"]
+    assert len(call(*resume, "--data", str(other))[1]) == 1
+    assert json.loads((run / "data.json").read_text()) == record  # still what it began on

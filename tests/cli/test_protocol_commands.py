@@ -169,3 +169,44 @@ def test_settings_flags_are_derived_from_the_declarations(capsys):
         for _, s in declared():
             shown = s.flag in text
             assert shown == (s.simulated or not simulated_only), (cmd, s.flag)
+
+
+def test_a_failed_first_start_leaves_nothing_and_the_corrected_one_starts(
+    tmp_path, capsys, monkeypatch, corpus
+):
+    """The probe's data and the port are checked before the state folder is written; what
+    fails later still leaves no half-made state. The corrected command then simply starts."""
+    import signal
+    import socket
+
+    import uvicorn
+
+    from blocktrain.errors import ConfigError
+    from blocktrain.protocol import aggregator as app_module
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets: None)
+    monkeypatch.setattr(signal, "signal", lambda *_: None)
+    monkeypatch.delenv("BLOCKTRAIN_DATA", raising=False)
+    state = tmp_path / "state"
+    start = ["aggregator", "--state", str(state), "--preset", "tiny", "--port", "0"]
+    fails_cleanly(capsys, start, "the effect probe needs the data")
+    assert not state.exists()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = str(busy.getsockname()[1])
+        fails_cleanly(capsys, [*start, "--data", str(corpus), "--port", port], "cannot listen")
+    assert not state.exists()
+    state.mkdir()
+    (state / "README").write_text("mine")
+
+    def broken(*_args, **_kwargs):
+        raise ConfigError("the app could not be built")
+
+    with monkeypatch.context() as m:
+        m.setattr(app_module, "create_app", broken)
+        fails_cleanly(capsys, [*start, "--data", str(corpus)], "could not be built")
+    assert sorted(p.name for p in state.iterdir()) == ["README"]
+    assert main([*start, "--data", str(corpus)]) == 0
+    assert "listening on http://127.0.0.1:" in capsys.readouterr().err
+    assert StateDir(state).initialised

@@ -22,8 +22,11 @@ import argparse
 import gc
 import logging
 import os
+import shutil
 import signal
+import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from blocktrain.cli.common import (
@@ -35,13 +38,13 @@ from blocktrain.cli.common import (
     settings_overrides,
 )
 from blocktrain.config import RunConfig
-from blocktrain.data import load_split
+from blocktrain.data import ByteSource, load_split
 from blocktrain.errors import ConfigError, DataError
 from blocktrain.httpserve import Limits, bind, url_of
 from blocktrain.protocol.directory import Directory, parse_blocks, parse_peer, placed
 from blocktrain.protocol.limits import JSON_BODY_BYTES, AccessLimits
-from blocktrain.protocol.settings import AggregatorSettings
-from blocktrain.protocol.state import create_state
+from blocktrain.protocol.settings import AggregatorSettings, derived_settings
+from blocktrain.protocol.state import create_state, largest_block
 from blocktrain.protocol.storage import StateDir
 from blocktrain.tls import TlsFiles, check_tls
 from blocktrain.training.local import initial_blocks
@@ -148,10 +151,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
-def prepare_state(args: argparse.Namespace) -> tuple[StateDir, AggregatorSettings, Directory]:
+def prepare_state(
+    args: argparse.Namespace, ready: Callable[[AggregatorSettings], None] | None = None
+) -> tuple[StateDir, AggregatorSettings, Directory]:
     """The state folder (created from --preset, or resumed with the settings' overrides) and
     the directory of its blocks (`directory.placed`: --blocks and --peer checked against the
-    saved ones before anything is written)."""
+    saved ones before anything is written). `ready(settings)`, when given, runs after every
+    check and before the first write, with the settings the aggregator will serve: what it
+    raises leaves the folder as it was."""
     state = StateDir(Path(args.state))
     overrides = settings_overrides(args)
     served = None if args.blocks is None else parse_blocks(args.blocks)
@@ -162,8 +169,10 @@ def prepare_state(args: argparse.Namespace) -> tuple[StateDir, AggregatorSetting
                 f"{args.state} already holds a run; omit --preset/--set/--seed "
                 "to resume it, or choose a new --state"
             )
-        directory = placed(state, served, peers)
         settings = state.settings().replace(**overrides)
+        if ready is not None:
+            ready(settings)
+        directory = placed(state, served, peers)
         if overrides:
             state.write_manifest(
                 run_config=state.run_config(), settings=settings, n_blocks=state.n_blocks()
@@ -175,7 +184,10 @@ def prepare_state(args: argparse.Namespace) -> tuple[StateDir, AggregatorSetting
         )
     cfg = resolve_config(args)
     Directory.build(cfg.model.blocks, served, peers)  # a clear error before the state is made
-    state = create_state(Path(args.state), cfg, overrides, initial_blocks(cfg))
+    blocks = initial_blocks(cfg)
+    if ready is not None:
+        ready(derived_settings(cfg, overrides, largest_block(blocks)))
+    state = create_state(Path(args.state), cfg, overrides, blocks)
     return state, state.settings(), placed(state, served, peers)
 
 
@@ -190,19 +202,43 @@ def access_limits(args: argparse.Namespace) -> AccessLimits:
     )
 
 
-def effect_probe(
-    args: argparse.Namespace, state: StateDir, settings: AggregatorSettings
-) -> BlockProbe | None:
-    """The probe on the validation split of --data (or $BLOCKTRAIN_DATA), unless it is off."""
-    if settings.effect_probe == "off":
-        return None
+def probe_data(args: argparse.Namespace) -> ByteSource:
+    """The validation split of --data (or $BLOCKTRAIN_DATA) that the effect probe reads."""
     try:
-        valid = load_split(args.data, "valid")
+        return load_split(args.data, "valid")
     except DataError as exc:
         raise ConfigError(
             f"the effect probe needs the data ({exc}), or --effect-probe off"
         ) from exc
-    return BlockProbe(RunConfig.from_dict(state.run_config()), valid)
+
+
+def effect_probe(
+    args: argparse.Namespace,
+    state: StateDir,
+    settings: AggregatorSettings,
+    valid: ByteSource | None = None,
+) -> BlockProbe | None:
+    """The probe on the validation split of --data (or $BLOCKTRAIN_DATA; `valid` when the
+    caller read it already), unless it is off."""
+    if settings.effect_probe == "off":
+        return None
+    return BlockProbe(
+        RunConfig.from_dict(state.run_config()), valid if valid is not None else probe_data(args)
+    )
+
+
+def _remove_new(root: Path, before: set[str] | None) -> None:
+    """Undo a first start that failed after creating its state: remove `root` if it did not
+    exist (`before` None), else the entries it did not hold."""
+    if before is None:
+        shutil.rmtree(root, ignore_errors=True)
+        return
+    for entry in root.iterdir():
+        if entry.name not in before:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -217,15 +253,40 @@ def run(args: argparse.Namespace) -> int:
     tls = TlsFiles(args.tls_cert, args.tls_key) if args.tls_cert else None
     check_tls(tls)
     limits = access_limits(args)  # a clear error before the state is touched
-    state, settings, directory = prepare_state(args)
-    app = create_app(
-        settings,
-        storage=state,
-        limits=limits,
-        probe=effect_probe(args, state, settings),
-        directory=directory,
-    )
-    sock = bind(args.host, args.port)
+    # Everything a start can fail on (the settings, the probe's data, the port) is checked
+    # before the state folder is written, so that a failed first start leaves nothing behind
+    # and the corrected command starts afresh; should anything fail after all, a state this
+    # start created is removed again.
+    root = Path(args.state)
+    fresh = not StateDir(root).initialised
+    before = {p.name for p in root.iterdir()} if root.is_dir() else None
+    valid: list[ByteSource | None] = [None]
+    listening: list[socket.socket] = []
+
+    def ready(settings: AggregatorSettings) -> None:
+        if settings.effect_probe != "off":
+            valid[0] = probe_data(args)
+        listening.append(bind(args.host, args.port))
+
+    state: StateDir | None = None
+    try:
+        state, settings, directory = prepare_state(args, ready)
+        app = create_app(
+            settings,
+            storage=state,
+            limits=limits,
+            probe=effect_probe(args, state, settings, valid[0]),
+            directory=directory,
+        )
+    except BaseException:
+        for sock in listening:
+            sock.close()
+        if state is not None:
+            state.close()
+        if fresh:
+            _remove_new(root, before)
+        raise
+    (sock,) = listening
     url = url_of(sock, tls=tls is not None)
     # Every request allocates thousands of small objects, and each full collection walked the
     # whole heap torch and the app left at start-up: 18 % of the GIL's time under load

@@ -14,6 +14,7 @@ from typing import Any
 from tqdm import tqdm
 
 from blocktrain.config import PRESETS, RunConfig, apply_overrides, preset
+from blocktrain.device import DEVICE_HELP
 from blocktrain.errors import ConfigError
 from blocktrain.model.sampler import (
     DEFAULT_SAMPLER,
@@ -93,7 +94,7 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
         "--preset",
         default="tiny",
         choices=sorted(PRESETS),
-        help="named configuration to start from (default: tiny)",
+        help="named configuration to start from",
     )
     parser.add_argument(
         "--set",
@@ -112,7 +113,21 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
         cfg = apply_overrides(cfg, [f"seed={args.seed}"])
     if getattr(args, "steps", None) is not None:
         cfg = apply_overrides(cfg, [f"steps={args.steps}"])
+    if getattr(args, "device", None) is not None:
+        cfg = apply_overrides(cfg, [f"device={args.device}"])
     return cfg
+
+
+def add_device_arg(parser: argparse.ArgumentParser, default: str | None = "auto") -> None:
+    """--device: auto, cpu, cuda or cuda:N; `blocktrain.device.resolve_device` refuses one this
+    machine lacks (each command calls it before any side effect).
+    `default` None: the run config's `device` (train, whose --set device=... it overrides)."""
+    parser.add_argument(
+        "--device",
+        default=default,
+        metavar="DEVICE",
+        help=DEVICE_HELP + ("" if default else " (default: the config's device, auto)"),
+    )
 
 
 def resolve_rounds_config(args: argparse.Namespace, local_steps: int) -> RunConfig:

@@ -27,7 +27,7 @@ EXAMPLES = """examples:
   blocktrain distill --teacher runs/small --student runs/drafter --sampler ancestral \\
       --steps 800 --lr 5e-4 --out runs/drafter-kd-anc
   blocktrain distill --resume --out runs/drafter-kd --steps 800   # continue, to 800 updates
-  blocktrain serve --hosts ... --draft-model runs/drafter-kd      # draft with it
+  blocktrain serve --hosts ... --port 8100 --draft-model runs/drafter-kd  # draft with it
 """
 
 DEFAULT_STEPS = 400

@@ -9,6 +9,7 @@ from typing import Any
 from blocktrain.cli.common import (
     Formatter,
     add_data_arg,
+    add_device_arg,
     add_progress_arg,
     add_sampler_args,
     check_model_sampler,
@@ -16,6 +17,8 @@ from blocktrain.cli.common import (
     progress_bar,
 )
 from blocktrain.data import load_split
+from blocktrain.data.provenance import check_data
+from blocktrain.device import resolve_device
 from blocktrain.errors import CheckpointError, ConfigError
 from blocktrain.model import BlockStack, Reference
 from blocktrain.training import EvalSettings, evaluate_blocktrain, evaluate_reference, load_model
@@ -27,6 +30,7 @@ EXAMPLES = """examples:
   blocktrain eval runs/tiny --against runs/ref       # the reference on the same bytes
   blocktrain eval runs/span16 --judge runs/judge     # + continuations of 64 test prompts, judged
   blocktrain eval runs/masked --steps-per-block 2    # a masked run: exact joint CE, reveal
+  blocktrain eval runs/tiny --device cuda            # on the GPU (default auto: it when present)
 """
 
 
@@ -65,11 +69,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--temperature", type=float, default=1.0, help="of the continuations, with --judge"
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_device_arg(p)
     add_progress_arg(p)
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    device = resolve_device(args.device)
     names = ("bytes", "sweeps", "steps_per_block", "batch_size", "prompts", "prompt_bytes")
     for name in (*names, "gen_bytes"):
         if getattr(args, name) <= 0:
@@ -86,20 +92,21 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    info, model = load_model(Path(args.run_dir))
+    info, model = load_model(Path(args.run_dir), device)
     check_model_sampler(args.sampler, info)
     ref = None
     if args.against:
-        ref_info, ref = load_model(Path(args.against))
+        ref_info, ref = load_model(Path(args.against), device)
         if ref_info.kind != "reference":
             raise CheckpointError(f"--against {args.against} is not a reference run")
         if ref_info.config.model.seq_len != info.config.model.seq_len:
             raise CheckpointError("--against: the two runs use different seq_len")
     judge = None
     if args.judge:
-        judge_info, judge = load_model(Path(args.judge))
+        judge_info, judge = load_model(Path(args.judge), device)
         if judge_info.kind != "reference":
             raise CheckpointError(f"--judge {args.judge} is not a reference (autoregressive) run")
+    data = check_data(Path(args.run_dir), args.data, (args.split,))
     source = load_split(args.data, args.split)
     windows = source.windows(info.config.model.seq_len, args.bytes)
     settings = EvalSettings(
@@ -135,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
         )
         result["generated"]["judge"] = str(args.judge)
     bar.close()
+    result["data"] = data
     if args.json:
         print_json(result)
     else:
@@ -189,3 +197,10 @@ def _print_table(r: dict[str, Any]) -> None:
         print(f"  a sample      {g['samples'][0]['generated']!r}")
     if "reference" in r:
         print(f"  reference CE  {r['reference']['ce']:.4f}  (same bytes)")
+    d = r["data"]
+    split = d["splits"].get(r["split"], {})
+    same = {None: "not recorded by the run", True: "as trained", False: "NOT as trained"}
+    print(
+        f"  data          {d['path']} ({r['split']} sha256 {split.get('sha256', '?')[:12]}; "
+        f"{same[d['same_as_training']]})"
+    )

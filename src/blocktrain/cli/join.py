@@ -9,6 +9,7 @@ import argparse
 
 from blocktrain.cli import doctor, worker
 from blocktrain.cli.common import Formatter
+from blocktrain.device import resolve_device
 
 EXAMPLES = """examples:
   blocktrain join http://10.0.0.5:8470 --token-file ~/.blocktrain-token
@@ -32,6 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    resolve_device(args.device)  # one line, before the aggregator is contacted
     checks = doctor.checks_for(args)
     failed = [c for c in checks if c.ok is False]
     for check in checks:

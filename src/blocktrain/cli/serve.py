@@ -32,7 +32,7 @@ EXAMPLES = """examples:
       -d '{"model": "tiny", "prompt": "The ", "max_tokens": 64, "seed": 1}'
 
   # two replicas of block 1: a request whose replica dies mid-stream goes on on the other
-  blocktrain serve --hosts 'http://127.0.0.1:8101,http://127.0.0.1:8102|http://127.0.0.1:8112,http://127.0.0.1:8103' \
+  blocktrain serve --hosts 'http://127.0.0.1:8101,http://127.0.0.1:8102|http://127.0.0.1:8112,http://127.0.0.1:8103' \\
       --port 8100
   curl -s localhost:8100/readyz    # 200 once a 1-byte sweep gets through every host
 

@@ -34,7 +34,8 @@ EXAMPLES = """examples:
   blocktrain serve-block runs/tiny --blocks 0 --port 8101 &
   blocktrain serve-block runs/tiny --blocks 1 --port 8102 &
   blocktrain serve-block runs/tiny --blocks 2 --port 8103 &
-  blocktrain serve --hosts http://127.0.0.1:8101,http://127.0.0.1:8102,http://127.0.0.1:8103
+  blocktrain serve --hosts http://127.0.0.1:8101,http://127.0.0.1:8102,http://127.0.0.1:8103 \\
+      --port 8100
 
   # the same hosts also serve the reference, split into as many stages (the AR baseline)
   blocktrain serve-block tiny=runs/tiny ref=runs/ref --blocks 0 --port 8101

@@ -69,6 +69,12 @@ def render(s: dict[str, Any], rounds: int) -> str:
                 f"refused, {r['reported']}/{r['expected']} reported, participation "
                 f"{r['participation']:.0%}, closed by {r['cause']}"
             )
+    for w in s["workers"]["list"]:
+        lines.append(
+            f"  worker {w['worker_id']} {w.get('name') or '-'}: block {w['block']}, "
+            f"{'live' if w['live'] else 'not live'}, {w['accepted']} accepted, "
+            f"{w['refused']} refused"
+        )
     by_reason = s["updates"]["refused_by_reason"]
     if by_reason:
         lines.append("  refusals: " + ", ".join(f"{k} {v}" for k, v in sorted(by_reason.items())))

@@ -9,11 +9,14 @@ from blocktrain.cli.common import (
     Formatter,
     add_config_args,
     add_data_arg,
+    add_device_arg,
     add_progress_arg,
     print_json,
     resolve_config,
 )
 from blocktrain.data import ByteSource, load_split
+from blocktrain.data.provenance import check_data, corpus_record, write_record
+from blocktrain.device import resolve_device
 from blocktrain.errors import ConfigError, DataError
 from blocktrain.training import Trainer, read_config
 
@@ -24,6 +27,7 @@ EXAMPLES = """examples:
   blocktrain train --preset tiny --block 1 --out runs/b1    # one block, as a worker would
   blocktrain train --preset tiny --reference --out runs/ref # the end-to-end reference
   blocktrain train --resume --out runs/tiny --steps 600     # continue a run (to 600 steps)
+  blocktrain train --preset paper --device cuda:0 --out runs/paper  # on the first GPU
 """
 
 
@@ -40,6 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", metavar="DIR", help="run folder (default: runs/PRESET[-suffix])")
     p.add_argument("--steps", type=int, help="updates per block (overrides the preset)")
     p.add_argument("--seed", type=int, help="run seed (overrides the preset)")
+    add_device_arg(p, default=None)
     who = p.add_mutually_exclusive_group()
     who.add_argument(
         "--block", metavar="B", help="train only these blocks (comma-separated), as a worker does"
@@ -71,16 +76,19 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--resume needs --out RUN_DIR")
         if args.overrides or args.seed is not None or args.block or args.reference:
             raise ConfigError(
-                "--resume continues a run with its saved config; only --steps "
+                "--resume continues a run with its saved config; only --steps, --device "
                 "and --data may be given"
             )
-        read_config(Path(args.out))  # a clear error before the data is opened
+        info = read_config(Path(args.out))  # a clear error before the data is opened
+        resolve_device(args.device or info.config.train.device)
         if args.steps is not None and args.steps <= 0:
             raise ConfigError(f"--steps {args.steps} must be positive")
         train, valid = splits(args.data)
-        trainer = Trainer.resume(Path(args.out), train, valid, steps=args.steps)
+        check_data(Path(args.out), args.data, ("train",))  # a warning line when it differs
+        trainer = Trainer.resume(Path(args.out), train, valid, steps=args.steps, device=args.device)
     else:
         cfg = resolve_config(args)
+        resolve_device(cfg.train.device)  # before the data is opened or the run folder made
         blocks = _parse_blocks(args.block)
         suffix = (
             "-reference"
@@ -89,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
         )
         out = Path(args.out or f"runs/{cfg.preset}{suffix}")
         train, valid = splits(args.data)
+        record = corpus_record(args.data)
         trainer = Trainer.create(
             cfg,
             out,
@@ -98,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
             blocks=blocks,
             overwrite=args.overwrite,
         )
+        write_record(out, record)  # data.json: what eval, generate and --resume compare with
     return run_and_report(trainer, args, "trained")
 
 

@@ -28,16 +28,16 @@ from blocktrain.cli.common import (
 )
 from blocktrain.config import RunConfig, require_state_route
 from blocktrain.data import load_split
+from blocktrain.device import DEVICE_HELP, resolve_device
 from blocktrain.errors import ConfigError
 from blocktrain.protocol.client import AggregatorClient, Registration, RetryPolicy
 from blocktrain.protocol.worker import WorkerLoop
 from blocktrain.training.local import LocalBlockTrainer
-from blocktrain.training.trainer import resolve_device
 
 EXAMPLES = """examples:
   blocktrain worker --aggregator http://10.0.0.5:8470 --token-file ~/.blocktrain-token
   BLOCKTRAIN_TOKEN=bt_... blocktrain worker --aggregator https://agg.example:8470 --block 1
-  blocktrain worker --aggregator https://agg.example:8470 --ca-file tls/cert.pem \
+  blocktrain worker --aggregator https://agg.example:8470 --ca-file tls/cert.pem \\
       --token-file token.txt --data my-corpus/
   # one aggregator per block: any of them; the worker follows its directory to block 2's
   blocktrain worker --aggregator http://10.0.0.5:8470 --token-file token.txt --block 2
@@ -62,8 +62,12 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     add_token_args(p)
     p.add_argument("--block", type=int, metavar="B", help="ask for this block")
     add_data_arg(p)
-    p.add_argument("--name", help="a label shown in the aggregator's status")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    p.add_argument(
+        "--name",
+        help="a label shown in the aggregator's status "
+        "(`blocktrain status`, /v1/status, the dashboard)",
+    )
+    p.add_argument("--device", default="auto", metavar="DEVICE", help=DEVICE_HELP)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     add_ca_arg(p)
     p.add_argument("--max-rounds", type=int, help="stop after this many rounds")
@@ -86,12 +90,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--block must be >= 0")
     if args.threads < 0 or (args.max_rounds is not None and args.max_rounds <= 0):
         raise ConfigError("--threads must be >= 0 and --max-rounds positive")
+    device = resolve_device(args.device)  # before the aggregator hears of this worker
     token = resolve_token(args)
     verify = checked_ca(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     train = load_split(args.data, "train")
-    device = resolve_device(args.device)
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

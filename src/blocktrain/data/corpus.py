@@ -17,6 +17,7 @@ from a seed and independent of any global RNG state.
 from __future__ import annotations
 
 import codecs
+import hashlib
 import logging
 import math
 import os
@@ -79,7 +80,11 @@ def resolve_data_path(path: str | os.PathLike[str] | None) -> Path:
     if value is None:
         value = os.environ.get(DATA_ENV) or None
     if value is None:
-        raise DataError(f"no data given: pass --data PATH or set {DATA_ENV}")
+        raise DataError(
+            f"no data given: pass --data PATH or set {DATA_ENV}=PATH (a WikiText raw folder, "
+            "a text file or a folder of text files; there is no default corpus), e.g. after "
+            "`blocktrain data fetch wikitext-2 --to data/wikitext-2`"
+        )
     resolved = Path(value).expanduser()
     if not resolved.exists():
         raise DataError(f"data path {resolved} does not exist; pass --data PATH or set {DATA_ENV}")
@@ -116,6 +121,15 @@ class ByteSource:
 
     def __len__(self) -> int:
         return sum(len(span) for span in self._spans)
+
+    def sha256(self) -> str:
+        """The SHA-256 of the split's bytes (files one after another), read in 1 MiB pieces:
+        for a WikiText split, the hash of its file."""
+        digest = hashlib.sha256()
+        for array in self._arrays:
+            for start in range(0, len(array), 1 << 20):
+                digest.update(array[start : start + (1 << 20)].tobytes())
+        return digest.hexdigest()
 
     def read(self) -> np.ndarray:
         """Every byte of the split, files one after another, as one uint8 array (a copy)."""

@@ -73,7 +73,7 @@ bytes moved <b id="bytes">-</b></p>
 <table id="reasons"><thead><tr><th>refusal reason</th><th>count</th></tr></thead><tbody></tbody></table>
 <h2>Workers</h2>
 <table id="workers"><thead><tr><th>worker</th><th>block</th><th>live</th><th>last seen</th>
-<th>accepted</th><th>refused</th></tr></thead><tbody></tbody></table>
+<th>accepted</th><th>refused</th><th>name</th></tr></thead><tbody></tbody></table>
 <script>
 "use strict";
 const POLL_MS = __POLL_MS__;
@@ -136,7 +136,7 @@ async function poll() {
     $("bytes").textContent = mb(s.bytes.total);
     rows("reasons", Object.entries(s.updates.refused_by_reason).sort((a, b) => b[1] - a[1]));
     rows("workers", s.workers.list.map(w => [w.worker_id, w.block, w.live ? "yes" : "no",
-      w.last_seen_s.toFixed(0) + " s ago", w.accepted, w.refused]));
+      w.last_seen_s.toFixed(0) + " s ago", w.accepted, w.refused, w.name || "-"]));
     $("losslabel").textContent = h.loss_label;
     curve(h.curve);
   } catch (e) { $("err").textContent = String(e.message || e); }

@@ -107,6 +107,7 @@ class BlockStatusOut(Out):
 
 class WorkerStatusOut(Out):
     worker_id: int
+    name: str | None = Field(None, description="the label it registered with (worker --name)")
     block: int
     live: bool
     last_seen_s: float

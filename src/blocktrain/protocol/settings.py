@@ -249,7 +249,7 @@ class AggregatorSettings:
     )
     n_workers: int = setting(
         1024,
-        "Stride of the worker data seeds: seed * n_workers + worker_id (STYLE 14).",
+        "Stride of the worker data seeds: seed * n_workers + worker_id.",
         _positive,
         "must be positive",
         flag="--n-workers",

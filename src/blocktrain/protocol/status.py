@@ -67,9 +67,11 @@ def snapshot(service: AggregatorService, *, last_rounds: int = 20) -> dict[str, 
         per_block = [live_identities[b] for b in service.blocks]
     ledger = service.ledger
     counts = ledger.worker_counts()
+    names = {row.id: row.name for row in ledger.workers(active_only=False)}
     workers = [
         {
             "worker_id": w,
+            "name": names.get(w),  # its --name, None without one
             "block": e.block,
             "live": w in live,
             "last_seen_s": now - e.last_seen,

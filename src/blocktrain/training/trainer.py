@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from blocktrain.config import RunConfig
 from blocktrain.data import ByteSource
+from blocktrain.device import resolve_device
 from blocktrain.errors import CheckpointError, ConfigError
 from blocktrain.fsutil import atomic_write_bytes
 from blocktrain.model import BlockStack, Reference, init_reference
@@ -47,12 +48,6 @@ from blocktrain.training.step import Objective, precision_context, train_step
 log = logging.getLogger(__name__)
 
 REFERENCE_UNIT = 0  # the reference draws the same batch stream as block 0
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 @dataclass
@@ -202,18 +197,31 @@ class Trainer:
 
     @classmethod
     def resume(
-        cls, run_dir: Path, train: ByteSource, valid: ByteSource | None, *, steps: int | None = None
+        cls,
+        run_dir: Path,
+        train: ByteSource,
+        valid: ByteSource | None,
+        *,
+        steps: int | None = None,
+        device: str | None = None,
     ) -> Trainer:
         """Continue the run in `run_dir` from its last checkpoint (optionally to a new total of
-        `steps`, which changes the learning-rate schedule from here on)."""
+        `steps`, which changes the learning-rate schedule from here on, or on another
+        `device`, checked before the config is rewritten)."""
         run_dir = Path(run_dir)
         info = ckpt.read_config(run_dir)
+        changes: dict[str, Any] = {}
         if steps is not None and steps != info.config.train.steps:
+            changes["steps"] = steps
+        if device is not None and device != info.config.train.device:
+            changes["device"] = device
+        resolve_device(changes.get("device", info.config.train.device))
+        if changes:
             import dataclasses
 
             info = ckpt.RunInfo(
                 dataclasses.replace(
-                    info.config, train=dataclasses.replace(info.config.train, steps=steps)
+                    info.config, train=dataclasses.replace(info.config.train, **changes)
                 ),
                 info.kind,
                 info.blocks,

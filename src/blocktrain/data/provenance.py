@@ -1,0 +1,112 @@
+"""What corpus a run was trained on: RUN_DIR/data.json, written by `blocktrain train`, and the
+one warning line `eval`, `generate --data` and `train --resume` print when the data given now
+differs from it.
+
+    {"path": "/abs/corpus", "layout": "wikitext", "split_rule": "...",
+     "splits": {"train": {"bytes": N, "sha256": "...", "files": ["..."]}, "valid": ...}}
+
+Data is the same when a split's bytes are (its SHA-256), wherever the corpus lies now: a moved
+copy raises no warning, an edited file or another corpus does. Runs from before the record
+have no data.json and are not checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from blocktrain.data.corpus import (
+    SPLIT_FRACTIONS,
+    SPLITS,
+    WIKITEXT_FILES,
+    ByteCorpus,
+    resolve_data_path,
+)
+from blocktrain.errors import DataError
+from blocktrain.fsutil import atomic_write_bytes
+
+DATA_FILE = "data.json"
+
+_TRAIN, _VALID = (round(100 * f) for f in SPLIT_FRACTIONS)
+SPLIT_RULES = {
+    "wikitext": "each split is its file: " + ", ".join(WIKITEXT_FILES.values()),
+    "file": f"by position in the file: train the first {_TRAIN}%, valid the next "
+    f"{_VALID - _TRAIN}%, test the last {100 - _VALID}%",
+    "folder": f"by position in every text file of the folder: train the first {_TRAIN}%, "
+    f"valid the next {_VALID - _TRAIN}%, test the last {100 - _VALID}%",
+}
+
+
+def corpus_record(
+    path: str | os.PathLike[str] | None, splits: Iterable[str] = SPLITS
+) -> dict[str, Any]:
+    """The corpus at --data `path` (or $BLOCKTRAIN_DATA): where it lies, its layout and split
+    rule, and per split of `splits` it has, its size, SHA-256 and files."""
+    root = resolve_data_path(path)
+    corpus = ByteCorpus.open(root)
+    record: dict[str, Any] = {}
+    for name in splits:
+        try:
+            source = corpus.split(name)
+        except DataError:  # a WikiText folder without this split
+            continue
+        record[name] = {
+            "bytes": len(source),
+            "sha256": source.sha256(),
+            "files": [str(p.resolve()) for p in source.paths],
+        }
+    return {
+        "path": str(root.resolve()),
+        "layout": corpus.layout,
+        "split_rule": SPLIT_RULES[corpus.layout],
+        "splits": record,
+    }
+
+
+def write_record(run_dir: Path, record: dict[str, Any]) -> None:
+    atomic_write_bytes(Path(run_dir) / DATA_FILE, (json.dumps(record, indent=2) + "\n").encode())
+
+
+def read_record(run_dir: Path) -> dict[str, Any] | None:
+    """The run's data.json, or None for a run without one (or one that cannot be read)."""
+    try:
+        doc = json.loads((Path(run_dir) / DATA_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and isinstance(doc.get("splits"), dict) else None
+
+
+def differences(recorded: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The splits of `now` whose bytes differ from the same split in `recorded`."""
+    return [
+        name
+        for name, split in now["splits"].items()
+        if name in recorded["splits"] and recorded["splits"][name].get("sha256") != split["sha256"]
+    ]
+
+
+def check_data(
+    run_dir: Path, path: str | os.PathLike[str] | None, splits: Iterable[str]
+) -> dict[str, Any]:
+    """The data given now for `splits`, as eval's JSON names it, compared with what `run_dir`
+    recorded: one `blocktrain: warning:` line on stderr when a split's bytes differ."""
+    now = corpus_record(path, splits)
+    recorded = read_record(run_dir)
+    changed = [] if recorded is None else differences(recorded, now)
+    now["trained_on"] = None if recorded is None else recorded["path"]
+    now["same_as_training"] = None if recorded is None else not changed
+    if recorded is not None and changed:
+        name = changed[0]
+        print(
+            f"blocktrain: warning: {run_dir} was trained on other data: the {name} split of "
+            f"{now['path']} (sha256 {now['splits'][name]['sha256'][:12]}) is not the one it "
+            f"recorded from {recorded['path']} (sha256 "
+            f"{recorded['splits'][name]['sha256'][:12]}); its numbers are not comparable",
+            file=sys.stderr,
+            flush=True,
+        )
+    return now
