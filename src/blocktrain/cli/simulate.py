@@ -48,7 +48,7 @@ EXAMPLES = """examples:
   blocktrain simulate --regime lockstep --rounds 10 --attack shrink:4:0   # 4 attackers, block 0
   blocktrain simulate --regime lockstep --attack noise --effect-probe off --clip 0
   blocktrain simulate --regime lockstep --rounds 10 --wire topk:0.1   # compressed deltas
-  blocktrain simulate --unit reference --set layers=3 --outer-lr 0.7 --outer-momentum 0.9 \
+  blocktrain simulate --unit reference --set layers=3 --outer-lr 0.7 --outer-momentum 0.9 \\
       --effect-probe off            # DiLoCo: end-to-end replicas, outer Nesterov
 """
 
