@@ -72,9 +72,8 @@ def _oracle_nll(
     n, t = x.shape
     sigma = schedule.sample_sigma(*schedule.interval(block), n, generator)
     eps = torch.randn(n, t, cfg.d_model, generator=generator, device=x.device)
-    logits = stack.denoise(block, x, stack.targets[x] + sigma[:, None, None] * eps, sigma, layout)[
-        0
-    ]
+    z = stack.targets[x] + sigma[:, None, None] * eps
+    logits = stack.denoise(block, x, z, sigma, layout)[0]
     keep = _scored(t)
     return float(
         F.cross_entropy(
