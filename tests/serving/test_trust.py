@@ -7,7 +7,9 @@ Each test names the finding it covers; each fails on the code before these fixes
 from __future__ import annotations
 
 import json
+import socket
 import struct
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -16,6 +18,7 @@ from fastapi.testclient import TestClient
 from safetensors.torch import save
 
 from blocktrain.errors import ConfigError
+from blocktrain.httpserve import ThreadedServer, bind
 from blocktrain.serving.auth import SECRET_ENV, load_secret
 from blocktrain.serving.limits import RateLimiter, WorkLimiter
 from blocktrain.serving.wire import CONTENT_TYPE, decode, encode
@@ -109,6 +112,52 @@ def test_a_host_refuses_work_without_the_secret_before_reading_the_body(secured,
         assert host0.post("/v1/release", json=release, headers=BEARER).status_code == 200
         _, _, body = _sweep_message(stack, _fingerprint(secured))
         assert host0.post("/v1/sweep", content=body, headers=BEARER).status_code == 200
+
+
+def _still_open(socks: list[socket.socket], seconds: float) -> int:
+    """How many of `socks` the server has not closed within `seconds` (all watched at once:
+    a generous bound on an outcome, not a timing)."""
+    import select
+
+    open_ = set(socks)
+    deadline = time.monotonic() + seconds
+    while open_ and time.monotonic() < deadline:
+        ready, _, _ = select.select(list(open_), [], [], 0.5)
+        for s in ready:
+            try:
+                data = s.recv(65536)
+            except ConnectionResetError:
+                data = b""
+            if not data:
+                open_.discard(s)
+    return len(open_)
+
+
+def test_a_host_closes_the_connection_once_it_refuses_an_unauthenticated_body(secured):
+    """Issue 31: block hosts kept slow unauthenticated bodies open after answering 401 (20 of
+    20 still open after 45 s), the server waiting to drain a body nobody reads. Now the 401
+    says `Connection: close` and the host closes; a request without a body keeps alive."""
+    server = ThreadedServer.start(secured.apps.apps[secured.urls[0]], bind("127.0.0.1", 0))
+    port = int(server.url.rsplit(":", 1)[1])
+    try:
+        slow = []
+        for _ in range(20):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10.0)
+            s.sendall(b"POST /v1/sweep HTTP/1.1\r\nHost: h\r\nContent-Length: 100000\r\n\r\nxx")
+            slow.append(s)
+        replies = [s.recv(65536) for s in slow]
+        assert all(r.startswith(b"HTTP/1.1 401") for r in replies), replies
+        left = _still_open(slow, 10.0)
+        assert left == 0, f"{left} of 20 refused connections still open after 10 s"
+        assert all(b"connection: close" in r.lower() for r in replies), replies
+        get = socket.create_connection(("127.0.0.1", port), timeout=10.0)
+        get.sendall(b"GET /v1/info HTTP/1.1\r\nHost: h\r\n\r\n")
+        reply = get.recv(65536)
+        assert reply.startswith(b"HTTP/1.1 401") and b"connection: close" not in reply.lower()
+        for s in (*slow, get):
+            s.close()
+    finally:
+        server.stop()
 
 
 def test_a_router_with_the_secret_serves_and_one_without_is_refused(secured, stack):
@@ -247,6 +296,7 @@ def test_the_router_limits_requests_per_client(cluster):
         assert codes == [400, 400, 429]
         r = router.post("/v1/generate", content=b"not even json")
         assert r.status_code == 429 and r.headers["retry-after"] == "30"
+        assert r.headers["connection"] == "close", "its body is never read: the server closes"
         assert r.json()["error"]["type"] == "rate_limit_error"
         now[0] += 30.0
         assert router.post("/v1/generate", json={}).status_code == 400

@@ -103,6 +103,6 @@ class RateLimit:
             try:
                 self.limiter.check(client[0] if client else "unknown")
             except TooManyRequests as err:
-                await send_error(send, err)
+                await send_error(send, err, scope)
                 return
         await self.app(scope, receive, send)
