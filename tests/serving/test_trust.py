@@ -6,12 +6,14 @@ Each test names the finding it covers; each fails on the code before these fixes
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import struct
 import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -323,6 +325,128 @@ def test_rate_and_work_limiters_count_exactly():
         work.admit(6, "w", "max_tokens")
     work.release(a)
     assert work.in_flight == 0
+
+
+def _unread_stream(app: object, client: str, started: list[int]) -> asyncio.Task:
+    """A streamed completion from `client` whose reader never reads: the router's first send
+    of a body chunk never returns (the connection's buffers are full); its status goes into
+    `started` once the response starts."""
+    body = json.dumps(
+        {"model": "bt", "prompt": "The ", "max_tokens": 8, "stream": True, "seed": 1}
+    ).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ],
+        "client": (client, 1),
+        "server": ("127.0.0.1", 2),
+    }
+    sent_body = [False]
+
+    async def receive() -> dict:
+        if not sent_body[0]:
+            sent_body[0] = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.sleep(3600)  # never hangs up
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            started.append(message["status"])
+        elif message["type"] == "http.response.body" and message.get("body"):
+            await asyncio.sleep(3600)  # nobody reads
+
+    return asyncio.ensure_future(app(scope, receive, send))  # type: ignore[operator]
+
+
+def test_unread_streams_of_one_client_leave_work_for_everyone_else(cluster):
+    """Issue 31: the router's in-flight work budget was shared by all clients; four streams
+    that are never read held all of it, and every other client got 429 (75 of 75). Now one
+    client (address) holds at most half of the budget: 2 of its 4 unread streams start, the
+    other 2 get 429 `busy`, and a client from another address is served."""
+    from blocktrain.serving import RouterSettings, create_router_app
+
+    app = create_router_app(
+        RouterSettings(hosts=tuple(cluster.urls), max_work=8, max_work_in_flight=32),
+        transport=cluster.apps,
+    )
+    router = app.state.router
+
+    async def main() -> tuple[list[int], int, str]:
+        started: list[int] = []
+        streams = [_unread_stream(app, "10.0.0.66", started) for _ in range(4)]
+        for _ in range(600):  # until all four have an answer (a generous bound)
+            if len(started) == 4:
+                break
+            await asyncio.sleep(0.05)
+        transport = httpx.ASGITransport(app=app, client=("10.0.0.7", 1))
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as honest:
+            r = await honest.post(
+                "/v1/completions",
+                json={"model": "bt", "prompt": "The ", "max_tokens": 8, "seed": 2},
+                timeout=60,
+            )
+        for task in streams:
+            task.cancel()
+        await asyncio.gather(*streams, return_exceptions=True)
+        return started, r.status_code, r.text
+
+    started, status, text = asyncio.run(main())
+    assert status == 200, text
+    assert sorted(started) == [200, 200, 429, 429], started
+    assert router.work.in_flight == 0 and router.work.by_client == {}
+
+
+def test_a_stream_nobody_reads_ends_after_the_send_timeout_and_frees_its_work(cluster):
+    """Issue 31: an unread stream held its work until the client hung up, which it never
+    does. Now a send that waits past `send_timeout_s` ends the stream and releases its work."""
+    from blocktrain.serving import RouterSettings, create_router_app
+
+    app = create_router_app(
+        RouterSettings(hosts=tuple(cluster.urls), send_timeout_s=0.2), transport=cluster.apps
+    )
+    router = app.state.router
+
+    async def main() -> tuple[list[int], int, bool]:
+        started: list[int] = []
+        stream = _unread_stream(app, "10.0.0.66", started)
+        for _ in range(600):
+            if started:
+                break
+            await asyncio.sleep(0.05)
+        held = router.work.in_flight
+        done, _ = await asyncio.wait([stream], timeout=60)  # generous: it ends after 0.2 s
+        if not done:
+            stream.cancel()
+        return started, held, bool(done)
+
+    started, held, ended = asyncio.run(main())
+    assert started == [200] and held == 8, (started, held)
+    assert ended, "the stream was still waiting for its reader"
+    assert router.work.in_flight == 0
+
+
+def test_the_work_share_per_client_counts_exactly():
+    work = WorkLimiter(per_request=10, in_flight_max=30, per_client=15)
+    a = work.admit(10, "w", "max_tokens", "a")
+    with pytest.raises(Exception, match="its share of 15"):
+        work.admit(6, "w", "max_tokens", "a")
+    b = work.admit(10, "w", "max_tokens", "b")  # another client is admitted
+    work.admit(5, "w", "max_tokens", "a")
+    work.release(a, "a")
+    work.release(5, "a")
+    work.release(b, "b")
+    assert work.in_flight == 0 and work.by_client == {}
 
 
 # --------------------------------------------------------------------------- malformed messages

@@ -252,6 +252,7 @@ async def start_run(
     param: str,
     top_logprobs: int | None,
     arrived: float,
+    client: str = "",
 ) -> Run:
     """Validate a request and admit its work (n choices of n_bytes); `Run.done` releases it."""
     if top_logprobs is not None:
@@ -270,6 +271,7 @@ async def start_run(
         req=req,
         choices=req.n,
         logprobs=top_logprobs is not None,
+        client=client,
     )
     return Run(
         router,

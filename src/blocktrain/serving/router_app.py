@@ -22,7 +22,7 @@ from blocktrain.serving.chain import (
     ChainStats,
 )
 from blocktrain.serving.errors import BadRequest, ServingError, error_body
-from blocktrain.serving.limits import RateLimit, RateLimiter
+from blocktrain.serving.limits import RateLimit, RateLimiter, client_address
 from blocktrain.serving.openai_api import add_openai_routes
 from blocktrain.serving.readiness import Readiness
 from blocktrain.serving.router import Router, RouterSettings
@@ -115,10 +115,15 @@ def create_app(
         }
 
     @app.post("/v1/generate")
-    async def generate(req: GenerateRequest) -> GenerateResponse:
+    async def generate(req: GenerateRequest, request: Request) -> GenerateResponse:
         t0 = time.perf_counter()
         job = await router.job(
-            model=req.model, prompt=req.prompt, n_bytes=req.max_bytes, param="max_bytes", req=req
+            model=req.model,
+            prompt=req.prompt,
+            n_bytes=req.max_bytes,
+            param="max_bytes",
+            req=req,
+            client=client_address(request.scope),
         )
         stats = ChainStats()
         try:
