@@ -436,6 +436,64 @@ def test_a_stream_nobody_reads_ends_after_the_send_timeout_and_frees_its_work(cl
     assert router.work.in_flight == 0
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/generate"])
+def test_a_request_whose_client_hung_up_stops_computing_and_frees_its_work(cluster, path):
+    """Issue 31: a non-streamed request kept computing after its client disconnected, and held
+    its work in flight the while (34 s). Now the router stops at the hang-up: the chain runs
+    a few traversals, not the 2000 that 4000 bytes need."""
+    from blocktrain.serving import RouterSettings, create_router_app
+
+    app = create_router_app(RouterSettings(hosts=tuple(cluster.urls)), transport=cluster.apps)
+    router = app.state.router
+    size = "max_tokens" if path == "/v1/completions" else "max_bytes"
+    body = json.dumps({"model": "bt", "prompt": "The ", size: 4000, "seed": 1}).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ],
+        "client": ("10.0.0.66", 1),
+        "server": ("127.0.0.1", 2),
+    }
+    calls_before = len(cluster.apps.calls)
+    asked = [0]
+    held: list[int] = []
+
+    async def receive() -> dict:
+        asked[0] += 1
+        if asked[0] == 1:
+            return {"type": "http.request", "body": body, "more_body": False}
+        while len(cluster.apps.calls) - calls_before < 30:  # a few traversals in: hang up
+            await asyncio.sleep(0.01)
+        held.append(router.work.in_flight)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        pass
+
+    async def main() -> bool:
+        task = asyncio.ensure_future(app(scope, receive, send))
+        done, _ = await asyncio.wait([task], timeout=120)  # generous: a 4000-byte run is ~15 s
+        if not done:
+            task.cancel()
+        return bool(done)
+
+    assert asyncio.run(main()), "the request did not end"
+    traversals = (len(cluster.apps.calls) - calls_before) / len(cluster.urls)
+    assert traversals < 200, f"{traversals:.0f} traversals for a client that hung up after 10"
+    assert held == [4000], "the work was held until the hang-up"
+    assert router.work.in_flight == 0
+
+
 def test_the_work_share_per_client_counts_exactly():
     work = WorkLimiter(per_request=10, in_flight_max=30, per_client=15)
     a = work.admit(10, "w", "max_tokens", "a")

@@ -10,12 +10,50 @@ block) took 12 minutes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from blocktrain.serving.errors import BadRequest, TooManyRequests, send_error
+
+T = TypeVar("T")
+
+
+CLIENT_GONE = 499
+"""The status of an answer nobody waits for (nginx's "client closed request"): never seen."""
+
+
+class ClientGone(Exception):
+    """The client hung up before its answer was ready."""
+
+
+async def while_connected(receive: Receive, work: Awaitable[T]) -> T:
+    """`work`, run until it ends or the client hangs up, whichever comes first: then the work
+    is cancelled (ClientGone), so that a request nobody waits for stops computing and frees
+    its work in flight. For a route that has read its whole body: what `receive` gives next
+    is the disconnect."""
+
+    async def hung_up() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(hung_up())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watch):
+            if not t.done():
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
 
 
 def client_address(scope: Scope) -> str:

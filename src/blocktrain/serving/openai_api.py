@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
@@ -43,7 +43,7 @@ from blocktrain.serving.choices import (
     start_run,
 )
 from blocktrain.serving.errors import BadRequest, ServingError
-from blocktrain.serving.limits import client_address
+from blocktrain.serving.limits import CLIENT_GONE, ClientGone, client_address, while_connected
 from blocktrain.serving.router import Router
 from blocktrain.serving.schemas import (
     Completion,
@@ -243,8 +243,9 @@ class _ChatShape(_Shape):
         )
 
 
-async def _respond(shape: _Shape) -> BaseModel | StreamingResponse:
-    """Run the request's choices: the whole response, or a stream of chunks."""
+async def _respond(shape: _Shape, receive: Receive) -> BaseModel | Response:
+    """Run the request's choices: the whole response (stopped if the client hangs up first),
+    or a stream of chunks."""
     run, req = shape.run, shape.req
     log.info(
         "%s: model %s, n = %d, %d prompt bytes, user %s",
@@ -257,9 +258,15 @@ async def _respond(shape: _Shape) -> BaseModel | StreamingResponse:
     pieces = run.pieces()
     choices = [shape.start() for _ in range(run.n)]
     if not req.stream:
-        try:
+
+        async def collect() -> None:
             async for piece in pieces:
                 choices[piece.index].add(piece)
+
+        try:
+            await while_connected(receive, collect())
+        except ClientGone:
+            return Response(status_code=CLIENT_GONE)  # nobody reads it
         finally:
             await pieces.aclose()
             run.done()
@@ -307,9 +314,7 @@ def add_openai_routes(app: FastAPI, router: Router) -> None:
     """POST /v1/completions and POST /v1/chat/completions on `app`."""
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(
-        req: CompletionRequest, request: Request
-    ) -> BaseModel | StreamingResponse:
+    async def completions(req: CompletionRequest, request: Request) -> BaseModel | Response:
         arrived = time.perf_counter()
         if req.echo and req.logprobs is not None:
             raise BadRequest(
@@ -327,10 +332,10 @@ def add_openai_routes(app: FastAPI, router: Router) -> None:
             arrived=arrived,
             client=client_address(request.scope),
         )
-        return await _respond(_CompletionShape(run, req))
+        return await _respond(_CompletionShape(run, req), request.receive)
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat(req: ChatCompletionRequest, request: Request) -> BaseModel | StreamingResponse:
+    async def chat(req: ChatCompletionRequest, request: Request) -> BaseModel | Response:
         arrived = time.perf_counter()
         run = await start_run(
             router,
@@ -342,4 +347,4 @@ def add_openai_routes(app: FastAPI, router: Router) -> None:
             arrived=arrived,
             client=client_address(request.scope),
         )
-        return await _respond(_ChatShape(run, req))
+        return await _respond(_ChatShape(run, req), request.receive)
