@@ -318,12 +318,14 @@ def _protocol(limits: Limits) -> type[H11Protocol]:
     class GuardedH11(H11Protocol):
         _head_timer: asyncio.TimerHandle | None = None
         _address: str | None = None
+        _refused: bool = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             address = self.client[0] if self.client else None
             if address is not None:
                 if open_from.get(address, 0) >= per_address:
+                    self._refused = True
                     transport.write(TOO_MANY_CONNECTIONS)
                     transport.close()
                     return
@@ -332,6 +334,8 @@ def _protocol(limits: Limits) -> type[H11Protocol]:
             self._arm()
 
         def data_received(self, data: bytes) -> None:
+            if self._refused:
+                return  # answered 503 as it opened: nothing it sends is read
             super().data_received(data)
             if self.conn.their_state is h11.IDLE:
                 if self._head_timer is None:  # the next request's head has begun
