@@ -136,7 +136,8 @@ def start_fleet(root: Path, run: Run, params: int) -> Fleet:
         )
         for i, token in enumerate(tokens):
             state.ledger.add_token(f"w{i}", hash_token(token), time.time())
-        extra = ["--max-connections", str(2 * run.workers + 64)]
+        cap = str(2 * run.workers + 64)  # every worker is on loopback: one address holds them all
+        extra = ["--max-connections", cap, "--max-connections-per-address", cap]
         if run.aggregators > 1:  # one per block
             extra += ["--blocks", str(k)]
             extra += [f"--peer={j}={urls[j]}" for j in range(run.aggregators) if j != k]

@@ -165,3 +165,79 @@ def test_an_answer_before_the_body_closes_the_connection():
             s.close()
     finally:
         server.stop()
+
+
+def _connect_from(source: str, port: int) -> socket.socket:
+    """A connection to 127.0.0.1:port from `source`, another loopback address (127.0.0.0/8)."""
+    return socket.create_connection(("127.0.0.1", port), timeout=10.0, source_address=(source, 0))
+
+
+def _echo(sock: socket.socket) -> bytes:
+    sock.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
+    sock.settimeout(10.0)
+    reply = b""
+    while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        reply += chunk
+    return reply
+
+
+def test_one_address_holds_at_most_its_share_of_the_connections():
+    """Issue 31: every server allowed 512 connections with no share per address; one client
+    re-opening half-sent heads held every slot and honest calls got 503 in 40 of 40. Now one
+    address holds at most a quarter of them (8 of 32 here): its connections beyond that are
+    answered 503 and closed as they open, and a client from another address is served."""
+    import select
+
+    limits = Limits(max_connections=32, header_timeout_s=60.0)  # a share of 32 / 4 = 8
+    server = ThreadedServer.start(echo_app(limits), bind("127.0.0.1", 0), limits=limits)
+    port = int(server.url.rsplit(":", 1)[1])
+    attack: list[socket.socket] = []
+    try:
+        for _ in range(40):  # more half-sent heads than the server has slots
+            s = _connect_from("127.0.0.2", port)
+            s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Le")
+            attack.append(s)
+        honest = _connect_from("127.0.0.1", port)
+        reply = _echo(honest)
+        assert reply.startswith(b"HTTP/1.1 200") and b'{"bytes":3}' in reply, reply
+        refused: set[socket.socket] = set()
+        deadline = time.monotonic() + 30.0
+        while len(refused) < 32 and time.monotonic() < deadline:
+            ready, _, _ = select.select([s for s in attack if s not in refused], [], [], 1.0)
+            for s in ready:
+                try:
+                    data = s.recv(65536)
+                except ConnectionResetError:
+                    data = b""
+                assert not data or data.startswith(b"HTTP/1.1 503"), data
+                refused.add(s)
+        assert len(refused) == 32, "every connection beyond the address's 8 was refused"
+        held = [s for s in attack if s not in refused]
+        assert not select.select(held, [], [], 0)[0], "the 8 within the share are still open"
+        for s in held:
+            s.close()
+        # the share comes back as its connections close
+        deadline = time.monotonic() + 30.0
+        while True:
+            again = _connect_from("127.0.0.2", port)
+            reply = _echo(again)
+            again.close()
+            if reply.startswith(b"HTTP/1.1 200") or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert reply.startswith(b"HTTP/1.1 200"), reply
+        honest.close()
+    finally:
+        for s in attack:
+            s.close()
+        server.stop()
+
+
+def test_the_share_per_address_is_a_quarter_unless_set():
+    assert Limits().per_address == 128 and Limits(max_connections=32).per_address == 8
+    assert Limits(max_connections_per_address=600).per_address == 600
+    with pytest.raises(ConfigError, match="max_connections_per_address"):
+        Limits(max_connections_per_address=0)

@@ -13,6 +13,9 @@ What is enforced, and where:
   such timeout: `_protocol` adds it). Heads over `max_header_bytes` get 400 (h11).
 - at most `max_connections` connections at once; a request beyond it gets 503 (uvicorn's
   `limit_concurrency`). Idle keep-alive connections close after `keep_alive_s`.
+- at most `max_connections_per_address` of them from one client address (default a quarter
+  of `max_connections`): a connection beyond it is answered 503 and closed as it opens, so one
+  address that keeps re-opening half-sent heads cannot hold every slot (`_protocol`).
 - `HttpGuard`, a pure-ASGI middleware: a request body is refused with 413 when its
   Content-Length exceeds the route's cap, before the app runs, and while streaming when a
   chunked body grows past it; a Content-Length that is not a plain decimal number, or one
@@ -70,6 +73,8 @@ class Limits:
     min_body_rate: float = 16 * 1024
     """After `body_grace_s`, a body must have arrived at this average rate (bytes/s)."""
     max_connections: int = 512
+    max_connections_per_address: int | None = None
+    """Connections at once from one client address; None: a quarter of `max_connections`."""
     keep_alive_s: int = 30
     max_header_bytes: int = 64 * 1024
 
@@ -77,9 +82,21 @@ class Limits:
         for name in ("max_body", "max_connections", "keep_alive_s", "max_header_bytes"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, not {getattr(self, name)}")
+        if self.max_connections_per_address is not None and self.max_connections_per_address <= 0:
+            raise ConfigError(
+                "max_connections_per_address must be positive, not "
+                f"{self.max_connections_per_address}"
+            )
         for name in ("header_timeout_s", "body_grace_s", "min_body_rate"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, not {getattr(self, name)}")
+
+    @property
+    def per_address(self) -> int:
+        """Connections at once from one client address."""
+        if self.max_connections_per_address is not None:
+            return self.max_connections_per_address
+        return max(1, self.max_connections // 4)
 
 
 def default_error_body(code: str, detail: str) -> dict[str, Any]:
@@ -278,19 +295,47 @@ def url_of(sock: socket.socket, *, tls: bool = False) -> str:
     return f"{scheme}://{'[' + host + ']' if ':' in host else host}:{port}"
 
 
-def _protocol(header_timeout_s: float) -> type[H11Protocol]:
+_TOO_MANY = b"too many connections from this address\n"
+TOO_MANY_CONNECTIONS = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
+    b"content-length: %d\r\nretry-after: 1\r\nconnection: close\r\n\r\n%s"
+    % (len(_TOO_MANY), _TOO_MANY)
+)
+"""The answer to a connection over its address's share, sent as it opens: no request is read."""
+
+
+def _protocol(limits: Limits) -> type[H11Protocol]:
     """uvicorn's h11 protocol with a deadline on each request's head: uvicorn times out only
     idle keep-alive connections, so a client that opens a connection and sends half a request
-    line would hold it (and a slot of `limit_concurrency`) forever."""
+    line would hold it (and a slot of `limit_concurrency`) forever. And with a share of the
+    connections per client address: one server's protocols count their peers' addresses (all
+    run on the server's event loop), and a connection beyond `limits.per_address` is answered
+    503 and closed before anything is read."""
+    header_timeout_s = limits.header_timeout_s
+    per_address = limits.per_address
+    open_from: dict[str, int] = {}
 
     class GuardedH11(H11Protocol):
         _head_timer: asyncio.TimerHandle | None = None
+        _address: str | None = None
+        _refused: bool = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            address = self.client[0] if self.client else None
+            if address is not None:
+                if open_from.get(address, 0) >= per_address:
+                    self._refused = True
+                    transport.write(TOO_MANY_CONNECTIONS)
+                    transport.close()
+                    return
+                open_from[address] = open_from.get(address, 0) + 1
+                self._address = address
             self._arm()
 
         def data_received(self, data: bytes) -> None:
+            if self._refused:
+                return  # answered 503 as it opened: nothing it sends is read
             super().data_received(data)
             if self.conn.their_state is h11.IDLE:
                 if self._head_timer is None:  # the next request's head has begun
@@ -304,6 +349,11 @@ def _protocol(header_timeout_s: float) -> type[H11Protocol]:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            if self._address is not None:
+                left = open_from.pop(self._address) - 1
+                if left:
+                    open_from[self._address] = left
+                self._address = None
             super().connection_lost(exc)
 
         def _arm(self) -> None:
@@ -328,7 +378,7 @@ def _config(
 ) -> uvicorn.Config:
     return uvicorn.Config(
         app,
-        http=_protocol(limits.header_timeout_s),
+        http=_protocol(limits),
         log_level="debug" if verbose else "warning",
         access_log=False,
         limit_concurrency=limits.max_connections,

@@ -91,6 +91,11 @@ def test_aggregator_refuses_bad_limits_and_tls_files(tmp_path, capsys):
     fails_cleanly(
         capsys, ["aggregator", "--state", str(state), "--max-connections", "0"], "max_connections"
     )
+    fails_cleanly(
+        capsys,
+        ["aggregator", "--state", str(state), "--max-connections-per-address", "0"],
+        "max_connections_per_address",
+    )
     bogus = tmp_path / "bogus.pem"
     bogus.write_text("not a certificate")
     fails_cleanly(

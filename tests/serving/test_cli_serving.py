@@ -120,6 +120,8 @@ def test_bad_router_limits_are_one_line(capsys, monkeypatch):
     fails_cleanly(capsys, [*serve, "--max-work", "0"], "max_work = 0")
     fails_cleanly(capsys, [*serve, "--max-body-bytes", "0"], "max_body_bytes = 0")
     fails_cleanly(capsys, [*serve, "--max-work", "100", "--max-work-in-flight", "10"], "no request")
+    fails_cleanly(capsys, [*serve, "--max-work-per-client", "100"], "--max-work-per-client 100")
+    fails_cleanly(capsys, [*serve, "--send-timeout", "0"], "--send-timeout 0")
 
 
 def test_bad_tls_input_is_one_line(capsys, runs, tmp_path, monkeypatch):

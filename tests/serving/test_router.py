@@ -102,6 +102,8 @@ LONG = "x" * 65537
         ({"n": 0}, 400, "n: Input should be greater than or equal to 1"),
         ({"stop": list("abcde")}, 400, "stop: at most 4 stop sequences, got 5"),
         ({"stop": ""}, 400, "stop: a stop sequence must not be empty"),
+        ({"stop": ["a", "x" * 1025]}, 400, "stop: a stop sequence may hold at most 1024 bytes"),
+        ({"stop": "\u00e9" * 513}, 400, "at most 1024 bytes (UTF-8), got 1026"),
         ({"logprobs": 21}, 400, "logprobs: Input should be less than or equal to 20"),
         ({"best_of": 2}, 400, "best_of: not supported"),
         ({"logit_bias": {"65": 1.0}}, 400, "logit_bias: not supported"),

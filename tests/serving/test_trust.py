@@ -6,16 +6,21 @@ Each test names the finding it covers; each fails on the code before these fixes
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 import struct
+import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
 from safetensors.torch import save
 
 from blocktrain.errors import ConfigError
+from blocktrain.httpserve import ThreadedServer, bind
 from blocktrain.serving.auth import SECRET_ENV, load_secret
 from blocktrain.serving.limits import RateLimiter, WorkLimiter
 from blocktrain.serving.wire import CONTENT_TYPE, decode, encode
@@ -109,6 +114,52 @@ def test_a_host_refuses_work_without_the_secret_before_reading_the_body(secured,
         assert host0.post("/v1/release", json=release, headers=BEARER).status_code == 200
         _, _, body = _sweep_message(stack, _fingerprint(secured))
         assert host0.post("/v1/sweep", content=body, headers=BEARER).status_code == 200
+
+
+def _still_open(socks: list[socket.socket], seconds: float) -> int:
+    """How many of `socks` the server has not closed within `seconds` (all watched at once:
+    a generous bound on an outcome, not a timing)."""
+    import select
+
+    open_ = set(socks)
+    deadline = time.monotonic() + seconds
+    while open_ and time.monotonic() < deadline:
+        ready, _, _ = select.select(list(open_), [], [], 0.5)
+        for s in ready:
+            try:
+                data = s.recv(65536)
+            except ConnectionResetError:
+                data = b""
+            if not data:
+                open_.discard(s)
+    return len(open_)
+
+
+def test_a_host_closes_the_connection_once_it_refuses_an_unauthenticated_body(secured):
+    """Issue 31: block hosts kept slow unauthenticated bodies open after answering 401 (20 of
+    20 still open after 45 s), the server waiting to drain a body nobody reads. Now the 401
+    says `Connection: close` and the host closes; a request without a body keeps alive."""
+    server = ThreadedServer.start(secured.apps.apps[secured.urls[0]], bind("127.0.0.1", 0))
+    port = int(server.url.rsplit(":", 1)[1])
+    try:
+        slow = []
+        for _ in range(20):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10.0)
+            s.sendall(b"POST /v1/sweep HTTP/1.1\r\nHost: h\r\nContent-Length: 100000\r\n\r\nxx")
+            slow.append(s)
+        replies = [s.recv(65536) for s in slow]
+        assert all(r.startswith(b"HTTP/1.1 401") for r in replies), replies
+        left = _still_open(slow, 10.0)
+        assert left == 0, f"{left} of 20 refused connections still open after 10 s"
+        assert all(b"connection: close" in r.lower() for r in replies), replies
+        get = socket.create_connection(("127.0.0.1", port), timeout=10.0)
+        get.sendall(b"GET /v1/info HTTP/1.1\r\nHost: h\r\n\r\n")
+        reply = get.recv(65536)
+        assert reply.startswith(b"HTTP/1.1 401") and b"connection: close" not in reply.lower()
+        for s in (*slow, get):
+            s.close()
+    finally:
+        server.stop()
 
 
 def test_a_router_with_the_secret_serves_and_one_without_is_refused(secured, stack):
@@ -247,6 +298,7 @@ def test_the_router_limits_requests_per_client(cluster):
         assert codes == [400, 400, 429]
         r = router.post("/v1/generate", content=b"not even json")
         assert r.status_code == 429 and r.headers["retry-after"] == "30"
+        assert r.headers["connection"] == "close", "its body is never read: the server closes"
         assert r.json()["error"]["type"] == "rate_limit_error"
         now[0] += 30.0
         assert router.post("/v1/generate", json={}).status_code == 400
@@ -273,6 +325,186 @@ def test_rate_and_work_limiters_count_exactly():
         work.admit(6, "w", "max_tokens")
     work.release(a)
     assert work.in_flight == 0
+
+
+def _unread_stream(app: object, client: str, started: list[int]) -> asyncio.Task:
+    """A streamed completion from `client` whose reader never reads: the router's first send
+    of a body chunk never returns (the connection's buffers are full); its status goes into
+    `started` once the response starts."""
+    body = json.dumps(
+        {"model": "bt", "prompt": "The ", "max_tokens": 8, "stream": True, "seed": 1}
+    ).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ],
+        "client": (client, 1),
+        "server": ("127.0.0.1", 2),
+    }
+    sent_body = [False]
+
+    async def receive() -> dict:
+        if not sent_body[0]:
+            sent_body[0] = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.sleep(3600)  # never hangs up
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            started.append(message["status"])
+        elif message["type"] == "http.response.body" and message.get("body"):
+            await asyncio.sleep(3600)  # nobody reads
+
+    return asyncio.ensure_future(app(scope, receive, send))  # type: ignore[operator]
+
+
+def test_unread_streams_of_one_client_leave_work_for_everyone_else(cluster):
+    """Issue 31: the router's in-flight work budget was shared by all clients; four streams
+    that are never read held all of it, and every other client got 429 (75 of 75). Now one
+    client (address) holds at most half of the budget: 2 of its 4 unread streams start, the
+    other 2 get 429 `busy`, and a client from another address is served."""
+    from blocktrain.serving import RouterSettings, create_router_app
+
+    app = create_router_app(
+        RouterSettings(hosts=tuple(cluster.urls), max_work=8, max_work_in_flight=32),
+        transport=cluster.apps,
+    )
+    router = app.state.router
+
+    async def main() -> tuple[list[int], int, str]:
+        started: list[int] = []
+        streams = [_unread_stream(app, "10.0.0.66", started) for _ in range(4)]
+        for _ in range(600):  # until all four have an answer (a generous bound)
+            if len(started) == 4:
+                break
+            await asyncio.sleep(0.05)
+        transport = httpx.ASGITransport(app=app, client=("10.0.0.7", 1))
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as honest:
+            r = await honest.post(
+                "/v1/completions",
+                json={"model": "bt", "prompt": "The ", "max_tokens": 8, "seed": 2},
+                timeout=60,
+            )
+        for task in streams:
+            task.cancel()
+        await asyncio.gather(*streams, return_exceptions=True)
+        return started, r.status_code, r.text
+
+    started, status, text = asyncio.run(main())
+    assert status == 200, text
+    assert sorted(started) == [200, 200, 429, 429], started
+    assert router.work.in_flight == 0 and router.work.by_client == {}
+
+
+def test_a_stream_nobody_reads_ends_after_the_send_timeout_and_frees_its_work(cluster):
+    """Issue 31: an unread stream held its work until the client hung up, which it never
+    does. Now a send that waits past `send_timeout_s` ends the stream and releases its work."""
+    from blocktrain.serving import RouterSettings, create_router_app
+
+    app = create_router_app(
+        RouterSettings(hosts=tuple(cluster.urls), send_timeout_s=0.2), transport=cluster.apps
+    )
+    router = app.state.router
+
+    async def main() -> tuple[list[int], int, bool]:
+        started: list[int] = []
+        stream = _unread_stream(app, "10.0.0.66", started)
+        for _ in range(600):
+            if started:
+                break
+            await asyncio.sleep(0.05)
+        held = router.work.in_flight
+        done, _ = await asyncio.wait([stream], timeout=60)  # generous: it ends after 0.2 s
+        if not done:
+            stream.cancel()
+        return started, held, bool(done)
+
+    started, held, ended = asyncio.run(main())
+    assert started == [200] and held == 8, (started, held)
+    assert ended, "the stream was still waiting for its reader"
+    assert router.work.in_flight == 0
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/generate"])
+def test_a_request_whose_client_hung_up_stops_computing_and_frees_its_work(cluster, path):
+    """Issue 31: a non-streamed request kept computing after its client disconnected, and held
+    its work in flight the while (34 s). Now the router stops at the hang-up: the chain runs
+    a few traversals, not the 2000 that 4000 bytes need."""
+    from blocktrain.serving import RouterSettings, create_router_app
+
+    app = create_router_app(RouterSettings(hosts=tuple(cluster.urls)), transport=cluster.apps)
+    router = app.state.router
+    size = "max_tokens" if path == "/v1/completions" else "max_bytes"
+    body = json.dumps({"model": "bt", "prompt": "The ", size: 4000, "seed": 1}).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ],
+        "client": ("10.0.0.66", 1),
+        "server": ("127.0.0.1", 2),
+    }
+    calls_before = len(cluster.apps.calls)
+    asked = [0]
+    held: list[int] = []
+
+    async def receive() -> dict:
+        asked[0] += 1
+        if asked[0] == 1:
+            return {"type": "http.request", "body": body, "more_body": False}
+        while len(cluster.apps.calls) - calls_before < 30:  # a few traversals in: hang up
+            await asyncio.sleep(0.01)
+        held.append(router.work.in_flight)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        pass
+
+    async def main() -> bool:
+        task = asyncio.ensure_future(app(scope, receive, send))
+        done, _ = await asyncio.wait([task], timeout=120)  # generous: a 4000-byte run is ~15 s
+        if not done:
+            task.cancel()
+        return bool(done)
+
+    assert asyncio.run(main()), "the request did not end"
+    traversals = (len(cluster.apps.calls) - calls_before) / len(cluster.urls)
+    assert traversals < 200, f"{traversals:.0f} traversals for a client that hung up after 10"
+    assert held == [4000], "the work was held until the hang-up"
+    assert router.work.in_flight == 0
+
+
+def test_the_work_share_per_client_counts_exactly():
+    work = WorkLimiter(per_request=10, in_flight_max=30, per_client=15)
+    a = work.admit(10, "w", "max_tokens", "a")
+    with pytest.raises(Exception, match="its share of 15"):
+        work.admit(6, "w", "max_tokens", "a")
+    b = work.admit(10, "w", "max_tokens", "b")  # another client is admitted
+    work.admit(5, "w", "max_tokens", "a")
+    work.release(a, "a")
+    work.release(5, "a")
+    work.release(b, "b")
+    assert work.in_flight == 0 and work.by_client == {}
 
 
 # --------------------------------------------------------------------------- malformed messages

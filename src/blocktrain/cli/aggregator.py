@@ -140,6 +140,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="connections served at once (503 beyond)",
     )
     p.add_argument(
+        "--max-connections-per-address",
+        type=int,
+        default=None,
+        metavar="N",
+        help="connections at once from one client address (default: a quarter of "
+        "--max-connections; 503 and closed beyond)",
+    )
+    p.add_argument(
         "--keep-refused",
         type=int,
         default=limits.keep_refused,
@@ -193,7 +201,11 @@ def prepare_state(
 
 def access_limits(args: argparse.Namespace) -> AccessLimits:
     return AccessLimits(
-        http=Limits(max_body=JSON_BODY_BYTES, max_connections=args.max_connections),
+        http=Limits(
+            max_body=JSON_BODY_BYTES,
+            max_connections=args.max_connections,
+            max_connections_per_address=args.max_connections_per_address,
+        ),
         rate_per_s=args.rate_limit,
         burst=args.rate_burst,
         private_status=args.private_status,

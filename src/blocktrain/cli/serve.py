@@ -136,6 +136,21 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="most work of all requests running at once (429 above)",
     )
     p.add_argument(
+        "--max-work-per-client",
+        type=int,
+        default=None,
+        metavar="U",
+        help="most work of one client address's requests running at once (429 above; default "
+        "half of --max-work-in-flight; behind a reverse proxy set it to --max-work-in-flight)",
+    )
+    p.add_argument(
+        "--send-timeout",
+        type=float,
+        default=RouterSettings.send_timeout_s,
+        metavar="S",
+        help="end a stream, releasing its work, when its client reads nothing for S seconds",
+    )
+    p.add_argument(
         "--coalesce-sweeps",
         type=int,
         default=RouterSettings.coalesce_sweeps,
@@ -222,6 +237,8 @@ def run_cmd(args: argparse.Namespace) -> int:
         rate_per_minute=args.rate_limit,
         max_work=args.max_work,
         max_work_in_flight=args.max_work_in_flight,
+        max_work_per_client=args.max_work_per_client,
+        send_timeout_s=args.send_timeout,
         secret=load_secret(args.secret_file),
         ca_cert=args.ca_cert,
         coalesce_sweeps=args.coalesce_sweeps,

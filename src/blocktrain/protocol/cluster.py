@@ -199,7 +199,9 @@ def run_cluster(
         raise ProtocolError("a cluster run needs max_rounds in the aggregator settings")
     started = time.monotonic()
     probe_data = ["--data", data] if data else []  # the aggregator's effect probe reads it
-    aggregator, url = start_aggregator(state, logs, host=host, extra=probe_data)
+    # every worker runs on this machine, from one address: no share per address below the cap
+    one_address = ["--max-connections-per-address", "512"]
+    aggregator, url = start_aggregator(state, logs, host=host, extra=[*probe_data, *one_address])
     workers: list[Proc] = []
     client = AggregatorClient(
         url, observer_token, retry=RetryPolicy(base_s=0.2, cap_s=2.0, give_up_after_s=60.0)

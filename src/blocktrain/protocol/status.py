@@ -31,8 +31,15 @@ def round_record(row: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+MAX_STATUS_ROUNDS = 1000
+"""The most closed rounds per block one snapshot lists in `participation` (`?rounds=N` above it
+is served as this many): what one call may ask of the ledger, whatever the run's length."""
+
+
 def snapshot(service: AggregatorService, *, last_rounds: int = 20) -> dict[str, Any]:
-    """Everything /v1/status shows (no authentication: for the CLI and tests)."""
+    """Everything /v1/status shows (no authentication: for the CLI and tests); `participation`
+    lists the last `last_rounds` closed rounds of each block, at most MAX_STATUS_ROUNDS."""
+    last_rounds = min(last_rounds, MAX_STATUS_ROUNDS)
     now = service.clock()
     with service.lock:
         engine = service.engine

@@ -104,4 +104,4 @@ class RequireSecret:
             "this block host takes work only from its router: send the shared secret as "
             f"'Authorization: Bearer SECRET' (--secret-file or ${SECRET_ENV})"
         )
-        await send_error(send, err)
+        await send_error(send, err, scope)

@@ -71,30 +71,60 @@ class Piece:
     finish: Finish | None
 
 
+def prefix_function(s: bytes) -> list[int]:
+    """KMP's failure function: f[i] is the length of the longest proper prefix of s[: i + 1]
+    that is also a suffix of it. O(len(s))."""
+    f = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = f[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        f[i] = k
+    return f
+
+
 class StopScanner:
     """Cuts a choice's bytes at the first stop sequence. The bytes that could begin one are held
-    back until the next bytes settle it, so that no part of a stop sequence is ever sent."""
+    back until the next bytes settle it, so that no part of a stop sequence is ever sent.
+
+    Linear time: each stop sequence keeps its KMP state (the longest prefix of it the bytes so
+    far end with), so a piece costs O(len(piece)) steps per stop sequence (amortized), whatever
+    the stops' length; the held bytes are the longest such prefix, at most the longest stop
+    less one byte."""
 
     def __init__(self, stops: list[bytes]) -> None:
         self.stops = stops
+        self.fail = [prefix_function(s) for s in stops]
+        self.state = [0] * len(stops)
         self.buf = b""
 
     def push(self, data: bytes) -> tuple[bytes, bool]:
         """-> (the bytes safe to send, whether a stop sequence ended the choice)."""
-        self.buf += data
-        found = [i for i in (self.buf.find(s) for s in self.stops) if i >= 0]
-        if found:
-            out, self.buf = self.buf[: min(found)], b""
-            return out, True
-        hold = max(
-            (k for s in self.stops for k in range(1, len(s)) if self.buf.endswith(s[:k])),
-            default=0,
-        )
-        out, self.buf = self.buf[: len(self.buf) - hold], self.buf[len(self.buf) - hold :]
+        base, buf = len(self.buf), self.buf + data
+        first: int | None = None  # where the earliest stop sequence found starts, in buf
+        for j, (s, f) in enumerate(zip(self.stops, self.fail, strict=True)):
+            q = self.state[j]
+            for i, b in enumerate(data):
+                while q and s[q] != b:
+                    q = f[q - 1]
+                if s[q] == b:
+                    q += 1
+                if q == len(s):  # the first match of s: the earliest-starting one of s
+                    start = base + i + 1 - len(s)
+                    first = start if first is None else min(first, start)
+                    break
+            self.state[j] = q
+        if first is not None:
+            self.buf, self.state = b"", [0] * len(self.stops)
+            return buf[:first], True
+        hold = max(self.state, default=0)  # a state <= the held bytes + the new: <= len(buf)
+        out, self.buf = buf[: len(buf) - hold], buf[len(buf) - hold :]
         return out, False
 
     def flush(self) -> bytes:
-        out, self.buf = self.buf, b""
+        out, self.buf, self.state = self.buf, b"", [0] * len(self.stops)
         return out
 
 
@@ -222,6 +252,7 @@ async def start_run(
     param: str,
     top_logprobs: int | None,
     arrived: float,
+    client: str = "",
 ) -> Run:
     """Validate a request and admit its work (n choices of n_bytes); `Run.done` releases it."""
     if top_logprobs is not None:
@@ -240,6 +271,7 @@ async def start_run(
         req=req,
         choices=req.n,
         logprobs=top_logprobs is not None,
+        client=client,
     )
     return Run(
         router,

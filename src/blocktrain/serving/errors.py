@@ -28,7 +28,7 @@ import json
 import math
 from typing import Any
 
-from starlette.types import Send
+from starlette.types import Scope, Send
 
 from blocktrain.errors import BlockTrainError
 
@@ -161,14 +161,27 @@ def error_body(code: str, detail: str) -> dict[str, Any]:
     return BadRequest(detail, code=code).to_json()
 
 
-async def send_error(send: Send, err: ServingError) -> None:
+def has_body(scope: Scope) -> bool:
+    """Whether a request declares a body (a Content-Length above 0, or chunked)."""
+    for k, v in scope.get("headers", []):
+        name = k.lower()
+        if name == b"transfer-encoding" or (name == b"content-length" and v.strip() != b"0"):
+            return True
+    return False
+
+
+async def send_error(send: Send, err: ServingError, scope: Scope | None = None) -> None:
     """Answer an ASGI request with `err` as JSON, from a middleware, before any route (and
-    without reading the request's body)."""
+    without reading the request's body). With the request's `scope`, a request that declares
+    a body is answered `Connection: close`, and the server closes the connection after the
+    answer instead of draining a body nobody reads, as slowly as the client cares to send it."""
     body = json.dumps(err.to_json()).encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
         *((k.encode(), v.encode()) for k, v in err.http_headers().items()),
     ]
+    if scope is not None and has_body(scope):
+        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": err.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

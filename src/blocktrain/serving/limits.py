@@ -10,12 +10,56 @@ block) took 12 minutes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from blocktrain.serving.errors import BadRequest, TooManyRequests, send_error
+
+T = TypeVar("T")
+
+
+CLIENT_GONE = 499
+"""The status of an answer nobody waits for (nginx's "client closed request"): never seen."""
+
+
+class ClientGone(Exception):
+    """The client hung up before its answer was ready."""
+
+
+async def while_connected(receive: Receive, work: Awaitable[T]) -> T:
+    """`work`, run until it ends or the client hangs up, whichever comes first: then the work
+    is cancelled (ClientGone), so that a request nobody waits for stops computing and frees
+    its work in flight. For a route that has read its whole body: what `receive` gives next
+    is the disconnect."""
+
+    async def hung_up() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(hung_up())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watch):
+            if not t.done():
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
+def client_address(scope: Scope) -> str:
+    """Whom the per-client limits count a request against: its peer's address."""
+    client = scope.get("client")
+    return str(client[0]) if client else "unknown"
 
 
 def work_units(n_bytes: int, steps_per_block: int) -> int:
@@ -58,15 +102,20 @@ class RateLimiter:
 
 @dataclass
 class WorkLimiter:
-    """Caps the work of one request (422) and of all requests in flight together (429)."""
+    """Caps the work of one request (422), of one client's requests in flight together, and of
+    all requests in flight together (429)."""
 
     per_request: int
     in_flight_max: int
     in_flight: int = 0
+    per_client: int | None = None
+    """Work in flight of one client (address) at once; None: no share but the whole."""
+    by_client: dict[str, int] = field(default_factory=dict)
 
-    def admit(self, units: int, what: str, param: str) -> int:
-        """Count `units` of work in flight -> the units to `release` when the request ends;
-        `what` says how the units were counted, `param` what the client should change."""
+    def admit(self, units: int, what: str, param: str, client: str = "") -> int:
+        """Count `units` of work in flight for `client` -> the units to `release` when the
+        request ends; `what` says how the units were counted, `param` what the client should
+        change."""
         if units > self.per_request:
             raise BadRequest(
                 f"{what} = {units} units of work exceeds this router's limit of "
@@ -74,6 +123,15 @@ class WorkLimiter:
                 param=param,
                 code="too_much_work",
                 status=422,
+            )
+        held = self.by_client.get(client, 0)
+        if self.per_client is not None and held + units > self.per_client:
+            raise TooManyRequests(
+                f"the router is busy for {client or 'this client'}: {held} units of its work in "
+                f"flight, {units} more would pass its share of {self.per_client} (of "
+                f"{self.in_flight_max} for all clients); retry when one of its requests ends",
+                retry_after_s=1.0,
+                code="busy",
             )
         if self.in_flight + units > self.in_flight_max:
             raise TooManyRequests(
@@ -83,10 +141,14 @@ class WorkLimiter:
                 code="busy",
             )
         self.in_flight += units
+        self.by_client[client] = held + units
         return units
 
-    def release(self, units: int) -> None:
+    def release(self, units: int, client: str = "") -> None:
         self.in_flight -= units
+        left = self.by_client.pop(client, 0) - units
+        if left > 0:
+            self.by_client[client] = left
 
 
 class RateLimit:
@@ -99,10 +161,9 @@ class RateLimit:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.limiter is not None and scope["type"] == "http" and scope["method"] == "POST":
-            client = scope.get("client")
             try:
-                self.limiter.check(client[0] if client else "unknown")
+                self.limiter.check(client_address(scope))
             except TooManyRequests as err:
-                await send_error(send, err)
+                await send_error(send, err, scope)
                 return
         await self.app(scope, receive, send)

@@ -5,17 +5,18 @@ shape or the chat shape), usage in bytes and the request's `timings` (an extensi
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI
-from fastapi.responses import StreamingResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
@@ -42,6 +43,7 @@ from blocktrain.serving.choices import (
     start_run,
 )
 from blocktrain.serving.errors import BadRequest, ServingError
+from blocktrain.serving.limits import CLIENT_GONE, ClientGone, client_address, while_connected
 from blocktrain.serving.router import Router
 from blocktrain.serving.schemas import (
     Completion,
@@ -53,18 +55,41 @@ from blocktrain.serving.schemas import (
 log = logging.getLogger(__name__)
 
 
+class _Stalled(Exception):
+    """A stream's client read nothing for the send timeout."""
+
+
 class _Stream(StreamingResponse):
     """Server-sent events that hold their request's work in flight until the response ends,
-    however it ends: sent in full, failed, or the client hung up (even before the first
-    event, when the events' generator never ran)."""
+    however it ends: sent in full, failed, the client hung up (even before the first event,
+    when the events' generator never ran), or the client stopped reading: a send that waits
+    more than `send_timeout_s` (the connection's buffers are full) ends the stream, and the
+    server closes the connection."""
 
-    def __init__(self, events: AsyncGenerator[str], release: Callable[[], Awaitable[None]]):
+    def __init__(
+        self,
+        events: AsyncGenerator[str],
+        release: Callable[[], Awaitable[None]],
+        send_timeout_s: float,
+    ):
         super().__init__(events, media_type="text/event-stream")
         self._release = release
+        self._send_timeout_s = send_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def timed_send(message: MutableMapping[str, Any]) -> None:
+            try:
+                await asyncio.wait_for(send(message), self._send_timeout_s)
+            except TimeoutError:
+                raise _Stalled from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, timed_send)
+        except _Stalled:
+            log.warning(
+                "a stream's client read nothing for %.0f s: stream ended, its work released",
+                self._send_timeout_s,
+            )
         finally:
             await self._release()
 
@@ -218,8 +243,9 @@ class _ChatShape(_Shape):
         )
 
 
-async def _respond(shape: _Shape) -> BaseModel | StreamingResponse:
-    """Run the request's choices: the whole response, or a stream of chunks."""
+async def _respond(shape: _Shape, receive: Receive) -> BaseModel | Response:
+    """Run the request's choices: the whole response (stopped if the client hangs up first),
+    or a stream of chunks."""
     run, req = shape.run, shape.req
     log.info(
         "%s: model %s, n = %d, %d prompt bytes, user %s",
@@ -232,9 +258,15 @@ async def _respond(shape: _Shape) -> BaseModel | StreamingResponse:
     pieces = run.pieces()
     choices = [shape.start() for _ in range(run.n)]
     if not req.stream:
-        try:
+
+        async def collect() -> None:
             async for piece in pieces:
                 choices[piece.index].add(piece)
+
+        try:
+            await while_connected(receive, collect())
+        except ClientGone:
+            return Response(status_code=CLIENT_GONE)  # nobody reads it
         finally:
             await pieces.aclose()
             run.done()
@@ -275,14 +307,14 @@ async def _respond(shape: _Shape) -> BaseModel | StreamingResponse:
             return
         yield "data: [DONE]\n\n"
 
-    return _Stream(events(), release)
+    return _Stream(events(), release, run.router.settings.send_timeout_s)
 
 
 def add_openai_routes(app: FastAPI, router: Router) -> None:
     """POST /v1/completions and POST /v1/chat/completions on `app`."""
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(req: CompletionRequest) -> BaseModel | StreamingResponse:
+    async def completions(req: CompletionRequest, request: Request) -> BaseModel | Response:
         arrived = time.perf_counter()
         if req.echo and req.logprobs is not None:
             raise BadRequest(
@@ -298,11 +330,12 @@ def add_openai_routes(app: FastAPI, router: Router) -> None:
             param="max_tokens",
             top_logprobs=req.logprobs,
             arrived=arrived,
+            client=client_address(request.scope),
         )
-        return await _respond(_CompletionShape(run, req))
+        return await _respond(_CompletionShape(run, req), request.receive)
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat(req: ChatCompletionRequest) -> BaseModel | StreamingResponse:
+    async def chat(req: ChatCompletionRequest, request: Request) -> BaseModel | Response:
         arrived = time.perf_counter()
         run = await start_run(
             router,
@@ -312,5 +345,6 @@ def add_openai_routes(app: FastAPI, router: Router) -> None:
             param="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
             top_logprobs=req.top(),
             arrived=arrived,
+            client=client_address(request.scope),
         )
-        return await _respond(_ChatShape(run, req))
+        return await _respond(_ChatShape(run, req), request.receive)

@@ -107,6 +107,12 @@ class RouterSettings:
     """Most work in one request, in bytes x steps_per_block (limits.work_units)."""
     max_work_in_flight: int = 16384
     """Most work of all requests in flight together."""
+    max_work_per_client: int | None = None
+    """Most work of one client address's requests in flight together; None: half of
+    max_work_in_flight (and at least max_work), so one client cannot hold the whole budget."""
+    send_timeout_s: float = 30.0
+    """A stream whose client reads none of it for this long (one send blocked) is ended, and
+    its work released (openai_api._Stream)."""
     secret: str | None = field(default=None, repr=False)
     """The hosts' shared secret, sent with every request to them (auth.py)."""
     ca_cert: str | None = None
@@ -117,6 +123,13 @@ class RouterSettings:
     coalesce_window_ms: float = 0.0
     """How long a sweep waits for others bound for the same host (0: none; those that arrive
     while a request to the host is in flight go together after it)."""
+
+    @property
+    def work_per_client(self) -> int:
+        """Work one client address may have in flight at once."""
+        if self.max_work_per_client is not None:
+            return self.max_work_per_client
+        return max(self.max_work, self.max_work_in_flight // 2)
 
     @property
     def positions(self) -> tuple[tuple[str, ...], ...]:
@@ -157,6 +170,15 @@ class RouterSettings:
             raise ConfigError(f"--coalesce-window-ms {self.coalesce_window_ms} must be >= 0")
         if self.rate_per_minute < 0:
             raise ConfigError(f"--rate-limit {self.rate_per_minute} must be >= 0 (0: none)")
+        if self.send_timeout_s <= 0:
+            raise ConfigError(f"--send-timeout {self.send_timeout_s} must be positive")
+        if self.max_work_per_client is not None and not (
+            self.max_work <= self.max_work_per_client <= self.max_work_in_flight
+        ):
+            raise ConfigError(
+                f"--max-work-per-client {self.max_work_per_client} must lie in --max-work "
+                f"{self.max_work} .. --max-work-in-flight {self.max_work_in_flight}"
+            )
         if self.max_work > self.max_work_in_flight:
             raise ConfigError(
                 f"--max-work {self.max_work} exceeds --max-work-in-flight "
@@ -179,6 +201,8 @@ class Job:
     verify_draws: int
     units: int
     """The work admitted for this job, released by `Router.done`."""
+    client: str = ""
+    """Whose work it is (the client's address), for its share of the work in flight."""
 
 
 class Router:
@@ -192,7 +216,9 @@ class Router:
         self.client = client
         self.health = Health(clock)
         self.directory = Directory(settings.positions, client, self.health, clock)
-        self.work = WorkLimiter(settings.max_work, settings.max_work_in_flight)
+        self.work = WorkLimiter(
+            settings.max_work, settings.max_work_in_flight, per_client=settings.work_per_client
+        )
         self.coalescer = Coalescer(
             client,
             window_s=settings.coalesce_window_ms / 1000,
@@ -239,6 +265,7 @@ class Router:
         req: SamplingParams,
         choices: int = 1,
         logprobs: bool = False,
+        client: str = "",
     ) -> Job:
         """A validated job, its work admitted: `choices` samples of n_bytes each (with their
         logprobs: then it drafts only when the request asks)."""
@@ -277,7 +304,7 @@ class Router:
         names = ["n"] * (choices > 1) + [param, "steps_per_block"] + ["verify_draws"] * (draws > 1)
         values = [choices] * (choices > 1) + [n_bytes, steps] + [draws] * (draws > 1)
         what = f"{' x '.join(names)} = {' x '.join(map(str, values))}"
-        units = self.work.admit(choices * work_units(n_bytes, steps * draws), what, param)
+        units = self.work.admit(choices * work_units(n_bytes, steps * draws), what, param, client)
         return Job(
             remote,
             data,
@@ -289,11 +316,12 @@ class Router:
             draft,
             req.verify_draws,
             units,
+            client,
         )
 
     def done(self, job: Job) -> None:
         """The job ended (answered, failed or abandoned): its work is no longer in flight."""
-        self.work.release(job.units)
+        self.work.release(job.units, job.client)
 
     def _draft_limit(self, model: RemoteModel) -> int:
         """The most bytes a traversal may verify: the window keeps room for the context."""

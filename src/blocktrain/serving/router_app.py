@@ -14,7 +14,7 @@ import httpx
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from blocktrain.httpserve import HttpGuard, Limits
@@ -22,7 +22,14 @@ from blocktrain.serving.chain import (
     ChainStats,
 )
 from blocktrain.serving.errors import BadRequest, ServingError, error_body
-from blocktrain.serving.limits import RateLimit, RateLimiter
+from blocktrain.serving.limits import (
+    CLIENT_GONE,
+    ClientGone,
+    RateLimit,
+    RateLimiter,
+    client_address,
+    while_connected,
+)
 from blocktrain.serving.openai_api import add_openai_routes
 from blocktrain.serving.readiness import Readiness
 from blocktrain.serving.router import Router, RouterSettings
@@ -114,15 +121,26 @@ def create_app(
             "unavailable": router.directory.unavailable,
         }
 
-    @app.post("/v1/generate")
-    async def generate(req: GenerateRequest) -> GenerateResponse:
+    @app.post("/v1/generate", response_model=GenerateResponse)
+    async def generate(req: GenerateRequest, request: Request) -> GenerateResponse | Response:
         t0 = time.perf_counter()
         job = await router.job(
-            model=req.model, prompt=req.prompt, n_bytes=req.max_bytes, param="max_bytes", req=req
+            model=req.model,
+            prompt=req.prompt,
+            n_bytes=req.max_bytes,
+            param="max_bytes",
+            req=req,
+            client=client_address(request.scope),
         )
         stats = ChainStats()
+
+        async def collect() -> list[torch.Tensor]:
+            return [piece async for piece in router.stream(job, stats)]
+
         try:
-            pieces = [piece async for piece in router.stream(job, stats)]
+            pieces = await while_connected(request.receive, collect())
+        except ClientGone:
+            return Response(status_code=CLIENT_GONE)  # nobody reads it
         finally:
             router.done(job)
         data = bytes(torch.cat(pieces, dim=1)[0].tolist())

@@ -79,6 +79,8 @@ class GenerateResponse(BaseModel):
 
 
 MAX_STOPS = 4
+MAX_STOP_BYTES = 1024
+"""Bytes (UTF-8) of one stop sequence: what a choice holds back, and what its scan carries."""
 MAX_TOP_LOGPROBS = 20
 
 
@@ -90,7 +92,7 @@ class OpenAIParams(SamplingParams):
     n: int = Field(1, ge=1, le=16)
     """Choices, each its own sample (seeds seed, seed + 1, ...)."""
     stop: str | list[str] | None = None
-    """Up to 4 sequences; the text ends before the first one generated."""
+    """Up to 4 sequences of at most 1 KiB each; the text ends before the first one generated."""
     user: str | None = Field(None, max_length=256)
     """Who asks: recorded in the router's log."""
     presence_penalty: float = 0.0
@@ -106,6 +108,11 @@ class OpenAIParams(SamplingParams):
             raise ValueError(f"at most {MAX_STOPS} stop sequences, got {len(stops)}")
         if any(not s for s in stops):
             raise ValueError("a stop sequence must not be empty")
+        longest = max((len(s.encode("utf-8", "surrogatepass")) for s in stops), default=0)
+        if longest > MAX_STOP_BYTES:
+            raise ValueError(
+                f"a stop sequence may hold at most {MAX_STOP_BYTES} bytes (UTF-8), got {longest}"
+            )
         return value
 
     def stops(self) -> list[str]:
