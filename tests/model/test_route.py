@@ -94,7 +94,7 @@ def test_a_context_byte_reaches_only_later_positions_through_the_chain():
 def test_a_stack_without_the_upstream_blocks_says_so():
     stack = BlockStack(CFG, seed=0, blocks=[2])
     x, z, sigma, layout = inputs()
-    with pytest.raises(ConfigError, match=r"does not hold block\(s\) \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"does not hold block\(s\) \[0, 1\]"):
         stack.denoise(2, x, z, sigma, layout)
 
 

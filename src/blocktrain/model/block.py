@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from blocktrain.config import VOCAB_SIZE, ModelConfig
-from blocktrain.errors import ConfigError
 from blocktrain.model.layers import (
     AdaLN,
     DualStreamLayer,
@@ -394,7 +393,7 @@ class BlockStack(nn.Module):
             return None
         missing = [b for b in range(index) if b not in self.block_ids]
         if missing:
-            raise ConfigError(
+            raise ValueError(  # the callers refuse such a set of blocks first (Trainer.create)
                 f"block {index} reads the clean streams of blocks 0..{index - 1} (route = "
                 f"features), and this process does not hold block(s) {missing}"
             )
