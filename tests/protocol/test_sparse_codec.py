@@ -21,6 +21,7 @@ from blocktrain.protocol.codecs import (
     pack,
     unpack,
 )
+from blocktrain.protocol.core import accumulator
 from blocktrain.protocol.pulls import Views, read_delta
 from blocktrain.protocol.settings import AggregatorSettings
 from blocktrain.protocol.validation import BlockSpec, Candidate, Limits, validate
@@ -345,7 +346,13 @@ def test_an_index_may_end_its_chunk_and_chunks_may_use_the_same_local_index():
     assert int(w.count_nonzero()) == 280
 
 
-# ---------------------------------------------------------------------- pulls
+# ---------------------------------------------------------------------- aggregation, pulls
+
+
+def test_the_engine_averages_sparse_votes_per_coordinate_and_dense_ones_as_before():
+    assert accumulator(AggregatorSettings(delta_wire="sparse:0.1:2")).per_coordinate
+    for wire in ("fp16", "int8", "topk:0.1"):
+        assert not accumulator(AggregatorSettings(delta_wire=wire)).per_coordinate
 
 
 def test_a_chain_of_sparse_pulls_reaches_the_weights_bit_for_bit_named():

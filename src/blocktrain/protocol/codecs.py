@@ -32,7 +32,8 @@ tiles (a vector, or a 0-d tensor, into flat chunks of CHUNK^2), keeps the k = ce
 largest magnitudes of each chunk of n values (at least 1), and sends each kept value as a sign
 and a BITS - 1 bit magnitude level m: value = sign x scale x (m + 1) / 2^(BITS - 1), with scale
 the chunk's max |x| in fp16. No level is zero, so a kept coordinate decodes non-zero whenever
-its chunk's scale is.
+its chunk's scale is; the aggregator's mean of sparse votes counts, per coordinate, only the
+votes whose value there is non-zero (`aggregation.weighted_mean`, per_coordinate).
 """
 
 from __future__ import annotations

@@ -206,7 +206,8 @@ class AggregatorSettings:
         "topk:RATIO (the RATIO largest-magnitude values of each tensor, error feedback on the "
         "worker) or sparse:DENSITY[:BITS][:chunk=C][:beta=B] (the DENSITY largest of each "
         "C x C chunk, default 64, as BITS-bit values, default 4, with packed indices; error "
-        "feedback decayed by beta, default 1); see docs/protocol.md, Compressed deltas.",
+        "feedback decayed by beta, default 1; averaged per coordinate over the votes that carry "
+        "it); see docs/protocol.md, Compressed deltas.",
         lambda v: v is None or valid_wire(v),
         f"must be {WIRE_HELP}",
         flag="--wire",
