@@ -9,6 +9,7 @@ from blocktrain.protocol.aggregation import (
     Accumulator,
     OuterOptimizer,
     Policy,
+    clip_scales,
     coordinate_median,
     trim_count,
     trimmed_mean,
@@ -122,6 +123,48 @@ def test_clipping_bounds_each_vote_to_c_times_the_median_norm_per_tensor():
     assert torch.allclose(got["w"], torch.full((2, 2), (1 + 1 - 2) / 3))
     # b: norms 1, 3, 2, median 2, bound 4: nothing clipped
     assert torch.allclose(got["b"], torch.tensor([2.0, 0.0]))
+
+
+def test_sparse_votes_are_averaged_per_coordinate_over_the_votes_that_carry_it():
+    """Two votes, one carrying a coordinate: the mean there is that vote's value (not half of
+    it); where both carry one it is their weighted mean; where none does, 0. Dense votes are
+    averaged as before (the same coordinate is halved)."""
+    a = {"w": torch.tensor([4.0, 0.0, 2.0, 0.0])}
+    b = {"w": torch.tensor([0.0, 0.0, 6.0, -1.0])}
+    for per_coordinate, want in (
+        (True, [4.0, 0.0, (2.0 + 3 * 6.0) / 4, -1.0]),
+        (False, [1.0, 0.0, (2.0 + 3 * 6.0) / 4, -0.75]),
+    ):
+        acc = Accumulator(Policy(clip=0), per_coordinate=per_coordinate)
+        acc.add(1, a, identity="a", weight=1.0)
+        acc.add(2, b, identity="b", weight=3.0)
+        got = acc.result().delta
+        assert got is not None
+        assert torch.allclose(got["w"], torch.tensor(want)), (per_coordinate, got["w"])
+    # an identity's several updates are averaged into its vote the same way
+    acc = Accumulator(Policy(clip=0), per_coordinate=True)
+    acc.add(1, a, identity="t")
+    acc.add(2, b, identity="t")
+    got = acc.result().delta
+    assert got is not None and torch.allclose(got["w"], torch.tensor([4.0, 0.0, 4.0, -1.0]))
+
+
+def test_the_per_coordinate_mean_comes_after_clipping():
+    """Clipping scales each vote as for any delta; the carrying votes' weight divides after."""
+    votes = [
+        {"w": torch.tensor([1.0, 0.0])},
+        {"w": torch.tensor([0.0, 1.0])},
+        {"w": torch.tensor([100.0, 0.0])},  # norm 100, median 1, bound 2: scaled by 0.02
+    ]
+    acc = Accumulator(Policy(clip=2.0), per_coordinate=True)
+    for i, v in enumerate(votes):
+        acc.add(i, v, identity=i)
+    got = acc.result().delta
+    assert got is not None
+    assert torch.allclose(got["w"], torch.tensor([(1.0 + 2.0) / 2, 1.0]))
+    scales = clip_scales(votes, 2.0)
+    direct = weighted_mean(votes, [1, 1, 1], scales, per_coordinate=True)
+    assert torch.allclose(direct["w"], got["w"])
 
 
 def test_centered_clip_resists_an_outlier_and_keeps_agreeing_votes():

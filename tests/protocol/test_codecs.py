@@ -230,8 +230,8 @@ def test_workers_push_the_announced_wire_and_the_aggregator_counts_its_bytes(tmp
     from .test_worker import SETTINGS
 
     sizes: dict[str, int] = {}
-    for wire in ("fp16", "int8", "topk:0.1"):
-        h = make_harness(tmp_path / wire, SETTINGS.replace(delta_wire=wire))
+    for wire in ("fp16", "int8", "topk:0.1", "sparse:0.1:4"):
+        h = make_harness(tmp_path / wire.replace(":", "_"), SETTINGS.replace(delta_wire=wire))
         try:
             trainer = FakeTrainer()
             loop = WorkerLoop(client_for(h, h.alice), lambda reg, cfg, t=trainer: t, block=0)
@@ -248,13 +248,13 @@ def test_workers_push_the_announced_wire_and_the_aggregator_counts_its_bytes(tmp
             sizes[wire] = report.bytes_up
             base = block_tensors(100)  # block 0's version 0
             moved = {k: h.service.engine.blocks[0].weights[k] - base[k] for k in base}
-            if wire == "topk:0.1":  # error feedback: coordinates not sent in round 1 come later
+            if wire in ("topk:0.1", "sparse:0.1:4"):  # error feedback: unsent ones come later
                 assert 0 < float(moved["layer.weight"].count_nonzero()) < 32
             else:
                 assert torch.allclose(moved["layer.weight"], torch.full((8, 4), 0.04), atol=1e-3)
         finally:
             h.state.close()
-    assert len(set(sizes.values())) == 3, "each wire's pushes are counted at their own size"
+    assert len(set(sizes.values())) == 4, "each wire's pushes are counted at their own size"
 
 
 def test_compressed_bodies_are_a_fraction_of_fp16():
@@ -272,16 +272,18 @@ def test_compressed_bodies_are_a_fraction_of_fp16():
         assert data < n < data + 1024, wire
 
 
-def test_a_restarted_aggregator_decodes_its_pending_compressed_bodies(tmp_path):
-    """The open round's accepted bodies are kept as they came (top-k parts); after a restart
-    they join the accumulator as the dense deltas they describe."""
+@pytest.mark.parametrize("wire", ["topk:0.5", "sparse:0.5:4:chunk=4"])
+def test_a_restarted_aggregator_decodes_its_pending_compressed_bodies(tmp_path, wire):
+    """The open round's accepted bodies are kept as they came (top-k or sparse parts); after a
+    restart they join the accumulator as the dense deltas they describe (a sparse body by the
+    layout its delta_wire names)."""
     from .conftest import SETTINGS
 
-    h = make_harness(tmp_path / "s", SETTINGS.replace(delta_wire="topk:0.5"))
+    h = make_harness(tmp_path / "s", SETTINGS.replace(delta_wire=wire))
     base = h.weights(0)
     gen = torch.Generator().manual_seed(7)
     d = {k: torch.randn(v.shape, generator=gen) * 0.1 for k, v in base.items()}
-    sent = DeltaEncoder("topk:0.5").compress(d)
+    sent = DeltaEncoder(wire).compress(d)
     a, b = (h.register(t, block=0)["worker_id"] for t in (h.alice, h.bob))
     assert h.pull(h.alice, a, 0).status_code == 200 and h.pull(h.bob, b, 0).status_code == 200
     body = update_body(0, sent, base_version=0, round=0, tokens=100, worker_id=a)

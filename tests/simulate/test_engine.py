@@ -135,10 +135,10 @@ def test_too_few_workers_is_a_clear_error() -> None:
         SimSpec(micro_config(), 6, 0, {})
 
 
-@pytest.mark.parametrize("wire", ["int8", "topk:0.1"])
+@pytest.mark.parametrize("wire", ["int8", "topk:0.1", "sparse:0.05:4"])
 def test_compressed_deltas_train(corpus: Path, wire: str) -> None:
-    """End to end: pushes in int8 or top-k (error feedback on each virtual worker) are accepted,
-    pushes and pulls move fewer bytes than fp16, and the CE goes down."""
+    """End to end: pushes in int8, top-k or sparse (error feedback on each virtual worker) are
+    accepted, pushes and pulls move fewer bytes than fp16, and the CE goes down."""
     compressed = replace(spec(), protocol={"local_steps": 2, "delta_wire": wire})
     train, valid = load_split(corpus, "train"), load_split(corpus, "valid")
     report, _ = simulate(compressed, [REGIMES["lockstep"]], train, valid)

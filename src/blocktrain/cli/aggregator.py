@@ -72,6 +72,7 @@ EXAMPLES = """examples:
   blocktrain aggregator --state runs/agg --effect-probe off --rule trimmed_mean --tolerate 1
   blocktrain aggregator --state runs/agg --wire int8        # deltas as int8, a scale per row
   blocktrain aggregator --state runs/agg --wire topk:0.03   # 3 % of each delta, error feedback
+  blocktrain aggregator --state runs/agg --wire sparse:0.03:2   # 3 % of each 64x64 chunk, 2 bits
 """
 
 

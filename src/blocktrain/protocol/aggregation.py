@@ -10,7 +10,9 @@ A round's accepted updates become one delta in three steps (docs/protocol.md, Ag
    the median norm of that tensor over the round's votes.
 3. **The rule** over the votes:
 
-    mean           sum_i w_i v_i / sum_i w_i   (w_i: staleness factor x reputation)
+    mean           sum_i w_i v_i / sum_i w_i   (w_i: staleness factor x reputation); for
+                   sparse votes (`--wire sparse:...`) per coordinate over the votes that
+                   carry it: sum_i w_i v_i / sum_{i: v_i != 0} w_i
     median         coordinate-wise median of the votes (unweighted)
     trimmed_mean   per coordinate, drop the k smallest and k largest and average the rest,
                    k = max(tolerate, ceil(trim * n)); refused when n <= 2k
@@ -50,9 +52,16 @@ def weighted_mean(
     deltas: Sequence[Tensors],
     weights: Sequence[float],
     scales: Sequence[dict[str, float]] | None = None,
+    *,
+    per_coordinate: bool = False,
 ) -> Tensors:
     """sum_i w_i v_i / sum_i w_i in fp32, each tensor of v_i first multiplied by its factor in
-    `scales` (clipping, folded in: no scaled copy of any vote is made)."""
+    `scales` (clipping, folded in: no scaled copy of any vote is made).
+
+    `per_coordinate` (sparse votes): each coordinate is divided by the weight of the votes that
+    carry it, those whose value there is non-zero before clipping, instead of by all the weight
+    (a coordinate that one of two votes sent is that vote's value, not half of it); a
+    coordinate no vote carries stays 0."""
     if not deltas:
         raise ValueError("nothing to aggregate")
     if len(weights) != len(deltas):
@@ -63,9 +72,16 @@ def weighted_mean(
     out: Tensors = {}
     for name in deltas[0]:
         acc = torch.zeros_like(deltas[0][name], dtype=torch.float32)
+        carried = torch.zeros_like(acc) if per_coordinate else None
         for i, (delta, w) in enumerate(zip(deltas, weights, strict=True)):
             scale = 1.0 if scales is None else scales[i][name]
-            acc.add_(delta[name], alpha=w / total * scale)  # fp16 in, summed in fp32
+            if carried is None:
+                acc.add_(delta[name], alpha=w / total * scale)  # fp16 in, summed in fp32
+            else:
+                acc.add_(delta[name], alpha=w * scale)
+                carried.add_(delta[name] != 0, alpha=w)
+        if carried is not None:
+            acc = torch.where(carried > 0, acc / carried.clamp(min=1e-30), 0.0)
         out[name] = acc
     return out
 
@@ -197,10 +213,16 @@ class Aggregate:
 
 class Accumulator:
     """Collects one round's accepted updates, each kept under its update id until the round
-    closes, so that `discard` can take a revoked identity's updates back out."""
+    closes, so that `discard` can take a revoked identity's updates back out.
+    `per_coordinate`: the votes are sparse, and the mean (of an identity's updates, and of the
+    votes) is taken per coordinate over those that carry it (`weighted_mean`); the other rules
+    see a coordinate a vote did not carry as its 0."""
 
-    def __init__(self, policy: AggregationPolicy | None = None) -> None:
+    def __init__(
+        self, policy: AggregationPolicy | None = None, *, per_coordinate: bool = False
+    ) -> None:
         self.policy = policy or Policy()
+        self.per_coordinate = per_coordinate
         if self.policy.rule not in RULES:
             raise ValueError(f"aggregation rule {self.policy.rule!r} is not one of {RULES}")
         if self.policy.weighting not in WEIGHTINGS:
@@ -243,7 +265,9 @@ class Accumulator:
         for group in groups.values():
             ws = [e.weight for e in group]
             votes.append(
-                group[0].delta if len(group) == 1 else weighted_mean([e.delta for e in group], ws)
+                group[0].delta
+                if len(group) == 1
+                else weighted_mean([e.delta for e in group], ws, per_coordinate=self.per_coordinate)
             )
             weights.append(sum(ws) / len(ws))
         return votes, weights
@@ -257,7 +281,8 @@ class Accumulator:
         n = len(votes)
         if p.rule == "mean":  # clipping folded into the sum: no fp32 copy of each vote
             scales = clip_scales(votes, p.clip) if p.clip > 0 else None
-            return Aggregate(weighted_mean(votes, weights, scales), votes=n)
+            mean = weighted_mean(votes, weights, scales, per_coordinate=self.per_coordinate)
+            return Aggregate(mean, votes=n)
         if p.clip > 0:
             votes = clip_to_median(votes, p.clip)
         if p.rule in ("median", "trimmed_mean"):

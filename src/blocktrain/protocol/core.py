@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from blocktrain.protocol.aggregation import Accumulator, OuterOptimizer
+from blocktrain.protocol.codecs import DeltaWire
 from blocktrain.protocol.effect import (
     Effect,
     EffectProbe,
@@ -43,6 +44,12 @@ from blocktrain.protocol.verdict import Verdict
 from blocktrain.protocol.wire import WireError, decode
 
 Tensors = dict[str, torch.Tensor]
+
+
+def accumulator(settings: AggregatorSettings) -> Accumulator:
+    """A round's accumulator: sparse pushes are averaged per coordinate over the votes that
+    carry it (docs/protocol.md, Aggregation), the others as before."""
+    return Accumulator(settings, per_coordinate=DeltaWire.parse(settings.push_wire).sparse)
 
 
 @dataclass
@@ -174,7 +181,7 @@ class RoundEngine:
             momentum,
             BlockSpec.of(weights, settings.wire_dtype, settings.delta_wire),
             rounds if rounds is not None else BlockRounds(index, settings),
-            Accumulator(settings),
+            accumulator(settings),
         )
 
     # ------------------------------------------------------------------ workers
@@ -350,5 +357,5 @@ class RoundEngine:
         for listener in self.on_commit:
             listener(event)
         st.weights, st.momentum = weights, momentum
-        st.acc = Accumulator(self.settings)
+        st.acc = accumulator(self.settings)
         return event

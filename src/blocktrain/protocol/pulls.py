@@ -2,7 +2,7 @@
 
 A worker that pulled block b holds a *view* of it: the tensors exactly as they arrived, in the
 wire dtype, named by `view_id` (a SHA-256 of their names, dtypes, shapes and bytes). When the
-aggregator's `pull_wire` is int8 or topk:RATIO (by default, whenever pushes are compressed), the
+aggregator's `pull_wire` is int8, topk:RATIO or sparse:DENSITY:BITS (by default, whenever pushes are compressed), the
 worker asks for the next version *from its view*:
 
     GET /v1/blocks/{b}/versions/{v}/delta?base=VIEW&wire=CODEC
@@ -175,7 +175,7 @@ class Views:
         diff = {k: weights[k].float() - v.float() for k, v in base.tensors.items()}
         parts = codecs.compress(diff, codec).parts
         meta = {"block": str(base.block), "version": str(version), "base": base.id}
-        meta["delta_wire"] = codec.kind
+        meta["delta_wire"] = codec.tag
         # The result is computed from the body as the worker will read it, then named in it.
         draft = tensorwire.decode(tensorwire.encode(parts, meta))
         shapes = {k: tuple(v.shape) for k, v in base.tensors.items()}

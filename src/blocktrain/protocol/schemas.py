@@ -30,9 +30,12 @@ class RegisterOut(Out):
     round: int
     version: int
     wire_dtype: str
-    delta_wire: str = Field(description="how pushes carry deltas: fp16|bf16|fp32|int8|topk:RATIO")
+    delta_wire: str = Field(
+        description="how pushes carry deltas: fp16|bf16|fp32|int8|topk:RATIO|sparse:DENSITY:BITS"
+    )
     pull_wire: str = Field(
-        description="how pulls travel: full, or int8|topk:RATIO deltas from the view held"
+        description="how pulls travel: full, or int8|topk:RATIO|sparse:DENSITY:BITS deltas "
+        "from the view held"
     )
     done: bool
 

@@ -202,9 +202,12 @@ class AggregatorSettings:
     )
     delta_wire: str | None = setting(
         None,
-        "How pushed deltas travel: fp16, bf16 or fp32 (dense), int8 (a scale per row) or "
+        "How pushed deltas travel: fp16, bf16 or fp32 (dense), int8 (a scale per row), "
         "topk:RATIO (the RATIO largest-magnitude values of each tensor, error feedback on the "
-        "worker); see docs/protocol.md, Compressed deltas.",
+        "worker) or sparse:DENSITY[:BITS][:chunk=C][:beta=B] (the DENSITY largest of each "
+        "C x C chunk, default 64, as BITS-bit values, default 4, with packed indices; error "
+        "feedback decayed by beta, default 1; averaged per coordinate over the votes that carry "
+        "it); see docs/protocol.md, Compressed deltas.",
         lambda v: v is None or valid_wire(v),
         f"must be {WIRE_HELP}",
         flag="--wire",
@@ -213,14 +216,14 @@ class AggregatorSettings:
     )
     pull_wire: str | None = setting(
         None,
-        "How workers pull a new version: full (the whole version in wire_dtype), or int8 or "
-        "topk:RATIO (a delta from the view the worker holds, error feedback in the view); see "
-        "docs/protocol.md, Compressed pulls.",
+        "How workers pull a new version: full (the whole version in wire_dtype), or int8, "
+        "topk:RATIO or sparse:DENSITY[:BITS] (a delta from the view the worker holds, error "
+        "feedback in the view); see docs/protocol.md, Compressed pulls.",
         lambda v: v is None or valid_pull_wire(v),
-        "must be full, int8 or topk:RATIO with 0 < RATIO < 1",
+        "must be full, int8, topk:RATIO with 0 < RATIO < 1 or sparse:DENSITY[:BITS]",
         flag="--pull-wire",
         metavar="WIRE",
-        default_text="the push codec when it is int8 or topk, else full",
+        default_text="the push codec when it is int8, topk or sparse, else full",
     )
     max_delta_norm: float = setting(
         100.0,

@@ -147,13 +147,14 @@ def check_tokens(c: Candidate) -> Verdict:
 
 
 def check_wire(c: Candidate) -> Verdict:
-    """The codec the body declares (`delta_wire`; none: dense) is the one announced."""
+    """The codec the body declares (`delta_wire`; none: dense) is the one announced (sparse:
+    the same density, bits and chunk)."""
     declared = c.decoded.metadata.get("delta_wire", "dense")
     want = c.spec.push_wire
-    if declared != ("dense" if want.dense else want.kind):
+    if not (declared == "dense" if want.dense else want.same_body(declared)):
         return Verdict.refuse(
             "wrong_wire",
-            f"the body is {declared[:20]!r}; this aggregator takes "
+            f"the body is {declared[:40]!r}; this aggregator takes "
             f"{c.spec.delta_wire or c.spec.wire_dtype} deltas (`delta_wire` in /v1/config)",
         )
     return Verdict.ok()

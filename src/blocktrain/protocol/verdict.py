@@ -75,8 +75,11 @@ REASONS: dict[str, tuple[int, str]] = {
     ),
     # compressed deltas (docs/protocol.md, Compressed deltas)
     "wrong_wire": (400, "the body's delta_wire is not the one the aggregator announced"),
-    "bad_scales": (400, "an int8 delta's scale is NaN, Inf or negative"),
-    "bad_indices": (400, "a top-k delta's indices are out of range, repeated or not ascending"),
+    "bad_scales": (400, "an int8 or sparse delta's scale is NaN, Inf or negative"),
+    "bad_indices": (
+        400,
+        "a top-k or sparse delta's indices are out of range, repeated or not ascending",
+    ),
     "bad_k": (400, "a top-k delta's values and indices differ in length, or k exceeds the tensor"),
 }
 """Reason code -> (HTTP status, meaning)."""

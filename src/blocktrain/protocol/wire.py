@@ -58,8 +58,8 @@ def update_body(
     worker_id: int | None = None,
     dtype: str = "fp16",
 ) -> bytes:
-    """The body of a push: the delta in the delta wire `dtype` (fp16, bf16, fp32, int8 or
-    topk:RATIO; see `codecs`), or already compressed by a worker's `codecs.DeltaEncoder`, with
+    """The body of a push: the delta in the delta wire `dtype` (fp16, bf16, fp32, int8,
+    topk:RATIO or sparse:DENSITY:BITS; see `codecs`), or already compressed by a worker's `codecs.DeltaEncoder`, with
     the metadata the aggregator's validators read (the simulator builds its pushes with this
     too)."""
     if not isinstance(delta, Compressed):
@@ -75,7 +75,7 @@ def update_body(
     if worker_id is not None:
         meta["worker_id"] = worker_id
     if not delta.wire.dense:
-        meta["delta_wire"] = delta.wire.kind
+        meta["delta_wire"] = delta.wire.tag
     return tensorwire.encode(delta.parts, {k: str(v) for k, v in meta.items()})
 
 
