@@ -91,7 +91,7 @@ def grid(args: argparse.Namespace, data: Path) -> list[Row]:
     lpb = {"tiny": 1, "small": 2}.get(args.preset, 1)
     steps = args.steps
     one = Row(args.preset, "blocktrain", 1, lpb, "state", steps)
-    rows = [one]
+    rows = [] if args.stacks_only else [one]
     for b in (b for b in args.blocks if b > 1):
         rows += [Row(args.preset, "blocktrain", b, lpb, r, steps) for r in args.routes]
         for every, lag in args.stale:
@@ -102,6 +102,8 @@ def grid(args: argparse.Namespace, data: Path) -> list[Row]:
                 one, one.config(0, 1), data
             )
             rows.append(dataclasses.replace(one, steps=round(steps * ratio)))
+    if args.stacks_only:
+        return rows
     for b in args.deep:
         rows.append(Row(args.preset, "blocktrain", 1, b * lpb, "state", steps))
     for layers in sorted({lpb, *(b * lpb for b in args.deep)}):
@@ -387,6 +389,11 @@ def main() -> None:
         default=[],
         help="EVERY:LAG,...: features rows whose upstream copy is refreshed every EVERY steps, "
         "LAG refreshes behind",
+    )
+    p.add_argument(
+        "--stacks-only",
+        action="store_true",
+        help="only the B > 1 rows: no one-block, deep-block or reference rows",
     )
     p.add_argument(
         "--match-flops",
