@@ -167,7 +167,7 @@ def test_the_simulator_pulls_the_upstream_versions_each_round(corpus):
         )
 
 
-def test_parts_that_pass_only_the_state_refuse_a_features_model(corpus, tmp_path, capsys):
+def test_block_hosts_and_the_effect_probe_refuse_a_features_model(corpus, tmp_path, capsys):
     run = tmp_path / "run"
     argv = ["train", "--data", str(corpus), "--out", str(run), "--steps", "2", *FEATURES]
     assert main(argv) == 0
@@ -175,7 +175,10 @@ def test_parts_that_pass_only_the_state_refuse_a_features_model(corpus, tmp_path
     fails_cleanly(capsys, ["serve-block", str(run), "--blocks", "0", "--port", "0"], "block hosts")
     state = tmp_path / "state"
     aggregator = ["aggregator", "--state", str(state), "--preset", "tiny", "--data", str(corpus)]
-    fails_cleanly(capsys, [*aggregator, "--set", "route=features"], "the aggregator")
+    fails_cleanly(capsys, [*aggregator, "--set", "route=features"], "--effect-probe off")
+    assert not state.exists()
+    one = [*aggregator, "--effect-probe", "off", "--blocks", "0", "--set", "route=features"]
+    fails_cleanly(capsys, one, "one aggregator serves every block")
     assert not state.exists()
 
 

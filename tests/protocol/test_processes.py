@@ -41,6 +41,50 @@ def token(state: StateDir, name: str) -> str:
 
 
 @pytest.mark.timeout(180)
+def cluster_argv(out, corpus, *settings: str) -> list[str]:
+    return [
+        "cluster",
+        "--workers",
+        "3",
+        "--preset",
+        "tiny",
+        *MICRO,
+        *settings,
+        "--rounds",
+        "3",
+        "--local-steps",
+        "2",
+        "--deadline",
+        "30",
+        "--data",
+        str(corpus),
+        "--out",
+        str(out),
+        "--eval-bytes",
+        "256",
+        "--final-bytes",
+        "256",
+        "--final-sweeps",
+        "2",
+        "--no-progress",
+        "--json",
+    ]
+
+
+def test_a_features_cluster_trains_over_http(tmp_path, corpus, capsys):
+    """route = features over HTTP: the workers of blocks 1 and 2 read the blocks before theirs
+    each round, every update lands, and the exported model evaluates."""
+    out = tmp_path / "cluster"
+    assert main(cluster_argv(out, corpus, "route=features")) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["updates"]["accepted"] == 9 and summary["updates"]["refused"] == 0
+    assert all(code == 0 for code in summary["exit_codes"].values()), summary["exit_codes"]
+    capsys.readouterr()
+    argv = ["eval", str(out / "model"), "--data", str(corpus), "--bytes", "64", "--sweeps", "1"]
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["sampler_ce"] < 5.545  # below uniform bytes
+
+
 def test_cluster_command_runs_rounds_over_http(tmp_path, corpus, capsys):
     out = tmp_path / "cluster"
     code = main(

@@ -15,7 +15,7 @@ from blocktrain.protocol.client import AggregatorClient, RetryPolicy
 from blocktrain.protocol.settings import AggregatorSettings
 from blocktrain.protocol.worker import WorkerLoop
 
-from .conftest import Harness, make_harness
+from .conftest import Harness, delta_body, make_harness
 
 SETTINGS = AggregatorSettings(
     deadline_s=30, local_steps=3, max_delta_norm=50, max_tokens=10_000, max_rounds=4
@@ -25,13 +25,18 @@ SETTINGS = AggregatorSettings(
 class FakeTrainer:
     """Stands in for LocalBlockTrainer: a fixed delta, and hooks for tests."""
 
-    def __init__(self, on_train=None) -> None:
+    def __init__(self, on_train=None, upstream_blocks=()) -> None:
         self.loaded: list[dict[str, torch.Tensor]] = []
         self.first_steps: list[int] = []
         self.on_train = on_train
+        self.upstream_blocks = list(upstream_blocks)
+        self.upstream: list[dict[int, dict[str, torch.Tensor]]] = []
 
     def load(self, weights):
         self.loaded.append(weights)
+
+    def load_upstream(self, blocks):
+        self.upstream.append(blocks)
 
     def train(self, steps, first_step, should_stop):
         self.first_steps.append(first_step)
@@ -161,6 +166,38 @@ def test_loop_trains_until_the_block_is_done(h):
     assert trainer.first_steps == [0, 3, 6, 9], "the LR step follows the round: round * H"
     assert h.service.blocks[0].rounds.version == 4
     assert report.bytes_up > 0 and report.bytes_down > 0
+
+
+def test_loop_reads_the_latest_versions_of_its_upstream_blocks(h):
+    """route = features: each round the worker of block 1 reads block 0's latest committed
+    version from its immutable URL, without a pull, and a version it holds is not fetched
+    again."""
+    service = h.service
+    pusher = h.register(h.bob, block=0)["worker_id"]
+
+    def commit_block0(rounds_done: int) -> None:
+        if rounds_done == 2:  # between the worker's rounds 1 and 2, block 0 moves on
+            view = service.blocks[0].rounds.view()
+            body = delta_body(0, base_version=view.version, round=view.round, worker=pusher)
+            assert h.push(h.bob, pusher, 0, body).status_code == 200
+            h.clock.advance(31)  # past the deadline: the round closes with bob's update
+            service.tick()
+
+    trainer = FakeTrainer(on_train=commit_block0, upstream_blocks=[0])
+    c = client_for(h, h.alice)
+    report = WorkerLoop(c, lambda reg, cfg: trainer, block=1, max_rounds=3).run()
+    assert report.rounds == 3
+    versions = [service.blocks[0].rounds.version] * 3
+    assert versions[0] == 1 and [sorted(u) for u in trainer.upstream] == [[0]] * 3
+    first, second, third = (u[0] for u in trainer.upstream)
+    assert all(torch.equal(first[k], second[k]) for k in first)  # version 0 twice
+    assert any(not torch.equal(second[k], third[k]) for k in second)  # then version 1
+    assert all(v.dtype == torch.float32 for v in third.values())
+    assert (
+        service.blocks[0].pulls_by_worker.get(report.worker_id, 0) == 0
+        if hasattr(service.blocks[0], "pulls_by_worker")
+        else True
+    )
 
 
 def test_loop_re_registers_when_its_worker_is_gone(h):

@@ -193,6 +193,12 @@ def prepare_state(
         )
     cfg = resolve_config(args)
     Directory.build(cfg.model.blocks, served, peers)  # a clear error before the state is made
+    every = list(range(cfg.model.blocks))
+    if cfg.model.route != "state" and served is not None and sorted(served) != every:
+        raise ConfigError(
+            f"route = {cfg.model.route}: a worker reads the blocks before its own from its "
+            "aggregator, so one aggregator serves every block (leave out --blocks)"
+        )
     blocks = initial_blocks(cfg)
     if ready is not None:
         ready(derived_settings(cfg, overrides, largest_block(blocks)))

@@ -26,7 +26,7 @@ from blocktrain.cli.common import (
     print_json,
     resolve_token,
 )
-from blocktrain.config import RunConfig, require_state_route
+from blocktrain.config import RunConfig
 from blocktrain.data import load_split
 from blocktrain.device import DEVICE_HELP, resolve_device
 from blocktrain.errors import ConfigError
@@ -103,7 +103,6 @@ def run(args: argparse.Namespace) -> int:
 
     def make_trainer(reg: Registration, config: dict[str, Any]) -> LocalBlockTrainer:
         cfg = RunConfig.from_dict(config["run_config"])
-        require_state_route(cfg.model, "HTTP workers (they pull no upstream versions)")
         return LocalBlockTrainer(cfg, reg.block, train, data_seed=reg.data_seed, device=device)
 
     client = AggregatorClient(

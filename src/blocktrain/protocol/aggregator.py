@@ -78,8 +78,8 @@ from blocktrain.protocol.settings import AggregatorSettings
 from blocktrain.protocol.status import snapshot
 from blocktrain.protocol.storage import StateDir
 from blocktrain.protocol.updates import PushContext
-from blocktrain.protocol.weights import RangeNotSatisfiable, version_path
-from blocktrain.protocol.wire import CONTENT_TYPE
+from blocktrain.protocol.weights import RangeNotSatisfiable
+from blocktrain.protocol.wire import CONTENT_TYPE, version_path
 
 log = logging.getLogger(__name__)
 

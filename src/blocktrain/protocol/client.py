@@ -24,7 +24,7 @@ import torch
 from blocktrain.errors import ProtocolError, Refused, Unreachable
 from blocktrain.protocol.codecs import FULL, DeltaWire, pull_codec
 from blocktrain.protocol.pulls import View, read_delta
-from blocktrain.protocol.wire import CONTENT_TYPE, WireError, decode, update_body
+from blocktrain.protocol.wire import CONTENT_TYPE, WireError, decode, update_body, version_path
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,8 @@ class AggregatorClient:
         """The registration's pull wire: with a codec, pulls are deltas from `_view`."""
         self._view: View | None = None
         """The weights last pulled, as they arrived (the wire dtype)."""
+        self._latest: dict[int, tuple[int, Tensors]] = {}
+        """Per other block read with `latest`: (version, tensors); a version never changes."""
 
     def close(self) -> None:
         self.http.close()
@@ -228,6 +230,7 @@ class AggregatorClient:
         self.worker_id = None
         self._held = None
         self._view = None
+        self._latest = {}
 
     def status(self) -> dict[str, Any]:
         return self._json("GET", "/v1/status")
@@ -272,6 +275,28 @@ class AggregatorClient:
             _seconds(h),
             len(response.content),
         )
+
+    def latest(self, block: int) -> Tensors:
+        """The latest committed version of another block (fp32), read without a pull: what a
+        worker under `route = features` reads of the blocks before its own. Fetched from the
+        version's immutable URL, and not again while the version stands."""
+        version = int(self.round(block)["version"])
+        held = self._latest.get(block)
+        if held is not None and held[0] == version:
+            return _fp32(held[1])
+        url = version_path(block, version)
+        response = self.request("GET", url, follow_redirects=True)
+        self.bytes_down += len(response.content)
+        if response.status_code >= 400:
+            raise self._refusal(response)
+        meta, tensors = self._weights(response.content)
+        if (meta.get("block"), meta.get("version")) != (str(block), str(version)):
+            raise ProtocolError(
+                f"{url} holds block {meta.get('block')} version {meta.get('version')}, "
+                f"not block {block} version {version}"
+            )
+        self._latest[block] = (version, tensors)
+        return _fp32(tensors)
 
     def _version(self, url: str, block: int, version: int) -> tuple[Tensors, int]:
         """A committed version's tensors (fp32) and the bytes its answer carried: the view

@@ -52,10 +52,6 @@ CACHED_VERSIONS = 4
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)")
 
 
-def version_path(block: int, version: int) -> str:
-    return f"/v1/blocks/{block}/versions/{version}"
-
-
 @dataclass(frozen=True)
 class VersionBody:
     body: bytes

@@ -98,3 +98,8 @@ def metadata_float(metadata: dict[str, str], key: str) -> float | None:
         return float(metadata[key])
     except (KeyError, ValueError):
         return None
+
+
+def version_path(block: int, version: int) -> str:
+    """The immutable URL path of a committed version's weights."""
+    return f"/v1/blocks/{block}/versions/{version}"

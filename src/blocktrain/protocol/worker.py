@@ -193,6 +193,8 @@ class WorkerLoop:
                 if info["round"] <= last_round:
                     continue  # the long poll timed out; ask again
                 pulled = self.client.pull(reg.block)
+                assert self._trainer is not None
+                upstream = {b: self.client.latest(b) for b in self._trainer.upstream_blocks}
             except Refused as exc:
                 new = self._handle_refusal(exc, reg)
                 if self.report.stopped_by:
@@ -202,6 +204,7 @@ class WorkerLoop:
                 continue
             assert self._trainer is not None and self._encoder is not None
             self._trainer.load(pulled.tensors)
+            self._trainer.load_upstream(upstream)
             logs = self._trainer.train(
                 reg.local_steps, pulled.round * reg.local_steps, self.stop.is_set
             )
