@@ -10,12 +10,13 @@ import torch
 from blocktrain.cli.main import main
 from blocktrain.config import ModelConfig
 from blocktrain.data import load_split
-from blocktrain.errors import ConfigError, ProtocolError
+from blocktrain.errors import ProtocolError
 from blocktrain.model import BlockStack, ZLayout
 from blocktrain.simulate import REGIMES, SimSpec, simulate
 from blocktrain.training.local import LocalBlockTrainer, initial_blocks
 from blocktrain.training.loss import BlockLoss
 from blocktrain.training.plan import TRAINED_BYTES_PER_PARAM, UPSTREAM_BYTES_PER_PARAM, plan
+from blocktrain.training.probe import BlockProbe
 from tests.cli.test_cli import TINY, fails_cleanly
 from tests.conftest import micro_config
 
@@ -158,16 +159,35 @@ def test_the_simulator_pulls_the_upstream_versions_each_round(corpus):
     numel = sum(v.numel() for v in initial_blocks(cfg)[0].values())
     extra = rounds * 2 * (0 + 1 + 2) * numel * 2
     assert features["bytes"]["down"] - reports["state"]["bytes"]["down"] == extra
-    with pytest.raises(ConfigError, match="effect-probe off"):
-        simulate(
-            dataclasses.replace(spec, protocol={"local_steps": 2}),
-            [REGIMES["lockstep"]],
-            load_split(corpus, "train"),
-            load_split(corpus, "valid"),
-        )
+    # with the effect probe on (the default), judged with the upstream versions it reads
+    probed, _ = simulate(
+        dataclasses.replace(spec, protocol={"local_steps": 2}),
+        [REGIMES["lockstep"]],
+        load_split(corpus, "train"),
+        load_split(corpus, "valid"),
+    )
+    assert probed["protocol"]["effect_probe"] == "on"
+    result = probed["regimes"]["lockstep"]
+    assert result["updates"]["accepted"] >= workers * rounds // 2
+    assert result["final_sampler_ce"] < result["initial_ce"]
 
 
-def test_block_hosts_and_the_effect_probe_refuse_a_features_model(corpus, tmp_path, capsys):
+def test_the_probe_judges_a_block_with_the_upstream_versions_it_reads(corpus):
+    cfg = dataclasses.replace(micro_config(), model=CFG)
+    probe = BlockProbe(cfg, load_split(corpus, "valid"), windows=4, skip_bytes=64)
+    stack = randomised_stack()
+    weights = {b: stack.block(b).state_dict() for b in range(3)}
+    upstream = {0: weights[0], 1: weights[1]}
+    before = probe.loss(2, weights[2], upstream)
+    assert probe.loss(2, weights[2], upstream) == before  # deterministic
+    scaled = {0: {k: 2 * v for k, v in weights[0].items()}, 1: weights[1]}
+    assert probe.loss(2, weights[2], scaled) != before
+    assert probe.loss(0, weights[0]) == probe.loss(0, weights[0], {1: weights[1]})
+    with pytest.raises(ProtocolError, match=r"reads blocks \[1\]"):
+        probe.loss(2, weights[2], {0: weights[0]})
+
+
+def test_block_hosts_and_a_partial_aggregator_refuse_a_features_model(corpus, tmp_path, capsys):
     run = tmp_path / "run"
     argv = ["train", "--data", str(corpus), "--out", str(run), "--steps", "2", *FEATURES]
     assert main(argv) == 0
@@ -175,9 +195,7 @@ def test_block_hosts_and_the_effect_probe_refuse_a_features_model(corpus, tmp_pa
     fails_cleanly(capsys, ["serve-block", str(run), "--blocks", "0", "--port", "0"], "block hosts")
     state = tmp_path / "state"
     aggregator = ["aggregator", "--state", str(state), "--preset", "tiny", "--data", str(corpus)]
-    fails_cleanly(capsys, [*aggregator, "--set", "route=features"], "--effect-probe off")
-    assert not state.exists()
-    one = [*aggregator, "--effect-probe", "off", "--blocks", "0", "--set", "route=features"]
+    one = [*aggregator, "--blocks", "0", "--set", "route=features"]
     fails_cleanly(capsys, one, "one aggregator serves every block")
     assert not state.exists()
 

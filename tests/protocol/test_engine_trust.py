@@ -31,7 +31,7 @@ class TargetProbe:
         self.target = target
         self.calls = 0
 
-    def loss(self, block: int, weights: dict[str, torch.Tensor]) -> float:
+    def loss(self, block: int, weights: dict[str, torch.Tensor], others=None) -> float:
         self.calls += 1
         return sum(float(((weights[k].float() - t) ** 2).sum()) for k, t in self.target.items())
 

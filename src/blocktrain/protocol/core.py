@@ -257,7 +257,8 @@ class RoundEngine:
             verdict = verdict if standing.accepted else standing
         if self.probe is None:
             return Checked(verdict, candidate)
-        effect = self.probe.effect(block, self.blocks[block].weights, candidate.tensors)
+        others = {b: st.weights for b, st in self.blocks.items() if b != block}
+        effect = self.probe.effect(block, self.blocks[block].weights, candidate.tensors, others)
         judged = judge_effect(effect, self.settings.probe_tolerance, self.bands.get(block))
         return Checked(judged if verdict.accepted else verdict, candidate, effect, judged)
 

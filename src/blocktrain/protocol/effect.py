@@ -10,7 +10,7 @@ in. It is pure in (block, weights, delta): fixed batch, fixed noise, fixed sigma
 from __future__ import annotations
 
 import statistics
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -34,8 +34,12 @@ BAND_WIDTH = 3.0
 
 
 class EffectProbe(Protocol):
-    def loss(self, block: int, weights: Tensors) -> float:
-        """Block `block`'s loss on the fixed held-out slice with these weights (deterministic)."""
+    def loss(
+        self, block: int, weights: Tensors, others: Mapping[int, Tensors] | None = None
+    ) -> float:
+        """Block `block`'s loss on the fixed held-out slice with these weights (deterministic);
+        `others`: the committed versions of the other blocks this aggregator holds, for a
+        model whose blocks read the blocks before them."""
         ...
 
 
@@ -131,17 +135,20 @@ class Reputation:
 
 
 class ProbeCache:
-    """The probe and each block's loss before, computed once per weights object (a commit
-    replaces the block's weights dict and never changes one in place, so every update of a
-    round is compared with the same number)."""
+    """The probe and each block's loss before, computed once per weights objects (a commit
+    replaces a block's weights dict and never changes one in place, so every update of a
+    round is compared with the same number while no block it reads moves)."""
 
     def __init__(self, probe: EffectProbe) -> None:
         self.probe = probe
-        self._before: dict[int, tuple[Tensors, float]] = {}
+        self._before: dict[int, tuple[tuple[int, ...], float]] = {}
 
-    def effect(self, block: int, weights: Tensors, delta: Tensors) -> Effect:
+    def effect(
+        self, block: int, weights: Tensors, delta: Tensors, others: Mapping[int, Tensors]
+    ) -> Effect:
+        key = (id(weights), *(id(others[b]) for b in sorted(others)))
         cached = self._before.get(block)
-        if cached is None or cached[0] is not weights:
-            cached = self._before[block] = (weights, self.probe.loss(block, weights))
+        if cached is None or cached[0] != key:
+            cached = self._before[block] = (key, self.probe.loss(block, weights, others))
         after = {k: w.float() + delta[k].float() for k, w in weights.items()}
-        return Effect(cached[1], self.probe.loss(block, after))
+        return Effect(cached[1], self.probe.loss(block, after, others))

@@ -414,13 +414,3 @@ def derived_settings(
         ),
         max_tokens=overrides.get("max_tokens", token_bound(cfg, base.local_steps)),
     )
-
-
-def check_route(route: str, settings: AggregatorSettings) -> None:
-    """A run whose blocks read the blocks before them (`route = features`) runs with the effect
-    probe off: the probe judges a block without the features it reads."""
-    if route != "state" and settings.effect_probe == "on":
-        raise ConfigError(
-            f"route = {route} runs with --effect-probe off: the probe judges blocks that read "
-            "only the noisy state"
-        )

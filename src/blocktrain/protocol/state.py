@@ -15,7 +15,7 @@ import torch
 
 from blocktrain.config import RunConfig
 from blocktrain.errors import CheckpointError
-from blocktrain.protocol.settings import check_route, derived_settings
+from blocktrain.protocol.settings import derived_settings
 from blocktrain.protocol.storage import StateDir
 
 Tensors = dict[str, torch.Tensor]
@@ -32,7 +32,6 @@ def create_state(
     """A new state folder for `cfg` starting from `blocks` (version 0), with the settings'
     norm and token bounds derived from the run unless `overrides` gives them."""
     settings = derived_settings(cfg, overrides, largest_block(blocks))
-    check_route(cfg.model.route, settings)
     return StateDir.create(state_dir, run_config=cfg.to_dict(), settings=settings, blocks=blocks)
 
 

@@ -21,7 +21,7 @@ from blocktrain.data import ByteSource
 from blocktrain.errors import ConfigError
 from blocktrain.fsutil import atomic_write_bytes
 from blocktrain.model import BlockStack, Reference, init_reference
-from blocktrain.protocol.settings import check_route, derived_settings
+from blocktrain.protocol.settings import derived_settings
 from blocktrain.protocol.state import largest_block
 from blocktrain.protocol.worker import LocalTrainer
 from blocktrain.simulate.attacks import Attack
@@ -152,7 +152,6 @@ def simulate(
         )
         initial_ce = evaluate(initial)
         if settings.effect_probe == "on":  # its slice starts after the evaluation's windows
-            check_route(cfg.model.route, settings)
             if spec.unit != "block":
                 raise ConfigError(
                     "--unit reference simulates with --effect-probe off: the probe judges blocks"

@@ -11,12 +11,14 @@ from the start) that report the run's CE.
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 
 import torch
 
-from blocktrain.config import RunConfig, require_state_route
+from blocktrain.config import RunConfig
 from blocktrain.data import ByteSource
-from blocktrain.model import init_block, target_table
+from blocktrain.errors import ProtocolError
+from blocktrain.model import BlockStack
 from blocktrain.training.loss import BlockLoss
 from blocktrain.training.step import stream_seed
 
@@ -36,21 +38,29 @@ class BlockProbe:
         windows: int = 32,
         skip_bytes: int = 16384,
     ) -> None:
-        require_state_route(cfg.model, "the aggregator's effect probe")
         t = cfg.model.seq_len
         skip = -(-skip_bytes // t)
         rows = valid.windows(t, (skip + windows) * t)
         self.x = rows[skip:] if len(rows) > skip else rows[-windows:]
         self.cfg = cfg
-        self.objective = BlockLoss(cfg.model, target_table(cfg.seed, cfg.model.d_model))
-        self.modules = {
-            b: init_block(cfg.model, cfg.seed, b).eval() for b in range(cfg.model.blocks)
-        }
+        # every block, so that under route = features a block reads the committed versions of
+        # the blocks before it (`others`)
+        self.stack = BlockStack(cfg.model, cfg.seed).eval()
+        self.objective = BlockLoss(cfg.model, self.stack.targets, self.stack.upstream)
         self._lock = threading.Lock()  # the aggregator probes from several request threads
 
-    def loss(self, block: int, weights: Tensors) -> float:
-        module = self.modules[block]
+    def loss(
+        self, block: int, weights: Tensors, others: Mapping[int, Tensors] | None = None
+    ) -> float:
+        others = others or {}
+        reads = range(block) if self.cfg.model.route == "features" else range(0)
+        missing = [b for b in reads if b not in others]
+        if missing:
+            raise ProtocolError(f"block {block}'s probe reads blocks {missing}, not given")
+        module = self.stack.block(block)
         with self._lock, torch.no_grad():
+            for b in reads:
+                self.stack.block(b).load_state_dict({k: v.float() for k, v in others[b].items()})
             module.load_state_dict({k: v.float() for k, v in weights.items()})
             gen = torch.Generator().manual_seed(stream_seed(self.cfg.seed, block, 0, _PROBE_SALT))
             return float(self.objective(module, block, self.x, gen).total)
