@@ -85,6 +85,32 @@ def test_a_features_cluster_trains_over_http(tmp_path, corpus, capsys):
     assert json.loads(capsys.readouterr().out)["sampler_ce"] < 5.545  # below uniform bytes
 
 
+def test_a_diloco_cluster_trains_over_http(tmp_path, corpus, capsys):
+    """--reference: every worker trains a replica of the end-to-end model (DiLoCo, outer
+    Nesterov), the state exports as a reference run, and the aggregator refuses the probe."""
+    out = tmp_path / "cluster"
+    argv = cluster_argv(out, corpus, "blocks=1", "layers=2")
+    assert main([*argv, "--reference", "--outer-lr", "0.7", "--outer-momentum", "0.9"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["unit"] == "reference" and summary["blocks"] == 1
+    assert summary["replicas_per_block"] == [3]
+    # a round closes once the replicas that pulled it report: a late starter joins later
+    assert [r["round"] for r in summary["participation"]["0"]] == [0, 1, 2]
+    assert summary["updates"]["accepted"] >= 3 and summary["updates"]["refused"] == 0
+    assert summary["from_noise_ce_per_round"][-1] < summary["from_noise_ce_per_round"][0]
+    capsys.readouterr()
+    exported = tmp_path / "exported"
+    assert main(["export", "--state", str(out / "state"), "--out", str(exported)]) == 0
+    capsys.readouterr()
+    for run in (out / "model", exported):
+        assert main(["eval", str(run), "--data", str(corpus), "--bytes", "64", "--json"]) == 0
+        assert "ce" in json.loads(capsys.readouterr().out)  # a reference's exact CE
+    state = tmp_path / "state"
+    code = main(["aggregator", "--state", str(state), "--preset", "tiny", "--reference"])
+    assert code == 2 and "--effect-probe off" in capsys.readouterr().err
+    assert not state.exists()
+
+
 def test_cluster_command_runs_rounds_over_http(tmp_path, corpus, capsys):
     out = tmp_path / "cluster"
     code = main(

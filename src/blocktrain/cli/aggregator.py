@@ -34,8 +34,10 @@ from blocktrain.cli.common import (
     add_config_args,
     add_data_arg,
     add_setting_args,
+    add_unit_arg,
     resolve_config,
     settings_overrides,
+    unit_of,
 )
 from blocktrain.config import RunConfig
 from blocktrain.data import ByteSource, load_split
@@ -44,10 +46,10 @@ from blocktrain.httpserve import Limits, bind, url_of
 from blocktrain.protocol.directory import Directory, parse_blocks, parse_peer, placed
 from blocktrain.protocol.limits import JSON_BODY_BYTES, AccessLimits
 from blocktrain.protocol.settings import AggregatorSettings, derived_settings
-from blocktrain.protocol.state import create_state, largest_block
+from blocktrain.protocol.state import create_state, largest_block, run_unit
 from blocktrain.protocol.storage import StateDir
 from blocktrain.tls import TlsFiles, check_tls
-from blocktrain.training.local import initial_blocks
+from blocktrain.training.local import initial_units, reference_config
 from blocktrain.training.probe import BlockProbe
 
 log = logging.getLogger(__name__)
@@ -86,6 +88,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--state", required=True, metavar="DIR", help="the aggregator's state folder")
     add_config_args(p)
+    add_unit_arg(p)
     for action in p._actions:  # a new state needs an explicit --preset; a resumed one none
         if action.dest == "preset":
             action.default = None
@@ -191,7 +194,8 @@ def prepare_state(
         raise ConfigError(
             f"{args.state} holds no aggregator state yet: give --preset NAME to create one"
         )
-    cfg = resolve_config(args)
+    unit = unit_of(args)
+    cfg = reference_config(resolve_config(args)) if unit == "reference" else resolve_config(args)
     Directory.build(cfg.model.blocks, served, peers)  # a clear error before the state is made
     every = list(range(cfg.model.blocks))
     if cfg.model.route != "state" and served is not None and sorted(served) != every:
@@ -199,10 +203,10 @@ def prepare_state(
             f"route = {cfg.model.route}: a worker reads the blocks before its own from its "
             "aggregator, so one aggregator serves every block (leave out --blocks)"
         )
-    blocks = initial_blocks(cfg)
+    blocks = initial_units(cfg, unit)
     if ready is not None:
         ready(derived_settings(cfg, overrides, largest_block(blocks)))
-    state = create_state(Path(args.state), cfg, overrides, blocks)
+    state = create_state(Path(args.state), cfg, overrides, blocks, unit)
     return state, state.settings(), placed(state, served, peers)
 
 
@@ -241,6 +245,10 @@ def effect_probe(
     caller read it already), unless it is off."""
     if settings.effect_probe == "off":
         return None
+    if run_unit(state.run_config()) != "block":
+        raise ConfigError(
+            "a reference (DiLoCo) run takes --effect-probe off: the probe judges blocks"
+        )
     return BlockProbe(
         RunConfig.from_dict(state.run_config()), valid if valid is not None else probe_data(args)
     )

@@ -17,26 +17,38 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from blocktrain.cli.common import (
     Formatter,
     add_config_args,
     add_data_arg,
     add_progress_arg,
     add_setting_args,
+    add_unit_arg,
     print_json,
     progress_bar,
     resolve_rounds_config,
     settings_overrides,
+    unit_of,
 )
+from blocktrain.config import RunConfig
 from blocktrain.data import load_split, resolve_data_path
 from blocktrain.errors import ConfigError
 from blocktrain.fsutil import atomic_write_bytes
+from blocktrain.model import init_reference
 from blocktrain.protocol.cluster import run_cluster
 from blocktrain.protocol.state import bytes_summary, create_state, round_versions
 from blocktrain.protocol.tokens import hash_token, new_token
-from blocktrain.training import EvalSettings, evaluate_blocktrain
+from blocktrain.training import EvalSettings, evaluate_blocktrain, evaluate_reference
 from blocktrain.training import checkpoint as ckpt
-from blocktrain.training.local import build_stack, initial_blocks, write_assembled
+from blocktrain.training.local import (
+    build_stack,
+    initial_units,
+    reference_config,
+    write_assembled,
+    write_reference,
+)
 
 EXAMPLES = """examples:
   blocktrain cluster --workers 6 --preset tiny --rounds 30 --out runs/cluster
@@ -56,6 +68,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--workers", type=int, required=True, metavar="N", help="worker processes")
     add_config_args(p)
+    add_unit_arg(p)
     add_data_arg(p)
     p.add_argument("--rounds", type=int, required=True, metavar="R", help="rounds per block")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
@@ -117,6 +130,22 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError("--timeout must be positive")
 
 
+def evaluate_units(
+    cfg: RunConfig,
+    unit: str,
+    weights: dict[int, dict[str, torch.Tensor]],
+    windows: torch.Tensor,
+    settings: EvalSettings,
+) -> dict[str, Any]:
+    """The assembled stack's metrics, or a reference unit's exact CE as both of its CEs."""
+    if unit == "reference":
+        model = init_reference(cfg.model, cfg.seed).eval()
+        model.load_state_dict({k: v.float() for k, v in weights[0].items()})
+        ev = evaluate_reference(model, windows, settings)
+        return {**ev, "from_noise_ce": ev["ce"], "sampler_ce": ev["ce"]}  # no sweeps: exact
+    return evaluate_blocktrain(build_stack(cfg, weights), windows, settings)
+
+
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
     out = Path(args.out)
@@ -132,7 +161,10 @@ def run(args: argparse.Namespace) -> int:
     valid = load_split(data_path, "valid")
     overrides = {**CLUSTER_DEFAULTS, **settings_overrides(args)}
     local_steps = overrides.get("local_steps", 10)
+    unit = unit_of(args)
     cfg = resolve_rounds_config(args, local_steps)
+    if unit == "reference":
+        cfg = reference_config(cfg)
     overrides.update(
         {
             "max_rounds": args.rounds,
@@ -141,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
             "local_steps": local_steps,
         }
     )
-    state = create_state(out / "state", cfg, overrides, initial_blocks(cfg))
+    state = create_state(out / "state", cfg, overrides, initial_units(cfg, unit), unit)
     tokens = []
     for i in range(args.workers):
         tokens.append(new_token())
@@ -181,27 +213,29 @@ def run(args: argparse.Namespace) -> int:
     versions = round_versions(state, args.rounds)
     per_round = []
     for r, chosen in enumerate(versions):  # same bytes and noise every round
-        stack = build_stack(cfg, {b: state.load_tensors(b, v) for b, v in chosen.items()})
-        ev = evaluate_blocktrain(
-            stack, windows, EvalSettings(sweeps=args.eval_sweeps, seed=cfg.seed)
+        weights = {b: state.load_tensors(b, v) for b, v in chosen.items()}
+        ev = evaluate_units(
+            cfg, unit, weights, windows, EvalSettings(sweeps=args.eval_sweeps, seed=cfg.seed)
         )
         per_round.append(
             {"round": r, "from_noise_ce": ev["from_noise_ce"], "sampler_ce": ev["sampler_ce"]}
         )
     final_blocks = {b: state.load_tensors(b, v) for b, v in versions[-1].items()}
     ckpt.check_run_dir_free(out / "model", overwrite=True)
-    write_assembled(out / "model", cfg, final_blocks, args.rounds * local_steps)
+    if unit == "reference":
+        write_reference(out / "model", cfg, final_blocks[0], args.rounds * local_steps)
+    else:
+        write_assembled(out / "model", cfg, final_blocks, args.rounds * local_steps)
     final_windows = valid.windows(cfg.model.seq_len, args.final_bytes)
-    final = evaluate_blocktrain(
-        build_stack(cfg, final_blocks),
-        final_windows,
-        EvalSettings(sweeps=args.final_sweeps, seed=0),
+    final = evaluate_units(
+        cfg, unit, final_blocks, final_windows, EvalSettings(sweeps=args.final_sweeps, seed=0)
     )
     status = result.status
     wire = {b["block"]: b["pull_bytes"] for b in status["blocks"]}
     pushed = {b["block"]: b["delta_bytes"] for b in status["blocks"]}
     summary = {
         "preset": cfg.preset,
+        "unit": unit,
         "workers": args.workers,
         "rounds": args.rounds,
         "local_steps": local_steps,
@@ -235,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
             "split": "valid",
         },
         "final": {
-            k: final[k]
+            k: final.get(k)
             for k in (
                 "sampler_ce",
                 "from_noise_ce",

@@ -107,6 +107,21 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_unit_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--reference",
+        action="store_true",
+        help="DiLoCo: every worker trains a replica of the end-to-end reference of `layers` "
+        "layers instead of a block (with --outer-lr 0.7 --outer-momentum 0.9 as DiLoCo's "
+        "outer Nesterov; the effect probe off)",
+    )
+
+
+def unit_of(args: argparse.Namespace) -> str:
+    """The unit a new decentralised run's workers train (protocol.state.UNITS)."""
+    return "reference" if getattr(args, "reference", False) else "block"
+
+
 def resolve_config(args: argparse.Namespace) -> RunConfig:
     cfg = apply_overrides(preset(args.preset), list(args.overrides))
     if getattr(args, "seed", None) is not None:

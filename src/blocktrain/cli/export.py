@@ -9,7 +9,7 @@ from pathlib import Path
 from blocktrain.cli.common import Formatter
 from blocktrain.protocol.state import read_committed
 from blocktrain.training import checkpoint as ckpt
-from blocktrain.training.local import write_assembled
+from blocktrain.training.local import write_assembled, write_reference
 
 EXAMPLES = """examples:
   blocktrain export --state runs/agg --out runs/agg-model
@@ -35,7 +35,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     ckpt.check_run_dir_free(Path(args.out), overwrite=args.overwrite)
     info = read_committed(Path(args.state))
-    write_assembled(Path(args.out), info.cfg, info.blocks, info.step)
+    if info.unit == "reference":  # a DiLoCo run: its one unit is the end-to-end model
+        write_reference(Path(args.out), info.cfg, info.blocks[0], info.step)
+    else:
+        write_assembled(Path(args.out), info.cfg, info.blocks, info.step)
     shown = ", ".join(f"b{b}=v{v}" for b, v in info.versions.items())
     print(
         f"exported {args.state} to {args.out} (versions {shown}; {info.step} local steps per "

@@ -31,8 +31,9 @@ from blocktrain.data import load_split
 from blocktrain.device import DEVICE_HELP, resolve_device
 from blocktrain.errors import ConfigError
 from blocktrain.protocol.client import AggregatorClient, Registration, RetryPolicy
+from blocktrain.protocol.state import run_unit
 from blocktrain.protocol.worker import WorkerLoop
-from blocktrain.training.local import LocalBlockTrainer
+from blocktrain.training.local import LocalBlockTrainer, local_trainer
 
 EXAMPLES = """examples:
   blocktrain worker --aggregator http://10.0.0.5:8470 --token-file ~/.blocktrain-token
@@ -103,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
 
     def make_trainer(reg: Registration, config: dict[str, Any]) -> LocalBlockTrainer:
         cfg = RunConfig.from_dict(config["run_config"])
-        return LocalBlockTrainer(cfg, reg.block, train, data_seed=reg.data_seed, device=device)
+        unit = run_unit(config["run_config"])
+        return local_trainer(cfg, unit, reg.block, train, data_seed=reg.data_seed, device=device)
 
     client = AggregatorClient(
         args.aggregator,

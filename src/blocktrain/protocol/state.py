@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from blocktrain.config import RunConfig
-from blocktrain.errors import CheckpointError
+from blocktrain.errors import CheckpointError, ConfigError
 from blocktrain.protocol.settings import derived_settings
 from blocktrain.protocol.storage import StateDir
 
@@ -26,13 +26,35 @@ def largest_block(blocks: dict[int, Tensors]) -> int:
     return max(sum(t.numel() for t in w.values()) for w in blocks.values())
 
 
+UNITS = ("block", "reference")
+"""What a worker of a run trains: a block of the stack, or the end-to-end reference as the run's
+one unit (DiLoCo's replica)."""
+
+
+def run_unit(run_config: dict[str, Any]) -> str:
+    """The unit of a state folder's run (`UNITS`); runs from before the choice train blocks."""
+    return str(run_config.get("unit", "block"))
+
+
 def create_state(
-    state_dir: Path, cfg: RunConfig, overrides: dict[str, Any], blocks: dict[int, Tensors]
+    state_dir: Path,
+    cfg: RunConfig,
+    overrides: dict[str, Any],
+    blocks: dict[int, Tensors],
+    unit: str = "block",
 ) -> StateDir:
     """A new state folder for `cfg` starting from `blocks` (version 0), with the settings'
-    norm and token bounds derived from the run unless `overrides` gives them."""
+    norm and token bounds derived from the run unless `overrides` gives them; `unit`: what
+    its workers train (`UNITS`)."""
+    if unit not in UNITS:
+        raise ConfigError(f"unit {unit!r}: choose one of {', '.join(UNITS)}")
     settings = derived_settings(cfg, overrides, largest_block(blocks))
-    return StateDir.create(state_dir, run_config=cfg.to_dict(), settings=settings, blocks=blocks)
+    if unit == "reference" and settings.effect_probe == "on":
+        raise ConfigError(
+            "a reference (DiLoCo) run takes --effect-probe off: the probe judges blocks"
+        )
+    run_config = cfg.to_dict() if unit == "block" else {**cfg.to_dict(), "unit": unit}
+    return StateDir.create(state_dir, run_config=run_config, settings=settings, blocks=blocks)
 
 
 @dataclass(frozen=True)
@@ -47,6 +69,8 @@ class Committed:
     """Each block's open round (= rounds closed so far)."""
     step: int
     """Local steps per replica the slowest block has seen: its rounds x H."""
+    unit: str = "block"
+    """What the run's workers train (`UNITS`)."""
 
 
 def read_committed(state_dir: Path, versions: dict[int, int] | None = None) -> Committed:
@@ -54,6 +78,7 @@ def read_committed(state_dir: Path, versions: dict[int, int] | None = None) -> C
     state = StateDir(Path(state_dir))
     try:
         cfg = RunConfig.from_dict(state.run_config())
+        unit = run_unit(state.run_config())
         local_steps = state.settings().local_steps
         chosen: dict[int, int] = {}
         rounds: dict[int, int] = {}
@@ -68,7 +93,7 @@ def read_committed(state_dir: Path, versions: dict[int, int] | None = None) -> C
         raise CheckpointError(
             f"{state_dir} holds {len(blocks)} blocks; its config has {cfg.model.blocks}"
         )
-    return Committed(cfg, blocks, chosen, rounds, min(rounds.values()) * local_steps)
+    return Committed(cfg, blocks, chosen, rounds, min(rounds.values()) * local_steps, unit)
 
 
 def round_versions(state: StateDir, rounds: int) -> list[dict[int, int]]:

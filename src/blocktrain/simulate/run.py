@@ -22,20 +22,17 @@ from blocktrain.errors import ConfigError
 from blocktrain.fsutil import atomic_write_bytes
 from blocktrain.model import BlockStack, Reference, init_reference
 from blocktrain.protocol.settings import derived_settings
-from blocktrain.protocol.state import largest_block
+from blocktrain.protocol.state import UNITS, largest_block
 from blocktrain.protocol.worker import LocalTrainer
 from blocktrain.simulate.attacks import Attack
 from blocktrain.simulate.engine import Simulation, TimingOnlyTrainer
 from blocktrain.simulate.regimes import Regime
 from blocktrain.training import EvalSettings, evaluate_blocktrain, evaluate_reference
 from blocktrain.training import checkpoint as ckpt
-from blocktrain.training.local import LocalBlockTrainer, LocalReferenceTrainer, initial_blocks
+from blocktrain.training.local import initial_units, local_trainer, reference_config
 from blocktrain.training.probe import BlockProbe
 
 Tensors = dict[str, torch.Tensor]
-
-
-UNITS = ("block", "reference")
 
 
 @dataclass(frozen=True)
@@ -64,9 +61,8 @@ class SimSpec:
     def __post_init__(self) -> None:
         if self.unit not in UNITS:
             raise ConfigError(f"--unit {self.unit!r}: choose one of {', '.join(UNITS)}")
-        if self.unit == "reference" and self.cfg.model.blocks != 1:
-            one = dataclasses.replace(self.cfg.model, blocks=1)  # the reference has no blocks
-            object.__setattr__(self, "cfg", dataclasses.replace(self.cfg, model=one))
+        if self.unit == "reference":  # the reference has no blocks
+            object.__setattr__(self, "cfg", reference_config(self.cfg))
         for name in (
             "workers",
             "rounds",
@@ -128,11 +124,7 @@ def simulate(
 ) -> tuple[dict[str, Any], dict[str, dict[int, Tensors]]]:
     """Run every regime; returns the report and each regime's final weights per block."""
     cfg = spec.cfg
-    initial = (
-        {0: init_reference(cfg.model, cfg.seed).state_dict()}
-        if spec.unit == "reference"
-        else initial_blocks(cfg)
-    )
+    initial = initial_units(cfg, spec.unit)
     settings = derived_settings(
         cfg,
         {**spec.protocol, "max_rounds": spec.rounds, "n_workers": spec.workers},
@@ -233,8 +225,9 @@ def trainer_factory(
             shapes = {k: tuple(v.shape) for k, v in initial[block].items()}
             return TimingOnlyTrainer(shapes, cfg.train.batch_size * cfg.model.seq_len)
         assert train is not None
-        local = LocalReferenceTrainer if spec.unit == "reference" else LocalBlockTrainer
-        return local(cfg, block, train, data_seed=cfg.seed * spec.workers + worker_id)
+        return local_trainer(
+            cfg, spec.unit, block, train, data_seed=cfg.seed * spec.workers + worker_id
+        )
 
     return make
 

@@ -12,6 +12,7 @@ to each round's published version.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -164,6 +165,54 @@ def _copy_weights(module: torch.nn.Module, weights: Tensors, index: int) -> None
 def initial_blocks(cfg: RunConfig) -> dict[int, Tensors]:
     """Version 0 of every block: exactly what a worker's `init_block` builds."""
     return {b: init_block(cfg.model, cfg.seed, b).state_dict() for b in range(cfg.model.blocks)}
+
+
+def initial_units(cfg: RunConfig, unit: str) -> dict[int, Tensors]:
+    """Version 0 of a decentralised run's units: its blocks, or the reference as unit 0."""
+    if unit == "reference":
+        return {0: init_reference(cfg.model, cfg.seed).state_dict()}
+    return initial_blocks(cfg)
+
+
+def local_trainer(
+    cfg: RunConfig,
+    unit: str,
+    index: int,
+    data: ByteSource,
+    *,
+    data_seed: int,
+    device: torch.device | str = "cpu",
+) -> LocalBlockTrainer:
+    """The trainer of one replica of unit `index`: a block's, or the reference's (DiLoCo)."""
+    local = LocalReferenceTrainer if unit == "reference" else LocalBlockTrainer
+    return local(cfg, index, data, data_seed=data_seed, device=device)
+
+
+def reference_config(cfg: RunConfig) -> RunConfig:
+    """A reference unit's run config: one unit, the whole `layers` deep."""
+    if cfg.model.blocks == 1:
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, blocks=1))
+
+
+def write_reference(run_dir: Path, cfg: RunConfig, weights: Tensors, step: int) -> None:
+    """A reference run folder (`train --reference`'s layout) from a reference unit's weights,
+    for eval and generate."""
+    model = init_reference(cfg.model, cfg.seed)
+    ckpt.load_module_tensors(
+        model,
+        {f"reference.{k}": v.float() for k, v in weights.items()},
+        "reference.",
+        Path("<reference>"),
+    )
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt.write_config(run_dir, ckpt.RunInfo(cfg, "reference", []))
+    ckpt.atomic_save_tensors(
+        run_dir / ckpt.MODEL_FILE,
+        {f"reference.{k}": v for k, v in model.state_dict().items()},
+        {"format": ckpt.FORMAT, "kind": "reference", "step": str(step)},
+    )
 
 
 def build_stack(cfg: RunConfig, blocks: dict[int, Tensors]) -> BlockStack:
