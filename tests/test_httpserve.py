@@ -12,7 +12,14 @@ import pytest
 from fastapi import FastAPI, Request
 
 from blocktrain.errors import ConfigError
-from blocktrain.httpserve import HttpGuard, Limits, ThreadedServer, bind, declared_length
+from blocktrain.httpserve import (
+    HttpGuard,
+    Limits,
+    ThreadedServer,
+    TokenBucket,
+    bind,
+    declared_length,
+)
 from tests.asgi import asgi_request
 
 
@@ -241,3 +248,22 @@ def test_the_share_per_address_is_a_quarter_unless_set():
     assert Limits(max_connections_per_address=600).per_address == 600
     with pytest.raises(ConfigError, match="max_connections_per_address"):
         Limits(max_connections_per_address=0)
+
+
+def test_the_token_bucket_admits_a_burst_then_the_rate():
+    now = [10.0]
+    bucket = TokenBucket(2.0, 3, lambda: now[0], max_keys=2)
+    assert [bucket.take("a") for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert bucket.take("a") == pytest.approx(0.5), "the wait until one request refills"
+    assert bucket.take("a") == pytest.approx(0.5), "a refusal takes nothing"
+    assert bucket.take("b") == 0.0, "per key"
+    now[0] += 0.5
+    assert bucket.take("a") == 0.0 and bucket.take("a") > 0
+    now[0] -= 5.0  # a clock that steps back refills nothing, and breaks nothing
+    assert bucket.take("a") > 0
+    now[0] += 100.0
+    assert bucket.take("c") == 0.0 and bucket.take("d") == 0.0
+    assert set(bucket._buckets) == {"c", "d"}, "a's full bucket was forgotten to make room"
+    for rate, burst in ((0.0, 1), (float("inf"), 1), (float("nan"), 1), (1.0, 0)):
+        with pytest.raises(ConfigError, match="must be positive"):
+            TokenBucket(rate, burst)

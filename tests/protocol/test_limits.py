@@ -12,9 +12,10 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from blocktrain.httpserve import TokenBucket
 from blocktrain.protocol.aggregator import create_app
 from blocktrain.protocol.client import AggregatorClient, RetryPolicy
-from blocktrain.protocol.limits import AccessLimits, RateLimited, RateLimiter
+from blocktrain.protocol.limits import AccessLimits, RateLimited, rate_limit
 from tests.asgi import asgi_request
 
 from .conftest import SETTINGS, FakeClock, Harness, add_token, auth, delta_body, make_state
@@ -215,21 +216,22 @@ def test_the_rate_limit_answers_429_with_retry_after(tmp_path):
 
 def test_the_token_bucket_refills_at_the_rate():
     now = [0.0]
-    bucket = RateLimiter(2.0, 2, lambda: now[0])
-    bucket.admit(1)
-    bucket.admit(1)
+    bucket = TokenBucket(2.0, 2, lambda: now[0])
+    rate_limit(bucket, 1)
+    rate_limit(bucket, 1)
     with pytest.raises(RateLimited) as exc:
-        bucket.admit(1)
+        rate_limit(bucket, 1)
     assert exc.value.status == 429 and exc.value.retry_after_s == pytest.approx(0.5)
+    assert "more than 2 requests/s (burst 2)" in exc.value.detail
     now[0] = 0.5
-    bucket.admit(1)
+    rate_limit(bucket, 1)
     with pytest.raises(RateLimited):
-        bucket.admit(1)
+        rate_limit(bucket, 1)
     now[0] = 100.0
-    bucket.admit(1)
-    bucket.admit(1)  # the burst, no more
+    rate_limit(bucket, 1)
+    rate_limit(bucket, 1)  # the burst, no more
     with pytest.raises(RateLimited):
-        bucket.admit(1)
+        rate_limit(bucket, 1)
 
 
 def test_private_status_puts_metrics_behind_a_token(tmp_path):

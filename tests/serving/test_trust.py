@@ -20,9 +20,9 @@ from fastapi.testclient import TestClient
 from safetensors.torch import save
 
 from blocktrain.errors import ConfigError
-from blocktrain.httpserve import ThreadedServer, bind
+from blocktrain.httpserve import ThreadedServer, TokenBucket, bind
 from blocktrain.serving.auth import SECRET_ENV, load_secret
-from blocktrain.serving.limits import RateLimiter, WorkLimiter
+from blocktrain.serving.limits import WorkLimiter, check_rate, per_minute
 from blocktrain.serving.wire import CONTENT_TYPE, decode, encode
 from tests.asgi import asgi_request
 from tests.serving.conftest import Runs, start_cluster
@@ -308,16 +308,18 @@ def test_the_router_limits_requests_per_client(cluster):
 def test_rate_and_work_limiters_count_exactly():
     """Finding (router limits): the limiters' arithmetic, clock injected."""
     now = [0.0]
-    rate = RateLimiter(60, lambda: now[0], max_clients=2)
+    minute = per_minute(60, lambda: now[0])
+    assert (minute.rate_per_s, minute.burst) == (1.0, 60)
+    rate = TokenBucket(1.0, 60, lambda: now[0], max_keys=2)  # the same, for 2 clients
     for _ in range(60):
-        rate.check("a")
+        check_rate(rate, "a")
     with pytest.raises(Exception, match="more than 60 requests a minute"):
-        rate.check("a")
+        check_rate(rate, "a")
     now[0] += 1.0
-    rate.check("a")
-    rate.check("b")
+    check_rate(rate, "a")
+    check_rate(rate, "b")
     now[0] += 120.0
-    rate.check("c")  # full buckets are forgotten to make room
+    check_rate(rate, "c")  # full buckets are forgotten to make room
     assert set(rate._buckets) <= {"a", "b", "c"} and len(rate._buckets) <= 2
     work = WorkLimiter(per_request=10, in_flight_max=15)
     a = work.admit(10, "w", "max_tokens")
