@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -262,6 +263,21 @@ def require_state_route(cfg: ModelConfig, where: str) -> None:
             f"route = {cfg.route} is not supported by {where} yet: train and use such a model "
             "in one process (blocktrain train, eval, generate); docs/model.md"
         )
+
+
+def parse_blocks(text: str, flag: str = "--blocks") -> tuple[int, ...]:
+    """The block indices of a command's `--blocks` (train's `--block`): distinct non-negative
+    integers separated by commas, e.g. "0" or "1, 2" -> (1, 2), sorted; empty items (a
+    trailing comma) are skipped. A ConfigError naming `flag` and the text otherwise. Whether
+    each index is a block of the run is the caller's check: only it knows the run."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    blocks = [int(item) for item in items if re.fullmatch(r"[0-9]+", item)]
+    if not items or len(blocks) != len(items) or len(set(blocks)) != len(blocks):
+        raise ConfigError(
+            f"{flag} {text!r}: expected distinct block indices (0, 1, ...) separated by "
+            "commas, such as 0 or 1,2"
+        )
+    return tuple(sorted(blocks))
 
 
 def _check(ok: bool, name: str, value: object, why: str) -> None:

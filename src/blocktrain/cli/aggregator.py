@@ -37,11 +37,11 @@ from blocktrain.cli.common import (
     resolve_config,
     settings_overrides,
 )
-from blocktrain.config import RunConfig
+from blocktrain.config import RunConfig, parse_blocks
 from blocktrain.data import ByteSource, load_split
 from blocktrain.errors import ConfigError, DataError
 from blocktrain.httpserve import Limits, bind, url_of
-from blocktrain.protocol.directory import Directory, parse_blocks, parse_peer, placed
+from blocktrain.protocol.directory import Directory, parse_peer, placed
 from blocktrain.protocol.limits import JSON_BODY_BYTES, AccessLimits
 from blocktrain.protocol.settings import AggregatorSettings, derived_settings
 from blocktrain.protocol.state import create_state, largest_block

@@ -11,6 +11,7 @@ import sys
 import torch
 
 from blocktrain.cli.common import Formatter
+from blocktrain.config import parse_blocks
 from blocktrain.errors import ConfigError
 from blocktrain.httpserve import bind, run, url_of
 from blocktrain.serving.auth import SECRET_ENV, is_loopback, load_secret, tls_files
@@ -137,16 +138,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "are dropped past it",
     )
     p.set_defaults(handler=run_cmd)
-
-
-def parse_blocks(text: str) -> tuple[int, ...]:
-    try:
-        parts = tuple(int(p) for p in text.split(",") if p.strip())
-    except ValueError:
-        raise ConfigError(f"--blocks {text!r}: expected block indices such as 0 or 1,2") from None
-    if not parts or len(set(parts)) != len(parts) or min(parts) < 0:
-        raise ConfigError(f"--blocks {text!r}: expected distinct block indices such as 0 or 1,2")
-    return tuple(sorted(parts))
 
 
 def run_cmd(args: argparse.Namespace) -> int:
