@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from blocktrain.httpserve import ThreadedServer, bind
 from blocktrain.protocol.aggregator import create_app
-from blocktrain.serving.server import ThreadedServer, bind
 from tests.protocol.conftest import FakeClock, add_token, auth, delta_body, make_state
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
