@@ -25,7 +25,7 @@ ROUTES = ("state", "features")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of the block stack and of its end-to-end reference (DESIGN.md section 2)."""
+    """Shape of the block stack and of its end-to-end reference (docs/model.md)."""
 
     d_model: int = 128
     """Width of every block (and of the reference)."""
@@ -53,11 +53,13 @@ class ModelConfig:
     """Standard deviation of ln(sigma) in that log-normal."""
     sigma_data: float | None = None
     """EDM sigma_data; None means 1/sqrt(d_model), the unit-norm target table's real per-coordinate
-    scale (DESIGN.md 2.9: with 0.5, c_skip * z injects noise as large as the signal at sigma = 1)."""
+    scale (docs/model.md, the table of choices: with 0.5, c_skip * z injects noise as large as the
+    signal at sigma = 1)."""
     overlap: float = 0.1
     """gamma: each block also trains this fraction (in log-sigma) beyond its interval's ends."""
     z_prev_byte: bool = True
-    """Add to each noisy token the clean embedding of the last byte it may see (DESIGN.md 2.3)."""
+    """Add to each noisy token the clean embedding of the last byte it may see (docs/model.md,
+    "A block")."""
     gates_open: bool = True
     """adaLN gates act as (1 + gate), so residual branches start open instead of shut."""
     aux_weight: float = 1.0
@@ -340,10 +342,10 @@ def paper() -> RunConfig:
 
 
 def judge() -> RunConfig:
-    """The fixed judge of generated text (DESIGN.md 2.8): train it with `--reference`. An
-    autoregressive byte model of the small width, 6 layers, T = 256 (a 128-byte prompt and its
-    128-byte continuation in one window), with its own seed so that it is trained apart from every
-    model it judges. About an hour on two CPU cores."""
+    """The fixed judge of generated text (docs/model.md, "Evaluation"): train it with
+    `--reference`. An autoregressive byte model of the small width, 6 layers, T = 256 (a 128-byte
+    prompt and its 128-byte continuation in one window), with its own seed so that it is trained
+    apart from every model it judges. About an hour on two CPU cores."""
     return RunConfig(
         preset="judge",
         seed=1,

@@ -65,7 +65,7 @@ def _positive_or_none(v: Any) -> bool:
 
 @dataclass(frozen=True)
 class AggregatorSettings:
-    """How the aggregator runs rounds, validates and aggregates (DESIGN.md section 4)."""
+    """How the aggregator runs rounds, validates and aggregates (docs/protocol.md, "Settings")."""
 
     deadline_s: float = setting(
         60.0,

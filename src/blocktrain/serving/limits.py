@@ -2,10 +2,9 @@
 flight at once. A request over a limit is refused before any host computes.
 
 Work is counted in bytes x steps_per_block (`work_units`): the chain's compute grows with both
-(each sampler point of each block runs once per span, and the spans grow with the bytes). At
-the tiny shape one unit costs about 11 ms of chain compute, so the default of 4096 units per
-request bounds one request to about 45 s, where an uncapped one (4096 bytes at 16 steps per
-block) took 12 minutes.
+(each sampler point of each block runs once per span, and the spans grow with the bytes), so a
+cap on units is a cap on a request's compute whatever its shape. What a unit costs, and so how
+long the default cap lets one request run: docs/serving.md, "Trust: authentication and limits".
 """
 
 from __future__ import annotations
