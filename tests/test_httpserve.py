@@ -1,5 +1,5 @@
 """The shared HTTP limits (`blocktrain.httpserve`): body caps before and while streaming, slow
-bodies, half-sent heads. Issue 12, "Resource exhaustion" and "Limits before parsing"."""
+bodies, half-sent heads: what a client sends cannot exhaust a server before it is parsed."""
 
 from __future__ import annotations
 
@@ -192,7 +192,7 @@ def _echo(sock: socket.socket) -> bytes:
 
 
 def test_one_address_holds_at_most_its_share_of_the_connections():
-    """Issue 31: every server allowed 512 connections with no share per address; one client
+    """Regression: every server allowed 512 connections with no share per address; one client
     re-opening half-sent heads held every slot and honest calls got 503 in 40 of 40. Now one
     address holds at most a quarter of them (8 of 32 here): its connections beyond that are
     answered 503 and closed as they open, and a client from another address is served."""

@@ -1,4 +1,4 @@
-"""Secrets and TLS (issue 12): tokens from a file or the environment, never needed on the
+"""Secrets and TLS: tokens from a file or the environment, never needed on the
 command line; HTTPS with a one-command self-signed certificate, end to end."""
 
 from __future__ import annotations

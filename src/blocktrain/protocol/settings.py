@@ -389,8 +389,9 @@ def delta_norm_bound(
 
 
 def loose_delta_norm_bound(cfg: RunConfig, local_steps: int, n_params: int) -> float:
-    """The bound before issue 12, 4 x lr x H x sqrt(params) (56.25 at the tiny preset, 14x the
-    largest honest delta): kept for comparisons (`bench/adversarial.py`, defences none)."""
+    """The bound before the poisoning defences, 4 x lr x H x sqrt(params) (56.25 at the tiny
+    preset, 14x the largest honest delta): kept for comparisons (`bench/adversarial.py`, defences
+    none)."""
     return 4.0 * cfg.train.lr * local_steps * math.sqrt(n_params)
 
 
