@@ -1,5 +1,5 @@
 """Poisoning: hostile workers against the simulator's aggregator, with the defences on and off
-(issue 12, Must show). Writes benchmarks/results/adversarial.json and the "adversarial" section
+side by side. Writes benchmarks/results/adversarial.json and the "adversarial" section
 of BENCHMARKS.md.
 
 Each row is one `blocktrain.simulate` run (the protocol's own RoundEngine, real local training,
@@ -8,7 +8,8 @@ the same seed and rounds everywhere) plus the attackers of the row, every forged
 norm bound in force and claiming the largest token count the aggregator accepts:
 
     clean          no attacker
-    shrink         one attacker: -s x the block's weights (the issue's -0.76x flip)
+    shrink         one attacker: -s x the block's weights (s up to 1.76, which leaves -0.76 x
+                   the weights)
     bias           one attacker: one coordinate at the bound
     noise          one attacker: Gaussian noise at the bound
     sybils         4 attackers under ONE token, shrinking

@@ -1,4 +1,4 @@
-"""Chaos soak (issue 12): a decentralised run of the tiny preset in network namespaces (the
+"""Chaos soak: a decentralised run of the tiny preset in network namespaces (the
 aggregator in one, the workers in two worker hosts; tests/protocol/test_netns.py builds them)
 with, throughout `--minutes`:
 
@@ -15,8 +15,8 @@ update is in exactly one committed version (that of the round it counted in) or 
 round; the aggregator's peak RSS (VmRSS, sampled every second) stays under `--rss-bound-mb`;
 and the final sampler CE is within noise of an undisturbed run (loopback, no chaos) of the same
 number of rounds, same seed and workers. "Within noise": |CE_chaos - CE_clean| <= max(0.05,
-3 x the spread of each model's CE over `--eval-seeds` evaluation seeds); 0.05 is the issue's
-tolerance for attacks. Writes benchmarks/results/chaos.json. Needs root and iproute2.
+3 x the spread of each model's CE over `--eval-seeds` evaluation seeds); 0.05 is the CE change
+tolerated from an attack. Writes benchmarks/results/chaos.json. Needs root and iproute2.
 
     python bench/chaos.py                        # 20 minutes, 6 workers
     python bench/chaos.py --minutes 3 --workers 3

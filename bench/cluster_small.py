@@ -1,4 +1,4 @@
-"""The paper's shared-node run at the small shape (issue 14): 6 workers (2 replicas per block)
+"""The paper's shared-node run at the small shape: 6 workers (2 replicas per block)
 and the aggregator, real HTTP on loopback, rounds of H local steps up to the 1,500 steps per
 replica of the converged single-process run in benchmarks/results/quality.json (the same
 preset, batch and learning-rate schedule: the schedule spans rounds x H), then the sampler CE

@@ -1,4 +1,4 @@
-"""Fuzzing (issue 12): schemathesis against the aggregator, a block host and the router, in this
+"""Fuzzing: schemathesis against the aggregator, a block host and the router, in this
 process at the micro shape, with valid tokens (so that cases reach past authentication), no
 token and wrong ones, generated (positive and negative) data and hand-made malformed safetensors
 bodies (tests/fuzz/harness.py, the harness the default suite runs at ~120 cases per app).

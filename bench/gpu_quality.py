@@ -1,5 +1,5 @@
 """The `paper` preset (3 blocks of 4 layers, d = 768, T = 512, bf16) and its 12-layer end-to-end
-reference, side by side on one GPU, at the same number of steps (issue 3, must-show 5).
+reference, side by side on one GPU, at the same number of steps.
 
 It calibrates BlockTrain's step time, picks the step count that fills --budget seconds of
 BlockTrain training, trains both models for that many steps (the reference is cheaper per step,

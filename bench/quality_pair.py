@@ -1,4 +1,4 @@
-"""BlockTrain against the end-to-end reference at equal steps, for one preset (issue 3): each
+"""BlockTrain against the end-to-end reference at equal steps, for one preset: each
 trained for the preset's steps (per block for BlockTrain), then both evaluated on the same
 held-out bytes with `blocktrain eval --against`.
 

@@ -1,4 +1,4 @@
-"""Span generation: speed and quality side by side (issue 11), on trained weights.
+"""Span generation: speed and quality side by side, on trained weights.
 
 For one preset it trains (resumably, in benchmarks/work/span_frontier/PRESET/) the fixed judge
 (preset `judge`, an autoregressive byte model with its own seed), the end-to-end reference (the

@@ -1,5 +1,5 @@
 """The BENCHMARKS.md sections of bench/span_frontier.py: the frontier (speed and quality, read
-against issue 11's goal and bar) and its --quality-only variant."""
+against the span work's goal and bar, `goal_lines`) and its --quality-only variant."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def report_quality(doc: dict[str, Any], name: str) -> None:
             f"{r['entropy']:.3f} ({r['real_entropy']:.3f}) | {r['joint_ce']:.3f} |"
         )
     margins = []
-    for margin, min_span in ((0.10, 1), (0.30, 4)):  # issue 11's goal and bar, quality side
+    for margin, min_span in ((0.10, 1), (0.30, 4)):  # the goal's and the bar's quality margins
         ok = [
             f"{r['method']} K = {r['span']} S = {r['steps_per_block']}"
             for r in doc["rows"]
@@ -78,7 +78,7 @@ def _expected(row: dict[str, Any]) -> float | None:
 
 
 def against_the_goal(rows: list[dict[str, Any]]) -> list[str]:
-    """Issue 11's goal (>= 4x the plain AR pipeline's bytes/s at 10 ms hops with gen_ce within
+    """The span work's goal (>= 4x the plain AR pipeline's bytes/s at 10 ms hops with gen_ce within
     0.10 of the AR pipeline's own samples) and bar (a K >= 4 point at >= 2x within 0.30), read
     off the rows: the fastest row that keeps each quality margin, at each hop, by the timed
     request's ratio and, where recorded, by the expected one (the 64 continuations' bytes per

@@ -1,4 +1,4 @@
-"""Bytes per verify traversal of speculative K = 1 generation, over many prompts (issue 11).
+"""Bytes per verify traversal of speculative K = 1 generation, over many prompts.
 
 The span frontier times one short request per row, so its bytes-per-traversal column carries the
 luck of a few dozen acceptance draws. This script measures the acceptance side alone, in process

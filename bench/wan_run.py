@@ -1,4 +1,4 @@
-"""A WAN-shaped training run (issue 14): the aggregator and 3 worker hosts in their own network
+"""A WAN-shaped training run: the aggregator and 3 worker hosts in their own network
 namespaces (tests/protocol/test_netns.py builds them), each namespace's egress delayed 60 +- 20
 ms (in order: a burst's packets near 80 ms), 1% of its packets dropped. Needs root. 2 workers
 per host: 2 replicas of each of the tiny preset's 3 blocks, on two hosts (host h trains blocks

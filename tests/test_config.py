@@ -1,8 +1,16 @@
 import dataclasses
+import re
 
 import pytest
 
-from blocktrain.config import ModelConfig, RunConfig, apply_overrides, preset, settable_keys
+from blocktrain.config import (
+    ModelConfig,
+    RunConfig,
+    apply_overrides,
+    parse_blocks,
+    preset,
+    settable_keys,
+)
 from blocktrain.errors import ConfigError
 
 
@@ -61,3 +69,13 @@ def test_config_round_trips_through_json_dict():
 def test_every_field_is_settable():
     keys = settable_keys()
     assert "d_model" in keys and "lr" in keys and "seed" in keys
+
+
+def test_parse_blocks_is_one_rule_for_every_command():
+    assert parse_blocks("0") == (0,)
+    assert parse_blocks("2, 0,") == (0, 2), "sorted; spaces and a trailing comma are fine"
+    for bad in ("", ",", "a", "-1", "1,-2", "1,1", "0x1", "1.0", "+1"):
+        with pytest.raises(ConfigError, match=re.escape(f"--blocks {bad!r}: expected distinct")):
+            parse_blocks(bad)
+    with pytest.raises(ConfigError, match="--block '-1'"):
+        parse_blocks("-1", "--block")

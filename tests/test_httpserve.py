@@ -1,5 +1,5 @@
 """The shared HTTP limits (`blocktrain.httpserve`): body caps before and while streaming, slow
-bodies, half-sent heads. Issue 12, "Resource exhaustion" and "Limits before parsing"."""
+bodies, half-sent heads: what a client sends cannot exhaust a server before it is parsed."""
 
 from __future__ import annotations
 
@@ -12,7 +12,14 @@ import pytest
 from fastapi import FastAPI, Request
 
 from blocktrain.errors import ConfigError
-from blocktrain.httpserve import HttpGuard, Limits, ThreadedServer, bind, declared_length
+from blocktrain.httpserve import (
+    HttpGuard,
+    Limits,
+    ThreadedServer,
+    TokenBucket,
+    bind,
+    declared_length,
+)
 from tests.asgi import asgi_request
 
 
@@ -185,7 +192,7 @@ def _echo(sock: socket.socket) -> bytes:
 
 
 def test_one_address_holds_at_most_its_share_of_the_connections():
-    """Issue 31: every server allowed 512 connections with no share per address; one client
+    """Regression: every server allowed 512 connections with no share per address; one client
     re-opening half-sent heads held every slot and honest calls got 503 in 40 of 40. Now one
     address holds at most a quarter of them (8 of 32 here): its connections beyond that are
     answered 503 and closed as they open, and a client from another address is served."""
@@ -241,3 +248,22 @@ def test_the_share_per_address_is_a_quarter_unless_set():
     assert Limits(max_connections_per_address=600).per_address == 600
     with pytest.raises(ConfigError, match="max_connections_per_address"):
         Limits(max_connections_per_address=0)
+
+
+def test_the_token_bucket_admits_a_burst_then_the_rate():
+    now = [10.0]
+    bucket = TokenBucket(2.0, 3, lambda: now[0], max_keys=2)
+    assert [bucket.take("a") for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert bucket.take("a") == pytest.approx(0.5), "the wait until one request refills"
+    assert bucket.take("a") == pytest.approx(0.5), "a refusal takes nothing"
+    assert bucket.take("b") == 0.0, "per key"
+    now[0] += 0.5
+    assert bucket.take("a") == 0.0 and bucket.take("a") > 0
+    now[0] -= 5.0  # a clock that steps back refills nothing, and breaks nothing
+    assert bucket.take("a") > 0
+    now[0] += 100.0
+    assert bucket.take("c") == 0.0 and bucket.take("d") == 0.0
+    assert set(bucket._buckets) == {"c", "d"}, "a's full bucket was forgotten to make room"
+    for rate, burst in ((0.0, 1), (float("inf"), 1), (float("nan"), 1), (1.0, 0)):
+        with pytest.raises(ConfigError, match="must be positive"):
+            TokenBucket(rate, burst)

@@ -47,7 +47,8 @@ MODEL_THIRD_PARTY = frozenset({"torch"})
 # Names that come from the facade without its imports: package metadata.
 METADATA = frozenset({"__version__"})
 
-# Known violations in files being fixed by others (issue 13); the lead empties this list. An
+# Known violations in files that others are changing, left for them to fix; the lead empties
+# this list. An
 # entry that no longer matches an import fails the test too, so the list cannot go stale.
 KNOWN: frozenset[tuple[str, str]] = frozenset()
 

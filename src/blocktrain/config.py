@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ ROUTES = ("state", "features")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of the block stack and of its end-to-end reference (DESIGN.md section 2)."""
+    """Shape of the block stack and of its end-to-end reference (docs/model.md)."""
 
     d_model: int = 128
     """Width of every block (and of the reference)."""
@@ -52,11 +53,13 @@ class ModelConfig:
     """Standard deviation of ln(sigma) in that log-normal."""
     sigma_data: float | None = None
     """EDM sigma_data; None means 1/sqrt(d_model), the unit-norm target table's real per-coordinate
-    scale (DESIGN.md 2.9: with 0.5, c_skip * z injects noise as large as the signal at sigma = 1)."""
+    scale (docs/model.md, the table of choices: with 0.5, c_skip * z injects noise as large as the
+    signal at sigma = 1)."""
     overlap: float = 0.1
     """gamma: each block also trains this fraction (in log-sigma) beyond its interval's ends."""
     z_prev_byte: bool = True
-    """Add to each noisy token the clean embedding of the last byte it may see (DESIGN.md 2.3)."""
+    """Add to each noisy token the clean embedding of the last byte it may see (docs/model.md,
+    "A block")."""
     gates_open: bool = True
     """adaLN gates act as (1 + gate), so residual branches start open instead of shut."""
     aux_weight: float = 1.0
@@ -264,6 +267,21 @@ def require_state_route(cfg: ModelConfig, where: str) -> None:
         )
 
 
+def parse_blocks(text: str, flag: str = "--blocks") -> tuple[int, ...]:
+    """The block indices of a command's `--blocks` (train's `--block`): distinct non-negative
+    integers separated by commas, e.g. "0" or "1, 2" -> (1, 2), sorted; empty items (a
+    trailing comma) are skipped. A ConfigError naming `flag` and the text otherwise. Whether
+    each index is a block of the run is the caller's check: only it knows the run."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    blocks = [int(item) for item in items if re.fullmatch(r"[0-9]+", item)]
+    if not items or len(blocks) != len(items) or len(set(blocks)) != len(blocks):
+        raise ConfigError(
+            f"{flag} {text!r}: expected distinct block indices (0, 1, ...) separated by "
+            "commas, such as 0 or 1,2"
+        )
+    return tuple(sorted(blocks))
+
+
 def _check(ok: bool, name: str, value: object, why: str) -> None:
     if not ok:
         raise ConfigError(f"{name} = {value!r} {why}")
@@ -324,10 +342,10 @@ def paper() -> RunConfig:
 
 
 def judge() -> RunConfig:
-    """The fixed judge of generated text (DESIGN.md 2.8): train it with `--reference`. An
-    autoregressive byte model of the small width, 6 layers, T = 256 (a 128-byte prompt and its
-    128-byte continuation in one window), with its own seed so that it is trained apart from every
-    model it judges. About an hour on two CPU cores."""
+    """The fixed judge of generated text (docs/model.md, "Evaluation"): train it with
+    `--reference`. An autoregressive byte model of the small width, 6 layers, T = 256 (a 128-byte
+    prompt and its 128-byte continuation in one window), with its own seed so that it is trained
+    apart from every model it judges. About an hour on two CPU cores."""
     return RunConfig(
         preset="judge",
         seed=1,

@@ -22,16 +22,19 @@ What is enforced, and where:
   over 2**62, gets 400 (never a 500). A body must keep coming at `min_body_rate` bytes/s
   after a grace of `body_grace_s` (408 otherwise). The app sees a disconnect; the guard
   answers, with `Connection: close`.
+- `TokenBucket`: requests per client (a token, an address) at a rate, after a burst; each
+  server turns its refusal into its own 429.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +104,63 @@ class Limits:
 
 def default_error_body(code: str, detail: str) -> dict[str, Any]:
     return {"error": code, "detail": detail}
+
+
+# ---------------------------------------------------------------------------------------------
+# The request rate
+# ---------------------------------------------------------------------------------------------
+
+
+class TokenBucket:
+    """Request rates per client, the one token bucket of every server: a client (a token id,
+    an address: any hashable key) may send `burst` requests at once, then `rate_per_s` a
+    second. Each server turns a refusal into its own error (the aggregator's 429
+    `rate_limited`, the router's OpenAI-style 429), with the wait as its Retry-After.
+
+    Buckets live in memory (a restart refills them). Once `max_keys` are held, those that have
+    refilled are forgotten (a full bucket is the same as none), so idle clients cost no memory.
+    Thread-safe; `clock` is monotonic seconds."""
+
+    def __init__(
+        self,
+        rate_per_s: float,
+        burst: int,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        max_keys: int = 10_000,
+    ) -> None:
+        if not (rate_per_s > 0 and math.isfinite(rate_per_s)) or burst < 1 or max_keys < 1:
+            raise ConfigError(
+                f"a rate of {rate_per_s} requests/s in bursts of {burst} (for up to "
+                f"{max_keys} clients): each must be positive"
+            )
+        self.rate_per_s = rate_per_s
+        self.burst = burst
+        self.clock = clock
+        self.max_keys = max_keys
+        self._lock = threading.Lock()
+        self._buckets: dict[Hashable, tuple[float, float]] = {}
+        """key -> (requests left, time they were counted)."""
+
+    def _left(self, key: Hashable, now: float) -> float:
+        left, then = self._buckets.get(key, (float(self.burst), now))
+        return min(float(self.burst), left + max(now - then, 0.0) * self.rate_per_s)
+
+    def take(self, key: Hashable) -> float:
+        """Take one request from `key`'s bucket -> 0.0; or, when it is spent, take nothing and
+        return the seconds until a request would be admitted (always > 0)."""
+        now = self.clock()
+        with self._lock:
+            if len(self._buckets) >= self.max_keys:
+                self._buckets = {
+                    k: v for k, v in self._buckets.items() if self._left(k, now) < self.burst
+                }
+            left = self._left(key, now)
+            if left < 1.0:
+                self._buckets[key] = (left, now)
+                return (1.0 - left) / self.rate_per_s
+            self._buckets[key] = (left - 1.0, now)
+            return 0.0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""TLS files for the package's servers: a certificate and its key (`TlsFiles`), a clear error
-when they cannot serve (`check_tls`), and a self-signed pair made in one command
+"""TLS files for the package's servers: a certificate and its key (`TlsFiles`), the one check of
+the `--tls-cert`/`--tls-key` pair (`tls_pair`), a clear error when they cannot serve
+(`check_tls`), and a self-signed pair made in one command
 (`self_signed`, behind `blocktrain tls self-signed`)."""
 
 from __future__ import annotations
@@ -27,12 +28,29 @@ def check_tls(tls: TlsFiles | None) -> None:
     not matching)."""
     if tls is None:
         return
+    for path in (tls.cert, tls.key):
+        if not Path(path).is_file():
+            raise ConfigError(
+                f"cannot use --tls-cert {tls.cert} with --tls-key {tls.key}: {path} does not exist"
+            )
     try:
         ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(tls.cert, tls.key)
     except (OSError, ssl.SSLError) as exc:
         raise ConfigError(
             f"cannot use --tls-cert {tls.cert} with --tls-key {tls.key}: {exc}"
         ) from None
+
+
+def tls_pair(cert: str | None, key: str | None) -> TlsFiles | None:
+    """The `--tls-cert` and `--tls-key` a server speaks HTTPS with, checked (both or neither
+    given, both files exist, and they serve: `check_tls`), or None for plain HTTP."""
+    if (cert is None) != (key is None):
+        raise ConfigError("--tls-cert and --tls-key go together")
+    if cert is None or key is None:
+        return None
+    tls = TlsFiles(cert, key)
+    check_tls(tls)
+    return tls
 
 
 def self_signed(out: Path, hosts: list[str], days: int = 365) -> TlsFiles:

@@ -37,6 +37,15 @@ def fails_cleanly(capsys, argv, match):
     return lines[0]
 
 
+def test_train_block_takes_the_one_blocks_rule(capsys, tmp_path):
+    """train --block parses as every --blocks does: a negative index or a repeated one is
+    refused, naming the text, before the data is opened or the run folder made."""
+    for bad in ("-1", "0,0", "x"):
+        argv = ["train", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "r"), *TINY]
+        fails_cleanly(capsys, [*argv, "--block", bad], f"--block {bad!r}: expected distinct")
+    assert not (tmp_path / "r").exists()
+
+
 def snapshot(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
 

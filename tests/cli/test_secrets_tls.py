@@ -1,4 +1,4 @@
-"""Secrets and TLS (issue 12): tokens from a file or the environment, never needed on the
+"""Secrets and TLS: tokens from a file or the environment, never needed on the
 command line; HTTPS with a one-command self-signed certificate, end to end."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from blocktrain.cli.main import main
-from blocktrain.errors import Unreachable
+from blocktrain.errors import ConfigError, Unreachable
 from blocktrain.httpserve import ThreadedServer, bind
 from blocktrain.protocol.aggregator import create_app
 from blocktrain.protocol.client import AggregatorClient, RetryPolicy
-from blocktrain.tls import TlsFiles
+from blocktrain.tls import TlsFiles, tls_pair
 from tests.protocol.conftest import FakeClock, add_token, make_state
 
 from .test_cli import fails_cleanly
@@ -103,3 +103,24 @@ def test_aggregator_refuses_bad_limits_and_tls_files(tmp_path, capsys):
         ["aggregator", "--state", str(state), "--tls-cert", str(bogus), "--tls-key", str(bogus)],
         "cannot use --tls-cert",
     )
+    missing = ["--tls-cert", str(bogus), "--tls-key", str(tmp_path / "none.pem")]
+    fails_cleanly(
+        capsys,
+        ["aggregator", "--state", str(state), *missing],
+        f"cannot use --tls-cert {bogus} with --tls-key {tmp_path / 'none.pem'}: "
+        f"{tmp_path / 'none.pem'} does not exist",
+    )
+
+
+def test_one_tls_pair_check_for_every_server(tmp_path):
+    """The aggregator, block hosts and the router take --tls-cert/--tls-key through
+    `tls_pair`: both or neither, files that exist and serve."""
+    assert tls_pair(None, None) is None
+    for cert, key in (("c.pem", None), (None, "k.pem")):
+        with pytest.raises(ConfigError, match="go together"):
+            tls_pair(cert, key)
+    with pytest.raises(ConfigError, match=r"cannot use --tls-cert  with --tls-key : .*exist"):
+        tls_pair("", "")
+    assert main(["tls", "self-signed", "--out", str(tmp_path / "tls")]) == 0
+    pair = tls_pair(str(tmp_path / "tls" / "cert.pem"), str(tmp_path / "tls" / "key.pem"))
+    assert pair == TlsFiles(str(tmp_path / "tls" / "cert.pem"), str(tmp_path / "tls" / "key.pem"))

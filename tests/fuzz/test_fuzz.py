@@ -1,4 +1,4 @@
-"""Schemathesis against the aggregator, a block host and the router (issue 12, "Fuzzing"): a
+"""Schemathesis against the aggregator, a block host and the router: a
 quick, seeded run of each in the default suite, and one regression test per server error the
 fuzzer found. `bench/fuzz.py` runs the same harness at 2,000+ cases per app."""
 

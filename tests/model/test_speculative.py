@@ -160,7 +160,8 @@ def _bytes_per_traversal(
 
 def test_averaging_verify_draws_accepts_more_of_a_draft():
     """One sweep's law is a noisy estimate of the sampler's; the mean of M rows is closer, and
-    the rule accepts a draft by how close the two laws are (span-research.md section 7)."""
+    the rule accepts a draft by how close the two laws are (Leviathan et al. 2023, arXiv
+    2211.17192, section 3: the acceptance rate is E sum min(p, r))."""
     # The toy's law favours repeating the last byte; so does this drafter.
     runs = b"".join(bytes([b]) * 5 for b in range(60, 64)) * 20
     drafter = NgramDrafter(np.frombuffer(runs, dtype=np.uint8), order=1)

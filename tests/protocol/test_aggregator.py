@@ -218,9 +218,10 @@ CASES = _cases()
     ("how", "status", "reason"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
 )
 def test_bad_input_is_refused_with_a_reason_and_a_ledger_row(tmp_path, how, status, reason):
-    """Every refusal has its reason; those after the token is known have a ledger row, those
-    before it (no or bad token, a declared size over the cap) are counted in memory only
-    (issue 12: "every refused push writes an fsynced ledger row, even without a token")."""
+    """Every refusal has its reason; those after the token is known have a ledger row, those before
+    it (no or bad token, a declared size over the cap) are counted in memory only (an fsynced row
+    for every refused push, even one without a token, would let anyone who can reach the port grow
+    the ledger)."""
     h = make_harness(
         tmp_path / "s",
         AggregatorSettings(

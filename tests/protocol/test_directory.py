@@ -14,7 +14,7 @@ from blocktrain.errors import ConfigError, Refused
 from blocktrain.httpserve import ThreadedServer, bind, url_of
 from blocktrain.protocol.aggregator import create_app
 from blocktrain.protocol.client import AggregatorClient, Registration
-from blocktrain.protocol.directory import Directory, parse_blocks, parse_peer
+from blocktrain.protocol.directory import Directory, parse_peer
 from blocktrain.protocol.storage import StateDir
 from blocktrain.protocol.tokens import hash_token, new_token
 from blocktrain.protocol.worker import WorkerLoop
@@ -87,13 +87,9 @@ def test_a_worker_refused_as_misdirected_moves_and_registers_again(pair):
 
 def test_directory_syntax_and_checks():
     assert parse_peer("2=http://h:1/") == (2, "http://h:1")
-    assert parse_blocks("0, 2") == [0, 2]
     for bad in ("2", "x=http://h", "=http://h", "-1=http://h", "1="):
         with pytest.raises(ConfigError):
             parse_peer(bad)
-    for bad in ("", "a", "-1", ","):
-        with pytest.raises(ConfigError):
-            parse_blocks(bad)
     with pytest.raises(ConfigError, match="served here"):
         Directory.build(3, [0], {0: "http://h"})
     with pytest.raises(ConfigError, match="not a block"):

@@ -1,4 +1,4 @@
-"""Identity (issue 12): one live worker per token, votes and block choice by token, tokens
+"""Identity: one live worker per token, votes and block choice by token, tokens
 pinned to blocks, and revoked or banned tokens' pending updates dropped from their rounds."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The aggregator's limits before parsing (issue 12, "Resource exhaustion" and "Limits before
-parsing, everywhere"): authentication before the body, body caps, no ledger growth from
-unauthenticated traffic, pruning, O(1) status and metrics, the huge Content-Length, rate limits
-and private metrics. Each test names the finding it covers."""
+"""The aggregator's limits before parsing, so that no client can exhaust its memory, disk or time
+with what it sends: authentication before the body, body caps, no ledger growth from
+unauthenticated traffic, pruning, O(1) status and metrics, the huge Content-Length, rate limits and
+private metrics. Each test names the finding it covers."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from blocktrain.httpserve import TokenBucket
 from blocktrain.protocol.aggregator import create_app
 from blocktrain.protocol.client import AggregatorClient, RetryPolicy
-from blocktrain.protocol.limits import AccessLimits, RateLimited, RateLimiter
+from blocktrain.protocol.limits import AccessLimits, RateLimited, rate_limit
 from tests.asgi import asgi_request
 
 from .conftest import SETTINGS, FakeClock, Harness, add_token, auth, delta_body, make_state
@@ -149,7 +150,7 @@ def test_status_and_metrics_do_not_scan_the_ledger(harness):
 
 
 def test_status_lists_at_most_1000_rounds_per_call(harness):
-    """Issue 31: `/v1/status?rounds=1000000` on a ledger of 300k rounds cost 9.0 s and 54.5 MB
+    """Regression: `/v1/status?rounds=1000000` on a ledger of 300k rounds cost 9.0 s and 54.5 MB
     per call. Now one call lists at most 1000 rounds per block (a larger `rounds` is served as
     1000), so its cost stops growing with the ledger."""
     h = harness
@@ -215,21 +216,22 @@ def test_the_rate_limit_answers_429_with_retry_after(tmp_path):
 
 def test_the_token_bucket_refills_at_the_rate():
     now = [0.0]
-    bucket = RateLimiter(2.0, 2, lambda: now[0])
-    bucket.admit(1)
-    bucket.admit(1)
+    bucket = TokenBucket(2.0, 2, lambda: now[0])
+    rate_limit(bucket, 1)
+    rate_limit(bucket, 1)
     with pytest.raises(RateLimited) as exc:
-        bucket.admit(1)
+        rate_limit(bucket, 1)
     assert exc.value.status == 429 and exc.value.retry_after_s == pytest.approx(0.5)
+    assert "more than 2 requests/s (burst 2)" in exc.value.detail
     now[0] = 0.5
-    bucket.admit(1)
+    rate_limit(bucket, 1)
     with pytest.raises(RateLimited):
-        bucket.admit(1)
+        rate_limit(bucket, 1)
     now[0] = 100.0
-    bucket.admit(1)
-    bucket.admit(1)  # the burst, no more
+    rate_limit(bucket, 1)
+    rate_limit(bucket, 1)  # the burst, no more
     with pytest.raises(RateLimited):
-        bucket.admit(1)
+        rate_limit(bucket, 1)
 
 
 def test_private_status_puts_metrics_behind_a_token(tmp_path):

@@ -1,15 +1,46 @@
 """The round's long poll sleeps until a round of its block closes: it answers at once when one
-does, and does not re-read the round on a timer meanwhile."""
+does, and does not re-read the round on a timer meanwhile. The tests record each of the poll's
+waits (how long it might sleep, and whether a closing round woke it), not the wall clock."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
-import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from blocktrain.protocol.longpoll import RoundSignal
 
 from .conftest import auth, delta_body
 
 
-def test_a_long_poll_wakes_when_the_round_closes(harness):
+@dataclass
+class Waits:
+    ended: list[tuple[float, bool]] = field(default_factory=list)
+    """(the wait's timeout, whether a closing round woke it), one per wait as it ends."""
+    started: threading.Event = field(default_factory=threading.Event)
+    stretch: bool = False
+    """Wait out no timeout: a wait then ends only when a round closes."""
+
+
+@pytest.fixture
+def waits(monkeypatch) -> Waits:
+    """The long poll's waits, recorded (`RoundSignal.wait` is what the route sleeps in)."""
+    log = Waits()
+    original = RoundSignal.wait
+
+    async def wait(event: asyncio.Event, timeout_s: float) -> None:
+        log.started.set()
+        await original(event, 60.0 if log.stretch else timeout_s)
+        log.ended.append((timeout_s, event.is_set()))
+
+    monkeypatch.setattr(RoundSignal, "wait", staticmethod(wait))
+    return log
+
+
+def test_a_long_poll_wakes_when_the_round_closes(harness, waits):
+    waits.stretch = True
     w = harness.register(harness.alice, block=0)["worker_id"]
     harness.pull(harness.alice, w, 0)
     got: list[dict] = []
@@ -21,26 +52,27 @@ def test_a_long_poll_wakes_when_the_round_closes(harness):
         got.append(r.json())
 
     waiter = threading.Thread(target=poll)
-    started = time.monotonic()
     waiter.start()
-    time.sleep(0.3)  # the poll is waiting
+    assert waits.started.wait(10), "the poll is waiting"
     assert not got
     r = harness.push(harness.alice, w, 0, delta_body(0, worker=w))  # the only replica: closes
     assert r.status_code == 200, r.text
-    waiter.join(10)
+    waiter.join(30)
     assert got and got[0]["round"] == 1
-    assert time.monotonic() - started < 10  # not the 30 s the poll may wait
+    assert waits.ended == [(1.0, True)], "one wait, ended by the closing round"
 
 
-def test_a_waiting_long_poll_does_not_re_read_the_round_on_a_timer(harness, monkeypatch):
+def test_a_waiting_long_poll_does_not_re_read_the_round_on_a_timer(harness, monkeypatch, waits):
     service = harness.service
     calls = []
     peek = service.peek
     monkeypatch.setattr(service, "peek", lambda block: calls.append(block) or peek(block))
-    started = time.monotonic()
     r = harness.client.get(
         "/v1/blocks/0/round", params={"after": 0, "wait": 1.5}, headers=auth(harness.alice)
     )
-    assert r.status_code == 200 and r.json()["round"] == 0
-    assert 1.4 < time.monotonic() - started < 5
-    assert len(calls) <= 3, calls  # a read a second at most (a 50 ms timer made 30)
+    assert r.status_code == 200 and r.json()["round"] == 0 and not r.json()["done"]
+    assert waits.ended[0] == (1.0, False), "a read a second at most"
+    assert not any(woken for _, woken in waits.ended), "no round closed: each wait ran out"
+    # the poll reads the round once, then once after each wait: never on a timer of its own
+    # (a 50 ms timer made 30 reads); 1.5 s of waits of up to 1 s each are two waits
+    assert len(calls) == len(waits.ended) + 1 <= 3, (calls, waits.ended)

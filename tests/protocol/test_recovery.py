@@ -1,4 +1,4 @@
-"""Recovery (issue 12): rollback to a kept version as a new version, temporary files left by a
+"""Recovery: rollback to a kept version as a new version, temporary files left by a
 kill, ledgers of the earlier schema, and rounds that a silent worker cannot stall."""
 
 from __future__ import annotations

@@ -99,9 +99,9 @@ def test_bad_plan_shape_input(capsys):
 def test_a_host_off_loopback_needs_the_secret_and_a_bad_secret_is_one_line(
     capsys, runs, tmp_path, monkeypatch
 ):
-    """Issue 12 (router and hosts do not authenticate each other): a host reachable from the
-    network refuses to start without the shared secret; the secret is read from a file or
-    the environment, never only from the command line."""
+    """Router and hosts authenticate each other, so that nobody else can run work on a host: a host
+    reachable from the network refuses to start without the shared secret; the secret is read from
+    a file or the environment, never only from the command line."""
     monkeypatch.delenv("BLOCKTRAIN_SERVE_SECRET", raising=False)
     host = ["serve-block", str(runs.blocktrain), "--blocks", "0", "--port", "0"]
     fails_cleanly(capsys, [*host, "--host", "0.0.0.0"], "needs the secret it shares")

@@ -176,8 +176,9 @@ def test_a_host_killed_mid_request_gives_503_naming_it_then_serving_resumes(runs
 
 
 def test_over_sockets_hosts_want_the_secret_and_cut_chunked_uploads_at_their_cap(runs):
-    """Issue 12, Serving: router and hosts authenticate each other, and chunked uploads
-    bypassed the hosts' body limit; here through uvicorn on loopback, as deployed."""
+    """Router and hosts authenticate each other (once, any process could run work on a host),
+    and chunked uploads, which once bypassed the hosts' body limit, are cut at it; here through
+    uvicorn on loopback, as deployed."""
     secret = "loopback-test-secret-0123456789"
     with loopback_chain(runs, secret=secret, max_body_bytes=64 * 1024) as (router, hosts):
         r = httpx.post(
@@ -206,7 +207,7 @@ def test_over_sockets_hosts_want_the_secret_and_cut_chunked_uploads_at_their_cap
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 def test_hosts_on_https_with_a_self_signed_certificate(runs, tmp_path):
-    """Issue 12, Serving: the shared secret crosses the network inside TLS; the router
+    """The shared secret crosses the network inside TLS; the router
     verifies the hosts against the certificate it is given (--ca-cert)."""
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(

@@ -1,6 +1,6 @@
-"""Trust in serving (issue 12, "Serving" and "Malformed host messages"): block hosts take work
-only from their router, never follow a URL named in a message, cap bodies however they are
-sent, and answer malformed messages with a 4xx; the router caps bodies, request rates and work.
+"""Trust in serving, so that neither a client nor a forged message can misuse a host: block hosts
+take work only from their router, never follow a URL named in a message, cap bodies however they
+are sent, and answer malformed messages with a 4xx; the router caps bodies, request rates and work.
 
 Each test names the finding it covers; each fails on the code before these fixes."""
 
@@ -20,9 +20,9 @@ from fastapi.testclient import TestClient
 from safetensors.torch import save
 
 from blocktrain.errors import ConfigError
-from blocktrain.httpserve import ThreadedServer, bind
+from blocktrain.httpserve import ThreadedServer, TokenBucket, bind
 from blocktrain.serving.auth import SECRET_ENV, load_secret
-from blocktrain.serving.limits import RateLimiter, WorkLimiter
+from blocktrain.serving.limits import WorkLimiter, check_rate, per_minute
 from blocktrain.serving.wire import CONTENT_TYPE, decode, encode
 from tests.asgi import asgi_request
 from tests.serving.conftest import Runs, start_cluster
@@ -136,7 +136,7 @@ def _still_open(socks: list[socket.socket], seconds: float) -> int:
 
 
 def test_a_host_closes_the_connection_once_it_refuses_an_unauthenticated_body(secured):
-    """Issue 31: block hosts kept slow unauthenticated bodies open after answering 401 (20 of
+    """Regression: block hosts kept slow unauthenticated bodies open after answering 401 (20 of
     20 still open after 45 s), the server waiting to drain a body nobody reads. Now the 401
     says `Connection: close` and the host closes; a request without a body keeps alive."""
     server = ThreadedServer.start(secured.apps.apps[secured.urls[0]], bind("127.0.0.1", 0))
@@ -308,16 +308,18 @@ def test_the_router_limits_requests_per_client(cluster):
 def test_rate_and_work_limiters_count_exactly():
     """Finding (router limits): the limiters' arithmetic, clock injected."""
     now = [0.0]
-    rate = RateLimiter(60, lambda: now[0], max_clients=2)
+    minute = per_minute(60, lambda: now[0])
+    assert (minute.rate_per_s, minute.burst) == (1.0, 60)
+    rate = TokenBucket(1.0, 60, lambda: now[0], max_keys=2)  # the same, for 2 clients
     for _ in range(60):
-        rate.check("a")
+        check_rate(rate, "a")
     with pytest.raises(Exception, match="more than 60 requests a minute"):
-        rate.check("a")
+        check_rate(rate, "a")
     now[0] += 1.0
-    rate.check("a")
-    rate.check("b")
+    check_rate(rate, "a")
+    check_rate(rate, "b")
     now[0] += 120.0
-    rate.check("c")  # full buckets are forgotten to make room
+    check_rate(rate, "c")  # full buckets are forgotten to make room
     assert set(rate._buckets) <= {"a", "b", "c"} and len(rate._buckets) <= 2
     work = WorkLimiter(per_request=10, in_flight_max=15)
     a = work.admit(10, "w", "max_tokens")
@@ -370,7 +372,7 @@ def _unread_stream(app: object, client: str, started: list[int]) -> asyncio.Task
 
 
 def test_unread_streams_of_one_client_leave_work_for_everyone_else(cluster):
-    """Issue 31: the router's in-flight work budget was shared by all clients; four streams
+    """Regression: the router's in-flight work budget was shared by all clients; four streams
     that are never read held all of it, and every other client got 429 (75 of 75). Now one
     client (address) holds at most half of the budget: 2 of its 4 unread streams start, the
     other 2 get 429 `busy`, and a client from another address is served."""
@@ -408,7 +410,7 @@ def test_unread_streams_of_one_client_leave_work_for_everyone_else(cluster):
 
 
 def test_a_stream_nobody_reads_ends_after_the_send_timeout_and_frees_its_work(cluster):
-    """Issue 31: an unread stream held its work until the client hung up, which it never
+    """Regression: an unread stream held its work until the client hung up, which it never
     does. Now a send that waits past `send_timeout_s` ends the stream and releases its work."""
     from blocktrain.serving import RouterSettings, create_router_app
 
@@ -438,7 +440,7 @@ def test_a_stream_nobody_reads_ends_after_the_send_timeout_and_frees_its_work(cl
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/generate"])
 def test_a_request_whose_client_hung_up_stops_computing_and_frees_its_work(cluster, path):
-    """Issue 31: a non-streamed request kept computing after its client disconnected, and held
+    """Regression: a non-streamed request kept computing after its client disconnected, and held
     its work in flight the while (34 s). Now the router stops at the hang-up: the chain runs
     a few traversals, not the 2000 that 4000 bytes need."""
     from blocktrain.serving import RouterSettings, create_router_app

@@ -1,4 +1,4 @@
-"""The quality figures of evaluate_blocktrain (DESIGN.md 2.8)."""
+"""The quality figures of evaluate_blocktrain (docs/model.md, "Evaluation")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""BlockLoss against the loss written out by hand (DESIGN.md 2.5), on a stand-in block whose
-outputs depend on its inputs, so a wrong noisy input, weight or target shows in the value."""
+"""BlockLoss against the loss written out by hand (docs/model.md; the block-local loss of the
+BlockTrain design, section 2.5), on a stand-in block whose outputs depend on its inputs, so a wrong
+noisy input, weight or target shows in the value."""
 
 from __future__ import annotations
 

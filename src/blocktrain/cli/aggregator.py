@@ -39,16 +39,16 @@ from blocktrain.cli.common import (
     settings_overrides,
     unit_of,
 )
-from blocktrain.config import RunConfig
+from blocktrain.config import RunConfig, parse_blocks
 from blocktrain.data import ByteSource, load_split
 from blocktrain.errors import ConfigError, DataError
 from blocktrain.httpserve import Limits, bind, url_of
-from blocktrain.protocol.directory import Directory, parse_blocks, parse_peer, placed
+from blocktrain.protocol.directory import Directory, parse_peer, placed
 from blocktrain.protocol.limits import JSON_BODY_BYTES, AccessLimits
 from blocktrain.protocol.settings import AggregatorSettings, derived_settings
 from blocktrain.protocol.state import create_state, largest_block, run_unit
 from blocktrain.protocol.storage import StateDir
-from blocktrain.tls import TlsFiles, check_tls
+from blocktrain.tls import tls_pair
 from blocktrain.training.local import initial_units, reference_config
 from blocktrain.training.probe import BlockProbe
 
@@ -272,13 +272,7 @@ def run(args: argparse.Namespace) -> int:
     from blocktrain.httpserve import run as serve
     from blocktrain.protocol.aggregator import create_app
 
-    if bool(args.tls_cert) != bool(args.tls_key):
-        raise ConfigError("--tls-cert and --tls-key go together")
-    for path in (args.tls_cert, args.tls_key):
-        if path and not Path(path).is_file():
-            raise ConfigError(f"{path} does not exist")
-    tls = TlsFiles(args.tls_cert, args.tls_key) if args.tls_cert else None
-    check_tls(tls)
+    tls = tls_pair(args.tls_cert, args.tls_key)
     limits = access_limits(args)  # a clear error before the state is touched
     # Everything a start can fail on (the settings, the probe's data, the port) is checked
     # before the state folder is written, so that a failed first start leaves nothing behind

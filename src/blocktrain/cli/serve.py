@@ -20,9 +20,10 @@ from blocktrain.errors import ConfigError
 from blocktrain.httpserve import bind, run, url_of
 from blocktrain.model import Reference
 from blocktrain.model.speculative import Drafter, ModelDrafter
-from blocktrain.serving.auth import SECRET_ENV, is_loopback, load_secret, tls_files
+from blocktrain.serving.auth import SECRET_ENV, is_loopback, load_secret
 from blocktrain.serving.router import RouterSettings
 from blocktrain.serving.router_app import create_app
+from blocktrain.tls import tls_pair
 from blocktrain.training.checkpoint import load_model
 
 EXAMPLES = """examples:
@@ -244,7 +245,7 @@ def run_cmd(args: argparse.Namespace) -> int:
         coalesce_sweeps=args.coalesce_sweeps,
         coalesce_window_ms=args.coalesce_window_ms,
     )
-    tls = tls_files(args.tls_cert, args.tls_key)
+    tls = tls_pair(args.tls_cert, args.tls_key)
     sock = bind(args.host, args.port)
     app = create_app(settings)  # builds nothing that can fail: hosts are asked lazily
     print(f"routing to {', '.join(hosts)} on {url_of(sock, tls=tls is not None)}", flush=True)

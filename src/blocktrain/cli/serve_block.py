@@ -11,13 +11,15 @@ import sys
 import torch
 
 from blocktrain.cli.common import Formatter
+from blocktrain.config import parse_blocks
 from blocktrain.errors import ConfigError
 from blocktrain.httpserve import bind, run, url_of
-from blocktrain.serving.auth import SECRET_ENV, is_loopback, load_secret, tls_files
+from blocktrain.serving.auth import SECRET_ENV, is_loopback, load_secret
 from blocktrain.serving.host import HostSettings
 from blocktrain.serving.host_app import create_app
 from blocktrain.serving.loading import ModelSource
 from blocktrain.serving.router import check_url
+from blocktrain.tls import tls_pair
 
 EXAMPLES = """examples:
   # hosts take work only from a router holding the same secret (required off loopback)
@@ -139,16 +141,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run_cmd)
 
 
-def parse_blocks(text: str) -> tuple[int, ...]:
-    try:
-        parts = tuple(int(p) for p in text.split(",") if p.strip())
-    except ValueError:
-        raise ConfigError(f"--blocks {text!r}: expected block indices such as 0 or 1,2") from None
-    if not parts or len(set(parts)) != len(parts) or min(parts) < 0:
-        raise ConfigError(f"--blocks {text!r}: expected distinct block indices such as 0 or 1,2")
-    return tuple(sorted(parts))
-
-
 def run_cmd(args: argparse.Namespace) -> int:
     sources = tuple(ModelSource.parse(m) for m in args.models)
     parts = parse_blocks(args.blocks)
@@ -167,7 +159,7 @@ def run_cmd(args: argparse.Namespace) -> int:
             f"router (--secret-file PATH or ${SECRET_ENV}); without it anyone who reaches "
             "the port could run work on it"
         )
-    tls = tls_files(args.tls_cert, args.tls_key)
+    tls = tls_pair(args.tls_cert, args.tls_key)
     sock = bind(args.host, args.port)
     try:
         settings = HostSettings(

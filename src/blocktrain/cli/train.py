@@ -14,6 +14,7 @@ from blocktrain.cli.common import (
     print_json,
     resolve_config,
 )
+from blocktrain.config import parse_blocks
 from blocktrain.data import ByteSource, load_split
 from blocktrain.data.provenance import check_data, corpus_record, write_record
 from blocktrain.device import resolve_device
@@ -61,15 +62,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
-def _parse_blocks(text: str | None) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        return sorted({int(part) for part in text.split(",") if part.strip()})
-    except ValueError:
-        raise ConfigError(f"--block {text!r}: expected block indices such as 0 or 0,2") from None
-
-
 def run(args: argparse.Namespace) -> int:
     if args.resume:
         if not args.out:
@@ -89,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         cfg = resolve_config(args)
         resolve_device(cfg.train.device)  # before the data is opened or the run folder made
-        blocks = _parse_blocks(args.block)
+        blocks = None if args.block is None else list(parse_blocks(args.block, "--block"))
         suffix = (
             "-reference"
             if args.reference

@@ -1,6 +1,6 @@
 """Transformer pieces shared by the blocks and the end-to-end reference.
 
-A BlockTrain block runs two streams through the same layers (DESIGN.md 2.3-2.4):
+A BlockTrain block runs two streams through the same layers (docs/model.md, "A block"):
   - the clean stream x: a plain pre-norm causal Transformer over the context bytes;
   - the noisy stream z: one token per position being denoised; it attends to the clean tokens
     before its span's start and to every z token of its own span, and its residual branches are

@@ -1,4 +1,5 @@
-"""Block-local masked span diffusion (`process = masked`, docs/model.md; span-research.md R1).
+"""Block-local masked span diffusion (`process = masked`, docs/model.md, "Masked span diffusion";
+DiffusionBlocks' appendix D, made block-local).
 
 A span's state is z_i = E[y_i] for a revealed byte and 0 for a masked one: it determines the
 revealed bytes exactly, so the state passed between block hosts keeps the Gaussian models' shape

@@ -1,5 +1,5 @@
 """The end-to-end reference split into pipeline stages, with a key/value cache per stage: what the
-autoregressive serving baseline runs on each host (DESIGN.md section 6).
+autoregressive serving baseline runs on each host (docs/serving.md, "The autoregressive baseline").
 
 Stage s of S holds the reference's layers [s * L / S, (s + 1) * L / S); the first stage also holds
 the byte embedding, the last the final norm and the head. Chaining the stages gives exactly

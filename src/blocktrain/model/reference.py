@@ -1,5 +1,6 @@
-"""The end-to-end autoregressive reference (DESIGN.md 2.7): a plain causal byte-level
-Transformer with B * layers_per_block layers of the blocks' width, trained with next-byte CE."""
+"""The end-to-end autoregressive reference (the BlockTrain design, section 2.7, "The end-to-end
+reference"): a plain causal byte-level Transformer with B * layers_per_block layers of the blocks'
+width, trained with next-byte CE."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The one-sweep sampler (DESIGN.md 2.6), in the style of k-diffusion: a pure loop over a sigma
-grid that only calls a denoiser. A denoiser is any callable
+"""The one-sweep sampler (docs/model.md, "The sampler"), in the style of k-diffusion: a pure loop
+over a sigma grid that only calls a denoiser. A denoiser is any callable
 
     denoise(block_index, x_bytes, z, sigma, layout) -> logits (N, Lz, 256)
 
@@ -117,9 +117,9 @@ def _per_rows(
 
 
 SAMPLERS = ("euler", "ancestral", "reveal")
-"""The sampler steps between grid points: "euler" (deterministic, DESIGN.md 2.6) or "ancestral"
-(re-noise from a sampled byte; draws from the generator) for Gaussian models; "reveal" (draw the
-leftmost masked bytes, model/masking.py) for masked ones."""
+"""The sampler steps between grid points: "euler" (deterministic: Euler on the probability-flow
+ODE) or "ancestral" (re-noise from a sampled byte; draws from the generator) for Gaussian
+models; "reveal" (draw the leftmost masked bytes, model/masking.py) for masked ones."""
 
 PROCESS_SAMPLERS = {"gaussian": ("euler", "ancestral"), "masked": ("reveal",)}
 """The samplers a model of each `process` runs, its default first."""

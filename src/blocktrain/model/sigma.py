@@ -1,6 +1,6 @@
 """Noise levels: the equal-mass partition, EDM scalings, training draws and the sampler grid.
 
-DESIGN.md 2.1, 2.4 and 2.6. The noise is variance-exploding, z = y + sigma * eps, and ln(sigma)
+docs/model.md, "Noise levels". The noise is variance-exploding, z = y + sigma * eps, and ln(sigma)
 follows a log-normal N(p_mean, p_std) truncated to [sigma_min, sigma_max] (EDM, Karras et al.
 2022, arXiv 2206.00364). Block 0 owns the highest-sigma interval.
 """

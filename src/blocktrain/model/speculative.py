@@ -1,6 +1,7 @@
 """Speculative generation with a K = 1 stack: draft D bytes cheaply, then verify all of them, and
-draw one more, in ONE sweep of the blocks (span-research.md section 7; Leviathan et al. 2023,
-arXiv 2211.17192, section 2.3; Chen et al. 2023, arXiv 2302.01318).
+draw one more, in ONE sweep of the blocks: speculative sampling (Leviathan et al. 2023, arXiv
+2211.17192, section 2.3, its lemma in appendix A.1; Chen et al. 2023, arXiv 2302.01318) with a
+target whose law is a mixture over the sweep's noise.
 
 The verify sweep puts the draft in the clean stream and one z token at each of the D + 1
 positions after the context, each its own span of one byte (the K = 1 training layout, cut to
@@ -13,11 +14,11 @@ r is, the emitted bytes follow exactly the K = 1 sampler's law (the same lemma, 
 sweep noise and then averaged over it), so the text is the K = 1 model's; the drafter only
 decides how many bytes one traversal yields: (1 - a^(D+1)) / (1 - a) for acceptance a.
 
-Verify draws. One sweep's p_i is a noisy estimate of the sampler's law q_i = E_noise p_i (at the
-small shape one sweep's CE is 1.80 nats/byte, the 32-sweep mixture's 1.55), and the noise costs
-acceptance: E sum min(p, r) <= sum min(q, r). So the verify sweep carries M z tokens per
-position, each its own noise and seeing only itself and the clean stream (one clean stream for
-all M), and the rule takes their mean p_bar_i = (1/M) sum_m p_i,m: still exact, since
+Verify draws. One sweep's p_i is a noisy estimate of the sampler's law q_i = E_noise p_i, and
+the noise costs acceptance: E sum min(p, r) <= sum min(q, r) (min is concave). So the verify
+sweep carries M z tokens per position, each its own noise and seeing only itself and the clean
+stream (one clean stream for all M), and the rule takes their mean p_bar_i =
+(1/M) sum_m p_i,m: still exact, since
 E p_bar_i = q_i, and the M draws cost compute on each host, never a hop. An autoregressive
 verifier is deterministic: it takes one.
 
@@ -32,9 +33,9 @@ Antithetic draws. Nothing in the rule needs the M draws to be independent of eac
 of the draft, and each to keep its law on average. So the M starting noises come in antithetic
 pairs (eps, -eps; model.sampler.antithetic_normal), and at a fork the copies' bytes are drawn
 stratified and their noises paired (model.sampler.fork_step). A sweep's law moves with its
-noise in a nearly odd way, so the pairs cancel much of p_bar's variance: at the small shape,
-M = 4 antithetic draws accept about as much as M = 16 independent ones
-(bench/verify_acceptance.py).
+noise in a nearly odd way, so the pairs cancel much of p_bar's variance, and fewer draws accept
+as much. The bytes per traversal of each choice are measured by bench/verify_acceptance.py:
+BENCHMARKS.md, "Speculative K = 1: bytes per verify traversal".
 """
 
 from __future__ import annotations
@@ -59,13 +60,10 @@ from blocktrain.model.sampler import (
 )
 
 DEFAULT_VERIFY_DRAWS = 4
-"""Noise draws M of a one-sweep verify sweep. At the small shape with D = 16 and the lm drafter
-distilled towards the K = 1 sampler (`blocktrain distill`), M = 4 antithetic draws yield 5.8
-bytes a traversal (Euler, or ancestral forked), M = 16 6.1 and M = 1 3.7 (BENCHMARKS.md,
-"Speculative K = 1: bytes per verify traversal"). At 10 ms hops M = 4 is the fastest: 4.35x
-and 4.19x the plain AR pipeline (Euler, ancestral; expected from 64 judged continuations), where
-Euler M = 16 takes 36 ms more a traversal for 0.4 more bytes (BENCHMARKS.md, "Span generation:
-speed and quality")."""
+"""Noise draws M of a one-sweep verify sweep. More draws accept more bytes a traversal but cost
+compute on every host; M = 4 (antithetic) was the fastest of those measured, where more bought
+too few bytes for their time. The figures: BENCHMARKS.md, "Speculative K = 1: bytes per verify
+traversal" and "Span generation: speed and quality"."""
 MAX_VERIFY_DRAWS = 16
 
 

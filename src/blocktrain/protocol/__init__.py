@@ -1,4 +1,4 @@
-"""Decentralised training over HTTP (DESIGN.md section 4): one aggregator, many workers, each
+"""Decentralised training over HTTP (docs/protocol.md): one aggregator, many workers, each
 training one block replica.
 
     verdict      refusal reasons and the Verdict type (pure)

@@ -1,4 +1,5 @@
-"""Aggregation of one block's accepted deltas (DESIGN.md section 4), over dicts of tensors.
+"""Aggregation of one block's accepted deltas (docs/protocol.md, "Aggregation"), over dicts of
+tensors.
 
 A round's accepted updates become one delta in three steps (docs/protocol.md, Aggregation):
 

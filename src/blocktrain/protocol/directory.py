@@ -143,19 +143,6 @@ def parse_peer(text: str) -> tuple[int, str]:
     return b, url.strip().rstrip("/")
 
 
-def parse_blocks(text: str) -> list[int]:
-    """`--blocks 0,2` -> [0, 2]; ConfigError otherwise."""
-    try:
-        blocks = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        blocks = []
-    if not blocks or any(b < 0 for b in blocks):
-        raise ConfigError(
-            f"--blocks {text!r}: expected block numbers separated by commas, e.g. 0,2"
-        )
-    return blocks
-
-
 def here(request: Request) -> str:
     """The URL this request came in on: how the caller reaches this aggregator."""
     return str(request.base_url).rstrip("/")

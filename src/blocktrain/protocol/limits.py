@@ -1,19 +1,18 @@
 """What a client may cost the aggregator (`AccessLimits`, not saved in the state folder: they
-are the server's, not the run's), and per-token request rates (`RateLimiter`).
+are the server's, not the run's), and per-token request rates
+(`rate_limit`, on the shared `httpserve.TokenBucket`).
 
 A token may send `burst` requests at once, then `rate_per_s` a second; one more is refused with
 429 `rate_limited` and a Retry-After of the seconds until a request would be admitted. Buckets
-live in memory (a restart refills them) and cost O(live tokens)."""
+live in memory (a restart refills them)."""
 
 from __future__ import annotations
 
 import math
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from blocktrain.errors import ConfigError, Refused
-from blocktrain.httpserve import Limits
+from blocktrain.httpserve import Limits, TokenBucket
 from blocktrain.protocol.auth import refused
 
 JSON_BODY_BYTES = 16 * 1024
@@ -57,30 +56,12 @@ class RateLimited(Refused):
         self.retry_after_s = retry_after_s
 
 
-class RateLimiter:
-    """Token buckets keyed by token id. Thread-safe."""
-
-    def __init__(self, rate_per_s: float, burst: int, clock: Callable[[], float]) -> None:
-        _check_rate(rate_per_s, burst)
-        self.rate_per_s = rate_per_s
-        self.burst = burst
-        self.clock = clock
-        self._lock = threading.Lock()
-        self._buckets: dict[int, tuple[float, float]] = {}
-        """token id -> (requests left, time they were counted)."""
-
-    def admit(self, token_id: int) -> None:
-        """Take one request from the token's bucket, or raise RateLimited."""
-        now = self.clock()
-        with self._lock:
-            left, then = self._buckets.get(token_id, (float(self.burst), now))
-            left = min(float(self.burst), left + max(now - then, 0.0) * self.rate_per_s)
-            if left < 1.0:
-                self._buckets[token_id] = (left, now)
-                wait = (1.0 - left) / self.rate_per_s
-                raise RateLimited(
-                    f"more than {self.rate_per_s:g} requests/s (burst {self.burst}) from this "
-                    f"token; retry in {wait:.2f}s",
-                    wait,
-                )
-            self._buckets[token_id] = (left - 1.0, now)
+def rate_limit(bucket: TokenBucket, token_id: int) -> None:
+    """Take one request from the token's bucket, or raise RateLimited."""
+    wait = bucket.take(token_id)
+    if wait:
+        raise RateLimited(
+            f"more than {bucket.rate_per_s:g} requests/s (burst {bucket.burst}) from this "
+            f"token; retry in {wait:.2f}s",
+            wait,
+        )

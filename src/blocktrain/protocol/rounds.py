@@ -1,5 +1,5 @@
-"""Rounds and deadlines (DESIGN.md section 4): the pure state machine of one block (the registry
-that assigns workers to blocks is `registry.Registry`, re-exported here).
+"""Rounds and deadlines (docs/protocol.md, "Rounds"): the pure state machine of one block (the
+registry that assigns workers to blocks is `registry.Registry`, re-exported here).
 
 Nothing here reads a clock, sleeps, does I/O or touches tensors: every method that depends on
 time takes `now` (seconds on whatever clock the caller keeps), so the aggregator, the

@@ -33,12 +33,13 @@ from typing import Any
 import torch
 
 from blocktrain.errors import ProtocolError, Refused
+from blocktrain.httpserve import TokenBucket
 from blocktrain.protocol import auth
 from blocktrain.protocol.auth import Caller, refused
 from blocktrain.protocol.core import Checked, Committed, EngineBlock
 from blocktrain.protocol.directory import Directory, placed
 from blocktrain.protocol.ledger_schema import TokenRow, fsync_wal
-from blocktrain.protocol.limits import AccessLimits, RateLimiter
+from blocktrain.protocol.limits import AccessLimits, rate_limit
 from blocktrain.protocol.persist import Durable
 from blocktrain.protocol.settings import AggregatorSettings
 from blocktrain.protocol.storage import StateDir
@@ -67,7 +68,7 @@ class AggregatorService:
     ) -> None:
         self.storage = storage
         self.limits = limits or AccessLimits()
-        self.limiter = RateLimiter(self.limits.rate_per_s, self.limits.burst, rate_clock)
+        self.limiter = TokenBucket(self.limits.rate_per_s, self.limits.burst, rate_clock)
         self._pruned_at: float | None = None
         manifest = storage.manifest()
         self.settings = settings if settings is not None else storage.settings()
@@ -105,7 +106,7 @@ class AggregatorService:
 
     def admit(self, token_id: int) -> None:
         """The token's rate limit (RateLimited, a 429, when it is spent)."""
-        self.limiter.admit(token_id)
+        rate_limit(self.limiter, token_id)
 
     def check_block(self, block: int) -> None:
         if not 0 <= block < self.n_blocks:

@@ -65,7 +65,7 @@ def _positive_or_none(v: Any) -> bool:
 
 @dataclass(frozen=True)
 class AggregatorSettings:
-    """How the aggregator runs rounds, validates and aggregates (DESIGN.md section 4)."""
+    """How the aggregator runs rounds, validates and aggregates (docs/protocol.md, "Settings")."""
 
     deadline_s: float = setting(
         60.0,
@@ -389,8 +389,9 @@ def delta_norm_bound(
 
 
 def loose_delta_norm_bound(cfg: RunConfig, local_steps: int, n_params: int) -> float:
-    """The bound before issue 12, 4 x lr x H x sqrt(params) (56.25 at the tiny preset, 14x the
-    largest honest delta): kept for comparisons (`bench/adversarial.py`, defences none)."""
+    """The bound before the poisoning defences, 4 x lr x H x sqrt(params) (56.25 at the tiny
+    preset, 14x the largest honest delta): kept for comparisons (`bench/adversarial.py`, defences
+    none)."""
     return 4.0 * cfg.train.lr * local_steps * math.sqrt(n_params)
 
 

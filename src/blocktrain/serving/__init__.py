@@ -1,4 +1,4 @@
-"""Serving the assembled model across hosts (DESIGN.md section 6).
+"""Serving the assembled model across hosts (docs/serving.md).
 
 - `host`: a block host (FastAPI app) that runs its blocks' sampler steps, or its stages of the
   reference with KV caches, and answers the state for the next host (or forwards it to its

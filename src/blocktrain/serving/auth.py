@@ -18,7 +18,6 @@ from pathlib import Path
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from blocktrain.errors import ConfigError
-from blocktrain.httpserve import TlsFiles, check_tls
 from blocktrain.serving.errors import Unauthorized, send_error
 
 SECRET_ENV = "BLOCKTRAIN_SERVE_SECRET"
@@ -49,18 +48,6 @@ def load_secret(secret_file: str | None, environ: dict[str, str] | None = None) 
             f"{MIN_SECRET_CHARS} (e.g. `openssl rand -hex 32`)"
         )
     return secret
-
-
-def tls_files(cert: str | None, key: str | None) -> TlsFiles | None:
-    """The --tls-cert and --tls-key pair a server speaks HTTPS with (checked: they exist and
-    match), or None for plain HTTP."""
-    if (cert is None) != (key is None):
-        raise ConfigError("--tls-cert and --tls-key go together")
-    if cert is None or key is None:
-        return None
-    tls = TlsFiles(cert, key)
-    check_tls(tls)
-    return tls
 
 
 def is_loopback(host: str) -> bool:

@@ -4,18 +4,18 @@ or to its own configured --next.
 
 The work behind the host's routes (the app itself is `host_app.py`).
 
-Who does what in one sweep (DESIGN.md 2.6): the router draws the span's initial noise; each
-host runs the grid points that belong to its blocks with `model.sampler.run_points`, the same
-code that `generate` and evaluation run: that block's logits and, unless a point is the grid's
-last, the sampler's step to the next point (every host holds the frozen target table E), so the
-state on the wire is always "z at the next grid point". All steps_per_block points of a block
-run on its host: they cost compute, not hops. A sampler whose steps draw noise (ancestral)
-draws it from the request's generator, whose state travels with z and comes back advanced. The
-host of the last point answers with its logits (the router samples), or with bytes sampled
-with the request's generator state when asked to (`final = "bytes"`). Any other host answers
-the state for the next point to the router, which sends it to the next host (or forwards it to
-its own configured `--next`, in a chain without a router): the next hop is never read from a
-request.
+Who does what in one sweep (docs/serving.md, "One sweep: who does what"): the router draws the
+span's initial noise; each host runs the grid points that belong to its blocks with
+`model.sampler.run_points`, the same code that `generate` and evaluation run: that block's logits
+and, unless a point is the grid's last, the sampler's step to the next point (every host holds the
+frozen target table E), so the state on the wire is always "z at the next grid point". All
+steps_per_block points of a block run on its host: they cost compute, not hops. A sampler whose
+steps draw noise (ancestral) draws it from the request's generator, whose state travels with z and
+comes back advanced. The host of the last point answers with its logits (the router samples), or
+with bytes sampled with the request's generator state when asked to (`final = "bytes"`). Any other
+host answers the state for the next point to the router, which sends it to the next host (or
+forwards it to its own configured `--next`, in a chain without a router): the next hop is never
+read from a request.
 
 Concurrent sweeps at the same grid point run as one batch through the block's forward pass
 (`batching.py` gathers them, `sweeps.py` runs them), each block's clean stream taken from the

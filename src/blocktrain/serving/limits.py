@@ -2,10 +2,9 @@
 flight at once. A request over a limit is refused before any host computes.
 
 Work is counted in bytes x steps_per_block (`work_units`): the chain's compute grows with both
-(each sampler point of each block runs once per span, and the spans grow with the bytes). At
-the tiny shape one unit costs about 11 ms of chain compute, so the default of 4096 units per
-request bounds one request to about 45 s, where an uncapped one (4096 bytes at 16 steps per
-block) took 12 minutes.
+(each sampler point of each block runs once per span, and the spans grow with the bytes), so a
+cap on units is a cap on a request's compute whatever its shape. What a unit costs, and so how
+long the default cap lets one request run: docs/serving.md, "Trust: authentication and limits".
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from typing import TypeVar
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from blocktrain.httpserve import TokenBucket
 from blocktrain.serving.errors import BadRequest, TooManyRequests, send_error
 
 T = TypeVar("T")
@@ -67,37 +67,20 @@ def work_units(n_bytes: int, steps_per_block: int) -> int:
     return n_bytes * steps_per_block
 
 
-class RateLimiter:
-    """A token bucket per client address: `per_minute` requests a minute, in bursts of up to
-    as many. Buckets that have refilled are forgotten, so idle clients cost no memory."""
+def per_minute(requests: int, clock: Callable[[], float]) -> TokenBucket:
+    """The router's rate limit: `requests` a minute per client address, in bursts of up to as
+    many."""
+    return TokenBucket(requests / 60.0, requests, clock)
 
-    def __init__(self, per_minute: int, clock: Callable[[], float], max_clients: int = 10000):
-        self.rate = per_minute / 60.0
-        self.capacity = float(per_minute)
-        self.clock = clock
-        self.max_clients = max_clients
-        self._buckets: dict[str, tuple[float, float]] = {}  # client -> (tokens, at)
 
-    def _tokens(self, client: str, now: float) -> float:
-        tokens, at = self._buckets.get(client, (self.capacity, now))
-        return min(self.capacity, tokens + (now - at) * self.rate)
-
-    def check(self, client: str) -> None:
-        """Take one request's token for `client`, or raise TooManyRequests."""
-        now = self.clock()
-        if len(self._buckets) >= self.max_clients:
-            self._buckets = {
-                c: (t, at)
-                for c, (t, at) in self._buckets.items()
-                if self._tokens(c, now) < self.capacity
-            }
-        tokens = self._tokens(client, now)
-        if tokens < 1:
-            raise TooManyRequests(
-                f"more than {self.capacity:g} requests a minute from {client}; retry later",
-                retry_after_s=(1 - tokens) / self.rate,
-            )
-        self._buckets[client] = (tokens - 1, now)
+def check_rate(bucket: TokenBucket, client: str) -> None:
+    """Take one request's token for `client`, or raise TooManyRequests."""
+    wait = bucket.take(client)
+    if wait:
+        raise TooManyRequests(
+            f"more than {bucket.burst:g} requests a minute from {client}; retry later",
+            retry_after_s=wait,
+        )
 
 
 @dataclass
@@ -155,14 +138,14 @@ class RateLimit:
     """ASGI middleware: the rate limit on POST requests (the generation routes), checked
     before the body is read."""
 
-    def __init__(self, app: ASGIApp, limiter: RateLimiter | None) -> None:
+    def __init__(self, app: ASGIApp, limiter: TokenBucket | None) -> None:
         self.app = app
         self.limiter = limiter
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.limiter is not None and scope["type"] == "http" and scope["method"] == "POST":
             try:
-                self.limiter.check(client_address(scope))
+                check_rate(self.limiter, client_address(scope))
             except TooManyRequests as err:
                 await send_error(send, err, scope)
                 return

@@ -26,8 +26,8 @@ from blocktrain.serving.limits import (
     CLIENT_GONE,
     ClientGone,
     RateLimit,
-    RateLimiter,
     client_address,
+    per_minute,
     while_connected,
 )
 from blocktrain.serving.openai_api import add_openai_routes
@@ -70,7 +70,7 @@ def create_app(
     )
     router = Router(settings, client)
     readiness = Readiness(router)
-    limiter = RateLimiter(settings.rate_per_minute, clock) if settings.rate_per_minute else None
+    limiter = per_minute(settings.rate_per_minute, clock) if settings.rate_per_minute else None
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -1,5 +1,5 @@
-"""Logical shapes: memory planning for models far larger than this machine (DESIGN.md section 6),
-and throughput runs on random weights of a scaled-down version of them.
+"""Logical shapes: memory planning for models far larger than this machine (docs/serving.md,
+"Logical shapes"), and throughput runs on random weights of a scaled-down version of them.
 
 Parameters are counted by building the modules on the meta device (no memory): exactly this
 code's parameter count. A SPEC is a named shape, `KEY=VALUE,...` over the model config, or a
