@@ -1,4 +1,4 @@
-"""A BlockTrain block: the denoiser of one noise interval (DESIGN.md 2.2-2.4).
+"""A BlockTrain block: the denoiser of one noise interval (the BlockTrain design, sections 2.2-2.4; docs/model.md).
 
     logits = block(x_bytes, z, sigma, layout)
 
@@ -101,7 +101,7 @@ class Block(nn.Module):
         nn.init.normal_(self.embed.weight, std=0.02)
         self.rotary = Rotary(cfg.head_dim)
         # Projection of c_in * z into the model; zero-initialised so that at the start the noise
-        # (norm ~ sqrt(d) at high sigma) does not swamp what the z token knows (DESIGN.md 2.9).
+        # (norm ~ sqrt(d) at high sigma) does not swamp what the z token knows (the design, section 2.9).
         self.z_in = nn.Linear(d, d)
         nn.init.zeros_(self.z_in.weight)
         nn.init.zeros_(self.z_in.bias)

@@ -1,4 +1,4 @@
-"""The single-machine asynchronous simulator (DESIGN.md section 5): virtual workers with drawn
+"""The single-machine asynchronous simulator (the BlockTrain design, section 5; docs/simulate.md): virtual workers with drawn
 compute times, latencies, bandwidths and dropouts, on a virtual clock, against the protocol's own
 round state machine, validators and aggregation."""
 

@@ -1,4 +1,4 @@
-"""Hostile workers for the simulator (issue 12, Poisoning; `bench/adversarial.py`).
+"""Hostile workers for the simulator (BENCHMARKS.md, Poisoning; `bench/adversarial.py`).
 
 An attacker is a virtual worker like any other (it registers, pulls, pushes on the virtual
 clock) whose trainer forges its delta from the weights it pulled, at the aggregator's norm
@@ -40,9 +40,9 @@ BIAS_TENSOR = "head.bias"
 
 
 def undefended(cfg: RunConfig, local_steps: int) -> dict[str, Any]:
-    """The aggregator settings before issue 12 (the comparison's "defences none"): the mean
+    """The aggregator settings before the poisoning defences (the comparison's "defences none"): the mean
     weighted by claimed tokens, no clipping, no effect probe, the loose norm bound, and any
-    number of live workers per token (one per token is a defence of issue 12 too)."""
+    number of live workers per token (one per token is one of those defences too)."""
     n_params = largest_block(initial_blocks(cfg))
     return {
         "rule": "mean",

@@ -1,5 +1,5 @@
 """Participation regimes: how fast virtual workers compute, how their messages travel, how often
-they drop out, and how long a round waits for them (DESIGN.md section 5).
+they drop out, and how long a round waits for them (the BlockTrain design, section 5).
 
 A regime is a handful of distributions in virtual seconds. Each worker draws a fixed speed factor
 once; each round it draws the seconds of a local step (its H steps take H x step x speed), and

@@ -205,7 +205,7 @@ def simulate(
         }
         weights[regime.name] = {b: st.weights for b, st in sim.agg.blocks.items()}
         if evaluate is not None:
-            # the from-noise CE of late rounds carries the commitment penalty (DESIGN.md 2.8);
+            # the from-noise CE of late rounds carries the commitment penalty (the design, section 2.8);
             # the final model is also measured with the sampler CE over M sweeps
             final = evaluate.evaluate(weights[regime.name], spec.final_sweeps, final=True)
             report["regimes"][regime.name]["final_sampler_ce"] = float(final["sampler_ce"])

@@ -1,4 +1,4 @@
-"""Quality on held-out text (DESIGN.md 2.8), in nats per byte.
+"""Quality on held-out text (the BlockTrain design, section 2.8; docs/model.md, Evaluation), in nats per byte.
 
 Every figure is measured on the same bytes: consecutive windows of T bytes from the split, each
 position i >= 1 of a window predicted from the true clean bytes before its span (position 0 has
@@ -51,7 +51,7 @@ class EvalSettings:
     batch_size: int = 16
     """Windows per forward pass."""
     sampler: str | None = None
-    """The sampler's step: "euler" (DESIGN.md 2.6) or "ancestral" (re-noise from a sample) for
+    """The sampler's step: "euler" (the design, section 2.6) or "ancestral" (re-noise from a sample) for
     Gaussian models, "reveal" for masked ones; None: the model's default."""
     oracle: bool = True
     """Also measure each block's oracle CE (one more forward per block; per-round curves that

@@ -1,4 +1,4 @@
-"""Generated text, judged (DESIGN.md 2.8, "Generated text, for any span K"): what a reader gets.
+"""Generated text, judged (the BlockTrain design, section 2.8, "Generated text, for any span K"): what a reader gets.
 
 The per-byte sampler CE of a K > 1 model is a marginal: it cannot see whether the bytes of a span
 fit together. So every compared model continues the same fixed test prompts, and a fixed *judge*,

@@ -26,7 +26,7 @@ class LossParts:
 
 
 class BlockLoss:
-    """The block-local loss of DESIGN.md 2.5:
+    """The block-local loss of the BlockTrain design (section 2.5):
 
         L_b = E_sigma~block b's interval [ w(sigma) * CE(block(x, E[y] + sigma * eps, sigma), y) ]
               + aux_weight * CE(clean-stream next-byte logits)
