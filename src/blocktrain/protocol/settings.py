@@ -305,6 +305,17 @@ class AggregatorSettings:
         metavar="S",
         default_text="as long as the quorum took, at least deadline_s / 10",
     )
+    min_round_s: float | None = setting(
+        None,
+        "Seconds a round stays open, from its first pull, before it may close early (every "
+        "expected replica passed, or the quorum and the grace period); the deadline is not "
+        "affected. 0: no minimum (a trusted cluster).",
+        lambda v: v is None or v >= 0,
+        "must be >= 0 (or none)",
+        flag="--min-round",
+        metavar="S",
+        default_text="deadline_s / 4",
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -324,6 +335,13 @@ class AggregatorSettings:
         if self.pull_wire is not None:
             return self.pull_wire
         return self.push_wire if DeltaWire.parse(self.push_wire).lossy else FULL
+
+    @property
+    def min_round(self) -> float:
+        """The minimum round length: min_round_s, else a quarter of the deadline (never past
+        the deadline)."""
+        chosen = self.min_round_s if self.min_round_s is not None else self.deadline_s / 4
+        return min(chosen, self.deadline_s)
 
     @property
     def live_window(self) -> float:

@@ -116,7 +116,7 @@ class ForgingTrainer:
     def train(
         self, steps: int, first_step: int, should_stop: Callable[[], bool] = lambda: False
     ) -> dict[str, float]:
-        self.round = first_step // max(steps, 1)
+        self.round = first_step // max(steps, 1)  # the version it trained from (version x H)
         return {"tokens": float(self.tokens), "loss": math.nan, "steps": 0.0}
 
     def delta(self) -> Tensors:
