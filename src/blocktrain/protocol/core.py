@@ -12,17 +12,23 @@ Two drivers, no second copy of a decision:
                                  committed versions) and serves it over HTTP
     simulate.SimAggregator       virtual clock; one process
 
-An update goes through `check` (content, then its effect on the block's held-out loss when a
-probe is wired in), `judge` (timing, read-only), then `record` (the round's state, the
-identity's reputation and, if accepted, the accumulator); a driver persists what it must
-between `judge` and `record`, and calls `tick` afterwards. A round that closes is committed by
+An update goes through `inspect` (its form: size, safetensors, the validator chain), `judge`
+(timing, read-only: duplicate, late, stale), then, when a probe is wired in, `reserve_probe`
+(the identity's probe budget for the round, and the probe's bounded queue), `finish` (its
+effect on the block's held-out loss, and the identity's standing) and `release_probe`, then
+`record` (the round's state, the identity's reputation and, if accepted, the accumulator); a
+driver persists what it must between `judge` and `record`, and calls `tick` afterwards. The
+costly probe runs only for an update that passed every cheap check, and a refused update that
+reached it spends its identity's budget (`probe_budget`). `check` is `inspect` then `finish`
+(for callers that judge timing themselves). A round that closes is committed by
 `tick`: the new weights are computed, handed to every `on_commit` listener (the service writes
 them to disk there, before any pull can see them) and only then published.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable
+from collections import Counter
+from collections.abc import Callable, Collection, Hashable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +50,11 @@ from blocktrain.protocol.verdict import Verdict
 from blocktrain.protocol.wire import WireError, decode
 
 Tensors = dict[str, torch.Tensor]
+
+PROBE_SLOTS = 8
+"""Updates that may hold a place at the effect probe at once (probing or waiting for it), over
+every identity; beyond them a push is refused `busy` (429) before its body waits. Each holds
+its body in memory, so this bounds what the probe's queue costs."""
 
 
 def accumulator(settings: AggregatorSettings) -> Accumulator:
@@ -99,6 +110,16 @@ class Checked:
 
 
 @dataclass(frozen=True)
+class ProbeSlot:
+    """A place at the effect probe, reserved by `reserve_probe` for one update (None: the
+    probe is off, nothing was reserved)."""
+
+    block: int
+    round: int
+    identity: Hashable
+
+
+@dataclass(frozen=True)
 class Committed:
     """A closed round and the block's weights after it (the old ones when nothing was
     accepted; then `changed` is False). `held` says why a round that accepted updates still
@@ -147,6 +168,10 @@ class RoundEngine:
         self.on_commit: list[CommitListener] = []
         """Called with each commit before its weights are published."""
         self.on_reputation: list[ReputationListener] = []
+        self._probe_spent: dict[int, tuple[int, Counter[Hashable]]] = {}
+        """block -> (its open round, the probe places each identity holds or spent in it)."""
+        self.probing = 0
+        """Updates holding a place at the probe now (at most PROBE_SLOTS)."""
 
     def use_probe(self, probe: EffectProbe | None) -> None:
         """Judge updates by their effect with `probe` (unless the setting turns it off)."""
@@ -235,12 +260,9 @@ class RoundEngine:
         self.registry.seen(worker, now)
         return PullEvent(view, started and view.deadline is not None)
 
-    def check(self, block: int, body: bytes | bytearray, worker: int | None = None) -> Checked:
-        """The content verdict on an update body: size, safetensors, the validator chain, then
-        (unless off) the effect probe against the block's current weights, then `worker`'s
-        identity's standing: an excluded identity's update is refused, but probed all the same.
-        Changes no state, so a driver may call it outside its lock (the probe, the costly part,
-        should run there)."""
+    def inspect(self, block: int, body: bytes | bytearray) -> Checked:
+        """The form verdict on an update body: size, safetensors, the validator chain. Cheap,
+        and changes no state, so a driver may call it outside its lock."""
         if len(body) > self.max_body:
             detail = f"the body declares {len(body)} bytes; the limit is {self.max_body}"
             return Checked(Verdict.refuse("too_large", detail), None)
@@ -249,18 +271,72 @@ class RoundEngine:
         except WireError as exc:
             return Checked(Verdict.refuse(exc.reason, exc.detail), None)
         candidate = Candidate(block, decoded, self.blocks[block].spec, self.limits)
-        verdict = validate(candidate)
-        if not verdict.accepted:
-            return Checked(verdict, candidate)
+        return Checked(validate(candidate), candidate)
+
+    def finish(self, checked: Checked, worker: int | None = None) -> Checked:
+        """After `inspect` (and, for a driver, `judge` and `reserve_probe`): `worker`'s
+        identity's standing, and (unless off) the effect probe against the block's current
+        weights. An excluded identity's update is refused, but probed all the same. Changes no
+        state, so a driver may call it outside its lock (the probe, the costly part, should
+        run there)."""
+        verdict, candidate = checked.verdict, checked.candidate
+        if not verdict.accepted or candidate is None:
+            return checked
         if worker is not None:
             standing = self.reputation.excluded(self.registry.identity(worker))
             verdict = verdict if standing.accepted else standing
         if self.probe is None:
             return Checked(verdict, candidate)
+        block = candidate.block
         others = {b: st.weights for b, st in self.blocks.items() if b != block}
         effect = self.probe.effect(block, self.blocks[block].weights, candidate.tensors, others)
         judged = judge_effect(effect, self.settings.probe_tolerance, self.bands.get(block))
         return Checked(judged if verdict.accepted else verdict, candidate, effect, judged)
+
+    def check(self, block: int, body: bytes | bytearray, worker: int | None = None) -> Checked:
+        """`inspect`, then `finish`: the whole content verdict, for a caller that judges the
+        timing itself (a driver judges it between the two, so that the probe runs last)."""
+        return self.finish(self.inspect(block, body), worker)
+
+    def reserve_probe(self, worker: int, block: int) -> tuple[Verdict, ProbeSlot | None]:
+        """A place at the effect probe for an update of `worker` that passed the cheap checks
+        (`inspect`, `judge`): refused `busy` when its identity already holds or spent
+        `probe_budget` places in the block's open round (a refused update that reached the
+        probe keeps its place spent until the round closes), or when PROBE_SLOTS updates hold
+        one. Give it back with `release_probe`. No slot when the probe is off."""
+        if self.probe is None:
+            return Verdict.ok(), None
+        identity = self.registry.identity(worker)
+        open_round = self.blocks[block].rounds.round
+        spent_round, spent = self._probe_spent.get(block, (open_round, Counter()))
+        if spent_round != open_round:
+            spent = Counter()
+        budget = self.settings.probe_budget
+        if spent[identity] >= budget:
+            return Verdict.refuse(
+                "busy",
+                f"this identity's updates reached the effect probe {spent[identity]} time(s) "
+                f"in round {open_round} of block {block} without being accepted "
+                f"(probe_budget {budget}); wait for the next round",
+            ), None
+        if self.probing >= PROBE_SLOTS:
+            return Verdict.refuse(
+                "busy", f"the effect probe's queue is full ({PROBE_SLOTS} updates); retry"
+            ), None
+        spent[identity] += 1
+        self._probe_spent[block] = (open_round, spent)
+        self.probing += 1
+        return Verdict.ok(), ProbeSlot(block, open_round, identity)
+
+    def release_probe(self, slot: ProbeSlot | None, accepted: bool) -> None:
+        """The probe is done with an update: its place is free again, and returned to its
+        identity's budget if the update was accepted."""
+        if slot is None:
+            return
+        self.probing = max(0, self.probing - 1)
+        spent_round, spent = self._probe_spent.get(slot.block, (-1, Counter()))
+        if accepted and spent_round == slot.round and spent[slot.identity] > 0:
+            spent[slot.identity] -= 1
 
     def judge(self, worker: int, block: int, meta: UpdateMeta, now: float) -> Verdict:
         """The timing verdict on an update that passed `check` (closing due rounds first).

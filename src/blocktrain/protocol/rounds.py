@@ -36,9 +36,12 @@ from blocktrain.protocol.registry import Registry as Registry
 from blocktrain.protocol.registry import WorkerEntry as WorkerEntry
 from blocktrain.protocol.verdict import Verdict
 
-NOT_A_REPORT = frozenset({"duplicate", "future_round", "done", "unknown_worker", "not_assigned"})
-"""Refusals that do not count as a replica reporting for its round (the last two: the worker is
-not a replica of the block)."""
+NOT_A_REPORT = frozenset(
+    {"duplicate", "future_round", "done", "unknown_worker", "not_assigned", "busy"}
+)
+"""Refusals that do not count as a replica reporting for its round (`unknown_worker`,
+`not_assigned`: the worker is not a replica of the block; `busy`: the update was not judged,
+and may come again)."""
 
 
 class RoundPolicy(Protocol):

@@ -169,6 +169,16 @@ class AggregatorSettings:
         "must lie in [0, 1)",
         flag="--probe-tolerance",
     )
+    probe_budget: int = setting(
+        2,
+        "Updates per identity per round that may reach the effect probe and be refused; "
+        "beyond them its updates are refused busy (429) before probing until the round "
+        "closes (an accepted update gives its place back).",
+        _positive,
+        "must be positive",
+        flag="--probe-budget",
+        metavar="N",
+    )
     min_reputation: float = setting(
         0.1,
         "An identity whose reputation (halved by each harmful update, +0.1 per helpful one, "

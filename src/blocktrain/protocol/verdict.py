@@ -68,6 +68,11 @@ REASONS: dict[str, tuple[int, str]] = {
         "the identity's reputation fell below the minimum (harmful updates; a helpful update "
         "still earns it back)",
     ),
+    "busy": (
+        429,
+        "the effect probe is not taking this update now: the identity spent its probe budget for "
+        "the round, or the probe's queue is full; see Retry-After",
+    ),
     "no_gain": (
         422,
         "the update does not lower the block's loss on the held-out slice (within the "
