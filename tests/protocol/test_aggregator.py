@@ -129,6 +129,7 @@ def test_staleness_bound_accepts_a_late_update_down_weighted(tmp_path):
             max_delta_norm=50,
             max_tokens=10_000,
             min_round_s=0.0,
+            replay_rounds=0,
             staleness=1,
             stale_weight=0.5,
         ),
@@ -230,6 +231,7 @@ def test_bad_input_is_refused_with_a_reason_and_a_ledger_row(tmp_path, how, stat
             max_delta_norm=50,
             max_tokens=10_000,
             min_round_s=0.0,
+            replay_rounds=0,
             max_body_bytes=4096,
         ),
     )
@@ -514,6 +516,7 @@ def test_median_rule_and_outer_momentum(tmp_path):
             max_delta_norm=50,
             max_tokens=10_000,
             min_round_s=0.0,
+            replay_rounds=0,
             rule="median",
             outer_momentum=0.5,
             outer_lr=1.0,

@@ -148,3 +148,102 @@ def test_the_probe_s_queue_is_bounded():
         verdict, s = eng.reserve_probe(workers[0], 0)
         assert verdict.accepted
         eng.release_probe(s, accepted=True)
+
+
+# ------------------------------------------------------------------------------ replays
+
+REPLAYS = dataclasses.replace(SETTINGS, replay_rounds=8)  # the default (conftest turns it off)
+
+
+def restamped(tensors: dict, block: int, rnd: int, version: int, worker: int | None) -> bytes:
+    return delta_body(block, tensors=tensors, round=rnd, base_version=version, worker=worker)
+
+
+def close_round(h) -> None:
+    h.clock.advance(SETTINGS.deadline_s)
+    h.service.tick()
+
+
+def test_accepted_tensors_restamped_for_a_later_round_or_another_block_are_refused(tmp_path):
+    """Finding "replays": the same tensors with new round and version metadata were accepted
+    3 of 3 rounds, and on another block too."""
+    h = make_harness(tmp_path / "s", REPLAYS)
+    a = h.register(h.alice, block=0)["worker_id"]
+    b = h.register(h.bob, block=1)["worker_id"]
+    assert h.pull(h.alice, a, 0).status_code == 200
+    stolen = {k: torch.full_like(v, 0.02) for k, v in BASE.items()}
+    assert h.push(h.alice, a, 0, restamped(stolen, 0, 0, 0, a)).status_code == 200
+    close_round(h)
+    assert h.service.blocks[0].rounds.version == 1
+    assert h.pull(h.alice, a, 0).status_code == 200
+    r = h.push(h.alice, a, 0, restamped(stolen, 0, 1, 1, a))
+    assert r.status_code == 409 and r.json()["reason"] == "replay", r.text
+    assert "accepted in round 0 of block 0" in r.json()["detail"]
+    assert h.pull(h.bob, b, 1).status_code == 200
+    r = h.push(h.bob, b, 1, restamped(stolen, 1, 0, 0, b))
+    assert r.json()["reason"] == "replay", "on another block of the same shape too"
+    h.state.close()
+
+
+def test_a_body_sent_again_by_another_token_is_refused(tmp_path):
+    """Finding: a captured body was accepted again from a second token in the same round. As
+    captured it names its worker; re-stamped, its tensors give it away; and tensors another
+    identity pushed, even refused, are not anyone else's to send."""
+    h = make_harness(tmp_path / "s", REPLAYS)
+    names = ("carol", "eve", "mallory")
+    tokens = [h.alice, h.bob, *(add_token(h.state, n) for n in names)]
+    a, b, c, e, m = (h.register(t, block=0)["worker_id"] for t in tokens)
+    for t, w in zip(tokens, (a, b, c, e, m), strict=True):
+        assert h.pull(t, w, 0).status_code == 200
+    captured = restamped(GOOD, 0, 0, 0, a)
+    assert h.push(h.alice, a, 0, captured).status_code == 200
+    r = h.push(h.bob, b, 0, captured)
+    assert r.json()["reason"] == "replay" and f"names worker {a}" in r.json()["detail"]
+    r = h.push(tokens[2], c, 0, restamped(GOOD, 0, 0, 0, c))
+    assert r.json()["reason"] == "replay" and "accepted in round 0" in r.json()["detail"]
+    refused_once = {k: torch.full_like(v, 0.03) for k, v in BASE.items()}
+    r = h.push(tokens[3], e, 0, restamped(refused_once, 0, 0, 5, e))  # refused, but pushed
+    assert r.json()["reason"] == "stale_version"
+    r = h.push(tokens[4], m, 0, restamped(refused_once, 0, 0, 0, m))
+    assert r.json()["reason"] == "replay" and "another identity" in r.json()["detail"]
+    h.state.close()
+
+
+def test_an_update_is_bound_to_the_round_and_version_its_worker_pulled(tmp_path):
+    """Within the staleness bound an old round's body still counts: a worker that pulled
+    round 1 may not push one stamped for round 0 (its own replayed, or anyone's)."""
+    h = make_harness(tmp_path / "s", dataclasses.replace(REPLAYS, staleness=1))
+    a = h.register(h.alice, block=0)["worker_id"]
+    assert h.pull(h.alice, a, 0).status_code == 200
+    assert h.push(h.alice, a, 0, restamped(GOOD, 0, 0, 0, a)).status_code == 200
+    close_round(h)
+    assert h.pull(h.alice, a, 0).status_code == 200  # round 1, version 1
+    old = {k: torch.full_like(v, 0.05) for k, v in BASE.items()}
+    r = h.push(h.alice, a, 0, restamped(old, 0, 0, 0, a))
+    assert r.json()["reason"] == "replay" and "last pulled round 1" in r.json()["detail"]
+    assert h.push(h.alice, a, 0, restamped(old, 0, 1, 1, a)).status_code == 200
+    h.state.close()
+
+
+def test_zero_deltas_are_not_replays_and_the_digests_are_bounded(tmp_path):
+    """A delta of zeros is anyone's to make (the simulator's timing-only workers all send
+    one); and the digests kept are those of the last replay_rounds rounds."""
+    h = make_harness(tmp_path / "s", dataclasses.replace(REPLAYS, replay_rounds=1))
+    a = h.register(h.alice, block=0)["worker_id"]
+    b = h.register(h.bob, block=0)["worker_id"]
+    for t, w in ((h.alice, a), (h.bob, b)):
+        assert h.pull(t, w, 0).status_code == 200
+    for t, w in ((h.alice, a), (h.bob, b)):
+        assert h.push(t, w, 0, restamped(NOTHING, 0, 0, 0, w)).status_code == 200
+    rounds = h.service.blocks[0].rounds
+    assert rounds.round == 1 and len(h.service.engine.seen[0]) == 0, "zeros are not kept"
+    for rnd in (1, 2, 3):
+        assert h.pull(h.alice, a, 0).status_code == 200
+        body = restamped({k: v * rnd for k, v in GOOD.items()}, 0, rnd, rounds.version, a)
+        assert h.push(h.alice, a, 0, body).status_code == 200
+        if rounds.round == rnd:
+            close_round(h)
+        assert rounds.round == rnd + 1
+        kept = [e.round for e in h.service.engine.seen[0].values()]
+        assert kept == [rnd], "the last replay_rounds (1) rounds only"
+    h.state.close()

@@ -49,8 +49,9 @@ class FakeTrainer:
             self.on_train(len(self.first_steps))
         return {"tokens": 64.0, "loss": 2.5, "steps": float(steps)}
 
-    def delta(self):
-        return {k: torch.full_like(v, 0.01) for k, v in self.loaded[-1].items()}
+    def delta(self):  # never the same tensors twice, as real training (replays are refused)
+        value = 0.01 + 5e-5 * len(self.first_steps)
+        return {k: torch.full_like(v, value) for k, v in self.loaded[-1].items()}
 
 
 def client_for(h: Harness, token: str, **kwargs) -> AggregatorClient:

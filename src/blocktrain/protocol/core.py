@@ -43,13 +43,29 @@ from blocktrain.protocol.effect import (
     Reputation,
     judge_effect,
 )
-from blocktrain.protocol.rounds import BlockRounds, Registry, RoundClosed, RoundView
+from blocktrain.protocol.rounds import (
+    NOT_A_REPORT,
+    BlockRounds,
+    Registry,
+    RoundClosed,
+    RoundView,
+)
 from blocktrain.protocol.settings import AggregatorSettings
-from blocktrain.protocol.validation import BlockSpec, Candidate, Limits, UpdateMeta, validate
+from blocktrain.protocol.validation import (
+    BlockSpec,
+    Candidate,
+    Limits,
+    UpdateMeta,
+    tensors_digest,
+    validate,
+)
 from blocktrain.protocol.verdict import Verdict
 from blocktrain.protocol.wire import WireError, decode
 
 Tensors = dict[str, torch.Tensor]
+
+REPLAY_ENTRIES = 4096
+"""At most this many digests per block (the oldest go first): the set stays bounded."""
 
 PROBE_SLOTS = 8
 """Updates that may hold a place at the effect probe at once (probing or waiting for it), over
@@ -107,6 +123,16 @@ class Checked:
     @property
     def meta(self) -> UpdateMeta | None:
         return None if self.candidate is None else self.candidate.meta
+
+
+@dataclass
+class Seen:
+    """A body's tensors as the engine saw them pushed: by whom first, in which round of the
+    block, and whether any push of them was accepted."""
+
+    identity: Hashable
+    round: int
+    accepted: bool
 
 
 @dataclass(frozen=True)
@@ -172,6 +198,11 @@ class RoundEngine:
         """block -> (its open round, the probe places each identity holds or spent in it)."""
         self.probing = 0
         """Updates holding a place at the probe now (at most PROBE_SLOTS)."""
+        self.seen: dict[int, dict[bytes, Seen]] = {b: {} for b in blocks}
+        """Each block's recent bodies by their tensors' digest (the last `replay_rounds`
+        rounds, at most REPLAY_ENTRIES; in memory: a restart empties it)."""
+        self.pulled: dict[int, tuple[int, int, int]] = {}
+        """worker -> (block, round, version) of its last pull (in memory)."""
 
     def use_probe(self, probe: EffectProbe | None) -> None:
         """Judge updates by their effect with `probe` (unless the setting turns it off)."""
@@ -243,6 +274,7 @@ class RoundEngine:
         """The worker stops: its block no longer waits for it."""
         block = self.registry.block_of(worker)
         self.registry.remove(worker)
+        self.pulled.pop(worker, None)
         if block is not None:
             self.blocks[block].rounds.unassign(worker)
         return self.tick(now)
@@ -258,6 +290,7 @@ class RoundEngine:
         started = rounds.started_at is None
         view = rounds.pull(worker, now)
         self.registry.seen(worker, now)
+        self.pulled[worker] = (block, view.round, view.version)
         return PullEvent(view, started and view.deadline is not None)
 
     def inspect(self, block: int, body: bytes | bytearray) -> Checked:
@@ -271,7 +304,10 @@ class RoundEngine:
         except WireError as exc:
             return Checked(Verdict.refuse(exc.reason, exc.detail), None)
         candidate = Candidate(block, decoded, self.blocks[block].spec, self.limits)
-        return Checked(validate(candidate), candidate)
+        verdict = validate(candidate)
+        if verdict.accepted and candidate.norm != 0:
+            candidate.digest = tensors_digest(decoded)
+        return Checked(verdict, candidate)
 
     def finish(self, checked: Checked, worker: int | None = None) -> Checked:
         """After `inspect` (and, for a driver, `judge` and `reserve_probe`): `worker`'s
@@ -338,6 +374,52 @@ class RoundEngine:
         if accepted and spent_round == slot.round and spent[slot.identity] > 0:
             spent[slot.identity] -= 1
 
+    def screen(self, worker: int, block: int, checked: Checked) -> Verdict:
+        """The replay verdict on an update that passed `inspect` and `judge`: it is bound to
+        its worker, round and base version, and its tensors are new. Refused `replay` when its
+        metadata names another worker than the one pushing it, or another round or version
+        than that worker's last pull of the block (when this engine saw one), or when the same
+        tensors (`Candidate.digest`) were accepted before, or pushed by another identity, in
+        the last `replay_rounds` rounds of any block. Read-only; `record` remembers the
+        tensors."""
+        meta, candidate = checked.meta, checked.candidate
+        assert meta is not None and candidate is not None
+        if meta.worker_id is not None and meta.worker_id != worker:
+            return Verdict.refuse(
+                "replay", f"the body names worker {meta.worker_id}; worker {worker} pushed it"
+            )
+        pulled = self.pulled.get(worker)
+        if (
+            pulled is not None
+            and pulled[0] == block
+            and pulled[1:]
+            != (
+                meta.round,
+                meta.base_version,
+            )
+        ):
+            return Verdict.refuse(
+                "replay",
+                f"the body names round {meta.round} from version {meta.base_version}; worker "
+                f"{worker} last pulled round {pulled[1]} (version {pulled[2]})",
+            )
+        digest = candidate.digest
+        if digest is None:
+            return Verdict.ok()
+        identity = self.registry.identity(worker)
+        for b, seen in self.seen.items():  # every block: blocks of one shape swap bodies
+            entry = seen.get(digest)
+            if entry is None:
+                continue
+            where = f"round {entry.round} of block {b}"
+            if entry.accepted:
+                return Verdict.refuse("replay", f"the same tensors were accepted in {where}")
+            if entry.identity != identity:
+                return Verdict.refuse(
+                    "replay", f"the same tensors were pushed by another identity in {where}"
+                )
+        return Verdict.ok()
+
     def judge(self, worker: int, block: int, meta: UpdateMeta, now: float) -> Verdict:
         """The timing verdict on an update that passed `check` (closing due rounds first).
         Changes no update state: `record` the verdict once the driver has stored it. A worker
@@ -379,6 +461,7 @@ class RoundEngine:
             for listener in self.on_reputation:
                 listener(identity, self.reputation.of(identity), now)
         rounds = self.blocks[block].rounds
+        self._remember(block, checked, identity, verdict)
         if not verdict.accepted:
             rounds.record(worker, verdict, round=meta.round, now=now)
             return False
@@ -402,6 +485,23 @@ class RoundEngine:
         )
         self.registry.seen(worker, now)
         return idle and rounds.started_at is not None
+
+    def _remember(self, block: int, checked: Checked, identity: Hashable, verdict: Verdict) -> None:
+        """Keep the digest of a pushed body's tensors (one that was judged: not a replay, and
+        not refused before its round was), for `screen`."""
+        digest = None if checked.candidate is None else checked.candidate.digest
+        if digest is None or verdict.reason in NOT_A_REPORT or verdict.reason == "replay":
+            return
+        if not self.settings.replay_rounds:
+            return
+        seen = self.seen.setdefault(block, {})
+        entry = seen.get(digest)
+        if entry is None:
+            seen[digest] = Seen(identity, self.blocks[block].rounds.round, verdict.accepted)
+            while len(seen) > REPLAY_ENTRIES:
+                del seen[next(iter(seen))]
+        elif verdict.accepted:
+            entry.accepted = True
 
     def discard(self, block: int, update_ids: Iterable[int]) -> list[int]:
         """Take accepted updates back out of the open round (the accumulator and the round's
@@ -435,4 +535,8 @@ class RoundEngine:
             listener(event)
         st.weights, st.momentum = weights, momentum
         st.acc = accumulator(self.settings)
+        keep = st.rounds.round - self.settings.replay_rounds
+        seen = self.seen.setdefault(st.index, {})
+        for digest in [d for d, e in seen.items() if e.round < keep]:
+            del seen[digest]
         return event

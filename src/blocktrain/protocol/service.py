@@ -10,12 +10,15 @@ An update is handled in six steps:
 
 1. identity: token, rate, worker, its block (`begin_push`; the HTTP guard checked the size);
 2. form: `RoundEngine.inspect` (safetensors parse, the validator chain), outside the lock;
-3. timing first: under the lock, `RoundEngine.judge` (duplicate, late, stale), and a place at
-   the effect probe (`RoundEngine.reserve_probe`: the identity's budget, the bounded queue);
+3. timing first: under the lock, `RoundEngine.judge` (duplicate, late, stale), then
+   `RoundEngine.screen` (replays: the body bound to its worker, round and version, its tensors
+   not seen before), and a place at the effect probe (`RoundEngine.reserve_probe`: the
+   identity's budget, the bounded queue);
 4. effect: `RoundEngine.finish` (the probe, one at a time under `probe_lock`, and the
    identity's standing), outside the engine's lock; then the body is written to STATE/pending
    and fsynced, still outside it;
-5. timing again: under the lock, `RoundEngine.judge` (the round may have closed meanwhile); if
+5. timing again: under the lock, `RoundEngine.judge` and `screen` (the round may have closed,
+   or a copy come in, meanwhile); if
    accepted, a ledger row, then `RoundEngine.record` and `tick` (which may close the round);
    else the pending file is removed;
 6. an accepted row is fsynced after the lock is released (one fsync covers every row committed
@@ -307,6 +310,8 @@ class AggregatorService:
         assert meta is not None
         with self.lock:  # the cheap checks first: no probe for a duplicate or late update
             verdict = self.engine.judge(ctx.worker_id, ctx.block, meta, self.clock())
+            if verdict.accepted:
+                verdict = self.engine.screen(ctx.worker_id, ctx.block, checked)
             slot = None
             if verdict.accepted:
                 verdict, slot = self.engine.reserve_probe(ctx.worker_id, ctx.block)
@@ -334,6 +339,9 @@ class AggregatorService:
         with self.lock:
             now = self.clock()
             verdict = self.engine.judge(ctx.worker_id, ctx.block, meta, now)
+            if verdict.accepted:  # a copy pushed while this one was probed
+                screened = self.engine.screen(ctx.worker_id, ctx.block, checked)
+                verdict = verdict if screened.accepted else screened
             self.engine.release_probe(slot, accepted=verdict.accepted)
             if not verdict.accepted:
                 self.storage.remove_pending(name)

@@ -179,6 +179,16 @@ class AggregatorSettings:
         flag="--probe-budget",
         metavar="N",
     )
+    replay_rounds: int = setting(
+        8,
+        "Rounds per block whose update bodies' tensor digests are kept: the same tensors "
+        "already accepted, or pushed by another identity, within them are refused replay "
+        "(at most 4096 digests per block, in memory); 0 turns the check off.",
+        lambda v: v >= 0,
+        "must be >= 0",
+        flag="--replay-rounds",
+        metavar="R",
+    )
     min_reputation: float = setting(
         0.1,
         "An identity whose reputation (halved by each harmful update, +0.1 per helpful one, "

@@ -48,6 +48,11 @@ REASONS: dict[str, tuple[int, str]] = {
     "future_round": (409, "the update names a round that has not opened"),
     "duplicate": (409, "this worker already reported for this round"),
     "done": (410, "the block has finished its rounds"),
+    "replay": (
+        409,
+        "the body names another worker, or another round or version than the worker's last "
+        "pull, or repeats tensors already accepted or pushed by another identity",
+    ),
     # committed versions at immutable URLs (docs/protocol.md, Pulls through a cache)
     "unknown_version": (404, "the block has not reached this version"),
     "version_gone": (410, "the version was pruned (keep_versions); pull the open round"),
