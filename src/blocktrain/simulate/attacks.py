@@ -42,7 +42,8 @@ BIAS_TENSOR = "head.bias"
 def undefended(cfg: RunConfig, local_steps: int) -> dict[str, Any]:
     """The aggregator settings before issue 12 (the comparison's "defences none"): the mean
     weighted by claimed tokens, no clipping, no effect probe, the loose norm bound, and any
-    number of live workers per token (one per token is a defence of issue 12 too)."""
+    number of live workers per token (one per token is a defence of issue 12 too); nor the
+    replay check of issue 31 (identical forged deltas from several tokens are copies)."""
     n_params = largest_block(initial_blocks(cfg))
     return {
         "rule": "mean",
@@ -51,6 +52,7 @@ def undefended(cfg: RunConfig, local_steps: int) -> dict[str, Any]:
         "effect_probe": "off",
         "max_delta_norm": loose_delta_norm_bound(cfg, local_steps, n_params),
         "max_workers_per_token": 1024,
+        "replay_rounds": 0,
     }
 
 
