@@ -183,7 +183,8 @@ class AggregatorSettings:
         8,
         "Rounds per block whose update bodies' tensor digests are kept: the same tensors "
         "already accepted, or pushed by another identity, within them are refused replay "
-        "(at most 4096 digests per block, in memory); 0 turns the check off.",
+        "(at most 4096 digests per block, in memory); 0 turns this check off (an update "
+        "stays bound to its worker and the round and version of its pull).",
         lambda v: v >= 0,
         "must be >= 0",
         flag="--replay-rounds",
