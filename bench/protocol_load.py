@@ -114,6 +114,7 @@ def start_fleet(root: Path, run: Run, params: int) -> Fleet:
     `--peer`), each with its own state folder holding the same version 0."""
     settings = AggregatorSettings(
         deadline_s=600.0,
+        min_round_s=0.0,  # the load, not the round length, is measured
         local_steps=1,
         max_delta_norm=1e6,
         max_tokens=1 << 20,

@@ -51,6 +51,8 @@ SETTINGS = AggregatorSettings(
     max_tokens=10_000,
     n_workers=16,
     quorum=1.0,  # rounds wait for every live replica up to the deadline, unless a test says so
+    min_round_s=0.0,  # and close as soon as they may (test_rounds.py tests the minimum)
+    replay_rounds=0,  # the synthetic deltas repeat (test_trust_rounds.py tests replays)
 )
 
 

@@ -128,6 +128,8 @@ def test_staleness_bound_accepts_a_late_update_down_weighted(tmp_path):
             local_steps=2,
             max_delta_norm=50,
             max_tokens=10_000,
+            min_round_s=0.0,
+            replay_rounds=0,
             staleness=1,
             stale_weight=0.5,
         ),
@@ -225,7 +227,13 @@ def test_bad_input_is_refused_with_a_reason_and_a_ledger_row(tmp_path, how, stat
     h = make_harness(
         tmp_path / "s",
         AggregatorSettings(
-            deadline_s=30, local_steps=2, max_delta_norm=50, max_tokens=10_000, max_body_bytes=4096
+            deadline_s=30,
+            local_steps=2,
+            max_delta_norm=50,
+            max_tokens=10_000,
+            min_round_s=0.0,
+            replay_rounds=0,
+            max_body_bytes=4096,
         ),
     )
     a = h.register(h.alice, block=0)["worker_id"]
@@ -460,6 +468,8 @@ def test_status_and_metrics_account_for_every_byte(harness):
     body = delta_body(0)
     h.push(h.alice, a, 0, body)
     h.push(h.bob, b, 0, delta_body(0, scale=float("nan")))
+    h.clock.advance(SETTINGS.deadline_s)  # a refused push does not close the round early
+    h.service.tick()
     s = h.client.get("/v1/status", headers=auth(h.alice)).json()
     pull_size = len(h.service._cache[0][1])
     by_ep = s["bytes"]["by_endpoint"]
@@ -470,7 +480,7 @@ def test_status_and_metrics_account_for_every_byte(harness):
     assert s["blocks"][0]["round"] == 1 and s["versions"] == [1, 0] and s["rounds"] == [1, 0]
     assert s["updates"] == {"accepted": 1, "refused": 1, "refused_by_reason": {"non_finite": 1}}
     (p,) = s["participation"]["0"]
-    assert p["participation"] == 0.5 and p["reported"] == 2 and p["cause"] == "all_reported"
+    assert p["participation"] == 0.5 and p["reported"] == 2 and p["cause"] == "deadline"
     assert s["workers"]["live"] == 2 and s["workers"]["per_block"] == [2, 0]
     text = h.client.get("/metrics").text
     assert 'blocktrain_block_version{block="0"} 1' in text
@@ -506,6 +516,8 @@ def test_median_rule_and_outer_momentum(tmp_path):
             local_steps=2,
             max_delta_norm=50,
             max_tokens=10_000,
+            min_round_s=0.0,
+            replay_rounds=0,
             rule="median",
             outer_momentum=0.5,
             outer_lr=1.0,

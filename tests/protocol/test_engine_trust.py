@@ -19,7 +19,7 @@ from tests.protocol.conftest import block_tensors, delta_body
 
 BASE = block_tensors(100)
 SETTINGS = AggregatorSettings(
-    deadline_s=30.0, max_delta_norm=1e4, max_tokens=10**12, wire_dtype="fp32"
+    deadline_s=30.0, max_delta_norm=1e4, max_tokens=10**12, wire_dtype="fp32", min_round_s=0.0
 )
 
 
@@ -76,7 +76,9 @@ def test_discard_takes_accepted_updates_out_of_the_open_round():
     assert push(eng, b, {k: torch.full_like(v, 0.5) for k, v in BASE.items()}, uid=12).accepted
     assert eng.discard(0, [12, 999]) == [12]
     assert [x.update_id for x in eng.blocks[0].rounds.accepted] == [11]
-    assert push(eng, c, honest, uid=13).accepted  # every replica reported: the round closes
+    assert push(eng, c, honest, uid=13).accepted
+    assert not commits, "b's update was taken out: b no longer counts as passed"
+    eng.tick(SETTINGS.deadline_s)
     (event,) = commits
     assert [x.update_id for x in event.closed.accepted] == [11, 13]
     for k in BASE:
@@ -156,6 +158,8 @@ def test_the_effect_probe_refuses_harmful_updates_and_reputation_excludes_their_
     assert probe.calls == calls + 1, "the loss before is cached for the version"
     assert eng.reputation.of(("token", evil)) == 0.5
     assert push(eng, b, toward(target, 0.1)).accepted
+    assert not commits, "a refused push never closes a round early"
+    eng.tick(SETTINGS.deadline_s)
     assert commits and commits[0].closed.new_version == 1
     for _ in range(3):  # rounds 1..3: each harmful push halves the reputation
         assert push_round(eng, evil, toward(target, -0.1)).reason in ("harmful", "low_reputation")

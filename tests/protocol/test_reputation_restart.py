@@ -38,6 +38,14 @@ class Aggregator:
         self.state.close()
         return Aggregator(self.root, self.clock)
 
+    def next_round(self, tokens: dict[str, str], workers: dict[str, int]) -> None:
+        """Past the open round's deadline, then pulls start the next round's clock (a worker
+        reports once a round: a second push is a duplicate, and is not probed)."""
+        self.clock.advance(SETTINGS.deadline_s + 1)
+        self.service.tick()
+        for name in ("mallory", "alice"):
+            self.http.get("/v1/blocks/0", headers=auth(tokens[name], workers[name]))
+
     def push(self, token: str, worker: int, tensors: dict) -> tuple[int, str]:
         rounds = self.service.blocks[0].rounds
         body = delta_body(0, tensors=tensors, round=rounds.round, base_version=rounds.version)
@@ -76,12 +84,14 @@ def test_a_penalty_and_an_exclusion_survive_a_restart(setup):
     agg = agg.restart()
     assert agg.service.engine.reputation.of(mallory) == 0.5
     for _ in range(3):  # 0.5 -> 0.25 -> 0.125 -> 0.0625, below min_reputation (0.1)
+        agg.next_round(tokens, workers)
         assert agg.push(tokens["mallory"], workers["mallory"], BAD) == (422, "harmful")
     assert agg.state.ledger.reputations()[mallory] == pytest.approx(0.0625)
 
     agg.state.ledger.ban_token("bob", agg.clock.now, "sign flips")
     agg = agg.restart()
     assert agg.service.engine.reputation.of(mallory) == pytest.approx(0.0625)
+    agg.next_round(tokens, workers)
     assert agg.push(tokens["mallory"], workers["mallory"], GOOD) == (403, "low_reputation")
     assert agg.push(tokens["bob"], workers["bob"], GOOD) == (403, "banned_token")
     back = pytest.approx(0.1625)  # refused, but probed: the helpful update counts

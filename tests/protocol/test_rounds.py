@@ -21,7 +21,7 @@ D = 10.0  # deadline
 
 def fresh(**policy: object) -> BlockRounds:
     """Two replicas on block 0; the quorum is off (1) unless a test turns it on."""
-    policy = {"quorum": 1.0, **policy}
+    policy = {"quorum": 1.0, "min_round_s": 0.0, **policy}
     r = BlockRounds(0, AggregatorSettings(deadline_s=D, **policy))  # type: ignore[arg-type]
     for w in (1, 2):
         r.assign(w)
@@ -89,15 +89,63 @@ def test_round_closes_early_when_every_expected_replica_reported():
     assert len(closed.accepted) == 2 and of(closed) == 1.0
 
 
-def test_a_refused_update_counts_as_a_report():
+def test_a_refused_update_is_a_report_but_never_closes_a_round_early():
+    """Finding "quorum stuffing": a refused push counted as a report, so junk that cost its
+    token nothing met the quorum (or "every replica reported") and closed rounds before the
+    honest workers finished. A refused push is still a report (the worker is alive, and a
+    second push is a duplicate), but only updates that passed close a round early."""
     r = fresh()
     r.pull(1, now=0.0)
     r.pull(2, now=0.0)
     assert push(r, 1, now=1.0).accepted
     r.record(2, Verdict.refuse("non_finite", "NaN"), round=0, now=2.0)
-    closed = r.tick(2.0)
+    assert r.tick(2.0) is None, "worker 2 reported, but its update did not pass"
+    assert r.judge(2, round=0, base_version=0, now=3.0).reason == "duplicate"
+    closed = r.tick(D)
+    assert closed is not None and closed.cause == "deadline"
+    assert closed.refused == 1 and len(closed.accepted) == 1 and closed.reported == {1, 2}
+
+
+def test_refused_pushes_never_meet_the_quorum():
+    """Two attacker replicas pushing junk at once against two honest ones (quorum 0.5): the
+    round waits for the honest updates, and closes on them."""
+    r = fresh(quorum=0.5, grace_s=0.0)
+    for w in (3, 4):
+        r.assign(w)
+    for w in (1, 2, 3, 4):
+        r.pull(w, now=0.0)
+    for w in (3, 4):
+        r.record(w, Verdict.refuse("bad_dtype", "junk"), round=0, now=0.1)
+    assert r.tick(0.1) is None and r.quorum_at is None, "junk is no quorum"
+    assert r.tick(D / 2) is None
+    assert push(r, 1, now=6.0).accepted
+    assert push(r, 2, now=7.0).accepted
+    closed = r.tick(7.0)
+    assert closed is not None and closed.cause == "quorum" and len(closed.accepted) == 2
+
+
+def test_a_round_cannot_close_before_its_minimum_length():
+    """Even updates that pass cannot close a round in a burst: by default a round stays open
+    for a quarter of its deadline from its first pull (min_round_s)."""
+    r = fresh(quorum=0.5, grace_s=0.0, min_round_s=None)
+    assert r.policy.min_round == D / 4
+    r.pull(1, now=0.0)
+    r.pull(2, now=0.0)
+    assert push(r, 1, now=0.1).accepted
+    assert push(r, 2, now=0.2).accepted
+    assert r.tick(0.2) is None and r.tick(D / 4 - 0.01) is None, "every replica passed: wait"
+    closed = r.tick(D / 4)
     assert closed is not None and closed.cause == "all_reported"
-    assert closed.refused == 1 and len(closed.accepted) == 1
+    r.pull(1, now=D / 4)
+    assert push(r, 1, now=D / 4 + 0.1).accepted
+    assert r.tick(D / 4 + 0.1) is None, "the quorum alone waits for the minimum too"
+    closed = r.tick(D / 2)
+    assert closed is not None and closed.cause == "quorum"
+    fast = fresh(min_round_s=0.0)
+    fast.pull(1, now=0.0)
+    fast.pull(2, now=0.0)
+    assert push(fast, 1, now=0.1).accepted and push(fast, 2, now=0.2).accepted
+    assert fast.tick(0.2) is not None, "min_round_s = 0: no minimum"
 
 
 def test_a_round_without_accepted_updates_keeps_the_version():

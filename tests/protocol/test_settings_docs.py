@@ -40,6 +40,8 @@ def test_every_setting_checks_its_bounds_by_name() -> None:
         "effect_probe": "maybe",
         "probe_tolerance": 1.0,
         "min_reputation": 1.5,
+        "probe_budget": 0,
+        "replay_rounds": -1,
         "outer_lr": 0.0,
         "outer_momentum": 1.0,
         "wire_dtype": "int8",
@@ -54,6 +56,7 @@ def test_every_setting_checks_its_bounds_by_name() -> None:
         "max_workers_per_token": 0,
         "quorum": 0.0,
         "grace_s": -1.0,
+        "min_round_s": -1.0,
     }
     assert set(bad) == {f.name for f, _ in declared()}, "a new setting needs a bad value here"
     for name, value in bad.items():

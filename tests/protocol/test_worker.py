@@ -18,7 +18,12 @@ from blocktrain.protocol.worker import WorkerLoop
 from .conftest import Harness, delta_body, make_harness
 
 SETTINGS = AggregatorSettings(
-    deadline_s=30, local_steps=3, max_delta_norm=50, max_tokens=10_000, max_rounds=4
+    deadline_s=30,
+    local_steps=3,
+    max_delta_norm=50,
+    max_tokens=10_000,
+    max_rounds=4,
+    min_round_s=0.0,  # the fake clock does not move while the loop runs
 )
 
 
@@ -44,8 +49,9 @@ class FakeTrainer:
             self.on_train(len(self.first_steps))
         return {"tokens": 64.0, "loss": 2.5, "steps": float(steps)}
 
-    def delta(self):
-        return {k: torch.full_like(v, 0.01) for k, v in self.loaded[-1].items()}
+    def delta(self):  # never the same tensors twice, as real training (replays are refused)
+        value = 0.01 + 5e-5 * len(self.first_steps)
+        return {k: torch.full_like(v, value) for k, v in self.loaded[-1].items()}
 
 
 def client_for(h: Harness, token: str, **kwargs) -> AggregatorClient:
@@ -163,9 +169,26 @@ def test_loop_trains_until_the_block_is_done(h):
     c = client_for(h, h.alice)
     report = WorkerLoop(c, lambda reg, cfg: trainer, block=0).run()
     assert report.stopped_by == "done" and report.rounds == 4 and report.accepted == 4
-    assert trainer.first_steps == [0, 3, 6, 9], "the LR step follows the round: round * H"
+    assert trainer.first_steps == [0, 3, 6, 9], "the LR step follows the version: version * H"
     assert h.service.blocks[0].rounds.version == 4
     assert report.bytes_up > 0 and report.bytes_down > 0
+
+
+def test_a_round_that_commits_nothing_does_not_advance_the_schedule(h):
+    """Finding "quorum stuffing": the learning-rate schedule followed the round (round x H),
+    so every burned round advanced it. It follows the version the worker trained from: a round
+    that committed nothing leaves the next one at the same step."""
+
+    def miss(n: int) -> None:
+        if n == 2:  # the second round's update arrives after its deadline: nothing commits
+            h.clock.advance(SETTINGS.deadline_s + 1)
+
+    trainer = FakeTrainer(on_train=miss)
+    report = WorkerLoop(c := client_for(h, h.alice), lambda reg, cfg: trainer, block=0).run()
+    assert c.worker_id is not None and report.refused == {"late": 1}
+    assert report.stopped_by == "done" and report.accepted == 3
+    assert h.service.blocks[0].rounds.version == 3
+    assert trainer.first_steps == [0, 3, 3, 6], "rounds 1 and 2 both train from version 1"
 
 
 def test_loop_reads_the_latest_versions_of_its_upstream_blocks(h):

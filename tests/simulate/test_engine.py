@@ -12,7 +12,17 @@ import torch
 from blocktrain.config import RunConfig, apply_overrides
 from blocktrain.data import load_split
 from blocktrain.errors import ConfigError
-from blocktrain.simulate import REGIMES, Dist, Regime, SimSpec, simulate, write_outputs
+from blocktrain.protocol.settings import AggregatorSettings
+from blocktrain.simulate import (
+    REGIMES,
+    Dist,
+    Regime,
+    SimSpec,
+    Simulation,
+    TimingOnlyTrainer,
+    simulate,
+    write_outputs,
+)
 from blocktrain.training import Trainer
 from tests.conftest import micro_config
 
@@ -172,3 +182,41 @@ def test_a_reference_unit_alone_is_the_reference_trained_in_one_process(
         torch.testing.assert_close(weights["lockstep"][0][name], value, atol=1e-5, rtol=1e-4)
     with pytest.raises(ConfigError, match="--unit reference simulates with --effect-probe off"):
         simulate(replace(one, protocol={"local_steps": 2}), [REGIMES["lockstep"]], train, valid)
+
+
+class MissingTrainer(TimingOnlyTrainer):
+    """Zero deltas, except a NaN one (refused) in its second round; records each round's
+    first step."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        super().__init__(shapes, tokens_per_step=8)
+        self.first_steps: list[int] = []
+
+    def train(self, steps, first_step, should_stop=lambda: False):
+        self.first_steps.append(first_step)
+        return super().train(steps, first_step, should_stop)
+
+    def delta(self):
+        if len(self.first_steps) == 2:
+            return {k: torch.full_like(v, float("nan")) for k, v in self.zeros.items()}
+        return self.zeros
+
+
+def test_the_schedule_follows_committed_versions_as_a_worker_s_does() -> None:
+    """As `protocol.worker.WorkerLoop` (tests/protocol/test_worker.py): a virtual worker trains
+    from step version x H, so a round that commits nothing (every update refused) does not
+    advance the learning-rate schedule; it used to be round x H."""
+    initial = {0: {"w": torch.zeros(4, 4), "b": torch.zeros(4)}}
+    settings = AggregatorSettings(local_steps=2, max_rounds=4, max_delta_norm=10.0)
+    trainers: list[MissingTrainer] = []
+
+    def make(_worker: int, _block: int) -> MissingTrainer:
+        trainers.append(MissingTrainer({k: tuple(v.shape) for k, v in initial[0].items()}))
+        return trainers[-1]
+
+    sim = Simulation(REGIMES["lockstep"], settings, initial, make, 2, seed=0)
+    sim.run()
+    causes = [sim.closed[(0, r)].cause for r in range(4)]
+    assert causes[1] == "deadline", "round 1's updates were all refused: it ran to its deadline"
+    assert sim.agg.blocks[0].rounds.version == 3
+    assert [t.first_steps for t in trainers] == [[0, 2, 2, 4]] * 2

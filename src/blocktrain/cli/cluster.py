@@ -95,10 +95,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
-CLUSTER_DEFAULTS = {"deadline_s": 60.0, "effect_probe": "off"}
-"""Settings that differ here from a public aggregator's: short rounds, and no effect probe, since
-every worker of a cluster is the user's own, and the probe refuses honest updates near the
-learning rate's peak (BENCHMARKS.md, The shared-node run; `--effect-probe on` to have it)."""
+CLUSTER_DEFAULTS = {"deadline_s": 60.0, "effect_probe": "off", "min_round_s": 0.0}
+"""Settings that differ here from a public aggregator's: short rounds, no effect probe and no
+minimum round length, since every worker of a cluster is the user's own: the probe refuses
+honest updates near the learning rate's peak (BENCHMARKS.md, The shared-node run;
+`--effect-probe on` to have it), and a minimum round only holds back workers that are done."""
 
 
 PARTICIPATION_KEYS = (

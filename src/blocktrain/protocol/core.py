@@ -12,17 +12,23 @@ Two drivers, no second copy of a decision:
                                  committed versions) and serves it over HTTP
     simulate.SimAggregator       virtual clock; one process
 
-An update goes through `check` (content, then its effect on the block's held-out loss when a
-probe is wired in), `judge` (timing, read-only), then `record` (the round's state, the
-identity's reputation and, if accepted, the accumulator); a driver persists what it must
-between `judge` and `record`, and calls `tick` afterwards. A round that closes is committed by
+An update goes through `inspect` (its form: size, safetensors, the validator chain), `judge`
+(timing, read-only: duplicate, late, stale), then, when a probe is wired in, `reserve_probe`
+(the identity's probe budget for the round, and the probe's bounded queue), `finish` (its
+effect on the block's held-out loss, and the identity's standing) and `release_probe`, then
+`record` (the round's state, the identity's reputation and, if accepted, the accumulator); a
+driver persists what it must between `judge` and `record`, and calls `tick` afterwards. The
+costly probe runs only for an update that passed every cheap check, and a refused update that
+reached it spends its identity's budget (`probe_budget`). `check` is `inspect` then `finish`
+(for callers that judge timing themselves). A round that closes is committed by
 `tick`: the new weights are computed, handed to every `on_commit` listener (the service writes
 them to disk there, before any pull can see them) and only then published.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable
+from collections import Counter
+from collections.abc import Callable, Collection, Hashable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -37,13 +43,34 @@ from blocktrain.protocol.effect import (
     Reputation,
     judge_effect,
 )
-from blocktrain.protocol.rounds import BlockRounds, Registry, RoundClosed, RoundView
+from blocktrain.protocol.rounds import (
+    NOT_A_REPORT,
+    BlockRounds,
+    Registry,
+    RoundClosed,
+    RoundView,
+)
 from blocktrain.protocol.settings import AggregatorSettings
-from blocktrain.protocol.validation import BlockSpec, Candidate, Limits, UpdateMeta, validate
+from blocktrain.protocol.validation import (
+    BlockSpec,
+    Candidate,
+    Limits,
+    UpdateMeta,
+    tensors_digest,
+    validate,
+)
 from blocktrain.protocol.verdict import Verdict
 from blocktrain.protocol.wire import WireError, decode
 
 Tensors = dict[str, torch.Tensor]
+
+REPLAY_ENTRIES = 4096
+"""At most this many digests per block (the oldest go first): the set stays bounded."""
+
+PROBE_SLOTS = 8
+"""Updates that may hold a place at the effect probe at once (probing or waiting for it), over
+every identity; beyond them a push is refused `busy` (429) before its body waits. Each holds
+its body in memory, so this bounds what the probe's queue costs."""
 
 
 def accumulator(settings: AggregatorSettings) -> Accumulator:
@@ -98,6 +125,26 @@ class Checked:
         return None if self.candidate is None else self.candidate.meta
 
 
+@dataclass
+class Seen:
+    """A body's tensors as the engine saw them pushed: by whom first, in which round of the
+    block, and whether any push of them was accepted."""
+
+    identity: Hashable
+    round: int
+    accepted: bool
+
+
+@dataclass(frozen=True)
+class ProbeSlot:
+    """A place at the effect probe, reserved by `reserve_probe` for one update (None: the
+    probe is off, nothing was reserved)."""
+
+    block: int
+    round: int
+    identity: Hashable
+
+
 @dataclass(frozen=True)
 class Committed:
     """A closed round and the block's weights after it (the old ones when nothing was
@@ -147,6 +194,15 @@ class RoundEngine:
         self.on_commit: list[CommitListener] = []
         """Called with each commit before its weights are published."""
         self.on_reputation: list[ReputationListener] = []
+        self._probe_spent: dict[int, tuple[int, Counter[Hashable]]] = {}
+        """block -> (its open round, the probe places each identity holds or spent in it)."""
+        self.probing = 0
+        """Updates holding a place at the probe now (at most PROBE_SLOTS)."""
+        self.seen: dict[int, dict[bytes, Seen]] = {b: {} for b in blocks}
+        """Each block's recent bodies by their tensors' digest (the last `replay_rounds`
+        rounds, at most REPLAY_ENTRIES; in memory: a restart empties it)."""
+        self.pulled: dict[int, tuple[int, int, int]] = {}
+        """worker -> (block, round, version) of its last pull (in memory)."""
 
     def use_probe(self, probe: EffectProbe | None) -> None:
         """Judge updates by their effect with `probe` (unless the setting turns it off)."""
@@ -218,6 +274,7 @@ class RoundEngine:
         """The worker stops: its block no longer waits for it."""
         block = self.registry.block_of(worker)
         self.registry.remove(worker)
+        self.pulled.pop(worker, None)
         if block is not None:
             self.blocks[block].rounds.unassign(worker)
         return self.tick(now)
@@ -233,14 +290,12 @@ class RoundEngine:
         started = rounds.started_at is None
         view = rounds.pull(worker, now)
         self.registry.seen(worker, now)
+        self.pulled[worker] = (block, view.round, view.version)
         return PullEvent(view, started and view.deadline is not None)
 
-    def check(self, block: int, body: bytes | bytearray, worker: int | None = None) -> Checked:
-        """The content verdict on an update body: size, safetensors, the validator chain, then
-        (unless off) the effect probe against the block's current weights, then `worker`'s
-        identity's standing: an excluded identity's update is refused, but probed all the same.
-        Changes no state, so a driver may call it outside its lock (the probe, the costly part,
-        should run there)."""
+    def inspect(self, block: int, body: bytes | bytearray) -> Checked:
+        """The form verdict on an update body: size, safetensors, the validator chain. Cheap,
+        and changes no state, so a driver may call it outside its lock."""
         if len(body) > self.max_body:
             detail = f"the body declares {len(body)} bytes; the limit is {self.max_body}"
             return Checked(Verdict.refuse("too_large", detail), None)
@@ -250,17 +305,120 @@ class RoundEngine:
             return Checked(Verdict.refuse(exc.reason, exc.detail), None)
         candidate = Candidate(block, decoded, self.blocks[block].spec, self.limits)
         verdict = validate(candidate)
-        if not verdict.accepted:
-            return Checked(verdict, candidate)
+        if verdict.accepted and candidate.norm != 0:
+            candidate.digest = tensors_digest(decoded)
+        return Checked(verdict, candidate)
+
+    def finish(self, checked: Checked, worker: int | None = None) -> Checked:
+        """After `inspect` (and, for a driver, `judge` and `reserve_probe`): `worker`'s
+        identity's standing, and (unless off) the effect probe against the block's current
+        weights. An excluded identity's update is refused, but probed all the same. Changes no
+        state, so a driver may call it outside its lock (the probe, the costly part, should
+        run there)."""
+        verdict, candidate = checked.verdict, checked.candidate
+        if not verdict.accepted or candidate is None:
+            return checked
         if worker is not None:
             standing = self.reputation.excluded(self.registry.identity(worker))
             verdict = verdict if standing.accepted else standing
         if self.probe is None:
             return Checked(verdict, candidate)
+        block = candidate.block
         others = {b: st.weights for b, st in self.blocks.items() if b != block}
         effect = self.probe.effect(block, self.blocks[block].weights, candidate.tensors, others)
         judged = judge_effect(effect, self.settings.probe_tolerance, self.bands.get(block))
         return Checked(judged if verdict.accepted else verdict, candidate, effect, judged)
+
+    def check(self, block: int, body: bytes | bytearray, worker: int | None = None) -> Checked:
+        """`inspect`, then `finish`: the whole content verdict, for a caller that judges the
+        timing itself (a driver judges it between the two, so that the probe runs last)."""
+        return self.finish(self.inspect(block, body), worker)
+
+    def reserve_probe(self, worker: int, block: int) -> tuple[Verdict, ProbeSlot | None]:
+        """A place at the effect probe for an update of `worker` that passed the cheap checks
+        (`inspect`, `judge`): refused `busy` when its identity already holds or spent
+        `probe_budget` places in the block's open round (a refused update that reached the
+        probe keeps its place spent until the round closes), or when PROBE_SLOTS updates hold
+        one. Give it back with `release_probe`. No slot when the probe is off."""
+        if self.probe is None:
+            return Verdict.ok(), None
+        identity = self.registry.identity(worker)
+        open_round = self.blocks[block].rounds.round
+        spent_round, spent = self._probe_spent.get(block, (open_round, Counter()))
+        if spent_round != open_round:
+            spent = Counter()
+        budget = self.settings.probe_budget
+        if spent[identity] >= budget:
+            return Verdict.refuse(
+                "busy",
+                f"this identity's updates reached the effect probe {spent[identity]} time(s) "
+                f"in round {open_round} of block {block} without being accepted "
+                f"(probe_budget {budget}); wait for the next round",
+            ), None
+        if self.probing >= PROBE_SLOTS:
+            return Verdict.refuse(
+                "busy", f"the effect probe's queue is full ({PROBE_SLOTS} updates); retry"
+            ), None
+        spent[identity] += 1
+        self._probe_spent[block] = (open_round, spent)
+        self.probing += 1
+        return Verdict.ok(), ProbeSlot(block, open_round, identity)
+
+    def release_probe(self, slot: ProbeSlot | None, accepted: bool) -> None:
+        """The probe is done with an update: its place is free again, and returned to its
+        identity's budget if the update was accepted."""
+        if slot is None:
+            return
+        self.probing = max(0, self.probing - 1)
+        spent_round, spent = self._probe_spent.get(slot.block, (-1, Counter()))
+        if accepted and spent_round == slot.round and spent[slot.identity] > 0:
+            spent[slot.identity] -= 1
+
+    def screen(self, worker: int, block: int, checked: Checked) -> Verdict:
+        """The replay verdict on an update that passed `inspect` and `judge`: it is bound to
+        its worker, round and base version, and its tensors are new. Refused `replay` when its
+        metadata names another worker than the one pushing it, or another round or version
+        than that worker's last pull of the block (when this engine saw one), or when the same
+        tensors (`Candidate.digest`) were accepted before, or pushed by another identity, in
+        the last `replay_rounds` rounds of any block. Read-only; `record` remembers the
+        tensors."""
+        meta, candidate = checked.meta, checked.candidate
+        assert meta is not None and candidate is not None
+        if meta.worker_id is not None and meta.worker_id != worker:
+            return Verdict.refuse(
+                "replay", f"the body names worker {meta.worker_id}; worker {worker} pushed it"
+            )
+        pulled = self.pulled.get(worker)
+        if (
+            pulled is not None
+            and pulled[0] == block
+            and pulled[1:]
+            != (
+                meta.round,
+                meta.base_version,
+            )
+        ):
+            return Verdict.refuse(
+                "replay",
+                f"the body names round {meta.round} from version {meta.base_version}; worker "
+                f"{worker} last pulled round {pulled[1]} (version {pulled[2]})",
+            )
+        digest = candidate.digest
+        if digest is None:
+            return Verdict.ok()
+        identity = self.registry.identity(worker)
+        for b, seen in self.seen.items():  # every block: blocks of one shape swap bodies
+            entry = seen.get(digest)
+            if entry is None:
+                continue
+            where = f"round {entry.round} of block {b}"
+            if entry.accepted:
+                return Verdict.refuse("replay", f"the same tensors were accepted in {where}")
+            if entry.identity != identity:
+                return Verdict.refuse(
+                    "replay", f"the same tensors were pushed by another identity in {where}"
+                )
+        return Verdict.ok()
 
     def judge(self, worker: int, block: int, meta: UpdateMeta, now: float) -> Verdict:
         """The timing verdict on an update that passed `check` (closing due rounds first).
@@ -303,6 +461,7 @@ class RoundEngine:
             for listener in self.on_reputation:
                 listener(identity, self.reputation.of(identity), now)
         rounds = self.blocks[block].rounds
+        self._remember(block, checked, identity, verdict)
         if not verdict.accepted:
             rounds.record(worker, verdict, round=meta.round, now=now)
             return False
@@ -326,6 +485,23 @@ class RoundEngine:
         )
         self.registry.seen(worker, now)
         return idle and rounds.started_at is not None
+
+    def _remember(self, block: int, checked: Checked, identity: Hashable, verdict: Verdict) -> None:
+        """Keep the digest of a pushed body's tensors (one that was judged: not a replay, and
+        not refused before its round was), for `screen`."""
+        digest = None if checked.candidate is None else checked.candidate.digest
+        if digest is None or verdict.reason in NOT_A_REPORT or verdict.reason == "replay":
+            return
+        if not self.settings.replay_rounds:
+            return
+        seen = self.seen.setdefault(block, {})
+        entry = seen.get(digest)
+        if entry is None:
+            seen[digest] = Seen(identity, self.blocks[block].rounds.round, verdict.accepted)
+            while len(seen) > REPLAY_ENTRIES:
+                del seen[next(iter(seen))]
+        elif verdict.accepted:
+            entry.accepted = True
 
     def discard(self, block: int, update_ids: Iterable[int]) -> list[int]:
         """Take accepted updates back out of the open round (the accumulator and the round's
@@ -359,4 +535,8 @@ class RoundEngine:
             listener(event)
         st.weights, st.momentum = weights, momentum
         st.acc = accumulator(self.settings)
+        keep = st.rounds.round - self.settings.replay_rounds
+        seen = self.seen.setdefault(st.index, {})
+        for digest in [d for d, e in seen.items() if e.round < keep]:
+            del seen[digest]
         return event

@@ -10,8 +10,10 @@ Life of round r of block b:
     opened    when round r-1 closes (round 0 at the start), publishing version v
     started   at the first pull of round r: its deadline is started + deadline_s
     judged    each update: accepted, or refused with a reason (late, stale_version, ...)
-    closed    at the deadline; early once every expected replica has reported; or once a
-              quorum of them reported and the grace period after it passed
+    closed    at the deadline; early once every expected replica has passed, or once a
+              quorum of them passed and the grace period after it passed, never before the
+              minimum round length (a replica *passes* when its update of the round is
+              accepted: a refused push is a report, but it never closes a round early)
     committed version v + 1 if at least one update was accepted, else v (weights kept)
 
 A replica is *expected* in round r if it is still assigned to the block, either pulled round
@@ -34,9 +36,12 @@ from blocktrain.protocol.registry import Registry as Registry
 from blocktrain.protocol.registry import WorkerEntry as WorkerEntry
 from blocktrain.protocol.verdict import Verdict
 
-NOT_A_REPORT = frozenset({"duplicate", "future_round", "done", "unknown_worker", "not_assigned"})
-"""Refusals that do not count as a replica reporting for its round (the last two: the worker is
-not a replica of the block)."""
+NOT_A_REPORT = frozenset(
+    {"duplicate", "future_round", "done", "unknown_worker", "not_assigned", "busy"}
+)
+"""Refusals that do not count as a replica reporting for its round (`unknown_worker`,
+`not_assigned`: the worker is not a replica of the block; `busy`: the update was not judged,
+and may come again)."""
 
 
 class RoundPolicy(Protocol):
@@ -57,6 +62,8 @@ class RoundPolicy(Protocol):
     def quorum(self) -> float: ...
     @property
     def grace_s(self) -> float | None: ...
+    @property
+    def min_round(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -150,15 +157,24 @@ class BlockRounds:
             active = {w for w in active if now - self.heard.get(w, now) <= window}
         return frozenset(active)
 
+    @property
+    def passed(self) -> frozenset[int]:
+        """Replicas whose update of the open round was accepted (after every check, the effect
+        probe included): only they count towards an early close. Refused pushes are reports
+        (liveness, duplicates) but junk costs nothing to send, so it must not close a round
+        (finding "quorum stuffing")."""
+        return frozenset(c.worker_id for c in self.accepted if c.round == self.round)
+
     def quorum_met(self, reported: Collection[int], expected: frozenset[int]) -> bool:
-        """Whether `reported` holds the quorum of `expected` (at least one replica)."""
+        """Whether `reported` (replicas that passed) holds the quorum of `expected` (at least
+        one replica)."""
         need = max(1, math.ceil(self.policy.quorum * len(expected)))
         return bool(expected) and len(expected.intersection(reported)) >= need
 
     def _quorum(self, expected: frozenset[int], now: float) -> bool:
         """Whether the quorum has reported; notes when it first did."""
         if self.quorum_at is None:
-            if not self.quorum_met(self.reported, expected):
+            if not self.quorum_met(self.passed, expected):
                 return False
             self.quorum_at = now
         return True
@@ -170,6 +186,12 @@ class BlockRounds:
             took = self.quorum_at - (self.started_at if self.started_at is not None else now)
             grace = max(took, self.policy.deadline_s / 10)
         return now >= self.quorum_at + grace
+
+    def _min_over(self, now: float) -> bool:
+        """Whether the round has been open (since its clock started) for the minimum round
+        length, so that no early close comes in a burst."""
+        started = self.started_at if self.started_at is not None else now
+        return now >= started + self.policy.min_round
 
     def view(self) -> RoundView:
         return RoundView(self.block, self.round, self.version, self.deadline, self.done)
@@ -273,17 +295,22 @@ class BlockRounds:
             self.prev_reported.add(worker)
 
     def tick(self, now: float) -> RoundClosed | None:
-        """Close the open round if its deadline passed, every expected replica reported, or
-        the quorum reported and the grace period after it passed."""
+        """Close the open round if its deadline passed; or, once the minimum round length
+        passed, if every expected replica passed (its update accepted) or the quorum passed
+        and the grace period after it passed."""
         if self.done:
             return None
         deadline = self.deadline
         expected = self.expected(now)
+        passed = self.passed
+        quorum = self._quorum(expected, now)  # notes when the quorum first passed
         if deadline is not None and now >= deadline:
             cause = "deadline"
-        elif self.reported and expected <= self.reported:
+        elif not self._min_over(now):
+            return None
+        elif passed and expected <= passed:
             cause = "all_reported"
-        elif self._quorum(expected, now) and self._grace_over(now):
+        elif quorum and self._grace_over(now):
             cause = "quorum"
         else:
             return None
@@ -352,7 +379,8 @@ def restore(
 ) -> BlockRounds:
     """A block's round state rebuilt from a ledger after a restart. `heard`: when each assigned
     worker last registered or reported (one left out counts as just heard); `report_times`:
-    when each reporter of the open round first reported, to find when its quorum did."""
+    when each reporter of the open round first reported, to find when the quorum of those
+    that passed did."""
     state = BlockRounds(
         block,
         policy,
@@ -369,7 +397,8 @@ def restore(
         heard=dict(heard or {}),
     )
     state.stale_seen = {(c.worker_id, c.round) for c in state.accepted if c.round != round}
-    times = sorted((t, w) for w, t in (report_times or {}).items() if w in state.reported)
+    passed = state.passed
+    times = sorted((t, w) for w, t in (report_times or {}).items() if w in passed)
     for i, (t, _) in enumerate(times):  # the first report that made the quorum
         if state.quorum_met({w for _, w in times[: i + 1]}, state.expected(t)):
             state.quorum_at = t

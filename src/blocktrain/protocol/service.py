@@ -6,14 +6,22 @@ identity (`auth`), the ledger, durable update bodies, committed versions on disk
 (`traffic`) and a lock. Time comes from the injected `clock` (seconds since the epoch by
 default, so deadlines survive a restart).
 
-An update is handled in five steps:
+An update is handled in six steps:
 
 1. identity: token, rate, worker, its block (`begin_push`; the HTTP guard checked the size);
-2. content: `RoundEngine.check` (safetensors parse, the validator chain), outside the lock;
-3. durability: the body is written to STATE/pending and fsynced, still outside the lock;
-4. timing: under the lock, `RoundEngine.judge`; if accepted, a ledger row, then
-   `RoundEngine.record` and `tick` (which may close the round); else the pending file is removed;
-5. an accepted row is fsynced after the lock is released (one fsync covers every row committed
+2. form: `RoundEngine.inspect` (safetensors parse, the validator chain), outside the lock;
+3. timing first: under the lock, `RoundEngine.judge` (duplicate, late, stale), then
+   `RoundEngine.screen` (replays: the body bound to its worker, round and version, its tensors
+   not seen before), and a place at the effect probe (`RoundEngine.reserve_probe`: the
+   identity's budget, the bounded queue);
+4. effect: `RoundEngine.finish` (the probe, one at a time under `probe_lock`, and the
+   identity's standing), outside the engine's lock; then the body is written to STATE/pending
+   and fsynced, still outside it;
+5. timing again: under the lock, `RoundEngine.judge` and `screen` (the round may have closed,
+   or a copy come in, meanwhile); if
+   accepted, a ledger row, then `RoundEngine.record` and `tick` (which may close the round);
+   else the pending file is removed;
+6. an accepted row is fsynced after the lock is released (one fsync covers every row committed
    so far, so concurrent pushes share them), and only then is the push answered.
 
 A refused push gets a ledger row with its reason before the 4xx goes out once its token is
@@ -28,7 +36,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -36,7 +44,7 @@ from blocktrain.errors import ProtocolError, Refused
 from blocktrain.httpserve import TokenBucket
 from blocktrain.protocol import auth
 from blocktrain.protocol.auth import Caller, refused
-from blocktrain.protocol.core import Checked, Committed, EngineBlock
+from blocktrain.protocol.core import Checked, Committed, EngineBlock, ProbeSlot
 from blocktrain.protocol.directory import Directory, placed
 from blocktrain.protocol.ledger_schema import TokenRow, fsync_wal
 from blocktrain.protocol.limits import AccessLimits, rate_limit
@@ -45,6 +53,7 @@ from blocktrain.protocol.settings import AggregatorSettings
 from blocktrain.protocol.storage import StateDir
 from blocktrain.protocol.traffic import Traffic
 from blocktrain.protocol.updates import PullReply, PushContext, update_fields
+from blocktrain.protocol.verdict import Verdict
 from blocktrain.protocol.wire import encode
 
 log = logging.getLogger(__name__)
@@ -85,6 +94,8 @@ class AggregatorService:
         self.ledger = storage.ledger
         self.traffic = Traffic(self.ledger, self.directory.served)
         self.lock = threading.RLock()
+        self.probe_lock = threading.Lock()
+        """The effect probe runs one update at a time (PROBE_SLOTS bound those waiting)."""
         self.started_at = clock()
         self.durable = Durable(storage, self.settings)
         self._cache: dict[int, tuple[tuple[int, int, float | None], bytes]] = {}
@@ -292,23 +303,47 @@ class AggregatorService:
 
     def submit(self, ctx: PushContext, body: bytes | bytearray) -> dict[str, Any]:
         """Check, store and judge one update; returns the acceptance or raises Refused."""
-        checked = self.engine.check(ctx.block, body, ctx.worker_id)
+        checked = self.engine.inspect(ctx.block, body)
         meta = checked.meta
         fields = {} if meta is None else update_fields(meta, checked)
         if not checked.verdict.accepted:
-            with self.lock:
-                now = self.clock()
-                self.engine.record(ctx.worker_id, ctx.block, checked.verdict, now, checked=checked)
-                self._refuse(
-                    ctx, checked, checked.verdict.reason, checked.verdict.detail, body, fields
-                )
-                self.engine.tick(now)
-            raise refused(checked.verdict.reason, checked.verdict.detail)
+            self._refused(ctx, checked, checked.verdict, body, fields)
         assert meta is not None
-        name = self.storage.write_pending(ctx.block, body)  # durable before it is accepted
+        with self.lock:  # the cheap checks first: no probe for a duplicate or late update
+            verdict = self.engine.judge(ctx.worker_id, ctx.block, meta, self.clock())
+            if verdict.accepted:
+                verdict = self.engine.screen(ctx.worker_id, ctx.block, checked)
+            slot = None
+            if verdict.accepted:
+                verdict, slot = self.engine.reserve_probe(ctx.worker_id, ctx.block)
+        if not verdict.accepted:
+            self._refused(ctx, checked, verdict, body, fields)
+        try:
+            if slot is not None:  # the probe: one update at a time, a bounded queue before it
+                with self.probe_lock:
+                    checked = self.engine.finish(checked, ctx.worker_id)
+            else:
+                checked = self.engine.finish(checked, ctx.worker_id)
+        except BaseException:
+            with self.lock:
+                self.engine.release_probe(slot, accepted=False)
+            raise
+        fields = update_fields(meta, checked)
+        if not checked.verdict.accepted:
+            self._refused(ctx, checked, checked.verdict, body, fields, slot)
+        try:
+            name = self.storage.write_pending(ctx.block, body)  # durable before it is accepted
+        except BaseException:
+            with self.lock:
+                self.engine.release_probe(slot, accepted=True)
+            raise
         with self.lock:
             now = self.clock()
             verdict = self.engine.judge(ctx.worker_id, ctx.block, meta, now)
+            if verdict.accepted:  # a copy pushed while this one was probed
+                screened = self.engine.screen(ctx.worker_id, ctx.block, checked)
+                verdict = verdict if screened.accepted else screened
+            self.engine.release_probe(slot, accepted=verdict.accepted)
             if not verdict.accepted:
                 self.storage.remove_pending(name)
                 self.engine.record(ctx.worker_id, ctx.block, verdict, now, checked=checked)
@@ -345,6 +380,25 @@ class AggregatorService:
             "weight": verdict.weight,
             "norm": fields["norm"],
         }
+
+    def _refused(
+        self,
+        ctx: PushContext,
+        checked: Checked,
+        verdict: Verdict,
+        body: bytes | bytearray,
+        fields: dict[str, Any],
+        slot: ProbeSlot | None = None,
+    ) -> NoReturn:
+        """Record a refused update (its ledger row, its report in the round, its reputation)
+        and raise the refusal; `slot`: its place at the probe, given back spent."""
+        with self.lock:
+            now = self.clock()
+            self.engine.release_probe(slot, accepted=False)
+            self.engine.record(ctx.worker_id, ctx.block, verdict, now, checked=checked)
+            self._refuse(ctx, checked, verdict.reason, verdict.detail, body, fields)
+            self.engine.tick(now)
+        raise refused(verdict.reason, verdict.detail)
 
     def _refuse(
         self,

@@ -169,6 +169,27 @@ class AggregatorSettings:
         "must lie in [0, 1)",
         flag="--probe-tolerance",
     )
+    probe_budget: int = setting(
+        2,
+        "Updates per identity per round that may reach the effect probe and be refused; "
+        "beyond them its updates are refused busy (429) before probing until the round "
+        "closes (an accepted update gives its place back).",
+        _positive,
+        "must be positive",
+        flag="--probe-budget",
+        metavar="N",
+    )
+    replay_rounds: int = setting(
+        8,
+        "Rounds per block whose update bodies' tensor digests are kept: the same tensors "
+        "already accepted, or pushed by another identity, within them are refused replay "
+        "(at most 4096 digests per block, in memory); 0 turns this check off (an update "
+        "stays bound to its worker and the round and version of its pull).",
+        lambda v: v >= 0,
+        "must be >= 0",
+        flag="--replay-rounds",
+        metavar="R",
+    )
     min_reputation: float = setting(
         0.1,
         "An identity whose reputation (halved by each harmful update, +0.1 per helpful one, "
@@ -305,6 +326,17 @@ class AggregatorSettings:
         metavar="S",
         default_text="as long as the quorum took, at least deadline_s / 10",
     )
+    min_round_s: float | None = setting(
+        None,
+        "Seconds a round stays open, from its first pull, before it may close early (every "
+        "expected replica passed, or the quorum and the grace period); the deadline is not "
+        "affected. 0: no minimum (a trusted cluster).",
+        lambda v: v is None or v >= 0,
+        "must be >= 0 (or none)",
+        flag="--min-round",
+        metavar="S",
+        default_text="deadline_s / 4",
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -324,6 +356,13 @@ class AggregatorSettings:
         if self.pull_wire is not None:
             return self.pull_wire
         return self.push_wire if DeltaWire.parse(self.push_wire).lossy else FULL
+
+    @property
+    def min_round(self) -> float:
+        """The minimum round length: min_round_s, else a quarter of the deadline (never past
+        the deadline)."""
+        chosen = self.min_round_s if self.min_round_s is not None else self.deadline_s / 4
+        return min(chosen, self.deadline_s)
 
     @property
     def live_window(self) -> float:

@@ -48,6 +48,11 @@ REASONS: dict[str, tuple[int, str]] = {
     "future_round": (409, "the update names a round that has not opened"),
     "duplicate": (409, "this worker already reported for this round"),
     "done": (410, "the block has finished its rounds"),
+    "replay": (
+        409,
+        "the body names another worker, or another round or version than the worker's last "
+        "pull, or repeats tensors already accepted or pushed by another identity",
+    ),
     # committed versions at immutable URLs (docs/protocol.md, Pulls through a cache)
     "unknown_version": (404, "the block has not reached this version"),
     "version_gone": (410, "the version was pruned (keep_versions); pull the open round"),
@@ -67,6 +72,11 @@ REASONS: dict[str, tuple[int, str]] = {
         403,
         "the identity's reputation fell below the minimum (harmful updates; a helpful update "
         "still earns it back)",
+    ),
+    "busy": (
+        429,
+        "the effect probe is not taking this update now: the identity spent its probe budget for "
+        "the round, or the probe's queue is full; see Retry-After",
     ),
     "no_gain": (
         422,

@@ -205,8 +205,10 @@ class WorkerLoop:
             assert self._trainer is not None and self._encoder is not None
             self._trainer.load(pulled.tensors)
             self._trainer.load_upstream(upstream)
+            # the schedule follows the block's committed version, not the round: a round that
+            # committed nothing (burned by refusals, or empty) does not advance it
             logs = self._trainer.train(
-                reg.local_steps, pulled.round * reg.local_steps, self.stop.is_set
+                reg.local_steps, pulled.version * reg.local_steps, self.stop.is_set
             )
             self.report.local_steps += int(logs.get("steps", 0))
             if self.stop.is_set():

@@ -97,16 +97,26 @@ class SimAggregator:
         return view, published, None
 
     def push(self, worker: int, block: int, body: bytes, now: float) -> Judged:
-        """Check, judge and record one update body."""
-        checked = self.engine.check(block, body, worker)
+        """Check, judge and record one update body, in the service's order: its form, its
+        timing, replays, a place at the probe, then its effect (and its identity's
+        standing)."""
+        checked = self.engine.inspect(block, body)
         meta = checked.meta
         verdict = checked.verdict
         if verdict.accepted:
             assert meta is not None
-            verdict = self.engine.judge(worker, block, meta, now)
+            timing = verdict = self.engine.judge(worker, block, meta, now)
+            if verdict.accepted:
+                verdict = self.engine.screen(worker, block, checked)
+            if verdict.accepted:
+                verdict, slot = self.engine.reserve_probe(worker, block)
+                if verdict.accepted:
+                    checked = self.engine.finish(checked, worker)
+                    verdict = timing if checked.verdict.accepted else checked.verdict
+                    self.engine.release_probe(slot, accepted=verdict.accepted)
         self.engine.record(worker, block, verdict, now, checked=checked)
         self.engine.tick(now)
-        if meta is None or not checked.verdict.accepted:
+        if meta is None or not verdict.accepted:
             return Judged(
                 worker, block, None if meta is None else meta.round, verdict, 0, len(body)
             )

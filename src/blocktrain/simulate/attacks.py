@@ -42,7 +42,8 @@ BIAS_TENSOR = "head.bias"
 def undefended(cfg: RunConfig, local_steps: int) -> dict[str, Any]:
     """The aggregator settings before the poisoning defences (the comparison's "defences none"): the mean
     weighted by claimed tokens, no clipping, no effect probe, the loose norm bound, and any
-    number of live workers per token (one per token is one of those defences too)."""
+    number of live workers per token (one per token is one of those defences too); nor the
+    replay check (identical forged deltas from several tokens are copies)."""
     n_params = largest_block(initial_blocks(cfg))
     return {
         "rule": "mean",
@@ -51,6 +52,7 @@ def undefended(cfg: RunConfig, local_steps: int) -> dict[str, Any]:
         "effect_probe": "off",
         "max_delta_norm": loose_delta_norm_bound(cfg, local_steps, n_params),
         "max_workers_per_token": 1024,
+        "replay_rounds": 0,
     }
 
 
@@ -116,7 +118,7 @@ class ForgingTrainer:
     def train(
         self, steps: int, first_step: int, should_stop: Callable[[], bool] = lambda: False
     ) -> dict[str, float]:
-        self.round = first_step // max(steps, 1)
+        self.round = first_step // max(steps, 1)  # the version it trained from (version x H)
         return {"tokens": float(self.tokens), "loss": math.nan, "steps": 0.0}
 
     def delta(self) -> Tensors:

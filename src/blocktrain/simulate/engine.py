@@ -241,6 +241,8 @@ class Simulation:
         if view.deadline is not None and (w.block, view.round) not in self._deadline_ticks:
             self._deadline_ticks.add((w.block, view.round))
             self._at(view.deadline, "tick", w.block)
+            # and when the minimum round length passes (an early close may wait for it)
+            self._at(view.deadline - self.deadline_s + self.settings.min_round, "tick", w.block)
         w.holding = view
         w.held = weights
         nbytes = self._wire_bytes if delta_bytes is None else delta_bytes
@@ -267,7 +269,7 @@ class Simulation:
         w.trainer.load(weights)
         w.trainer.load_upstream(w.upstream)
         t0 = time.perf_counter()
-        logs = w.trainer.train(h, view.round * h, _never)
+        logs = w.trainer.train(h, view.version * h, _never)  # as a WorkerLoop: version x H
         self.clocks.train_s += time.perf_counter() - t0
         w.local_steps += int(logs["steps"])
         loss = float(logs["loss"])
