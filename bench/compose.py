@@ -240,9 +240,12 @@ HEAD_TO_HEAD = (
     ("blocktrain", 1, 1, "state"),
     ("diloco", 1, 1, "end-to-end"),
     ("diloco", 1, 3, "end-to-end"),
+    ("averaged", 1, 1, "end-to-end"),
+    ("averaged", 1, 3, "end-to-end"),
 )
 """The decentralised rows: (method, blocks, layers as a multiple of one block's, route); W
-workers spread evenly over the blocks. DiLoCo trains the end-to-end reference as one unit."""
+workers spread evenly over the blocks. DiLoCo trains the end-to-end reference as one unit with
+its outer Nesterov; `averaged` the same unit with plain averaging, as the blocks are."""
 
 
 def head_to_head(args: argparse.Namespace, data: Path) -> list[dict[str, Any]]:
@@ -254,19 +257,22 @@ def head_to_head(args: argparse.Namespace, data: Path) -> list[dict[str, Any]]:
     out = []
     test = load_split(data, "test").windows(preset(args.preset).model.seq_len, args.bytes)
     for method, blocks, depth, route in HEAD_TO_HEAD:
-        model = "reference" if method == "diloco" else "blocktrain"
+        if method not in args.methods:
+            continue
+        end_to_end = method in ("diloco", "averaged")
+        model = "reference" if end_to_end else "blocktrain"
         row = Row(args.preset, model, blocks, depth * lpb, route, rounds * h)
         cfg = row.config(args.seeds[0], args.threads)
         protocol: dict[str, Any] = {"local_steps": h, "effect_probe": "off"}
         protocol |= DILOCO if method == "diloco" else {}
-        unit = "reference" if method == "diloco" else "block"
+        unit = "reference" if end_to_end else "block"
         spec = SimSpec(cfg, workers, rounds, protocol, seed=cfg.seed, unit=unit)
         print(f"simulating {row.key} with {workers} workers", file=sys.stderr, flush=True)
         report, weights = simulate(
             spec, [REGIMES["lockstep"]], load_split(data, "train"), load_split(data, "valid")
         )
         result = report["regimes"]["lockstep"]
-        if method == "diloco":
+        if end_to_end:
             reference = init_reference(cfg.model, cfg.seed).eval()
             reference.load_state_dict(weights["lockstep"][0])
             ce = evaluate_reference(reference, test, EvalSettings(seed=0))["ce"]
@@ -277,11 +283,10 @@ def head_to_head(args: argparse.Namespace, data: Path) -> list[dict[str, Any]]:
                 "sampler_ce"
             ]
             params = plan(cfg)["params_total"]
-        name = (
-            f"DiLoCo, {depth * lpb}-layer replicas"
-            if method == "diloco"
-            else f"BlockTrain B = {blocks}, {route}"
-        )
+        name = {
+            "diloco": f"DiLoCo, {depth * lpb}-layer replicas",
+            "averaged": f"end-to-end {depth * lpb}-layer replicas, averaged",
+        }.get(method, f"BlockTrain B = {blocks}, {route}")
         out.append(
             {
                 "method": name,
@@ -406,6 +411,12 @@ def main() -> None:
         help="W:R:H: (only) the decentralised head-to-head in the simulator: W workers, R "
         "rounds of H local steps",
     )
+    p.add_argument(
+        "--methods",
+        type=lambda s: s.split(","),
+        default=["blocktrain", "diloco"],
+        help="with --simulate: which rows (blocktrain, diloco, averaged); others are kept",
+    )
     p.add_argument("--seeds", type=lambda s: [int(v) for v in s.split(",")], default=[0])
     p.add_argument("--sweeps", type=int, help="M of the sampler CE (default: 16 tiny, 64 small)")
     p.add_argument("--bytes", type=int, default=32768, help="test bytes")
@@ -421,7 +432,10 @@ def main() -> None:
     by_key = {Row(**{k: r[k] for k in fields if k in r}).key: r for r in old["rows"]}
     if args.simulate:
         old = {"sweeps": DEFAULT_SWEEPS, "test_bytes": args.bytes, "depth": [], **old}
-        old["head_to_head"] = head_to_head(args, data)
+        new = head_to_head(args, data)
+        names = {r["method"] for r in new}
+        old["head_to_head"] = [r for r in old.get("head_to_head", []) if r["method"] not in names]
+        old["head_to_head"] += new
         command = "python bench/compose.py " + " ".join(sys.argv[1:])
         old["commands"] = [c for c in old.get("commands", []) if c != command] + [command]
         write_json(RESULT, old)
