@@ -113,34 +113,7 @@ def test_a_diloco_cluster_trains_over_http(tmp_path, corpus, capsys):
 
 def test_cluster_command_runs_rounds_over_http(tmp_path, corpus, capsys):
     out = tmp_path / "cluster"
-    code = main(
-        [
-            "cluster",
-            "--workers",
-            "3",
-            "--preset",
-            "tiny",
-            *MICRO,
-            "--rounds",
-            "3",
-            "--local-steps",
-            "2",
-            "--deadline",
-            "30",
-            "--data",
-            str(corpus),
-            "--out",
-            str(out),
-            "--eval-bytes",
-            "256",
-            "--final-bytes",
-            "256",
-            "--final-sweeps",
-            "2",
-            "--no-progress",
-            "--json",
-        ]
-    )
+    code = main(cluster_argv(out, corpus))
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary == json.loads(capsys.readouterr().out)

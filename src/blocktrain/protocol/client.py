@@ -289,12 +289,7 @@ class AggregatorClient:
         self.bytes_down += len(response.content)
         if response.status_code >= 400:
             raise self._refusal(response)
-        meta, tensors = self._weights(response.content)
-        if (meta.get("block"), meta.get("version")) != (str(block), str(version)):
-            raise ProtocolError(
-                f"{url} holds block {meta.get('block')} version {meta.get('version')}, "
-                f"not block {block} version {version}"
-            )
+        tensors = self._version_body(response.content, url, block, version)
         self._latest[block] = (version, tensors)
         return _fp32(tensors)
 
@@ -322,12 +317,7 @@ class AggregatorClient:
         else:
             if response.status_code >= 400:
                 raise self._refusal(response)
-            meta, tensors = self._weights(response.content)
-            if (meta.get("block"), meta.get("version")) != (str(block), str(version)):
-                raise ProtocolError(
-                    f"{url} holds block {meta.get('block')} version {meta.get('version')}, "
-                    f"not block {block} version {version}"
-                )
+            tensors = self._version_body(response.content, url, block, version)
             etag = response.headers.get("ETag")
             self._held = None if etag is None else (url, etag, tensors)
         self._view = View.of(block, version, tensors) if codec is not None else None
@@ -356,6 +346,16 @@ class AggregatorClient:
         except ProtocolError as exc:
             log.warning("delta pull of version %d unusable (%s); pulling it whole", version, exc)
             return None, len(response.content)
+
+    def _version_body(self, body: bytes, url: str, block: int, version: int) -> Tensors:
+        """The tensors of a committed version's body, refused unless it names that version."""
+        meta, tensors = self._weights(body)
+        if (meta.get("block"), meta.get("version")) != (str(block), str(version)):
+            raise ProtocolError(
+                f"{url} holds block {meta.get('block')} version {meta.get('version')}, "
+                f"not block {block} version {version}"
+            )
+        return tensors
 
     @staticmethod
     def _weights(body: bytes) -> tuple[dict[str, str], Tensors]:
