@@ -4,8 +4,9 @@ checkpoint from per-block weights, as the aggregator's export does.
 `LocalBlockTrainer` takes the trainer's step (`step.train_step`, with BlockLoss and
 make_optimizer): a worker's update is `Trainer.train_step`'s for one block, with the batches
 drawn from the worker's own data seed (`seed * n_workers + worker_id`, so two replicas
-of a block see different batches) and the step index taken from the round (round * H + i), so
-the learning-rate schedule follows the run's progress, not the worker's age. Its AdamW state
+of a block see different batches) and the step index taken from the committed version it
+trains from (version * H + i), so the learning-rate schedule follows the run's progress, not
+the worker's age. Its AdamW state
 lives as long as the object: it carries over from round to round while the weights are reset
 to each round's published version.
 """
