@@ -257,16 +257,6 @@ class RunConfig:
             raise ConfigError(f"config does not match this version of blocktrain: {exc}") from exc
 
 
-def require_state_route(cfg: ModelConfig, where: str) -> None:
-    """Refuse a `route = features` model in `where`, a part that passes only the noisy state
-    between blocks: it would run each block without the features it was trained on."""
-    if cfg.route != "state":
-        raise ConfigError(
-            f"route = {cfg.route} is not supported by {where} yet: train and use such a model "
-            "in one process (blocktrain train, eval, generate); docs/model.md"
-        )
-
-
 def parse_blocks(text: str, flag: str = "--blocks") -> tuple[int, ...]:
     """The block indices of a command's `--blocks` (train's `--block`): distinct non-negative
     integers separated by commas, e.g. "0" or "1, 2" -> (1, 2), sorted; empty items (a

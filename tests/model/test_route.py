@@ -187,12 +187,7 @@ def test_the_probe_judges_a_block_with_the_upstream_versions_it_reads(corpus):
         probe.loss(2, weights[2], {0: weights[0]})
 
 
-def test_block_hosts_and_a_partial_aggregator_refuse_a_features_model(corpus, tmp_path, capsys):
-    run = tmp_path / "run"
-    argv = ["train", "--data", str(corpus), "--out", str(run), "--steps", "2", *FEATURES]
-    assert main(argv) == 0
-    capsys.readouterr()
-    fails_cleanly(capsys, ["serve-block", str(run), "--blocks", "0", "--port", "0"], "block hosts")
+def test_a_partial_aggregator_refuses_a_features_model(corpus, tmp_path, capsys):
     state = tmp_path / "state"
     aggregator = ["aggregator", "--state", str(state), "--preset", "tiny", "--data", str(corpus)]
     one = [*aggregator, "--blocks", "0", "--set", "route=features"]

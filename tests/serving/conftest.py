@@ -44,6 +44,8 @@ class Runs:
     blocktrain: Path  # span K = 2, T = 16, 3 blocks of 1 layer
     reference: Path
     next_byte: Path  # the same with span K = 1 (speculative drafting verifies with it)
+    features: Path  # the K = 2 run under `route = features` (block b + 1 reads block b's stream)
+    features_next_byte: Path  # and its K = 1 twin
 
 
 @pytest.fixture(scope="session")
@@ -61,9 +63,20 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
             Trainer.create(cfg, root / kind, train, None, kind=kind).run(progress=False)
         k1 = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, span=1))
         Trainer.create(k1, root / "k1", train, None, kind="blocktrain").run(progress=False)
+        for name, base in (("features", cfg), ("features-k1", k1)):
+            routed = dataclasses.replace(
+                base, model=dataclasses.replace(base.model, route="features")
+            )
+            Trainer.create(routed, root / name, train, None, kind="blocktrain").run(progress=False)
     finally:
         torch.set_num_threads(before)
-    return Runs(root / "blocktrain", root / "reference", root / "k1")
+    return Runs(
+        root / "blocktrain",
+        root / "reference",
+        root / "k1",
+        root / "features",
+        root / "features-k1",
+    )
 
 
 class Apps(httpx.AsyncBaseTransport):
@@ -115,18 +128,22 @@ def start_cluster(
     runs: Runs,
     parts: list[tuple[int, ...]] | None = None,
     next_urls: bool = False,
+    models: tuple[ModelSource, ...] | None = None,
     **host_settings: object,
 ) -> Cluster:
+    """Hosts holding `parts` (default: block i on host i) of `models` (default: "bt", "ref"
+    and "bt1", the K = 2, reference and K = 1 runs)."""
     apps = Apps()
     parts = parts or [(0,), (1,), (2,)]
     urls = URLS[: len(parts)]
+    models = models or (
+        ModelSource("bt", runs.blocktrain),
+        ModelSource("ref", runs.reference),
+        ModelSource("bt1", runs.next_byte),
+    )
     for i, (url, held) in enumerate(zip(urls, parts, strict=True)):
         settings = HostSettings(
-            models=(
-                ModelSource("bt", runs.blocktrain),
-                ModelSource("ref", runs.reference),
-                ModelSource("bt1", runs.next_byte),
-            ),
+            models=models,
             parts=held,
             public_url=url,
             next_url=urls[i + 1] if next_urls and i + 1 < len(urls) else None,

@@ -12,7 +12,9 @@ import torch
 from blocktrain.data.ngram import NgramDrafter
 from blocktrain.model import BlockStack, Sampling, SigmaSchedule, stack_denoiser
 from blocktrain.model.speculative import (
+    Drafter,
     ModelDrafter,
+    SpeculativeLoop,
     generate_autoregressive_speculative,
     generate_speculative,
 )
@@ -27,6 +29,26 @@ def k1(runs) -> BlockStack:
     _, model = load_model(runs.next_byte)
     assert isinstance(model, BlockStack) and model.cfg.span == 1
     return model
+
+
+def in_process_speculative(
+    k1: BlockStack, prompt: bytes, drafter: Drafter, steps: int, sampler: str, draws: int
+) -> tuple[torch.Tensor, SpeculativeLoop]:
+    """What the in-process speculative loop writes for 12 bytes, 4 drafted, seed 4."""
+    return generate_speculative(
+        stack_denoiser(k1),
+        torch.tensor([list(prompt)]),
+        12,
+        drafter=drafter,
+        draft_len=4,
+        grid=SigmaSchedule.from_config(k1.cfg).sampler_grid(steps),
+        targets=k1.targets,
+        seq_len=k1.cfg.seq_len,
+        sampling=Sampling(),
+        generator=torch.Generator().manual_seed(4),
+        method=sampler,
+        draws=draws,
+    )
 
 
 @pytest.mark.parametrize(
@@ -53,20 +75,7 @@ def test_verified_drafts_through_the_chain_are_the_in_process_loops_bytes(
     with cluster.router(drafter=drafts) as router:
         r = router.post("/v1/generate", json={**request, **extra})
     assert r.status_code == 200, r.text
-    expected, loop = generate_speculative(
-        stack_denoiser(k1),
-        torch.tensor([list(prompt)]),
-        12,
-        drafter=drafts,
-        draft_len=4,
-        grid=SigmaSchedule.from_config(k1.cfg).sampler_grid(steps),
-        targets=k1.targets,
-        seq_len=k1.cfg.seq_len,
-        sampling=Sampling(),
-        generator=torch.Generator().manual_seed(4),
-        method=sampler,
-        draws=verify_draws,
-    )
+    expected, loop = in_process_speculative(k1, prompt, drafts, steps, sampler, verify_draws)
     # The hosts run the in-process loop's code on the same shapes: the same bytes exactly.
     assert r.json()["bytes"] == expected[0].tolist()
     assert r.json()["traversals"] == loop.traversals <= 12

@@ -242,16 +242,19 @@ class Block(nn.Module):
         sigma: torch.Tensor,
         layout: ZLayout,
         clean: CleanBatch,
+        upstream: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`forward`'s logits (N, Lz, 256) with the clean stream taken from `clean` (a batch of
         right-aligned contexts, model/cached.py): only its last `clean.fresh` indices run
-        through the layers, and they are left in `clean` for the next call. x_bytes (N, Lx)
-        right-aligned (Lx = clean.length), z (N, Lz, d), sigma (N,), layout built for Lx."""
+        through the layers, and they are left in `clean` for the next call, with their clean
+        outputs in `clean.out` when it keeps them. x_bytes (N, Lx) right-aligned (Lx =
+        clean.length), z (N, Lz, d), sigma (N,), layout built for Lx; `upstream` (N, Lx, d)
+        right-aligned: the previous block's clean output (`route = features`)."""
         length, fresh = x_bytes.shape[1], clean.fresh
         assert length == clean.length and len(clean.keys) == len(self.layers)
         terms = self.sigma_terms(sigma.to(z.dtype))
         sc = terms.scalings
-        h = self.z_tokens(x_bytes, z, sc.c_in, layout)  # (N, Lz, d)
+        h = self.z_tokens(x_bytes, z, sc.c_in, layout, upstream)  # (N, Lz, d)
         n = x_bytes.shape[0]
         # Per-row positions (index less the row's padding): rotations (N, 1, L, hd/2).
         rope_z = self.rotary.rotation(clean.positions(layout.z_pos).flatten())
@@ -261,7 +264,8 @@ class Block(nn.Module):
         rope_x = x_mask = torch.empty(0)
         if fresh:
             index = torch.arange(length - fresh, length, device=x_bytes.device)
-            x = self.embed(x_bytes[:, length - fresh :])  # (N, fresh, d)
+            above = None if upstream is None else upstream[:, length - fresh :]
+            x = self.clean_input(x_bytes[:, length - fresh :], above)  # (N, fresh, d)
             rope_x = self.rotary.rotation(clean.positions(index).flatten())
             rope_x = rope_x.view(n, 1, fresh, rope_x.shape[-1])
             x_mask = clean.clean_mask()
@@ -277,8 +281,11 @@ class Block(nn.Module):
                 terms.layers[i],
                 rope_z,
                 z_mask,
-                clean_mlp=i < last,  # the last layer's clean MLP feeds nothing the logits read
+                # The last layer's clean MLP feeds nothing the logits read; only the next block.
+                clean_mlp=i < last or clean.out is not None,
             )
+        if clean.out is not None and x is not None:
+            clean.out[:, length - fresh :] = x
         clean.fresh = 0
         return self.readout(h, z, sc, terms.final)
 

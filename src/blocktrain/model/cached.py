@@ -6,6 +6,11 @@ values depend only on bytes 0..i. A generation's next sweep sees the same contex
 bytes (K after a span, the accepted bytes after a verify sweep), so a host keeps each layer's
 rotated (k, v) of the context and computes only the new positions and the z tokens.
 
+Under `route = features` the next block reads this block's clean output (its last residual per
+position), so the cache keeps those outputs too (`out`) whenever a next block exists: the host
+passes the whole context's outputs on with the state, and a block on the same host reads them
+directly (serving/sweeps.py).
+
 Several generations share one forward pass with their contexts **right-aligned** to one length
 L: row r's L_r bytes sit at indices L - L_r .. L - 1 (`pad` = L - L_r indices of padding before
 them), so every row's z tokens sit at the same indices and one `ZLayout`, built for L, serves
@@ -31,6 +36,9 @@ class CleanCache(KVCache):
     (N, H, P, hd), of the bytes `tokens` (N, P): position i holds byte tokens[:, i]."""
 
     tokens: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0, dtype=torch.long))
+    out: torch.Tensor | None = None
+    """(N, P, d): the clean stream's output at each position, what the next block reads under
+    `route = features`; None when no block reads it."""
 
     def reusable(self, x: torch.Tensor) -> int:
         """How many leading positions of the context x (N, L) this cache holds: the bytes that
@@ -44,7 +52,8 @@ class CleanCache(KVCache):
         return int(first[0]) if len(first) else n
 
     def nbytes(self) -> int:
-        return super().nbytes() + self.tokens.numel() * self.tokens.element_size()
+        kept = [self.tokens] + ([] if self.out is None else [self.out])
+        return super().nbytes() + sum(t.numel() * t.element_size() for t in kept)
 
 
 def right_align(xs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,13 +78,16 @@ class CleanBatch:
     """One block's clean stream for a batch of right-aligned contexts of `length` indices. The
     keys/values (per layer (N, H, length - fresh, hd)) hold the indices before the last `fresh`;
     `Block.forward_cached` computes those and leaves all `length` indices here (fresh = 0), so
-    the next grid point of the same block (steps_per_block > 1) computes only z."""
+    the next grid point of the same block (steps_per_block > 1) computes only z. `out`
+    (N, length, d), when the next block reads this one's clean output (`route = features`):
+    the cached indices' outputs, and the fresh ones' once the forward pass wrote them."""
 
     pad: torch.Tensor  # (N,) int64
     length: int
     fresh: int
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    out: torch.Tensor | None = None
 
     @staticmethod
     def gather(
@@ -85,22 +97,33 @@ class CleanBatch:
         layers: int,
         heads: int,
         head_dim: int,
+        out_dim: int | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> CleanBatch:
         """The batch of `jobs`, each (rows, context length L_j, its cache or None), in row
-        order; every job's cache must hold its first L_j - fresh positions (`reusable`)."""
+        order; every job's cache must hold its first L_j - fresh positions (`reusable`).
+        `out_dim` d: also keep the clean outputs (each cache must hold them)."""
         length = max(lj for _, lj, _ in jobs)
         pad = torch.tensor([length - lj for n, lj, _ in jobs for _ in range(n)], dtype=torch.long)
         past = length - fresh
+        out = None
+        if out_dim is not None:  # padding and the fresh indices stay zero until written
+            out = torch.zeros(int(pad.shape[0]), length, out_dim, dtype=dtype)
+            row = 0
+            for n, lj, cache in jobs:
+                if lj - fresh > 0:
+                    assert cache is not None and cache.out is not None, "no outputs cached"
+                    out[row : row + n, length - lj : past] = cache.out[:, : lj - fresh]
+                row += n
         if len(jobs) == 1:  # one generation, no padding: its cache as it is, no copy
             n, _, cache = jobs[0]
             if past == 0:
                 empty = torch.zeros(n, heads, 0, head_dim, dtype=dtype)
-                return CleanBatch(pad, length, fresh, [empty] * layers, [empty] * layers)
+                return CleanBatch(pad, length, fresh, [empty] * layers, [empty] * layers, out)
             assert cache is not None and cache.length >= past, "gather past the cache"
             keys = [cache.keys[i][:, :, :past] for i in range(layers)]
             values = [cache.values[i][:, :, :past] for i in range(layers)]
-            return CleanBatch(pad, length, fresh, keys, values)
+            return CleanBatch(pad, length, fresh, keys, values, out)
         # Padding keys are zeros (finite: a masked key still enters the matrix product).
         n_rows = int(pad.shape[0])
         keys = [torch.zeros(n_rows, heads, past, head_dim, dtype=dtype) for _ in range(layers)]
@@ -114,7 +137,7 @@ class CleanBatch:
                     keys[i][row : row + n, :, past - used :] = cache.keys[i][:, :, :used]
                     values[i][row : row + n, :, past - used :] = cache.values[i][:, :, :used]
             row += n
-        return CleanBatch(pad, length, fresh, keys, values)
+        return CleanBatch(pad, length, fresh, keys, values, out)
 
     def split(self, contexts: list[torch.Tensor]) -> list[CleanCache]:
         """After the forward pass: each job's own cache of its context (n_j, L_j), in row
@@ -127,9 +150,16 @@ class CleanBatch:
             rows, idx = slice(row, row + n), slice(self.length - lj, self.length)
             keys = {i: k if whole else k[rows, :, idx].clone() for i, k in enumerate(self.keys)}
             values = {i: v if whole else v[rows, :, idx].clone() for i, v in enumerate(self.values)}
-            out.append(CleanCache(keys, values, lj, x.clone()))
+            outputs = self.outputs(rows, lj) if self.out is not None else None
+            out.append(CleanCache(keys, values, lj, x.clone(), outputs))
             row += n
         return out
+
+    def outputs(self, rows: slice, length: int) -> torch.Tensor:
+        """The clean outputs of `rows`, whose contexts are `length` bytes: (n, length, d), a
+        copy without the padding."""
+        assert self.out is not None and self.fresh == 0, "outputs after the forward pass"
+        return self.out[rows, self.length - length :].clone()
 
     def valid(self) -> torch.Tensor:
         """(N, length) bool: the indices holding a row's bytes (not padding)."""

@@ -13,7 +13,8 @@ steps_per_block points of a block run on its host: they cost compute, not hops. 
 steps draw noise (ancestral) draws it from the request's generator, whose state travels with z and
 comes back advanced. The host of the last point answers with its logits (the router samples), or
 with bytes sampled with the request's generator state when asked to (`final = "bytes"`). Any other
-host answers the state for the next point to the router, which sends it to the next host (or
+host answers the state for the next point (with its last block's clean output under `route =
+features`) to the router, which sends it to the next host (or
 forwards it to its own configured `--next`, in a chain without a router): the next hop is never
 read from a request.
 
@@ -310,9 +311,12 @@ class BlockHost:
                 host=self.settings.public_url,
                 code="misrouted",
             )
+        upstream = None
+        if cfg.route == "features" and first_block > 0:  # block b - 1's clean output
+            upstream = state_input(tensors, "u", (n, lx, cfg.d_model), header.wire_dtype)
         gen, sampling = self._generator(tensors, header)
         session = header.session if self.settings.kv_cache else None
-        job = SweepJob(model, header, x, z, grid, gen, sampling, session)
+        job = SweepJob(model, header, x, z, grid, gen, sampling, session, upstream)
         # Sweeps at the same point with the same state shape share one forward pass
         # (batching.py), bucketed by the clean positions they compute (their caches may be
         # dropped before they run: that costs time, never the result).
@@ -330,12 +334,15 @@ class BlockHost:
             z_len,
             fresh_bucket(fresh),
         )
-        z, step, done, visited, seconds = await self.batcher.submit(key, n, job)
-        trace = self._trace(model, visited, seconds)
-        if done is not None:
-            return done, [trace]
-        forward = header.model_copy(update={"step": step})
-        out = {"x": bytes_tensor(x), "z": z.to(WIRE_DTYPES[header.wire_dtype])}
+        result = await self.batcher.submit(key, n, job)
+        trace = self._trace(model, result.blocks, result.seconds)
+        if result.final is not None:
+            return result.final, [trace]
+        forward = header.model_copy(update={"step": result.step})
+        wire = WIRE_DTYPES[header.wire_dtype]
+        out = {"x": bytes_tensor(x), "z": result.z.to(wire)}
+        if result.upstream is not None:
+            out["u"] = result.upstream.to(wire)
         if gen is not None:
             out["generator"] = gen.get_state()
         return await self._pass_on("/v1/sweep", encode(out, forward.model_dump()), trace)

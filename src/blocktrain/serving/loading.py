@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from blocktrain.config import RunConfig, require_state_route
+from blocktrain.config import RunConfig
 from blocktrain.errors import CheckpointError, ConfigError
 from blocktrain.model import BlockStack, SigmaSchedule, init_reference
 from blocktrain.model.pipeline import ReferenceStage, stage_layers
@@ -120,7 +120,6 @@ def load_hosted_model(source: ModelSource, parts: list[int]) -> HostedModel:
         if not 0 <= p < total:
             raise ConfigError(f"--blocks {p}: {source.run_dir} has {what}s 0..{total - 1}")
     if info.kind == "blocktrain":
-        require_state_route(cfg.model, "block hosts (serve-block)")
         missing = sorted(set(parts) - set(info.blocks))
         if missing:
             raise CheckpointError(

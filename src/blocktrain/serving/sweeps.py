@@ -16,10 +16,12 @@ request's randomness stays its own whatever it was batched with."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -36,9 +38,22 @@ SweepKey = tuple[str, int, int, str, int, int, int, int, int]
 drafted bytes, verify draws and their fork, state length (so one layout serves the batch), and
 the bucket of the clean positions to compute (`fresh_bucket`). Context lengths may differ
 (model/cached.py)."""
-SweepResult = tuple[torch.Tensor, int, bytes | None, list[int], float]
-"""Per sweep: (z, next step, the final answer or None, blocks run, compute seconds of its
-batch)."""
+
+
+class SweepResult(NamedTuple):
+    """One sweep's outcome on this host."""
+
+    z: torch.Tensor
+    step: int
+    """The next grid point."""
+    final: bytes | None
+    """The final answer, when this host ran the grid's last point."""
+    blocks: list[int]
+    seconds: float
+    """Compute seconds of its batch."""
+    upstream: torch.Tensor | None = None
+    """(n, Lx, d): the last block's clean output over the context, which the next block reads
+    under `route = features` (None: it reads nothing but z, or this was the last point)."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +69,9 @@ class SweepJob:
     sampling: Sampling | None
     session: str | None = None
     """The generation's clean-stream caches on this host (None: keep none)."""
+    upstream: torch.Tensor | None = None
+    """(n, Lx, d): the previous block's clean output, sent by the host before (`route =
+    features` and a sweep that starts past block 0)."""
 
 
 @dataclass
@@ -136,6 +154,10 @@ def run_sweeps(
     points = host_points(grid, header.step, model.parts)
     visited = sorted({grid[n][0] for n in points})
     cfg = model.config.model
+    # Under `route = features` each block but the last keeps its clean outputs: the next block
+    # reads them, on this host or the next.
+    passes = cfg.route == "features"
+    keeps_out = {b: passes and b < cfg.blocks - 1 for b in visited}
     rows = [j.x.shape[0] for j in jobs]
     gens: RowGenerators | None = None
     samplings: list[Sampling] = []  # each request's, for the steps that draw bytes (reveal)
@@ -156,10 +178,14 @@ def run_sweeps(
                 layers=cfg.layers_per_block,
                 heads=cfg.n_heads,
                 head_dim=cfg.head_dim,
+                out_dim=cfg.d_model if keeps_out[b] else None,
             )
             for b in visited
         }
         x, _ = right_align([j.x for j in jobs])
+        upstream = {b: clean[b - 1].out for b in visited if passes and b - 1 in clean}
+        if passes and visited[0] > 0:  # what the host before sent, right-aligned as x
+            upstream[visited[0]] = right_align_rows([j.upstream for j in jobs], x.shape[1])
         if header.verifies:
             layout, fork = verify_sweep_layout(
                 x.shape[1] - header.drafted,
@@ -174,7 +200,7 @@ def run_sweeps(
         def denoise(
             b: int, xb: torch.Tensor, zb: torch.Tensor, sigma: torch.Tensor, lay: ZLayout
         ) -> torch.Tensor:
-            return stack.block(b).forward_cached(xb, zb, sigma, lay, clean[b])
+            return stack.block(b).forward_cached(xb, zb, sigma, lay, clean[b], upstream.get(b))
 
         z, logits = run_points(
             denoise,
@@ -191,10 +217,18 @@ def run_sweeps(
             fork=fork,
         )
         finals: list[bytes | None] = [None] * len(jobs)
+        passed: list[torch.Tensor | None] = [None] * len(jobs)
         if points.stop == len(grid):
             finals = [
                 final_answer(lj, j.header.final, j.gen, j.sampling)
                 for j, lj in zip(jobs, logits.split(rows), strict=True)
+            ]
+        elif keeps_out[visited[-1]]:
+            last = clean[visited[-1]]
+            starts = [0, *itertools.accumulate(rows)][:-1]
+            passed = [
+                last.outputs(slice(a, a + n), j.x.shape[1])
+                for j, a, n in zip(jobs, starts, rows, strict=True)
             ]
         if stats is not None:  # a row's own positions (padding is neither)
             for j in jobs:
@@ -205,8 +239,24 @@ def run_sweeps(
             keep(jobs, visited, clean, sessions)
         seconds = time.perf_counter() - t0
     return [
-        (zj, points.stop, f, visited, seconds) for zj, f in zip(z.split(rows), finals, strict=True)
+        SweepResult(zj, points.stop, f, visited, seconds, u)
+        for zj, f, u in zip(z.split(rows), finals, passed, strict=True)
     ]
+
+
+def right_align_rows(tensors: list[torch.Tensor | None], length: int) -> torch.Tensor:
+    """Per-job (n_j, L_j, d) features -> (N, length, d), each job's right-aligned as its
+    context is (`right_align`), zeros in the padding."""
+    present = [t for t in tensors if t is not None]
+    assert len(present) == len(tensors), "a job past block 0 of a features run without upstream"
+    if len(present) == 1 and present[0].shape[1] == length:
+        return present[0]
+    out = present[0].new_zeros(sum(t.shape[0] for t in present), length, present[0].shape[2])
+    row = 0
+    for t in present:
+        out[row : row + t.shape[0], length - t.shape[1] :] = t
+        row += t.shape[0]
+    return out
 
 
 def keep(

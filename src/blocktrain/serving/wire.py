@@ -7,6 +7,9 @@ A request body is a safetensors file whose metadata key "blocktrain" holds a JSO
                      z (N, K, d) fp32|fp16 the noisy state at grid point `step`
                                            ((N, M (D + 1), d) for a verify sweep of D drafted, M draws;
                                            (N, D + 1, d) before its `fork`)
+                     u (N, Lx, d) fp32|fp16 a `route = features` run past block 0: the
+                                           previous block's clean output at every context
+                                           position (docs/model.md)
                      generator (S,) uint8  the request's torch.Generator state, when a host
                                            draws from it (final = "bytes", or a sampler
                                            whose steps draw noise); it comes back advanced
