@@ -20,6 +20,7 @@ benchmarks/results/compose.json, so a row's `test_ce` is the mean over every see
 
     python bench/compose.py --preset tiny --blocks 1,2,3,6 --seeds 0
     python bench/compose.py --preset tiny --blocks 1,3 --seeds 1,2     # more seeds where it matters
+    python bench/compose.py --preset tiny --cluster 6:40:25            # the stack over HTTP
 """
 
 from __future__ import annotations
@@ -313,6 +314,48 @@ def head_to_head(args: argparse.Namespace, data: Path) -> list[dict[str, Any]]:
     return out
 
 
+def over_http(args: argparse.Namespace, data: Path, rows: dict[str, Any]) -> dict[str, Any]:
+    """`blocktrain cluster`: W worker processes and the aggregator over real HTTP on loopback
+    train the B = 3 features stack for R rounds of H local steps (the schedule spanning R x H
+    steps, as `train`'s does), no effect probe; the final model scored as the rows are, against
+    the single-process row of the same steps and seed (trained here if it is missing)."""
+    workers, rounds, h = args.cluster
+    lpb = {"tiny": 1, "small": 2}.get(args.preset, 1)
+    seed = args.seeds[0]
+    row = Row(args.preset, "blocktrain", 3, lpb, "features", rounds * h)
+    single = rows.get(row.key, {}).get("by_seed", {}).get(str(seed)) or measure(
+        row, seed, args, data
+    )
+    out = WORK / f"cluster-{row.key}-w{workers}-h{h}-seed{seed}"
+    sets = [s for s in row.overrides(seed, 1) if not s.startswith("threads=")]
+    if not (out / "summary.json").exists():
+        argv = ["cluster", "--preset", row.preset, "--workers", str(workers), "--rounds",
+                str(rounds), "--local-steps", str(h), "--set", *sets, "--data", str(data),
+                "--eval-bytes", "1024", "--eval-sweeps", "1", "--final-bytes", "1024",
+                "--final-sweeps", "1", "--out", str(out), "--overwrite", "-q"]  # fmt: skip
+        blocktrain(argv)
+    argv = ["eval", str(out / "model"), "--split", "test", "--json", "-q"]
+    ev = json.loads(blocktrain([*argv, "--bytes", str(args.bytes), "--sweeps", str(args.sweeps)]))
+    summary = json.loads((out / "summary.json").read_text())
+    return {
+        "preset": args.preset,
+        "blocks": row.blocks,
+        "layers_per_block": lpb,
+        "route": row.route,
+        "workers": workers,
+        "rounds": rounds,
+        "local_steps": h,
+        "seed": seed,
+        "cluster_test_ce": ev["sampler_ce"],
+        "single_test_ce": single["test_ce"],
+        "gap": ev["sampler_ce"] - single["test_ce"],
+        "bytes_moved": summary["bytes"]["total"],
+        "wall_seconds": summary["wall_seconds"],
+        "updates": summary["updates"],
+        "participation_mean": summary["participation_mean"],
+    }
+
+
 def route_label(r: dict[str, Any]) -> str:
     every, lag = r.get("upstream_every", 1), r.get("upstream_lag", 0)
     if (every, lag) == (1, 0):
@@ -370,6 +413,22 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{r['virtual_time_s']:.0f} | {r['worker_state_bytes'] / mib:.2f} | "
                 f"{r['test_ce']:.3f} |"
             )
+    if result.get("over_http"):
+        lines += [
+            "",
+            "Over HTTP: `blocktrain cluster` on this machine (worker processes and the "
+            "aggregator on loopback, no effect probe, fp16 wire), the features stack scored on "
+            "the same test bytes, against the single-process `train` row of the same steps and "
+            "seed (each cluster update is the mean of W / 3 replicas' deltas).",
+            "",
+            "| preset | workers | rounds x H | single-process CE | cluster CE | gap |",
+            "|---|---:|---|---:|---:|---:|",
+        ]
+        for r in result["over_http"]:
+            lines.append(
+                f"| {r['preset']} | {r['workers']} | {r['rounds']} x {r['local_steps']} | "
+                f"{r['single_test_ce']:.3f} | {r['cluster_test_ce']:.3f} | {r['gap']:+.3f} |"
+            )
     lines += ["", "```sh", *result["commands"], "```"]
     return "\n".join(lines)
 
@@ -412,6 +471,12 @@ def main() -> None:
         "rounds of H local steps",
     )
     p.add_argument(
+        "--cluster",
+        type=lambda s: tuple(int(v) for v in s.split(":")),
+        help="W:R:H: (only) the B = 3 features stack trained by `blocktrain cluster` over HTTP "
+        "(W workers, R rounds of H local steps) against its single-process row",
+    )
+    p.add_argument(
         "--methods",
         type=lambda s: s.split(","),
         default=["blocktrain", "diloco"],
@@ -430,6 +495,19 @@ def main() -> None:
     old = json.loads(path.read_text()) if path.exists() else {"rows": [], "commands": []}
     fields = Row.__dataclass_fields__
     by_key = {Row(**{k: r[k] for k in fields if k in r}).key: r for r in old["rows"]}
+    if args.cluster:
+        old = {"sweeps": DEFAULT_SWEEPS, "test_bytes": args.bytes, "depth": [], **old}
+        new_http = over_http(args, data, by_key)
+        same = ("preset", "workers", "rounds", "local_steps", "seed")
+        old["over_http"] = [
+            r for r in old.get("over_http", []) if any(r[k] != new_http[k] for k in same)
+        ] + [new_http]
+        command = "python bench/compose.py " + " ".join(sys.argv[1:])
+        old["commands"] = [c for c in old.get("commands", []) if c != command] + [command]
+        write_json(RESULT, old)
+        update_section("compose", markdown(old))
+        print(markdown(old))
+        return
     if args.simulate:
         old = {"sweeps": DEFAULT_SWEEPS, "test_bytes": args.bytes, "depth": [], **old}
         new = head_to_head(args, data)
