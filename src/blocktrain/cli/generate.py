@@ -11,8 +11,10 @@ import torch
 from blocktrain.cli.common import (
     Formatter,
     add_device_arg,
+    add_pattern_args,
     add_sampler_args,
     check_model_sampler,
+    file_patterns,
 )
 from blocktrain.data.provenance import check_data
 from blocktrain.device import resolve_device
@@ -66,6 +68,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a corpus to check the run against: a warning line when its train split is not "
         "the one the run recorded (generation itself reads no data)",
     )
+    add_pattern_args(p)
     add_device_arg(p)
     p.set_defaults(handler=run)
 
@@ -87,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"{exc}") from None
     info, model = load_model(Path(args.run_dir), device)
     if args.data:
-        check_data(Path(args.run_dir), args.data, ("train",))
+        check_data(Path(args.run_dir), args.data, ("train",), file_patterns(args))
     cfg = info.config.model
     method = check_model_sampler(args.sampler, info)
     x = torch.tensor([list(prompt)], dtype=torch.long, device=device)
