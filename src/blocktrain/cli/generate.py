@@ -27,6 +27,7 @@ from blocktrain.model import (
     generate,
     generate_autoregressive,
     stack_denoiser,
+    utf8,
 )
 from blocktrain.model.sampler import DEFAULT_SAMPLER, check_sampler
 from blocktrain.training import load_model
@@ -35,6 +36,7 @@ EXAMPLES = """examples:
   blocktrain generate runs/tiny --prompt "The " --bytes 200
   blocktrain generate runs/tiny --prompt "The " --temperature 0       # greedy
   blocktrain generate runs/tiny --prompt "The " --top-p 0.9 --seed 3
+  blocktrain generate runs/tiny --prompt "Café " --utf8              # valid UTF-8, no U+FFFD
   blocktrain generate runs/tiny --prompt "The " --sampler ancestral --steps-per-block 4
   blocktrain generate runs/masked --prompt "The " --steps-per-block 2   # a masked run: reveal
   blocktrain generate runs/tiny --prompt "The " --device cpu             # on the CPU, GPU or not
@@ -56,6 +58,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
     p.add_argument("--top-k", type=int, default=0, help="keep the k likeliest bytes (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument(
+        "--utf8",
+        action="store_true",
+        help="keep the output valid UTF-8: each byte is drawn from those that may follow the "
+        "bytes before it (a character the --bytes budget cuts short is dropped, so the output "
+        "may be up to 3 bytes shorter); without it, invalid bytes print as U+FFFD",
+    )
     add_sampler_args(p)
     p.add_argument(
         "--continuation-only",
@@ -75,7 +84,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
-    prompt = args.prompt.encode("utf-8")
+    prompt = args.prompt.encode("utf-8", "surrogateescape")  # argv's own bytes
     if not prompt:
         raise ConfigError("--prompt must hold at least one byte")
     if args.bytes <= 0:
@@ -83,7 +92,9 @@ def run(args: argparse.Namespace) -> int:
     if args.steps_per_block <= 0:
         raise ConfigError("--steps-per-block must be positive")
     try:
-        sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        sampling = Sampling(
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, utf8=args.utf8
+        )
         if args.sampler is not None:
             check_sampler(args.sampler)
     except ValueError as exc:
@@ -118,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
             method=method or DEFAULT_SAMPLER,
         )
     data = bytes(out[0].tolist())
+    if args.utf8:  # a last character cut short by the budget is not text
+        data = data[: utf8.complete_length(data, utf8.state_after(prompt))]
     text = (b"" if args.continuation_only else prompt) + data
     sys.stdout.write(text.decode("utf-8", errors="replace"))
     sys.stdout.write("\n")
