@@ -133,3 +133,15 @@ def test_cluster_passes_the_patterns_to_its_aggregator_and_workers(monkeypatch, 
     argv = started[0]
     i = argv.index("--data")
     assert argv[i : i + 6] == ["--data", "/corpus", "--include", "*.txt", "--exclude", "build/**"]
+
+
+def test_the_readme_states_the_rules_the_code_follows():
+    from blocktrain.data.corpus import SPLIT_FRACTIONS, WIKITEXT_FILES, gzip_cap
+
+    readme = " ".join((Path(__file__).parents[2] / "README.md").read_text().split())
+    section = readme.split("## Your own corpus", 1)[1].split("## ", 1)[0]
+    train, valid = (round(100 * f) for f in SPLIT_FRACTIONS)
+    assert f"train is its first {train}%, valid the next {valid - train}%" in section
+    assert all(f"`{name}`" in section for name in WIKITEXT_FILES.values())
+    assert f"at most {gzip_cap()} of their text per corpus" in section
+    assert "--include GLOB" in section and "Hidden files and folders are never read" in section
