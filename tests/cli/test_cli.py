@@ -273,7 +273,7 @@ def test_data_fetch_from_a_local_archive(capsys, tmp_path):
     capsys.readouterr()
     assert main(["data", "info", str(dest)]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["train"]["bytes"] > 0
+    assert info["layout"] == "wikitext" and info["splits"]["train"]["bytes"] > 0
     fails_cleanly(
         capsys,
         [

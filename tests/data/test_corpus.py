@@ -274,8 +274,8 @@ def test_empty_wikitext_split_file(tmp_path: Path) -> None:
     "payload",
     [
         pytest.param(b"hello\x00world" * 10, id="nul-bytes"),
-        pytest.param(bytes(random.Random(0).randrange(256) for _ in range(4096)), id="random"),
-        pytest.param(b"caf\xe9 latin-1 text" * 10, id="not-utf8"),
+        pytest.param(random.Random(0).randbytes(4096), id="random"),
+        pytest.param(b"caf\xe9\x01\x02\x03 not UTF-8, many control bytes" * 10, id="controls"),
     ],
 )
 def test_binary_file_is_rejected(tmp_path: Path, payload: bytes) -> None:

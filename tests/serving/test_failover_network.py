@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from blocktrain.httpserve import ThreadedServer, bind
+from blocktrain.model import Sampling, utf8
 from blocktrain.serving import RouterSettings, create_router_app
 from tests.serving.conftest import in_process
 from tests.serving.test_network import _free_port, _start_host, _wait_healthy
@@ -56,7 +57,8 @@ def test_a_replica_killed_mid_stream_and_then_none_left(runs, stack):
         assert killed is not None
         assert events[-1] == "data: [DONE]", events[-1]
         text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
-        assert text == bytes(in_process(stack, b"The ", 24, 3)).decode("utf-8", "replace")
+        drawn = bytes(in_process(stack, b"The ", 24, 3, Sampling(utf8=True)))  # the default
+        assert text == drawn[: utf8.complete_length(drawn)].decode("utf-8")
 
         survivor = 3 - killed
         procs[survivor].send_signal(signal.SIGKILL)

@@ -35,6 +35,7 @@ from blocktrain.cli.common import (
     add_data_arg,
     add_setting_args,
     add_unit_arg,
+    file_patterns,
     resolve_config,
     settings_overrides,
     unit_of,
@@ -228,7 +229,7 @@ def access_limits(args: argparse.Namespace) -> AccessLimits:
 def probe_data(args: argparse.Namespace) -> ByteSource:
     """The validation split of --data (or $BLOCKTRAIN_DATA) that the effect probe reads."""
     try:
-        return load_split(args.data, "valid")
+        return load_split(args.data, "valid", file_patterns(args))
     except DataError as exc:
         raise ConfigError(
             f"the effect probe needs the data ({exc}), or --effect-probe off"

@@ -26,6 +26,7 @@ from blocktrain.cli.common import (
     add_progress_arg,
     add_setting_args,
     add_unit_arg,
+    file_patterns,
     print_json,
     progress_bar,
     resolve_rounds_config,
@@ -159,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(out / name, ignore_errors=True)
         (out / "summary.json").unlink(missing_ok=True)
     data_path = str(resolve_data_path(args.data))
-    valid = load_split(data_path, "valid")
+    patterns = file_patterns(args)
+    valid = load_split(data_path, "valid", patterns)
     overrides = {**CLUSTER_DEFAULTS, **settings_overrides(args)}
     local_steps = overrides.get("local_steps", 10)
     unit = unit_of(args)
@@ -204,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
         observer,
         out / "logs",
         data=data_path,
+        data_patterns=patterns.argv(),
         threads=args.threads,
         timeout_s=args.timeout,
         on_status=progress,

@@ -14,6 +14,7 @@ from typing import Any
 from tqdm import tqdm
 
 from blocktrain.config import PRESETS, RunConfig, apply_overrides, preset
+from blocktrain.data import FilePatterns
 from blocktrain.device import DEVICE_HELP
 from blocktrain.errors import ConfigError
 from blocktrain.model.sampler import (
@@ -195,11 +196,39 @@ def settings_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_data_arg(parser: argparse.ArgumentParser) -> None:
+    """--data, and the --include / --exclude patterns that choose a folder's files."""
     parser.add_argument(
         "--data",
         metavar="PATH",
-        help="a WikiText raw folder, a text file or a folder of text files "
-        "(default: $BLOCKTRAIN_DATA)",
+        help="a WikiText raw folder, a text file or a folder of text files, see `blocktrain "
+        "data --help` (default: $BLOCKTRAIN_DATA)",
+    )
+    add_pattern_args(parser)
+
+
+def add_pattern_args(parser: argparse.ArgumentParser, of: str = "--data") -> None:
+    """--include and --exclude (repeatable), read by `file_patterns`."""
+    parser.add_argument(
+        "--include",
+        metavar="GLOB",
+        action="append",
+        help=f"read only the files of the {of} folder that match (repeatable); a glob on the "
+        "path from the folder: '*.txt' matches a name at any depth, 'docs/**/*.md' a path, ** "
+        "any folders (default: every file)",
+    )
+    parser.add_argument(
+        "--exclude",
+        metavar="GLOB",
+        action="append",
+        help=f"skip the files of the {of} folder that match (repeatable; wins over --include),"
+        " e.g. 'build/**'",
+    )
+
+
+def file_patterns(args: argparse.Namespace) -> FilePatterns:
+    """The --include / --exclude patterns given (none: every file of a folder)."""
+    return FilePatterns(
+        tuple(getattr(args, "include", None) or ()), tuple(getattr(args, "exclude", None) or ())
     )
 
 

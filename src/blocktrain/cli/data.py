@@ -5,12 +5,54 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from blocktrain.cli.common import Formatter, add_progress_arg, print_json, progress_bar
+from blocktrain.cli.common import (
+    Formatter,
+    add_pattern_args,
+    add_progress_arg,
+    file_patterns,
+    print_json,
+    progress_bar,
+)
 from blocktrain.data import ByteCorpus, fetch_wikitext, resolve_data_path
+from blocktrain.data.corpus import gzip_cap
+from blocktrain.data.provenance import SPLIT_RULES
 
 EXAMPLES = """examples:
   blocktrain data fetch wikitext-2 --to data/wikitext-2     # needs internet
   blocktrain data info data/wikitext-2
+  blocktrain data info my-notes.txt                         # one file: split 90/5/5
+  blocktrain data info ~/src/project --include '*.py' --include '*.md' --exclude 'build/**'
+  blocktrain train --data ~/src/project --include '*.py' --out runs/code  # the same patterns
+"""
+
+RULES = f"""what a corpus is (--data PATH, or $BLOCKTRAIN_DATA):
+  a WikiText folder   wiki.train.raw, wiki.valid.raw, wiki.test.raw at its top: each file is
+                      its split (a missing one fails only when that split is asked for); the
+                      folder's other files are not read
+  a text file         train is the first 90% of its bytes, valid the next 5%, test the last 5%
+  any other folder    every file under it, subfolders included, in path order, each split
+                      90/5/5 like a file, so that every split draws from every file; windows
+                      never cross from one file into the next
+
+which files a folder gives:
+  --include GLOB / --exclude GLOB choose them (repeatable; --exclude wins). A glob without / is
+  matched against a file's name at any depth ('*.txt'); one with / against its path from the
+  folder ('src/*.py'); ** spans folders ('build/**', '**/test_*.py'). The commands that read
+  data (train, eval, generate --data, worker, join, aggregator, cluster, simulate, distill) take
+  them, and a run records them in data.json with the corpus. Hidden files and folders (a name
+  starting with .) are never read.
+
+what is read, judged from each file's first 64 KiB:
+  UTF-8 text          as it is
+  other 8-bit text    (Latin-1, Windows-1252, ...: not UTF-8, no NUL, at most 1% control bytes)
+                      as its bytes, the model being byte-level, with one warning line naming the
+                      files; convert them first (iconv -f latin1 -t utf-8) to train on UTF-8
+  gzip text (.gz)     found by its magic bytes, decompressed into memory: at most {gzip_cap()} of
+                      it per corpus (a gzip bomb is an error); gunzip a larger one to map it
+  anything else       empty files, binary data, UTF-16/32 text, tar/zip/7z archives, bzip2/xz/
+                      zstd files: refused, naming what the file is, when --data is that file;
+                      skipped in a folder, all of them summed up in one warning line, e.g.
+                      "skipped 21266 files: 21000 not text, 266 empty (first: a.bin, b.png, c.o)"
 """
 
 
@@ -19,7 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "data",
         help="fetch or inspect training text",
         description=__doc__,
-        epilog=EXAMPLES,
+        epilog=RULES + "\n" + EXAMPLES,
         formatter_class=Formatter,
     )
     dsub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
@@ -36,9 +78,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_progress_arg(f)
     f.set_defaults(handler=run_fetch)
     i = dsub.add_parser(
-        "info", help="describe a corpus and its splits", epilog=EXAMPLES, formatter_class=Formatter
+        "info",
+        help="describe a corpus: its layout, splits, and the files it reads and skips",
+        description="Print a corpus as JSON: its layout and split rule, each split's bytes and "
+        "files, the patterns, and the files skipped (by reason) or read though not UTF-8.",
+        epilog=RULES + "\n" + EXAMPLES,
+        formatter_class=Formatter,
     )
     i.add_argument("path", nargs="?", help="corpus path (default: $BLOCKTRAIN_DATA)")
+    add_pattern_args(i, of="corpus")
     i.set_defaults(handler=run_info)
 
 
@@ -61,6 +109,14 @@ def run_fetch(args: argparse.Namespace) -> int:
 
 
 def run_info(args: argparse.Namespace) -> int:
-    corpus = ByteCorpus.open(resolve_data_path(args.path))
-    print_json(corpus.describe())
+    corpus = ByteCorpus.open(resolve_data_path(args.path), file_patterns(args))
+    print_json(
+        {
+            "path": str(corpus.root.resolve()),
+            "layout": corpus.layout,
+            "split_rule": SPLIT_RULES[corpus.layout],
+            "splits": corpus.describe(),
+            **corpus.files(),
+        }
+    )
     return 0

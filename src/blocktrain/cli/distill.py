@@ -14,7 +14,13 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from blocktrain.cli.common import Formatter, add_data_arg, add_progress_arg, check_model_sampler
+from blocktrain.cli.common import (
+    Formatter,
+    add_data_arg,
+    add_progress_arg,
+    check_model_sampler,
+    file_patterns,
+)
 from blocktrain.cli.train import run_and_report, splits
 from blocktrain.errors import ConfigError
 from blocktrain.training import Trainer, read_config
@@ -78,11 +84,11 @@ def run(args: argparse.Namespace) -> int:
         if args.teacher or args.student or args.lr is not None or args.sampler:
             raise ConfigError(
                 "--resume continues a distillation with its saved teacher and settings; only "
-                "--steps and --data may be given"
+                "--steps, --data, --include and --exclude may be given"
             )
         if TeacherSpec.read(out) is None:
             raise ConfigError(f"{out} is not a distillation run (no teacher recorded)")
-        train, valid = splits(args.data)
+        train, valid = splits(args.data, file_patterns(args))
         trainer = Trainer.resume(out, train, valid, steps=args.steps)
     else:
         if not args.teacher or not args.student:
@@ -108,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
             checkpoint_every=max(1, steps // 4),
         )
         spec = TeacherSpec(str(Path(args.teacher).resolve()), sampler, args.steps_per_block)
-        train, valid = splits(args.data)
+        train, valid = splits(args.data, file_patterns(args))
         trainer = Trainer.create(
             dataclasses.replace(cfg, train=tcfg),
             out,

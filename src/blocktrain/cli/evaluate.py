@@ -13,6 +13,7 @@ from blocktrain.cli.common import (
     add_progress_arg,
     add_sampler_args,
     check_model_sampler,
+    file_patterns,
     print_json,
     progress_bar,
 )
@@ -106,8 +107,9 @@ def run(args: argparse.Namespace) -> int:
         judge_info, judge = load_model(Path(args.judge), device)
         if judge_info.kind != "reference":
             raise CheckpointError(f"--judge {args.judge} is not a reference (autoregressive) run")
-    data = check_data(Path(args.run_dir), args.data, (args.split,))
-    source = load_split(args.data, args.split)
+    patterns = file_patterns(args)
+    data = check_data(Path(args.run_dir), args.data, (args.split,), patterns)
+    source = load_split(args.data, args.split, patterns)
     windows = source.windows(info.config.model.seq_len, args.bytes)
     settings = EvalSettings(
         sweeps=args.sweeps,

@@ -11,8 +11,10 @@ import torch
 from blocktrain.cli.common import (
     Formatter,
     add_device_arg,
+    add_pattern_args,
     add_sampler_args,
     check_model_sampler,
+    file_patterns,
 )
 from blocktrain.data.provenance import check_data
 from blocktrain.device import resolve_device
@@ -25,6 +27,7 @@ from blocktrain.model import (
     generate,
     generate_autoregressive,
     stack_denoiser,
+    utf8,
 )
 from blocktrain.model.sampler import DEFAULT_SAMPLER, check_sampler
 from blocktrain.training import load_model
@@ -33,6 +36,7 @@ EXAMPLES = """examples:
   blocktrain generate runs/tiny --prompt "The " --bytes 200
   blocktrain generate runs/tiny --prompt "The " --temperature 0       # greedy
   blocktrain generate runs/tiny --prompt "The " --top-p 0.9 --seed 3
+  blocktrain generate runs/tiny --prompt "Café " --utf8              # valid UTF-8, no U+FFFD
   blocktrain generate runs/tiny --prompt "The " --sampler ancestral --steps-per-block 4
   blocktrain generate runs/masked --prompt "The " --steps-per-block 2   # a masked run: reveal
   blocktrain generate runs/tiny --prompt "The " --device cpu             # on the CPU, GPU or not
@@ -54,6 +58,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
     p.add_argument("--top-k", type=int, default=0, help="keep the k likeliest bytes (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument(
+        "--utf8",
+        action="store_true",
+        help="keep the output valid UTF-8: each byte is drawn from those that may follow the "
+        "bytes before it (a character the --bytes budget cuts short is dropped, so the output "
+        "may be up to 3 bytes shorter); without it, invalid bytes print as U+FFFD",
+    )
     add_sampler_args(p)
     p.add_argument(
         "--continuation-only",
@@ -66,13 +77,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a corpus to check the run against: a warning line when its train split is not "
         "the one the run recorded (generation itself reads no data)",
     )
+    add_pattern_args(p)
     add_device_arg(p)
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
-    prompt = args.prompt.encode("utf-8")
+    prompt = args.prompt.encode("utf-8", "surrogateescape")  # argv's own bytes
     if not prompt:
         raise ConfigError("--prompt must hold at least one byte")
     if args.bytes <= 0:
@@ -80,14 +92,16 @@ def run(args: argparse.Namespace) -> int:
     if args.steps_per_block <= 0:
         raise ConfigError("--steps-per-block must be positive")
     try:
-        sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        sampling = Sampling(
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, utf8=args.utf8
+        )
         if args.sampler is not None:
             check_sampler(args.sampler)
     except ValueError as exc:
         raise ConfigError(f"{exc}") from None
     info, model = load_model(Path(args.run_dir), device)
     if args.data:
-        check_data(Path(args.run_dir), args.data, ("train",))
+        check_data(Path(args.run_dir), args.data, ("train",), file_patterns(args))
     cfg = info.config.model
     method = check_model_sampler(args.sampler, info)
     x = torch.tensor([list(prompt)], dtype=torch.long, device=device)
@@ -115,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
             method=method or DEFAULT_SAMPLER,
         )
     data = bytes(out[0].tolist())
+    if args.utf8:  # a last character cut short by the budget is not text
+        data = data[: utf8.complete_length(data, utf8.state_after(prompt))]
     text = (b"" if args.continuation_only else prompt) + data
     sys.stdout.write(text.decode("utf-8", errors="replace"))
     sys.stdout.write("\n")

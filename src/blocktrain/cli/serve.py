@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from blocktrain.cli.common import Formatter
+from blocktrain.cli.common import Formatter, add_pattern_args, file_patterns
 from blocktrain.data import load_split
 from blocktrain.data.ngram import NgramDrafter
 from blocktrain.errors import ConfigError
@@ -183,6 +183,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a corpus (folder or file) whose train split builds the byte n-gram drafter for "
         "speculative generation (requests' draft_bytes, K = 1 models)",
     )
+    add_pattern_args(p, of="--draft-corpus")
     p.add_argument("--draft-order", type=int, default=3, help="context bytes of the drafter")
     p.add_argument(
         "--draft-model",
@@ -221,7 +222,9 @@ def run_cmd(args: argparse.Namespace) -> int:
         if not Path(args.draft_corpus).exists():
             raise ConfigError(f"--draft-corpus {args.draft_corpus} does not exist")
         try:
-            drafter = NgramDrafter(load_split(args.draft_corpus, "train").read(), args.draft_order)
+            drafter = NgramDrafter(
+                load_split(args.draft_corpus, "train", file_patterns(args)).read(), args.draft_order
+            )
         except ValueError as exc:
             raise ConfigError(f"--draft-corpus {args.draft_corpus}: {exc}") from None
     settings = RouterSettings(

@@ -29,6 +29,7 @@ from blocktrain.cli.common import (
     add_data_arg,
     add_progress_arg,
     add_setting_args,
+    file_patterns,
     print_json,
     progress_bar,
     resolve_rounds_config,
@@ -152,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
     train = valid = None
     if not args.timing_only:
         data = resolve_data_path(args.data)
-        train, valid = load_split(data, "train"), load_split(data, "valid")
+        patterns = file_patterns(args)
+        train, valid = load_split(data, "train", patterns), load_split(data, "valid", patterns)
 
     bars: dict[str, Any] = {}
 

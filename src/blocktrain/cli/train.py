@@ -11,11 +11,12 @@ from blocktrain.cli.common import (
     add_data_arg,
     add_device_arg,
     add_progress_arg,
+    file_patterns,
     print_json,
     resolve_config,
 )
 from blocktrain.config import parse_blocks
-from blocktrain.data import ByteSource, load_split
+from blocktrain.data import ByteSource, FilePatterns, load_split
 from blocktrain.data.provenance import check_data, corpus_record, write_record
 from blocktrain.device import resolve_device
 from blocktrain.errors import ConfigError, DataError
@@ -68,15 +69,16 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--resume needs --out RUN_DIR")
         if args.overrides or args.seed is not None or args.block or args.reference:
             raise ConfigError(
-                "--resume continues a run with its saved config; only --steps, --device "
-                "and --data may be given"
+                "--resume continues a run with its saved config; only --steps, --device, "
+                "--data, --include and --exclude may be given"
             )
         info = read_config(Path(args.out))  # a clear error before the data is opened
         resolve_device(args.device or info.config.train.device)
         if args.steps is not None and args.steps <= 0:
             raise ConfigError(f"--steps {args.steps} must be positive")
-        train, valid = splits(args.data)
-        check_data(Path(args.out), args.data, ("train",))  # a warning line when it differs
+        train, valid = splits(args.data, file_patterns(args))
+        # a warning line when it differs
+        check_data(Path(args.out), args.data, ("train",), file_patterns(args))
         trainer = Trainer.resume(Path(args.out), train, valid, steps=args.steps, device=args.device)
     else:
         cfg = resolve_config(args)
@@ -88,8 +90,8 @@ def run(args: argparse.Namespace) -> int:
             else (f"-block{'_'.join(map(str, blocks))}" if blocks is not None else "")
         )
         out = Path(args.out or f"runs/{cfg.preset}{suffix}")
-        train, valid = splits(args.data)
-        record = corpus_record(args.data)
+        train, valid = splits(args.data, file_patterns(args))
+        record = corpus_record(args.data, patterns=file_patterns(args))
         trainer = Trainer.create(
             cfg,
             out,
@@ -123,10 +125,12 @@ def run_and_report(trainer: Trainer, args: argparse.Namespace, verb: str) -> int
     return 0
 
 
-def splits(data: str | None) -> tuple[ByteSource, ByteSource | None]:
-    train = load_split(data, "train")
+def splits(
+    data: str | None, patterns: FilePatterns | None = None
+) -> tuple[ByteSource, ByteSource | None]:
+    train = load_split(data, "train", patterns)
     try:
-        valid = load_split(data, "valid")
+        valid = load_split(data, "valid", patterns)
     except DataError:  # a corpus without a validation split still trains
         valid = None
     return train, valid

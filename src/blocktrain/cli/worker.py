@@ -23,6 +23,7 @@ from blocktrain.cli.common import (
     add_data_arg,
     add_token_args,
     checked_ca,
+    file_patterns,
     print_json,
     resolve_token,
 )
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     verify = checked_ca(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    train = load_split(args.data, "train")
+    train = load_split(args.data, "train", file_patterns(args))
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -11,6 +11,7 @@ from blocktrain.data.corpus import (
     SPLITS,
     ByteCorpus,
     ByteSource,
+    FilePatterns,
     load_split,
     resolve_data_path,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "WIKITEXT_ARCHIVES",
     "ByteCorpus",
     "ByteSource",
+    "FilePatterns",
     "fetch_wikitext",
     "load_split",
     "resolve_data_path",

@@ -3,7 +3,10 @@ one warning line `eval`, `generate --data` and `train --resume` print when the d
 differs from it.
 
     {"path": "/abs/corpus", "layout": "wikitext", "split_rule": "...",
+     "include": ["*.txt"], "exclude": ["build/**"],
      "splits": {"train": {"bytes": N, "sha256": "...", "files": ["..."]}, "valid": ...}}
+
+`include` and `exclude` are the --include / --exclude patterns that chose a folder's files.
 
 Data is the same when a split's bytes are (its SHA-256), wherever the corpus lies now: a moved
 copy raises no warning, an edited file or another corpus does. Runs from before the record
@@ -24,6 +27,7 @@ from blocktrain.data.corpus import (
     SPLITS,
     WIKITEXT_FILES,
     ByteCorpus,
+    FilePatterns,
     resolve_data_path,
 )
 from blocktrain.errors import DataError
@@ -42,12 +46,15 @@ SPLIT_RULES = {
 
 
 def corpus_record(
-    path: str | os.PathLike[str] | None, splits: Iterable[str] = SPLITS
+    path: str | os.PathLike[str] | None,
+    splits: Iterable[str] = SPLITS,
+    patterns: FilePatterns | None = None,
 ) -> dict[str, Any]:
-    """The corpus at --data `path` (or $BLOCKTRAIN_DATA): where it lies, its layout and split
-    rule, and per split of `splits` it has, its size, SHA-256 and files."""
+    """The corpus at --data `path` (or $BLOCKTRAIN_DATA), its files chosen by `patterns`: where
+    it lies, its layout, split rule and patterns, and per split of `splits` it has, its size,
+    SHA-256 and files."""
     root = resolve_data_path(path)
-    corpus = ByteCorpus.open(root)
+    corpus = ByteCorpus.open(root, patterns)
     record: dict[str, Any] = {}
     for name in splits:
         try:
@@ -63,6 +70,8 @@ def corpus_record(
         "path": str(root.resolve()),
         "layout": corpus.layout,
         "split_rule": SPLIT_RULES[corpus.layout],
+        "include": list(corpus.patterns.include),
+        "exclude": list(corpus.patterns.exclude),
         "splits": record,
     }
 
@@ -90,11 +99,16 @@ def differences(recorded: dict[str, Any], now: dict[str, Any]) -> list[str]:
 
 
 def check_data(
-    run_dir: Path, path: str | os.PathLike[str] | None, splits: Iterable[str]
+    run_dir: Path,
+    path: str | os.PathLike[str] | None,
+    splits: Iterable[str],
+    patterns: FilePatterns | None = None,
 ) -> dict[str, Any]:
-    """The data given now for `splits`, as eval's JSON names it, compared with what `run_dir`
-    recorded: one `blocktrain: warning:` line on stderr when a split's bytes differ."""
-    now = corpus_record(path, splits)
+    """The data given now for `splits` (its files chosen by `patterns`), as eval's JSON names
+    it, compared with what `run_dir` recorded: one `blocktrain: warning:` line on stderr when a
+    split's bytes differ, which names the patterns the run was trained with when they are not
+    the ones given now."""
+    now = corpus_record(path, splits, patterns)
     recorded = read_record(run_dir)
     changed = [] if recorded is None else differences(recorded, now)
     now["trained_on"] = None if recorded is None else recorded["path"]
@@ -105,8 +119,22 @@ def check_data(
             f"blocktrain: warning: {run_dir} was trained on other data: the {name} split of "
             f"{now['path']} (sha256 {now['splits'][name]['sha256'][:12]}) is not the one it "
             f"recorded from {recorded['path']} (sha256 "
-            f"{recorded['splits'][name]['sha256'][:12]}); its numbers are not comparable",
+            f"{recorded['splits'][name]['sha256'][:12]}); its numbers are not comparable"
+            + _pattern_hint(recorded, now),
             file=sys.stderr,
             flush=True,
         )
     return now
+
+
+def _pattern_hint(recorded: dict[str, Any], now: dict[str, Any]) -> str:
+    """The warning's end that names the patterns the run was trained with, when they are not
+    those given now; empty when they are."""
+    then = FilePatterns(tuple(recorded.get("include", ())), tuple(recorded.get("exclude", ())))
+    given = FilePatterns(tuple(now["include"]), tuple(now["exclude"]))
+    if then == given:
+        return ""
+    return (
+        f"; it was trained with {then.flags() or 'no --include/--exclude'} "
+        f"(given now: {given.flags() or 'none'})"
+    )

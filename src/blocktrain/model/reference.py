@@ -64,6 +64,7 @@ def generate_autoregressive(
     context = prompt
     for _ in range(n_bytes):
         logits = model(context[:, -model.cfg.seq_len :])[:, -1]  # (N, 256)
-        new = sample_bytes(logits.cpu(), sampling, generator).to(context.device)
+        new = sample_bytes(logits.cpu(), sampling, generator, prefix=context[:, -3:].cpu())
+        new = new.to(context.device)
         context = torch.cat((context, new[:, None]), dim=1)
     return context[:, prompt.shape[1] :]

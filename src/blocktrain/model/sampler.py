@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from blocktrain.model import utf8
 from blocktrain.model.block import BlockStack, ZLayout
 from blocktrain.model.masking import masked_count, pin_revealed, read_state, to_reveal
 
@@ -176,17 +177,31 @@ def reveal_step(
     still_masked: int,
     generator: torch.Generator | RowGenerators,
     sampling: Sampling | list[Sampling] | None = None,
+    prefix: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One round of a masked model (model/masking.py): the leftmost masked bytes of z (N, K, d),
     all but `still_masked` of them, drawn from logits (N, K, 256) with each request's sampling
-    and generator, enter the state as E[y]."""
+    and generator, enter the state as E[y].
+
+    A request whose sampling keeps to UTF-8 draws the whole span left to right from logits with
+    the revealed bytes pinned, after the context `prefix` (N, L): the revealed bytes stay, and
+    each new one is valid after those before it."""
     revealed, _ = read_state(z, targets)
     reveal = to_reveal(revealed, still_masked)  # (N, K)
     requests = _per_request(generator, sampling, z.shape[0])
-    parts = logits.split([rows for rows, _, _ in requests])
+    rows = [n for n, _, _ in requests]
+    parts = logits.split(rows)
+    any_utf8 = any(s.utf8 for _, _, s in requests)
+    pinned = pin_revealed(logits, z, targets).split(rows) if any_utf8 else parts
+    contexts = prefix.split(rows) if prefix is not None else [None] * len(rows)
     drawn = [
-        sample_bytes(part.to(g.device), s, g).to(z.device)
-        for part, (_, g, s) in zip(parts, requests, strict=True)
+        sample_bytes(
+            (pin if s.utf8 else part).to(g.device),
+            s,
+            g,
+            prefix=None if x is None else x.to(g.device),
+        ).to(z.device)
+        for part, pin, x, (_, g, s) in zip(parts, pinned, contexts, requests, strict=True)
     ]
     y = torch.cat(drawn)  # (N, K)
     return torch.where(reveal[..., None], targets[y].to(z.dtype), z)
@@ -278,7 +293,7 @@ def run_points(
         elif method == "reveal":
             assert generator is not None
             still = masked_count(grid[n + 1][1], z.shape[1])
-            z = reveal_step(z, logits, targets, still, generator, sampling)
+            z = reveal_step(z, logits, targets, still, generator, sampling, prefix=x_bytes)
         else:
             assert generator is not None
             sigma_next = grid[n + 1][1]
@@ -341,6 +356,9 @@ class Sampling:
     """Keep only the k most likely bytes (0: all)."""
     top_p: float = 1.0
     """Keep the smallest set of bytes whose probability reaches p (1: all)."""
+    utf8: bool = False
+    """Keep the text valid UTF-8 (model/utf8.py): draw each byte from the bytes that may follow
+    those before it, position by position, before temperature, top-k and top-p."""
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -371,9 +389,25 @@ def sampling_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
 
 
 def sample_bytes(
-    logits: torch.Tensor, sampling: Sampling, generator: torch.Generator
+    logits: torch.Tensor,
+    sampling: Sampling,
+    generator: torch.Generator,
+    prefix: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """logits (..., 256) -> bytes (...) int64, greedy or by temperature / top-k / top-p."""
+    """logits (..., 256) -> bytes (...) int64, greedy or by temperature / top-k / top-p.
+
+    With `sampling.utf8`, logits are (N, 256) or (N, K, 256), the K positions of a span drawn
+    one after another, each from the bytes that keep the text valid UTF-8 after `prefix` (N, L),
+    the bytes before them (None: the start of a text; its last 3 bytes are enough)."""
+    if sampling.utf8:
+        return utf8.draw_valid(logits, prefix, lambda lg: _draw(lg, sampling, generator)).to(
+            logits.device
+        )
+    return _draw(logits, sampling, generator)
+
+
+def _draw(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
+    """sample_bytes without the UTF-8 constraint."""
     if sampling.temperature == 0:
         return logits.float().argmax(dim=-1)
     probs = sampling_probs(logits, sampling)
@@ -500,5 +534,5 @@ def generate(
             generator=generator,
             sampling=sampling,
         )
-        out.append(loop.push(sample_bytes(logits.cpu(), sampling, generator)))
+        out.append(loop.push(sample_bytes(logits.cpu(), sampling, generator, prefix=x.cpu())))
     return torch.cat(out, dim=1)

@@ -45,6 +45,7 @@ from typing import Protocol
 
 import torch
 
+from blocktrain.model import utf8
 from blocktrain.model.block import ZLayout
 from blocktrain.model.pipeline import KVCache, split_reference
 from blocktrain.model.reference import Reference
@@ -261,6 +262,9 @@ class SpeculativeLoop:
         draft, laws = self._pending
         self._pending = None
         per_draw = logits.cpu().reshape(-1, len(draft) + 1, logits.shape[-1])  # (M, D + 1, 256)
+        if self.sampling.utf8:  # each position's law given the context and the draft before it
+            states = utf8.states_along(utf8.state_after(self.context), draft)
+            per_draw = utf8.mask_logits(per_draw, torch.tensor(states).expand(per_draw.shape[:2]))
         probs = sampling_probs(per_draw, self.sampling).mean(dim=0)  # p_bar (D + 1, 256)
         new = accept_draft(draft, laws, probs, self.generator)[: self.n_bytes - self.produced]
         self.traversals += 1

@@ -121,6 +121,7 @@ def start_worker(
     threads: int = 1,
     extra: Sequence[str] = (),
     prefix: Sequence[str] = (),
+    data_patterns: Sequence[str] = (),
 ) -> Proc:
     argv = [
         *BLOCKTRAIN,
@@ -136,6 +137,7 @@ def start_worker(
     ]
     if data:
         argv += ["--data", data]
+    argv += data_patterns  # --include / --exclude, for the files of a --data folder
     return spawn(name, argv, logs, env={"BLOCKTRAIN_TOKEN": token}, prefix=prefix)
 
 
@@ -188,6 +190,7 @@ def run_cluster(
     logs: Path,
     *,
     data: str | None,
+    data_patterns: Sequence[str] = (),
     threads: int = 1,
     timeout_s: float = 3600.0,
     host: str = "127.0.0.1",
@@ -198,7 +201,8 @@ def run_cluster(
     if state.settings().max_rounds is None:
         raise ProtocolError("a cluster run needs max_rounds in the aggregator settings")
     started = time.monotonic()
-    probe_data = ["--data", data] if data else []  # the aggregator's effect probe reads it
+    # the aggregator's effect probe reads it
+    probe_data = ["--data", data, *data_patterns] if data else []
     # every worker runs on this machine, from one address: no share per address below the cap
     one_address = ["--max-connections-per-address", "512"]
     aggregator, url = start_aggregator(state, logs, host=host, extra=[*probe_data, *one_address])
@@ -209,7 +213,15 @@ def run_cluster(
     try:
         for i, token in enumerate(tokens):
             workers.append(
-                start_worker(url, token, logs, name=f"worker-{i}", data=data, threads=threads)
+                start_worker(
+                    url,
+                    token,
+                    logs,
+                    name=f"worker-{i}",
+                    data=data,
+                    threads=threads,
+                    data_patterns=data_patterns,
+                )
             )
         status = client.status()
         while not status["done"]:

@@ -144,8 +144,17 @@ class Chain:
 
     def _spec(self, sampling: Sampling) -> SamplingSpec:
         return SamplingSpec(
-            temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            utf8=sampling.utf8,
         )
+
+    def _final(self, sampling: Sampling) -> Final:
+        """Where a traversal's bytes are drawn: a request that keeps to UTF-8 is drawn here,
+        whatever --sample-on says, since the last host of an autoregressive chain holds only
+        the newest bytes, not the context the constraint follows."""
+        return "logits" if sampling.utf8 else self.final
 
     async def _send(
         self, path: str, tensors: dict[str, torch.Tensor], header: BaseModel
@@ -216,18 +225,23 @@ class Chain:
         )
 
     def _finish(
-        self, out: dict[str, torch.Tensor], sampling: Sampling, generator: torch.Generator
+        self,
+        out: dict[str, torch.Tensor],
+        sampling: Sampling,
+        generator: torch.Generator,
+        context: torch.Tensor,
     ) -> torch.Tensor:
-        """The sampled bytes, drawn here or by the last host. Whenever the chain drew from the
-        request's generator, its advanced state comes back and is adopted here."""
+        """The sampled bytes, drawn here (after `context` (N, L), the bytes before them) or by
+        the last host. Whenever the chain drew from the request's generator, its advanced
+        state comes back and is adopted here."""
         if "generator" in out:
             generator.set_state(out["generator"])
-        if self.final == "logits":
+        if self._final(sampling) == "logits":
             if "logits" not in out:
                 raise HostRefused("the last host answered no logits", host=self._last_url)
             if self.stats.logits is not None:
                 self.stats.logits.append(out["logits"].cpu())
-            return sample_bytes(out["logits"].cpu(), sampling, generator)
+            return sample_bytes(out["logits"].cpu(), sampling, generator, prefix=context)
         if "bytes" not in out or "generator" not in out:
             raise HostRefused("the last host answered no bytes", host=self._last_url)
         return out["bytes"].long()
@@ -286,7 +300,7 @@ class Chain:
         out = await self._sweep(
             x,
             z,
-            final=self.final,
+            final=self._final(sampling),
             drafted=0,
             steps_per_block=steps_per_block,
             sampler=sampler,
@@ -295,7 +309,7 @@ class Chain:
             session=session,
             close=close,
         )
-        return self._finish(out, sampling, generator)
+        return self._finish(out, sampling, generator, context=x)
 
     async def verify(
         self,
@@ -345,12 +359,15 @@ class Chain:
         close: bool,
         sampling: Sampling,
         generator: torch.Generator,
+        context: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """tokens (N, L) int64 at positions pos.. -> the next byte (N,)."""
+        """tokens (N, L) int64 at positions pos.. -> the next byte (N,), drawn after
+        `context` (N, L'), the generation's bytes so far (default: the tokens)."""
+        final = self._final(sampling)
         header = StageHeader(
             model=self.model.name,
             fingerprint=self.model.fingerprint,
-            final=self.final,
+            final=final,
             sampling=self._spec(sampling),
             wire_dtype=self.wire_dtype,
             stage=0,
@@ -359,9 +376,10 @@ class Chain:
             close=close,
         )
         tensors = {"x": bytes_tensor(tokens)}
-        if self.final == "bytes":
+        if final == "bytes":
             tensors["generator"] = generator.get_state()
-        return self._finish(await self._send("/v1/stage", tensors, header), sampling, generator)
+        out = await self._send("/v1/stage", tensors, header)
+        return self._finish(out, sampling, generator, tokens if context is None else context)
 
     async def stage_verify(
         self, tokens: torch.Tensor, *, session: str, pos: int, close: bool, drafted: int

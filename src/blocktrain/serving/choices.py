@@ -1,7 +1,12 @@
 """The generation behind the OpenAI routes: the `n` choices of one request, each its own sample
 (choice i draws from seed + i), run concurrently over the chain. A choice ends at its first stop
 sequence (not returned; finish "stop") or when its bytes are all generated (finish "length"),
-and keeps, when asked, the log-probability of each byte it returns. A token is one byte."""
+and keeps, when asked, the log-probability of each byte it returns. A token is one byte.
+
+A request that keeps to UTF-8 (`utf8`, the OpenAI routes' default) draws valid bytes only
+(model/utf8.py); its pieces end at character boundaries (the bytes of a character not yet
+complete wait for the next piece), a character the byte budget cuts short is dropped, and its
+logprobs are those of the constrained law each byte was drawn from."""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from typing import Literal
 
 import torch
 
-from blocktrain.model import Sampling
+from blocktrain.model import Sampling, utf8
 from blocktrain.model.sampler import sampling_probs
 from blocktrain.serving.chain import ChainStats
 from blocktrain.serving.errors import BadRequest
@@ -36,10 +41,15 @@ def byte_token(b: int) -> str:
     return chr(b) if b < 0x80 else f"bytes:\\x{b:02x}"
 
 
-def log_distribution(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+def log_distribution(
+    logits: torch.Tensor, sampling: Sampling, states: torch.Tensor | None = None
+) -> torch.Tensor:
     """logits (L, 256) -> log-probabilities (L, 256) of the distribution each byte was drawn
-    from: temperature, top-k and top-p applied (-inf outside them). Greedy draws from a point
-    mass, which tells nothing, so at temperature 0 this is the model's own distribution."""
+    from: the UTF-8 constraint in `states` (L,) (model/utf8.py; None: none), temperature, top-k
+    and top-p applied (-inf outside them). Greedy draws from a point mass, which tells nothing,
+    so at temperature 0 this is the model's own distribution (within the constraint)."""
+    if states is not None:
+        logits = utf8.mask_logits(logits, states)
     if sampling.temperature == 0:
         return logits.float().log_softmax(dim=-1)
     return sampling_probs(logits, sampling).log()
@@ -128,6 +138,30 @@ class StopScanner:
         return out
 
 
+class CharacterBoundary:
+    """Holds back the bytes of a character not yet complete, so that each piece of a choice
+    that keeps to UTF-8 ends at a character boundary; at the end, what is still held (a
+    character the byte budget cut short) is dropped."""
+
+    def __init__(self, state: int) -> None:
+        self.state = state
+        """The automaton's state where the bytes sent so far end (after the prompt at first)."""
+        self.held = b""
+
+    def push(self, data: bytes) -> bytes:
+        buf = self.held + data
+        cut = utf8.complete_length(buf, self.state)
+        if cut:
+            self.state = utf8.ACCEPT
+        self.held = buf[cut:]
+        return buf[:cut]
+
+    def end(self, data: bytes) -> bytes:
+        out = self.push(data)
+        self.held = b""
+        return out
+
+
 class Text:
     """A choice's bytes as text, decoded as they come (UTF-8, invalid sequences replaced), and
     each byte's character offset in it (a byte inside a character has that character's)."""
@@ -177,12 +211,29 @@ class Run:
         self.stats.append(stats)
         scanner, generated, sent = StopScanner(self.stops), bytearray(), 0
         dists: list[torch.Tensor] = []
+        start = utf8.state_after(self.prompt)
+        boundary = CharacterBoundary(start) if job.sampling.utf8 else None
+        law_state = start  # UTF-8: the state before the byte of the next logits row
+
+        def constraint(rows: int) -> torch.Tensor | None:
+            """The UTF-8 state of each of the next `rows` logits rows (row p: the byte at p)."""
+            nonlocal law_state
+            if boundary is None:
+                return None
+            states = []
+            for p in range(len(dists), len(dists) + rows):
+                states.append(law_state)
+                if p < len(generated):
+                    law_state = utf8.step(law_state, generated[p])
+            return torch.tensor(states, dtype=torch.long)
 
         def piece(data: bytes, finish: Finish | None) -> Piece:
             nonlocal sent
+            if boundary is not None:
+                data = boundary.push(data) if finish is None else boundary.end(data)
             if stats.logits:  # the traversals' logits so far: their bytes' distributions
                 flat = torch.cat([t.reshape(-1, t.shape[-1]) for t in stats.logits])
-                dists.extend(log_distribution(flat, job.sampling).unbind(0))
+                dists.extend(log_distribution(flat, job.sampling, constraint(len(flat))).unbind(0))
                 stats.logits.clear()
             top = self.top_logprobs
             logprobs = [
@@ -205,7 +256,9 @@ class Run:
                     yield piece(out, "stop")
                     return
                 if out:
-                    yield piece(out, None)
+                    sending = piece(out, None)
+                    if sending.data:
+                        yield sending
             yield piece(scanner.flush(), "length")
         finally:  # stopped early or cancelled: the loop ends now (a host's cache expires)
             if isinstance(stream, AsyncGenerator):

@@ -245,8 +245,16 @@ class BlockHost:
                 f"'generator' is not a CPU generator state ({exc})", param="generator"
             ) from None
         spec = header.sampling
+        if spec is not None and spec.utf8 and header.final == "bytes":
+            raise BadRequest(
+                "utf8 sampling draws the final bytes where the context is (the router): "
+                "ask for final = logits",
+                param="sampling",
+            )
         sampling = (
-            Sampling() if spec is None else Sampling(spec.temperature, spec.top_k, spec.top_p)
+            Sampling()
+            if spec is None
+            else Sampling(spec.temperature, spec.top_k, spec.top_p, utf8=spec.utf8)
         )
         return gen, sampling
 

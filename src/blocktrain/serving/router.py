@@ -282,7 +282,9 @@ class Router:
                 f"limit of {self.settings.max_steps_per_block}",
                 param="steps_per_block",
             )
-        sampling = Sampling(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p)
+        sampling = Sampling(
+            temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, utf8=req.utf8
+        )
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         remote = await self.resolve(model)
         sampler = req.sampler

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from blocktrain.httpserve import HttpGuard, Limits
+from blocktrain.model import utf8
 from blocktrain.serving.chain import (
     ChainStats,
 )
@@ -144,6 +145,8 @@ def create_app(
         finally:
             router.done(job)
         data = bytes(torch.cat(pieces, dim=1)[0].tolist())
+        if job.sampling.utf8:  # a last character cut short by max_bytes is not text
+            data = data[: utf8.complete_length(data, utf8.state_after(job.prompt))]
         return GenerateResponse(
             model=job.model.name,
             kind=job.model.kind,

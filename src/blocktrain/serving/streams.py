@@ -127,6 +127,7 @@ async def autoregressive_stream(
                         close=i == n_bytes - 1,
                         sampling=sampling,
                         generator=generator,
+                        context=context,
                     )
                     break
                 except SessionLost as exc:
