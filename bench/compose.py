@@ -107,8 +107,9 @@ def grid(args: argparse.Namespace, data: Path) -> list[Row]:
         return rows
     for b in args.deep:
         rows.append(Row(args.preset, "blocktrain", 1, b * lpb, "state", steps))
-    for layers in sorted({lpb, *(b * lpb for b in args.deep)}):
-        rows.append(Row(args.preset, "reference", 1, layers, "end-to-end", steps))
+    if not args.no_references:
+        for layers in sorted({lpb, *(b * lpb for b in args.deep)}):
+            rows.append(Row(args.preset, "reference", 1, layers, "end-to-end", steps))
     return rows
 
 
@@ -458,6 +459,11 @@ def main() -> None:
         "--stacks-only",
         action="store_true",
         help="only the B > 1 rows: no one-block, deep-block or reference rows",
+    )
+    p.add_argument(
+        "--no-references",
+        action="store_true",
+        help="no end-to-end reference rows (run them later: rows already measured are kept)",
     )
     p.add_argument(
         "--match-flops",
