@@ -40,6 +40,7 @@ EXAMPLES = """examples:
   blocktrain generate runs/tiny --prompt "The " --sampler ancestral --steps-per-block 4
   blocktrain generate runs/masked --prompt "The " --steps-per-block 2   # a masked run: reveal
   blocktrain generate runs/tiny --prompt "The " --device cpu             # on the CPU, GPU or not
+  blocktrain generate hf/tiny --prompt "The "                            # an export --hf folder
 """
 
 
@@ -51,7 +52,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=EXAMPLES,
         formatter_class=Formatter,
     )
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder written by train")
+    p.add_argument(
+        "run_dir",
+        metavar="RUN_DIR",
+        help="a run folder written by train (or cluster, export), or a Hugging Face export "
+        "(export --hf DIR)",
+    )
     p.add_argument("--prompt", required=True, help="text to continue (at least one byte)")
     p.add_argument("--bytes", type=int, default=256, help="bytes to generate")
     p.add_argument("--seed", type=int, default=0, help="seeds the noise and the sampling")
