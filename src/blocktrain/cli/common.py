@@ -232,6 +232,21 @@ def file_patterns(args: argparse.Namespace) -> FilePatterns:
     )
 
 
+def add_log_arg(parser: argparse.ArgumentParser) -> None:
+    """--log-to: experiment loggers fed by the records of metrics.jsonl
+    (training/tracking.py)."""
+    parser.add_argument(
+        "--log-to",
+        metavar="BACKEND",
+        action="append",
+        help="also log what metrics.jsonl gets to tensorboard, wandb or mlflow (repeatable, or "
+        "comma-separated), offline under the run folder: RUN_DIR/tensorboard/ event files, an "
+        "offline W&B run in RUN_DIR/wandb/ (WANDB_MODE=online to upload), an MLflow file store "
+        "in RUN_DIR/mlruns/ (or $MLFLOW_TRACKING_URI); a library that is missing stops the "
+        "command before it writes anything, naming the pip command",
+    )
+
+
 def add_progress_arg(parser: argparse.ArgumentParser) -> None:
     """--quiet (alias --no-progress): no progress bar. Without it a bar is drawn on stderr
     only when stderr is a terminal (never into a log file or a pipe)."""
