@@ -20,6 +20,7 @@ EXPECTED = {
     "__version__",
     "apply_overrides",
     "evaluate_blocktrain",
+    "from_pretrained",
     "generate",
     "load_model",
     "load_split",

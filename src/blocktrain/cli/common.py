@@ -14,7 +14,8 @@ from typing import Any
 from tqdm import tqdm
 
 from blocktrain.config import PRESETS, RunConfig, apply_overrides, preset
-from blocktrain.data import FilePatterns
+from blocktrain.data import DATA_ENV, FilePatterns
+from blocktrain.data.hf import HfSource, is_hf
 from blocktrain.device import DEVICE_HELP
 from blocktrain.errors import ConfigError
 from blocktrain.model.sampler import (
@@ -196,14 +197,45 @@ def settings_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_data_arg(parser: argparse.ArgumentParser) -> None:
-    """--data, and the --include / --exclude patterns that choose a folder's files."""
+    """--data, the --include / --exclude patterns that choose a folder's files, and
+    --text-field for a Hugging Face dataset."""
     parser.add_argument(
         "--data",
         metavar="PATH",
-        help="a WikiText raw folder, a text file or a folder of text files, see `blocktrain "
-        "data --help` (default: $BLOCKTRAIN_DATA)",
+        help="a WikiText raw folder, a text file or a folder of text files, or hf:NAME[:CONFIG] "
+        "/ hf:PATH for a Hugging Face dataset, see `blocktrain data --help` (default: "
+        "$BLOCKTRAIN_DATA)",
     )
     add_pattern_args(parser)
+    add_text_field_arg(parser)
+
+
+def add_text_field_arg(parser: argparse.ArgumentParser, of: str = "data") -> None:
+    """--text-field, which `apply_text_field` folds into the hf:... spec of `of`."""
+    parser.add_argument(
+        "--text-field",
+        metavar="FIELD",
+        help="the text column of a Hugging Face dataset (--data hf:...; default: text); "
+        "$BLOCKTRAIN_DATA takes it as hf:NAME#FIELD",
+    )
+    parser.set_defaults(text_field_of=of)
+
+
+def apply_text_field(args: argparse.Namespace) -> None:
+    """Fold --text-field into the command's hf:... data spec (from its flag or
+    $BLOCKTRAIN_DATA), so that the spec alone names the dataset and its column wherever it goes
+    (a worker's command line, data.json). A ConfigError when the data is no such dataset."""
+    field = getattr(args, "text_field", None)
+    if field is None:
+        return
+    of = getattr(args, "text_field_of", "data")
+    value = getattr(args, of, None) or os.environ.get(DATA_ENV) or None
+    if not is_hf(value):
+        raise ConfigError(
+            f"--text-field {field} names the text column of a Hugging Face dataset (--data "
+            f"hf:NAME or hf:PATH); the data given is {value or 'none'}"
+        )
+    setattr(args, of, str(HfSource.parse(str(value)).with_field(field)))
 
 
 def add_pattern_args(parser: argparse.ArgumentParser, of: str = "--data") -> None:
@@ -229,6 +261,21 @@ def file_patterns(args: argparse.Namespace) -> FilePatterns:
     """The --include / --exclude patterns given (none: every file of a folder)."""
     return FilePatterns(
         tuple(getattr(args, "include", None) or ()), tuple(getattr(args, "exclude", None) or ())
+    )
+
+
+def add_log_arg(parser: argparse.ArgumentParser) -> None:
+    """--log-to: experiment loggers fed by the records of metrics.jsonl
+    (training/tracking.py)."""
+    parser.add_argument(
+        "--log-to",
+        metavar="BACKEND",
+        action="append",
+        help="also log what metrics.jsonl gets to tensorboard, wandb or mlflow (repeatable, or "
+        "comma-separated), offline under the run folder: RUN_DIR/tensorboard/ event files, an "
+        "offline W&B run in RUN_DIR/wandb/ (WANDB_MODE=online to upload), an MLflow file store "
+        "in RUN_DIR/mlruns/ (or $MLFLOW_TRACKING_URI); a library that is missing stops the "
+        "command before it writes anything, naming the pip command",
     )
 
 

@@ -9,13 +9,14 @@ from blocktrain.cli.common import (
     Formatter,
     add_pattern_args,
     add_progress_arg,
+    add_text_field_arg,
     file_patterns,
     print_json,
     progress_bar,
 )
 from blocktrain.data import ByteCorpus, fetch_wikitext, resolve_data_path
 from blocktrain.data.corpus import gzip_cap
-from blocktrain.data.provenance import SPLIT_RULES
+from blocktrain.data.provenance import split_rule
 
 EXAMPLES = """examples:
   blocktrain data fetch wikitext-2 --to data/wikitext-2     # needs internet
@@ -23,6 +24,8 @@ EXAMPLES = """examples:
   blocktrain data info my-notes.txt                         # one file: split 90/5/5
   blocktrain data info ~/src/project --include '*.py' --include '*.md' --exclude 'build/**'
   blocktrain train --data ~/src/project --include '*.py' --out runs/code  # the same patterns
+  blocktrain data info hf:wikitext:wikitext-2-raw-v1        # a Hub dataset (cached, or fetched)
+  blocktrain data info hf:/data/my_saved --text-field content  # a save_to_disk folder
 """
 
 RULES = f"""what a corpus is (--data PATH, or $BLOCKTRAIN_DATA):
@@ -33,6 +36,15 @@ RULES = f"""what a corpus is (--data PATH, or $BLOCKTRAIN_DATA):
   any other folder    every file under it, subfolders included, in path order, each split
                       90/5/5 like a file, so that every split draws from every file; windows
                       never cross from one file into the next
+  hf:NAME[:CONFIG]    a Hugging Face dataset (pip install datasets): load_dataset(NAME, CONFIG)
+  hf:PATH             from the Hub or its local cache (HF_DATASETS_OFFLINE=1: cache only), or a
+                      local folder of data files; a folder written by save_to_disk is read with
+                      load_from_disk. --text-field FIELD (default text; hf:NAME#FIELD in
+                      $BLOCKTRAIN_DATA) is the string column read: each record, a newline after
+                      one that lacks it. Its train, validation (or valid, dev) and test splits
+                      are the splits; a dataset of one split is cut 90/5/5. The text is written
+                      once to $BLOCKTRAIN_CACHE/hf/ (default ~/.cache/blocktrain/hf/), keyed by
+                      the dataset's fingerprints, and data.json records name and fingerprints
 
 which files a folder gives:
   --include GLOB / --exclude GLOB choose them (repeatable; --exclude wins). A glob without / is
@@ -85,8 +97,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=RULES + "\n" + EXAMPLES,
         formatter_class=Formatter,
     )
-    i.add_argument("path", nargs="?", help="corpus path (default: $BLOCKTRAIN_DATA)")
+    i.add_argument(
+        "path", nargs="?", help="corpus path, or hf:NAME[:CONFIG] (default: $BLOCKTRAIN_DATA)"
+    )
     add_pattern_args(i, of="corpus")
+    add_text_field_arg(i, of="path")
     i.set_defaults(handler=run_info)
 
 
@@ -112,11 +127,12 @@ def run_info(args: argparse.Namespace) -> int:
     corpus = ByteCorpus.open(resolve_data_path(args.path), file_patterns(args))
     print_json(
         {
-            "path": str(corpus.root.resolve()),
+            "path": corpus.source,
             "layout": corpus.layout,
-            "split_rule": SPLIT_RULES[corpus.layout],
+            "split_rule": split_rule(corpus),
             "splits": corpus.describe(),
             **corpus.files(),
+            **({"dataset": corpus.dataset} if corpus.dataset is not None else {}),
         }
     )
     return 0

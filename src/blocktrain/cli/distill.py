@@ -17,6 +17,7 @@ from pathlib import Path
 from blocktrain.cli.common import (
     Formatter,
     add_data_arg,
+    add_log_arg,
     add_progress_arg,
     check_model_sampler,
     file_patterns,
@@ -25,6 +26,7 @@ from blocktrain.cli.train import run_and_report, splits
 from blocktrain.errors import ConfigError
 from blocktrain.training import Trainer, read_config
 from blocktrain.training.distill import TeacherSpec
+from blocktrain.training.tracking import check_backends, parse_backends
 
 EXAMPLES = """examples:
   blocktrain train --preset tiny --reference --set layers=1 blocks=1 seq_len=128 \\
@@ -69,12 +71,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_data_arg(p)
     p.add_argument("--resume", action="store_true", help="continue the distillation in --out")
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
+    add_log_arg(p)
     add_progress_arg(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    check_backends(parse_backends(args.log_to))  # a missing library: before anything is written
     if args.steps is not None and args.steps <= 0:
         raise ConfigError(f"--steps {args.steps} must be positive")
     if args.lr is not None and not args.lr > 0:

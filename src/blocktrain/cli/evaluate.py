@@ -32,6 +32,7 @@ EXAMPLES = """examples:
   blocktrain eval runs/span16 --judge runs/judge     # + continuations of 64 test prompts, judged
   blocktrain eval runs/masked --steps-per-block 2    # a masked run: exact joint CE, reveal
   blocktrain eval runs/tiny --device cuda            # on the GPU (default auto: it when present)
+  blocktrain eval hf/tiny --data CORPUS --split test # an `export --hf` folder, as a run
 """
 
 
@@ -43,7 +44,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=EXAMPLES,
         formatter_class=Formatter,
     )
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder written by train")
+    p.add_argument(
+        "run_dir",
+        metavar="RUN_DIR",
+        help="a run folder written by train (or cluster, export), or a Hugging Face export "
+        "(export --hf DIR)",
+    )
     add_data_arg(p)
     p.add_argument("--split", default="valid", choices=("valid", "test"))
     p.add_argument("--bytes", type=int, default=32768, help="held-out bytes to evaluate")

@@ -13,6 +13,7 @@ from blocktrain.cli.common import (
     add_device_arg,
     add_pattern_args,
     add_sampler_args,
+    add_text_field_arg,
     check_model_sampler,
     file_patterns,
 )
@@ -40,6 +41,7 @@ EXAMPLES = """examples:
   blocktrain generate runs/tiny --prompt "The " --sampler ancestral --steps-per-block 4
   blocktrain generate runs/masked --prompt "The " --steps-per-block 2   # a masked run: reveal
   blocktrain generate runs/tiny --prompt "The " --device cpu             # on the CPU, GPU or not
+  blocktrain generate hf/tiny --prompt "The "                            # an export --hf folder
 """
 
 
@@ -51,7 +53,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=EXAMPLES,
         formatter_class=Formatter,
     )
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder written by train")
+    p.add_argument(
+        "run_dir",
+        metavar="RUN_DIR",
+        help="a run folder written by train (or cluster, export), or a Hugging Face export "
+        "(export --hf DIR)",
+    )
     p.add_argument("--prompt", required=True, help="text to continue (at least one byte)")
     p.add_argument("--bytes", type=int, default=256, help="bytes to generate")
     p.add_argument("--seed", type=int, default=0, help="seeds the noise and the sampling")
@@ -78,6 +85,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "the one the run recorded (generation itself reads no data)",
     )
     add_pattern_args(p)
+    add_text_field_arg(p)
     add_device_arg(p)
     p.set_defaults(handler=run)
 

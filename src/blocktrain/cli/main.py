@@ -32,6 +32,7 @@ from blocktrain.cli import (
     train,
     worker,
 )
+from blocktrain.cli.common import apply_text_field
 from blocktrain.errors import BlockTrainError
 from blocktrain.runtime import keep_freed_memory
 
@@ -93,6 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     keep_freed_memory()
     try:
+        apply_text_field(args)
         return int(args.handler(args) or 0)
     except BlockTrainError as exc:
         print(f"blocktrain: error: {exc}", file=sys.stderr)

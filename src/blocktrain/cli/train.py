@@ -10,6 +10,7 @@ from blocktrain.cli.common import (
     add_config_args,
     add_data_arg,
     add_device_arg,
+    add_log_arg,
     add_progress_arg,
     file_patterns,
     print_json,
@@ -21,6 +22,12 @@ from blocktrain.data.provenance import check_data, corpus_record, write_record
 from blocktrain.device import resolve_device
 from blocktrain.errors import ConfigError, DataError
 from blocktrain.training import Trainer, read_config
+from blocktrain.training.tracking import (
+    check_backends,
+    close_trackers,
+    open_trackers,
+    parse_backends,
+)
 
 EXAMPLES = """examples:
   blocktrain train --preset tiny --out runs/tiny            # all blocks, about a minute on CPU
@@ -30,6 +37,8 @@ EXAMPLES = """examples:
   blocktrain train --preset tiny --reference --out runs/ref # the end-to-end reference
   blocktrain train --resume --out runs/tiny --steps 600     # continue a run (to 600 steps)
   blocktrain train --preset paper --device cuda:0 --out runs/paper  # on the first GPU
+  blocktrain train --preset tiny --out runs/tiny --log-to tensorboard  # + RUN_DIR/tensorboard/
+  blocktrain train --preset tiny --out runs/tiny --log-to wandb,mlflow # offline W&B, MLflow files
 """
 
 
@@ -58,12 +67,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
+    add_log_arg(p)
     add_progress_arg(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    check_backends(parse_backends(args.log_to))  # a missing library: before anything is written
     if args.resume:
         if not args.out:
             raise ConfigError("--resume needs --out RUN_DIR")
@@ -106,9 +117,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_and_report(trainer: Trainer, args: argparse.Namespace, verb: str) -> int:
-    """Run `trainer` to its steps and print its summary (JSON with --json), for train and
-    distill."""
-    summary = trainer.run(progress=not args.quiet)
+    """Run `trainer` to its steps, feeding the --log-to loggers, and print its summary (JSON
+    with --json), for train and distill."""
+    trainer.trackers = open_trackers(
+        parse_backends(args.log_to), trainer.run_dir, trainer.cfg.to_dict(), trainer.step
+    )
+    try:
+        summary = trainer.run(progress=not args.quiet)
+    finally:
+        close_trackers(trainer.trackers)
     summary["run_dir"] = str(trainer.run_dir)
     if args.json:
         print_json(summary)

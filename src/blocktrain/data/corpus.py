@@ -8,7 +8,9 @@ batch copies only the bytes it uses. Three layouts are understood:
   each file is its split, and the folder's other files are not read;
 - any other text file: the first 90% is ``train``, the next 5% ``valid``, the last 5% ``test``;
 - any other folder: every non-hidden regular file under it, subfolders included, split 90/5/5
-  like a single file, so that every split draws from every file.
+  like a single file, so that every split draws from every file;
+- ``hf:NAME[:CONFIG]`` or ``hf:PATH``: a Hugging Face ``datasets`` dataset, its text column
+  written once into a cache folder and read from there (``data/hf.py``).
 
 What a file holds is judged from its first 64 KiB:
 
@@ -48,11 +50,13 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
 
+from blocktrain.data.hf import SPLIT_NAMES as HF_SPLIT_NAMES
+from blocktrain.data.hf import HfSource, is_hf, materialise, saved_by_datasets
 from blocktrain.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -250,21 +254,33 @@ def _matches(regex: re.Pattern[str], relative: str) -> bool:
     return regex.fullmatch(relative) is not None
 
 
-def resolve_data_path(path: str | os.PathLike[str] | None) -> Path:
-    """Return the corpus path from the flag, else from ``BLOCKTRAIN_DATA``.
+DataPath = str | os.PathLike[str] | HfSource
+"""What --data gives: a path, or a Hugging Face dataset (``hf:NAME``, or an HfSource)."""
+
+
+def resolve_data_path(path: DataPath | None) -> Path | HfSource:
+    """Return the corpus path from the flag, else from ``BLOCKTRAIN_DATA``: a Path, or for
+    ``hf:...`` the HfSource (``str()`` of it is the spec again, for a child command).
 
     The flag wins so that one run can point elsewhere without touching the environment. An empty
     value counts as not given, so ``BLOCKTRAIN_DATA=`` does not silently mean the current folder.
     """
+    if isinstance(path, HfSource):
+        return path
     value: str | os.PathLike[str] | None = path if path not in (None, "") else None
     if value is None:
         value = os.environ.get(DATA_ENV) or None
     if value is None:
         raise DataError(
             f"no data given: pass --data PATH or set {DATA_ENV}=PATH (a WikiText raw folder, "
-            "a text file or a folder of text files; there is no default corpus), e.g. after "
-            "`blocktrain data fetch wikitext-2 --to data/wikitext-2`"
+            "a text file or a folder of text files, or hf:NAME for a Hugging Face dataset; "
+            "there is no default corpus), e.g. after `blocktrain data fetch wikitext-2 --to "
+            "data/wikitext-2`"
         )
+    if is_hf(value):
+        source = HfSource.parse(str(value))
+        source.check()
+        return source
     resolved = Path(value).expanduser()
     if not resolved.exists():
         raise DataError(f"data path {resolved} does not exist; pass --data PATH or set {DATA_ENV}")
@@ -394,10 +410,17 @@ class ByteCorpus:
         not_utf8: list[str] | None = None,
         excluded: int = 0,
         held: list[np.ndarray] | None = None,
+        dataset: dict[str, Any] | None = None,
+        source: str | None = None,
     ) -> None:
         self.root = root
         self.layout = layout
-        """``"wikitext"``, ``"file"`` or ``"folder"``."""
+        """``"wikitext"``, ``"file"``, ``"folder"`` or ``"hf"``."""
+        self.source = source or str(root.resolve())
+        """What --data named: the absolute path, or the ``hf:...`` spec."""
+        self.dataset = dataset
+        """For a Hugging Face dataset: its name, config, text field, splits and fingerprints
+        (data/hf.py), as data.json records them."""
         self.patterns = patterns
         self.skipped = skipped or {}
         """Files of a folder that are not read, by reason (paths relative to the folder)."""
@@ -412,15 +435,19 @@ class ByteCorpus:
         splits map it from the cache instead of decompressing it again."""
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str], patterns: FilePatterns | None = None) -> ByteCorpus:
-        """Open a WikiText folder, a text file or a folder of text files; `patterns` choose the
-        files of a folder.
+    def open(cls, path: DataPath, patterns: FilePatterns | None = None) -> ByteCorpus:
+        """Open a WikiText folder, a text file, a folder of text files or a Hugging Face
+        dataset (``hf:...``); `patterns` choose the files of a folder.
 
         Only the first 64 KiB of each file is read here (all of a gzip file's text, which is
         held in memory), so opening is cheap for any corpus size; empty and binary inputs fail
         now rather than deep inside training.
         """
         patterns = patterns or NO_PATTERNS
+        if is_hf(path):
+            source = path if isinstance(path, HfSource) else HfSource.parse(str(path))
+            return cls._open_hf(source, patterns)
+        assert not isinstance(path, HfSource)
         root = Path(path).expanduser()
         if not root.exists():
             raise DataError(f"data path {root} does not exist")
@@ -443,6 +470,12 @@ class ByteCorpus:
             )
         elif not root.is_dir():
             raise DataError(f"data path {root} is neither a file nor a folder")
+        elif saved_by_datasets(root):
+            raise DataError(
+                f"{root} is a dataset saved by Hugging Face datasets (save_to_disk), not a "
+                f"folder of text: pass --data hf:{root} (and --text-field FIELD for a column "
+                "other than text)"
+            )
         elif any(
             (root / name).is_file() and patterns.selects(name) for name in WIKITEXT_FILES.values()
         ):
@@ -451,6 +484,32 @@ class ByteCorpus:
             corpus = cls._open_folder(root, patterns)
         logger.info("opened %s as a %s corpus", root, corpus.layout)
         return corpus
+
+    @classmethod
+    def _open_hf(cls, source: HfSource, patterns: FilePatterns) -> ByteCorpus:
+        """A Hugging Face dataset: its own splits, or one split cut 90/5/5 (data/hf.py)."""
+        if patterns:
+            raise DataError(
+                f"{patterns.flags()} choose files of a folder, and --data {source} is a Hugging "
+                "Face dataset; drop them"
+            )
+        cached = materialise(source)
+        sizes = {name: file.stat().st_size for name, file in cached.files.items()}
+        if cached.whole:
+            (file,) = cached.files.values()
+            splits = _position_split([(file, Probe("text", sizes[file.stem]))])
+            missing: dict[str, Path] = {}
+        else:
+            splits = {n: [Span(f, 0, sizes[n])] for n, f in cached.files.items()}
+            missing = {n: cached.root / f"{n}.txt" for n in SPLITS if n not in splits}
+        return cls(
+            cached.root,
+            "hf",
+            splits,
+            missing,
+            dataset=cached.record,
+            source=str(source),
+        )
 
     @classmethod
     def _open_wikitext(cls, root: Path, patterns: FilePatterns) -> ByteCorpus:
@@ -532,6 +591,13 @@ class ByteCorpus:
         """Return one split, memory-mapped."""
         if name not in SPLITS:
             raise DataError(f"unknown split {name!r}; choose one of {', '.join(SPLITS)}")
+        if name in self._missing and self.dataset is not None:
+            has = self.dataset.get("splits")
+            raise DataError(
+                f"the {name} split is missing: the Hugging Face dataset {self.source} has no "
+                f"{' or '.join(HF_SPLIT_NAMES[name])} split (it has "
+                f"{', '.join(str(v) for v in has.values()) if isinstance(has, dict) else '?'})"
+            )
         if name in self._missing and self._missing[name].is_file():
             raise DataError(
                 f"the {name} split is missing: {self.patterns.flags()} leave out "
@@ -571,7 +637,7 @@ class ByteCorpus:
 
 
 def load_split(
-    path: str | os.PathLike[str] | None, split: str, patterns: FilePatterns | None = None
+    path: DataPath | None, split: str, patterns: FilePatterns | None = None
 ) -> ByteSource:
     """Resolve the data path (flag, then env var), open it and return one split."""
     return ByteCorpus.open(resolve_data_path(path), patterns).split(split)

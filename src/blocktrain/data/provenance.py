@@ -7,6 +7,8 @@ differs from it.
      "splits": {"train": {"bytes": N, "sha256": "...", "files": ["..."]}, "valid": ...}}
 
 `include` and `exclude` are the --include / --exclude patterns that chose a folder's files.
+For a Hugging Face dataset (``--data hf:...``) `path` is the spec and `dataset` records its
+name, config, text field, splits, fingerprints and rows (data/hf.py).
 
 Data is the same when a split's bytes are (its SHA-256), wherever the corpus lies now: a moved
 copy raises no warning, an edited file or another corpus does. Runs from before the record
@@ -16,7 +18,6 @@ have no data.json and are not checked.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -27,6 +28,7 @@ from blocktrain.data.corpus import (
     SPLITS,
     WIKITEXT_FILES,
     ByteCorpus,
+    DataPath,
     FilePatterns,
     resolve_data_path,
 )
@@ -42,11 +44,21 @@ SPLIT_RULES = {
     f"{_VALID - _TRAIN}%, test the last {100 - _VALID}%",
     "folder": f"by position in every text file of the folder: train the first {_TRAIN}%, "
     f"valid the next {_VALID - _TRAIN}%, test the last {100 - _VALID}%",
+    "hf": "the Hugging Face dataset's own splits: train, validation (or valid, dev), test",
+    "hf-one": f"by position in the text of the Hugging Face dataset's one split: train the "
+    f"first {_TRAIN}%, valid the next {_VALID - _TRAIN}%, test the last {100 - _VALID}%",
 }
 
 
+def split_rule(corpus: ByteCorpus) -> str:
+    """How `corpus` is cut into train, valid and test, in words."""
+    if corpus.layout == "hf" and corpus.dataset and "all" in (corpus.dataset.get("splits") or {}):
+        return SPLIT_RULES["hf-one"]
+    return SPLIT_RULES[corpus.layout]
+
+
 def corpus_record(
-    path: str | os.PathLike[str] | None,
+    path: DataPath | None,
     splits: Iterable[str] = SPLITS,
     patterns: FilePatterns | None = None,
 ) -> dict[str, Any]:
@@ -66,14 +78,17 @@ def corpus_record(
             "sha256": source.sha256(),
             "files": [str(p.resolve()) for p in source.paths],
         }
-    return {
-        "path": str(root.resolve()),
+    out: dict[str, Any] = {
+        "path": corpus.source,
         "layout": corpus.layout,
-        "split_rule": SPLIT_RULES[corpus.layout],
+        "split_rule": split_rule(corpus),
         "include": list(corpus.patterns.include),
         "exclude": list(corpus.patterns.exclude),
         "splits": record,
     }
+    if corpus.dataset is not None:
+        out["dataset"] = corpus.dataset
+    return out
 
 
 def write_record(run_dir: Path, record: dict[str, Any]) -> None:
@@ -100,7 +115,7 @@ def differences(recorded: dict[str, Any], now: dict[str, Any]) -> list[str]:
 
 def check_data(
     run_dir: Path,
-    path: str | os.PathLike[str] | None,
+    path: DataPath | None,
     splits: Iterable[str],
     patterns: FilePatterns | None = None,
 ) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from blocktrain.training.evaluate import (
     evaluate_oracle_block,
     evaluate_reference,
 )
+from blocktrain.training.hub import from_pretrained, load_hf
 from blocktrain.training.loss import BlockLoss, reference_loss
 from blocktrain.training.trainer import Trainer
 
@@ -18,6 +19,8 @@ __all__ = [
     "evaluate_blocktrain",
     "evaluate_oracle_block",
     "evaluate_reference",
+    "from_pretrained",
+    "load_hf",
     "load_model",
     "read_config",
     "reference_loss",

@@ -7,6 +7,9 @@
     RUN_DIR/state.json           the step the two files above belong to
     RUN_DIR/metrics.jsonl        one JSON object per logged step or evaluation
 
+A Hugging Face export (training/hub.py) holds the same config.json, with the Hub's keys added,
+and the same model.safetensors, so everything here reads it as a run folder.
+
 Nothing here unpickles: tensors live in safetensors only, everything else in JSON.
 """
 
@@ -82,11 +85,18 @@ def read_config(run_dir: Path) -> RunInfo:
     if not Path(run_dir).is_dir():
         raise CheckpointError(f"run folder {run_dir} does not exist")
     if not path.is_file():
-        raise CheckpointError(f"{run_dir} is not a BlockTrain run folder (no {CONFIG_FILE})")
+        raise CheckpointError(
+            f"{run_dir} is not a BlockTrain run folder or export (no {CONFIG_FILE})"
+        )
     try:
         doc = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path} is corrupt ({exc})") from exc
+    if isinstance(doc, dict) and doc.get("format") != FORMAT and "model_type" in doc:
+        raise CheckpointError(
+            f"{run_dir} holds a Hugging Face model of model_type {doc['model_type']!r}, not a "
+            "BlockTrain run or export"
+        )
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a BlockTrain config (no format: {FORMAT})")
     if doc.get("format_version") != FORMAT_VERSION:

@@ -196,9 +196,9 @@ def reference_config(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, blocks=1))
 
 
-def write_reference(run_dir: Path, cfg: RunConfig, weights: Tensors, step: int) -> None:
-    """A reference run folder (`train --reference`'s layout) from a reference unit's weights,
-    for eval and generate."""
+def reference_tensors(cfg: RunConfig, weights: Tensors) -> Tensors:
+    """A reference unit's weights as a run folder names them ("reference.*", fp32), checked
+    against the model `cfg` builds."""
     model = init_reference(cfg.model, cfg.seed)
     ckpt.load_module_tensors(
         model,
@@ -206,12 +206,19 @@ def write_reference(run_dir: Path, cfg: RunConfig, weights: Tensors, step: int) 
         "reference.",
         Path("<reference>"),
     )
+    return {f"reference.{k}": v for k, v in model.state_dict().items()}
+
+
+def write_reference(run_dir: Path, cfg: RunConfig, weights: Tensors, step: int) -> None:
+    """A reference run folder (`train --reference`'s layout) from a reference unit's weights,
+    for eval and generate."""
+    tensors = reference_tensors(cfg, weights)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt.write_config(run_dir, ckpt.RunInfo(cfg, "reference", []))
     ckpt.atomic_save_tensors(
         run_dir / ckpt.MODEL_FILE,
-        {f"reference.{k}": v for k, v in model.state_dict().items()},
+        tensors,
         {"format": ckpt.FORMAT, "kind": "reference", "step": str(step)},
     )
 
@@ -234,17 +241,24 @@ def build_stack(cfg: RunConfig, blocks: dict[int, Tensors]) -> BlockStack:
     return stack.eval()
 
 
-def write_assembled(run_dir: Path, cfg: RunConfig, blocks: dict[int, Tensors], step: int) -> None:
-    """A run folder that `load_model`, `blocktrain eval` and `generate` read: config.json of
-    kind blocktrain with every block, and model.safetensors with block.{b}.* and targets."""
+def assembled_tensors(cfg: RunConfig, blocks: dict[int, Tensors]) -> Tensors:
+    """Per-block weights as a run folder names them: "block.{b}.*" and the target table
+    "targets", checked by assembling the model."""
     stack = build_stack(cfg, blocks)
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt.write_config(run_dir, ckpt.RunInfo(cfg, "blocktrain", list(range(cfg.model.blocks))))
     weights: Tensors = {}
     for b in range(cfg.model.blocks):
         weights.update({f"block.{b}.{k}": v for k, v in stack.block(b).state_dict().items()})
     weights["targets"] = stack.targets
+    return weights
+
+
+def write_assembled(run_dir: Path, cfg: RunConfig, blocks: dict[int, Tensors], step: int) -> None:
+    """A run folder that `load_model`, `blocktrain eval` and `generate` read: config.json of
+    kind blocktrain with every block, and model.safetensors with block.{b}.* and targets."""
+    weights = assembled_tensors(cfg, blocks)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt.write_config(run_dir, ckpt.RunInfo(cfg, "blocktrain", list(range(cfg.model.blocks))))
     ckpt.atomic_save_tensors(
         run_dir / ckpt.MODEL_FILE,
         weights,

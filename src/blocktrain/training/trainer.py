@@ -44,6 +44,7 @@ from blocktrain.training.optim import (
     optimizer_tensors,
 )
 from blocktrain.training.step import Objective, precision_context, train_step
+from blocktrain.training.tracking import Tracker, scalars
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,8 @@ class Trainer:
         self.bytes_seen = 0
         self.wall_seconds = 0.0
         self.last_eval: dict[str, Any] | None = None
+        self.trackers: list[Tracker] = []
+        """Experiment loggers (training/tracking.py) that get every metrics.jsonl record."""
         mcfg = self.cfg.model
         self.stack: BlockStack | None = None
         self.reference: Reference | None = None
@@ -342,8 +345,14 @@ class Trainer:
                 unit.module.train()
 
     def _append_metrics(self, record: dict[str, Any]) -> None:
+        """The one metrics writer: a line of metrics.jsonl, and the same record to each
+        experiment logger."""
         with open(self.run_dir / ckpt.METRICS_FILE, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.trackers:
+            step, values = scalars(record)
+            for tracker in self.trackers:
+                tracker.log(step, values)
 
     def run(self, *, progress: bool = True, until: int | None = None) -> dict[str, Any]:
         """Train until `train.steps` (or stop early at step `until`, keeping the schedule of the

@@ -1,0 +1,260 @@
+"""Experiment logging: every record the trainer appends to metrics.jsonl also goes to
+TensorBoard, Weights & Biases or MLflow (`train --log-to`, `distill --log-to`), offline unless
+told otherwise, so that nothing needs a server:
+
+    tensorboard   event files under RUN_DIR/tensorboard/ (`tensorboard --logdir RUN_DIR`),
+                  written with tensorboardX, or torch.utils.tensorboard where only the
+                  tensorboard package is installed
+    wandb         an offline run under RUN_DIR/wandb/ (`wandb sync RUN_DIR/wandb/offline-run-*`
+                  uploads it); WANDB_MODE=online logs to the server, WANDB_PROJECT names the
+                  project (default blocktrain)
+    mlflow        a file store under RUN_DIR/mlruns/ (`mlflow ui --backend-store-uri
+                  RUN_DIR/mlruns`); MLFLOW_TRACKING_URI points elsewhere,
+                  MLFLOW_EXPERIMENT_NAME names the experiment (default blocktrain)
+
+A record becomes scalars named `train/KEY` (a training step) or `SPLIT/KEY` (an evaluation,
+`valid/sampler_ce`), at its step; lists are numbered (`valid/ce_per_step/0`) and nested
+records joined with `/` (`valid/block0/oracle_ce`); strings, booleans and missing values are
+left out. A resumed run continues its W&B and MLflow runs (their ids are kept in
+RUN_DIR/tracking.json), and TensorBoard drops the steps logged after the checkpoint it resumes
+from, as metrics.jsonl does.
+
+`check_backends` imports the libraries before any file is written: a missing one is one
+ConfigError line that names the pip command.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import secrets
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from blocktrain.errors import ConfigError
+from blocktrain.fsutil import atomic_write_bytes
+
+BACKENDS = ("tensorboard", "wandb", "mlflow")
+INSTALL = {
+    "tensorboard": "pip install tensorboardX",
+    "wandb": "pip install wandb",
+    "mlflow": "pip install mlflow-skinny",
+}
+IDS_FILE = "tracking.json"
+TENSORBOARD_DIR = "tensorboard"
+MLFLOW_DIR = "mlruns"
+
+
+class Tracker(Protocol):
+    """One experiment-logging backend: the trainer hands it each metrics record."""
+
+    def log(self, step: int, scalars: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def parse_backends(values: Sequence[str] | None) -> tuple[str, ...]:
+    """--log-to values (repeatable, or comma-separated), deduplicated in order."""
+    names: list[str] = []
+    for value in values or ():
+        for name in (n.strip() for n in value.split(",")):
+            if not name:
+                continue
+            if name not in BACKENDS:
+                raise ConfigError(f"--log-to {name!r}: choose from {', '.join(BACKENDS)}")
+            if name not in names:
+                names.append(name)
+    return tuple(names)
+
+
+def _import(name: str) -> Any:
+    """The library a backend writes with; a ConfigError naming the pip command when it is not
+    installed (or does not import)."""
+    try:
+        if name == "tensorboard":
+            try:
+                return importlib.import_module("tensorboardX").SummaryWriter
+            except ImportError:
+                return importlib.import_module("torch.utils.tensorboard").SummaryWriter
+        if name == "wandb":
+            return importlib.import_module("wandb")
+        return importlib.import_module("mlflow.tracking")
+    except ImportError as exc:
+        raise ConfigError(
+            f"--log-to {name} needs a library that is not installed ({exc}): {INSTALL[name]}"
+        ) from None
+
+
+def check_backends(names: Iterable[str]) -> None:
+    """Import every backend's library now, before the run folder is touched."""
+    for name in names:
+        _import(name)
+
+
+def scalars(record: dict[str, Any]) -> tuple[int, dict[str, float]]:
+    """A metrics.jsonl record as (step, {name: value}) of finite numbers."""
+    prefix = "train" if record.get("event") == "train" else str(record.get("split", "eval"))
+    out: dict[str, float] = {}
+
+    def add(name: str, value: Any) -> None:
+        if isinstance(value, bool) or value is None:
+            return
+        if isinstance(value, int | float):
+            if math.isfinite(value):
+                out[name] = float(value)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                add(f"{name}/{k}", v)
+        elif isinstance(value, list | tuple):
+            for i, v in enumerate(value):
+                add(f"{name}/{i}", v)
+
+    for key, value in record.items():
+        if key not in ("event", "split", "step"):
+            add(f"{prefix}/{key}", value)
+    return int(record.get("step", 0)), out
+
+
+def _flat_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in config.items():
+        if isinstance(v, dict):
+            out.update(_flat_config(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _ids(run_dir: Path) -> dict[str, str]:
+    try:
+        doc = json.loads((run_dir / IDS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in doc.items() if isinstance(v, str)} if isinstance(doc, dict) else {}
+
+
+def _save_id(run_dir: Path, key: str, value: str) -> None:
+    ids = {**_ids(run_dir), key: value}
+    atomic_write_bytes(run_dir / IDS_FILE, (json.dumps(ids, indent=2) + "\n").encode())
+
+
+class TensorBoardTracker:
+    """Event files under RUN_DIR/tensorboard/."""
+
+    def __init__(self, run_dir: Path, config: dict[str, Any], resumed_at: int) -> None:
+        writer = _import("tensorboard")
+        # purge_step: TensorBoard discards what an earlier process logged from that step on
+        # a file of its own even when a resume starts within the second the last one did
+        # (the files are named by the second and the host)
+        self.writer = writer(
+            str(run_dir / TENSORBOARD_DIR),
+            purge_step=resumed_at + 1 if resumed_at else None,
+            filename_suffix=f".step{resumed_at}.{os.getpid()}",
+        )
+        if not resumed_at:
+            self.writer.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```", 0)
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        for name, value in scalars.items():
+            self.writer.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker:
+    """A W&B run, offline under RUN_DIR/wandb/ unless WANDB_MODE says otherwise."""
+
+    def __init__(self, run_dir: Path, config: dict[str, Any], resumed_at: int) -> None:
+        wandb = _import("wandb")
+        run_id = _ids(run_dir).get("wandb") or secrets.token_hex(4)
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT") or "blocktrain",
+            name=run_dir.resolve().name,
+            id=run_id,
+            resume="allow",
+            dir=str(run_dir),
+            config=config,
+            mode=os.environ.get("WANDB_MODE") or "offline",
+        )
+        _save_id(run_dir, "wandb", run_id)
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        self.run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MlflowTracker:
+    """An MLflow run, in a file store under RUN_DIR/mlruns/ unless MLFLOW_TRACKING_URI says
+    otherwise."""
+
+    def __init__(self, run_dir: Path, config: dict[str, Any], resumed_at: int) -> None:
+        tracking = _import("mlflow")
+        from mlflow.entities import Metric, Param
+
+        self._metric = Metric
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
+            uri = (run_dir / MLFLOW_DIR).resolve().as_uri()
+            # MLflow 3 keeps the file store, in maintenance mode, behind this switch
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.client = tracking.MlflowClient(tracking_uri=uri)
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "blocktrain"
+        experiment = self.client.get_experiment_by_name(name)
+        experiment_id = (
+            experiment.experiment_id if experiment else self.client.create_experiment(name)
+        )
+        run_id = _ids(run_dir).get("mlflow")
+        if run_id is not None:
+            try:
+                self.client.get_run(run_id)
+            except Exception:  # gone from this store (another tracking URI): a new run
+                run_id = None
+        if run_id is None:
+            run = self.client.create_run(experiment_id, run_name=run_dir.resolve().name)
+            run_id = run.info.run_id
+            params = [Param(k, str(v)[:500]) for k, v in _flat_config(config).items()]
+            self.client.log_batch(run_id, params=params)
+            _save_id(run_dir, "mlflow", run_id)
+        self.run_id = run_id
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        now = int(time.time() * 1000)
+        metrics = [self._metric(k, v, now, step) for k, v in scalars.items()]
+        self.client.log_batch(self.run_id, metrics=metrics)
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+TRACKERS: dict[str, Callable[[Path, dict[str, Any], int], Tracker]] = {
+    "tensorboard": TensorBoardTracker,
+    "wandb": WandbTracker,
+    "mlflow": MlflowTracker,
+}
+
+
+def open_trackers(
+    names: Sequence[str], run_dir: Path, config: dict[str, Any], resumed_at: int = 0
+) -> list[Tracker]:
+    """One tracker per backend for the run in `run_dir`, resumed from step `resumed_at` (0: a
+    new run)."""
+    opened: list[Tracker] = []
+    try:
+        for name in names:
+            opened.append(TRACKERS[name](Path(run_dir), config, resumed_at))
+    except BaseException:
+        close_trackers(opened)
+        raise
+    return opened
+
+
+def close_trackers(trackers: Iterable[Tracker]) -> None:
+    for tracker in trackers:
+        tracker.close()
