@@ -12,8 +12,7 @@ import torch
 from blocktrain.config import tiny
 from blocktrain.errors import ConfigError
 from blocktrain.protocol.core import Committed, RoundEngine
-from blocktrain.protocol.settings import AggregatorSettings, derived_settings
-from blocktrain.protocol.state import largest_block
+from blocktrain.protocol.settings import AggregatorSettings, derived_settings, largest_block
 from blocktrain.training.local import initial_blocks
 from tests.protocol.conftest import block_tensors, delta_body
 

@@ -45,8 +45,8 @@ from blocktrain.errors import ConfigError, DataError
 from blocktrain.httpserve import Limits, bind, url_of
 from blocktrain.protocol.directory import Directory, parse_peer, placed
 from blocktrain.protocol.limits import JSON_BODY_BYTES, AccessLimits
-from blocktrain.protocol.settings import AggregatorSettings, derived_settings
-from blocktrain.protocol.state import create_state, largest_block, run_unit
+from blocktrain.protocol.settings import AggregatorSettings, derived_settings, largest_block
+from blocktrain.protocol.state import create_state, run_unit
 from blocktrain.protocol.storage import StateDir
 from blocktrain.tls import tls_pair
 from blocktrain.training.local import initial_units, reference_config

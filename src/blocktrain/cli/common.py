@@ -118,7 +118,7 @@ def add_unit_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def unit_of(args: argparse.Namespace) -> str:
-    """The unit a new decentralised run's workers train (protocol.state.UNITS)."""
+    """The unit a new decentralised run's workers train (protocol.local_trainer.UNITS)."""
     return "reference" if getattr(args, "reference", False) else "block"
 
 

@@ -47,7 +47,7 @@ from blocktrain.errors import Refused
 from blocktrain.httpserve import BODY_BYTES, GUARD_REFUSAL, HttpGuard, Scope, read_body
 from blocktrain.protocol import dashboard, weights
 from blocktrain.protocol import metrics as prometheus
-from blocktrain.protocol.auth import Caller, refused
+from blocktrain.protocol.auth import Caller
 from blocktrain.protocol.directory import Directory, here
 from blocktrain.protocol.directory import add_routes as add_directory
 from blocktrain.protocol.effect import EffectProbe
@@ -78,6 +78,7 @@ from blocktrain.protocol.settings import AggregatorSettings
 from blocktrain.protocol.status import snapshot
 from blocktrain.protocol.storage import StateDir
 from blocktrain.protocol.updates import PushContext
+from blocktrain.protocol.verdict import refused
 from blocktrain.protocol.weights import RangeNotSatisfiable
 from blocktrain.protocol.wire import CONTENT_TYPE, version_path
 

@@ -6,16 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from blocktrain.errors import Refused
 from blocktrain.protocol.ledger import Ledger
 from blocktrain.protocol.ledger_schema import TokenRow
 from blocktrain.protocol.tokens import bearer, hash_token
-from blocktrain.protocol.verdict import REASONS, Verdict
-
-
-def refused(reason: str, detail: str = "") -> Refused:
-    """The exception for a refusal, with the HTTP status of its reason."""
-    return Refused(reason, detail or REASONS[reason][1], REASONS[reason][0])
+from blocktrain.protocol.verdict import Verdict, refused
 
 
 @dataclass(frozen=True)

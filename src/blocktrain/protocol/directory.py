@@ -33,8 +33,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from blocktrain.errors import ConfigError
-from blocktrain.protocol.auth import refused
 from blocktrain.protocol.storage import StateDir
+from blocktrain.protocol.verdict import refused
 
 PEER_HELP = "BLOCK=URL, e.g. 1=http://10.0.0.6:8470"
 

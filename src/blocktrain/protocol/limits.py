@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from blocktrain.errors import ConfigError, Refused
 from blocktrain.httpserve import Limits, TokenBucket
-from blocktrain.protocol.auth import refused
+from blocktrain.protocol.verdict import refused
 
 JSON_BODY_BYTES = 16 * 1024
 """The cap on JSON bodies (POST /v1/workers takes a few dozen bytes)."""

@@ -38,7 +38,6 @@ import torch
 from blocktrain import tensorwire
 from blocktrain.errors import ProtocolError
 from blocktrain.protocol import codecs
-from blocktrain.protocol.auth import refused
 from blocktrain.protocol.validation import (
     BlockSpec,
     Candidate,
@@ -51,6 +50,7 @@ from blocktrain.protocol.validation import (
     check_wire,
     validate,
 )
+from blocktrain.protocol.verdict import refused
 from blocktrain.protocol.wire import WireError, wire_dtype
 
 Tensors = dict[str, torch.Tensor]

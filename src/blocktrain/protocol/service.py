@@ -43,7 +43,7 @@ import torch
 from blocktrain.errors import ProtocolError, Refused
 from blocktrain.httpserve import TokenBucket
 from blocktrain.protocol import auth
-from blocktrain.protocol.auth import Caller, refused
+from blocktrain.protocol.auth import Caller
 from blocktrain.protocol.core import Checked, Committed, EngineBlock, ProbeSlot
 from blocktrain.protocol.directory import Directory, placed
 from blocktrain.protocol.ledger_schema import TokenRow, fsync_wal
@@ -53,7 +53,7 @@ from blocktrain.protocol.settings import AggregatorSettings
 from blocktrain.protocol.storage import StateDir
 from blocktrain.protocol.traffic import Traffic
 from blocktrain.protocol.updates import PullReply, PushContext, update_fields
-from blocktrain.protocol.verdict import Verdict
+from blocktrain.protocol.verdict import Verdict, refused
 from blocktrain.protocol.wire import encode
 
 log = logging.getLogger(__name__)

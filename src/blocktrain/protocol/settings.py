@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from blocktrain.config import RunConfig
 from blocktrain.errors import ConfigError
 from blocktrain.protocol.aggregation import RULES, WEIGHTINGS
@@ -437,6 +439,11 @@ def loose_delta_norm_bound(cfg: RunConfig, local_steps: int, n_params: int) -> f
 def token_bound(cfg: RunConfig, local_steps: int, slack: float = 2.0) -> int:
     """The most target bytes an honest update can claim: H batches of B x T, with slack."""
     return int(slack * local_steps * cfg.train.batch_size * cfg.model.seq_len)
+
+
+def largest_block(blocks: dict[int, dict[str, torch.Tensor]]) -> int:
+    """The parameter count of the largest block."""
+    return max(sum(t.numel() for t in w.values()) for w in blocks.values())
 
 
 def derived_settings(

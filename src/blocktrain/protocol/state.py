@@ -15,20 +15,11 @@ import torch
 
 from blocktrain.config import RunConfig
 from blocktrain.errors import CheckpointError, ConfigError
-from blocktrain.protocol.settings import derived_settings
+from blocktrain.protocol.local_trainer import UNITS
+from blocktrain.protocol.settings import derived_settings, largest_block
 from blocktrain.protocol.storage import StateDir
 
 Tensors = dict[str, torch.Tensor]
-
-
-def largest_block(blocks: dict[int, Tensors]) -> int:
-    """The parameter count of the largest block."""
-    return max(sum(t.numel() for t in w.values()) for w in blocks.values())
-
-
-UNITS = ("block", "reference")
-"""What a worker of a run trains: a block of the stack, or the end-to-end reference as the run's
-one unit (DiLoCo's replica)."""
 
 
 def run_unit(run_config: dict[str, Any]) -> str:

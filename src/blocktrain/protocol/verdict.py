@@ -1,5 +1,6 @@
 """Verdicts and the refusal reasons they carry: one table, read by the aggregator (HTTP status),
-the validators, the round state machine and docs/protocol.md.
+the validators, the round state machine and docs/protocol.md; `refused` turns a reason into the
+exception a refusal raises.
 
 Pure: no HTTP, SQLite or torch here, so the simulator can import it with `rounds`.
 """
@@ -7,6 +8,8 @@ Pure: no HTTP, SQLite or torch here, so the simulator can import it with `rounds
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from blocktrain.errors import Refused
 
 REASONS: dict[str, tuple[int, str]] = {
     # authentication and identity
@@ -123,3 +126,8 @@ class Verdict:
     def status(self) -> int:
         """The HTTP status this verdict is answered with."""
         return 200 if self.accepted else REASONS[self.reason][0]
+
+
+def refused(reason: str, detail: str = "") -> Refused:
+    """The exception for a refusal, with the HTTP status of its reason."""
+    return Refused(reason, detail or REASONS[reason][1], REASONS[reason][0])

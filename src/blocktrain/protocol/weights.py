@@ -38,11 +38,11 @@ from fastapi import FastAPI, Path, Query, Request
 from fastapi.responses import Response
 
 from blocktrain.errors import ProtocolError, Refused
-from blocktrain.protocol.auth import refused
 from blocktrain.protocol.codecs import FULL, pull_codec
 from blocktrain.protocol.pulls import DeltaBody, Views
 from blocktrain.protocol.routing import tag
 from blocktrain.protocol.service import AggregatorService
+from blocktrain.protocol.verdict import refused
 from blocktrain.protocol.wire import CONTENT_TYPE, encode
 
 IMMUTABLE = "max-age=31536000, immutable"

@@ -16,13 +16,14 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from blocktrain.errors import ProtocolError, Refused, Unreachable
 from blocktrain.protocol.client import AggregatorClient, Registration, RetryPolicy
 from blocktrain.protocol.codecs import DeltaEncoder
+from blocktrain.protocol.local_trainer import LocalTrainer
 from blocktrain.protocol.wire import update_body
 
 log = logging.getLogger(__name__)
@@ -40,30 +41,6 @@ REREGISTER_REASONS = frozenset({"unknown_worker", "not_assigned", "not_your_work
 another `--wire`; registering tells the new one)."""
 FATAL_REASONS = frozenset({"missing_token", "invalid_token", "revoked_token"})
 """Refusals no retry can fix."""
-
-
-class LocalTrainer(Protocol):
-    """What the loop needs of a block replica's trainer."""
-
-    upstream_blocks: list[int]
-    """The blocks whose latest versions it reads each round besides its own (`route =
-    features`: the blocks before it); empty when only the noisy state passes."""
-
-    def load(self, weights: Tensors) -> None:
-        """Start a round from these weights (the optimizer state carries over)."""
-
-    def load_upstream(self, blocks: dict[int, Tensors]) -> None:
-        """The versions of `upstream_blocks` this round reads, frozen."""
-
-    def train(
-        self, steps: int, first_step: int, should_stop: Callable[[], bool]
-    ) -> dict[str, float]:
-        """Run up to `steps` local updates; returns at least "tokens", "loss", "steps"."""
-        ...
-
-    def delta(self) -> Tensors:
-        """theta_local - theta_base for the weights last loaded."""
-        ...
 
 
 TrainerFactory = Callable[[Registration, dict[str, Any]], LocalTrainer]

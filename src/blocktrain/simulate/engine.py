@@ -31,12 +31,11 @@ import torch
 from blocktrain.protocol.codecs import DeltaEncoder
 from blocktrain.protocol.core import Committed
 from blocktrain.protocol.effect import EffectProbe
+from blocktrain.protocol.local_trainer import LocalTrainer
 from blocktrain.protocol.pulls import View
 from blocktrain.protocol.rounds import RoundClosed, RoundView, in_time, participation
-from blocktrain.protocol.settings import AggregatorSettings
-from blocktrain.protocol.state import largest_block
+from blocktrain.protocol.settings import AggregatorSettings, largest_block
 from blocktrain.protocol.wire import update_body
-from blocktrain.protocol.worker import LocalTrainer
 from blocktrain.simulate.aggregator import Judged, SimAggregator
 from blocktrain.simulate.attacks import Attack, ForgingTrainer
 from blocktrain.simulate.regimes import Regime
