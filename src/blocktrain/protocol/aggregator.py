@@ -7,7 +7,7 @@
                                          ?redirect=1, 303 to the version's immutable URL)
     GET    /v1/blocks/{b}/versions/{v}   a committed version (cacheable: ETag, Range; weights.py)
     GET    /v1/blocks/{b}/versions/{v}/delta   the same as a delta from a view held (pulls.py)
-    GET    /v1/directory                 where each block's aggregator lives (directory.py)
+    GET    /v1/directory                 where each block's aggregator lives (peers.py)
     GET    /v1/blocks/{b}/round          the open round (long poll with ?after=R&wait=S)
     POST   /v1/blocks/{b}/updates        push a delta (safetensors body)
     GET    /v1/status                    blocks, versions, rounds, participation, workers, bytes
@@ -48,12 +48,13 @@ from blocktrain.httpserve import BODY_BYTES, GUARD_REFUSAL, HttpGuard, Scope, re
 from blocktrain.protocol import dashboard, weights
 from blocktrain.protocol import metrics as prometheus
 from blocktrain.protocol.auth import Caller
-from blocktrain.protocol.directory import Directory, here
-from blocktrain.protocol.directory import add_routes as add_directory
+from blocktrain.protocol.directory import Directory
 from blocktrain.protocol.effect import EffectProbe
 from blocktrain.protocol.ledger_schema import TokenRow
 from blocktrain.protocol.limits import AccessLimits, RateLimited
 from blocktrain.protocol.longpoll import RoundSignal
+from blocktrain.protocol.peers import add_routes as add_directory
+from blocktrain.protocol.peers import here
 from blocktrain.protocol.routing import (
     PUSH_PATH,
     endpoint_caller,

@@ -25,12 +25,9 @@ so the others open no round, and `/v1/status`, `/metrics` and the ledger hold no
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
-
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 
 from blocktrain.errors import ConfigError
 from blocktrain.protocol.storage import StateDir
@@ -141,23 +138,3 @@ def parse_peer(text: str) -> tuple[int, str]:
     if not sep or b < 0 or not url.strip():
         raise ConfigError(f"--peer {text!r}: expected {PEER_HELP}")
     return b, url.strip().rstrip("/")
-
-
-def here(request: Request) -> str:
-    """The URL this request came in on: how the caller reaches this aggregator."""
-    return str(request.base_url).rstrip("/")
-
-
-def add_routes(
-    app: FastAPI,
-    directory: Directory,
-    token: Callable[[str], Any],
-    respond: Callable[[Request, Any], JSONResponse],
-    refusals: dict[int | str, dict[str, Any]],
-) -> None:
-    """GET /v1/directory, behind `token(endpoint)` (the app's authentication dependency)."""
-    authenticated = token("directory")  # a default: see dashboard.add_routes
-
-    @app.get("/v1/directory", responses=refusals, summary="Where each block's aggregator lives")
-    def get_directory(request: Request, _: Any = authenticated) -> JSONResponse:
-        return respond(request, directory.to_dict(here(request)))
