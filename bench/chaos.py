@@ -45,8 +45,8 @@ from tests.protocol.test_netns import build_net
 
 from blocktrain.config import preset
 from blocktrain.data import resolve_data_path
-from blocktrain.protocol.cluster import run_cluster
-from blocktrain.protocol.storage import StateDir
+from blocktrain.protocol.ops.cluster import run_cluster
+from blocktrain.protocol.store.storage import StateDir
 
 
 def main() -> int:

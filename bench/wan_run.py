@@ -33,9 +33,15 @@ from tests.protocol.test_netns import Net, build_net, probe
 from blocktrain.config import apply_overrides, preset
 from blocktrain.data import load_split, resolve_data_path
 from blocktrain.errors import ProtocolError
-from blocktrain.protocol.cluster import Proc, start_aggregator, start_worker, stop, worker_report
-from blocktrain.protocol.state import bytes_summary, round_versions
-from blocktrain.protocol.storage import StateDir
+from blocktrain.protocol.ops.cluster import (
+    Proc,
+    start_aggregator,
+    start_worker,
+    stop,
+    worker_report,
+)
+from blocktrain.protocol.store.state import bytes_summary, round_versions
+from blocktrain.protocol.store.storage import StateDir
 from blocktrain.training import EvalSettings, evaluate_blocktrain
 from blocktrain.training.local import build_stack, write_assembled
 

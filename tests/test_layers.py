@@ -158,7 +158,7 @@ from blocktrain import config, Trainer, __version__
 
 
 def helper():
-    from blocktrain.protocol.wire import decode  # inside a function: still an import
+    from blocktrain.protocol.core.bodies import decode  # inside a function: still an import
     from ..training import loss
     return decode, loss
 """
@@ -170,11 +170,11 @@ def test_the_checker_catches_a_synthetic_violation():
     assert got == [
         (4, "httpx"),
         (6, PACKAGE),  # Trainer comes from the facade, which imports training/
-        (10, "blocktrain.protocol.wire"),
+        (10, "blocktrain.protocol.core.bodies"),
         (11, "blocktrain.training"),
     ], got
     assert str(found[2]) == (
-        "model/fake.py:10: model imports blocktrain.protocol.wire: " + RULES["model"]
+        "model/fake.py:10: model imports blocktrain.protocol.core.bodies: " + RULES["model"]
     )
 
 
@@ -184,7 +184,7 @@ def test_the_checker_catches_a_synthetic_violation():
         ("blocktrain.protocol.fake", "from blocktrain.model import Block", True),
         ("blocktrain.protocol.fake", "from blocktrain.training.step import stream_seed", True),
         ("blocktrain.protocol.fake", "from blocktrain.errors import ProtocolError", False),
-        ("blocktrain.training.fake", "import blocktrain.protocol.settings", True),
+        ("blocktrain.training.fake", "import blocktrain.protocol.core.settings", True),
         ("blocktrain.training.fake", "from blocktrain.model import Block", False),
         ("blocktrain.serving.fake", "from blocktrain.simulate import engine", True),
         ("blocktrain.data.fake", "from blocktrain import model", True),

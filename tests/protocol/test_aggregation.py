@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blocktrain.protocol.aggregation import (
+from blocktrain.protocol.core.aggregation import (
     Accumulator,
     OuterOptimizer,
     Policy,

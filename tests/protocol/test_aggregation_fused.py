@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from blocktrain.protocol.aggregation import Accumulator, Policy, clip_to_median, weighted_mean
+from blocktrain.protocol.core.aggregation import Accumulator, Policy, clip_to_median, weighted_mean
 
 
 def test_folded_clipping_equals_clipping_first():

@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from blocktrain.protocol.settings import AggregatorSettings
-from blocktrain.protocol.wire import decode
+from blocktrain.protocol.core.bodies import decode
+from blocktrain.protocol.core.settings import AggregatorSettings
 
 from .conftest import SETTINGS, Harness, add_token, auth, block_tensors, delta_body, make_harness
 

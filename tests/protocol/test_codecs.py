@@ -1,4 +1,4 @@
-"""Compressed deltas (`protocol.codecs`): each codec's round trip, error feedback, and the
+"""Compressed deltas (`protocol.core.codecs`): each codec's round trip, error feedback, and the
 aggregator's refusal of compressed bodies that could open a hole."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import torch
 
 from blocktrain import tensorwire
 from blocktrain.errors import ConfigError
-from blocktrain.protocol.codecs import DeltaEncoder, DeltaWire, compress, decode
-from blocktrain.protocol.settings import AggregatorSettings
-from blocktrain.protocol.validation import BlockSpec, Candidate, Limits, validate
-from blocktrain.protocol.verdict import REASONS
-from blocktrain.protocol.wire import decode as decode_body
-from blocktrain.protocol.wire import update_body
-from blocktrain.protocol.worker import WorkerLoop
+from blocktrain.protocol.core.bodies import decode as decode_body
+from blocktrain.protocol.core.bodies import update_body
+from blocktrain.protocol.core.codecs import DeltaEncoder, DeltaWire, compress, decode
+from blocktrain.protocol.core.settings import AggregatorSettings
+from blocktrain.protocol.core.validation import BlockSpec, Candidate, Limits, validate
+from blocktrain.protocol.core.verdict import REASONS
+from blocktrain.protocol.worker.loop import WorkerLoop
 
 from .conftest import auth, block_tensors, make_harness
 from .test_worker import FakeTrainer, client_for

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from blocktrain.httpserve import ThreadedServer, bind
-from blocktrain.protocol.aggregator import create_app
+from blocktrain.protocol.http.app import create_app
 from tests.protocol.conftest import FakeClock, add_token, auth, delta_body, make_state
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")

@@ -12,12 +12,12 @@ import pytest
 from blocktrain.cli.main import main
 from blocktrain.errors import ConfigError, Refused
 from blocktrain.httpserve import ThreadedServer, bind, url_of
-from blocktrain.protocol.aggregator import create_app
-from blocktrain.protocol.client import AggregatorClient, Registration
-from blocktrain.protocol.directory import Directory, parse_peer
-from blocktrain.protocol.storage import StateDir
-from blocktrain.protocol.tokens import hash_token, new_token
-from blocktrain.protocol.worker import WorkerLoop
+from blocktrain.protocol.http.app import create_app
+from blocktrain.protocol.service.placement import Directory, parse_peer
+from blocktrain.protocol.store.storage import StateDir
+from blocktrain.protocol.store.tokens import hash_token, new_token
+from blocktrain.protocol.worker.client import AggregatorClient, Registration
+from blocktrain.protocol.worker.loop import WorkerLoop
 
 from .conftest import SETTINGS, T0, auth, make_state
 from .test_worker import FakeTrainer

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from blocktrain.protocol.effect import Effect, HonestBand, Reputation, judge_effect
+from blocktrain.protocol.core.effect import Effect, HonestBand, Reputation, judge_effect
 
 TOLERANCE, MIN_REPUTATION = 0.002, 0.1
 

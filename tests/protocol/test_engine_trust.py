@@ -11,8 +11,8 @@ import torch
 
 from blocktrain.config import tiny
 from blocktrain.errors import ConfigError
-from blocktrain.protocol.core import Committed, RoundEngine
-from blocktrain.protocol.settings import AggregatorSettings, derived_settings, largest_block
+from blocktrain.protocol.core.round_engine import Committed, RoundEngine
+from blocktrain.protocol.core.settings import AggregatorSettings, derived_settings, largest_block
 from blocktrain.training.local import initial_blocks
 from tests.protocol.conftest import block_tensors, delta_body
 
@@ -246,7 +246,7 @@ def test_the_aggregator_needs_data_for_its_probe_or_the_probe_off(tmp_path, monk
     """`blocktrain aggregator` builds the probe from --data or $BLOCKTRAIN_DATA; without either
     it stops with one clear line (exit 2) instead of serving without the defence."""
     from blocktrain.cli.aggregator import effect_probe
-    from blocktrain.protocol.state import create_state
+    from blocktrain.protocol.store.state import create_state
 
     monkeypatch.delenv("BLOCKTRAIN_DATA", raising=False)
     cfg = tiny()

@@ -137,7 +137,7 @@ def test_a_retired_worker_cannot_vote_in_the_engine():
     """Finding "each Sybil votes", where no HTTP layer checks the worker (the simulator drives
     the engine directly): four workers registered under one token leave one registered, and
     the three retired ones are refused rather than counted as identities of their own."""
-    from blocktrain.protocol.core import RoundEngine
+    from blocktrain.protocol.core.round_engine import RoundEngine
 
     from .conftest import block_tensors
 

@@ -6,7 +6,7 @@ import sqlite3
 
 import pytest
 
-from blocktrain.protocol.ledger import Ledger
+from blocktrain.protocol.store.ledger import Ledger
 
 
 @pytest.fixture

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import threading
 
-from blocktrain.protocol.ledger import Ledger
-from blocktrain.protocol.tokens import hash_token
+from blocktrain.protocol.store.ledger import Ledger
+from blocktrain.protocol.store.tokens import hash_token
 from tests.protocol.conftest import T0, add_token, make_state
 
 
@@ -54,9 +54,9 @@ def test_reads_see_a_revocation_written_by_another_connection(tmp_path):
 def test_an_accepted_row_is_fsynced_outside_the_service_lock_before_the_answer(
     harness, monkeypatch
 ):
-    import blocktrain.protocol.ledger as ledger_module
-    import blocktrain.protocol.service as service_module
-    from blocktrain.protocol.ledger_schema import fsync_wal
+    import blocktrain.protocol.service.aggregator_service as service_module
+    import blocktrain.protocol.store.ledger as ledger_module
+    from blocktrain.protocol.store.ledger_schema import fsync_wal
 
     from .conftest import delta_body
 

@@ -13,9 +13,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from blocktrain.httpserve import TokenBucket
-from blocktrain.protocol.aggregator import create_app
-from blocktrain.protocol.client import AggregatorClient, RetryPolicy
-from blocktrain.protocol.limits import AccessLimits, RateLimited, rate_limit
+from blocktrain.protocol.http.app import create_app
+from blocktrain.protocol.service.access import AccessLimits, RateLimited, rate_limit
+from blocktrain.protocol.worker.client import AggregatorClient, RetryPolicy
 from tests.asgi import asgi_request
 
 from .conftest import SETTINGS, FakeClock, Harness, add_token, auth, delta_body, make_state
@@ -101,7 +101,7 @@ def test_refused_rows_are_pruned_and_the_counts_survive(tmp_path):
     assert status["workers"]["list"][0]["refused"] == 10
     state.close()
     # a restart restores the counts from the counters table, not from the pruned rows
-    from blocktrain.protocol.storage import StateDir
+    from blocktrain.protocol.store.storage import StateDir
 
     again = StateDir(tmp_path / "s")
     assert again.ledger.update_counts() == [

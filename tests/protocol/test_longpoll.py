@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from blocktrain.protocol.longpoll import RoundSignal
+from blocktrain.protocol.http.longpoll import RoundSignal
 
 from .conftest import auth, delta_body
 

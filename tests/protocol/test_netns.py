@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from blocktrain.protocol.cluster import BLOCKTRAIN, Proc, spawn, start_worker, stop
-from blocktrain.protocol.storage import StateDir
-from blocktrain.protocol.tokens import hash_token, new_token
+from blocktrain.protocol.ops.cluster import BLOCKTRAIN, Proc, spawn, start_worker, stop
+from blocktrain.protocol.store.storage import StateDir
+from blocktrain.protocol.store.tokens import hash_token, new_token
 from tests.conftest import micro_config
 from tests.protocol.conftest import run_state
 

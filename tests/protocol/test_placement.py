@@ -12,9 +12,9 @@ from fastapi.testclient import TestClient
 from blocktrain.cli.aggregator import prepare_state
 from blocktrain.cli.main import build_parser, main
 from blocktrain.errors import ConfigError
-from blocktrain.protocol.aggregator import create_app
-from blocktrain.protocol.directory import Directory
-from blocktrain.protocol.storage import MANIFEST, StateDir
+from blocktrain.protocol.http.app import create_app
+from blocktrain.protocol.service.placement import Directory
+from blocktrain.protocol.store.storage import MANIFEST, StateDir
 
 from .conftest import SETTINGS, FakeClock, add_token, auth, delta_body, make_state
 

@@ -12,10 +12,10 @@ import pytest
 
 from blocktrain.cli.main import main
 from blocktrain.errors import Unreachable
-from blocktrain.protocol.client import AggregatorClient, RetryPolicy
-from blocktrain.protocol.cluster import start_aggregator, start_worker, stop
-from blocktrain.protocol.storage import StateDir
-from blocktrain.protocol.tokens import hash_token, new_token
+from blocktrain.protocol.ops.cluster import start_aggregator, start_worker, stop
+from blocktrain.protocol.store.storage import StateDir
+from blocktrain.protocol.store.tokens import hash_token, new_token
+from blocktrain.protocol.worker.client import AggregatorClient, RetryPolicy
 from tests.conftest import micro_config
 from tests.protocol.conftest import run_state
 

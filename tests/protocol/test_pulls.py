@@ -1,5 +1,5 @@
-"""Compressed pulls (`protocol.pulls`): a version sent as an int8 or top-k delta from the view a
-worker holds, error feedback in the view, and the fallbacks to a whole pull (a base the
+"""Compressed pulls (`protocol.core.pulls`): a version sent as an int8 or top-k delta from the
+view a worker holds, error feedback in the view, and the fallbacks to a whole pull (a base the
 aggregator does not hold, a body that does not lead to the view it names)."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import torch
 
 from blocktrain import tensorwire
 from blocktrain.errors import ProtocolError, Refused
-from blocktrain.protocol.client import AggregatorClient
-from blocktrain.protocol.codecs import DeltaWire, pull_codec
-from blocktrain.protocol.pulls import View, Views, apply, read_delta, view_id
-from blocktrain.protocol.settings import AggregatorSettings
-from blocktrain.protocol.status import snapshot
+from blocktrain.protocol.core.codecs import DeltaWire, pull_codec
+from blocktrain.protocol.core.pulls import View, Views, apply, read_delta, view_id
+from blocktrain.protocol.core.settings import AggregatorSettings
+from blocktrain.protocol.http.status import snapshot
+from blocktrain.protocol.worker.client import AggregatorClient
 
 from .conftest import SETTINGS, Harness, block_tensors, make_harness
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from blocktrain.errors import ConfigError, ProtocolError
-from blocktrain.protocol.ledger import Ledger
-from blocktrain.protocol.recovery import rollback
-from blocktrain.protocol.storage import StateDir
+from blocktrain.protocol.store.ledger import Ledger
+from blocktrain.protocol.store.recovery import rollback
+from blocktrain.protocol.store.storage import StateDir
 
 from .conftest import SETTINGS, Harness, add_token, delta_body, make_harness, make_state
 

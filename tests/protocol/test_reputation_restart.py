@@ -10,10 +10,10 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from blocktrain.protocol.aggregator import create_app
-from blocktrain.protocol.ledger import Ledger
-from blocktrain.protocol.status import snapshot
-from blocktrain.protocol.storage import StateDir
+from blocktrain.protocol.http.app import create_app
+from blocktrain.protocol.http.status import snapshot
+from blocktrain.protocol.store.ledger import Ledger
+from blocktrain.protocol.store.storage import StateDir
 
 from .conftest import SETTINGS, FakeClock, add_token, auth, block_tensors, delta_body, make_state
 from .test_engine_trust import TargetProbe

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from blocktrain.errors import ConfigError
-from blocktrain.protocol.rounds import (
+from blocktrain.protocol.core.rounds import (
     BlockRounds,
     Registry,
     RoundClosed,
@@ -13,8 +13,8 @@ from blocktrain.protocol.rounds import (
     participation,
     restore,
 )
-from blocktrain.protocol.settings import AggregatorSettings
-from blocktrain.protocol.verdict import REASONS, Verdict
+from blocktrain.protocol.core.settings import AggregatorSettings
+from blocktrain.protocol.core.verdict import REASONS, Verdict
 
 D = 10.0  # deadline
 
@@ -322,8 +322,8 @@ def test_rounds_module_stays_free_of_http_sqlite_and_torch():
     import ast
     from pathlib import Path
 
-    import blocktrain.protocol.rounds as rounds_module
-    import blocktrain.protocol.verdict as verdict_module
+    import blocktrain.protocol.core.rounds as rounds_module
+    import blocktrain.protocol.core.verdict as verdict_module
 
     for module in (rounds_module, verdict_module):
         tree = ast.parse(Path(module.__file__).read_text())

@@ -1,4 +1,4 @@
-"""The sparse codec (`--wire sparse:DENSITY[:BITS]`, `protocol.codecs`): chunked top-k, low-bit
+"""The sparse codec (`--wire sparse:DENSITY[:BITS]`, `protocol.core.codecs`): chunked top-k, low-bit
 values with a scale per chunk, packed indices; its wire format as docs/protocol.md (Sparse
 deltas) writes it, error feedback with decay, its bytes, its refusals, and pulls in it."""
 
@@ -11,7 +11,9 @@ import torch
 
 from blocktrain import tensorwire
 from blocktrain.errors import ConfigError
-from blocktrain.protocol.codecs import (
+from blocktrain.protocol.core.bodies import decode as decode_body
+from blocktrain.protocol.core.bodies import update_body
+from blocktrain.protocol.core.codecs import (
     DeltaEncoder,
     DeltaWire,
     compress,
@@ -21,13 +23,11 @@ from blocktrain.protocol.codecs import (
     pack,
     unpack,
 )
-from blocktrain.protocol.core import accumulator
-from blocktrain.protocol.pulls import Views, read_delta
-from blocktrain.protocol.settings import AggregatorSettings
-from blocktrain.protocol.validation import BlockSpec, Candidate, Limits, validate
-from blocktrain.protocol.verdict import REASONS
-from blocktrain.protocol.wire import decode as decode_body
-from blocktrain.protocol.wire import update_body
+from blocktrain.protocol.core.pulls import Views, read_delta
+from blocktrain.protocol.core.round_engine import accumulator
+from blocktrain.protocol.core.settings import AggregatorSettings
+from blocktrain.protocol.core.validation import BlockSpec, Candidate, Limits, validate
+from blocktrain.protocol.core.verdict import REASONS
 
 from .conftest import block_tensors
 

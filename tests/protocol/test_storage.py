@@ -9,8 +9,8 @@ import torch
 
 from blocktrain.errors import ProtocolError
 from blocktrain.fsutil import atomic_write_bytes as atomic_write
-from blocktrain.protocol.settings import AggregatorSettings
-from blocktrain.protocol.storage import StateDir
+from blocktrain.protocol.core.settings import AggregatorSettings
+from blocktrain.protocol.store.storage import StateDir
 
 from .conftest import SETTINGS, block_tensors, make_state
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from blocktrain.protocol.tokens import TOKEN_PREFIX, bearer, hash_token, new_token
-from blocktrain.protocol.verdict import Verdict
+from blocktrain.protocol.core.verdict import Verdict
+from blocktrain.protocol.store.tokens import TOKEN_PREFIX, bearer, hash_token, new_token
 
 
 def test_tokens_are_random_and_long():

@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 
-from blocktrain.protocol.core import PROBE_SLOTS, RoundEngine
+from blocktrain.protocol.core.round_engine import PROBE_SLOTS, RoundEngine
 
 from .conftest import SETTINGS, add_token, auth, block_tensors, delta_body, make_harness
 from .test_engine_trust import TargetProbe

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blocktrain.protocol.validation import (
+from blocktrain.protocol.core.bodies import decode, encode
+from blocktrain.protocol.core.validation import (
     DEFAULT_CHAIN,
     BlockSpec,
     Candidate,
@@ -13,8 +14,7 @@ from blocktrain.protocol.validation import (
     check_metadata,
     validate,
 )
-from blocktrain.protocol.verdict import REASONS, Verdict
-from blocktrain.protocol.wire import decode, encode
+from blocktrain.protocol.core.verdict import REASONS, Verdict
 
 SPEC = BlockSpec({"w": (3, 2), "b": (3,)}, "fp16")
 LIMITS = Limits(max_delta_norm=5.0, max_tokens=1000)

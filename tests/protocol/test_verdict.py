@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 import blocktrain.protocol as protocol
-from blocktrain.protocol.verdict import REASONS
+from blocktrain.protocol.core.verdict import REASONS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,7 +20,7 @@ def test_every_reason_is_a_4xx_and_documented():
 
 
 def test_protocol_never_imports_the_model():
-    for path in Path(protocol.__file__).parent.glob("*.py"):
+    for path in Path(protocol.__file__).parent.rglob("*.py"):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             names = (

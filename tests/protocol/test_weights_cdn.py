@@ -11,11 +11,11 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from blocktrain.protocol.aggregator import create_app
-from blocktrain.protocol.client import AggregatorClient
-from blocktrain.protocol.limits import AccessLimits
-from blocktrain.protocol.weights import byte_range, etag_matches
-from blocktrain.protocol.wire import decode
+from blocktrain.protocol.core.bodies import decode
+from blocktrain.protocol.http.app import create_app
+from blocktrain.protocol.http.weights import byte_range, etag_matches
+from blocktrain.protocol.service.access import AccessLimits
+from blocktrain.protocol.worker.client import AggregatorClient
 
 from .conftest import SETTINGS, Harness, auth, delta_body, make_harness
 
@@ -145,7 +145,7 @@ def test_a_one_byte_range(harness, header):
 
 
 def test_the_report_counts_the_bytes_of_pulls_through_the_versioned_url(harness):
-    from blocktrain.protocol.history import from_state
+    from blocktrain.protocol.store.history import from_state
 
     c = AggregatorClient("http://agg", harness.alice, client=harness.client, rng=random.Random(0))
     c.register(block=0)

@@ -10,7 +10,7 @@ import struct
 import pytest
 import torch
 
-from blocktrain.protocol.wire import WireError, decode, encode, metadata_int
+from blocktrain.protocol.core.bodies import WireError, decode, encode, metadata_int
 from blocktrain.tensorwire import looks_like_pickle
 
 
@@ -104,7 +104,7 @@ def test_no_unpickling_anywhere_in_the_protocol():
 
     import blocktrain.protocol as protocol
 
-    for path in Path(protocol.__file__).parent.glob("*.py"):
+    for path in Path(protocol.__file__).parent.rglob("*.py"):
         text = path.read_text()
         for banned in ("torch.load", "pickle.load", "import pickle", "weights_only"):
             assert banned not in text, f"{path.name} mentions {banned}"

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from blocktrain.errors import Refused, Unreachable
-from blocktrain.protocol.client import AggregatorClient, RetryPolicy
-from blocktrain.protocol.settings import AggregatorSettings
-from blocktrain.protocol.worker import WorkerLoop
+from blocktrain.protocol.core.settings import AggregatorSettings
+from blocktrain.protocol.worker.client import AggregatorClient, RetryPolicy
+from blocktrain.protocol.worker.loop import WorkerLoop
 
 from .conftest import Harness, delta_body, make_harness
 

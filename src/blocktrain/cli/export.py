@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from blocktrain.cli.common import Formatter
-from blocktrain.protocol.state import read_committed
+from blocktrain.protocol.store.state import read_committed
 from blocktrain.training import checkpoint as ckpt
 from blocktrain.training.local import write_assembled, write_reference
 

@@ -15,7 +15,7 @@ from blocktrain.cli.common import (
     resolve_token,
 )
 from blocktrain.errors import ConfigError
-from blocktrain.protocol.client import AggregatorClient, RetryPolicy
+from blocktrain.protocol.worker.client import AggregatorClient, RetryPolicy
 
 EXAMPLES = """examples:
   blocktrain status http://127.0.0.1:8470 --token-file token.txt

@@ -1,0 +1,19 @@
+"""The protocol's core: every decision of a round, in memory, with time passed in. Torch and the
+standard library only (no SQLite, no HTTP, no clock), so that the service and the simulator
+drive the same code.
+
+    verdict        refusal reasons, the Verdict type, and `refused` (the exception of a reason)
+    registry       which worker trains which block, for which token; when each was last heard
+    rounds         the round and deadline state machine of one block, and its restore
+    bodies         safetensors bodies with metadata: fp16/bf16 casting, size limit, no pickle
+    codecs         how deltas travel: dense, int8 with a scale per row, top-k, sparse
+    pulls          compressed pulls: a version as a delta from the view a worker holds
+    validation     validators chained into one, each returning a Verdict with a reason
+    aggregation    token-weighted mean, median, trimmed mean, centered clip, outer Nesterov
+    effect         the effect probe's verdict on an update, and reputation per identity
+    settings       the aggregator's settings, each declared once with doc, bounds and flag
+    round_engine   the round engine: register, pull, inspect, judge, record, commit
+    local_trainer  what a worker trains (UNITS) and the interface of its trainer
+
+Imports nothing of protocol/ outside core/ (tests/test_layers.py).
+"""
