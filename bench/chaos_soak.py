@@ -16,9 +16,9 @@ from typing import Any
 
 from report import ROOT  # bench/report.py
 
-sys.path.insert(0, str(ROOT))  # the namespaces come from tests/protocol/test_netns.py
+sys.path.insert(0, str(ROOT))  # the namespaces come from tests/protocol/ops/test_netns.py
 
-from tests.protocol.test_netns import Net, delay_rule, iptables, loss_rule, sh
+from tests.protocol.ops.test_netns import Net, delay_rule, iptables, loss_rule, sh
 
 from blocktrain.config import preset
 from blocktrain.data import resolve_data_path

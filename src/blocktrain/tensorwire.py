@@ -111,7 +111,7 @@ def decode(body: Body, *, max_bytes: int | None = None) -> Decoded:
     """Parse a safetensors body, refusing (WireError) anything oversized, pickled or malformed.
 
     The checks are safetensors' own (`read_metadata` and `Metadata::validate` in its Rust
-    source; `tests/protocol/test_tensorwire_parse.py` holds it to safetensors' verdicts): the header
+    source; `tests/protocol/core/test_tensorwire_parse.py` holds it to safetensors' verdicts): the header
     length within the body and at most 100 MB, the header UTF-8 JSON with string metadata, each
     tensor a known dtype, a shape of unsigned integers and `data_offsets` [begin, end] that, in
     order, tile the data from 0 to the body's end with exactly the bytes the shape needs. The

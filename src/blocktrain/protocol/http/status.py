@@ -2,7 +2,7 @@
 live), the workers, the participation of the last rounds, the updates by fate and the bytes
 moved. Its cost does not grow with the ledger: the update counts are the ledger's counters, the
 rounds the last few of each block, the traffic one row per (endpoint, block, worker)
-(tests/protocol/test_limits.py counts the rows read)."""
+(tests/protocol/service/test_access.py counts the rows read)."""
 
 from __future__ import annotations
 

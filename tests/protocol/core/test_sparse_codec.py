@@ -29,7 +29,7 @@ from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.core.validation import BlockSpec, Candidate, Limits, validate
 from blocktrain.protocol.core.verdict import REASONS
 
-from .conftest import block_tensors
+from tests.protocol.conftest import block_tensors
 
 # edge tiles on both axes, a 3-d tensor, a vector of several flat chunks, a 0-d tensor
 SHAPES = {"w": (130, 70), "e": (9, 3, 50), "b": (5000,), "s": ()}

@@ -15,7 +15,7 @@ from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.worker.client import AggregatorClient, RetryPolicy
 from blocktrain.protocol.worker.loop import WorkerLoop
 
-from .conftest import Harness, delta_body, make_harness
+from tests.protocol.conftest import Harness, delta_body, make_harness
 
 SETTINGS = AggregatorSettings(
     deadline_s=30,

@@ -16,7 +16,7 @@ from blocktrain.protocol.http.app import create_app
 from blocktrain.protocol.service.placement import Directory
 from blocktrain.protocol.store.storage import MANIFEST, StateDir
 
-from .conftest import SETTINGS, FakeClock, add_token, auth, delta_body, make_state
+from tests.protocol.conftest import SETTINGS, FakeClock, add_token, auth, delta_body, make_state
 
 PEER = "http://agg-b:8471"
 

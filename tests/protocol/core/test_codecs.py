@@ -19,8 +19,8 @@ from blocktrain.protocol.core.validation import BlockSpec, Candidate, Limits, va
 from blocktrain.protocol.core.verdict import REASONS
 from blocktrain.protocol.worker.loop import WorkerLoop
 
-from .conftest import auth, block_tensors, make_harness
-from .test_worker import FakeTrainer, client_for
+from tests.protocol.conftest import auth, block_tensors, make_harness
+from tests.protocol.worker.test_worker import FakeTrainer, client_for
 
 SHAPES = {"w": (6, 5), "b": (6,), "s": ()}
 LIMITS = Limits(max_delta_norm=50.0, max_tokens=1000)
@@ -227,7 +227,7 @@ def test_decode_matches_what_the_encoder_says_it_sent():
 
 
 def test_workers_push_the_announced_wire_and_the_aggregator_counts_its_bytes(tmp_path):
-    from .test_worker import SETTINGS
+    from tests.protocol.worker.test_worker import SETTINGS
 
     sizes: dict[str, int] = {}
     for wire in ("fp16", "int8", "topk:0.1", "sparse:0.1:4"):
@@ -277,7 +277,7 @@ def test_a_restarted_aggregator_decodes_its_pending_compressed_bodies(tmp_path, 
     """The open round's accepted bodies are kept as they came (top-k or sparse parts); after a
     restart they join the accumulator as the dense deltas they describe (a sparse body by the
     layout its delta_wire names)."""
-    from .conftest import SETTINGS
+    from tests.protocol.conftest import SETTINGS
 
     h = make_harness(tmp_path / "s", SETTINGS.replace(delta_wire=wire))
     base = h.weights(0)
@@ -304,7 +304,7 @@ def test_a_restarted_aggregator_decodes_its_pending_compressed_bodies(tmp_path, 
 def test_a_worker_told_another_wire_re_registers_and_follows_it(tmp_path, monkeypatch):
     """An aggregator restarted with another --wire refuses the old codec (wrong_wire); the
     worker registers again, learns the new delta_wire and pushes in it."""
-    from .test_worker import SETTINGS
+    from tests.protocol.worker.test_worker import SETTINGS
 
     h = make_harness(tmp_path / "s", SETTINGS.replace(delta_wire="int8"))
     c = client_for(h, h.alice)

@@ -17,7 +17,7 @@ from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.http.status import snapshot
 from blocktrain.protocol.worker.client import AggregatorClient
 
-from .conftest import SETTINGS, Harness, block_tensors, make_harness
+from tests.protocol.conftest import SETTINGS, Harness, block_tensors, make_harness
 
 INT8 = DeltaWire.parse("int8")
 

@@ -17,7 +17,7 @@ from blocktrain.protocol.http.weights import byte_range, etag_matches
 from blocktrain.protocol.service.access import AccessLimits
 from blocktrain.protocol.worker.client import AggregatorClient
 
-from .conftest import SETTINGS, Harness, auth, delta_body, make_harness
+from tests.protocol.conftest import SETTINGS, Harness, auth, delta_body, make_harness
 
 URL = "/v1/blocks/0/versions/0"
 

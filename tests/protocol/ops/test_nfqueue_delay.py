@@ -1,4 +1,4 @@
-"""The release schedule of the NFQUEUE delay program (tests/protocol/nfqueue_delay.py): delay
+"""The release schedule of the NFQUEUE delay program (tests/protocol/ops/nfqueue_delay.py): delay
 +- jitter, in arrival order. The program itself needs root and netfilter (tests/protocol/
 test_netns.py and bench/wan_run.py run it)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from tests.protocol.nfqueue_delay import release_at
+from tests.protocol.ops.nfqueue_delay import release_at
 
 
 def schedule(spacing: float, n: int = 2000) -> list[float]:

@@ -9,8 +9,8 @@ import torch
 
 from blocktrain.protocol.core.round_engine import PROBE_SLOTS, RoundEngine
 
-from .conftest import SETTINGS, add_token, auth, block_tensors, delta_body, make_harness
-from .test_engine_trust import TargetProbe
+from tests.protocol.conftest import SETTINGS, add_token, auth, block_tensors, delta_body, make_harness
+from tests.protocol.core.test_engine_trust import TargetProbe
 
 BASE = block_tensors(100)  # block 0 of the harness
 TARGET = {k: v + 1.0 for k, v in BASE.items()}

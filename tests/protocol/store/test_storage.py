@@ -12,7 +12,7 @@ from blocktrain.fsutil import atomic_write_bytes as atomic_write
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.store.storage import StateDir
 
-from .conftest import SETTINGS, block_tensors, make_state
+from tests.protocol.conftest import SETTINGS, block_tensors, make_state
 
 
 def test_create_writes_version_zero_and_refuses_to_overwrite(tmp_path):

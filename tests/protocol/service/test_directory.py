@@ -19,8 +19,8 @@ from blocktrain.protocol.store.tokens import hash_token, new_token
 from blocktrain.protocol.worker.client import AggregatorClient, Registration
 from blocktrain.protocol.worker.loop import WorkerLoop
 
-from .conftest import SETTINGS, T0, auth, make_state
-from .test_worker import FakeTrainer
+from tests.protocol.conftest import SETTINGS, T0, auth, make_state
+from tests.protocol.worker.test_worker import FakeTrainer
 
 
 @pytest.fixture

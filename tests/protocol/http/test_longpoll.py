@@ -12,7 +12,7 @@ import pytest
 
 from blocktrain.protocol.http.longpoll import RoundSignal
 
-from .conftest import auth, delta_body
+from tests.protocol.conftest import auth, delta_body
 
 
 @dataclass

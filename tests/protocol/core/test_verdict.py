@@ -8,7 +8,7 @@ from pathlib import Path
 import blocktrain.protocol as protocol
 from blocktrain.protocol.core.verdict import REASONS
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_every_reason_is_a_4xx_and_documented():

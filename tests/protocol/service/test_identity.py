@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import torch
 
-from .conftest import SETTINGS, Harness, add_token, delta_body, make_harness
+from tests.protocol.conftest import SETTINGS, Harness, add_token, delta_body, make_harness
 
 
 def test_one_token_cannot_register_thirty_workers(harness: Harness):
@@ -139,7 +139,7 @@ def test_a_retired_worker_cannot_vote_in_the_engine():
     the three retired ones are refused rather than counted as identities of their own."""
     from blocktrain.protocol.core.round_engine import RoundEngine
 
-    from .conftest import block_tensors
+    from tests.protocol.conftest import block_tensors
 
     eng = RoundEngine.fresh({0: block_tensors(100)}, replace(SETTINGS, quorum=1.0))
     ids = iter(range(100))

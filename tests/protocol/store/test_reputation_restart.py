@@ -15,8 +15,8 @@ from blocktrain.protocol.http.status import snapshot
 from blocktrain.protocol.store.ledger import Ledger
 from blocktrain.protocol.store.storage import StateDir
 
-from .conftest import SETTINGS, FakeClock, add_token, auth, block_tensors, delta_body, make_state
-from .test_engine_trust import TargetProbe
+from tests.protocol.conftest import SETTINGS, FakeClock, add_token, auth, block_tensors, delta_body, make_state
+from tests.protocol.core.test_engine_trust import TargetProbe
 
 BASE = block_tensors(100)  # block 0 of make_state
 TARGET = {k: v + 1.0 for k, v in BASE.items()}
