@@ -29,7 +29,7 @@ import torch
 
 from blocktrain.config import apply_overrides, tiny
 from blocktrain.data import load_split
-from blocktrain.protocol.core.codecs import DeltaWire
+from blocktrain.protocol.core.delta_wire import DeltaWire
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.simulate import SimSpec, simulate
 from blocktrain.simulate.regimes import load_regime

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blocktrain.protocol.core.codecs import pull_codec
+from blocktrain.protocol.core.delta_wire import pull_codec
 from blocktrain.protocol.core.effect import EffectProbe
 from blocktrain.protocol.core.pulls import View, Views, read_delta
 from blocktrain.protocol.core.round_engine import Committed, EngineBlock, RoundEngine

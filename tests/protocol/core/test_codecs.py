@@ -13,12 +13,12 @@ from blocktrain import tensorwire
 from blocktrain.errors import ConfigError
 from blocktrain.protocol.core.bodies import decode as decode_body
 from blocktrain.protocol.core.bodies import update_body
-from blocktrain.protocol.core.codecs import DeltaEncoder, DeltaWire, compress, decode
+from blocktrain.protocol.core.codecs import DeltaEncoder, compress, decode
+from blocktrain.protocol.core.delta_wire import DeltaWire
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.core.validation import BlockSpec, Candidate, Limits, validate
 from blocktrain.protocol.core.verdict import REASONS
 from blocktrain.protocol.worker.loop import WorkerLoop
-
 from tests.protocol.conftest import auth, block_tensors, make_harness
 from tests.protocol.worker.test_worker import FakeTrainer, client_for
 

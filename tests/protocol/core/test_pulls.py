@@ -11,12 +11,11 @@ import torch
 
 from blocktrain import tensorwire
 from blocktrain.errors import ProtocolError, Refused
-from blocktrain.protocol.core.codecs import DeltaWire, pull_codec
+from blocktrain.protocol.core.delta_wire import DeltaWire, pull_codec
 from blocktrain.protocol.core.pulls import View, Views, apply, read_delta, view_id
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.http.status import snapshot
 from blocktrain.protocol.worker.client import AggregatorClient
-
 from tests.protocol.conftest import SETTINGS, Harness, block_tensors, make_harness
 
 INT8 = DeltaWire.parse("int8")

@@ -13,22 +13,14 @@ from blocktrain import tensorwire
 from blocktrain.errors import ConfigError
 from blocktrain.protocol.core.bodies import decode as decode_body
 from blocktrain.protocol.core.bodies import update_body
-from blocktrain.protocol.core.codecs import (
-    DeltaEncoder,
-    DeltaWire,
-    compress,
-    data_bytes,
-    declared,
-    layout,
-    pack,
-    unpack,
-)
+from blocktrain.protocol.core.codecs import DeltaEncoder, compress, data_bytes, declared
+from blocktrain.protocol.core.delta_wire import DeltaWire
 from blocktrain.protocol.core.pulls import Views, read_delta
 from blocktrain.protocol.core.round_engine import accumulator
 from blocktrain.protocol.core.settings import AggregatorSettings
+from blocktrain.protocol.core.sparse_codec import layout, pack, unpack
 from blocktrain.protocol.core.validation import BlockSpec, Candidate, Limits, validate
 from blocktrain.protocol.core.verdict import REASONS
-
 from tests.protocol.conftest import block_tensors
 
 # edge tiles on both axes, a 3-d tensor, a vector of several flat chunks, a 0-d tensor

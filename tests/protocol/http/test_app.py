@@ -12,8 +12,15 @@ import torch
 
 from blocktrain.protocol.core.bodies import decode
 from blocktrain.protocol.core.settings import AggregatorSettings
-
-from tests.protocol.conftest import SETTINGS, Harness, add_token, auth, block_tensors, delta_body, make_harness
+from tests.protocol.conftest import (
+    SETTINGS,
+    Harness,
+    add_token,
+    auth,
+    block_tensors,
+    delta_body,
+    make_harness,
+)
 
 
 def refusal_rows(h: Harness, reason: str) -> int:

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 import pytest
 
 from blocktrain.protocol.http.longpoll import RoundSignal
-
 from tests.protocol.conftest import auth, delta_body
 
 

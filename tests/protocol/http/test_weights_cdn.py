@@ -16,7 +16,6 @@ from blocktrain.protocol.http.app import create_app
 from blocktrain.protocol.http.weights import byte_range, etag_matches
 from blocktrain.protocol.service.access import AccessLimits
 from blocktrain.protocol.worker.client import AggregatorClient
-
 from tests.protocol.conftest import SETTINGS, Harness, auth, delta_body, make_harness
 
 URL = "/v1/blocks/0/versions/0"

@@ -17,8 +17,15 @@ from blocktrain.protocol.http.app import create_app
 from blocktrain.protocol.service.access import AccessLimits, RateLimited, rate_limit
 from blocktrain.protocol.worker.client import AggregatorClient, RetryPolicy
 from tests.asgi import asgi_request
-
-from tests.protocol.conftest import SETTINGS, FakeClock, Harness, add_token, auth, delta_body, make_state
+from tests.protocol.conftest import (
+    SETTINGS,
+    FakeClock,
+    Harness,
+    add_token,
+    auth,
+    delta_body,
+    make_state,
+)
 
 
 def asgi_call(app: Any, method: str, path: str, headers: dict[str, str], chunks: list[bytes]):

@@ -18,7 +18,6 @@ from blocktrain.protocol.store.storage import StateDir
 from blocktrain.protocol.store.tokens import hash_token, new_token
 from blocktrain.protocol.worker.client import AggregatorClient, Registration
 from blocktrain.protocol.worker.loop import WorkerLoop
-
 from tests.protocol.conftest import SETTINGS, T0, auth, make_state
 from tests.protocol.worker.test_worker import FakeTrainer
 

@@ -138,7 +138,6 @@ def test_a_retired_worker_cannot_vote_in_the_engine():
     the engine directly): four workers registered under one token leave one registered, and
     the three retired ones are refused rather than counted as identities of their own."""
     from blocktrain.protocol.core.round_engine import RoundEngine
-
     from tests.protocol.conftest import block_tensors
 
     eng = RoundEngine.fresh({0: block_tensors(100)}, replace(SETTINGS, quorum=1.0))

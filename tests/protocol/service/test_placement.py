@@ -15,7 +15,6 @@ from blocktrain.errors import ConfigError
 from blocktrain.protocol.http.app import create_app
 from blocktrain.protocol.service.placement import Directory
 from blocktrain.protocol.store.storage import MANIFEST, StateDir
-
 from tests.protocol.conftest import SETTINGS, FakeClock, add_token, auth, delta_body, make_state
 
 PEER = "http://agg-b:8471"

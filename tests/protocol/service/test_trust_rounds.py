@@ -8,8 +8,14 @@ import dataclasses
 import torch
 
 from blocktrain.protocol.core.round_engine import PROBE_SLOTS, RoundEngine
-
-from tests.protocol.conftest import SETTINGS, add_token, auth, block_tensors, delta_body, make_harness
+from tests.protocol.conftest import (
+    SETTINGS,
+    add_token,
+    auth,
+    block_tensors,
+    delta_body,
+    make_harness,
+)
 from tests.protocol.core.test_engine_trust import TargetProbe
 
 BASE = block_tensors(100)  # block 0 of the harness

@@ -57,7 +57,6 @@ def test_an_accepted_row_is_fsynced_outside_the_service_lock_before_the_answer(
     import blocktrain.protocol.service.aggregator_service as service_module
     import blocktrain.protocol.store.ledger as ledger_module
     from blocktrain.protocol.store.ledger_schema import fsync_wal
-
     from tests.protocol.conftest import delta_body
 
     service = harness.service

@@ -16,8 +16,14 @@ from blocktrain.errors import ConfigError, ProtocolError
 from blocktrain.protocol.store.ledger import Ledger
 from blocktrain.protocol.store.recovery import rollback
 from blocktrain.protocol.store.storage import StateDir
-
-from tests.protocol.conftest import SETTINGS, Harness, add_token, delta_body, make_harness, make_state
+from tests.protocol.conftest import (
+    SETTINGS,
+    Harness,
+    add_token,
+    delta_body,
+    make_harness,
+    make_state,
+)
 
 
 def commit_rounds(h: Harness, n: int) -> int:

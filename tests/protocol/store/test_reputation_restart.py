@@ -14,8 +14,15 @@ from blocktrain.protocol.http.app import create_app
 from blocktrain.protocol.http.status import snapshot
 from blocktrain.protocol.store.ledger import Ledger
 from blocktrain.protocol.store.storage import StateDir
-
-from tests.protocol.conftest import SETTINGS, FakeClock, add_token, auth, block_tensors, delta_body, make_state
+from tests.protocol.conftest import (
+    SETTINGS,
+    FakeClock,
+    add_token,
+    auth,
+    block_tensors,
+    delta_body,
+    make_state,
+)
 from tests.protocol.core.test_engine_trust import TargetProbe
 
 BASE = block_tensors(100)  # block 0 of make_state

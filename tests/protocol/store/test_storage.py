@@ -11,7 +11,6 @@ from blocktrain.errors import ProtocolError
 from blocktrain.fsutil import atomic_write_bytes as atomic_write
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.store.storage import StateDir
-
 from tests.protocol.conftest import SETTINGS, block_tensors, make_state
 
 

@@ -14,7 +14,6 @@ from blocktrain.errors import Refused, Unreachable
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.worker.client import AggregatorClient, RetryPolicy
 from blocktrain.protocol.worker.loop import WorkerLoop
-
 from tests.protocol.conftest import Harness, delta_body, make_harness
 
 SETTINGS = AggregatorSettings(

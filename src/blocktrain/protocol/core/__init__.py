@@ -6,7 +6,9 @@ drive the same code.
     registry       which worker trains which block, for which token; when each was last heard
     rounds         the round and deadline state machine of one block, and its restore
     bodies         safetensors bodies with metadata: fp16/bf16 casting, size limit, no pickle
+    delta_wire     the codec names of delta_wire and pull_wire: parsed, checked, tagged
     codecs         how deltas travel: dense, int8 with a scale per row, top-k, sparse
+    sparse_codec   the sparse codec: chunked top-k, low-bit values, packed indices
     pulls          compressed pulls: a version as a delta from the view a worker holds
     validation     validators chained into one, each returning a Verdict with a reason
     aggregation    token-weighted mean, median, trimmed mean, centered clip, outer Nesterov

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from blocktrain import tensorwire
-from blocktrain.protocol.core.codecs import DENSE, Compressed, DeltaWire, compress
+from blocktrain.protocol.core.codecs import Compressed, compress
+from blocktrain.protocol.core.delta_wire import DENSE, DeltaWire
 from blocktrain.tensorwire import CONTENT_TYPE, Decoded, RawTensor, WireError, decode
 
 __all__ = [

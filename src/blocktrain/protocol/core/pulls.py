@@ -39,6 +39,7 @@ from blocktrain import tensorwire
 from blocktrain.errors import ProtocolError
 from blocktrain.protocol.core import codecs
 from blocktrain.protocol.core.bodies import WireError, wire_dtype
+from blocktrain.protocol.core.delta_wire import DeltaWire
 from blocktrain.protocol.core.validation import (
     BlockSpec,
     Candidate,
@@ -90,7 +91,7 @@ def apply(base: Tensors, delta: Tensors) -> Tensors:
     return {k: (v.float() + delta[k]).to(v.dtype) for k, v in base.items()}
 
 
-def read_delta(body: bytes, base: View, version: int, codec: codecs.DeltaWire) -> View:
+def read_delta(body: bytes, base: View, version: int, codec: DeltaWire) -> View:
     """The view a delta body leads to from `base`. ProtocolError when the body is not a delta of
     this block and version from this base in this codec, or when the result is not the view the
     aggregator says it is (then the worker pulls the whole version)."""
@@ -145,7 +146,7 @@ class Views:
         return view
 
     def delta(
-        self, block: int, version: int, weights: Tensors, base: str, codec: codecs.DeltaWire
+        self, block: int, version: int, weights: Tensors, base: str, codec: DeltaWire
     ) -> DeltaBody:
         """Version `version` (`weights`, fp32) as a delta from view `base`; Refused
         unknown_base when the block holds no such view (the worker pulls it whole)."""
@@ -169,9 +170,7 @@ class Views:
         self._remember(found.view)  # its holders may ask for a delta from it next
         return found
 
-    def _encode(
-        self, base: View, version: int, weights: Tensors, codec: codecs.DeltaWire
-    ) -> DeltaBody:
+    def _encode(self, base: View, version: int, weights: Tensors, codec: DeltaWire) -> DeltaBody:
         diff = {k: weights[k].float() - v.float() for k, v in base.tensors.items()}
         parts = codecs.compress(diff, codec).parts
         meta = {"block": str(base.block), "version": str(version), "base": base.id}

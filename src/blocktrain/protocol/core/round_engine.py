@@ -35,7 +35,7 @@ import torch
 
 from blocktrain.protocol.core.aggregation import Accumulator, OuterOptimizer
 from blocktrain.protocol.core.bodies import WireError, decode
-from blocktrain.protocol.core.codecs import DeltaWire
+from blocktrain.protocol.core.delta_wire import DeltaWire
 from blocktrain.protocol.core.effect import (
     Effect,
     EffectProbe,

@@ -21,7 +21,13 @@ from blocktrain.config import RunConfig
 from blocktrain.errors import ConfigError
 from blocktrain.protocol.core.aggregation import RULES, WEIGHTINGS
 from blocktrain.protocol.core.bodies import WIRE_DTYPES
-from blocktrain.protocol.core.codecs import FULL, WIRE_HELP, DeltaWire, valid_pull_wire, valid_wire
+from blocktrain.protocol.core.delta_wire import (
+    FULL,
+    WIRE_HELP,
+    DeltaWire,
+    valid_pull_wire,
+    valid_wire,
+)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import torch
 
 from blocktrain.protocol.core import codecs
 from blocktrain.protocol.core.bodies import Decoded, WireError, metadata_float, metadata_int
+from blocktrain.protocol.core.delta_wire import DeltaWire, pull_codec
 from blocktrain.protocol.core.verdict import Verdict
 
 REQUIRED_METADATA = ("block", "base_version", "round", "tokens")
@@ -39,8 +40,8 @@ class BlockSpec:
         return BlockSpec({k: tuple(v.shape) for k, v in tensors.items()}, wire_dtype, delta_wire)
 
     @property
-    def push_wire(self) -> codecs.DeltaWire:
-        return codecs.DeltaWire.parse(self.delta_wire or self.wire_dtype)
+    def push_wire(self) -> DeltaWire:
+        return DeltaWire.parse(self.delta_wire or self.wire_dtype)
 
     @property
     def delta_bytes(self) -> int:
@@ -64,7 +65,7 @@ class BlockSpec:
     def pull_bytes(self, pull_wire: str) -> int:
         """Bytes of tensor data in one pull after the first: the whole block, or a delta in the
         pull wire's codec (`protocol.core.pulls`)."""
-        codec = codecs.pull_codec(pull_wire)
+        codec = pull_codec(pull_wire)
         return self.wire_bytes if codec is None else codecs.data_bytes(self.shapes, codec)
 
 

@@ -39,7 +39,7 @@ from fastapi.responses import Response
 
 from blocktrain.errors import ProtocolError, Refused
 from blocktrain.protocol.core.bodies import CONTENT_TYPE, encode
-from blocktrain.protocol.core.codecs import FULL, pull_codec
+from blocktrain.protocol.core.delta_wire import FULL, pull_codec
 from blocktrain.protocol.core.pulls import DeltaBody, Views
 from blocktrain.protocol.core.verdict import refused
 from blocktrain.protocol.http.dependencies import tag

@@ -29,7 +29,7 @@ from blocktrain.protocol.core.bodies import (
     update_body,
     version_path,
 )
-from blocktrain.protocol.core.codecs import FULL, DeltaWire, pull_codec
+from blocktrain.protocol.core.delta_wire import FULL, DeltaWire, pull_codec
 from blocktrain.protocol.core.pulls import View, read_delta
 
 log = logging.getLogger(__name__)
