@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from blocktrain.errors import Refused
-from blocktrain.protocol.core.round_engine import Committed
+from blocktrain.protocol.core.events import Committed
 from blocktrain.protocol.service.aggregator_service import AggregatorService, open_service
 from blocktrain.protocol.store.storage import StateDir
 from tests.protocol.conftest import SETTINGS, T0, FakeClock, add_token, block_tensors, delta_body

@@ -17,8 +17,9 @@ import torch
 
 from blocktrain.protocol.core.delta_wire import pull_codec
 from blocktrain.protocol.core.effect import EffectProbe
+from blocktrain.protocol.core.events import Committed, EngineBlock
 from blocktrain.protocol.core.pulls import View, Views, read_delta
-from blocktrain.protocol.core.round_engine import Committed, EngineBlock, RoundEngine
+from blocktrain.protocol.core.round_engine import RoundEngine
 from blocktrain.protocol.core.rounds import RoundView
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.core.verdict import Verdict

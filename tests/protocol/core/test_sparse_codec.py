@@ -15,8 +15,8 @@ from blocktrain.protocol.core.bodies import decode as decode_body
 from blocktrain.protocol.core.bodies import update_body
 from blocktrain.protocol.core.codecs import DeltaEncoder, compress, data_bytes, declared
 from blocktrain.protocol.core.delta_wire import DeltaWire
+from blocktrain.protocol.core.events import accumulator
 from blocktrain.protocol.core.pulls import Views, read_delta
-from blocktrain.protocol.core.round_engine import accumulator
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.core.sparse_codec import layout, pack, unpack
 from blocktrain.protocol.core.validation import BlockSpec, Candidate, Limits, validate

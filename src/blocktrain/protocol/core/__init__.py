@@ -14,6 +14,8 @@ drive the same code.
     aggregation    token-weighted mean, median, trimmed mean, centered clip, outer Nesterov
     effect         the effect probe's verdict on an update, and reputation per identity
     settings       the aggregator's settings, each declared once with doc, bounds and flag
+    events         what the engine holds and returns: blocks, checks, probe places, commits
+    replays        the replay screen: an update bound to its worker, round and version
     round_engine   the round engine: register, pull, inspect, judge, record, commit
     local_trainer  what a worker trains (UNITS) and the interface of its trainer
 

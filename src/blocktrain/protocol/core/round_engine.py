@@ -8,9 +8,9 @@ does I/O.
 
 Two drivers, no second copy of a decision:
 
-    service.AggregatorService    wall clock; persists each event (ledger rows, pending bodies,
-                                 committed versions) and serves it over HTTP
-    simulate.SimAggregator       virtual clock; one process
+    protocol.service.AggregatorService   wall clock; persists each event (ledger rows, pending
+                                         bodies, committed versions) and serves it over HTTP
+    simulate.SimAggregator               virtual clock; one process
 
 An update goes through `inspect` (its form: size, safetensors, the validator chain), `judge`
 (timing, read-only: duplicate, late, stale), then, when a probe is wired in, `reserve_probe`
@@ -23,34 +23,41 @@ reached it spends its identity's budget (`probe_budget`). `check` is `inspect` t
 (for callers that judge timing themselves). A round that closes is committed by
 `tick`: the new weights are computed, handed to every `on_commit` listener (the service writes
 them to disk there, before any pull can see them) and only then published.
+
+What the engine holds and returns is `events`; its replay screen (`screen`) is
+`replays.ReplayScreen`, which it takes as a mixin.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Collection, Hashable, Iterable
-from dataclasses import dataclass
 
 import torch
 
-from blocktrain.protocol.core.aggregation import Accumulator, OuterOptimizer
+from blocktrain.protocol.core.aggregation import OuterOptimizer
 from blocktrain.protocol.core.bodies import WireError, decode
-from blocktrain.protocol.core.delta_wire import DeltaWire
 from blocktrain.protocol.core.effect import (
-    Effect,
     EffectProbe,
     HonestBand,
     ProbeCache,
     Reputation,
     judge_effect,
 )
-from blocktrain.protocol.core.rounds import (
-    NOT_A_REPORT,
-    BlockRounds,
-    Registry,
-    RoundClosed,
-    RoundView,
+from blocktrain.protocol.core.events import (
+    Checked,
+    CommitListener,
+    Committed,
+    EngineBlock,
+    ProbeSlot,
+    PullEvent,
+    Registered,
+    ReputationListener,
+    accumulator,
+    max_body_bytes,
 )
+from blocktrain.protocol.core.replays import ReplayScreen, Seen
+from blocktrain.protocol.core.rounds import BlockRounds, Registry, RoundClosed
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.core.validation import (
     BlockSpec,
@@ -64,111 +71,13 @@ from blocktrain.protocol.core.verdict import Verdict
 
 Tensors = dict[str, torch.Tensor]
 
-REPLAY_ENTRIES = 4096
-"""At most this many digests per block (the oldest go first): the set stays bounded."""
-
 PROBE_SLOTS = 8
 """Updates that may hold a place at the effect probe at once (probing or waiting for it), over
 every identity; beyond them a push is refused `busy` (429) before its body waits. Each holds
 its body in memory, so this bounds what the probe's queue costs."""
 
 
-def accumulator(settings: AggregatorSettings) -> Accumulator:
-    """A round's accumulator: sparse pushes are averaged per coordinate over the votes that
-    carry it (docs/protocol.md, Aggregation), the others as before."""
-    return Accumulator(settings, per_coordinate=DeltaWire.parse(settings.push_wire).sparse)
-
-
-@dataclass
-class EngineBlock:
-    """One block as the engine holds it."""
-
-    index: int
-    weights: Tensors
-    momentum: Tensors | None
-    spec: BlockSpec
-    rounds: BlockRounds
-    acc: Accumulator
-
-
-@dataclass(frozen=True)
-class Registered:
-    worker: int
-    block: int
-    view: RoundView
-    replaced: tuple[int, ...] = ()
-    """The token's older workers this registration retired (max_workers_per_token)."""
-
-
-@dataclass(frozen=True)
-class PullEvent:
-    """A pull as the engine saw it: the open round, and whether this pull started its clock."""
-
-    view: RoundView
-    started: bool
-
-
-@dataclass(frozen=True)
-class Checked:
-    """An update body after the content checks: the verdict, and what could be read of it."""
-
-    verdict: Verdict
-    candidate: Candidate | None
-    effect: Effect | None = None
-    """The effect probe's reading, when it ran."""
-    judged: Verdict | None = None
-    """The probe's verdict, when it ran. It is `verdict` unless the identity is excluded: then
-    the update is refused all the same, but a helpful one earns reputation back."""
-
-    @property
-    def meta(self) -> UpdateMeta | None:
-        return None if self.candidate is None else self.candidate.meta
-
-
-@dataclass
-class Seen:
-    """A body's tensors as the engine saw them pushed: by whom first, in which round of the
-    block, and whether any push of them was accepted."""
-
-    identity: Hashable
-    round: int
-    accepted: bool
-
-
-@dataclass(frozen=True)
-class ProbeSlot:
-    """A place at the effect probe, reserved by `reserve_probe` for one update (None: the
-    probe is off, nothing was reserved)."""
-
-    block: int
-    round: int
-    identity: Hashable
-
-
-@dataclass(frozen=True)
-class Committed:
-    """A closed round and the block's weights after it (the old ones when nothing was
-    accepted; then `changed` is False). `held` says why a round that accepted updates still
-    commits the old weights (the rule refused to aggregate); its new version is written."""
-
-    closed: RoundClosed
-    weights: Tensors
-    momentum: Tensors | None
-    changed: bool
-    held: str = ""
-
-
-CommitListener = Callable[[Committed], None]
-ReputationListener = Callable[[tuple[str, int], float, float], None]
-"""Called with (identity, its new reputation, the time) when an update changed it."""
-
-
-def max_body_bytes(settings: AggregatorSettings, largest_block_params: int) -> int:
-    """The request body limit: the setting, else twice the largest block's fp32 size + 1 MiB."""
-    return settings.max_body_bytes or 2 * 4 * largest_block_params + (1 << 20)
-
-
-class RoundEngine:
+class RoundEngine(ReplayScreen):
     """Blocks, their rounds and accumulators, and the registry, fed with explicit times."""
 
     def __init__(
@@ -374,52 +283,6 @@ class RoundEngine:
         if accepted and spent_round == slot.round and spent[slot.identity] > 0:
             spent[slot.identity] -= 1
 
-    def screen(self, worker: int, block: int, checked: Checked) -> Verdict:
-        """The replay verdict on an update that passed `inspect` and `judge`: it is bound to
-        its worker, round and base version, and its tensors are new. Refused `replay` when its
-        metadata names another worker than the one pushing it, or another round or version
-        than that worker's last pull of the block (when this engine saw one), or when the same
-        tensors (`Candidate.digest`) were accepted before, or pushed by another identity, in
-        the last `replay_rounds` rounds of any block. Read-only; `record` remembers the
-        tensors."""
-        meta, candidate = checked.meta, checked.candidate
-        assert meta is not None and candidate is not None
-        if meta.worker_id is not None and meta.worker_id != worker:
-            return Verdict.refuse(
-                "replay", f"the body names worker {meta.worker_id}; worker {worker} pushed it"
-            )
-        pulled = self.pulled.get(worker)
-        if (
-            pulled is not None
-            and pulled[0] == block
-            and pulled[1:]
-            != (
-                meta.round,
-                meta.base_version,
-            )
-        ):
-            return Verdict.refuse(
-                "replay",
-                f"the body names round {meta.round} from version {meta.base_version}; worker "
-                f"{worker} last pulled round {pulled[1]} (version {pulled[2]})",
-            )
-        digest = candidate.digest
-        if digest is None:
-            return Verdict.ok()
-        identity = self.registry.identity(worker)
-        for b, seen in self.seen.items():  # every block: blocks of one shape swap bodies
-            entry = seen.get(digest)
-            if entry is None:
-                continue
-            where = f"round {entry.round} of block {b}"
-            if entry.accepted:
-                return Verdict.refuse("replay", f"the same tensors were accepted in {where}")
-            if entry.identity != identity:
-                return Verdict.refuse(
-                    "replay", f"the same tensors were pushed by another identity in {where}"
-                )
-        return Verdict.ok()
-
     def judge(self, worker: int, block: int, meta: UpdateMeta, now: float) -> Verdict:
         """The timing verdict on an update that passed `check` (closing due rounds first).
         Changes no update state: `record` the verdict once the driver has stored it. A worker
@@ -485,23 +348,6 @@ class RoundEngine:
         )
         self.registry.seen(worker, now)
         return idle and rounds.started_at is not None
-
-    def _remember(self, block: int, checked: Checked, identity: Hashable, verdict: Verdict) -> None:
-        """Keep the digest of a pushed body's tensors (one that was judged: not a replay, and
-        not refused before its round was), for `screen`."""
-        digest = None if checked.candidate is None else checked.candidate.digest
-        if digest is None or verdict.reason in NOT_A_REPORT or verdict.reason == "replay":
-            return
-        if not self.settings.replay_rounds:
-            return
-        seen = self.seen.setdefault(block, {})
-        entry = seen.get(digest)
-        if entry is None:
-            seen[digest] = Seen(identity, self.blocks[block].rounds.round, verdict.accepted)
-            while len(seen) > REPLAY_ENTRIES:
-                del seen[next(iter(seen))]
-        elif verdict.accepted:
-            entry.accepted = True
 
     def discard(self, block: int, update_ids: Iterable[int]) -> list[int]:
         """Take accepted updates back out of the open round (the accumulator and the round's

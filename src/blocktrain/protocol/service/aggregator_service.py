@@ -43,7 +43,7 @@ import torch
 from blocktrain.errors import ProtocolError, Refused
 from blocktrain.httpserve import TokenBucket
 from blocktrain.protocol.core.bodies import encode
-from blocktrain.protocol.core.round_engine import Checked, Committed, EngineBlock, ProbeSlot
+from blocktrain.protocol.core.events import Checked, Committed, EngineBlock, ProbeSlot
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.core.verdict import Verdict, refused
 from blocktrain.protocol.service import identity

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from blocktrain.protocol.core.round_engine import Checked
+from blocktrain.protocol.core.events import Checked
 from blocktrain.protocol.core.rounds import RoundView
 from blocktrain.protocol.core.validation import UpdateMeta
 

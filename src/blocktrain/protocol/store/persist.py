@@ -12,7 +12,8 @@ import torch
 from blocktrain.protocol.core import codecs
 from blocktrain.protocol.core.bodies import decode
 from blocktrain.protocol.core.effect import Reputation
-from blocktrain.protocol.core.round_engine import Committed, EngineBlock, RoundEngine
+from blocktrain.protocol.core.events import Committed, EngineBlock
+from blocktrain.protocol.core.round_engine import RoundEngine
 from blocktrain.protocol.core.rounds import NOT_A_REPORT, Contribution, Registry, restore
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.store.ledger_schema import WorkerRow
