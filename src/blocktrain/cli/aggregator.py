@@ -43,7 +43,8 @@ from blocktrain.config import RunConfig, parse_blocks
 from blocktrain.data import ByteSource, load_split
 from blocktrain.errors import ConfigError, DataError
 from blocktrain.httpserve import Limits, bind, url_of
-from blocktrain.protocol.core.settings import AggregatorSettings, derived_settings, largest_block
+from blocktrain.protocol.core.bounds import derived_settings, largest_block
+from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.service.access import JSON_BODY_BYTES, AccessLimits
 from blocktrain.protocol.service.placement import Directory, parse_peer, placed
 from blocktrain.protocol.store.state import create_state, run_unit

@@ -26,7 +26,7 @@ import torch
 
 from blocktrain.config import RunConfig
 from blocktrain.errors import ConfigError
-from blocktrain.protocol.core.settings import largest_block, loose_delta_norm_bound
+from blocktrain.protocol.core.bounds import largest_block, loose_delta_norm_bound
 from blocktrain.training.local import initial_blocks
 
 Tensors = dict[str, torch.Tensor]

@@ -21,8 +21,8 @@ from blocktrain.data import ByteSource
 from blocktrain.errors import ConfigError
 from blocktrain.fsutil import atomic_write_bytes
 from blocktrain.model import BlockStack, Reference, init_reference
+from blocktrain.protocol.core.bounds import derived_settings, largest_block
 from blocktrain.protocol.core.local_trainer import UNITS, LocalTrainer
-from blocktrain.protocol.core.settings import derived_settings, largest_block
 from blocktrain.simulate.attacks import Attack
 from blocktrain.simulate.engine import Simulation, TimingOnlyTrainer
 from blocktrain.simulate.regimes import Regime

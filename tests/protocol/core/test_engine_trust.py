@@ -11,9 +11,10 @@ import torch
 
 from blocktrain.config import tiny
 from blocktrain.errors import ConfigError
+from blocktrain.protocol.core.bounds import derived_settings, largest_block
 from blocktrain.protocol.core.events import Committed
 from blocktrain.protocol.core.round_engine import RoundEngine
-from blocktrain.protocol.core.settings import AggregatorSettings, derived_settings, largest_block
+from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.training.local import initial_blocks
 from tests.protocol.conftest import block_tensors, delta_body
 

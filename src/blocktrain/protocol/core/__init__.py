@@ -13,7 +13,9 @@ drive the same code.
     validation     validators chained into one, each returning a Verdict with a reason
     aggregation    token-weighted mean, median, trimmed mean, centered clip, outer Nesterov
     effect         the effect probe's verdict on an update, and reputation per identity
+    declaration    how one setting is declared: its doc, check, flag, and the field
     settings       the aggregator's settings, each declared once with doc, bounds and flag
+    bounds         settings derived from the run: the delta norm and token bounds
     events         what the engine holds and returns: blocks, checks, probe places, commits
     replays        the replay screen: an update bound to its worker, round and version
     round_engine   the round engine: register, pull, inspect, judge, record, commit

@@ -2,6 +2,8 @@
 its bounds, its command-line flag and whether the simulator models it. The CLI flags
 (`cli.common.add_setting_args`), the simulator's list of flags it leaves out, the check on
 construction and the table in docs/protocol.md are all derived from these declarations.
+Each field is declared with `declaration.setting`; the settings derived from a run (the delta
+norm and token bounds) are `bounds.derived_settings`.
 
 The settings are saved in the state folder next to the weights (so that a restarted aggregator
 runs the same protocol).
@@ -10,17 +12,13 @@ runs the same protocol).
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from blocktrain.config import RunConfig
 from blocktrain.errors import ConfigError
 from blocktrain.protocol.core.aggregation import RULES, WEIGHTINGS
 from blocktrain.protocol.core.bodies import WIRE_DTYPES
+from blocktrain.protocol.core.declaration import Setting, setting
 from blocktrain.protocol.core.delta_wire import (
     FULL,
     WIRE_HELP,
@@ -28,39 +26,6 @@ from blocktrain.protocol.core.delta_wire import (
     valid_pull_wire,
     valid_wire,
 )
-
-
-@dataclass(frozen=True)
-class Setting:
-    """What a field declares besides its type and default."""
-
-    doc: str
-    check: Callable[[Any], bool]
-    why: str
-    """What `check` requires, completing "aggregator setting NAME = VALUE ..."."""
-    flag: str
-    metavar: str | None = None
-    choices: tuple[str, ...] | None = None
-    simulated: bool = True
-    """False: the simulator sets it itself or it means nothing there (no flag there)."""
-    default_text: str | None = None
-    """How the default reads in --help and the docs, when the value alone would mislead."""
-
-
-def setting(
-    default: Any,
-    doc: str,
-    check: Callable[[Any], bool],
-    why: str,
-    *,
-    flag: str,
-    metavar: str | None = None,
-    choices: tuple[str, ...] | None = None,
-    simulated: bool = True,
-    default_text: str | None = None,
-) -> Any:
-    meta = Setting(doc, check, why, flag, metavar, choices, simulated, default_text)
-    return dataclasses.field(default=default, metadata={"setting": meta})
 
 
 def _positive(v: Any) -> bool:
@@ -412,58 +377,3 @@ def settings_table() -> str:
             f"{'yes' if s.simulated else 'no'} | {s.doc} |"
         )
     return "\n".join(rows)
-
-
-# ---------------------------------------------------------------------------------------------
-# Settings derived from the run
-# ---------------------------------------------------------------------------------------------
-
-
-TIGHT_SLACK = 2.0
-"""Measured (docs/protocol.md, Aggregation): honest deltas at the tiny preset reach at most
-0.89 x lr x sqrt(H x params) (3.96 of 4.45, right after warmup), so 2 leaves 2.2x room."""
-
-
-def delta_norm_bound(
-    cfg: RunConfig, local_steps: int, n_params: int, slack: float = TIGHT_SLACK
-) -> float:
-    """A bound on the L2 norm of an honest worker's delta: slack x lr x sqrt(H x n_params).
-    AdamW moves each coordinate by about lr per step, and over H steps those moves add up like
-    a random walk (their signs decorrelate), not in a line; `slack` covers what honest workers
-    were measured to send, and the first steps of a run, whose moves do line up (H x lr at
-    most, within the slack for H <= 4)."""
-    return slack * cfg.train.lr * math.sqrt(local_steps * n_params)
-
-
-def loose_delta_norm_bound(cfg: RunConfig, local_steps: int, n_params: int) -> float:
-    """The bound before the poisoning defences, 4 x lr x H x sqrt(params) (56.25 at the tiny
-    preset, 14x the largest honest delta): kept for comparisons (`bench/adversarial.py`, defences
-    none)."""
-    return 4.0 * cfg.train.lr * local_steps * math.sqrt(n_params)
-
-
-def token_bound(cfg: RunConfig, local_steps: int, slack: float = 2.0) -> int:
-    """The most target bytes an honest update can claim: H batches of B x T, with slack."""
-    return int(slack * local_steps * cfg.train.batch_size * cfg.model.seq_len)
-
-
-def largest_block(blocks: dict[int, dict[str, torch.Tensor]]) -> int:
-    """The parameter count of the largest block."""
-    return max(sum(t.numel() for t in w.values()) for w in blocks.values())
-
-
-def derived_settings(
-    cfg: RunConfig, overrides: dict[str, Any], block_params: int
-) -> AggregatorSettings:
-    """Aggregator settings for a run of `cfg` whose largest block has `block_params`
-    parameters: the defaults, then `overrides`, with the delta norm and token bounds derived
-    from the run unless they are overridden."""
-    base = AggregatorSettings().replace(
-        **{k: v for k, v in overrides.items() if k not in ("max_delta_norm", "max_tokens")}
-    )
-    return base.replace(
-        max_delta_norm=overrides.get(
-            "max_delta_norm", delta_norm_bound(cfg, base.local_steps, block_params)
-        ),
-        max_tokens=overrides.get("max_tokens", token_bound(cfg, base.local_steps)),
-    )

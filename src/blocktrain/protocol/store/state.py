@@ -15,8 +15,8 @@ import torch
 
 from blocktrain.config import RunConfig
 from blocktrain.errors import CheckpointError, ConfigError
+from blocktrain.protocol.core.bounds import derived_settings, largest_block
 from blocktrain.protocol.core.local_trainer import UNITS
-from blocktrain.protocol.core.settings import derived_settings, largest_block
 from blocktrain.protocol.store.storage import StateDir
 
 Tensors = dict[str, torch.Tensor]
