@@ -38,7 +38,7 @@ from typing import Any, NoReturn
 from blocktrain.config import RunConfig, apply_overrides, preset
 from blocktrain.data import resolve_data_path
 from blocktrain.errors import ProtocolError
-from blocktrain.protocol.core.rounds import participation
+from blocktrain.protocol.core.participation import participation
 from blocktrain.protocol.ops.cluster import run_cluster
 from blocktrain.protocol.store.storage import StateDir
 from blocktrain.training.local import write_assembled

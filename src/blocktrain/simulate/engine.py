@@ -34,8 +34,9 @@ from blocktrain.protocol.core.codecs import DeltaEncoder
 from blocktrain.protocol.core.effect import EffectProbe
 from blocktrain.protocol.core.events import Committed
 from blocktrain.protocol.core.local_trainer import LocalTrainer
+from blocktrain.protocol.core.participation import in_time, participation
 from blocktrain.protocol.core.pulls import View
-from blocktrain.protocol.core.rounds import RoundClosed, RoundView, in_time, participation
+from blocktrain.protocol.core.rounds import RoundClosed, RoundView
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.simulate.aggregator import Judged, SimAggregator
 from blocktrain.simulate.attacks import Attack, ForgingTrainer

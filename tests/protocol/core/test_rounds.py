@@ -5,14 +5,8 @@ from __future__ import annotations
 import pytest
 
 from blocktrain.errors import ConfigError
-from blocktrain.protocol.core.rounds import (
-    BlockRounds,
-    Registry,
-    RoundClosed,
-    in_time,
-    participation,
-    restore,
-)
+from blocktrain.protocol.core.participation import in_time, participation
+from blocktrain.protocol.core.rounds import BlockRounds, Registry, RoundClosed, restore
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.core.verdict import REASONS, Verdict
 

@@ -5,6 +5,7 @@ drive the same code.
     verdict        refusal reasons, the Verdict type, and `refused` (the exception of a reason)
     registry       which worker trains which block, for which token; when each was last heard
     rounds         the round and deadline state machine of one block, and its restore
+    participation  a closed round's own accepted updates, and its participation
     bodies         safetensors bodies with metadata: fp16/bf16 casting, size limit, no pickle
     delta_wire     the codec names of delta_wire and pull_wire: parsed, checked, tagged
     codecs         how deltas travel: dense, int8 with a scale per row, top-k, sparse

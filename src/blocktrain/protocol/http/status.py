@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from blocktrain.protocol.core.rounds import participation
+from blocktrain.protocol.core.participation import participation
 
 if TYPE_CHECKING:
     from blocktrain.protocol.service.aggregator_service import AggregatorService

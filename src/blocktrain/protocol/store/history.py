@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from blocktrain.errors import ConfigError
-from blocktrain.protocol.core.rounds import participation
+from blocktrain.protocol.core.participation import participation
 from blocktrain.protocol.store.storage import LEDGER, StateDir
 
 
