@@ -2,9 +2,9 @@
 clock, with every event persisted, and the functions the HTTP routes call.
 
 The engine takes every decision; this module adds what a real aggregator needs around it:
-identity (`identity`), the ledger, durable update bodies, committed versions on disk, byte counters
-(`traffic`) and a lock. Time comes from the injected `clock` (seconds since the epoch by
-default, so deadlines survive a restart).
+identity (the `admission` mixin, over `identity`), the ledger, durable update bodies, committed
+versions on disk, byte counters (`traffic`) and a lock. Time comes from the injected `clock`
+(seconds since the epoch by default, so deadlines survive a restart).
 
 An update is handled in six steps:
 
@@ -40,14 +40,15 @@ from typing import Any, NoReturn
 
 import torch
 
-from blocktrain.errors import ProtocolError, Refused
+from blocktrain.errors import ProtocolError
 from blocktrain.httpserve import TokenBucket
 from blocktrain.protocol.core.bodies import encode
 from blocktrain.protocol.core.events import Checked, Committed, EngineBlock, ProbeSlot
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.core.verdict import Verdict, refused
 from blocktrain.protocol.service import identity
-from blocktrain.protocol.service.access import AccessLimits, rate_limit
+from blocktrain.protocol.service.access import AccessLimits
+from blocktrain.protocol.service.admission import Admission
 from blocktrain.protocol.service.identity import Caller
 from blocktrain.protocol.service.placement import Directory, placed
 from blocktrain.protocol.service.updates import PullReply, PushContext, update_fields
@@ -62,7 +63,7 @@ Tensors = dict[str, torch.Tensor]
 Clock = Callable[[], float]
 
 
-class AggregatorService:
+class AggregatorService(Admission):
     """The aggregator without HTTP. Thread-safe: one lock guards the engine."""
 
     def __init__(
@@ -106,37 +107,6 @@ class AggregatorService:
         self.max_body = self.engine.max_body
         self._shut_out: set[int] = set()  # revoked or banned tokens already dropped
         self.tick()
-
-    # ------------------------------------------------------------------ identity
-
-    def authenticate(self, authorization: str | None) -> TokenRow:
-        return identity.authenticate(self.ledger, authorization)
-
-    def identify(self, authorization: str | None, worker_header: str | None) -> Caller:
-        return identity.identify(self.ledger, authorization, worker_header)
-
-    def admit(self, token_id: int) -> None:
-        """The token's rate limit (RateLimited, a 429, when it is spent)."""
-        rate_limit(self.limiter, token_id)
-
-    def check_block(self, block: int) -> None:
-        if not 0 <= block < self.n_blocks:
-            raise refused("unknown_block", f"block {block} is outside 0..{self.n_blocks - 1}")
-        self.directory.check(block)
-
-    def _worker_on(self, caller: Caller, block: int) -> int:
-        if caller.worker_id is None:
-            raise refused(
-                "unknown_worker", "this token has no registered worker; POST /v1/workers first"
-            )
-        self.check_block(block)
-        assigned = self.engine.registry.block_of(caller.worker_id)
-        if assigned != block:
-            raise refused(
-                "not_assigned",
-                f"worker {caller.worker_id} is assigned to block {assigned}, not {block}",
-            )
-        return caller.worker_id
 
     # ------------------------------------------------------------------ workers
 
@@ -246,60 +216,6 @@ class AggregatorService:
         }
 
     # ------------------------------------------------------------------ pushes
-
-    def begin_push(
-        self, *, authorization: str | None, worker_header: str | None, block: int
-    ) -> PushContext:
-        """Who is pushing, to which block: refused before a byte of the body is read. Only an
-        authenticated, admitted token's refusals get a ledger row (the HTTP guard has already
-        checked the declared size)."""
-        received = self.clock()
-        token = self.authenticate(authorization)
-        self.admit(token.id)
-        worker: int | None = None
-        try:
-            caller = self.identify(authorization, worker_header)
-            worker = caller.worker_id
-            worker = self._worker_on(caller, block)
-        except Refused as exc:
-            self._record_refusal(received, token.id, worker, block, exc, 0)
-            raise
-        return PushContext(received, token.id, worker, block)
-
-    def refuse_push(self, ctx: PushContext, reason: str, detail: str, size: int) -> Refused:
-        exc = refused(reason, detail)
-        self._record_refusal(ctx.received, ctx.token_id, ctx.worker_id, ctx.block, exc, size)
-        return exc
-
-    def _record_refusal(
-        self,
-        received: float,
-        token_id: int | None,
-        worker: int | None,
-        block: int | None,
-        exc: Refused,
-        size: int,
-        **fields: Any,
-    ) -> None:
-        known_block = block if block in self.directory.served else None
-        self.ledger.record_update(
-            received=received,
-            bytes=size,
-            fate="refused",
-            token_id=token_id,
-            worker_id=worker,
-            block=known_block,
-            reason=exc.reason,
-            detail=exc.detail,
-            **fields,
-        )
-        log.info(
-            "refused an update for block %s from worker %s: %s (%s)",
-            block,
-            worker,
-            exc.reason,
-            exc.detail,
-        )
 
     def submit(self, ctx: PushContext, body: bytes | bytearray) -> dict[str, Any]:
         """Check, store and judge one update; returns the acceptance or raises Refused."""
