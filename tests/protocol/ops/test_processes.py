@@ -15,7 +15,8 @@ from blocktrain.errors import Unreachable
 from blocktrain.protocol.ops.cluster import start_aggregator, start_worker, stop
 from blocktrain.protocol.store.storage import StateDir
 from blocktrain.protocol.store.tokens import hash_token, new_token
-from blocktrain.protocol.worker.client import AggregatorClient, RetryPolicy
+from blocktrain.protocol.worker.client import AggregatorClient
+from blocktrain.protocol.worker.retrying import RetryPolicy
 from tests.conftest import micro_config
 from tests.protocol.conftest import run_state
 

@@ -15,7 +15,8 @@ from fastapi.testclient import TestClient
 from blocktrain.httpserve import TokenBucket
 from blocktrain.protocol.http.app import create_app
 from blocktrain.protocol.service.access import AccessLimits, RateLimited, rate_limit
-from blocktrain.protocol.worker.client import AggregatorClient, RetryPolicy
+from blocktrain.protocol.worker.client import AggregatorClient
+from blocktrain.protocol.worker.retrying import RetryPolicy
 from tests.asgi import asgi_request
 from tests.protocol.conftest import (
     SETTINGS,

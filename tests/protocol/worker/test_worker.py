@@ -12,8 +12,9 @@ import torch
 
 from blocktrain.errors import Refused, Unreachable
 from blocktrain.protocol.core.settings import AggregatorSettings
-from blocktrain.protocol.worker.client import AggregatorClient, RetryPolicy
+from blocktrain.protocol.worker.client import AggregatorClient
 from blocktrain.protocol.worker.loop import WorkerLoop
+from blocktrain.protocol.worker.retrying import RetryPolicy
 from tests.protocol.conftest import Harness, delta_body, make_harness
 
 SETTINGS = AggregatorSettings(

@@ -22,7 +22,8 @@ from typing import IO, Any
 
 from blocktrain.errors import ProtocolError
 from blocktrain.protocol.store.storage import StateDir
-from blocktrain.protocol.worker.client import AggregatorClient, RetryPolicy
+from blocktrain.protocol.worker.client import AggregatorClient
+from blocktrain.protocol.worker.retrying import RetryPolicy
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,8 @@ from blocktrain.errors import ProtocolError, Refused, Unreachable
 from blocktrain.protocol.core.bodies import update_body
 from blocktrain.protocol.core.codecs import DeltaEncoder
 from blocktrain.protocol.core.local_trainer import LocalTrainer
-from blocktrain.protocol.worker.client import AggregatorClient, Registration, RetryPolicy
+from blocktrain.protocol.worker.client import AggregatorClient, Registration
+from blocktrain.protocol.worker.retrying import RetryPolicy
 
 log = logging.getLogger(__name__)
 
