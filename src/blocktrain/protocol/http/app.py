@@ -63,9 +63,11 @@ from blocktrain.protocol.http.dependencies import (
 )
 from blocktrain.protocol.http.longpoll import RoundSignal
 from blocktrain.protocol.http.messages import (
+    REFUSALS,
+    REGISTER_BODY,
+    SAFETENSORS_BODY,
     ConfigOut,
     LeaveOut,
-    RefusalOut,
     RegisterIn,
     RegisterOut,
     RoundOut,
@@ -88,25 +90,6 @@ log = logging.getLogger(__name__)
 
 MAX_WAIT_S = 60.0
 """The longest a long poll is held."""
-
-
-REFUSALS: dict[int | str, dict[str, Any]] = {
-    code: {"model": RefusalOut}
-    for code in (400, 401, 403, 404, 408, 409, 410, 413, 415, 416, 421, 422, 429)
-}
-REGISTER_BODY: dict[str, Any] = {
-    "requestBody": {
-        "required": False,
-        "content": {"application/json": {"schema": RegisterIn.model_json_schema()}},
-    }
-}
-
-SAFETENSORS_BODY: dict[str, Any] = {
-    "requestBody": {
-        "required": True,
-        "content": {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}},
-    }
-}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,11 +1,15 @@
 """The aggregator's HTTP schemas: strict pydantic models, separate in and out types. Out types
-forbid extra keys, so a field the service adds without a schema fails the tests, not a client."""
+forbid extra keys, so a field the service adds without a schema fails the tests, not a client.
+The OpenAPI descriptions the routes add (their refusals, the register and push bodies) are here
+too (`REFUSALS`, `REGISTER_BODY`, `SAFETENSORS_BODY`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from blocktrain.protocol.core.bodies import CONTENT_TYPE
 
 
 class Out(BaseModel):
@@ -167,3 +171,22 @@ class StatusOut(Out):
         description="endpoint -> reason -> requests refused since the aggregator started "
         "(in memory: refusals before authentication never reach the ledger)",
     )
+
+
+REFUSALS: dict[int | str, dict[str, Any]] = {
+    code: {"model": RefusalOut}
+    for code in (400, 401, 403, 404, 408, 409, 410, 413, 415, 416, 421, 422, 429)
+}
+REGISTER_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": False,
+        "content": {"application/json": {"schema": RegisterIn.model_json_schema()}},
+    }
+}
+
+SAFETENSORS_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}},
+    }
+}
