@@ -1,5 +1,5 @@
 """Chaos soak: a decentralised run of the tiny preset in network namespaces (the
-aggregator in one, the workers in two worker hosts; tests/protocol/test_netns.py builds them)
+aggregator in one, the workers in two worker hosts; tests/protocol/ops/test_netns.py builds them)
 with, throughout `--minutes`:
 
 - SIGKILLs of the aggregator (restarted on the same state folder and port) and of workers
@@ -37,16 +37,16 @@ from chaos_checks import check_ledger, sampled_monotonic, sampler_ce  # bench/ch
 from chaos_soak import DELAY_QUEUE, Soak, make_state  # bench/chaos_soak.py
 from report import ROOT, machine, write_json  # bench/report.py
 
-sys.path.insert(0, str(ROOT))  # the namespaces come from tests/protocol/test_netns.py
+sys.path.insert(0, str(ROOT))  # the namespaces come from tests/protocol/ops/test_netns.py
 
 import pytest
-from tests.protocol.test_netns import HERE as NETNS_HELPERS
-from tests.protocol.test_netns import build_net
+from tests.protocol.ops.test_netns import HERE as NETNS_HELPERS
+from tests.protocol.ops.test_netns import build_net
 
 from blocktrain.config import preset
 from blocktrain.data import resolve_data_path
-from blocktrain.protocol.cluster import run_cluster
-from blocktrain.protocol.storage import StateDir
+from blocktrain.protocol.ops.cluster import run_cluster
+from blocktrain.protocol.store.storage import StateDir
 
 
 def main() -> int:

@@ -9,8 +9,8 @@ from typing import Any
 
 from blocktrain.config import RunConfig
 from blocktrain.data import load_split, resolve_data_path
-from blocktrain.protocol.state import round_versions
-from blocktrain.protocol.storage import StateDir
+from blocktrain.protocol.store.state import round_versions
+from blocktrain.protocol.store.storage import StateDir
 from blocktrain.training import EvalSettings, evaluate_blocktrain
 from blocktrain.training.local import build_stack
 

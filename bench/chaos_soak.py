@@ -16,17 +16,17 @@ from typing import Any
 
 from report import ROOT  # bench/report.py
 
-sys.path.insert(0, str(ROOT))  # the namespaces come from tests/protocol/test_netns.py
+sys.path.insert(0, str(ROOT))  # the namespaces come from tests/protocol/ops/test_netns.py
 
-from tests.protocol.test_netns import Net, delay_rule, iptables, loss_rule, sh
+from tests.protocol.ops.test_netns import Net, delay_rule, iptables, loss_rule, sh
 
 from blocktrain.config import preset
 from blocktrain.data import resolve_data_path
 from blocktrain.errors import ProtocolError
-from blocktrain.protocol.cluster import Proc, start_aggregator, start_worker, stop
-from blocktrain.protocol.state import create_state
-from blocktrain.protocol.storage import StateDir
-from blocktrain.protocol.tokens import hash_token, new_token
+from blocktrain.protocol.ops.cluster import Proc, start_aggregator, start_worker, stop
+from blocktrain.protocol.store.state import create_state
+from blocktrain.protocol.store.storage import StateDir
+from blocktrain.protocol.store.tokens import hash_token, new_token
 from blocktrain.training.local import initial_blocks
 
 PORT = 18731

@@ -38,9 +38,9 @@ from typing import Any, NoReturn
 from blocktrain.config import RunConfig, apply_overrides, preset
 from blocktrain.data import resolve_data_path
 from blocktrain.errors import ProtocolError
-from blocktrain.protocol.cluster import run_cluster
-from blocktrain.protocol.rounds import participation
-from blocktrain.protocol.storage import StateDir
+from blocktrain.protocol.core.participation import participation
+from blocktrain.protocol.ops.cluster import run_cluster
+from blocktrain.protocol.store.storage import StateDir
 from blocktrain.training.local import write_assembled
 from protocol_cluster import run as blocktrain  # bench/protocol_cluster.py
 from quality import FULL  # bench/quality.py: the converged run's shape and test settings

@@ -26,9 +26,9 @@ import torch
 
 from blocktrain.config import preset
 from blocktrain.model import BlockStack
-from blocktrain.protocol.codecs import DeltaEncoder
-from blocktrain.protocol.validation import BlockSpec, Candidate, Limits, validate
-from blocktrain.protocol.wire import decode, update_body
+from blocktrain.protocol.core.bodies import decode, update_body
+from blocktrain.protocol.core.codecs import DeltaEncoder
+from blocktrain.protocol.core.validation import BlockSpec, Candidate, Limits, validate
 from report import machine, update_section, write_json
 
 NAME = "codec_cost.json"

@@ -7,7 +7,7 @@ validation, norm bound, effect probe, one vote per identity; real local training
 clock) of 6 workers at the tiny preset (2 replicas per block), regime lockstep, the same seed,
 rounds and H in every row; only `delta_wire` differs, and with it the pulls: fp16 whole versions
 for fp16, and deltas in the push codec from the view each worker holds for int8 and top-k (the
-aggregator's default `pull_wire`; protocol/pulls.py). final_sampler_ce: the final model's sampler CE (M = 16 sweeps, 16384 validation
+aggregator's default `pull_wire`; protocol/core/pulls.py). final_sampler_ce: the final model's sampler CE (M = 16 sweeps, 16384 validation
 bytes); bytes_total: every pull and push body of the run (bytes_up: the pushes alone).
 
     python bench/compression.py                       # 4 rows of 10 rounds of H = 10
@@ -29,8 +29,8 @@ import torch
 
 from blocktrain.config import apply_overrides, tiny
 from blocktrain.data import load_split
-from blocktrain.protocol.codecs import DeltaWire
-from blocktrain.protocol.settings import AggregatorSettings
+from blocktrain.protocol.core.delta_wire import DeltaWire
+from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.simulate import SimSpec, simulate
 from blocktrain.simulate.regimes import load_regime
 from report import (

@@ -46,11 +46,11 @@ from typing import Any
 
 import torch
 
-from blocktrain.protocol.cluster import Proc, start_aggregator, stop
-from blocktrain.protocol.settings import AggregatorSettings
-from blocktrain.protocol.storage import StateDir
-from blocktrain.protocol.tokens import hash_token, new_token
-from blocktrain.protocol.wire import CONTENT_TYPE, encode
+from blocktrain.protocol.core.bodies import CONTENT_TYPE, encode
+from blocktrain.protocol.core.settings import AggregatorSettings
+from blocktrain.protocol.ops.cluster import Proc, start_aggregator, stop
+from blocktrain.protocol.store.storage import StateDir
+from blocktrain.protocol.store.tokens import hash_token, new_token
 from load_http import Connection  # bench/load_http.py, beside this script
 from protocol_load_md import row, section  # beside this script: the table and its prose
 from report import RESULTS, machine, update_section, write_json  # beside this script

@@ -1,4 +1,4 @@
-"""Multi-host on one machine: runs the network-namespace test (tests/protocol/test_netns.py:
+"""Multi-host on one machine: runs the network-namespace test (tests/protocol/ops/test_netns.py:
 an aggregator and two worker hosts in their own namespaces, veth links on a bridge, a delay of
 20 ms and 1% loss on every link) and records what it measured. Needs root.
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from report import ROOT, machine, update_section, write_json  # bench/report.py
 
-COMMAND = "python -m pytest tests/protocol/test_netns.py -m network -s"
+COMMAND = "python -m pytest tests/protocol/ops/test_netns.py -m network -s"
 
 
 def main() -> None:
@@ -27,7 +27,7 @@ def main() -> None:
                 sys.executable,
                 "-m",
                 "pytest",
-                "tests/protocol/test_netns.py",
+                "tests/protocol/ops/test_netns.py",
                 "-m",
                 "network",
                 "-s",

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from blocktrain.protocol.cluster import stop
-from blocktrain.protocol.wire import CONTENT_TYPE, encode
+from blocktrain.protocol.core.bodies import CONTENT_TYPE, encode
+from blocktrain.protocol.ops.cluster import stop
 from load_http import Connection
 from protocol_load import Run, block, cpu_seconds, phase, start_fleet
 from report import RESULTS, machine

@@ -17,9 +17,9 @@ import torch
 
 from blocktrain.config import RunConfig
 from blocktrain.data import ByteSource
-from blocktrain.protocol.state import create_state
-from blocktrain.protocol.storage import StateDir
-from blocktrain.protocol.tokens import hash_token, new_token
+from blocktrain.protocol.store.state import create_state
+from blocktrain.protocol.store.storage import StateDir
+from blocktrain.protocol.store.tokens import hash_token, new_token
 from blocktrain.training import Trainer
 from blocktrain.training.flops import FlopCount, count_flops
 from blocktrain.training.local import initial_blocks

@@ -1,5 +1,5 @@
 """A WAN-shaped training run: the aggregator and 3 worker hosts in their own network
-namespaces (tests/protocol/test_netns.py builds them), each namespace's egress delayed 60 +- 20
+namespaces (tests/protocol/ops/test_netns.py builds them), each namespace's egress delayed 60 +- 20
 ms (in order: a burst's packets near 80 ms), 1% of its packets dropped. Needs root. 2 workers
 per host: 2 replicas of each of the tiny preset's 3 blocks, on two hosts (host h trains blocks
 h and h+1 mod 3), so every average crosses the WAN. Round deadline 600 s: 6 trainers sharing 2
@@ -25,17 +25,23 @@ from typing import Any
 from protocol_cluster import run as blocktrain  # bench/protocol_cluster.py
 from report import BENCHMARKS_MD, RESULTS, ROOT, cluster_state, machine, update_section
 
-sys.path.insert(0, str(ROOT))  # the namespaces come from tests/protocol/test_netns.py
+sys.path.insert(0, str(ROOT))  # the namespaces come from tests/protocol/ops/test_netns.py
 
 import pytest
-from tests.protocol.test_netns import Net, build_net, probe
+from tests.protocol.ops.test_netns import Net, build_net, probe
 
 from blocktrain.config import apply_overrides, preset
 from blocktrain.data import load_split, resolve_data_path
 from blocktrain.errors import ProtocolError
-from blocktrain.protocol.cluster import Proc, start_aggregator, start_worker, stop, worker_report
-from blocktrain.protocol.state import bytes_summary, round_versions
-from blocktrain.protocol.storage import StateDir
+from blocktrain.protocol.ops.cluster import (
+    Proc,
+    start_aggregator,
+    start_worker,
+    stop,
+    worker_report,
+)
+from blocktrain.protocol.store.state import bytes_summary, round_versions
+from blocktrain.protocol.store.storage import StateDir
 from blocktrain.training import EvalSettings, evaluate_blocktrain
 from blocktrain.training.local import build_stack, write_assembled
 

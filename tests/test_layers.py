@@ -1,10 +1,12 @@
 """The import layers of docs/architecture.md, enforced: every module's imports (those inside
 functions included) are parsed with `ast`, and an import that the layer table does not allow
-fails with the file, the line and the rule."""
+fails with the file, the line and the rule. protocol/ is checked room by room (core, store,
+service, http, worker, ops), and each room's `__init__.py` must list exactly its modules."""
 
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +19,13 @@ PACKAGE = "blocktrain"
 BASE = frozenset(
     {"config", "device", "errors", "fsutil", "httpserve", "runtime", "tensorwire", "tls"}
 )
+# protocol/'s rooms, bottom to top; a module of protocol/ is in the part "protocol.ROOM".
+ROOMS = ("core", "store", "service", "http", "worker", "ops")
+CORE = "protocol.core"
+PROTOCOL = frozenset({"protocol", *(f"protocol.{room}" for room in ROOMS)})
 # What each part of the package may import from the package, besides itself. "blocktrain" is the
-# package's __init__.py, the public facade. Bottom to top, as docs/architecture.md draws them.
+# package's __init__.py, the public facade; "protocol" is protocol/__init__.py. Bottom to top, as
+# docs/architecture.md draws them.
 ALLOWED: dict[str, frozenset[str]] = {
     "errors": frozenset(),
     "runtime": frozenset(),
@@ -32,18 +39,38 @@ ALLOWED: dict[str, frozenset[str]] = {
     "model": frozenset({"config"}),
     "training": BASE | {"data", "model"},
     "protocol": BASE,
-    "simulate": BASE | {"data", "model", "training", "protocol"},
+    "protocol.core": BASE,
+    "protocol.store": BASE | {CORE},
+    "protocol.service": BASE | {CORE, "protocol.store"},
+    "protocol.http": BASE | {CORE, "protocol.store", "protocol.service"},
+    "protocol.worker": BASE | {CORE},
+    "protocol.ops": BASE | PROTOCOL,
+    "simulate": BASE | {"data", "model", "training", CORE},
     "serving": BASE | {"data", "model", "training"},
     "blocktrain": BASE | {"data", "model", "training"},
-    "cli": BASE | {"data", "model", "training", "protocol", "simulate", "serving", "blocktrain"},
+    "cli": BASE | PROTOCOL | {"data", "model", "training", "simulate", "serving", "blocktrain"},
 }
 PARTS = frozenset(ALLOWED)
 RULES = {
     "model": "model/ is pure math: it imports only torch, the standard library and config",
-    "protocol": "protocol/ moves tensors as payload: it never imports model/, training/ or data/",
+    "protocol": "protocol/'s modules live in its rooms; its __init__.py imports none of them",
+    "protocol.core": "protocol/core/ is the round logic: it imports nothing of protocol/ outside "
+    "core/, and of third-party packages only torch",
+    "protocol.store": "protocol/store/ (state folder, ledger) imports only core/ of protocol/",
+    "protocol.service": "protocol/service/ (the engine on the wall clock) imports only core/ and "
+    "store/ of protocol/, and no web framework",
+    "protocol.http": "protocol/http/ (the FastAPI app) imports core/, store/ and service/ of "
+    "protocol/, not worker/ or ops/",
+    "protocol.worker": "protocol/worker/ (client, loop, doctor) imports only core/ of protocol/",
+    "simulate": "simulate/ drives the round logic itself: of protocol/ it imports only "
+    "protocol.core",
 }
-# model/ runs anywhere torch does: no third-party package but torch.
-MODEL_THIRD_PARTY = frozenset({"torch"})
+# model/ and protocol/core/ run anywhere torch does: no third-party package but torch.
+TORCH_ONLY = frozenset({"model", CORE})
+TORCH = frozenset({"torch"})
+# The web framework stays in protocol/http/ (uvicorn runs through httpserve, a bottom part).
+WEB = frozenset({"fastapi", "starlette", "pydantic", "uvicorn"})
+WEB_FREE = PROTOCOL - {"protocol.http", "protocol.ops"}
 # Names that come from the facade without its imports: package metadata.
 METADATA = frozenset({"__version__"})
 
@@ -67,8 +94,11 @@ class Violation:
 
 def part_of(module: str) -> str:
     """The part a dotted module of the package belongs to: blocktrain.training.loss -> training,
-    blocktrain -> blocktrain (the facade)."""
+    blocktrain -> blocktrain (the facade), blocktrain.protocol.core.rounds -> protocol.core,
+    blocktrain.protocol -> protocol (its __init__.py, or a module outside the rooms)."""
     pieces = module.split(".")
+    if len(pieces) > 2 and pieces[1] == "protocol" and pieces[2] in ROOMS:
+        return f"protocol.{pieces[2]}"
     return pieces[1] if len(pieces) > 1 else PACKAGE
 
 
@@ -98,6 +128,11 @@ def imported_modules(tree: ast.AST, module: str, is_package: bool) -> list[tuple
                         found.append((node.lineno, f"{PACKAGE}.{alias.name}"))
                     elif alias.name not in METADATA:
                         found.append((node.lineno, PACKAGE))
+            elif target == f"{PACKAGE}.protocol":  # from blocktrain.protocol import core
+                found += [
+                    (node.lineno, f"{target}.{alias.name}" if alias.name in ROOMS else target)
+                    for alias in node.names
+                ]
             else:
                 found.append((node.lineno, target))
     return found
@@ -115,23 +150,73 @@ def check_source(
             other = part_of(target)
             if other != part and other not in ALLOWED[part]:
                 out.append(Violation(file, line, part, target, rule_for(part)))
-        elif part == "model" and top not in MODEL_THIRD_PARTY | sys.stdlib_module_names:
-            out.append(Violation(file, line, part, target, RULES["model"]))
+        elif part in TORCH_ONLY and top not in TORCH | sys.stdlib_module_names:
+            out.append(Violation(file, line, part, target, RULES[part]))
+        elif part in WEB_FREE and top in WEB:
+            out.append(Violation(file, line, part, target, f"{part} imports no web framework"))
     return out
 
 
-def package_violations() -> tuple[list[Violation], set[str]]:
-    """The violations in the package's source, and the modules checked."""
+def package_violations(src: Path = SRC) -> tuple[list[Violation], set[str]]:
+    """The violations in the package's source below `src`, and the modules checked."""
     out: list[Violation] = []
     modules: set[str] = set()
-    for path in sorted((SRC / PACKAGE).rglob("*.py")):
-        rel = path.relative_to(SRC).with_suffix("")
+    for path in sorted((src / PACKAGE).rglob("*.py")):
+        rel = path.relative_to(src).with_suffix("")
         is_package = rel.name == "__init__"
         module = ".".join(rel.parts[:-1] if is_package else rel.parts)
-        file = str(path.relative_to(SRC.parent))
+        file = str(path.relative_to(src.parent))
         out += check_source(path.read_text(), module, file, is_package=is_package)
         modules.add(module)
     return out, modules
+
+
+LISTED = re.compile(r"^    ([A-Za-z_]\w*)(/?) {2,}\S", re.M)
+
+
+def listed(init: Path) -> list[tuple[str, bool]]:
+    """What a package's `__init__.py` docstring lists, one line each: `    NAME  what it is`
+    (a module), or `    NAME/  what it holds` (a subpackage); (name, is a folder) in order."""
+    doc = ast.get_docstring(ast.parse(init.read_text(), str(init)), clean=False) or ""
+    return [(m.group(1), bool(m.group(2))) for m in LISTED.finditer(doc)]
+
+
+def room_problems(room: Path) -> list[str]:
+    """How a room's module list differs from its files: a module left out, one listed that is
+    not there, one listed twice, or a subfolder (a room holds modules only)."""
+    name = f"{room.parent.name}/{room.name}"
+    if not (room / "__init__.py").is_file():
+        return [f"{name} has no __init__.py"]
+    entries = listed(room / "__init__.py")
+    names = [n for n, _ in entries]
+    files = {p.stem for p in room.glob("*.py")} - {"__init__"}
+    out = [f"{name}/__init__.py does not list {m}" for m in sorted(files - set(names))]
+    out += [f"{name}/__init__.py lists {m}, which is not there" for m in sorted(set(names) - files)]
+    out += [
+        f"{name}/__init__.py lists {m} twice"
+        for m in sorted({n for n in names if names.count(n) > 1})
+    ]
+    out += [f"{name}/__init__.py lists {n}/: a room holds modules only" for n, d in entries if d]
+    out += [
+        f"{name}/{p.name}/ is a folder inside a room"
+        for p in sorted(room.iterdir())
+        if p.is_dir() and p.name != "__pycache__"
+    ]
+    return out
+
+
+def unroomed(protocol: Path) -> list[str]:
+    """What stands in protocol/ outside its rooms: a module beside __init__.py, a folder that is
+    not a room, a room missing, and rooms its __init__.py does not list in order."""
+    modules = sorted(p.name for p in protocol.glob("*.py") if p.name != "__init__.py")
+    out = [f"protocol/{m} is outside the rooms" for m in modules]
+    folders = {p.name for p in protocol.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    out += [f"protocol/{f}/ is not a room of {ROOMS}" for f in sorted(folders - set(ROOMS))]
+    out += [f"protocol/{r}/ is missing" for r in ROOMS if r not in folders]
+    rooms = [n for n, folder in listed(protocol / "__init__.py") if folder]
+    if rooms != list(ROOMS):
+        out.append(f"protocol/__init__.py lists the rooms {rooms}, not {list(ROOMS)}")
+    return out
 
 
 def test_every_part_is_in_the_layer_table():
@@ -149,6 +234,12 @@ def test_no_lower_layer_imports_a_higher_one():
     assert not stale, f"KNOWN lists imports that are gone; remove them: {sorted(stale)}"
 
 
+def test_every_protocol_module_lives_in_a_listed_room():
+    protocol = SRC / PACKAGE / "protocol"
+    problems = unroomed(protocol) + [p for r in ROOMS for p in room_problems(protocol / r)]
+    assert not problems, "protocol/'s rooms (docs/architecture.md):\n" + "\n".join(problems)
+
+
 FAKE_MODEL = """
 import math
 import torch
@@ -158,7 +249,7 @@ from blocktrain import config, Trainer, __version__
 
 
 def helper():
-    from blocktrain.protocol.wire import decode  # inside a function: still an import
+    from blocktrain.protocol.core.bodies import decode  # inside a function: still an import
     from ..training import loss
     return decode, loss
 """
@@ -170,11 +261,11 @@ def test_the_checker_catches_a_synthetic_violation():
     assert got == [
         (4, "httpx"),
         (6, PACKAGE),  # Trainer comes from the facade, which imports training/
-        (10, "blocktrain.protocol.wire"),
+        (10, "blocktrain.protocol.core.bodies"),
         (11, "blocktrain.training"),
     ], got
     assert str(found[2]) == (
-        "model/fake.py:10: model imports blocktrain.protocol.wire: " + RULES["model"]
+        "model/fake.py:10: model imports blocktrain.protocol.core.bodies: " + RULES["model"]
     )
 
 
@@ -184,15 +275,174 @@ def test_the_checker_catches_a_synthetic_violation():
         ("blocktrain.protocol.fake", "from blocktrain.model import Block", True),
         ("blocktrain.protocol.fake", "from blocktrain.training.step import stream_seed", True),
         ("blocktrain.protocol.fake", "from blocktrain.errors import ProtocolError", False),
-        ("blocktrain.training.fake", "import blocktrain.protocol.settings", True),
+        ("blocktrain.training.fake", "import blocktrain.protocol.core.settings", True),
         ("blocktrain.training.fake", "from blocktrain.model import Block", False),
         ("blocktrain.serving.fake", "from blocktrain.simulate import engine", True),
         ("blocktrain.data.fake", "from blocktrain import model", True),
         ("blocktrain.cli.fake", "from blocktrain.simulate import engine", False),
-        ("blocktrain.protocol", "from . import wire", False),  # a package's own submodule
-        ("blocktrain.protocol.fake", "from .. import cli", True),
+        ("blocktrain.protocol.core", "from . import rounds", False),  # a package's own module
+        ("blocktrain.protocol.core.fake", "from .. import cli", True),
     ],
 )
 def test_the_checker_on_single_imports(module, source, bad):
-    found = check_source(source, module, "fake.py", is_package=module == "blocktrain.protocol")
+    found = check_source(source, module, "fake.py", is_package=module in PACKAGES)
     assert bool(found) == bad, found
+
+
+PACKAGES = {"blocktrain.protocol", *(f"blocktrain.protocol.{room}" for room in ROOMS)}
+# One row per rule of the rooms (docs/architecture.md, "protocol/ in rooms"): what each room may
+# import of protocol/ and what it may not, relative imports included, and the third-party rules.
+ROOM_CASES = [
+    # core imports nothing of protocol/ outside core/, and of third-party packages only torch
+    ("core.fake", "from blocktrain.protocol.core.verdict import Verdict", False),
+    ("core.fake", "from . import rounds", False),
+    ("core.fake", "import torch", False),
+    ("core.fake", "from blocktrain.protocol.store.ledger import Ledger", True),
+    ("core.fake", "from ..store import ledger", True),
+    ("core.fake", "from blocktrain.protocol import service", True),
+    ("core.fake", "from blocktrain.protocol.http.app import create_app", True),
+    ("core.fake", "from blocktrain.protocol.worker.client import AggregatorClient", True),
+    ("core.fake", "import blocktrain.protocol.ops.cluster", True),
+    ("core.fake", "import blocktrain.protocol", True),  # the package itself is no room
+    ("core.fake", "import httpx", True),
+    ("core.fake", "import safetensors", True),
+    # store imports core
+    ("store.fake", "from blocktrain.protocol.core.settings import AggregatorSettings", False),
+    ("store.fake", "from ..core import codecs", False),
+    ("store.fake", "from blocktrain.protocol.service.identity import Caller", True),
+    ("store.fake", "from blocktrain.protocol.http import status", True),
+    ("store.fake", "from blocktrain.protocol.worker import loop", True),
+    ("store.fake", "import pydantic", True),
+    # service imports store and core, and no web framework
+    ("service.fake", "from blocktrain.protocol.store.ledger import Ledger", False),
+    ("service.fake", "from blocktrain.protocol.core.events import Checked", False),
+    ("service.fake", "from blocktrain.protocol.http.dependencies import tag", True),
+    ("service.fake", "from blocktrain.protocol.worker.client import AggregatorClient", True),
+    ("service.fake", "from blocktrain.protocol.ops import cluster", True),
+    ("service.fake", "from fastapi import FastAPI", True),
+    ("service.fake", "from starlette.requests import Request", True),
+    # http imports core, store and service
+    ("http.fake", "from blocktrain.protocol.core.bodies import encode", False),
+    ("http.fake", "from blocktrain.protocol.store.storage import StateDir", False),
+    ("http.fake", "from blocktrain.protocol.service import aggregator_service", False),
+    ("http.fake", "from fastapi import FastAPI", False),
+    ("http.fake", "from blocktrain.protocol.worker.client import AggregatorClient", True),
+    ("http.fake", "from ..ops import report", True),
+    # worker imports core
+    ("worker.fake", "from blocktrain.protocol.core.pulls import View", False),
+    ("worker.fake", "import httpx", False),
+    ("worker.fake", "from blocktrain.protocol.store.storage import StateDir", True),
+    ("worker.fake", "from blocktrain.protocol.service.updates import PushContext", True),
+    ("worker.fake", "from blocktrain.protocol.http.messages import RegisterOut", True),
+    ("worker.fake", "import pydantic", True),
+    # ops may import every room and the bottom, nothing else of the package
+    ("ops.fake", "from blocktrain.protocol.worker.client import AggregatorClient", False),
+    ("ops.fake", "from blocktrain.protocol.http.app import create_app", False),
+    ("ops.fake", "from blocktrain.protocol.store import history", False),
+    ("ops.fake", "from blocktrain.training.local import initial_blocks", True),
+    # the package's __init__.py lists the rooms and imports none of them
+    ("", "from blocktrain.protocol.core import verdict", True),
+]
+SIMULATE_CASES = [
+    ("from blocktrain.protocol.core.round_engine import RoundEngine", False),
+    ("from blocktrain.protocol.core import codecs", False),
+    ("from blocktrain.protocol import core", False),
+    ("from blocktrain.protocol.store.state import create_state", True),
+    ("from blocktrain.protocol.service.aggregator_service import AggregatorService", True),
+    ("from blocktrain.protocol.worker.loop import WorkerLoop", True),
+    ("from blocktrain.protocol.http import app", True),
+    ("from blocktrain.protocol import ops", True),
+]
+
+
+@pytest.mark.parametrize(("room", "source", "bad"), ROOM_CASES)
+def test_the_checker_on_each_rule_of_the_rooms(room, source, bad):
+    module = f"blocktrain.protocol.{room}".rstrip(".")
+    found = check_source(source, module, "fake.py", is_package=module in PACKAGES)
+    assert bool(found) == bad, found
+
+
+@pytest.mark.parametrize(("source", "bad"), SIMULATE_CASES)
+def test_the_checker_on_what_simulate_takes_of_the_protocol(source, bad):
+    found = check_source(source, "blocktrain.simulate.fake", "simulate/fake.py")
+    assert bool(found) == bad, found
+    assert all(RULES["simulate"] in str(v) for v in found), found
+
+
+def write_tree(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def docstring(*lines: str) -> str:
+    """A package docstring listing `lines`, one indented line each, between prose."""
+    body = "\n".join(f"    {line}" for line in lines)
+    return f'"""A room.\n\n{body}\n\nIts rule.\n"""\n'
+
+
+def test_the_room_list_check_catches_a_module_left_out_a_ghost_and_a_folder(tmp_path):
+    room = write_tree(
+        tmp_path / "protocol" / "core",
+        {
+            "__init__.py": docstring("a      the first", "ghost  gone", "a      again"),
+            "a.py": "",
+            "b.py": "",
+            "deeper/__init__.py": "",
+        },
+    )
+    assert room_problems(room) == [
+        "protocol/core/__init__.py does not list b",
+        "protocol/core/__init__.py lists ghost, which is not there",
+        "protocol/core/__init__.py lists a twice",
+        "protocol/core/deeper/ is a folder inside a room",
+    ]
+    (room / "__init__.py").write_text(docstring("a  the first", "b  the second"))
+    (room / "deeper" / "__init__.py").unlink()
+    (room / "deeper").rmdir()
+    assert room_problems(room) == []
+
+
+def test_the_room_check_catches_a_module_outside_the_rooms(tmp_path):
+    files = {"__init__.py": docstring(*(f"{r}/  the {r} room" for r in ROOMS))}
+    files |= {f"{r}/__init__.py": docstring() for r in ROOMS}
+    protocol = write_tree(tmp_path / "protocol", files)
+    assert unroomed(protocol) == []
+    write_tree(protocol, {"stray.py": "", "attic/__init__.py": ""})
+    (protocol / "ops" / "__init__.py").unlink()
+    (protocol / "ops").rmdir()
+    assert unroomed(protocol) == [
+        "protocol/stray.py is outside the rooms",
+        f"protocol/attic/ is not a room of {ROOMS}",
+        "protocol/ops/ is missing",
+    ]
+    backwards = [f"{r}/  the {r} room" for r in reversed(ROOMS)]
+    (protocol / "__init__.py").write_text(docstring(*backwards))
+    assert unroomed(protocol)[-1] == (
+        f"protocol/__init__.py lists the rooms {list(reversed(ROOMS))}, not {list(ROOMS)}"
+    )
+
+
+def test_the_package_walk_names_each_room_module_by_its_room(tmp_path):
+    """The whole check over a synthetic tree: a core module importing store, a store module
+    importing service, the simulator importing the worker loop, each found with its file."""
+    src = write_tree(
+        tmp_path / "src",
+        {
+            "blocktrain/__init__.py": "",
+            "blocktrain/protocol/__init__.py": "",
+            "blocktrain/protocol/core/__init__.py": "",
+            "blocktrain/protocol/core/x.py": "from ..store import ledger\n",
+            "blocktrain/protocol/store/y.py": "from blocktrain.protocol.service import z\n",
+            "blocktrain/protocol/service/z.py": "from blocktrain.protocol.store import y\n",
+            "blocktrain/simulate/w.py": "import blocktrain.protocol.worker.loop\n",
+        },
+    )
+    found, modules = package_violations(src)
+    assert {"blocktrain.protocol.core", "blocktrain.protocol.core.x"} <= modules, modules
+    assert [(v.file, v.part, v.imported) for v in found] == [
+        ("src/blocktrain/protocol/core/x.py", "protocol.core", "blocktrain.protocol.store"),
+        ("src/blocktrain/protocol/store/y.py", "protocol.store", "blocktrain.protocol.service"),
+        ("src/blocktrain/simulate/w.py", "simulate", "blocktrain.protocol.worker.loop"),
+    ]

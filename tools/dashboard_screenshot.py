@@ -18,9 +18,9 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 
 from blocktrain.httpserve import ThreadedServer, bind
-from blocktrain.protocol.aggregator import create_app
-from blocktrain.protocol.storage import StateDir
-from blocktrain.protocol.tokens import hash_token, new_token
+from blocktrain.protocol.http.app import create_app
+from blocktrain.protocol.store.storage import StateDir
+from blocktrain.protocol.store.tokens import hash_token, new_token
 
 
 def main() -> None:

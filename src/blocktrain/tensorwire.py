@@ -1,6 +1,6 @@
 """Tensors in an HTTP body, read safely: one safetensors file, nothing else. The aggregator's
-protocol and the serving chain both build their messages on this (protocol/wire.py with string
-metadata, serving/wire.py with a JSON header); one parser, one error, one media type.
+protocol and the serving chain both build their messages on this (protocol/core/bodies.py with
+string metadata, serving/wire.py with a JSON header); one parser, one error, one media type.
 
 Bodies are parsed here, with safetensors' own checks (the header, the offsets, and that the data
 covers the body exactly), from a view of the body, so that a pushed delta is never copied after
@@ -111,7 +111,7 @@ def decode(body: Body, *, max_bytes: int | None = None) -> Decoded:
     """Parse a safetensors body, refusing (WireError) anything oversized, pickled or malformed.
 
     The checks are safetensors' own (`read_metadata` and `Metadata::validate` in its Rust
-    source; `tests/protocol/test_tensorwire_parse.py` holds it to safetensors' verdicts): the header
+    source; `tests/protocol/core/test_tensorwire_parse.py` holds it to safetensors' verdicts): the header
     length within the body and at most 100 MB, the header UTF-8 JSON with string metadata, each
     tensor a known dtype, a shape of unsigned integers and `data_offsets` [begin, end] that, in
     order, tile the data from 0 to the body's end with exactly the bytes the shape needs. The

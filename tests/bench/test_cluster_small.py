@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from blocktrain.protocol.storage import StateDir
+from blocktrain.protocol.store.storage import StateDir
 
 pytestmark = pytest.mark.slow
 

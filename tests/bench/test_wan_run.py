@@ -1,6 +1,6 @@
 """bench/wan_run.py end to end at a tiny setting: 3 host namespaces with delay, jitter and loss,
 2 rounds, the per-round CE and bytes, both ends' byte counts, the final CE against a
-single-process run. Needs root (skips otherwise), like tests/protocol/test_netns.py."""
+single-process run. Needs root (skips otherwise), like tests/protocol/ops/test_netns.py."""
 
 from __future__ import annotations
 

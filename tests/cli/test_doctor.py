@@ -13,8 +13,8 @@ from fastapi import FastAPI
 
 from blocktrain.cli.main import main
 from blocktrain.httpserve import ThreadedServer, bind
-from blocktrain.protocol.aggregator import create_app
-from blocktrain.protocol.doctor import diagnose
+from blocktrain.protocol.http.app import create_app
+from blocktrain.protocol.worker.doctor import diagnose
 from blocktrain.tls import self_signed
 from tests.conftest import micro_config
 from tests.protocol.conftest import add_token, make_state, run_state

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 
 from blocktrain.cli.main import build_parser
 from blocktrain.cli.status import render
-from blocktrain.protocol.aggregator import create_app
+from blocktrain.protocol.http.app import create_app
 from tests.protocol.conftest import FakeClock, add_token, auth, make_state
 
 

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from blocktrain.cli.main import main
-from blocktrain.protocol.storage import StateDir
-from blocktrain.protocol.tokens import hash_token
+from blocktrain.protocol.store.storage import StateDir
+from blocktrain.protocol.store.tokens import hash_token
 from tests.conftest import micro_config
 from tests.protocol.conftest import run_state
 
@@ -160,7 +160,7 @@ def test_aggregator_serves_on_a_socket_that_says_tcp(tmp_path, capsys, monkeypat
 
 
 def test_settings_flags_are_derived_from_the_declarations(capsys):
-    from blocktrain.protocol.settings import declared
+    from blocktrain.protocol.core.settings import declared
 
     for cmd, simulated_only in (("aggregator", False), ("cluster", False), ("simulate", True)):
         with pytest.raises(SystemExit):
@@ -182,7 +182,7 @@ def test_a_failed_first_start_leaves_nothing_and_the_corrected_one_starts(
     import uvicorn
 
     from blocktrain.errors import ConfigError
-    from blocktrain.protocol import aggregator as app_module
+    from blocktrain.protocol.http import app as app_module
 
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets: None)
     monkeypatch.setattr(signal, "signal", lambda *_: None)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from blocktrain.cli.main import main
-from blocktrain.protocol.history import load
+from blocktrain.protocol.store.history import load
 from tests.cli.test_cli import TINY, fails_cleanly
 from tests.protocol.conftest import delta_body, make_harness
 

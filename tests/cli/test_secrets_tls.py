@@ -8,8 +8,9 @@ import pytest
 from blocktrain.cli.main import main
 from blocktrain.errors import ConfigError, Unreachable
 from blocktrain.httpserve import ThreadedServer, bind
-from blocktrain.protocol.aggregator import create_app
-from blocktrain.protocol.client import AggregatorClient, RetryPolicy
+from blocktrain.protocol.http.app import create_app
+from blocktrain.protocol.worker.client import AggregatorClient
+from blocktrain.protocol.worker.retrying import RetryPolicy
 from blocktrain.tls import TlsFiles, tls_pair
 from tests.protocol.conftest import FakeClock, add_token, make_state
 

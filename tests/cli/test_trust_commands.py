@@ -7,8 +7,8 @@ import json
 import os
 
 from blocktrain.cli.main import main
-from blocktrain.protocol.storage import StateDir
-from blocktrain.protocol.tokens import hash_token
+from blocktrain.protocol.store.storage import StateDir
+from blocktrain.protocol.store.tokens import hash_token
 from tests.protocol.conftest import delta_body, make_harness, make_state
 
 from .test_cli import fails_cleanly

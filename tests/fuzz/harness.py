@@ -34,8 +34,8 @@ from schemathesis.core.failures import FailureGroup
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
 from blocktrain.data import load_split
-from blocktrain.protocol.aggregator import create_app as create_aggregator_app
-from blocktrain.protocol.tokens import new_token
+from blocktrain.protocol.http.app import create_app as create_aggregator_app
+from blocktrain.protocol.store.tokens import new_token
 from blocktrain.serving import (
     HostSettings,
     ModelSource,

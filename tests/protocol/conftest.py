@@ -11,12 +11,12 @@ import torch
 from fastapi.testclient import TestClient
 
 from blocktrain.config import RunConfig
-from blocktrain.protocol.aggregator import create_app
-from blocktrain.protocol.settings import AggregatorSettings
-from blocktrain.protocol.state import create_state
-from blocktrain.protocol.storage import StateDir
-from blocktrain.protocol.tokens import hash_token, new_token
-from blocktrain.protocol.wire import encode
+from blocktrain.protocol.core.bodies import encode
+from blocktrain.protocol.core.settings import AggregatorSettings
+from blocktrain.protocol.http.app import create_app
+from blocktrain.protocol.store.state import create_state
+from blocktrain.protocol.store.storage import StateDir
+from blocktrain.protocol.store.tokens import hash_token, new_token
 from blocktrain.training.local import initial_blocks
 
 T0 = 1_000_000.0

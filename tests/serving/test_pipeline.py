@@ -7,7 +7,8 @@ import torch
 
 from blocktrain.config import ModelConfig
 from blocktrain.model import init_reference
-from blocktrain.model.pipeline import KVCache, ReferenceStage, split_reference, stage_layers
+from blocktrain.model.cached import KVCache
+from blocktrain.model.pipeline import ReferenceStage, split_reference, stage_layers
 
 CFG = ModelConfig(d_model=32, n_heads=2, layers=6, blocks=3, seq_len=16, span=2)
 

@@ -12,7 +12,7 @@ import torch
 from blocktrain.config import RunConfig, apply_overrides
 from blocktrain.data import load_split
 from blocktrain.errors import ConfigError
-from blocktrain.protocol.settings import AggregatorSettings
+from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.simulate import (
     REGIMES,
     Dist,
@@ -203,7 +203,7 @@ class MissingTrainer(TimingOnlyTrainer):
 
 
 def test_the_schedule_follows_committed_versions_as_a_worker_s_does() -> None:
-    """As `protocol.worker.WorkerLoop` (tests/protocol/test_worker.py): a virtual worker trains
+    """As `protocol.worker.loop.WorkerLoop` (tests/protocol/worker/test_worker.py): a virtual worker trains
     from step version x H, so a round that commits nothing (every update refused) does not
     advance the learning-rate schedule; it used to be round x H."""
     initial = {0: {"w": torch.zeros(4, 4), "b": torch.zeros(4)}}

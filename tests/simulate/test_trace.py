@@ -1,6 +1,6 @@
 """Persistence of the round engine's events. The simulator and the service drive the same
-`protocol.core.RoundEngine`, so their decisions cannot differ; what the service adds is the
-ledger and the state folder. Replayed with a random trace (on time, late, stale, future,
+`protocol.core.round_engine.RoundEngine`, so their decisions cannot differ; what the service adds
+is the ledger and the state folder. Replayed with a random trace (on time, late, stale, future,
 duplicated and malformed updates, ticks), every commit the engine makes must be in the ledger
 and on disk, and a service restarted halfway must resume the same round state and weights."""
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from blocktrain.errors import Refused
-from blocktrain.protocol.core import Committed
-from blocktrain.protocol.service import AggregatorService, open_service
-from blocktrain.protocol.storage import StateDir
+from blocktrain.protocol.core.events import Committed
+from blocktrain.protocol.service.aggregator_service import AggregatorService, open_service
+from blocktrain.protocol.store.storage import StateDir
 from tests.protocol.conftest import SETTINGS, T0, FakeClock, add_token, block_tensors, delta_body
 
 Event = tuple[str, float, int, dict]

@@ -11,7 +11,7 @@ from blocktrain.config import ModelConfig, RunConfig, TrainConfig
 from blocktrain.data import ByteCorpus
 from blocktrain.errors import CheckpointError, ProtocolError
 from blocktrain.model import init_block
-from blocktrain.protocol.settings import delta_norm_bound, token_bound
+from blocktrain.protocol.core.bounds import delta_norm_bound, token_bound
 from blocktrain.training import EvalSettings, evaluate_blocktrain, load_model
 from blocktrain.training.local import LocalBlockTrainer, build_stack, write_assembled
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from blocktrain.data import ByteCorpus
-from blocktrain.protocol.effect import Effect, judge_effect
+from blocktrain.protocol.core.effect import Effect, judge_effect
 from blocktrain.training.local import LocalBlockTrainer, initial_blocks
 from blocktrain.training.probe import BlockProbe
 from tests.conftest import micro_config

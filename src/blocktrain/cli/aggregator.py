@@ -44,11 +44,12 @@ from blocktrain.config import RunConfig, parse_blocks
 from blocktrain.data import ByteSource, load_split
 from blocktrain.errors import ConfigError, DataError
 from blocktrain.httpserve import Limits, bind, url_of
-from blocktrain.protocol.directory import Directory, parse_peer, placed
-from blocktrain.protocol.limits import JSON_BODY_BYTES, AccessLimits
-from blocktrain.protocol.settings import AggregatorSettings, derived_settings
-from blocktrain.protocol.state import create_state, largest_block, run_unit
-from blocktrain.protocol.storage import StateDir
+from blocktrain.protocol.core.bounds import derived_settings, largest_block
+from blocktrain.protocol.core.settings import AggregatorSettings
+from blocktrain.protocol.service.access import JSON_BODY_BYTES, AccessLimits
+from blocktrain.protocol.service.placement import Directory, parse_peer, placed
+from blocktrain.protocol.store.state import create_state, run_unit
+from blocktrain.protocol.store.storage import StateDir
 from blocktrain.tls import tls_pair
 from blocktrain.training.local import initial_units, reference_config
 from blocktrain.training.probe import BlockProbe
@@ -168,7 +169,7 @@ def prepare_state(
     args: argparse.Namespace, ready: Callable[[AggregatorSettings], None] | None = None
 ) -> tuple[StateDir, AggregatorSettings, Directory]:
     """The state folder (created from --preset, or resumed with the settings' overrides) and
-    the directory of its blocks (`directory.placed`: --blocks and --peer checked against the
+    the directory of its blocks (`placement.placed`: --blocks and --peer checked against the
     saved ones before anything is written). `ready(settings)`, when given, runs after every
     check and before the first write, with the settings the aggregator will serve: what it
     raises leaves the folder as it was."""
@@ -271,7 +272,7 @@ def _remove_new(root: Path, before: set[str] | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from blocktrain.httpserve import run as serve
-    from blocktrain.protocol.aggregator import create_app
+    from blocktrain.protocol.http.app import create_app
 
     tls = tls_pair(args.tls_cert, args.tls_key)
     limits = access_limits(args)  # a clear error before the state is touched

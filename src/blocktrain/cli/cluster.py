@@ -38,9 +38,9 @@ from blocktrain.data import load_split, resolve_data_path
 from blocktrain.errors import ConfigError
 from blocktrain.fsutil import atomic_write_bytes
 from blocktrain.model import init_reference
-from blocktrain.protocol.cluster import run_cluster
-from blocktrain.protocol.state import bytes_summary, create_state, round_versions
-from blocktrain.protocol.tokens import hash_token, new_token
+from blocktrain.protocol.ops.cluster import run_cluster
+from blocktrain.protocol.store.state import bytes_summary, create_state, round_versions
+from blocktrain.protocol.store.tokens import hash_token, new_token
 from blocktrain.training import EvalSettings, evaluate_blocktrain, evaluate_reference
 from blocktrain.training import checkpoint as ckpt
 from blocktrain.training.local import (

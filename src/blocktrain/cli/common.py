@@ -24,7 +24,7 @@ from blocktrain.model.sampler import (
     SAMPLERS,
     sampler_for,
 )
-from blocktrain.protocol.settings import AggregatorSettings, declared, default_text
+from blocktrain.protocol.core.settings import AggregatorSettings, declared, default_text
 from blocktrain.training.checkpoint import RunInfo
 
 TOKEN_ENV = "BLOCKTRAIN_TOKEN"
@@ -120,7 +120,7 @@ def add_unit_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def unit_of(args: argparse.Namespace) -> str:
-    """The unit a new decentralised run's workers train (protocol.state.UNITS)."""
+    """The unit a new decentralised run's workers train (protocol.core.local_trainer.UNITS)."""
     return "reference" if getattr(args, "reference", False) else "block"
 
 

@@ -1,6 +1,6 @@
 """`blocktrain doctor`: why this machine cannot train for an aggregator. One line per check:
-URL, DNS, TCP, TLS, HTTP, version, token and clock (`protocol.doctor`); exit code 0 when every
-check passed, 1 when one failed."""
+URL, DNS, TCP, TLS, HTTP, version, token and clock (`protocol.worker.doctor`); exit code 0 when
+every check passed, 1 when one failed."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import argparse
 
 from blocktrain.cli.common import Formatter, add_ca_arg, add_token_args, checked_ca, resolve_token
 from blocktrain.errors import ConfigError
-from blocktrain.protocol.doctor import Check, diagnose
+from blocktrain.protocol.worker.doctor import Check, diagnose
 
 EXAMPLES = """examples:
   blocktrain doctor http://10.0.0.5:8470 --token-file ~/.blocktrain-token

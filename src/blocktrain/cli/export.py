@@ -11,7 +11,7 @@ from pathlib import Path
 
 from blocktrain.cli.common import Formatter
 from blocktrain.errors import ConfigError
-from blocktrain.protocol.state import read_committed
+from blocktrain.protocol.store.state import read_committed
 from blocktrain.training import checkpoint as ckpt
 from blocktrain.training import hub
 from blocktrain.training.local import (

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from blocktrain.cli.common import Formatter
 from blocktrain.errors import ConfigError
-from blocktrain.protocol.history import load
-from blocktrain.protocol.report import write_report
+from blocktrain.protocol.ops.report import write_report
+from blocktrain.protocol.store.history import load
 
 EXAMPLES = """examples:
   blocktrain report state/ --out report/          # an aggregator's state folder

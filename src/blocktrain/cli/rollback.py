@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 from blocktrain.cli.common import Formatter, print_json
-from blocktrain.protocol.recovery import rollback
-from blocktrain.protocol.storage import StateDir
+from blocktrain.protocol.store.recovery import rollback
+from blocktrain.protocol.store.storage import StateDir
 
 EXAMPLES = """examples:
   blocktrain rollback runs/agg --block 0 --to-version 12

@@ -15,7 +15,8 @@ from blocktrain.cli.common import (
     resolve_token,
 )
 from blocktrain.errors import ConfigError
-from blocktrain.protocol.client import AggregatorClient, RetryPolicy
+from blocktrain.protocol.worker.client import AggregatorClient
+from blocktrain.protocol.worker.retrying import RetryPolicy
 
 EXAMPLES = """examples:
   blocktrain status http://127.0.0.1:8470 --token-file token.txt

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from blocktrain.cli.common import Formatter, print_json
 from blocktrain.errors import ConfigError
-from blocktrain.protocol.storage import StateDir
-from blocktrain.protocol.tokens import hash_token, new_token
+from blocktrain.protocol.store.storage import StateDir
+from blocktrain.protocol.store.tokens import hash_token, new_token
 
 EXAMPLES = """examples:
   blocktrain token add --state runs/agg --name alice      # prints the new token alone

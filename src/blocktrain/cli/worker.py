@@ -31,9 +31,10 @@ from blocktrain.config import RunConfig
 from blocktrain.data import load_split
 from blocktrain.device import DEVICE_HELP, resolve_device
 from blocktrain.errors import ConfigError
-from blocktrain.protocol.client import AggregatorClient, Registration, RetryPolicy
-from blocktrain.protocol.state import run_unit
-from blocktrain.protocol.worker import WorkerLoop
+from blocktrain.protocol.store.state import run_unit
+from blocktrain.protocol.worker.client import AggregatorClient, Registration
+from blocktrain.protocol.worker.loop import WorkerLoop
+from blocktrain.protocol.worker.retrying import RetryPolicy
 from blocktrain.training.local import LocalBlockTrainer, local_trainer
 
 EXAMPLES = """examples:

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from blocktrain.config import VOCAB_SIZE, ModelConfig
+from blocktrain.model.cached import CleanBatch
 from blocktrain.model.layers import (
     AdaLN,
     DualStreamLayer,
@@ -28,9 +28,6 @@ from blocktrain.model.layers import (
 )
 from blocktrain.model.masking import read_state
 from blocktrain.model.sigma import EDMScalings, edm_scalings
-
-if TYPE_CHECKING:  # model/cached.py imports the pipeline, which imports the sampler and this
-    from blocktrain.model.cached import CleanBatch
 
 BOS = VOCAB_SIZE  # the extra embedding row a z token sees when no clean byte precedes its span
 

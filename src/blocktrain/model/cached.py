@@ -1,6 +1,9 @@
 """A block's clean stream cached per generation, and contexts of different lengths in one
 forward pass: what a block host runs per sweep (`Block.forward_cached`, serving/sweeps.py).
 
+`KVCache` holds the keys and values of the positions seen, per layer: what a stage of the
+reference keeps (model/pipeline.py), and the base of a block's `CleanCache`.
+
 The clean stream of a block does not depend on z or sigma (layers.py): position i's keys and
 values depend only on bytes 0..i. A generation's next sweep sees the same context plus a few new
 bytes (K after a span, the accepted bytes after a verify sweep), so a host keeps each layer's
@@ -27,7 +30,28 @@ from dataclasses import dataclass, field
 
 import torch
 
-from blocktrain.model.pipeline import KVCache
+
+@dataclass
+class KVCache:
+    """Keys and values of the positions a stage has already seen, per layer: each (N, H, P, hd).
+    `length` is P, the position the next new token takes."""
+
+    keys: dict[int, torch.Tensor] = field(default_factory=dict)
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+    length: int = 0
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` positions (drop those after, e.g. rejected drafts)."""
+        if length < self.length:
+            for i in self.keys:
+                self.keys[i] = self.keys[i][:, :, :length]
+                self.values[i] = self.values[i][:, :, :length]
+            self.length = length
+
+    def nbytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values())
+        )
 
 
 @dataclass

@@ -11,12 +11,11 @@ Pure math, like the rest of `model/`: no I/O, no logging, no globals.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
 
 from blocktrain.config import ModelConfig
+from blocktrain.model.cached import KVCache
 from blocktrain.model.layers import DualStreamLayer, Rotary
 from blocktrain.model.reference import Reference
 
@@ -29,29 +28,6 @@ def stage_layers(cfg: ModelConfig, stage: int, stages: int) -> range:
         raise ValueError(f"stage {stage} outside 0..{stages - 1}")
     per = cfg.layers // stages
     return range(stage * per, (stage + 1) * per)
-
-
-@dataclass
-class KVCache:
-    """Keys and values of the positions a stage has already seen, per layer: each (N, H, P, hd).
-    `length` is P, the position the next new token takes."""
-
-    keys: dict[int, torch.Tensor] = field(default_factory=dict)
-    values: dict[int, torch.Tensor] = field(default_factory=dict)
-    length: int = 0
-
-    def truncate(self, length: int) -> None:
-        """Keep the first `length` positions (drop those after, e.g. rejected drafts)."""
-        if length < self.length:
-            for i in self.keys:
-                self.keys[i] = self.keys[i][:, :, :length]
-                self.values[i] = self.values[i][:, :, :length]
-            self.length = length
-
-    def nbytes(self) -> int:
-        return sum(
-            t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values())
-        )
 
 
 class ReferenceStage(nn.Module):

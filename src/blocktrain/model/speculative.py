@@ -47,7 +47,8 @@ import torch
 
 from blocktrain.model import utf8
 from blocktrain.model.block import ZLayout
-from blocktrain.model.pipeline import KVCache, split_reference
+from blocktrain.model.cached import KVCache
+from blocktrain.model.pipeline import split_reference
 from blocktrain.model.reference import Reference
 from blocktrain.model.sampler import (
     Denoiser,

@@ -1,29 +1,15 @@
 """Decentralised training over HTTP (docs/protocol.md): one aggregator, many workers, each
-training one block replica.
+training one block replica. The package is in rooms, each a subpackage whose `__init__.py`
+lists its modules; a room imports only the rooms below it (tests/test_layers.py,
+docs/architecture.md):
 
-    verdict      refusal reasons and the Verdict type (pure)
-    rounds       the round/deadline state machine, registry and participation (pure)
-    wire         safetensors bodies with metadata, fp16/bf16 casting, size limit, no pickle
-    codecs       how deltas travel: dense, int8 with a scale per row, top-k with error feedback
-    pulls        compressed pulls: a version as a delta from the view a worker holds
-    validation   validators chained into one, each returning a Verdict with a reason
-    aggregation  token-weighted mean, median, trimmed mean, outer Nesterov momentum
-    core         the round engine: every decision, time passed in (service and simulator)
-    settings     the aggregator's settings, each declared once with doc, bounds and flag
-    tokens       bearer tokens, stored hashed
-    ledger       SQLite: tokens, workers, rounds, every update's fate, bytes moved
-    storage      the state folder: committed versions, pending updates, manifest
-    state        a state folder for a run: create, read committed blocks, byte summary
-    persist      the engine restored from and committed to the ledger and state folder
-    traffic      byte counters and batched pull marks
-    service      the engine on the wall clock, persisted (no HTTP)
-    auth         bearer token and worker identity
-    schemas      the HTTP request and response models
-    status       what /v1/status shows; metrics: the Prometheus exposition
-    aggregator   the FastAPI app: create_app(settings, *, storage, clock)
-    client       the worker's httpx client; worker: the worker loop
-    cluster      start an aggregator and N workers on this machine
+    core/     the round logic, in memory, time passed in: torch and the standard library only
+    store/    the state folder and its SQLite ledger
+    service/  the engine on the wall clock, persisted (no FastAPI)
+    http/     the FastAPI app over the service
+    worker/   the worker's HTTP client and loop
+    ops/      a whole run on one machine, and its report
 
 This package moves tensors as payload and never imports `blocktrain.model`; nothing is imported
-here so that `protocol.rounds` stays light for the simulator.
+here so that `protocol.core` stays light for the simulator.
 """

@@ -1,9 +1,11 @@
-"""The aggregator of the simulator: the protocol's own round engine (`protocol.core`) in one
-process, on the simulator's virtual clock, with no tokens, ledger or disk.
+"""The aggregator of the simulator: the protocol's own round engine
+(`protocol.core.round_engine`) in one process, on the simulator's virtual clock, with no tokens,
+ledger or disk.
 
 Every decision (which block a worker gets, each update's verdict, when a round closes, the new
-weights) is `RoundEngine`'s, exactly as `protocol.service.AggregatorService` takes it; this class
-only keeps what the virtual workers need around it (worker ids, the weights as they travel).
+weights) is `RoundEngine`'s, exactly as `protocol.service.aggregator_service.AggregatorService`
+takes it; this class only keeps what the virtual workers need around it (worker ids, the weights
+as they travel).
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
-from blocktrain.protocol.codecs import pull_codec
-from blocktrain.protocol.core import Committed, EngineBlock, RoundEngine
-from blocktrain.protocol.effect import EffectProbe
-from blocktrain.protocol.pulls import View, Views, read_delta
-from blocktrain.protocol.rounds import RoundView
-from blocktrain.protocol.settings import AggregatorSettings
-from blocktrain.protocol.verdict import Verdict
+from blocktrain.protocol.core.delta_wire import pull_codec
+from blocktrain.protocol.core.effect import EffectProbe
+from blocktrain.protocol.core.events import Committed, EngineBlock
+from blocktrain.protocol.core.pulls import View, Views, read_delta
+from blocktrain.protocol.core.round_engine import RoundEngine
+from blocktrain.protocol.core.rounds import RoundView
+from blocktrain.protocol.core.settings import AggregatorSettings
+from blocktrain.protocol.core.verdict import Verdict
 
 Tensors = dict[str, torch.Tensor]
 
@@ -79,7 +82,7 @@ class SimAggregator:
         self, worker: int, block: int, now: float, held: View | None = None
     ) -> tuple[RoundView, View | None, int | None]:
         """The open round, the weights the worker then holds (the wire dtype; none when the
-        block is done) and the bytes of a delta pull (`protocol.pulls`: with a pull codec and a
+        block is done) and the bytes of a delta pull (`protocol.core.pulls`: with a pull codec and a
         view `held`, exactly what an HTTP worker would get and compute); None for a whole one."""
         view = self.engine.pull(worker, block, now).view
         if view.done:

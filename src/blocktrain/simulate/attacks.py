@@ -26,8 +26,7 @@ import torch
 
 from blocktrain.config import RunConfig
 from blocktrain.errors import ConfigError
-from blocktrain.protocol.settings import loose_delta_norm_bound
-from blocktrain.protocol.state import largest_block
+from blocktrain.protocol.core.bounds import largest_block, loose_delta_norm_bound
 from blocktrain.training.local import initial_blocks
 
 Tensors = dict[str, torch.Tensor]
@@ -98,7 +97,7 @@ class Attack:
 
 
 class ForgingTrainer:
-    """A `protocol.worker.LocalTrainer` that trains nothing and forges its delta."""
+    """A `protocol.core.local_trainer.LocalTrainer` that trains nothing and forges its delta."""
 
     def __init__(self, kind: str, bound: float, tokens: int, seed: int) -> None:
         self.kind = kind

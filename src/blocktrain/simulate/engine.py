@@ -1,7 +1,7 @@
 """The event loop: N virtual workers against one `SimAggregator`, on a virtual clock.
 
 Nothing sleeps. Events wait in a heap ordered by (virtual time, insertion order), so a run is a
-pure function of its seed. A worker's life mirrors `protocol.worker.WorkerLoop`:
+pure function of its seed. A worker's life mirrors `protocol.worker.loop.WorkerLoop`:
 
     ready    ->  its pull reaches the aggregator one latency later; if the open round is one it
                  already trained on, it waits (a long poll) until that round closes
@@ -28,15 +28,16 @@ from typing import Any
 
 import torch
 
-from blocktrain.protocol.codecs import DeltaEncoder
-from blocktrain.protocol.core import Committed
-from blocktrain.protocol.effect import EffectProbe
-from blocktrain.protocol.pulls import View
-from blocktrain.protocol.rounds import RoundClosed, RoundView, in_time, participation
-from blocktrain.protocol.settings import AggregatorSettings
-from blocktrain.protocol.state import largest_block
-from blocktrain.protocol.wire import update_body
-from blocktrain.protocol.worker import LocalTrainer
+from blocktrain.protocol.core.bodies import update_body
+from blocktrain.protocol.core.bounds import largest_block
+from blocktrain.protocol.core.codecs import DeltaEncoder
+from blocktrain.protocol.core.effect import EffectProbe
+from blocktrain.protocol.core.events import Committed
+from blocktrain.protocol.core.local_trainer import LocalTrainer
+from blocktrain.protocol.core.participation import in_time, participation
+from blocktrain.protocol.core.pulls import View
+from blocktrain.protocol.core.rounds import RoundClosed, RoundView
+from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.simulate.aggregator import Judged, SimAggregator
 from blocktrain.simulate.attacks import Attack, ForgingTrainer
 from blocktrain.simulate.regimes import Regime

@@ -21,9 +21,8 @@ from blocktrain.data import ByteSource
 from blocktrain.errors import ConfigError
 from blocktrain.fsutil import atomic_write_bytes
 from blocktrain.model import BlockStack, Reference, init_reference
-from blocktrain.protocol.settings import derived_settings
-from blocktrain.protocol.state import UNITS, largest_block
-from blocktrain.protocol.worker import LocalTrainer
+from blocktrain.protocol.core.bounds import derived_settings, largest_block
+from blocktrain.protocol.core.local_trainer import UNITS, LocalTrainer
 from blocktrain.simulate.attacks import Attack
 from blocktrain.simulate.engine import Simulation, TimingOnlyTrainer
 from blocktrain.simulate.regimes import Regime

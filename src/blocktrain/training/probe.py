@@ -1,4 +1,4 @@
-"""The aggregator's effect probe (`protocol.effect.EffectProbe`, docs/protocol.md): a block's
+"""The aggregator's effect probe (`protocol.core.effect.EffectProbe`, docs/protocol.md): a block's
 own loss (`BlockLoss`, the objective its workers minimise) on a fixed held-out slice, so that
 an update can be judged by what it does to the block rather than by its shape or norm.
 

@@ -1,0 +1,44 @@
+"""How one aggregator setting is declared: `Setting`, what a field declares besides its type
+and default (its doc, its check, its flag, whether the simulator models it), and `setting`, the
+dataclass field that carries it. `settings.AggregatorSettings` declares each of its fields so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What a field declares besides its type and default."""
+
+    doc: str
+    check: Callable[[Any], bool]
+    why: str
+    """What `check` requires, completing "aggregator setting NAME = VALUE ..."."""
+    flag: str
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    simulated: bool = True
+    """False: the simulator sets it itself or it means nothing there (no flag there)."""
+    default_text: str | None = None
+    """How the default reads in --help and the docs, when the value alone would mislead."""
+
+
+def setting(
+    default: Any,
+    doc: str,
+    check: Callable[[Any], bool],
+    why: str,
+    *,
+    flag: str,
+    metavar: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    simulated: bool = True,
+    default_text: str | None = None,
+) -> Any:
+    meta = Setting(doc, check, why, flag, metavar, choices, simulated, default_text)
+    return dataclasses.field(default=default, metadata={"setting": meta})

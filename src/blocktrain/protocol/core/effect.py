@@ -1,0 +1,154 @@
+"""Judging an update by its effect (docs/protocol.md, Effect probe): the block's own loss on a
+fixed held-out slice, before and after the update, and a reputation per identity built from
+those verdicts.
+
+The protocol never imports the model, so the probe is injected: `EffectProbe` is the type, and
+`training.probe.BlockProbe` the implementation that `cli/aggregator.py` and the simulator wire
+in. It is pure in (block, weights, delta): fixed batch, fixed noise, fixed sigmas.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from blocktrain.protocol.core.verdict import Verdict
+
+Tensors = dict[str, torch.Tensor]
+
+REWARD = 0.1
+"""Reputation regained by a helpful update (at most 1)."""
+PENALTY = 0.5
+"""Factor a harmful update multiplies its identity's reputation by."""
+
+BAND_WINDOW = 16
+"""Accepted updates per block whose effects describe what an honest update does now."""
+BAND_MIN = 4
+"""With fewer, the probe judges against zero and the tolerance alone (a run's start, a restart)."""
+BAND_WIDTH = 3.0
+"""How many robust standard deviations (1.4826 x MAD) above their median the band reaches."""
+
+
+class EffectProbe(Protocol):
+    def loss(
+        self, block: int, weights: Tensors, others: Mapping[int, Tensors] | None = None
+    ) -> float:
+        """Block `block`'s loss on the fixed held-out slice with these weights (deterministic);
+        `others`: the committed versions of the other blocks this aggregator holds, for a
+        model whose blocks read the blocks before them."""
+        ...
+
+
+@dataclass(frozen=True)
+class Effect:
+    """The probe's reading of one update."""
+
+    before: float
+    after: float
+
+    @property
+    def relative(self) -> float:
+        return (self.after - self.before) / abs(self.before)
+
+
+@dataclass(frozen=True)
+class HonestBand:
+    """The relative effects of a block's last BAND_WINDOW accepted updates: how far its
+    workers' updates move the held-out loss at this point of the run. It decides only whether
+    a refused update costs reputation, never whether one is accepted, so the most a majority
+    of hostile identities can do with it is narrow it back to the tolerance. Immutable, so
+    `check` may read it outside the lock."""
+
+    recent: tuple[float, ...] = ()
+
+    def add(self, relative: float) -> HonestBand:
+        return HonestBand((*self.recent, relative)[-BAND_WINDOW:])
+
+    @property
+    def upper(self) -> float | None:
+        """Median + BAND_WIDTH robust standard deviations; None while fewer than BAND_MIN."""
+        if len(self.recent) < BAND_MIN:
+            return None
+        median = statistics.median(self.recent)
+        spread = 1.4826 * statistics.median(abs(x - median) for x in self.recent)
+        return median + BAND_WIDTH * spread
+
+
+def judge_effect(effect: Effect, tolerance: float, band: HonestBand | None = None) -> Verdict:
+    """Accept an update only if it lowers the block's loss on the held-out slice. That rule
+    rests on nothing a worker controls, so a majority of hostile identities cannot loosen it
+    (bench/adversarial.py: while the honest band decided acceptance, four tokens on one block
+    shifted it, their updates were accepted and the block was wrecked, +2.0 CE). A refused
+    update costs reputation (`harmful`) only if it raises the loss by more than `tolerance`
+    (relative) and more than the upper edge of its block's honest band. Otherwise it is
+    `no_gain`, which costs nothing: late in a run an honest replica's delta raises the slice's
+    loss about as often as it lowers it (cluster_small), and penalising that noise excluded
+    every honest worker. `no_gain` also keeps votes that do nothing from diluting those that
+    train, e.g. a majority shrinking a block whose output is still zero."""
+    if effect.after < effect.before:  # NaN is refused too
+        return Verdict.ok()
+    upper = None if band is None else band.upper
+    limit = tolerance if upper is None else max(tolerance, upper)
+    detail = (
+        f"the block's held-out loss goes from {effect.before:.5g} to {effect.after:.5g} "
+        f"({effect.relative:+.3%}; tolerance {tolerance:+.3%}"
+        + ("" if upper is None else f", recent accepted updates up to {upper:+.3%}")
+        + ")"
+    )
+    if not effect.relative <= limit:  # NaN is harmful
+        return Verdict.refuse("harmful", detail)
+    return Verdict.refuse("no_gain", detail)
+
+
+@dataclass
+class Reputation:
+    """Each identity's standing in [0, 1], from 1: a harmful update halves it, a helpful one
+    adds REWARD. It weights the identity's vote; below `minimum` its updates are refused, but
+    still probed, so that a helpful one earns its way back (a false verdict is not forever)."""
+
+    minimum: float
+    scores: dict[Hashable, float] = field(default_factory=dict)
+
+    def of(self, identity: Hashable) -> float:
+        return self.scores.get(identity, 1.0)
+
+    def excluded(self, identity: Hashable) -> Verdict:
+        score = self.of(identity)
+        if score < self.minimum:
+            return Verdict.refuse(
+                "low_reputation",
+                f"reputation {score:.3g} is below {self.minimum:.3g} after harmful updates",
+            )
+        return Verdict.ok()
+
+    def observe(self, identity: Hashable, helpful: bool) -> bool:
+        """Score one judged update; whether the identity's reputation changed (a helpful update
+        of an identity at 1 does not change it)."""
+        score = self.of(identity)
+        new = min(1.0, score + REWARD) if helpful else score * PENALTY
+        self.scores[identity] = new
+        return new != score
+
+
+class ProbeCache:
+    """The probe and each block's loss before, computed once per weights objects (a commit
+    replaces a block's weights dict and never changes one in place, so every update of a
+    round is compared with the same number while no block it reads moves)."""
+
+    def __init__(self, probe: EffectProbe) -> None:
+        self.probe = probe
+        self._before: dict[int, tuple[tuple[int, ...], float]] = {}
+
+    def effect(
+        self, block: int, weights: Tensors, delta: Tensors, others: Mapping[int, Tensors]
+    ) -> Effect:
+        key = (id(weights), *(id(others[b]) for b in sorted(others)))
+        cached = self._before.get(block)
+        if cached is None or cached[0] != key:
+            cached = self._before[block] = (key, self.probe.loss(block, weights, others))
+        after = {k: w.float() + delta[k].float() for k, w in weights.items()}
+        return Effect(cached[1], self.probe.loss(block, after, others))

@@ -1,0 +1,42 @@
+"""What a worker trains and what drives it: the unit of a run (`UNITS`) and the interface of a
+replica's trainer (`LocalTrainer`), which the worker loop (`protocol.worker.loop.WorkerLoop`) and
+the simulator (`simulate.engine`) call alike. The CLI plugs in
+`training.local.LocalBlockTrainer`; this package never builds a model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+Tensors = dict[str, torch.Tensor]
+
+UNITS = ("block", "reference")
+"""What a worker of a run trains: a block of the stack, or the end-to-end reference as the run's
+one unit (DiLoCo's replica)."""
+
+
+class LocalTrainer(Protocol):
+    """What the loop needs of a block replica's trainer."""
+
+    upstream_blocks: list[int]
+    """The blocks whose latest versions it reads each round besides its own (`route =
+    features`: the blocks before it); empty when only the noisy state passes."""
+
+    def load(self, weights: Tensors) -> None:
+        """Start a round from these weights (the optimizer state carries over)."""
+
+    def load_upstream(self, blocks: dict[int, Tensors]) -> None:
+        """The versions of `upstream_blocks` this round reads, frozen."""
+
+    def train(
+        self, steps: int, first_step: int, should_stop: Callable[[], bool]
+    ) -> dict[str, float]:
+        """Run up to `steps` local updates; returns at least "tokens", "loss", "steps"."""
+        ...
+
+    def delta(self) -> Tensors:
+        """theta_local - theta_base for the weights last loaded."""
+        ...

@@ -1,0 +1,388 @@
+"""The round engine: every decision the aggregator takes, written once, in memory.
+
+`RoundEngine` holds each block's weights, round state machine (`rounds.BlockRounds`) and
+accumulator, and the worker registry. It assigns blocks, records pulls, checks an update's
+content (`bodies.decode`, `validation.validate`), judges its timing, accumulates it, closes rounds
+and applies the outer optimizer. Time is always passed in; nothing here reads a clock, sleeps or
+does I/O.
+
+Two drivers, no second copy of a decision:
+
+    protocol.service.AggregatorService   wall clock; persists each event (ledger rows, pending
+                                         bodies, committed versions) and serves it over HTTP
+    simulate.SimAggregator               virtual clock; one process
+
+An update goes through `inspect` (its form: size, safetensors, the validator chain), `judge`
+(timing, read-only: duplicate, late, stale), then, when a probe is wired in, `reserve_probe`
+(the identity's probe budget for the round, and the probe's bounded queue), `finish` (its
+effect on the block's held-out loss, and the identity's standing) and `release_probe`, then
+`record` (the round's state, the identity's reputation and, if accepted, the accumulator); a
+driver persists what it must between `judge` and `record`, and calls `tick` afterwards. The
+costly probe runs only for an update that passed every cheap check, and a refused update that
+reached it spends its identity's budget (`probe_budget`). `check` is `inspect` then `finish`
+(for callers that judge timing themselves). A round that closes is committed by
+`tick`: the new weights are computed, handed to every `on_commit` listener (the service writes
+them to disk there, before any pull can see them) and only then published.
+
+What the engine holds and returns is `events`; its replay screen (`screen`) is
+`replays.ReplayScreen`, which it takes as a mixin.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Collection, Hashable, Iterable
+
+import torch
+
+from blocktrain.protocol.core.aggregation import OuterOptimizer
+from blocktrain.protocol.core.bodies import WireError, decode
+from blocktrain.protocol.core.effect import (
+    EffectProbe,
+    HonestBand,
+    ProbeCache,
+    Reputation,
+    judge_effect,
+)
+from blocktrain.protocol.core.events import (
+    Checked,
+    CommitListener,
+    Committed,
+    EngineBlock,
+    ProbeSlot,
+    PullEvent,
+    Registered,
+    ReputationListener,
+    accumulator,
+    max_body_bytes,
+)
+from blocktrain.protocol.core.replays import ReplayScreen, Seen
+from blocktrain.protocol.core.rounds import BlockRounds, Registry, RoundClosed
+from blocktrain.protocol.core.settings import AggregatorSettings
+from blocktrain.protocol.core.validation import (
+    BlockSpec,
+    Candidate,
+    Limits,
+    UpdateMeta,
+    tensors_digest,
+    validate,
+)
+from blocktrain.protocol.core.verdict import Verdict
+
+Tensors = dict[str, torch.Tensor]
+
+PROBE_SLOTS = 8
+"""Updates that may hold a place at the effect probe at once (probing or waiting for it), over
+every identity; beyond them a push is refused `busy` (429) before its body waits. Each holds
+its body in memory, so this bounds what the probe's queue costs."""
+
+
+class RoundEngine(ReplayScreen):
+    """Blocks, their rounds and accumulators, and the registry, fed with explicit times."""
+
+    def __init__(
+        self,
+        settings: AggregatorSettings,
+        blocks: dict[int, EngineBlock],
+        registry: Registry | None = None,
+        probe: EffectProbe | None = None,
+        reputation: Reputation | None = None,
+    ) -> None:
+        self.settings = settings
+        self.blocks = blocks
+        self.registry = registry or Registry(len(blocks), settings.live_window)
+        self.probe: ProbeCache | None = None
+        self.use_probe(probe)
+        self.reputation = Reputation(settings.min_reputation) if reputation is None else reputation
+        self.bands: dict[int, HonestBand] = {}
+        """Each block's recent accepted effects (empty after a restart: it refills)."""
+        self._auto_id = 0  # ids for updates recorded without one (the simulator has no ledger)
+        self.outer = OuterOptimizer(settings.outer_lr, settings.outer_momentum)
+        self.limits = Limits(settings.max_delta_norm, settings.max_tokens)
+        self.max_body = max_body_bytes(settings, max(st.spec.n_params for st in blocks.values()))
+        self.on_commit: list[CommitListener] = []
+        """Called with each commit before its weights are published."""
+        self.on_reputation: list[ReputationListener] = []
+        self._probe_spent: dict[int, tuple[int, Counter[Hashable]]] = {}
+        """block -> (its open round, the probe places each identity holds or spent in it)."""
+        self.probing = 0
+        """Updates holding a place at the probe now (at most PROBE_SLOTS)."""
+        self.seen: dict[int, dict[bytes, Seen]] = {b: {} for b in blocks}
+        """Each block's recent bodies by their tensors' digest (the last `replay_rounds`
+        rounds, at most REPLAY_ENTRIES; in memory: a restart empties it)."""
+        self.pulled: dict[int, tuple[int, int, int]] = {}
+        """worker -> (block, round, version) of its last pull (in memory)."""
+
+    def use_probe(self, probe: EffectProbe | None) -> None:
+        """Judge updates by their effect with `probe` (unless the setting turns it off)."""
+        on = probe is not None and self.settings.effect_probe == "on"
+        self.probe = ProbeCache(probe) if on and probe is not None else None
+
+    @classmethod
+    def fresh(
+        cls,
+        initial: dict[int, Tensors],
+        settings: AggregatorSettings,
+        probe: EffectProbe | None = None,
+    ) -> RoundEngine:
+        """Version 0 of every block, round 0, no workers."""
+        blocks = {
+            b: cls.block(b, {k: v.detach().float().clone() for k, v in w.items()}, None, settings)
+            for b, w in sorted(initial.items())
+        }
+        return cls(settings, blocks, probe=probe)
+
+    @staticmethod
+    def block(
+        index: int,
+        weights: Tensors,
+        momentum: Tensors | None,
+        settings: AggregatorSettings,
+        rounds: BlockRounds | None = None,
+    ) -> EngineBlock:
+        return EngineBlock(
+            index,
+            weights,
+            momentum,
+            BlockSpec.of(weights, settings.wire_dtype, settings.delta_wire),
+            rounds if rounds is not None else BlockRounds(index, settings),
+            accumulator(settings),
+        )
+
+    # ------------------------------------------------------------------ workers
+
+    def register(
+        self,
+        now: float,
+        requested: int | None,
+        new_id: Callable[[int], int],
+        token: int | None = None,
+        allowed: Collection[int] | None = None,
+    ) -> Registered:
+        """Assign a block (the requested one, else the fewest live identities among `allowed`,
+        finished blocks last); `new_id(block)` names the worker (the ledger's row id, or a
+        counter); `token` is the identity it speaks for (`Registry.identity`). A token at its
+        `max_workers_per_token` has its oldest workers retired first, so that a worker that
+        restarts rejoins at once and a token never holds more workers than allowed."""
+        self.tick(now)
+        replaced: list[int] = []
+        if token is not None:
+            mine = self.registry.workers_of(token)
+            replaced = mine[: max(0, len(mine) - self.settings.max_workers_per_token + 1)]
+            for old in replaced:
+                self.leave(old, now)
+        done = [b for b, st in self.blocks.items() if st.rounds.done]
+        block = self.registry.choose_block(now, requested, exclude=done, allowed=allowed)
+        worker = new_id(block)
+        self.registry.add(worker, block, now, token)
+        st = self.blocks[block]
+        st.rounds.assign(worker, now)
+        return Registered(worker, block, st.rounds.view(), tuple(replaced))
+
+    def leave(self, worker: int, now: float) -> list[Committed]:
+        """The worker stops: its block no longer waits for it."""
+        block = self.registry.block_of(worker)
+        self.registry.remove(worker)
+        self.pulled.pop(worker, None)
+        if block is not None:
+            self.blocks[block].rounds.unassign(worker)
+        return self.tick(now)
+
+    # ------------------------------------------------------------------ pulls and updates
+
+    def pull(self, worker: int, block: int, now: float) -> PullEvent:
+        """`worker` fetches the open round (nothing is recorded when the block is done)."""
+        self.tick(now)
+        rounds = self.blocks[block].rounds
+        if rounds.done:
+            return PullEvent(rounds.view(), False)
+        started = rounds.started_at is None
+        view = rounds.pull(worker, now)
+        self.registry.seen(worker, now)
+        self.pulled[worker] = (block, view.round, view.version)
+        return PullEvent(view, started and view.deadline is not None)
+
+    def inspect(self, block: int, body: bytes | bytearray) -> Checked:
+        """The form verdict on an update body: size, safetensors, the validator chain. Cheap,
+        and changes no state, so a driver may call it outside its lock."""
+        if len(body) > self.max_body:
+            detail = f"the body declares {len(body)} bytes; the limit is {self.max_body}"
+            return Checked(Verdict.refuse("too_large", detail), None)
+        try:
+            decoded = decode(body, max_bytes=self.max_body)
+        except WireError as exc:
+            return Checked(Verdict.refuse(exc.reason, exc.detail), None)
+        candidate = Candidate(block, decoded, self.blocks[block].spec, self.limits)
+        verdict = validate(candidate)
+        if verdict.accepted and candidate.norm != 0:
+            candidate.digest = tensors_digest(decoded)
+        return Checked(verdict, candidate)
+
+    def finish(self, checked: Checked, worker: int | None = None) -> Checked:
+        """After `inspect` (and, for a driver, `judge` and `reserve_probe`): `worker`'s
+        identity's standing, and (unless off) the effect probe against the block's current
+        weights. An excluded identity's update is refused, but probed all the same. Changes no
+        state, so a driver may call it outside its lock (the probe, the costly part, should
+        run there)."""
+        verdict, candidate = checked.verdict, checked.candidate
+        if not verdict.accepted or candidate is None:
+            return checked
+        if worker is not None:
+            standing = self.reputation.excluded(self.registry.identity(worker))
+            verdict = verdict if standing.accepted else standing
+        if self.probe is None:
+            return Checked(verdict, candidate)
+        block = candidate.block
+        others = {b: st.weights for b, st in self.blocks.items() if b != block}
+        effect = self.probe.effect(block, self.blocks[block].weights, candidate.tensors, others)
+        judged = judge_effect(effect, self.settings.probe_tolerance, self.bands.get(block))
+        return Checked(judged if verdict.accepted else verdict, candidate, effect, judged)
+
+    def check(self, block: int, body: bytes | bytearray, worker: int | None = None) -> Checked:
+        """`inspect`, then `finish`: the whole content verdict, for a caller that judges the
+        timing itself (a driver judges it between the two, so that the probe runs last)."""
+        return self.finish(self.inspect(block, body), worker)
+
+    def reserve_probe(self, worker: int, block: int) -> tuple[Verdict, ProbeSlot | None]:
+        """A place at the effect probe for an update of `worker` that passed the cheap checks
+        (`inspect`, `judge`): refused `busy` when its identity already holds or spent
+        `probe_budget` places in the block's open round (a refused update that reached the
+        probe keeps its place spent until the round closes), or when PROBE_SLOTS updates hold
+        one. Give it back with `release_probe`. No slot when the probe is off."""
+        if self.probe is None:
+            return Verdict.ok(), None
+        identity = self.registry.identity(worker)
+        open_round = self.blocks[block].rounds.round
+        spent_round, spent = self._probe_spent.get(block, (open_round, Counter()))
+        if spent_round != open_round:
+            spent = Counter()
+        budget = self.settings.probe_budget
+        if spent[identity] >= budget:
+            return Verdict.refuse(
+                "busy",
+                f"this identity's updates reached the effect probe {spent[identity]} time(s) "
+                f"in round {open_round} of block {block} without being accepted "
+                f"(probe_budget {budget}); wait for the next round",
+            ), None
+        if self.probing >= PROBE_SLOTS:
+            return Verdict.refuse(
+                "busy", f"the effect probe's queue is full ({PROBE_SLOTS} updates); retry"
+            ), None
+        spent[identity] += 1
+        self._probe_spent[block] = (open_round, spent)
+        self.probing += 1
+        return Verdict.ok(), ProbeSlot(block, open_round, identity)
+
+    def release_probe(self, slot: ProbeSlot | None, accepted: bool) -> None:
+        """The probe is done with an update: its place is free again, and returned to its
+        identity's budget if the update was accepted."""
+        if slot is None:
+            return
+        self.probing = max(0, self.probing - 1)
+        spent_round, spent = self._probe_spent.get(slot.block, (-1, Counter()))
+        if accepted and spent_round == slot.round and spent[slot.identity] > 0:
+            spent[slot.identity] -= 1
+
+    def judge(self, worker: int, block: int, meta: UpdateMeta, now: float) -> Verdict:
+        """The timing verdict on an update that passed `check` (closing due rounds first).
+        Changes no update state: `record` the verdict once the driver has stored it. A worker
+        no longer registered on `block` (retired for a newer worker of its token, or gone) is
+        refused: its vote would otherwise count as an identity of its own."""
+        self.tick(now)
+        assigned = self.registry.block_of(worker)
+        if assigned != block:
+            if assigned is None:
+                return Verdict.refuse("unknown_worker", f"worker {worker} is not registered")
+            return Verdict.refuse("not_assigned", f"worker {worker} trains block {assigned}")
+        return self.blocks[block].rounds.judge(
+            worker, round=meta.round, base_version=meta.base_version, now=now
+        )
+
+    def record(
+        self,
+        worker: int,
+        block: int,
+        verdict: Verdict,
+        now: float,
+        *,
+        checked: Checked,
+        update_id: int = -1,
+    ) -> bool:
+        """Record a judged update, accepted or refused at any step, in its round; an accepted
+        one joins the accumulator. Call `tick` afterwards. True when the update started the
+        open round's clock (an update counted late into a round nobody pulled yet)."""
+        meta = checked.meta
+        if meta is None:
+            return False  # unreadable: it names no round
+        identity = self.registry.identity(worker)
+        probed = checked.judged
+        if (
+            probed is not None
+            and (probed.accepted or probed.reason == "harmful")
+            and self.reputation.observe(identity, helpful=probed.accepted)
+        ):
+            for listener in self.on_reputation:
+                listener(identity, self.reputation.of(identity), now)
+        rounds = self.blocks[block].rounds
+        self._remember(block, checked, identity, verdict)
+        if not verdict.accepted:
+            rounds.record(worker, verdict, round=meta.round, now=now)
+            return False
+        candidate = checked.candidate
+        assert candidate is not None and candidate.tensors is not None
+        if checked.effect is not None:
+            self.bands[block] = self.bands.get(block, HonestBand()).add(checked.effect.relative)
+        if update_id < 0:
+            self._auto_id -= 1
+            update_id = self._auto_id
+        idle = rounds.started_at is None
+        rounds.record(
+            worker, verdict, round=meta.round, now=now, update_id=update_id, tokens=meta.tokens
+        )
+        self.blocks[block].acc.add(
+            update_id,
+            candidate.tensors,
+            identity=identity,
+            weight=verdict.weight * self.reputation.of(identity),
+            tokens=meta.tokens,
+        )
+        self.registry.seen(worker, now)
+        return idle and rounds.started_at is not None
+
+    def discard(self, block: int, update_ids: Iterable[int]) -> list[int]:
+        """Take accepted updates back out of the open round (the accumulator and the round's
+        accepted list), e.g. those of a revoked or banned token; ids not in the open round are
+        ignored. Returns the ids removed. A round left with none commits no change."""
+        st = self.blocks[block]
+        removed = st.acc.discard(update_ids)
+        gone = set(removed)
+        st.rounds.accepted = [c for c in st.rounds.accepted if c.update_id not in gone]
+        return removed
+
+    # ------------------------------------------------------------------ rounds
+
+    def tick(self, now: float) -> list[Committed]:
+        """Close and commit every round that is due."""
+        committed = []
+        for st in self.blocks.values():
+            closed = st.rounds.tick(now)
+            if closed is not None:
+                committed.append(self._commit(st, closed))
+        return committed
+
+    def _commit(self, st: EngineBlock, closed: RoundClosed) -> Committed:
+        aggregate = st.acc.result()
+        weights, momentum = st.weights, st.momentum
+        if aggregate.delta is not None:
+            weights, momentum = self.outer.apply(st.weights, aggregate.delta, st.momentum)
+        changed = closed.new_version != closed.base_version
+        event = Committed(closed, weights, momentum, changed, aggregate.held)
+        for listener in self.on_commit:
+            listener(event)
+        st.weights, st.momentum = weights, momentum
+        st.acc = accumulator(self.settings)
+        keep = st.rounds.round - self.settings.replay_rounds
+        seen = self.seen.setdefault(st.index, {})
+        for digest in [d for d, e in seen.items() if e.round < keep]:
+            del seen[digest]
+        return event

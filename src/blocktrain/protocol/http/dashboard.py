@@ -1,0 +1,177 @@
+"""The aggregator's live dashboard: one self-contained HTML page (no build step, no external
+resource) at `/dashboard`, which polls the token-protected `/v1/status` and `/v1/history` every
+two seconds and draws what an operator watches:
+
+    per block   version, round, deadline countdown, live replicas, participation per round
+    the run     the loss curve per round (the workers' reported training loss, see
+                protocol/store/history.py), bytes moved, updates accepted and refused by reason
+    workers     block, last seen, accepted and refused updates
+
+The page itself holds no data, so it is served without a token; the operator pastes a token
+once (kept in the tab's sessionStorage, sent as `Authorization: Bearer`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse
+
+from blocktrain.protocol.store.history import History, from_state
+from blocktrain.protocol.store.ledger_schema import TokenRow
+
+if TYPE_CHECKING:
+    from blocktrain.protocol.service.aggregator_service import AggregatorService
+
+POLL_MS = 2000
+
+
+def history_json(hist: History) -> dict[str, Any]:
+    """What `/v1/history` returns: the model's loss curve and each block's rounds."""
+    return {
+        "loss_label": hist.loss_label,
+        "curve": [
+            {"rounds": c[0], "time_s": c[1], "bytes": c[2], "loss": c[3]}
+            for c in hist.model_curve()
+        ],
+        "blocks": {
+            str(b): [
+                {"round": p.round, "participation": p.participation, "loss": p.loss} for p in pts
+            ]
+            for b, pts in sorted(hist.per_block().items())
+        },
+    }
+
+
+PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>blocktrain aggregator</title>
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<link rel="icon" href="data:,">
+<style>
+body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}
+h1{font-size:1.3em} h2{font-size:1.05em;margin-top:1.4em}
+table{border-collapse:collapse} td,th{padding:.2em .7em;border-bottom:1px solid #ddd;text-align:right}
+th:first-child,td:first-child{text-align:left}
+#err{color:#b00} .muted{color:#777} svg{background:#fafafa;border:1px solid #ddd}
+</style></head><body>
+<h1>blocktrain aggregator <span id="uptime" class="muted"></span></h1>
+<form id="auth"><label>token <input id="token" type="password" size="50"></label>
+<button>watch</button></form>
+<p id="err" role="alert"></p>
+<h2>Blocks</h2>
+<table id="blocks"><thead><tr><th>block</th><th>version</th><th>round</th><th>deadline in</th>
+<th>live replicas</th><th>reported</th><th>participation (last rounds)</th></tr></thead>
+<tbody></tbody></table>
+<h2>Loss per round</h2>
+<p class="muted" id="losslabel"></p>
+<svg id="curve" width="640" height="220" role="img" aria-label="loss curve"></svg>
+<h2>Updates and bytes</h2>
+<p>accepted <b id="accepted">-</b>, refused <b id="refused">-</b>;
+bytes moved <b id="bytes">-</b></p>
+<table id="reasons"><thead><tr><th>refusal reason</th><th>count</th></tr></thead><tbody></tbody></table>
+<h2>Workers</h2>
+<table id="workers"><thead><tr><th>worker</th><th>block</th><th>live</th><th>last seen</th>
+<th>accepted</th><th>refused</th><th>name</th></tr></thead><tbody></tbody></table>
+<script>
+"use strict";
+const POLL_MS = __POLL_MS__;
+const $ = (id) => document.getElementById(id);
+let token = sessionStorage.getItem("blocktrain-token") || "";
+$("token").value = token;
+$("auth").addEventListener("submit", (e) => {
+  e.preventDefault(); token = $("token").value.trim();
+  sessionStorage.setItem("blocktrain-token", token); poll();
+});
+function cell(text) { const td = document.createElement("td"); td.textContent = text; return td; }
+function rows(id, data) {
+  const body = $(id).querySelector("tbody"); body.replaceChildren();
+  for (const r of data) { const tr = document.createElement("tr");
+    for (const v of r) tr.appendChild(cell(v)); body.appendChild(tr); }
+}
+function mb(n) { return (n / 1e6).toFixed(2) + " MB"; }
+function pct(x) { return Math.round(100 * x) + "%"; }
+function curve(points) {
+  const svg = $("curve"); svg.replaceChildren();
+  if (points.length === 0) return;
+  const W = 640, H = 220, P = 30;
+  const xs = points.map(p => p.rounds), ys = points.map(p => p.loss);
+  const x0 = Math.min(...xs), x1 = Math.max(...xs, x0 + 1);
+  const y0 = Math.min(...ys), y1 = Math.max(...ys, y0 + 1e-6);
+  const sx = x => P + (W - 2 * P) * (x - x0) / (x1 - x0);
+  const sy = y => H - P - (H - 2 * P) * (y - y0) / (y1 - y0);
+  const ns = "http://www.w3.org/2000/svg";
+  const line = document.createElementNS(ns, "polyline");
+  line.setAttribute("points", points.map(p => sx(p.rounds) + "," + sy(p.loss)).join(" "));
+  line.setAttribute("fill", "none"); line.setAttribute("stroke", "#1f77b4");
+  line.setAttribute("stroke-width", "2"); svg.appendChild(line);
+  const labels = [[2, sy(y0), y0.toFixed(3)], [2, sy(y1), y1.toFixed(3)],
+    [P, H - 8, "round " + x0], [W - P - 50, H - 8, "round " + x1]];
+  for (const [x, y, text] of labels) {
+    const t = document.createElementNS(ns, "text"); t.setAttribute("x", x);
+    t.setAttribute("y", y); t.setAttribute("font-size", "11"); t.textContent = text;
+    svg.appendChild(t);
+  }
+  svg.dataset.last = points[points.length - 1].loss.toFixed(4);
+}
+async function get(path) {
+  const r = await fetch(path, {headers: {"Authorization": "Bearer " + token}});
+  const body = await r.json();
+  if (!r.ok) throw new Error(path + ": " + (body.detail || body.reason || r.status));
+  return body;
+}
+async function poll() {
+  if (!token) { $("err").textContent = "paste a token to watch this aggregator"; return; }
+  try {
+    const [s, h] = await Promise.all([get("/v1/status?rounds=10"), get("/v1/history")]);
+    $("err").textContent = "";
+    $("uptime").textContent = "up " + Math.round(s.uptime_s) + " s";
+    rows("blocks", s.blocks.map(b => [b.block, b.version, b.round,
+      b.deadline_in === null ? "-" : b.deadline_in.toFixed(1) + " s", b.live_replicas,
+      b.reported.length + "/" + b.expected.length,
+      (s.participation[String(b.block)] || []).map(r => pct(r.participation)).join(" ")]));
+    $("accepted").textContent = s.updates.accepted;
+    $("refused").textContent = s.updates.refused;
+    $("bytes").textContent = mb(s.bytes.total);
+    rows("reasons", Object.entries(s.updates.refused_by_reason).sort((a, b) => b[1] - a[1]));
+    rows("workers", s.workers.list.map(w => [w.worker_id, w.block, w.live ? "yes" : "no",
+      w.last_seen_s.toFixed(0) + " s ago", w.accepted, w.refused, w.name || "-"]));
+    $("losslabel").textContent = h.loss_label;
+    curve(h.curve);
+  } catch (e) { $("err").textContent = String(e.message || e); }
+}
+poll(); setInterval(poll, POLL_MS);
+</script></body></html>
+"""
+
+
+def page() -> str:
+    return PAGE.replace("__POLL_MS__", str(POLL_MS))
+
+
+def add_routes(
+    app: FastAPI,
+    service: AggregatorService,
+    token: Callable[[str], Any],
+    respond: Callable[[Request, Any], JSONResponse],
+    refusals: dict[int | str, dict[str, Any]],
+) -> None:
+    """`/dashboard` (the page) and `/v1/history` (its data, behind `token(endpoint)`, the app's
+    authentication dependency; `respond` is the app's JSON response with byte accounting)."""
+    cache: dict[str, Any] = {}
+    authenticated = token("history")  # a default, not in Annotated: this module's annotations
+    # are strings, and FastAPI resolves them in the module's globals, where `token` is unknown
+
+    @app.get("/v1/history", responses=refusals, summary="The loss curve and rounds per block")
+    def history(request: Request, _: TokenRow = authenticated) -> JSONResponse:
+        # the history changes only when a round closes: read the ledger again only then
+        key = tuple(st.rounds.round for st in service.blocks.values())
+        if cache.get("key") != key:
+            cache["body"] = history_json(from_state(service.storage))
+            cache["key"] = key
+        return respond(request, cache["body"])
+
+    @app.get("/dashboard", response_class=HTMLResponse, summary="Live dashboard (HTML)")
+    def dashboard() -> HTMLResponse:
+        return HTMLResponse(page())

@@ -1,0 +1,192 @@
+"""The aggregator's HTTP schemas: strict pydantic models, separate in and out types. Out types
+forbid extra keys, so a field the service adds without a schema fails the tests, not a client.
+The OpenAPI descriptions the routes add (their refusals, the register and push bodies) are here
+too (`REFUSALS`, `REGISTER_BODY`, `SAFETENSORS_BODY`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from blocktrain.protocol.core.bodies import CONTENT_TYPE
+
+
+class Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RegisterIn(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    block: int | None = Field(
+        None,
+        ge=0,
+        description="ask for this block (default: the one with the fewest live replicas)",
+    )
+    name: str | None = Field(None, max_length=100, description="a label for logs and status")
+
+
+class RegisterOut(Out):
+    worker_id: int
+    block: int
+    data_seed: int = Field(description="seed * n_workers + worker_id: seeds the batches")
+    local_steps: int = Field(description="H, local steps per round")
+    round: int
+    version: int
+    wire_dtype: str
+    delta_wire: str = Field(
+        description="how pushes carry deltas: fp16|bf16|fp32|int8|topk:RATIO|sparse:DENSITY:BITS"
+    )
+    pull_wire: str = Field(
+        description="how pulls travel: full, or int8|topk:RATIO|sparse:DENSITY:BITS deltas "
+        "from the view held"
+    )
+    done: bool
+
+
+class RoundOut(Out):
+    block: int
+    round: int
+    version: int
+    deadline: float | None = Field(
+        description="seconds since the epoch on the aggregator's "
+        "clock; null before the round's first pull"
+    )
+    deadline_in: float | None = Field(description="seconds left until the deadline")
+    done: bool
+
+
+class UpdateOut(Out):
+    accepted: bool
+    update_id: int
+    round: int = Field(description="the round the worker trained on")
+    counts_in: int = Field(description="the round it is aggregated in")
+    weight: float = Field(description="staleness factor (1 for an update on time)")
+    norm: float = Field(description="the delta's global L2 norm")
+
+
+class RefusalOut(Out):
+    accepted: bool = False
+    reason: str
+    detail: str
+
+
+class LeaveOut(Out):
+    worker_id: int
+    left: bool
+
+
+class ConfigOut(Out):
+    run_config: dict[str, Any] = Field(description="the model's RunConfig")
+    protocol: dict[str, Any] = Field(description="the aggregator's settings")
+    blocks: int
+    tensors: dict[str, dict[str, list[int]]] = Field(description="block -> name -> shape")
+    directory: dict[str, Any] = Field(
+        default_factory=dict,
+        description="blocks: block -> the URL of its aggregator; served: the blocks served here",
+    )
+
+
+class BlockStatusOut(Out):
+    block: int
+    round: int
+    version: int
+    deadline: float | None
+    deadline_in: float | None
+    done: bool
+    expected: list[int]
+    reported: list[int]
+    pending_accepted: int
+    assigned: list[int]
+    live_replicas: int
+    params: int
+    wire_bytes: int
+    delta_bytes: int = Field(description="bytes of one push's tensor data in the delta wire")
+    pull_bytes: int = Field(
+        description="bytes of one pull's tensor data after the first: the block, or a delta"
+    )
+    probe_band: float | None = Field(
+        None,
+        description="the upper edge of the effect probe's honest band (relative loss change; "
+        "null with the probe off or fewer than 4 accepted updates since the start)",
+    )
+
+
+class WorkerStatusOut(Out):
+    worker_id: int
+    name: str | None = Field(None, description="the label it registered with (worker --name)")
+    block: int
+    live: bool
+    last_seen_s: float
+    accepted: int
+    refused: int
+    reputation: float = Field(1.0, description="its identity's reputation (1 for a newcomer)")
+
+
+class WorkersOut(Out):
+    registered: int
+    live: int
+    per_block: list[int] = Field(description="live identities of each block in `blocks`")
+    list: list[WorkerStatusOut]
+
+
+class RoundRecordOut(Out):
+    round: int
+    accepted: int = Field(description="accepted updates aggregated, late ones included")
+    in_time: int = Field(description="accepted updates of the round itself")
+    refused: int
+    expected: int
+    reported: int
+    cause: str
+    held: str | None = Field(
+        description="why the aggregation rule committed no change (too few votes), or null"
+    )
+    version: int
+    participation: float = Field(description="in_time / expected (docs/protocol.md)")
+    duration_s: float | None
+
+
+class UpdatesOut(Out):
+    accepted: int
+    refused: int
+    refused_by_reason: dict[str, int]
+
+
+class StatusOut(Out):
+    time: float
+    uptime_s: float
+    blocks: list[BlockStatusOut]
+    versions: list[int]
+    rounds: list[int]
+    done: bool
+    served: list[int] = Field(description="the blocks served here: those `blocks` lists")
+    peers: dict[str, str] = Field(description="block -> the URL of the aggregator serving it")
+    workers: WorkersOut
+    participation: dict[str, list[RoundRecordOut]] = Field(description="block -> last rounds")
+    updates: UpdatesOut
+    bytes: dict[str, Any] = Field(description="totals, and by endpoint, block and worker")
+    settings: dict[str, Any]
+    refused_requests: dict[str, dict[str, int]] = Field(
+        default_factory=dict,
+        description="endpoint -> reason -> requests refused since the aggregator started "
+        "(in memory: refusals before authentication never reach the ledger)",
+    )
+
+
+REFUSALS: dict[int | str, dict[str, Any]] = {
+    code: {"model": RefusalOut}
+    for code in (400, 401, 403, 404, 408, 409, 410, 413, 415, 416, 421, 422, 429)
+}
+REGISTER_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": False,
+        "content": {"application/json": {"schema": RegisterIn.model_json_schema()}},
+    }
+}
+
+SAFETENSORS_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}},
+    }
+}

@@ -1,0 +1,302 @@
+"""Committed versions of a block's weights at immutable URLs, for plain HTTP caches and CDNs.
+
+    GET /v1/blocks/{b}/versions/{v}     version v of block b in the wire dtype (safetensors)
+    GET /v1/blocks/{b}/versions/{v}/delta?base=VIEW&wire=CODEC
+                                        version v as a delta from a view the worker holds
+                                        (with a pull_wire codec; protocol/core/pulls.py)
+
+A committed version never changes (nor does a delta, named by its version, base and codec),
+so its answer carries `Cache-Control: ..., max-age=31536000, immutable` and a strong `ETag` (the SHA-256 of the body); `If-None-Match` is answered 304, and
+one byte range `Range: bytes=...` 206 (`Accept-Ranges: bytes`; 416 `bad_range` when it starts
+past the end; several ranges, or a stale `If-Range`, get the whole body). A version the block has
+not reached is `unknown_version` (404); one pruned by `keep_versions` is `version_gone` (410).
+
+Access. By default the route checks the bearer token like every other, and the answer is
+`private`: a worker's own cache may keep it, a shared cache must not hand it to others, who
+would skip the token check. With `--public-weights` (`AccessLimits.public_weights`) it needs no
+token and is `public`, so that a CDN may cache it once and serve every worker: the weights are
+then as public as the URL.
+
+The round's pull (`GET /v1/blocks/{b}`) still answers with the body, and says where the
+version lives (`X-Weights-Url`); with `?redirect=1` it records the pull as always (the round's
+clock, who pulled) and answers 303 See Other to that URL, with the round's headers, so that the
+bytes come from wherever the URL is cached. The worker's client pulls so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from fastapi import FastAPI, Path, Query, Request
+from fastapi.responses import Response
+
+from blocktrain.errors import ProtocolError, Refused
+from blocktrain.protocol.core.bodies import CONTENT_TYPE, encode
+from blocktrain.protocol.core.delta_wire import FULL, pull_codec
+from blocktrain.protocol.core.pulls import DeltaBody, Views
+from blocktrain.protocol.core.verdict import refused
+from blocktrain.protocol.http.dependencies import tag
+from blocktrain.protocol.service.aggregator_service import AggregatorService
+
+IMMUTABLE = "max-age=31536000, immutable"
+DELTA_PATH = "/v1/blocks/{block}/versions/{version}/delta"
+CACHED_VERSIONS = 4
+"""Encoded bodies kept in memory (the versions workers pull are the newest of each block)."""
+_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
+
+
+@dataclass(frozen=True)
+class VersionBody:
+    body: bytes
+    etag: str
+    """A strong entity tag: the body's SHA-256, quoted."""
+
+
+class RangeNotSatisfiable(Refused):
+    """416 `bad_range`, answered with `Content-Range: bytes */SIZE`."""
+
+    def __init__(self, detail: str, size: int) -> None:
+        base = refused("bad_range", detail)
+        super().__init__(base.reason, base.detail, base.status)
+        self.size = size
+
+
+class Versions:
+    """The encoded bodies of committed versions, a few kept in memory."""
+
+    def __init__(self, service: AggregatorService, keep: int = CACHED_VERSIONS) -> None:
+        self.service = service
+        self.keep = keep
+        self._bodies: OrderedDict[tuple[int, int], VersionBody] = OrderedDict()
+        self.views = Views(service.settings.wire_dtype)
+        self._lock = threading.Lock()
+
+    def get(self, block: int, version: int) -> VersionBody:
+        newest = self._published(block, version)
+        key = (block, version)
+        with self._lock:
+            cached = self._bodies.get(key)
+            if cached is not None:
+                self._bodies.move_to_end(key)
+                return cached
+        weights = newest if newest is not None else self._load(block, version)
+        out = self._encode(block, version, weights)
+        with self._lock:
+            self._bodies[key] = out
+            while len(self._bodies) > self.keep:
+                self._bodies.popitem(last=False)
+        return out
+
+    def weights(self, block: int, version: int) -> dict[str, torch.Tensor]:
+        """A committed version's fp32 weights (unknown_version: not reached yet; version_gone:
+        pruned)."""
+        newest = self._published(block, version)
+        return newest if newest is not None else self._load(block, version)
+
+    def _published(self, block: int, version: int) -> dict[str, torch.Tensor] | None:
+        """The block's weights when `version` is its newest; None for an older version still
+        on disk; unknown_version or version_gone otherwise."""
+        service = self.service
+        service.check_block(block)
+        with service.lock:  # the published version and its weights, together
+            st = service.blocks[block]
+            current, weights = st.rounds.version, st.weights
+        if version > current:
+            raise refused("unknown_version", f"block {block} is at version {current}")
+        if version == current:
+            return weights
+        if not service.storage.has_tensors(block, version):
+            raise self._gone(block, version)
+        return None
+
+    def _load(self, block: int, version: int) -> dict[str, torch.Tensor]:
+        try:
+            return self.service.storage.load_tensors(block, version)
+        except ProtocolError:  # pruned meanwhile
+            raise self._gone(block, version) from None
+
+    def delta(self, block: int, version: int, base: str, wire: str) -> DeltaBody:
+        """Version `version` as a delta from view `base` in `wire`, the aggregator's pull wire
+        (wrong_wire otherwise; unknown_base when it holds no such view)."""
+        pulls = self.service.settings.pulls
+        if wire != pulls:
+            raise refused(
+                "wrong_wire",
+                f"this aggregator sends pulls as {pulls!r} (`pull_wire` in /v1/config), not "
+                f"{wire[:20]!r}",
+            )
+        codec = pull_codec(wire)
+        assert codec is not None  # "full" is no codec, and a wire equal to it was refused
+        return self.views.delta(block, version, self.weights(block, version), base, codec)
+
+    def _encode(self, block: int, version: int, weights: dict[str, torch.Tensor]) -> VersionBody:
+        settings = self.service.settings
+        meta = {
+            "block": block,
+            "version": version,
+            "dtype": settings.wire_dtype,
+            "local_steps": settings.local_steps,
+        }
+        body = encode(weights, meta, settings.wire_dtype)
+        if settings.pulls != FULL:  # a worker that pulls this may ask for the next as a delta
+            self.views.whole(block, version, weights)
+        return VersionBody(body, f'"{hashlib.sha256(body).hexdigest()}"')
+
+    def _gone(self, block: int, version: int) -> Refused:
+        keep = self.service.settings.keep_versions
+        return refused(
+            "version_gone",
+            f"block {block} version {version} was pruned (the aggregator keeps the last {keep} "
+            "and version 0); pull the open round",
+        )
+
+
+def etag_matches(header: str | None, etag: str) -> bool:
+    """If-None-Match: `*`, or a list of entity tags, compared weakly (RFC 9110 13.1.2)."""
+    if header is None:
+        return False
+    tags = [t.strip().removeprefix("W/") for t in header.split(",")]
+    return "*" in tags or etag in tags
+
+
+def byte_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """[start, end) of the one range `bytes=A-B`, `bytes=A-` or `bytes=-N` asks for, clipped
+    to the body; None to send the whole body (no header, or one not served here: several
+    ranges, another unit, bad syntax; RFC 9110 lets a server ignore those). A range that starts
+    past the end raises RangeNotSatisfiable."""
+    if header is None:
+        return None
+    m = _RANGE.fullmatch(header.strip())
+    if m is None or (not m.group(1) and not m.group(2)):
+        return None
+    first, last = m.group(1), m.group(2)
+    if not first:  # a suffix: the last N bytes
+        n = int(last)
+        if n == 0:
+            raise RangeNotSatisfiable("an empty suffix range", size)
+        return max(0, size - n), size
+    start = int(first)
+    end = size if not last else min(size, int(last) + 1)
+    if last and int(last) < start:
+        return None  # invalid: ignored
+    if start >= size:
+        raise RangeNotSatisfiable(f"the range starts at {start}; the body has {size} bytes", size)
+    return start, end
+
+
+def add_routes(
+    app: FastAPI,
+    service: AggregatorService,
+    token: Callable[[str], Any],
+    account: Callable[[Request, int], None],
+    refusals: dict[int | str, dict[str, Any]],
+) -> Versions:
+    """GET /v1/blocks/{b}/versions/{v}, behind `token(endpoint)` (the app's authentication
+    dependency) unless the weights are public; `account(request, bytes_out)` counts bytes."""
+    versions = Versions(service)
+    public = service.limits.public_weights
+    scope = "public" if public else "private"
+
+    def send(request: Request, body: bytes, etag: str, headers: dict[str, str]) -> Response:
+        """An immutable body: 304 on a matching If-None-Match, 206 for one byte range."""
+        headers = {
+            "ETag": etag,
+            "Cache-Control": f"{scope}, {IMMUTABLE}",
+            "Accept-Ranges": "bytes",
+            **headers,
+        }
+        if etag_matches(request.headers.get("if-none-match"), etag):
+            return Response(status_code=304, headers=headers)
+        size = len(body)
+        span = None
+        if request.headers.get("if-range") in (None, etag):  # else: it changed, send all
+            span = byte_range(request.headers.get("range"), size)
+        if span is None:
+            account(request, size)
+            return Response(body, media_type=CONTENT_TYPE, headers=headers)
+        start, end = span
+        headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
+        account(request, end - start)
+        return Response(body[start:end], status_code=206, media_type=CONTENT_TYPE, headers=headers)
+
+    def version_answer(request: Request, block: int, version: int) -> Response:
+        tag(request, "weights", block)
+        found = versions.get(block, version)
+        return send(
+            request, found.body, found.etag, {"X-Block": str(block), "X-Version": str(version)}
+        )
+
+    def delta_answer(request: Request, block: int, version: int, base: str, wire: str) -> Response:
+        tag(request, "delta", block)
+        found = versions.delta(block, version, base, wire)
+        headers = {"X-Block": str(block), "X-Version": str(version), "X-View": found.view.id}
+        return send(request, found.body, found.etag, headers)
+
+    binary = {"content": {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}}}
+    cached: dict[int | str, dict[str, Any]] = {
+        206: {"description": "the byte range asked for"},
+        304: {"description": "not modified (If-None-Match)"},
+        **refusals,
+    }
+    spec: dict[str, Any] = {
+        "responses": {200: binary, **cached},
+        "summary": "A committed version's weights at an immutable (cacheable) URL",
+    }
+    delta_spec: dict[str, Any] = {
+        "responses": {200: binary, **cached},
+        "summary": "A committed version as a delta from a view the worker holds (pull_wire)",
+    }
+    base_query = Query(min_length=1, max_length=64, description="the id of the view held (X-View)")
+    wire_query = Query(max_length=40, description="the aggregator's pull_wire")
+    version_url = "/v1/blocks/{block}/versions/{version}"
+    if public:
+
+        @app.get(version_url, **spec)
+        def public_version(
+            request: Request, block: int = Path(ge=0), version: int = Path(ge=0)
+        ) -> Response:
+            return version_answer(request, block, version)
+
+        @app.get(DELTA_PATH, **delta_spec)
+        def public_delta(
+            request: Request,
+            block: int = Path(ge=0),
+            version: int = Path(ge=0),
+            base: str = base_query,
+            wire: str = wire_query,
+        ) -> Response:
+            return delta_answer(request, block, version, base, wire)
+
+    else:
+        authenticated = token("weights")  # a default: see dashboard.add_routes
+
+        @app.get(version_url, **spec)
+        def private_version(
+            request: Request,
+            block: int = Path(ge=0),
+            version: int = Path(ge=0),
+            _: Any = authenticated,
+        ) -> Response:
+            return version_answer(request, block, version)
+
+        delta_token = token("delta")
+
+        @app.get(DELTA_PATH, **delta_spec)
+        def private_delta(
+            request: Request,
+            block: int = Path(ge=0),
+            version: int = Path(ge=0),
+            base: str = base_query,
+            wire: str = wire_query,
+            _: Any = delta_token,
+        ) -> Response:
+            return delta_answer(request, block, version, base, wire)
+
+    return versions

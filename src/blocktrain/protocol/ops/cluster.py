@@ -1,0 +1,259 @@
+"""A whole decentralised run on this machine: the aggregator and N worker processes, talking
+real HTTP over loopback (or any address the caller gives), each a `blocktrain` subprocess.
+
+This module only starts, watches and stops processes; the caller prepares the state folder
+(config, initial weights, tokens) and evaluates the result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from blocktrain.errors import ProtocolError
+from blocktrain.protocol.store.storage import StateDir
+from blocktrain.protocol.worker.client import AggregatorClient
+from blocktrain.protocol.worker.retrying import RetryPolicy
+
+log = logging.getLogger(__name__)
+
+BLOCKTRAIN = [sys.executable, "-m", "blocktrain.cli.main"]
+"""How a subprocess runs the CLI (the same interpreter and package as this process)."""
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    stdout: Path
+    stderr: Path
+    files: list[IO[bytes]] = field(default_factory=list)
+
+    def close_files(self) -> None:
+        for f in self.files:
+            with contextlib.suppress(OSError):
+                f.close()
+
+
+def spawn(
+    name: str,
+    argv: Sequence[str],
+    logs: Path,
+    *,
+    env: dict[str, str] | None = None,
+    prefix: Sequence[str] = (),
+) -> Proc:
+    """Start `prefix + argv` with stdout/stderr in logs/NAME.out and logs/NAME.log."""
+    logs.mkdir(parents=True, exist_ok=True)
+    out_path, err_path = logs / f"{name}.out", logs / f"{name}.log"
+    out, err = open(out_path, "wb"), open(err_path, "wb")  # noqa: SIM115 - closed by Proc
+    popen = subprocess.Popen(
+        [*prefix, *argv],
+        stdout=out,
+        stderr=err,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
+    return Proc(name, popen, out_path, err_path, [out, err])
+
+
+def wait_for_endpoint(state: StateDir, proc: Proc, timeout_s: float = 60.0) -> str:
+    """The URL the aggregator process wrote once it listens."""
+    limit = time.monotonic() + timeout_s
+    while time.monotonic() < limit:
+        doc = state.read_endpoint()
+        if doc is not None and doc.get("pid") == proc.popen.pid:
+            return str(doc["url"])
+        if proc.popen.poll() is not None:
+            raise ProtocolError(
+                f"the aggregator exited with code {proc.popen.returncode}: {tail(proc.stderr)}"
+            )
+        time.sleep(0.05)
+    raise ProtocolError(f"the aggregator did not start listening within {timeout_s:.0f}s")
+
+
+def start_aggregator(
+    state: StateDir,
+    logs: Path,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    extra: Sequence[str] = (),
+    name: str = "aggregator",
+    prefix: Sequence[str] = (),
+) -> tuple[Proc, str]:
+    state.clear_endpoint()
+    proc = spawn(
+        name,
+        [
+            *BLOCKTRAIN,
+            "aggregator",
+            "--state",
+            str(state.root),
+            "--host",
+            host,
+            "--port",
+            str(port),
+            *extra,
+        ],
+        logs,
+        prefix=prefix,
+    )
+    return proc, wait_for_endpoint(state, proc)
+
+
+def start_worker(
+    url: str,
+    token: str,
+    logs: Path,
+    *,
+    name: str,
+    data: str | None,
+    threads: int = 1,
+    extra: Sequence[str] = (),
+    prefix: Sequence[str] = (),
+    data_patterns: Sequence[str] = (),
+) -> Proc:
+    argv = [
+        *BLOCKTRAIN,
+        "worker",
+        "--aggregator",
+        url,
+        "--name",
+        name,
+        "--threads",
+        str(threads),
+        "--json",
+        *extra,
+    ]
+    if data:
+        argv += ["--data", data]
+    argv += data_patterns  # --include / --exclude, for the files of a --data folder
+    return spawn(name, argv, logs, env={"BLOCKTRAIN_TOKEN": token}, prefix=prefix)
+
+
+def stop(procs: Sequence[Proc], grace_s: float = 20.0) -> None:
+    """SIGTERM, wait up to `grace_s`, then SIGKILL whatever is left (each by its own pid)."""
+    for p in procs:
+        if p.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.popen.send_signal(signal.SIGTERM)
+    limit = time.monotonic() + grace_s
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.popen.wait(timeout=max(0.0, limit - time.monotonic()))
+        if p.popen.poll() is None:
+            log.warning("%s did not stop on SIGTERM; killing it", p.name)
+            with contextlib.suppress(ProcessLookupError):
+                p.popen.kill()
+            p.popen.wait(timeout=10)
+        p.close_files()
+
+
+def tail(path: Path, lines: int = 5) -> str:
+    try:
+        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def worker_report(proc: Proc) -> dict[str, Any] | None:
+    """The JSON report a worker printed at exit (None if it printed none)."""
+    try:
+        return dict(json.loads(proc.stdout.read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass
+class ClusterResult:
+    status: dict[str, Any]
+    workers: list[dict[str, Any] | None]
+    exit_codes: dict[str, int | None]
+    wall_seconds: float
+    url: str
+
+
+def run_cluster(
+    state: StateDir,
+    tokens: Sequence[str],
+    observer_token: str,
+    logs: Path,
+    *,
+    data: str | None,
+    data_patterns: Sequence[str] = (),
+    threads: int = 1,
+    timeout_s: float = 3600.0,
+    host: str = "127.0.0.1",
+    on_status: Callable[[dict[str, Any]], None] | None = None,
+) -> ClusterResult:
+    """Start the aggregator and one worker per token; wait until every block is done (the
+    state's settings must set max_rounds) or `timeout_s`; stop everything."""
+    if state.settings().max_rounds is None:
+        raise ProtocolError("a cluster run needs max_rounds in the aggregator settings")
+    started = time.monotonic()
+    # the aggregator's effect probe reads it
+    probe_data = ["--data", data, *data_patterns] if data else []
+    # every worker runs on this machine, from one address: no share per address below the cap
+    one_address = ["--max-connections-per-address", "512"]
+    aggregator, url = start_aggregator(state, logs, host=host, extra=[*probe_data, *one_address])
+    workers: list[Proc] = []
+    client = AggregatorClient(
+        url, observer_token, retry=RetryPolicy(base_s=0.2, cap_s=2.0, give_up_after_s=60.0)
+    )
+    try:
+        for i, token in enumerate(tokens):
+            workers.append(
+                start_worker(
+                    url,
+                    token,
+                    logs,
+                    name=f"worker-{i}",
+                    data=data,
+                    threads=threads,
+                    data_patterns=data_patterns,
+                )
+            )
+        status = client.status()
+        while not status["done"]:
+            if time.monotonic() - started > timeout_s:
+                raise ProtocolError(
+                    f"the cluster did not finish within {timeout_s:.0f}s "
+                    f"(rounds {status['rounds']}); see {logs}"
+                )
+            if aggregator.popen.poll() is not None:
+                raise ProtocolError(f"the aggregator exited early: {tail(aggregator.stderr)}")
+            if all(w.popen.poll() is not None for w in workers):
+                raise ProtocolError(
+                    f"every worker exited before the end; e.g. {tail(workers[0].stderr)}"
+                )
+            time.sleep(1.0)
+            status = client.status()
+            if on_status is not None:
+                on_status(status)
+        # the workers see `done` on their next poll and exit by themselves
+        limit = time.monotonic() + 60.0
+        while time.monotonic() < limit and any(w.popen.poll() is None for w in workers):
+            time.sleep(0.2)
+        status = client._json("GET", "/v1/status", params={"rounds": 100_000})
+    finally:
+        client.close()
+        stop(workers)
+        stop([aggregator])
+    return ClusterResult(
+        status=status,
+        workers=[worker_report(w) for w in workers],
+        exit_codes={p.name: p.popen.returncode for p in [aggregator, *workers]},
+        wall_seconds=time.monotonic() - started,
+        url=url,
+    )

@@ -1,0 +1,12 @@
+"""The protocol's service: the round engine on the wall clock, every event persisted; what the
+HTTP routes call, with no FastAPI here.
+
+    aggregator_service  AggregatorService: identity, registration, pulls, pushes, ticks
+    admission           who may call and push: token, rate, worker, block; refusal rows
+    identity            who is calling: the bearer token and the worker it speaks for
+    access              what a client may cost: AccessLimits and the per-token rate limit
+    placement           which blocks this aggregator serves, and where the others live
+    updates             what the push and pull paths carry: context, reply, ledger columns
+
+Imports core/ and store/ only of protocol/ (tests/test_layers.py).
+"""

@@ -1,0 +1,122 @@
+"""Who may call the aggregator, and what a refused push leaves: the token (`identity`), its rate
+(`access.rate_limit`), the worker it speaks for and the block it names, checked before a byte of
+a push's body is read (`begin_push`, step 1 of `aggregator_service`'s six); and the ledger row
+of a push refused once its token is known and admitted (`_record_refusal`).
+`AggregatorService` takes it as a mixin; the state it reads is declared here and set there.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from blocktrain.errors import Refused
+from blocktrain.httpserve import TokenBucket
+from blocktrain.protocol.core.round_engine import RoundEngine
+from blocktrain.protocol.core.verdict import refused
+from blocktrain.protocol.service import identity
+from blocktrain.protocol.service.access import rate_limit
+from blocktrain.protocol.service.identity import Caller
+from blocktrain.protocol.service.placement import Directory
+from blocktrain.protocol.service.updates import PushContext
+from blocktrain.protocol.store.ledger import Ledger
+from blocktrain.protocol.store.ledger_schema import TokenRow
+
+log = logging.getLogger(__name__)
+
+
+class Admission:
+    """Identity, rate and placement checks, and refusal rows, over the service's state."""
+
+    ledger: Ledger
+    limiter: TokenBucket
+    n_blocks: int
+    directory: Directory
+    engine: RoundEngine
+    clock: Callable[[], float]
+
+    # ------------------------------------------------------------------ identity
+
+    def authenticate(self, authorization: str | None) -> TokenRow:
+        return identity.authenticate(self.ledger, authorization)
+
+    def identify(self, authorization: str | None, worker_header: str | None) -> Caller:
+        return identity.identify(self.ledger, authorization, worker_header)
+
+    def admit(self, token_id: int) -> None:
+        """The token's rate limit (RateLimited, a 429, when it is spent)."""
+        rate_limit(self.limiter, token_id)
+
+    def check_block(self, block: int) -> None:
+        if not 0 <= block < self.n_blocks:
+            raise refused("unknown_block", f"block {block} is outside 0..{self.n_blocks - 1}")
+        self.directory.check(block)
+
+    def _worker_on(self, caller: Caller, block: int) -> int:
+        if caller.worker_id is None:
+            raise refused(
+                "unknown_worker", "this token has no registered worker; POST /v1/workers first"
+            )
+        self.check_block(block)
+        assigned = self.engine.registry.block_of(caller.worker_id)
+        if assigned != block:
+            raise refused(
+                "not_assigned",
+                f"worker {caller.worker_id} is assigned to block {assigned}, not {block}",
+            )
+        return caller.worker_id
+
+    def begin_push(
+        self, *, authorization: str | None, worker_header: str | None, block: int
+    ) -> PushContext:
+        """Who is pushing, to which block: refused before a byte of the body is read. Only an
+        authenticated, admitted token's refusals get a ledger row (the HTTP guard has already
+        checked the declared size)."""
+        received = self.clock()
+        token = self.authenticate(authorization)
+        self.admit(token.id)
+        worker: int | None = None
+        try:
+            caller = self.identify(authorization, worker_header)
+            worker = caller.worker_id
+            worker = self._worker_on(caller, block)
+        except Refused as exc:
+            self._record_refusal(received, token.id, worker, block, exc, 0)
+            raise
+        return PushContext(received, token.id, worker, block)
+
+    def refuse_push(self, ctx: PushContext, reason: str, detail: str, size: int) -> Refused:
+        exc = refused(reason, detail)
+        self._record_refusal(ctx.received, ctx.token_id, ctx.worker_id, ctx.block, exc, size)
+        return exc
+
+    def _record_refusal(
+        self,
+        received: float,
+        token_id: int | None,
+        worker: int | None,
+        block: int | None,
+        exc: Refused,
+        size: int,
+        **fields: Any,
+    ) -> None:
+        known_block = block if block in self.directory.served else None
+        self.ledger.record_update(
+            received=received,
+            bytes=size,
+            fate="refused",
+            token_id=token_id,
+            worker_id=worker,
+            block=known_block,
+            reason=exc.reason,
+            detail=exc.detail,
+            **fields,
+        )
+        log.info(
+            "refused an update for block %s from worker %s: %s (%s)",
+            block,
+            worker,
+            exc.reason,
+            exc.detail,
+        )

@@ -1,0 +1,363 @@
+"""The aggregator's service: the round engine (`core.round_engine.RoundEngine`) on the wall
+clock, with every event persisted, and the functions the HTTP routes call.
+
+The engine takes every decision; this module adds what a real aggregator needs around it:
+identity (the `admission` mixin, over `identity`), the ledger, durable update bodies, committed
+versions on disk, byte counters (`traffic`) and a lock. Time comes from the injected `clock`
+(seconds since the epoch by default, so deadlines survive a restart).
+
+An update is handled in six steps:
+
+1. identity: token, rate, worker, its block (`begin_push`; the HTTP guard checked the size);
+2. form: `RoundEngine.inspect` (safetensors parse, the validator chain), outside the lock;
+3. timing first: under the lock, `RoundEngine.judge` (duplicate, late, stale), then
+   `RoundEngine.screen` (replays: the body bound to its worker, round and version, its tensors
+   not seen before), and a place at the effect probe (`RoundEngine.reserve_probe`: the
+   identity's budget, the bounded queue);
+4. effect: `RoundEngine.finish` (the probe, one at a time under `probe_lock`, and the
+   identity's standing), outside the engine's lock; then the body is written to STATE/pending
+   and fsynced, still outside it;
+5. timing again: under the lock, `RoundEngine.judge` and `screen` (the round may have closed,
+   or a copy come in, meanwhile); if
+   accepted, a ledger row, then `RoundEngine.record` and `tick` (which may close the round);
+   else the pending file is removed;
+6. an accepted row is fsynced after the lock is released (one fsync covers every row committed
+   so far, so concurrent pushes share them), and only then is the push answered.
+
+A refused push gets a ledger row with its reason before the 4xx goes out once its token is
+known and admitted; earlier refusals (token, rate, the HTTP guard's limits) are counted in
+memory only (`traffic.refusals`), so that no one who merely reaches the port fills the disk.
+Old refused rows are pruned (`AccessLimits.keep_refused`); the ledger's counters keep totals.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import torch
+
+from blocktrain.errors import ProtocolError
+from blocktrain.httpserve import TokenBucket
+from blocktrain.protocol.core.bodies import encode
+from blocktrain.protocol.core.events import Checked, Committed, EngineBlock, ProbeSlot
+from blocktrain.protocol.core.settings import AggregatorSettings
+from blocktrain.protocol.core.verdict import Verdict, refused
+from blocktrain.protocol.service import identity
+from blocktrain.protocol.service.access import AccessLimits
+from blocktrain.protocol.service.admission import Admission
+from blocktrain.protocol.service.identity import Caller
+from blocktrain.protocol.service.placement import Directory, placed
+from blocktrain.protocol.service.updates import PullReply, PushContext, update_fields
+from blocktrain.protocol.store.ledger_schema import TokenRow, fsync_wal
+from blocktrain.protocol.store.persist import Durable
+from blocktrain.protocol.store.storage import StateDir
+from blocktrain.protocol.store.traffic import Traffic
+
+log = logging.getLogger(__name__)
+
+Tensors = dict[str, torch.Tensor]
+Clock = Callable[[], float]
+
+
+class AggregatorService(Admission):
+    """The aggregator without HTTP. Thread-safe: one lock guards the engine."""
+
+    def __init__(
+        self,
+        settings: AggregatorSettings | None = None,
+        *,
+        storage: StateDir,
+        clock: Clock = time.time,
+        limits: AccessLimits | None = None,
+        rate_clock: Clock = time.monotonic,
+        directory: Directory | None = None,
+    ) -> None:
+        self.storage = storage
+        self.limits = limits or AccessLimits()
+        self.limiter = TokenBucket(self.limits.rate_per_s, self.limits.burst, rate_clock)
+        self._pruned_at: float | None = None
+        manifest = storage.manifest()
+        self.settings = settings if settings is not None else storage.settings()
+        self.run_config: dict[str, Any] = dict(manifest["run_config"])
+        self.n_blocks = int(manifest["blocks"])
+        self.directory = (
+            placed(storage)
+            if directory is None
+            else placed(storage, directory.served, directory.peers)
+        )
+        """The blocks served here (as the state folder saved them, `placement.placed`); the
+        others are refused with where they live, and leave no trace here."""
+        self.clock = clock
+        self.ledger = storage.ledger
+        self.traffic = Traffic(self.ledger, self.directory.served)
+        self.lock = threading.RLock()
+        self.probe_lock = threading.Lock()
+        """The effect probe runs one update at a time (PROBE_SLOTS bound those waiting)."""
+        self.started_at = clock()
+        self.durable = Durable(storage, self.settings)
+        self._cache: dict[int, tuple[tuple[int, int, float | None], bytes]] = {}
+        """block -> ((version, round, deadline), the encoded body of the last pull)."""
+        self.engine = self.durable.restore(self.directory.served)
+        self.engine.on_commit.append(self.durable.commit)
+        self.blocks: dict[int, EngineBlock] = self.engine.blocks
+        self.max_body = self.engine.max_body
+        self._shut_out: set[int] = set()  # revoked or banned tokens already dropped
+        self.tick()
+
+    # ------------------------------------------------------------------ workers
+
+    def register(
+        self, *, token: TokenRow, block: int | None = None, name: str | None = None
+    ) -> dict[str, Any]:
+        if block is not None:
+            self.check_block(block)
+        allowed = identity.allowed_blocks(token, self.n_blocks, block)
+        if len(self.directory.served) < self.n_blocks:
+            allowed = self.directory.allowed(allowed)
+        with self.lock:
+            now = self.clock()
+
+            def add(chosen: int) -> int:
+                return self.ledger.add_worker(token.id, chosen, name, now)
+
+            reg = self.engine.register(now, block, add, token.id, allowed)
+            for old in reg.replaced:  # the token's oldest workers, retired for this one
+                self.ledger.worker_left(old, now)
+        log.info("worker %d (%s) registered on block %d", reg.worker, token.name, reg.block)
+        seed = int(self.run_config.get("seed", 0))
+        return {
+            "worker_id": reg.worker,
+            "block": reg.block,
+            "data_seed": seed * self.settings.n_workers + reg.worker,
+            "local_steps": self.settings.local_steps,
+            "round": reg.view.round,
+            "version": reg.view.version,
+            "wire_dtype": self.settings.wire_dtype,
+            "delta_wire": self.settings.push_wire,
+            "pull_wire": self.settings.pulls,
+            "done": reg.view.done,
+        }
+
+    def leave(self, *, caller: Caller) -> dict[str, Any]:
+        assert caller.worker_id is not None
+        with self.lock:
+            now = self.clock()
+            self.ledger.worker_left(caller.worker_id, now)
+            self.engine.leave(caller.worker_id, now)
+        log.info("worker %d left", caller.worker_id)
+        return {"worker_id": caller.worker_id, "left": True}
+
+    def public_settings(self) -> dict[str, Any]:
+        return {**self.settings.to_dict(), "max_body_bytes": self.max_body}
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "run_config": self.run_config,
+            "protocol": self.public_settings(),
+            "blocks": self.n_blocks,
+            "tensors": {
+                str(b): {k: list(v) for k, v in st.spec.shapes.items()}
+                for b, st in self.blocks.items()
+            },
+        }
+
+    # ------------------------------------------------------------------ pulls
+
+    def pull(self, *, caller: Caller, block: int, with_body: bool = True) -> PullReply:
+        """The open round's weights in the wire dtype (an empty body unless `with_body`: the
+        caller fetches the version's own URL); the first pull starts the round's clock."""
+        worker = self._worker_on(caller, block)
+        with self.lock:
+            now = self.clock()
+            pulled = self.engine.pull(worker, block, now)
+            view = pulled.view
+            if view.done:
+                raise refused(
+                    "done", f"block {block} finished its {self.settings.max_rounds} rounds"
+                )
+            if pulled.started:
+                self.ledger.round_started(block, view.round, now)
+            self.traffic.mark_pull(worker, view.round, now)
+            key = (view.version, view.round, view.deadline)
+            cached = self._cache.get(block)
+            if not with_body:
+                cached = (key, b"")
+            elif cached is None or cached[0] != key:
+                meta = {
+                    "block": block,
+                    "version": view.version,
+                    "round": view.round,
+                    "deadline": "" if view.deadline is None else f"{view.deadline:.6f}",
+                    "dtype": self.settings.wire_dtype,
+                    "local_steps": self.settings.local_steps,
+                }
+                weights = self.blocks[block].weights
+                cached = self._cache[block] = (key, encode(weights, meta, self.settings.wire_dtype))
+            body = cached[1]
+        deadline_in = None if view.deadline is None else view.deadline - now
+        return PullReply(body, view, deadline_in)
+
+    def peek(self, block: int) -> dict[str, Any]:
+        """The open round of a block, without side effects (for long polls)."""
+        self.check_block(block)
+        view = self.blocks[block].rounds.view()
+        now = self.clock()
+        return {
+            "block": block,
+            "round": view.round,
+            "version": view.version,
+            "deadline": view.deadline,
+            "deadline_in": None if view.deadline is None else view.deadline - now,
+            "done": view.done,
+        }
+
+    # ------------------------------------------------------------------ pushes
+
+    def submit(self, ctx: PushContext, body: bytes | bytearray) -> dict[str, Any]:
+        """Check, store and judge one update; returns the acceptance or raises Refused."""
+        checked = self.engine.inspect(ctx.block, body)
+        meta = checked.meta
+        fields = {} if meta is None else update_fields(meta, checked)
+        if not checked.verdict.accepted:
+            self._refused(ctx, checked, checked.verdict, body, fields)
+        assert meta is not None
+        with self.lock:  # the cheap checks first: no probe for a duplicate or late update
+            verdict = self.engine.judge(ctx.worker_id, ctx.block, meta, self.clock())
+            if verdict.accepted:
+                verdict = self.engine.screen(ctx.worker_id, ctx.block, checked)
+            slot = None
+            if verdict.accepted:
+                verdict, slot = self.engine.reserve_probe(ctx.worker_id, ctx.block)
+        if not verdict.accepted:
+            self._refused(ctx, checked, verdict, body, fields)
+        try:
+            if slot is not None:  # the probe: one update at a time, a bounded queue before it
+                with self.probe_lock:
+                    checked = self.engine.finish(checked, ctx.worker_id)
+            else:
+                checked = self.engine.finish(checked, ctx.worker_id)
+        except BaseException:
+            with self.lock:
+                self.engine.release_probe(slot, accepted=False)
+            raise
+        fields = update_fields(meta, checked)
+        if not checked.verdict.accepted:
+            self._refused(ctx, checked, checked.verdict, body, fields, slot)
+        try:
+            name = self.storage.write_pending(ctx.block, body)  # durable before it is accepted
+        except BaseException:
+            with self.lock:
+                self.engine.release_probe(slot, accepted=True)
+            raise
+        with self.lock:
+            now = self.clock()
+            verdict = self.engine.judge(ctx.worker_id, ctx.block, meta, now)
+            if verdict.accepted:  # a copy pushed while this one was probed
+                screened = self.engine.screen(ctx.worker_id, ctx.block, checked)
+                verdict = verdict if screened.accepted else screened
+            self.engine.release_probe(slot, accepted=verdict.accepted)
+            if not verdict.accepted:
+                self.storage.remove_pending(name)
+                self.engine.record(ctx.worker_id, ctx.block, verdict, now, checked=checked)
+                self._refuse(ctx, checked, verdict.reason, verdict.detail, body, fields)
+                self.engine.tick(now)
+                raise refused(verdict.reason, verdict.detail)
+            update_id = self.ledger.record_update(
+                received=ctx.received,
+                bytes=len(body),
+                fate="accepted",
+                token_id=ctx.token_id,
+                worker_id=ctx.worker_id,
+                block=ctx.block,
+                weight=verdict.weight,
+                counts_in=verdict.counts_in,
+                pending=name,
+                seen=now,
+                sync=False,  # fsynced below, outside the lock: concurrent pushes share fsyncs
+                **fields,
+            )
+            self.durable.pending[ctx.block][update_id] = name
+            started = self.engine.record(
+                ctx.worker_id, ctx.block, verdict, now, checked=checked, update_id=update_id
+            )
+            if started:  # so that a restart restores the round's deadline
+                self.ledger.round_started(ctx.block, self.blocks[ctx.block].rounds.round, now)
+            self.engine.tick(now)
+        fsync_wal(self.ledger.path)  # the row is durable before the answer says accepted
+        return {
+            "accepted": True,
+            "update_id": update_id,
+            "round": meta.round,
+            "counts_in": verdict.counts_in,
+            "weight": verdict.weight,
+            "norm": fields["norm"],
+        }
+
+    def _refused(
+        self,
+        ctx: PushContext,
+        checked: Checked,
+        verdict: Verdict,
+        body: bytes | bytearray,
+        fields: dict[str, Any],
+        slot: ProbeSlot | None = None,
+    ) -> NoReturn:
+        """Record a refused update (its ledger row, its report in the round, its reputation)
+        and raise the refusal; `slot`: its place at the probe, given back spent."""
+        with self.lock:
+            now = self.clock()
+            self.engine.release_probe(slot, accepted=False)
+            self.engine.record(ctx.worker_id, ctx.block, verdict, now, checked=checked)
+            self._refuse(ctx, checked, verdict.reason, verdict.detail, body, fields)
+            self.engine.tick(now)
+        raise refused(verdict.reason, verdict.detail)
+
+    def _refuse(
+        self,
+        ctx: PushContext,
+        checked: Checked,
+        reason: str,
+        detail: str,
+        body: bytes | bytearray,
+        fields: dict[str, Any],
+    ) -> None:
+        exc = refused(reason, detail)
+        self._record_refusal(
+            ctx.received, ctx.token_id, ctx.worker_id, ctx.block, exc, len(body), **fields
+        )
+
+    # ------------------------------------------------------------------ rounds
+
+    def tick(self) -> list[Committed]:
+        """Drop what tokens revoked or banned since the last tick left (`token revoke` and `ban`
+        write the ledger from another process), close every round that is due (the aggregator
+        calls this a few times a second), flush the traffic counters and, now and then, prune
+        refused ledger rows."""
+        with self.lock:
+            now = self.clock()
+            shut_out = self.ledger.shut_out_tokens()
+            new = {t: why for t, why in shut_out.items() if t not in self._shut_out}
+            self.durable.drop_tokens(self.engine, new, now)
+            self._shut_out = set(shut_out)
+            committed = self.engine.tick(now)
+        self.traffic.flush()
+        if self._pruned_at is None or now - self._pruned_at >= self.limits.prune_every_s:
+            self._pruned_at = now
+            self.ledger.prune_refused(self.limits.keep_refused)
+        return committed
+
+    def flush_traffic(self) -> None:
+        self.traffic.flush()
+
+
+def open_service(
+    storage: StateDir, settings: AggregatorSettings | None = None, clock: Clock = time.time
+) -> AggregatorService:
+    """A service over an initialised state folder (ProtocolError when it is not)."""
+    if not storage.initialised:
+        raise ProtocolError(f"{storage.root} holds no aggregator state")
+    return AggregatorService(settings, storage=storage, clock=clock)

@@ -1,0 +1,9 @@
+"""The protocol's worker side: the HTTP client of the aggregator and the loop that trains.
+
+    retrying  HTTP with timeouts, retried with backoff and jitter, and after Retry-After
+    client    the worker's client of the aggregator: register, pulls (whole or deltas), pushes
+    loop      the worker loop: register, pull, train H steps, push, round after round
+    doctor    why a worker cannot reach its aggregator: one check per layer
+
+Imports core/ only of protocol/ (tests/test_layers.py).
+"""

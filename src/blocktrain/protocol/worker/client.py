@@ -1,0 +1,352 @@
+"""The worker's HTTP client of the aggregator.
+
+`AggregatorClient` is httpx with explicit timeouts and an injectable transport (or a whole
+`httpx.Client`, e.g. a FastAPI TestClient, so that tests run client and app in one process).
+Transient failures (connection errors, timeouts, 5xx) are retried with exponential backoff and
+full jitter; a 429 (the token's rate limit) is retried after its Retry-After; any other 4xx is
+a refusal (`errors.Refused`) and is never retried blindly (`retrying.RetryingHttp`, its base).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import torch
+
+from blocktrain.errors import ProtocolError
+from blocktrain.protocol.core.bodies import (
+    CONTENT_TYPE,
+    WireError,
+    decode,
+    update_body,
+    version_path,
+)
+from blocktrain.protocol.core.delta_wire import FULL, DeltaWire, pull_codec
+from blocktrain.protocol.core.pulls import View, read_delta
+from blocktrain.protocol.worker.retrying import DEFAULT_TIMEOUT, RetryingHttp, RetryPolicy
+
+log = logging.getLogger(__name__)
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Registration:
+    worker_id: int
+    block: int
+    data_seed: int
+    local_steps: int
+    wire_dtype: str
+    delta_wire: str
+    """How pushes carry deltas (an aggregator that does not say takes wire_dtype)."""
+    pull_wire: str = FULL
+    """How pulls travel: whole versions, or deltas from the view held (`protocol.core.pulls`)."""
+
+
+@dataclass(frozen=True)
+class Pulled:
+    tensors: Tensors
+    block: int
+    version: int
+    round: int
+    deadline_in: float | None
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class PushResult:
+    accepted: bool
+    reason: str
+    detail: str
+    status: int
+    nbytes: int
+    body: dict[str, Any]
+
+
+class AggregatorClient(RetryingHttp):
+    """One worker's (or an operator's) connection to the aggregator."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str,
+        *,
+        transport: httpx.BaseTransport | None = None,
+        client: httpx.Client | None = None,
+        timeout: httpx.Timeout = DEFAULT_TIMEOUT,
+        verify: bool | str | ssl.SSLContext = True,
+        retry: RetryPolicy | None = None,
+        stop: threading.Event | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.token = token
+        if isinstance(verify, str):  # a CA bundle to trust (e.g. a self-signed certificate)
+            verify = ssl.create_default_context(cafile=verify)
+        self.http = (
+            client
+            if client is not None
+            else httpx.Client(
+                base_url=self.base_url, transport=transport, timeout=timeout, verify=verify
+            )
+        )
+        self.retry = retry or RetryPolicy()
+        self.stop = stop or threading.Event()
+        self._sleep = sleep
+        self._clock = clock
+        """Measures the retry budget; tests pass a fake one with a fake `sleep`."""
+        self._rng = rng or random.Random()
+        self.worker_id: int | None = None
+        self.bytes_down = 0
+        self.bytes_up = 0
+        self._held: tuple[str, str, Tensors] | None = None
+        """(URL, ETag, tensors) of the last version downloaded, revalidated when pulled again."""
+        self.pull_wire = FULL
+        """The registration's pull wire: with a codec, pulls are deltas from `_view`."""
+        self._view: View | None = None
+        """The weights last pulled, as they arrived (the wire dtype)."""
+        self._latest: dict[int, tuple[int, Tensors]] = {}
+        """Per other block read with `latest`: (version, tensors); a version never changes."""
+
+    def close(self) -> None:
+        self.http.close()
+
+    # ------------------------------------------------------------------ calls
+
+    def register(self, block: int | None = None, name: str | None = None) -> Registration:
+        body: dict[str, Any] = {}
+        if block is not None:
+            body["block"] = block
+        if name is not None:
+            body["name"] = name
+        self.worker_id = None
+        doc = self._json("POST", "/v1/workers", json=body)
+        self.worker_id = int(doc["worker_id"])
+        self.pull_wire = str(doc.get("pull_wire") or FULL)
+        return Registration(
+            self.worker_id,
+            int(doc["block"]),
+            int(doc["data_seed"]),
+            int(doc["local_steps"]),
+            str(doc["wire_dtype"]),
+            str(doc.get("delta_wire") or doc["wire_dtype"]),
+            self.pull_wire,
+        )
+
+    def leave(self) -> None:
+        if self.worker_id is not None:
+            self._json("DELETE", f"/v1/workers/{self.worker_id}")
+
+    def config(self) -> dict[str, Any]:
+        return self._json("GET", "/v1/config")
+
+    def directory(self) -> dict[str, Any]:
+        """Where each block's aggregator lives (`protocol.service.placement`)."""
+        return self._json("GET", "/v1/directory")
+
+    def move_to(self, url: str) -> None:
+        """Talk to another aggregator of the run from now on (register there next)."""
+        self.base_url = url.rstrip("/")
+        self.worker_id = None
+        self._held = None
+        self._view = None
+        self._latest = {}
+
+    def status(self) -> dict[str, Any]:
+        return self._json("GET", "/v1/status")
+
+    def round(self, block: int, *, after: int = -1, wait: float = 0.0) -> dict[str, Any]:
+        return self._json("GET", f"/v1/blocks/{block}/round", params={"after": after, "wait": wait})
+
+    def pull(self, block: int) -> Pulled:
+        """The open round's weights. The aggregator records the pull and answers 303 with the
+        round in its headers (`?redirect=1`); the bytes come from the version's immutable URL,
+        which a plain HTTP cache or CDN may serve, and a version already held is revalidated
+        (If-None-Match, 304) instead of downloaded again. With a `pull_wire` codec the next
+        version comes as a delta from the view held (`protocol.core.pulls`). An aggregator without
+        versioned URLs answers with the body at once, as before."""
+        response = self.request(
+            "GET", f"/v1/blocks/{block}", params={"redirect": 1}, follow_redirects=False
+        )
+        self.bytes_down += len(response.content)
+        if response.status_code >= 400:
+            raise self._refusal(response)
+        h = response.headers
+        if response.status_code == 303:
+            version = int(h["X-Version"])
+            tensors, nbytes = self._version(h["Location"], block, version)
+            return Pulled(
+                tensors,
+                block,
+                version,
+                int(h["X-Round"]),
+                _seconds(h),
+                nbytes + len(response.content),
+            )
+        meta, tensors = self._weights(response.content)
+        tensors = _fp32(tensors)
+        if "round" not in meta:  # something between us followed the 303 for us
+            raise ProtocolError(f"GET /v1/blocks/{block} answered a body without its round")
+        return Pulled(
+            tensors,
+            int(meta["block"]),
+            int(meta["version"]),
+            int(meta["round"]),
+            _seconds(h),
+            len(response.content),
+        )
+
+    def latest(self, block: int) -> Tensors:
+        """The latest committed version of another block (fp32), read without a pull: what a
+        worker under `route = features` reads of the blocks before its own. Fetched from the
+        version's immutable URL, and not again while the version stands."""
+        version = int(self.round(block)["version"])
+        held = self._latest.get(block)
+        if held is not None and held[0] == version:
+            return _fp32(held[1])
+        url = version_path(block, version)
+        response = self.request("GET", url, follow_redirects=True)
+        self.bytes_down += len(response.content)
+        if response.status_code >= 400:
+            raise self._refusal(response)
+        tensors = self._version_body(response.content, url, block, version)
+        self._latest[block] = (version, tensors)
+        return _fp32(tensors)
+
+    def _version(self, url: str, block: int, version: int) -> tuple[Tensors, int]:
+        """A committed version's tensors (fp32) and the bytes its answer carried: the view
+        held when it is that version, else a delta from it (a pull wire with a codec), else
+        the whole version."""
+        view = self._view if self._view is not None and self._view.block == block else None
+        if view is not None and view.version == version:
+            return _fp32(view.tensors), 0
+        codec = pull_codec(self.pull_wire)
+        nbytes = 0
+        if codec is not None and view is not None and view.version < version:
+            chained, nbytes = self._delta(url, view, version, codec)
+            if chained is not None:
+                self._view = chained
+                return _fp32(chained.tensors), nbytes
+        held = self._held if self._held is not None and self._held[0] == url else None
+        headers = {} if held is None else {"If-None-Match": held[1]}
+        response = self.request("GET", url, headers=headers, follow_redirects=True)
+        self.bytes_down += len(response.content)
+        nbytes += len(response.content)
+        if response.status_code == 304 and held is not None:
+            tensors = held[2]
+        else:
+            if response.status_code >= 400:
+                raise self._refusal(response)
+            tensors = self._version_body(response.content, url, block, version)
+            etag = response.headers.get("ETag")
+            self._held = None if etag is None else (url, etag, tensors)
+        self._view = View.of(block, version, tensors) if codec is not None else None
+        return _fp32(tensors), nbytes
+
+    def _delta(
+        self, url: str, base: View, version: int, codec: DeltaWire
+    ) -> tuple[View | None, int]:
+        """`version` as a delta from `base`, and the bytes received; no view after any refusal
+        (unknown_base after a restart, an old aggregator) or a bad body: the caller then pulls
+        the whole version."""
+        response = self.request(
+            "GET",
+            url.rstrip("/") + "/delta",
+            params={"base": base.id, "wire": self.pull_wire},
+            follow_redirects=True,
+        )
+        self.bytes_down += len(response.content)
+        if response.status_code != 200:
+            log.info("delta pull of version %d refused (HTTP %d)", version, response.status_code)
+            if response.status_code == 400:  # wrong_wire: restarted with another pull wire
+                self.pull_wire = FULL  # whole pulls until the next registration says again
+            return None, len(response.content)
+        try:
+            return read_delta(response.content, base, version, codec), len(response.content)
+        except ProtocolError as exc:
+            log.warning("delta pull of version %d unusable (%s); pulling it whole", version, exc)
+            return None, len(response.content)
+
+    def _version_body(self, body: bytes, url: str, block: int, version: int) -> Tensors:
+        """The tensors of a committed version's body, refused unless it names that version."""
+        meta, tensors = self._weights(body)
+        if (meta.get("block"), meta.get("version")) != (str(block), str(version)):
+            raise ProtocolError(
+                f"{url} holds block {meta.get('block')} version {meta.get('version')}, "
+                f"not block {block} version {version}"
+            )
+        return tensors
+
+    @staticmethod
+    def _weights(body: bytes) -> tuple[dict[str, str], Tensors]:
+        """The metadata and tensors of a weights body, as they travelled (the wire dtype)."""
+        try:
+            decoded = decode(body)
+        except WireError as exc:
+            raise ProtocolError(f"the aggregator sent unreadable weights: {exc.detail}") from exc
+        return decoded.metadata, decoded.to_torch()
+
+    def push(
+        self,
+        block: int,
+        delta: Tensors,
+        *,
+        base_version: int,
+        round: int,
+        tokens: int,
+        loss: float | None = None,
+        dtype: str = "fp16",
+    ) -> PushResult:
+        body = update_body(
+            block,
+            delta,
+            base_version=base_version,
+            round=round,
+            tokens=tokens,
+            loss=loss,
+            worker_id=self.worker_id,
+            dtype=dtype,
+        )
+        return self.push_bytes(block, body)
+
+    def push_bytes(self, block: int, body: bytes) -> PushResult:
+        """Push an encoded update; a refusal is returned (not raised) with its reason."""
+        response = self.request(
+            "POST",
+            f"/v1/blocks/{block}/updates",
+            content=body,
+            headers={"Content-Type": CONTENT_TYPE},
+        )
+        self.bytes_up += len(body)
+        self.bytes_down += len(response.content)
+        try:
+            doc = dict(response.json())
+        except ValueError:
+            doc = {}
+        if response.status_code >= 400:
+            refusal = self._refusal(response)
+            return PushResult(
+                False, refusal.reason, refusal.detail, response.status_code, len(body), doc
+            )
+        return PushResult(bool(doc.get("accepted")), "", "", response.status_code, len(body), doc)
+
+
+def _fp32(tensors: Tensors) -> Tensors:
+    """The trainer's own fp32 copy (the held tensors stay as they arrived)."""
+    return {k: v.float() if v.dtype != torch.float32 else v.clone() for k, v in tensors.items()}
+
+
+def _seconds(headers: httpx.Headers) -> float | None:
+    """X-Deadline-In: the seconds left in the round (None before its clock started)."""
+    value = headers.get("X-Deadline-In") or None
+    return None if value is None else float(value)

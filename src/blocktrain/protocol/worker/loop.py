@@ -1,0 +1,236 @@
+"""The loop a worker runs:
+
+    register -> [wait for a new round -> pull -> train H local steps -> push delta] ...
+
+`WorkerLoop` knows nothing of the model: it drives any `LocalTrainer` (`load` weights, `train`
+H steps, return the `delta`); the CLI plugs in `training.local.LocalBlockTrainer`, the simulator
+the same or a timing-only stand-in. It re-syncs by itself: after a refusal it pulls the open
+round again, after an aggregator restart its retries reconnect, and if its worker id is gone it
+registers anew. A stop event (set on SIGTERM) ends it between local steps; it then tells the
+aggregator it is leaving.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from blocktrain.errors import ProtocolError, Refused, Unreachable
+from blocktrain.protocol.core.bodies import update_body
+from blocktrain.protocol.core.codecs import DeltaEncoder
+from blocktrain.protocol.core.local_trainer import LocalTrainer
+from blocktrain.protocol.worker.client import AggregatorClient, Registration
+from blocktrain.protocol.worker.retrying import RetryPolicy
+
+log = logging.getLogger(__name__)
+
+Tensors = dict[str, torch.Tensor]
+
+LONG_POLL_S = 5.0
+"""How long a worker waits in one long poll for the next round (also bounds how long a
+SIGTERM can take to be noticed while waiting)."""
+RESYNC_REASONS = frozenset({"late", "stale_version", "future_round", "duplicate", "version_gone"})
+"""Refusals after which a worker simply pulls the open round again (version_gone: a round
+closed, and its version was pruned, between the pull and the download)."""
+REREGISTER_REASONS = frozenset({"unknown_worker", "not_assigned", "not_your_worker", "wrong_wire"})
+"""Refusals after which a worker registers again (wrong_wire: the aggregator was restarted with
+another `--wire`; registering tells the new one)."""
+FATAL_REASONS = frozenset({"missing_token", "invalid_token", "revoked_token"})
+"""Refusals no retry can fix."""
+
+
+TrainerFactory = Callable[[Registration, dict[str, Any]], LocalTrainer]
+"""Builds the trainer for a registration, given the aggregator's /v1/config."""
+
+
+@dataclass
+class WorkerReport:
+    """What a worker did, for logs and the cluster summary."""
+
+    worker_id: int | None = None
+    block: int | None = None
+    rounds: int = 0
+    accepted: int = 0
+    refused: dict[str, int] = field(default_factory=dict)
+    local_steps: int = 0
+    bytes_down: int = 0
+    bytes_up: int = 0
+    last_loss: float | None = None
+    stopped_by: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class WorkerLoop:
+    """pull -> train -> push, round after round, until the block is done or `stop` is set."""
+
+    def __init__(
+        self,
+        client: AggregatorClient,
+        make_trainer: TrainerFactory,
+        *,
+        block: int | None = None,
+        name: str | None = None,
+        stop: threading.Event | None = None,
+        max_rounds: int | None = None,
+    ) -> None:
+        self.client = client
+        self.make_trainer = make_trainer
+        self.want_block = block
+        self.name = name
+        self.stop = stop or client.stop
+        self.client.stop = self.stop
+        self.max_rounds = max_rounds
+        self.report = WorkerReport()
+        self._registration: Registration | None = None
+        self._trainer: LocalTrainer | None = None
+        self._encoder: DeltaEncoder | None = None
+        """Compresses pushes in the announced delta wire, keeping the error-feedback residual."""
+        self._config: dict[str, Any] | None = None
+
+    def _locate(self, block: int | None) -> None:
+        """Move to the aggregator that serves `block`, as the directory of the one we talk to
+        says (an aggregator without a directory serves every block)."""
+        if block is None:
+            return
+        try:
+            url = self.client.directory().get("blocks", {}).get(str(block))
+        except Refused as exc:
+            if exc.status != 404:
+                raise
+            return
+        if url and url.rstrip("/") != self.client.base_url:
+            log.info("block %d is served by %s: moving there", block, url)
+            self.client.move_to(url)
+
+    def _register(self) -> Registration:
+        self._locate(self.want_block)
+        reg = self.client.register(self.want_block, self.name)
+        if self._registration is None or reg.block != self._registration.block:
+            if self._config is None:
+                self._config = self.client.config()
+            self._trainer = self.make_trainer(reg, self._config)
+            self._encoder = None
+        if self._encoder is None or self._encoder.name != reg.delta_wire:
+            self._encoder = DeltaEncoder(reg.delta_wire)
+        self._registration = reg
+        self.report.worker_id, self.report.block = reg.worker_id, reg.block
+        log.info(
+            "worker %d on block %d (data seed %d, H = %d)",
+            reg.worker_id,
+            reg.block,
+            reg.data_seed,
+            reg.local_steps,
+        )
+        return reg
+
+    def run(self) -> WorkerReport:
+        try:
+            self._run()
+        except Unreachable:
+            if not self.stop.is_set():
+                raise
+            self.report.stopped_by = "signal"
+        finally:
+            if self.stop.is_set() and self.report.stopped_by in ("", "signal"):
+                self.report.stopped_by = "signal"
+            if self.report.stopped_by in ("signal", "max_rounds"):
+                self._say_goodbye()  # so that the block stops waiting for this replica
+            self.report.bytes_down = self.client.bytes_down
+            self.report.bytes_up = self.client.bytes_up
+        return self.report
+
+    def _say_goodbye(self) -> None:
+        stop, self.client.stop = self.client.stop, threading.Event()
+        self.client.retry = RetryPolicy(base_s=0.1, cap_s=0.5, give_up_after_s=2.0)
+        try:
+            self.client.leave()
+        except ProtocolError as exc:
+            log.info("could not say goodbye: %s", exc)
+        finally:
+            self.client.stop = stop
+
+    def _run(self) -> None:
+        reg = self._register()
+        last_round = -1
+        while not self.stop.is_set():
+            if self.max_rounds is not None and self.report.rounds >= self.max_rounds:
+                self.report.stopped_by = "max_rounds"
+                return
+            try:
+                info = self.client.round(reg.block, after=last_round, wait=LONG_POLL_S)
+                if info["done"]:
+                    self.report.stopped_by = "done"
+                    return
+                if info["round"] <= last_round:
+                    continue  # the long poll timed out; ask again
+                pulled = self.client.pull(reg.block)
+                assert self._trainer is not None
+                upstream = {b: self.client.latest(b) for b in self._trainer.upstream_blocks}
+            except Refused as exc:
+                new = self._handle_refusal(exc, reg)
+                if self.report.stopped_by:
+                    return
+                if new.worker_id != reg.worker_id:
+                    reg, last_round = new, -1
+                continue
+            assert self._trainer is not None and self._encoder is not None
+            self._trainer.load(pulled.tensors)
+            self._trainer.load_upstream(upstream)
+            # the schedule follows the block's committed version, not the round: a round that
+            # committed nothing (burned by refusals, or empty) does not advance it
+            logs = self._trainer.train(
+                reg.local_steps, pulled.version * reg.local_steps, self.stop.is_set
+            )
+            self.report.local_steps += int(logs.get("steps", 0))
+            if self.stop.is_set():
+                return
+            self.report.last_loss = float(logs["loss"])
+            body = update_body(
+                reg.block,
+                self._encoder.compress(self._trainer.delta()),
+                base_version=pulled.version,
+                round=pulled.round,
+                tokens=int(logs["tokens"]),
+                loss=float(logs["loss"]),
+                worker_id=self.client.worker_id,
+            )
+            result = self.client.push_bytes(reg.block, body)
+            self.report.rounds += 1
+            last_round = pulled.round
+            if result.accepted or result.reason == "duplicate":  # a retried push that got in
+                self.report.accepted += 1
+                continue
+            self.report.refused[result.reason] = self.report.refused.get(result.reason, 0) + 1
+            self._encoder.reset()
+            log.info("round %d refused: %s (%s)", pulled.round, result.reason, result.detail)
+            new = self._handle_refusal(Refused(result.reason, result.detail, result.status), reg)
+            if self.report.stopped_by:
+                return
+            if new.worker_id != reg.worker_id:
+                reg, last_round = new, -1
+
+    def _handle_refusal(self, exc: Refused, reg: Registration) -> Registration:
+        if exc.reason == "done":
+            self.report.stopped_by = "done"
+            return reg
+        if exc.reason in FATAL_REASONS:
+            raise exc
+        if exc.reason == "wrong_aggregator":  # the block moved (or the directory changed)
+            self._locate(reg.block if self.want_block is None else self.want_block)
+            return self._register()
+        if exc.reason in REREGISTER_REASONS:
+            log.info("re-registering after %s", exc.reason)
+            return self._register()
+        if exc.reason in RESYNC_REASONS:
+            return reg  # the next iteration pulls the open round
+        # a content refusal (norm, non-finite, ...): this replica's state is suspect; start
+        # the next round from the aggregator's weights, as after any refusal
+        log.warning("update refused for its content: %s (%s)", exc.reason, exc.detail)
+        return reg

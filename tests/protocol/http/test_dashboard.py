@@ -1,0 +1,125 @@
+"""The live dashboard in headless Chromium: it loads without console errors, shows the numbers
+of a known ledger, and updates when a round closes. It serves on a socket and drives a browser,
+so it is `network`-marked, outside the default suite (`pytest -m network` runs it). Chromium and
+its driver are not installed by the test (on Debian: `apt-get install chromium
+chromium-driver`); without them it skips and says why."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from blocktrain.httpserve import ThreadedServer, bind
+from blocktrain.protocol.http.app import create_app
+from tests.protocol.conftest import FakeClock, add_token, auth, delta_body, make_state
+
+webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
+
+pytestmark = pytest.mark.network
+
+
+def _chromium() -> tuple[str, str]:
+    """(browser, driver) paths, or a skip that names what is missing."""
+    binary, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if binary is None or driver is None:
+        missing = [
+            name for name, path in (("chromium", binary), ("chromedriver", driver)) if not path
+        ]
+        pytest.skip(
+            f"{' and '.join(missing)} not on PATH (apt-get install chromium chromium-driver)"
+        )
+    return binary, driver
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    binary, driver_path = _chromium()
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = binary
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1200,1400"):
+        opts.add_argument(arg)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(driver_path), options=opts)
+    yield driver
+    driver.quit()
+
+
+def wait_for(check: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_dashboard_shows_the_ledger_and_updates_live(browser, tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+
+    state = make_state(tmp_path / "state")
+    alice = add_token(state, "alice")
+    clock = FakeClock()
+    app = create_app(storage=state, clock=clock)
+    server = ThreadedServer.start(app, bind("127.0.0.1", 0))
+    try:
+        import httpx
+
+        http = httpx.Client(base_url=server.url)
+        service = app.state.service
+        worker = http.post("/v1/workers", json={"block": 0}, headers=auth(alice)).json()
+        w = worker["worker_id"]
+        assert http.get("/v1/blocks/0", headers=auth(alice, w)).status_code == 200
+        ok = delta_body(0, worker=w, loss=2.5)
+        assert http.post("/v1/blocks/0/updates", content=ok, headers=auth(alice, w)).is_success
+        stale = delta_body(0, worker=w, round=7)
+        assert http.post("/v1/blocks/0/updates", content=stale, headers=auth(alice, w)).is_error
+        clock.advance(31.0)
+        service.tick()  # round 0 of block 0 closes: version 1
+
+        browser.get(server.url + "/dashboard")
+        box = browser.find_element(By.ID, "token")
+        box.send_keys(alice)
+        browser.find_element(By.CSS_SELECTOR, "#auth button").click()
+
+        def cells(table: str) -> list[list[str]]:
+            # in one script: the page rebuilds its tables on every poll, so element handles
+            # taken one by one can go stale between two reads
+            return browser.execute_script(
+                "return [...document.querySelectorAll(arguments[0])]"
+                ".map(r => [...r.cells].map(c => c.textContent))",
+                f"#{table} tbody tr",
+            )
+
+        wait_for(lambda: len(cells("blocks")) == 2, "the blocks table")
+        assert cells("blocks")[0][:3] == ["0", "1", "1"]  # block, version, round
+        assert cells("blocks")[0][6] == "100%"  # round 0: 1 of 1 expected replica reported
+        assert browser.find_element(By.ID, "accepted").text == "1"
+        assert browser.find_element(By.ID, "refused").text == "1"
+        (reason,) = cells("reasons")
+        assert reason[1] == "1"
+        assert cells("workers")[0][:3] == [str(w), "0", "yes"]
+
+        # a second round closes while the page is open: it follows without a reload
+        assert http.get("/v1/blocks/0", headers=auth(alice, w)).status_code == 200
+        nxt = delta_body(0, worker=w, round=1, base_version=1, loss=2.0)
+        assert http.post("/v1/blocks/0/updates", content=nxt, headers=auth(alice, w)).is_success
+        clock.advance(31.0)
+        service.tick()
+        wait_for(lambda: cells("blocks")[0][1] == "2", "version 2 on the page")
+        assert browser.find_element(By.ID, "accepted").text == "2"
+
+        screenshot = os.environ.get("BLOCKTRAIN_DASHBOARD_SCREENSHOT")
+        if screenshot:  # how docs/dashboard.png is made
+            browser.save_screenshot(screenshot)
+        errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+        assert errors == [], errors
+    finally:
+        server.stop()
+        state.close()

@@ -1,0 +1,303 @@
+"""Real processes over real HTTP on loopback: the cluster command, SIGKILL of the aggregator
+mid-round, a worker killed mid-round. Marked `network` (they start servers and processes) and
+bounded in time."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+
+from blocktrain.cli.main import main
+from blocktrain.errors import Unreachable
+from blocktrain.protocol.ops.cluster import start_aggregator, start_worker, stop
+from blocktrain.protocol.store.storage import StateDir
+from blocktrain.protocol.store.tokens import hash_token, new_token
+from blocktrain.protocol.worker.client import AggregatorClient
+from blocktrain.protocol.worker.retrying import RetryPolicy
+from tests.conftest import micro_config
+from tests.protocol.conftest import run_state
+
+pytestmark = pytest.mark.network
+
+MICRO = ["--set", "d_model=32", "n_heads=2", "seq_len=16", "batch_size=4"]
+
+
+def wait_for(what: str, check, timeout: float, every: float = 0.1):
+    limit = time.monotonic() + timeout
+    while time.monotonic() < limit:
+        value = check()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def token(state: StateDir, name: str) -> str:
+    t = new_token()
+    state.ledger.add_token(name, hash_token(t), time.time())
+    return t
+
+
+@pytest.mark.timeout(180)
+def cluster_argv(out, corpus, *settings: str) -> list[str]:
+    return [
+        "cluster",
+        "--workers",
+        "3",
+        "--preset",
+        "tiny",
+        *MICRO,
+        *settings,
+        "--rounds",
+        "3",
+        "--local-steps",
+        "2",
+        "--deadline",
+        "30",
+        "--data",
+        str(corpus),
+        "--out",
+        str(out),
+        "--eval-bytes",
+        "256",
+        "--final-bytes",
+        "256",
+        "--final-sweeps",
+        "2",
+        "--no-progress",
+        "--json",
+    ]
+
+
+def test_a_features_cluster_trains_over_http(tmp_path, corpus, capsys):
+    """route = features over HTTP: the workers of blocks 1 and 2 read the blocks before theirs
+    each round, every update lands, and the exported model evaluates."""
+    out = tmp_path / "cluster"
+    assert main(cluster_argv(out, corpus, "route=features")) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["updates"]["accepted"] == 9 and summary["updates"]["refused"] == 0
+    assert all(code == 0 for code in summary["exit_codes"].values()), summary["exit_codes"]
+    capsys.readouterr()
+    argv = ["eval", str(out / "model"), "--data", str(corpus), "--bytes", "64", "--sweeps", "1"]
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["sampler_ce"] < 5.545  # below uniform bytes
+
+
+def test_a_diloco_cluster_trains_over_http(tmp_path, corpus, capsys):
+    """--reference: every worker trains a replica of the end-to-end model (DiLoCo, outer
+    Nesterov), the state exports as a reference run, and the aggregator refuses the probe."""
+    out = tmp_path / "cluster"
+    argv = cluster_argv(out, corpus, "blocks=1", "layers=2")
+    assert main([*argv, "--reference", "--outer-lr", "0.7", "--outer-momentum", "0.9"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["unit"] == "reference" and summary["blocks"] == 1
+    assert summary["replicas_per_block"] == [3]
+    # a round closes once the replicas that pulled it report: a late starter joins later
+    assert [r["round"] for r in summary["participation"]["0"]] == [0, 1, 2]
+    assert summary["updates"]["accepted"] >= 3 and summary["updates"]["refused"] == 0
+    assert summary["from_noise_ce_per_round"][-1] < summary["from_noise_ce_per_round"][0]
+    capsys.readouterr()
+    exported = tmp_path / "exported"
+    assert main(["export", "--state", str(out / "state"), "--out", str(exported)]) == 0
+    capsys.readouterr()
+    for run in (out / "model", exported):
+        assert main(["eval", str(run), "--data", str(corpus), "--bytes", "64", "--json"]) == 0
+        assert "ce" in json.loads(capsys.readouterr().out)  # a reference's exact CE
+    state = tmp_path / "state"
+    code = main(["aggregator", "--state", str(state), "--preset", "tiny", "--reference"])
+    assert code == 2 and "--effect-probe off" in capsys.readouterr().err
+    assert not state.exists()
+
+
+def test_cluster_command_runs_rounds_over_http(tmp_path, corpus, capsys):
+    out = tmp_path / "cluster"
+    code = main(cluster_argv(out, corpus))
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary == json.loads(capsys.readouterr().out)
+    assert len(summary["from_noise_ce_per_round"]) == 4, "round 0 (init) and after each round"
+    assert summary["replicas_per_block"] == [1, 1, 1] or summary["workers"] == 3
+    for b in ("0", "1", "2"):
+        rounds = summary["participation"][b]
+        assert [r["round"] for r in rounds] == [0, 1, 2]
+        assert all(r["accepted"] == 1 for r in rounds), rounds
+    assert summary["updates"]["accepted"] == 9 and summary["updates"]["refused"] == 0
+    assert (summary["effect_probe"], summary["pull_wire"]) == ("off", "full")  # the defaults
+    b = summary["bytes"]
+    assert b["worker_rounds"] == 9 and 1.0 <= b["ratio_to_minimum"] < 1.2, b
+    assert all(code == 0 for code in summary["exit_codes"].values()), summary["exit_codes"]
+    assert (out / "model" / "model.safetensors").is_file()
+    assert (
+        main(["eval", str(out / "model"), "--data", str(corpus), "--bytes", "64", "--sweeps", "1"])
+        == 0
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_sigkill_of_the_aggregator_mid_round_loses_no_accepted_update(tmp_path, corpus):
+    state = run_state(tmp_path / "state", micro_config(), {"deadline_s": 8.0, "local_steps": 2})
+    workers_tokens = [token(state, f"w{i}") for i in range(2)]
+    probe_token = token(state, "probe")
+    logs = tmp_path / "logs"
+    agg, url = start_aggregator(state, logs)
+    port = int(url.rsplit(":", 1)[1])
+    procs = [agg]
+    probe = AggregatorClient(url, probe_token, retry=RetryPolicy(give_up_after_s=30))
+    try:
+        for i, t in enumerate(workers_tokens):
+            procs.append(
+                start_worker(
+                    url, t, logs, name=f"worker-{i}", data=str(corpus), extra=["--block", "0"]
+                )
+            )
+        wait_for("two rounds", lambda: probe.status()["rounds"][0] >= 2, 90)
+        # hold the open round until its deadline: the probe pulls it and never pushes
+        probe.register(block=0)
+        pulled = probe.pull(0)
+        held = pulled.round
+        wait_for(
+            "both workers' updates in the held round",
+            lambda: (
+                probe.status()["blocks"][0]["pending_accepted"] == 2
+                and probe.status()["rounds"][0] == held
+            ),
+            30,
+        )
+        before = probe.status()
+        assert before["versions"][0] == pulled.version
+        agg.popen.send_signal(signal.SIGKILL)
+        agg.popen.wait(timeout=10)
+        accepted_before = {u.id for u in state.ledger.updates(fate="accepted")}
+        open_before = {u.id for u in state.ledger.open_accepted(0)}
+        assert len(open_before) == 2, "the held round's two accepted updates are in the ledger"
+        killed_at = time.time()
+
+        agg2, url2 = start_aggregator(state, logs, port=port, name="aggregator-2")
+        procs.append(agg2)
+        assert url2 == url
+        after = probe.status()
+        assert after["versions"][0] == before["versions"][0] or after["rounds"][0] > held, (
+            "resumed from the last committed version"
+        )
+        wait_for(
+            "the held round to commit with its updates",
+            lambda: all(
+                u.committed_version is not None
+                for u in state.ledger.updates(fate="accepted")
+                if u.id in open_before
+            ),
+            30,
+        )
+        # the workers come back by themselves: new accepted updates from both
+        wait_for(
+            "both workers back",
+            lambda: (
+                {
+                    u.worker_id
+                    for u in state.ledger.updates(fate="accepted")
+                    if u.received > killed_at and u.round is not None and u.round > held
+                }
+                == {0, 1}
+            ),
+            60,
+        )
+        ledger = state.ledger
+        lost = [
+            u.id
+            for u in ledger.updates(fate="accepted")
+            if u.id in accepted_before and u.committed_version is None
+        ]
+        assert lost == [], "every update accepted before the kill went into a version"
+        row = next(r for r in ledger.rounds(0) if r["round"] == held)
+        assert row["accepted"] == 2 and row["new_version"] == pulled.version + 1
+    finally:
+        probe.close()
+        stop(procs[1:] + [p for p in procs[:1]])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_killed_worker_stalls_its_block_for_at_most_one_deadline(tmp_path, corpus):
+    deadline = 5.0
+    state = run_state(
+        tmp_path / "state", micro_config(), {"deadline_s": deadline, "local_steps": 2}
+    )
+    tokens = [token(state, f"w{i}") for i in range(2)]
+    observer = token(state, "observer")
+    logs = tmp_path / "logs"
+    agg, url = start_aggregator(state, logs)
+    procs = [agg]
+    client = AggregatorClient(url, observer, retry=RetryPolicy(give_up_after_s=30))
+    try:
+        for i, t in enumerate(tokens):
+            procs.append(
+                start_worker(
+                    url, t, logs, name=f"worker-{i}", data=str(corpus), extra=["--block", "0"]
+                )
+            )
+        wait_for("rounds with both workers", lambda: client.status()["rounds"][0] >= 3, 90)
+        procs[1].popen.send_signal(signal.SIGKILL)
+        killed_round = client.status()["rounds"][0]
+        wait_for("four more rounds", lambda: client.status()["rounds"][0] >= killed_round + 4, 60)
+        rounds = [r for r in state.ledger.rounds(0) if r["round"] >= killed_round]
+        by_deadline = [r["round"] for r in rounds if r["cause"] == "deadline"]
+        assert len(by_deadline) <= 1, f"rounds closed by the deadline: {by_deadline}"
+        stalled = sum(r["closed_at"] - r["started_at"] for r in rounds[:4])
+        assert stalled < deadline + 4 * 2.0, f"{stalled:.1f}s for four rounds"
+        assert all(r["accepted"] >= 1 for r in rounds[1:4]), "the survivor keeps training"
+    finally:
+        client.close()
+        stop(procs[1:] + procs[:1])
+
+
+@pytest.mark.timeout(120)
+def test_tls_and_a_clean_stop_on_sigterm(tmp_path, corpus, capsys):
+    """HTTPS with a self-signed certificate; a worker stopped by SIGTERM says goodbye, exits 0
+    and the block stops waiting for it."""
+    import shutil
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a test certificate")
+    assert main(["tls", "self-signed", "--out", str(tmp_path / "tls")]) == 0  # the one command
+    cert, key = tmp_path / "tls" / "cert.pem", tmp_path / "tls" / "key.pem"
+    state = run_state(tmp_path / "state", micro_config(), {"deadline_s": 20.0, "local_steps": 2})
+    worker_token, observer = token(state, "w"), token(state, "observer")
+    logs = tmp_path / "logs"
+    agg, url = start_aggregator(state, logs, extra=["--tls-cert", str(cert), "--tls-key", str(key)])
+    procs = [agg]
+    assert url.startswith("https://127.0.0.1:")
+    client = AggregatorClient(
+        url, observer, verify=str(cert), retry=RetryPolicy(give_up_after_s=30)
+    )
+    try:
+        worker = start_worker(
+            url,
+            worker_token,
+            logs,
+            name="worker",
+            data=str(corpus),
+            extra=["--ca-cert", str(cert), "--block", "1"],
+        )
+        procs.append(worker)
+        wait_for("a few rounds over TLS", lambda: client.status()["rounds"][1] >= 2, 90)
+        worker.popen.send_signal(signal.SIGTERM)
+        assert worker.popen.wait(timeout=30) == 0, worker.stderr.read_text()[-500:]
+        report = json.loads(worker.stdout.read_text())
+        assert report["stopped_by"] == "signal" and report["accepted"] >= 2
+        status = client.status()
+        assert status["blocks"][1]["assigned"] == [], "the worker left"
+        (tmp_path / "observer.token").write_text(observer)
+        status_argv = ["status", url, "--token-file", str(tmp_path / "observer.token")]
+        assert main([*status_argv, "--ca-file", str(cert)]) == 0
+        assert "block 1: round" in capsys.readouterr().out
+        plain = AggregatorClient(url, observer, retry=RetryPolicy(give_up_after_s=0.5))
+        with pytest.raises(Unreachable, match=r"CERTIFICATE_VERIFY_FAILED"):
+            plain.status()  # an unknown certificate is not trusted by default
+        plain.close()
+    finally:
+        client.close()
+        stop(procs[1:] + procs[:1])

@@ -1,0 +1,255 @@
+"""Issue 31, "a token holder can freeze training for free": quorum stuffing and the probe
+flood, against the in-process app (virtual clock) and the round engine."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from blocktrain.protocol.core.round_engine import PROBE_SLOTS, RoundEngine
+from tests.protocol.conftest import (
+    SETTINGS,
+    add_token,
+    auth,
+    block_tensors,
+    delta_body,
+    make_harness,
+)
+from tests.protocol.core.test_engine_trust import TargetProbe
+
+BASE = block_tensors(100)  # block 0 of the harness
+TARGET = {k: v + 1.0 for k, v in BASE.items()}
+GOOD = {k: torch.full_like(v, 0.1) for k, v in BASE.items()}  # toward TARGET: the loss falls
+BAD = {k: torch.full_like(v, -0.1) for k, v in BASE.items()}  # away from it: harmful
+NOTHING = {k: torch.zeros_like(v) for k, v in BASE.items()}  # the loss stays: no_gain, free
+
+
+def body(tensors: dict, rnd: int = 0, version: int = 0) -> bytes:
+    return delta_body(0, tensors=tensors, round=rnd, base_version=version)
+
+
+def test_junk_from_two_tokens_does_not_close_the_round_before_the_honest_updates(tmp_path):
+    """Finding "quorum stuffing": two attacker tokens against two honest workers on one block
+    met the quorum with junk at once, the round closed after the minimum grace (deadline /
+    10) and the honest updates came late (0 of 14 accepted). Under the default quorum and
+    minimum round length, junk counts for nothing and the honest updates land."""
+    settings = dataclasses.replace(
+        SETTINGS, quorum=0.5, grace_s=SETTINGS.deadline_s / 10, min_round_s=None
+    )
+    h = make_harness(tmp_path / "s", settings)
+    tokens = [h.alice, h.bob, add_token(h.state, "eve"), add_token(h.state, "mallory")]
+    workers = [h.register(t, block=0)["worker_id"] for t in tokens]
+    for t, w in zip(tokens, workers, strict=True):
+        assert h.pull(t, w, 0).status_code == 200
+    junk = delta_body(0, dtype="fp32")  # the wrong dtype: refused for its form
+    for t, w in zip(tokens[2:], workers[2:], strict=True):
+        assert h.push(t, w, 0, junk).json()["reason"] == "bad_dtype"
+    for _ in range(20):  # a second of ticks, then the rest of the first half of the deadline
+        h.clock.advance(0.05)
+        h.service.tick()
+    h.clock.advance(settings.deadline_s / 2 - 1)
+    h.service.tick()
+    assert h.service.blocks[0].rounds.round == 0, "junk is no quorum"
+    for t, w in zip(tokens[:2], workers[:2], strict=True):
+        r = h.push(t, w, 0, delta_body(0, scale=0.01 * (w + 1)))
+        assert r.status_code == 200, r.text
+    h.clock.advance(settings.deadline_s / 10)  # the quorum's grace, from the honest updates
+    h.service.tick()
+    (row,) = h.client.get("/v1/status", headers=auth(h.alice)).json()["participation"]["0"]
+    assert row["cause"] == "quorum" and row["accepted"] == 2
+    h.state.close()
+
+
+def test_a_round_may_not_close_before_its_minimum_length_over_http(tmp_path):
+    settings = dataclasses.replace(SETTINGS, min_round_s=None)  # deadline / 4
+    h = make_harness(tmp_path / "s", settings)
+    a = h.register(h.alice, block=0)["worker_id"]
+    assert h.pull(h.alice, a, 0).status_code == 200
+    assert h.push(h.alice, a, 0, delta_body(0)).status_code == 200
+    assert h.service.blocks[0].rounds.round == 0, "every replica passed, but in a burst"
+    h.clock.advance(settings.deadline_s / 4)
+    h.service.tick()
+    assert h.service.blocks[0].rounds.round == 1
+    h.state.close()
+
+
+def test_the_probe_runs_after_the_cheap_checks(harness):
+    """Finding "probe flood": the effect probe ran before the duplicate and late checks, so a
+    token's repeated pushes each cost a probe. A duplicate, a future round and a stale
+    version are refused without one."""
+    h = harness
+    probe = TargetProbe(TARGET)
+    h.service.engine.use_probe(probe)
+    a = h.register(h.alice, block=0)["worker_id"]
+    b = h.register(h.bob, block=0)["worker_id"]
+    for t, w in ((h.alice, a), (h.bob, b)):
+        assert h.pull(t, w, 0).status_code == 200
+    assert h.push(h.alice, a, 0, body(GOOD)).status_code == 200
+    assert probe.calls == 2, "the loss before (once per version) and after"
+    for again, reason in (
+        (body(GOOD), "duplicate"),
+        (body(BAD), "duplicate"),
+        (body(GOOD, rnd=3), "future_round"),
+    ):
+        assert h.push(h.alice, a, 0, again).json()["reason"] == reason
+    assert h.push(h.bob, b, 0, body(GOOD, version=7)).json()["reason"] == "stale_version"
+    assert probe.calls == 2, "none of them reached the probe"
+
+
+def test_a_token_s_refused_probes_are_bounded_per_round(harness):
+    """A `no_gain` refusal was free, and the probe is the aggregator's costliest step: a token
+    that re-registers a worker for every push (each new worker may report once) reaches it at
+    most probe_budget times a round without an accepted update; then it is refused `busy`
+    (429) before probing, until the round closes."""
+    h = harness
+    probe = TargetProbe(TARGET)
+    h.service.engine.use_probe(probe)
+    budget = SETTINGS.probe_budget
+    assert budget == 2
+    a = h.register(h.alice, block=0)["worker_id"]
+    assert h.pull(h.alice, a, 0).status_code == 200
+    eve = add_token(h.state, "eve")
+    for _ in range(budget):
+        w = h.register(eve, block=0)["worker_id"]
+        assert h.push(eve, w, 0, body(NOTHING)).json()["reason"] == "no_gain"
+    calls = probe.calls
+    for _ in range(3):
+        w = h.register(eve, block=0)["worker_id"]
+        r = h.push(eve, w, 0, body(NOTHING))
+        assert r.status_code == 429 and r.json()["reason"] == "busy", r.text
+    assert probe.calls == calls, "refused before probing"
+    assert h.push(h.alice, a, 0, body(GOOD)).status_code == 200, "other tokens are not"
+    rows = h.state.ledger.updates(fate="refused")
+    assert sum(1 for u in rows if u.reason == "busy") == 3
+    h.clock.advance(SETTINGS.deadline_s)  # the round closes: a new budget
+    h.service.tick()
+    rounds = h.service.blocks[0].rounds
+    assert rounds.round == 1
+    w = h.register(eve, block=0)["worker_id"]
+    r = h.push(eve, w, 0, body(NOTHING, rnd=1, version=rounds.version))
+    assert r.json()["reason"] == "no_gain"
+
+
+def test_the_probe_s_queue_is_bounded():
+    """Memory: at most PROBE_SLOTS updates (and their bodies) hold a place at the probe; the
+    next is refused `busy` at once instead of waiting; a place given back is free again, and
+    an accepted update's does not count against its identity."""
+    eng = RoundEngine.fresh({0: BASE}, SETTINGS, probe=TargetProbe(TARGET))
+    ids = iter(range(1000))
+    workers = [eng.register(0.0, 0, lambda _b: next(ids), 100 + i).worker for i in range(12)]
+    slots = []
+    for w in workers[:PROBE_SLOTS]:
+        verdict, slot = eng.reserve_probe(w, 0)
+        assert verdict.accepted and slot is not None
+        slots.append(slot)
+    verdict, slot = eng.reserve_probe(workers[PROBE_SLOTS], 0)
+    assert verdict.reason == "busy" and "queue is full" in verdict.detail and slot is None
+    eng.release_probe(slots.pop(), accepted=True)
+    verdict, slot = eng.reserve_probe(workers[PROBE_SLOTS], 0)
+    assert verdict.accepted and eng.probing == PROBE_SLOTS
+    for s in slots:
+        eng.release_probe(s, accepted=True)
+    for _ in range(5):  # accepted updates give their place back to their identity
+        verdict, s = eng.reserve_probe(workers[0], 0)
+        assert verdict.accepted
+        eng.release_probe(s, accepted=True)
+
+
+# ------------------------------------------------------------------------------ replays
+
+REPLAYS = dataclasses.replace(SETTINGS, replay_rounds=8)  # the default (conftest turns it off)
+
+
+def restamped(tensors: dict, block: int, rnd: int, version: int, worker: int | None) -> bytes:
+    return delta_body(block, tensors=tensors, round=rnd, base_version=version, worker=worker)
+
+
+def close_round(h) -> None:
+    h.clock.advance(SETTINGS.deadline_s)
+    h.service.tick()
+
+
+def test_accepted_tensors_restamped_for_a_later_round_or_another_block_are_refused(tmp_path):
+    """Finding "replays": the same tensors with new round and version metadata were accepted
+    3 of 3 rounds, and on another block too."""
+    h = make_harness(tmp_path / "s", REPLAYS)
+    a = h.register(h.alice, block=0)["worker_id"]
+    b = h.register(h.bob, block=1)["worker_id"]
+    assert h.pull(h.alice, a, 0).status_code == 200
+    stolen = {k: torch.full_like(v, 0.02) for k, v in BASE.items()}
+    assert h.push(h.alice, a, 0, restamped(stolen, 0, 0, 0, a)).status_code == 200
+    close_round(h)
+    assert h.service.blocks[0].rounds.version == 1
+    assert h.pull(h.alice, a, 0).status_code == 200
+    r = h.push(h.alice, a, 0, restamped(stolen, 0, 1, 1, a))
+    assert r.status_code == 409 and r.json()["reason"] == "replay", r.text
+    assert "accepted in round 0 of block 0" in r.json()["detail"]
+    assert h.pull(h.bob, b, 1).status_code == 200
+    r = h.push(h.bob, b, 1, restamped(stolen, 1, 0, 0, b))
+    assert r.json()["reason"] == "replay", "on another block of the same shape too"
+    h.state.close()
+
+
+def test_a_body_sent_again_by_another_token_is_refused(tmp_path):
+    """Finding: a captured body was accepted again from a second token in the same round. As
+    captured it names its worker; re-stamped, its tensors give it away; and tensors another
+    identity pushed, even refused, are not anyone else's to send."""
+    h = make_harness(tmp_path / "s", REPLAYS)
+    names = ("carol", "eve", "mallory")
+    tokens = [h.alice, h.bob, *(add_token(h.state, n) for n in names)]
+    a, b, c, e, m = (h.register(t, block=0)["worker_id"] for t in tokens)
+    for t, w in zip(tokens, (a, b, c, e, m), strict=True):
+        assert h.pull(t, w, 0).status_code == 200
+    captured = restamped(GOOD, 0, 0, 0, a)
+    assert h.push(h.alice, a, 0, captured).status_code == 200
+    r = h.push(h.bob, b, 0, captured)
+    assert r.json()["reason"] == "replay" and f"names worker {a}" in r.json()["detail"]
+    r = h.push(tokens[2], c, 0, restamped(GOOD, 0, 0, 0, c))
+    assert r.json()["reason"] == "replay" and "accepted in round 0" in r.json()["detail"]
+    refused_once = {k: torch.full_like(v, 0.03) for k, v in BASE.items()}
+    r = h.push(tokens[3], e, 0, restamped(refused_once, 0, 0, 5, e))  # refused, but pushed
+    assert r.json()["reason"] == "stale_version"
+    r = h.push(tokens[4], m, 0, restamped(refused_once, 0, 0, 0, m))
+    assert r.json()["reason"] == "replay" and "another identity" in r.json()["detail"]
+    h.state.close()
+
+
+def test_an_update_is_bound_to_the_round_and_version_its_worker_pulled(tmp_path):
+    """Within the staleness bound an old round's body still counts: a worker that pulled
+    round 1 may not push one stamped for round 0 (its own replayed, or anyone's)."""
+    h = make_harness(tmp_path / "s", dataclasses.replace(REPLAYS, staleness=1))
+    a = h.register(h.alice, block=0)["worker_id"]
+    assert h.pull(h.alice, a, 0).status_code == 200
+    assert h.push(h.alice, a, 0, restamped(GOOD, 0, 0, 0, a)).status_code == 200
+    close_round(h)
+    assert h.pull(h.alice, a, 0).status_code == 200  # round 1, version 1
+    old = {k: torch.full_like(v, 0.05) for k, v in BASE.items()}
+    r = h.push(h.alice, a, 0, restamped(old, 0, 0, 0, a))
+    assert r.json()["reason"] == "replay" and "last pulled round 1" in r.json()["detail"]
+    assert h.push(h.alice, a, 0, restamped(old, 0, 1, 1, a)).status_code == 200
+    h.state.close()
+
+
+def test_zero_deltas_are_not_replays_and_the_digests_are_bounded(tmp_path):
+    """A delta of zeros is anyone's to make (the simulator's timing-only workers all send
+    one); and the digests kept are those of the last replay_rounds rounds."""
+    h = make_harness(tmp_path / "s", dataclasses.replace(REPLAYS, replay_rounds=1))
+    a = h.register(h.alice, block=0)["worker_id"]
+    b = h.register(h.bob, block=0)["worker_id"]
+    for t, w in ((h.alice, a), (h.bob, b)):
+        assert h.pull(t, w, 0).status_code == 200
+    for t, w in ((h.alice, a), (h.bob, b)):
+        assert h.push(t, w, 0, restamped(NOTHING, 0, 0, 0, w)).status_code == 200
+    rounds = h.service.blocks[0].rounds
+    assert rounds.round == 1 and len(h.service.engine.seen[0]) == 0, "zeros are not kept"
+    for rnd in (1, 2, 3):
+        assert h.pull(h.alice, a, 0).status_code == 200
+        body = restamped({k: v * rnd for k, v in GOOD.items()}, 0, rnd, rounds.version, a)
+        assert h.push(h.alice, a, 0, body).status_code == 200
+        if rounds.round == rnd:
+            close_round(h)
+        assert rounds.round == rnd + 1
+        kept = [e.round for e in h.service.engine.seen[0].values()]
+        assert kept == [rnd], "the last replay_rounds (1) rounds only"
+    h.state.close()
