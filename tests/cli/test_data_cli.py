@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from blocktrain.cli.main import main
-from blocktrain.protocol import cluster
+from blocktrain.protocol.ops import cluster
 from tests.cli.test_cli import TINY, fails_cleanly
 
 TEXT = b"It was the best of times, it was the worst of times.\n" * 30
