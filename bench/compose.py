@@ -105,11 +105,11 @@ def grid(args: argparse.Namespace, data: Path) -> list[Row]:
             rows.append(dataclasses.replace(one, steps=round(steps * ratio)))
     if args.stacks_only:
         return rows
-    for b in args.deep:
-        rows.append(Row(args.preset, "blocktrain", 1, b * lpb, "state", steps))
-    if not args.no_references:
+    if not args.no_references:  # before the deep blocks: they cost the least
         for layers in sorted({lpb, *(b * lpb for b in args.deep)}):
             rows.append(Row(args.preset, "reference", 1, layers, "end-to-end", steps))
+    for b in args.deep:
+        rows.append(Row(args.preset, "blocktrain", 1, b * lpb, "state", steps))
     return rows
 
 
