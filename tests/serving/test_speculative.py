@@ -148,7 +148,14 @@ def test_the_routers_default_draft_applies_where_drafting_can_be_exact(cluster):
         asked = router.post("/v1/generate", json={**request, "draft_bytes": 4}).json()
         off = router.post("/v1/generate", json={**request, "draft_bytes": 0}).json()
         span2 = router.post("/v1/generate", json={**request, "model": "bt"})
-        completion = {"model": "bt1", "prompt": "Sega ", "max_tokens": 6, "logprobs": 1}
+        # utf8 off: a character the budget cuts would be dropped, leaving fewer than 6 bytes
+        completion = {
+            "model": "bt1",
+            "prompt": "Sega ",
+            "max_tokens": 6,
+            "logprobs": 1,
+            "utf8": False,
+        }
         logprobs = router.post("/v1/completions", json=completion)
         refused = router.post("/v1/completions", json={**completion, "draft_bytes": 3})
         ar = {**request, "model": "ref", "max_bytes": 20}
