@@ -81,16 +81,17 @@ class CleanCache(KVCache):
 
 
 def right_align(xs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Contexts [(n_j, L_j) int64] -> (x (N, L) with each row right-aligned, padded with byte 0
-    in front; pad (N,) int64: the padding indices of each row), L = max L_j."""
+    """Contexts [(n_j, L_j, ...)] (bytes, or one vector per position) -> (x (N, L, ...) with
+    each row right-aligned, zeros (byte 0) in front; pad (N,) int64: the padding indices of
+    each row), L = max L_j."""
     length = max(x.shape[1] for x in xs)
     if all(x.shape[1] == length for x in xs):
         x = torch.cat(xs) if len(xs) > 1 else xs[0]
         return x, torch.zeros(x.shape[0], dtype=torch.long)
-    out = torch.zeros(sum(x.shape[0] for x in xs), length, dtype=xs[0].dtype)
+    out = xs[0].new_zeros(sum(x.shape[0] for x in xs), length, *xs[0].shape[2:])
     pads, row = [], 0
     for x in xs:
-        n, own = x.shape
+        n, own = x.shape[:2]
         out[row : row + n, length - own :] = x
         pads += [length - own] * n
         row += n

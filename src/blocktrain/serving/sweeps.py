@@ -185,7 +185,9 @@ def run_sweeps(
         x, _ = right_align([j.x for j in jobs])
         upstream = {b: clean[b - 1].out for b in visited if passes and b - 1 in clean}
         if passes and visited[0] > 0:  # what the host before sent, right-aligned as x
-            upstream[visited[0]] = right_align_rows([j.upstream for j in jobs], x.shape[1])
+            sent = [j.upstream for j in jobs if j.upstream is not None]
+            assert len(sent) == len(jobs), "a sweep past block 0 of a features run without u"
+            upstream[visited[0]] = right_align(sent)[0]
         if header.verifies:
             layout, fork = verify_sweep_layout(
                 x.shape[1] - header.drafted,
@@ -242,21 +244,6 @@ def run_sweeps(
         SweepResult(zj, points.stop, f, visited, seconds, u)
         for zj, f, u in zip(z.split(rows), finals, passed, strict=True)
     ]
-
-
-def right_align_rows(tensors: list[torch.Tensor | None], length: int) -> torch.Tensor:
-    """Per-job (n_j, L_j, d) features -> (N, length, d), each job's right-aligned as its
-    context is (`right_align`), zeros in the padding."""
-    present = [t for t in tensors if t is not None]
-    assert len(present) == len(tensors), "a job past block 0 of a features run without upstream"
-    if len(present) == 1 and present[0].shape[1] == length:
-        return present[0]
-    out = present[0].new_zeros(sum(t.shape[0] for t in present), length, present[0].shape[2])
-    row = 0
-    for t in present:
-        out[row : row + t.shape[0], length - t.shape[1] :] = t
-        row += t.shape[0]
-    return out
 
 
 def keep(
