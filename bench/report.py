@@ -42,14 +42,16 @@ def blocktrain(argv: list[str]) -> str:
 
 def trained(run: Path, argv: list[str], command: str = "train") -> Path:
     """Run `blocktrain COMMAND` (train, or distill) with `argv` into `run` to its configured
-    steps, resuming it, or reuse it when done."""
+    steps, resuming it, or reuse it when done. A folder killed before its first checkpoint
+    (a config, no state) holds no progress and is started over."""
     state = run / "state.json"
     if state.exists():
         steps = json.loads((run / "config.json").read_text())["train"]["steps"]
         if json.loads(state.read_text())["step"] < steps:
             blocktrain([command, "--resume", "--out", str(run), "--no-progress"])
         return run
-    blocktrain([command, *argv, "--out", str(run), "--no-progress"])
+    fresh = ["--overwrite"] if (run / "config.json").exists() else []
+    blocktrain([command, *argv, *fresh, "--out", str(run), "--no-progress"])
     return run
 
 

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 
 import pytest
 import torch
 
-from blocktrain.cli.main import main
+from blocktrain.cli.aggregator import prepare_state
+from blocktrain.cli.main import build_parser, main
 from blocktrain.config import ModelConfig
 from blocktrain.data import load_split
 from blocktrain.errors import ProtocolError
 from blocktrain.model import BlockStack, ZLayout
 from blocktrain.simulate import REGIMES, SimSpec, simulate
+from blocktrain.training.checkpoint import MODEL_FILE, UPSTREAM_FILE, load_tensors
 from blocktrain.training.local import LocalBlockTrainer, initial_blocks
 from blocktrain.training.loss import BlockLoss
 from blocktrain.training.plan import TRAINED_BYTES_PER_PARAM, UPSTREAM_BYTES_PER_PARAM, plan
@@ -187,20 +191,112 @@ def test_the_probe_judges_a_block_with_the_upstream_versions_it_reads(corpus):
         probe.loss(2, weights[2], {0: weights[0]})
 
 
-def test_a_partial_aggregator_refuses_a_features_model(corpus, tmp_path, capsys):
+def test_a_per_block_aggregator_of_a_features_run_turns_its_probe_off(corpus, tmp_path, capsys):
+    """A features block served without the blocks it reads cannot be probed here: refused with
+    the probe on (nothing written), served with it off; block 0, which reads nothing, and an
+    aggregator of blocks 0 and 1 keep their probe."""
     state = tmp_path / "state"
-    aggregator = ["aggregator", "--state", str(state), "--preset", "tiny", "--data", str(corpus)]
-    one = [*aggregator, "--blocks", "0", "--set", "route=features"]
-    fails_cleanly(capsys, one, "one aggregator serves every block")
+
+    def argv(*flags):
+        return [
+            "aggregator",
+            "--state",
+            str(state),
+            "--preset",
+            "tiny",
+            "--data",
+            str(corpus),
+            "--set",
+            "route=features",
+            *flags,
+        ]
+
+    fails_cleanly(capsys, argv("--blocks", "1,2"), "read block(s) [0], which another aggregator")
     assert not state.exists()
+    for flags in (
+        ("--blocks", "0"),
+        ("--blocks", "0,1"),
+        ("--blocks", "2", "--effect-probe", "off"),
+    ):
+        opened, settings, directory = prepare_state(build_parser().parse_args(argv(*flags)))
+        assert list(directory.served) == [int(b) for b in flags[1].split(",")]
+        opened.close()
+        shutil.rmtree(state)
+    # a restart may not turn the probe back on
+    prepare_state(build_parser().parse_args(argv("--blocks", "1", "--effect-probe", "off")))[
+        0
+    ].close()
+    restart = ["aggregator", "--state", str(state), "--effect-probe", "on"]
+    fails_cleanly(capsys, restart, "pass --effect-probe off")
 
 
-def test_a_later_block_alone_cannot_train_under_features(corpus, tmp_path, capsys):
-    run = tmp_path / "one"
-    argv = ["train", "--data", str(corpus), "--out", str(run), "--steps", "2", "--block", "1"]
-    fails_cleanly(capsys, [*argv, *FEATURES], "read the clean streams of the blocks before")
-    assert not run.exists()
-    assert main([*argv[:-1], "0", *FEATURES]) == 0  # block 0 reads nothing upstream
+def test_a_later_block_trains_alone_on_an_upstream_run(corpus, tmp_path, capsys):
+    """`train --block 1` under features reads block 0 frozen from `--upstream RUN_DIR`: refused
+    without one (nothing written), trained with one (block 0 copied, never trained), resumed
+    from the copy, and its losses depend on the upstream weights it was given."""
+
+    def argv(out, *more):
+        return [
+            "train",
+            "--data",
+            str(corpus),
+            "--steps",
+            "4",
+            "--json",
+            "--out",
+            str(tmp_path / out),
+            *more,
+        ]
+
+    def one(out, upstream=None, route=FEATURES):
+        more = [] if upstream is None else ["--upstream", str(tmp_path / upstream)]
+        return argv(out, "--block", "1", *more, *route)
+
+    fails_cleanly(capsys, one("x"), "give --upstream RUN_DIR")
+    assert not (tmp_path / "x").exists()
+    assert main(argv("f0", "--block", "0", *FEATURES)) == 0
+    short = argv("short", "--block", "0", *FEATURES)
+    short[short.index("--steps") + 1] = "2"
+    assert main(short) == 0  # another block 0: trained for fewer steps
+    capsys.readouterr()
+    assert main(one("f1", "f0")) == 0
+    f1 = json.loads(capsys.readouterr().out)
+    assert set(f1["last_eval"]) == {"block1"}, "the oracle CE of the trained block only"
+    source, _ = load_tensors(tmp_path / "f0" / MODEL_FILE)
+    copied, _ = load_tensors(tmp_path / "f1" / UPSTREAM_FILE)
+    trained, _ = load_tensors(tmp_path / "f1" / MODEL_FILE)
+    assert set(copied) == {k for k in source if k.startswith("block.0.")}
+    assert all(torch.equal(copied[k], source[k]) for k in copied)
+    assert not any(k.startswith("block.0.") for k in trained), "block 0 is read, not trained"
+    # another block 0 upstream gives other losses: the block reads it
+    assert main(one("g1", "short")) == 0
+    g1 = json.loads(capsys.readouterr().out)
+    assert g1["last_train"]["loss"] != f1["last_train"]["loss"]
+    # a resume reads the copy in the run folder, and needs it
+    resume = [
+        "train",
+        "--data",
+        str(corpus),
+        "--resume",
+        "--out",
+        str(tmp_path / "f1"),
+        "--steps",
+        "6",
+        "-q",
+    ]
+    assert main(resume) == 0
+    (tmp_path / "f1" / UPSTREAM_FILE).unlink()
+    fails_cleanly(capsys, resume, "give --upstream RUN_DIR")
+    # refusals, each before anything is written
+    for upstream, message in (
+        ("g1", "no --upstream run holds block(s) [0]"),
+        ("nowhere", "does not exist"),
+    ):
+        fails_cleanly(capsys, one("y", upstream), message)
+    fails_cleanly(capsys, one("y", "f0", route=TINY), "read none")
+    assert main(argv("s0", "--block", "0", *[*FEATURES[:-1], "seed=3", FEATURES[-1]])) == 0
+    fails_cleanly(capsys, one("y", "s0"), "of another model config or seed")
+    assert not (tmp_path / "y").exists()
 
 
 def test_train_eval_generate_a_features_run(corpus, tmp_path, capsys):

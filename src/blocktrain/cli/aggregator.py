@@ -26,7 +26,7 @@ import shutil
 import signal
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from blocktrain.cli.common import (
@@ -184,6 +184,12 @@ def prepare_state(
                 "to resume it, or choose a new --state"
             )
         settings = state.settings().replace(**overrides)
+        saved = state.placement()[0]
+        check_probe_reach(
+            RunConfig.from_dict(state.run_config()).model.route,
+            served if served is not None else saved or range(state.n_blocks()),
+            settings,
+        )
         if ready is not None:
             ready(settings)
         directory = placed(state, served, peers)
@@ -199,17 +205,27 @@ def prepare_state(
     unit = unit_of(args)
     cfg = reference_config(resolve_config(args)) if unit == "reference" else resolve_config(args)
     Directory.build(cfg.model.blocks, served, peers)  # a clear error before the state is made
-    every = list(range(cfg.model.blocks))
-    if cfg.model.route != "state" and served is not None and sorted(served) != every:
-        raise ConfigError(
-            f"route = {cfg.model.route}: a worker reads the blocks before its own from its "
-            "aggregator, so one aggregator serves every block (leave out --blocks)"
-        )
     blocks = initial_units(cfg, unit)
+    settings = derived_settings(cfg, overrides, largest_block(blocks))
+    check_probe_reach(cfg.model.route, served or range(cfg.model.blocks), settings)
     if ready is not None:
-        ready(derived_settings(cfg, overrides, largest_block(blocks)))
+        ready(settings)
     state = create_state(Path(args.state), cfg, overrides, blocks, unit)
     return state, state.settings(), placed(state, served, peers)
+
+
+def check_probe_reach(route: str, served: Iterable[int], settings: AggregatorSettings) -> None:
+    """Under `route = features` the effect probe judges block b with the versions of blocks
+    0..b-1 that its workers read: an aggregator serving b without them cannot run it (its
+    workers can still read them, from their aggregators)."""
+    held = set(served)
+    elsewhere = sorted({u for b in held for u in range(b)} - held)
+    if route == "features" and settings.effect_probe != "off" and elsewhere:
+        raise ConfigError(
+            f"route = features: the blocks served here read block(s) {elsewhere}, which another "
+            "aggregator serves, and the effect probe judges a block with what it reads; serve "
+            "those here too, or pass --effect-probe off"
+        )
 
 
 def access_limits(args: argparse.Namespace) -> AccessLimits:

@@ -34,6 +34,8 @@ EXAMPLES = """examples:
   blocktrain train --preset small --set span=4 lr=1e-3      # override config fields
   blocktrain train --preset tiny --set span=4 process=masked # masked spans (docs/model.md)
   blocktrain train --preset tiny --block 1 --out runs/b1    # one block, as a worker would
+  blocktrain train --preset tiny --set route=features --block 0 --out runs/f0
+  blocktrain train --preset tiny --set route=features --block 1 --upstream runs/f0 --out runs/f1
   blocktrain train --preset tiny --reference --out runs/ref # the end-to-end reference
   blocktrain train --resume --out runs/tiny --steps 600     # continue a run (to 600 steps)
   blocktrain train --preset paper --device cuda:0 --out runs/paper  # on the first GPU
@@ -65,6 +67,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="train the end-to-end autoregressive reference instead",
     )
+    p.add_argument(
+        "--upstream",
+        metavar="RUN_DIR",
+        action="append",
+        help="with --block under route = features: a run folder holding blocks before the "
+        "trained ones, which they read frozen (repeatable; copied into the run)",
+    )
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
     add_log_arg(p)
@@ -78,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     if args.resume:
         if not args.out:
             raise ConfigError("--resume needs --out RUN_DIR")
-        if args.overrides or args.seed is not None or args.block or args.reference:
+        if args.overrides or args.seed is not None or args.block or args.reference or args.upstream:
             raise ConfigError(
                 "--resume continues a run with its saved config; only --steps, --device, "
                 "--data, --include and --exclude may be given"
@@ -111,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
             kind="reference" if args.reference else "blocktrain",
             blocks=blocks,
             overwrite=args.overwrite,
+            upstream_from=None if args.upstream is None else [Path(p) for p in args.upstream],
         )
         write_record(out, record)  # data.json: what eval, generate and --resume compare with
     return run_and_report(trainer, args, "trained")

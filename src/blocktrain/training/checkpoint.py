@@ -6,6 +6,9 @@
     RUN_DIR/optimizer.safetensors  AdamW moments per trained unit, for exact resume
     RUN_DIR/state.json           the step the two files above belong to
     RUN_DIR/metrics.jsonl        one JSON object per logged step or evaluation
+    RUN_DIR/upstream.safetensors a route = features run of some blocks only: the frozen weights
+                                 of the blocks before them that it reads but does not train
+                                 ("block.{b}.*", copied from `train --upstream RUN_DIR`)
 
 A Hugging Face export (training/hub.py) holds the same config.json, with the Hub's keys added,
 and the same model.safetensors, so everything here reads it as a run folder.
@@ -36,6 +39,7 @@ MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 STATE_FILE = "state.json"
 METRICS_FILE = "metrics.jsonl"
+UPSTREAM_FILE = "upstream.safetensors"
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,48 @@ def read_config(run_dir: Path) -> RunInfo:
     if not isinstance(blocks, list) or not all(isinstance(b, int) for b in blocks):
         raise CheckpointError(f"{path}: 'blocks' must be a list of block indices")
     return RunInfo(config=config, kind=kind, blocks=sorted(blocks))
+
+
+def upstream_blocks(cfg: RunConfig, blocks: list[int]) -> list[int]:
+    """The blocks a run of `blocks` reads but does not train: under `route = features` those
+    before its last block that it does not hold (each block reads the clean streams of all the
+    blocks before it); none under `route = state`."""
+    if cfg.model.route == "state" or not blocks:
+        return []
+    return [b for b in range(max(blocks)) if b not in blocks]
+
+
+def gather_upstream(
+    sources: list[Path], cfg: RunConfig, needed: list[int]
+) -> dict[str, torch.Tensor]:
+    """The weights ("block.{b}.*") of the blocks `needed`, from the run folders `sources` (the
+    first that holds a block gives it). Each must be a BlockTrain run of this model config and
+    seed: another seed's blocks denoise towards another target table."""
+    found: dict[int, dict[str, torch.Tensor]] = {}
+    for source in sources:
+        info = read_config(source)
+        if (
+            info.kind != "blocktrain"
+            or info.config.model != cfg.model
+            or info.config.seed != cfg.seed
+        ):
+            raise ConfigError(
+                f"--upstream {source} is a {info.kind} run of another model config or seed; the "
+                "blocks upstream must come from a BlockTrain run of this config and seed"
+            )
+        weights, _ = load_tensors(Path(source) / MODEL_FILE)
+        for b in info.blocks:
+            if b in needed and b not in found:
+                prefix = f"block.{b}."
+                found[b] = {k: v for k, v in weights.items() if k.startswith(prefix)}
+    missing = [b for b in needed if b not in found]
+    if missing:
+        raise ConfigError(
+            f"no --upstream run holds block(s) {missing}, which the blocks trained here read "
+            "(route = features); give a run folder that does (e.g. one of `train --block "
+            f"{missing[0]}`)"
+        )
+    return {k: v for b in needed for k, v in found[b].items()}
 
 
 def write_state(run_dir: Path, state: dict[str, Any]) -> None:

@@ -72,7 +72,10 @@ class Trainer:
         train: ByteSource,
         valid: ByteSource | None,
         teacher: TeacherSpec | None = None,
+        upstream: dict[str, torch.Tensor] | None = None,
     ) -> None:
+        """`upstream`: under `route = features`, the weights of the blocks before the trained
+        ones that they read but this run does not hold (else read from UPSTREAM_FILE)."""
         self.info = info
         self.cfg: RunConfig = info.config
         self.run_dir = Path(run_dir)
@@ -114,15 +117,12 @@ class Trainer:
             )
         else:
             held = info.blocks
-            if mcfg.route == "features" and held != list(range(len(held))):
-                raise ConfigError(
-                    f"blocks {held} of a route = features run read the clean streams of the "
-                    "blocks before them: train them together with every block before them "
-                    "(or the whole stack), or as workers in the simulator"
-                )
-            self.stack = BlockStack(mcfg, self.cfg.seed, held).to(self.device)
+            frozen = ckpt.upstream_blocks(self.cfg, held)
+            self.stack = BlockStack(mcfg, self.cfg.seed, sorted(held + frozen)).to(self.device)
+            if frozen:
+                self._freeze_upstream(frozen, upstream)
             loss = BlockLoss(mcfg, self.stack.targets, self.stack.upstream)
-            for b in self.stack.block_ids:
+            for b in held:
                 block = self.stack.block(b)
                 self.units.append(
                     Unit(
@@ -133,6 +133,23 @@ class Trainer:
                         functools.partial(loss, block, b),
                     )
                 )
+
+    def _freeze_upstream(self, frozen: list[int], weights: dict[str, torch.Tensor] | None) -> None:
+        """Load blocks `frozen` (read upstream, never trained here) and freeze them."""
+        assert self.stack is not None
+        path = self.run_dir / ckpt.UPSTREAM_FILE
+        if weights is None:
+            if not path.is_file():
+                raise ConfigError(
+                    f"blocks {self.info.blocks} of a route = features run read the clean streams "
+                    f"of block(s) {frozen} before them: give --upstream RUN_DIR, a run folder "
+                    "holding those (e.g. `train --block 0`), or train them together"
+                )
+            weights, _ = ckpt.load_tensors(path)
+        for b in frozen:
+            block = self.stack.block(b)
+            ckpt.load_module_tensors(block, weights, f"block.{b}.", path)
+            block.eval().requires_grad_(False)
 
     # ---------------------------------------------------------------- construction
 
@@ -149,10 +166,13 @@ class Trainer:
         overwrite: bool = False,
         teacher: TeacherSpec | None = None,
         init_from: Path | None = None,
+        upstream_from: list[Path] | None = None,
     ) -> Trainer:
         """A fresh run in `run_dir` (refused if it already holds one, unless `overwrite`);
         `teacher`: distil towards its law (training/distill.py) instead of the data;
-        `init_from`: start from the weights of that run, of the same kind and model config."""
+        `init_from`: start from the weights of that run, of the same kind and model config;
+        `upstream_from`: run folders holding the blocks that the trained ones read under
+        `route = features` (copied into the run's UPSTREAM_FILE, frozen)."""
         run_dir = Path(run_dir)
         ckpt.check_run_dir_free(run_dir, overwrite=overwrite)
         if blocks is not None:
@@ -166,7 +186,16 @@ class Trainer:
             if kind == "reference"
             else sorted(blocks if blocks is not None else range(cfg.model.blocks)),
         )
-        trainer = cls(info, run_dir, train, valid, teacher)
+        upstream = None
+        if upstream_from:
+            needed = ckpt.upstream_blocks(cfg, info.blocks)
+            if not needed:
+                raise ConfigError(
+                    "--upstream gives the blocks a route = features run reads but does not "
+                    f"train; blocks {info.blocks or kind} of route = {cfg.model.route} read none"
+                )
+            upstream = ckpt.gather_upstream([Path(p) for p in upstream_from], cfg, needed)
+        trainer = cls(info, run_dir, train, valid, teacher, upstream)
         if init_from is not None:
             trainer._init_weights(Path(init_from))
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -175,10 +204,14 @@ class Trainer:
             ckpt.OPTIMIZER_FILE,
             ckpt.STATE_FILE,
             ckpt.METRICS_FILE,
+            ckpt.UPSTREAM_FILE,
             DISTILL_FILE,
         ):
             (run_dir / name).unlink(missing_ok=True)
         ckpt.write_config(run_dir, info)
+        if upstream is not None:
+            meta = {"format": ckpt.FORMAT, "kind": "upstream"}
+            ckpt.atomic_save_tensors(run_dir / ckpt.UPSTREAM_FILE, upstream, meta)
         if teacher is not None:
             teacher.write(run_dir)
         return trainer
@@ -334,11 +367,11 @@ class Trainer:
             if self.reference is not None:
                 return evaluate_reference(self.reference, windows, settings)
             assert self.stack is not None
-            if self.stack.has_all_blocks():
+            if self.info.blocks == list(range(self.cfg.model.blocks)):
                 return evaluate_blocktrain(self.stack, windows, settings)
-            return {
+            return {  # the blocks trained here (the frozen upstream ones are not)
                 f"block{b}": evaluate_oracle_block(self.stack, b, windows, settings)
-                for b in self.stack.block_ids
+                for b in self.info.blocks
             }
         finally:
             for unit in self.units:

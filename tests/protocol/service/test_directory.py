@@ -8,10 +8,12 @@ import random
 
 import httpx
 import pytest
+import torch
 
 from blocktrain.cli.main import main
 from blocktrain.errors import ConfigError, Refused
 from blocktrain.httpserve import ThreadedServer, bind, url_of
+from blocktrain.protocol.core.bodies import decode
 from blocktrain.protocol.http.app import create_app
 from blocktrain.protocol.service.placement import Directory, parse_peer
 from blocktrain.protocol.store.storage import StateDir
@@ -72,6 +74,31 @@ def test_workers_follow_the_directory_to_their_blocks(pair):
     for block, state in enumerate(states):  # each block's rounds ran on its own aggregator
         assert state.ledger.block_state(block)[0] == 3
         assert state.ledger.block_state(1 - block)[0] == 0
+
+
+def test_a_features_worker_reads_its_upstream_block_from_its_aggregator(pair):
+    """route = features, one aggregator per block: the worker of block 1 (at B) reads block 0's
+    latest version from A, where the directory says it lives, with the same token, and counts
+    those bytes; it asks the directory once, and fetches a version it holds not again."""
+    (a, b), (token, _), states = pair
+    trainer = FakeTrainer(upstream_blocks=[0])
+    client = AggregatorClient(b, token, rng=random.Random(0))
+    report = WorkerLoop(client, lambda reg, cfg: trainer, block=1).run()
+    assert report.stopped_by == "done" and report.accepted == 3 and client.base_url == b
+    with httpx.Client(base_url=a) as http:
+        body = http.get("/v1/blocks/0/versions/0", headers=auth(token)).content
+        by_endpoint = http.get("/v1/status", headers=auth(token)).json()["bytes"]["by_endpoint"]
+    expected = decode(body).to_torch()
+    assert len(trainer.upstream) == 3
+    for upstream in trainer.upstream:
+        assert sorted(upstream) == [0]
+        assert all(torch.equal(upstream[0][k], expected[k].float()) for k in expected)
+    # A answered the worker's round each round, and version 0's body once to it (and once here)
+    assert by_endpoint["round"]["requests"] == 3
+    assert by_endpoint["weights"] == {"requests": 2, "bytes_in": 0, "bytes_out": 2 * len(body)}
+    assert client.bytes_down >= len(body)
+    assert list(client._elsewhere) == [0]
+    client.close()
 
 
 def test_a_worker_refused_as_misdirected_moves_and_registers_again(pair):

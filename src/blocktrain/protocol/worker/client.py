@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import torch
 
-from blocktrain.errors import ProtocolError
+from blocktrain.errors import ProtocolError, Refused
 from blocktrain.protocol.core.bodies import (
     CONTENT_TYPE,
     WireError,
@@ -117,6 +117,9 @@ class AggregatorClient(RetryingHttp):
         """The weights last pulled, as they arrived (the wire dtype)."""
         self._latest: dict[int, tuple[int, Tensors]] = {}
         """Per other block read with `latest`: (version, tensors); a version never changes."""
+        self._elsewhere: dict[int, AggregatorClient] = {}
+        """Per block read with `latest` that another aggregator serves: a client of it (no
+        worker id: this worker is registered here only)."""
 
     def close(self) -> None:
         self.http.close()
@@ -209,8 +212,17 @@ class AggregatorClient(RetryingHttp):
     def latest(self, block: int) -> Tensors:
         """The latest committed version of another block (fp32), read without a pull: what a
         worker under `route = features` reads of the blocks before its own. Fetched from the
-        version's immutable URL, and not again while the version stands."""
-        version = int(self.round(block)["version"])
+        version's immutable URL, and not again while the version stands. A block served by
+        another aggregator (one aggregator per block) is read there, with the same token, at the
+        URL the directory gives."""
+        if block in self._elsewhere:
+            return self._latest_elsewhere(block)
+        try:
+            version = int(self.round(block)["version"])
+        except Refused as exc:
+            if exc.reason != "wrong_aggregator":
+                raise
+            return self._latest_elsewhere(block)
         held = self._latest.get(block)
         if held is not None and held[0] == version:
             return _fp32(held[1])
@@ -222,6 +234,36 @@ class AggregatorClient(RetryingHttp):
         tensors = self._version_body(response.content, url, block, version)
         self._latest[block] = (version, tensors)
         return _fp32(tensors)
+
+    def _latest_elsewhere(self, block: int) -> Tensors:
+        """`latest(block)` from the aggregator that serves the block, found in the directory
+        once and again after it answers that the block moved."""
+        peer = self._elsewhere.get(block)
+        if peer is None:
+            url = str(self.directory().get("blocks", {}).get(str(block)) or "").rstrip("/")
+            if not url or url == self.base_url:
+                raise ProtocolError(
+                    f"the directory of {self.base_url} names no aggregator of block {block}"
+                )
+            peer = self._elsewhere[block] = AggregatorClient(
+                url,
+                self.token,
+                client=self.http,  # the same connection settings; requests name the peer's URL
+                retry=self.retry,
+                stop=self.stop,
+                sleep=self._sleep,
+                clock=self._clock,
+                rng=self._rng,
+            )
+        before = peer.bytes_down
+        try:
+            return peer.latest(block)
+        except Refused as exc:
+            if exc.reason == "wrong_aggregator":
+                del self._elsewhere[block]  # it moved: ask the directory again next round
+            raise
+        finally:
+            self.bytes_down += peer.bytes_down - before
 
     def _version(self, url: str, block: int, version: int) -> tuple[Tensors, int]:
         """A committed version's tensors (fp32) and the bytes its answer carried: the view
