@@ -178,6 +178,7 @@ def measure(row: Row, seed: int, args: argparse.Namespace, data: Path) -> dict[s
     if row.model == "blocktrain":
         out["from_noise_ce"] = ev["from_noise_ce"]
         out["sampler_ce_per_step"] = ev["sampler_ce_per_step"]
+        out["head_ce_per_block"] = ev["head_ce_per_block"]
     return {**out, "train_seconds": round(state["wall_seconds"], 1)}
 
 

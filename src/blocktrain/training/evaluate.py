@@ -20,6 +20,10 @@ denoised at once, exactly as in training, so one sweep over a batch of windows c
 - sampler_ce_by_sweeps: the sampler CE of the first m sweeps for m = 1, 2, 4, ... < M (how it
   tightens with M).
 - oracle_ce: each block's CE on truly noised targets from its own interval (diagnostic).
+- head_ce_per_block: the CE of each block's clean-stream next-byte head (the auxiliary loss's
+  head) on the true context, bytes 1..T-1: what an autoregressive exit after that block would
+  score, with no sampler (diagnostic; under `route = features` the last block's is the greedy
+  block-wise autoregressive stack of the issue's control, trained by the same local losses).
 """
 
 from __future__ import annotations
@@ -60,6 +64,18 @@ class EvalSettings:
 
 def _scored(t: int) -> slice:
     return slice(1, t)
+
+
+@torch.no_grad()
+def head_nll(stack: BlockStack, block: int, x: torch.Tensor) -> float:
+    """Summed CE of block `block`'s clean-stream next-byte head on bytes 1..T-1 of x (N, T),
+    reading its upstream features as the block does; NaN for a block without the head."""
+    module = stack.block(block)
+    if module.aux_head is None or module.aux_norm is None:
+        return math.nan
+    stream = module.clean_stream(x, stack.upstream(block, x))
+    logits = module.aux_head(module.aux_norm(stream))[:, :-1].float()
+    return float(F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="sum"))
 
 
 def _oracle_nll(
@@ -116,6 +132,7 @@ def evaluate_blocktrain(
     sub_ms = [2**i for i in range(settings.sweeps.bit_length()) if 2**i < settings.sweeps]
     sub_nll = dict.fromkeys(sub_ms, 0.0)
     oracle_nll = [0.0] * cfg.blocks
+    head = [0.0] * cfg.blocks
     for start in range(0, windows.shape[0], settings.batch_size):
         x = windows[start : start + settings.batch_size].to(device)  # (N, T)
         n, t = x.shape
@@ -165,6 +182,8 @@ def evaluate_blocktrain(
         if settings.oracle:
             for b in range(cfg.blocks):
                 oracle_nll[b] += _oracle_nll(stack, b, x, layout, gen)
+        for b in range(cfg.blocks):
+            head[b] += head_nll(stack, b, x)
         n_scored += target.numel()
         if progress is not None:
             progress(n)
@@ -180,6 +199,7 @@ def evaluate_blocktrain(
         "sampler_ce_by_sweeps": {str(k): v / n_scored for k, v in sub_nll.items()},
         "oracle_ce": sum(oracle_nll) / (n_scored * cfg.blocks) if settings.oracle else None,
         "oracle_ce_per_block": [v / n_scored for v in oracle_nll] if settings.oracle else None,
+        "head_ce_per_block": [v / n_scored for v in head],
         **ce_summary(sampler_ce),
         "sweeps": m,
         "steps_per_block": settings.steps_per_block,
