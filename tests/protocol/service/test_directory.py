@@ -11,7 +11,7 @@ import pytest
 
 from blocktrain.cli.main import main
 from blocktrain.errors import ConfigError, Refused
-from blocktrain.httpserve import ThreadedServer, bind, url_of
+from blocktrain.listener import ThreadedServer, bind, url_of
 from blocktrain.protocol.http.app import create_app
 from blocktrain.protocol.service.placement import Directory, parse_peer
 from blocktrain.protocol.store.storage import StateDir
