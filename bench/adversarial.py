@@ -41,8 +41,9 @@ from typing import Any
 
 import torch
 
-from blocktrain.config import apply_overrides, tiny
+from blocktrain.config import apply_overrides
 from blocktrain.data import load_split
+from blocktrain.presets import tiny
 from blocktrain.simulate import SimSpec, simulate
 from blocktrain.simulate.attacks import Attack, undefended
 from blocktrain.simulate.regimes import load_regime

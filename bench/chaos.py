@@ -43,8 +43,8 @@ import pytest
 from tests.protocol.ops.test_netns import HERE as NETNS_HELPERS
 from tests.protocol.ops.test_netns import build_net
 
-from blocktrain.config import preset
 from blocktrain.data import resolve_data_path
+from blocktrain.presets import preset
 from blocktrain.protocol.ops.cluster import run_cluster
 from blocktrain.protocol.store.storage import StateDir
 

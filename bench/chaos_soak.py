@@ -20,9 +20,9 @@ sys.path.insert(0, str(ROOT))  # the namespaces come from tests/protocol/ops/tes
 
 from tests.protocol.ops.test_netns import Net, delay_rule, iptables, loss_rule, sh
 
-from blocktrain.config import preset
 from blocktrain.data import resolve_data_path
 from blocktrain.errors import ProtocolError
+from blocktrain.presets import preset
 from blocktrain.protocol.ops.cluster import Proc, start_aggregator, start_worker, stop
 from blocktrain.protocol.store.state import create_state
 from blocktrain.protocol.store.storage import StateDir

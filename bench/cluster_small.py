@@ -35,9 +35,10 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
-from blocktrain.config import RunConfig, apply_overrides, preset
+from blocktrain.config import RunConfig, apply_overrides
 from blocktrain.data import resolve_data_path
 from blocktrain.errors import ProtocolError
+from blocktrain.presets import preset
 from blocktrain.protocol.core.participation import participation
 from blocktrain.protocol.ops.cluster import run_cluster
 from blocktrain.protocol.store.storage import StateDir

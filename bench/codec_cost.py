@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from blocktrain.config import preset
 from blocktrain.model import BlockStack
+from blocktrain.presets import preset
 from blocktrain.protocol.core.bodies import decode, update_body
 from blocktrain.protocol.core.codecs import DeltaEncoder
 from blocktrain.protocol.core.validation import BlockSpec, Candidate, Limits, validate

@@ -37,9 +37,10 @@ from typing import Any
 
 import torch
 
-from blocktrain.config import RunConfig, apply_overrides, preset
+from blocktrain.config import RunConfig, apply_overrides
 from blocktrain.data import load_split, resolve_data_path
 from blocktrain.model import BlockStack, init_reference
+from blocktrain.presets import preset
 from blocktrain.simulate import REGIMES, SimSpec, simulate
 from blocktrain.training import EvalSettings, Trainer, evaluate_blocktrain, evaluate_reference
 from blocktrain.training.checkpoint import RunInfo

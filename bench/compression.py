@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 
-from blocktrain.config import apply_overrides, tiny
+from blocktrain.config import apply_overrides
 from blocktrain.data import load_split
+from blocktrain.presets import tiny
 from blocktrain.protocol.core.delta_wire import DeltaWire
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.simulate import SimSpec, simulate

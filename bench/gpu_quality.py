@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 
-from blocktrain.config import RunConfig, apply_overrides, preset
+from blocktrain.config import RunConfig, apply_overrides
 from blocktrain.data import ByteSource, load_split
+from blocktrain.presets import preset
 from blocktrain.training import EvalSettings, Trainer, evaluate_blocktrain, evaluate_reference
 from report import (  # bench/report.py
     BENCHMARKS_MD,

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-from blocktrain.config import apply_overrides, preset
+from blocktrain.config import apply_overrides
 from blocktrain.data import load_split
+from blocktrain.presets import preset
 from blocktrain.runtime import keep_freed_memory
 from blocktrain.training import Trainer
 

@@ -36,9 +36,10 @@ from typing import Any
 
 from safetensors.torch import load_file, save_file
 
-from blocktrain.config import RunConfig, apply_overrides, preset
+from blocktrain.config import RunConfig, apply_overrides
 from blocktrain.data import load_split
 from blocktrain.model import BlockStack, Reference
+from blocktrain.presets import preset
 from blocktrain.runtime import keep_freed_memory
 from blocktrain.training import EvalSettings, Trainer, evaluate_blocktrain, evaluate_reference
 from blocktrain.training.plan import plan

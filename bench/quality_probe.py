@@ -29,9 +29,10 @@ from typing import Any
 
 import torch
 
-from blocktrain.config import RunConfig, apply_overrides, preset
+from blocktrain.config import RunConfig, apply_overrides
 from blocktrain.data import load_split
 from blocktrain.model import BlockStack
+from blocktrain.presets import preset
 from blocktrain.training import EvalSettings, Trainer, evaluate_blocktrain, load_model
 from report import ROOT, machine, update_section, write_json  # bench/report.py
 

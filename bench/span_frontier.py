@@ -50,12 +50,13 @@ from typing import Any
 import httpx
 import torch
 
-from blocktrain.config import apply_overrides, preset
+from blocktrain.config import apply_overrides
 from blocktrain.data import load_split, resolve_data_path
 from blocktrain.data.ngram import NgramDrafter
 from blocktrain.model import BlockStack, Reference
 from blocktrain.model.masking import masked_grid
 from blocktrain.model.speculative import Drafter, ModelDrafter
+from blocktrain.presets import preset
 from blocktrain.training import EvalSettings, evaluate_blocktrain, evaluate_reference, load_model
 from blocktrain.training.generated import GenSettings, evaluate_generation
 from report import ROOT, machine, trained, write_json  # bench/report.py

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
-from blocktrain.config import RunConfig, apply_overrides, preset
+from blocktrain.config import RunConfig, apply_overrides
 from blocktrain.data import load_split
+from blocktrain.presets import preset
 from blocktrain.runtime import keep_freed_memory
 from blocktrain.training import Trainer
 from blocktrain.training.flops import MatmulShape, count_flops

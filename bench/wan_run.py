@@ -30,9 +30,10 @@ sys.path.insert(0, str(ROOT))  # the namespaces come from tests/protocol/ops/tes
 import pytest
 from tests.protocol.ops.test_netns import Net, build_net, probe
 
-from blocktrain.config import apply_overrides, preset
+from blocktrain.config import apply_overrides
 from blocktrain.data import load_split, resolve_data_path
 from blocktrain.errors import ProtocolError
+from blocktrain.presets import preset
 from blocktrain.protocol.ops.cluster import (
     Proc,
     start_aggregator,

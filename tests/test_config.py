@@ -3,15 +3,9 @@ import re
 
 import pytest
 
-from blocktrain.config import (
-    ModelConfig,
-    RunConfig,
-    apply_overrides,
-    parse_blocks,
-    preset,
-    settable_keys,
-)
+from blocktrain.config import ModelConfig, RunConfig, apply_overrides, parse_blocks, settable_keys
 from blocktrain.errors import ConfigError
+from blocktrain.presets import preset
 
 
 def test_presets_are_valid_and_distinct():

@@ -1,4 +1,4 @@
-"""The shared HTTP limits (`blocktrain.httpserve`): body caps before and while streaming, slow
+"""The shared HTTP limits (`blocktrain.httpserve`, `blocktrain.listener`): body caps before and while streaming, slow
 bodies, half-sent heads: what a client sends cannot exhaust a server before it is parsed."""
 
 from __future__ import annotations
@@ -12,14 +12,8 @@ import pytest
 from fastapi import FastAPI, Request
 
 from blocktrain.errors import ConfigError
-from blocktrain.httpserve import (
-    HttpGuard,
-    Limits,
-    ThreadedServer,
-    TokenBucket,
-    bind,
-    declared_length,
-)
+from blocktrain.httpserve import HttpGuard, Limits, TokenBucket, declared_length
+from blocktrain.listener import ThreadedServer, bind
 from tests.asgi import asgi_request
 
 

@@ -17,7 +17,18 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "blocktrain"
 
 BASE = frozenset(
-    {"config", "device", "errors", "fsutil", "httpserve", "runtime", "tensorwire", "tls"}
+    {
+        "config",
+        "device",
+        "errors",
+        "fsutil",
+        "httpserve",
+        "listener",
+        "presets",
+        "runtime",
+        "tensorwire",
+        "tls",
+    }
 )
 # protocol/'s rooms, bottom to top; a module of protocol/ is in the part "protocol.ROOM".
 ROOMS = ("core", "store", "service", "http", "worker", "ops")
@@ -31,9 +42,11 @@ ALLOWED: dict[str, frozenset[str]] = {
     "runtime": frozenset(),
     "tensorwire": frozenset(),
     "fsutil": frozenset({"errors"}),
-    "httpserve": frozenset({"errors", "tls"}),
+    "httpserve": frozenset({"errors"}),
+    "listener": frozenset({"errors", "httpserve", "tls"}),
     "tls": frozenset({"errors"}),
     "config": frozenset({"errors"}),
+    "presets": frozenset({"config", "errors"}),
     "device": frozenset({"errors"}),
     "data": BASE,
     "model": frozenset({"config"}),
@@ -68,7 +81,7 @@ RULES = {
 # model/ and protocol/core/ run anywhere torch does: no third-party package but torch.
 TORCH_ONLY = frozenset({"model", CORE})
 TORCH = frozenset({"torch"})
-# The web framework stays in protocol/http/ (uvicorn runs through httpserve, a bottom part).
+# The web framework stays in protocol/http/ (uvicorn runs through listener, a bottom part).
 WEB = frozenset({"fastapi", "starlette", "pydantic", "uvicorn"})
 WEB_FREE = PROTOCOL - {"protocol.http", "protocol.ops"}
 # Names that come from the facade without its imports: package metadata.

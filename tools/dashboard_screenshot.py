@@ -17,7 +17,7 @@ from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 
-from blocktrain.httpserve import ThreadedServer, bind
+from blocktrain.listener import ThreadedServer, bind
 from blocktrain.protocol.http.app import create_app
 from blocktrain.protocol.store.storage import StateDir
 from blocktrain.protocol.store.tokens import hash_token, new_token

@@ -10,10 +10,11 @@ The public API is small on purpose (and locked by tests/test_public_api.py):
     model = blocktrain.from_pretrained("hf/tiny")  # a `blocktrain export --hf` folder
 """
 
-from blocktrain.config import ModelConfig, RunConfig, TrainConfig, apply_overrides, preset
+from blocktrain.config import ModelConfig, RunConfig, TrainConfig, apply_overrides
 from blocktrain.data import ByteCorpus, ByteSource, load_split
 from blocktrain.errors import BlockTrainError, CheckpointError, ConfigError, DataError
 from blocktrain.model import Block, BlockStack, Reference, Sampling, SigmaSchedule, generate
+from blocktrain.presets import preset
 from blocktrain.training import EvalSettings, Trainer, evaluate_blocktrain, load_model
 from blocktrain.training.hub import from_pretrained
 

@@ -1,8 +1,8 @@
-"""Typed, frozen configuration: the model, its training, and the named presets.
+"""Typed, frozen configuration: the model and its training (the presets are blocktrain.presets).
 
 A run is described completely by a `RunConfig`, which is saved as `RUN_DIR/config.json` next to
-the weights. Presets are functions; variants are derived with `dataclasses.replace` or with
-`apply_overrides` (the CLI's `--set KEY=VALUE`).
+the weights. Variants are derived with `dataclasses.replace` or with `apply_overrides` (the CLI's
+`--set KEY=VALUE`).
 """
 
 from __future__ import annotations
@@ -275,97 +275,6 @@ def parse_blocks(text: str, flag: str = "--blocks") -> tuple[int, ...]:
 def _check(ok: bool, name: str, value: object, why: str) -> None:
     if not ok:
         raise ConfigError(f"{name} = {value!r} {why}")
-
-
-# --------------------------------------------------------------------------------------------
-# Presets
-# --------------------------------------------------------------------------------------------
-
-
-def tiny() -> RunConfig:
-    """Learns visibly on two CPU cores in about a minute: for smoke tests and the README."""
-    return RunConfig(
-        preset="tiny",
-        model=ModelConfig(d_model=128, n_heads=4, layers=3, blocks=3, seq_len=64, span=1),
-        train=TrainConfig(
-            steps=300, batch_size=32, lr=2e-3, warmup_steps=30, eval_every=100, checkpoint_every=100
-        ),
-    )
-
-
-def small() -> RunConfig:
-    """About 30 minutes on two CPU cores: 3 blocks of 2 layers, d = 256."""
-    return RunConfig(
-        preset="small",
-        model=ModelConfig(d_model=256, n_heads=4, layers=6, blocks=3, seq_len=128, span=1),
-        train=TrainConfig(
-            steps=1000,
-            batch_size=32,
-            lr=1.5e-3,
-            warmup_steps=100,
-            eval_every=250,
-            eval_bytes=32768,
-            checkpoint_every=250,
-            log_every=20,
-        ),
-    )
-
-
-def paper() -> RunConfig:
-    """The seed's shape, B = 3 blocks of 4 layers, sized for one GPU."""
-    return RunConfig(
-        preset="paper",
-        model=ModelConfig(d_model=768, n_heads=12, layers=12, blocks=3, seq_len=512, span=1),
-        train=TrainConfig(
-            steps=20000,
-            batch_size=32,
-            lr=6e-4,
-            warmup_steps=1000,
-            eval_every=1000,
-            eval_bytes=262144,
-            eval_sweeps=8,
-            checkpoint_every=1000,
-            log_every=50,
-            precision="bf16",
-        ),
-    )
-
-
-def judge() -> RunConfig:
-    """The fixed judge of generated text (docs/model.md, "Evaluation"): train it with
-    `--reference`. An autoregressive byte model of the small width, 6 layers, T = 256 (a 128-byte
-    prompt and its 128-byte continuation in one window), with its own seed so that it is trained
-    apart from every model it judges. About an hour on two CPU cores."""
-    return RunConfig(
-        preset="judge",
-        seed=1,
-        model=ModelConfig(d_model=256, n_heads=4, layers=6, blocks=3, seq_len=256, span=1),
-        train=TrainConfig(
-            steps=3000,
-            batch_size=16,
-            lr=1.5e-3,
-            warmup_steps=100,
-            eval_every=500,
-            eval_bytes=32768,
-            checkpoint_every=250,
-            log_every=50,
-        ),
-    )
-
-
-PRESETS: dict[str, typing.Callable[[], RunConfig]] = {
-    "tiny": tiny,
-    "small": small,
-    "paper": paper,
-    "judge": judge,
-}
-
-
-def preset(name: str) -> RunConfig:
-    try:
-        return PRESETS[name]()
-    except KeyError:
-        raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}") from None
 
 
 # --------------------------------------------------------------------------------------------

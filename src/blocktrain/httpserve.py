@@ -1,21 +1,13 @@
-"""Serving an ASGI app under uvicorn with limits that bad input cannot get past: the one place
-where every server of the package (aggregator, block hosts, router) gets its socket, its
-timeouts and its body caps.
+"""The limits every server of the package (aggregator, block hosts, router) holds a client to,
+written once: what one server tolerates (`Limits`), the body guard and the request rate.
+`blocktrain.listener` binds the socket and runs uvicorn under the same `Limits`.
 
-    sock = bind(host, port)                      # a clear ConfigError if the port is taken
+    sock = listener.bind(host, port)             # a clear ConfigError if the port is taken
     app.add_middleware(HttpGuard, limits=limits, body_limit=..., error_body=...)
-    run(app, sock, limits, tls=TlsFiles(cert, key))          # or ThreadedServer.start(...)
+    listener.run(app, sock, limits, tls=TlsFiles(cert, key))  # or ThreadedServer.start(...)
 
-What is enforced, and where:
+What is enforced here (the head timeout, the connection caps and keep-alive are listener's):
 
-- a request's head (request line and headers) must arrive within `header_timeout_s` of the
-  connection opening or of the previous response; a half-sent head is closed (uvicorn has no
-  such timeout: `_protocol` adds it). Heads over `max_header_bytes` get 400 (h11).
-- at most `max_connections` connections at once; a request beyond it gets 503 (uvicorn's
-  `limit_concurrency`). Idle keep-alive connections close after `keep_alive_s`.
-- at most `max_connections_per_address` of them from one client address (default a quarter
-  of `max_connections`): a connection beyond it is answered 503 and closed as it opens, so one
-  address that keeps re-opening half-sent heads cannot hold every slot (`_protocol`).
 - `HttpGuard`, a pure-ASGI middleware: a request body is refused with 413 when its
   Content-Length exceeds the route's cap, before the app runs, and while streaming when a
   chunked body grows past it; a Content-Length that is not a plain decimal number, or one
@@ -31,19 +23,13 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import h11
-import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
-
 from blocktrain.errors import ConfigError
-from blocktrain.tls import TlsFiles, check_tls
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -320,177 +306,3 @@ class HttpGuard:
         ]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": payload})
-
-
-# ---------------------------------------------------------------------------------------------
-# The server: a socket bound beforehand, uvicorn with the limits
-# ---------------------------------------------------------------------------------------------
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port (port 0: any free port)."""
-    if not 0 <= port <= 65535:
-        raise ConfigError(f"--port {port} must lie in 0..65535")
-    try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        # proto = IPPROTO_TCP, not 0: asyncio switches Nagle off (TCP_NODELAY) only on sockets
-        # that say they are TCP, and with Nagle on, a response written in two parts waits for
-        # the client's delayed ACK: 40 ms per request on loopback.
-        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(128)
-    except OSError as exc:
-        raise ConfigError(
-            f"cannot listen on {host}:{port} ({exc.strerror or exc}); "
-            "choose another --port or --host"
-        ) from None
-    sock.set_inheritable(True)
-    return sock
-
-
-def url_of(sock: socket.socket, *, tls: bool = False) -> str:
-    host, port = sock.getsockname()[:2]
-    scheme = "https" if tls else "http"
-    return f"{scheme}://{'[' + host + ']' if ':' in host else host}:{port}"
-
-
-_TOO_MANY = b"too many connections from this address\n"
-TOO_MANY_CONNECTIONS = (
-    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
-    b"content-length: %d\r\nretry-after: 1\r\nconnection: close\r\n\r\n%s"
-    % (len(_TOO_MANY), _TOO_MANY)
-)
-"""The answer to a connection over its address's share, sent as it opens: no request is read."""
-
-
-def _protocol(limits: Limits) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with a deadline on each request's head: uvicorn times out only
-    idle keep-alive connections, so a client that opens a connection and sends half a request
-    line would hold it (and a slot of `limit_concurrency`) forever. And with a share of the
-    connections per client address: one server's protocols count their peers' addresses (all
-    run on the server's event loop), and a connection beyond `limits.per_address` is answered
-    503 and closed before anything is read."""
-    header_timeout_s = limits.header_timeout_s
-    per_address = limits.per_address
-    open_from: dict[str, int] = {}
-
-    class GuardedH11(H11Protocol):
-        _head_timer: asyncio.TimerHandle | None = None
-        _address: str | None = None
-        _refused: bool = False
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            address = self.client[0] if self.client else None
-            if address is not None:
-                if open_from.get(address, 0) >= per_address:
-                    self._refused = True
-                    transport.write(TOO_MANY_CONNECTIONS)
-                    transport.close()
-                    return
-                open_from[address] = open_from.get(address, 0) + 1
-                self._address = address
-            self._arm()
-
-        def data_received(self, data: bytes) -> None:
-            if self._refused:
-                return  # answered 503 as it opened: nothing it sends is read
-            super().data_received(data)
-            if self.conn.their_state is h11.IDLE:
-                if self._head_timer is None:  # the next request's head has begun
-                    self._arm()
-            else:
-                self._disarm()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._disarm()  # uvicorn's keep-alive timeout covers the idle time until new data
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            if self._address is not None:
-                left = open_from.pop(self._address) - 1
-                if left:
-                    open_from[self._address] = left
-                self._address = None
-            super().connection_lost(exc)
-
-        def _arm(self) -> None:
-            self._disarm()
-            self._head_timer = self.loop.call_later(header_timeout_s, self._head_timeout)
-
-        def _disarm(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
-
-        def _head_timeout(self) -> None:
-            self._head_timer = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                self.transport.close()
-
-    return GuardedH11
-
-
-def _config(
-    app: Any, limits: Limits, tls: TlsFiles | None, *, verbose: bool = False
-) -> uvicorn.Config:
-    return uvicorn.Config(
-        app,
-        http=_protocol(limits),
-        log_level="debug" if verbose else "warning",
-        access_log=False,
-        limit_concurrency=limits.max_connections,
-        timeout_keep_alive=limits.keep_alive_s,
-        h11_max_incomplete_event_size=limits.max_header_bytes,
-        ssl_certfile=None if tls is None else tls.cert,
-        ssl_keyfile=None if tls is None else tls.key,
-    )
-
-
-def run(
-    app: Any,
-    sock: socket.socket,
-    limits: Limits | None = None,
-    *,
-    tls: TlsFiles | None = None,
-    verbose: bool = False,
-) -> None:
-    """Serve until interrupted (blocking); uvicorn stops gracefully on SIGINT/SIGTERM."""
-    check_tls(tls)
-    uvicorn.Server(_config(app, limits or Limits(), tls, verbose=verbose)).run(sockets=[sock])
-
-
-@dataclass
-class ThreadedServer:
-    """A uvicorn server in a background thread (tests and benchmarks on loopback)."""
-
-    server: uvicorn.Server
-    thread: threading.Thread
-    url: str
-
-    @classmethod
-    def start(
-        cls,
-        app: Any,
-        sock: socket.socket,
-        timeout_s: float = 10.0,
-        *,
-        limits: Limits | None = None,
-        tls: TlsFiles | None = None,
-    ) -> ThreadedServer:
-        check_tls(tls)
-        server = uvicorn.Server(_config(app, limits or Limits(), tls))
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not server.started:
-            if time.monotonic() > deadline or not thread.is_alive():
-                raise RuntimeError("the server did not start")
-            time.sleep(0.01)
-        return cls(server, thread, url_of(sock, tls=tls is not None))
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout_s)

@@ -136,7 +136,8 @@ def test_cluster_passes_the_patterns_to_its_aggregator_and_workers(monkeypatch, 
 
 
 def test_the_readme_states_the_rules_the_code_follows():
-    from blocktrain.data.corpus import SPLIT_FRACTIONS, WIKITEXT_FILES, gzip_cap
+    from blocktrain.data.corpus import SPLIT_FRACTIONS, WIKITEXT_FILES
+    from blocktrain.data.sniff import gzip_cap
 
     readme = " ".join((Path(__file__).parents[2] / "README.md").read_text().split())
     section = readme.split("## Your own corpus", 1)[1].split("## ", 1)[0]

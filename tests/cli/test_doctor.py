@@ -12,7 +12,7 @@ import pytest
 from fastapi import FastAPI
 
 from blocktrain.cli.main import main
-from blocktrain.httpserve import ThreadedServer, bind
+from blocktrain.listener import ThreadedServer, bind
 from blocktrain.protocol.http.app import create_app
 from blocktrain.protocol.worker.doctor import diagnose
 from blocktrain.tls import self_signed

@@ -7,7 +7,7 @@ import pytest
 
 from blocktrain.cli.main import main
 from blocktrain.errors import ConfigError, Unreachable
-from blocktrain.httpserve import ThreadedServer, bind
+from blocktrain.listener import ThreadedServer, bind
 from blocktrain.protocol.http.app import create_app
 from blocktrain.protocol.worker.client import AggregatorClient
 from blocktrain.protocol.worker.retrying import RetryPolicy

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from blocktrain.data import ByteCorpus, FilePatterns, load_split
-from blocktrain.data import corpus as corpus_module
+from blocktrain.data import ByteCorpus, FilePatterns, load_split, sniff
 from blocktrain.data.provenance import check_data, corpus_record, write_record
 from blocktrain.errors import DataError
 
@@ -271,7 +270,7 @@ def test_a_corrupt_gzip_file_is_a_clear_error(tmp_path: Path) -> None:
 def test_gzip_text_past_the_cap_is_an_error_not_an_out_of_memory_kill(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(corpus_module, "GZIP_MAX_BYTES", 4096)
+    monkeypatch.setattr(sniff, "GZIP_MAX_BYTES", 4096)
     bomb = _write(tmp_path / "bomb.gz", gzip.compress(b"a" * 100_000))
     assert bomb.stat().st_size < 1000
     with pytest.raises(DataError, match=r"bomb\.gz decompresses to more than the 4 KiB"):

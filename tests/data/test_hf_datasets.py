@@ -19,7 +19,7 @@ import datasets
 from blocktrain.cli.main import main
 from blocktrain.data import ByteCorpus, load_split
 from blocktrain.errors import DataError
-from blocktrain.training.hub import hub_datasets
+from blocktrain.training.card import hub_datasets
 from tests.cli.test_cli import TINY, fails_cleanly
 from tests.conftest import TEXT
 

@@ -11,7 +11,7 @@ import subprocess
 import httpx
 import pytest
 
-from blocktrain.httpserve import ThreadedServer, bind
+from blocktrain.listener import ThreadedServer, bind
 from blocktrain.model import Sampling, utf8
 from blocktrain.serving import RouterSettings, create_router_app
 from tests.serving.conftest import in_process

@@ -229,7 +229,7 @@ def test_a_generation_past_the_window_recomputes_its_context_only_when_the_windo
     cluster, stack
 ):
     """The one-sweep window stands still while the context fits (T - K bytes) and then
-    restarts at the last (T - K) // 2 (model.sampler.window_start): a long generation's sweeps
+    restarts at the last (T - K) // 2 (model.span_loop.window_start): a long generation's sweeps
     compute their new bytes, plus the kept half at each restart, where a window sliding a span
     per sweep would recompute all T - K bytes at every sweep."""
     cfg = stack.cfg

@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from blocktrain.httpserve import ThreadedServer, TlsFiles, bind, url_of
+from blocktrain.listener import ThreadedServer, bind, url_of
 from blocktrain.model import Sampling, utf8
 from blocktrain.serving import (
     HostSettings,
@@ -29,6 +29,7 @@ from blocktrain.serving import (
     create_host_app,
     create_router_app,
 )
+from blocktrain.tls import TlsFiles
 from tests.serving.conftest import in_process
 
 pytestmark = [pytest.mark.network, pytest.mark.timeout(180)]

@@ -20,7 +20,8 @@ from fastapi.testclient import TestClient
 from safetensors.torch import save
 
 from blocktrain.errors import ConfigError
-from blocktrain.httpserve import ThreadedServer, TokenBucket, bind
+from blocktrain.httpserve import TokenBucket
+from blocktrain.listener import ThreadedServer, bind
 from blocktrain.serving.auth import SECRET_ENV, load_secret
 from blocktrain.serving.limits import WorkLimiter, check_rate, per_minute
 from blocktrain.serving.wire import CONTENT_TYPE, decode, encode

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from blocktrain.config import preset
 from blocktrain.errors import ConfigError
+from blocktrain.presets import preset
 from blocktrain.simulate import REGIMES, Dist, Regime, SimSpec, load_regime, parse_regimes, simulate
 
 

@@ -43,7 +43,8 @@ from blocktrain.cli.common import (
 from blocktrain.config import RunConfig, parse_blocks
 from blocktrain.data import ByteSource, load_split
 from blocktrain.errors import ConfigError, DataError
-from blocktrain.httpserve import Limits, bind, url_of
+from blocktrain.httpserve import Limits
+from blocktrain.listener import bind, url_of
 from blocktrain.protocol.core.bounds import derived_settings, largest_block
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.service.access import JSON_BODY_BYTES, AccessLimits
@@ -287,7 +288,7 @@ def _remove_new(root: Path, before: set[str] | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from blocktrain.httpserve import run as serve
+    from blocktrain.listener import run as serve
     from blocktrain.protocol.http.app import create_app
 
     tls = tls_pair(args.tls_cert, args.tls_key)

@@ -13,7 +13,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from blocktrain.config import PRESETS, RunConfig, apply_overrides, preset
+from blocktrain.config import RunConfig, apply_overrides
 from blocktrain.data import DATA_ENV, FilePatterns
 from blocktrain.data.hf import HfSource, is_hf
 from blocktrain.device import DEVICE_HELP
@@ -24,6 +24,7 @@ from blocktrain.model.sampler import (
     SAMPLERS,
     sampler_for,
 )
+from blocktrain.presets import PRESETS, preset
 from blocktrain.protocol.core.settings import AggregatorSettings, declared, default_text
 from blocktrain.training.checkpoint import RunInfo
 

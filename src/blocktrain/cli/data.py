@@ -15,8 +15,8 @@ from blocktrain.cli.common import (
     progress_bar,
 )
 from blocktrain.data import ByteCorpus, fetch_wikitext, resolve_data_path
-from blocktrain.data.corpus import gzip_cap
 from blocktrain.data.provenance import split_rule
+from blocktrain.data.sniff import gzip_cap
 
 EXAMPLES = """examples:
   blocktrain data fetch wikitext-2 --to data/wikitext-2     # needs internet

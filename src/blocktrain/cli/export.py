@@ -12,8 +12,8 @@ from pathlib import Path
 from blocktrain.cli.common import Formatter
 from blocktrain.errors import ConfigError
 from blocktrain.protocol.store.state import read_committed
+from blocktrain.training import card, hub
 from blocktrain.training import checkpoint as ckpt
-from blocktrain.training import hub
 from blocktrain.training.local import (
     assembled_tensors,
     reference_tensors,
@@ -91,7 +91,7 @@ def _export_state(args: argparse.Namespace) -> int:
             "reference" if reference else "blocktrain",
             [] if reference else list(range(info.cfg.model.blocks)),
         )
-        facts = hub.state_facts(Path(args.state), info.step, info.versions)
+        facts = card.state_facts(Path(args.state), info.step, info.versions)
         hub.write_hf(Path(args.hf), run_info, tensors, facts, None)
     shown = ", ".join(f"b{b}=v{v}" for b, v in info.versions.items())
     where = " and ".join(

@@ -17,7 +17,7 @@ from blocktrain.cli.common import Formatter, add_pattern_args, file_patterns
 from blocktrain.data import load_split
 from blocktrain.data.ngram import NgramDrafter
 from blocktrain.errors import ConfigError
-from blocktrain.httpserve import bind, run, url_of
+from blocktrain.listener import bind, run, url_of
 from blocktrain.model import Reference
 from blocktrain.model.speculative import Drafter, ModelDrafter
 from blocktrain.serving.auth import SECRET_ENV, is_loopback, load_secret

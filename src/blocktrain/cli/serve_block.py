@@ -13,7 +13,7 @@ import torch
 from blocktrain.cli.common import Formatter
 from blocktrain.config import parse_blocks
 from blocktrain.errors import ConfigError
-from blocktrain.httpserve import bind, run, url_of
+from blocktrain.listener import bind, run, url_of
 from blocktrain.serving.auth import SECRET_ENV, is_loopback, load_secret
 from blocktrain.serving.host import HostSettings
 from blocktrain.serving.host_app import create_app

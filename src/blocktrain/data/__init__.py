@@ -10,12 +10,12 @@ from blocktrain.data.corpus import (
     DATA_ENV,
     SPLITS,
     ByteCorpus,
-    ByteSource,
-    FilePatterns,
     load_split,
     resolve_data_path,
 )
 from blocktrain.data.fetch import URL_ENV, WIKITEXT_ARCHIVES, fetch_wikitext
+from blocktrain.data.patterns import FilePatterns
+from blocktrain.data.source import ByteSource
 
 __all__ = [
     "DATA_ENV",

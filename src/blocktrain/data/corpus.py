@@ -12,51 +12,35 @@ batch copies only the bytes it uses. Three layouts are understood:
 - ``hf:NAME[:CONFIG]`` or ``hf:PATH``: a Hugging Face ``datasets`` dataset, its text column
   written once into a cache folder and read from there (``data/hf.py``).
 
-What a file holds is judged from its first 64 KiB:
-
-- UTF-8 text is read as it is;
-- text in another 8-bit encoding (Latin-1, Windows-1252, ...: not UTF-8, but without NUL bytes
-  or more than 1% control bytes) is read as its bytes, the model being byte-level, with one
-  warning line that names the files: convert them first (``iconv -f latin1 -t utf-8``) to train
-  on UTF-8;
-- gzip-compressed files (by their magic bytes) are decompressed into memory, at most
-  ``GZIP_MAX_BYTES`` of text per corpus (a gzip bomb is an error, not an out-of-memory kill),
-  and then judged as above;
-- empty files, binary data, UTF-16/32 text, archives and other compressed formats are refused
-  for a single file, with a message naming what the file is, and skipped in a folder, all the
-  skipped files summed up in one warning line (``skipped 3 files: 2 not text, 1 empty (first:
-  a.bin, b.png, c.txt)``).
-
-In a folder, ``FilePatterns`` (``--include`` / ``--exclude`` on the command line) choose the
-files; hidden files and folders (a name starting with ``.``) are never read.
-
-Randomness comes only from the ``torch.Generator`` a caller passes, so batches are reproducible
-from a seed and independent of any global RNG state.
+What a file holds is judged from its first 64 KiB (``data/sniff.py``); the files a folder skips
+are summed up in one warning line (``skipped 3 files: 2 not text, 1 empty (first: a.bin, b.png,
+c.txt)``), and ``FilePatterns`` (``data/patterns.py``) choose its files. A split is a
+``ByteSource`` (``data/source.py``), which draws the windows.
 """
 
 from __future__ import annotations
 
-import codecs
-import gzip
-import hashlib
 import logging
-import math
 import os
-import re
-import shlex
-import weakref
-import zlib
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any
 
 import numpy as np
-import torch
 
 from blocktrain.data.hf import SPLIT_NAMES as HF_SPLIT_NAMES
 from blocktrain.data.hf import HfSource, is_hf, materialise, saved_by_datasets
+from blocktrain.data.patterns import NO_PATTERNS, FilePatterns
+from blocktrain.data.sniff import (
+    SKIP_REASONS,
+    TEXT_HINT,
+    GzipBudget,
+    Probe,
+    check_text,
+    probe_file,
+)
+from blocktrain.data.source import ByteSource, Span
 from blocktrain.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -77,183 +61,8 @@ WIKITEXT_FILES: dict[str, str] = {
 SPLIT_FRACTIONS: tuple[float, float] = (0.90, 0.95)
 """Ends of train and of valid, as fractions of a file, for the position split."""
 
-SNIFF_BYTES = 64 * 1024
-"""How much of each file is checked for text at open: enough to catch binaries, cheap for huge
-corpora."""
-
-CONTROL_SHARE = 0.01
-"""Above this share of control bytes (other than tab, newlines, form feed and escape), a file
-that is not UTF-8 is binary data rather than text in an 8-bit encoding."""
-
-GZIP_MAX_BYTES = 1 << 30
-"""Most text (decompressed) that one corpus reads from .gz files: it is held in memory, not
-mapped, so a gzip bomb stops here with a clear error."""
-
-
-def gzip_cap() -> str:
-    """GZIP_MAX_BYTES in words: "1 GiB"."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if 1 << shift <= GZIP_MAX_BYTES:
-            return f"{GZIP_MAX_BYTES / (1 << shift):g} {unit}"
-    return f"{GZIP_MAX_BYTES} bytes"
-
-
-TEXT_HINT = (
-    "BlockTrain reads UTF-8 text, text in another 8-bit encoding (as its bytes) and "
-    "gzip-compressed text"
-)
-
 SHOWN = 3
 """File names a summary line shows."""
-
-TextKind = Literal["text", "8bit", "empty", "binary", "utf16", "compressed", "archive", "badgzip"]
-
-_CONTROLS = bytes(b for b in range(32) if b not in b"\t\n\v\f\r\x1b") + b"\x7f"
-
-_MAGIC: tuple[tuple[bytes, TextKind, str], ...] = (
-    (b"\xfd7zXZ\x00", "compressed", "xz-compressed (unpack it: `unxz FILE`)"),
-    (b"\x28\xb5\x2f\xfd", "compressed", "zstd-compressed (unpack it: `unzstd FILE`)"),
-    (b"7z\xbc\xaf\x27\x1c", "archive", "a 7-Zip archive (unpack it: `7z x FILE`)"),
-    (b"PK\x03\x04", "archive", "a zip archive (unpack it: `unzip FILE`)"),
-)
-
-_REASONS: dict[TextKind, str] = {
-    "empty": "empty",
-    "binary": "not text",
-    "utf16": "UTF-16/32 text",
-    "compressed": "compressed",
-    "archive": "archives",
-    "badgzip": "bad gzip",
-}
-"""How the one summary line counts the files of each kind a folder skips."""
-
-
-@dataclass(frozen=True)
-class Span:
-    """A byte range ``[start, stop)`` of one file's text: the unit a split is made of. For a
-    gzip file (``gzip``) the range is of the decompressed text."""
-
-    path: Path
-    start: int
-    stop: int
-    gzip: bool = False
-
-    def __len__(self) -> int:
-        return self.stop - self.start
-
-
-@dataclass(frozen=True)
-class Probe:
-    """What a file holds, judged at open: its kind, the size of its text (decompressed for a
-    gzip file) and, for a file that cannot be read, what it is, in words."""
-
-    kind: TextKind
-    size: int = 0
-    gzip: bool = False
-    what: str = ""
-
-    @property
-    def usable(self) -> bool:
-        return self.kind in ("text", "8bit")
-
-
-@dataclass(frozen=True)
-class FilePatterns:
-    """Which files of a corpus folder are read: those that match an ``include`` pattern (all,
-    when there is none) and no ``exclude`` pattern. Patterns are globs on the file's path
-    relative to the folder, with ``/`` between folders: one without ``/`` matches a file's name
-    at any depth (``*.txt``), one with ``/`` the whole path from the folder (``src/*.py``, and a
-    leading ``/`` is the same); ``*`` and ``?`` stay within a folder's name, ``**`` spans any
-    number of folders (``build/**``, ``**/test_*.py``), ``[abc]`` is a set, and a trailing ``/``
-    means everything under that folder."""
-
-    include: tuple[str, ...] = ()
-    exclude: tuple[str, ...] = ()
-    _compiled: tuple[tuple[re.Pattern[str], ...], tuple[re.Pattern[str], ...]] = field(
-        init=False, repr=False, compare=False
-    )
-
-    def __post_init__(self) -> None:
-        for flag, patterns in (("--include", self.include), ("--exclude", self.exclude)):
-            for pattern in patterns:
-                if not pattern.strip():
-                    raise DataError(f"{flag} takes a non-empty glob pattern, e.g. '*.txt'")
-        compiled = (
-            tuple(_glob_regex(p) for p in self.include),
-            tuple(_glob_regex(p) for p in self.exclude),
-        )
-        object.__setattr__(self, "_compiled", compiled)
-
-    def __bool__(self) -> bool:
-        return bool(self.include or self.exclude)
-
-    def selects(self, relative: str) -> bool:
-        """Whether the file at `relative` (a POSIX path from the folder) is read."""
-        include, exclude = self._compiled
-        if include and not any(_matches(r, relative) for r in include):
-            return False
-        return not any(_matches(r, relative) for r in exclude)
-
-    def argv(self) -> list[str]:
-        """The command-line flags that give these patterns, for a child command."""
-        return [a for p in self.include for a in ("--include", p)] + [
-            a for p in self.exclude for a in ("--exclude", p)
-        ]
-
-    def flags(self) -> str:
-        """The flags as a user would type them (shell-quoted)."""
-        return " ".join(shlex.quote(a) if i % 2 else a for i, a in enumerate(self.argv()))
-
-
-NO_PATTERNS = FilePatterns()
-
-
-def _glob_regex(pattern: str) -> re.Pattern[str]:
-    """A FilePatterns glob as a regular expression; a pattern without ``/`` matches a name."""
-    pattern = pattern.strip()
-    if pattern.endswith("/"):
-        pattern += "**"
-    anchored = "/" in pattern
-    parts = pattern.lstrip("/").split("/")
-    out = "" if anchored else "(?:.*/)?"
-    for i, part in enumerate(parts):
-        last = i == len(parts) - 1
-        if part == "**":
-            out += ".*" if last else "(?:[^/]+/)*"
-        else:
-            out += _segment_regex(part) + ("" if last else "/")
-    return re.compile(out, re.DOTALL)
-
-
-def _segment_regex(part: str) -> str:
-    """One folder or file name of a glob: ``*``, ``?`` and ``[...]`` never cross a ``/``."""
-    out, i = "", 0
-    while i < len(part):
-        c = part[i]
-        i += 1
-        if c == "*":
-            out += "[^/]*"
-        elif c == "?":
-            out += "[^/]"
-        elif c == "[":
-            end = part.find("]", i + 1 if i < len(part) and part[i] in "!^" else i)
-            if end < 0:
-                out += re.escape(c)
-                continue
-            body = part[i:end]
-            i = end + 1
-            negate = body[:1] in ("!", "^")
-            body = body[1:] if negate else body
-            out += "[" + ("^/" if negate else "") + body.replace("\\", "\\\\") + "]"
-        else:
-            out += re.escape(c)
-    return out
-
-
-def _matches(regex: re.Pattern[str], relative: str) -> bool:
-    return regex.fullmatch(relative) is not None
-
-
 DataPath = str | os.PathLike[str] | HfSource
 """What --data gives: a path, or a Hugging Face dataset (``hf:NAME``, or an HfSource)."""
 
@@ -285,114 +94,6 @@ def resolve_data_path(path: DataPath | None) -> Path | HfSource:
     if not resolved.exists():
         raise DataError(f"data path {resolved} does not exist; pass --data PATH or set {DATA_ENV}")
     return resolved
-
-
-class ByteSource:
-    """The bytes of one split, memory-mapped, possibly spread over several files.
-
-    Each file is mapped once and each span is a view of that map, so nothing is copied until a
-    batch is built, and then only the bytes of its windows. Windows never cross a file boundary,
-    because the byte after one file's end is not the text that follows it.
-    """
-
-    def __init__(self, name: str, spans: Sequence[Span]) -> None:
-        self.name = name
-        self._spans = [span for span in spans if len(span) > 0]
-        self._arrays = _map_spans(self._spans)
-
-    def __getstate__(self) -> dict[str, object]:
-        """Send the spans, not the mapped bytes, when a source goes to another process."""
-        return {"name": self.name, "spans": self._spans}
-
-    def __setstate__(self, state: dict[str, object]) -> None:
-        """Map the files again on the receiving side."""
-        self.name = cast(str, state["name"])
-        self._spans = cast("list[Span]", state["spans"])
-        self._arrays = _map_spans(self._spans)
-
-    @property
-    def paths(self) -> list[Path]:
-        """Files this split reads from, in order (each at most once)."""
-        return list(dict.fromkeys(span.path for span in self._spans))
-
-    def __len__(self) -> int:
-        return sum(len(span) for span in self._spans)
-
-    def sha256(self) -> str:
-        """The SHA-256 of the split's bytes (files one after another), read in 1 MiB pieces:
-        for a WikiText split, the hash of its file."""
-        digest = hashlib.sha256()
-        for array in self._arrays:
-            for start in range(0, len(array), 1 << 20):
-                digest.update(array[start : start + (1 << 20)].tobytes())
-        return digest.hexdigest()
-
-    def read(self) -> np.ndarray:
-        """Every byte of the split, files one after another, as one uint8 array (a copy)."""
-        if not self._arrays:
-            return np.zeros(0, dtype=np.uint8)
-        return np.concatenate([np.asarray(a) for a in self._arrays])
-
-    def __repr__(self) -> str:
-        return f"ByteSource(name={self.name!r}, bytes={len(self)}, files={len(self.paths)})"
-
-    def sample(self, batch_size: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
-        """Draw ``batch_size`` random windows of ``seq_len`` bytes, as an int64 tensor.
-
-        A start is drawn uniformly over all valid starts of all spans, which is the same as
-        picking a span in proportion to its valid starts and then a start inside it. Only
-        ``generator`` is used, so equal seeds give equal batches. The batch is on the CPU whatever
-        the generator's device; the caller moves it.
-        """
-        _check_positive(batch_size=batch_size, seq_len=seq_len)
-        starts = np.array([max(0, len(a) - seq_len + 1) for a in self._arrays], dtype=np.int64)
-        total = int(starts.sum())
-        if total == 0:
-            raise self._too_short(seq_len)
-        draws = torch.randint(
-            total, (batch_size,), generator=generator, dtype=torch.int64, device=generator.device
-        )
-        flat = draws.cpu().numpy()
-        ends = np.cumsum(starts)
-        which = np.searchsorted(ends, flat, side="right")
-        offsets = flat - (ends[which] - starts[which])
-        out = np.empty((batch_size, seq_len), dtype=np.int64)
-        cols = np.arange(seq_len, dtype=np.int64)
-        for index in np.unique(which):
-            rows = np.flatnonzero(which == index)
-            # Fancy indexing reads only these windows' bytes from the map.
-            out[rows] = self._arrays[int(index)][offsets[rows, None] + cols]
-        return torch.from_numpy(out)
-
-    def windows(self, seq_len: int, n_bytes: int) -> torch.Tensor:
-        """Return ``ceil(n_bytes / seq_len)`` consecutive, non-overlapping windows from the start.
-
-        Evaluation needs the same text every time, so this is deterministic: windows are taken
-        file by file from each span's start, and fewer are returned if the split holds fewer.
-        """
-        _check_positive(seq_len=seq_len, n_bytes=n_bytes)
-        wanted = math.ceil(n_bytes / seq_len)
-        chunks: list[np.ndarray] = []
-        for array in self._arrays:
-            take = min(len(array) // seq_len, wanted)
-            if take > 0:
-                chunk = np.asarray(array[: take * seq_len], dtype=np.int64)
-                chunks.append(chunk.reshape(take, seq_len))
-                wanted -= take
-            if wanted == 0:
-                break
-        if not chunks:
-            raise self._too_short(seq_len)
-        return torch.from_numpy(np.concatenate(chunks))
-
-    def _too_short(self, seq_len: int) -> DataError:
-        """The error for a split no file of which holds one window."""
-        files = ", ".join(str(p) for p in self.paths) or "no files"
-        return DataError(
-            f"the {self.name} split is shorter than seq_len = {seq_len} bytes "
-            f"(it holds {len(self)} bytes in {files}; windows do not cross files); "
-            "use more text or a smaller seq_len"
-        )
 
 
 class ByteCorpus:
@@ -457,8 +158,8 @@ class ByteCorpus:
                     f"{patterns.flags()} choose files of a folder, and {root} is a file; "
                     "drop them or point --data at the folder"
                 )
-            budget = _GzipBudget()
-            probe = _check_text(root, budget)
+            budget = GzipBudget()
+            probe = check_text(root, budget)
             not_utf8 = [root.name] if probe.kind == "8bit" else []
             _report(root, patterns, {}, not_utf8)
             corpus = cls(
@@ -517,11 +218,11 @@ class ByteCorpus:
         splits: dict[str, list[Span]] = {}
         missing: dict[str, Path] = {}
         not_utf8: list[str] = []
-        budget = _GzipBudget()
+        budget = GzipBudget()
         for split, name in WIKITEXT_FILES.items():
             file = root / name
             if file.is_file() and patterns.selects(name):
-                probe = _check_text(file, budget)
+                probe = check_text(file, budget)
                 splits[split] = [Span(file, 0, probe.size, probe.gzip)]
                 if probe.kind == "8bit":
                     not_utf8.append(name)
@@ -555,15 +256,15 @@ class ByteCorpus:
         usable: list[tuple[Path, Probe]] = []
         skipped: dict[str, list[str]] = {}
         not_utf8: list[str] = []
-        budget = _GzipBudget()
+        budget = GzipBudget()
         for file, rel in chosen:
-            probe = _probe(file, budget)
+            probe = probe_file(file, budget)
             if probe.usable:
                 usable.append((file, probe))
                 if probe.kind == "8bit":
                     not_utf8.append(rel)
             else:
-                skipped.setdefault(_REASONS[probe.kind], []).append(rel)
+                skipped.setdefault(SKIP_REASONS[probe.kind], []).append(rel)
         if not usable:
             why = _summary(skipped)
             if set(skipped) <= {"empty"}:
@@ -643,31 +344,6 @@ def load_split(
     return ByteCorpus.open(resolve_data_path(path), patterns).split(split)
 
 
-def _check_positive(**values: int) -> None:
-    """Reject non-positive sizes: they are caller bugs, not data problems."""
-    for key, value in values.items():
-        if value <= 0:
-            raise ValueError(f"{key} must be positive, got {value}")
-
-
-def _map_spans(spans: Sequence[Span]) -> list[np.ndarray]:
-    """Map each file once (read-only; a gzip file's text from memory) and return one view per
-    span."""
-    maps: dict[Path, np.ndarray] = {}
-    views: list[np.ndarray] = []
-    for span in spans:
-        if span.path not in maps:
-            if span.gzip:
-                maps[span.path] = _inflated(span.path)
-            else:
-                try:
-                    maps[span.path] = np.memmap(span.path, dtype=np.uint8, mode="r")
-                except (OSError, ValueError) as exc:
-                    raise DataError(f"cannot read {span.path}: {exc}") from exc
-        views.append(maps[span.path][span.start : span.stop])
-    return views
-
-
 def _position_split(files: Sequence[tuple[Path, Probe]]) -> dict[str, list[Span]]:
     """Cut every file's text at 90% and 95% of its length into train, valid and test spans."""
     splits: dict[str, list[Span]] = {name: [] for name in SPLITS}
@@ -719,135 +395,3 @@ def _report(
             "their" if n != 1 else "its",
             ", ".join(not_utf8[:SHOWN]),
         )
-
-
-@dataclass
-class _GzipBudget:
-    """What is left of GZIP_MAX_BYTES while one corpus opens, and the text decompressed so
-    far (held until the corpus holds it)."""
-
-    left: int = field(default_factory=lambda: GZIP_MAX_BYTES)
-    held: list[np.ndarray] = field(default_factory=list)
-
-
-_INFLATED: weakref.WeakValueDictionary[tuple[str, int, int], np.ndarray] = (
-    weakref.WeakValueDictionary()
-)
-"""Decompressed gzip files, by (path, size, mtime), while some corpus or split holds them."""
-
-
-class _TooLarge(Exception):
-    pass
-
-
-def _inflated(path: Path, limit: int | None = None) -> np.ndarray:
-    """The decompressed text of a gzip file, as uint8, from the cache when it is there;
-    `limit`: the most bytes it may hold (default GZIP_MAX_BYTES). Read errors are DataError;
-    more text than the limit raises _TooLarge."""
-    limit = GZIP_MAX_BYTES if limit is None else limit
-    try:
-        stat = path.stat()
-    except OSError as exc:
-        raise DataError(f"cannot read {path}: {exc}") from exc
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-    cached = _INFLATED.get(key)
-    if cached is not None:
-        if len(cached) > limit:
-            raise _TooLarge
-        return cached
-    data = bytearray()
-    try:
-        with gzip.open(path, "rb") as handle:
-            while chunk := handle.read(1 << 20):
-                data += chunk
-                if len(data) > limit:
-                    raise _TooLarge
-    except (OSError, EOFError, zlib.error) as exc:  # gzip.BadGzipFile is an OSError
-        raise DataError(f"{path} is not a valid gzip file ({exc})") from exc
-    array = np.frombuffer(bytes(data), dtype=np.uint8)
-    _INFLATED[key] = array
-    return array
-
-
-def _probe(file: Path, budget: _GzipBudget) -> Probe:
-    """What `file` holds (`_classify` of its first 64 KiB); for a gzip file, of its
-    decompressed text, all of which is read (and counted against `budget`) if it is text."""
-    try:
-        with file.open("rb") as handle:
-            sample = handle.read(SNIFF_BYTES)
-    except OSError as exc:
-        raise DataError(f"cannot read {file}: {exc}") from exc
-    if not sample.startswith(b"\x1f\x8b"):
-        kind, what = _classify(sample)
-        return Probe(kind, file.stat().st_size if kind in ("text", "8bit") else 0, what=what)
-    try:
-        with gzip.open(file, "rb") as handle:
-            sample = handle.read(SNIFF_BYTES)
-    except (OSError, EOFError, zlib.error) as exc:
-        return Probe("badgzip", gzip=True, what=f"not a valid gzip file ({exc})")
-    kind, what = _classify(sample)
-    if kind not in ("text", "8bit"):
-        return Probe(kind, gzip=True, what=f"gzip-compressed: {what}")
-    try:
-        text = _inflated(file, budget.left)
-    except _TooLarge:
-        raise DataError(
-            f"{file} decompresses to more than the {gzip_cap()} of .gz text one "
-            f"corpus may hold in memory (with the corpus's other .gz files; a gzip bomb?); "
-            f"decompress it yourself (`gunzip -k {file}`) to read it memory-mapped, or "
-            "--exclude it"
-        ) from None
-    except DataError as exc:
-        return Probe("badgzip", gzip=True, what=str(exc).removeprefix(f"{file} is "))
-    budget.left -= len(text)
-    budget.held.append(text)
-    return Probe(kind, len(text), gzip=True, what=what)
-
-
-def _check_text(file: Path, budget: _GzipBudget) -> Probe:
-    """Fail unless ``file`` is a non-empty text file (UTF-8, 8-bit, gzip-compressed); return
-    what it holds."""
-    probe = _probe(file, budget)
-    if probe.kind == "empty":
-        raise DataError(f"{file} is empty" + (" (once decompressed)" if probe.gzip else ""))
-    if probe.kind == "binary":
-        inside = " once decompressed" if probe.gzip else ""
-        raise DataError(f"{file} does not look like text{inside} (binary data); {TEXT_HINT}")
-    if not probe.usable:
-        raise DataError(f"{file} is {probe.what.replace('FILE', file.name)}; {TEXT_HINT}")
-    return probe
-
-
-def _classify(sample: bytes) -> tuple[TextKind, str]:
-    """The kind of a file from its first bytes, and for one that is not read, what it is.
-
-    A byte-order mark marks UTF-16/32 text; magic bytes, a compressed file or an archive; then a
-    NUL byte marks binary data; valid UTF-8 is text; otherwise a file with at most 1% control
-    bytes is 8-bit text (Latin-1, Windows-1252, ...), and one with more, binary data. The
-    decoder is not told the sample is final, so a multi-byte character cut by the sample's end
-    (at most 3 bytes) is not an error.
-    """
-    if not sample:
-        return "empty", "empty"
-    if sample.startswith((b"\xff\xfe", b"\xfe\xff")):
-        return "utf16", (
-            "UTF-16 or UTF-32 text (it starts with a byte-order mark); convert it to UTF-8 "
-            "first, e.g. `iconv -f UTF-16 -t UTF-8 FILE > FILE.utf8`"
-        )
-    for magic, kind, what in _MAGIC:
-        if sample.startswith(magic):
-            return kind, what
-    if re.match(rb"BZh[1-9]1AY&SY", sample):
-        return "compressed", "bzip2-compressed (unpack it: `bunzip2 FILE`)"
-    if sample[257:262] == b"ustar":
-        return "archive", "a tar archive (unpack it: `tar -xf FILE`, and point --data at it)"
-    if b"\x00" in sample:
-        return "binary", "binary data"
-    try:
-        codecs.getincrementaldecoder("utf-8")().decode(sample, final=False)
-    except UnicodeDecodeError:
-        controls = len(sample) - len(sample.translate(None, _CONTROLS))
-        if controls > CONTROL_SHARE * len(sample):
-            return "binary", "binary data"
-        return "8bit", "8-bit text"
-    return "text", "text"

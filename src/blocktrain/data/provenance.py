@@ -29,9 +29,9 @@ from blocktrain.data.corpus import (
     WIKITEXT_FILES,
     ByteCorpus,
     DataPath,
-    FilePatterns,
     resolve_data_path,
 )
+from blocktrain.data.patterns import FilePatterns
 from blocktrain.errors import DataError
 from blocktrain.fsutil import atomic_write_bytes
 

@@ -3,15 +3,8 @@ Imports only torch and the config; no I/O, no logging, no globals."""
 
 from blocktrain.model.block import BOS, Block, BlockStack, ZLayout, init_block, target_table
 from blocktrain.model.reference import Reference, generate_autoregressive, init_reference
-from blocktrain.model.sampler import (
-    Denoiser,
-    Sampling,
-    euler_step,
-    generate,
-    one_sweep,
-    sample_bytes,
-    stack_denoiser,
-)
+from blocktrain.model.sampler import Denoiser, euler_step, generate, one_sweep, stack_denoiser
+from blocktrain.model.sampling import Sampling, sample_bytes
 from blocktrain.model.sigma import EDMScalings, SigmaSchedule, edm_scalings, loss_weight
 
 __all__ = [

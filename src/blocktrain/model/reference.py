@@ -11,7 +11,7 @@ from torch import nn
 
 from blocktrain.config import VOCAB_SIZE, ModelConfig
 from blocktrain.model.layers import DualStreamLayer, Rotary
-from blocktrain.model.sampler import Sampling, sample_bytes
+from blocktrain.model.sampling import Sampling, sample_bytes
 
 
 class Reference(nn.Module):

@@ -3,7 +3,8 @@ over a sigma grid that only calls a denoiser. A denoiser is any callable
 
     denoise(block_index, x_bytes, z, sigma, layout) -> logits (N, Lz, 256)
 
-so a local BlockStack, a single worker's block or a chain of remote hosts all plug in.
+so a local BlockStack, a single worker's block or a chain of remote hosts all plug in. `generate`
+drives it span by span (model/span_loop.py); bytes are drawn from logits by model/sampling.py.
 """
 
 from __future__ import annotations
@@ -14,9 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
-from blocktrain.model import utf8
 from blocktrain.model.block import BlockStack, ZLayout
 from blocktrain.model.masking import masked_count, pin_revealed, read_state, to_reveal
+from blocktrain.model.sampling import Sampling, sample_bytes
+
+# Re-exported for serving/choices.py, which imports it from here; drop once it names model.sampling.
+from blocktrain.model.sampling import sampling_probs as sampling_probs
+from blocktrain.model.span_loop import SpanLoop
 
 Denoiser = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, ZLayout], torch.Tensor]
 StepHook = Callable[[int, int, float, torch.Tensor], None]
@@ -344,151 +349,6 @@ def one_sweep(
         sampling=sampling,
         fork=fork,
     )[1]
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How bytes are drawn from the final logits."""
-
-    temperature: float = 1.0
-    """0 means greedy (argmax)."""
-    top_k: int = 0
-    """Keep only the k most likely bytes (0: all)."""
-    top_p: float = 1.0
-    """Keep the smallest set of bytes whose probability reaches p (1: all)."""
-    utf8: bool = False
-    """Keep the text valid UTF-8 (model/utf8.py): draw each byte from the bytes that may follow
-    those before it, position by position, before temperature, top-k and top-p."""
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature = {self.temperature} must be >= 0")
-        if not 0 <= self.top_k <= 256:
-            raise ValueError(f"top_k = {self.top_k} must lie in 0..256")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p = {self.top_p} must lie in (0, 1]")
-
-
-def sampling_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """logits (..., 256) -> the distribution (..., 256) fp32 that `sample_bytes` draws from:
-    temperature, then top-k, then top-p; greedy (temperature 0) is a point mass on the argmax."""
-    logits = logits.float()
-    if sampling.temperature == 0:
-        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
-    logits = logits / sampling.temperature
-    if sampling.top_k:
-        kth = logits.topk(sampling.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if sampling.top_p < 1:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop_sorted = cum - sorted_logits.softmax(dim=-1) >= sampling.top_p  # keep the first past p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits.softmax(dim=-1)
-
-
-def sample_bytes(
-    logits: torch.Tensor,
-    sampling: Sampling,
-    generator: torch.Generator,
-    prefix: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """logits (..., 256) -> bytes (...) int64, greedy or by temperature / top-k / top-p.
-
-    With `sampling.utf8`, logits are (N, 256) or (N, K, 256), the K positions of a span drawn
-    one after another, each from the bytes that keep the text valid UTF-8 after `prefix` (N, L),
-    the bytes before them (None: the start of a text; its last 3 bytes are enough)."""
-    if sampling.utf8:
-        return utf8.draw_valid(logits, prefix, lambda lg: _draw(lg, sampling, generator)).to(
-            logits.device
-        )
-    return _draw(logits, sampling, generator)
-
-
-def _draw(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
-    """sample_bytes without the UTF-8 constraint."""
-    if sampling.temperature == 0:
-        return logits.float().argmax(dim=-1)
-    probs = sampling_probs(logits, sampling)
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
-
-
-def window_start(length: int, start: int, capacity: int) -> int:
-    """Where a generation's context window starts (SpanLoop, SpeculativeLoop), given its
-    context's `length` and the window's current `start`: it stays put while the context fits in
-    `capacity` bytes from it, so that each sweep's context extends the last one's and the
-    hosts' clean-stream caches hold; once it would not fit, it restarts at the last
-    capacity // 2 bytes, as the autoregressive stages do. A sweep then recomputes its whole
-    context once per capacity // 2 new bytes instead of at every sweep, and sees between
-    capacity // 2 and capacity bytes of context. A loop's first window is the prompt's last
-    `capacity` bytes (`first_window`)."""
-    if length - start <= capacity:
-        return start
-    return length - max(1, capacity // 2)
-
-
-def first_window(length: int, capacity: int) -> int:
-    """The start of a generation's first window: its prompt's last `capacity` bytes."""
-    return max(0, length - capacity)
-
-
-class SpanLoop:
-    """The bookkeeping of generation by spans, shared by `generate` (blocks in this process)
-    and the router (blocks on a chain of hosts), so that both draw the same numbers in the same
-    order: per span, the context window (`window_start`), then the initial noise z = sigma_max *
-    eps drawn from the request's generator on the CPU (results do not depend on the device), then
-    the sweep (which may draw from the generator too), then the bytes sampled from the final
-    logits.
-
-        loop = SpanLoop(prompt, n, ...)
-        while not loop.done:
-            x, z = loop.next_input()
-            new = ...one sweep of (x, z), then sample_bytes...   # (N, K)
-            emitted = loop.push(new)
-    """
-
-    def __init__(
-        self,
-        prompt: torch.Tensor,
-        n_bytes: int,
-        *,
-        span: int,
-        max_context: int,
-        d_model: int,
-        sigma_max: float,
-        generator: torch.Generator,
-    ) -> None:
-        if prompt.shape[1] == 0:
-            raise ValueError("the prompt must hold at least one byte")
-        if max_context < 1:
-            raise ValueError(f"a span of K = {span} leaves no context (T - K = {max_context})")
-        self.context = prompt  # (N, Lp + produced)
-        self.n_bytes, self.span, self.max_context = n_bytes, span, max_context
-        self.d_model, self.sigma_max, self.generator = d_model, sigma_max, generator
-        self.produced = 0
-        self.start = first_window(prompt.shape[1], max_context)
-
-    @property
-    def done(self) -> bool:
-        return self.produced >= self.n_bytes
-
-    def next_input(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (x (N, Lx) the context's window, at most max_context bytes, z (N, K, d) fp32 at
-        sigma_max, CPU)."""
-        self.start = window_start(self.context.shape[1], self.start, self.max_context)
-        x = self.context[:, self.start :]
-        noise = torch.randn(x.shape[0], self.span, self.d_model, generator=self.generator)
-        return x, self.sigma_max * noise
-
-    def push(self, new: torch.Tensor) -> torch.Tensor:
-        """Append a span's bytes (N, K); -> the part of it that is wanted (N, <= K)."""
-        new = new.to(self.context.device)
-        self.context = torch.cat((self.context, new), dim=1)
-        wanted = new[:, : self.n_bytes - self.produced]
-        self.produced += self.span
-        return wanted
 
 
 @torch.no_grad()

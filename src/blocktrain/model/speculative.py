@@ -50,16 +50,9 @@ from blocktrain.model.block import ZLayout
 from blocktrain.model.cached import KVCache
 from blocktrain.model.pipeline import split_reference
 from blocktrain.model.reference import Reference
-from blocktrain.model.sampler import (
-    Denoiser,
-    Fork,
-    Sampling,
-    antithetic_normal,
-    first_window,
-    one_sweep,
-    sampling_probs,
-    window_start,
-)
+from blocktrain.model.sampler import Denoiser, Fork, antithetic_normal, one_sweep
+from blocktrain.model.sampling import Sampling, sampling_probs
+from blocktrain.model.span_loop import first_window, window_start
 
 DEFAULT_VERIFY_DRAWS = 4
 """Noise draws M of a one-sweep verify sweep. More draws accept more bytes a traversal but cost
@@ -240,7 +233,7 @@ class SpeculativeLoop:
         self, draft: list[int], d_model: int, sigma_max: float
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """A one-sweep verifier's input -> (x (1, P + D): the context's window (at most
-        T - 1 - draft_len bytes; model.sampler.window_start) then the draft, z (1, M * (D + 1),
+        T - 1 - draft_len bytes; model.span_loop.window_start) then the draft, z (1, M * (D + 1),
         d) fp32 at sigma_max: the M = draws draws of the D + 1 positions, one after another
         (verify_layout), in antithetic pairs unless the loop says otherwise, P). With a fork, z
         holds one draw (1, D + 1, d): the copies part later."""

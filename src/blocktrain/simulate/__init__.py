@@ -3,9 +3,10 @@ compute times, latencies, bandwidths and dropouts, on a virtual clock, against t
 round state machine, validators and aggregation."""
 
 from blocktrain.simulate.aggregator import SimAggregator
-from blocktrain.simulate.engine import Simulation, TimingOnlyTrainer
+from blocktrain.simulate.engine import Simulation
 from blocktrain.simulate.regimes import REGIMES, Dist, Regime, load_regime, parse_regimes
 from blocktrain.simulate.run import SimSpec, simulate, write_outputs
+from blocktrain.simulate.workers import TimingOnlyTrainer
 
 __all__ = [
     "REGIMES",

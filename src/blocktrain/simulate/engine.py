@@ -1,7 +1,8 @@
 """The event loop: N virtual workers against one `SimAggregator`, on a virtual clock.
 
 Nothing sleeps. Events wait in a heap ordered by (virtual time, insertion order), so a run is a
-pure function of its seed. A worker's life mirrors `protocol.worker.loop.WorkerLoop`:
+pure function of its seed. A worker's life (its state: `simulate/workers.py`) mirrors
+`protocol.worker.loop.WorkerLoop`:
 
     ready    ->  its pull reaches the aggregator one latency later; if the open round is one it
                  already trained on, it waits (a long poll) until that round closes
@@ -23,10 +24,8 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from blocktrain.protocol.core.bodies import update_body
 from blocktrain.protocol.core.bounds import largest_block
@@ -35,66 +34,12 @@ from blocktrain.protocol.core.effect import EffectProbe
 from blocktrain.protocol.core.events import Committed
 from blocktrain.protocol.core.local_trainer import LocalTrainer
 from blocktrain.protocol.core.participation import in_time, participation
-from blocktrain.protocol.core.pulls import View
-from blocktrain.protocol.core.rounds import RoundClosed, RoundView
+from blocktrain.protocol.core.rounds import RoundClosed
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.simulate.aggregator import Judged, SimAggregator
 from blocktrain.simulate.attacks import Attack, ForgingTrainer
 from blocktrain.simulate.regimes import Regime
-
-Tensors = dict[str, torch.Tensor]
-
-
-class TimingOnlyTrainer:
-    """No compute: zero deltas with honest token counts, for timing and participation studies
-    (`blocktrain simulate --timing-only`) and tests."""
-
-    def __init__(self, shapes: dict[str, tuple[int, ...]], tokens_per_step: int) -> None:
-        self.zeros = {k: torch.zeros(s) for k, s in shapes.items()}
-        self.upstream_blocks: list[int] = []  # it reads nothing from other blocks
-        self.tokens_per_step = tokens_per_step
-
-    def load(self, weights: Tensors) -> None:
-        pass
-
-    def load_upstream(self, blocks: dict[int, Tensors]) -> None:
-        pass
-
-    def train(
-        self, steps: int, first_step: int, should_stop: Callable[[], bool] = lambda: False
-    ) -> dict[str, float]:
-        return {"tokens": float(steps * self.tokens_per_step), "loss": math.nan, "steps": steps}
-
-    def delta(self) -> Tensors:
-        return self.zeros
-
-
-@dataclass
-class VirtualWorker:
-    id: int
-    block: int
-    trainer: LocalTrainer
-    encoder: DeltaEncoder
-    """Its pushes in the delta wire, with its error-feedback residual (as a WorkerLoop's)."""
-    speed: float
-    bandwidth: float
-    """Bytes per virtual second."""
-    last_round: int = -1
-    """The last round it trained on (or gave up on); it waits for a later one."""
-    holding: RoundView | None = None
-    """The round of the pull in flight (its weights: `held`)."""
-    held: View | None = None
-    """The weights it last pulled, as they arrived (compressed pulls are deltas from it)."""
-    upstream: dict[int, Tensors] = field(default_factory=dict)
-    """The committed versions of its trainer's upstream blocks, pulled with its own."""
-    body: tuple[int, bytes] | None = None
-    """(round, body) of the push in flight."""
-    stopped: bool = False
-    accepted: int = 0
-    refused: Counter[str] = field(default_factory=Counter)
-    dropped: int = 0
-    local_steps: int = 0
-    attacker: bool = False
+from blocktrain.simulate.workers import Tensors, VirtualWorker
 
 
 @dataclass

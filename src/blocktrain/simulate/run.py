@@ -24,8 +24,9 @@ from blocktrain.model import BlockStack, Reference, init_reference
 from blocktrain.protocol.core.bounds import derived_settings, largest_block
 from blocktrain.protocol.core.local_trainer import UNITS, LocalTrainer
 from blocktrain.simulate.attacks import Attack
-from blocktrain.simulate.engine import Simulation, TimingOnlyTrainer
+from blocktrain.simulate.engine import Simulation
 from blocktrain.simulate.regimes import Regime
+from blocktrain.simulate.workers import TimingOnlyTrainer
 from blocktrain.training import EvalSettings, evaluate_blocktrain, evaluate_reference
 from blocktrain.training import checkpoint as ckpt
 from blocktrain.training.local import initial_units, local_trainer, reference_config

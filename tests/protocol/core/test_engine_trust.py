@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from blocktrain.config import tiny
 from blocktrain.errors import ConfigError
+from blocktrain.presets import tiny
 from blocktrain.protocol.core.bounds import derived_settings, largest_block
 from blocktrain.protocol.core.events import Committed
 from blocktrain.protocol.core.round_engine import RoundEngine

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from blocktrain.httpserve import ThreadedServer, bind
+from blocktrain.listener import ThreadedServer, bind
 from blocktrain.protocol.http.app import create_app
 from tests.protocol.conftest import FakeClock, add_token, auth, delta_body, make_state
 

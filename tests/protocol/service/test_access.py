@@ -281,7 +281,8 @@ def test_the_served_aggregator_closes_half_sent_requests_and_answers_before_the_
     open after 45 s); and an unauthenticated body was read whole before the 401."""
     import socket
 
-    from blocktrain.httpserve import Limits, ThreadedServer, bind
+    from blocktrain.httpserve import Limits
+    from blocktrain.listener import ThreadedServer, bind
 
     state = make_state(tmp_path / "s")
     limits = AccessLimits(http=Limits(max_body=16 * 1024, header_timeout_s=0.5))

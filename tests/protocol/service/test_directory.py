@@ -12,7 +12,7 @@ import torch
 
 from blocktrain.cli.main import main
 from blocktrain.errors import ConfigError, Refused
-from blocktrain.httpserve import ThreadedServer, bind, url_of
+from blocktrain.listener import ThreadedServer, bind, url_of
 from blocktrain.protocol.core.bodies import decode
 from blocktrain.protocol.http.app import create_app
 from blocktrain.protocol.service.placement import Directory, parse_peer

@@ -109,7 +109,7 @@ def create_app(
 ) -> FastAPI:
     """The aggregator over an initialised state folder. `clock` is injected so that tests can
     drive deadlines; `tick_interval_s` is how often deadlines are checked while served;
-    `limits` caps what clients may cost (serve it with `httpserve.run(app, sock,
+    `limits` caps what clients may cost (serve it with `listener.run(app, sock,
     limits.http)` so that the connection limits match); `probe` judges each update by its
     effect (`effect.EffectProbe`)."""
     service = AggregatorService(

@@ -1,0 +1,71 @@
+"""The simulator's virtual workers: what the event loop (`simulate/engine.py`) keeps per worker,
+and `TimingOnlyTrainer`, a local trainer with no compute for timing and participation studies.
+Attackers' trainers are `simulate/attacks.py`'s."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from blocktrain.protocol.core.codecs import DeltaEncoder
+from blocktrain.protocol.core.local_trainer import LocalTrainer
+from blocktrain.protocol.core.pulls import View
+from blocktrain.protocol.core.rounds import RoundView
+
+Tensors = dict[str, torch.Tensor]
+
+
+class TimingOnlyTrainer:
+    """No compute: zero deltas with honest token counts, for timing and participation studies
+    (`blocktrain simulate --timing-only`) and tests."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], tokens_per_step: int) -> None:
+        self.zeros = {k: torch.zeros(s) for k, s in shapes.items()}
+        self.upstream_blocks: list[int] = []  # it reads nothing from other blocks
+        self.tokens_per_step = tokens_per_step
+
+    def load(self, weights: Tensors) -> None:
+        pass
+
+    def load_upstream(self, blocks: dict[int, Tensors]) -> None:
+        pass
+
+    def train(
+        self, steps: int, first_step: int, should_stop: Callable[[], bool] = lambda: False
+    ) -> dict[str, float]:
+        return {"tokens": float(steps * self.tokens_per_step), "loss": math.nan, "steps": steps}
+
+    def delta(self) -> Tensors:
+        return self.zeros
+
+
+@dataclass
+class VirtualWorker:
+    id: int
+    block: int
+    trainer: LocalTrainer
+    encoder: DeltaEncoder
+    """Its pushes in the delta wire, with its error-feedback residual (as a WorkerLoop's)."""
+    speed: float
+    bandwidth: float
+    """Bytes per virtual second."""
+    last_round: int = -1
+    """The last round it trained on (or gave up on); it waits for a later one."""
+    holding: RoundView | None = None
+    """The round of the pull in flight (its weights: `held`)."""
+    held: View | None = None
+    """The weights it last pulled, as they arrived (compressed pulls are deltas from it)."""
+    upstream: dict[int, Tensors] = field(default_factory=dict)
+    """The committed versions of its trainer's upstream blocks, pulled with its own."""
+    body: tuple[int, bytes] | None = None
+    """(round, body) of the push in flight."""
+    stopped: bool = False
+    accepted: int = 0
+    refused: Counter[str] = field(default_factory=Counter)
+    dropped: int = 0
+    local_steps: int = 0
+    attacker: bool = False
