@@ -218,7 +218,7 @@ def test_a_per_block_aggregator_of_a_features_run_turns_its_probe_off(corpus, tm
         ("--blocks", "0,1"),
         ("--blocks", "2", "--effect-probe", "off"),
     ):
-        opened, settings, directory = prepare_state(build_parser().parse_args(argv(*flags)))
+        opened, _, directory = prepare_state(build_parser().parse_args(argv(*flags)))
         assert list(directory.served) == [int(b) for b in flags[1].split(",")]
         opened.close()
         shutil.rmtree(state)

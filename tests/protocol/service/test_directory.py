@@ -80,7 +80,7 @@ def test_a_features_worker_reads_its_upstream_block_from_its_aggregator(pair):
     """route = features, one aggregator per block: the worker of block 1 (at B) reads block 0's
     latest version from A, where the directory says it lives, with the same token, and counts
     those bytes; it asks the directory once, and fetches a version it holds not again."""
-    (a, b), (token, _), states = pair
+    (a, b), (token, _), _ = pair
     trainer = FakeTrainer(upstream_blocks=[0])
     client = AggregatorClient(b, token, rng=random.Random(0))
     report = WorkerLoop(client, lambda reg, cfg: trainer, block=1).run()
