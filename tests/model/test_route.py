@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import shutil
 
@@ -14,8 +15,9 @@ from blocktrain.cli.main import build_parser, main
 from blocktrain.config import ModelConfig
 from blocktrain.data import load_split
 from blocktrain.errors import ProtocolError
-from blocktrain.model import BlockStack, ZLayout
+from blocktrain.model import BlockStack, Sampling, ZLayout, generate_autoregressive, head_logits
 from blocktrain.simulate import REGIMES, SimSpec, simulate
+from blocktrain.training import load_model
 from blocktrain.training.checkpoint import MODEL_FILE, UPSTREAM_FILE, load_tensors
 from blocktrain.training.local import LocalBlockTrainer, initial_blocks
 from blocktrain.training.loss import BlockLoss
@@ -309,3 +311,48 @@ def test_train_eval_generate_a_features_run(corpus, tmp_path, capsys):
     assert '"oracle_ce"' in out and '"sampler_ce"' in out
     assert main(["generate", str(run), "--prompt", "The ", "--bytes", "8"]) == 0
     assert capsys.readouterr().out.startswith("The ")
+
+
+def test_the_head_exit_reads_the_chain_and_sees_no_later_byte():
+    """The last block's head over the chain of clean streams (`head_logits`): what its clean
+    stream and head compute by hand, causal (a later byte changes no earlier logits), and
+    deeper than block 0's own head."""
+    stack = randomised_stack()
+    x, *_ = inputs()
+    chain = stack.block(1).clean_stream(x, stack.block(0).clean_stream(x))
+    last = stack.block(2)
+    by_hand = last.aux_head(last.aux_norm(last.clean_stream(x, chain)))
+    torch.testing.assert_close(head_logits(stack, x), by_hand)
+    changed = x.clone()
+    changed[:, 9] = (changed[:, 9] + 1) % 256
+    before, after = head_logits(stack, x), head_logits(stack, changed)
+    torch.testing.assert_close(before[:, :9], after[:, :9])
+    assert (before[:, 9:] - after[:, 9:]).abs().max() > 1e-4
+    assert (head_logits(stack, x, 0) - before).abs().max() > 1e-3
+
+
+def test_eval_and_generate_take_the_head_exit(corpus, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--data", str(corpus), "--out", str(run), "--steps", "2", *FEATURES]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(run), "--data", str(corpus), "--json", "--bytes", "64", "-q"]) == 0
+    heads = json.loads(capsys.readouterr().out)["head_ce_per_block"]
+    assert len(heads) == 3 and all(2.0 < h < 8.0 for h in heads)
+    argv = ["generate", str(run), "--prompt", "The ", "--bytes", "12", "--exit", "head"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert main(argv) == 0 and capsys.readouterr().out == text, "seeded"
+    _, stack = load_model(run)
+    expected = generate_autoregressive(
+        functools.partial(head_logits, stack),
+        torch.tensor([list(b"The ")]),
+        12,
+        seq_len=stack.cfg.seq_len,
+        sampling=Sampling(),
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert text == (b"The " + bytes(expected[0].tolist())).decode(errors="replace") + "\n"
+    ref = tmp_path / "ref"
+    train_ref = ["train", "--data", str(corpus), "--out", str(ref), "--steps", "1", "--reference"]
+    assert main([*train_ref, *TINY]) == 0
+    fails_cleanly(capsys, ["generate", str(ref), "--prompt", "a", "--exit", "head"], "a reference")

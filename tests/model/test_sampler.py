@@ -237,6 +237,7 @@ def test_autoregressive_generation_length():
         model,
         torch.tensor([[1, 2]]),
         30,
+        seq_len=CFG.seq_len,
         sampling=Sampling(),
         generator=torch.Generator().manual_seed(0),
     )

@@ -198,7 +198,11 @@ def test_the_reference_writes_valid_utf8_with_the_constraint():
     def run(sampling: Sampling) -> bytes:
         prompt = torch.tensor([list(PROMPT)])
         gen = torch.Generator().manual_seed(4)
-        return bytes(generate_autoregressive(ref, prompt, 30, sampling=sampling, generator=gen)[0])
+        return bytes(
+            generate_autoregressive(
+                ref, prompt, 30, seq_len=ref.cfg.seq_len, sampling=sampling, generator=gen
+            )[0]
+        )
 
     assert not valid(run(Sampling()))
     data = run(Sampling(utf8=True))

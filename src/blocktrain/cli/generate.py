@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from blocktrain.model import (
     SigmaSchedule,
     generate,
     generate_autoregressive,
+    head_logits,
     stack_denoiser,
     utf8,
 )
@@ -42,6 +44,7 @@ EXAMPLES = """examples:
   blocktrain generate runs/masked --prompt "The " --steps-per-block 2   # a masked run: reveal
   blocktrain generate runs/tiny --prompt "The " --device cpu             # on the CPU, GPU or not
   blocktrain generate hf/tiny --prompt "The "                            # an export --hf folder
+  blocktrain generate runs/feat --prompt "The " --exit head    # a features stack's head, no sampler
 """
 
 
@@ -73,6 +76,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "may be up to 3 bytes shorter); without it, invalid bytes print as U+FFFD",
     )
     add_sampler_args(p)
+    p.add_argument(
+        "--exit",
+        choices=("sampler", "head"),
+        default="sampler",
+        help="sampler: denoise each span from noise (the default); head: one byte at a time "
+        "from the last block's next-byte head over the chain of clean streams, no sampler (a "
+        "route = features stack's autoregressive exit, docs/model.md)",
+    )
     p.add_argument(
         "--continuation-only",
         action="store_true",
@@ -114,15 +125,20 @@ def run(args: argparse.Namespace) -> int:
     method = check_model_sampler(args.sampler, info)
     x = torch.tensor([list(prompt)], dtype=torch.long, device=device)
     gen = torch.Generator().manual_seed(args.seed)  # on the CPU: the same bytes on any device
-    if isinstance(model, Reference):
-        out = generate_autoregressive(model, x, args.bytes, sampling=sampling, generator=gen)
+    if isinstance(model, BlockStack) and not model.has_all_blocks():
+        raise CheckpointError(
+            f"{args.run_dir} holds only block(s) {model.block_ids}; "
+            "generation needs the assembled model"
+        )
+    if isinstance(model, Reference) or args.exit == "head":
+        if isinstance(model, Reference) and args.exit == "head":
+            raise ConfigError("--exit head is for BlockTrain runs (a reference has one exit)")
+        next_byte = model if isinstance(model, Reference) else functools.partial(head_logits, model)
+        out = generate_autoregressive(
+            next_byte, x, args.bytes, seq_len=cfg.seq_len, sampling=sampling, generator=gen
+        )
     else:
         assert isinstance(model, BlockStack)
-        if not model.has_all_blocks():
-            raise CheckpointError(
-                f"{args.run_dir} holds only block(s) {model.block_ids}; "
-                "generation needs the assembled model"
-            )
         grid = SigmaSchedule.from_config(cfg).sampler_grid(args.steps_per_block)
         out = generate(
             stack_denoiser(model),

@@ -2,6 +2,7 @@
 Imports only torch and the config; no I/O, no logging, no globals."""
 
 from blocktrain.model.block import BOS, Block, BlockStack, ZLayout, init_block, target_table
+from blocktrain.model.heads import head_logits
 from blocktrain.model.reference import Reference, generate_autoregressive, init_reference
 from blocktrain.model.sampler import Denoiser, euler_step, generate, one_sweep, stack_denoiser
 from blocktrain.model.sampling import Sampling, sample_bytes
@@ -21,6 +22,7 @@ __all__ = [
     "euler_step",
     "generate",
     "generate_autoregressive",
+    "head_logits",
     "init_block",
     "init_reference",
     "loss_weight",

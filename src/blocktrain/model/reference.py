@@ -5,6 +5,7 @@ width, trained with next-byte CE."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -51,19 +52,22 @@ def init_reference(cfg: ModelConfig, seed: int) -> Reference:
 
 @torch.no_grad()
 def generate_autoregressive(
-    model: Reference,
+    model: Callable[[torch.Tensor], torch.Tensor],
     prompt: torch.Tensor,
     n_bytes: int,
     *,
+    seq_len: int,
     sampling: Sampling,
     generator: torch.Generator,
 ) -> torch.Tensor:
-    """Continue prompt (N, Lp) by n_bytes, one forward pass per byte over the last T bytes."""
+    """Continue prompt (N, Lp) by n_bytes, one pass of `model` (x (N, L) -> next-byte logits
+    (N, L, 256): the reference, or a stack's head exit, model/heads.py) per byte over the last
+    `seq_len` bytes."""
     if prompt.shape[1] == 0:
         raise ValueError("the prompt must hold at least one byte")
     context = prompt
     for _ in range(n_bytes):
-        logits = model(context[:, -model.cfg.seq_len :])[:, -1]  # (N, 256)
+        logits = model(context[:, -seq_len:])[:, -1]  # (N, 256)
         new = sample_bytes(logits.cpu(), sampling, generator, prefix=context[:, -3:].cpu())
         new = new.to(context.device)
         context = torch.cat((context, new[:, None]), dim=1)

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from blocktrain.model import BlockStack, Reference, SigmaSchedule, ZLayout, one_sweep
+from blocktrain.model import BlockStack, Reference, SigmaSchedule, ZLayout, head_logits, one_sweep
 from blocktrain.model.masking import masked_count, to_reveal
 from blocktrain.model.sampler import DEFAULT_STEPS_PER_BLOCK, sampler_for, stack_denoiser
 
@@ -68,13 +68,11 @@ def _scored(t: int) -> slice:
 
 @torch.no_grad()
 def head_nll(stack: BlockStack, block: int, x: torch.Tensor) -> float:
-    """Summed CE of block `block`'s clean-stream next-byte head on bytes 1..T-1 of x (N, T),
-    reading its upstream features as the block does; NaN for a block without the head."""
-    module = stack.block(block)
-    if module.aux_head is None or module.aux_norm is None:
+    """Summed CE of block `block`'s next-byte head (`head_logits`) on bytes 1..T-1 of x (N, T);
+    NaN for a block without the head."""
+    if stack.block(block).aux_head is None:
         return math.nan
-    stream = module.clean_stream(x, stack.upstream(block, x))
-    logits = module.aux_head(module.aux_norm(stream))[:, :-1].float()
+    logits = head_logits(stack, x, block)[:, :-1].float()
     return float(F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="sum"))
 
 

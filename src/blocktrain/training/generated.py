@@ -157,7 +157,9 @@ def continue_prompts(
     for start in range(0, prompts.shape[0], settings.batch_size):
         batch = prompts[start : start + settings.batch_size].to(device)
         if isinstance(model, Reference):
-            new = generate_autoregressive(model, batch, n, sampling=sampling, generator=gen)
+            new = generate_autoregressive(
+                model, batch, n, seq_len=model.cfg.seq_len, sampling=sampling, generator=gen
+            )
         else:
             cfg = model.cfg
             new = generate(
