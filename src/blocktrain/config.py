@@ -21,6 +21,7 @@ from blocktrain.errors import ConfigError
 VOCAB_SIZE = 256  # byte values; the vocabulary is fixed
 PROCESSES = ("gaussian", "masked")
 ROUTES = ("state", "features")
+INTERVAL_ORDERS = ("forward", "reversed")
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,11 @@ class ModelConfig:
     """What block b+1 reads from block b: only the noisy state z (`state`), or also its clean
     stream's output, which block b+1's clean stream continues with no gradient into block b
     (`features`, docs/model.md)."""
+    intervals: str = "forward"
+    """Which block owns which noise: `forward`, block 0 the highest interval (DiffusionBlocks);
+    `reversed`, the last block the highest, so that under `route = features` the block that
+    reads the deepest features trains where z carries nothing and it must predict from the
+    context (docs/model.md). The sampler visits the blocks from the highest noise down."""
     process: str = "gaussian"
     """The span's corruption: gaussian (z = E[y] + sigma * eps) or masked (docs/model.md)."""
     mask_loss: str = "mean"
@@ -143,11 +149,19 @@ class ModelConfig:
             ("process", PROCESSES),
             ("mask_loss", ("mean", "elbo")),
             ("route", ROUTES),
+            ("intervals", INTERVAL_ORDERS),
         ):
             value = getattr(self, name)
             _check(value in ok, name, value, f"must be one of {', '.join(ok)}")
         why = f"must be >= blocks = {self.blocks} with process=masked (each block reveals bytes)"
         _check(self.process != "masked" or self.span >= self.blocks, "span", self.span, why)
+        why = "must be forward with process=masked (its rounds reveal bytes in block order)"
+        _check(
+            self.process != "masked" or self.intervals == "forward",
+            "intervals",
+            self.intervals,
+            why,
+        )
 
     @property
     def layers_per_block(self) -> int:

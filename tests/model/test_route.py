@@ -356,3 +356,25 @@ def test_eval_and_generate_take_the_head_exit(corpus, tmp_path, capsys):
     train_ref = ["train", "--data", str(corpus), "--out", str(ref), "--steps", "1", "--reference"]
     assert main([*train_ref, *TINY]) == 0
     fails_cleanly(capsys, ["generate", str(ref), "--prompt", "a", "--exit", "head"], "a reference")
+
+
+def test_a_reversed_features_stack_trains_evaluates_and_refuses_a_chain_of_hosts(
+    corpus, tmp_path, capsys
+):
+    """intervals = reversed: `train`, `eval` (with its head exit) and `generate` run it in one
+    process; a block host refuses it with one line, since its sweep starts at the last block."""
+    run = tmp_path / "run"
+    reversed_ = [*FEATURES[:-1], "intervals=reversed", FEATURES[-1]]
+    assert (
+        main(["train", "--data", str(corpus), "--out", str(run), "--steps", "2", *reversed_]) == 0
+    )
+    capsys.readouterr()
+    assert main(["eval", str(run), "--data", str(corpus), "--json", "--bytes", "64", "-q"]) == 0
+    ev = json.loads(capsys.readouterr().out)
+    assert len(ev["sampler_ce_per_step"]) == len(ev["head_ce_per_block"]) == 3
+    for exit_ in ("sampler", "head"):
+        assert (
+            main(["generate", str(run), "--prompt", "The ", "--bytes", "6", "--exit", exit_]) == 0
+        )
+        assert capsys.readouterr().out.startswith("The ")
+    fails_cleanly(capsys, ["serve-block", str(run), "--blocks", "0", "--port", "0"], "reversed")

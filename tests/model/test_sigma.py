@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from blocktrain.config import ModelConfig
+from blocktrain.errors import ConfigError
 from blocktrain.model import SigmaSchedule, edm_scalings, loss_weight
 
 
@@ -80,3 +81,26 @@ def test_loss_weight_is_edm_weight_times_sigma_data_squared():
     sd, sig = 0.3, torch.tensor([0.7, 3.0])
     edm = (sig**2 + sd**2) / (sig * sd) ** 2
     assert torch.allclose(loss_weight(sig, sd), edm * sd**2)
+
+
+@pytest.mark.parametrize("spb", [1, 3])
+def test_reversed_intervals_give_the_last_block_the_highest_noise(spb):
+    """intervals = reversed: block b owns what block B-1-b owns forward, and the sweep visits
+    the blocks B-1..0, each inside its own interval, from sigma_max down."""
+    forward, flipped = schedule(), schedule(intervals="reversed")
+    for b in range(3):
+        assert flipped.interval(b) == forward.interval(2 - b)
+        assert flipped.training_interval(b) == forward.training_interval(2 - b)
+    grid = flipped.sampler_grid(spb)
+    assert [b for b, _ in grid] == [b for b in (2, 1, 0) for _ in range(spb)]
+    assert [s for _, s in grid] == [s for _, s in forward.sampler_grid(spb)]
+    for b, sig in grid:
+        lo, hi = flipped.interval(b)
+        assert lo - 1e-9 <= sig <= hi + 1e-9
+
+
+def test_intervals_are_checked():
+    with pytest.raises(ConfigError, match="intervals"):
+        ModelConfig(intervals="sideways")
+    with pytest.raises(ConfigError, match="process=masked"):
+        ModelConfig(intervals="reversed", process="masked", span=4)

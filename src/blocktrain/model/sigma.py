@@ -2,7 +2,8 @@
 
 docs/model.md, "Noise levels". The noise is variance-exploding, z = y + sigma * eps, and ln(sigma)
 follows a log-normal N(p_mean, p_std) truncated to [sigma_min, sigma_max] (EDM, Karras et al.
-2022, arXiv 2206.00364). Block 0 owns the highest-sigma interval.
+2022, arXiv 2206.00364). Block 0 owns the highest-sigma interval (the last block under
+`intervals = reversed`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class SigmaSchedule:
     process: str = "gaussian"
     """"masked": the sampler grid is the masked process's (model/masking.py)."""
     span: int = 1
+    reversed: bool = False
+    """`intervals = reversed`: the last block owns the highest interval, block 0 the lowest."""
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> SigmaSchedule:
@@ -45,6 +48,7 @@ class SigmaSchedule:
             cfg.overlap,
             cfg.process,
             cfg.span,
+            cfg.intervals == "reversed",
         )
 
     def cdf(self, sigma: float) -> float:
@@ -68,12 +72,17 @@ class SigmaSchedule:
         ]
         return [self.sigma_min, *inner, self.sigma_max]
 
+    def rank(self, block: int) -> int:
+        """The block's place in the sweep: 0 for the highest interval, B - 1 for the lowest."""
+        return self.blocks - 1 - block if self.reversed else block
+
     def interval(self, block: int) -> tuple[float, float]:
-        """(lower, upper) sigma owned by `block`; block 0 owns the highest interval."""
+        """(lower, upper) sigma owned by `block`; block 0 owns the highest interval (the last
+        block under `reversed`)."""
         if not 0 <= block < self.blocks:
             raise ValueError(f"block {block} outside 0..{self.blocks - 1}")
         bounds = self.boundaries()
-        i = self.blocks - 1 - block
+        i = self.blocks - 1 - self.rank(block)
         return bounds[i], bounds[i + 1]
 
     def training_interval(self, block: int) -> tuple[float, float]:
@@ -105,8 +114,9 @@ class SigmaSchedule:
         """The one-sweep grid: N = B * steps_per_block sigmas evenly spaced in q from sigma_max
         down to sigma_min (the DiffusionBlocks schedule), each with the block that owns it.
 
-        Point n belongs to block n // steps_per_block; that point always lies inside the block's
-        interval, so the blocks are visited 0..B-1, each for steps_per_block consecutive points.
+        Point n belongs to the block of rank n // steps_per_block; that point always lies inside
+        the block's interval, so the blocks are visited 0..B-1 (B-1..0 under `reversed`), each
+        for steps_per_block consecutive points.
 
         A masked process's grid is `masking.masked_grid`: (block, mask_code) points, the blocks
         visited 0..B-1, each for at most steps_per_block rounds.
@@ -127,7 +137,7 @@ class SigmaSchedule:
                 if n == n_points - 1
                 else self.inverse_cdf(q_lo + frac * (q_hi - q_lo))
             )
-            grid.append((n // steps_per_block, sigma))
+            grid.append((self.rank(n // steps_per_block), sigma))
         return grid
 
 

@@ -116,6 +116,12 @@ def load_hosted_model(source: ModelSource, parts: list[int]) -> HostedModel:
     path = Path(source.run_dir) / MODEL_FILE
     total = cfg.model.blocks
     what = "block" if info.kind == "blocktrain" else "stage"
+    if info.kind == "blocktrain" and cfg.model.intervals == "reversed":
+        raise ConfigError(
+            f"{source.run_dir} is an intervals = reversed stack: its sweep starts at the last "
+            "block, and a chain of hosts runs the blocks in order; `blocktrain generate` and "
+            "`eval` run it in one process (--exit head, no sweep)"
+        )
     for p in parts:
         if not 0 <= p < total:
             raise ConfigError(f"--blocks {p}: {source.run_dir} has {what}s 0..{total - 1}")
