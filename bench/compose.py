@@ -42,8 +42,15 @@ from blocktrain.data import load_split, resolve_data_path
 from blocktrain.model import BlockStack, init_reference
 from blocktrain.presets import preset
 from blocktrain.simulate import REGIMES, SimSpec, simulate
-from blocktrain.training import EvalSettings, Trainer, evaluate_blocktrain, evaluate_reference
+from blocktrain.training import (
+    EvalSettings,
+    Trainer,
+    evaluate_blocktrain,
+    evaluate_reference,
+    load_model,
+)
 from blocktrain.training.checkpoint import RunInfo
+from blocktrain.training.evaluate import head_nll
 from blocktrain.training.flops import count_flops
 from blocktrain.training.local import build_stack
 from blocktrain.training.plan import TRAINED_BYTES_PER_PARAM, plan
@@ -67,6 +74,8 @@ class Row:
     upstream_lag: int = 0
     """Refreshes the upstream copy lags behind: a worker that pulls upstream versions once a
     round of H = upstream_every steps, k rounds old."""
+    intervals: str = "forward"
+    """The model's `intervals`: `reversed` gives the last block the highest noise."""
 
     @property
     def key(self) -> str:
@@ -75,13 +84,14 @@ class Row:
             f"{self.route}-{self.steps}"
         )
         stale = (self.upstream_every, self.upstream_lag) != (1, 0)
-        return key + (f"-up{self.upstream_every}x{self.upstream_lag}" if stale else "")
+        key += f"-up{self.upstream_every}x{self.upstream_lag}" if stale else ""
+        return key + ("-reversed" if self.intervals == "reversed" else "")
 
     def overrides(self, seed: int, threads: int) -> list[str]:
         layers = self.blocks * self.layers_per_block
         sets = [f"blocks={self.blocks}", f"layers={layers}", f"seed={seed}"]
         if self.model == "blocktrain":
-            sets.append(f"route={self.route}")
+            sets += [f"route={self.route}", f"intervals={self.intervals}"]
         return [*sets, f"threads={threads}", "eval_every=0"]
 
     def config(self, seed: int, threads: int) -> RunConfig:
@@ -98,6 +108,10 @@ def grid(args: argparse.Namespace, data: Path) -> list[Row]:
         rows += [Row(args.preset, "blocktrain", b, lpb, r, steps) for r in args.routes]
         for every, lag in args.stale:
             rows.append(Row(args.preset, "blocktrain", b, lpb, "features", steps, every, lag))
+        if args.reversed:
+            rows.append(
+                Row(args.preset, "blocktrain", b, lpb, "features", steps, intervals="reversed")
+            )
         if args.match_flops:  # one block trained as long as the features stack costs
             stack = Row(args.preset, "blocktrain", b, lpb, "features", steps)
             ratio = train_gflops(stack, stack.config(0, 1), data) / train_gflops(
@@ -176,19 +190,33 @@ def measure(row: Row, seed: int, args: argparse.Namespace, data: Path) -> dict[s
     ev = json.loads(blocktrain([*argv, "--bytes", str(args.bytes), "--sweeps", str(args.sweeps)]))
     state = json.loads((run / "state.json").read_text())
     out = {"test_ce": ev["ce"] if row.model == "reference" else ev["sampler_ce"]}
-    if row.model == "blocktrain":
+    if row.model == "blocktrain":  # eval's figures, the head exit's among them
         out["from_noise_ce"] = ev["from_noise_ce"]
         out["sampler_ce_per_step"] = ev["sampler_ce_per_step"]
         out["head_ce_per_block"] = ev["head_ce_per_block"]
     return {**out, "train_seconds": round(state["wall_seconds"], 1)}
 
 
+def head_ces(run: Path, test: torch.Tensor, batch: int = 16) -> list[float]:
+    """Each block's head CE on bytes 1..T-1 of the test windows: eval's head_ce_per_block, in
+    this process, for a run scored before eval reported it."""
+    _, stack = load_model(run)
+    assert isinstance(stack, BlockStack)
+    nll = [0.0] * stack.cfg.blocks
+    for start in range(0, test.shape[0], batch):
+        for b in range(stack.cfg.blocks):
+            nll[b] += head_nll(stack, b, test[start : start + batch])
+    return [v / (test.shape[0] * (test.shape[1] - 1)) for v in nll]
+
+
 def summarise(row: Row, by_seed: dict[str, Any], cfg: RunConfig, data: Path) -> dict[str, Any]:
     ces = [r["test_ce"] for r in by_seed.values()]
+    heads = [r["head_ce_per_block"][-1] for r in by_seed.values() if r.get("head_ce_per_block")]
     return {
         **dataclasses.asdict(row),
         "train_gflops": round(train_gflops(row, cfg, data), 1),
         "test_ce": statistics.fmean(ces),
+        "head_ce": statistics.fmean(heads) if len(heads) == len(ces) else None,
         "test_ce_se": statistics.stdev(ces) / len(ces) ** 0.5 if len(ces) > 1 else None,
         "seeds": sorted(int(s) for s in by_seed),
         "worker_state_bytes": worker_bytes(row, cfg),
@@ -199,13 +227,25 @@ def summarise(row: Row, by_seed: dict[str, Any], cfg: RunConfig, data: Path) -> 
 def depth_delivered(rows: list[dict[str, Any]], preset_name: str) -> list[dict[str, Any]]:
     """D for every stack that has its one-block and deep-block rows, per route."""
 
-    def ce(model: str, blocks: int, lpb: int, route: str, steps: int) -> float | None:
+    def find(model: str, blocks: int, lpb: int, route: str, steps: int) -> dict[str, Any] | None:
         for r in rows:
             same = (r["preset"], r["model"], r["blocks"], r["layers_per_block"], r["route"])
             fresh = (r.get("upstream_every", 1), r.get("upstream_lag", 0)) == (1, 0)
-            if same == (preset_name, model, blocks, lpb, route) and r["steps"] == steps and fresh:
-                return float(r["test_ce"])
+            forward = r.get("intervals", "forward") == "forward"
+            wanted = same == (preset_name, model, blocks, lpb, route) and r["steps"] == steps
+            if wanted and fresh and forward:
+                return r
         return None
+
+    def ce(model: str, blocks: int, lpb: int, route: str, steps: int) -> float | None:
+        r = find(model, blocks, lpb, route, steps)
+        return None if r is None else float(r["test_ce"])
+
+    def best(r: dict[str, Any] | None) -> float | None:
+        """The better of a BlockTrain row's two exits (the sampler, the last block's head)."""
+        if r is None:
+            return None
+        return min(v for v in (r["test_ce"], r.get("head_ce")) if v is not None)
 
     out = []
     lpb = min(r["layers_per_block"] for r in rows if r["preset"] == preset_name)
@@ -220,6 +260,8 @@ def depth_delivered(rows: list[dict[str, Any]], preset_name: str) -> list[dict[s
             ce("reference", 1, b * lpb, "end-to-end", steps),
         )
         gain = one - r["test_ce"]
+        one_best = best(find("blocktrain", 1, lpb, "state", steps))
+        deep_best = best(find("blocktrain", 1, b * lpb, "state", steps))
         out.append(
             {
                 "preset": preset_name,
@@ -227,7 +269,11 @@ def depth_delivered(rows: list[dict[str, Any]], preset_name: str) -> list[dict[s
                 "route": r["route"],
                 "upstream_every": r.get("upstream_every", 1),
                 "upstream_lag": r.get("upstream_lag", 0),
+                "intervals": r.get("intervals", "forward"),
                 "D": None if deep is None else gain / (one - deep),
+                "D_best_exit": None
+                if one_best is None or deep_best is None
+                else (one_best - best(r)) / (one_best - deep_best),
                 "D_reference": None
                 if ref_one is None or ref_deep is None
                 else gain / (ref_one - ref_deep),
@@ -361,9 +407,10 @@ def over_http(args: argparse.Namespace, data: Path, rows: dict[str, Any]) -> dic
 
 def route_label(r: dict[str, Any]) -> str:
     every, lag = r.get("upstream_every", 1), r.get("upstream_lag", 0)
-    if (every, lag) == (1, 0):
-        return str(r["route"])
-    return f"{r['route']}, upstream every {every} steps, {lag} behind"
+    label = str(r["route"])
+    if (every, lag) != (1, 0):
+        label += f", upstream every {every} steps, {lag} behind"
+    return label + (", intervals reversed" if r.get("intervals") == "reversed" else "")
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -373,11 +420,13 @@ def markdown(result: dict[str, Any]) -> str:
         f"Each row a `blocktrain train` run, scored on the same {result['test_bytes']:,} test "
         f"bytes (BlockTrain: sampler CE over M sweeps, M = {sweeps}; a reference: its exact CE); "
         "`test_ce` is the mean over the seeds listed, with its standard error where there are "
-        "several. Worker MiB: the largest worker's weights, gradients and AdamW moments, plus "
-        "the frozen 16-bit upstream clean streams under `features` (training/plan.py).",
+        "several. Head CE: the same bytes by the last block's next-byte head over the chain of "
+        "clean streams (`generate --exit head`, no sampler; the mean over the seeds). Worker "
+        "MiB: the largest worker's weights, gradients and AdamW moments, plus the frozen 16-bit "
+        "upstream clean streams under `features` (training/plan.py).",
         "",
-        "| preset | model | blocks x layers | route | steps | train GFLOP | worker MiB | test CE | seeds |",
-        "|---|---|---|---|---:|---:|---:|---:|---|",
+        "| preset | model | blocks x layers | route | steps | train GFLOP | worker MiB | test CE | head CE | seeds |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in result["rows"]:
         se = f" ± {r['test_ce_se']:.3f}" if r["test_ce_se"] else ""
@@ -385,17 +434,22 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {r['preset']} | {r['model']} | {r['blocks']} x {r['layers_per_block']} | "
             f"{route_label(r)} | {r['steps']} | {r['train_gflops']:.0f} | "
             f"{r['worker_state_bytes'] / mib:.2f} | {r['test_ce']:.3f}{se} | "
+            f"{'' if r.get('head_ce') is None else format(r['head_ce'], '.3f')} | "
             f"{','.join(map(str, r['seeds']))} |"
         )
     lines += [
         "",
-        "| preset | blocks | route | D (deep block) | D (references) |",
-        "|---|---:|---|---:|---:|",
+        "D (best exit): each of the three models (one block, the stack, the deep block) by the "
+        "better of its two exits, the sampler and the head.",
+        "",
+        "| preset | blocks | route | D (deep block) | D (references) | D (best exit) |",
+        "|---|---:|---|---:|---:|---:|",
     ]
     for d in result["depth"]:
         fmt = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
         lines.append(
-            f"| {d['preset']} | {d['blocks']} | {route_label(d)} | {fmt(d['D'])} | {fmt(d['D_reference'])} |"
+            f"| {d['preset']} | {d['blocks']} | {route_label(d)} | {fmt(d['D'])} | "
+            f"{fmt(d['D_reference'])} | {fmt(d.get('D_best_exit'))} |"
         )
     if result.get("head_to_head"):
         lines += [
@@ -456,6 +510,11 @@ def main() -> None:
         default=[],
         help="EVERY:LAG,...: features rows whose upstream copy is refreshed every EVERY steps, "
         "LAG refreshes behind",
+    )
+    p.add_argument(
+        "--reversed",
+        action="store_true",
+        help="also a features row with intervals = reversed for each B > 1",
     )
     p.add_argument(
         "--stacks-only",
@@ -536,6 +595,12 @@ def main() -> None:
             if str(seed) not in by_seed:
                 by_seed[str(seed)] = measure(row, seed, args, data)
                 print(f"{row.key} seed {seed}: {by_seed[str(seed)]['test_ce']:.4f}", flush=True)
+        for seed, scored in by_seed.items():  # scored before eval reported the head exit
+            run = WORK / f"{row.key}-seed{seed}"
+            if row.model == "blocktrain" and "head_ce_per_block" not in scored and run.exists():
+                seq_len = row.config(0, args.threads).model.seq_len
+                test = load_split(data, "test").windows(seq_len, args.bytes)
+                by_seed[seed] = {**scored, "head_ce_per_block": head_ces(run, test)}
         by_key[row.key] = summarise(row, by_seed, row.config(0, args.threads), data)
         result = save(old, by_key, commands, args)  # after every row: a stopped run keeps it
     print(markdown(result))
@@ -554,6 +619,7 @@ def save(
             r["route"],
             r.get("upstream_every", 1),
             r.get("upstream_lag", 0),
+            r.get("intervals", "forward"),
             r["steps"],
         ),
     )
