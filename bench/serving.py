@@ -42,8 +42,8 @@ import torch
 
 from blocktrain.config import RunConfig
 from blocktrain.runtime import keep_freed_memory
-from blocktrain.serving.loading import write_untrained_run
-from blocktrain.serving.shapes import (
+from blocktrain.serving.host.loading import write_untrained_run
+from blocktrain.serving.host.shapes import (
     format_plan,
     measure_throughput,
     parse_shape,

@@ -49,7 +49,7 @@ from blocktrain.config import RunConfig, preset
 from blocktrain.model import Block, BlockStack, SigmaSchedule, ZLayout
 from blocktrain.model.cached import CleanBatch, CleanCache
 from blocktrain.model.sampler import Denoiser, run_points
-from blocktrain.serving.loading import write_untrained_run
+from blocktrain.serving.host.loading import write_untrained_run
 from report import RESULTS, machine, update_section, write_json  # bench/report.py, beside it
 from serving import PROMPT, chain  # bench/serving.py: the same processes
 

@@ -14,9 +14,9 @@ from blocktrain.serving import (
     ModelSource,
     create_host_app,
 )
-from blocktrain.serving.batching import Batcher
-from blocktrain.serving.host import BlockHost
-from blocktrain.serving.wire import SamplingSpec, SweepHeader, decode, encode
+from blocktrain.serving.host.block_host import BlockHost
+from blocktrain.serving.shared.batching import Batcher
+from blocktrain.serving.shared.wire import SamplingSpec, SweepHeader, decode, encode
 from tests.serving.conftest import Cluster, Runs, generate_together, start_cluster
 
 N = 6

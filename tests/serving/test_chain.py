@@ -15,7 +15,7 @@ from blocktrain.model import (
     one_sweep,
     stack_denoiser,
 )
-from blocktrain.serving.wire import CONTENT_TYPE, TRACE_HEADER, decode, encode
+from blocktrain.serving.shared.wire import CONTENT_TYPE, TRACE_HEADER, decode, encode
 from blocktrain.training import load_model
 from tests.serving.conftest import in_process, start_cluster
 

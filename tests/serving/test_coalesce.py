@@ -17,10 +17,10 @@ from blocktrain.serving import (
     ModelSource,
     create_host_app,
 )
-from blocktrain.serving.batching import Batcher
-from blocktrain.serving.coalesce import pack, unpack_answers
-from blocktrain.serving.errors import HostRefused
-from blocktrain.serving.wire import SamplingSpec, SweepHeader, decode, encode
+from blocktrain.serving.shared.batching import Batcher
+from blocktrain.serving.shared.coalesce import pack, unpack_answers
+from blocktrain.serving.shared.serving_errors import HostRefused
+from blocktrain.serving.shared.wire import SamplingSpec, SweepHeader, decode, encode
 from tests.serving.conftest import Runs, generate_together, in_process, start_cluster
 from tests.serving.test_trust import SECRET, asgi_post, endless
 

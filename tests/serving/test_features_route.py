@@ -14,8 +14,8 @@ from fastapi.testclient import TestClient
 from blocktrain.model import BlockStack, SigmaSchedule, ZLayout, stack_denoiser
 from blocktrain.model.sampler import run_points
 from blocktrain.serving import HostSettings, ModelSource, create_host_app
-from blocktrain.serving.host import BlockHost
-from blocktrain.serving.wire import CONTENT_TYPE, SweepHeader, decode, encode
+from blocktrain.serving.host.block_host import BlockHost
+from blocktrain.serving.shared.wire import CONTENT_TYPE, SweepHeader, decode, encode
 from blocktrain.training import load_model
 from tests.serving.conftest import Runs, generate_together, in_process, start_cluster
 from tests.serving.test_speculative import DRAFTER, in_process_speculative

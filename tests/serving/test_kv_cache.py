@@ -12,8 +12,8 @@ from fastapi.testclient import TestClient
 
 from blocktrain.cli.main import main
 from blocktrain.serving import HostSettings, ModelSource, create_host_app
-from blocktrain.serving.host import BlockHost
-from blocktrain.serving.wire import SweepHeader, decode, encode
+from blocktrain.serving.host.block_host import BlockHost
+from blocktrain.serving.shared.wire import SweepHeader, decode, encode
 from tests.cli.test_cli import fails_cleanly
 from tests.serving.conftest import Cluster, Runs, in_process, start_cluster
 from tests.serving.test_speculative import DRAFTER

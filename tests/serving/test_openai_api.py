@@ -14,8 +14,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from blocktrain.model import Sampling, utf8
-from blocktrain.serving.chat import Message, chat_prompt
-from blocktrain.serving.choices import StopScanner, byte_token
+from blocktrain.serving.openai.chat import Message, chat_prompt
+from blocktrain.serving.openai.choices import StopScanner, byte_token
 from tests.serving.conftest import in_process
 
 PROMPT = "The game "
@@ -102,7 +102,7 @@ def test_echo_returns_the_prompt_before_the_completion(client):
 
 
 def test_the_user_is_recorded_in_the_log(client, caplog):
-    caplog.set_level(logging.INFO, logger="blocktrain.serving.openai_api")
+    caplog.set_level(logging.INFO, logger="blocktrain.serving.openai.openai_api")
     client.completions.create(model="bt", prompt=PROMPT, max_tokens=2, user="alice-42")
     client.chat.completions.create(
         model="bt", messages=[{"role": "user", "content": "hi"}], max_tokens=2, user="bob-7"

@@ -12,9 +12,9 @@ import pytest
 from blocktrain.errors import ConfigError
 from blocktrain.model import Sampling, utf8
 from blocktrain.serving import HostSettings, ModelSource, RouterSettings, create_host_app
-from blocktrain.serving.directory import Directory
-from blocktrain.serving.replicas import Health
-from blocktrain.serving.transport import make_client
+from blocktrain.serving.router.directory import Directory
+from blocktrain.serving.router.replicas import Health
+from blocktrain.serving.shared.transport import make_client
 from tests.serving.conftest import URLS, Apps, Cluster, Runs, in_process
 
 REPLICA = "http://host1b:8112"

@@ -8,7 +8,7 @@ import pytest
 
 from blocktrain.cli.main import main
 from blocktrain.errors import ConfigError
-from blocktrain.serving.shapes import (
+from blocktrain.serving.host.shapes import (
     host_blocks,
     measure_throughput,
     parse_shape,

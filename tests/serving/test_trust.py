@@ -21,9 +21,9 @@ from safetensors.torch import save
 
 from blocktrain.errors import ConfigError
 from blocktrain.httpserve import ThreadedServer, TokenBucket, bind
-from blocktrain.serving.auth import SECRET_ENV, load_secret
-from blocktrain.serving.limits import WorkLimiter, check_rate, per_minute
-from blocktrain.serving.wire import CONTENT_TYPE, decode, encode
+from blocktrain.serving.router.limits import WorkLimiter, check_rate, per_minute
+from blocktrain.serving.shared.auth import SECRET_ENV, load_secret
+from blocktrain.serving.shared.wire import CONTENT_TYPE, decode, encode
 from tests.asgi import asgi_request
 from tests.serving.conftest import Runs, start_cluster
 from tests.serving.test_chain import _fingerprint, _sweep_message

@@ -5,8 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blocktrain.serving.errors import HostRefused, HostUnavailable, SessionLost, error_from_json
-from blocktrain.serving.wire import SweepHeader, WireError, decode, encode
+from blocktrain.serving.shared.serving_errors import (
+    HostRefused,
+    HostUnavailable,
+    SessionLost,
+    error_from_json,
+)
+from blocktrain.serving.shared.wire import SweepHeader, WireError, decode, encode
 
 
 def test_round_trip_keeps_tensors_bit_for_bit_and_the_header():

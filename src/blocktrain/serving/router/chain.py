@@ -30,12 +30,17 @@ from pydantic import BaseModel
 
 from blocktrain.model import Sampling, sample_bytes
 from blocktrain.model.sampler import needs_generator
-from blocktrain.serving.coalesce import Coalescer
-from blocktrain.serving.directory import RemoteModel
-from blocktrain.serving.errors import HostError, HostRefused, HostUnavailable, ServingError
-from blocktrain.serving.replicas import SEPARATOR, Health
-from blocktrain.serving.transport import post_json
-from blocktrain.serving.wire import (
+from blocktrain.serving.router.directory import RemoteModel
+from blocktrain.serving.router.replicas import SEPARATOR, Health
+from blocktrain.serving.shared.coalesce import Coalescer
+from blocktrain.serving.shared.serving_errors import (
+    HostError,
+    HostRefused,
+    HostUnavailable,
+    ServingError,
+)
+from blocktrain.serving.shared.transport import post_json
+from blocktrain.serving.shared.wire import (
     WIRE_DTYPES,
     Final,
     SamplingSpec,

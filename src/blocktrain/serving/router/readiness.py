@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from blocktrain.serving.chain import FINAL_KEYS
-from blocktrain.serving.directory import RemoteModel, unavailable_error
-from blocktrain.serving.errors import HostRefused, HostUnavailable, ServingError
-from blocktrain.serving.router import Router
-from blocktrain.serving.transport import post_message
-from blocktrain.serving.wire import StageHeader, SweepHeader, WireError, decode, encode
+from blocktrain.serving.router.chain import FINAL_KEYS
+from blocktrain.serving.router.chain_router import Router
+from blocktrain.serving.router.directory import RemoteModel, unavailable_error
+from blocktrain.serving.shared.serving_errors import HostRefused, HostUnavailable, ServingError
+from blocktrain.serving.shared.transport import post_message
+from blocktrain.serving.shared.wire import StageHeader, SweepHeader, WireError, decode, encode
 
 PROBE_BYTE = 10
 """The context of the probe (a newline)."""

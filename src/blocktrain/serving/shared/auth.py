@@ -18,7 +18,7 @@ from pathlib import Path
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from blocktrain.errors import ConfigError
-from blocktrain.serving.errors import Unauthorized, send_error
+from blocktrain.serving.shared.serving_errors import Unauthorized, send_error
 
 SECRET_ENV = "BLOCKTRAIN_SERVE_SECRET"
 MIN_SECRET_CHARS = 16

@@ -17,9 +17,9 @@ from pydantic import BaseModel, ValidationError
 
 from blocktrain.config import RunConfig
 from blocktrain.errors import ConfigError
-from blocktrain.serving.errors import HostRefused, HostUnavailable, ServingError
-from blocktrain.serving.replicas import SEPARATOR, Health
-from blocktrain.serving.transport import get_json
+from blocktrain.serving.router.replicas import SEPARATOR, Health
+from blocktrain.serving.shared.serving_errors import HostRefused, HostUnavailable, ServingError
+from blocktrain.serving.shared.transport import get_json
 
 log = logging.getLogger(__name__)
 

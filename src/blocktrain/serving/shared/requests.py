@@ -8,8 +8,8 @@ from typing import Any, TypeVar
 import torch
 from pydantic import BaseModel, ValidationError
 
-from blocktrain.serving.errors import BadRequest
-from blocktrain.serving.wire import WIRE_DTYPES, WireError, decode
+from blocktrain.serving.shared.serving_errors import BadRequest
+from blocktrain.serving.shared.wire import WIRE_DTYPES, WireError, decode
 
 H = TypeVar("H", bound=BaseModel)
 

@@ -40,12 +40,9 @@ import torch
 from blocktrain.errors import ConfigError
 from blocktrain.model import Sampling
 from blocktrain.model.sampler import needs_generator, sampler_for
-from blocktrain.serving.batching import Batcher
-from blocktrain.serving.errors import BadRequest, HostRefused
-from blocktrain.serving.loading import HostedModel, ModelSource
-from blocktrain.serving.requests import byte_input, read_header, read_message, state_input
-from blocktrain.serving.sessions import SessionStore
-from blocktrain.serving.sweeps import (
+from blocktrain.serving.host.loading import HostedModel, ModelSource
+from blocktrain.serving.host.sessions import SessionStore
+from blocktrain.serving.host.sweeps import (
     CacheStats,
     SweepJob,
     SweepKey,
@@ -56,8 +53,11 @@ from blocktrain.serving.sweeps import (
     reusable,
     run_sweeps,
 )
-from blocktrain.serving.transport import post_message
-from blocktrain.serving.wire import (
+from blocktrain.serving.shared.batching import Batcher
+from blocktrain.serving.shared.requests import byte_input, read_header, read_message, state_input
+from blocktrain.serving.shared.serving_errors import BadRequest, HostRefused
+from blocktrain.serving.shared.transport import post_message
+from blocktrain.serving.shared.wire import (
     WIRE_DTYPES,
     StageHeader,
     SweepHeader,

@@ -30,11 +30,16 @@ from typing import Any
 import httpx
 import torch
 
-from blocktrain.serving.batching import Batcher
-from blocktrain.serving.errors import BadRequest, HostRefused, ServingError, error_from_json
-from blocktrain.serving.requests import read_message
-from blocktrain.serving.transport import post_message
-from blocktrain.serving.wire import TraceEntry, WireError, decode, encode
+from blocktrain.serving.shared.batching import Batcher
+from blocktrain.serving.shared.requests import read_message
+from blocktrain.serving.shared.serving_errors import (
+    BadRequest,
+    HostRefused,
+    ServingError,
+    error_from_json,
+)
+from blocktrain.serving.shared.transport import post_message
+from blocktrain.serving.shared.wire import TraceEntry, WireError, decode, encode
 
 SWEEP_PATH = "/v1/sweep"
 SWEEPS_PATH = "/v1/sweeps"

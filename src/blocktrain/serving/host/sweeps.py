@@ -29,9 +29,9 @@ from blocktrain.model import Sampling, ZLayout, sample_bytes
 from blocktrain.model.cached import CleanBatch, CleanCache, right_align
 from blocktrain.model.sampler import RowGenerators, needs_generator, run_points
 from blocktrain.model.speculative import verify_sweep_layout
-from blocktrain.serving.loading import HostedModel
-from blocktrain.serving.sessions import SessionStore
-from blocktrain.serving.wire import SweepHeader, bytes_tensor, encode
+from blocktrain.serving.host.loading import HostedModel
+from blocktrain.serving.host.sessions import SessionStore
+from blocktrain.serving.shared.wire import SweepHeader, bytes_tensor, encode
 
 SweepKey = tuple[str, int, int, str, int, int, int, int, int]
 """What sweeps must share to run as one batch: model, grid point, steps per block, sampler,

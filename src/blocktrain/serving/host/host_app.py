@@ -25,13 +25,13 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from blocktrain.httpserve import HttpGuard, Limits
-from blocktrain.serving.auth import RequireSecret
-from blocktrain.serving.coalesce import host_sweeps
-from blocktrain.serving.errors import BadRequest, ServingError, error_body
-from blocktrain.serving.host import BlockHost, HostSettings
-from blocktrain.serving.loading import HostedModel, load_hosted_model
-from blocktrain.serving.transport import make_client
-from blocktrain.serving.wire import (
+from blocktrain.serving.host.block_host import BlockHost, HostSettings
+from blocktrain.serving.host.loading import HostedModel, load_hosted_model
+from blocktrain.serving.shared.auth import RequireSecret
+from blocktrain.serving.shared.coalesce import host_sweeps
+from blocktrain.serving.shared.serving_errors import BadRequest, ServingError, error_body
+from blocktrain.serving.shared.transport import make_client
+from blocktrain.serving.shared.wire import (
     CONTENT_TYPE,
     TRACE_HEADER,
     Release,

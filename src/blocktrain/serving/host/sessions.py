@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from blocktrain.model.cached import CleanCache
 from blocktrain.model.pipeline import KVCache
-from blocktrain.serving.errors import SessionLost
+from blocktrain.serving.shared.serving_errors import SessionLost
 
 
 @dataclass

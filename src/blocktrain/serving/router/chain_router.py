@@ -35,20 +35,25 @@ from blocktrain.errors import ConfigError
 from blocktrain.model import Sampling, SigmaSchedule
 from blocktrain.model.sampler import DEFAULT_SAMPLER, sampler_for
 from blocktrain.model.speculative import Drafter, SpeculativeLoop, verify_fork
-from blocktrain.serving.chain import Chain, ChainStats
-from blocktrain.serving.coalesce import Coalescer
-from blocktrain.serving.directory import Directory, RemoteModel, unavailable_error
-from blocktrain.serving.errors import BadRequest, HostError, HostRefused, ServingError
-from blocktrain.serving.limits import WorkLimiter, work_units
-from blocktrain.serving.replicas import Health, parse_positions
-from blocktrain.serving.schemas import Prompt, SamplingParams
-from blocktrain.serving.streams import (
+from blocktrain.serving.openai.schemas import Prompt, SamplingParams
+from blocktrain.serving.router.chain import Chain, ChainStats
+from blocktrain.serving.router.directory import Directory, RemoteModel, unavailable_error
+from blocktrain.serving.router.limits import WorkLimiter, work_units
+from blocktrain.serving.router.replicas import Health, parse_positions
+from blocktrain.serving.router.streams import (
     autoregressive_speculative_stream,
     autoregressive_stream,
     one_sweep_stream,
     speculative_stream,
 )
-from blocktrain.serving.wire import WireDtype
+from blocktrain.serving.shared.coalesce import Coalescer
+from blocktrain.serving.shared.serving_errors import (
+    BadRequest,
+    HostError,
+    HostRefused,
+    ServingError,
+)
+from blocktrain.serving.shared.wire import WireDtype
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from blocktrain.serving.chat import (
+from blocktrain.serving.openai.chat import (
     ChatChoice,
     ChatChunk,
     ChatCompletion,
@@ -33,7 +33,7 @@ from blocktrain.serving.chat import (
     TopLogprob,
     chat_prompt,
 )
-from blocktrain.serving.choices import (
+from blocktrain.serving.openai.choices import (
     ByteLogprob,
     Finish,
     Piece,
@@ -42,15 +42,20 @@ from blocktrain.serving.choices import (
     byte_token,
     start_run,
 )
-from blocktrain.serving.errors import BadRequest, ServingError
-from blocktrain.serving.limits import CLIENT_GONE, ClientGone, client_address, while_connected
-from blocktrain.serving.router import Router
-from blocktrain.serving.schemas import (
+from blocktrain.serving.openai.schemas import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
 )
+from blocktrain.serving.router.chain_router import Router
+from blocktrain.serving.router.limits import (
+    CLIENT_GONE,
+    ClientGone,
+    client_address,
+    while_connected,
+)
+from blocktrain.serving.shared.serving_errors import BadRequest, ServingError
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from blocktrain.serving.errors import BadRequest
-from blocktrain.serving.schemas import MAX_TOP_LOGPROBS, OpenAIParams, Timings, Usage
+from blocktrain.serving.openai.schemas import MAX_TOP_LOGPROBS, OpenAIParams, Timings, Usage
+from blocktrain.serving.shared.serving_errors import BadRequest
 
 REPLY_PREFIX = "assistant: "
 REPLY_STOP = "\n"

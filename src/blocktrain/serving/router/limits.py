@@ -18,7 +18,7 @@ from typing import TypeVar
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from blocktrain.httpserve import TokenBucket
-from blocktrain.serving.errors import BadRequest, TooManyRequests, send_error
+from blocktrain.serving.shared.serving_errors import BadRequest, TooManyRequests, send_error
 
 T = TypeVar("T")
 

@@ -19,11 +19,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from blocktrain.httpserve import HttpGuard, Limits
 from blocktrain.model import utf8
-from blocktrain.serving.chain import (
+from blocktrain.serving.openai.openai_api import add_openai_routes
+from blocktrain.serving.openai.schemas import (
+    GenerateRequest,
+    GenerateResponse,
+    Timing,
+)
+from blocktrain.serving.router.chain import (
     ChainStats,
 )
-from blocktrain.serving.errors import BadRequest, ServingError, error_body
-from blocktrain.serving.limits import (
+from blocktrain.serving.router.chain_router import Router, RouterSettings
+from blocktrain.serving.router.limits import (
     CLIENT_GONE,
     ClientGone,
     RateLimit,
@@ -31,15 +37,9 @@ from blocktrain.serving.limits import (
     per_minute,
     while_connected,
 )
-from blocktrain.serving.openai_api import add_openai_routes
-from blocktrain.serving.readiness import Readiness
-from blocktrain.serving.router import Router, RouterSettings
-from blocktrain.serving.schemas import (
-    GenerateRequest,
-    GenerateResponse,
-    Timing,
-)
-from blocktrain.serving.transport import make_client
+from blocktrain.serving.router.readiness import Readiness
+from blocktrain.serving.shared.serving_errors import BadRequest, ServingError, error_body
+from blocktrain.serving.shared.transport import make_client
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ import torch
 from blocktrain.model import Sampling
 from blocktrain.model.sampler import SpanLoop
 from blocktrain.model.speculative import SpeculativeLoop
-from blocktrain.serving.chain import Chain
-from blocktrain.serving.errors import SessionLost
+from blocktrain.serving.router.chain import Chain
+from blocktrain.serving.shared.serving_errors import SessionLost
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ import ssl
 import httpx
 
 from blocktrain.errors import ConfigError
-from blocktrain.serving.auth import auth_headers
-from blocktrain.serving.errors import HostTimeout, HostUnavailable, error_from_json
-from blocktrain.serving.wire import CONTENT_TYPE, TRACE_HEADER, TraceEntry, trace_from_header
+from blocktrain.serving.shared.auth import auth_headers
+from blocktrain.serving.shared.serving_errors import HostTimeout, HostUnavailable, error_from_json
+from blocktrain.serving.shared.wire import CONTENT_TYPE, TRACE_HEADER, TraceEntry, trace_from_header
 
 CONNECT_TIMEOUT_S = 5.0
 

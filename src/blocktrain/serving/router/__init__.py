@@ -1,0 +1,15 @@
+"""The router in front of a chain of hosts: which hosts serve which model, one traversal of
+them (failing over between replicas), the generation loops over it, the admission limits, and
+the router's request-level work (`Router`).
+
+    replicas      `URL|URL` positions of the chain and the health scores that choose a replica
+    directory     which hosts serve which model, from their /v1/info
+    chain         one traversal of a model's hosts: a sweep, a verify sweep, a stage step
+    streams       the generation loops over a chain, yielding the new bytes as they come
+    limits        admission: requests per client per minute, work per request and in flight
+    chain_router  the router's settings, a validated job, and its stream of bytes
+    readiness     /readyz: a 1-byte sweep through every replica of every hop
+
+Of serving/ it imports only shared/: the router reaches the hosts over HTTP, never their code,
+and knows nothing of the OpenAI routes above it (tests/test_layers.py).
+"""
