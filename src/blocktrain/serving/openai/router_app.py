@@ -20,15 +20,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from blocktrain.httpserve import HttpGuard, Limits
 from blocktrain.model import utf8
 from blocktrain.serving.openai.openai_api import add_openai_routes
-from blocktrain.serving.openai.schemas import (
-    GenerateRequest,
-    GenerateResponse,
-    Timing,
-)
 from blocktrain.serving.router.chain import (
     ChainStats,
 )
 from blocktrain.serving.router.chain_router import Router, RouterSettings
+from blocktrain.serving.router.generate_schemas import (
+    GenerateRequest,
+    GenerateResponse,
+    Timing,
+)
 from blocktrain.serving.router.limits import (
     CLIENT_GONE,
     ClientGone,

@@ -6,6 +6,7 @@ the router's request-level work (`Router`).
     directory     which hosts serve which model, from their /v1/info
     chain         one traversal of a model's hosts: a sweep, a verify sweep, a stage step
     streams       the generation loops over a chain, yielding the new bytes as they come
+    generate_schemas  the sampling parameters every request shares; /v1/generate's models
     limits        admission: requests per client per minute, work per request and in flight
     chain_router  the router's settings, a validated job, and its stream of bytes
     readiness     /readyz: a 1-byte sweep through every replica of every hop

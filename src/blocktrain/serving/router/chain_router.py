@@ -35,9 +35,9 @@ from blocktrain.errors import ConfigError
 from blocktrain.model import Sampling, SigmaSchedule
 from blocktrain.model.sampler import DEFAULT_SAMPLER, sampler_for
 from blocktrain.model.speculative import Drafter, SpeculativeLoop, verify_fork
-from blocktrain.serving.openai.schemas import Prompt, SamplingParams
 from blocktrain.serving.router.chain import Chain, ChainStats
 from blocktrain.serving.router.directory import Directory, RemoteModel, unavailable_error
+from blocktrain.serving.router.generate_schemas import Prompt, SamplingParams
 from blocktrain.serving.router.limits import WorkLimiter, work_units
 from blocktrain.serving.router.replicas import Health, parse_positions
 from blocktrain.serving.router.streams import (
