@@ -15,7 +15,8 @@ import torch
 
 from blocktrain.model import Sampling, SigmaSchedule, stack_denoiser, utf8
 from blocktrain.model.speculative import generate_speculative
-from blocktrain.serving.router.chain_router import Router, RouterSettings
+from blocktrain.serving.router.chain_router import Router
+from blocktrain.serving.router.router_settings import RouterSettings
 from blocktrain.serving.shared.serving_errors import ServingError
 from blocktrain.training import load_model
 from tests.serving.conftest import in_process

@@ -10,11 +10,11 @@ docs/architecture.md allows (tests/test_layers.py):
 The names below are the public entry points, re-exported from their rooms.
 """
 
-from blocktrain.serving.host.block_host import HostSettings
 from blocktrain.serving.host.host_app import create_app as create_host_app
+from blocktrain.serving.host.host_settings import HostSettings
 from blocktrain.serving.host.loading import HostedModel, ModelSource, load_hosted_model
 from blocktrain.serving.openai.router_app import create_app as create_router_app
-from blocktrain.serving.router.chain_router import RouterSettings
+from blocktrain.serving.router.router_settings import RouterSettings
 from blocktrain.serving.shared.serving_errors import (
     BadRequest,
     HostError,

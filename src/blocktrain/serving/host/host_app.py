@@ -25,7 +25,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from blocktrain.httpserve import HttpGuard, Limits
-from blocktrain.serving.host.block_host import BlockHost, HostSettings
+from blocktrain.serving.host.block_host import BlockHost
+from blocktrain.serving.host.host_settings import HostSettings
 from blocktrain.serving.host.loading import HostedModel, load_hosted_model
 from blocktrain.serving.shared.auth import RequireSecret
 from blocktrain.serving.shared.coalesce import host_sweeps

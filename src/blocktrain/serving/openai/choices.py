@@ -23,9 +23,9 @@ import torch
 from blocktrain.model import Sampling, utf8
 from blocktrain.model.sampler import sampling_probs
 from blocktrain.serving.openai.schemas import Hop, OpenAIParams, Timings, Usage
-from blocktrain.serving.router.chain import ChainStats
 from blocktrain.serving.router.chain_router import Job, Router
 from blocktrain.serving.router.generate_schemas import Prompt
+from blocktrain.serving.router.traversal import ChainStats
 from blocktrain.serving.shared.serving_errors import BadRequest
 
 Finish = Literal["stop", "length"]

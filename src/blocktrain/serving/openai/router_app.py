@@ -20,10 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from blocktrain.httpserve import HttpGuard, Limits
 from blocktrain.model import utf8
 from blocktrain.serving.openai.openai_api import add_openai_routes
-from blocktrain.serving.router.chain import (
-    ChainStats,
-)
-from blocktrain.serving.router.chain_router import Router, RouterSettings
+from blocktrain.serving.router.chain_router import Router
 from blocktrain.serving.router.generate_schemas import (
     GenerateRequest,
     GenerateResponse,
@@ -38,6 +35,10 @@ from blocktrain.serving.router.limits import (
     while_connected,
 )
 from blocktrain.serving.router.readiness import Readiness
+from blocktrain.serving.router.router_settings import RouterSettings
+from blocktrain.serving.router.traversal import (
+    ChainStats,
+)
 from blocktrain.serving.shared.serving_errors import BadRequest, ServingError, error_body
 from blocktrain.serving.shared.transport import make_client
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from blocktrain.serving.router.chain import FINAL_KEYS
 from blocktrain.serving.router.chain_router import Router
 from blocktrain.serving.router.directory import RemoteModel, unavailable_error
+from blocktrain.serving.router.traversal import FINAL_KEYS
 from blocktrain.serving.shared.serving_errors import HostRefused, HostUnavailable, ServingError
 from blocktrain.serving.shared.transport import post_message
 from blocktrain.serving.shared.wire import StageHeader, SweepHeader, WireError, decode, encode

@@ -6,7 +6,7 @@ several sweeps at once.
     wire            the router <-> host message: one safetensors body with a JSON header
     requests        reading a host's request: every malformed body, header or tensor a 400
     auth            the shared secret: loaded, presented and checked before a body is read
-    transport       HTTP between the router and the hosts: timeouts, hop latency, errors
+    transport       HTTP between router and hosts: URLs, timeouts, hop latency, errors
     batching        the batcher: jobs that arrive together and share a key run as one batch
     coalesce        /v1/sweeps: several sweeps bound for one host in one request, and back
 

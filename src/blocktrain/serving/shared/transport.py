@@ -62,6 +62,17 @@ def make_client(
     return httpx.AsyncClient(transport=outer, timeout=timeout, headers=auth_headers(secret))
 
 
+def check_url(url: str, what: str = "host URL") -> str:
+    """An http(s)://HOST:PORT URL, without a trailing slash; anything else is a ConfigError."""
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError):
+        parsed = None
+    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ConfigError(f"{what} {url!r} is not an http(s)://HOST:PORT URL")
+    return url.rstrip("/")
+
+
 def join(url: str, path: str) -> str:
     return url.rstrip("/") + path
 
