@@ -26,7 +26,7 @@ from blocktrain.serving.shared.auth import SECRET_ENV, load_secret
 from blocktrain.serving.shared.wire import CONTENT_TYPE, decode, encode
 from tests.asgi import asgi_request
 from tests.serving.conftest import Runs, start_cluster
-from tests.serving.test_chain import _fingerprint, _sweep_message
+from tests.serving.router.test_chain import _fingerprint, _sweep_message
 
 SECRET = "s3cret-shared-by-router-and-hosts"
 BEARER = {"authorization": f"Bearer {SECRET}"}

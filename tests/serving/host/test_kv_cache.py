@@ -16,7 +16,7 @@ from blocktrain.serving.host.block_host import BlockHost
 from blocktrain.serving.shared.wire import SweepHeader, decode, encode
 from tests.cli.test_cli import fails_cleanly
 from tests.serving.conftest import Cluster, Runs, in_process, start_cluster
-from tests.serving.test_speculative import DRAFTER
+from tests.serving.router.test_speculative import DRAFTER
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 

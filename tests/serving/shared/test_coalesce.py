@@ -22,7 +22,7 @@ from blocktrain.serving.shared.coalesce import pack, unpack_answers
 from blocktrain.serving.shared.serving_errors import HostRefused
 from blocktrain.serving.shared.wire import SamplingSpec, SweepHeader, decode, encode
 from tests.serving.conftest import Runs, generate_together, in_process, start_cluster
-from tests.serving.test_trust import SECRET, asgi_post, endless
+from tests.serving.shared.test_trust import SECRET, asgi_post, endless
 
 # Different prompts (longer and shorter than T = 16), seeds, samplers, sampling and lengths: the
 # generations end at different traversals, so later requests carry fewer sweeps.

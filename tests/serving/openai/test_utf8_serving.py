@@ -20,8 +20,8 @@ from blocktrain.serving.router.router_settings import RouterSettings
 from blocktrain.serving.shared.serving_errors import ServingError
 from blocktrain.training import load_model
 from tests.serving.conftest import in_process
-from tests.serving.test_masked_serving import masked_cluster, masked_run, masked_stack
-from tests.serving.test_openai_api import client_of, token_bytes, whole_characters
+from tests.serving.host.test_masked_serving import masked_cluster, masked_run, masked_stack
+from tests.serving.openai.test_openai_api import client_of, token_bytes, whole_characters
 
 __all__ = ["masked_run", "masked_stack"]  # fixtures, used by name
 

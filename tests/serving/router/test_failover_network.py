@@ -15,7 +15,7 @@ from blocktrain.httpserve import ThreadedServer, bind
 from blocktrain.model import Sampling, utf8
 from blocktrain.serving import RouterSettings, create_router_app
 from tests.serving.conftest import in_process
-from tests.serving.test_network import _free_port, _start_host, _wait_healthy
+from tests.serving.router.test_network import _free_port, _start_host, _wait_healthy
 
 pytestmark = [pytest.mark.network, pytest.mark.timeout(240)]
 

@@ -18,7 +18,7 @@ from blocktrain.serving.host.block_host import BlockHost
 from blocktrain.serving.shared.wire import CONTENT_TYPE, SweepHeader, decode, encode
 from blocktrain.training import load_model
 from tests.serving.conftest import Runs, generate_together, in_process, start_cluster
-from tests.serving.test_speculative import DRAFTER, in_process_speculative
+from tests.serving.router.test_speculative import DRAFTER, in_process_speculative
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 
