@@ -2,7 +2,7 @@
 batching on the hosts, with and without their clean-stream caches, side by side in one run.
 
 - The model is the `small` preset's shape (d = 256, 6 layers in 3 blocks, T = 128, K = 1) with
-  freshly initialised, untrained weights (`serving.loading.write_untrained_run`, the library
+  freshly initialised, untrained weights (`serving.host.loading.write_untrained_run`, the library
   equivalent of `blocktrain train --preset small --steps 1 --out DIR` without its one step):
   throughput depends on the shapes and the work, not on the weights' values.
 - Real processes on loopback: per setting, three `blocktrain serve-block` hosts (one block each,
@@ -131,7 +131,7 @@ def profile(cfg: RunConfig, context: int, rows: tuple[int, ...] = (1, 32)) -> di
 
 
 def cached_denoiser(block: Block, clean: CleanBatch) -> Denoiser:
-    """The denoiser a host runs for one block (serving/sweeps.py): the cached forward."""
+    """The denoiser a host runs for one block (serving/host/sweeps.py): the cached forward."""
 
     def denoise(
         b: int, x: torch.Tensor, z: torch.Tensor, sigma: torch.Tensor, layout: ZLayout

@@ -1,4 +1,4 @@
-"""The block hosts' clean-stream caches per generation (serving/sweeps.py, sessions.py): a
+"""The block hosts' clean-stream caches per generation (serving/host/sweeps.py, sessions.py): a
 generation's later sweeps compute only the new context positions, give what a sweep without a
 cache gives, trust nothing but the bytes, stay within their bounds and go after the last sweep."""
 

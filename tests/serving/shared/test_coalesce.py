@@ -1,6 +1,6 @@
-"""Coalescing (serving/coalesce.py): the router sends concurrent generations' sweeps bound for one
-host as one /v1/sweeps request; each generation's bytes stay those of `generate`, each sweep is
-answered (or refused) on its own, and the envelope is capped and checked."""
+"""Coalescing (serving/shared/coalesce.py): the router sends concurrent generations' sweeps bound
+for one host as one /v1/sweeps request; each generation's bytes stay those of `generate`, each
+sweep is answered (or refused) on its own, and the envelope is capped and checked."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ forwards it to its own configured `--next`, in a chain without a router): the ne
 read from a request.
 
 Concurrent sweeps at the same grid point run as one batch through the block's forward pass
-(`batching.py` gathers them, `sweeps.py` runs them), each block's clean stream taken from the
+(`shared/batching.py` gathers them, `sweeps.py` runs them), each block's clean stream taken from the
 generation's cache on this host where it holds the context (`sessions.py`, model/cached.py).
 """
 
@@ -258,7 +258,7 @@ class BlockHost:
         session = header.session if self.settings.kv_cache else None
         job = SweepJob(model, header, x, z, grid, gen, sampling, session, upstream)
         # Sweeps at the same point with the same state shape share one forward pass
-        # (batching.py), bucketed by the clean positions they compute (their caches may be
+        # (shared/batching.py), bucketed by the clean positions they compute (their caches may be
         # dropped before they run: that costs time, never the result).
         points = host_points(grid, header.step, model.parts)
         blocks = sorted({grid[i][0] for i in points})

@@ -25,7 +25,7 @@ class HostSettings:
     public_url: str = "http://127.0.0.1"
     """How this host names itself in traces and errors."""
     hop_ms: float = 0.0
-    """Emulated one-way latency of the link to --next (see transport.py)."""
+    """Emulated one-way latency of the link to --next (see shared/transport.py)."""
     timeout_s: float = 300.0
     """Read timeout when forwarding to the next host."""
     max_body_bytes: int = 256 * 2**20
@@ -37,12 +37,12 @@ class HostSettings:
     session_ttl_s: float = 600.0
     """A generation's caches unused this long are dropped (it was abandoned)."""
     secret: str | None = field(default=None, repr=False)
-    """The shared secret callers must present (auth.py), and this host presents to its
+    """The shared secret callers must present (shared/auth.py), and this host presents to its
     --next; None: anyone may call (loopback only, see cli/serve_block.py)."""
     ca_cert: str | None = None
     """PEM bundle to verify an https --next against (None: the system's CAs)."""
     batch_window_ms: float = 0.0
-    """How long a sweep waits for others to share its forward pass (batching.py). 0: none; a
+    """How long a sweep waits for others to share its forward pass (shared/batching.py). 0: none; a
     sweep that finds the host idle runs at once, and those that arrive while a batch computes
     go together after it (bench/serving_load.py: 4.35x at 32 clients)."""
     batch_rows: int = 64

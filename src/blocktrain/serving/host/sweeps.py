@@ -1,5 +1,5 @@
 """A block host's compute for sweeps: a batch of sweeps at the same grid point runs as one pass of
-`model.sampler.run_points` over their rows together (batching.py gathers them), and the last
+`model.sampler.run_points` over their rows together (shared/batching.py gathers them), and the last
 host's answer (logits, or bytes drawn with the request's own generator).
 
 Each block's clean stream comes from the generation's cache on this host as far as it holds the

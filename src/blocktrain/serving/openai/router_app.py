@@ -1,6 +1,6 @@
 """The router's HTTP app: `POST /v1/generate`, the OpenAI-compatible `POST /v1/completions` and
 `POST /v1/chat/completions` (openai_api.py), `GET /v1/models`, `GET /healthz` and `GET /readyz`
-(readiness.py), over `router.Router`; every error as OpenAI-shaped JSON."""
+(router/readiness.py), over `router.chain_router.Router`; every error as OpenAI-shaped JSON."""
 
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def create_app(
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
-        # 200 only when a 1-byte sweep gets through every model's chain (readiness.py).
+        # 200 only when a 1-byte sweep gets through every model's chain (router/readiness.py).
         ready, body = await readiness.check()
         return JSONResponse(body, status_code=200 if ready else 503)
 

@@ -2,7 +2,7 @@
 
     POST /v1/generate      BlockTrain's own API (bytes, seed, traversals, timing)
     POST /v1/completions   OpenAI-compatible completions, non-streaming and streaming (SSE)
-    POST /v1/chat/completions   the same for chat, over a byte-level template (chat.py)
+    POST /v1/chat/completions   the same for chat, over a byte-level template (openai/chat.py)
     GET  /v1/models        the models the hosts assemble into complete chains
     GET  /healthz          liveness of the router itself
     GET  /readyz           readiness: a 1-byte sweep through every host (readiness.py)

@@ -25,7 +25,7 @@ class RouterSettings:
     """Block hosts, in chain order (the first receives each request); an entry may name
     replicas of one position as `URL|URL` (replicas.py)."""
     hop_ms: float = 0.0
-    """Emulated one-way latency of the link to the first host (see transport.py)."""
+    """Emulated one-way latency of the link to the first host (see shared/transport.py)."""
     timeout_s: float = 300.0
     """Read timeout of one traversal of the chain."""
     wire_dtype: str = "fp32"
@@ -61,13 +61,13 @@ class RouterSettings:
     max_work_in_flight (and at least max_work), so one client cannot hold the whole budget."""
     send_timeout_s: float = 30.0
     """A stream whose client reads none of it for this long (one send blocked) is ended, and
-    its work released (openai_api._Stream)."""
+    its work released (openai/openai_api.py, `_Stream`)."""
     secret: str | None = field(default=None, repr=False)
-    """The hosts' shared secret, sent with every request to them (auth.py)."""
+    """The hosts' shared secret, sent with every request to them (shared/auth.py)."""
     ca_cert: str | None = None
     """PEM bundle to verify https hosts against (None: the system's CAs)."""
     coalesce_sweeps: int = 64
-    """Most sweeps of concurrent generations sent to one host in one request (coalesce.py);
+    """Most sweeps of concurrent generations sent to one host in one request (shared/coalesce.py);
     1: each its own request. At most the hosts' --max-batch (default 64 too)."""
     coalesce_window_ms: float = 0.0
     """How long a sweep waits for others bound for the same host (0: none; those that arrive

@@ -19,7 +19,7 @@ A request body is a safetensors file whose metadata key "blocktrain" holds a JSO
 
 A sweep's header may name its generation (`session`): each host keeps its blocks' clean streams
 under it and reuses them as far as the next sweep's context repeats the cached bytes
-(sessions.py, model/cached.py).
+(host/sessions.py, model/cached.py).
 
 A final answer is a safetensors body too: `logits` (N, K, 256) fp32 for a sweep, (N, 256) for a
 stage step; or `bytes` (N, K) / (N,) uint8 and the advanced `generator` state when the last host
@@ -28,8 +28,8 @@ the fp16 option only narrows the state. Every host adds a line to the `x-blocktr
 response header (JSON list) saying what it computed and for how long.
 
 Bodies are read by `blocktrain.tensorwire`, the parser the aggregator uses too (a pickle or a
-malformed body is refused with its reason). Errors travel as JSON (`errors.ServingError.to_json`),
-never as safetensors. Nothing is pickled.
+malformed body is refused with its reason). Errors travel as JSON
+(`serving_errors.ServingError.to_json`), never as safetensors. Nothing is pickled.
 
     POST /v1/release {"model", "session"}  (JSON) drop a generation's caches on this host
 """
