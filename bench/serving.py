@@ -7,7 +7,7 @@ times `POST /v1/generate` from request to full output.
 
 - Weights are random (freshly initialised, untrained): this measures the serving path's speed,
   not quality. The shape defaults to d = 256, 3 blocks x 2 layers, T = 512.
-- Hop latency is emulated by a delay in the transport (serving/transport.py DelayTransport):
+- Hop latency is emulated by a delay in the transport (serving/shared/transport.py DelayTransport):
   every link (router -> host 0 -> host 1 -> host 2) waits hop_ms before sending a request and
   again before handing back its response, so one traversal of the chain carries 6 x hop_ms of
   emulated latency. No netem.
@@ -42,8 +42,8 @@ import torch
 
 from blocktrain.config import RunConfig
 from blocktrain.runtime import keep_freed_memory
-from blocktrain.serving.loading import write_untrained_run
-from blocktrain.serving.shapes import (
+from blocktrain.serving.host.loading import write_untrained_run
+from blocktrain.serving.host.shapes import (
     format_plan,
     measure_throughput,
     parse_shape,

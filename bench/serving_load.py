@@ -2,7 +2,7 @@
 batching on the hosts, with and without their clean-stream caches, side by side in one run.
 
 - The model is the `small` preset's shape (d = 256, 6 layers in 3 blocks, T = 128, K = 1) with
-  freshly initialised, untrained weights (`serving.loading.write_untrained_run`, the library
+  freshly initialised, untrained weights (`serving.host.loading.write_untrained_run`, the library
   equivalent of `blocktrain train --preset small --steps 1 --out DIR` without its one step):
   throughput depends on the shapes and the work, not on the weights' values.
 - Real processes on loopback: per setting, three `blocktrain serve-block` hosts (one block each,
@@ -50,7 +50,7 @@ from blocktrain.model import Block, BlockStack, SigmaSchedule, ZLayout
 from blocktrain.model.cached import CleanBatch, CleanCache
 from blocktrain.model.sampler import Denoiser, run_points
 from blocktrain.presets import preset
-from blocktrain.serving.loading import write_untrained_run
+from blocktrain.serving.host.loading import write_untrained_run
 from report import RESULTS, machine, update_section, write_json  # bench/report.py, beside it
 from serving import PROMPT, chain  # bench/serving.py: the same processes
 
@@ -132,7 +132,7 @@ def profile(cfg: RunConfig, context: int, rows: tuple[int, ...] = (1, 32)) -> di
 
 
 def cached_denoiser(block: Block, clean: CleanBatch) -> Denoiser:
-    """The denoiser a host runs for one block (serving/sweeps.py): the cached forward."""
+    """The denoiser a host runs for one block (serving/host/sweeps.py): the cached forward."""
 
     def denoise(
         b: int, x: torch.Tensor, z: torch.Tensor, sigma: torch.Tensor, layout: ZLayout

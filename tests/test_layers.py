@@ -1,7 +1,8 @@
 """The import layers of docs/architecture.md, enforced: every module's imports (those inside
 functions included) are parsed with `ast`, and an import that the layer table does not allow
-fails with the file, the line and the rule. protocol/ is checked room by room (core, store,
-service, http, worker, ops), and each room's `__init__.py` must list exactly its modules."""
+fails with the file, the line and the rule. protocol/ (core, store, service, http, worker, ops)
+and serving/ (shared, host, router, openai) are checked room by room, and each room's
+`__init__.py` must list exactly its modules."""
 
 from __future__ import annotations
 
@@ -34,6 +35,15 @@ BASE = frozenset(
 ROOMS = ("core", "store", "service", "http", "worker", "ops")
 CORE = "protocol.core"
 PROTOCOL = frozenset({"protocol", *(f"protocol.{room}" for room in ROOMS)})
+# serving/'s rooms: shared/ below host/ and router/, openai/ above router/; a module of serving/
+# is in the part "serving.ROOM".
+SERVING_ROOMS = ("shared", "host", "router", "openai")
+SHARED = "serving.shared"
+SERVING = frozenset({"serving", *(f"serving.{room}" for room in SERVING_ROOMS)})
+# The packages in rooms, and their rooms in the order their __init__.py lists them.
+ROOMED = {"protocol": ROOMS, "serving": SERVING_ROOMS}
+# What every room of serving/ may take from below it: the bottom, data, model, training.
+SERVING_BASE = BASE | {"data", "model", "training"}
 # What each part of the package may import from the package, besides itself. "blocktrain" is the
 # package's __init__.py, the public facade; "protocol" is protocol/__init__.py. Bottom to top, as
 # docs/architecture.md draws them.
@@ -59,9 +69,13 @@ ALLOWED: dict[str, frozenset[str]] = {
     "protocol.worker": BASE | {CORE},
     "protocol.ops": BASE | PROTOCOL,
     "simulate": BASE | {"data", "model", "training", CORE},
-    "serving": BASE | {"data", "model", "training"},
+    "serving.shared": SERVING_BASE,
+    "serving.host": SERVING_BASE | {SHARED},
+    "serving.router": SERVING_BASE | {SHARED},
+    "serving.openai": SERVING_BASE | {SHARED, "serving.router"},
+    "serving": SERVING_BASE | SERVING,
     "blocktrain": BASE | {"data", "model", "training"},
-    "cli": BASE | PROTOCOL | {"data", "model", "training", "simulate", "serving", "blocktrain"},
+    "cli": BASE | PROTOCOL | SERVING | {"data", "model", "training", "simulate", "blocktrain"},
 }
 PARTS = frozenset(ALLOWED)
 RULES = {
@@ -77,6 +91,14 @@ RULES = {
     "protocol.worker": "protocol/worker/ (client, loop, doctor) imports only core/ of protocol/",
     "simulate": "simulate/ drives the round logic itself: of protocol/ it imports only "
     "protocol.core",
+    "serving.shared": "serving/shared/ is what the router and the hosts both speak: it imports "
+    "nothing of serving/ outside shared/",
+    "serving.host": "serving/host/ (a block host) imports only shared/ of serving/, not router/ "
+    "or openai/",
+    "serving.router": "serving/router/ imports only shared/ of serving/: not host/ (it reaches "
+    "the hosts over HTTP) nor openai/ (which runs over it)",
+    "serving.openai": "serving/openai/ (the OpenAI API, the router's app) imports shared/ and "
+    "router/ of serving/, not host/",
 }
 # model/ and protocol/core/ run anywhere torch does: no third-party package but torch.
 TORCH_ONLY = frozenset({"model", CORE})
@@ -84,6 +106,10 @@ TORCH = frozenset({"torch"})
 # The web framework stays in protocol/http/ (uvicorn runs through listener, a bottom part).
 WEB = frozenset({"fastapi", "starlette", "pydantic", "uvicorn"})
 WEB_FREE = PROTOCOL - {"protocol.http", "protocol.ops"}
+# serving/'s FastAPI apps are host/host_app.py and openai/; shared/ and router/ take ASGI types
+# from starlette and models from pydantic, never FastAPI itself.
+FASTAPI = frozenset({"fastapi"})
+FASTAPI_FREE = frozenset({SHARED, "serving.router"})
 # Names that come from the facade without its imports: package metadata.
 METADATA = frozenset({"__version__"})
 
@@ -108,10 +134,11 @@ class Violation:
 def part_of(module: str) -> str:
     """The part a dotted module of the package belongs to: blocktrain.training.loss -> training,
     blocktrain -> blocktrain (the facade), blocktrain.protocol.core.rounds -> protocol.core,
-    blocktrain.protocol -> protocol (its __init__.py, or a module outside the rooms)."""
+    blocktrain.protocol -> protocol (its __init__.py, or a module outside the rooms), and so
+    for serving/: blocktrain.serving.host.sweeps -> serving.host."""
     pieces = module.split(".")
-    if len(pieces) > 2 and pieces[1] == "protocol" and pieces[2] in ROOMS:
-        return f"protocol.{pieces[2]}"
+    if len(pieces) > 2 and pieces[2] in ROOMED.get(pieces[1], ()):
+        return f"{pieces[1]}.{pieces[2]}"
     return pieces[1] if len(pieces) > 1 else PACKAGE
 
 
@@ -141,9 +168,11 @@ def imported_modules(tree: ast.AST, module: str, is_package: bool) -> list[tuple
                         found.append((node.lineno, f"{PACKAGE}.{alias.name}"))
                     elif alias.name not in METADATA:
                         found.append((node.lineno, PACKAGE))
-            elif target == f"{PACKAGE}.protocol":  # from blocktrain.protocol import core
+            elif target.count(".") == 1 and target.split(".")[1] in ROOMED:
+                # from blocktrain.protocol import core, from blocktrain.serving import host
+                rooms = ROOMED[target.split(".")[1]]
                 found += [
-                    (node.lineno, f"{target}.{alias.name}" if alias.name in ROOMS else target)
+                    (node.lineno, f"{target}.{alias.name}" if alias.name in rooms else target)
                     for alias in node.names
                 ]
             else:
@@ -167,6 +196,9 @@ def check_source(
             out.append(Violation(file, line, part, target, RULES[part]))
         elif part in WEB_FREE and top in WEB:
             out.append(Violation(file, line, part, target, f"{part} imports no web framework"))
+        elif part in FASTAPI_FREE and top in FASTAPI:
+            why = f"{part} imports no FastAPI (the apps are host/host_app.py and openai/)"
+            out.append(Violation(file, line, part, target, why))
     return out
 
 
@@ -218,17 +250,19 @@ def room_problems(room: Path) -> list[str]:
     return out
 
 
-def unroomed(protocol: Path) -> list[str]:
-    """What stands in protocol/ outside its rooms: a module beside __init__.py, a folder that is
-    not a room, a room missing, and rooms its __init__.py does not list in order."""
-    modules = sorted(p.name for p in protocol.glob("*.py") if p.name != "__init__.py")
-    out = [f"protocol/{m} is outside the rooms" for m in modules]
-    folders = {p.name for p in protocol.iterdir() if p.is_dir() and p.name != "__pycache__"}
-    out += [f"protocol/{f}/ is not a room of {ROOMS}" for f in sorted(folders - set(ROOMS))]
-    out += [f"protocol/{r}/ is missing" for r in ROOMS if r not in folders]
-    rooms = [n for n, folder in listed(protocol / "__init__.py") if folder]
-    if rooms != list(ROOMS):
-        out.append(f"protocol/__init__.py lists the rooms {rooms}, not {list(ROOMS)}")
+def unroomed(package: Path, rooms: tuple[str, ...] = ROOMS) -> list[str]:
+    """What stands in a package in rooms (protocol/, serving/) outside its rooms: a module beside
+    __init__.py, a folder that is not a room, a room missing, and rooms its __init__.py does not
+    list in order."""
+    name = package.name
+    modules = sorted(p.name for p in package.glob("*.py") if p.name != "__init__.py")
+    out = [f"{name}/{m} is outside the rooms" for m in modules]
+    folders = {p.name for p in package.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    out += [f"{name}/{f}/ is not a room of {rooms}" for f in sorted(folders - set(rooms))]
+    out += [f"{name}/{r}/ is missing" for r in rooms if r not in folders]
+    listed_rooms = [n for n, folder in listed(package / "__init__.py") if folder]
+    if listed_rooms != list(rooms):
+        out.append(f"{name}/__init__.py lists the rooms {listed_rooms}, not {list(rooms)}")
     return out
 
 
@@ -247,10 +281,11 @@ def test_no_lower_layer_imports_a_higher_one():
     assert not stale, f"KNOWN lists imports that are gone; remove them: {sorted(stale)}"
 
 
-def test_every_protocol_module_lives_in_a_listed_room():
-    protocol = SRC / PACKAGE / "protocol"
-    problems = unroomed(protocol) + [p for r in ROOMS for p in room_problems(protocol / r)]
-    assert not problems, "protocol/'s rooms (docs/architecture.md):\n" + "\n".join(problems)
+@pytest.mark.parametrize("name", sorted(ROOMED))
+def test_every_module_of_a_package_in_rooms_lives_in_a_listed_room(name):
+    package, rooms = SRC / PACKAGE / name, ROOMED[name]
+    problems = unroomed(package, rooms) + [p for r in rooms for p in room_problems(package / r)]
+    assert not problems, f"{name}/'s rooms (docs/architecture.md):\n" + "\n".join(problems)
 
 
 FAKE_MODEL = """
@@ -302,7 +337,10 @@ def test_the_checker_on_single_imports(module, source, bad):
     assert bool(found) == bad, found
 
 
-PACKAGES = {"blocktrain.protocol", *(f"blocktrain.protocol.{room}" for room in ROOMS)}
+PACKAGES = {
+    *(f"blocktrain.{name}" for name in ROOMED),
+    *(f"blocktrain.{name}.{room}" for name, rooms in ROOMED.items() for room in rooms),
+}
 # One row per rule of the rooms (docs/architecture.md, "protocol/ in rooms"): what each room may
 # import of protocol/ and what it may not, relative imports included, and the third-party rules.
 ROOM_CASES = [
@@ -375,6 +413,78 @@ def test_the_checker_on_each_rule_of_the_rooms(room, source, bad):
     assert bool(found) == bad, found
 
 
+# One row per rule of serving/'s rooms (docs/architecture.md, "serving/ in rooms").
+SERVING_ROOM_CASES = [
+    # shared imports nothing of serving/ outside shared/, and no FastAPI
+    ("shared.fake", "from blocktrain.serving.shared.wire import SweepHeader", False),
+    ("shared.fake", "from . import transport", False),
+    ("shared.fake", "from blocktrain.model.sampler import check_sampler", False),
+    ("shared.fake", "from starlette.types import Scope", False),
+    ("shared.fake", "from blocktrain.serving.host.loading import HostedModel", True),
+    ("shared.fake", "from ..host import sessions", True),
+    ("shared.fake", "from blocktrain.serving.router.replicas import Health", True),
+    ("shared.fake", "from blocktrain.serving import openai", True),
+    ("shared.fake", "import blocktrain.serving", True),  # the package itself is no room
+    ("shared.fake", "from blocktrain.serving import HostSettings", True),
+    ("shared.fake", "from fastapi import FastAPI", True),
+    ("shared.fake", "from blocktrain.protocol.core import bodies", True),
+    # host imports shared
+    ("host.fake", "from blocktrain.serving.shared.batching import Batcher", False),
+    ("host.fake", "from ..shared import wire", False),
+    ("host.fake", "from . import sweeps", False),
+    ("host.fake", "from fastapi import FastAPI", False),
+    ("host.fake", "from blocktrain.training.checkpoint import load_model", False),
+    ("host.fake", "from blocktrain.serving.router.chain_router import Router", True),
+    ("host.fake", "from ..router import replicas", True),
+    ("host.fake", "from blocktrain.serving.openai.router_app import create_app", True),
+    ("host.fake", "from blocktrain.serving import create_router_app", True),
+    # router imports shared, neither host nor openai, and no FastAPI
+    ("router.fake", "from blocktrain.serving.shared.coalesce import Coalescer", False),
+    ("router.fake", "from blocktrain.serving.shared import transport", False),
+    ("router.fake", "from . import chain", False),
+    ("router.fake", "from pydantic import BaseModel", False),
+    ("router.fake", "from blocktrain.serving.host.block_host import BlockHost", True),
+    ("router.fake", "from blocktrain.serving import host", True),
+    ("router.fake", "from blocktrain.serving.openai.schemas import OpenAIParams", True),
+    ("router.fake", "from ..openai import router_app", True),
+    ("router.fake", "from fastapi import FastAPI", True),
+    # openai imports shared and router, not host
+    ("openai.fake", "from blocktrain.serving.router.chain_router import Router", False),
+    ("openai.fake", "from blocktrain.serving.shared.serving_errors import BadRequest", False),
+    ("openai.fake", "from ..router import limits", False),
+    ("openai.fake", "from fastapi import FastAPI", False),
+    ("openai.fake", "from blocktrain.serving.host.host_app import create_app", True),
+    ("openai.fake", "from ..host import loading", True),
+    ("openai.fake", "from blocktrain.simulate import engine", True),
+    # the package's __init__.py re-exports the public names from every room
+    ("", "from blocktrain.serving.host.host_app import create_app", False),
+    ("", "from blocktrain.serving.openai.router_app import create_app", False),
+    ("", "from .shared import serving_errors", False),
+    ("", "from blocktrain.protocol.core import verdict", True),
+]
+
+
+@pytest.mark.parametrize(("room", "source", "bad"), SERVING_ROOM_CASES)
+def test_the_checker_on_each_rule_of_serving_s_rooms(room, source, bad):
+    module = f"blocktrain.serving.{room}".rstrip(".")
+    found = check_source(source, module, "fake.py", is_package=module in PACKAGES)
+    assert bool(found) == bad, found
+
+
+def test_a_serving_room_s_violation_names_its_rule():
+    found = check_source(
+        "from ..router import replicas\nfrom fastapi import FastAPI\n",
+        "blocktrain.serving.shared.fake",
+        "serving/shared/fake.py",
+    )
+    assert [str(v) for v in found] == [
+        "serving/shared/fake.py:1: serving.shared imports blocktrain.serving.router: "
+        + RULES["serving.shared"],
+        "serving/shared/fake.py:2: serving.shared imports fastapi: serving.shared imports no "
+        "FastAPI (the apps are host/host_app.py and openai/)",
+    ]
+
+
 @pytest.mark.parametrize(("source", "bad"), SIMULATE_CASES)
 def test_the_checker_on_what_simulate_takes_of_the_protocol(source, bad):
     found = check_source(source, "blocktrain.simulate.fake", "simulate/fake.py")
@@ -417,24 +527,34 @@ def test_the_room_list_check_catches_a_module_left_out_a_ghost_and_a_folder(tmp_
     assert room_problems(room) == []
 
 
-def test_the_room_check_catches_a_module_outside_the_rooms(tmp_path):
-    files = {"__init__.py": docstring(*(f"{r}/  the {r} room" for r in ROOMS))}
-    files |= {f"{r}/__init__.py": docstring() for r in ROOMS}
-    protocol = write_tree(tmp_path / "protocol", files)
-    assert unroomed(protocol) == []
-    write_tree(protocol, {"stray.py": "", "attic/__init__.py": ""})
-    (protocol / "ops" / "__init__.py").unlink()
-    (protocol / "ops").rmdir()
-    assert unroomed(protocol) == [
-        "protocol/stray.py is outside the rooms",
-        f"protocol/attic/ is not a room of {ROOMS}",
-        "protocol/ops/ is missing",
+@pytest.mark.parametrize("name", sorted(ROOMED))
+def test_the_room_check_catches_a_module_outside_the_rooms(tmp_path, name):
+    rooms = ROOMED[name]
+    files = {"__init__.py": docstring(*(f"{r}/  the {r} room" for r in rooms))}
+    files |= {f"{r}/__init__.py": docstring() for r in rooms}
+    package = write_tree(tmp_path / name, files)
+    assert unroomed(package, rooms) == []
+    write_tree(package, {"stray.py": "", "attic/__init__.py": ""})
+    (package / rooms[-1] / "__init__.py").unlink()
+    (package / rooms[-1]).rmdir()
+    assert unroomed(package, rooms) == [
+        f"{name}/stray.py is outside the rooms",
+        f"{name}/attic/ is not a room of {rooms}",
+        f"{name}/{rooms[-1]}/ is missing",
     ]
-    backwards = [f"{r}/  the {r} room" for r in reversed(ROOMS)]
-    (protocol / "__init__.py").write_text(docstring(*backwards))
-    assert unroomed(protocol)[-1] == (
-        f"protocol/__init__.py lists the rooms {list(reversed(ROOMS))}, not {list(ROOMS)}"
+    backwards = [f"{r}/  the {r} room" for r in reversed(rooms)]
+    (package / "__init__.py").write_text(docstring(*backwards))
+    assert unroomed(package, rooms)[-1] == (
+        f"{name}/__init__.py lists the rooms {list(reversed(rooms))}, not {list(rooms)}"
     )
+
+
+def test_a_serving_room_s_list_is_checked_like_protocol_s(tmp_path):
+    room = write_tree(
+        tmp_path / "serving" / "host",
+        {"__init__.py": docstring("loading  what a host loads"), "loading.py": "", "sweeps.py": ""},
+    )
+    assert room_problems(room) == ["serving/host/__init__.py does not list sweeps"]
 
 
 def test_the_package_walk_names_each_room_module_by_its_room(tmp_path):
@@ -458,4 +578,50 @@ def test_the_package_walk_names_each_room_module_by_its_room(tmp_path):
         ("src/blocktrain/protocol/core/x.py", "protocol.core", "blocktrain.protocol.store"),
         ("src/blocktrain/protocol/store/y.py", "protocol.store", "blocktrain.protocol.service"),
         ("src/blocktrain/simulate/w.py", "simulate", "blocktrain.protocol.worker.loop"),
+    ]
+
+
+def test_the_package_walk_names_each_serving_module_by_its_room(tmp_path):
+    """The whole check over a synthetic serving/: shared importing host, host importing router,
+    router importing host and openai, openai importing host, and a room importing the package's
+    own __init__.py; the __init__.py itself may re-export from every room."""
+    src = write_tree(
+        tmp_path / "src",
+        {
+            "blocktrain/__init__.py": "",
+            "blocktrain/serving/__init__.py": "from .openai.app import create_app\n",
+            "blocktrain/serving/shared/__init__.py": "",
+            "blocktrain/serving/shared/wire.py": "from ..host import sweeps\n",
+            "blocktrain/serving/host/sweeps.py": "from blocktrain.serving.router import chain\n",
+            "blocktrain/serving/router/chain.py": (
+                "from blocktrain.serving.shared import wire\n"
+                "from blocktrain.serving.host import sweeps\n"
+                "from ..openai import app\n"
+            ),
+            "blocktrain/serving/openai/app.py": (
+                "from blocktrain.serving.router import chain\n"
+                "from blocktrain.serving.host.sweeps import run\n"
+                "from blocktrain.serving import HostSettings\n"
+            ),
+        },
+    )
+    found, modules = package_violations(src)
+    assert {"blocktrain.serving", "blocktrain.serving.host.sweeps"} <= modules, modules
+    assert [(v.file, v.line, v.part, v.imported) for v in found] == [
+        ("src/blocktrain/serving/host/sweeps.py", 1, "serving.host", "blocktrain.serving.router"),
+        (
+            "src/blocktrain/serving/openai/app.py",
+            2,
+            "serving.openai",
+            "blocktrain.serving.host.sweeps",
+        ),
+        ("src/blocktrain/serving/openai/app.py", 3, "serving.openai", "blocktrain.serving"),
+        ("src/blocktrain/serving/router/chain.py", 2, "serving.router", "blocktrain.serving.host"),
+        (
+            "src/blocktrain/serving/router/chain.py",
+            3,
+            "serving.router",
+            "blocktrain.serving.openai",
+        ),
+        ("src/blocktrain/serving/shared/wire.py", 1, "serving.shared", "blocktrain.serving.host"),
     ]

@@ -1,6 +1,6 @@
 """Tensors in an HTTP body, read safely: one safetensors file, nothing else. The aggregator's
 protocol and the serving chain both build their messages on this (protocol/core/bodies.py with
-string metadata, serving/wire.py with a JSON header); one parser, one error, one media type.
+string metadata, serving/shared/wire.py with a JSON header); one parser, one error, one media type.
 
 Bodies are parsed here, with safetensors' own checks (the header, the offsets, and that the data
 covers the body exactly), from a view of the body, so that a pushed delta is never copied after

@@ -43,9 +43,9 @@ from blocktrain.serving import (
     create_host_app,
     create_router_app,
 )
-from blocktrain.serving.auth import auth_headers
-from blocktrain.serving.wire import CONTENT_TYPE
-from blocktrain.serving.wire import encode as serving_encode
+from blocktrain.serving.shared.auth import auth_headers
+from blocktrain.serving.shared.wire import CONTENT_TYPE
+from blocktrain.serving.shared.wire import encode as serving_encode
 from blocktrain.training import Trainer
 from blocktrain.training.local import initial_blocks
 from tests.conftest import TEXT, micro_config

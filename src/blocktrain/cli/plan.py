@@ -53,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_shape(args: argparse.Namespace) -> int:
-    from blocktrain.serving import shapes
+    from blocktrain.serving.host import shapes
 
     if args.overrides:
         raise ConfigError("--shape replaces --preset/--set; put the settings in the SPEC")

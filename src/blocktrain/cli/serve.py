@@ -20,9 +20,9 @@ from blocktrain.errors import ConfigError
 from blocktrain.listener import bind, run, url_of
 from blocktrain.model import Reference
 from blocktrain.model.speculative import Drafter, ModelDrafter
-from blocktrain.serving.auth import SECRET_ENV, is_loopback, load_secret
-from blocktrain.serving.router import RouterSettings
-from blocktrain.serving.router_app import create_app
+from blocktrain.serving.openai.router_app import create_app
+from blocktrain.serving.router.router_settings import RouterSettings
+from blocktrain.serving.shared.auth import SECRET_ENV, is_loopback, load_secret
 from blocktrain.tls import tls_pair
 from blocktrain.training.checkpoint import load_model
 

@@ -14,11 +14,11 @@ from blocktrain.cli.common import Formatter
 from blocktrain.config import parse_blocks
 from blocktrain.errors import ConfigError
 from blocktrain.listener import bind, run, url_of
-from blocktrain.serving.auth import SECRET_ENV, is_loopback, load_secret
-from blocktrain.serving.host import HostSettings
-from blocktrain.serving.host_app import create_app
-from blocktrain.serving.loading import ModelSource
-from blocktrain.serving.router import check_url
+from blocktrain.serving.host.host_app import create_app
+from blocktrain.serving.host.host_settings import HostSettings
+from blocktrain.serving.host.loading import ModelSource
+from blocktrain.serving.shared.auth import SECRET_ENV, is_loopback, load_secret
+from blocktrain.serving.shared.transport import check_url
 from blocktrain.tls import tls_pair
 
 EXAMPLES = """examples:

@@ -1,5 +1,5 @@
 """A block's clean stream cached per generation, and contexts of different lengths in one
-forward pass: what a block host runs per sweep (`Block.forward_cached`, serving/sweeps.py).
+forward pass: what a block host runs per sweep (`Block.forward_cached`, serving/host/sweeps.py).
 
 `KVCache` holds the keys and values of the positions seen, per layer: what a stage of the
 reference keeps (model/pipeline.py), and the base of a block's `CleanCache`.
@@ -12,7 +12,7 @@ rotated (k, v) of the context and computes only the new positions and the z toke
 Under `route = features` the next block reads this block's clean output (its last residual per
 position), so the cache keeps those outputs too (`out`) whenever a next block exists: the host
 passes the whole context's outputs on with the state, and a block on the same host reads them
-directly (serving/sweeps.py).
+directly (serving/host/sweeps.py).
 
 Several generations share one forward pass with their contexts **right-aligned** to one length
 L: row r's L_r bytes sit at indices L - L_r .. L - 1 (`pad` = L - L_r indices of padding before

@@ -20,7 +20,6 @@ from blocktrain.model.masking import masked_count, pin_revealed, read_state, to_
 from blocktrain.model.sampling import Sampling, sample_bytes
 
 # Re-exported for serving/choices.py, which imports it from here; drop once it names model.sampling.
-from blocktrain.model.sampling import sampling_probs as sampling_probs
 from blocktrain.model.span_loop import SpanLoop
 
 Denoiser = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, ZLayout], torch.Tensor]

@@ -1,22 +1,21 @@
-"""Serving the assembled model across hosts (docs/serving.md).
+"""Serving the assembled model across hosts (docs/serving.md). The package is in rooms, each a
+subpackage whose `__init__.py` lists its modules; a room imports only the rooms the table in
+docs/architecture.md allows (tests/test_layers.py):
 
-- `host`: a block host (FastAPI app) that runs its blocks' sampler steps, or its stages of the
-  reference with KV caches, and answers the state for the next host (or forwards it to its
-  own --next); it takes work only with the shared secret (`auth`). `batching` and `sweeps` run
-  concurrent sweeps at the same point as one batch.
-- `router`: the router (FastAPI app) with `/v1/generate` and the OpenAI-compatible
-  `/v1/completions` and `/v1/chat/completions` (`openai_api`, `choices`, `chat`); `limits` caps
-  its requests per client and the work per request and in flight.
-- `chain`: one traversal of the hosts (failing over between replicas); `streams`: the
-  generation loops over it; `directory`: which hosts serve which model; `replicas`: `URL|URL`
-  positions and health scores; `readiness`: `/readyz`, a 1-byte sweep through every host.
-- `wire`, `transport`, `errors`: the message format, HTTP with emulated hop latency, the errors.
-- `loading`, `shapes`: what a host loads; logical shapes for planning and throughput runs.
+    shared/   what the router and the hosts both speak: wire, errors, transport, secret
+    host/     a block host: what it loads, the sweeps and stages it runs, its caches, its app
+    router/   the router in front of a chain: directory, replicas, traversals, streams, limits
+    openai/   the router's HTTP face: the OpenAI-compatible API and the app that serves it
 
-See docs/serving.md.
+The names below are the public entry points, re-exported from their rooms.
 """
 
-from blocktrain.serving.errors import (
+from blocktrain.serving.host.host_app import create_app as create_host_app
+from blocktrain.serving.host.host_settings import HostSettings
+from blocktrain.serving.host.loading import HostedModel, ModelSource, load_hosted_model
+from blocktrain.serving.openai.router_app import create_app as create_router_app
+from blocktrain.serving.router.router_settings import RouterSettings
+from blocktrain.serving.shared.serving_errors import (
     BadRequest,
     HostError,
     HostRefused,
@@ -24,11 +23,6 @@ from blocktrain.serving.errors import (
     HostUnavailable,
     ServingError,
 )
-from blocktrain.serving.host import HostSettings
-from blocktrain.serving.host_app import create_app as create_host_app
-from blocktrain.serving.loading import HostedModel, ModelSource, load_hosted_model
-from blocktrain.serving.router import RouterSettings
-from blocktrain.serving.router_app import create_app as create_router_app
 
 __all__ = [
     "BadRequest",

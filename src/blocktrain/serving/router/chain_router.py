@@ -1,0 +1,311 @@
+"""The router: takes generation requests and sends each span's state along the chain of hosts.
+
+    POST /v1/generate      BlockTrain's own API (bytes, seed, traversals, timing)
+    POST /v1/completions   OpenAI-compatible completions, non-streaming and streaming (SSE)
+    POST /v1/chat/completions   the same for chat, over a byte-level template (openai/chat.py)
+    GET  /v1/models        the models the hosts assemble into complete chains
+    GET  /healthz          liveness of the router itself
+    GET  /readyz           readiness: a 1-byte sweep through every host (readiness.py)
+
+A BlockTrain model is served by one sweep per span of K bytes; a reference model by the
+autoregressive pipeline, one traversal per byte. The router learns what the hosts serve from
+their /v1/info and asks again after any host failure, so it keeps serving once a host is back;
+a position of the chain may hold replicas, and a failed hop is retried on another (replicas.py).
+
+Errors are OpenAI-shaped JSON, `{"error": {"message", "type", "param", "code", "host"}}`: 400 for
+a bad request (404 for an unknown model, 413 for a body over the limit, 422 for more work than
+one request may ask for, 429 over the rate or in-flight work limit), 503 naming the host that is unreachable or died
+mid-request, 504 for one that timed out, 502 for a host that refused the state. In a stream
+that has already started, a failure arrives as a last `data: {"error": ...}` event.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import cast
+
+import httpx
+import torch
+
+from blocktrain.model import Sampling, SigmaSchedule
+from blocktrain.model.sampler import DEFAULT_SAMPLER, sampler_for
+from blocktrain.model.speculative import SpeculativeLoop, verify_fork
+from blocktrain.serving.router.chain import Chain
+from blocktrain.serving.router.directory import Directory, RemoteModel, unavailable_error
+from blocktrain.serving.router.generate_schemas import Prompt, SamplingParams
+from blocktrain.serving.router.limits import WorkLimiter, work_units
+from blocktrain.serving.router.replicas import Health
+from blocktrain.serving.router.router_settings import RouterSettings
+from blocktrain.serving.router.streams import (
+    autoregressive_speculative_stream,
+    autoregressive_stream,
+    one_sweep_stream,
+    speculative_stream,
+)
+from blocktrain.serving.router.traversal import ChainStats
+from blocktrain.serving.shared.coalesce import Coalescer
+from blocktrain.serving.shared.serving_errors import (
+    BadRequest,
+    HostError,
+    HostRefused,
+    ServingError,
+)
+from blocktrain.serving.shared.wire import WireDtype
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One validated generation request."""
+
+    model: RemoteModel
+    prompt: bytes
+    n_bytes: int
+    sampling: Sampling
+    seed: int
+    steps_per_block: int
+    sampler: str
+    draft_bytes: int
+    verify_draws: int
+    units: int
+    """The work admitted for this job, released by `Router.done`."""
+    client: str = ""
+    """Whose work it is (the client's address), for its share of the work in flight."""
+
+
+class Router:
+    def __init__(
+        self,
+        settings: RouterSettings,
+        client: httpx.AsyncClient,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.client = client
+        self.health = Health(clock)
+        self.directory = Directory(settings.positions, client, self.health, clock)
+        self.work = WorkLimiter(
+            settings.max_work, settings.max_work_in_flight, per_client=settings.work_per_client
+        )
+        self.coalescer = Coalescer(
+            client,
+            window_s=settings.coalesce_window_ms / 1000,
+            max_sweeps=settings.coalesce_sweeps,
+        )
+
+    def chain(self, model: RemoteModel, stats: ChainStats | None = None) -> Chain:
+        return Chain(
+            self.client,
+            model,
+            wire_dtype=cast(WireDtype, self.settings.wire_dtype),
+            sample_on=self.settings.sample_on,
+            stats=stats,
+            health=self.health,
+            coalescer=self.coalescer,
+        )
+
+    async def resolve(self, name: str | None) -> RemoteModel:
+        models = await self.directory.models()
+        if name is None:
+            if len(models) == 1:
+                return next(iter(models.values()))
+            raise BadRequest(
+                f"name a model: this router serves {model_names(models)}", param="model"
+            )
+        if name in models:
+            return models[name]
+        if name in self.directory.unavailable:
+            raise unavailable_error(name, self.directory.unavailable[name])
+        raise BadRequest(
+            f"model {name!r} is not served here; served: {model_names(models)}",
+            param="model",
+            code="model_not_found",
+            status=404,
+        )
+
+    async def job(
+        self,
+        *,
+        model: str | None,
+        prompt: Prompt,
+        n_bytes: int,
+        param: str,
+        req: SamplingParams,
+        choices: int = 1,
+        logprobs: bool = False,
+        client: str = "",
+    ) -> Job:
+        """A validated job, its work admitted: `choices` samples of n_bytes each (with their
+        logprobs: then it drafts only when the request asks)."""
+        data = prompt_bytes(prompt, self.settings.max_prompt_bytes)
+        if n_bytes > self.settings.max_output_bytes:
+            raise BadRequest(
+                f"{param} = {n_bytes} exceeds this router's limit of "
+                f"{self.settings.max_output_bytes} bytes",
+                param=param,
+            )
+        if req.steps_per_block > self.settings.max_steps_per_block:
+            raise BadRequest(
+                f"steps_per_block = {req.steps_per_block} exceeds this router's "
+                f"limit of {self.settings.max_steps_per_block}",
+                param="steps_per_block",
+            )
+        sampling = Sampling(
+            temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, utf8=req.utf8
+        )
+        seed = req.seed if req.seed is not None else secrets.randbits(63)
+        remote = await self.resolve(model)
+        sampler = req.sampler
+        if remote.kind == "blocktrain":
+            try:
+                sampler = sampler_for(req.sampler, remote.config.model.process)
+            except ValueError as exc:
+                raise BadRequest(str(exc), param="sampler") from None
+        draft = req.draft_bytes
+        if draft is None:
+            draft = 0 if logprobs else self._default_draft(remote)
+        elif draft:
+            self._check_drafting(remote, draft)
+        # An autoregressive model runs no sampler points: one unit per byte. A verify sweep of
+        # M draws computes M sweeps' z tokens on every host.
+        blocktrain = remote.kind == "blocktrain"
+        steps = req.steps_per_block if blocktrain else 1
+        draws = req.verify_draws if blocktrain and draft else 1
+        names = ["n"] * (choices > 1) + [param, "steps_per_block"] + ["verify_draws"] * (draws > 1)
+        values = [choices] * (choices > 1) + [n_bytes, steps] + [draws] * (draws > 1)
+        what = f"{' x '.join(names)} = {' x '.join(map(str, values))}"
+        units = self.work.admit(choices * work_units(n_bytes, steps * draws), what, param, client)
+        return Job(
+            remote,
+            data,
+            n_bytes,
+            sampling,
+            seed,
+            req.steps_per_block,
+            sampler or DEFAULT_SAMPLER,
+            draft,
+            req.verify_draws,
+            units,
+            client,
+        )
+
+    def done(self, job: Job) -> None:
+        """The job ended (answered, failed or abandoned): its work is no longer in flight."""
+        self.work.release(job.units, job.client)
+
+    def _draft_limit(self, model: RemoteModel) -> int:
+        """The most bytes a traversal may verify: the window keeps room for the context."""
+        return min(self.settings.max_draft_bytes, model.config.model.seq_len - 2)
+
+    @staticmethod
+    def _spans(model: RemoteModel) -> bool:
+        """A one-sweep model with K > 1: its span is drawn at once, there is nothing to verify."""
+        return model.kind == "blocktrain" and model.config.model.span != 1
+
+    def _default_draft(self, model: RemoteModel) -> int:
+        """The router's draft_bytes for a request that leaves it out: 0 where drafting does not
+        apply (no default, or a K > 1 model), else the default within the model's limit."""
+        if not self.settings.draft_bytes or self._spans(model):
+            return 0
+        return min(self.settings.draft_bytes, self._draft_limit(model))
+
+    def _check_drafting(self, model: RemoteModel, draft_bytes: int) -> None:
+        why = None
+        if self.settings.drafter is None:
+            why = (
+                "this router has no drafter (start `blocktrain serve` with --draft-corpus or "
+                "--draft-model)"
+            )
+        elif self._spans(model):
+            why = (
+                "speculative drafting verifies with a K = 1 one-sweep model or an "
+                f"autoregressive one; {model.name!r} has K = {model.config.model.span}"
+            )
+        elif draft_bytes > self._draft_limit(model):
+            why = f"draft_bytes = {draft_bytes} exceeds the limit of {self._draft_limit(model)}"
+        if why is not None:
+            raise BadRequest(why, param="draft_bytes")
+
+    def stream(self, job: Job, stats: ChainStats) -> AsyncIterator[torch.Tensor]:
+        """The new bytes (1, m) piece by piece: a span per sweep, or a byte per traversal."""
+        chain = self.chain(job.model, stats)
+        prompt = torch.tensor([list(job.prompt)], dtype=torch.long)
+        gen = torch.Generator().manual_seed(job.seed)
+        if job.draft_bytes:
+            assert self.settings.drafter is not None  # checked when the job was made
+            draws = 1 if job.model.kind == "reference" else job.verify_draws
+            points = 0  # of the one-sweep model's grid, where its draws may fork
+            if job.model.kind == "blocktrain":
+                schedule = SigmaSchedule.from_config(job.model.config.model)
+                points = len(schedule.sampler_grid(job.steps_per_block))
+            loop = SpeculativeLoop(
+                prompt,
+                job.n_bytes,
+                drafter=self.settings.drafter,
+                draft_len=job.draft_bytes,
+                seq_len=job.model.config.model.seq_len,
+                sampling=job.sampling,
+                generator=gen,
+                # An autoregressive verifier is deterministic: more draws would repeat one.
+                draws=draws,
+                fork=verify_fork(points, job.sampler, draws),
+            )
+            if job.model.kind == "reference":
+                return autoregressive_speculative_stream(chain, loop)
+            return speculative_stream(
+                chain, loop, steps_per_block=job.steps_per_block, sampler=job.sampler
+            )
+        if job.model.kind == "blocktrain":
+            return one_sweep_stream(
+                chain,
+                prompt,
+                job.n_bytes,
+                sampling=job.sampling,
+                generator=gen,
+                steps_per_block=job.steps_per_block,
+                sampler=job.sampler,
+            )
+        return autoregressive_stream(
+            chain, prompt, job.n_bytes, sampling=job.sampling, generator=gen
+        )
+
+    def failed(self, exc: ServingError) -> ServingError:
+        """A host failed: ask the hosts again next time; a refusal is the chain's fault, not
+        the client's (502)."""
+        if isinstance(exc, HostError):
+            self.directory.invalidate()
+        if isinstance(exc, HostRefused):
+            return HostRefused(
+                f"the chain refused the request: {exc.message}",
+                host=exc.host,
+                code=exc.code,
+                status=502,
+            )
+        return exc
+
+
+def model_names(models: dict[str, RemoteModel]) -> str:
+    return ", ".join(sorted(models)) or "(none)"
+
+
+def prompt_bytes(prompt: Prompt, limit: int) -> bytes:
+    if isinstance(prompt, str):
+        data = prompt.encode("utf-8")
+    else:
+        if any(not 0 <= v <= 255 for v in prompt):
+            raise BadRequest("a prompt given as a list holds byte values 0..255", param="prompt")
+        data = bytes(prompt)
+    if not data:
+        raise BadRequest("prompt must hold at least one byte", param="prompt", code="empty_prompt")
+    if len(data) > limit:
+        raise BadRequest(
+            f"prompt of {len(data)} bytes exceeds this router's limit of {limit}",
+            param="prompt",
+            code="prompt_too_long",
+        )
+    return data

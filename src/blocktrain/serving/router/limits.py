@@ -1,0 +1,152 @@
+"""The router's admission limits: requests per client per minute, and work, per request and in
+flight at once. A request over a limit is refused before any host computes.
+
+Work is counted in bytes x steps_per_block (`work_units`): the chain's compute grows with both
+(each sampler point of each block runs once per span, and the spans grow with the bytes), so a
+cap on units is a cap on a request's compute whatever its shape. What a unit costs, and so how
+long the default cap lets one request run: docs/serving.md, "Trust: authentication and limits".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from blocktrain.httpserve import TokenBucket
+from blocktrain.serving.shared.serving_errors import BadRequest, TooManyRequests, send_error
+
+T = TypeVar("T")
+
+
+CLIENT_GONE = 499
+"""The status of an answer nobody waits for (nginx's "client closed request"): never seen."""
+
+
+class ClientGone(Exception):
+    """The client hung up before its answer was ready."""
+
+
+async def while_connected(receive: Receive, work: Awaitable[T]) -> T:
+    """`work`, run until it ends or the client hangs up, whichever comes first: then the work
+    is cancelled (ClientGone), so that a request nobody waits for stops computing and frees
+    its work in flight. For a route that has read its whole body: what `receive` gives next
+    is the disconnect."""
+
+    async def hung_up() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(hung_up())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watch):
+            if not t.done():
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
+def client_address(scope: Scope) -> str:
+    """Whom the per-client limits count a request against: its peer's address."""
+    client = scope.get("client")
+    return str(client[0]) if client else "unknown"
+
+
+def work_units(n_bytes: int, steps_per_block: int) -> int:
+    """The work of one request: bytes to generate x sampler points per block."""
+    return n_bytes * steps_per_block
+
+
+def per_minute(requests: int, clock: Callable[[], float]) -> TokenBucket:
+    """The router's rate limit: `requests` a minute per client address, in bursts of up to as
+    many."""
+    return TokenBucket(requests / 60.0, requests, clock)
+
+
+def check_rate(bucket: TokenBucket, client: str) -> None:
+    """Take one request's token for `client`, or raise TooManyRequests."""
+    wait = bucket.take(client)
+    if wait:
+        raise TooManyRequests(
+            f"more than {bucket.burst:g} requests a minute from {client}; retry later",
+            retry_after_s=wait,
+        )
+
+
+@dataclass
+class WorkLimiter:
+    """Caps the work of one request (422), of one client's requests in flight together, and of
+    all requests in flight together (429)."""
+
+    per_request: int
+    in_flight_max: int
+    in_flight: int = 0
+    per_client: int | None = None
+    """Work in flight of one client (address) at once; None: no share but the whole."""
+    by_client: dict[str, int] = field(default_factory=dict)
+
+    def admit(self, units: int, what: str, param: str, client: str = "") -> int:
+        """Count `units` of work in flight for `client` -> the units to `release` when the
+        request ends; `what` says how the units were counted, `param` what the client should
+        change."""
+        if units > self.per_request:
+            raise BadRequest(
+                f"{what} = {units} units of work exceeds this router's limit of "
+                f"{self.per_request} per request; ask for fewer bytes or steps",
+                param=param,
+                code="too_much_work",
+                status=422,
+            )
+        held = self.by_client.get(client, 0)
+        if self.per_client is not None and held + units > self.per_client:
+            raise TooManyRequests(
+                f"the router is busy for {client or 'this client'}: {held} units of its work in "
+                f"flight, {units} more would pass its share of {self.per_client} (of "
+                f"{self.in_flight_max} for all clients); retry when one of its requests ends",
+                retry_after_s=1.0,
+                code="busy",
+            )
+        if self.in_flight + units > self.in_flight_max:
+            raise TooManyRequests(
+                f"the router is busy: {self.in_flight} units of work in flight, "
+                f"{units} more would pass its limit of {self.in_flight_max}; retry shortly",
+                retry_after_s=1.0,
+                code="busy",
+            )
+        self.in_flight += units
+        self.by_client[client] = held + units
+        return units
+
+    def release(self, units: int, client: str = "") -> None:
+        self.in_flight -= units
+        left = self.by_client.pop(client, 0) - units
+        if left > 0:
+            self.by_client[client] = left
+
+
+class RateLimit:
+    """ASGI middleware: the rate limit on POST requests (the generation routes), checked
+    before the body is read."""
+
+    def __init__(self, app: ASGIApp, limiter: TokenBucket | None) -> None:
+        self.app = app
+        self.limiter = limiter
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.limiter is not None and scope["type"] == "http" and scope["method"] == "POST":
+            try:
+                check_rate(self.limiter, client_address(scope))
+            except TooManyRequests as err:
+                await send_error(send, err, scope)
+                return
+        await self.app(scope, receive, send)

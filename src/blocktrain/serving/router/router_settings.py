@@ -1,0 +1,135 @@
+"""How the router runs (`RouterSettings`): the hosts of its chain (a position may hold replicas),
+what travels on the wire, and every limit on what a request may ask; each checked when the
+settings are made, so that a bad flag of `blocktrain serve` is one line before anything starts.
+The work itself is `chain_router.py`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from blocktrain.errors import ConfigError
+from blocktrain.model.speculative import Drafter
+from blocktrain.serving.router.replicas import parse_positions
+from blocktrain.serving.shared.transport import check_url
+
+
+def _positions(hosts: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    return parse_positions(hosts, lambda url: check_url(url, "--hosts entry"))
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """How the router runs."""
+
+    hosts: tuple[str, ...]
+    """Block hosts, in chain order (the first receives each request); an entry may name
+    replicas of one position as `URL|URL` (replicas.py)."""
+    hop_ms: float = 0.0
+    """Emulated one-way latency of the link to the first host (see shared/transport.py)."""
+    timeout_s: float = 300.0
+    """Read timeout of one traversal of the chain."""
+    wire_dtype: str = "fp32"
+    """dtype of the state on the wire: fp32 (exact) or fp16 (half the bytes)."""
+    sample_on: str = "router"
+    """Where the final bytes are drawn: 'router' (the last host returns logits) or
+    'last-host' (it returns bytes; the generator state travels with the state)."""
+    max_prompt_bytes: int = 65536
+    """Longest prompt accepted."""
+    max_output_bytes: int = 4096
+    """Most bytes generated per request."""
+    max_steps_per_block: int = 16
+    """Largest steps_per_block a request may ask for."""
+    drafter: Drafter | None = None
+    """Drafts bytes for speculative generation with K = 1 models (requests' draft_bytes): a
+    byte n-gram (data.ngram) or a small autoregressive model (model.speculative.ModelDrafter)."""
+    max_draft_bytes: int = 32
+    """Largest draft_bytes a request may ask for."""
+    draft_bytes: int = 0
+    """draft_bytes of the requests that leave it out, where drafting applies: a K = 1 or
+    autoregressive model, and no logprobs asked (0: requests opt in)."""
+    max_body_bytes: int = 1 << 20
+    """Largest request body accepted (a prompt of 65536 byte values as a JSON list fits)."""
+    rate_per_minute: int = 600
+    """Generation requests a minute per client address (0: no limit): a flood of cheap
+    requests; the work limits below bound the compute."""
+    max_work: int = 4096
+    """Most work in one request, in bytes x steps_per_block (limits.work_units)."""
+    max_work_in_flight: int = 16384
+    """Most work of all requests in flight together."""
+    max_work_per_client: int | None = None
+    """Most work of one client address's requests in flight together; None: half of
+    max_work_in_flight (and at least max_work), so one client cannot hold the whole budget."""
+    send_timeout_s: float = 30.0
+    """A stream whose client reads none of it for this long (one send blocked) is ended, and
+    its work released (openai/openai_api.py, `_Stream`)."""
+    secret: str | None = field(default=None, repr=False)
+    """The hosts' shared secret, sent with every request to them (shared/auth.py)."""
+    ca_cert: str | None = None
+    """PEM bundle to verify https hosts against (None: the system's CAs)."""
+    coalesce_sweeps: int = 64
+    """Most sweeps of concurrent generations sent to one host in one request (shared/coalesce.py);
+    1: each its own request. At most the hosts' --max-batch (default 64 too)."""
+    coalesce_window_ms: float = 0.0
+    """How long a sweep waits for others bound for the same host (0: none; those that arrive
+    while a request to the host is in flight go together after it)."""
+
+    @property
+    def work_per_client(self) -> int:
+        """Work one client address may have in flight at once."""
+        if self.max_work_per_client is not None:
+            return self.max_work_per_client
+        return max(self.max_work, self.max_work_in_flight // 2)
+
+    @property
+    def positions(self) -> tuple[tuple[str, ...], ...]:
+        """The replicas of each position of the chain."""
+        return _positions(self.hosts)
+
+    def __post_init__(self) -> None:
+        if not self.hosts:
+            raise ConfigError("--hosts must name at least one block host")
+        _positions(self.hosts)  # checks every URL, and that none appears twice
+        if self.hop_ms < 0:
+            raise ConfigError(f"--hop-ms {self.hop_ms} must be >= 0")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"--timeout {self.timeout_s} must be positive")
+        if self.wire_dtype not in ("fp32", "fp16"):
+            raise ConfigError(f"--wire {self.wire_dtype!r} must be fp32 or fp16")
+        if self.sample_on not in ("router", "last-host"):
+            raise ConfigError(f"--sample-on {self.sample_on!r} must be router or last-host")
+        for name in (
+            "max_prompt_bytes",
+            "max_output_bytes",
+            "max_steps_per_block",
+            "max_draft_bytes",
+            "max_body_bytes",
+            "max_work",
+            "max_work_in_flight",
+            "coalesce_sweeps",
+        ):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} = {getattr(self, name)} must be positive")
+        if not 0 <= self.draft_bytes <= self.max_draft_bytes:
+            raise ConfigError(
+                f"--draft-bytes {self.draft_bytes} must lie in 0..{self.max_draft_bytes}"
+            )
+        if self.draft_bytes and self.drafter is None:
+            raise ConfigError("--draft-bytes needs a drafter: --draft-corpus or --draft-model")
+        if self.coalesce_window_ms < 0:
+            raise ConfigError(f"--coalesce-window-ms {self.coalesce_window_ms} must be >= 0")
+        if self.rate_per_minute < 0:
+            raise ConfigError(f"--rate-limit {self.rate_per_minute} must be >= 0 (0: none)")
+        if self.send_timeout_s <= 0:
+            raise ConfigError(f"--send-timeout {self.send_timeout_s} must be positive")
+        if self.max_work_per_client is not None and not (
+            self.max_work <= self.max_work_per_client <= self.max_work_in_flight
+        ):
+            raise ConfigError(
+                f"--max-work-per-client {self.max_work_per_client} must lie in --max-work "
+                f"{self.max_work} .. --max-work-in-flight {self.max_work_in_flight}"
+            )
+        if self.max_work > self.max_work_in_flight:
+            raise ConfigError(
+                f"--max-work {self.max_work} exceeds --max-work-in-flight "
+                f"{self.max_work_in_flight}: no request could ever run"
+            )
