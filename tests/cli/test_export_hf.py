@@ -15,8 +15,8 @@ from blocktrain.cli.main import main
 from blocktrain.errors import CheckpointError
 from blocktrain.model import BlockStack
 from blocktrain.training import checkpoint as ckpt
+from blocktrain.training.checkpoint import iter_metrics
 from blocktrain.training.hub import load_hf
-from blocktrain.training.trainer import iter_metrics
 from tests.conftest import micro_config
 
 from .test_cli import TINY, fails_cleanly

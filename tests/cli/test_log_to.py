@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from blocktrain.cli.main import main
+from blocktrain.training.checkpoint import iter_metrics
 from blocktrain.training.tracking import scalars
-from blocktrain.training.trainer import iter_metrics
 
 from .test_cli import TINY, fails_cleanly
 

@@ -7,7 +7,7 @@ from blocktrain.data import load_split
 from blocktrain.errors import BlockTrainError, CheckpointError
 from blocktrain.model import BlockStack, target_table
 from blocktrain.training import BlockLoss, Trainer, load_model
-from blocktrain.training.trainer import iter_metrics
+from blocktrain.training.checkpoint import iter_metrics
 from tests.conftest import micro_config
 
 

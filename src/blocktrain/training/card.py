@@ -29,7 +29,7 @@ def run_facts(run_dir: Path) -> dict[str, Any]:
     wall time (state.json), the last training loss and the last validation (metrics.jsonl), or,
     for the model folder a `cluster` run writes, its summary.json's final evaluation. A value
     the run does not hold is None ("not measured" on the card)."""
-    from blocktrain.training.trainer import iter_metrics
+    from blocktrain.training.checkpoint import iter_metrics
 
     run_dir = Path(run_dir)
     facts: dict[str, Any] = {

@@ -18,7 +18,9 @@ Nothing here unpickles: tensors live in safetensors only, everything else in JSO
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -233,3 +235,26 @@ def load_model(
             raise CheckpointError(f"{run_dir / MODEL_FILE} has no usable target table")
         model.targets.copy_(weights["targets"])
     return info, model.to(device).eval()
+
+
+def iter_metrics(run_dir: Path) -> Iterator[dict[str, Any]]:
+    """The records of RUN_DIR/metrics.jsonl, in order."""
+    path = Path(run_dir) / METRICS_FILE
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                yield json.loads(line)
+
+
+def truncate_metrics(run_dir: Path, step: int) -> None:
+    """Drop the metric lines logged after `step`, the checkpoint a run resumes from (a crash can
+    leave some), so that the log reads like an uninterrupted run's."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line)
+    atomic_write_bytes(path, ("\n".join(kept) + "\n" if kept else "").encode())

@@ -8,58 +8,39 @@ exactly, so a resumed run computes the same losses as an uninterrupted one.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import math
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 from tqdm import tqdm
 
 from blocktrain.config import RunConfig
 from blocktrain.data import ByteSource
 from blocktrain.device import resolve_device
 from blocktrain.errors import CheckpointError, ConfigError
-from blocktrain.fsutil import atomic_write_bytes
-from blocktrain.model import BlockStack, Reference, init_reference
+from blocktrain.model import BlockStack, Reference
 from blocktrain.training import checkpoint as ckpt
-from blocktrain.training.distill import DISTILL_FILE, Teacher, TeacherSpec, distill_loss
+from blocktrain.training.distill import DISTILL_FILE, TeacherSpec
 from blocktrain.training.evaluate import (
     EvalSettings,
     evaluate_blocktrain,
     evaluate_oracle_block,
     evaluate_reference,
 )
-from blocktrain.training.loss import BlockLoss, LossParts, reference_loss
 from blocktrain.training.optim import (
     learning_rate,
     load_optimizer_tensors,
-    make_optimizer,
     optimizer_tensors,
 )
-from blocktrain.training.step import Objective, precision_context, train_step
+from blocktrain.training.step import precision_context, train_step
 from blocktrain.training.tracking import Tracker, scalars
+from blocktrain.training.units import Unit, build_units
 
 log = logging.getLogger(__name__)
-
-REFERENCE_UNIT = 0  # the reference draws the same batch stream as block 0
-
-
-@dataclass
-class Unit:
-    """One independently optimised piece: a block, or the whole reference."""
-
-    name: str  # tensor-name prefix in the checkpoint: "block.{b}." or "reference."
-    index: int  # the block index (REFERENCE_UNIT for the reference)
-    module: nn.Module
-    optimizer: torch.optim.AdamW = field(repr=False)
-    objective: Objective = field(repr=False)  # the unit's loss on a batch
 
 
 class Trainer:
@@ -90,66 +71,11 @@ class Trainer:
         self.last_eval: dict[str, Any] | None = None
         self.trackers: list[Tracker] = []
         """Experiment loggers (training/tracking.py) that get every metrics.jsonl record."""
-        mcfg = self.cfg.model
-        self.stack: BlockStack | None = None
-        self.reference: Reference | None = None
-        self.units: list[Unit] = []
         self.teacher = teacher
-        if teacher is not None and info.kind != "reference":
-            raise ConfigError("only an autoregressive (reference) run distils from a teacher")
-        if info.kind == "reference":
-            reference = self.reference = init_reference(mcfg, self.cfg.seed).to(self.device)
-            law = None if teacher is None else Teacher(teacher, mcfg.seq_len, self.device)
-
-            def objective(x: torch.Tensor, noise: torch.Generator) -> LossParts:
-                if law is None:
-                    return reference_loss(reference, x)  # noiseless
-                return distill_loss(reference, law, x, noise)
-
-            self.units.append(
-                Unit(
-                    "reference.",
-                    REFERENCE_UNIT,
-                    reference,
-                    make_optimizer(reference, self.cfg.train),
-                    objective,
-                )
-            )
-        else:
-            held = info.blocks
-            frozen = ckpt.upstream_blocks(self.cfg, held)
-            self.stack = BlockStack(mcfg, self.cfg.seed, sorted(held + frozen)).to(self.device)
-            if frozen:
-                self._freeze_upstream(frozen, upstream)
-            loss = BlockLoss(mcfg, self.stack.targets, self.stack.upstream)
-            for b in held:
-                block = self.stack.block(b)
-                self.units.append(
-                    Unit(
-                        f"block.{b}.",
-                        b,
-                        block,
-                        make_optimizer(block, self.cfg.train),
-                        functools.partial(loss, block, b),
-                    )
-                )
-
-    def _freeze_upstream(self, frozen: list[int], weights: dict[str, torch.Tensor] | None) -> None:
-        """Load blocks `frozen` (read upstream, never trained here) and freeze them."""
-        assert self.stack is not None
-        path = self.run_dir / ckpt.UPSTREAM_FILE
-        if weights is None:
-            if not path.is_file():
-                raise ConfigError(
-                    f"blocks {self.info.blocks} of a route = features run read the clean streams "
-                    f"of block(s) {frozen} before them: give --upstream RUN_DIR, a run folder "
-                    "holding those (e.g. `train --block 0`), or train them together"
-                )
-            weights, _ = ckpt.load_tensors(path)
-        for b in frozen:
-            block = self.stack.block(b)
-            ckpt.load_module_tensors(block, weights, f"block.{b}.", path)
-            block.eval().requires_grad_(False)
+        built = build_units(info, self.run_dir, self.device, teacher, upstream)
+        self.stack: BlockStack | None = built.stack
+        self.reference: Reference | None = built.reference
+        self.units: list[Unit] = built.units
 
     # ---------------------------------------------------------------- construction
 
@@ -312,21 +238,8 @@ class Trainer:
         self.step = int(state["step"])
         self.bytes_seen = int(state.get("bytes_seen", 0))
         self.wall_seconds = float(state.get("wall_seconds", 0.0))
-        self._truncate_metrics()
+        ckpt.truncate_metrics(self.run_dir, self.step)
         log.info("resumed %s at step %d", self.run_dir, self.step)
-
-    def _truncate_metrics(self) -> None:
-        """Drop metric lines logged after the checkpoint we resume from (a crash can leave
-        some), so the log reads like an uninterrupted run's."""
-        path = self.run_dir / ckpt.METRICS_FILE
-        if not path.exists():
-            return
-        kept = []
-        for line in path.read_text().splitlines():
-            with contextlib.suppress(json.JSONDecodeError):
-                if json.loads(line).get("step", 0) <= self.step:
-                    kept.append(line)
-        atomic_write_bytes(path, ("\n".join(kept) + "\n" if kept else "").encode())
 
     # ---------------------------------------------------------------- the loop
 
@@ -466,11 +379,3 @@ class Trainer:
             if key:
                 out["val_ce"] = f"{ev[key]:.3f}"
         return out
-
-
-def iter_metrics(run_dir: Path) -> Iterator[dict[str, Any]]:
-    path = Path(run_dir) / ckpt.METRICS_FILE
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                yield json.loads(line)
