@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from blocktrain.model.block import BlockStack
+from blocktrain.model.stack import BlockStack
 
 
 def head_logits(stack: BlockStack, x_bytes: torch.Tensor, block: int | None = None) -> torch.Tensor:

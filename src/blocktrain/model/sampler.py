@@ -15,12 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
-from blocktrain.model.block import BlockStack, ZLayout
+from blocktrain.model.block import ZLayout
 from blocktrain.model.masking import masked_count, pin_revealed, read_state, to_reveal
 from blocktrain.model.sampling import Sampling, sample_bytes
 
 # Re-exported for serving/choices.py, which imports it from here; drop once it names model.sampling.
 from blocktrain.model.span_loop import SpanLoop
+from blocktrain.model.stack import BlockStack
 
 Denoiser = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, ZLayout], torch.Tensor]
 StepHook = Callable[[int, int, float, torch.Tensor], None]
