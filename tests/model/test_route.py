@@ -16,6 +16,8 @@ from blocktrain.config import ModelConfig
 from blocktrain.data import load_split
 from blocktrain.errors import ProtocolError
 from blocktrain.model import BlockStack, Sampling, ZLayout, generate_autoregressive, head_logits
+from blocktrain.model.cached import KVCache
+from blocktrain.model.heads import HeadStage
 from blocktrain.simulate import REGIMES, SimSpec, simulate
 from blocktrain.training import load_model
 from blocktrain.training.checkpoint import MODEL_FILE, UPSTREAM_FILE, load_tensors
@@ -358,11 +360,9 @@ def test_eval_and_generate_take_the_head_exit(corpus, tmp_path, capsys):
     fails_cleanly(capsys, ["generate", str(ref), "--prompt", "a", "--exit", "head"], "a reference")
 
 
-def test_a_reversed_features_stack_trains_evaluates_and_refuses_a_chain_of_hosts(
-    corpus, tmp_path, capsys
-):
+def test_a_reversed_features_stack_trains_evaluates_and_generates(corpus, tmp_path, capsys):
     """intervals = reversed: `train`, `eval` (with its head exit) and `generate` run it in one
-    process; a block host refuses it with one line, since its sweep starts at the last block."""
+    process (a chain of hosts serves it through the head exit only: tests/serving)."""
     run = tmp_path / "run"
     reversed_ = [*FEATURES[:-1], "intervals=reversed", FEATURES[-1]]
     assert (
@@ -377,4 +377,21 @@ def test_a_reversed_features_stack_trains_evaluates_and_refuses_a_chain_of_hosts
             main(["generate", str(run), "--prompt", "The ", "--bytes", "6", "--exit", exit_]) == 0
         )
         assert capsys.readouterr().out.startswith("The ")
-    fails_cleanly(capsys, ["serve-block", str(run), "--blocks", "0", "--port", "0"], "reversed")
+
+
+def test_head_stages_with_caches_chain_to_the_head_exit():
+    """The head exit's pipeline (one HeadStage per block, each with its cache): a prefill and
+    then one byte at a time give `head_logits` of the whole context at every position."""
+    stack = randomised_stack()
+    x, *_ = inputs()
+    stages = [HeadStage(stack.block(b), last=b == 2) for b in range(3)]
+    caches = [KVCache() for _ in stages]
+    expected = head_logits(stack, x)
+    pieces = []
+    for lo, hi in ((0, 5), *((i, i + 1) for i in range(5, x.shape[1]))):
+        h = None
+        for stage, cache in zip(stages, caches, strict=True):
+            h = stage(x[:, lo:hi], h, cache)
+        pieces.append(h)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), expected, rtol=1e-4, atol=1e-5)
+    assert caches[2].length == x.shape[1]

@@ -12,7 +12,11 @@ beside the sampler.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
+from blocktrain.model.block import Block
+from blocktrain.model.cached import KVCache
+from blocktrain.model.layers import DualStreamLayer
 from blocktrain.model.stack import BlockStack
 
 
@@ -26,3 +30,44 @@ def head_logits(stack: BlockStack, x_bytes: torch.Tensor, block: int | None = No
         raise ValueError(f"block {index} has no next-byte head (the run's aux_weight is 0)")
     stream = module.clean_stream(x_bytes, stack.upstream(index, x_bytes))
     return module.aux_head(module.aux_norm(stream))
+
+
+class HeadStage(nn.Module):
+    """Block b's clean stream with a key/value cache: one stage of the head exit's pipeline
+    across hosts (docs/serving.md), as `ReferenceStage` is of the reference's. It wraps the
+    block (no copy of its weights). Chained over the blocks in order, the last stage's logits
+    are `head_logits` of the context (tests prove it), and each new byte costs one token
+    through every block's clean stream."""
+
+    def __init__(self, block: Block, last: bool) -> None:
+        super().__init__()
+        if block.aux_head is None or block.aux_norm is None:
+            raise ValueError("the block has no next-byte head (the run's aux_weight is 0)")
+        self.block, self.last = block, last
+
+    def forward(
+        self, x_new: torch.Tensor, upstream: torch.Tensor | None, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        """x_new (N, L) the new bytes; `upstream` (N, L, d) the previous block's clean output at
+        them (None for block 0); the new tokens take positions cache.length.. and extend the
+        cache in place. Returns this block's clean output (N, L, d), or on the last block the
+        head's logits (N, L, 256); position i predicts the byte after it."""
+        block = self.block
+        h = block.clean_input(x_new, upstream)
+        start = cache.length if cache is not None else 0
+        rot = block.rotary.rotation(torch.arange(start, start + h.shape[1], device=h.device))
+        for i, layer in enumerate(block.layers):
+            assert isinstance(layer, DualStreamLayer)
+            past = None
+            if cache is not None and cache.length > 0:
+                past = (cache.keys[i], cache.values[i])
+            h, (k, v) = layer.attend_clean(h, rot, past)
+            h = layer.mlp_clean(h)
+            if cache is not None:
+                cache.keys[i], cache.values[i] = k, v
+        if cache is not None:
+            cache.length = start + h.shape[1]
+        if self.last:
+            assert block.aux_head is not None and block.aux_norm is not None
+            return block.aux_head(block.aux_norm(h))
+        return h

@@ -6,17 +6,29 @@ one block per host or several."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 
 import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from blocktrain.model import BlockStack, SigmaSchedule, ZLayout, stack_denoiser
+from blocktrain.data import load_split
+from blocktrain.model import (
+    BlockStack,
+    Sampling,
+    SigmaSchedule,
+    ZLayout,
+    generate_autoregressive,
+    head_logits,
+    stack_denoiser,
+)
 from blocktrain.model.sampler import run_points
 from blocktrain.serving import HostSettings, ModelSource, create_host_app
 from blocktrain.serving.host.block_host import BlockHost
-from blocktrain.serving.shared.wire import CONTENT_TYPE, SweepHeader, decode, encode
-from blocktrain.training import load_model
+from blocktrain.serving.shared.wire import CONTENT_TYPE, StageHeader, SweepHeader, decode, encode
+from blocktrain.training import Trainer, load_model
+from tests.conftest import micro_config
 from tests.serving.conftest import Runs, generate_together, in_process, start_cluster
 from tests.serving.router.test_speculative import DRAFTER, in_process_speculative
 
@@ -43,12 +55,18 @@ def host(runs: Runs, parts: tuple[int, ...]) -> BlockHost:
 
 
 def sweep_body(h: BlockHost, x: torch.Tensor, step: int, **tensors: torch.Tensor) -> bytes:
-    model = h.models["btf"]
+    return sweep_body_for(h, "btf", x, step, **tensors)
+
+
+def sweep_body_for(
+    h: BlockHost, name: str, x: torch.Tensor, step: int = 0, **tensors: torch.Tensor
+) -> bytes:
+    model = h.models[name]
     cfg = model.config.model
     z = 5 * torch.randn(
         x.shape[0], cfg.span, cfg.d_model, generator=torch.Generator().manual_seed(1)
     )
-    head = SweepHeader(model="btf", fingerprint=model.fingerprint, step=step)
+    head = SweepHeader(model=name, fingerprint=model.fingerprint, step=step)
     return encode({"x": x.to(torch.uint8), "z": z, **tensors}, head.model_dump())
 
 
@@ -179,3 +197,90 @@ def test_verify_sweeps_of_a_features_run_give_the_in_process_loops_bytes(runs):
     expected, loop = in_process_speculative(k1, prompt, DRAFTER, 1, "ancestral", 3)
     assert loop.drafted > 0
     assert r.json()["bytes"] == expected[0].tolist()
+
+
+def in_process_head(stack: BlockStack, prompt: bytes, n: int, seed: int) -> list[int]:
+    """`blocktrain generate --exit head`'s bytes, in this process."""
+    out = generate_autoregressive(
+        functools.partial(head_logits, stack),
+        torch.tensor([list(prompt)]),
+        n,
+        seq_len=stack.cfg.seq_len,
+        sampling=Sampling(),
+        generator=torch.Generator().manual_seed(seed),
+    )
+    return out[0].tolist()
+
+
+@pytest.mark.parametrize("parts", [[(0,), (1,), (2,)], [(0, 1), (2,)]])
+def test_the_head_exit_over_hosts_gives_the_in_process_bytes(runs, stack, parts):
+    """exit = head: one traversal per byte through the blocks' clean streams, each host caching
+    its blocks' keys and values and passing its last block's output with the bytes; the last
+    host draws from the head. The bytes equal `generate --exit head`'s (within one window of
+    T = 16: past it the chain restarts its window at T / 2, as the reference's pipeline does)."""
+    cluster = start_cluster(runs, parts, models=features_models(runs))
+    request = {"model": "btf", "prompt": "Sega ", "max_bytes": 11, "seed": 3, "exit": "head"}
+    with cluster.router() as router:
+        r = router.post("/v1/generate", json=request)
+        assert r.status_code == 200, r.text
+        assert r.json()["traversals"] == 11
+        refused = router.post("/v1/generate", json={**request, "model": "btf1"} | {"exit": "x"})
+        assert refused.status_code == 400
+    assert r.json()["bytes"] == in_process_head(stack, b"Sega ", 11, 3)
+
+
+def test_the_head_exit_is_refused_where_there_is_no_chain_of_features(runs):
+    cluster = start_cluster(runs)  # the state-route runs and the reference
+    with cluster.router() as router:
+        for model in ("bt", "ref"):
+            r = router.post(
+                "/v1/generate", json={"model": model, "prompt": "a", "max_bytes": 2, "exit": "head"}
+            )
+            assert r.status_code == 400 and r.json()["error"]["param"] == "exit", r.text
+
+
+def test_the_head_exit_s_logits_over_hosts_are_the_in_process_head_s(runs, stack):
+    """Logits, not bytes (a sampled byte of this small model hides a missing upstream): three
+    hosts, a prefill and then cached steps, each host's blocks reading the one before."""
+    hosts = [host(runs, (0,)), host(runs, (1,)), host(runs, (2,))]
+    fingerprint = hosts[0].models["btf"].fingerprint
+    x = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(3))
+    want = head_logits(stack, x)
+    for lo, hi in ((0, 7), (7, 9), (9, 11)):
+        head = StageHeader(
+            model="btf", fingerprint=fingerprint, final="logits", session="g", pos=lo
+        )
+        message = encode({"x": x[:, lo:hi].to(torch.uint8)}, head.model_dump())
+        for h in hosts:
+            message, _ = asyncio.run(h.stage(message))
+        got = decode(message)[0]["logits"]
+        torch.testing.assert_close(got, want[:, hi - 1], **TOL)
+
+
+def test_a_reversed_stack_is_served_through_its_head_exit_only(runs, tmp_path):
+    """intervals = reversed: the sweep would start at the last block, so the router and the
+    hosts refuse exit = sampler (400, param exit); exit = head gives the in-process bytes."""
+    cfg = micro_config(steps=2)
+    model = dataclasses.replace(cfg.model, route="features", intervals="reversed")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "wiki.train.raw").write_text("Sega released the game in Japan. " * 40)
+    run = tmp_path / "rev"
+    train = load_split(corpus, "train")
+    Trainer.create(dataclasses.replace(cfg, model=model), run, train, None).run(progress=False)
+    _, reversed_stack = load_model(run)
+    assert isinstance(reversed_stack, BlockStack)
+    cluster = start_cluster(runs, models=(ModelSource("rev", run),))
+    request = {"model": "rev", "prompt": "Sega ", "max_bytes": 6, "seed": 2}
+    with cluster.router() as router:
+        refused = router.post("/v1/generate", json=request)
+        r = router.post("/v1/generate", json={**request, "exit": "head"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "exit"
+    assert "reversed" in refused.json()["error"]["message"]
+    assert r.status_code == 200, r.text
+    assert r.json()["bytes"] == in_process_head(reversed_stack, b"Sega ", 6, 2)
+    h = create_host_app(HostSettings(models=(ModelSource("rev", run),), parts=(0, 1, 2)))
+    body = sweep_body_for(h.state.host, "rev", torch.tensor([[1, 2, 3, 4]]))
+    with TestClient(h) as client:
+        answer = client.post("/v1/sweep", content=body, headers={"content-type": CONTENT_TYPE})
+    assert answer.status_code == 400 and "reversed" in answer.text

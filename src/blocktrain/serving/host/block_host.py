@@ -116,7 +116,8 @@ class BlockHost:
             },
         }
 
-    def _model(self, name: str, fingerprint: str, kind: str) -> HostedModel:
+    def _model(self, name: str, fingerprint: str, kind: str | None) -> HostedModel:
+        """The hosted model `name` of that fingerprint (and `kind`, unless None)."""
         model = self.models.get(name)
         if model is None:
             raise HostRefused(
@@ -125,7 +126,7 @@ class BlockHost:
                 host=self.settings.public_url,
                 code="unknown_model",
             )
-        if model.kind != kind:
+        if kind is not None and model.kind != kind:
             raise HostRefused(
                 f"model {name!r} on host {self.settings.public_url} is a "
                 f"{model.kind} run, not {kind}",
@@ -202,6 +203,12 @@ class BlockHost:
         header = read_header(SweepHeader, raw)
         model = self._model(header.model, header.fingerprint, "blocktrain")
         cfg = model.config.model
+        if cfg.intervals == "reversed":
+            raise BadRequest(
+                f"{model.name!r} is an intervals = reversed stack: its sweep starts at the last "
+                "block, and the chain runs the blocks in order; ask for exit = head",
+                param="exit",
+            )
         try:
             sampler_for(header.sampler, cfg.process)
         except ValueError as exc:
@@ -295,8 +302,15 @@ class BlockHost:
     async def stage(self, body: bytes) -> tuple[bytes, list[TraceEntry]]:
         tensors, raw = read_message(body)
         header = read_header(StageHeader, raw)
-        model = self._model(header.model, header.fingerprint, "reference")
+        model = self._model(header.model, header.fingerprint, None)
         cfg = model.config.model
+        blocktrain = model.kind == "blocktrain"
+        if blocktrain and not model.head_stages:
+            raise BadRequest(
+                f"{model.name!r} answers stage steps through its head exit, which reads the "
+                "chain of clean streams: a route = features run",
+                param="exit",
+            )
         if header.stage not in model.parts:
             raise HostRefused(
                 f"host {self.settings.public_url} holds stages {model.parts} of "
@@ -304,13 +318,17 @@ class BlockHost:
                 host=self.settings.public_url,
                 code="misrouted",
             )
+        x = byte_input(tensors, "x") if blocktrain or header.stage == 0 else None  # (N, L)
         if header.stage == 0:
-            inp = byte_input(tensors, "x")  # (N, L)
+            assert x is not None
+            inp = x
         else:
             if "h" not in tensors or tensors["h"].dim() != 3:
                 raise BadRequest("stage > 0 needs hidden states 'h' (N, L, d)", param="h")
             n_, l_ = tensors["h"].shape[:2]
             inp = state_input(tensors, "h", (n_, l_, cfg.d_model), header.wire_dtype)
+            if x is not None and tuple(x.shape) != (n_, l_):
+                raise BadRequest(f"'x' {tuple(x.shape)} must be (N, L) of 'h'", param="x")
         n, length = inp.shape[:2]
         if not 1 <= n <= self.settings.max_batch:
             raise BadRequest(
@@ -328,13 +346,16 @@ class BlockHost:
                 param="verify",
             )
         gen, sampling = self._generator(tensors, header)
-        run = functools.partial(self._run_stages, model, header, inp, gen, sampling)
+        run = functools.partial(self._run_stages, model, header, x, inp, gen, sampling)
         h, stage, done, visited, seconds = await anyio.to_thread.run_sync(run)
         trace = self._trace(model, visited, seconds)
         if done is not None:
             return done, [trace]
         forward = header.model_copy(update={"stage": stage})
         out = {"h": h.to(WIRE_DTYPES[header.wire_dtype])}
+        if blocktrain:  # each block's clean stream reads the bytes beside the one before it
+            assert x is not None
+            out["x"] = bytes_tensor(x)
         if gen is not None:
             out["generator"] = gen.get_state()
         return await self._pass_on("/v1/stage", encode(out, forward.model_dump()), trace)
@@ -344,18 +365,25 @@ class BlockHost:
         self,
         model: HostedModel,
         header: StageHeader,
+        x: torch.Tensor | None,
         inp: torch.Tensor,
         gen: torch.Generator | None,
         sampling: Sampling | None,
     ) -> tuple[torch.Tensor, int, bytes | None, list[int], float]:
+        """The stages held here from header.stage on: a reference's, or a BlockTrain run's
+        head stages (its blocks' clean streams, reading the bytes x beside the stage before)."""
         stage = header.stage
         visited: list[int] = []
         h = inp
         with self._compute:
             t0 = time.perf_counter()
-            while stage in model.stages:
+            while stage in model.stages or stage in model.head_stages:
                 cache = self.sessions.open(model.name, header.session, stage, header.pos)
-                h = model.stages[stage](h, cache)
+                if model.kind == "blocktrain":
+                    assert x is not None
+                    h = model.head_stages[stage](x, None if stage == 0 else h, cache)
+                else:
+                    h = model.stages[stage](h, cache)
                 visited.append(stage)
                 stage += 1
             if header.close:

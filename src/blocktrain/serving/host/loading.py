@@ -19,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 from blocktrain.config import RunConfig
 from blocktrain.errors import CheckpointError, ConfigError
 from blocktrain.model import BlockStack, SigmaSchedule, init_reference
+from blocktrain.model.heads import HeadStage
 from blocktrain.model.pipeline import ReferenceStage, stage_layers
 from blocktrain.training.checkpoint import (
     FORMAT,
@@ -66,6 +67,8 @@ class HostedModel:
     fingerprint: str
     stack: BlockStack | None = None
     stages: dict[int, ReferenceStage] = field(default_factory=dict)
+    head_stages: dict[int, HeadStage] = field(default_factory=dict)
+    """A route = features run's blocks as stages of its head exit (model/heads.py)."""
     _grids: dict[int, list[tuple[int, float]]] = field(default_factory=dict, repr=False)
 
     def grid(self, steps_per_block: int) -> list[tuple[int, float]]:
@@ -116,12 +119,6 @@ def load_hosted_model(source: ModelSource, parts: list[int]) -> HostedModel:
     path = Path(source.run_dir) / MODEL_FILE
     total = cfg.model.blocks
     what = "block" if info.kind == "blocktrain" else "stage"
-    if info.kind == "blocktrain" and cfg.model.intervals == "reversed":
-        raise ConfigError(
-            f"{source.run_dir} is an intervals = reversed stack: its sweep starts at the last "
-            "block, and a chain of hosts runs the blocks in order; `blocktrain generate` and "
-            "`eval` run it in one process (--exit head, no sweep)"
-        )
     for p in parts:
         if not 0 <= p < total:
             raise ConfigError(f"--blocks {p}: {source.run_dir} has {what}s 0..{total - 1}")
@@ -150,6 +147,10 @@ def load_hosted_model(source: ModelSource, parts: list[int]) -> HostedModel:
                 raise CheckpointError(f"{path} has no usable target table")
             stack.targets.copy_(tensors["targets"])
             model.stack = stack.eval()
+            if cfg.model.route == "features" and cfg.model.aux_weight > 0:  # the head exit
+                model.head_stages = {
+                    b: HeadStage(stack.block(b), last=b == total - 1) for b in stack.block_ids
+                }
         else:
             for s in sorted(parts):
                 stage = ReferenceStage(cfg.model, s, total)

@@ -76,6 +76,13 @@ class Job:
     """The work admitted for this job, released by `Router.done`."""
     client: str = ""
     """Whose work it is (the client's address), for its share of the work in flight."""
+    exit: str = "sampler"
+    """A one-sweep model's exit: the sampler, or its head (one byte per traversal)."""
+
+    @property
+    def autoregressive(self) -> bool:
+        """One byte per traversal through stages: a reference, or a stack's head exit."""
+        return self.model.kind == "reference" or self.exit == "head"
 
 
 class Router:
@@ -166,6 +173,8 @@ class Router:
                 sampler = sampler_for(req.sampler, remote.config.model.process)
             except ValueError as exc:
                 raise BadRequest(str(exc), param="sampler") from None
+        self._check_exit(remote, req.exit)
+        head = req.exit == "head"
         draft = req.draft_bytes
         if draft is None:
             draft = 0 if logprobs else self._default_draft(remote)
@@ -173,7 +182,7 @@ class Router:
             self._check_drafting(remote, draft)
         # An autoregressive model runs no sampler points: one unit per byte. A verify sweep of
         # M draws computes M sweeps' z tokens on every host.
-        blocktrain = remote.kind == "blocktrain"
+        blocktrain = remote.kind == "blocktrain" and not head
         steps = req.steps_per_block if blocktrain else 1
         draws = req.verify_draws if blocktrain and draft else 1
         names = ["n"] * (choices > 1) + [param, "steps_per_block"] + ["verify_draws"] * (draws > 1)
@@ -192,7 +201,25 @@ class Router:
             req.verify_draws,
             units,
             client,
+            exit=req.exit,
         )
+
+    @staticmethod
+    def _check_exit(model: RemoteModel, exit_: str) -> None:
+        """The head exit reads a features stack's chain; a reversed stack has no other."""
+        cfg = model.config.model
+        if exit_ == "head" and (model.kind != "blocktrain" or cfg.route != "features"):
+            raise BadRequest(
+                "exit = head reads the chain of clean streams of a route = features BlockTrain "
+                f"run; {model.name!r} is not one",
+                param="exit",
+            )
+        if exit_ == "sampler" and model.kind == "blocktrain" and cfg.intervals == "reversed":
+            raise BadRequest(
+                f"{model.name!r} is an intervals = reversed stack: its sweep starts at the last "
+                "block, and the chain runs the blocks in order; ask for exit = head",
+                param="exit",
+            )
 
     def done(self, job: Job) -> None:
         """The job ended (answered, failed or abandoned): its work is no longer in flight."""
@@ -238,9 +265,9 @@ class Router:
         gen = torch.Generator().manual_seed(job.seed)
         if job.draft_bytes:
             assert self.settings.drafter is not None  # checked when the job was made
-            draws = 1 if job.model.kind == "reference" else job.verify_draws
+            draws = 1 if job.autoregressive else job.verify_draws
             points = 0  # of the one-sweep model's grid, where its draws may fork
-            if job.model.kind == "blocktrain":
+            if not job.autoregressive:
                 schedule = SigmaSchedule.from_config(job.model.config.model)
                 points = len(schedule.sampler_grid(job.steps_per_block))
             loop = SpeculativeLoop(
@@ -255,12 +282,12 @@ class Router:
                 draws=draws,
                 fork=verify_fork(points, job.sampler, draws),
             )
-            if job.model.kind == "reference":
+            if job.autoregressive:
                 return autoregressive_speculative_stream(chain, loop)
             return speculative_stream(
                 chain, loop, steps_per_block=job.steps_per_block, sampler=job.sampler
             )
-        if job.model.kind == "blocktrain":
+        if not job.autoregressive:
             return one_sweep_stream(
                 chain,
                 prompt,
