@@ -16,7 +16,7 @@ from blocktrain.protocol.core.settings import AggregatorSettings, declared
 from blocktrain.protocol.worker.client import AggregatorClient
 from blocktrain.protocol.worker.loop import WorkerLoop
 from blocktrain.protocol.worker.retrying import RetryPolicy
-from tests.protocol.conftest import Harness, delta_body, make_harness
+from tests.protocol.conftest import Harness, auth, delta_body, make_harness
 
 SETTINGS = AggregatorSettings(
     deadline_s=30,
@@ -173,6 +173,18 @@ def test_loop_trains_until_the_block_is_done(h):
     assert trainer.first_steps == [0, 3, 6, 9], "the LR step follows the version: version * H"
     assert h.service.blocks[0].rounds.version == 4
     assert report.bytes_up > 0 and report.bytes_down > 0
+
+
+def test_a_worker_whose_block_is_done_leaves(h):
+    """Issue 30: workers that exited at the end of a run stayed `live yes` in the status (they
+    left without a goodbye, so they counted as live for the live window). A worker whose block
+    is done now says goodbye, and the status lists it as left."""
+    report = WorkerLoop(client_for(h, h.alice), lambda reg, cfg: FakeTrainer(), block=0).run()
+    assert report.stopped_by == "done"
+    (w,) = h.state.ledger.workers(active_only=False)
+    assert w.left_at is not None, "the worker told the aggregator it left"
+    (shown,) = h.client.get("/v1/status", headers=auth(h.alice)).json()["workers"]["list"]
+    assert (shown["worker_id"], shown["live"]) == (w.id, False)
 
 
 def test_a_round_that_commits_nothing_does_not_advance_the_schedule(h):

@@ -7,7 +7,7 @@ H steps, return the `delta`); the CLI plugs in `training.local.LocalBlockTrainer
 the same or a timing-only stand-in. It re-syncs by itself: after a refusal it pulls the open
 round again, after an aggregator restart its retries reconnect, and if its worker id is gone it
 registers anew. A stop event (set on SIGTERM) ends it between local steps; it then tells the
-aggregator it is leaving.
+aggregator it is leaving, as it does when its block is done.
 
 Each round it trained gives one `RoundOutcome`, said as a line (`blocktrain worker` prints them
 on stderr): the round, its local steps, the bytes trained per second, the verdict, and a hint
@@ -233,8 +233,11 @@ class WorkerLoop:
         finally:
             if self.stop.is_set() and self.report.stopped_by in ("", "signal"):
                 self.report.stopped_by = "signal"
-            if self.report.stopped_by in ("signal", "max_rounds"):
-                self._say_goodbye()  # so that the block stops waiting for this replica
+            if self.report.stopped_by in ("signal", "max_rounds", "done"):
+                # so that the block stops waiting for this replica, and its status shows it
+                # left (a done block waits for no one, but the worker would show as live for
+                # the live window)
+                self._say_goodbye()
             self.report.bytes_down = self.client.bytes_down
             self.report.bytes_up = self.client.bytes_up
         return self.report
