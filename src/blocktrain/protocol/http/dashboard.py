@@ -12,7 +12,8 @@ two seconds and draws what an operator watches:
 The page itself holds no data, so it is served without a token; the operator pastes a token
 once (kept in the tab's sessionStorage, sent as `Authorization: Bearer`), or opens the page as
 `/dashboard#token=...` (the fragment never leaves the browser, and the page drops it from the
-address bar once read).
+address bar once read). A viewer token (`blocktrain token add --viewer`) is enough: it reads the
+status and the history, and may do nothing that trains.
 """
 
 from __future__ import annotations
