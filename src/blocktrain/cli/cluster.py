@@ -20,7 +20,7 @@ progress on stderr), and with --keep-dashboard until Ctrl-C:
   cluster: rounds done in 212s; every worker has left
   cluster: evaluating 11 models, the first and the one after each round (8192 bytes, M = 2);
       the dashboard stays up until the evaluation ends
-  cluster: after round 0 of 10: from-noise CE 5.545     (where no progress bar is drawn)
+  cluster: after round 0 of 10: from-noise CE 5.545     (where no bar is drawn, unless -q)
   ...
   cluster: final evaluation of runs/c3/model (32768 bytes, M = 16)
 """
