@@ -81,3 +81,23 @@ def test_rollback_command(tmp_path, capsys):
         ["rollback", str(tmp_path / "none"), "--block", "0", "--to-version", "0"],
         "holds no aggregator state",
     )
+
+
+def test_token_add_viewer_makes_a_token_that_only_watches(tmp_path, capsys):
+    h = make_harness(tmp_path / "agg")
+    root = str(tmp_path / "agg")
+    assert main(["token", "add", "screen", "--state", root, "--viewer"]) == 0
+    token = capsys.readouterr().out.strip()
+    headers = {"Authorization": f"Bearer {token}"}
+    assert h.client.get("/v1/status", headers=headers).status_code == 200
+    r = h.client.post("/v1/workers", json={}, headers=headers)
+    assert r.status_code == 403 and r.json()["reason"] == "viewer_token"
+    assert main(["token", "list", "--state", root, "--json"]) == 0
+    listed = {t["name"]: t["viewer"] for t in json.loads(capsys.readouterr().out)}
+    assert listed == {"alice": False, "bob": False, "screen": True}
+    assert main(["token", "list", "--state", root]) == 0
+    assert "none (viewer)" in capsys.readouterr().out
+    fails_cleanly(
+        capsys, ["token", "add", "x", "--state", root, "--viewer", "--block", "0"], "not both"
+    )
+    h.state.close()

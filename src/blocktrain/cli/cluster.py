@@ -1,18 +1,39 @@
 """`blocktrain cluster`: a decentralised run on this machine: the aggregator and N worker
 processes over real HTTP on loopback, then the from-noise CE of every round's committed model.
 
-Writes OUT/state (the aggregator's state folder, every version kept), OUT/logs, OUT/model (the
-final assembled run folder, for `blocktrain eval` and `generate`) and OUT/summary.json: rounds,
+Writes OUT/state (the aggregator's state folder, every version kept), OUT/logs (one log per
+process: each worker's says what each of its rounds did), OUT/model (the final assembled run
+folder, for `blocktrain eval` and `generate`), OUT/viewer.token and OUT/summary.json: rounds,
 participation per block, bytes moved against the minimum, from-noise CE per round, final CE.
 Every worker here is the user's own, so the aggregator's effect probe is off unless
 `--effect-probe on`, and rounds have a 60 s deadline unless `--deadline`.
+
+At the start it prints the aggregator's dashboard URL with a viewer token (one that may only
+watch: `blocktrain token add --viewer`) in its fragment, and the token itself. The dashboard
+stays up through the evaluation after the rounds (each round's model, then the final one, with
+progress on stderr), and with --keep-dashboard until Ctrl-C:
+
+  cluster: 3 workers on http://127.0.0.1:41523 (logs in runs/c3/logs)
+  cluster: dashboard http://127.0.0.1:41523/dashboard#token=bt_...
+  cluster: viewer token bt_... (in runs/c3/viewer.token; it may only watch: blocktrain status
+      http://127.0.0.1:41523 --token-file runs/c3/viewer.token)
+  cluster: rounds done in 212s; every worker has left
+  cluster: evaluating 11 models, the first and the one after each round (8192 bytes, M = 2);
+      the dashboard stays up until the evaluation ends
+  cluster: after round 0 of 10: from-noise CE 5.545     (where no bar is drawn, unless -q)
+  ...
+  cluster: final evaluation of runs/c3/model (32768 bytes, M = 16)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -38,11 +59,12 @@ from blocktrain.data import load_split, resolve_data_path
 from blocktrain.errors import ConfigError
 from blocktrain.fsutil import atomic_write_bytes
 from blocktrain.model import init_reference
-from blocktrain.protocol.ops.cluster import run_cluster
+from blocktrain.protocol.ops.cluster import LocalCluster
 from blocktrain.protocol.store.state import bytes_summary, create_state, round_versions
 from blocktrain.protocol.store.tokens import hash_token, new_token
 from blocktrain.training import EvalSettings, evaluate_blocktrain, evaluate_reference
 from blocktrain.training import checkpoint as ckpt
+from blocktrain.training.evaluate import Progress
 from blocktrain.training.local import (
     build_stack,
     initial_units,
@@ -55,6 +77,7 @@ EXAMPLES = """examples:
   blocktrain cluster --workers 6 --preset tiny --rounds 30 --out runs/cluster
   blocktrain cluster --workers 3 --preset tiny --rounds 10 --local-steps 20 --deadline 30 \\
       --out runs/c3 --set d_model=64
+  blocktrain cluster --workers 3 --preset tiny --rounds 10 --out runs/c3 --keep-dashboard
   blocktrain eval runs/cluster/model --split test
 """
 
@@ -90,6 +113,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--timeout", type=float, default=3600.0, metavar="S", help="give up after S seconds"
     )
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
+    p.add_argument(
+        "--keep-dashboard",
+        action="store_true",
+        help="keep the aggregator and its dashboard up after the evaluation, until Ctrl-C (by "
+        "default it stops once the evaluation ends)",
+    )
     add_progress_arg(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_setting_args(p, defaults=CLUSTER_DEFAULTS)
@@ -138,14 +167,52 @@ def evaluate_units(
     weights: dict[int, dict[str, torch.Tensor]],
     windows: torch.Tensor,
     settings: EvalSettings,
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
     """The assembled stack's metrics, or a reference unit's exact CE as both of its CEs."""
     if unit == "reference":
         model = init_reference(cfg.model, cfg.seed).eval()
         model.load_state_dict({k: v.float() for k, v in weights[0].items()})
-        ev = evaluate_reference(model, windows, settings)
+        ev = evaluate_reference(model, windows, settings, progress)
         return {**ev, "from_noise_ce": ev["ce"], "sampler_ce": ev["ce"]}  # no sweeps: exact
-    return evaluate_blocktrain(build_stack(cfg, weights), windows, settings)
+    return evaluate_blocktrain(build_stack(cfg, weights), windows, settings, progress)
+
+
+def replicas_per_block(state: Any) -> list[int]:
+    """The workers (by name: one that registered again is the same one) that trained each
+    block, from the ledger: the status's `workers.per_block` counts the live ones only, and every
+    worker leaves once its block is done."""
+    names: list[set[str]] = [set() for _ in range(state.n_blocks())]
+    for w in state.ledger.workers(active_only=False):
+        names[w.block].add(w.name or f"#{w.id}")
+    return [len(n) for n in names]
+
+
+def say(line: str) -> None:
+    """A line of the cluster's progress, on stderr."""
+    print(f"cluster: {line}", file=sys.stderr, flush=True)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # SIGTERM as Ctrl-C: every process is stopped on the way out
+
+
+def _write_summary(out: Path, summary: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
+
+
+def _viewer_token(state: Any, out: Path) -> tuple[str, Path]:
+    """A token that may only watch (the status, the dashboard), saved in OUT/viewer.token (mode
+    600): the run's other tokens are stored only as hashes, so this is the one to look with."""
+    token = new_token()
+    state.ledger.add_token("viewer", hash_token(token), time.time(), viewer=True)
+    path = out / "viewer.token"
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token, path
 
 
 def run(args: argparse.Namespace) -> int:
@@ -159,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
         for name in ("state", "logs", "model"):
             shutil.rmtree(out / name, ignore_errors=True)
         (out / "summary.json").unlink(missing_ok=True)
+        (out / "viewer.token").unlink(missing_ok=True)
     data_path = str(resolve_data_path(args.data))
     patterns = file_patterns(args)
     valid = load_split(data_path, "valid", patterns)
@@ -181,8 +249,7 @@ def run(args: argparse.Namespace) -> int:
     for i in range(args.workers):
         tokens.append(new_token())
         state.ledger.add_token(f"worker-{i}", hash_token(tokens[-1]), time.time())
-    observer = new_token()
-    state.ledger.add_token("cluster", hash_token(observer), time.time())
+    viewer, viewer_file = _viewer_token(state, out)
 
     bar = progress_bar(
         args,
@@ -200,21 +267,87 @@ def run(args: argparse.Namespace) -> int:
         )
         bar.refresh()
 
-    result = run_cluster(
+    cluster = LocalCluster(
         state,
         tokens,
-        observer,
+        viewer,  # the cluster only watches its aggregator too
         out / "logs",
         data=data_path,
         data_patterns=patterns.argv(),
         threads=args.threads,
         timeout_s=args.timeout,
-        on_status=progress,
     )
-    bar.close()
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
+    try:
+        url = cluster.start()
+        say(f"{args.workers} workers on {url} (logs in {out / 'logs'})")
+        say(f"dashboard {url}/dashboard#token={viewer}")
+        say(
+            f"viewer token {viewer} (in {viewer_file}; it may only watch: blocktrain status "
+            f"{url} --token-file {viewer_file})"
+        )
+        status = cluster.wait_rounds(on_status=progress)
+        bar.close()
+        wall_seconds = cluster.rounds_seconds or 0.0
+        say(f"rounds done in {wall_seconds:.0f}s; every worker has left")
+        summary, line = _evaluate(args, cfg, unit, state, valid, local_steps, out, status)
+        summary["wall_seconds"] = wall_seconds
+        summary["workers_report"] = cluster.worker_reports()
+        summary["exit_codes"] = cluster.exit_codes()  # the aggregator's: None, it still serves
+        if args.keep_dashboard:
+            _write_summary(out, summary)
+            _report(args, summary, line, wall_seconds)
+            say(f"the dashboard stays up at {url}/dashboard until Ctrl-C (--keep-dashboard)")
+            try:
+                while cluster.aggregator is not None and cluster.aggregator.popen.poll() is None:
+                    time.sleep(0.5)
+                say("the aggregator exited by itself")
+            except KeyboardInterrupt:
+                say("stopping the aggregator")
+    finally:
+        bar.close()
+        cluster.close()
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+        state.close()
+    summary["exit_codes"] = cluster.exit_codes()
+    _write_summary(out, summary)
+    if not args.keep_dashboard:
+        _report(args, summary, line, wall_seconds)
+    return 0
 
+
+def _report(args: argparse.Namespace, summary: dict[str, Any], line: str, wall: float) -> None:
+    if args.json:
+        print_json(summary)
+    else:
+        print(f"cluster of {args.workers} workers: {args.rounds} rounds in {wall:.0f}s; {line}")
+        sys.stdout.flush()
+
+
+def _evaluate(
+    args: argparse.Namespace,
+    cfg: RunConfig,
+    unit: str,
+    state: Any,
+    valid: Any,
+    local_steps: int,
+    out: Path,
+    status: dict[str, Any],
+) -> tuple[dict[str, Any], str]:
+    """Each round's from-noise CE, the final model and its CE: the summary (without the
+    processes' fields), and the end of the line that reports it."""
     windows = valid.windows(cfg.model.seq_len, args.eval_bytes)
     versions = round_versions(state, args.rounds)
+    say(
+        f"evaluating {len(versions)} models, the first and the one after each round "
+        f"({int(windows.numel())} bytes, M = {args.eval_sweeps}); the dashboard stays up until "
+        "the evaluation ends"
+    )
+    lines = not args.quiet  # a line per round where no bar is drawn (a log, a pipe)
+    rounds_bar = progress_bar(args, total=len(versions), unit="round", desc="eval rounds")
+    lines = lines and bool(rounds_bar.disable)
     per_round = []
     for r, chosen in enumerate(versions):  # same bytes and noise every round
         weights = {b: state.load_tensors(b, v) for b, v in chosen.items()}
@@ -224,6 +357,11 @@ def run(args: argparse.Namespace) -> int:
         per_round.append(
             {"round": r, "from_noise_ce": ev["from_noise_ce"], "sampler_ce": ev["sampler_ce"]}
         )
+        rounds_bar.update(1)
+        rounds_bar.set_postfix(ce=f"{ev['from_noise_ce']:.3f}", refresh=False)
+        if lines:
+            say(f"after round {r} of {len(versions) - 1}: from-noise CE {ev['from_noise_ce']:.3f}")
+    rounds_bar.close()
     final_blocks = {b: state.load_tensors(b, v) for b, v in versions[-1].items()}
     ckpt.check_run_dir_free(out / "model", overwrite=True)
     if unit == "reference":
@@ -231,10 +369,23 @@ def run(args: argparse.Namespace) -> int:
     else:
         write_assembled(out / "model", cfg, final_blocks, args.rounds * local_steps)
     final_windows = valid.windows(cfg.model.seq_len, args.final_bytes)
-    final = evaluate_units(
-        cfg, unit, final_blocks, final_windows, EvalSettings(sweeps=args.final_sweeps, seed=0)
+    say(
+        f"final evaluation of {out / 'model'} ({int(final_windows.numel())} bytes, "
+        f"M = {args.final_sweeps})"
     )
-    status = result.status
+    final_bar = progress_bar(
+        args, total=int(final_windows.shape[0]), unit="window", desc="final eval"
+    )
+    final = evaluate_units(
+        cfg,
+        unit,
+        final_blocks,
+        final_windows,
+        EvalSettings(sweeps=args.final_sweeps, seed=0),
+        progress=final_bar.update,
+    )
+    final_bar.close()
+
     wire = {b["block"]: b["pull_bytes"] for b in status["blocks"]}
     pushed = {b["block"]: b["delta_bytes"] for b in status["blocks"]}
     summary = {
@@ -250,10 +401,10 @@ def run(args: argparse.Namespace) -> int:
         "pull_wire": state.settings().pulls,
         "effect_probe": state.settings().effect_probe,
         "rule": state.settings().rule,
-        "wall_seconds": result.wall_seconds,
+        "wall_seconds": None,  # the caller's: the rounds' wall time
         "blocks": cfg.model.blocks,
         "params_per_block": status["blocks"][0]["params"],
-        "replicas_per_block": status["workers"]["per_block"],
+        "replicas_per_block": replicas_per_block(state),
         "participation": {
             b: [{k: r[k] for k in PARTICIPATION_KEYS} for r in rounds]
             for b, rounds in status["participation"].items()
@@ -290,23 +441,16 @@ def run(args: argparse.Namespace) -> int:
             "sweeps": args.final_sweeps,
             "seed": 0,
         },
-        "workers_report": result.workers,
-        "exit_codes": result.exit_codes,
+        "workers_report": None,  # the caller's, with the exit codes
+        "exit_codes": None,
         "model": str(out / "model"),
         "config": cfg.to_dict(),
     }
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(out / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
-    state.close()
-    if args.json:
-        print_json(summary)
-    else:
-        ce = summary["from_noise_ce_per_round"]
-        print(
-            f"cluster of {args.workers} workers: {args.rounds} rounds in "
-            f"{result.wall_seconds:.0f}s; from-noise CE {ce[0]:.3f} -> {ce[-1]:.3f}; final "
-            f"sampler CE {final['sampler_ce']:.3f} (M = {args.final_sweeps}); bytes "
-            f"{summary['bytes']['total'] / 1e6:.1f} MB ({summary['bytes']['ratio_to_minimum']:.3f}"
-            f"x the minimum); summary in {out / 'summary.json'}"
-        )
-    return 0
+    ce = summary["from_noise_ce_per_round"]
+    line = (
+        f"from-noise CE {ce[0]:.3f} -> {ce[-1]:.3f}; final sampler CE {final['sampler_ce']:.3f} "
+        f"(M = {args.final_sweeps}); bytes {summary['bytes']['total'] / 1e6:.1f} MB "
+        f"({summary['bytes']['ratio_to_minimum']:.3f}x the minimum); summary in "
+        f"{out / 'summary.json'}"
+    )
+    return summary, line

@@ -1,5 +1,6 @@
 """`blocktrain status`: what an aggregator is doing: blocks, versions, rounds, participation,
-live workers and bytes moved."""
+workers (live, timed out, or left) and bytes moved; `run done` once every block has finished its
+rounds."""
 
 from __future__ import annotations
 
@@ -51,11 +52,25 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:.2f} MB"
 
 
+def _liveness(w: dict[str, Any]) -> str:
+    state = w.get("state", "live" if w["live"] else "timed_out")
+    if state == "left":
+        return f"left {w['left_s']:.0f}s ago"
+    if state == "timed_out":
+        return f"not live (timed out, last seen {w['last_seen_s']:.0f}s ago)"
+    return "live"
+
+
 def render(s: dict[str, Any], rounds: int) -> str:
+    done = ""
+    if s["done"]:
+        n = s["settings"]["max_rounds"]
+        done = f"; run done (every block finished its {n} round{'' if n == 1 else 's'})"
+    left = s["workers"].get("left", 0)
     lines = [
         f"uptime {s['uptime_s']:.0f}s; workers {s['workers']['live']} live of "
-        f"{s['workers']['registered']} registered; updates {s['updates']['accepted']} "
-        f"accepted, {s['updates']['refused']} refused"
+        f"{s['workers']['registered']} registered{f', {left} left' if left else ''}; updates "
+        f"{s['updates']['accepted']} accepted, {s['updates']['refused']} refused{done}"
     ]
     for b in s["blocks"]:
         deadline = "" if b["deadline_in"] is None else f", deadline in {b['deadline_in']:.1f}s"
@@ -73,7 +88,7 @@ def render(s: dict[str, Any], rounds: int) -> str:
     for w in s["workers"]["list"]:
         lines.append(
             f"  worker {w['worker_id']} {w.get('name') or '-'}: block {w['block']}, "
-            f"{'live' if w['live'] else 'not live'}, {w['accepted']} accepted, "
+            f"{_liveness(w)}, {w['accepted']} accepted, "
             f"{w['refused']} refused"
         )
     by_reason = s["updates"]["refused_by_reason"]

@@ -1,7 +1,9 @@
 """`blocktrain token`: create, list and revoke the bearer tokens of an aggregator's state.
 
 Tokens are shown once, when created, and stored only as SHA-256 hashes in the state's ledger.
-A token pinned to blocks (`--block`, repeatable) registers only on those. A running aggregator
+A token pinned to blocks (`--block`, repeatable) registers only on those. A viewer token
+(`--viewer`) may only watch: the status (`blocktrain status`), the dashboard, /metrics, the
+config, the directory and the open round; every other call answers 403 `viewer_token`. A running aggregator
 sees additions and revocations at once: a revoked token's accepted but uncommitted updates are
 dropped from their open rounds within a tick, and its workers retired (`blocktrain ban` does
 the same and refuses the token for good).
@@ -23,6 +25,7 @@ EXAMPLES = """examples:
   blocktrain token add --state runs/agg --name alice      # prints the new token alone
   blocktrain token add bob --state runs/agg --block 2 --block 3   # bob trains blocks 2, 3 only
   blocktrain token add carol --state runs/agg0 --state runs/agg1   # one token, two aggregators
+  blocktrain token add dashboard --state runs/agg --viewer   # may watch the run, never train
   blocktrain token list --state runs/agg
   blocktrain token revoke --state runs/agg --name alice
 """
@@ -58,6 +61,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="B",
         help="pin the token to block B (repeatable); unpinned tokens may train any block",
     )
+    a.add_argument(
+        "--viewer",
+        action="store_true",
+        help="a token that may only watch (the status, the dashboard, metrics), never train",
+    )
     a.set_defaults(handler=run_add)
     ls = tsub.add_parser(
         "list", help="list tokens (never their values)", epilog=EXAMPLES, formatter_class=Formatter
@@ -92,6 +100,8 @@ def run_add(args: argparse.Namespace) -> int:
     name = (args.name if args.name is not None else args.positional_name or "").strip()
     if not name or len(name) > 100:
         raise ConfigError("NAME (or --name) must hold 1 to 100 characters")
+    if args.viewer and args.block:
+        raise ConfigError("a --viewer token trains no block: give --viewer or --block, not both")
     states = [open_ledger_state(path, create=True) for path in args.state]
     try:
         for path, state in zip(args.state, states, strict=True):  # every check before a write
@@ -107,7 +117,9 @@ def run_add(args: argparse.Namespace) -> int:
                 )
         token = new_token()
         for state in states:
-            state.ledger.add_token(name, hash_token(token), time.time(), blocks=args.block)
+            state.ledger.add_token(
+                name, hash_token(token), time.time(), blocks=args.block, viewer=args.viewer
+            )
     finally:
         for state in states:
             state.close()
@@ -138,6 +150,7 @@ def run_list(args: argparse.Namespace) -> int:
                     "banned": r.banned,
                     "ban_reason": r.ban_reason,
                     "blocks": list(r.blocks),
+                    "viewer": r.viewer,
                 }
                 for r in rows
             ]
@@ -145,7 +158,7 @@ def run_list(args: argparse.Namespace) -> int:
         return 0
     print(f"{'name':24s} {'created':22s} {'revoked':22s} {'banned':22s} blocks")
     for r in rows:
-        pins = ",".join(map(str, r.blocks)) or "any"
+        pins = "none (viewer)" if r.viewer else ",".join(map(str, r.blocks)) or "any"
         print(
             f"{r.name:24s} {_when(r.created):22s} {_when(r.revoked):22s} "
             f"{_when(r.banned):22s} {pins}"

@@ -6,12 +6,23 @@ of its --block), then loops: wait for a new round, pull the block's weights, tra
 this machine's data (the AdamW state stays here, across rounds), push the delta. Retries with
 backoff when the aggregator is away, re-syncs after a refusal, and leaves cleanly on SIGTERM
 or Ctrl-C.
+
+It prints a line per round on stderr (the round, its local steps, the bytes trained per second,
+the loss, the verdict: accepted, or refused with its reason; a hint when updates come late), and
+its report at the end on stdout:
+
+  worker 0 on block 1 (data seed 1, H = 10 local steps a round)
+  round 0 (block 1): 10 steps in 2.1s, 1,950 bytes/s, loss 5.412; accepted
+  round 1 (block 1): 10 steps in 71.3s, 57 bytes/s, loss 4.871; refused: late (...)
+    hint: updates arrive after the round's deadline (...): raise the aggregator's --deadline or
+    lower its --local-steps
 """
 
 from __future__ import annotations
 
 import argparse
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -33,7 +44,7 @@ from blocktrain.device import DEVICE_HELP, resolve_device
 from blocktrain.errors import ConfigError
 from blocktrain.protocol.store.state import run_unit
 from blocktrain.protocol.worker.client import AggregatorClient, Registration
-from blocktrain.protocol.worker.loop import WorkerLoop
+from blocktrain.protocol.worker.loop import LATE_HINT, WorkerLoop
 from blocktrain.protocol.worker.retrying import RetryPolicy
 from blocktrain.training.local import LocalBlockTrainer, local_trainer
 
@@ -82,6 +93,17 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
         help="exit when the aggregator has not answered for S seconds",
     )
     p.add_argument("--json", action="store_true", help="print the final report as JSON")
+    p.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="no line per round on stderr (the report at the end still prints)",
+    )
+
+
+def say(line: str) -> None:
+    """A worker's progress line, on stderr (a log file when `cluster` starts it)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -124,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
             name=args.name,
             stop=stop,
             max_rounds=args.max_rounds,
+            say=(lambda line: None) if args.quiet else say,
         )
         report = loop.run()
     finally:
@@ -136,4 +159,6 @@ def run(args: argparse.Namespace) -> int:
             f"{report.accepted} accepted, refused {report.refused or 'none'}; stopped by "
             f"{report.stopped_by or 'end'}"
         )
+    if report.late and not args.quiet:
+        say(f"{report.late} of {report.rounds} updates came late: {LATE_HINT}")
     return 0

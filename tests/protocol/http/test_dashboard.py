@@ -16,7 +16,7 @@ import pytest
 
 from blocktrain.listener import ThreadedServer, bind
 from blocktrain.protocol.http.app import create_app
-from tests.protocol.conftest import FakeClock, add_token, auth, delta_body, make_state
+from tests.protocol.conftest import SETTINGS, FakeClock, add_token, auth, delta_body, make_state
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
 
@@ -118,6 +118,56 @@ def test_dashboard_shows_the_ledger_and_updates_live(browser, tmp_path: Path) ->
         screenshot = os.environ.get("BLOCKTRAIN_DASHBOARD_SCREENSHOT")
         if screenshot:  # how docs/dashboard.png is made
             browser.save_screenshot(screenshot)
+        errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+        assert errors == [], errors
+    finally:
+        server.stop()
+        state.close()
+
+
+def test_dashboard_marks_workers_that_left_and_a_finished_run(browser, tmp_path: Path) -> None:
+    """Issue 30: workers that exited stayed `live yes`, and nothing said the run was done. A
+    token in the URL's fragment (`/dashboard#token=...`, as `blocktrain cluster` prints it)
+    opens the page without pasting, and leaves the address bar."""
+    from selenium.webdriver.common.by import By
+
+    state = make_state(tmp_path / "state", SETTINGS.replace(max_rounds=1))
+    alice, bob = add_token(state, "alice"), add_token(state, "bob")
+    clock = FakeClock()
+    app = create_app(storage=state, clock=clock)
+    server = ThreadedServer.start(app, bind("127.0.0.1", 0))
+    try:
+        import httpx
+
+        http = httpx.Client(base_url=server.url)
+        ids = {}
+        for b, token in ((0, alice), (1, bob)):
+            w = http.post("/v1/workers", json={"block": b}, headers=auth(token)).json()
+            ids[b] = w["worker_id"]
+            assert http.get(f"/v1/blocks/{b}", headers=auth(token, ids[b])).status_code == 200
+            body = delta_body(b, worker=ids[b])
+            r = http.post(f"/v1/blocks/{b}/updates", content=body, headers=auth(token, ids[b]))
+            assert r.is_success, r.text
+        clock.advance(3.0)
+        assert http.delete(f"/v1/workers/{ids[0]}", headers=auth(alice, ids[0])).is_success
+
+        browser.execute_script("sessionStorage.clear()")
+        browser.get(server.url + "/dashboard#token=" + alice)
+
+        def cells(table: str) -> list[list[str]]:
+            return browser.execute_script(
+                "return [...document.querySelectorAll(arguments[0])]"
+                ".map(r => [...r.cells].map(c => c.textContent))",
+                f"#{table} tbody tr",
+            )
+
+        wait_for(lambda: len(cells("workers")) == 2, "the workers table")
+        assert "#" not in browser.current_url, "the token left the address bar"
+        left, live = cells("workers")
+        assert left[:3] == [str(ids[0]), "0", "left 0 s ago"]
+        assert live[:3] == [str(ids[1]), "1", "yes"]
+        assert [row[2] for row in cells("blocks")] == ["1 (done)", "1 (done)"]
+        assert browser.find_element(By.ID, "done").text == "done: every block finished its 1 round"
         errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
         assert errors == [], errors
     finally:

@@ -5,14 +5,17 @@ bounded in time."""
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
 import time
 
+import httpx
 import pytest
 
 from blocktrain.cli.main import main
 from blocktrain.errors import Unreachable
-from blocktrain.protocol.ops.cluster import start_aggregator, start_worker, stop
+from blocktrain.protocol.ops.cluster import BLOCKTRAIN, start_aggregator, start_worker, stop
 from blocktrain.protocol.store.storage import StateDir
 from blocktrain.protocol.store.tokens import hash_token, new_token
 from blocktrain.protocol.worker.client import AggregatorClient
@@ -134,6 +137,97 @@ def test_cluster_command_runs_rounds_over_http(tmp_path, corpus, capsys):
         main(["eval", str(out / "model"), "--data", str(corpus), "--bytes", "64", "--sweeps", "1"])
         == 0
     )
+
+
+@pytest.mark.timeout(240)
+def test_cluster_prints_its_dashboard_and_keeps_it_up_through_the_evaluation(
+    tmp_path, corpus, capsys, monkeypatch
+):
+    """Issue 30: `cluster` printed no URL, its tokens were stored only as hashes, the
+    evaluation after the rounds was silent for minutes, and the workers that had exited stayed
+    `live`. It now prints the dashboard's URL with a viewer token, the aggregator answers until
+    the evaluation ends, the evaluation says what it does, and the status shows the run done and
+    every worker left."""
+    from blocktrain.cli import cluster as cluster_cli
+
+    out = tmp_path / "cluster"
+    seen: dict[str, object] = {}
+    evaluate = cluster_cli.evaluate_units
+
+    def watched(*args, **kwargs):
+        if "status" not in seen:  # the first evaluation: the rounds are over
+            url = json.loads((out / "state" / "endpoint.json").read_text())["url"]
+            viewer = (out / "viewer.token").read_text().strip()
+            headers = {"Authorization": f"Bearer {viewer}"}
+            seen["status"] = httpx.get(f"{url}/v1/status", headers=headers).json()
+            seen["dashboard"] = httpx.get(f"{url}/dashboard").status_code
+            seen["register"] = httpx.post(f"{url}/v1/workers", json={}, headers=headers).json()
+            seen["url"] = url
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(cluster_cli, "evaluate_units", watched)
+    argv = [a for a in cluster_argv(out, corpus) if a != "--no-progress"]  # stderr: no terminal
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    url = str(seen["url"])
+    viewer = (out / "viewer.token").read_text().strip()
+    assert (out / "viewer.token").stat().st_mode & 0o777 == 0o600
+    assert f"cluster: dashboard {url}/dashboard#token={viewer}\n" in err
+    assert f"cluster: viewer token {viewer} (in {out / 'viewer.token'}; it may only watch" in err
+    assert "cluster: evaluating 4 models" in err and "the dashboard stays up" in err
+    assert "cluster: after round 3 of 3: from-noise CE " in err
+    assert "cluster: final evaluation of " in err
+    status = seen["status"]
+    assert seen["dashboard"] == 200 and status["done"] is True
+    assert [w["state"] for w in status["workers"]["list"]] == ["left"] * 3
+    assert status["workers"]["live"] == 0
+    assert seen["register"]["reason"] == "viewer_token", "the printed token may only watch"
+    with pytest.raises(httpx.TransportError):  # the evaluation is over: so is the aggregator
+        httpx.get(f"{url}/dashboard", timeout=2.0)
+    summary = json.loads((out / "summary.json").read_text())
+    assert all(code == 0 for code in summary["exit_codes"].values()), summary["exit_codes"]
+    for i in range(3):  # each worker's log says what each of its rounds did
+        log = (out / "logs" / f"worker-{i}.log").read_text()
+        assert log.count("; accepted\n") == 3, log
+
+
+@pytest.mark.timeout(240)
+def test_keep_dashboard_keeps_the_aggregator_up_until_ctrl_c(tmp_path, corpus):
+    out = tmp_path / "cluster"
+    argv = [a for a in cluster_argv(out, corpus) if a != "--json"]
+    proc = subprocess.Popen(
+        [*BLOCKTRAIN, *argv, "--keep-dashboard"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        lines: list[str] = []
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            if "until Ctrl-C" in line:
+                break
+        dashboard = next(x for x in lines if x.startswith("cluster: dashboard "))
+        page = dashboard.split()[2]
+        url, _, fragment = page.partition("/dashboard#token=")
+        assert httpx.get(f"{url}/dashboard").status_code == 200
+        time.sleep(1.0)  # still up after the summary was written
+        status = httpx.get(f"{url}/v1/status", headers={"Authorization": f"Bearer {fragment}"})
+        assert status.status_code == 200 and status.json()["done"] is True
+        assert json.loads((out / "summary.json").read_text())["exit_codes"]["aggregator"] is None
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        assert proc.stdout is not None and "cluster of 3 workers: 3 rounds" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{url}/dashboard", timeout=2.0)
+    summary = json.loads((out / "summary.json").read_text())
+    assert all(code == 0 for code in summary["exit_codes"].values()), summary["exit_codes"]
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ import torch
 
 from blocktrain.errors import ConfigError, ProtocolError
 from blocktrain.protocol.store.ledger import Ledger
+from blocktrain.protocol.store.ledger_schema import SCHEMA_VERSION
 from blocktrain.protocol.store.recovery import rollback
 from blocktrain.protocol.store.storage import StateDir
 from tests.protocol.conftest import (
@@ -176,7 +177,7 @@ def test_a_ledger_of_the_first_schema_gains_the_new_columns(tmp_path):
     assert [r["held"] for r in ledger.rounds(0)] == [None, "median needs more votes"]
     ledger.close()
     with sqlite3.connect(path) as db:
-        assert db.execute("SELECT value FROM meta").fetchone() == ("4",)
+        assert db.execute("SELECT value FROM meta").fetchone() == (str(SCHEMA_VERSION),)
 
 
 def test_a_silent_worker_cannot_make_every_round_wait_for_the_deadline(tmp_path):

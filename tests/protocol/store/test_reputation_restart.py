@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 from blocktrain.protocol.http.app import create_app
 from blocktrain.protocol.http.status import snapshot
 from blocktrain.protocol.store.ledger import Ledger
+from blocktrain.protocol.store.ledger_schema import SCHEMA_VERSION
 from blocktrain.protocol.store.storage import StateDir
 from tests.protocol.conftest import (
     SETTINGS,
@@ -131,7 +132,8 @@ def test_a_helpful_update_after_a_penalty_is_saved_and_restored_with_its_weight(
 
 
 def test_a_ledger_of_the_previous_schema_gains_the_reputation_table(tmp_path):
-    """Schema 3 is schema 4 without the reputation table: made here by dropping it."""
+    """Schema 3 is schema 4 without the reputation table: made here by dropping it (and it
+    comes up to the current schema)."""
     path = tmp_path / "ledger.sqlite"
     Ledger(path).close()
     with sqlite3.connect(path) as db:
@@ -146,5 +148,5 @@ def test_a_ledger_of_the_previous_schema_gains_the_reputation_table(tmp_path):
     assert ledger.reputations() == {("token", 7): 0.25, ("worker", 7): 0.5}
     ledger.close()
     with sqlite3.connect(path) as db:
-        assert db.execute("SELECT value FROM meta").fetchone() == ("4",)
+        assert db.execute("SELECT value FROM meta").fetchone() == (str(SCHEMA_VERSION),)
     db.close()

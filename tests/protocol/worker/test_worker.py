@@ -3,6 +3,7 @@ backoff, refusals, re-sync after a restart, clean stop."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 
@@ -11,11 +12,11 @@ import pytest
 import torch
 
 from blocktrain.errors import Refused, Unreachable
-from blocktrain.protocol.core.settings import AggregatorSettings
+from blocktrain.protocol.core.settings import AggregatorSettings, declared
 from blocktrain.protocol.worker.client import AggregatorClient
 from blocktrain.protocol.worker.loop import WorkerLoop
 from blocktrain.protocol.worker.retrying import RetryPolicy
-from tests.protocol.conftest import Harness, delta_body, make_harness
+from tests.protocol.conftest import Harness, auth, delta_body, make_harness
 
 SETTINGS = AggregatorSettings(
     deadline_s=30,
@@ -174,6 +175,18 @@ def test_loop_trains_until_the_block_is_done(h):
     assert report.bytes_up > 0 and report.bytes_down > 0
 
 
+def test_a_worker_whose_block_is_done_leaves(h):
+    """Issue 30: workers that exited at the end of a run stayed `live yes` in the status (they
+    left without a goodbye, so they counted as live for the live window). A worker whose block
+    is done now says goodbye, and the status lists it as left."""
+    report = WorkerLoop(client_for(h, h.alice), lambda reg, cfg: FakeTrainer(), block=0).run()
+    assert report.stopped_by == "done"
+    (w,) = h.state.ledger.workers(active_only=False)
+    assert w.left_at is not None, "the worker told the aggregator it left"
+    (shown,) = h.client.get("/v1/status", headers=auth(h.alice)).json()["workers"]["list"]
+    assert (shown["worker_id"], shown["live"]) == (w.id, False)
+
+
 def test_a_round_that_commits_nothing_does_not_advance_the_schedule(h):
     """Finding "quorum stuffing": the learning-rate schedule followed the round (round x H),
     so every burned round advanced it. It follows the version the worker trained from: a round
@@ -316,3 +329,103 @@ def test_loop_stops_after_max_rounds_and_leaves(h):
     report = WorkerLoop(c, lambda reg, cfg: FakeTrainer(), block=1, max_rounds=2).run()
     assert report.stopped_by == "max_rounds" and report.rounds == 2
     assert h.service.blocks[1].rounds.assigned == set(), "it left: the block does not wait"
+
+
+class Ticks:
+    """2 s more at each reading, so that each round's training takes 2 s."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 2.0
+        return self.now
+
+
+def test_the_loop_says_a_line_per_round_and_a_hint_when_late(h):
+    """Issue 30, "workers are silent": a worker's log stayed empty for minutes, then printed
+    `12 rounds, 7 accepted, refused {'late': 5}`. Each round now says its steps, bytes/s, loss
+    and verdict, and a late one says what to change, with the aggregator's flag names."""
+
+    def miss(n: int) -> None:
+        if n == 2:  # the second round's update arrives after its deadline
+            h.clock.advance(SETTINGS.deadline_s + 1)
+
+    lines: list[str] = []
+    ticks = Ticks()
+    loop = WorkerLoop(
+        client_for(h, h.alice),
+        lambda reg, cfg: FakeTrainer(on_train=miss),
+        block=0,
+        say=lines.append,
+        clock=lambda: h.clock.now + ticks(),  # the aggregator's time, and 2 s a reading
+    )
+    report = loop.run()
+    assert report.refused == {"late": 1} and report.late == 1
+    assert lines[0] == "worker 0 on block 0 (data seed 5120, H = 3 local steps a round)"
+    rounds = [line for line in lines if line.startswith("round ")]
+    assert len(rounds) == report.rounds == 4
+    # FakeTrainer trains 64 bytes in the 2 s between two readings of the clock
+    assert rounds[0] == "round 0 (block 0): 3 steps in 2.0s, 32 bytes/s, loss 2.500; accepted"
+    assert rounds[1] == (
+        "round 1 (block 0): 3 steps in 33.0s, 2 bytes/s, loss 2.500; refused: late (round 1 "
+        "has closed; the open round is 2 (staleness bound 0))"
+    )
+    (hint,) = [line for line in lines if "hint" in line]
+    assert lines.index(hint) == lines.index(rounds[1]) + 1, "the hint follows its round"
+    assert hint.startswith("  hint: updates arrive after the round's deadline (3 local steps")
+    assert "took 33.0s, the push came 37.0s after the pull, the round had 30.0s left" in hint
+    assert hint.endswith("raise the aggregator's --deadline or lower its --local-steps")
+    for flag in ("--deadline", "--local-steps"):  # the flags exist, as the hint spells them
+        assert any(s.flag == flag for _, s in declared())
+
+
+def test_an_update_counted_late_says_so(h):
+    """Within the staleness bound a late update is accepted into the open round at a lower
+    weight: its line says so, with the same hint."""
+    h2 = make_harness(h.state.root.parent / "s2", SETTINGS.replace(staleness=2))
+    try:
+        bob = h2.register(h2.bob, block=0)["worker_id"]
+
+        def overtaken(n: int) -> None:
+            if n == 2:  # round 1 closes with bob's update while this worker trains
+                view = h2.service.blocks[0].rounds.view()
+                h2.pull(h2.bob, bob, 0)
+                body = delta_body(0, base_version=view.version, round=view.round, worker=bob)
+                assert h2.push(h2.bob, bob, 0, body).status_code == 200
+                h2.clock.advance(SETTINGS.deadline_s + 1)
+                h2.service.tick()
+
+        lines: list[str] = []
+        ticks = Ticks()
+        WorkerLoop(
+            client_for(h2, h2.alice),
+            lambda reg, cfg: FakeTrainer(on_train=overtaken),
+            block=0,
+            say=lines.append,
+            clock=lambda: h2.clock.now + ticks(),
+            max_rounds=2,
+        ).run()
+        late = next(line for line in lines if line.startswith("round 1 "))
+        assert late.endswith("accepted late, in round 2 at weight 0.50"), lines
+        assert any(line.startswith("  hint: updates arrive after") for line in lines)
+    finally:
+        h2.state.close()
+
+
+def test_a_hint_tells_a_round_closed_early_from_a_missed_deadline():
+    from blocktrain.protocol.worker.loop import RoundOutcome
+
+    base = RoundOutcome(
+        round=3, block=1, steps=10, seconds=12.0, tokens=2560, loss=2.0, accepted=False,
+        reason="late", detail="round 3 has closed; the open round is 4 (staleness bound 0)",
+        deadline_in=60.0, elapsed=13.0,
+    )  # fmt: skip
+    assert base.bytes_per_s == pytest.approx(2560 / 12)
+    early = base.hint()
+    assert early is not None and early.startswith("the round closed before its deadline")
+    assert "--grace or --quorum" in early
+    missed = dataclasses.replace(base, seconds=70.0, elapsed=71.0).hint()
+    assert missed is not None and missed.startswith("updates arrive after the round's deadline")
+    assert dataclasses.replace(base, accepted=True, reason="", detail="").hint() is None
+    assert len(dataclasses.replace(base, reason="stale_version").lines()) == 1, "no hint"

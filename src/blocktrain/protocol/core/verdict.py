@@ -18,6 +18,11 @@ REASONS: dict[str, tuple[int, str]] = {
     "revoked_token": (401, "the token was revoked"),
     "banned_token": (403, "the token was banned (`blocktrain ban`); it is refused for good"),
     "block_not_allowed": (403, "the token is pinned to other blocks (`token add --block`)"),
+    "viewer_token": (
+        403,
+        "a viewer token (`token add --viewer`) may only watch: status, history, metrics, the "
+        "config, the directory and the open round",
+    ),
     "unknown_worker": (404, "no such worker id, or it left; register again"),
     "not_your_worker": (403, "the worker id belongs to another token"),
     "not_assigned": (403, "the worker is not assigned to this block"),

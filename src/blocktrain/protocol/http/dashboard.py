@@ -2,13 +2,18 @@
 resource) at `/dashboard`, which polls the token-protected `/v1/status` and `/v1/history` every
 two seconds and draws what an operator watches:
 
-    per block   version, round, deadline countdown, live replicas, participation per round
-    the run     the loss curve per round (the workers' reported training loss, see
-                protocol/store/history.py), bytes moved, updates accepted and refused by reason
-    workers     block, last seen, accepted and refused updates
+    per block   version, round (and "done"), deadline countdown, live replicas, participation
+                per round
+    the run     "done" once every block has finished its rounds; the loss curve per round (the
+                workers' reported training loss, see protocol/store/history.py), bytes moved,
+                updates accepted and refused by reason
+    workers     block, live (yes; timed out; left), last seen, accepted and refused updates
 
 The page itself holds no data, so it is served without a token; the operator pastes a token
-once (kept in the tab's sessionStorage, sent as `Authorization: Bearer`).
+once (kept in the tab's sessionStorage, sent as `Authorization: Bearer`), or opens the page as
+`/dashboard#token=...` (the fragment never leaves the browser, and the page drops it from the
+address bar once read). A viewer token (`blocktrain token add --viewer`) is enough: it reads the
+status and the history, and may do nothing that trains.
 """
 
 from __future__ import annotations
@@ -55,8 +60,10 @@ h1{font-size:1.3em} h2{font-size:1.05em;margin-top:1.4em}
 table{border-collapse:collapse} td,th{padding:.2em .7em;border-bottom:1px solid #ddd;text-align:right}
 th:first-child,td:first-child{text-align:left}
 #err{color:#b00} .muted{color:#777} svg{background:#fafafa;border:1px solid #ddd}
+.done{color:#070}
 </style></head><body>
-<h1>blocktrain aggregator <span id="uptime" class="muted"></span></h1>
+<h1>blocktrain aggregator <span id="uptime" class="muted"></span>
+<span id="done" class="done"></span></h1>
 <form id="auth"><label>token <input id="token" type="password" size="50"></label>
 <button>watch</button></form>
 <p id="err" role="alert"></p>
@@ -78,6 +85,11 @@ bytes moved <b id="bytes">-</b></p>
 "use strict";
 const POLL_MS = __POLL_MS__;
 const $ = (id) => document.getElementById(id);
+const fromUrl = new URLSearchParams(location.hash.slice(1)).get("token");
+if (fromUrl) {  // /dashboard#token=...: kept for the tab, then out of the address bar
+  sessionStorage.setItem("blocktrain-token", fromUrl);
+  history.replaceState(null, "", location.pathname + location.search);
+}
 let token = sessionStorage.getItem("blocktrain-token") || "";
 $("token").value = token;
 $("auth").addEventListener("submit", (e) => {
@@ -92,6 +104,11 @@ function rows(id, data) {
 }
 function mb(n) { return (n / 1e6).toFixed(2) + " MB"; }
 function pct(x) { return Math.round(100 * x) + "%"; }
+function liveness(w) {
+  if (w.state === "left") return "left " + w.left_s.toFixed(0) + " s ago";
+  if (w.state === "timed_out") return "timed out";
+  return w.live ? "yes" : "no";
+}
 function curve(points) {
   const svg = $("curve"); svg.replaceChildren();
   if (points.length === 0) return;
@@ -127,7 +144,10 @@ async function poll() {
     const [s, h] = await Promise.all([get("/v1/status?rounds=10"), get("/v1/history")]);
     $("err").textContent = "";
     $("uptime").textContent = "up " + Math.round(s.uptime_s) + " s";
-    rows("blocks", s.blocks.map(b => [b.block, b.version, b.round,
+    const n = s.settings.max_rounds;
+    $("done").textContent = s.done ?
+      "done: every block finished its " + n + (n === 1 ? " round" : " rounds") : "";
+    rows("blocks", s.blocks.map(b => [b.block, b.version, b.done ? b.round + " (done)" : b.round,
       b.deadline_in === null ? "-" : b.deadline_in.toFixed(1) + " s", b.live_replicas,
       b.reported.length + "/" + b.expected.length,
       (s.participation[String(b.block)] || []).map(r => pct(r.participation)).join(" ")]));
@@ -135,7 +155,7 @@ async function poll() {
     $("refused").textContent = s.updates.refused;
     $("bytes").textContent = mb(s.bytes.total);
     rows("reasons", Object.entries(s.updates.refused_by_reason).sort((a, b) => b[1] - a[1]));
-    rows("workers", s.workers.list.map(w => [w.worker_id, w.block, w.live ? "yes" : "no",
+    rows("workers", s.workers.list.map(w => [w.worker_id, w.block, liveness(w),
       w.last_seen_s.toFixed(0) + " s ago", w.accepted, w.refused, w.name || "-"]));
     $("losslabel").textContent = h.loss_label;
     curve(h.curve);

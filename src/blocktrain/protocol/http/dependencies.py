@@ -10,7 +10,7 @@ from fastapi import Depends, Header, Path, Request
 
 from blocktrain.httpserve import Scope
 from blocktrain.protocol.service.aggregator_service import AggregatorService
-from blocktrain.protocol.service.identity import Caller
+from blocktrain.protocol.service.identity import Caller, check_may
 from blocktrain.protocol.service.updates import PushContext
 from blocktrain.protocol.store.ledger_schema import TokenRow
 
@@ -44,12 +44,14 @@ def path_block(request: Request) -> int | None:
 
 
 def endpoint_token(endpoint: str) -> Any:
-    """A dependency: tags the request for accounting, then checks its bearer token."""
+    """A dependency: tags the request for accounting, then checks its bearer token (and that a
+    viewer token only watches)."""
 
     def dependency(request: Request, authorization: str | None = Header(None)) -> TokenRow:
         tag(request, endpoint, path_block(request))
         token = _service(request).authenticate(authorization)
         _service(request).admit(token.id)
+        check_may(token, endpoint)
         return token
 
     return Depends(dependency)
@@ -67,7 +69,7 @@ def endpoint_caller(endpoint: str) -> Any:
         worker = _int_or_none(request.path_params.get("worker_id"))
         if worker is not None:
             x_worker_id = str(worker)
-        caller = _service(request).identify(authorization, x_worker_id)
+        caller = _service(request).identify(authorization, x_worker_id, endpoint)
         _service(request).admit(caller.token_id)
         tag(request, endpoint, path_block(request), caller.worker_id)
         return caller

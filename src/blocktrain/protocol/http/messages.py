@@ -116,16 +116,23 @@ class WorkerStatusOut(Out):
     worker_id: int
     name: str | None = Field(None, description="the label it registered with (worker --name)")
     block: int
-    live: bool
+    live: bool = Field(description="heard from within the live window, and not gone")
+    state: str = Field(
+        "live",
+        description="live; timed_out (registered, not heard from within the live window); left "
+        "(it left, DELETE /v1/workers/{id}, or was retired or shut out with its token)",
+    )
     last_seen_s: float
+    left_s: float | None = Field(None, description="seconds since it left; null if it has not")
     accepted: int
     refused: int
     reputation: float = Field(1.0, description="its identity's reputation (1 for a newcomer)")
 
 
 class WorkersOut(Out):
-    registered: int
+    registered: int = Field(description="workers registered now (live or timed out)")
     live: int
+    left: int = Field(0, description="workers that left; `list` shows the last 100 of them")
     per_block: list[int] = Field(description="live identities of each block in `blocks`")
     list: list[WorkerStatusOut]
 
@@ -158,7 +165,10 @@ class StatusOut(Out):
     blocks: list[BlockStatusOut]
     versions: list[int]
     rounds: list[int]
-    done: bool
+    done: bool = Field(
+        description="every block served here has finished its max_rounds rounds (never "
+        "without max_rounds)"
+    )
     served: list[int] = Field(description="the blocks served here: those `blocks` lists")
     peers: dict[str, str] = Field(description="block -> the URL of the aggregator serving it")
     workers: WorkersOut

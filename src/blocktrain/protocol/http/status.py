@@ -35,6 +35,16 @@ MAX_STATUS_ROUNDS = 1000
 """The most closed rounds per block one snapshot lists in `participation` (`?rounds=N` above it
 is served as this many): what one call may ask of the ledger, whatever the run's length."""
 
+MAX_LEFT_WORKERS = 100
+"""The most workers that left one snapshot lists (the last to leave): a long run's churn of
+restarted workers does not grow the answer (`workers.left` counts them all)."""
+
+WORKER_STATES = ("live", "timed_out", "left")
+"""A worker in the status: `live` (heard from within the live window), `timed_out` (registered,
+not heard from within it: stopped, or slow), `left` (it said goodbye, DELETE /v1/workers/{id},
+as a worker does when stopped or when its block is done; or it was retired for a newer worker of
+its token, or its token revoked)."""
+
 
 def snapshot(service: AggregatorService, *, last_rounds: int = 20) -> dict[str, Any]:
     """Everything /v1/status shows (no authentication: for the CLI and tests); `participation`
@@ -74,20 +84,38 @@ def snapshot(service: AggregatorService, *, last_rounds: int = 20) -> dict[str, 
         per_block = [live_identities[b] for b in service.blocks]
     ledger = service.ledger
     counts = ledger.worker_counts()
-    names = {row.id: row.name for row in ledger.workers(active_only=False)}
-    workers = [
-        {
+    rows = ledger.workers(active_only=False)  # after the registry: every entry has its row
+    names = {r.id: r.name for r in rows}
+    left_rows = [r for r in rows if r.left_at is not None and r.id not in entries]
+    with service.lock:
+        for gone in left_rows:  # its token's standing: one identity per token, Registry.identity
+            reputation[gone.id] = engine.reputation.of(("token", gone.token_id))
+
+    def worker(
+        w: int, block: int, state: str, last_seen: float, left_at: float | None
+    ) -> dict[str, Any]:
+        return {
             "worker_id": w,
             "name": names.get(w),  # its --name, None without one
-            "block": e.block,
-            "live": w in live,
-            "last_seen_s": now - e.last_seen,
+            "block": block,
+            "live": state == "live",
+            "state": state,
+            "last_seen_s": now - last_seen,
+            "left_s": None if left_at is None else now - left_at,
             "accepted": counts.get(w, {}).get("accepted", 0),
             "refused": counts.get(w, {}).get("refused", 0),
             "reputation": reputation[w],
         }
-        for w, e in sorted(entries.items())
-    ]
+
+    shown_left = sorted(left_rows, key=lambda r: (r.left_at or 0.0, r.id))[-MAX_LEFT_WORKERS:]
+    workers = sorted(
+        [
+            worker(w, e.block, "live" if w in live else "timed_out", e.last_seen, None)
+            for w, e in entries.items()
+        ]
+        + [worker(r.id, r.block, "left", r.last_seen, r.left_at) for r in shown_left],
+        key=lambda entry: entry["worker_id"],
+    )
     by_reason: dict[str, int] = {}
     accepted_total = refused_total = 0
     for row in ledger.update_counts():
@@ -106,12 +134,13 @@ def snapshot(service: AggregatorService, *, last_rounds: int = 20) -> dict[str, 
         "blocks": blocks,
         "versions": [b["version"] for b in blocks],
         "rounds": [b["round"] for b in blocks],
-        "done": all(b["done"] for b in blocks),
+        "done": all(b["done"] for b in blocks),  # every block served here
         "served": list(service.directory.served),
         "peers": {str(b): url for b, url in sorted(service.directory.peers.items())},
         "workers": {
             "registered": len(entries),
             "live": len(live),
+            "left": len(left_rows),
             "per_block": per_block,
             "list": workers,
         },

@@ -2,7 +2,8 @@
 real HTTP over loopback (or any address the caller gives), each a `blocktrain` subprocess.
 
 This module only starts, watches and stops processes; the caller prepares the state folder
-(config, initial weights, tokens) and evaluates the result.
+(config, initial weights, tokens) and evaluates the result (`LocalCluster`: with the aggregator
+still serving, as `blocktrain cluster` does so that its dashboard stays up).
 """
 
 from __future__ import annotations
@@ -184,52 +185,98 @@ class ClusterResult:
     url: str
 
 
-def run_cluster(
-    state: StateDir,
-    tokens: Sequence[str],
-    observer_token: str,
-    logs: Path,
-    *,
-    data: str | None,
-    data_patterns: Sequence[str] = (),
-    threads: int = 1,
-    timeout_s: float = 3600.0,
-    host: str = "127.0.0.1",
-    on_status: Callable[[dict[str, Any]], None] | None = None,
-) -> ClusterResult:
-    """Start the aggregator and one worker per token; wait until every block is done (the
-    state's settings must set max_rounds) or `timeout_s`; stop everything."""
-    if state.settings().max_rounds is None:
-        raise ProtocolError("a cluster run needs max_rounds in the aggregator settings")
-    started = time.monotonic()
-    # the aggregator's effect probe reads it
-    probe_data = ["--data", data, *data_patterns] if data else []
-    # every worker runs on this machine, from one address: no share per address below the cap
-    one_address = ["--max-connections-per-address", "512"]
-    aggregator, url = start_aggregator(state, logs, host=host, extra=[*probe_data, *one_address])
-    workers: list[Proc] = []
-    client = AggregatorClient(
-        url, observer_token, retry=RetryPolicy(base_s=0.2, cap_s=2.0, give_up_after_s=60.0)
-    )
-    try:
-        for i, token in enumerate(tokens):
-            workers.append(
+class LocalCluster:
+    """The aggregator and one worker process per token, in steps, so that the caller can work
+    while the aggregator still serves (its dashboard, its status) after the rounds:
+
+        with LocalCluster(state, tokens, observer, logs, data=...) as cluster:
+            url = cluster.start()               # the aggregator listens; the workers start
+            status = cluster.wait_rounds()      # every block done, the workers gone
+            ...                                 # the aggregator still answers at `url`
+        cluster.exit_codes()                    # the `with` block stopped every process
+
+    The state's settings must set max_rounds."""
+
+    def __init__(
+        self,
+        state: StateDir,
+        tokens: Sequence[str],
+        observer_token: str,
+        logs: Path,
+        *,
+        data: str | None,
+        data_patterns: Sequence[str] = (),
+        threads: int = 1,
+        timeout_s: float = 3600.0,
+        host: str = "127.0.0.1",
+    ) -> None:
+        if state.settings().max_rounds is None:
+            raise ProtocolError("a cluster run needs max_rounds in the aggregator settings")
+        self.state, self.tokens, self.observer_token, self.logs = (
+            state,
+            tokens,
+            observer_token,
+            logs,
+        )
+        self.data, self.data_patterns, self.threads = data, data_patterns, threads
+        self.timeout_s, self.host = timeout_s, host
+        self.aggregator: Proc | None = None
+        self.workers: list[Proc] = []
+        self.client: AggregatorClient | None = None
+        self.url = ""
+        self.started = time.monotonic()
+        self.rounds_seconds: float | None = None
+        """Seconds from `start` until the rounds ended and the workers exited."""
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> str:
+        """Start the aggregator, then the workers; the aggregator's URL."""
+        self.started = time.monotonic()
+        # the aggregator's effect probe reads it
+        probe_data = ["--data", self.data, *self.data_patterns] if self.data else []
+        # every worker runs on this machine, from one address: no share per address below the cap
+        one_address = ["--max-connections-per-address", "512"]
+        self.aggregator, self.url = start_aggregator(
+            self.state, self.logs, host=self.host, extra=[*probe_data, *one_address]
+        )
+        self.client = AggregatorClient(
+            self.url,
+            self.observer_token,
+            retry=RetryPolicy(base_s=0.2, cap_s=2.0, give_up_after_s=60.0),
+        )
+        for i, token in enumerate(self.tokens):
+            self.workers.append(
                 start_worker(
-                    url,
+                    self.url,
                     token,
-                    logs,
+                    self.logs,
                     name=f"worker-{i}",
-                    data=data,
-                    threads=threads,
-                    data_patterns=data_patterns,
+                    data=self.data,
+                    threads=self.threads,
+                    data_patterns=self.data_patterns,
                 )
             )
+        return self.url
+
+    def wait_rounds(
+        self, on_status: Callable[[dict[str, Any]], None] | None = None
+    ) -> dict[str, Any]:
+        """Wait until every block is done (or raise after `timeout_s`, or when the aggregator,
+        or every worker, exits early), then for the workers to exit; the final status, with
+        every round. The aggregator keeps serving."""
+        assert self.client is not None and self.aggregator is not None, "start() first"
+        client, aggregator, workers = self.client, self.aggregator, self.workers
         status = client.status()
         while not status["done"]:
-            if time.monotonic() - started > timeout_s:
+            if time.monotonic() - self.started > self.timeout_s:
                 raise ProtocolError(
-                    f"the cluster did not finish within {timeout_s:.0f}s "
-                    f"(rounds {status['rounds']}); see {logs}"
+                    f"the cluster did not finish within {self.timeout_s:.0f}s "
+                    f"(rounds {status['rounds']}); see {self.logs}"
                 )
             if aggregator.popen.poll() is not None:
                 raise ProtocolError(f"the aggregator exited early: {tail(aggregator.stderr)}")
@@ -245,15 +292,60 @@ def run_cluster(
         limit = time.monotonic() + 60.0
         while time.monotonic() < limit and any(w.popen.poll() is None for w in workers):
             time.sleep(0.2)
-        status = client._json("GET", "/v1/status", params={"rounds": 100_000})
-    finally:
-        client.close()
         stop(workers)
-        stop([aggregator])
+        self.rounds_seconds = time.monotonic() - self.started
+        return dict(client._json("GET", "/v1/status", params={"rounds": 100_000}))
+
+    def close(self) -> None:
+        """Stop whatever still runs: the workers, then the aggregator."""
+        if self.client is not None:
+            self.client.close()
+        stop(self.workers)
+        if self.aggregator is not None:
+            stop([self.aggregator])
+
+    def exit_codes(self) -> dict[str, int | None]:
+        """Each process's exit code (None: it still runs)."""
+        procs = ([self.aggregator] if self.aggregator is not None else []) + self.workers
+        return {p.name: p.popen.poll() for p in procs}
+
+    def worker_reports(self) -> list[dict[str, Any] | None]:
+        return [worker_report(w) for w in self.workers]
+
+
+def run_cluster(
+    state: StateDir,
+    tokens: Sequence[str],
+    observer_token: str,
+    logs: Path,
+    *,
+    data: str | None,
+    data_patterns: Sequence[str] = (),
+    threads: int = 1,
+    timeout_s: float = 3600.0,
+    host: str = "127.0.0.1",
+    on_status: Callable[[dict[str, Any]], None] | None = None,
+) -> ClusterResult:
+    """Start the aggregator and one worker per token; wait until every block is done (the
+    state's settings must set max_rounds) or `timeout_s`; stop everything."""
+    cluster = LocalCluster(
+        state,
+        tokens,
+        observer_token,
+        logs,
+        data=data,
+        data_patterns=data_patterns,
+        threads=threads,
+        timeout_s=timeout_s,
+        host=host,
+    )
+    with cluster:
+        url = cluster.start()
+        status = cluster.wait_rounds(on_status)
     return ClusterResult(
         status=status,
-        workers=[worker_report(w) for w in workers],
-        exit_codes={p.name: p.popen.returncode for p in [aggregator, *workers]},
-        wall_seconds=time.monotonic() - started,
+        workers=cluster.worker_reports(),
+        exit_codes=cluster.exit_codes(),
+        wall_seconds=time.monotonic() - cluster.started,
         url=url,
     )

@@ -41,8 +41,10 @@ class Admission:
     def authenticate(self, authorization: str | None) -> TokenRow:
         return identity.authenticate(self.ledger, authorization)
 
-    def identify(self, authorization: str | None, worker_header: str | None) -> Caller:
-        return identity.identify(self.ledger, authorization, worker_header)
+    def identify(
+        self, authorization: str | None, worker_header: str | None, endpoint: str | None = None
+    ) -> Caller:
+        return identity.identify(self.ledger, authorization, worker_header, endpoint)
 
     def admit(self, token_id: int) -> None:
         """The token's rate limit (RateLimited, a 429, when it is spent)."""
@@ -78,6 +80,7 @@ class Admission:
         self.admit(token.id)
         worker: int | None = None
         try:
+            identity.check_may(token, "push")
             caller = self.identify(authorization, worker_header)
             worker = caller.worker_id
             worker = self._worker_on(caller, block)

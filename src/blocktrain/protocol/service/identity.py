@@ -11,12 +11,25 @@ from blocktrain.protocol.store.ledger import Ledger
 from blocktrain.protocol.store.ledger_schema import TokenRow
 from blocktrain.protocol.store.tokens import bearer, hash_token
 
+VIEWER_ENDPOINTS = frozenset({"status", "history", "metrics", "config", "directory", "round"})
+"""What a viewer token (`blocktrain token add --viewer`) may call: what the dashboard and
+`blocktrain status` read. Not register, pull, push or leave, nor the weights."""
+
 
 @dataclass(frozen=True)
 class Caller:
     token_id: int
     token_name: str
     worker_id: int | None
+
+
+def check_may(token: TokenRow, endpoint: str) -> None:
+    """Refuse a viewer token anything but watching (`viewer_token`, 403)."""
+    if token.viewer and endpoint not in VIEWER_ENDPOINTS:
+        raise refused(
+            "viewer_token",
+            f"token {token.name!r} is a viewer token: it may watch the run, not {endpoint}",
+        )
 
 
 def authenticate(ledger: Ledger, authorization: str | None) -> TokenRow:
@@ -35,10 +48,18 @@ def authenticate(ledger: Ledger, authorization: str | None) -> TokenRow:
     return row
 
 
-def identify(ledger: Ledger, authorization: str | None, worker_header: str | None) -> Caller:
+def identify(
+    ledger: Ledger,
+    authorization: str | None,
+    worker_header: str | None,
+    endpoint: str | None = None,
+) -> Caller:
     """The token and, when there is one, the worker making the call (the X-Worker-Id header,
-    else the token's latest registered worker)."""
+    else the token's latest registered worker); with `endpoint`, a viewer token is refused
+    first (`check_may`)."""
     token = authenticate(ledger, authorization)
+    if endpoint is not None:
+        check_may(token, endpoint)
     if worker_header is not None and worker_header.strip():
         try:
             worker_id = int(worker_header)

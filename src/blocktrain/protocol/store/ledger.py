@@ -78,11 +78,21 @@ class Ledger(RecoveryTables):
 
     # ------------------------------------------------------------------ tokens
 
-    def add_token(self, name: str, token_hash: str, now: float, blocks: Iterable[int] = ()) -> int:
-        """A new token; `blocks`: the only blocks it may register on (none: any)."""
+    def add_token(
+        self,
+        name: str,
+        token_hash: str,
+        now: float,
+        blocks: Iterable[int] = (),
+        *,
+        viewer: bool = False,
+    ) -> int:
+        """A new token; `blocks`: the only blocks it may register on (none: any); `viewer`: it
+        may only watch (the status, the history, metrics), never train."""
         with self._tx() as db:
             cur = db.execute(
-                "INSERT INTO tokens (name, hash, created) VALUES (?, ?, ?)", (name, token_hash, now)
+                "INSERT INTO tokens (name, hash, created, viewer) VALUES (?, ?, ?, ?)",
+                (name, token_hash, now, int(viewer)),
             )
             token_id = int(cur.lastrowid or 0)
             db.executemany(

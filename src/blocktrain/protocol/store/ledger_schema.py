@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -122,10 +122,12 @@ CREATE TABLE IF NOT EXISTS reputation (
 
 COLUMNS_ADDED = (
     # (table, column, type), in the order they were added; a ledger written before gets them
-    # on open (schema version 2: bans; 3: why a round's rule refused to aggregate)
+    # on open (schema version 2: bans; 3: why a round's rule refused to aggregate; 5: viewer
+    # tokens, which may only watch: every token written before may do everything, as before)
     ("tokens", "banned", "REAL"),
     ("tokens", "ban_reason", "TEXT"),
     ("rounds", "held", "TEXT"),
+    ("tokens", "viewer", "INTEGER NOT NULL DEFAULT 0"),
 )
 
 
@@ -140,7 +142,7 @@ def migrate(db: sqlite3.Connection) -> None:
 
 
 TOKEN_SELECT = (
-    "SELECT t.id, t.name, t.created, t.revoked, t.banned, t.ban_reason, "
+    "SELECT t.id, t.name, t.created, t.revoked, t.banned, t.ban_reason, t.viewer, "
     "(SELECT group_concat(b.block) FROM token_blocks b WHERE b.token_id = t.id) AS blocks "
     "FROM tokens t"
 )
@@ -159,6 +161,8 @@ class TokenRow:
     ban_reason: str | None = None
     blocks: tuple[int, ...] = ()
     """The blocks the token is pinned to (empty: any block)."""
+    viewer: bool = False
+    """It may only watch the run (`service.identity.VIEWER_ENDPOINTS`), never train."""
 
     @classmethod
     def of(cls, row: Any) -> TokenRow:
@@ -166,7 +170,7 @@ class TokenRow:
         data = dict(row)
         text = data.pop("blocks")
         blocks = tuple(sorted(int(b) for b in text.split(","))) if text else ()
-        return cls(**data, blocks=blocks)
+        return cls(**{**data, "viewer": bool(data["viewer"])}, blocks=blocks)
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,18 @@ H steps, return the `delta`); the CLI plugs in `training.local.LocalBlockTrainer
 the same or a timing-only stand-in. It re-syncs by itself: after a refusal it pulls the open
 round again, after an aggregator restart its retries reconnect, and if its worker id is gone it
 registers anew. A stop event (set on SIGTERM) ends it between local steps; it then tells the
-aggregator it is leaving.
+aggregator it is leaving, as it does when its block is done.
+
+Each round it trained gives one `RoundOutcome`, said as a line (`blocktrain worker` prints them
+on stderr): the round, its local steps, the bytes trained per second, the verdict, and a hint
+when the update came late.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +52,88 @@ FATAL_REASONS = frozenset({"missing_token", "invalid_token", "revoked_token"})
 TrainerFactory = Callable[[Registration, dict[str, Any]], LocalTrainer]
 """Builds the trainer for a registration, given the aggregator's /v1/config."""
 
+LATE_HINT = "raise the aggregator's --deadline or lower its --local-steps"
+"""What fixes updates that arrive after their round closed (flags of `blocktrain aggregator` and
+`cluster`, protocol/core/settings.py: `deadline_s`, `local_steps`)."""
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """One round a worker trained and pushed, as it saw it."""
+
+    round: int
+    block: int
+    steps: int
+    seconds: float
+    """Wall time of the local steps."""
+    tokens: int
+    """Bytes trained on (one token is one byte)."""
+    loss: float
+    accepted: bool
+    reason: str = ""
+    """The refusal's reason code (verdict.REASONS); empty when accepted."""
+    detail: str = ""
+    deadline_in: float | None = None
+    """Seconds left of the round when the worker pulled it (None: its clock had not started)."""
+    weight: float = 1.0
+    """An accepted update's staleness factor (below 1: it counted late, in a later round)."""
+    counts_in: int | None = None
+    elapsed: float | None = None
+    """Wall time from the pull's answer to the push's answer."""
+
+    @property
+    def bytes_per_s(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds > 0 else None
+
+    @property
+    def late(self) -> bool:
+        """Refused as late, or accepted into a later round at a reduced weight."""
+        return self.reason == "late" or (
+            self.accepted and self.counts_in is not None and self.counts_in > self.round
+        )
+
+    def verdict(self) -> str:
+        if not self.accepted:
+            return f"refused: {self.reason}" + (f" ({self.detail})" if self.detail else "")
+        if self.counts_in is not None and self.counts_in > self.round:
+            return f"accepted late, in round {self.counts_in} at weight {self.weight:.2f}"
+        return "accepted"
+
+    def hint(self) -> str | None:
+        """What to change, when the update came late."""
+        if not self.late:
+            return None
+        timing = f"{self.steps} local steps took {self.seconds:.1f}s"
+        if self.elapsed is not None:
+            timing += f", the push came {self.elapsed:.1f}s after the pull"
+        if self.deadline_in is not None:
+            timing += f", the round had {self.deadline_in:.1f}s left at the pull"
+        closed_early = (  # a second's margin for the transfers around the measured time
+            self.deadline_in is not None
+            and self.elapsed is not None
+            and self.elapsed + 1.0 < self.deadline_in
+            and "reached its deadline" not in self.detail
+        )
+        if closed_early:
+            return (
+                f"the round closed before its deadline ({timing}): the other replicas' quorum "
+                "and grace closed it; raise the aggregator's --grace or --quorum, or lower its "
+                "--local-steps"
+            )
+        return f"updates arrive after the round's deadline ({timing}): {LATE_HINT}"
+
+    def lines(self) -> list[str]:
+        """The round's line, and its hint's."""
+        rate = self.bytes_per_s
+        speed = "-" if rate is None else f"{rate:,.0f}"
+        line = (
+            f"round {self.round} (block {self.block}): {self.steps} steps in "
+            f"{self.seconds:.{2 if self.seconds < 1 else 1}f}s, {speed} bytes/s, loss "
+            f"{self.loss:.3f}; {self.verdict()}"
+        )
+        hint = self.hint()
+        return [line] if hint is None else [line, f"  hint: {hint}"]
+
 
 @dataclass
 class WorkerReport:
@@ -61,6 +148,8 @@ class WorkerReport:
     bytes_down: int = 0
     bytes_up: int = 0
     last_loss: float | None = None
+    late: int = 0
+    """Rounds whose update came late (refused as `late`, or counted in a later round)."""
     stopped_by: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -79,7 +168,12 @@ class WorkerLoop:
         name: str | None = None,
         stop: threading.Event | None = None,
         max_rounds: int | None = None,
+        say: Callable[[str], None] | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
+        """`say`: where the worker's lines go (its registration, one per round and its hint;
+        default: this module's log at INFO); `clock` times the local steps (default:
+        time.monotonic)."""
         self.client = client
         self.make_trainer = make_trainer
         self.want_block = block
@@ -87,6 +181,8 @@ class WorkerLoop:
         self.stop = stop or client.stop
         self.client.stop = self.stop
         self.max_rounds = max_rounds
+        self.say = say or log.info
+        self.clock = clock or time.monotonic
         self.report = WorkerReport()
         self._registration: Registration | None = None
         self._trainer: LocalTrainer | None = None
@@ -121,12 +217,9 @@ class WorkerLoop:
             self._encoder = DeltaEncoder(reg.delta_wire)
         self._registration = reg
         self.report.worker_id, self.report.block = reg.worker_id, reg.block
-        log.info(
-            "worker %d on block %d (data seed %d, H = %d)",
-            reg.worker_id,
-            reg.block,
-            reg.data_seed,
-            reg.local_steps,
+        self.say(
+            f"worker {reg.worker_id} on block {reg.block} (data seed {reg.data_seed}, "
+            f"H = {reg.local_steps} local steps a round)"
         )
         return reg
 
@@ -140,8 +233,11 @@ class WorkerLoop:
         finally:
             if self.stop.is_set() and self.report.stopped_by in ("", "signal"):
                 self.report.stopped_by = "signal"
-            if self.report.stopped_by in ("signal", "max_rounds"):
-                self._say_goodbye()  # so that the block stops waiting for this replica
+            if self.report.stopped_by in ("signal", "max_rounds", "done"):
+                # so that the block stops waiting for this replica, and its status shows it
+                # left (a done block waits for no one, but the worker would show as live for
+                # the live window)
+                self._say_goodbye()
             self.report.bytes_down = self.client.bytes_down
             self.report.bytes_up = self.client.bytes_up
         return self.report
@@ -171,6 +267,7 @@ class WorkerLoop:
                 if info["round"] <= last_round:
                     continue  # the long poll timed out; ask again
                 pulled = self.client.pull(reg.block)
+                pulled_at = self.clock()
                 assert self._trainer is not None
                 upstream = {b: self.client.latest(b) for b in self._trainer.upstream_blocks}
             except Refused as exc:
@@ -185,9 +282,11 @@ class WorkerLoop:
             self._trainer.load_upstream(upstream)
             # the schedule follows the block's committed version, not the round: a round that
             # committed nothing (burned by refusals, or empty) does not advance it
+            started = self.clock()
             logs = self._trainer.train(
                 reg.local_steps, pulled.version * reg.local_steps, self.stop.is_set
             )
+            seconds = self.clock() - started
             self.report.local_steps += int(logs.get("steps", 0))
             if self.stop.is_set():
                 return
@@ -202,14 +301,34 @@ class WorkerLoop:
                 worker_id=self.client.worker_id,
             )
             result = self.client.push_bytes(reg.block, body)
+            elapsed = self.clock() - pulled_at
             self.report.rounds += 1
             last_round = pulled.round
-            if result.accepted or result.reason == "duplicate":  # a retried push that got in
+            got_in = result.accepted or result.reason == "duplicate"  # a retried push got in
+            counts_in = result.body.get("counts_in") if result.accepted else None
+            outcome = RoundOutcome(
+                round=pulled.round,
+                block=reg.block,
+                steps=int(logs.get("steps", 0)),
+                seconds=seconds,
+                tokens=int(logs["tokens"]),
+                loss=float(logs["loss"]),
+                accepted=got_in,
+                reason="" if got_in else result.reason,
+                detail="" if got_in else result.detail,
+                deadline_in=pulled.deadline_in,
+                weight=float(result.body.get("weight", 1.0)) if result.accepted else 1.0,
+                counts_in=None if counts_in is None else int(counts_in),
+                elapsed=elapsed,
+            )
+            self.report.late += outcome.late
+            for line in outcome.lines():
+                self.say(line)
+            if got_in:
                 self.report.accepted += 1
                 continue
             self.report.refused[result.reason] = self.report.refused.get(result.reason, 0) + 1
             self._encoder.reset()
-            log.info("round %d refused: %s (%s)", pulled.round, result.reason, result.detail)
             new = self._handle_refusal(Refused(result.reason, result.detail, result.status), reg)
             if self.report.stopped_by:
                 return
