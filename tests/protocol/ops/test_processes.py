@@ -148,11 +148,11 @@ def test_cluster_prints_its_dashboard_and_keeps_it_up_through_the_evaluation(
     `live`. It now prints the dashboard's URL with a viewer token, the aggregator answers until
     the evaluation ends, the evaluation says what it does, and the status shows the run done and
     every worker left."""
-    from blocktrain.cli import cluster as cluster_cli
+    from blocktrain.cli import cluster_eval
 
     out = tmp_path / "cluster"
     seen: dict[str, object] = {}
-    evaluate = cluster_cli.evaluate_units
+    evaluate = cluster_eval.evaluate_units
 
     def watched(*args, **kwargs):
         if "status" not in seen:  # the first evaluation: the rounds are over
@@ -165,7 +165,7 @@ def test_cluster_prints_its_dashboard_and_keeps_it_up_through_the_evaluation(
             seen["url"] = url
         return evaluate(*args, **kwargs)
 
-    monkeypatch.setattr(cluster_cli, "evaluate_units", watched)
+    monkeypatch.setattr(cluster_eval, "evaluate_units", watched)
     argv = [a for a in cluster_argv(out, corpus) if a != "--no-progress"]  # stderr: no terminal
     assert main(argv) == 0
     err = capsys.readouterr().err

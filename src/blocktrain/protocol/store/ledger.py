@@ -23,9 +23,7 @@ from blocktrain.protocol.store import ledger_counts
 from blocktrain.protocol.store.ledger_recovery import RecoveryTables
 from blocktrain.protocol.store.ledger_schema import (
     SCHEMA,
-    TOKEN_SELECT,
     Readers,
-    TokenRow,
     UpdateRow,
     WorkerRow,
     connect,
@@ -75,49 +73,6 @@ class Ledger(RecoveryTables):
 
     def _read(self, sql: str, args: Iterable[Any] = ()) -> list[sqlite3.Row]:
         return self._readers.query(sql, tuple(args))
-
-    # ------------------------------------------------------------------ tokens
-
-    def add_token(
-        self,
-        name: str,
-        token_hash: str,
-        now: float,
-        blocks: Iterable[int] = (),
-        *,
-        viewer: bool = False,
-    ) -> int:
-        """A new token; `blocks`: the only blocks it may register on (none: any); `viewer`: it
-        may only watch (the status, the history, metrics), never train."""
-        with self._tx() as db:
-            cur = db.execute(
-                "INSERT INTO tokens (name, hash, created, viewer) VALUES (?, ?, ?, ?)",
-                (name, token_hash, now, int(viewer)),
-            )
-            token_id = int(cur.lastrowid or 0)
-            db.executemany(
-                "INSERT OR IGNORE INTO token_blocks VALUES (?, ?)",
-                [(token_id, int(b)) for b in blocks],
-            )
-            return token_id
-
-    def token_by_hash(self, token_hash: str) -> TokenRow | None:
-        rows = self._read(TOKEN_SELECT + " WHERE t.hash = ?", (token_hash,))
-        return TokenRow.of(rows[0]) if rows else None
-
-    def token_by_name(self, name: str) -> TokenRow | None:
-        rows = self._query(TOKEN_SELECT + " WHERE t.name = ?", (name,))
-        return TokenRow.of(rows[0]) if rows else None
-
-    def tokens(self) -> list[TokenRow]:
-        return [TokenRow.of(r) for r in self._query(TOKEN_SELECT + " ORDER BY t.id")]
-
-    def revoke_token(self, name: str, now: float) -> bool:
-        with self._tx() as db:
-            cur = db.execute(
-                "UPDATE tokens SET revoked = ? WHERE name = ? AND revoked IS NULL", (now, name)
-            )
-            return cur.rowcount > 0
 
     # ------------------------------------------------------------------ workers
 

@@ -1,4 +1,4 @@
-"""The ledger's part for identity and recovery: bans, reputations, revoked tokens' dropped
+"""The ledger's part for identity and recovery: tokens, bans, reputations, revoked tokens' dropped
 updates, when each worker last reported, and rollbacks. A mixin of `ledger.Ledger`, which provides the connection;
 kept apart so that each file holds one concern."""
 
@@ -11,6 +11,7 @@ from typing import Any
 
 from blocktrain.protocol.store import ledger_counts
 from blocktrain.protocol.store.ledger_counts import CountKey
+from blocktrain.protocol.store.ledger_schema import TOKEN_SELECT, TokenRow
 
 
 class RecoveryTables:
@@ -25,7 +26,51 @@ class RecoveryTables:
     def _query(self, sql: str, args: Iterable[Any] = ()) -> list[sqlite3.Row]:
         raise NotImplementedError
 
+    def _read(self, sql: str, args: Iterable[Any] = ()) -> list[sqlite3.Row]:
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ tokens
+
+    def add_token(
+        self,
+        name: str,
+        token_hash: str,
+        now: float,
+        blocks: Iterable[int] = (),
+        *,
+        viewer: bool = False,
+    ) -> int:
+        """A new token; `blocks`: the only blocks it may register on (none: any); `viewer`: it
+        may only watch (the status, the history, metrics), never train."""
+        with self._tx() as db:
+            cur = db.execute(
+                "INSERT INTO tokens (name, hash, created, viewer) VALUES (?, ?, ?, ?)",
+                (name, token_hash, now, int(viewer)),
+            )
+            token_id = int(cur.lastrowid or 0)
+            db.executemany(
+                "INSERT OR IGNORE INTO token_blocks VALUES (?, ?)",
+                [(token_id, int(b)) for b in blocks],
+            )
+            return token_id
+
+    def token_by_hash(self, token_hash: str) -> TokenRow | None:
+        rows = self._read(TOKEN_SELECT + " WHERE t.hash = ?", (token_hash,))
+        return TokenRow.of(rows[0]) if rows else None
+
+    def token_by_name(self, name: str) -> TokenRow | None:
+        rows = self._query(TOKEN_SELECT + " WHERE t.name = ?", (name,))
+        return TokenRow.of(rows[0]) if rows else None
+
+    def tokens(self) -> list[TokenRow]:
+        return [TokenRow.of(r) for r in self._query(TOKEN_SELECT + " ORDER BY t.id")]
+
+    def revoke_token(self, name: str, now: float) -> bool:
+        with self._tx() as db:
+            cur = db.execute(
+                "UPDATE tokens SET revoked = ? WHERE name = ? AND revoked IS NULL", (now, name)
+            )
+            return cur.rowcount > 0
 
     def ban_token(self, name: str, now: float, reason: str | None = None) -> bool:
         """Revoke (if not yet) and ban a token; False if it was banned already."""
