@@ -7,9 +7,14 @@ id, so a new data seed)."""
 from __future__ import annotations
 
 import json
+import random
 
 from blocktrain.protocol.store.storage import MANIFEST, StateDir
+from blocktrain.protocol.worker.client import AggregatorClient
+from blocktrain.protocol.worker.loop import WorkerLoop
 from tests.protocol.conftest import SETTINGS, Harness, auth, make_state
+from tests.protocol.service.test_directory import pair  # noqa: F401  (a fixture)
+from tests.protocol.worker.test_worker import FakeTrainer
 
 
 def resume(h: Harness, token: str, worker: int, **body: object):
@@ -113,3 +118,36 @@ def test_the_run_id_is_made_with_the_state_and_kept(tmp_path):
     given = StateDir(tmp_path / "a").run_id()
     assert given != run_id and StateDir(tmp_path / "a").run_id() == given
     state.close()
+
+
+def test_a_worker_resumes_at_the_aggregator_of_its_block(pair, tmp_path):  # noqa: F811
+    """One aggregator per block, over loopback: a worker started at A for block 1 follows the
+    directory to B; restarted at A with its folder and no --block, it goes back to B and comes
+    back there as the same worker."""
+    from blocktrain.protocol.worker.resume import WorkerFolder  # here: the other tests run without
+
+    (a, b), (token, _), states = pair
+    folder_dir = tmp_path / "w"
+    client = AggregatorClient(a, token, rng=random.Random(0))
+    folder = WorkerFolder(folder_dir, a, block=1)
+    first = WorkerLoop(client, lambda reg, cfg: FakeTrainer(), block=1, max_rounds=1, folder=folder)
+    report = first.run()
+    folder.close()
+    client.close()
+    assert report.stopped_by == "max_rounds" and report.block == 1
+    saved = json.loads((folder_dir / "worker.json").read_text())
+    assert (saved["aggregator"], saved["served_by"], saved["round"]) == (a, b, 0)
+    assert saved["run_id"] == states[1].run_id() != states[0].run_id()
+
+    lines: list[str] = []
+    client = AggregatorClient(a, token, rng=random.Random(0))
+    folder = WorkerFolder(folder_dir, a)
+    again = WorkerLoop(client, lambda reg, cfg: FakeTrainer(), folder=folder, say=lines.append)
+    report = again.run()
+    folder.close()
+    assert client.base_url == b and report.worker_id == saved["worker_id"]
+    assert report.stopped_by == "done" and report.rounds == 2, "rounds 1 and 2: round 0 was done"
+    assert f"resumed worker {saved['worker_id']} from {folder_dir}: after round 0" in lines[1]
+    assert [w.id for w in states[1].ledger.workers(active_only=False)] == [saved["worker_id"]]
+    assert states[0].ledger.workers(active_only=False) == []
+    client.close()
