@@ -7,6 +7,12 @@ this machine's data (the AdamW state stays here, across rounds), push the delta.
 backoff when the aggregator is away, re-syncs after a refusal, and leaves cleanly on SIGTERM
 or Ctrl-C.
 
+With --state DIR it keeps, after each pushed round, its registration (the aggregator, worker id,
+block, data seed), its AdamW state and the delta codec's error-feedback residual in DIR; started
+again with the same DIR it rejoins as the same worker (the aggregator takes a worker back from
+its own token only) and carries on where it stopped, so its next update is the one it would have
+sent had it never stopped. A DIR of another run or block is refused (--fresh: a new worker).
+
 It prints a line per round on stderr (the round, its local steps, the bytes trained per second,
 the loss, the verdict: accepted, or refused with its reason; a hint when updates come late), and
 its report at the end on stdout:
@@ -39,12 +45,13 @@ from blocktrain.cli.common import (
     resolve_token,
 )
 from blocktrain.config import RunConfig
-from blocktrain.data import load_split
+from blocktrain.data import ByteSource, load_split
 from blocktrain.device import DEVICE_HELP, resolve_device
 from blocktrain.errors import ConfigError
 from blocktrain.protocol.store.state import run_unit
 from blocktrain.protocol.worker.client import AggregatorClient, Registration
 from blocktrain.protocol.worker.loop import LATE_HINT, WorkerLoop
+from blocktrain.protocol.worker.resume import WorkerFolder
 from blocktrain.protocol.worker.retrying import RetryPolicy
 from blocktrain.training.local import LocalBlockTrainer, local_trainer
 
@@ -55,6 +62,8 @@ EXAMPLES = """examples:
       --token-file token.txt --data my-corpus/
   # one aggregator per block: any of them; the worker follows its directory to block 2's
   blocktrain worker --aggregator http://10.0.0.5:8470 --token-file token.txt --block 2
+  # kill it and start it again: the same worker, its optimizer state and round resumed
+  blocktrain worker --aggregator http://10.0.0.5:8470 --token-file token.txt --state worker-a/
 """
 
 
@@ -82,6 +91,18 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
         "(`blocktrain status`, /v1/status, the dashboard)",
     )
     p.add_argument("--device", default="auto", metavar="DEVICE", help=DEVICE_HELP)
+    p.add_argument(
+        "--state",
+        metavar="DIR",
+        help="the worker's own folder: its registration, optimizer state and round, saved after "
+        "each push; a worker started again with it rejoins as the same worker (one folder per "
+        "worker; made when missing)",
+    )
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="with --state: discard the worker DIR holds and start a new one there",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     add_ca_arg(p)
     p.add_argument("--max-rounds", type=int, help="stop after this many rounds")
@@ -115,13 +136,35 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--block must be >= 0")
     if args.threads < 0 or (args.max_rounds is not None and args.max_rounds <= 0):
         raise ConfigError("--threads must be >= 0 and --max-rounds positive")
+    if args.fresh and not args.state:
+        raise ConfigError("--fresh discards the worker of a --state folder: give --state DIR")
     device = resolve_device(args.device)  # before the aggregator hears of this worker
     token = resolve_token(args)
     verify = checked_ca(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    train = load_split(args.data, "train", file_patterns(args))
+    # checked (and locked) before the aggregator hears of this worker
+    folder = (
+        WorkerFolder(args.state, args.aggregator, block=args.block, fresh=args.fresh)
+        if args.state
+        else None
+    )
+    try:
+        train = load_split(args.data, "train", file_patterns(args))
+        return _work(args, token, verify, device, train, folder)
+    finally:
+        if folder is not None:
+            folder.close()
 
+
+def _work(
+    args: argparse.Namespace,
+    token: str,
+    verify: str | bool,
+    device: torch.device,
+    train: ByteSource,
+    folder: WorkerFolder | None,
+) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -147,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
             stop=stop,
             max_rounds=args.max_rounds,
             say=(lambda line: None) if args.quiet else say,
+            folder=folder,
         )
         report = loop.run()
     finally:

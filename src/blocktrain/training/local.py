@@ -8,7 +8,8 @@ of a block see different batches) and the step index taken from the committed ve
 trains from (version * H + i), so the learning-rate schedule follows the run's progress, not
 the worker's age. Its AdamW state
 lives as long as the object: it carries over from round to round while the weights are reset
-to each round's published version.
+to each round's published version (and, with `optimizer_state` and `load_optimizer_state`, a
+worker's folder keeps it across restarts: `protocol.worker.resume`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from blocktrain.errors import CheckpointError, ProtocolError
 from blocktrain.model import BlockStack, Reference, init_block, init_reference, target_table
 from blocktrain.training import checkpoint as ckpt
 from blocktrain.training.loss import BlockLoss, LossParts, reference_loss
-from blocktrain.training.optim import make_optimizer
+from blocktrain.training.optim import load_optimizer_tensors, make_optimizer, optimizer_tensors
 from blocktrain.training.step import Objective, train_step
 
 Tensors = dict[str, torch.Tensor]
@@ -128,6 +129,16 @@ class LocalBlockTrainer:
         if self.base is None:
             raise ProtocolError("no weights loaded yet: call load() first")
         return {k: v.detach().float() - self.base[k] for k, v in self.module.state_dict().items()}
+
+    def optimizer_state(self) -> Tensors:
+        """The AdamW state as flat tensors (`NAME.step`, `NAME.exp_avg`, `NAME.exp_avg_sq` per
+        parameter that has taken a step), for a worker's folder (`protocol.worker.resume`)."""
+        return optimizer_tensors(self.optimizer, self.module, "")
+
+    def load_optimizer_state(self, tensors: Tensors, steps_done: int = 0) -> None:
+        """Carry on from a saved `optimizer_state` (a CheckpointError when it does not fit)."""
+        load_optimizer_tensors(self.optimizer, self.module, "", tensors)
+        self.steps_done = steps_done
 
 
 class LocalReferenceTrainer(LocalBlockTrainer):

@@ -69,7 +69,15 @@ def load_optimizer_tensors(
     prefix: str,
     tensors: dict[str, torch.Tensor],
 ) -> None:
-    """Restore what `optimizer_tensors` saved, exactly, into a fresh optimizer over `module`."""
+    """Restore what `optimizer_tensors` saved, exactly, into a fresh optimizer over `module`.
+    The step count lives where torch keeps it: on the parameter's device for a fused (or
+    capturable) AdamW, which `make_optimizer` builds, else on the CPU."""
+    on_device = {
+        id(p)
+        for group in optimizer.param_groups
+        if group.get("fused") or group.get("capturable")
+        for p in group["params"]
+    }
     for name, param in module.named_parameters():
         keys = [f"{prefix}{name}.{k}" for k in ADAM_STATE_KEYS]
         present = [k in tensors for k in keys]
@@ -81,7 +89,9 @@ def load_optimizer_tensors(
         if avg.shape != param.shape or avg_sq.shape != param.shape:
             raise CheckpointError(f"optimizer state for {prefix}{name} has the wrong shape")
         optimizer.state[param] = {
-            "step": step.clone(),
+            "step": (
+                step.to(param.device, torch.float32) if id(param) in on_device else step
+            ).clone(),
             "exp_avg": avg.to(param.device).clone(),
             "exp_avg_sq": avg_sq.to(param.device).clone(),
         }

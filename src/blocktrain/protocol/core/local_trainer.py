@@ -7,7 +7,7 @@ the simulator (`simulate.engine`) call alike. The CLI plugs in
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -40,3 +40,18 @@ class LocalTrainer(Protocol):
     def delta(self) -> Tensors:
         """theta_local - theta_base for the weights last loaded."""
         ...
+
+
+@runtime_checkable
+class ResumableTrainer(LocalTrainer, Protocol):
+    """A trainer whose optimizer state a worker's folder keeps across restarts
+    (`protocol.worker.resume`); `training.local.LocalBlockTrainer` is one."""
+
+    steps_done: int
+
+    def optimizer_state(self) -> Tensors:
+        """The optimizer's state as flat tensors."""
+        ...
+
+    def load_optimizer_state(self, tensors: Tensors, steps_done: int = 0) -> None:
+        """Carry on from a saved `optimizer_state`."""

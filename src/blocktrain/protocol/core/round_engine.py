@@ -158,16 +158,19 @@ class RoundEngine(ReplayScreen):
         new_id: Callable[[int], int],
         token: int | None = None,
         allowed: Collection[int] | None = None,
+        resume: int | None = None,
     ) -> Registered:
         """Assign a block (the requested one, else the fewest live identities among `allowed`,
         finished blocks last); `new_id(block)` names the worker (the ledger's row id, or a
         counter); `token` is the identity it speaks for (`Registry.identity`). A token at its
         `max_workers_per_token` has its oldest workers retired first, so that a worker that
-        restarts rejoins at once and a token never holds more workers than allowed."""
+        restarts rejoins at once and a token never holds more workers than allowed. `resume`:
+        the id of a worker taken back (the driver checked it is the token's, and `new_id`
+        returns it), never retired for itself."""
         self.tick(now)
         replaced: list[int] = []
         if token is not None:
-            mine = self.registry.workers_of(token)
+            mine = [w for w in self.registry.workers_of(token) if w != resume]
             replaced = mine[: max(0, len(mine) - self.settings.max_workers_per_token + 1)]
             for old in replaced:
                 self.leave(old, now)

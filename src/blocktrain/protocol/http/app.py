@@ -1,7 +1,8 @@
 """The aggregator's HTTP API (FastAPI): thin routes over
 `service.aggregator_service.AggregatorService`.
 
-    POST   /v1/workers                   register; JSON {"block"?: int, "name"?: str}
+    POST   /v1/workers                   register; JSON {"block"?: int, "name"?: str,
+                                         "resume_worker_id"?: int}
     DELETE /v1/workers/{id}              leave (a stopping worker says goodbye)
     GET    /v1/config                    the run config and protocol settings
     GET    /v1/blocks/{b}                the open round's weights (safetensors body; with
@@ -231,6 +232,7 @@ def create_app(
                 token=token,
                 block=None if body is None else body.block,
                 name=None if body is None else body.name,
+                resume=None if body is None else body.resume_worker_id,
             )
         )
         tag(request, "register", out["block"], out["worker_id"])

@@ -24,6 +24,14 @@ class RegisterIn(BaseModel):
         description="ask for this block (default: the one with the fewest live replicas)",
     )
     name: str | None = Field(None, max_length=100, description="a label for logs and status")
+    resume_worker_id: int | None = Field(
+        None,
+        ge=0,
+        lt=2**63,
+        description="take back this worker of the token (a restarted worker resuming its "
+        "folder): its id, block and data seed, whether it left or timed out; another token's "
+        "worker is refused (not_your_worker), an id never given too (unknown_worker)",
+    )
 
 
 class RegisterOut(Out):
@@ -42,6 +50,8 @@ class RegisterOut(Out):
         "from the view held"
     )
     done: bool
+    resumed: bool = Field(False, description="the worker was taken back (resume_worker_id)")
+    run_id: str | None = Field(None, description="the run's id, as /v1/config gives it")
 
 
 class RoundOut(Out):
@@ -78,6 +88,11 @@ class LeaveOut(Out):
 
 class ConfigOut(Out):
     run_config: dict[str, Any] = Field(description="the model's RunConfig")
+    run_id: str | None = Field(
+        None,
+        description="random, made with the aggregator's state folder: a worker's folder "
+        "resumes only with the run that wrote it",
+    )
     protocol: dict[str, Any] = Field(description="the aggregator's settings")
     blocks: int
     tensors: dict[str, dict[str, list[int]]] = Field(description="block -> name -> shape")

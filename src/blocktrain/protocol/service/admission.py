@@ -55,6 +55,29 @@ class Admission:
             raise refused("unknown_block", f"block {block} is outside 0..{self.n_blocks - 1}")
         self.directory.check(block)
 
+    def resumable(self, token: TokenRow, worker_id: int, block: int | None) -> int:
+        """The block of a worker that `token` asks to take back (`resume_worker_id`): its own
+        worker, left or timed out or still registered; refused for an id this aggregator never
+        gave (`unknown_worker`), another token's worker (`not_your_worker`) or another block
+        than the worker's (`not_assigned`). Revoked and banned tokens never get here."""
+        row = self.ledger.worker(worker_id)
+        if row is None:
+            raise refused(
+                "unknown_worker",
+                f"worker {worker_id} is not known to this aggregator: it cannot be resumed",
+            )
+        if row.token_id != token.id:
+            raise refused(
+                "not_your_worker",
+                f"worker {worker_id} belongs to another token: only its own may resume it",
+            )
+        if block is not None and block != row.block:
+            raise refused(
+                "not_assigned",
+                f"worker {worker_id} trains block {row.block}; it cannot resume on block {block}",
+            )
+        return row.block
+
     def _worker_on(self, caller: Caller, block: int) -> int:
         if caller.worker_id is None:
             raise refused(

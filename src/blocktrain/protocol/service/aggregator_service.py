@@ -83,6 +83,7 @@ class AggregatorService(Admission):
         manifest = storage.manifest()
         self.settings = settings if settings is not None else storage.settings()
         self.run_config: dict[str, Any] = dict(manifest["run_config"])
+        self.run_id = storage.run_id()
         self.n_blocks = int(manifest["blocks"])
         self.directory = (
             placed(storage)
@@ -111,8 +112,17 @@ class AggregatorService(Admission):
     # ------------------------------------------------------------------ workers
 
     def register(
-        self, *, token: TokenRow, block: int | None = None, name: str | None = None
+        self,
+        *,
+        token: TokenRow,
+        block: int | None = None,
+        name: str | None = None,
+        resume: int | None = None,
     ) -> dict[str, Any]:
+        """A new worker of `token`, or with `resume` its own worker taken back, on its block
+        and under its id (so its data seed), whether it left or timed out (`resumable`)."""
+        if resume is not None:
+            block = self.resumable(token, resume, block)
         if block is not None:
             self.check_block(block)
         allowed = identity.allowed_blocks(token, self.n_blocks, block)
@@ -122,14 +132,19 @@ class AggregatorService(Admission):
             now = self.clock()
 
             def add(chosen: int) -> int:
+                if resume is not None:
+                    return self.ledger.revive_worker(resume, name, now)
                 return self.ledger.add_worker(token.id, chosen, name, now)
 
-            reg = self.engine.register(now, block, add, token.id, allowed)
+            reg = self.engine.register(now, block, add, token.id, allowed, resume)
             for old in reg.replaced:  # the token's oldest workers, retired for this one
                 self.ledger.worker_left(old, now)
-        log.info("worker %d (%s) registered on block %d", reg.worker, token.name, reg.block)
+        verb = "resumed" if resume is not None else "registered"
+        log.info("worker %d (%s) %s on block %d", reg.worker, token.name, verb, reg.block)
         seed = int(self.run_config.get("seed", 0))
         return {
+            "resumed": resume is not None,
+            "run_id": self.run_id,
             "worker_id": reg.worker,
             "block": reg.block,
             "data_seed": seed * self.settings.n_workers + reg.worker,
@@ -157,6 +172,7 @@ class AggregatorService(Admission):
     def config(self) -> dict[str, Any]:
         return {
             "run_config": self.run_config,
+            "run_id": self.run_id,
             "protocol": self.public_settings(),
             "blocks": self.n_blocks,
             "tensors": {

@@ -86,6 +86,18 @@ class Ledger(RecoveryTables):
             )
             return int(next_id)
 
+    def revive_worker(self, worker_id: int, name: str | None, now: float) -> int:
+        """Take a worker back under its own id (a restarted worker that resumes its folder,
+        `protocol.worker.resume`): registered again, whether it left or timed out; its name
+        changes only when one is given."""
+        with self._tx() as db:
+            db.execute(
+                "UPDATE workers SET left_at = NULL, last_seen = MAX(last_seen, ?), "
+                "name = COALESCE(?, name) WHERE id = ?",
+                (now, name, worker_id),
+            )
+        return worker_id
+
     def worker(self, worker_id: int) -> WorkerRow | None:
         if not 0 <= worker_id < 2**63:  # an id from a request: SQLite cannot even compare it
             return None

@@ -1,7 +1,8 @@
 """The aggregator's state folder.
 
     STATE/aggregator.json                  run config (opaque here), settings, block count,
-                                           the blocks served here and their peers' URLs
+                                           the blocks served here and their peers' URLs, and
+                                           the run id (random, made with the folder)
     STATE/ledger.sqlite                    tokens, workers, rounds, updates, traffic
     STATE/blocks/{b}/v{version}.safetensors   committed fp32 weights of each version
     STATE/blocks/{b}/m{version}.safetensors   outer momentum, when enabled
@@ -92,8 +93,10 @@ class StateDir:
             "run_config": run_config,
             "settings": settings.to_dict(),
         }
+        kept = ("served", "peers", "run_id")
         if self.initialised:
-            doc.update({k: v for k, v in self.manifest().items() if k in ("served", "peers")})
+            doc.update({k: v for k, v in self.manifest().items() if k in kept})
+        doc.setdefault("run_id", uuid.uuid4().hex)
         self._write_manifest(doc)
 
     def _write_manifest(self, doc: dict[str, Any]) -> None:
@@ -127,6 +130,16 @@ class StateDir:
 
     def n_blocks(self) -> int:
         return int(self.manifest()["blocks"])
+
+    def run_id(self) -> str:
+        """The folder's run id: random, made with it, so that a worker's folder can tell this
+        run from another with the same config (`protocol.worker.resume`). A folder older than
+        the id gets one the first time it is asked (the aggregator asks as it starts)."""
+        doc = self.manifest()
+        if not doc.get("run_id"):
+            doc["run_id"] = uuid.uuid4().hex
+            self._write_manifest(doc)
+        return str(doc["run_id"])
 
     def placement(self) -> tuple[list[int] | None, dict[int, str]]:
         """The blocks served over this folder (None: never saved, a folder older than the

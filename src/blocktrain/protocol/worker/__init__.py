@@ -3,6 +3,7 @@
     retrying  HTTP with timeouts, retried with backoff and jitter, and after Retry-After
     client    the worker's client of the aggregator: register, pulls (whole or deltas), pushes
     loop      the worker loop: register, pull, train H steps, push, round after round
+    resume    the worker's folder: its registration, optimizer state and residual, to rejoin
     doctor    why a worker cannot reach its aggregator: one check per layer
 
 Imports core/ only of protocol/ (tests/test_layers.py).

@@ -112,9 +112,9 @@ class AggregatorClient(RetryingHttp):
         self._held: tuple[str, str, Tensors] | None = None
         """(URL, ETag, tensors) of the last version downloaded, revalidated when pulled again."""
         self.pull_wire = FULL
-        """The registration's pull wire: with a codec, pulls are deltas from `_view`."""
-        self._view: View | None = None
-        """The weights last pulled, as they arrived (the wire dtype)."""
+        """The registration's pull wire: with a codec, pulls are deltas from `view`."""
+        self.view: View | None = None
+        """The weights last pulled, as they arrived (the wire dtype; a worker's folder keeps it)."""
         self._latest: dict[int, tuple[int, Tensors]] = {}
         """Per other block read with `latest`: (version, tensors); a version never changes."""
         self._elsewhere: dict[int, AggregatorClient] = {}
@@ -126,12 +126,12 @@ class AggregatorClient(RetryingHttp):
 
     # ------------------------------------------------------------------ calls
 
-    def register(self, block: int | None = None, name: str | None = None) -> Registration:
-        body: dict[str, Any] = {}
-        if block is not None:
-            body["block"] = block
-        if name is not None:
-            body["name"] = name
+    def register(
+        self, block: int | None = None, name: str | None = None, resume: int | None = None
+    ) -> Registration:
+        """A new worker; with `resume`, this token's worker of that id taken back."""
+        body: dict[str, Any] = {"block": block, "name": name, "resume_worker_id": resume}
+        body = {k: v for k, v in body.items() if v is not None}
         self.worker_id = None
         doc = self._json("POST", "/v1/workers", json=body)
         self.worker_id = int(doc["worker_id"])
@@ -162,7 +162,7 @@ class AggregatorClient(RetryingHttp):
         self.base_url = url.rstrip("/")
         self.worker_id = None
         self._held = None
-        self._view = None
+        self.view = None
         self._latest = {}
 
     def status(self) -> dict[str, Any]:
@@ -269,7 +269,7 @@ class AggregatorClient(RetryingHttp):
         """A committed version's tensors (fp32) and the bytes its answer carried: the view
         held when it is that version, else a delta from it (a pull wire with a codec), else
         the whole version."""
-        view = self._view if self._view is not None and self._view.block == block else None
+        view = self.view if self.view is not None and self.view.block == block else None
         if view is not None and view.version == version:
             return _fp32(view.tensors), 0
         codec = pull_codec(self.pull_wire)
@@ -277,7 +277,7 @@ class AggregatorClient(RetryingHttp):
         if codec is not None and view is not None and view.version < version:
             chained, nbytes = self._delta(url, view, version, codec)
             if chained is not None:
-                self._view = chained
+                self.view = chained
                 return _fp32(chained.tensors), nbytes
         held = self._held if self._held is not None and self._held[0] == url else None
         headers = {} if held is None else {"If-None-Match": held[1]}
@@ -292,7 +292,7 @@ class AggregatorClient(RetryingHttp):
             tensors = self._version_body(response.content, url, block, version)
             etag = response.headers.get("ETag")
             self._held = None if etag is None else (url, etag, tensors)
-        self._view = View.of(block, version, tensors) if codec is not None else None
+        self.view = View.of(block, version, tensors) if codec is not None else None
         return _fp32(tensors), nbytes
 
     def _delta(

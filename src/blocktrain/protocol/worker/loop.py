@@ -7,7 +7,10 @@ H steps, return the `delta`); the CLI plugs in `training.local.LocalBlockTrainer
 the same or a timing-only stand-in. It re-syncs by itself: after a refusal it pulls the open
 round again, after an aggregator restart its retries reconnect, and if its worker id is gone it
 registers anew. A stop event (set on SIGTERM) ends it between local steps; it then tells the
-aggregator it is leaving, as it does when its block is done.
+aggregator it is leaving, as it does when its block is done. With a folder (`resume.WorkerFolder`,
+`blocktrain worker --state DIR`) it saves its registration, optimizer state and residual after
+each push, and its first registration takes the saved worker back (later ones, after a refusal,
+register anew as without one).
 
 Each round it trained gives one `RoundOutcome`, said as a line (`blocktrain worker` prints them
 on stderr): the round, its local steps, the bytes trained per second, the verdict, and a hint
@@ -30,6 +33,7 @@ from blocktrain.protocol.core.bodies import update_body
 from blocktrain.protocol.core.codecs import DeltaEncoder
 from blocktrain.protocol.core.local_trainer import LocalTrainer
 from blocktrain.protocol.worker.client import AggregatorClient, Registration
+from blocktrain.protocol.worker.resume import WorkerFolder
 from blocktrain.protocol.worker.retrying import RetryPolicy
 
 log = logging.getLogger(__name__)
@@ -170,10 +174,11 @@ class WorkerLoop:
         max_rounds: int | None = None,
         say: Callable[[str], None] | None = None,
         clock: Callable[[], float] | None = None,
+        folder: WorkerFolder | None = None,
     ) -> None:
         """`say`: where the worker's lines go (its registration, one per round and its hint;
         default: this module's log at INFO); `clock` times the local steps (default:
-        time.monotonic)."""
+        time.monotonic); `folder`: where the worker keeps what a restart resumes."""
         self.client = client
         self.make_trainer = make_trainer
         self.want_block = block
@@ -189,6 +194,11 @@ class WorkerLoop:
         self._encoder: DeltaEncoder | None = None
         """Compresses pushes in the announced delta wire, keeping the error-feedback residual."""
         self._config: dict[str, Any] | None = None
+        self.folder = folder
+        self._resume = folder.saved if folder is not None else None
+        """The saved worker the first registration takes back."""
+        self._last_round = -1
+        """The round the loop waits past after a registration (a resumed worker's last)."""
 
     def _locate(self, block: int | None) -> None:
         """Move to the aggregator that serves `block`, as the directory of the one we talk to
@@ -206,9 +216,23 @@ class WorkerLoop:
             self.client.move_to(url)
 
     def _register(self) -> Registration:
-        self._locate(self.want_block)
-        reg = self.client.register(self.want_block, self.name)
-        if self._registration is None or reg.block != self._registration.block:
+        resume, self._resume = self._resume, None
+        block, again = (
+            (self.want_block, None) if resume is None else (resume.block, resume.worker_id)
+        )
+        self._locate(block)
+        if self.folder is not None:  # the run of the aggregator registered at
+            self._config = self.client.config()
+            if resume is not None:
+                self.folder.check_run(self.client.base_url, self._config)
+        try:
+            reg = self.client.register(block, self.name, again)
+        except Refused as exc:
+            if resume is None or self.folder is None:
+                raise
+            raise self.folder.refused(exc) from exc
+        new_trainer = self._registration is None or reg.block != self._registration.block
+        if new_trainer:
             if self._config is None:
                 self._config = self.client.config()
             self._trainer = self.make_trainer(reg, self._config)
@@ -216,11 +240,21 @@ class WorkerLoop:
         if self._encoder is None or self._encoder.name != reg.delta_wire:
             self._encoder = DeltaEncoder(reg.delta_wire)
         self._registration = reg
+        self._last_round = -1
         self.report.worker_id, self.report.block = reg.worker_id, reg.block
         self.say(
             f"worker {reg.worker_id} on block {reg.block} (data seed {reg.data_seed}, "
             f"H = {reg.local_steps} local steps a round)"
         )
+        if self.folder is not None:
+            assert self._config is not None and self._trainer is not None
+            if resume is not None:
+                line, view = self.folder.restore(self._trainer, self._encoder, reg)
+                self.say(line)
+                self.client.view = view or self.client.view
+                self._last_round = self.folder.round
+            fresh = new_trainer and resume is None
+            self.folder.registered(reg, self.client.base_url, self._config, new_trainer=fresh)
         return reg
 
     def run(self) -> WorkerReport:
@@ -254,7 +288,7 @@ class WorkerLoop:
 
     def _run(self) -> None:
         reg = self._register()
-        last_round = -1
+        last_round = self._last_round
         while not self.stop.is_set():
             if self.max_rounds is not None and self.report.rounds >= self.max_rounds:
                 self.report.stopped_by = "max_rounds"
@@ -324,11 +358,14 @@ class WorkerLoop:
             self.report.late += outcome.late
             for line in outcome.lines():
                 self.say(line)
+            if not got_in:
+                self._encoder.reset()
+            if self.folder is not None:  # what a restart resumes from: this state
+                self.folder.pushed(reg, pulled, self._trainer, self._encoder, self.client.view)
             if got_in:
                 self.report.accepted += 1
                 continue
             self.report.refused[result.reason] = self.report.refused.get(result.reason, 0) + 1
-            self._encoder.reset()
             new = self._handle_refusal(Refused(result.reason, result.detail, result.status), reg)
             if self.report.stopped_by:
                 return
