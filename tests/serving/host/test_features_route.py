@@ -24,6 +24,7 @@ from blocktrain.model import (
     stack_denoiser,
 )
 from blocktrain.model.sampler import run_points
+from blocktrain.model.speculative import generate_autoregressive_speculative
 from blocktrain.serving import HostSettings, ModelSource, create_host_app
 from blocktrain.serving.host.block_host import BlockHost
 from blocktrain.serving.shared.wire import CONTENT_TYPE, StageHeader, SweepHeader, decode, encode
@@ -284,3 +285,29 @@ def test_a_reversed_stack_is_served_through_its_head_exit_only(runs, tmp_path):
     with TestClient(h) as client:
         answer = client.post("/v1/sweep", content=body, headers={"content-type": CONTENT_TYPE})
     assert answer.status_code == 400 and "reversed" in answer.text
+
+
+def test_the_head_exit_verifies_drafts_as_the_reference_pipeline_does(runs):
+    """exit = head with drafting: the router drafts, the chain's head stages score the draft's
+    positions in one traversal, and the bytes are the in-process speculative loop's over the
+    same head (fewer traversals than bytes)."""
+    _, k1 = load_model(runs.features_next_byte)
+    assert isinstance(k1, BlockStack) and k1.cfg.span == 1
+    cluster = start_cluster(runs, models=features_models(runs))
+    prompt = b"Valkyria Chronicles is a "
+    request = {"model": "btf1", "prompt": prompt.decode(), "max_bytes": 12, "seed": 3}
+    with cluster.router(drafter=DRAFTER) as router:
+        r = router.post("/v1/generate", json={**request, "exit": "head", "draft_bytes": 4})
+    assert r.status_code == 200, r.text
+    expected, loop = generate_autoregressive_speculative(
+        functools.partial(head_logits, k1),
+        torch.tensor([list(prompt)]),
+        12,
+        drafter=DRAFTER,
+        draft_len=4,
+        seq_len=k1.cfg.seq_len,
+        sampling=Sampling(),
+        generator=torch.Generator().manual_seed(3),
+    )
+    assert r.json()["bytes"] == expected[0].tolist()
+    assert r.json()["traversals"] == loop.traversals < 12
