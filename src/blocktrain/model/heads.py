@@ -16,7 +16,7 @@ from torch import nn
 
 from blocktrain.model.block import Block
 from blocktrain.model.cached import KVCache
-from blocktrain.model.layers import DualStreamLayer
+from blocktrain.model.pipeline import cached_clean_pass
 from blocktrain.model.stack import BlockStack
 
 
@@ -54,19 +54,7 @@ class HeadStage(nn.Module):
         head's logits (N, L, 256); position i predicts the byte after it."""
         block = self.block
         h = block.clean_input(x_new, upstream)
-        start = cache.length if cache is not None else 0
-        rot = block.rotary.rotation(torch.arange(start, start + h.shape[1], device=h.device))
-        for i, layer in enumerate(block.layers):
-            assert isinstance(layer, DualStreamLayer)
-            past = None
-            if cache is not None and cache.length > 0:
-                past = (cache.keys[i], cache.values[i])
-            h, (k, v) = layer.attend_clean(h, rot, past)
-            h = layer.mlp_clean(h)
-            if cache is not None:
-                cache.keys[i], cache.values[i] = k, v
-        if cache is not None:
-            cache.length = start + h.shape[1]
+        h = cached_clean_pass(list(enumerate(block.layers)), block.rotary, h, cache)
         if self.last:
             assert block.aux_head is not None and block.aux_norm is not None
             return block.aux_head(block.aux_norm(h))

@@ -11,6 +11,8 @@ Pure math, like the rest of `model/`: no I/O, no logging, no globals.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -58,24 +60,34 @@ class ReferenceStage(nn.Module):
         stage; position i's logits predict the byte after it. The new tokens take positions
         cache.length .. cache.length + L - 1; the cache (if given) is extended in place."""
         h = self.embed(inp) if self.embed is not None else inp  # (N, L, d)
-        start = cache.length if cache is not None else 0
-        positions = torch.arange(start, start + h.shape[1], device=h.device)
-        rot = self.rotary.rotation(positions)  # (L, hd/2)
-        for i in self.layer_ids:
-            layer = self.layers[str(i)]
-            assert isinstance(layer, DualStreamLayer)
-            past = None
-            if cache is not None and cache.length > 0:
-                past = (cache.keys[i], cache.values[i])
-            h, (k, v) = layer.attend_clean(h, rot, past)
-            h = layer.mlp_clean(h)
-            if cache is not None:
-                cache.keys[i], cache.values[i] = k, v
-        if cache is not None:
-            cache.length = start + h.shape[1]
+        layers = [(i, self.layers[str(i)]) for i in self.layer_ids]
+        h = cached_clean_pass(layers, self.rotary, h, cache)
         if self.norm is not None and self.head is not None:
             return self.head(self.norm(h))  # (N, L, 256)
         return h
+
+
+def cached_clean_pass(
+    layers: Sequence[tuple[int, nn.Module]], rotary: Rotary, h: torch.Tensor, cache: KVCache | None
+) -> torch.Tensor:
+    """The clean stream's `layers` ((cache index, DualStreamLayer) pairs) on L new tokens h
+    (N, L, d) at positions cache.length.., each attending to the cached ones; the cache (if
+    given) is extended in place. -> (N, L, d). What a pipeline stage runs per step: the
+    reference's stages and a BlockTrain run's head stages (model/heads.py) alike."""
+    start = cache.length if cache is not None else 0
+    rot = rotary.rotation(torch.arange(start, start + h.shape[1], device=h.device))  # (L, hd/2)
+    for i, layer in layers:
+        assert isinstance(layer, DualStreamLayer)
+        past = None
+        if cache is not None and cache.length > 0:
+            past = (cache.keys[i], cache.values[i])
+        h, (k, v) = layer.attend_clean(h, rot, past)
+        h = layer.mlp_clean(h)
+        if cache is not None:
+            cache.keys[i], cache.values[i] = k, v
+    if cache is not None:
+        cache.length = start + h.shape[1]
+    return h
 
 
 def split_reference(model: Reference, stages: int) -> list[ReferenceStage]:
