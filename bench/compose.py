@@ -287,6 +287,7 @@ DILOCO = {"outer_lr": 0.7, "outer_momentum": 0.9}
 HEAD_TO_HEAD = (
     ("blocktrain", 3, 1, "state"),
     ("blocktrain", 3, 1, "features"),
+    ("reversed", 3, 1, "features"),
     ("blocktrain", 1, 1, "state"),
     ("diloco", 1, 1, "end-to-end"),
     ("diloco", 1, 3, "end-to-end"),
@@ -294,7 +295,8 @@ HEAD_TO_HEAD = (
     ("averaged", 1, 3, "end-to-end"),
 )
 """The decentralised rows: (method, blocks, layers as a multiple of one block's, route); W
-workers spread evenly over the blocks. DiLoCo trains the end-to-end reference as one unit with
+workers spread evenly over the blocks. `reversed`: the features stack with intervals reversed,
+read through its head exit. DiLoCo trains the end-to-end reference as one unit with
 its outer Nesterov; `averaged` the same unit with plain averaging, as the blocks are."""
 
 
@@ -311,7 +313,8 @@ def head_to_head(args: argparse.Namespace, data: Path) -> list[dict[str, Any]]:
             continue
         end_to_end = method in ("diloco", "averaged")
         model = "reference" if end_to_end else "blocktrain"
-        row = Row(args.preset, model, blocks, depth * lpb, route, rounds * h)
+        intervals = "reversed" if method == "reversed" else "forward"
+        row = Row(args.preset, model, blocks, depth * lpb, route, rounds * h, intervals=intervals)
         cfg = row.config(args.seeds[0], args.threads)
         protocol: dict[str, Any] = {"local_steps": h, "effect_probe": "off"}
         protocol |= DILOCO if method == "diloco" else {}
@@ -322,6 +325,7 @@ def head_to_head(args: argparse.Namespace, data: Path) -> list[dict[str, Any]]:
             spec, [REGIMES["lockstep"]], load_split(data, "train"), load_split(data, "valid")
         )
         result = report["regimes"]["lockstep"]
+        head = None
         if end_to_end:
             reference = init_reference(cfg.model, cfg.seed).eval()
             reference.load_state_dict(weights["lockstep"][0])
@@ -329,13 +333,13 @@ def head_to_head(args: argparse.Namespace, data: Path) -> list[dict[str, Any]]:
             params = plan(cfg)["reference_params"]
         else:
             stack = build_stack(cfg, weights["lockstep"])
-            ce = evaluate_blocktrain(stack, test, EvalSettings(sweeps=args.sweeps, seed=0))[
-                "sampler_ce"
-            ]
+            ev = evaluate_blocktrain(stack, test, EvalSettings(sweeps=args.sweeps, seed=0))
+            ce, head = ev["sampler_ce"], ev["head_ce_per_block"][-1]
             params = plan(cfg)["params_total"]
         name = {
             "diloco": f"DiLoCo, {depth * lpb}-layer replicas",
             "averaged": f"end-to-end {depth * lpb}-layer replicas, averaged",
+            "reversed": f"BlockTrain B = {blocks}, features, intervals reversed",
         }.get(method, f"BlockTrain B = {blocks}, {route}")
         out.append(
             {
@@ -356,10 +360,11 @@ def head_to_head(args: argparse.Namespace, data: Path) -> list[dict[str, Any]]:
                 "accepted": result["updates"]["accepted"],
                 "worker_state_bytes": worker_bytes(row, cfg),
                 "test_ce": ce,
+                "head_ce": head,
                 "seed": cfg.seed,
             }
         )
-        print(f"  test CE {ce:.4f}", file=sys.stderr, flush=True)
+        print(f"  test CE {ce:.4f}, head CE {head}", file=sys.stderr, flush=True)
     return out
 
 
@@ -456,10 +461,11 @@ def markdown(result: dict[str, Any]) -> str:
             "",
             "Decentralised, in the simulator with real local training (lockstep regime, no "
             "effect probe, fp16 wire): every worker holds one unit, a block or DiLoCo's "
-            "end-to-end replica; a reference's CE is exact, a stack's the sampler CE.",
+            "end-to-end replica; a reference's CE is exact, a stack's the sampler CE (head CE: "
+            "its head exit, for the rows simulated since eval reports it).",
             "",
-            "| method | params | workers | rounds x H | outer lr, momentum | bytes moved (MB) | virtual s | worker MiB | test CE |",
-            "|---|---:|---:|---|---|---:|---:|---:|---:|",
+            "| method | params | workers | rounds x H | outer lr, momentum | bytes moved (MB) | virtual s | worker MiB | test CE | head CE |",
+            "|---|---:|---:|---|---|---:|---:|---:|---:|---:|",
         ]
         for r in result["head_to_head"]:
             lines.append(
@@ -468,7 +474,8 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{r['outer']['outer_lr']}, {r['outer']['outer_momentum']} | "
                 f"{r['bytes_moved'] / 1e6:.1f} | "
                 f"{r['virtual_time_s']:.0f} | {r['worker_state_bytes'] / mib:.2f} | "
-                f"{r['test_ce']:.3f} |"
+                f"{r['test_ce']:.3f} | "
+                f"{'' if r.get('head_ce') is None else format(r['head_ce'], '.3f')} |"
             )
     if result.get("over_http"):
         lines += [
@@ -547,7 +554,8 @@ def main() -> None:
         "--methods",
         type=lambda s: s.split(","),
         default=["blocktrain", "diloco"],
-        help="with --simulate: which rows (blocktrain, diloco, averaged); others are kept",
+        help="with --simulate: which rows (blocktrain, reversed, diloco, averaged); others are "
+        "kept",
     )
     p.add_argument("--seeds", type=lambda s: [int(v) for v in s.split(",")], default=[0])
     p.add_argument("--sweeps", type=int, help="M of the sampler CE (default: 16 tiny, 64 small)")
