@@ -68,3 +68,18 @@ def asgi_request(
     status = next(m["status"] for m in sent if m["type"] == "http.response.start")
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     return Answer(status, body, pulled[0], pulled[1])
+
+
+def answered_by(app: Any, request: Any) -> Any:
+    """An httpx request answered by a TestClient `app` (for an httpx.MockTransport handler):
+    how a test puts a real client in front of an in-process aggregator."""
+    import httpx
+
+    r = app.request(
+        request.method,
+        str(request.url),
+        headers=request.headers,
+        content=request.content,
+        follow_redirects=False,
+    )
+    return httpx.Response(r.status_code, headers=r.headers, content=r.content)

@@ -19,6 +19,7 @@ from blocktrain.protocol.http.app import create_app
 from blocktrain.protocol.store.tokens import hash_token, new_token
 from blocktrain.protocol.worker import loop
 from blocktrain.protocol.worker.client import AggregatorClient
+from tests.asgi import answered_by
 from tests.conftest import micro_config
 from tests.protocol.conftest import FakeClock, run_state
 
@@ -44,14 +45,7 @@ def aggregator(tmp_path, monkeypatch):
             pushes[0] += 1
             if pushes[0] == 2:  # round 1's update misses its deadline
                 clock.advance(DEADLINE + 1)
-        r = app.request(
-            request.method,
-            str(request.url),
-            headers=request.headers,
-            content=request.content,
-            follow_redirects=False,
-        )
-        return httpx.Response(r.status_code, headers=r.headers, content=r.content)
+        return answered_by(app, request)
 
     def client(url, token, **kwargs):
         return AggregatorClient(

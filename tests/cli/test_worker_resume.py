@@ -18,6 +18,7 @@ from blocktrain.cli.main import main
 from blocktrain.protocol.http.app import create_app
 from blocktrain.protocol.store.tokens import hash_token, new_token
 from blocktrain.protocol.worker.client import AggregatorClient
+from tests.asgi import answered_by
 from tests.conftest import micro_config
 from tests.protocol.conftest import FakeClock, run_state
 
@@ -33,14 +34,7 @@ def aggregator(tmp_path, monkeypatch):
     app.__enter__()
 
     def handler(request: httpx.Request) -> httpx.Response:
-        r = app.request(
-            request.method,
-            str(request.url),
-            headers=request.headers,
-            content=request.content,
-            follow_redirects=False,
-        )
-        return httpx.Response(r.status_code, headers=r.headers, content=r.content)
+        return answered_by(app, request)
 
     def client(url, token, **kwargs):
         return AggregatorClient(

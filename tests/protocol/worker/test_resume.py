@@ -26,6 +26,7 @@ from blocktrain.protocol.worker.client import AggregatorClient
 from blocktrain.protocol.worker.loop import WorkerLoop
 from blocktrain.protocol.worker.resume import WorkerFolder
 from blocktrain.training.local import local_trainer
+from tests.asgi import answered_by
 from tests.conftest import micro_config
 from tests.protocol.conftest import FakeClock, make_harness, run_state
 from tests.protocol.worker.test_worker import SETTINGS, FakeTrainer, client_for
@@ -243,16 +244,10 @@ class Aggregator:
         def handler(request: httpx.Request) -> httpx.Response:
             if request.method == "POST" and request.url.path.endswith("/updates"):
                 self.pushes.append(request.content)
-            r = self.app.request(
-                request.method,
-                str(request.url),
-                headers=request.headers,
-                content=request.content,
-                follow_redirects=False,
-            )
+            r = answered_by(self.app, request)
             if "/versions/" in request.url.path:
                 self.pulls.append((request.url.path, r.status_code))
-            return httpx.Response(r.status_code, headers=r.headers, content=r.content)
+            return r
 
         return AggregatorClient("http://agg", self.token, transport=httpx.MockTransport(handler))
 
