@@ -370,13 +370,16 @@ def head_to_head(args: argparse.Namespace, data: Path) -> list[dict[str, Any]]:
 
 def over_http(args: argparse.Namespace, data: Path, rows: dict[str, Any]) -> dict[str, Any]:
     """`blocktrain cluster`: W worker processes and the aggregator over real HTTP on loopback
-    train the B = 3 features stack for R rounds of H local steps (the schedule spanning R x H
-    steps, as `train`'s does), no effect probe; the final model scored as the rows are, against
-    the single-process row of the same steps and seed (trained here if it is missing)."""
+    train the B = 3 features stack (intervals reversed with --reversed) for R rounds of H local
+    steps (the schedule spanning R x H steps, as `train`'s does), no effect probe; the final
+    model scored as the rows are, by both exits, against the single-process row of the same
+    steps and seed (trained here if it is missing). With W = 3 each block has one replica and
+    sees the single-process run's data; with more, each update averages W / 3 replicas."""
     workers, rounds, h = args.cluster
     lpb = {"tiny": 1, "small": 2}.get(args.preset, 1)
     seed = args.seeds[0]
-    row = Row(args.preset, "blocktrain", 3, lpb, "features", rounds * h)
+    intervals = "reversed" if args.reversed else "forward"
+    row = Row(args.preset, "blocktrain", 3, lpb, "features", rounds * h, intervals=intervals)
     single = rows.get(row.key, {}).get("by_seed", {}).get(str(seed)) or measure(
         row, seed, args, data
     )
@@ -396,6 +399,7 @@ def over_http(args: argparse.Namespace, data: Path, rows: dict[str, Any]) -> dic
         "blocks": row.blocks,
         "layers_per_block": lpb,
         "route": row.route,
+        "intervals": row.intervals,
         "workers": workers,
         "rounds": rounds,
         "local_steps": h,
@@ -403,6 +407,9 @@ def over_http(args: argparse.Namespace, data: Path, rows: dict[str, Any]) -> dic
         "cluster_test_ce": ev["sampler_ce"],
         "single_test_ce": single["test_ce"],
         "gap": ev["sampler_ce"] - single["test_ce"],
+        "cluster_head_ce": ev["head_ce_per_block"][-1],
+        "single_head_ce": single["head_ce_per_block"][-1],
+        "head_gap": ev["head_ce_per_block"][-1] - single["head_ce_per_block"][-1],
         "bytes_moved": summary["bytes"]["total"],
         "wall_seconds": summary["wall_seconds"],
         "updates": summary["updates"],
@@ -482,16 +489,22 @@ def markdown(result: dict[str, Any]) -> str:
             "",
             "Over HTTP: `blocktrain cluster` on this machine (worker processes and the "
             "aggregator on loopback, no effect probe, fp16 wire), the features stack scored on "
-            "the same test bytes, against the single-process `train` row of the same steps and "
-            "seed (each cluster update is the mean of W / 3 replicas' deltas).",
+            "the same test bytes by both exits, against the single-process `train` row of the "
+            "same steps and seed (each cluster update is the mean of W / 3 replicas' deltas).",
             "",
-            "| preset | workers | rounds x H | single-process CE | cluster CE | gap |",
-            "|---|---:|---|---:|---:|---:|",
+            "| preset | stack | workers | rounds x H | single-process CE | cluster CE | gap | single head CE | cluster head CE | head gap |",
+            "|---|---|---:|---|---:|---:|---:|---:|---:|---:|",
         ]
         for r in result["over_http"]:
+            heads = (
+                f"{r['single_head_ce']:.3f} | {r['cluster_head_ce']:.3f} | {r['head_gap']:+.3f}"
+                if "head_gap" in r
+                else " | | "
+            )
             lines.append(
-                f"| {r['preset']} | {r['workers']} | {r['rounds']} x {r['local_steps']} | "
-                f"{r['single_test_ce']:.3f} | {r['cluster_test_ce']:.3f} | {r['gap']:+.3f} |"
+                f"| {r['preset']} | {route_label({'route': 'features', **r})} | {r['workers']} | "
+                f"{r['rounds']} x {r['local_steps']} | {r['single_test_ce']:.3f} | "
+                f"{r['cluster_test_ce']:.3f} | {r['gap']:+.3f} | {heads} |"
             )
     lines += ["", "```sh", *result["commands"], "```"]
     return "\n".join(lines)
@@ -521,7 +534,8 @@ def main() -> None:
     p.add_argument(
         "--reversed",
         action="store_true",
-        help="also a features row with intervals = reversed for each B > 1",
+        help="also a features row with intervals = reversed for each B > 1 (with --cluster: the "
+        "reversed stack instead of the forward one)",
     )
     p.add_argument(
         "--stacks-only",
@@ -573,9 +587,11 @@ def main() -> None:
     if args.cluster:
         old = {"sweeps": DEFAULT_SWEEPS, "test_bytes": args.bytes, "depth": [], **old}
         new_http = over_http(args, data, by_key)
-        same = ("preset", "workers", "rounds", "local_steps", "seed")
+        same = ("preset", "intervals", "workers", "rounds", "local_steps", "seed")
         old["over_http"] = [
-            r for r in old.get("over_http", []) if any(r[k] != new_http[k] for k in same)
+            r
+            for r in old.get("over_http", [])
+            if any(r.get(k, "forward") != new_http[k] for k in same)
         ] + [new_http]
         command = "python bench/compose.py " + " ".join(sys.argv[1:])
         old["commands"] = [c for c in old.get("commands", []) if c != command] + [command]
@@ -640,6 +656,7 @@ def save(
         "rows": rows,
         "depth": [d for name in presets for d in depth_delivered(rows, name)],
         "head_to_head": old.get("head_to_head", []),
+        "over_http": old.get("over_http", []),
     }
     write_json(RESULT, result)
     update_section("compose", markdown(result))
