@@ -45,8 +45,9 @@ from blocktrain.config import apply_overrides
 from blocktrain.data import load_split
 from blocktrain.presets import tiny
 from blocktrain.simulate import SimSpec, simulate
-from blocktrain.simulate.attacks import Attack, undefended
+from blocktrain.simulate.attacks import Attack
 from blocktrain.simulate.regimes import load_regime
+from defences import undefended  # bench/defences.py, beside it
 from report import (
     RESULTS,
     ROOT,

@@ -80,6 +80,52 @@ def _wait(url: str, procs: list[subprocess.Popen], timeout_s: float = 180) -> No
     raise RuntimeError(f"{url} did not come up in {timeout_s} s")
 
 
+def _commands(
+    models: dict[str, Path],
+    ports: list[int],
+    hop_ms: float,
+    threads: int,
+    router_args: tuple[str, ...],
+    host_args: tuple[str, ...],
+) -> list[list[str]]:
+    """The `blocktrain serve-block` command of each host, then the router's `blocktrain serve`."""
+    cli = [sys.executable, "-m", "blocktrain.cli.main"]
+    hosts = [f"http://127.0.0.1:{p}" for p in ports[:HOSTS]]
+    served = [f"{n}={d}" for n, d in models.items()]
+    return [
+        *(
+            [*cli, "serve-block", *served, "--blocks", str(i), "--port", str(port),
+             "--hop-ms", str(hop_ms), "--threads", str(threads), *host_args]
+            for i, port in enumerate(ports[:HOSTS])
+        ),
+        [*cli, "serve", "--hosts", ",".join(hosts), "--port", str(ports[-1]),
+         "--hop-ms", str(hop_ms), *router_args],
+    ]  # fmt: skip
+
+
+def _settings_commands(
+    models: dict[str, Path],
+    ports: list[int],
+    hop_ms: float,
+    threads: int,
+    host_settings: dict[str, Any],
+    router_settings: dict[str, Any],
+) -> list[list[str]]:
+    """The same processes built from HostSettings / RouterSettings fields (serving_procs.py)."""
+    procs = [sys.executable, str(Path(__file__).with_name("serving_procs.py"))]
+    hosts = [f"http://127.0.0.1:{p}" for p in ports[:HOSTS]]
+    served = {n: str(d) for n, d in models.items()}
+    return [
+        *(
+            [*procs, "host", json.dumps({"models": served, "parts": [i], "port": port,
+             "hop_ms": hop_ms, "threads": threads, **host_settings})]
+            for i, port in enumerate(ports[:HOSTS])
+        ),
+        [*procs, "router", json.dumps({"hosts": hosts, "port": ports[-1], "hop_ms": hop_ms,
+         **router_settings})],
+    ]  # fmt: skip
+
+
 @contextlib.contextmanager
 def chain(
     models: dict[str, Path],
@@ -87,55 +133,36 @@ def chain(
     threads: int,
     router_args: tuple[str, ...] = (),
     host_args: tuple[str, ...] = (),
+    *,
+    host_settings: dict[str, Any] | None = None,
+    router_settings: dict[str, Any] | None = None,
 ) -> Iterator[str]:
     """3 host processes and a router process (`router_args` and `host_args` added to their
-    command lines); yields the router's URL."""
-    cli = [sys.executable, "-m", "blocktrain.cli.main"]
+    command lines); yields the router's URL. With `host_settings` or `router_settings` (fields
+    of HostSettings and RouterSettings, some without a flag) the processes are
+    bench/serving_procs.py's, built from those fields, and take no command-line arguments."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     ports = [_free_port() for _ in range(HOSTS + 1)]
-    hosts = [f"http://127.0.0.1:{p}" for p in ports[:HOSTS]]
+    if host_settings is None and router_settings is None:
+        commands = _commands(models, ports, hop_ms, threads, router_args, host_args)
+    else:
+        assert not router_args and not host_args, "settings or arguments, not both"
+        commands = _settings_commands(
+            models, ports, hop_ms, threads, host_settings or {}, router_settings or {}
+        )
     procs: list[subprocess.Popen] = []
     try:
-        for i, port in enumerate(ports[:HOSTS]):
+        for i, command in enumerate(commands):
+            router = i == len(commands) - 1
             procs.append(
                 subprocess.Popen(
-                    [
-                        *cli,
-                        "serve-block",
-                        *(f"{n}={d}" for n, d in models.items()),
-                        "--blocks",
-                        str(i),
-                        "--port",
-                        str(port),
-                        "--hop-ms",
-                        str(hop_ms),
-                        "--threads",
-                        str(threads),
-                        *host_args,
-                    ],
-                    env=env,
+                    command,
+                    env={**env, "OMP_NUM_THREADS": "1"} if router else env,
                     stdout=subprocess.DEVNULL,
                 )
             )
-        procs.append(
-            subprocess.Popen(
-                [
-                    *cli,
-                    "serve",
-                    "--hosts",
-                    ",".join(hosts),
-                    "--port",
-                    str(ports[-1]),
-                    "--hop-ms",
-                    str(hop_ms),
-                    *router_args,
-                ],
-                env={**env, "OMP_NUM_THREADS": "1"},
-                stdout=subprocess.DEVNULL,
-            )
-        )
-        for url in [*hosts, f"http://127.0.0.1:{ports[-1]}"]:
-            _wait(url, procs)
+        for port in ports:
+            _wait(f"http://127.0.0.1:{port}", procs)
         yield f"http://127.0.0.1:{ports[-1]}"
     finally:
         for p in procs:

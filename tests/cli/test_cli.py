@@ -190,6 +190,11 @@ def test_eval_with_a_judge_reports_the_judged_continuations(capsys, tmp_path, tr
     assert {"gen_ce", "floor_ce", "entropy", "real_entropy", "samples"} <= set(gen)
     assert gen["prompts"] == 2 and gen["continuation_bytes"] == 6
     assert out["joint_ce"] > 0 and out["span"] == 1
+    # --temperature: the continuations' temperature (0: greedy, fewer distinct bytes)
+    assert main([*base, "--judge", str(judge), *small, "--temperature", "0", "--json"]) == 0
+    cold = json.loads(capsys.readouterr().out)["generated"]
+    assert (gen["temperature"], cold["temperature"]) == (1.0, 0.0)
+    assert cold["entropy"] < gen["entropy"]
     assert main([*base, "--judge", str(judge), *small]) == 0
     assert "judge CE" in capsys.readouterr().out
     fails_cleanly(capsys, [*base, "--judge", str(trained)], "is not a reference")

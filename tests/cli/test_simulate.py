@@ -31,6 +31,17 @@ def test_json_contract_and_outputs(capsys, corpus: Path, tmp_path: Path) -> None
     fails_cleanly(capsys, argv, "already holds a simulation")
 
 
+def test_eval_every_measures_the_ce_every_k_rounds(capsys, corpus: Path) -> None:
+    """--eval-every K: the per-round CE of every K-th round only (the others null), cheaper on a
+    long run; the final CE is taken all the same."""
+    argv = ["simulate", "--workers", "3", "--rounds", "4", "--regime", "lockstep"]
+    assert main([*argv, "--data", str(corpus), "--json", "--eval-every", "2", *MICRO]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rounds = report["regimes"]["lockstep"]["rounds"]
+    assert [r["from_noise_ce"] is not None for r in rounds] == [False, True, False, True]
+    assert report["eval"]["every"] == 2 and report["regimes"]["lockstep"]["final_sampler_ce"] > 0
+
+
 def test_timing_only_table(capsys) -> None:
     argv = ["simulate", "--timing-only", "--rounds", "5", "--regime", "wan", "--no-progress"]
     assert main(argv) == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,12 @@ from blocktrain.config import apply_overrides
 from blocktrain.data import load_split
 from blocktrain.errors import ConfigError
 from blocktrain.simulate import REGIMES, SimSpec, simulate
-from blocktrain.simulate.attacks import Attack, ForgingTrainer, undefended
+from blocktrain.simulate.attacks import Attack, ForgingTrainer
 from tests.conftest import micro_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from defences import undefended  # bench/defences.py: the aggregator before the defences
 
 ROUNDS = 4
 

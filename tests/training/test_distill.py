@@ -109,10 +109,11 @@ def test_the_distill_command_makes_a_drafter_and_refuses_what_cannot_teach(
     capsys.readouterr()
     out = tmp_path / "kd"
     argv = ["distill", *data, "--teacher", str(tmp_path / "k1"), "--student", str(tmp_path / "d")]
-    assert main([*argv, "--out", str(out), "--steps", "3", "--no-progress"]) == 0
+    assert main([*argv, "--out", str(out), "--steps", "3", "--lr", "5e-4", "--no-progress"]) == 0
     assert "distilled" in capsys.readouterr().out
     info, model = load_model(out)
     assert info.kind == "reference" and info.config.train.steps == 3
+    assert info.config.train.lr == 5e-4  # --lr, the distillation's peak learning rate
     assert isinstance(model, Reference)
     ModelDrafter(model).draft(list(b"The "), 4, torch.Generator().manual_seed(0))
     assert main(["distill", *data, "--resume", "--out", str(out), "--steps", "4", "-q"]) == 0

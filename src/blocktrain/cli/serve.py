@@ -37,9 +37,6 @@ EXAMPLES = """examples:
       --port 8100
   curl -s localhost:8100/readyz    # 200 once a 1-byte sweep gets through every host
 
-  # under load: concurrent generations' sweeps to one host travel as one request
-  blocktrain serve --hosts ... --port 8100 --coalesce-sweeps 64 --coalesce-window-ms 2
-
   # speculative generation with a K = 1 model: 6 bytes drafted per traversal, then verified
   blocktrain serve --hosts ... --port 8100 --draft-corpus data/wikitext-2
   curl -s localhost:8100/v1/generate -H 'content-type: application/json' \\
@@ -151,20 +148,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="S",
         help="end a stream, releasing its work, when its client reads nothing for S seconds",
     )
-    p.add_argument(
-        "--coalesce-sweeps",
-        type=int,
-        default=RouterSettings.coalesce_sweeps,
-        metavar="N",
-        help="send up to N concurrent generations' sweeps bound for one host as one request "
-        "(at most the hosts' --max-batch; 1: each its own request)",
-    )
-    p.add_argument(
-        "--coalesce-window-ms",
-        type=float,
-        default=RouterSettings.coalesce_window_ms,
-        help="how long a sweep waits for others bound for the same host",
-    )
     p.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate")
     p.add_argument("--tls-key", metavar="PEM", help="... and this private key")
     p.add_argument(
@@ -245,8 +228,6 @@ def run_cmd(args: argparse.Namespace) -> int:
         send_timeout_s=args.send_timeout,
         secret=load_secret(args.secret_file),
         ca_cert=args.ca_cert,
-        coalesce_sweeps=args.coalesce_sweeps,
-        coalesce_window_ms=args.coalesce_window_ms,
     )
     tls = tls_pair(args.tls_cert, args.tls_key)
     sock = bind(args.host, args.port)

@@ -41,9 +41,9 @@ EXAMPLES = """examples:
 
   # the same hosts also serve the reference, split into as many stages (the AR baseline)
   blocktrain serve-block tiny=runs/tiny ref=runs/ref --blocks 0 --port 8101
-  # batching (on by default): concurrent sweeps at the same point share a forward pass
-  blocktrain serve-block runs/tiny --blocks 0 --port 8101 --batch-window-ms 5 --batch-rows 32
-  blocktrain serve-block runs/tiny --blocks 0 --port 8101 --no-batching
+  # batching (on by default): concurrent sweeps at the same point share a forward pass;
+  # the oldest may wait 5 ms for company
+  blocktrain serve-block runs/tiny --blocks 0 --port 8101 --batch-window-ms 5
   # each generation's clean stream is cached per block (on by default), within a memory cap
   blocktrain serve-block runs/tiny --blocks 0 --port 8101 --max-cache-mb 256
   blocktrain serve-block runs/tiny --blocks 0 --port 8101 --no-kv-cache
@@ -115,17 +115,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="how long a sweep waits for concurrent ones to share its forward pass",
     )
     p.add_argument(
-        "--batch-rows",
-        type=int,
-        default=HostSettings.batch_rows,
-        help="most sequences in one batched forward pass",
-    )
-    p.add_argument(
-        "--no-batching",
-        action="store_true",
-        help="run every request alone (one forward pass each), e.g. to compare",
-    )
-    p.add_argument(
         "--no-kv-cache",
         action="store_true",
         help="keep no clean-stream cache per generation: every sweep computes its whole "
@@ -172,7 +161,6 @@ def run_cmd(args: argparse.Namespace) -> int:
             secret=secret,
             ca_cert=args.ca_cert,
             batch_window_ms=args.batch_window_ms,
-            batch_rows=1 if args.no_batching else args.batch_rows,
             kv_cache=not args.no_kv_cache,
             max_cache_bytes=int(args.max_cache_mb * 2**20),
         )

@@ -20,14 +20,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from blocktrain.config import RunConfig
 from blocktrain.errors import ConfigError
-from blocktrain.protocol.core.bounds import largest_block, loose_delta_norm_bound
-from blocktrain.training.local import initial_blocks
 
 Tensors = dict[str, torch.Tensor]
 
@@ -36,23 +32,6 @@ AT_BOUND = 0.99
 """Forged deltas sit just inside the bound (fp16 rounding must not push them over)."""
 MAX_SHRINK = 1.76
 BIAS_TENSOR = "head.bias"
-
-
-def undefended(cfg: RunConfig, local_steps: int) -> dict[str, Any]:
-    """The aggregator settings before the poisoning defences (the comparison's "defences none"): the mean
-    weighted by claimed tokens, no clipping, no effect probe, the loose norm bound, and any
-    number of live workers per token (one per token is one of those defences too); nor the
-    replay check (identical forged deltas from several tokens are copies)."""
-    n_params = largest_block(initial_blocks(cfg))
-    return {
-        "rule": "mean",
-        "weighting": "reported",
-        "clip": 0.0,
-        "effect_probe": "off",
-        "max_delta_norm": loose_delta_norm_bound(cfg, local_steps, n_params),
-        "max_workers_per_token": 1024,
-        "replay_rounds": 0,
-    }
 
 
 def _norm(tensors: Tensors) -> float:

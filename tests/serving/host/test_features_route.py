@@ -27,6 +27,7 @@ from blocktrain.model.sampler import run_points
 from blocktrain.model.speculative import generate_autoregressive_speculative
 from blocktrain.serving import HostSettings, ModelSource, create_host_app
 from blocktrain.serving.host.block_host import BlockHost
+from blocktrain.serving.shared.serving_errors import reversed_stack_sweep
 from blocktrain.serving.shared.wire import CONTENT_TYPE, StageHeader, SweepHeader, decode, encode
 from blocktrain.training import Trainer, load_model
 from tests.conftest import micro_config
@@ -277,14 +278,15 @@ def test_a_reversed_stack_is_served_through_its_head_exit_only(runs, tmp_path):
         refused = router.post("/v1/generate", json=request)
         r = router.post("/v1/generate", json={**request, "exit": "head"})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "exit"
-    assert "reversed" in refused.json()["error"]["message"]
+    refusal = reversed_stack_sweep("rev").message  # the one text, in the router and the hosts
+    assert refused.json()["error"]["message"] == refusal
     assert r.status_code == 200, r.text
     assert r.json()["bytes"] == in_process_head(reversed_stack, b"Sega ", 6, 2)
     h = create_host_app(HostSettings(models=(ModelSource("rev", run),), parts=(0, 1, 2)))
     body = sweep_body_for(h.state.host, "rev", torch.tensor([[1, 2, 3, 4]]))
     with TestClient(h) as client:
         answer = client.post("/v1/sweep", content=body, headers={"content-type": CONTENT_TYPE})
-    assert answer.status_code == 400 and "reversed" in answer.text
+    assert answer.status_code == 400 and answer.json()["error"]["message"] == refusal
 
 
 def test_the_head_exit_verifies_drafts_as_the_reference_pipeline_does(runs):

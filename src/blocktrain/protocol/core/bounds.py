@@ -29,13 +29,6 @@ def delta_norm_bound(
     return slack * cfg.train.lr * math.sqrt(local_steps * n_params)
 
 
-def loose_delta_norm_bound(cfg: RunConfig, local_steps: int, n_params: int) -> float:
-    """The bound before the poisoning defences, 4 x lr x H x sqrt(params) (56.25 at the tiny
-    preset, 14x the largest honest delta): kept for comparisons (`bench/adversarial.py`, defences
-    none)."""
-    return 4.0 * cfg.train.lr * local_steps * math.sqrt(n_params)
-
-
 def token_bound(cfg: RunConfig, local_steps: int, slack: float = 2.0) -> int:
     """The most target bytes an honest update can claim: H batches of B x T, with slack."""
     return int(slack * local_steps * cfg.train.batch_size * cfg.model.seq_len)

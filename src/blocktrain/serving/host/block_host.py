@@ -55,7 +55,7 @@ from blocktrain.serving.host.sweeps import (
 )
 from blocktrain.serving.shared.batching import Batcher
 from blocktrain.serving.shared.requests import byte_input, read_header, read_message, state_input
-from blocktrain.serving.shared.serving_errors import BadRequest, HostRefused
+from blocktrain.serving.shared.serving_errors import BadRequest, HostRefused, reversed_stack_sweep
 from blocktrain.serving.shared.transport import post_message
 from blocktrain.serving.shared.wire import (
     WIRE_DTYPES,
@@ -204,11 +204,7 @@ class BlockHost:
         model = self._model(header.model, header.fingerprint, "blocktrain")
         cfg = model.config.model
         if cfg.intervals == "reversed":
-            raise BadRequest(
-                f"{model.name!r} is an intervals = reversed stack: its sweep starts at the last "
-                "block, and the chain runs the blocks in order; ask for exit = head",
-                param="exit",
-            )
+            raise reversed_stack_sweep(model.name)
         try:
             sampler_for(header.sampler, cfg.process)
         except ValueError as exc:

@@ -46,7 +46,8 @@ class HostSettings:
     sweep that finds the host idle runs at once, and those that arrive while a batch computes
     go together after it (bench/serving_load.py: 4.35x at 32 clients)."""
     batch_rows: int = 64
-    """Most sequences in one batched forward pass; 1 turns batching off."""
+    """Most sequences in one batched forward pass; 1 turns batching off. No flag of
+    `blocktrain serve-block`: bench/serving_load.py sets it to compare (bench/serving_procs.py)."""
     kv_cache: bool = True
     """Keep each generation's clean stream per block (model/cached.py); off: every sweep
     computes its whole context."""

@@ -14,6 +14,8 @@ shapes, same code path).
 
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
 import httpx
 import torch
 
@@ -34,6 +36,8 @@ from blocktrain.serving.shared.wire import (
     bytes_tensor,
 )
 
+H = TypeVar("H", SweepHeader, StageHeader)
+
 
 class Chain(Traversal):
     """Sends one span's state (or one step's tokens) through the hosts of a model, once."""
@@ -53,13 +57,32 @@ class Chain(Traversal):
         self.wire_dtype = wire_dtype
         self.final: Final = "bytes" if sample_on == "last-host" else "logits"
 
-    def _spec(self, sampling: Sampling) -> SamplingSpec:
-        return SamplingSpec(
-            temperature=sampling.temperature,
-            top_k=sampling.top_k,
-            top_p=sampling.top_p,
-            utf8=sampling.utf8,
+    def _header(self, kind: type[H], final: Final, sampling: Sampling | None, **fields: Any) -> H:
+        """The header of one message (a sweep's or a stage's): the model and the run it
+        resolved to, what the last host answers, the sampling it draws with (None: it draws
+        nothing) and the state's wire dtype, then the message's own `fields`."""
+        spec = None
+        if sampling is not None:
+            spec = SamplingSpec(
+                temperature=sampling.temperature,
+                top_k=sampling.top_k,
+                top_p=sampling.top_p,
+                utf8=sampling.utf8,
+            )
+        return kind(
+            model=self.model.name,
+            fingerprint=self.model.fingerprint,
+            final=final,
+            sampling=spec,
+            wire_dtype=self.wire_dtype,
+            **fields,
         )
+
+    def _logits(self, out: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The final logits the last host answered."""
+        if "logits" not in out:
+            raise HostRefused("the last host answered no logits", host=self._last_url)
+        return out["logits"]
 
     def _final(self, sampling: Sampling) -> Final:
         """Where a traversal's bytes are drawn: a request that keeps to UTF-8 is drawn here,
@@ -80,11 +103,10 @@ class Chain(Traversal):
         if "generator" in out:
             generator.set_state(out["generator"])
         if self._final(sampling) == "logits":
-            if "logits" not in out:
-                raise HostRefused("the last host answered no logits", host=self._last_url)
+            logits = self._logits(out).cpu()
             if self.stats.logits is not None:
-                self.stats.logits.append(out["logits"].cpu())
-            return sample_bytes(out["logits"].cpu(), sampling, generator, prefix=context)
+                self.stats.logits.append(logits)
+            return sample_bytes(logits, sampling, generator, prefix=context)
         if "bytes" not in out or "generator" not in out:
             raise HostRefused("the last host answered no bytes", host=self._last_url)
         return out["bytes"].long()
@@ -105,12 +127,10 @@ class Chain(Traversal):
         session: str | None,
         close: bool,
     ) -> dict[str, torch.Tensor]:
-        header = SweepHeader(
-            model=self.model.name,
-            fingerprint=self.model.fingerprint,
-            final=final,
-            sampling=self._spec(sampling),
-            wire_dtype=self.wire_dtype,
+        header = self._header(
+            SweepHeader,
+            final,
+            sampling,
             step=0,
             steps_per_block=steps_per_block,
             sampler=sampler,
@@ -189,9 +209,7 @@ class Chain(Traversal):
         )
         if "generator" in out:
             generator.set_state(out["generator"])
-        if "logits" not in out:
-            raise HostRefused("the last host answered no logits", host=self._last_url)
-        return out["logits"]
+        return self._logits(out)
 
     async def stage_step(
         self,
@@ -207,17 +225,7 @@ class Chain(Traversal):
         """tokens (N, L) int64 at positions pos.. -> the next byte (N,), drawn after
         `context` (N, L'), the generation's bytes so far (default: the tokens)."""
         final = self._final(sampling)
-        header = StageHeader(
-            model=self.model.name,
-            fingerprint=self.model.fingerprint,
-            final=final,
-            sampling=self._spec(sampling),
-            wire_dtype=self.wire_dtype,
-            stage=0,
-            session=session,
-            pos=pos,
-            close=close,
-        )
+        header = self._header(StageHeader, final, sampling, session=session, pos=pos, close=close)
         tensors = {"x": bytes_tensor(tokens)}
         if final == "bytes":
             tensors["generator"] = generator.get_state()
@@ -229,19 +237,9 @@ class Chain(Traversal):
     ) -> torch.Tensor:
         """tokens (1, L) at positions pos.., the last `drafted` a draft -> the logits of the
         last drafted + 1 positions (1, drafted + 1, 256); the router applies the rule."""
-        header = StageHeader(
-            model=self.model.name,
-            fingerprint=self.model.fingerprint,
-            final="logits",
-            wire_dtype=self.wire_dtype,
-            stage=0,
-            session=session,
-            pos=pos,
-            close=close,
-            verify=drafted,
+        header = self._header(
+            StageHeader, "logits", None, session=session, pos=pos, close=close, verify=drafted
         )
         out = await self._send("/v1/stage", {"x": bytes_tensor(tokens)}, header)
-        if "logits" not in out:
-            raise HostRefused("the last host answered no logits", host=self._last_url)
-        logits = out["logits"]
+        logits = self._logits(out)
         return logits if drafted else logits[:, None]

@@ -53,6 +53,7 @@ from blocktrain.serving.shared.serving_errors import (
     HostError,
     HostRefused,
     ServingError,
+    reversed_stack_sweep,
 )
 from blocktrain.serving.shared.wire import WireDtype
 
@@ -215,11 +216,7 @@ class Router:
                 param="exit",
             )
         if exit_ == "sampler" and model.kind == "blocktrain" and cfg.intervals == "reversed":
-            raise BadRequest(
-                f"{model.name!r} is an intervals = reversed stack: its sweep starts at the last "
-                "block, and the chain runs the blocks in order; ask for exit = head",
-                param="exit",
-            )
+            raise reversed_stack_sweep(model.name)
 
     def done(self, job: Job) -> None:
         """The job ended (answered, failed or abandoned): its work is no longer in flight."""

@@ -68,10 +68,11 @@ class RouterSettings:
     """PEM bundle to verify https hosts against (None: the system's CAs)."""
     coalesce_sweeps: int = 64
     """Most sweeps of concurrent generations sent to one host in one request (shared/coalesce.py);
-    1: each its own request. At most the hosts' --max-batch (default 64 too)."""
+    1: each its own request. At most the hosts' `HostSettings.max_batch` (64 too). No flag of
+    `blocktrain serve`: bench/serving_load.py sets it to compare (bench/serving_procs.py)."""
     coalesce_window_ms: float = 0.0
     """How long a sweep waits for others bound for the same host (0: none; those that arrive
-    while a request to the host is in flight go together after it)."""
+    while a request to the host is in flight go together after it). No flag, as above."""
 
     @property
     def work_per_client(self) -> int:
@@ -116,7 +117,7 @@ class RouterSettings:
         if self.draft_bytes and self.drafter is None:
             raise ConfigError("--draft-bytes needs a drafter: --draft-corpus or --draft-model")
         if self.coalesce_window_ms < 0:
-            raise ConfigError(f"--coalesce-window-ms {self.coalesce_window_ms} must be >= 0")
+            raise ConfigError(f"coalesce_window_ms = {self.coalesce_window_ms} must be >= 0")
         if self.rate_per_minute < 0:
             raise ConfigError(f"--rate-limit {self.rate_per_minute} must be >= 0 (0: none)")
         if self.send_timeout_s <= 0:

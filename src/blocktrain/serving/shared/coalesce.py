@@ -17,8 +17,8 @@ Each sweep keeps its own header (its session, generator state, sampling, sampler
 close), and the host runs each through the single-sweep code (`BlockHost.sweep`, all at once, so
 its batcher merges their forward passes): a generation's bytes are those of /v1/sweep. A
 malformed entry is refused alone (its own error in `results`); a malformed envelope, or more than
-the host's --max-batch sweeps, refuses the whole request (400). A lone sweep goes to /v1/sweep.
-Autoregressive stages are not coalesced.
+the host's max_batch sweeps (HostSettings, 64), refuses the whole request (400). A lone sweep
+goes to /v1/sweep. Autoregressive stages are not coalesced.
 """
 
 from __future__ import annotations

@@ -81,6 +81,17 @@ class BadRequest(ServingError):
     kind = "invalid_request_error"
 
 
+def reversed_stack_sweep(model: str) -> BadRequest:
+    """The refusal of a sweep (exit = sampler) asked of an intervals = reversed stack: its
+    sweep would start at the last block. The router refuses it before any work, and a host
+    refuses a sweep message that reaches it all the same."""
+    return BadRequest(
+        f"{model!r} is an intervals = reversed stack: its sweep starts at the last block, and "
+        "the chain runs the blocks in order; ask for exit = head",
+        param="exit",
+    )
+
+
 class Unauthorized(ServingError):
     status = 401
     code = "unauthorized"
