@@ -25,7 +25,8 @@ reached it spends its identity's budget (`probe_budget`). `check` is `inspect` t
 them to disk there, before any pull can see them) and only then published.
 
 What the engine holds and returns is `events`; its replay screen (`screen`) is
-`replays.ReplayScreen`, which it takes as a mixin.
+`replays.ReplayScreen` and its places at the probe (`reserve_probe`, `release_probe`)
+`probe_slots.ProbeSlots`, which it takes as mixins.
 """
 
 from __future__ import annotations
@@ -49,13 +50,14 @@ from blocktrain.protocol.core.events import (
     CommitListener,
     Committed,
     EngineBlock,
-    ProbeSlot,
     PullEvent,
     Registered,
     ReputationListener,
     accumulator,
     max_body_bytes,
 )
+from blocktrain.protocol.core.probe_slots import PROBE_SLOTS as PROBE_SLOTS
+from blocktrain.protocol.core.probe_slots import ProbeSlots
 from blocktrain.protocol.core.replays import ReplayScreen, Seen
 from blocktrain.protocol.core.rounds import BlockRounds, Registry, RoundClosed
 from blocktrain.protocol.core.settings import AggregatorSettings
@@ -71,13 +73,8 @@ from blocktrain.protocol.core.verdict import Verdict
 
 Tensors = dict[str, torch.Tensor]
 
-PROBE_SLOTS = 8
-"""Updates that may hold a place at the effect probe at once (probing or waiting for it), over
-every identity; beyond them a push is refused `busy` (429) before its body waits. Each holds
-its body in memory, so this bounds what the probe's queue costs."""
 
-
-class RoundEngine(ReplayScreen):
+class RoundEngine(ReplayScreen, ProbeSlots):
     """Blocks, their rounds and accumulators, and the registry, fed with explicit times."""
 
     def __init__(
@@ -245,46 +242,6 @@ class RoundEngine(ReplayScreen):
         """`inspect`, then `finish`: the whole content verdict, for a caller that judges the
         timing itself (a driver judges it between the two, so that the probe runs last)."""
         return self.finish(self.inspect(block, body), worker)
-
-    def reserve_probe(self, worker: int, block: int) -> tuple[Verdict, ProbeSlot | None]:
-        """A place at the effect probe for an update of `worker` that passed the cheap checks
-        (`inspect`, `judge`): refused `busy` when its identity already holds or spent
-        `probe_budget` places in the block's open round (a refused update that reached the
-        probe keeps its place spent until the round closes), or when PROBE_SLOTS updates hold
-        one. Give it back with `release_probe`. No slot when the probe is off."""
-        if self.probe is None:
-            return Verdict.ok(), None
-        identity = self.registry.identity(worker)
-        open_round = self.blocks[block].rounds.round
-        spent_round, spent = self._probe_spent.get(block, (open_round, Counter()))
-        if spent_round != open_round:
-            spent = Counter()
-        budget = self.settings.probe_budget
-        if spent[identity] >= budget:
-            return Verdict.refuse(
-                "busy",
-                f"this identity's updates reached the effect probe {spent[identity]} time(s) "
-                f"in round {open_round} of block {block} without being accepted "
-                f"(probe_budget {budget}); wait for the next round",
-            ), None
-        if self.probing >= PROBE_SLOTS:
-            return Verdict.refuse(
-                "busy", f"the effect probe's queue is full ({PROBE_SLOTS} updates); retry"
-            ), None
-        spent[identity] += 1
-        self._probe_spent[block] = (open_round, spent)
-        self.probing += 1
-        return Verdict.ok(), ProbeSlot(block, open_round, identity)
-
-    def release_probe(self, slot: ProbeSlot | None, accepted: bool) -> None:
-        """The probe is done with an update: its place is free again, and returned to its
-        identity's budget if the update was accepted."""
-        if slot is None:
-            return
-        self.probing = max(0, self.probing - 1)
-        spent_round, spent = self._probe_spent.get(slot.block, (-1, Counter()))
-        if accepted and spent_round == slot.round and spent[slot.identity] > 0:
-            spent[slot.identity] -= 1
 
     def judge(self, worker: int, block: int, meta: UpdateMeta, now: float) -> Verdict:
         """The timing verdict on an update that passed `check` (closing due rounds first).
