@@ -13,7 +13,8 @@ Two drivers, no second copy of a decision:
     simulate.SimAggregator               virtual clock; one process
 
 An update goes through `inspect` (its form: size, safetensors, the validator chain), `judge`
-(timing, read-only: duplicate, late, stale), then, when a probe is wired in, `reserve_probe`
+(timing, read-only: duplicate, late, stale, and no more local steps than the pull was told:
+`pacing.Pacer`, which also sizes each pull's steps), then, when a probe is wired in, `reserve_probe`
 (the identity's probe budget for the round, and the probe's bounded queue), `finish` (its
 effect on the block's held-out loss, and the identity's standing) and `release_probe`, then
 `record` (the round's state, the identity's reputation and, if accepted, the accumulator); a
@@ -56,6 +57,7 @@ from blocktrain.protocol.core.events import (
     accumulator,
     max_body_bytes,
 )
+from blocktrain.protocol.core.pacing import Pacer
 from blocktrain.protocol.core.probe_slots import PROBE_SLOTS as PROBE_SLOTS
 from blocktrain.protocol.core.probe_slots import ProbeSlots
 from blocktrain.protocol.core.replays import ReplayScreen, Seen
@@ -108,6 +110,8 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         """Each block's recent bodies by their tensors' digest (the last `replay_rounds`
         rounds, at most REPLAY_ENTRIES; in memory: a restart empties it)."""
         self.pulled: dict[int, tuple[int, int, int]] = {}
+        self.pacer = Pacer(settings)
+        """Each worker's measured seconds per step, and the steps its last pull was told."""
         """worker -> (block, round, version) of its last pull (in memory)."""
 
     def use_probe(self, probe: EffectProbe | None) -> None:
@@ -184,6 +188,7 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         block = self.registry.block_of(worker)
         self.registry.remove(worker)
         self.pulled.pop(worker, None)
+        self.pacer.forget(worker)
         if block is not None:
             self.blocks[block].rounds.unassign(worker)
         return self.tick(now)
@@ -200,7 +205,8 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         view = rounds.pull(worker, now)
         self.registry.seen(worker, now)
         self.pulled[worker] = (block, view.round, view.version)
-        return PullEvent(view, started and view.deadline is not None)
+        steps = self.pacer.pulled(worker, block, view.round, now, view.deadline)
+        return PullEvent(view, started and view.deadline is not None, steps)
 
     def inspect(self, block: int, body: bytes | bytearray) -> Checked:
         """The form verdict on an update body: size, safetensors, the validator chain. Cheap,
@@ -247,13 +253,17 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         """The timing verdict on an update that passed `check` (closing due rounds first).
         Changes no update state: `record` the verdict once the driver has stored it. A worker
         no longer registered on `block` (retired for a newer worker of its token, or gone) is
-        refused: its vote would otherwise count as an identity of its own."""
+        refused: its vote would otherwise count as an identity of its own; one that declares
+        more local steps than its pull was told is refused `bad_metadata` (`pacing`)."""
         self.tick(now)
         assigned = self.registry.block_of(worker)
         if assigned != block:
             if assigned is None:
                 return Verdict.refuse("unknown_worker", f"worker {worker} is not registered")
             return Verdict.refuse("not_assigned", f"worker {worker} trains block {assigned}")
+        paced = self.pacer.check(worker, block, meta)
+        if not paced.accepted:
+            return paced
         return self.blocks[block].rounds.judge(
             worker, round=meta.round, base_version=meta.base_version, now=now
         )
@@ -285,6 +295,7 @@ class RoundEngine(ReplayScreen, ProbeSlots):
                 listener(identity, self.reputation.of(identity), now)
         rounds = self.blocks[block].rounds
         self._remember(block, checked, identity, verdict)
+        self.pacer.observe(worker, block, meta, verdict, now)
         if not verdict.accepted:
             rounds.record(worker, verdict, round=meta.round, now=now)
             return False
@@ -303,7 +314,7 @@ class RoundEngine(ReplayScreen, ProbeSlots):
             update_id,
             candidate.tensors,
             identity=identity,
-            weight=verdict.weight * self.reputation.of(identity),
+            weight=verdict.weight * self.reputation.of(identity) * self.pacer.share(meta),
             tokens=meta.tokens,
         )
         self.registry.seen(worker, now)
