@@ -2,6 +2,9 @@
 
     register -> [wait for a new round -> pull -> train H local steps -> push delta] ...
 
+(H as the pull tells it: the aggregator's `--pacing adaptive` sizes each worker's steps to the
+round's deadline, `protocol.core.pacing`; the push declares the steps it took.)
+
 `WorkerLoop` knows nothing of the model: it drives any `LocalTrainer` (`load` weights, `train`
 H steps, return the `delta`); the CLI plugs in `training.local.LocalBlockTrainer`, the simulator
 the same or a timing-only stand-in. It re-syncs by itself: after a refusal it pulls the open
@@ -214,16 +217,17 @@ class WorkerLoop:
             self._trainer.load(pulled.tensors)
             self._trainer.load_upstream(upstream)
             # the schedule follows the block's committed version, not the round: a round that
-            # committed nothing (burned by refusals, or empty) does not advance it
+            # committed nothing (burned by refusals, or empty) does not advance it; the steps
+            # are those the pull told (adaptive pacing), else H
+            told = reg.local_steps if pulled.local_steps is None else pulled.local_steps
             started = self.clock()
-            logs = self._trainer.train(
-                reg.local_steps, pulled.version * reg.local_steps, self.stop.is_set
-            )
+            logs = self._trainer.train(told, pulled.version * reg.local_steps, self.stop.is_set)
             seconds = self.clock() - started
             self.report.local_steps += int(logs.get("steps", 0))
             if self.stop.is_set():
                 return
             self.report.last_loss = float(logs["loss"])
+            ran = int(logs.get("steps", told))
             body = update_body(
                 reg.block,
                 self._encoder.compress(self._trainer.delta()),
@@ -232,6 +236,7 @@ class WorkerLoop:
                 tokens=int(logs["tokens"]),
                 loss=float(logs["loss"]),
                 worker_id=self.client.worker_id,
+                steps=ran if ran > 0 else None,  # declared: the aggregator checks and weighs it
             )
             result = self.client.push_bytes(reg.block, body)
             elapsed = self.clock() - pulled_at
@@ -253,6 +258,7 @@ class WorkerLoop:
                 weight=float(result.body.get("weight", 1.0)) if result.accepted else 1.0,
                 counts_in=None if counts_in is None else int(counts_in),
                 elapsed=elapsed,
+                pacing=str((self._config or {}).get("protocol", {}).get("pacing", "fixed")),
             )
             self.report.late += outcome.late
             for line in outcome.lines():

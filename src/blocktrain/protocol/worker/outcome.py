@@ -9,6 +9,8 @@ from typing import Any
 LATE_HINT = "raise the aggregator's --deadline or lower its --local-steps"
 """What fixes updates that arrive after their round closed (flags of `blocktrain aggregator` and
 `cluster`, protocol/core/settings.py: `deadline_s`, `local_steps`)."""
+PACING_HINT = {"fixed": "run it with --pacing adaptive", "adaptive": "lower its --pacing-margin"}
+"""And, by the aggregator's `pacing`: what sizes each worker's steps to the deadline."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,8 @@ class RoundOutcome:
     counts_in: int | None = None
     elapsed: float | None = None
     """Wall time from the pull's answer to the push's answer."""
+    pacing: str = "fixed"
+    """The aggregator's `pacing` (adaptive: `steps` is what the pull told)."""
 
     @property
     def bytes_per_s(self) -> float | None:
@@ -74,7 +78,8 @@ class RoundOutcome:
                 "and grace closed it; raise the aggregator's --grace or --quorum, or lower its "
                 "--local-steps"
             )
-        return f"updates arrive after the round's deadline ({timing}): {LATE_HINT}"
+        pace = PACING_HINT.get(self.pacing, PACING_HINT["fixed"])
+        return f"updates arrive after the round's deadline ({timing}): {LATE_HINT}, or {pace}"
 
     def lines(self) -> list[str]:
         """The round's line, and its hint's."""
