@@ -18,6 +18,7 @@ Writes benchmarks/results/pacing.json and the "Adaptive pacing" section of BENCH
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections import Counter
@@ -32,7 +33,7 @@ from blocktrain.presets import preset
 from blocktrain.simulate import Dist, Regime, SimSpec, simulate
 from blocktrain.training import EvalSettings, evaluate_blocktrain
 from blocktrain.training.local import build_stack
-from report import machine, update_section, write_json
+from report import BENCHMARKS_MD, machine, update_section, write_json
 
 RESULT = "pacing.json"
 PACINGS = ("fixed", "adaptive")
@@ -189,6 +190,8 @@ def main() -> None:
     p.add_argument("--eval-bytes", type=int, default=4096, help="validation bytes (final CE)")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--data", help="data path (default: $BLOCKTRAIN_DATA)")
+    p.add_argument("--out", type=Path, help="the JSON (default: benchmarks/results/pacing.json)")
+    p.add_argument("--benchmarks", type=Path, default=BENCHMARKS_MD, help="the markdown file")
     p.add_argument(
         "--smoke",
         action="store_true",
@@ -218,8 +221,11 @@ def main() -> None:
         "test_bytes": args.bytes,
         "runs": runs,
     }
-    write_json(RESULT, result)
-    update_section("pacing", markdown(result))
+    if args.out is None:
+        write_json(RESULT, result)
+    else:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    update_section("pacing", markdown(result), args.benchmarks)
     print(markdown(result))
 
 
