@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from blocktrain.cli.main import main
 from tests.cli.test_cli import TINY, fails_cleanly
 
@@ -77,3 +79,21 @@ def test_the_wire_is_reported_and_changes_the_bytes_pushed(capsys) -> None:
         assert report["protocol"]["delta_wire"] == wire
         up[wire] = report["regimes"]["lockstep"]["bytes"]["up"]
     assert up["topk:0.03"] < 0.1 * up["fp16"]
+
+
+def test_slowdown_and_adaptive_pacing(capsys) -> None:
+    """`--slowdown 5:3` makes worker 5 three times slower; `--pacing adaptive` tells it fewer
+    steps, so that it still gets updates in (issue 30)."""
+    argv = ["simulate", "--timing-only", "--rounds", "6", "--regime", "lockstep", "--json"]
+    argv += ["--local-steps", "8", "--deadline", "6", "--effect-probe", "off", "--no-progress"]
+    argv += ["--slowdown", "5:3"]
+    slow = {}
+    for pacing in ("fixed", "adaptive"):
+        assert main([*argv, "--pacing", pacing]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["slowdown"] == {"5": 3.0} and report["protocol"]["pacing"] == pacing
+        slow[pacing] = report["regimes"]["lockstep"]["workers"][5]
+    assert slow["fixed"]["accepted"] == 0 and slow["adaptive"]["accepted"] > 0
+    with pytest.raises(SystemExit) as exc:  # argparse's usage and exit 2, as for --attack
+        main([*argv, "--slowdown", "5"])
+    assert exc.value.code == 2 and "ID:FACTOR" in capsys.readouterr().err

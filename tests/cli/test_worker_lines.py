@@ -81,7 +81,10 @@ def test_the_worker_prints_a_line_per_round_and_a_hint(aggregator, corpus, capsy
     assert re.fullmatch(line.format(0) + "accepted", err[1]), err
     assert re.fullmatch(line.format(1) + r"refused: late \(.+\)", err[2]), err
     assert err[3].startswith("  hint: updates arrive after the round's deadline")
-    assert err[3].endswith("raise the aggregator's --deadline or lower its --local-steps")
+    assert err[3].endswith(
+        "raise the aggregator's --deadline or lower its --local-steps, or run it with "
+        "--pacing adaptive"
+    )
     assert err[-1] == (
         "1 of 2 updates came late: raise the aggregator's --deadline or lower its --local-steps"
     )

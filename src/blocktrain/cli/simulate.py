@@ -108,6 +108,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="what a worker trains: a block of the stack, or the end-to-end reference of "
         "`layers` layers as one unit (DiLoCo)",
     )
+    p.add_argument(
+        "--slowdown",
+        type=_slowdown,
+        default={},
+        metavar="ID:FACTOR[,...]",
+        help="make honest workers slower: each ID's drawn speed times FACTOR (5:3: worker 5's "
+        "steps take three times as long; see --pacing)",
+    )
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     add_progress_arg(p)
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
@@ -120,6 +128,14 @@ def _attack(text: str) -> Attack:
         return Attack.parse(text)
     except ConfigError as exc:  # argparse answers it with usage and exit 2
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _slowdown(text: str) -> dict[int, float]:
+    try:
+        pairs = [item.split(":") for item in text.split(",") if item.strip()]
+        return {int(worker): float(factor) for worker, factor in pairs}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not ID:FACTOR[,ID:FACTOR...]") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -144,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
         timing_only=args.timing_only,
         attack=args.attack,
         unit=args.unit,
+        slowdown=args.slowdown,
     )
     out = Path(args.out) if args.out else None
     if out is not None and out.exists() and not out.is_dir():

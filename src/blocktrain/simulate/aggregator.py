@@ -80,24 +80,27 @@ class SimAggregator:
 
     def pull(
         self, worker: int, block: int, now: float, held: View | None = None
-    ) -> tuple[RoundView, View | None, int | None]:
+    ) -> tuple[RoundView, View | None, int | None, int]:
         """The open round, the weights the worker then holds (the wire dtype; none when the
-        block is done) and the bytes of a delta pull (`protocol.core.pulls`: with a pull codec and a
-        view `held`, exactly what an HTTP worker would get and compute); None for a whole one."""
-        view = self.engine.pull(worker, block, now).view
+        block is done), the bytes of a delta pull (`protocol.core.pulls`: with a pull codec and a
+        view `held`, exactly what an HTTP worker would get and compute; None for a whole one)
+        and the local steps the pull tells the worker (`protocol.core.pacing`)."""
+        pulled = self.engine.pull(worker, block, now)
+        view = pulled.view
+        steps = self.settings.local_steps if pulled.local_steps is None else pulled.local_steps
         if view.done:
-            return view, None, None
+            return view, None, None, steps
         weights = self.blocks[block].weights
         codec = pull_codec(self.settings.pulls)
         if codec is not None and held is not None and held.block == block:
             if held.version == view.version:
-                return view, held, 0
+                return view, held, 0, steps
             sent = self.views.delta(block, view.version, weights, held.id, codec)
-            return view, read_delta(sent.body, held, view.version, codec), len(sent.body)
+            return view, read_delta(sent.body, held, view.version, codec), len(sent.body), steps
         published = self._published.get(block)
         if published is None or published.version != view.version:
             published = self._published[block] = self.views.whole(block, view.version, weights)
-        return view, published, None
+        return view, published, None, steps
 
     def push(self, worker: int, block: int, body: bytes, now: float) -> Judged:
         """Check, judge and record one update body, in the service's order: its form, its

@@ -8,8 +8,9 @@ pure function of its seed. A worker's life (its state: `simulate/workers.py`) mi
                  already trained on, it waits (a long poll) until that round closes
     pull     ->  the weights travel back: latency + bytes / bandwidth
     pulled   ->  with probability `dropout` it vanishes until the round's deadline; else it
-                 trains H local steps *for real* (the compute is done now, its virtual duration
-                 is drawn: H x step x speed) and sends the delta: latency + bytes / bandwidth
+                 trains the local steps its pull told (H, or fewer under adaptive pacing)
+                 *for real* (the compute is done now, its virtual duration is drawn: steps x
+                 step x speed) and sends the delta: latency + bytes / bandwidth
     push     ->  the aggregator validates and judges it; the answer takes one latency
     pushed   ->  ready again
 
@@ -23,7 +24,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,9 +88,11 @@ class Simulation:
         on_round: Callable[[int, int], None] | None = None,
         probe: EffectProbe | None = None,
         attack: Attack | None = None,
+        slowdown: Mapping[int, float] | None = None,
     ) -> None:
         """`n_workers` honest workers (ids 0..n-1, as in a clean run), then the `attack`'s
-        workers; `probe`: the aggregator's effect probe."""
+        workers; `probe`: the aggregator's effect probe; `slowdown`: honest worker id -> a
+        factor on the speed it drew (3: its steps take three times as long)."""
         if settings.max_rounds is None:
             raise ValueError("a simulation needs settings.max_rounds")
         self.regime = regime
@@ -117,6 +120,7 @@ class Simulation:
         self.bytes_down = 0
         self.bytes_up = 0
         self.workers: list[VirtualWorker] = []
+        slow = dict(slowdown or {})
         for _ in range(n_workers):
             worker_id, block = self.agg.register(0.0)
             self.workers.append(
@@ -125,7 +129,7 @@ class Simulation:
                     block,
                     make_trainer(worker_id, block),
                     DeltaEncoder(self.settings.push_wire),
-                    speed=regime.speed.draw(self.rng),
+                    speed=regime.speed.draw(self.rng) * slow.get(worker_id, 1.0),
                     bandwidth=regime.bandwidth_MBps.draw(self.rng) * 1e6,
                 )
             )
@@ -180,7 +184,7 @@ class Simulation:
         if not rounds.done and rounds.round <= w.last_round:
             self._waiting[w.block].append(w)  # long poll until the round closes
             return
-        view, weights, delta_bytes = self.agg.pull(w.id, w.block, now, w.held)
+        view, weights, delta_bytes, w.told = self.agg.pull(w.id, w.block, now, w.held)
         if weights is None:
             w.stopped = True
             return
@@ -210,12 +214,12 @@ class Simulation:
             w.last_round = view.round
             self._ready(w, max(now, view.deadline if view.deadline is not None else now))
             return
-        h = self.settings.local_steps
+        h, told = self.settings.local_steps, w.told
         step_s = self.regime.step_s.draw(self.rng)
         w.trainer.load(weights)
         w.trainer.load_upstream(w.upstream)
         t0 = time.perf_counter()
-        logs = w.trainer.train(h, view.version * h, _never)  # as a WorkerLoop: version x H
+        logs = w.trainer.train(told, view.version * h, _never)  # as a WorkerLoop: version x H
         self.clocks.train_s += time.perf_counter() - t0
         w.local_steps += int(logs["steps"])
         loss = float(logs["loss"])
@@ -227,9 +231,10 @@ class Simulation:
             tokens=int(logs["tokens"]),
             loss=loss if math.isfinite(loss) else None,
             worker_id=w.id,
+            steps=told,  # as the pull told it (a forger claims the most it may)
         )
         w.body = (view.round, body)
-        compute = h * step_s * w.speed
+        compute = told * step_s * w.speed
         self._at(now + compute + self._latency() + len(body) / w.bandwidth, "push", w.id)
 
     def _on_push(self, w: VirtualWorker, now: float) -> None:

@@ -57,6 +57,8 @@ class SimSpec:
     unit: str = "block"
     """What a worker trains: a `block` of the stack, or the end-to-end `reference` (of `layers`
     layers) as the run's one unit: DiLoCo, with the same rounds, averaging and outer optimizer."""
+    slowdown: dict[int, float] = dataclasses.field(default_factory=dict)
+    """Honest worker id -> a factor on the speed it draws (3: three times slower than drawn)."""
 
     def __post_init__(self) -> None:
         if self.unit not in UNITS:
@@ -73,6 +75,9 @@ class SimSpec:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+        for worker, factor in self.slowdown.items():
+            if not 0 <= worker < self.workers or not factor > 0:
+                raise ConfigError(f"slowdown {worker}: {factor}: no such worker, or not positive")
         if self.workers < self.cfg.model.blocks:
             raise ConfigError(
                 f"--workers {self.workers} leaves blocks without a replica: the model has "
@@ -165,6 +170,7 @@ def simulate(
             "final_bytes": spec.final_bytes,
         },
         "attack": None if spec.attack is None else dataclasses.asdict(spec.attack),
+        "slowdown": {str(w): f for w, f in sorted(spec.slowdown.items())},
         "regimes": {},
     }
     weights: dict[str, dict[int, Tensors]] = {}
@@ -192,6 +198,7 @@ def simulate(
             on_round=on_round,
             probe=probe,
             attack=spec.attack,
+            slowdown=spec.slowdown,
         )
         sim.run()
         summary = sim.summary()

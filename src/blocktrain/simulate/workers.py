@@ -57,6 +57,8 @@ class VirtualWorker:
     """The last round it trained on (or gave up on); it waits for a later one."""
     holding: RoundView | None = None
     """The round of the pull in flight (its weights: `held`)."""
+    told: int = 0
+    """The local steps that pull told it (`protocol.core.pacing`)."""
     held: View | None = None
     """The weights it last pulled, as they arrived (compressed pulls are deltas from it)."""
     upstream: dict[int, Tensors] = field(default_factory=dict)

@@ -29,6 +29,8 @@ def test_every_setting_checks_its_bounds_by_name() -> None:
     bad = {
         "deadline_s": 0.0,
         "local_steps": 0,
+        "pacing": "elastic",
+        "pacing_margin": 0.0,
         "staleness": -1,
         "stale_weight": 1.5,
         "max_rounds": 0,

@@ -375,8 +375,11 @@ def test_the_loop_says_a_line_per_round_and_a_hint_when_late(h):
     assert lines.index(hint) == lines.index(rounds[1]) + 1, "the hint follows its round"
     assert hint.startswith("  hint: updates arrive after the round's deadline (3 local steps")
     assert "took 33.0s, the push came 37.0s after the pull, the round had 30.0s left" in hint
-    assert hint.endswith("raise the aggregator's --deadline or lower its --local-steps")
-    for flag in ("--deadline", "--local-steps"):  # the flags exist, as the hint spells them
+    assert hint.endswith(
+        "raise the aggregator's --deadline or lower its --local-steps, or run it with "
+        "--pacing adaptive"
+    )
+    for flag in ("--deadline", "--local-steps", "--pacing", "--pacing-margin"):  # as spelt
         assert any(s.flag == flag for _, s in declared())
 
 

@@ -19,6 +19,8 @@ drive the same code.
     bounds         settings derived from the run: the delta norm and token bounds
     events         what the engine holds and returns: blocks, checks, probe places, commits
     replays        the replay screen: an update bound to its worker, round and version
+    probe_slots    places at the effect probe: each identity's budget, the bounded queue
+    pacing         the local steps each pull tells its worker, from its measured pace
     round_engine   the round engine: register, pull, inspect, judge, record, commit
     local_trainer  what a worker trains (UNITS) and the interface of its trainer
 

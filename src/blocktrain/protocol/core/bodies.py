@@ -58,11 +58,12 @@ def update_body(
     loss: float | None = None,
     worker_id: int | None = None,
     dtype: str = "fp16",
+    steps: int | None = None,
 ) -> bytes:
     """The body of a push: the delta in the delta wire `dtype` (fp16, bf16, fp32, int8,
     topk:RATIO or sparse:DENSITY:BITS; see `codecs`), or already compressed by a worker's `codecs.DeltaEncoder`, with
-    the metadata the aggregator's validators read (the simulator builds its pushes with this
-    too)."""
+    the metadata the aggregator's validators read (`steps`: the local steps it took, as the
+    pull told; the simulator builds its pushes with this too)."""
     if not isinstance(delta, Compressed):
         delta = compress(delta, DeltaWire.parse(dtype))
     meta: dict[str, object] = {
@@ -75,6 +76,8 @@ def update_body(
         meta["loss"] = f"{loss:.6f}"
     if worker_id is not None:
         meta["worker_id"] = worker_id
+    if steps is not None:
+        meta["steps"] = steps
     if not delta.wire.dense:
         meta["delta_wire"] = delta.wire.tag
     return tensorwire.encode(delta.parts, {k: str(v) for k, v in meta.items()})

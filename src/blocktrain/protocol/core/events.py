@@ -55,6 +55,8 @@ class PullEvent:
 
     view: RoundView
     started: bool
+    local_steps: int | None = None
+    """The steps the worker is told to run (`pacing.Pacer`; None when the block is done)."""
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ Two drivers, no second copy of a decision:
     simulate.SimAggregator               virtual clock; one process
 
 An update goes through `inspect` (its form: size, safetensors, the validator chain), `judge`
-(timing, read-only: duplicate, late, stale), then, when a probe is wired in, `reserve_probe`
+(timing, read-only: duplicate, late, stale, and no more local steps than the pull was told:
+`pacing.Pacer`, which also sizes each pull's steps), then, when a probe is wired in, `reserve_probe`
 (the identity's probe budget for the round, and the probe's bounded queue), `finish` (its
 effect on the block's held-out loss, and the identity's standing) and `release_probe`, then
 `record` (the round's state, the identity's reputation and, if accepted, the accumulator); a
@@ -25,7 +26,8 @@ reached it spends its identity's budget (`probe_budget`). `check` is `inspect` t
 them to disk there, before any pull can see them) and only then published.
 
 What the engine holds and returns is `events`; its replay screen (`screen`) is
-`replays.ReplayScreen`, which it takes as a mixin.
+`replays.ReplayScreen` and its places at the probe (`reserve_probe`, `release_probe`)
+`probe_slots.ProbeSlots`, which it takes as mixins.
 """
 
 from __future__ import annotations
@@ -49,13 +51,15 @@ from blocktrain.protocol.core.events import (
     CommitListener,
     Committed,
     EngineBlock,
-    ProbeSlot,
     PullEvent,
     Registered,
     ReputationListener,
     accumulator,
     max_body_bytes,
 )
+from blocktrain.protocol.core.pacing import Pacer
+from blocktrain.protocol.core.probe_slots import PROBE_SLOTS as PROBE_SLOTS
+from blocktrain.protocol.core.probe_slots import ProbeSlots
 from blocktrain.protocol.core.replays import ReplayScreen, Seen
 from blocktrain.protocol.core.rounds import BlockRounds, Registry, RoundClosed
 from blocktrain.protocol.core.settings import AggregatorSettings
@@ -71,13 +75,8 @@ from blocktrain.protocol.core.verdict import Verdict
 
 Tensors = dict[str, torch.Tensor]
 
-PROBE_SLOTS = 8
-"""Updates that may hold a place at the effect probe at once (probing or waiting for it), over
-every identity; beyond them a push is refused `busy` (429) before its body waits. Each holds
-its body in memory, so this bounds what the probe's queue costs."""
 
-
-class RoundEngine(ReplayScreen):
+class RoundEngine(ReplayScreen, ProbeSlots):
     """Blocks, their rounds and accumulators, and the registry, fed with explicit times."""
 
     def __init__(
@@ -111,6 +110,8 @@ class RoundEngine(ReplayScreen):
         """Each block's recent bodies by their tensors' digest (the last `replay_rounds`
         rounds, at most REPLAY_ENTRIES; in memory: a restart empties it)."""
         self.pulled: dict[int, tuple[int, int, int]] = {}
+        self.pacer = Pacer(settings)
+        """Each worker's measured seconds per step, and the steps its last pull was told."""
         """worker -> (block, round, version) of its last pull (in memory)."""
 
     def use_probe(self, probe: EffectProbe | None) -> None:
@@ -187,6 +188,7 @@ class RoundEngine(ReplayScreen):
         block = self.registry.block_of(worker)
         self.registry.remove(worker)
         self.pulled.pop(worker, None)
+        self.pacer.forget(worker)
         if block is not None:
             self.blocks[block].rounds.unassign(worker)
         return self.tick(now)
@@ -203,7 +205,8 @@ class RoundEngine(ReplayScreen):
         view = rounds.pull(worker, now)
         self.registry.seen(worker, now)
         self.pulled[worker] = (block, view.round, view.version)
-        return PullEvent(view, started and view.deadline is not None)
+        steps = self.pacer.pulled(worker, block, view.round, now, view.deadline)
+        return PullEvent(view, started and view.deadline is not None, steps)
 
     def inspect(self, block: int, body: bytes | bytearray) -> Checked:
         """The form verdict on an update body: size, safetensors, the validator chain. Cheap,
@@ -246,57 +249,21 @@ class RoundEngine(ReplayScreen):
         timing itself (a driver judges it between the two, so that the probe runs last)."""
         return self.finish(self.inspect(block, body), worker)
 
-    def reserve_probe(self, worker: int, block: int) -> tuple[Verdict, ProbeSlot | None]:
-        """A place at the effect probe for an update of `worker` that passed the cheap checks
-        (`inspect`, `judge`): refused `busy` when its identity already holds or spent
-        `probe_budget` places in the block's open round (a refused update that reached the
-        probe keeps its place spent until the round closes), or when PROBE_SLOTS updates hold
-        one. Give it back with `release_probe`. No slot when the probe is off."""
-        if self.probe is None:
-            return Verdict.ok(), None
-        identity = self.registry.identity(worker)
-        open_round = self.blocks[block].rounds.round
-        spent_round, spent = self._probe_spent.get(block, (open_round, Counter()))
-        if spent_round != open_round:
-            spent = Counter()
-        budget = self.settings.probe_budget
-        if spent[identity] >= budget:
-            return Verdict.refuse(
-                "busy",
-                f"this identity's updates reached the effect probe {spent[identity]} time(s) "
-                f"in round {open_round} of block {block} without being accepted "
-                f"(probe_budget {budget}); wait for the next round",
-            ), None
-        if self.probing >= PROBE_SLOTS:
-            return Verdict.refuse(
-                "busy", f"the effect probe's queue is full ({PROBE_SLOTS} updates); retry"
-            ), None
-        spent[identity] += 1
-        self._probe_spent[block] = (open_round, spent)
-        self.probing += 1
-        return Verdict.ok(), ProbeSlot(block, open_round, identity)
-
-    def release_probe(self, slot: ProbeSlot | None, accepted: bool) -> None:
-        """The probe is done with an update: its place is free again, and returned to its
-        identity's budget if the update was accepted."""
-        if slot is None:
-            return
-        self.probing = max(0, self.probing - 1)
-        spent_round, spent = self._probe_spent.get(slot.block, (-1, Counter()))
-        if accepted and spent_round == slot.round and spent[slot.identity] > 0:
-            spent[slot.identity] -= 1
-
     def judge(self, worker: int, block: int, meta: UpdateMeta, now: float) -> Verdict:
         """The timing verdict on an update that passed `check` (closing due rounds first).
         Changes no update state: `record` the verdict once the driver has stored it. A worker
         no longer registered on `block` (retired for a newer worker of its token, or gone) is
-        refused: its vote would otherwise count as an identity of its own."""
+        refused: its vote would otherwise count as an identity of its own; one that declares
+        more local steps than its pull was told is refused `bad_metadata` (`pacing`)."""
         self.tick(now)
         assigned = self.registry.block_of(worker)
         if assigned != block:
             if assigned is None:
                 return Verdict.refuse("unknown_worker", f"worker {worker} is not registered")
             return Verdict.refuse("not_assigned", f"worker {worker} trains block {assigned}")
+        paced = self.pacer.check(worker, block, meta)
+        if not paced.accepted:
+            return paced
         return self.blocks[block].rounds.judge(
             worker, round=meta.round, base_version=meta.base_version, now=now
         )
@@ -328,6 +295,7 @@ class RoundEngine(ReplayScreen):
                 listener(identity, self.reputation.of(identity), now)
         rounds = self.blocks[block].rounds
         self._remember(block, checked, identity, verdict)
+        self.pacer.observe(worker, block, meta, verdict, now)
         if not verdict.accepted:
             rounds.record(worker, verdict, round=meta.round, now=now)
             return False
@@ -346,7 +314,7 @@ class RoundEngine(ReplayScreen):
             update_id,
             candidate.tensors,
             identity=identity,
-            weight=verdict.weight * self.reputation.of(identity),
+            weight=verdict.weight * self.reputation.of(identity) * self.pacer.share(meta),
             tokens=meta.tokens,
         )
         self.registry.seen(worker, now)

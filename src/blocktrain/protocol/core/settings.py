@@ -26,6 +26,7 @@ from blocktrain.protocol.core.delta_wire import (
     valid_pull_wire,
     valid_wire,
 )
+from blocktrain.protocol.core.pacing import PACINGS
 
 
 def _positive(v: Any) -> bool:
@@ -55,6 +56,26 @@ class AggregatorSettings:
         "must be positive",
         flag="--local-steps",
         metavar="H",
+    )
+    pacing: str = setting(
+        "fixed",
+        "fixed: every worker runs H local steps a round; adaptive: each pull tells its worker "
+        "the steps that fill pacing_margin of the time left to the deadline at its measured "
+        "seconds per step (between H / 8 and H), so a slow box still contributes; see "
+        "docs/protocol.md, Pacing.",
+        lambda v: v in PACINGS,
+        f"must be one of {', '.join(PACINGS)}",
+        flag="--pacing",
+        choices=PACINGS,
+    )
+    pacing_margin: float = setting(
+        0.8,
+        "Share of the time left to the deadline that adaptive pacing fills (the rest absorbs "
+        "the jitter of steps and transfers).",
+        lambda v: 0 < v <= 1,
+        "must lie in (0, 1]",
+        flag="--pacing-margin",
+        metavar="F",
     )
     staleness: int = setting(
         0,

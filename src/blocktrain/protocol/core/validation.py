@@ -87,6 +87,8 @@ class UpdateMeta:
     tokens: int
     loss: float | None
     worker_id: int | None
+    steps: int | None = None
+    """The local steps the update declares it took (None: a worker that predates pacing)."""
 
 
 @dataclass
@@ -121,13 +123,17 @@ Validator = Callable[[Candidate], Verdict]
 
 
 def check_metadata(c: Candidate) -> Verdict:
-    """block, base_version, round and tokens are integers; block matches the URL."""
+    """block, base_version, round and tokens are integers; block matches the URL; the optional
+    steps is a positive integer (`pacing`: no more than the pull told, judged by the engine)."""
     md = c.decoded.metadata
     try:
         values = {key: metadata_int(md, key) for key in REQUIRED_METADATA}
         worker = metadata_int(md, "worker_id") if "worker_id" in md else None
+        steps = metadata_int(md, "steps") if "steps" in md else None
     except WireError as exc:
         return Verdict.refuse(exc.reason, exc.detail)
+    if steps is not None and steps <= 0:
+        return Verdict.refuse("bad_metadata", f"steps = {steps} must be positive")
     if values["block"] != c.block:
         return Verdict.refuse(
             "bad_metadata",
@@ -144,6 +150,7 @@ def check_metadata(c: Candidate) -> Verdict:
         values["tokens"],
         metadata_float(md, "loss"),
         worker,
+        steps,
     )
     return Verdict.ok()
 

@@ -38,7 +38,8 @@ REASONS: dict[str, tuple[int, str]] = {
     "malformed": (400, "the body is not a complete safetensors file (truncated, corrupt)"),
     "bad_metadata": (
         400,
-        "a required __metadata__ key is missing or not an integer, or names another block",
+        "a required __metadata__ key is missing or not an integer, or names another block, or "
+        "`steps` exceeds the local steps the pull told",
     ),
     "bad_tokens": (400, "the token count is not a positive integer within the bound"),
     "missing_tensors": (400, "tensors of the block are missing from the delta"),

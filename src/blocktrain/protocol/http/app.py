@@ -288,6 +288,7 @@ def create_app(
             "X-Round": str(view.round),
             "X-Deadline": "" if view.deadline is None else f"{view.deadline:.6f}",
             "X-Deadline-In": "" if pulled.deadline_in is None else f"{pulled.deadline_in:.3f}",
+            "X-Local-Steps": str(pulled.local_steps),  # this worker's H (pacing)
             "X-Weights-Url": version_path(block, view.version),
             "Cache-Control": "no-store",  # it records a pull: every one must reach us
         }

@@ -185,7 +185,8 @@ class AggregatorService(Admission):
 
     def pull(self, *, caller: Caller, block: int, with_body: bool = True) -> PullReply:
         """The open round's weights in the wire dtype (an empty body unless `with_body`: the
-        caller fetches the version's own URL); the first pull starts the round's clock."""
+        caller fetches the version's own URL); the first pull starts the round's clock. The
+        body's `local_steps` is H; the reply's, this worker's (`pacing`)."""
         worker = self._worker_on(caller, block)
         with self.lock:
             now = self.clock()
@@ -215,7 +216,8 @@ class AggregatorService(Admission):
                 cached = self._cache[block] = (key, encode(weights, meta, self.settings.wire_dtype))
             body = cached[1]
         deadline_in = None if view.deadline is None else view.deadline - now
-        return PullReply(body, view, deadline_in)
+        steps = self.settings.local_steps if pulled.local_steps is None else pulled.local_steps
+        return PullReply(body, view, deadline_in, steps)
 
     def peek(self, block: int) -> dict[str, Any]:
         """The open round of a block, without side effects (for long polls)."""

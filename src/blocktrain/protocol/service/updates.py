@@ -22,11 +22,13 @@ class PushContext:
 
 @dataclass(frozen=True)
 class PullReply:
-    """The body of a pull (the weights in the wire dtype) and the round it serves."""
+    """The body of a pull (the weights in the wire dtype), the round it serves, and the local
+    steps its worker is told to run (`pacing`)."""
 
     body: bytes
     view: RoundView
     deadline_in: float | None
+    local_steps: int
 
 
 def finite(value: float | None) -> float | None:

@@ -13,6 +13,7 @@ from blocktrain.protocol.core import codecs
 from blocktrain.protocol.core.bodies import decode
 from blocktrain.protocol.core.effect import Reputation
 from blocktrain.protocol.core.events import Committed, EngineBlock
+from blocktrain.protocol.core.pacing import declared_steps, steps_share
 from blocktrain.protocol.core.round_engine import RoundEngine
 from blocktrain.protocol.core.rounds import NOT_A_REPORT, Contribution, Registry, restore
 from blocktrain.protocol.core.settings import AggregatorSettings
@@ -95,7 +96,9 @@ class Durable:
             parsed = decode(body)
             shapes = {k: tuple(v.shape) for k, v in weights.items()}
             delta = codecs.decode(parsed.tensors, shapes, codecs.declared(parsed.metadata))
-            deltas.append((u.id, u.worker_id, delta, weight, int(u.tokens or 1)))
+            # the vote weighs the steps it took, as `RoundEngine.record` gave it (`pacing`)
+            steps = steps_share(declared_steps(parsed.metadata), self.settings.local_steps)
+            deltas.append((u.id, u.worker_id, delta, weight * steps, int(u.tokens or 1)))
             contributions.append(
                 Contribution(u.id, u.worker_id, int(u.tokens or 1), weight, u.round)
             )

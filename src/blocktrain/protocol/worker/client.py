@@ -15,7 +15,6 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -31,44 +30,15 @@ from blocktrain.protocol.core.bodies import (
 )
 from blocktrain.protocol.core.delta_wire import FULL, DeltaWire, pull_codec
 from blocktrain.protocol.core.pulls import View, read_delta
+from blocktrain.protocol.worker.replies import Pulled as Pulled
+from blocktrain.protocol.worker.replies import PushResult as PushResult
+from blocktrain.protocol.worker.replies import Registration as Registration
+from blocktrain.protocol.worker.replies import fp32, seconds, told_steps
 from blocktrain.protocol.worker.retrying import DEFAULT_TIMEOUT, RetryingHttp, RetryPolicy
 
 log = logging.getLogger(__name__)
 
 Tensors = dict[str, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Registration:
-    worker_id: int
-    block: int
-    data_seed: int
-    local_steps: int
-    wire_dtype: str
-    delta_wire: str
-    """How pushes carry deltas (an aggregator that does not say takes wire_dtype)."""
-    pull_wire: str = FULL
-    """How pulls travel: whole versions, or deltas from the view held (`protocol.core.pulls`)."""
-
-
-@dataclass(frozen=True)
-class Pulled:
-    tensors: Tensors
-    block: int
-    version: int
-    round: int
-    deadline_in: float | None
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class PushResult:
-    accepted: bool
-    reason: str
-    detail: str
-    status: int
-    nbytes: int
-    body: dict[str, Any]
 
 
 class AggregatorClient(RetryingHttp):
@@ -193,11 +163,12 @@ class AggregatorClient(RetryingHttp):
                 block,
                 version,
                 int(h["X-Round"]),
-                _seconds(h),
+                seconds(h),
                 nbytes + len(response.content),
+                told_steps(h),
             )
         meta, tensors = self._weights(response.content)
-        tensors = _fp32(tensors)
+        tensors = fp32(tensors)
         if "round" not in meta:  # something between us followed the 303 for us
             raise ProtocolError(f"GET /v1/blocks/{block} answered a body without its round")
         return Pulled(
@@ -205,8 +176,9 @@ class AggregatorClient(RetryingHttp):
             int(meta["block"]),
             int(meta["version"]),
             int(meta["round"]),
-            _seconds(h),
+            seconds(h),
             len(response.content),
+            told_steps(h),
         )
 
     def latest(self, block: int) -> Tensors:
@@ -225,7 +197,7 @@ class AggregatorClient(RetryingHttp):
             return self._latest_elsewhere(block)
         held = self._latest.get(block)
         if held is not None and held[0] == version:
-            return _fp32(held[1])
+            return fp32(held[1])
         url = version_path(block, version)
         response = self.request("GET", url, follow_redirects=True)
         self.bytes_down += len(response.content)
@@ -233,7 +205,7 @@ class AggregatorClient(RetryingHttp):
             raise self._refusal(response)
         tensors = self._version_body(response.content, url, block, version)
         self._latest[block] = (version, tensors)
-        return _fp32(tensors)
+        return fp32(tensors)
 
     def _latest_elsewhere(self, block: int) -> Tensors:
         """`latest(block)` from the aggregator that serves the block, found in the directory
@@ -271,14 +243,14 @@ class AggregatorClient(RetryingHttp):
         the whole version."""
         view = self.view if self.view is not None and self.view.block == block else None
         if view is not None and view.version == version:
-            return _fp32(view.tensors), 0
+            return fp32(view.tensors), 0
         codec = pull_codec(self.pull_wire)
         nbytes = 0
         if codec is not None and view is not None and view.version < version:
             chained, nbytes = self._delta(url, view, version, codec)
             if chained is not None:
                 self.view = chained
-                return _fp32(chained.tensors), nbytes
+                return fp32(chained.tensors), nbytes
         held = self._held if self._held is not None and self._held[0] == url else None
         headers = {} if held is None else {"If-None-Match": held[1]}
         response = self.request("GET", url, headers=headers, follow_redirects=True)
@@ -293,7 +265,7 @@ class AggregatorClient(RetryingHttp):
             etag = response.headers.get("ETag")
             self._held = None if etag is None else (url, etag, tensors)
         self.view = View.of(block, version, tensors) if codec is not None else None
-        return _fp32(tensors), nbytes
+        return fp32(tensors), nbytes
 
     def _delta(
         self, url: str, base: View, version: int, codec: DeltaWire
@@ -381,14 +353,3 @@ class AggregatorClient(RetryingHttp):
                 False, refusal.reason, refusal.detail, response.status_code, len(body), doc
             )
         return PushResult(bool(doc.get("accepted")), "", "", response.status_code, len(body), doc)
-
-
-def _fp32(tensors: Tensors) -> Tensors:
-    """The trainer's own fp32 copy (the held tensors stay as they arrived)."""
-    return {k: v.float() if v.dtype != torch.float32 else v.clone() for k, v in tensors.items()}
-
-
-def _seconds(headers: httpx.Headers) -> float | None:
-    """X-Deadline-In: the seconds left in the round (None before its clock started)."""
-    value = headers.get("X-Deadline-In") or None
-    return None if value is None else float(value)

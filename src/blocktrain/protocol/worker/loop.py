@@ -2,6 +2,9 @@
 
     register -> [wait for a new round -> pull -> train H local steps -> push delta] ...
 
+(H as the pull tells it: the aggregator's `--pacing adaptive` sizes each worker's steps to the
+round's deadline, `protocol.core.pacing`; the push declares the steps it took.)
+
 `WorkerLoop` knows nothing of the model: it drives any `LocalTrainer` (`load` weights, `train`
 H steps, return the `delta`); the CLI plugs in `training.local.LocalBlockTrainer`, the simulator
 the same or a timing-only stand-in. It re-syncs by itself: after a refusal it pulls the open
@@ -23,7 +26,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,6 +35,9 @@ from blocktrain.protocol.core.bodies import update_body
 from blocktrain.protocol.core.codecs import DeltaEncoder
 from blocktrain.protocol.core.local_trainer import LocalTrainer
 from blocktrain.protocol.worker.client import AggregatorClient, Registration
+from blocktrain.protocol.worker.outcome import LATE_HINT as LATE_HINT
+from blocktrain.protocol.worker.outcome import RoundOutcome as RoundOutcome
+from blocktrain.protocol.worker.outcome import WorkerReport as WorkerReport
 from blocktrain.protocol.worker.resume import WorkerFolder
 from blocktrain.protocol.worker.retrying import RetryPolicy
 
@@ -55,109 +60,6 @@ FATAL_REASONS = frozenset({"missing_token", "invalid_token", "revoked_token"})
 
 TrainerFactory = Callable[[Registration, dict[str, Any]], LocalTrainer]
 """Builds the trainer for a registration, given the aggregator's /v1/config."""
-
-LATE_HINT = "raise the aggregator's --deadline or lower its --local-steps"
-"""What fixes updates that arrive after their round closed (flags of `blocktrain aggregator` and
-`cluster`, protocol/core/settings.py: `deadline_s`, `local_steps`)."""
-
-
-@dataclass(frozen=True)
-class RoundOutcome:
-    """One round a worker trained and pushed, as it saw it."""
-
-    round: int
-    block: int
-    steps: int
-    seconds: float
-    """Wall time of the local steps."""
-    tokens: int
-    """Bytes trained on (one token is one byte)."""
-    loss: float
-    accepted: bool
-    reason: str = ""
-    """The refusal's reason code (verdict.REASONS); empty when accepted."""
-    detail: str = ""
-    deadline_in: float | None = None
-    """Seconds left of the round when the worker pulled it (None: its clock had not started)."""
-    weight: float = 1.0
-    """An accepted update's staleness factor (below 1: it counted late, in a later round)."""
-    counts_in: int | None = None
-    elapsed: float | None = None
-    """Wall time from the pull's answer to the push's answer."""
-
-    @property
-    def bytes_per_s(self) -> float | None:
-        return self.tokens / self.seconds if self.seconds > 0 else None
-
-    @property
-    def late(self) -> bool:
-        """Refused as late, or accepted into a later round at a reduced weight."""
-        return self.reason == "late" or (
-            self.accepted and self.counts_in is not None and self.counts_in > self.round
-        )
-
-    def verdict(self) -> str:
-        if not self.accepted:
-            return f"refused: {self.reason}" + (f" ({self.detail})" if self.detail else "")
-        if self.counts_in is not None and self.counts_in > self.round:
-            return f"accepted late, in round {self.counts_in} at weight {self.weight:.2f}"
-        return "accepted"
-
-    def hint(self) -> str | None:
-        """What to change, when the update came late."""
-        if not self.late:
-            return None
-        timing = f"{self.steps} local steps took {self.seconds:.1f}s"
-        if self.elapsed is not None:
-            timing += f", the push came {self.elapsed:.1f}s after the pull"
-        if self.deadline_in is not None:
-            timing += f", the round had {self.deadline_in:.1f}s left at the pull"
-        closed_early = (  # a second's margin for the transfers around the measured time
-            self.deadline_in is not None
-            and self.elapsed is not None
-            and self.elapsed + 1.0 < self.deadline_in
-            and "reached its deadline" not in self.detail
-        )
-        if closed_early:
-            return (
-                f"the round closed before its deadline ({timing}): the other replicas' quorum "
-                "and grace closed it; raise the aggregator's --grace or --quorum, or lower its "
-                "--local-steps"
-            )
-        return f"updates arrive after the round's deadline ({timing}): {LATE_HINT}"
-
-    def lines(self) -> list[str]:
-        """The round's line, and its hint's."""
-        rate = self.bytes_per_s
-        speed = "-" if rate is None else f"{rate:,.0f}"
-        line = (
-            f"round {self.round} (block {self.block}): {self.steps} steps in "
-            f"{self.seconds:.{2 if self.seconds < 1 else 1}f}s, {speed} bytes/s, loss "
-            f"{self.loss:.3f}; {self.verdict()}"
-        )
-        hint = self.hint()
-        return [line] if hint is None else [line, f"  hint: {hint}"]
-
-
-@dataclass
-class WorkerReport:
-    """What a worker did, for logs and the cluster summary."""
-
-    worker_id: int | None = None
-    block: int | None = None
-    rounds: int = 0
-    accepted: int = 0
-    refused: dict[str, int] = field(default_factory=dict)
-    local_steps: int = 0
-    bytes_down: int = 0
-    bytes_up: int = 0
-    last_loss: float | None = None
-    late: int = 0
-    """Rounds whose update came late (refused as `late`, or counted in a later round)."""
-    stopped_by: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 class WorkerLoop:
@@ -315,16 +217,17 @@ class WorkerLoop:
             self._trainer.load(pulled.tensors)
             self._trainer.load_upstream(upstream)
             # the schedule follows the block's committed version, not the round: a round that
-            # committed nothing (burned by refusals, or empty) does not advance it
+            # committed nothing (burned by refusals, or empty) does not advance it; the steps
+            # are those the pull told (adaptive pacing), else H
+            told = reg.local_steps if pulled.local_steps is None else pulled.local_steps
             started = self.clock()
-            logs = self._trainer.train(
-                reg.local_steps, pulled.version * reg.local_steps, self.stop.is_set
-            )
+            logs = self._trainer.train(told, pulled.version * reg.local_steps, self.stop.is_set)
             seconds = self.clock() - started
             self.report.local_steps += int(logs.get("steps", 0))
             if self.stop.is_set():
                 return
             self.report.last_loss = float(logs["loss"])
+            ran = int(logs.get("steps", told))
             body = update_body(
                 reg.block,
                 self._encoder.compress(self._trainer.delta()),
@@ -333,6 +236,7 @@ class WorkerLoop:
                 tokens=int(logs["tokens"]),
                 loss=float(logs["loss"]),
                 worker_id=self.client.worker_id,
+                steps=ran if ran > 0 else None,  # declared: the aggregator checks and weighs it
             )
             result = self.client.push_bytes(reg.block, body)
             elapsed = self.clock() - pulled_at
@@ -354,6 +258,7 @@ class WorkerLoop:
                 weight=float(result.body.get("weight", 1.0)) if result.accepted else 1.0,
                 counts_in=None if counts_in is None else int(counts_in),
                 elapsed=elapsed,
+                pacing=str((self._config or {}).get("protocol", {}).get("pacing", "fixed")),
             )
             self.report.late += outcome.late
             for line in outcome.lines():

@@ -1,0 +1,67 @@
+"""What the aggregator answers a worker, as its client reads it: a registration, a pull, a
+push's verdict, and the round's headers (`X-Deadline-In`, `X-Local-Steps`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import torch
+
+from blocktrain.protocol.core.delta_wire import FULL
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Registration:
+    worker_id: int
+    block: int
+    data_seed: int
+    local_steps: int
+    wire_dtype: str
+    delta_wire: str
+    """How pushes carry deltas (an aggregator that does not say takes wire_dtype)."""
+    pull_wire: str = FULL
+    """How pulls travel: whole versions, or deltas from the view held (`protocol.core.pulls`)."""
+
+
+@dataclass(frozen=True)
+class Pulled:
+    tensors: Tensors
+    block: int
+    version: int
+    round: int
+    deadline_in: float | None
+    nbytes: int
+    local_steps: int | None = None
+    """The steps this worker is told to run this round (`X-Local-Steps`, adaptive pacing);
+    None from an aggregator that does not say: the registration's H."""
+
+
+@dataclass(frozen=True)
+class PushResult:
+    accepted: bool
+    reason: str
+    detail: str
+    status: int
+    nbytes: int
+    body: dict[str, Any]
+
+
+def fp32(tensors: Tensors) -> Tensors:
+    """The trainer's own fp32 copy (the held tensors stay as they arrived)."""
+    return {k: v.float() if v.dtype != torch.float32 else v.clone() for k, v in tensors.items()}
+
+
+def seconds(headers: httpx.Headers) -> float | None:
+    """X-Deadline-In: the seconds left in the round (None before its clock started)."""
+    value = headers.get("X-Deadline-In") or None
+    return None if value is None else float(value)
+
+
+def told_steps(headers: httpx.Headers) -> int | None:
+    """X-Local-Steps: the steps this pull tells the worker to run (None: not said)."""
+    value = headers.get("X-Local-Steps") or None
+    return None if value is None else int(value)
