@@ -260,7 +260,8 @@ def test_the_head_exit_s_logits_over_hosts_are_the_in_process_head_s(runs, stack
 
 def test_a_reversed_stack_is_served_through_its_head_exit_only(runs, tmp_path):
     """intervals = reversed: the sweep would start at the last block, so the router and the
-    hosts refuse exit = sampler (400, param exit); exit = head gives the in-process bytes."""
+    hosts refuse exit = sampler (400, param exit); exit = head, and the default exit = auto,
+    give the in-process head's bytes; /readyz probes it through its head stages."""
     cfg = micro_config(steps=2)
     model = dataclasses.replace(cfg.model, route="features", intervals="reversed")
     corpus = tmp_path / "corpus"
@@ -274,12 +275,22 @@ def test_a_reversed_stack_is_served_through_its_head_exit_only(runs, tmp_path):
     cluster = start_cluster(runs, models=(ModelSource("rev", run),))
     request = {"model": "rev", "prompt": "Sega ", "max_bytes": 6, "seed": 2}
     with cluster.router() as router:
-        refused = router.post("/v1/generate", json=request)
+        refused = router.post("/v1/generate", json={**request, "exit": "sampler"})
         r = router.post("/v1/generate", json={**request, "exit": "head"})
+        auto = router.post("/v1/generate", json=request)
+        completion = router.post(
+            "/v1/completions",
+            json={"model": "rev", "prompt": "Sega ", "max_tokens": 6, "seed": 2, "utf8": False},
+        )
+        ready = router.get("/readyz")
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "exit"
     assert "reversed" in refused.json()["error"]["message"]
     assert r.status_code == 200, r.text
     assert r.json()["bytes"] == in_process_head(reversed_stack, b"Sega ", 6, 2)
+    assert auto.status_code == 200 and auto.json() | {"timing": None} == r.json() | {"timing": None}
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["choices"][0]["text"] == auto.json()["text"]
+    assert ready.status_code == 200, ready.text
     h = create_host_app(HostSettings(models=(ModelSource("rev", run),), parts=(0, 1, 2)))
     body = sweep_body_for(h.state.host, "rev", torch.tensor([[1, 2, 3, 4]]))
     with TestClient(h) as client:
