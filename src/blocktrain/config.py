@@ -259,7 +259,7 @@ class RunConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunConfig:
         try:
-            model = ModelConfig(**data.get("model", {}))
+            model = ModelConfig(**_legacy_model(data.get("model", {})))
             train = TrainConfig(**data.get("train", {}))
             return cls(
                 preset=str(data.get("preset", "custom")),
@@ -269,6 +269,14 @@ class RunConfig:
             )
         except TypeError as exc:  # an unknown or missing key
             raise ConfigError(f"config does not match this version of blocktrain: {exc}") from exc
+
+
+def _legacy_model(model: Any) -> Any:
+    """A saved model config as this version reads it: one written before `route` existed
+    passed only z between its blocks (`route = state`), whatever today's default is."""
+    if isinstance(model, dict) and model and "route" not in model:
+        return {**model, "route": "state"}
+    return model
 
 
 def parse_blocks(text: str, flag: str = "--blocks") -> tuple[int, ...]:
