@@ -28,7 +28,8 @@ from blocktrain.training.probe import BlockProbe
 from tests.cli.test_cli import TINY, fails_cleanly
 from tests.conftest import micro_config
 
-FEATURES = [*TINY[:-1], "route=features", TINY[-1]]  # TINY's --set, plus the route
+FEATURES = [*TINY[:-1], "route=features", TINY[-1]]  # TINY's --set, the route explicit
+STATE = [*TINY[:-1], "route=state", TINY[-1]]  # the other route
 CFG = ModelConfig(d_model=32, n_heads=2, layers=3, blocks=3, seq_len=16, span=1, route="features")
 
 
@@ -297,7 +298,7 @@ def test_a_later_block_trains_alone_on_an_upstream_run(corpus, tmp_path, capsys)
         ("nowhere", "does not exist"),
     ):
         fails_cleanly(capsys, one("y", upstream), message)
-    fails_cleanly(capsys, one("y", "f0", route=TINY), "read none")
+    fails_cleanly(capsys, one("y", "f0", route=STATE), "read none")
     assert main(argv("s0", "--block", "0", *[*FEATURES[:-1], "seed=3", FEATURES[-1]])) == 0
     fails_cleanly(capsys, one("y", "s0"), "of another model config or seed")
     assert not (tmp_path / "y").exists()

@@ -231,9 +231,10 @@ def test_the_head_exit_over_hosts_gives_the_in_process_bytes(runs, stack, parts)
 
 
 def test_the_head_exit_is_refused_where_there_is_no_chain_of_features(runs):
-    cluster = start_cluster(runs)  # the state-route runs and the reference
+    models = (ModelSource("bts", runs.state), ModelSource("ref", runs.reference))
+    cluster = start_cluster(runs, models=models)  # a route = state run and the reference
     with cluster.router() as router:
-        for model in ("bt", "ref"):
+        for model in ("bts", "ref"):
             r = router.post(
                 "/v1/generate", json={"model": model, "prompt": "a", "max_bytes": 2, "exit": "head"}
             )
