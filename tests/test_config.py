@@ -60,6 +60,17 @@ def test_config_round_trips_through_json_dict():
     assert RunConfig.from_dict(cfg.to_dict()) == cfg
 
 
+def test_configs_written_before_the_route_load_as_state():
+    """A run saved before `route` existed passed only z between its blocks: it loads as
+    `route = state` whatever the default is (its later blocks never read features)."""
+    for route in ("state", "features"):
+        data = apply_overrides(preset("tiny"), [f"route={route}"]).to_dict()
+        assert RunConfig.from_dict(data).model.route == route, "a saved route is kept"
+    del data["model"]["route"]
+    assert RunConfig.from_dict(data).model.route == "state"
+    assert RunConfig.from_dict({}).model == ModelConfig(), "no model section: the defaults"
+
+
 def test_every_field_is_settable():
     keys = settable_keys()
     assert "d_model" in keys and "lr" in keys and "seed" in keys

@@ -65,10 +65,11 @@ class ModelConfig:
     """adaLN gates act as (1 + gate), so residual branches start open instead of shut."""
     aux_weight: float = 1.0
     """Weight of the block-local next-byte loss on the clean stream (0 turns it off)."""
-    route: str = "state"
-    """What block b+1 reads from block b: only the noisy state z (`state`), or also its clean
-    stream's output, which block b+1's clean stream continues with no gradient into block b
-    (`features`, docs/model.md)."""
+    route: str = "features"
+    """What block b+1 reads from block b: also its clean stream's output, which block b+1's
+    clean stream continues with no gradient into block b (`features`, the default: the route
+    whose blocks compose, docs/model.md), or only the noisy state z (`state`, DiffusionBlocks'
+    original: cheaper, no upstream forward, but a stack of blocks is no better than one)."""
     intervals: str = "forward"
     """Which block owns which noise: `forward`, block 0 the highest interval (DiffusionBlocks);
     `reversed`, the last block the highest, so that under `route = features` the block that
@@ -259,7 +260,7 @@ class RunConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunConfig:
         try:
-            model = ModelConfig(**data.get("model", {}))
+            model = ModelConfig(**_legacy_model(data.get("model", {})))
             train = TrainConfig(**data.get("train", {}))
             return cls(
                 preset=str(data.get("preset", "custom")),
@@ -269,6 +270,14 @@ class RunConfig:
             )
         except TypeError as exc:  # an unknown or missing key
             raise ConfigError(f"config does not match this version of blocktrain: {exc}") from exc
+
+
+def _legacy_model(model: Any) -> Any:
+    """A saved model config as this version reads it: one written before `route` existed
+    passed only z between its blocks (`route = state`), whatever today's default is."""
+    if isinstance(model, dict) and model and "route" not in model:
+        return {**model, "route": "state"}
+    return model
 
 
 def parse_blocks(text: str, flag: str = "--blocks") -> tuple[int, ...]:

@@ -214,7 +214,7 @@ def test_one_block_run_cannot_be_evaluated_as_a_model(capsys, tmp_path, corpus):
                 "--steps",
                 "1",
                 "--block",
-                "1",
+                "0",  # block 0: under route = features a later block needs --upstream
                 *TINY,
             ]
         )

@@ -109,7 +109,7 @@ def test_export_refuses_bad_input_in_one_line(trained, corpus, tmp_path, capsys)
             [
                 "train",
                 "--block",
-                "1",
+                "0",  # block 0: under route = features a later block needs --upstream
                 "--steps",
                 "1",
                 "--out",

@@ -17,7 +17,7 @@ from blocktrain.data import load_split
 from blocktrain.errors import ProtocolError
 from blocktrain.model import BlockStack, Sampling, ZLayout, generate_autoregressive, head_logits
 from blocktrain.model.cached import KVCache
-from blocktrain.model.heads import HeadStage
+from blocktrain.model.heads import HeadStage, resolve_exit
 from blocktrain.simulate import REGIMES, SimSpec, simulate
 from blocktrain.training import load_model
 from blocktrain.training.checkpoint import MODEL_FILE, UPSTREAM_FILE, load_tensors
@@ -28,7 +28,8 @@ from blocktrain.training.probe import BlockProbe
 from tests.cli.test_cli import TINY, fails_cleanly
 from tests.conftest import micro_config
 
-FEATURES = [*TINY[:-1], "route=features", TINY[-1]]  # TINY's --set, plus the route
+FEATURES = [*TINY[:-1], "route=features", TINY[-1]]  # TINY's --set, the route explicit
+STATE = [*TINY[:-1], "route=state", TINY[-1]]  # the other route
 CFG = ModelConfig(d_model=32, n_heads=2, layers=3, blocks=3, seq_len=16, span=1, route="features")
 
 
@@ -297,7 +298,7 @@ def test_a_later_block_trains_alone_on_an_upstream_run(corpus, tmp_path, capsys)
         ("nowhere", "does not exist"),
     ):
         fails_cleanly(capsys, one("y", upstream), message)
-    fails_cleanly(capsys, one("y", "f0", route=TINY), "read none")
+    fails_cleanly(capsys, one("y", "f0", route=STATE), "read none")
     assert main(argv("s0", "--block", "0", *[*FEATURES[:-1], "seed=3", FEATURES[-1]])) == 0
     fails_cleanly(capsys, one("y", "s0"), "of another model config or seed")
     assert not (tmp_path / "y").exists()
@@ -311,8 +312,27 @@ def test_train_eval_generate_a_features_run(corpus, tmp_path, capsys):
     assert main(["eval", str(run), "--data", str(corpus), "--json", "--bytes", "64", "-q"]) == 0
     out = capsys.readouterr().out
     assert '"oracle_ce"' in out and '"sampler_ce"' in out
+    texts = {}
+    for exit_ in ("auto", "sampler", "head"):
+        argv = ["generate", str(run), "--prompt", "The ", "--bytes", "8", "--exit", exit_]
+        assert main(argv) == 0
+        texts[exit_] = capsys.readouterr().out
     assert main(["generate", str(run), "--prompt", "The ", "--bytes", "8"]) == 0
-    assert capsys.readouterr().out.startswith("The ")
+    assert capsys.readouterr().out == texts["auto"], "auto is the default"
+    assert texts["auto"].startswith("The ")
+    assert texts["auto"] == texts["sampler"] != texts["head"], "a forward stack: the sampler"
+
+
+def test_the_auto_exit_is_the_head_of_a_reversed_features_stack_only():
+    reversed_ = dataclasses.replace(CFG, intervals="reversed")
+    assert resolve_exit("auto", CFG) == "sampler"
+    assert resolve_exit("auto", reversed_) == "head"
+    assert resolve_exit("auto", dataclasses.replace(reversed_, route="state")) == "sampler"
+    assert resolve_exit("auto", dataclasses.replace(reversed_, aux_weight=0.0)) == "sampler"
+    assert resolve_exit("auto", None) == "sampler", "a reference"
+    assert [resolve_exit(e, reversed_) for e in ("sampler", "head")] == ["sampler", "head"]
+    with pytest.raises(ValueError, match="not one of auto, sampler, head"):
+        resolve_exit("tail", CFG)
 
 
 def test_the_head_exit_reads_the_chain_and_sees_no_later_byte():
@@ -372,11 +392,14 @@ def test_a_reversed_features_stack_trains_evaluates_and_generates(corpus, tmp_pa
     assert main(["eval", str(run), "--data", str(corpus), "--json", "--bytes", "64", "-q"]) == 0
     ev = json.loads(capsys.readouterr().out)
     assert len(ev["sampler_ce_per_step"]) == len(ev["head_ce_per_block"]) == 3
-    for exit_ in ("sampler", "head"):
+    texts = {}
+    for exit_ in ("sampler", "head", "auto"):
         assert (
             main(["generate", str(run), "--prompt", "The ", "--bytes", "6", "--exit", exit_]) == 0
         )
-        assert capsys.readouterr().out.startswith("The ")
+        texts[exit_] = capsys.readouterr().out
+        assert texts[exit_].startswith("The ")
+    assert texts["auto"] == texts["head"] != texts["sampler"], "auto reads a reversed stack's head"
 
 
 def test_head_stages_with_caches_chain_to_the_head_exit():

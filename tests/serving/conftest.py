@@ -41,11 +41,14 @@ def one_torch_thread() -> Iterator[None]:
 
 @dataclass(frozen=True)
 class Runs:
-    blocktrain: Path  # span K = 2, T = 16, 3 blocks of 1 layer
+    blocktrain: Path  # span K = 2, T = 16, 3 blocks of 1 layer (the default route, features)
     reference: Path
     next_byte: Path  # the same with span K = 1 (speculative drafting verifies with it)
-    features: Path  # the K = 2 run under `route = features` (block b + 1 reads block b's stream)
+    features: (
+        Path  # the K = 2 run, `route = features` set explicitly (block b + 1 reads b's stream)
+    )
     features_next_byte: Path  # and its K = 1 twin
+    state: Path  # the K = 2 run under `route = state` (only z passes between blocks)
 
 
 @pytest.fixture(scope="session")
@@ -63,10 +66,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
             Trainer.create(cfg, root / kind, train, None, kind=kind).run(progress=False)
         k1 = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, span=1))
         Trainer.create(k1, root / "k1", train, None, kind="blocktrain").run(progress=False)
-        for name, base in (("features", cfg), ("features-k1", k1)):
-            routed = dataclasses.replace(
-                base, model=dataclasses.replace(base.model, route="features")
-            )
+        for name, base, route in (
+            ("features", cfg, "features"),
+            ("features-k1", k1, "features"),
+            ("state", cfg, "state"),
+        ):
+            routed = dataclasses.replace(base, model=dataclasses.replace(base.model, route=route))
             Trainer.create(routed, root / name, train, None, kind="blocktrain").run(progress=False)
     finally:
         torch.set_num_threads(before)
@@ -76,6 +81,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
         root / "k1",
         root / "features",
         root / "features-k1",
+        root / "state",
     )
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from blocktrain.config import ModelConfig, RunConfig, TrainConfig
-from blocktrain.data import ByteCorpus
+from blocktrain.data import ByteCorpus, ByteSource
 from blocktrain.errors import CheckpointError, ProtocolError
 from blocktrain.model import init_block
 from blocktrain.protocol.core.bounds import delta_norm_bound, token_bound
@@ -32,9 +32,17 @@ def init_weights(block: int) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in init_block(CFG.model, CFG.seed, block).state_dict().items()}
 
 
+def worker_trainer(block: int, data: ByteSource, data_seed: int) -> LocalBlockTrainer:
+    """A worker's trainer as a round starts: its block's version, and (route = features, the
+    default) the versions of the blocks before it that it reads."""
+    t = LocalBlockTrainer(CFG, block, data, data_seed=data_seed)
+    t.load(init_weights(block))
+    t.load_upstream({b: init_weights(b) for b in range(block)})
+    return t
+
+
 def test_train_moves_the_block_and_reports_tokens(train_split):
-    t = LocalBlockTrainer(CFG, 1, train_split, data_seed=7)
-    t.load(init_weights(1))
+    t = worker_trainer(1, train_split, data_seed=7)
     assert all(float(d.abs().max()) == 0 for d in t.delta().values())
     logs = t.train(3, first_step=0)
     assert logs["steps"] == 3 and logs["tokens"] == 3 * 4 * 16 and math.isfinite(logs["loss"])
@@ -58,8 +66,7 @@ def test_adamw_state_carries_over_rounds(train_split):
 
 def test_same_seed_same_delta_other_seed_other_batches(train_split):
     def run(seed: int) -> dict[str, torch.Tensor]:
-        t = LocalBlockTrainer(CFG, 2, train_split, data_seed=seed)
-        t.load(init_weights(2))
+        t = worker_trainer(2, train_split, data_seed=seed)
         t.train(2, first_step=4)
         return t.delta()
 

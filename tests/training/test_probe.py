@@ -20,18 +20,20 @@ def test_the_probe_is_deterministic_and_judges_updates_by_their_effect(corpus):
     assert probe.x.shape == (8, cfg.model.seq_len)
     initial = initial_blocks(cfg)
     block = 1
-    before = probe.loss(block, initial[block])
-    assert probe.loss(block, initial[block]) == before, "same weights, same slice, same noise"
+    upstream = {0: initial[0]}  # route = features: block 1 reads block 0's committed version
+    before = probe.loss(block, initial[block], upstream)
+    assert probe.loss(block, initial[block], upstream) == before, "same weights, slice, noise"
     trainer = LocalBlockTrainer(cfg, block, splits.split("train"), data_seed=0)
     trainer.load(initial[block])
+    trainer.load_upstream(upstream)
     trainer.train(6, first_step=0)
     honest = trainer.delta()
     moved = {k: w + honest[k] for k, w in initial[block].items()}
-    assert probe.loss(block, moved) < before, "six honest steps lower the held-out loss"
+    assert probe.loss(block, moved, upstream) < before, "six honest steps lower the held-out loss"
     flipped = {k: w - honest[k] for k, w in initial[block].items()}  # the update reversed
-    after = probe.loss(block, flipped)
+    after = probe.loss(block, flipped, upstream)
     assert not judge_effect(Effect(before, after), 0.002).accepted
-    assert judge_effect(Effect(before, probe.loss(block, moved)), 0.002).accepted
+    assert judge_effect(Effect(before, probe.loss(block, moved, upstream)), 0.002).accepted
 
 
 def test_the_probe_slice_is_disjoint_from_the_evaluation_windows(corpus):

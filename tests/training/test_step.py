@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from blocktrain.config import RunConfig
 from blocktrain.data import load_split
+from blocktrain.model import init_block
 from blocktrain.training import Trainer
 from blocktrain.training.local import LocalBlockTrainer
 from blocktrain.training.step import precision_context
@@ -25,10 +27,16 @@ def head_dtypes(module: torch.nn.Module) -> list[torch.dtype]:
     return seen
 
 
+def upstream_of(cfg: RunConfig) -> dict[int, dict[str, torch.Tensor]]:
+    """The initial versions of the blocks before BLOCK, which it reads under route = features."""
+    return {b: init_block(cfg.model, cfg.seed, b).state_dict() for b in range(BLOCK)}
+
+
 @PRECISIONS
 def test_precision_reaches_the_local_trainer(corpus, precision, dtype):
     cfg = micro_config(precision=precision)
     local = LocalBlockTrainer(cfg, BLOCK, load_split(corpus, "train"), data_seed=cfg.seed)
+    local.load_upstream(upstream_of(cfg))
     seen = head_dtypes(local.module)
     local.train(1, first_step=0)
     assert seen == [dtype], f"precision={precision}: the head ran in {seen}, wanted {dtype}"
@@ -60,9 +68,15 @@ def test_a_workers_steps_are_the_trainers_steps(tmp_path, corpus, precision):
     weights agree exactly (tolerance 0): any difference is a second code path, not rounding."""
     cfg = micro_config(precision=precision)
     train = load_split(corpus, "train")
-    trainer = Trainer.create(cfg, tmp_path / "r", train, None, blocks=[BLOCK])
+    # route = features: both read block 0's initial version, frozen (the trainer from a run
+    # of block 0 that has not trained, the worker as a pulled version)
+    Trainer.create(cfg, tmp_path / "b0", train, None, blocks=[0]).save_checkpoint()
+    trainer = Trainer.create(
+        cfg, tmp_path / "r", train, None, blocks=[BLOCK], upstream_from=[tmp_path / "b0"]
+    )
     local = LocalBlockTrainer(cfg, BLOCK, train, data_seed=cfg.seed)
     local.load(trainer.units[0].module.state_dict())
+    local.load_upstream(upstream_of(cfg))
     trainer_logs = []
     for _ in range(3):  # past warmup, so the learning-rate schedule is exercised too
         trainer_logs.append(trainer.train_step()["loss"])

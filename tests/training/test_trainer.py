@@ -46,9 +46,14 @@ def test_training_one_block_touches_nothing_else():
 def test_one_block_run_matches_the_full_runs_initialisation_elsewhere(tmp_path, corpus):
     cfg = micro_config(steps=2)
     train, valid = splits(corpus)
-    trainer = Trainer.create(cfg, tmp_path / "b2", train, valid, blocks=[2])
+    # route = features: block 2 reads blocks 0 and 1, frozen, from a run that holds them
+    Trainer.create(cfg, tmp_path / "b01", train, valid, blocks=[0, 1]).run(progress=False)
+    trainer = Trainer.create(
+        cfg, tmp_path / "b2", train, valid, blocks=[2], upstream_from=[tmp_path / "b01"]
+    )
     trainer.run(progress=False)
-    assert trainer.stack is not None and trainer.stack.block_ids == [2]
+    assert trainer.stack is not None and len(trainer.units) == 1, "one block trained"
+    assert trainer.stack.block_ids == [0, 1, 2], "beside it, frozen, the blocks it reads"
     info, model = load_model(tmp_path / "b2")
     assert info.blocks == [2]
     fresh = BlockStack(cfg.model, cfg.seed, [2])

@@ -65,11 +65,12 @@ EXAMPLES = """examples:
   blocktrain aggregator --state runs/agg --tls-cert tls/cert.pem --tls-key tls/key.pem
   blocktrain aggregator --state runs/agg --private-status --rate-limit 20
   blocktrain aggregator --state runs/agg --public-weights    # versions cacheable by a CDN
-  # one aggregator per block, same preset and seed, one state folder each:
+  # one aggregator per block, same preset and seed, one state folder each (block 1 reads
+  # block 0, served elsewhere, so its aggregator runs no effect probe; route=state keeps it):
   blocktrain aggregator --state runs/agg0 --preset tiny --blocks 0 --port 8470 \\
       --peer 1=http://10.0.0.6:8471 --peer 2=http://10.0.0.7:8472
   blocktrain aggregator --state runs/agg1 --preset tiny --blocks 1 --port 8471 \\
-      --peer 0=http://10.0.0.5:8470 --peer 2=http://10.0.0.7:8472
+      --peer 0=http://10.0.0.5:8470 --peer 2=http://10.0.0.7:8472 --effect-probe off
   blocktrain token add alice --state runs/agg0 --state runs/agg1 --state runs/agg2
   blocktrain aggregator --state runs/agg0 --port 8470       # restart: block 0, saved peers
   blocktrain aggregator --state runs/agg0 --port 8470 --peer 1=http://10.0.0.8:8471  # moved

@@ -32,6 +32,7 @@ from blocktrain.model import (
     stack_denoiser,
     utf8,
 )
+from blocktrain.model.heads import EXITS, resolve_exit
 from blocktrain.model.sampler import DEFAULT_SAMPLER, check_sampler
 from blocktrain.training import load_model
 
@@ -44,7 +45,8 @@ EXAMPLES = """examples:
   blocktrain generate runs/masked --prompt "The " --steps-per-block 2   # a masked run: reveal
   blocktrain generate runs/tiny --prompt "The " --device cpu             # on the CPU, GPU or not
   blocktrain generate hf/tiny --prompt "The "                            # an export --hf folder
-  blocktrain generate runs/feat --prompt "The " --exit head    # a features stack's head, no sampler
+  blocktrain generate runs/tiny --prompt "The " --exit head    # the last block's head, no sampler
+  blocktrain generate runs/rev --prompt "The "   # intervals = reversed: --exit auto reads its head
 """
 
 
@@ -78,11 +80,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_sampler_args(p)
     p.add_argument(
         "--exit",
-        choices=("sampler", "head"),
-        default="sampler",
-        help="sampler: denoise each span from noise (the default); head: one byte at a time "
-        "from the last block's next-byte head over the chain of clean streams, no sampler (a "
-        "route = features stack's autoregressive exit, docs/model.md)",
+        choices=EXITS,
+        default="auto",
+        help="sampler: denoise each span from noise; head: one byte at a time from the last "
+        "block's next-byte head over the chain of clean streams, no sampler (a route = "
+        "features stack's autoregressive exit, docs/model.md); auto (the default): head for "
+        "an intervals = reversed features stack, sampler otherwise",
     )
     p.add_argument(
         "--continuation-only",
@@ -130,8 +133,9 @@ def run(args: argparse.Namespace) -> int:
             f"{args.run_dir} holds only block(s) {model.block_ids}; "
             "generation needs the assembled model"
         )
-    if isinstance(model, Reference) or args.exit == "head":
-        if isinstance(model, Reference) and args.exit == "head":
+    exit_ = resolve_exit(args.exit, None if isinstance(model, Reference) else cfg)
+    if isinstance(model, Reference) or exit_ == "head":
+        if isinstance(model, Reference) and exit_ == "head":
             raise ConfigError("--exit head is for BlockTrain runs (a reference has one exit)")
         next_byte = model if isinstance(model, Reference) else functools.partial(head_logits, model)
         out = generate_autoregressive(

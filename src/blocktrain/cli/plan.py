@@ -13,6 +13,7 @@ EXAMPLES = """examples:
   blocktrain plan --preset small --set layers=12 blocks=4
   blocktrain plan --shape seed-75b --json                   # the seed's 75.80B fp16 shape
   blocktrain plan --shape layers=24,d=4096,blocks=3 --hosts 3
+  blocktrain plan --shape seed-75b,route=state             # only z between blocks
   blocktrain plan --shape seed-75b --throughput             # random weights, scaled to fit
 """
 
@@ -33,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="SPEC",
         help="a named shape (seed-75b) or KEY=VALUE,... such as "
         "layers=33,d=13696,blocks=3 (keys: layers, d, blocks, heads, seq, "
-        "span, mlp, noise_dim); instead of --preset/--set",
+        "span, mlp, noise_dim, route); instead of --preset/--set",
     )
     shape.add_argument("--hosts", type=int, help="serving hosts (default: one per block)")
     shape.add_argument(

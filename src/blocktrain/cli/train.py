@@ -30,12 +30,13 @@ from blocktrain.training.tracking import (
 )
 
 EXAMPLES = """examples:
-  blocktrain train --preset tiny --out runs/tiny            # all blocks, about a minute on CPU
+  blocktrain train --preset tiny --out runs/tiny            # all blocks, about 2 minutes on CPU
   blocktrain train --preset small --set span=4 lr=1e-3      # override config fields
   blocktrain train --preset tiny --set span=4 process=masked # masked spans (docs/model.md)
-  blocktrain train --preset tiny --block 1 --out runs/b1    # one block, as a worker would
-  blocktrain train --preset tiny --set route=features --block 0 --out runs/f0
-  blocktrain train --preset tiny --set route=features --block 1 --upstream runs/f0 --out runs/f1
+  blocktrain train --preset tiny --block 0 --out runs/b0    # one block, as a worker would
+  blocktrain train --preset tiny --block 1 --upstream runs/b0 --out runs/b1  # reads block 0 frozen
+  blocktrain train --preset tiny --set route=state --out runs/state  # only z between blocks
+  blocktrain train --preset tiny --set route=state --block 1 --out runs/s1  # needs no upstream
   blocktrain train --preset tiny --reference --out runs/ref # the end-to-end reference
   blocktrain train --resume --out runs/tiny --steps 600     # continue a run (to 600 steps)
   blocktrain train --preset paper --device cuda:0 --out runs/paper  # on the first GPU

@@ -14,10 +14,35 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from blocktrain.config import ModelConfig
 from blocktrain.model.block import Block
 from blocktrain.model.cached import KVCache
 from blocktrain.model.pipeline import cached_clean_pass
 from blocktrain.model.stack import BlockStack
+
+EXITS = ("auto", "sampler", "head")
+"""How generation reads a BlockTrain stack (`generate --exit`, the router's `exit`): `sampler`
+denoises each span from noise, `head` draws one byte at a time from the last block's next-byte
+head, and `auto` (the default) picks one per model (`resolve_exit`)."""
+
+
+def resolve_exit(exit_: str, model: ModelConfig | None) -> str:
+    """The exit `exit_` means for `model` (None: a reference, which has one exit). `auto` is
+    `head` for an intervals = reversed route = features stack with next-byte heads, whose
+    sweep starts at the last block (so it cannot run over a chain of hosts) and whose head is
+    its best reading (BENCHMARKS.md, "Do blocks compose?"); `sampler` otherwise. `sampler` and
+    `head` are kept as given: their refusals are the caller's."""
+    if exit_ not in EXITS:
+        raise ValueError(f"exit {exit_!r} is not one of {', '.join(EXITS)}")
+    if exit_ != "auto":
+        return exit_
+    reads_head = (
+        model is not None
+        and model.intervals == "reversed"
+        and model.route == "features"
+        and model.aux_weight > 0
+    )
+    return "head" if reads_head else "sampler"
 
 
 def head_logits(stack: BlockStack, x_bytes: torch.Tensor, block: int | None = None) -> torch.Tensor:

@@ -232,9 +232,10 @@ def test_the_head_exit_over_hosts_gives_the_in_process_bytes(runs, stack, parts)
 
 
 def test_the_head_exit_is_refused_where_there_is_no_chain_of_features(runs):
-    cluster = start_cluster(runs)  # the state-route runs and the reference
+    models = (ModelSource("bts", runs.state), ModelSource("ref", runs.reference))
+    cluster = start_cluster(runs, models=models)  # a route = state run and the reference
     with cluster.router() as router:
-        for model in ("bt", "ref"):
+        for model in ("bts", "ref"):
             r = router.post(
                 "/v1/generate", json={"model": model, "prompt": "a", "max_bytes": 2, "exit": "head"}
             )
@@ -261,7 +262,8 @@ def test_the_head_exit_s_logits_over_hosts_are_the_in_process_head_s(runs, stack
 
 def test_a_reversed_stack_is_served_through_its_head_exit_only(runs, tmp_path):
     """intervals = reversed: the sweep would start at the last block, so the router and the
-    hosts refuse exit = sampler (400, param exit); exit = head gives the in-process bytes."""
+    hosts refuse exit = sampler (400, param exit); exit = head, and the default exit = auto,
+    give the in-process head's bytes; /readyz probes it through its head stages."""
     cfg = micro_config(steps=2)
     model = dataclasses.replace(cfg.model, route="features", intervals="reversed")
     corpus = tmp_path / "corpus"
@@ -275,13 +277,23 @@ def test_a_reversed_stack_is_served_through_its_head_exit_only(runs, tmp_path):
     cluster = start_cluster(runs, models=(ModelSource("rev", run),))
     request = {"model": "rev", "prompt": "Sega ", "max_bytes": 6, "seed": 2}
     with cluster.router() as router:
-        refused = router.post("/v1/generate", json=request)
+        refused = router.post("/v1/generate", json={**request, "exit": "sampler"})
         r = router.post("/v1/generate", json={**request, "exit": "head"})
+        auto = router.post("/v1/generate", json=request)
+        completion = router.post(
+            "/v1/completions",
+            json={"model": "rev", "prompt": "Sega ", "max_tokens": 6, "seed": 2, "utf8": False},
+        )
+        ready = router.get("/readyz")
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "exit"
     refusal = reversed_stack_sweep("rev").message  # the one text, in the router and the hosts
     assert refused.json()["error"]["message"] == refusal
     assert r.status_code == 200, r.text
     assert r.json()["bytes"] == in_process_head(reversed_stack, b"Sega ", 6, 2)
+    assert auto.status_code == 200 and auto.json() | {"timing": None} == r.json() | {"timing": None}
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["choices"][0]["text"] == auto.json()["text"]
+    assert ready.status_code == 200, ready.text
     h = create_host_app(HostSettings(models=(ModelSource("rev", run),), parts=(0, 1, 2)))
     body = sweep_body_for(h.state.host, "rev", torch.tensor([[1, 2, 3, 4]]))
     with TestClient(h) as client:

@@ -47,7 +47,7 @@ def masked_cluster(run: Path) -> Cluster:
     for i, url in enumerate(URLS):
         settings = HostSettings(models=(ModelSource("mk", run),), parts=(i,), public_url=url)
         apps.apps[url] = create_host_app(settings, transport=apps)
-    return Cluster(apps, URLS, Runs(run, run, run, run, run))
+    return Cluster(apps, URLS, Runs(run, run, run, run, run, run))
 
 
 @pytest.mark.parametrize("sample_on", ["router", "last-host"])

@@ -27,7 +27,31 @@ def test_seed_75b_counts_75_80_billion_parameters():
     worker = plan["worker_training_bytes"]
     assert worker["weights"] == 4 * plan["params_per_block"]
     assert worker["adamw_moments"] == 8 * plan["params_per_block"]
-    assert worker["total"] < plan["full_model_training_bytes"] / 2.9
+    # under the default route = features the last block's worker also holds the two clean
+    # streams before it in fp16 (2.4x less than the full model); under state one block (2.9x)
+    assert worker["total"] < plan["full_model_training_bytes"] / 2.4
+    state = shape_plan(*parse_shape("seed-75b,route=state"), 3)
+    assert state["worker_training_bytes"]["total"] < plan["full_model_training_bytes"] / 2.9
+
+
+def test_a_features_shape_counts_the_upstream_a_worker_holds_and_sends():
+    """The default route = features: the last block's worker also holds the clean streams of
+    the blocks before it in fp16, and a hop carries their output over the context; a
+    route = state shape neither."""
+    features = shape_plan(*parse_shape("layers=6,d=256,blocks=3,seq=128,span=1"))
+    state = shape_plan(*parse_shape("layers=6,d=256,blocks=3,seq=128,span=1,route=state"))
+    assert features["model"]["route"] == "features" and state["model"]["route"] == "state"
+    up = features["worker_training_bytes"]["upstream_fp16"]
+    assert state["worker_training_bytes"]["upstream_fp16"] == 0
+    assert 0 < up < 2 * 2 * features["params_per_block"], "two clean streams, 2 bytes a param"
+    assert (
+        features["worker_training_bytes"]["total"] == state["worker_training_bytes"]["total"] + up
+    )
+    assert features["one_sweep_upstream_bytes_per_hop"]["fp16"] == 127 * 256 * 2
+    assert state["one_sweep_upstream_bytes_per_hop"]["fp16"] == 0
+    assert features["one_sweep_state_bytes_per_hop"] == state["one_sweep_state_bytes_per_hop"]
+    with pytest.raises(ConfigError, match="route"):
+        parse_shape("seed-75b,route=sideways")
 
 
 @pytest.mark.parametrize(

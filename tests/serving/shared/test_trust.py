@@ -74,7 +74,8 @@ def test_a_host_without_next_answers_the_state_to_its_caller(cluster, stack):
         r = host0.post("/v1/sweep", content=body)
     assert r.status_code == 200, r.text
     tensors, header = decode(r.content)
-    assert set(tensors) == {"x", "z"} and header["step"] == 1
+    # the state (and under route = features, the default, block 0's clean output u)
+    assert set(tensors) == {"x", "z", "u"} and header["step"] == 1
     assert cluster.apps.calls == [], "the host called out"
 
 

@@ -3,7 +3,8 @@
 
 Parameters are counted by building the modules on the meta device (no memory): exactly this
 code's parameter count. A SPEC is a named shape, `KEY=VALUE,...` over the model config, or a
-name followed by overrides: `seed-75b`, `layers=33,d=13696,blocks=3`, `seed-75b,span=16`.
+name followed by overrides: `seed-75b`, `layers=33,d=13696,blocks=3`, `seed-75b,span=16`,
+`seed-75b,route=state` (the route's default is the model's, features).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from blocktrain.model import Block, BlockStack, Reference, Sampling, SigmaSchedu
 from blocktrain.model import stack_denoiser as _stack_denoiser
 from blocktrain.model.pipeline import KVCache, split_reference
 from blocktrain.training.optim import ADAMW_BYTES_PER_PARAM
+from blocktrain.training.plan import UPSTREAM_BYTES_PER_PARAM, clean_stream_params
 
 GIB = 1024**3
 FP16_BYTES = 2
@@ -87,6 +89,10 @@ def parse_shape(spec: str) -> tuple[str, ModelConfig]:
                 f"--shape {item!r}: expected KEY=VALUE with KEY one of "
                 f"{', '.join(sorted(set(ALIASES) | set(hints)))}"
             )
+        if key == "route":  # state or features (checked by ModelConfig)
+            values[key] = text.strip()
+            given.add(key)
+            continue
         typ = int if hints[key] is int else float if hints[key] is float else None
         if typ is None:
             raise ConfigError(f"--shape {key} cannot be set here; use --preset/--set")
@@ -127,14 +133,21 @@ def host_blocks(blocks: int, hosts: int) -> list[list[int]]:
 
 
 def shape_plan(name: str, cfg: ModelConfig, hosts: int | None = None) -> dict[str, Any]:
-    """Parameters, fp16 weight bytes per host and a worker's training memory of a shape."""
+    """Parameters, fp16 weight bytes per host and the largest worker's training memory of a
+    shape (under `route = features` the last block's worker, which also holds the clean
+    streams of the blocks before it, frozen in fp16), and the state bytes per hop."""
     per_block, reference = count_params(cfg)
     total = per_block * cfg.blocks
     split = host_blocks(cfg.blocks, hosts or cfg.blocks)
     table = 256 * cfg.d_model  # the frozen target table, which every host and worker holds
+    features = cfg.route == "features"
     worker = {k: per_block * v for k, v in TRAIN_BYTES_PER_PARAM.items()}
     worker["target_table"] = table * FP32_BYTES
+    with torch.device("meta"):
+        stream = clean_stream_params(Block(cfg))
+    worker["upstream_fp16"] = (cfg.blocks - 1) * stream * UPSTREAM_BYTES_PER_PARAM * features
     worker["total"] = sum(worker.values())
+    context = cfg.seq_len - cfg.span  # the most context a sweep carries
     per_stage_layers = cfg.layers // cfg.blocks
     return {
         "shape": name,
@@ -153,6 +166,11 @@ def shape_plan(name: str, cfg: ModelConfig, hosts: int | None = None) -> dict[st
         "one_sweep_state_bytes_per_hop": {
             "fp32": cfg.span * cfg.d_model * FP32_BYTES,
             "fp16": cfg.span * cfg.d_model * FP16_BYTES,
+        },
+        # route = features: the previous block's clean output over the context (`u`), at T - K
+        "one_sweep_upstream_bytes_per_hop": {
+            "fp32": context * cfg.d_model * FP32_BYTES * features,
+            "fp16": context * cfg.d_model * FP16_BYTES * features,
         },
         "ar_state_bytes_per_hop_per_byte": {
             "fp32": cfg.d_model * FP32_BYTES,
@@ -268,7 +286,8 @@ def format_plan(plan: dict[str, Any]) -> list[str]:
     w = plan["worker_training_bytes"]
     lines = [
         f"shape {plan['shape']}: {m['blocks']} blocks x {plan['layers_per_block']} layers, "
-        f"d = {m['d_model']} ({m['n_heads']} heads), T = {m['seq_len']}, K = {m['span']}",
+        f"d = {m['d_model']} ({m['n_heads']} heads), T = {m['seq_len']}, K = {m['span']}, "
+        f"route {m['route']}",
         f"  params            {plan['params_total']:,} ({plan['params_total_billions']:.2f}B; "
         f"per block {plan['params_per_block']:,}; reference {plan['reference_params']:,})",
     ]
@@ -276,10 +295,15 @@ def format_plan(plan: dict[str, Any]) -> list[str]:
         zip(plan["blocks_per_host"], plan["weight_bytes_fp16_per_host"], strict=True)
     ):
         lines.append(f"  host {h}            blocks {blocks}: {size / GIB:.2f} GiB of fp16 weights")
+    upstream = (
+        f" + the upstream clean streams {w['upstream_fp16'] / GIB:.2f} (fp16, the last block's)"
+        if w["upstream_fp16"]
+        else ""
+    )
     lines.append(
         f"  worker training   {w['total'] / GIB:.2f} GiB for one block (fp32 weights "
         f"{w['weights'] / GIB:.2f} + grads {w['grads'] / GIB:.2f} + AdamW "
-        f"{w['adamw_moments'] / GIB:.2f}; activations not counted)"
+        f"{w['adamw_moments'] / GIB:.2f}{upstream}; activations not counted)"
     )
     lines.append(
         f"  full model        {plan['full_model_training_bytes'] / GIB:.2f} GiB to "

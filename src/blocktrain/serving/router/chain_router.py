@@ -32,6 +32,7 @@ import httpx
 import torch
 
 from blocktrain.model import Sampling, SigmaSchedule
+from blocktrain.model.heads import resolve_exit
 from blocktrain.model.sampler import DEFAULT_SAMPLER, sampler_for
 from blocktrain.model.speculative import SpeculativeLoop, verify_fork
 from blocktrain.serving.router.chain import Chain
@@ -78,7 +79,8 @@ class Job:
     client: str = ""
     """Whose work it is (the client's address), for its share of the work in flight."""
     exit: str = "sampler"
-    """A one-sweep model's exit: the sampler, or its head (one byte per traversal)."""
+    """A one-sweep model's exit, resolved (never `auto`): the sampler, or its head (one byte
+    per traversal)."""
 
     @property
     def autoregressive(self) -> bool:
@@ -174,8 +176,9 @@ class Router:
                 sampler = sampler_for(req.sampler, remote.config.model.process)
             except ValueError as exc:
                 raise BadRequest(str(exc), param="sampler") from None
-        self._check_exit(remote, req.exit)
-        head = req.exit == "head"
+        exit_ = resolve_exit(req.exit, remote.config.model if remote.kind == "blocktrain" else None)
+        self._check_exit(remote, exit_)
+        head = exit_ == "head"
         draft = req.draft_bytes
         if draft is None:
             draft = 0 if logprobs else self._default_draft(remote)
@@ -202,7 +205,7 @@ class Router:
             req.verify_draws,
             units,
             client,
-            exit=req.exit,
+            exit=exit_,
         )
 
     @staticmethod

@@ -1,5 +1,6 @@
 """The router's readiness check (`GET /readyz`): a 1-byte sweep (a 1-byte autoregressive step for
-a reference model) through the whole chain of every served model, sent to every replica of every
+a reference model, and for a stack whose default exit is its head: an intervals = reversed
+features stack, `model.heads.resolve_exit`) through the whole chain of every served model, sent to every replica of every
 hop, so that each host shows it can compute, not merely answer. Ready (200) when every model's
 sweep completes through at least one replica per hop; otherwise 503 with the host that failed.
 `/healthz` stays the cheap liveness check of the router itself."""
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 
+from blocktrain.model.heads import resolve_exit
 from blocktrain.serving.router.chain_router import Router
 from blocktrain.serving.router.directory import RemoteModel, unavailable_error
 from blocktrain.serving.router.traversal import FINAL_KEYS
@@ -26,8 +28,8 @@ PROBE_BYTE = 10
 
 def _probe_message(model: RemoteModel) -> tuple[str, bytes]:
     x = torch.tensor([[PROBE_BYTE]], dtype=torch.uint8)
-    if model.kind == "blocktrain":
-        cfg = model.config.model
+    cfg = model.config.model
+    if model.kind == "blocktrain" and resolve_exit("auto", cfg) == "sampler":
         header: SweepHeader | StageHeader = SweepHeader(
             model=model.name, fingerprint=model.fingerprint, step=0, steps_per_block=1
         )
