@@ -256,6 +256,18 @@ def test_train_eval_generate_end_to_end(tmp_path, corpus):
     assert {"ce", "bits_per_byte"} <= set(out)
 
 
+def test_python_dash_m_blocktrain_is_the_command(tmp_path):
+    """Issue 30 (a newcomer's walkthrough): `python -m blocktrain` said "No module named
+    blocktrain.__main__"; it is the `blocktrain` command, exit codes included."""
+    cmd = [sys.executable, "-m", "blocktrain"]
+    done = subprocess.run([*cmd, "--version"], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout.split()[0]) == (0, "blocktrain"), done.stderr
+    bad = [*cmd, "train", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "r")]
+    done = subprocess.run(bad, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith("blocktrain: error: "), done.stderr
+    assert not (tmp_path / "r").exists()
+
+
 def test_data_fetch_from_a_local_archive(capsys, tmp_path):
     import zipfile
 
