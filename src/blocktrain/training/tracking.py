@@ -28,6 +28,7 @@ ConfigError line that names the pip command.
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import math
 import os
@@ -157,6 +158,10 @@ def _save_id(run_dir: Path, key: str, value: str) -> None:
     atomic_write_bytes(run_dir / IDS_FILE, (json.dumps(ids, indent=2) + "\n").encode())
 
 
+_WRITERS = itertools.count()
+"""Numbers the TensorBoard writers of this process (their files' suffix)."""
+
+
 class TensorBoardTracker:
     """Event files under RUN_DIR/tensorboard/."""
 
@@ -164,11 +169,13 @@ class TensorBoardTracker:
         writer = _import("tensorboard")
         # purge_step: TensorBoard discards what an earlier process logged from that step on
         # a file of its own even when a resume starts within the second the last one did
-        # (the files are named by the second and the host)
+        # (the files are named by the second and the host; the suffix tells apart the writers
+        # of one process too)
+        start = "new" if resumed_at is None else f"step{resumed_at}"
         self.writer = writer(
             str(run_dir / TENSORBOARD_DIR),
             purge_step=None if resumed_at is None else resumed_at + 1,
-            filename_suffix=f".step{resumed_at or 0}.{os.getpid()}",
+            filename_suffix=f".{start}.{os.getpid()}.{next(_WRITERS)}",
         )
         if resumed_at is None:
             self.writer.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```", 0)
@@ -268,6 +275,34 @@ def open_trackers(
         close_trackers(opened)
         raise
     return opened
+
+
+class Tracking:
+    """The trackers of one folder, opened at the first record logged, so that a command that
+    logs nothing (a worker that never trained a round) writes nothing there."""
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        run_dir: Path,
+        config: dict[str, Any],
+        resumed_at: int | None = None,
+    ) -> None:
+        self.names, self.run_dir, self.config = tuple(names), Path(run_dir), config
+        self.resumed_at = resumed_at
+        self.trackers: list[Tracker] | None = None
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.names:
+            return
+        if self.trackers is None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.trackers = open_trackers(self.names, self.run_dir, self.config, self.resumed_at)
+        log_record(self.trackers, record)
+
+    def close(self) -> None:
+        close_trackers(self.trackers or ())
+        self.trackers = None
 
 
 def remove_outputs(run_dir: Path) -> None:

@@ -11,6 +11,8 @@ back as the same worker, sending what an uninterrupted one would have sent.
                              (`view/NAME`, a pull wire of deltas only: the next pull is a delta
                              from it, `core.pulls`); its metadata: block, worker id, last round
                              pushed, version, local steps done, delta wire, the view's version
+    DIR/tensorboard/, ...    `worker --log-to`'s files, when --log-dir is left out
+                             (training/tracking.py, OUTPUTS): the rounds logged, by round
 
 worker.json is written at each registration, and both after each pushed round (accepted or
 refused: they mirror what the worker holds), the tensors first; every write is atomic
@@ -49,6 +51,7 @@ from blocktrain.protocol.core.delta_wire import FULL
 from blocktrain.protocol.core.local_trainer import LocalTrainer, ResumableTrainer
 from blocktrain.protocol.core.pulls import View
 from blocktrain.protocol.worker.client import Pulled, Registration
+from blocktrain.training.tracking import OUTPUTS as TRACKING_OUTPUTS
 
 FORMAT = "blocktrain-worker"
 FORMAT_VERSION = 1
@@ -146,7 +149,8 @@ class WorkerFolder:
             raise ConfigError(
                 f"{self.root} is an aggregator's state folder: give the worker its own --state"
             )
-        others = [n for n in names if n not in (REGISTRATION, STATE) and not _temporary(n)]
+        known = (REGISTRATION, STATE, *TRACKING_OUTPUTS)
+        others = [n for n in names if n not in known and not _temporary(n)]
         if others:
             raise ConfigError(
                 f"{self.root} holds files that are not a worker's ({', '.join(others[:3])}): "
