@@ -23,7 +23,6 @@ import gc
 import logging
 import os
 import shutil
-import signal
 import socket
 import sys
 from collections.abc import Callable, Iterable
@@ -333,10 +332,8 @@ def run(args: argparse.Namespace) -> int:
     # (py-spy --gil, bench/protocol_load.py). Frozen, those objects are never scanned again.
     gc.collect()
     gc.freeze()
-    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to the handler
-    # it found; with these no-op handlers the process then exits 0 through the cleanup below.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, and `serve` returns (listener.run): the
+    # process exits 0 through the cleanup below.
     state.write_endpoint(url, os.getpid())
     print(
         f"aggregator for block(s) {','.join(map(str, directory.served))} of {state.n_blocks()} "
