@@ -61,7 +61,7 @@ from blocktrain.protocol.worker.loop import LATE_HINT, WorkerLoop
 from blocktrain.protocol.worker.resume import WorkerFolder
 from blocktrain.protocol.worker.retrying import RetryPolicy
 from blocktrain.training.local import LocalBlockTrainer, local_trainer
-from blocktrain.training.tracking import Tracking
+from blocktrain.training.tracking import OUTPUTS, Tracking
 
 EXAMPLES = """examples:
   blocktrain worker --aggregator http://10.0.0.5:8470 --token-file ~/.blocktrain-token
@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     # checked (and locked) before the aggregator hears of this worker
     folder = (
-        WorkerFolder(args.state, args.aggregator, block=args.block, fresh=args.fresh)
+        WorkerFolder(args.state, args.aggregator, block=args.block, fresh=args.fresh, extra=OUTPUTS)
         if args.state
         else None
     )

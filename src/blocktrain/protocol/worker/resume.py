@@ -11,8 +11,8 @@ back as the same worker, sending what an uninterrupted one would have sent.
                              (`view/NAME`, a pull wire of deltas only: the next pull is a delta
                              from it, `core.pulls`); its metadata: block, worker id, last round
                              pushed, version, local steps done, delta wire, the view's version
-    DIR/tensorboard/, ...    `worker --log-to`'s files, when --log-dir is left out
-                             (training/tracking.py, OUTPUTS): the rounds logged, by round
+    DIR/tensorboard/, ...    what else the caller names (`extra`): `worker --log-to`'s files
+                             when --log-dir is left out (training/tracking.py, OUTPUTS)
 
 worker.json is written at each registration, and both after each pushed round (accepted or
 refused: they mirror what the worker holds), the tensors first; every write is atomic
@@ -51,7 +51,6 @@ from blocktrain.protocol.core.delta_wire import FULL
 from blocktrain.protocol.core.local_trainer import LocalTrainer, ResumableTrainer
 from blocktrain.protocol.core.pulls import View
 from blocktrain.protocol.worker.client import Pulled, Registration
-from blocktrain.training.tracking import OUTPUTS as TRACKING_OUTPUTS
 
 FORMAT = "blocktrain-worker"
 FORMAT_VERSION = 1
@@ -95,11 +94,19 @@ class WorkerFolder:
     (`WorkerLoop(folder=...)`): `registered` at each registration, `pushed` after each push."""
 
     def __init__(
-        self, root: Path | str, aggregator: str, *, block: int | None = None, fresh: bool = False
+        self,
+        root: Path | str,
+        aggregator: str,
+        *,
+        block: int | None = None,
+        fresh: bool = False,
+        extra: tuple[str, ...] = (),
     ) -> None:
         """Checks before the aggregator hears of the worker: a folder of something else, a
-        corrupt one, another block than `block`. `fresh`: ignore the worker it holds."""
+        corrupt one, another block than `block`. `fresh`: ignore the worker it holds. `extra`:
+        the names of other files or folders it may hold (the worker's logs)."""
         self.root = Path(root)
+        self.extra = extra
         self.aggregator = aggregator.rstrip("/")
         if self.root.exists() and not self.root.is_dir():
             raise ConfigError(f"--state {self.root} is a file, not a folder")
@@ -149,7 +156,7 @@ class WorkerFolder:
             raise ConfigError(
                 f"{self.root} is an aggregator's state folder: give the worker its own --state"
             )
-        known = (REGISTRATION, STATE, *TRACKING_OUTPUTS)
+        known = (REGISTRATION, STATE, *self.extra)
         others = [n for n in names if n not in known and not _temporary(n)]
         if others:
             raise ConfigError(
