@@ -73,7 +73,7 @@ EXAMPLES = """examples:
   # kill it and start it again: the same worker, its optimizer state and round resumed
   blocktrain worker --aggregator http://10.0.0.5:8470 --token-file token.txt --state worker-a/
   # each round's line to TensorBoard too, in worker-a/tensorboard/
-  blocktrain worker --aggregator http://10.0.0.5:8470 --token-file token.txt --state worker-a/ \
+  blocktrain worker --aggregator http://10.0.0.5:8470 --token-file token.txt --state worker-a/ \\
       --log-to tensorboard
 """
 
