@@ -50,6 +50,7 @@ from blocktrain.protocol.service.access import JSON_BODY_BYTES, AccessLimits
 from blocktrain.protocol.service.placement import Directory, parse_peer, placed
 from blocktrain.protocol.store.state import create_state, run_unit
 from blocktrain.protocol.store.storage import StateDir
+from blocktrain.serving.shared.transport import check_url
 from blocktrain.tls import tls_pair
 from blocktrain.training.local import initial_units, reference_config
 from blocktrain.training.probe import BlockProbe
@@ -177,6 +178,8 @@ def prepare_state(
     overrides = settings_overrides(args)
     served = None if args.blocks is None else parse_blocks(args.blocks)
     peers = dict(parse_peer(text) for text in args.peer)
+    for b, url in peers.items():  # saved in the state and handed to workers: checked first
+        check_url(url, f"--peer {b}=URL")
     if state.initialised:
         if args.preset is not None or args.overrides or args.seed is not None:
             raise ConfigError(

@@ -60,6 +60,7 @@ from blocktrain.protocol.worker.client import AggregatorClient, Registration
 from blocktrain.protocol.worker.loop import LATE_HINT, WorkerLoop
 from blocktrain.protocol.worker.resume import WorkerFolder
 from blocktrain.protocol.worker.retrying import RetryPolicy
+from blocktrain.serving.shared.transport import check_url
 from blocktrain.training.local import LocalBlockTrainer, local_trainer
 from blocktrain.training.tracking import OUTPUTS, Tracking
 
@@ -151,10 +152,7 @@ def say(line: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.aggregator.startswith(("http://", "https://")):
-        raise ConfigError(
-            f"--aggregator {args.aggregator!r}: expected http://HOST:PORT or https://HOST:PORT"
-        )
+    check_url(args.aggregator, "--aggregator")  # a typo is one line, not a traceback
     if args.block is not None and args.block < 0:
         raise ConfigError("--block must be >= 0")
     if args.threads < 0 or (args.max_rounds is not None and args.max_rounds <= 0):
