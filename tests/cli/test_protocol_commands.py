@@ -128,8 +128,13 @@ def test_export_writes_a_run_that_eval_reads(tmp_path, corpus, capsys):
     )
     result = json.loads(capsys.readouterr().out)
     assert result["kind"] == "blocktrain" and result["from_noise_ce"] > 0
-    fails_cleanly(
+    line = fails_cleanly(
         capsys, ["export", "--state", str(state), "--out", str(out)], "already holds a run"
+    )
+    # issue 30 (tests/test_newcomer.py): it said "pass --resume to continue it", which export
+    # has not
+    assert line.endswith(
+        "already holds a run; pass --overwrite to replace it, or choose another --out"
     )
     fails_cleanly(
         capsys,
