@@ -6,6 +6,8 @@ STAMP := $(VENV)/.installed
 # The data the tool trains on by default: WikiText-2-raw re-split (see the shared SOURCE.md).
 export BLOCKTRAIN_DATA ?= $(abspath ../shared/data/wikitext/wikitext-2-raw-resplit)
 RUN ?= runs/tiny
+# `make run STEPS=20`: a shorter training run (default: the preset's 300 steps).
+STEPS ?=
 
 .PHONY: setup run test lint bench clean
 
@@ -22,7 +24,7 @@ setup: $(STAMP)
 
 ## run: train the `tiny` preset, evaluate it and print a sample (a few minutes on 2 CPU cores)
 run: $(STAMP)
-	$(VENV)/bin/blocktrain train --preset tiny --out $(RUN) --overwrite
+	$(VENV)/bin/blocktrain train --preset tiny --out $(RUN) --overwrite $(if $(STEPS),--steps $(STEPS))
 	$(VENV)/bin/blocktrain eval $(RUN) --split test
 	$(VENV)/bin/blocktrain generate $(RUN) --prompt " = Robert Boulter = " --bytes 200
 

@@ -76,6 +76,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "serving": SERVING_BASE | SERVING,
     "blocktrain": BASE | {"data", "model", "training"},
     "cli": BASE | PROTOCOL | SERVING | {"data", "model", "training", "simulate", "blocktrain"},
+    "__main__": frozenset({"cli"}),
 }
 PARTS = frozenset(ALLOWED)
 RULES = {

@@ -15,9 +15,12 @@ connection limits of `httpserve.Limits` (the body guard and the request rate are
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,9 +163,30 @@ def run(
     tls: TlsFiles | None = None,
     verbose: bool = False,
 ) -> None:
-    """Serve until interrupted (blocking); uvicorn stops gracefully on SIGINT/SIGTERM."""
+    """Serve until interrupted (blocking): uvicorn stops gracefully on SIGINT (Ctrl+C) or
+    SIGTERM, and this returns, so that the command exits 0."""
     check_tls(tls)
-    uvicorn.Server(_config(app, limits or Limits(), tls, verbose=verbose)).run(sockets=[sock])
+    server = uvicorn.Server(_config(app, limits or Limits(), tls, verbose=verbose))
+    with _stopped_by_signals():
+        server.run(sockets=[sock])
+
+
+@contextlib.contextmanager
+def _stopped_by_signals() -> Iterator[None]:
+    """uvicorn catches SIGINT and SIGTERM while it serves, shuts down, then raises the signal
+    again to the handler it found: Python's own made Ctrl+C a KeyboardInterrupt (`blocktrain:
+    interrupted`, exit 130) and SIGTERM a kill (exit -15) after a clean stop. No-op handlers
+    meanwhile let the serving command return; the previous ones come back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    stops = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in stops}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @dataclass

@@ -261,6 +261,31 @@ def test_train_eval_generate_end_to_end(tmp_path, corpus):
     assert {"ce", "bits_per_byte"} <= set(out)
 
 
+def test_python_dash_m_blocktrain_is_the_command(tmp_path):
+    """Issue 30 (a newcomer's walkthrough): `python -m blocktrain` said "No module named
+    blocktrain.__main__"; it is the `blocktrain` command, exit codes included."""
+    cmd = [sys.executable, "-m", "blocktrain"]
+    done = subprocess.run([*cmd, "--version"], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout.split()[0]) == (0, "blocktrain"), done.stderr
+    bad = [*cmd, "train", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "r")]
+    done = subprocess.run(bad, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith("blocktrain: error: "), done.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_warning_reads_as_the_commands_own(tmp_path):
+    """Issue 30 (tests/test_newcomer.py): the one line for skipped files read `WARNING
+    blocktrain.data.corpus: ...`, a logger's name; it reads as the other warnings do."""
+    (tmp_path / "notes.txt").write_text("some notes\n" * 50)
+    (tmp_path / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    cmd = [sys.executable, "-m", "blocktrain", "data", "info", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == (
+        f"blocktrain: warning: {tmp_path}: skipped 1 file: 1 not text (first: logo.png)\n"
+    )
+
+
 def test_data_fetch_from_a_local_archive(capsys, tmp_path):
     import zipfile
 

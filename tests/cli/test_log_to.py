@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from blocktrain.cli.cluster_eval import evaluation_records, round_records
 from blocktrain.cli.main import main
+from blocktrain.protocol.http.status import round_record
 from blocktrain.training.checkpoint import iter_metrics
-from blocktrain.training.tracking import scalars
+from blocktrain.training.tracking import Tracking, scalars
 
 from .test_cli import TINY, fails_cleanly
 
@@ -82,6 +84,14 @@ def test_a_missing_library_stops_before_anything_is_written(tmp_path, corpus, ca
     fails_cleanly(capsys, ["distill", "--out", str(run), "--log-to", "wandb"], "pip install wandb")
     fails_cleanly(capsys, [*base, "--log-to", "comet"], "choose from tensorboard, wandb, mlflow")
     assert not run.exists()
+    # cluster, worker and join read --log-to in the same place, before anything else
+    cluster = ["cluster", "--workers", "2", "--rounds", "1", "--data", str(corpus)]
+    fails_cleanly(capsys, [*cluster, "--out", str(run), "--log-to", "mlflow"], "pip install mlflow")
+    worker = ["worker", "--aggregator", "http://127.0.0.1:9", "--log-dir", str(run)]
+    fails_cleanly(capsys, [*worker, "--log-to", "wandb"], "pip install wandb")
+    join = ["join", "http://127.0.0.1:9", "--state", str(run), "--log-to", "tensorboard"]
+    fails_cleanly(capsys, join, "pip install tensorboardX")
+    assert not run.exists()
 
 
 def test_records_become_named_scalars():
@@ -135,3 +145,48 @@ def test_wandb_offline_run_under_the_run(tmp_path, corpus, capsys, monkeypatch):
     run_id = json.loads((run / "tracking.json").read_text())["wandb"]
     (offline,) = (run / "wandb").glob(f"offline-run-*-{run_id}")
     assert any(offline.glob("*.wandb"))
+
+
+def test_a_clusters_rounds_and_evaluations_become_scalars(tmp_path):
+    """`cluster --log-to` (issue 30): each committed round the status lists, once, with the
+    loss its updates reported, at step = the rounds done; then the summary's evaluations."""
+
+    def row(r: int) -> dict:
+        return round_record(
+            {"round": r, "accepted": 2, "in_time": 1, "refused": 1, "expected": 2, "reported": 3,
+             "cause": "deadline", "held": None, "new_version": r + 1, "started_at": 10.0 * r,
+             "closed_at": 10.0 * r + 4.5}
+        )  # fmt: skip
+
+    asked: list[int] = []
+
+    def losses() -> dict:
+        asked.append(1)
+        return {(0, 0): 5.5, (0, 1): 5.25, (1, 0): 5.0}
+
+    tracking = Tracking(["tensorboard"], tmp_path / "out", {"seed": 1})
+    logged: dict[str, int] = {}
+    polls = [{"0": [row(0)]}, {"0": [row(0)], "1": []}, {"0": [row(0), row(1)], "1": [row(0)]}]
+    for participation in polls:  # the second poll sees no new round: nothing logged, nor asked
+        for record in round_records({"participation": participation}, logged, losses):
+            tracking.log(record)
+    summary = {
+        "rounds": 2,
+        "from_noise_ce_per_round": [5.5, 5.0, 4.75],
+        "sampler_ce_per_round": [5.25, 4.5, 4.25],
+        "final": {"sampler_ce": 4.0, "ce_per_step": [4.5, 4.0], "oracle_ce": None, "sweeps": 16},
+    }
+    for record in evaluation_records(summary):
+        tracking.log(record)
+    tracking.close()
+    assert len(asked) == 2 and logged == {"0": 1, "1": 0}
+    tags, _ = read_events(tmp_path / "out" / "tensorboard")
+    assert tags["rounds/block0/accepted"] == [(1, 2.0), (2, 2.0)]
+    assert tags["rounds/block0/participation"] == [(1, 0.5), (2, 0.5)]
+    assert tags["rounds/block0/duration_s"] == [(1, 4.5), (2, 4.5)]
+    assert tags["rounds/block0/loss"] == [(1, 5.5), (2, 5.25)]
+    assert tags["rounds/block1/version"] == [(1, 1.0)]
+    assert tags["valid/from_noise_ce"] == [(0, 5.5), (1, 5.0), (2, 4.75)]
+    assert tags["valid/sampler_ce"] == [(0, 5.25), (1, 4.5), (2, 4.25)]
+    assert tags["final/sampler_ce"] == [(2, 4.0)] and tags["final/ce_per_step/1"] == [(2, 4.0)]
+    assert "final/sweeps" not in tags and "final/oracle_ce" not in tags

@@ -88,7 +88,9 @@ def test_worker_and_status_refuse_bad_input(capsys, monkeypatch):
     monkeypatch.delenv("BLOCKTRAIN_TOKEN", raising=False)
     fails_cleanly(capsys, ["worker", "--aggregator", "http://127.0.0.1:1"], "no token")
     fails_cleanly(
-        capsys, ["worker", "--aggregator", "127.0.0.1:1", "--token", "t"], "expected http://"
+        capsys,
+        ["worker", "--aggregator", "127.0.0.1:1", "--token", "t"],
+        "is not an http(s)://HOST:PORT URL",
     )
     fails_cleanly(capsys, ["status", "http://127.0.0.1:1"], "no token")
     fails_cleanly(
@@ -126,8 +128,13 @@ def test_export_writes_a_run_that_eval_reads(tmp_path, corpus, capsys):
     )
     result = json.loads(capsys.readouterr().out)
     assert result["kind"] == "blocktrain" and result["from_noise_ce"] > 0
-    fails_cleanly(
+    line = fails_cleanly(
         capsys, ["export", "--state", str(state), "--out", str(out)], "already holds a run"
+    )
+    # issue 30 (tests/test_newcomer.py): it said "pass --resume to continue it", which export
+    # has not
+    assert line.endswith(
+        "already holds a run; pass --overwrite to replace it, or choose another --out"
     )
     fails_cleanly(
         capsys,
@@ -210,3 +217,18 @@ def test_a_failed_first_start_leaves_nothing_and_the_corrected_one_starts(
     assert main([*start, "--data", str(corpus)]) == 0
     assert "listening on http://127.0.0.1:" in capsys.readouterr().err
     assert StateDir(state).initialised
+
+
+def test_a_typo_in_an_aggregators_url_is_one_line(capsys, tmp_path, monkeypatch):
+    """Issue 30 (tests/test_newcomer.py): a port with a typo (`:8470x`) made `worker` and
+    `status` end in httpx's traceback (exit 1), and `aggregator --peer` saved the URL for its
+    workers to choke on; each is now one line, exit 2, nothing written."""
+    monkeypatch.setenv("BLOCKTRAIN_TOKEN", "bt_x")
+    for url in ("http://127.0.0.1:8470x", "http://[::1", "http://:8470"):
+        fails_cleanly(capsys, ["worker", "--aggregator", url], f"--aggregator {url!r} is not an")
+        fails_cleanly(capsys, ["status", url], f"URL {url!r} is not an http(s)://HOST:PORT URL")
+    state = tmp_path / "agg0"
+    argv = ["aggregator", "--state", str(state), "--preset", "tiny", "--blocks", "0"]
+    bad = "1=http://10.0.0.6:8471x"
+    fails_cleanly(capsys, [*argv, "--peer", bad], "--peer 1=URL 'http://10.0.0.6:8471x' is not")
+    assert not state.exists()

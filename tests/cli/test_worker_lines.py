@@ -20,6 +20,8 @@ from blocktrain.protocol.store.tokens import hash_token, new_token
 from blocktrain.protocol.worker import loop
 from blocktrain.protocol.worker.client import AggregatorClient
 from tests.asgi import answered_by
+from tests.cli.test_cli import fails_cleanly
+from tests.cli.test_log_to import read_events
 from tests.conftest import micro_config
 from tests.protocol.conftest import FakeClock, run_state
 
@@ -95,3 +97,29 @@ def test_quiet_keeps_only_the_report(aggregator, corpus, capsys):
     captured = capsys.readouterr()
     assert "2 rounds, 1 accepted" in captured.out
     assert "round " not in captured.err and "hint" not in captured.err, captured.err
+
+
+def test_log_to_tensorboard_gets_each_rounds_line(aggregator, corpus, tmp_path, capsys):
+    """Issue 30, experiment logging: `worker --log-to tensorboard` logs what each round's line
+    says, at step = the round: its steps, bytes/s, loss and verdict."""
+    logs = tmp_path / "logs"
+    assert main(argv(corpus, "--log-to", "tensorboard", "--log-dir", str(logs))) == 0
+    err = capsys.readouterr().err
+    printed = re.findall(
+        r"^round (\d) \(block 0\): (\d) steps in .*, loss (\d+\.\d{3}); ", err, re.M
+    )
+    assert [r for r, _, _ in printed] == ["0", "1"], err
+    tags, purges = read_events(logs / "tensorboard")
+    assert [s for s, _ in tags["worker/loss"]] == [0, 1] and not purges
+    assert [v for _, v in tags["worker/loss"]] == pytest.approx(
+        [float(loss) for _, _, loss in printed], abs=6e-4
+    )
+    assert [v for _, v in tags["worker/steps"]] == [float(n) for _, n, _ in printed]
+    assert [v for _, v in tags["worker/accepted"]] == [1.0, 0.0]
+    assert tags["worker/refused/late"] == [(1, 1.0)] and tags["worker/late"][1] == (1, 1.0)
+    assert [s for s, _ in tags["worker/bytes_per_s"]] == [0, 1]
+
+
+def test_log_to_needs_a_folder(aggregator, corpus, capsys):
+    fails_cleanly(capsys, argv(corpus, "--log-to", "tensorboard"), "give --log-dir DIR")
+    fails_cleanly(capsys, argv(corpus, "--log-to", "comet", "--log-dir", "x"), "choose from")

@@ -19,6 +19,7 @@ from blocktrain.protocol.http.app import create_app
 from blocktrain.protocol.store.tokens import hash_token, new_token
 from blocktrain.protocol.worker.client import AggregatorClient
 from tests.asgi import answered_by
+from tests.cli.test_log_to import read_events
 from tests.conftest import micro_config
 from tests.protocol.conftest import FakeClock, run_state
 
@@ -128,3 +129,29 @@ def test_the_flags_are_in_the_help_of_worker_and_join(capsys):
             main([command, "--help"])
         text = " ".join(capsys.readouterr().out.split())
         assert "--state DIR the worker's own folder" in text and "--fresh" in text
+
+
+def test_a_resumed_worker_logs_on_in_its_folder(aggregator, corpus, tmp_path, capsys):
+    """`--log-to` without --log-dir writes in the --state folder, which a resume still takes,
+    and the resumed worker's rounds follow the first one's (what was logged after the round it
+    resumes from is dropped, as `train --resume` does)."""
+    folder = tmp_path / "w"
+    assert main(argv(corpus, folder, "--log-to", "tensorboard")) == 0
+    assert main(argv(corpus, folder, "--log-to", "tensorboard")) == 0
+    assert "resumed worker 0" in capsys.readouterr().err
+    tags, purges = read_events(folder / "tensorboard")
+    assert [s for s, _ in tags["worker/loss"]] == [0, 1] and purges == [1]
+    assert [v for _, v in tags["worker/accepted"]] == [1.0, 1.0]
+
+
+def test_a_worker_that_trains_no_round_writes_no_logs(aggregator, corpus, tmp_path, capsys):
+    """The loggers open at the first round: a worker stopped before it (here: the run is
+    done) leaves its registration in its folder, and no logs."""
+    folder, logs = tmp_path / "w", tmp_path / "logs"
+    for _ in range(4):  # the run's four rounds of block 0, by another worker
+        assert main(argv(corpus, tmp_path / "other", "--block", "0")) == 0
+    capsys.readouterr()
+    extra = ("--block", "0", "--log-to", "tensorboard", "--log-dir", str(logs))
+    assert main(argv(corpus, folder, *extra)) == 0
+    assert "stopped by done" in capsys.readouterr().out
+    assert [p.name for p in folder.iterdir()] == ["worker.json"] and not logs.exists()

@@ -23,7 +23,6 @@ import gc
 import logging
 import os
 import shutil
-import signal
 import socket
 import sys
 from collections.abc import Callable, Iterable
@@ -51,6 +50,7 @@ from blocktrain.protocol.service.access import JSON_BODY_BYTES, AccessLimits
 from blocktrain.protocol.service.placement import Directory, parse_peer, placed
 from blocktrain.protocol.store.state import create_state, run_unit
 from blocktrain.protocol.store.storage import StateDir
+from blocktrain.serving.shared.transport import check_url
 from blocktrain.tls import tls_pair
 from blocktrain.training.local import initial_units, reference_config
 from blocktrain.training.probe import BlockProbe
@@ -179,6 +179,8 @@ def prepare_state(
     overrides = settings_overrides(args)
     served = None if args.blocks is None else parse_blocks(args.blocks)
     peers = dict(parse_peer(text) for text in args.peer)
+    for b, url in peers.items():  # saved in the state and handed to workers: checked first
+        check_url(url, f"--peer {b}=URL")
     if state.initialised:
         if args.preset is not None or args.overrides or args.seed is not None:
             raise ConfigError(
@@ -334,10 +336,8 @@ def run(args: argparse.Namespace) -> int:
     # (py-spy --gil, bench/protocol_load.py). Frozen, those objects are never scanned again.
     gc.collect()
     gc.freeze()
-    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to the handler
-    # it found; with these no-op handlers the process then exits 0 through the cleanup below.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, and `serve` returns (listener.run): the
+    # process exits 0 through the cleanup below.
     state.write_endpoint(url, os.getpid())
     print(
         f"aggregator for block(s) {','.join(map(str, directory.served))} of {state.n_blocks()} "

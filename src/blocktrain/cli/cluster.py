@@ -23,6 +23,9 @@ progress on stderr), and with --keep-dashboard until Ctrl-C:
   cluster: after round 0 of 10: from-noise CE 5.545     (where no bar is drawn, unless -q)
   ...
   cluster: final evaluation of runs/c3/model (32768 bytes, M = 16)
+
+With --log-to the committed rounds (as the status lists them) and the evaluations go to
+TensorBoard, W&B or MLflow too, under OUT, at step = the rounds done (cli/cluster_eval.py).
 """
 
 from __future__ import annotations
@@ -38,15 +41,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from blocktrain.cli.cluster_eval import evaluate_cluster, say
+from blocktrain.cli.cluster_eval import evaluate_cluster, evaluation_records, round_records, say
 from blocktrain.cli.common import (
     Formatter,
     add_config_args,
     add_data_arg,
+    add_log_arg,
     add_progress_arg,
     add_setting_args,
     add_unit_arg,
     file_patterns,
+    log_backends,
     print_json,
     progress_bar,
     resolve_rounds_config,
@@ -63,12 +68,14 @@ from blocktrain.training.local import (
     initial_units,
     reference_config,
 )
+from blocktrain.training.tracking import Tracking, remove_outputs
 
 EXAMPLES = """examples:
   blocktrain cluster --workers 6 --preset tiny --rounds 30 --out runs/cluster
   blocktrain cluster --workers 3 --preset tiny --rounds 10 --local-steps 20 --deadline 30 \\
       --out runs/c3 --set d_model=64
   blocktrain cluster --workers 3 --preset tiny --rounds 10 --out runs/c3 --keep-dashboard
+  blocktrain cluster --workers 3 --preset tiny --rounds 10 --out runs/c3 --log-to tensorboard
   blocktrain eval runs/cluster/model --split test
 """
 
@@ -109,6 +116,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="keep the aggregator and its dashboard up after the evaluation, until Ctrl-C (by "
         "default it stops once the evaluation ends)",
+    )
+    add_log_arg(
+        p,
+        what="each committed round (accepted, participation, duration, reported loss) and the "
+        "evaluations (each round's model, the final one)",
+        folder="OUT",
+        where="--out",
     )
     add_progress_arg(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -163,6 +177,7 @@ def _viewer_token(state: Any, out: Path) -> tuple[str, Path]:
 
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
+    backends = log_backends(args)  # an unknown backend or a missing library: before any write
     out = Path(args.out)
     if (out / "state").exists() or (out / "summary.json").exists():
         if not args.overwrite:
@@ -173,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(out / name, ignore_errors=True)
         (out / "summary.json").unlink(missing_ok=True)
         (out / "viewer.token").unlink(missing_ok=True)
+        remove_outputs(out)  # the old run's logs, which TensorBoard would show as this one's
     data_path = str(resolve_data_path(args.data))
     patterns = file_patterns(args)
     valid = load_split(data_path, "valid", patterns)
@@ -204,7 +220,19 @@ def run(args: argparse.Namespace) -> int:
         desc=f"cluster {args.workers} workers",
     )
 
+    config = {
+        **cfg.to_dict(),
+        "cluster": {"workers": args.workers, "rounds": args.rounds, "local_steps": local_steps},
+    }
+    tracking = Tracking(backends, out, config)
+    logged: dict[str, int] = {}
+
+    def log_rounds(status: dict[str, Any]) -> None:
+        for record in round_records(status, logged, state.ledger.round_losses):
+            tracking.log(record)
+
     def progress(status: dict[str, Any]) -> None:
+        log_rounds(status)
         bar.n = sum(min(r, args.rounds) for r in status["rounds"])
         bar.set_postfix(
             versions=",".join(map(str, status["versions"])),
@@ -234,6 +262,7 @@ def run(args: argparse.Namespace) -> int:
             f"{url} --token-file {viewer_file})"
         )
         status = cluster.wait_rounds(on_status=progress)
+        log_rounds(status)  # it lists every round
         bar.close()
         wall_seconds = cluster.rounds_seconds or 0.0
         say(f"rounds done in {wall_seconds:.0f}s; every worker has left")
@@ -241,6 +270,9 @@ def run(args: argparse.Namespace) -> int:
         summary["wall_seconds"] = wall_seconds
         summary["workers_report"] = cluster.worker_reports()
         summary["exit_codes"] = cluster.exit_codes()  # the aggregator's: None, it still serves
+        for record in evaluation_records(summary):
+            tracking.log(record)
+        tracking.close()  # written out now, before --keep-dashboard waits
         if args.keep_dashboard:
             _write_summary(out, summary)
             _report(args, summary, line, wall_seconds)
@@ -253,6 +285,7 @@ def run(args: argparse.Namespace) -> int:
                 say("stopping the aggregator")
     finally:
         bar.close()
+        tracking.close()
         cluster.close()
         if main_thread:
             signal.signal(signal.SIGTERM, previous)

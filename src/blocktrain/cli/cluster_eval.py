@@ -1,11 +1,18 @@
 """The evaluation after a `blocktrain cluster`'s rounds: each round's model and the final one,
 scored on the validation split with progress on stderr, and the run's summary (summary.json).
-The cluster command (cli/cluster.py) runs it while the aggregator still serves the dashboard."""
+The cluster command (cli/cluster.py) runs it while the aggregator still serves the dashboard.
+
+`--log-to` (training/tracking.py) gets the same figures as metrics records, at step = the
+rounds done: each committed round of each block as the status lists it (`rounds/block0/accepted`,
+`.../participation`, `.../duration_s`, `.../version`, `.../loss`: the mean training loss its
+accepted updates reported; round k at step k + 1), each round's evaluation (`valid/from_noise_ce`,
+`valid/sampler_ce`, after r rounds at step r) and the final one (`final/sampler_ce`, ...)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +38,56 @@ PARTICIPATION_KEYS = (
     "participation",
     "duration_s",
 )
+
+
+ROUND_KEYS = (
+    "accepted",
+    "in_time",
+    "refused",
+    "expected",
+    "reported",
+    "participation",
+    "duration_s",
+    "version",
+)
+"""What a committed round's record holds of the status's participation row."""
+
+
+def round_records(
+    status: dict[str, Any], logged: dict[str, int], losses: Callable[[], dict[Any, float]]
+) -> list[dict[str, Any]]:
+    """The rounds of `status` closed since the last one `logged` has of their block (block ->
+    round; updated) as metrics records; `losses()`, asked only when there are some, gives
+    (block, round) -> the mean loss the round's accepted updates reported (the ledger's)."""
+    fresh = [
+        (b, row)
+        for b, rows in sorted(status["participation"].items(), key=lambda item: int(item[0]))
+        for row in sorted(rows, key=lambda r: r["round"])
+        if row["round"] > logged.get(b, -1)
+    ]
+    mean_loss = losses() if fresh else {}
+    records = []
+    for b, row in fresh:
+        logged[b] = row["round"]
+        values = {k: row[k] for k in ROUND_KEYS if k in row}
+        values["loss"] = mean_loss.get((int(b), row["round"]))
+        records.append({"event": "rounds", "step": row["round"] + 1, f"block{b}": values})
+    return records
+
+
+def evaluation_records(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """A cluster summary's evaluations as metrics records: each round's model, then the
+    final one."""
+    per_round = zip(
+        summary["from_noise_ce_per_round"], summary["sampler_ce_per_round"], strict=True
+    )
+    records: list[dict[str, Any]] = [
+        {"event": "eval", "split": "valid", "step": r, "from_noise_ce": fn, "sampler_ce": sc}
+        for r, (fn, sc) in enumerate(per_round)
+    ]
+    final = {k: v for k, v in summary["final"].items() if k not in ("sweeps", "bytes")}
+    records.append({"event": "eval", "split": "final", "step": summary["rounds"], **final})
+    return records
 
 
 def evaluate_units(

@@ -27,6 +27,7 @@ from blocktrain.model.sampler import (
 from blocktrain.presets import PRESETS, preset
 from blocktrain.protocol.core.settings import AggregatorSettings, declared, default_text
 from blocktrain.training.checkpoint import RunInfo
+from blocktrain.training.tracking import check_backends, parse_backends
 
 TOKEN_ENV = "BLOCKTRAIN_TOKEN"
 """Where `worker` and `status` read the bearer token when neither --token-file nor --token is
@@ -265,19 +266,33 @@ def file_patterns(args: argparse.Namespace) -> FilePatterns:
     )
 
 
-def add_log_arg(parser: argparse.ArgumentParser) -> None:
-    """--log-to: experiment loggers fed by the records of metrics.jsonl
-    (training/tracking.py)."""
+def add_log_arg(
+    parser: argparse.ArgumentParser,
+    what: str = "what metrics.jsonl gets",
+    folder: str = "RUN_DIR",
+    where: str = "the run folder",
+) -> None:
+    """--log-to: experiment loggers (training/tracking.py) fed by the records the command
+    writes or prints (`what`), under `folder`; `log_backends` reads it."""
     parser.add_argument(
         "--log-to",
         metavar="BACKEND",
         action="append",
-        help="also log what metrics.jsonl gets to tensorboard, wandb or mlflow (repeatable, or "
-        "comma-separated), offline under the run folder: RUN_DIR/tensorboard/ event files, an "
-        "offline W&B run in RUN_DIR/wandb/ (WANDB_MODE=online to upload), an MLflow file store "
-        "in RUN_DIR/mlruns/ (or $MLFLOW_TRACKING_URI); a library that is missing stops the "
-        "command before it writes anything, naming the pip command",
+        help=f"also log {what} to tensorboard, wandb or mlflow (repeatable, or "
+        f"comma-separated), offline under {where}: {folder}/tensorboard/ event files, an "
+        f"offline W&B run in {folder}/wandb/ (WANDB_MODE=online to upload), an MLflow file "
+        f"store in {folder}/mlruns/ (or $MLFLOW_TRACKING_URI); a library that is missing stops "
+        "the command before it writes anything, naming the pip command",
     )
+
+
+def log_backends(args: argparse.Namespace) -> tuple[str, ...]:
+    """The --log-to backends (repeatable, comma-separated), each library imported: an unknown
+    backend or a missing library is one ConfigError line, before the command writes anything.
+    Every command that takes --log-to reads it here."""
+    names = parse_backends(getattr(args, "log_to", None))
+    check_backends(names)
+    return names
 
 
 def add_progress_arg(parser: argparse.ArgumentParser) -> None:

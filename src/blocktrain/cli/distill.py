@@ -21,12 +21,12 @@ from blocktrain.cli.common import (
     add_progress_arg,
     check_model_sampler,
     file_patterns,
+    log_backends,
 )
 from blocktrain.cli.train import run_and_report, splits
 from blocktrain.errors import ConfigError
 from blocktrain.training import Trainer, read_config
 from blocktrain.training.distill import TeacherSpec
-from blocktrain.training.tracking import check_backends, parse_backends
 
 EXAMPLES = """examples:
   blocktrain train --preset tiny --reference --set layers=1 blocks=1 seq_len=128 \\
@@ -78,7 +78,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_backends(parse_backends(args.log_to))  # a missing library: before anything is written
+    log_backends(args)  # an unknown backend or a missing library: before anything is written
     if args.steps is not None and args.steps <= 0:
         raise ConfigError(f"--steps {args.steps} must be positive")
     if args.lr is not None and not args.lr > 0:

@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _export_state(args: argparse.Namespace) -> int:
     if args.out:
-        ckpt.check_run_dir_free(Path(args.out), overwrite=args.overwrite)
+        ckpt.check_run_dir_free(Path(args.out), overwrite=args.overwrite, resumable=False)
     if args.hf:
         hub.check_hf_dir_free(Path(args.hf), overwrite=args.overwrite)
     info = read_committed(Path(args.state))

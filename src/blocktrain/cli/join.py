@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from blocktrain.cli import doctor, worker
-from blocktrain.cli.common import Formatter
+from blocktrain.cli.common import Formatter, log_backends
 from blocktrain.device import resolve_device
 
 EXAMPLES = """examples:
@@ -34,6 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     resolve_device(args.device)  # one line, before the aggregator is contacted
+    log_backends(args)  # --log-to: an unknown backend or a missing library, before the checks
     checks = doctor.checks_for(args)
     failed = [c for c in checks if c.ok is False]
     for check in checks:

@@ -69,6 +69,18 @@ EPILOG = """examples:
 """
 
 
+class UserLines(logging.Formatter):
+    """A log record as the command's own warning lines read, `blocktrain: warning: ...` (it
+    was `WARNING blocktrain.data.corpus: ...`); -v shows the level and the logger's name."""
+
+    def __init__(self) -> None:
+        super().__init__("blocktrain: %(level)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        record.level = record.levelname.lower()
+        return super().format(record)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="blocktrain",
@@ -88,9 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    handler = logging.StreamHandler()
+    handler.setFormatter(
+        logging.Formatter("%(levelname)s %(name)s: %(message)s") if args.verbose else UserLines()
+    )
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
+        level=logging.DEBUG if args.verbose else logging.WARNING, handlers=[handler]
     )
     keep_freed_memory()
     try:

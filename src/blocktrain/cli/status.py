@@ -18,6 +18,7 @@ from blocktrain.cli.common import (
 from blocktrain.errors import ConfigError
 from blocktrain.protocol.worker.client import AggregatorClient
 from blocktrain.protocol.worker.retrying import RetryPolicy
+from blocktrain.serving.shared.transport import check_url
 
 EXAMPLES = """examples:
   blocktrain status http://127.0.0.1:8470 --token-file token.txt
@@ -103,8 +104,7 @@ def render(s: dict[str, Any], rounds: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.url.startswith(("http://", "https://")):
-        raise ConfigError(f"{args.url!r}: expected http://HOST:PORT or https://HOST:PORT")
+    check_url(args.url, "URL")  # a typo is one line, not a traceback
     if args.rounds <= 0 or args.timeout <= 0:
         raise ConfigError("--rounds and --timeout must be positive")
     token = resolve_token(args)

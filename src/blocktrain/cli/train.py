@@ -13,6 +13,7 @@ from blocktrain.cli.common import (
     add_log_arg,
     add_progress_arg,
     file_patterns,
+    log_backends,
     print_json,
     resolve_config,
 )
@@ -22,12 +23,7 @@ from blocktrain.data.provenance import check_data, corpus_record, write_record
 from blocktrain.device import resolve_device
 from blocktrain.errors import ConfigError, DataError
 from blocktrain.training import Trainer, read_config
-from blocktrain.training.tracking import (
-    check_backends,
-    close_trackers,
-    open_trackers,
-    parse_backends,
-)
+from blocktrain.training.tracking import close_trackers, open_trackers
 
 EXAMPLES = """examples:
   blocktrain train --preset tiny --out runs/tiny            # all blocks, about 2 minutes on CPU
@@ -84,7 +80,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_backends(parse_backends(args.log_to))  # a missing library: before anything is written
+    log_backends(args)  # an unknown backend or a missing library: before anything is written
     if args.resume:
         if not args.out:
             raise ConfigError("--resume needs --out RUN_DIR")
@@ -131,7 +127,7 @@ def run_and_report(trainer: Trainer, args: argparse.Namespace, verb: str) -> int
     """Run `trainer` to its steps, feeding the --log-to loggers, and print its summary (JSON
     with --json), for train and distill."""
     trainer.trackers = open_trackers(
-        parse_backends(args.log_to), trainer.run_dir, trainer.cfg.to_dict(), trainer.step
+        log_backends(args), trainer.run_dir, trainer.cfg.to_dict(), trainer.step or None
     )
     try:
         summary = trainer.run(progress=not args.quiet)

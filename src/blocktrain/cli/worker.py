@@ -22,6 +22,10 @@ its report at the end on stdout:
   round 1 (block 1): 10 steps in 71.3s, 57 bytes/s, loss 4.871; refused: late (...)
     hint: updates arrive after the round's deadline (...): raise the aggregator's --deadline or
     lower its --local-steps, or run it with --pacing adaptive
+
+With --log-to the same rounds go to TensorBoard, W&B or MLflow too, at step = the round:
+worker/loss, worker/steps, worker/seconds, worker/bytes_per_s, worker/accepted (1 or 0),
+worker/late, worker/refused/REASON (1), in --log-dir (default: the --state folder).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import argparse
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,9 +43,11 @@ from blocktrain.cli.common import (
     Formatter,
     add_ca_arg,
     add_data_arg,
+    add_log_arg,
     add_token_args,
     checked_ca,
     file_patterns,
+    log_backends,
     print_json,
     resolve_token,
 )
@@ -53,7 +60,9 @@ from blocktrain.protocol.worker.client import AggregatorClient, Registration
 from blocktrain.protocol.worker.loop import LATE_HINT, WorkerLoop
 from blocktrain.protocol.worker.resume import WorkerFolder
 from blocktrain.protocol.worker.retrying import RetryPolicy
+from blocktrain.serving.shared.transport import check_url
 from blocktrain.training.local import LocalBlockTrainer, local_trainer
+from blocktrain.training.tracking import OUTPUTS, Tracking
 
 EXAMPLES = """examples:
   blocktrain worker --aggregator http://10.0.0.5:8470 --token-file ~/.blocktrain-token
@@ -64,6 +73,9 @@ EXAMPLES = """examples:
   blocktrain worker --aggregator http://10.0.0.5:8470 --token-file token.txt --block 2
   # kill it and start it again: the same worker, its optimizer state and round resumed
   blocktrain worker --aggregator http://10.0.0.5:8470 --token-file token.txt --state worker-a/
+  # each round's line to TensorBoard too, in worker-a/tensorboard/
+  blocktrain worker --aggregator http://10.0.0.5:8470 --token-file token.txt --state worker-a/ \\
+      --log-to tensorboard
 """
 
 
@@ -113,6 +125,18 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="exit when the aggregator has not answered for S seconds",
     )
+    add_log_arg(
+        p,
+        what="each round's line (its steps, seconds, bytes/s, loss and verdict, at step = "
+        "the round)",
+        folder="LOG_DIR",
+        where="--log-dir",
+    )
+    p.add_argument(
+        "--log-dir",
+        metavar="LOG_DIR",
+        help="where --log-to writes (default: the --state folder; made at the first round)",
+    )
     p.add_argument("--json", action="store_true", help="print the final report as JSON")
     p.add_argument(
         "-q",
@@ -128,16 +152,20 @@ def say(line: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.aggregator.startswith(("http://", "https://")):
-        raise ConfigError(
-            f"--aggregator {args.aggregator!r}: expected http://HOST:PORT or https://HOST:PORT"
-        )
+    check_url(args.aggregator, "--aggregator")  # a typo is one line, not a traceback
     if args.block is not None and args.block < 0:
         raise ConfigError("--block must be >= 0")
     if args.threads < 0 or (args.max_rounds is not None and args.max_rounds <= 0):
         raise ConfigError("--threads must be >= 0 and --max-rounds positive")
     if args.fresh and not args.state:
         raise ConfigError("--fresh discards the worker of a --state folder: give --state DIR")
+    backends = log_backends(args)
+    log_dir = args.log_dir or args.state
+    if backends and not log_dir:
+        raise ConfigError(
+            "--log-to needs a folder for its files: give --log-dir DIR, or --state DIR (they "
+            "go in it then)"
+        )
     device = resolve_device(args.device)  # before the aggregator hears of this worker
     token = resolve_token(args)
     verify = checked_ca(args)
@@ -145,14 +173,18 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     # checked (and locked) before the aggregator hears of this worker
     folder = (
-        WorkerFolder(args.state, args.aggregator, block=args.block, fresh=args.fresh)
+        WorkerFolder(args.state, args.aggregator, block=args.block, fresh=args.fresh, extra=OUTPUTS)
         if args.state
         else None
     )
+    resumed = folder.round if folder is not None and folder.round >= 0 else None
+    config = {"aggregator": args.aggregator, "name": args.name, "block": args.block}
+    tracking = Tracking(backends, Path(log_dir or "."), config, resumed_at=resumed)
     try:
         train = load_split(args.data, "train", file_patterns(args))
-        return _work(args, token, verify, device, train, folder)
+        return _work(args, token, verify, device, train, folder, tracking)
     finally:
+        tracking.close()
         if folder is not None:
             folder.close()
 
@@ -164,6 +196,7 @@ def _work(
     device: torch.device,
     train: ByteSource,
     folder: WorkerFolder | None,
+    tracking: Tracking,
 ) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -191,6 +224,7 @@ def _work(
             max_rounds=args.max_rounds,
             say=(lambda line: None) if args.quiet else say,
             folder=folder,
+            on_round=lambda outcome: tracking.log(outcome.record()),
         )
         report = loop.run()
     finally:

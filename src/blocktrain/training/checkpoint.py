@@ -204,12 +204,14 @@ def load_module_tensors(
     module.load_state_dict(found)
 
 
-def check_run_dir_free(run_dir: Path, *, overwrite: bool) -> None:
-    """Refuse to start a new run over an existing one unless asked to overwrite."""
+def check_run_dir_free(run_dir: Path, *, overwrite: bool, resumable: bool = True) -> None:
+    """Refuse to start a new run over an existing one unless asked to overwrite; the message
+    offers --resume only to a command that has it (`resumable`: train, distill)."""
     if (run_dir / CONFIG_FILE).exists() and not overwrite:
+        resume = "--resume to continue it, " if resumable else ""
         raise BlockTrainError(
-            f"{run_dir} already holds a run; pass --resume to continue it, --overwrite to "
-            "start over, or choose another --out"
+            f"{run_dir} already holds a run; pass {resume}--overwrite to "
+            f"{'start over' if resumable else 'replace it'}, or choose another --out"
         )
 
 

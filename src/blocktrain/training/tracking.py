@@ -1,6 +1,8 @@
 """Experiment logging: every record the trainer appends to metrics.jsonl also goes to
-TensorBoard, Weights & Biases or MLflow (`train --log-to`, `distill --log-to`), offline unless
-told otherwise, so that nothing needs a server:
+TensorBoard, Weights & Biases or MLflow (`train --log-to`, `distill --log-to`), and so do the
+committed rounds and the evaluations of a cluster (`cluster --log-to`, under OUT) and the rounds
+a worker prints (`worker --log-to`, under its --log-dir or --state), offline unless told
+otherwise, so that nothing needs a server:
 
     tensorboard   event files under RUN_DIR/tensorboard/ (`tensorboard --logdir RUN_DIR`),
                   written with tensorboardX, or torch.utils.tensorboard where only the
@@ -12,8 +14,8 @@ told otherwise, so that nothing needs a server:
                   RUN_DIR/mlruns`); MLFLOW_TRACKING_URI points elsewhere,
                   MLFLOW_EXPERIMENT_NAME names the experiment (default blocktrain)
 
-A record becomes scalars named `train/KEY` (a training step) or `SPLIT/KEY` (an evaluation,
-`valid/sampler_ce`), at its step; lists are numbered (`valid/ce_per_step/0`) and nested
+A record becomes scalars named `train/KEY` (a training step), `SPLIT/KEY` (an evaluation,
+`valid/sampler_ce`) or `EVENT/KEY` (another record without a split: `worker/loss`), at its step; lists are numbered (`valid/ce_per_step/0`) and nested
 records joined with `/` (`valid/block0/oracle_ce`); strings, booleans and missing values are
 left out. A resumed run continues its W&B and MLflow runs (their ids are kept in
 RUN_DIR/tracking.json), and TensorBoard drops the steps logged after the checkpoint it resumes
@@ -26,10 +28,12 @@ ConfigError line that names the pip command.
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import math
 import os
 import secrets
+import shutil
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -46,7 +50,10 @@ INSTALL = {
 }
 IDS_FILE = "tracking.json"
 TENSORBOARD_DIR = "tensorboard"
+WANDB_DIR = "wandb"
 MLFLOW_DIR = "mlruns"
+OUTPUTS = (TENSORBOARD_DIR, WANDB_DIR, MLFLOW_DIR, IDS_FILE)
+"""What the backends write in a run folder (a worker's --state folder may hold them too)."""
 
 
 class Tracker(Protocol):
@@ -97,7 +104,7 @@ def check_backends(names: Iterable[str]) -> None:
 
 def scalars(record: dict[str, Any]) -> tuple[int, dict[str, float]]:
     """A metrics.jsonl record as (step, {name: value}) of finite numbers."""
-    prefix = "train" if record.get("event") == "train" else str(record.get("split", "eval"))
+    prefix = str(record.get("split") or record.get("event") or "eval")
     out: dict[str, float] = {}
 
     def add(name: str, value: Any) -> None:
@@ -117,6 +124,15 @@ def scalars(record: dict[str, Any]) -> tuple[int, dict[str, float]]:
         if key not in ("event", "split", "step"):
             add(f"{prefix}/{key}", value)
     return int(record.get("step", 0)), out
+
+
+def log_record(trackers: Iterable[Tracker], record: dict[str, Any]) -> None:
+    """One record, as metrics.jsonl would hold it, to each tracker as named scalars."""
+    trackers = list(trackers)
+    if trackers:
+        step, values = scalars(record)
+        for tracker in trackers:
+            tracker.log(step, values)
 
 
 def _flat_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -142,20 +158,26 @@ def _save_id(run_dir: Path, key: str, value: str) -> None:
     atomic_write_bytes(run_dir / IDS_FILE, (json.dumps(ids, indent=2) + "\n").encode())
 
 
+_WRITERS = itertools.count()
+"""Numbers the TensorBoard writers of this process (their files' suffix)."""
+
+
 class TensorBoardTracker:
     """Event files under RUN_DIR/tensorboard/."""
 
-    def __init__(self, run_dir: Path, config: dict[str, Any], resumed_at: int) -> None:
+    def __init__(self, run_dir: Path, config: dict[str, Any], resumed_at: int | None) -> None:
         writer = _import("tensorboard")
         # purge_step: TensorBoard discards what an earlier process logged from that step on
         # a file of its own even when a resume starts within the second the last one did
-        # (the files are named by the second and the host)
+        # (the files are named by the second and the host; the suffix tells apart the writers
+        # of one process too)
+        start = "new" if resumed_at is None else f"step{resumed_at}"
         self.writer = writer(
             str(run_dir / TENSORBOARD_DIR),
-            purge_step=resumed_at + 1 if resumed_at else None,
-            filename_suffix=f".step{resumed_at}.{os.getpid()}",
+            purge_step=None if resumed_at is None else resumed_at + 1,
+            filename_suffix=f".{start}.{os.getpid()}.{next(_WRITERS)}",
         )
-        if not resumed_at:
+        if resumed_at is None:
             self.writer.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```", 0)
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
@@ -169,7 +191,7 @@ class TensorBoardTracker:
 class WandbTracker:
     """A W&B run, offline under RUN_DIR/wandb/ unless WANDB_MODE says otherwise."""
 
-    def __init__(self, run_dir: Path, config: dict[str, Any], resumed_at: int) -> None:
+    def __init__(self, run_dir: Path, config: dict[str, Any], resumed_at: int | None) -> None:
         wandb = _import("wandb")
         run_id = _ids(run_dir).get("wandb") or secrets.token_hex(4)
         self.run = wandb.init(
@@ -177,7 +199,7 @@ class WandbTracker:
             name=run_dir.resolve().name,
             id=run_id,
             resume="allow",
-            dir=str(run_dir),
+            dir=str(run_dir),  # its files go in run_dir/wandb/ (WANDB_DIR)
             config=config,
             mode=os.environ.get("WANDB_MODE") or "offline",
         )
@@ -194,7 +216,7 @@ class MlflowTracker:
     """An MLflow run, in a file store under RUN_DIR/mlruns/ unless MLFLOW_TRACKING_URI says
     otherwise."""
 
-    def __init__(self, run_dir: Path, config: dict[str, Any], resumed_at: int) -> None:
+    def __init__(self, run_dir: Path, config: dict[str, Any], resumed_at: int | None) -> None:
         tracking = _import("mlflow")
         from mlflow.entities import Metric, Param
 
@@ -233,7 +255,7 @@ class MlflowTracker:
         self.client.set_terminated(self.run_id)
 
 
-TRACKERS: dict[str, Callable[[Path, dict[str, Any], int], Tracker]] = {
+TRACKERS: dict[str, Callable[[Path, dict[str, Any], int | None], Tracker]] = {
     "tensorboard": TensorBoardTracker,
     "wandb": WandbTracker,
     "mlflow": MlflowTracker,
@@ -241,10 +263,10 @@ TRACKERS: dict[str, Callable[[Path, dict[str, Any], int], Tracker]] = {
 
 
 def open_trackers(
-    names: Sequence[str], run_dir: Path, config: dict[str, Any], resumed_at: int = 0
+    names: Sequence[str], run_dir: Path, config: dict[str, Any], resumed_at: int | None = None
 ) -> list[Tracker]:
-    """One tracker per backend for the run in `run_dir`, resumed from step `resumed_at` (0: a
-    new run)."""
+    """One tracker per backend for the run in `run_dir`, resumed after step `resumed_at`
+    (TensorBoard drops what was logged after it; None: a new run, its config logged)."""
     opened: list[Tracker] = []
     try:
         for name in names:
@@ -253,6 +275,45 @@ def open_trackers(
         close_trackers(opened)
         raise
     return opened
+
+
+class Tracking:
+    """The trackers of one folder, opened at the first record logged, so that a command that
+    logs nothing (a worker that never trained a round) writes nothing there."""
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        run_dir: Path,
+        config: dict[str, Any],
+        resumed_at: int | None = None,
+    ) -> None:
+        self.names, self.run_dir, self.config = tuple(names), Path(run_dir), config
+        self.resumed_at = resumed_at
+        self.trackers: list[Tracker] | None = None
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.names:
+            return
+        if self.trackers is None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.trackers = open_trackers(self.names, self.run_dir, self.config, self.resumed_at)
+        log_record(self.trackers, record)
+
+    def close(self) -> None:
+        close_trackers(self.trackers or ())
+        self.trackers = None
+
+
+def remove_outputs(run_dir: Path) -> None:
+    """Remove what the backends wrote in `run_dir` (OUTPUTS), for a run replaced by a new one
+    (`cluster --overwrite`): TensorBoard would show both runs' events as one."""
+    for name in OUTPUTS:
+        path = Path(run_dir) / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def close_trackers(trackers: Iterable[Tracker]) -> None:

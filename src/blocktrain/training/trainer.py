@@ -37,7 +37,7 @@ from blocktrain.training.optim import (
     optimizer_tensors,
 )
 from blocktrain.training.step import precision_context, train_step
-from blocktrain.training.tracking import Tracker, scalars
+from blocktrain.training.tracking import Tracker, log_record
 from blocktrain.training.units import Unit, build_units
 
 log = logging.getLogger(__name__)
@@ -295,10 +295,7 @@ class Trainer:
         experiment logger."""
         with open(self.run_dir / ckpt.METRICS_FILE, "a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.trackers:
-            step, values = scalars(record)
-            for tracker in self.trackers:
-                tracker.log(step, values)
+        log_record(self.trackers, record)
 
     def run(self, *, progress: bool = True, until: int | None = None) -> dict[str, Any]:
         """Train until `train.steps` (or stop early at step `until`, keeping the schedule of the

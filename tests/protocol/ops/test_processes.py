@@ -20,6 +20,7 @@ from blocktrain.protocol.store.storage import StateDir
 from blocktrain.protocol.store.tokens import hash_token, new_token
 from blocktrain.protocol.worker.client import AggregatorClient
 from blocktrain.protocol.worker.retrying import RetryPolicy
+from tests.cli.test_log_to import read_events
 from tests.conftest import micro_config
 from tests.protocol.conftest import run_state
 
@@ -120,7 +121,7 @@ def test_a_diloco_cluster_trains_over_http(tmp_path, corpus, capsys):
 
 def test_cluster_command_runs_rounds_over_http(tmp_path, corpus, capsys):
     out = tmp_path / "cluster"
-    code = main(cluster_argv(out, corpus))
+    code = main([*cluster_argv(out, corpus), "--log-to", "tensorboard"])
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary == json.loads(capsys.readouterr().out)
@@ -136,6 +137,16 @@ def test_cluster_command_runs_rounds_over_http(tmp_path, corpus, capsys):
     assert b["worker_rounds"] == 9 and 1.0 <= b["ratio_to_minimum"] < 1.2, b
     assert all(code == 0 for code in summary["exit_codes"].values()), summary["exit_codes"]
     assert (out / "model" / "model.safetensors").is_file()
+    # --log-to: the committed rounds and the evaluations, at step = the rounds done
+    tags, _ = read_events(out / "tensorboard")
+    for b in ("0", "1", "2"):
+        rows = summary["participation"][b]
+        assert tags[f"rounds/block{b}/accepted"] == [(r["round"] + 1, 1.0) for r in rows]
+        assert [s for s, _ in tags[f"rounds/block{b}/loss"]] == [1, 2, 3]
+    assert [v for _, v in tags["valid/from_noise_ce"]] == pytest.approx(
+        summary["from_noise_ce_per_round"]
+    )
+    assert tags["final/sampler_ce"] == [(3, pytest.approx(summary["final"]["sampler_ce"]))]
     assert (
         main(["eval", str(out / "model"), "--data", str(corpus), "--bytes", "64", "--sweeps", "1"])
         == 0

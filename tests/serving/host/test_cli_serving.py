@@ -3,8 +3,13 @@ for every bad input (nothing starts serving)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import threading
+import time
 
+import httpx
 import pytest
 
 from blocktrain.cli.main import main
@@ -132,3 +137,41 @@ def test_bad_tls_input_is_one_line(capsys, runs, tmp_path, monkeypatch):
     fails_cleanly(capsys, [*host, *missing], "cannot use --tls-cert")
     serve = ["serve", "--hosts", "https://a:1", "--port", "0"]
     fails_cleanly(capsys, [*serve, "--ca-cert", str(tmp_path / "ca.pem")], "--ca-cert")
+
+
+def _signal_once_serving(sig: signal.Signals, port: int) -> None:
+    """Send `sig` to this process once something answers /healthz on `port`."""
+    limit = time.monotonic() + 60
+    while time.monotonic() < limit:
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1)
+            break
+        except httpx.TransportError:
+            time.sleep(0.05)
+    os.kill(os.getpid(), sig)
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_or_sigterm_stops_a_server_with_exit_code_0(monkeypatch):
+    """Issue 30 (tests/test_newcomer.py): `serve` and `serve-block` say "press Ctrl+C to stop",
+    and Ctrl+C ended them with `blocktrain: interrupted` and exit code 130 (SIGTERM: killed by
+    the signal) after uvicorn had stopped them cleanly, where the aggregator exits 0. They now
+    return 0 (listener.run), and the handlers found before are back after."""
+    monkeypatch.delenv("BLOCKTRAIN_SERVE_SECRET", raising=False)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        reached: list[signal.Signals] = []
+
+        def recorder(signum, frame, reached=reached):  # where the signal must not arrive
+            reached.append(signum)
+
+        before = signal.signal(sig, recorder)
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            threading.Thread(target=_signal_once_serving, args=(sig, port), daemon=True).start()
+            assert main(["serve", "--hosts", "http://127.0.0.1:9", "--port", str(port)]) == 0
+            assert reached == [], "the signal stopped the server, and went no further"
+            assert signal.getsignal(sig) is recorder, "the handler found before is back"
+        finally:
+            signal.signal(sig, before)

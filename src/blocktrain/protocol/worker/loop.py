@@ -17,7 +17,8 @@ register anew as without one).
 
 Each round it trained gives one `RoundOutcome`, said as a line (`blocktrain worker` prints them
 on stderr): the round, its local steps, the bytes trained per second, the verdict, and a hint
-when the update came late.
+when the update came late; `on_round` gets the outcome itself (`worker --log-to` logs its
+`record`).
 """
 
 from __future__ import annotations
@@ -77,10 +78,13 @@ class WorkerLoop:
         say: Callable[[str], None] | None = None,
         clock: Callable[[], float] | None = None,
         folder: WorkerFolder | None = None,
+        on_round: Callable[[RoundOutcome], None] | None = None,
     ) -> None:
         """`say`: where the worker's lines go (its registration, one per round and its hint;
         default: this module's log at INFO); `clock` times the local steps (default:
-        time.monotonic); `folder`: where the worker keeps what a restart resumes."""
+        time.monotonic); `folder`: where the worker keeps what a restart resumes; `on_round`:
+        each round's outcome, once its lines are said and before the folder saves the round
+        (so that a worker killed in between logs that round again once resumed)."""
         self.client = client
         self.make_trainer = make_trainer
         self.want_block = block
@@ -89,6 +93,7 @@ class WorkerLoop:
         self.client.stop = self.stop
         self.max_rounds = max_rounds
         self.say = say or log.info
+        self.on_round = on_round
         self.clock = clock or time.monotonic
         self.report = WorkerReport()
         self._registration: Registration | None = None
@@ -263,6 +268,8 @@ class WorkerLoop:
             self.report.late += outcome.late
             for line in outcome.lines():
                 self.say(line)
+            if self.on_round is not None:
+                self.on_round(outcome)
             if not got_in:
                 self._encoder.reset()
             if self.folder is not None:  # what a restart resumes from: this state

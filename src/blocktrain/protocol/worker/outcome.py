@@ -93,6 +93,28 @@ class RoundOutcome:
         hint = self.hint()
         return [line] if hint is None else [line, f"  hint: {hint}"]
 
+    def record(self) -> dict[str, Any]:
+        """The round's line as a metrics record at step = its round (`worker --log-to`,
+        training/tracking.py: scalars `worker/loss`, ...): its numbers, the verdict as
+        `accepted` 1 or 0 (`late` 1 when it came late) and a refusal as `refused/REASON` 1."""
+        record: dict[str, Any] = {
+            "event": "worker",
+            "step": self.round,
+            "block": self.block,
+            "steps": self.steps,
+            "seconds": self.seconds,
+            "tokens": self.tokens,
+            "bytes_per_s": self.bytes_per_s,
+            "loss": self.loss,
+            "accepted": int(self.accepted),
+            "late": int(self.late),
+        }
+        if self.accepted:
+            record["weight"] = self.weight
+        else:
+            record["refused"] = {self.reason: 1}
+        return record
+
 
 @dataclass
 class WorkerReport:

@@ -11,6 +11,8 @@ back as the same worker, sending what an uninterrupted one would have sent.
                              (`view/NAME`, a pull wire of deltas only: the next pull is a delta
                              from it, `core.pulls`); its metadata: block, worker id, last round
                              pushed, version, local steps done, delta wire, the view's version
+    DIR/tensorboard/, ...    what else the caller names (`extra`): `worker --log-to`'s files
+                             when --log-dir is left out (training/tracking.py, OUTPUTS)
 
 worker.json is written at each registration, and both after each pushed round (accepted or
 refused: they mirror what the worker holds), the tensors first; every write is atomic
@@ -92,11 +94,19 @@ class WorkerFolder:
     (`WorkerLoop(folder=...)`): `registered` at each registration, `pushed` after each push."""
 
     def __init__(
-        self, root: Path | str, aggregator: str, *, block: int | None = None, fresh: bool = False
+        self,
+        root: Path | str,
+        aggregator: str,
+        *,
+        block: int | None = None,
+        fresh: bool = False,
+        extra: tuple[str, ...] = (),
     ) -> None:
         """Checks before the aggregator hears of the worker: a folder of something else, a
-        corrupt one, another block than `block`. `fresh`: ignore the worker it holds."""
+        corrupt one, another block than `block`. `fresh`: ignore the worker it holds. `extra`:
+        the names of other files or folders it may hold (the worker's logs)."""
         self.root = Path(root)
+        self.extra = extra
         self.aggregator = aggregator.rstrip("/")
         if self.root.exists() and not self.root.is_dir():
             raise ConfigError(f"--state {self.root} is a file, not a folder")
@@ -146,7 +156,8 @@ class WorkerFolder:
             raise ConfigError(
                 f"{self.root} is an aggregator's state folder: give the worker its own --state"
             )
-        others = [n for n in names if n not in (REGISTRATION, STATE) and not _temporary(n)]
+        known = (REGISTRATION, STATE, *self.extra)
+        others = [n for n in names if n not in known and not _temporary(n)]
         if others:
             raise ConfigError(
                 f"{self.root} holds files that are not a worker's ({', '.join(others[:3])}): "
