@@ -179,7 +179,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=0,
         help="draft_bytes of the requests that leave it out, for K = 1 and autoregressive "
-        "models when no logprobs are asked (needs a drafter; 0: requests opt in)",
+        "models when no logprobs are asked (needs a drafter; 0: requests opt in). Long drafts "
+        "pay with slow hops and a distilled drafter, short ones (4-8) or none on one loaded "
+        "machine: docs/serving.md, Which D to pick",
     )
     p.set_defaults(handler=run_cmd)
 
