@@ -4,9 +4,11 @@ two seconds and draws what an operator watches:
 
     per block   version, round (and "done"), deadline countdown, live replicas, participation
                 per round
-    the run     "done" once every block has finished its rounds; the loss curve per round (the
-                workers' reported training loss, see protocol/store/history.py), bytes moved,
-                updates accepted and refused by reason
+    the run     "done" once every block has finished its rounds; the loss curve against rounds
+                closed (integers: the status's round r at r + 1), labelled for what it is: the
+                mean over blocks of the workers' reported loss, denoise + aux summed, not a
+                validation CE (see protocol/store/history.py); bytes moved, updates accepted
+                and refused by reason
     workers     block, live (yes; timed out; left), last seen, accepted and refused updates
 
 The page itself holds no data, so it is served without a token; the operator pastes a token
@@ -37,13 +39,20 @@ def history_json(hist: History) -> dict[str, Any]:
     """What `/v1/history` returns: the model's loss curve and each block's rounds."""
     return {
         "loss_label": hist.loss_label,
+        "x_label": hist.x_label,
         "curve": [
             {"rounds": c[0], "time_s": c[1], "bytes": c[2], "loss": c[3]}
             for c in hist.model_curve()
         ],
         "blocks": {
             str(b): [
-                {"round": p.round, "participation": p.participation, "loss": p.loss} for p in pts
+                {
+                    "round": p.round,
+                    "rounds_closed": p.round + 1,
+                    "participation": p.participation,
+                    "loss": p.loss,
+                }
+                for p in pts
             ]
             for b, pts in sorted(hist.per_block().items())
         },
@@ -124,7 +133,7 @@ function curve(points) {
   line.setAttribute("fill", "none"); line.setAttribute("stroke", "#1f77b4");
   line.setAttribute("stroke-width", "2"); svg.appendChild(line);
   const labels = [[2, sy(y0), y0.toFixed(3)], [2, sy(y1), y1.toFixed(3)],
-    [P, H - 8, "round " + x0], [W - P - 50, H - 8, "round " + x1]];
+    [P, H - 8, x0 + " closed"], [W - P - 50, H - 8, x1 + " closed"]];
   for (const [x, y, text] of labels) {
     const t = document.createElementNS(ns, "text"); t.setAttribute("x", x);
     t.setAttribute("y", y); t.setAttribute("font-size", "11"); t.textContent = text;

@@ -1,21 +1,46 @@
 """`blocktrain report`: a run's history (`protocol.store.history`) drawn as PNG plots and one HTML
 page that shows them with a summary.
 
-    loss.png           the model's loss against rounds, time and bytes moved
-    participation.png  participation of each round, per block
-    refusals.png       refused updates by reason
-    block_loss.png     each block's loss by round (state folders: the workers' reported loss)
-    index.html         the summary table and the plots (no script, no external resource)
+    curves.png    one shared integer x axis (rounds closed, or a train run's steps), a panel
+                  each: the training losses as labelled (a worker's reported loss is the sum
+                  denoise + aux, and says so), the validation CE where the source has one, and
+                  each round's participation per block
+    cost.png      the model curve against seconds and MB moved (rounds sources)
+    refusals.png  refused updates by reason
+    index.html    the summary table, what each plot shows, and the plots (no script, no
+                  external resource)
+
+Round r as the status numbers it (from 0) is the (r + 1)-th to close, and sits at x = r + 1; an
+evaluation of the model after r rounds sits at x = r (0: the initial model).
 """
 
 from __future__ import annotations
 
 import html
 from pathlib import Path
+from typing import Any
 
-from blocktrain.protocol.store.history import History
+from blocktrain.protocol.store.history import History, Series
 
-PLOTS = ("loss.png", "participation.png", "refusals.png", "block_loss.png")
+PLOTS = ("curves.png", "cost.png", "refusals.png")
+
+
+def panels(hist: History) -> list[tuple[str, Series]]:
+    """The panels of curves.png, top to bottom: (y label, labelled series), those with data."""
+    participation: Series = {
+        f"block {b}": [(p.round + 1, p.participation) for p in pts]
+        for b, pts in sorted(hist.per_block().items())
+    }
+    if not participation and hist.points:  # a simulation's whole-model rounds
+        participation = {
+            "all blocks": [(p.round + 1, p.participation) for p in hist.points if p.block is None]
+        }
+    out = [
+        ("training loss, as labelled (nats/byte)", hist.losses),
+        ("validation CE (nats/byte)", hist.evals),
+        ("participation", participation),
+    ]
+    return [(y, series) for y, series in out if any(series.values())]
 
 
 def write_report(hist: History, out: Path) -> list[Path]:
@@ -24,48 +49,47 @@ def write_report(hist: History, out: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
 
-    def save(fig: object, name: str) -> None:
+    def save(fig: Any, name: str) -> None:
         path = out / name
-        fig.tight_layout()  # type: ignore[attr-defined]
-        fig.savefig(path, dpi=100)  # type: ignore[attr-defined]
-        plt.close(fig)  # type: ignore[arg-type]
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
         written.append(path)
+
+    shown = panels(hist)
+    if shown:
+        fig, axes = plt.subplots(
+            len(shown), 1, figsize=(9, 3.2 * len(shown)), sharex=True, squeeze=False
+        )
+        for ax, (ylabel, series) in zip(axes[:, 0], shown, strict=True):
+            for label, pts in series.items():
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), marker=".", label=label)
+            ax.set_ylabel(ylabel)
+            if ylabel == "participation":
+                ax.set_ylim(-0.05, 1.05)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
+        axes[-1, 0].set_xlabel(hist.x_label)
+        save(fig, "curves.png")
 
     curve = hist.model_curve()
     if curve:
-        fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), sharey=True)
-        xs = (
-            ("rounds closed (slowest block)", [c[0] for c in curve]),
-            ("seconds", [c[1] for c in curve]),
-            ("MB moved", [c[2] / 1e6 for c in curve]),
-        )
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+        xs = (("seconds", [c[1] for c in curve]), ("MB moved", [c[2] / 1e6 for c in curve]))
         for ax, (label, x) in zip(axes, xs, strict=True):
             ax.plot(x, [c[3] for c in curve], marker=".")
             ax.set_xlabel(label)
             ax.grid(alpha=0.3)
-        axes[0].set_ylabel(hist.loss_label)
-        save(fig, "loss.png")
-
-    per_block = hist.per_block()
-    if per_block:
-        fig, ax = plt.subplots(figsize=(7, 3.8))
-        for b, pts in sorted(per_block.items()):
-            ax.plot(
-                [p.round for p in pts],
-                [p.participation for p in pts],
-                marker=".",
-                label=f"block {b}",
-            )
-        ax.set_xlabel("round")
-        ax.set_ylabel("participation")
-        ax.set_ylim(-0.05, 1.05)
-        ax.grid(alpha=0.3)
-        ax.legend()
-        save(fig, "participation.png")
+        axes[0].set_ylabel("nats/byte")
+        fig.suptitle(hist.loss_label, fontsize=9)
+        save(fig, "cost.png")
 
     if hist.refusals:
         reasons = sorted(hist.refusals.items(), key=lambda kv: -kv[1])
@@ -73,21 +97,6 @@ def write_report(hist: History, out: Path) -> list[Path]:
         ax.barh([r for r, _ in reasons][::-1], [n for _, n in reasons][::-1])
         ax.set_xlabel("refused updates")
         save(fig, "refusals.png")
-
-    with_loss = {
-        b: [(p.round, p.loss) for p in pts if p.loss is not None]
-        for b, pts in sorted(per_block.items())
-    }
-    if any(with_loss.values()):
-        fig, ax = plt.subplots(figsize=(7, 3.8))
-        for b, series in with_loss.items():
-            if series:
-                ax.plot(*zip(*series, strict=True), marker=".", label=f"block {b}")
-        ax.set_xlabel("round")
-        ax.set_ylabel(hist.loss_label)
-        ax.grid(alpha=0.3)
-        ax.legend()
-        save(fig, "block_loss.png")
 
     page = out / "index.html"
     page.write_text(render_html(hist, [p.name for p in written]))
@@ -97,23 +106,31 @@ def write_report(hist: History, out: Path) -> list[Path]:
 
 def summary_rows(hist: History) -> list[tuple[str, str]]:
     curve = hist.model_curve()
-    rounds = max((p.round + 1 for p in hist.points), default=0)
     rows = [
         (
             "source",
             f"{hist.source} ({hist.kind}{', regime ' + hist.regime if hist.regime else ''})",
         ),
         ("blocks", str(hist.blocks)),
-        ("rounds closed (most advanced block)", str(rounds)),
-        ("accepted updates", str(hist.accepted)),
-        ("refused updates", str(sum(hist.refusals.values()))),
-        ("bytes moved", f"{hist.bytes_total / 1e6:.2f} MB"),
     ]
+    if hist.kind != "train":
+        rounds = max((p.round + 1 for p in hist.points), default=0)
+        rows += [
+            ("rounds closed (most advanced block)", str(rounds)),
+            ("accepted updates", str(hist.accepted)),
+            ("refused updates", str(sum(hist.refusals.values()))),
+            ("bytes moved", f"{hist.bytes_total / 1e6:.2f} MB"),
+        ]
     if hist.points:
         mean_part = sum(p.participation for p in hist.points) / len(hist.points)
         rows.append(("mean participation", f"{mean_part:.1%}"))
     if curve:
         rows.append((f"first / last {hist.loss_label}", f"{curve[0][3]:.3f} / {curve[-1][3]:.3f}"))
+    for label, pts in hist.evals.items():
+        if pts:
+            (x0, v0), (x1, v1) = pts[0], pts[-1]
+            rows.append((label, f"{v0:.3f} at {x0} -> {v1:.3f} at {x1} ({hist.x_label})"))
+    rows += hist.facts
     return rows
 
 
@@ -126,12 +143,27 @@ def render_html(hist: History, images: list[str]) -> str:
     refusals = "".join(
         f"<li>{html.escape(reason)}: {n}</li>" for reason, n in hist.refusals.most_common()
     )
+    axis = (
+        "rounds closed, integers: round r as the status numbers it (from 0) sits at r + 1; the "
+        "evaluation of the model after r rounds at r (0: the initial model)"
+        if hist.x_label != "optimizer step"
+        else "optimizer steps"
+    )
+    plotted = "".join(
+        f"<li>{html.escape(y)}: <ul>"
+        + "".join(f"<li>{html.escape(label)}</li>" for label in series)
+        + "</ul></li>"
+        for y, series in panels(hist)
+    )
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>blocktrain report</title>
 <style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto}}
 th{{text-align:left;padding-right:1em}}img{{max-width:100%}}</style></head>
 <body><h1>blocktrain report</h1>
 <table>{table}</table>
+<h2>What is plotted</h2>
+<p>x axis: {html.escape(axis)}.</p>
+<ul>{plotted}</ul>
 {"<h2>Refusals</h2><ul>" + refusals + "</ul>" if refusals else ""}
 {figures}
 </body></html>

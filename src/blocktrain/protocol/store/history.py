@@ -1,12 +1,27 @@
-"""A run's history, read back for reports: one point per closed round, from an aggregator's
-state folder (its ledger) or from a `blocktrain simulate` output folder (its simulate.json).
+"""A run's history, read back for reports and the dashboard, from any of four folders:
 
-Both sources become the same `History`, so `protocol.ops.report` draws them with one code path.
-The loss of a round means different things in the two sources and is labelled accordingly:
+    state folder     an aggregator's (its ledger): one point per closed round and block, with
+                     the loss the workers reported with their accepted updates
+    simulate folder  `blocktrain simulate`'s (simulate.json): the from-noise CE on validation
+                     text the simulator measured after each round
+    cluster folder   `blocktrain cluster`'s OUT: its state/ as above, and the validation CE of
+                     each round's model (summary.json, once the evaluation has run)
+    train folder     a `blocktrain train` run (metrics.jsonl): each block's loss components
+                     by step, and the validation CE of its evaluations
 
-    state folder     the mean training loss the workers reported with their accepted updates
-                     (self-reported: a picture of the run, not an evaluation)
-    simulate folder  the from-noise CE on validation text, measured by the simulator
+All become the same `History`, so `protocol.ops.report` draws them with one code path. Every
+series carries its own label, and what a label says is what the number is:
+
+  - A worker's reported loss is its block's whole training objective, the denoise loss plus
+    aux_weight times the auxiliary next-byte CE (training/loss.py), a sum that can sit above
+    ln 256; the push carries only that sum, so it is labelled as such (`REPORTED_LOSS`), never
+    as a validation CE. A train run logs the components, which are plotted separately.
+  - The validation CE (the number users compare) goes in `evals`, apart from training losses.
+
+Rounds are integers on one axis, "rounds closed": the status numbers rounds from 0, and its
+round r is the (r + 1)-th to close, so what round r reported (or the model it committed) sits at
+x = r + 1, and the evaluation of the model after r rounds at x = r (0: the initial model); the
+same convention as `blocktrain cluster --log-to`. A train run's x is the optimizer step.
 """
 
 from __future__ import annotations
@@ -20,6 +35,23 @@ from typing import Any
 from blocktrain.errors import ConfigError
 from blocktrain.protocol.core.participation import participation
 from blocktrain.protocol.store.storage import LEDGER, StateDir
+
+REPORTED_LOSS = "workers' reported loss: denoise + aux_weight x next-byte aux, summed (nats/byte)"
+"""The label of what a push's `loss` is (training/loss.py `BlockLoss`): not a validation CE."""
+ROUNDS = "rounds closed"
+STEPS = "optimizer step"
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+EVAL_KEYS = {
+    "from_noise_ce": "validation from-noise CE",
+    "sampler_ce": "validation sampler CE",
+    "joint_ce": "validation joint CE",
+    "ce": "validation CE",
+}
+"""The keys of an eval record that are a validation CE of the whole model, and their names."""
+
+Series = dict[str, list[tuple[int, float]]]
+"""label -> (x, value) points, x on the history's one axis (`History.x_label`)."""
 
 
 @dataclass(frozen=True)
@@ -39,9 +71,17 @@ class RoundPoint:
 class History:
     source: str
     kind: str
-    """"state" or "simulate"."""
+    """"state", "simulate", "cluster" or "train"."""
     loss_label: str
+    """What the model curve's value is (`model_curve`)."""
+    x_label: str = ROUNDS
     points: list[RoundPoint] = field(default_factory=list)
+    losses: Series = field(default_factory=dict)
+    """Training losses (self-reported or logged by the trainer), each labelled."""
+    evals: Series = field(default_factory=dict)
+    """Validation CEs, each labelled."""
+    facts: list[tuple[str, str]] = field(default_factory=list)
+    """More rows for the report's summary table (a cluster's final CE, a train run's steps)."""
     refusals: Counter[str] = field(default_factory=Counter)
     accepted: int = 0
     bytes_total: float = 0.0
@@ -55,17 +95,18 @@ class History:
                 out.setdefault(p.block, []).append(p)
         return out
 
-    def model_curve(self) -> list[tuple[float, float, float, float]]:
-        """(rounds closed, time, bytes, loss) for the whole model: the simulator's CE as is; for
-        a state folder, after each round of the slowest block, the mean over blocks of each
-        block's latest loss (so that every block counts once)."""
+    def model_curve(self) -> list[tuple[int, float, float, float]]:
+        """(rounds closed, time, bytes, loss) for the whole model, labelled `loss_label`: the
+        simulator's CE as is; for a state folder, after each round of the slowest block, the
+        mean over blocks of each block's latest reported loss (so that every block counts
+        once); nothing for a train run."""
         if self.kind == "simulate":
             return [
-                (float(p.round + 1), p.time_s, p.bytes_total, p.loss)
+                (p.round + 1, p.time_s, p.bytes_total, p.loss)
                 for p in self.points
                 if p.block is None and p.loss is not None
             ]
-        curve: list[tuple[float, float, float, float]] = []
+        curve: list[tuple[int, float, float, float]] = []
         latest: dict[int, float] = {}
         closed: dict[int, int] = {}
         for p in sorted(self.points, key=lambda q: q.time_s):
@@ -80,22 +121,39 @@ class History:
 
 
 def load(path: Path, regime: str | None = None) -> History:
-    """The history of an aggregator state folder or a simulate output folder."""
+    """The history of an aggregator state folder, a simulate output folder, a cluster output
+    folder or a train run folder; a ConfigError for any other folder."""
     path = Path(path)
     if (path / LEDGER).is_file():
-        return from_state(StateDir(path))
+        return _read_state(path)
     if (path / "simulate.json").is_file():
         return from_simulation(path / "simulate.json", regime)
+    if (path / "state" / LEDGER).is_file():
+        return from_cluster(path)
+    if (path / METRICS).is_file():
+        return from_train(path)
     raise ConfigError(
-        f"{path} is neither an aggregator state folder (no {LEDGER}) nor a simulate output "
-        "folder (no simulate.json)"
+        f"{path} is none of an aggregator state folder (no {LEDGER}), a simulate output folder "
+        f"(no simulate.json), a cluster output folder (no state/{LEDGER}) or a train run folder "
+        f"(no {METRICS})"
     )
+
+
+def _read_state(path: Path) -> History:
+    state = StateDir(path)
+    try:
+        return from_state(state)
+    finally:
+        state.close()
 
 
 def from_state(state: StateDir) -> History:
     ledger = state.ledger
     hist = History(
-        str(state.root), "state", "mean reported training loss (nats/byte)", blocks=state.n_blocks()
+        str(state.root),
+        "state",
+        f"mean over blocks of the {REPORTED_LOSS}",
+        blocks=state.n_blocks(),
     )
     rows = ledger.rounds()
     losses = ledger.round_losses()
@@ -135,7 +193,100 @@ def from_state(state: StateDir) -> History:
         )
     hist.accepted = sum(r["accepted"] for r in rows)
     hist.bytes_total = sum(t["bytes_in"] + t["bytes_out"] for t in traffic)
+    for b, pts in sorted(hist.per_block().items()):
+        series = [(p.round + 1, p.loss) for p in pts if p.loss is not None]
+        if series:
+            hist.losses[f"block {b}: {REPORTED_LOSS}"] = sorted(series)
     return hist
+
+
+def from_cluster(path: Path) -> History:
+    """A cluster output folder: its state/, and the validation CE of each round's model from
+    its summary.json (absent while the rounds run: then the training losses only)."""
+    hist = _read_state(path / "state")
+    hist.kind, hist.source = "cluster", str(path)
+    summary_path = path / SUMMARY
+    if not summary_path.is_file():
+        hist.facts.append(("validation CE", f"none yet (no {SUMMARY}: the evaluation has not run)"))
+        return hist
+    try:
+        summary: dict[str, Any] = json.loads(summary_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{summary_path} is not readable JSON: {exc}") from exc
+    per_round = summary.get("per_round_eval") or {}
+    where = f"{per_round.get('bytes', '?')} bytes, M = {per_round.get('sweeps', '?')}"
+    for key in ("from_noise_ce", "sampler_ce"):
+        values = summary.get(f"{key}_per_round") or []
+        if values:  # values[r]: the model after r rounds
+            hist.evals[f"{EVAL_KEYS[key]}, {where} (nats/byte)"] = [
+                (r, float(v)) for r, v in enumerate(values) if isinstance(v, int | float)
+            ]
+    final = summary.get("final") or {}
+    for key in ("sampler_ce", "from_noise_ce"):
+        if isinstance(final.get(key), int | float):
+            label = f"final {EVAL_KEYS[key]}"
+            hist.facts.append(
+                (f"{label} (M = {final.get('sweeps', '?')})", f"{final[key]:.4f} nats/byte")
+            )
+    return hist
+
+
+def from_train(path: Path) -> History:
+    """A train run folder, from its metrics.jsonl: each block's loss components by step (the
+    sum too, labelled as one, only where no component is logged) and the validation CE."""
+    hist = History(str(path), "train", "", x_label=STEPS)
+    last_step = 0
+    try:
+        lines = (path / METRICS).read_text().splitlines()
+    except OSError as exc:
+        raise ConfigError(f"{path / METRICS} is not readable: {exc}") from exc
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as exc:
+            raise ConfigError(f"{path / METRICS} line {n} is not JSON: {exc}") from exc
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            continue
+        step = int(record["step"])
+        last_step = max(last_step, step)
+        if record.get("event") == "train":
+            for label, value in _train_losses(record).items():
+                hist.losses.setdefault(label, []).append((step, value))
+        elif record.get("event") == "eval" and record.get("split") == "valid":
+            for key, label in EVAL_KEYS.items():
+                if isinstance(record.get(key), int | float):
+                    hist.evals.setdefault(f"{label} (nats/byte)", []).append(
+                        (step, float(record[key]))
+                    )
+    blocks = {label.split(":")[0] for label in hist.losses if label.startswith("block ")}
+    hist.blocks = len(blocks) or (1 if hist.losses else 0)
+    hist.facts.append(("steps logged", str(last_step)))
+    return hist
+
+
+def _train_losses(record: dict[str, Any]) -> dict[str, float]:
+    """A train record's losses, labelled: per block (keys b0_loss_denoise, b0_loss_aux, b0_loss,
+    or without the prefix for a one-unit run) its denoise and next-byte aux CEs, apart."""
+    out: dict[str, float] = {}
+    prefixes = sorted(
+        {k[: -len("loss")] for k in record if k.startswith("b") and k.endswith("_loss")}
+    ) or [""]
+    for prefix in prefixes:
+        who = f"block {prefix[1:-1]}: " if prefix else ""
+        parts = {
+            "loss_denoise": "denoise loss (nats/byte)",
+            "loss_aux": "next-byte aux CE, unweighted (nats/byte)",
+        }
+        found = False
+        for key, label in parts.items():
+            if isinstance(record.get(prefix + key), int | float):
+                out[who + label] = float(record[prefix + key])
+                found = True
+        if not found and isinstance(record.get(prefix + "loss"), int | float):
+            out[who + "training loss (nats/byte)"] = float(record[prefix + "loss"])
+    return out
 
 
 def from_simulation(path: Path, regime: str | None) -> History:
@@ -150,7 +301,7 @@ def from_simulation(path: Path, regime: str | None) -> History:
     hist = History(
         str(path.parent),
         "simulate",
-        "from-noise CE on validation text (nats/byte)",
+        "validation from-noise CE, measured by the simulator (nats/byte)",
         blocks=int(report["config"]["model"]["blocks"]),
         regime=name,
     )
@@ -183,4 +334,7 @@ def from_simulation(path: Path, regime: str | None) -> History:
     hist.refusals.update(result["updates"]["refused"])
     hist.accepted = int(result["updates"]["accepted"])
     hist.bytes_total = float(moved)
+    curve = [(c[0], c[3]) for c in hist.model_curve()]
+    if curve:
+        hist.evals[hist.loss_label] = curve
     return hist
