@@ -44,7 +44,17 @@ def test_every_check_passes_against_a_healthy_aggregator(capsys, aggregator, tmp
     (tmp_path / "t").write_text(token + "\n")
     assert main(["doctor", url, "--token-file", str(tmp_path / "t")]) == 0
     lines = _lines(capsys)
-    assert list(lines) == ["url", "dns", "tcp", "tls", "http", "version", "token", "clock"]
+    assert list(lines) == [
+        "url",
+        "dns",
+        "tcp",
+        "tls",
+        "http",
+        "version",
+        "token",
+        "clock",
+        "device",
+    ]
     assert all(line.startswith("ok") for line in lines.values()), lines
     assert "2 blocks" in lines["token"]
 

@@ -46,6 +46,7 @@ from blocktrain.cli.common import (
     Formatter,
     add_config_args,
     add_data_arg,
+    add_device_arg,
     add_log_arg,
     add_progress_arg,
     add_setting_args,
@@ -59,6 +60,7 @@ from blocktrain.cli.common import (
     unit_of,
 )
 from blocktrain.data import load_split, resolve_data_path
+from blocktrain.device import spread_devices
 from blocktrain.errors import ConfigError
 from blocktrain.fsutil import atomic_write_bytes
 from blocktrain.protocol.ops.cluster import LocalCluster
@@ -76,6 +78,7 @@ EXAMPLES = """examples:
       --out runs/c3 --set d_model=64
   blocktrain cluster --workers 3 --preset tiny --rounds 10 --out runs/c3 --keep-dashboard
   blocktrain cluster --workers 3 --preset tiny --rounds 10 --out runs/c3 --log-to tensorboard
+  blocktrain cluster --workers 4 --preset tiny --rounds 10 --out runs/c4 --gpus all  # 1 per GPU
   blocktrain eval runs/cluster/model --split test
 """
 
@@ -96,6 +99,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
     p.add_argument("--seed", type=int, help="run seed (overrides the preset)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    add_device_arg(p)
+    p.add_argument(
+        "--gpus",
+        metavar="N",
+        help="spread the workers round-robin over cuda:0..N-1 (N or all: every GPU torch "
+        "sees), each worker process on its own --device cuda:i, and evaluate on cuda:0; "
+        "fewer GPUs than N, or none, exits 2 before anything is written",
+    )
     p.add_argument(
         "--eval-bytes", type=int, default=8192, help="validation bytes for the per-round CE"
     )
@@ -177,6 +188,8 @@ def _viewer_token(state: Any, out: Path) -> tuple[str, Path]:
 
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
+    devices = spread_devices(args.workers, args.device, args.gpus)  # before any side effect
+    eval_device = devices[0] if args.gpus is None else "cuda:0"
     backends = log_backends(args)  # an unknown backend or a missing library: before any write
     out = Path(args.out)
     if (out / "state").exists() or (out / "summary.json").exists():
@@ -250,12 +263,14 @@ def run(args: argparse.Namespace) -> int:
         data_patterns=patterns.argv(),
         threads=args.threads,
         timeout_s=args.timeout,
+        devices=devices,
     )
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
     try:
         url = cluster.start()
-        say(f"{args.workers} workers on {url} (logs in {out / 'logs'})")
+        on = sorted(set(devices), key=devices.index)
+        say(f"{args.workers} workers on {url} (on {', '.join(on)}; logs in {out / 'logs'})")
         say(f"dashboard {url}/dashboard#token={viewer}")
         say(
             f"viewer token {viewer} (in {viewer_file}; it may only watch: blocktrain status "
@@ -266,7 +281,9 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
         wall_seconds = cluster.rounds_seconds or 0.0
         say(f"rounds done in {wall_seconds:.0f}s; every worker has left")
-        summary, line = evaluate_cluster(args, cfg, unit, state, valid, local_steps, out, status)
+        summary, line = evaluate_cluster(
+            args, cfg, unit, state, valid, local_steps, out, status, device=eval_device
+        )
         summary["wall_seconds"] = wall_seconds
         summary["workers_report"] = cluster.worker_reports()
         summary["exit_codes"] = cluster.exit_codes()  # the aggregator's: None, it still serves

@@ -97,14 +97,17 @@ def evaluate_units(
     windows: torch.Tensor,
     settings: EvalSettings,
     progress: Progress | None = None,
+    device: torch.device | str = "cpu",
 ) -> dict[str, Any]:
-    """The assembled stack's metrics, or a reference unit's exact CE as both of its CEs."""
+    """The assembled stack's metrics, or a reference unit's exact CE as both of its CEs, on
+    `device`."""
     if unit == "reference":
         model = init_reference(cfg.model, cfg.seed).eval()
         model.load_state_dict({k: v.float() for k, v in weights[0].items()})
+        model = model.to(device)
         ev = evaluate_reference(model, windows, settings, progress)
         return {**ev, "from_noise_ce": ev["ce"], "sampler_ce": ev["ce"]}  # no sweeps: exact
-    return evaluate_blocktrain(build_stack(cfg, weights), windows, settings, progress)
+    return evaluate_blocktrain(build_stack(cfg, weights).to(device), windows, settings, progress)
 
 
 def replicas_per_block(state: Any) -> list[int]:
@@ -131,6 +134,7 @@ def evaluate_cluster(
     local_steps: int,
     out: Path,
     status: dict[str, Any],
+    device: torch.device | str = "cpu",
 ) -> tuple[dict[str, Any], str]:
     """Each round's from-noise CE, the final model and its CE: the summary (without the
     processes' fields), and the end of the line that reports it."""
@@ -148,7 +152,12 @@ def evaluate_cluster(
     for r, chosen in enumerate(versions):  # same bytes and noise every round
         weights = {b: state.load_tensors(b, v) for b, v in chosen.items()}
         ev = evaluate_units(
-            cfg, unit, weights, windows, EvalSettings(sweeps=args.eval_sweeps, seed=cfg.seed)
+            cfg,
+            unit,
+            weights,
+            windows,
+            EvalSettings(sweeps=args.eval_sweeps, seed=cfg.seed),
+            device=device,
         )
         per_round.append(
             {"round": r, "from_noise_ce": ev["from_noise_ce"], "sampler_ce": ev["sampler_ce"]}
@@ -179,6 +188,7 @@ def evaluate_cluster(
         final_windows,
         EvalSettings(sweeps=args.final_sweeps, seed=0),
         progress=final_bar.update,
+        device=device,
     )
     final_bar.close()
 

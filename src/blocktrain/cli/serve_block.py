@@ -12,6 +12,7 @@ import torch
 
 from blocktrain.cli.common import Formatter
 from blocktrain.config import parse_blocks
+from blocktrain.device import resolve_device
 from blocktrain.errors import ConfigError
 from blocktrain.listener import bind, run, url_of
 from blocktrain.serving.host.host_app import create_app
@@ -109,6 +110,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the next host")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     p.add_argument(
+        "--device",
+        default="auto",
+        metavar="DEVICE",
+        help="where this host's blocks run: auto or cpu for now (auto is the CPU here: hosts do "
+        "not run blocks on a GPU yet); cuda or cuda:N, or a device this machine lacks, exits 2 "
+        "before the port is bound",
+    )
+    p.add_argument(
         "--batch-window-ms",
         type=float,
         default=HostSettings.batch_window_ms,
@@ -130,7 +139,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run_cmd)
 
 
+def host_device(name: str) -> torch.device:
+    """serve-block's --device: checked like every command's (`resolve_device`), before the port
+    is bound; the hosts' sweeps, caches and generators are CPU tensors, so a GPU is refused
+    with one line until they move with the blocks (issue 30), and auto is the CPU."""
+    device = resolve_device(name)
+    if name == "auto":
+        return torch.device("cpu")
+    if device.type != "cpu":
+        raise ConfigError(
+            f"--device {name}: serve-block runs its blocks on the CPU for now (its sweeps, "
+            "caches and generators are CPU tensors); use --device cpu or auto"
+        )
+    return device
+
+
 def run_cmd(args: argparse.Namespace) -> int:
+    host_device(args.device)  # before any file is read or the port bound
     sources = tuple(ModelSource.parse(m) for m in args.models)
     parts = parse_blocks(args.blocks)
     next_url = check_url(args.next_url, "--next") if args.next_url else None

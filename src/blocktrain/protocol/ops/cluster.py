@@ -113,18 +113,17 @@ def start_aggregator(
     return proc, wait_for_endpoint(state, proc)
 
 
-def start_worker(
+def worker_argv(
     url: str,
-    token: str,
-    logs: Path,
     *,
     name: str,
     data: str | None,
     threads: int = 1,
+    device: str | None = None,
     extra: Sequence[str] = (),
-    prefix: Sequence[str] = (),
     data_patterns: Sequence[str] = (),
-) -> Proc:
+) -> list[str]:
+    """The command line of one of a cluster's workers (`device`: its --device, else auto)."""
     argv = [
         *BLOCKTRAIN,
         "worker",
@@ -135,11 +134,36 @@ def start_worker(
         "--threads",
         str(threads),
         "--json",
+        *(["--device", device] if device else []),
         *extra,
     ]
     if data:
         argv += ["--data", data]
-    argv += data_patterns  # --include / --exclude, for the files of a --data folder
+    return argv + list(data_patterns)  # --include / --exclude, for the files of a --data folder
+
+
+def start_worker(
+    url: str,
+    token: str,
+    logs: Path,
+    *,
+    name: str,
+    data: str | None,
+    threads: int = 1,
+    device: str | None = None,
+    extra: Sequence[str] = (),
+    prefix: Sequence[str] = (),
+    data_patterns: Sequence[str] = (),
+) -> Proc:
+    argv = worker_argv(
+        url,
+        name=name,
+        data=data,
+        threads=threads,
+        device=device,
+        extra=extra,
+        data_patterns=data_patterns,
+    )
     return spawn(name, argv, logs, env={"BLOCKTRAIN_TOKEN": token}, prefix=prefix)
 
 
@@ -209,6 +233,7 @@ class LocalCluster:
         threads: int = 1,
         timeout_s: float = 3600.0,
         host: str = "127.0.0.1",
+        devices: Sequence[str] = (),
     ) -> None:
         if state.settings().max_rounds is None:
             raise ProtocolError("a cluster run needs max_rounds in the aggregator settings")
@@ -220,6 +245,8 @@ class LocalCluster:
         )
         self.data, self.data_patterns, self.threads = data, data_patterns, threads
         self.timeout_s, self.host = timeout_s, host
+        self.devices = list(devices)
+        """Worker i's --device: devices[i % len(devices)]; none given: each worker's auto."""
         self.aggregator: Proc | None = None
         self.workers: list[Proc] = []
         self.client: AggregatorClient | None = None
@@ -258,6 +285,7 @@ class LocalCluster:
                     name=f"worker-{i}",
                     data=self.data,
                     threads=self.threads,
+                    device=self.devices[i % len(self.devices)] if self.devices else None,
                     data_patterns=self.data_patterns,
                 )
             )

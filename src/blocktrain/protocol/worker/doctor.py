@@ -53,8 +53,10 @@ def diagnose(
     verify: str | bool = True,
     timeout_s: float = 5.0,
     now: Callable[[], float] = time.time,
+    on_config: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[Check]:
-    """Every check, in order (see the module's docstring)."""
+    """Every check, in order (see the module's docstring); `on_config` gets the /v1/config body
+    when the token is accepted (the run config: `blocktrain doctor` checks the device with it)."""
     checks: list[Check] = []
 
     def skip_rest(after: str) -> list[Check]:
@@ -145,6 +147,8 @@ def diagnose(
             body = _json(config)
             if config.status_code == 200:
                 checks.append(Check("token", True, f"accepted; {body.get('blocks', '?')} blocks"))
+                if on_config is not None:
+                    on_config(body)
             else:
                 reason = body.get("reason", config.status_code)
                 checks.append(
