@@ -298,6 +298,7 @@ HEAD_TO_HEAD = (
 workers spread evenly over the blocks. `reversed`: the features stack with intervals reversed,
 read through its head exit. DiLoCo trains the end-to-end reference as one unit with
 its outer Nesterov; `averaged` the same unit with plain averaging, as the blocks are."""
+METHODS = sorted({method for method, *_ in HEAD_TO_HEAD})
 
 
 def head_to_head(args: argparse.Namespace, data: Path) -> list[dict[str, Any]]:
@@ -567,9 +568,9 @@ def main() -> None:
     p.add_argument(
         "--methods",
         type=lambda s: s.split(","),
-        default=sorted({method for method, *_ in HEAD_TO_HEAD}),
-        help="with --simulate: which rows (blocktrain, reversed, diloco, averaged; default all, "
-        "so one build times the whole table); others are kept",
+        default=METHODS,
+        help=f"with --simulate: which rows, of {', '.join(METHODS)} (default all, so one build "
+        "times the whole table); others are kept",
     )
     p.add_argument("--seeds", type=lambda s: [int(v) for v in s.split(",")], default=[0])
     p.add_argument("--sweeps", type=int, help="M of the sampler CE (default: 16 tiny, 64 small)")
