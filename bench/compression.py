@@ -1,28 +1,38 @@
-"""Compressed deltas on the wire: the same run with every pushed delta in
-fp16, int8 (a scale per row) and top-k at several ratios (error feedback on each worker).
+"""Compressed deltas on the wire: the same run with every pushed delta in fp16, int8 (a scale
+per row), per-tensor top-k and the chunked sparse codec (error feedback on each worker), and the
+ablations that say which detail of the sparse codec buys what.
 Writes benchmarks/results/compression.json and the "compression" section of BENCHMARKS.md.
 
 Each row is one `blocktrain.simulate` run (the protocol's own RoundEngine with its defaults:
 validation, norm bound, effect probe, one vote per identity; real local training; a virtual
 clock) of 6 workers at the tiny preset (2 replicas per block), regime lockstep, the same seed,
-rounds and H in every row; only `delta_wire` differs, and with it the pulls: fp16 whole versions
-for fp16, and deltas in the push codec from the view each worker holds for int8 and top-k (the
-aggregator's default `pull_wire`; protocol/core/pulls.py). final_sampler_ce: the final model's sampler CE (M = 16 sweeps, 16384 validation
-bytes); bytes_total: every pull and push body of the run (bytes_up: the pushes alone).
+rounds and H in every row; only `delta_wire` differs (and, in an ablation row, one setting the
+row's `variant` names), and with it the pulls: fp16 whole versions for fp16, and deltas in the
+push codec from the view each worker holds for the lossy codecs (the aggregator's default
+`pull_wire`; protocol/core/pulls.py). final_sampler_ce: the final model's sampler CE (M = 16
+sweeps, 16384 validation bytes); bytes_total: every pull and push body of the run (bytes_up:
+the pushes alone).
 
-    python bench/compression.py                       # 4 rows of 10 rounds of H = 10
+    python bench/compression.py --rounds 30 --local-steps 30                # the main rows
+    python bench/compression.py --rounds 30 --local-steps 30 --ablations    # + the ablations
+    python bench/compression.py --rounds 30 --local-steps 30 --wires fp16,sparse:0.03:2 --seeds 1,2
     python bench/compression.py --wires topk:0.01     # add a row (rows in the JSON are kept)
     python bench/compression.py --force               # re-run rows already in the JSON
-    python bench/compression.py --wires fp16,int8 --seeds 0,1,2   # the spread between seeds
+
+A variant is `KEY=VALUE[,KEY=VALUE]`: aggregator settings (`outer_lr=0.7,outer_momentum=0.9`),
+or `mean=dense`, which averages sparse votes as dense ones (a coordinate one of two replicas
+sent moves by half its value) instead of per coordinate over the votes that carry it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -30,42 +40,97 @@ import torch
 from blocktrain.config import apply_overrides
 from blocktrain.data import load_split
 from blocktrain.presets import tiny
+from blocktrain.protocol.core import round_engine
+from blocktrain.protocol.core.aggregation import Accumulator
 from blocktrain.protocol.core.delta_wire import DeltaWire
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.simulate import SimSpec, simulate
 from blocktrain.simulate.regimes import load_regime
 from report import (
     RESULTS,
-    add_simulated_row_args,  # bench/report.py  # bench/report.py
+    add_simulated_row_args,  # bench/report.py
     machine,
     update_section,
     write_json,
 )
 
 NAME = "compression.json"
-WIRES = ("fp16", "int8", "topk:0.1", "topk:0.03")
-BAR = {"int8": (0.01, 0.55)}
-"""What each codec must reach to be worth its loss, against fp16: (CE within, bytes at most);
-int8 is held to the bar, top-k to the goal."""
-GOAL = {"topk": (0.03, 0.1)}
+WIRES = ("fp16", "int8", "topk:0.03", "sparse:0.03:2")
+ABLATIONS: tuple[tuple[str, str], ...] = (
+    ("topk:0.03", ""),  # per-tensor top-k, fp16 values, int32 indices
+    ("sparse:0.03:8", ""),  # chunked top-k, 8-bit values
+    ("sparse:0.03:4", ""),
+    ("sparse:0.03:2", ""),
+    ("sparse:0.03:2", "mean=dense"),
+    ("sparse:0.03:2:beta=0.95", ""),
+    ("sparse:0.03:2:beta=0.999", ""),
+    ("sparse:0.03:2", "outer_lr=0.7,outer_momentum=0.9"),
+    ("sparse:0.01:2", ""),
+)
+"""(wire, variant) of each ablation row: one detail of sparse:0.03:2 changed at a time."""
+TARGETS = {"int8": ("bar", 0.01, 0.55), "topk": ("bar", 0.03, 0.10), "sparse": ("bar", 0.03, 0.10)}
+"""What a codec must reach against fp16 of the same seed, on the mean over seeds: (name, CE
+within, total bytes at most). The sparse codecs' goal is GOAL."""
+GOAL = (0.01, 0.03)
+MIN_SEEDS = 3
 
 
-def run_row(wire: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+def variant_settings(variant: str) -> tuple[dict[str, Any], bool]:
+    """(aggregator settings, dense mean?) of a variant `KEY=VALUE[,KEY=VALUE]` ('' is none)."""
+    settings: dict[str, Any] = {}
+    dense_mean = False
+    for item in filter(None, (x.strip() for x in variant.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"variant {item!r}: expected KEY=VALUE")
+        if key == "mean":
+            if value != "dense":
+                raise ValueError(f"variant {item!r}: mean takes only 'dense'")
+            dense_mean = True
+        elif key in AggregatorSettings.__dataclass_fields__:
+            settings[key] = float(value)
+        else:
+            raise ValueError(f"variant {item!r}: {key!r} is no aggregator setting")
+    return settings, dense_mean
+
+
+@contextlib.contextmanager
+def dense_mean_of_sparse(on: bool) -> Iterator[None]:
+    """The ablation of the per-coordinate mean: the engine's accumulators average every vote
+    as a dense one, whatever the wire."""
+    if not on:
+        yield
+        return
+    original = round_engine.accumulator
+    round_engine.accumulator = lambda settings: Accumulator(settings, per_coordinate=False)
+    try:
+        yield
+    finally:
+        round_engine.accumulator = original
+
+
+def run_row(wire: str, variant: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     # the run's seed draws the model's initial weights and each worker's batches
     cfg = apply_overrides(tiny(), [f"steps={args.rounds * args.local_steps}", f"seed={seed}"])
+    settings, dense_mean = variant_settings(variant)
     spec = SimSpec(
         cfg,
         workers=6,
         rounds=args.rounds,
-        protocol={"local_steps": args.local_steps, "delta_wire": wire},
+        protocol={"local_steps": args.local_steps, "delta_wire": wire, **settings},
         seed=seed,
         eval_every=args.rounds,  # the final model is what the table compares
     )
     t0 = time.perf_counter()
-    report, _ = simulate(spec, [load_regime("lockstep")], args.train, args.valid)
+    with dense_mean_of_sparse(dense_mean):
+        report, _ = simulate(
+            spec, [load_regime("lockstep")], args.train, args.valid, progress=progress
+        )
     r = report["regimes"]["lockstep"]
     return {
         "wire": wire,
+        "variant": variant,
+        "design": design(wire, variant),
         "pull_wire": pull_wire(wire),
         "final_sampler_ce": r["final_sampler_ce"],
         "bytes_total": r["bytes"]["up"] + r["bytes"]["down"],
@@ -83,6 +148,36 @@ def run_row(wire: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def progress(regime: str, closed: int, total: int) -> None:
+    """A long row's rounds closed so far (every block's rounds), every tenth of the run."""
+    if closed % max(1, total // 10) == 0:
+        print(f"  {closed}/{total} rounds closed", file=sys.stderr, flush=True)
+
+
+def design(wire: str, variant: str) -> str:
+    """What a row sends and how the aggregator takes it, in words."""
+    w = DeltaWire.parse(wire)
+    if w.kind == "int8":
+        text = "dense int8, a scale per row"
+    elif w.kind == "topk":
+        text = f"top-k {w.ratio:g} per tensor, fp16 values, int32 indices"
+    elif w.sparse:
+        text = (
+            f"top-k {w.ratio:g} per {w.chunk}x{w.chunk} chunk, {w.bits}-bit values, "
+            f"{w.index_bits}-bit indices, error feedback decay {w.beta:g}"
+        )
+    else:
+        text = f"dense {w.kind}"
+    settings, dense_mean = variant_settings(variant)
+    if w.sparse:
+        text += "; dense mean" if dense_mean else "; per-coordinate mean"
+    if settings.get("outer_momentum"):
+        text += (
+            f"; outer lr {settings.get('outer_lr', 1.0):g}, momentum {settings['outer_momentum']:g}"
+        )
+    return text
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -96,6 +191,11 @@ def main() -> None:
         help=f"comma-separated delta wires (default: {','.join(WIRES)})",
     )
     p.add_argument(
+        "--ablations",
+        action="store_true",
+        help="also run the ablation rows (each changes one detail of sparse:0.03:2)",
+    )
+    p.add_argument(
         "--seeds",
         type=lambda text: [int(x) for x in text.split(",") if x.strip()],
         default=[0],
@@ -104,26 +204,39 @@ def main() -> None:
         "each wire's CE against fp16 of the same seed (default: 0)",
     )
     args = p.parse_args()
-    for wire in args.wires:
+    runs = [(wire, "") for wire in args.wires] + (list(ABLATIONS) if args.ablations else [])
+    runs = list(dict.fromkeys(runs))
+    for wire, variant in runs:
         try:
             DeltaWire.parse(wire)
+            variant_settings(variant)
         except ValueError as exc:
             p.error(str(exc))
+    if any(wire != "fp16" for wire, _ in runs) and ("fp16", "") not in runs:
+        runs.insert(0, ("fp16", ""))  # every row is read against fp16 of its seed
     torch.set_num_threads(args.threads)
     args.train, args.valid = load_split(args.data, "train"), load_split(args.data, "valid")
     path = RESULTS / NAME
-    rows: dict[tuple[str, int], dict[str, Any]] = {}
+    rows: dict[Key, dict[str, Any]] = {}
     if path.exists():
         saved = json.loads(path.read_text())
-        for r in [*saved["rows"], *saved.get("seed_rows", [])]:
-            rows[(r["wire"], r["seed"])] = r
+        for r in [*saved["rows"], *saved.get("seed_rows", []), *saved.get("other_rows", [])]:
+            rows[key_of(r)] = r
     for seed in args.seeds:
-        for wire in args.wires:
-            old = rows.get((wire, seed))
-            if old is not None and not args.force and same_run(old, args):
+        for wire, variant in runs:
+            key = (wire, variant, seed, args.rounds, args.local_steps)
+            old = rows.get(key)
+            if old is not None and not args.force and old.get("pull_wire") == pull_wire(wire):
                 continue
-            print(f"compression: {wire}, seed {seed} ...", file=sys.stderr, flush=True)
-            rows[(wire, seed)] = run_row(wire, seed, args)
+            label = wire + (f" [{variant}]" if variant else "")
+            print(f"compression: {label}, seed {seed} ...", file=sys.stderr, flush=True)
+            rows[key] = row = run_row(wire, variant, seed, args)
+            print(
+                f"compression: {label}, seed {seed}: CE {row['final_sampler_ce']:.4f}, "
+                f"{row['bytes_total'] / 1e6:.1f} MB, {row['wall_s']:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
             result = result_of(rows)  # saved after every row: an interrupted run resumes
             write_json(NAME, result)
             update_section("compression", markdown(result))
@@ -135,33 +248,46 @@ def pull_wire(wire: str) -> str:
     return AggregatorSettings(delta_wire=wire).pulls
 
 
-def same_run(row: dict[str, Any], args: argparse.Namespace) -> bool:
-    return (row["rounds"], row["local_steps"], row.get("pull_wire")) == (
-        args.rounds,
-        args.local_steps,
-        pull_wire(row["wire"]),
+Key = tuple[str, str, int, int, int]
+"""A row's wire, variant, seed, rounds and H."""
+
+
+def key_of(row: dict[str, Any]) -> Key:
+    return (row["wire"], row.get("variant", ""), row["seed"], row["rounds"], row["local_steps"])
+
+
+def result_of(rows: dict[Key, dict[str, Any]]) -> dict[str, Any]:
+    """The tables compare runs of one length: the longest that has an fp16 row (rows of other
+    lengths are kept under `other_rows`). `rows`: seed 0's, each against fp16 of seed 0;
+    `seed_rows`: the other seeds'; `seeds`: per wire and variant, its CE minus fp16's of the
+    same seed, for every seed run with both, and its verdict against the bar and the goal."""
+    lengths = [(k[3] * k[4], k[3], k[4]) for k in rows if k[0] == "fp16" and not k[1]]
+    _, rounds, local_steps = max(lengths, default=(0, 0, 0))
+    kept = {k[:3]: r for k, r in rows.items() if (k[3], k[4]) == (rounds, local_steps)}
+    other_rows = [r for k, r in rows.items() if (k[3], k[4]) != (rounds, local_steps)]
+    first = {key: r for key, r in kept.items() if key[2] == 0}
+    ordered = sorted(
+        first.values(),
+        key=lambda r: (r.get("variant", "") != "", r["wire"] not in WIRES, -r["bytes_up"]),
     )
-
-
-def result_of(rows: dict[tuple[str, int], dict[str, Any]]) -> dict[str, Any]:
-    """`rows`: seed 0's, each against fp16 of seed 0 (the table); `seed_rows`: the other seeds';
-    `seeds`: per wire, its CE minus fp16's of the same seed, for every seed run with both."""
-    first = {wire: r for (wire, seed), r in rows.items() if seed == 0}
-    ordered = sorted(first.values(), key=lambda r: (r["wire"] not in WIRES, -r["bytes_up"]))
-    base = first.get("fp16")
+    base = first.get(("fp16", "", 0))
     for r in ordered:
-        if base is None or r["rounds"] != base["rounds"]:
+        if base is None:
             r["ce_vs_fp16"] = r["bytes_vs_fp16"] = r["bytes_up_vs_fp16"] = None
             continue
         r["ce_vs_fp16"] = r["final_sampler_ce"] - base["final_sampler_ce"]
         r["bytes_vs_fp16"] = r["bytes_total"] / base["bytes_total"]
         r["bytes_up_vs_fp16"] = r["bytes_up"] / base["bytes_up"]
     seeds: dict[str, dict[str, Any]] = {}
-    for (wire, seed), r in sorted(rows.items(), key=lambda kv: kv[0][1]):
-        fp16 = rows.get(("fp16", seed))
-        if wire == "fp16" or fp16 is None or fp16["rounds"] != r["rounds"]:
+    for (wire, variant, seed), r in sorted(kept.items(), key=lambda kv: kv[0][2]):
+        fp16 = kept.get(("fp16", "", seed))
+        if wire == "fp16" or fp16 is None:
             continue
-        entry = seeds.setdefault(wire, {"seeds": [], "ce_vs_fp16": [], "bytes_vs_fp16": []})
+        label = wire + (f" [{variant}]" if variant else "")
+        entry = seeds.setdefault(
+            label,
+            {"wire": wire, "variant": variant, "seeds": [], "ce_vs_fp16": [], "bytes_vs_fp16": []},
+        )
         entry["seeds"].append(seed)
         entry["ce_vs_fp16"].append(r["final_sampler_ce"] - fp16["final_sampler_ce"])
         entry["bytes_vs_fp16"].append(r["bytes_total"] / fp16["bytes_total"])
@@ -169,48 +295,56 @@ def result_of(rows: dict[tuple[str, int], dict[str, Any]]) -> dict[str, Any]:
         ce = entry["ce_vs_fp16"]
         entry["ce_vs_fp16_mean"] = statistics.fmean(ce)
         entry["ce_vs_fp16_sd"] = statistics.stdev(ce) if len(ce) > 1 else None
-    others = [r for (_, seed), r in sorted(rows.items(), key=lambda kv: kv[0][1]) if seed != 0]
+        entry["ce_vs_fp16_se"] = (
+            entry["ce_vs_fp16_sd"] / len(ce) ** 0.5 if entry["ce_vs_fp16_sd"] is not None else None
+        )
+        entry["bytes_vs_fp16_mean"] = statistics.fmean(entry["bytes_vs_fp16"])
+        entry["verdict"] = verdict(entry)
+    others = [r for key, r in sorted(kept.items(), key=lambda kv: kv[0][2]) if key[2] != 0]
     return {
-        "command": "python bench/compression.py",
+        "command": f"python bench/compression.py --rounds {rounds} --local-steps {local_steps}",
         "machine": machine(),
         "rows": ordered,
         "seed_rows": others,
         "seeds": seeds,
+        "other_rows": other_rows,
     }
 
 
-def verdict(r: dict[str, Any]) -> str:
-    """Bar (int8) or goal (top-k), on the total bytes and on the pushed bytes alone."""
-    kind = r["wire"].split(":")[0]
-    target = BAR.get(kind) or GOAL.get(kind)
-    if target is None or r["ce_vs_fp16"] is None:
+def verdict(entry: dict[str, Any]) -> str:
+    """The codec's bar (and the sparse codec's goal) on the mean over seeds, total bytes."""
+    kind = DeltaWire.parse(entry["wire"]).kind
+    if kind not in TARGETS:
         return "—"
-    ce_ok = r["ce_vs_fp16"] <= target[0]
-    name = "bar" if kind in BAR else "goal"
-
-    def met(ratio: float) -> str:
-        return "met" if ce_ok and ratio <= target[1] else "not met"
-
-    return (
-        f"{name} (CE +{target[0]}, bytes ≤ {target[1]}): total {met(r['bytes_vs_fp16'])}, "
-        f"pushes {met(r['bytes_up_vs_fp16'])}"
+    if len(entry["seeds"]) < MIN_SEEDS:
+        return f"needs {MIN_SEEDS} seeds"
+    ce, ratio = entry["ce_vs_fp16_mean"], entry["bytes_vs_fp16_mean"]
+    name, ce_max, bytes_max = TARGETS[kind]
+    out = f"{name} (CE +{ce_max}, bytes ≤ {bytes_max}) " + (
+        "met" if ce <= ce_max and ratio <= bytes_max else "not met"
     )
+    if kind in ("topk", "sparse"):
+        met = ce <= GOAL[0] and ratio <= GOAL[1]
+        out += f"; goal (CE +{GOAL[0]}, bytes ≤ {GOAL[1]}) " + ("met" if met else "not met")
+    return out
 
 
 def markdown(result: dict[str, Any]) -> str:
     rows = result["rows"]
     first = rows[0] if rows else {"rounds": "?", "local_steps": "?", "seed": "?"}
     lines = [
-        f"`{result['command']}`; JSON: `benchmarks/results/{NAME}`. 6 workers, preset tiny "
+        f"`{result['command']}` (`--ablations` for the rows with a variant, `--seeds 1,2` for "
+        f"the spread); JSON: `benchmarks/results/{NAME}`. 6 workers, preset tiny "
         f"(2 replicas per block), regime lockstep, {first['rounds']} rounds of H = "
         f"{first['local_steps']}, seed {first['seed']}, the aggregator's defaults; only the "
-        "wire differs: pushes in the row's codec, pulls as fp16 whole versions (fp16) or as "
-        "deltas in the push codec from the view each worker holds (int8, top-k). Final CE: the sampler CE "
-        "(M = 16, 16384 validation bytes).",
+        "wire differs (and in a row with a variant, the one setting it names): pushes in the "
+        "row's codec, pulls as fp16 whole versions (fp16) or as deltas in the push codec from "
+        "the view each worker holds (the lossy codecs). Final CE: the sampler CE (M = 16, 16384 "
+        "validation bytes).",
         "",
-        "| wire | pulls | final CE | − fp16 | bytes total | ÷ fp16 | bytes pushed | ÷ fp16 | "
-        "accepted | refused | bar / goal |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "| wire | variant | design | final CE | − fp16 | bytes total | ÷ fp16 | bytes pushed | "
+        "÷ fp16 | accepted | refused |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         ce = "—" if r["ce_vs_fp16"] is None else f"{r['ce_vs_fp16']:+.4f}"
@@ -218,30 +352,47 @@ def markdown(result: dict[str, Any]) -> str:
         up = "—" if r["bytes_up_vs_fp16"] is None else f"{r['bytes_up_vs_fp16']:.3f}"
         refused = ", ".join(f"{k} {v}" for k, v in sorted(r["refused"].items())) or "none"
         lines.append(
-            f"| {r['wire']} | {r.get('pull_wire', 'fp16')} | {r['final_sampler_ce']:.4f} | {ce} | {r['bytes_total'] / 1e6:.1f} MB"
-            f" | {total} | {r['bytes_up'] / 1e6:.1f} MB | {up} | {r['accepted']} | {refused} | "
-            f"{verdict(r)} |"
+            f"| {r['wire']} | {r.get('variant') or '—'} | {design(r['wire'], r.get('variant', ''))} "
+            f"| {r['final_sampler_ce']:.4f} | {ce} | {r['bytes_total'] / 1e6:.1f} MB"
+            f" | {total} | {r['bytes_up'] / 1e6:.1f} MB | {up} | {r['accepted']} | {refused} |"
         )
     spread = {w: e for w, e in result.get("seeds", {}).items() if len(e["seeds"]) > 1}
     if spread:
         lines += [
             "",
             "Seeds: each wire's final CE minus fp16's of the same seed (the same rounds; a "
-            "difference smaller than the spread between seeds is no difference).",
+            "difference smaller than the spread between seeds is no difference). The verdict "
+            f"reads the mean over at least {MIN_SEEDS} seeds and the mean bytes ÷ fp16.",
             "",
             "| wire | seeds | CE − fp16, each seed | mean ± sd (± standard error) | "
-            "bytes ÷ fp16, each seed |",
-            "|---|---|---|---:|---|",
+            "bytes ÷ fp16, each seed | verdict |",
+            "|---|---|---|---:|---|---|",
         ]
-        for wire, e in spread.items():
+        for label, e in spread.items():
             each = ", ".join(f"{x:+.4f}" for x in e["ce_vs_fp16"])
             ratios = ", ".join(f"{x:.3f}" for x in e["bytes_vs_fp16"])
             seeds = ", ".join(str(x) for x in e["seeds"])
-            sem = e["ce_vs_fp16_sd"] / len(e["seeds"]) ** 0.5
             lines.append(
-                f"| {wire} | {seeds} | {each} | {e['ce_vs_fp16_mean']:+.4f} ± "
-                f"{e['ce_vs_fp16_sd']:.4f} (± {sem:.4f}) | {ratios} |"
+                f"| {label} | {seeds} | {each} | {e['ce_vs_fp16_mean']:+.4f} ± "
+                f"{e['ce_vs_fp16_sd']:.4f} (± {e['ce_vs_fp16_se']:.4f}) | {ratios} | "
+                f"{e['verdict']} |"
             )
+    shorter = sorted(
+        result.get("other_rows", []), key=lambda r: (r["rounds"], r["local_steps"], r["seed"])
+    )
+    if shorter:
+        lines += [
+            "",
+            "Runs of other lengths (kept, not compared with the tables above):",
+            "",
+            "| rounds x H | wire | variant | seed | final CE | bytes total |",
+            "|---|---|---|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {r['rounds']} x {r['local_steps']} | {r['wire']} | {r.get('variant') or '—'} | "
+            f"{r['seed']} | {r['final_sampler_ce']:.4f} | {r['bytes_total'] / 1e6:.1f} MB |"
+            for r in shorter
+        ]
     return "\n".join(lines)
 
 

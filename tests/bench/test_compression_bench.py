@@ -1,0 +1,96 @@
+"""bench/compression.py's reading of its rows, without a simulation: which rows a table compares,
+each wire's spread against fp16 of the same seed, the verdicts, and the ablations' variants."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import compression
+from blocktrain.protocol.core import round_engine
+from blocktrain.protocol.core.settings import AggregatorSettings
+
+
+def row(
+    wire: str, seed: int, ce: float, total: int, *, variant: str = "", rounds: int = 30
+) -> dict[str, Any]:
+    return {
+        "wire": wire,
+        "variant": variant,
+        "seed": seed,
+        "rounds": rounds,
+        "local_steps": 30,
+        "pull_wire": compression.pull_wire(wire),
+        "final_sampler_ce": ce,
+        "bytes_total": total,
+        "bytes_up": total // 3,
+        "bytes_down": total - total // 3,
+        "accepted": 10,
+        "refused": {},
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    return compression.result_of({compression.key_of(r): r for r in rows})
+
+
+def test_spread_and_verdicts_against_fp16_of_the_same_seed() -> None:
+    rows = [row("fp16", s, 2.0 + 0.1 * s, 1000) for s in (0, 1, 2)]
+    rows += [
+        row("sparse:0.03:2", s, 2.0 + 0.1 * s + d, 50) for s, d in [(0, 0.01), (1, 0.02), (2, 0.03)]
+    ]
+    rows += [row("sparse:0.01:2", s, 2.0 + 0.1 * s + 0.005, 20) for s in (0, 1, 2)]
+    rows += [row("int8", 0, 2.5, 540)]
+    result = table(rows)
+    sparse = result["seeds"]["sparse:0.03:2"]
+    assert sparse["seeds"] == [0, 1, 2]
+    assert sparse["ce_vs_fp16_mean"] == pytest.approx(0.02)
+    assert sparse["ce_vs_fp16_se"] == pytest.approx(0.01 / 3**0.5)
+    assert sparse["bytes_vs_fp16_mean"] == pytest.approx(0.05)
+    assert sparse["verdict"].startswith("bar (CE +0.03, bytes ≤ 0.1) met; goal")
+    assert sparse["verdict"].endswith("not met")
+    assert result["seeds"]["sparse:0.01:2"]["verdict"].endswith("goal (CE +0.01, bytes ≤ 0.03) met")
+    assert result["seeds"]["int8"]["verdict"] == "needs 3 seeds"  # one seed: no verdict
+    assert result["rows"][0]["wire"] == "fp16"
+    assert all(r["seed"] == 0 for r in result["rows"])
+
+
+def test_the_tables_compare_the_longest_fp16_run_and_keep_the_rest() -> None:
+    short = [row("fp16", 0, 2.9, 100, rounds=10), row("int8", 0, 2.85, 54_000_000, rounds=10)]
+    long = [row("fp16", 0, 2.0, 500), row("sparse:0.03:2", 0, 2.01, 25)]
+    result = table(short + long)
+    assert {r["wire"] for r in result["rows"]} == {"fp16", "sparse:0.03:2"}
+    assert {(r["wire"], r["rounds"]) for r in result["other_rows"]} == {("fp16", 10), ("int8", 10)}
+    assert result["command"] == "python bench/compression.py --rounds 30 --local-steps 30"
+    text = compression.markdown(result)
+    assert "| 10 x 30 | int8 | — | 0 | 2.8500 | 54.0 MB |" in text
+
+
+def test_variants_name_settings_or_the_dense_mean() -> None:
+    assert compression.variant_settings("") == ({}, False)
+    assert compression.variant_settings("outer_lr=0.7,outer_momentum=0.9") == (
+        {"outer_lr": 0.7, "outer_momentum": 0.9},
+        False,
+    )
+    assert compression.variant_settings("mean=dense") == ({}, True)
+    for bad in ("mean=sparse", "outer_lr", "no_such_setting=1"):
+        with pytest.raises(ValueError):
+            compression.variant_settings(bad)
+    for wire, variant in compression.ABLATIONS:  # every ablation is one the bench can run
+        compression.variant_settings(variant)
+        compression.design(wire, variant)
+    assert "dense mean" in compression.design("sparse:0.03:2", "mean=dense")
+    assert "per-coordinate mean" in compression.design("sparse:0.03:2", "")
+
+
+def test_the_dense_mean_ablation_patches_the_engine_and_restores_it() -> None:
+    settings = AggregatorSettings(delta_wire="sparse:0.03:2")
+    assert round_engine.accumulator(settings).per_coordinate
+    with compression.dense_mean_of_sparse(True):
+        assert not round_engine.accumulator(settings).per_coordinate
+    assert round_engine.accumulator(settings).per_coordinate
