@@ -181,6 +181,30 @@ def test_the_simulator_pulls_the_upstream_versions_each_round(corpus):
     assert result["final_sampler_ce"] < result["initial_ce"]
 
 
+def test_the_simulator_reads_upstream_blocks_as_deltas_with_a_pull_codec(corpus):
+    """With compressed pulls, a features worker's reads of the blocks before its own are
+    deltas from the views it holds of them (as the HTTP client's `latest`), after one whole
+    read each: the upstream reads no longer move whole versions every round (the fp16 run of
+    the test above moves every read whole)."""
+    rounds, workers = 3, 3
+    cfg = dataclasses.replace(micro_config(steps=2 * rounds), model=CFG)
+    protocol = {"local_steps": 2, "effect_probe": "off", "delta_wire": "sparse:0.03:2"}
+    spec = SimSpec(
+        cfg, workers, rounds, protocol, seed=cfg.seed, eval_every=rounds, eval_bytes=256,
+        final_bytes=256,
+    )  # fmt: skip
+    report, _ = simulate(
+        spec, [REGIMES["lockstep"]], load_split(corpus, "train"), load_split(corpus, "valid")
+    )
+    result = report["regimes"]["lockstep"]
+    assert result["updates"]["accepted"] == workers * rounds
+    # the first round reads each worker's own block and its upstream whole, 1 + 2 + 3 blocks
+    # in 16 bits; every later read is a sparse delta, far below a whole block
+    numel = sum(v.numel() for v in initial_blocks(cfg)[0].values())
+    first_reads = (1 + 2 + 3) * numel * 2
+    assert first_reads < result["bytes"]["down"] < first_reads + (rounds - 1) * first_reads // 4
+
+
 def test_the_probe_judges_a_block_with_the_upstream_versions_it_reads(corpus):
     cfg = dataclasses.replace(micro_config(), model=CFG)
     probe = BlockProbe(cfg, load_split(corpus, "valid"), windows=4, skip_bytes=64)

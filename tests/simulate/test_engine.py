@@ -12,7 +12,6 @@ import torch
 from blocktrain.config import RunConfig, apply_overrides
 from blocktrain.data import load_split
 from blocktrain.errors import ConfigError
-from blocktrain.model import init_block
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.simulate import (
     REGIMES,
@@ -158,14 +157,10 @@ def test_compressed_deltas_train(corpus: Path, wire: str) -> None:
     assert result["final_sampler_ce"] < result["initial_ce"] - 0.05
     dense, _ = run(corpus, [REGIMES["lockstep"]])
     assert result["bytes"]["up"] < 0.6 * dense["regimes"]["lockstep"]["bytes"]["up"]
-    # pulls: each worker's first whole, then deltas in the push codec (the default pull_wire).
-    # Under route = features each pull also reads the blocks before the worker's whole, in
-    # fp16 whatever the codec (the same bytes in both runs): ROUNDS x 2 replicas x (0 + 1 + 2)
-    # blocks read
-    block = sum(v.numel() for v in init_block(compressed.cfg.model, 0, 0).state_dict().values())
-    upstream = ROUNDS * 2 * (0 + 1 + 2) * block * 2
-    own = result["bytes"]["down"] - upstream
-    assert 0 < own < 0.8 * (dense["regimes"]["lockstep"]["bytes"]["down"] - upstream)
+    # pulls: each worker's first reads whole (its own block and, under route = features, the
+    # blocks before it), then deltas in the push codec (the default pull_wire), upstream too
+    dense_down = dense["regimes"]["lockstep"]["bytes"]["down"]
+    assert 0 < result["bytes"]["down"] < 0.75 * dense_down  # upstream read whole: ~0.8 at int8
 
 
 def test_a_reference_unit_alone_is_the_reference_trained_in_one_process(

@@ -90,17 +90,33 @@ class SimAggregator:
         steps = self.settings.local_steps if pulled.local_steps is None else pulled.local_steps
         if view.done:
             return view, None, None, steps
+        weights, delta_bytes = self._send(block, view.version, held)
+        return view, weights, delta_bytes, steps
+
+    def latest(self, block: int, held: View | None) -> tuple[View, int]:
+        """What a worker under `route = features` reads of a block before its own: the latest
+        committed version (no pull recorded), as the HTTP client's `latest` gets it: a delta
+        from the view `held` with a pull codec, else whole; and the bytes it carried."""
+        weights, delta_bytes = self._send(block, self.blocks[block].rounds.version, held)
+        if delta_bytes is not None:
+            return weights, delta_bytes
+        return weights, sum(v.numel() * v.element_size() for v in weights.tensors.values())
+
+    def _send(self, block: int, version: int, held: View | None) -> tuple[View, int | None]:
+        """Version `version` of `block` as a worker then holds it (the wire dtype), and the
+        bytes of a delta pull (`protocol.core.pulls`: with a pull codec and a view `held`,
+        exactly what an HTTP worker would get and compute; None for a whole one)."""
         weights = self.blocks[block].weights
         codec = pull_codec(self.settings.pulls)
         if codec is not None and held is not None and held.block == block:
-            if held.version == view.version:
-                return view, held, 0, steps
-            sent = self.views.delta(block, view.version, weights, held.id, codec)
-            return view, read_delta(sent.body, held, view.version, codec), len(sent.body), steps
+            if held.version == version:
+                return held, 0
+            sent = self.views.delta(block, version, weights, held.id, codec)
+            return read_delta(sent.body, held, version, codec), len(sent.body)
         published = self._published.get(block)
-        if published is None or published.version != view.version:
-            published = self._published[block] = self.views.whole(block, view.version, weights)
-        return view, published, None, steps
+        if published is None or published.version != version:
+            published = self._published[block] = self.views.whole(block, version, weights)
+        return published, None
 
     def push(self, worker: int, block: int, body: bytes, now: float) -> Judged:
         """Check, judge and record one update body, in the service's order: its form, its

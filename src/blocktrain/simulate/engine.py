@@ -31,6 +31,7 @@ from typing import Any
 from blocktrain.protocol.core.bodies import update_body
 from blocktrain.protocol.core.bounds import largest_block
 from blocktrain.protocol.core.codecs import DeltaEncoder
+from blocktrain.protocol.core.delta_wire import pull_codec
 from blocktrain.protocol.core.effect import EffectProbe
 from blocktrain.protocol.core.events import Committed
 from blocktrain.protocol.core.local_trainer import LocalTrainer
@@ -196,12 +197,21 @@ class Simulation:
         w.holding = view
         w.held = weights
         nbytes = self._wire_bytes if delta_bytes is None else delta_bytes
-        # route = features: the latest committed versions of the blocks it reads, pulled whole
-        # in the wire dtype with its own (commits build new dicts: these stay as pulled)
-        w.upstream = {b: self.agg.blocks[b].weights for b in w.trainer.upstream_blocks}
-        nbytes += sum(
-            self._dtype_bytes * v.numel() for t in w.upstream.values() for v in t.values()
-        )
+        # route = features: the latest committed versions of the blocks it reads, with its own:
+        # with a pull codec as deltas from the views it holds of them (as an HTTP worker's
+        # `latest`), else whole (the fp32 weights themselves; commits build new dicts, so these
+        # stay as pulled), counted in the wire dtype
+        if pull_codec(self.settings.pulls) is None:
+            w.upstream = {b: self.agg.blocks[b].weights for b in w.trainer.upstream_blocks}
+            nbytes += sum(
+                self._dtype_bytes * v.numel() for t in w.upstream.values() for v in t.values()
+            )
+        else:
+            w.upstream = {}
+            for b in w.trainer.upstream_blocks:
+                w.upstream_views[b], sent = self.agg.latest(b, w.upstream_views.get(b))
+                w.upstream[b] = w.upstream_views[b].tensors
+                nbytes += sent
         self.bytes_down += nbytes
         self._at(now + self._latency() + nbytes / w.bandwidth, "pulled", w.id)
 

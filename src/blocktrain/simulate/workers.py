@@ -63,6 +63,9 @@ class VirtualWorker:
     """The weights it last pulled, as they arrived (compressed pulls are deltas from it)."""
     upstream: dict[int, Tensors] = field(default_factory=dict)
     """The committed versions of its trainer's upstream blocks, pulled with its own."""
+    upstream_views: dict[int, View] = field(default_factory=dict)
+    """With a pull codec: the view it holds of each upstream block (the next read is a delta
+    from it)."""
     body: tuple[int, bytes] | None = None
     """(round, body) of the push in flight."""
     stopped: bool = False

@@ -196,3 +196,31 @@ def test_a_worker_told_wrong_wire_pulls_whole_versions_until_it_registers_again(
     assert c.pull(0).version == 1
     assert ("/v1/blocks/0/versions/1/delta", 400) in paths
     assert paths[-1] == ("/v1/blocks/0/versions/1", 200) and c.pull_wire == "full"
+
+
+def test_a_worker_reads_an_upstream_block_as_deltas_from_its_view(tmp_path):
+    """route = features: a worker of block 1 reads block 0's latest version with `latest`. With
+    a pull codec the first read is whole and every later version a delta from the view it holds
+    of block 0, apart from the view of its own block."""
+    h = make_harness(tmp_path / "s", SETTINGS.replace(delta_wire="int8"))
+    paths, delta_bodies = record(h)
+    pusher = AggregatorClient("http://agg", h.bob, client=h.client, rng=random.Random(0))
+    reader = AggregatorClient("http://agg", h.alice, client=h.client, rng=random.Random(1))
+    pusher.register(block=0)
+    reader.register(block=1)
+    own = reader.pull(1)
+    first = reader.latest(0)
+    assert paths[-1] == ("/v1/blocks/0/versions/0", 200)  # the first read: whole
+    for version in range(2):  # one replica: each push closes a round, a new version
+        base = pusher.pull(0)
+        delta = {k: torch.full_like(v, 0.01 * (version + 1)) for k, v in base.tensors.items()}
+        assert pusher.push(
+            0, delta, base_version=version, round=version, tokens=64, dtype="int8"
+        ).accepted
+        read = reader.latest(0)
+        assert paths[-1] == (f"/v1/blocks/0/versions/{version + 1}/delta", 200)
+        for name, t in h.service.blocks[0].weights.items():
+            torch.testing.assert_close(read[name], t, atol=3e-3, rtol=1e-3)
+    assert delta_bodies and any(not torch.equal(first[k], read[k]) for k in first)
+    assert reader.view is not None and reader.view.block == 1  # its own block's view kept
+    assert reader.pull(1).version == own.version

@@ -87,6 +87,9 @@ class AggregatorClient(RetryingHttp):
         """The weights last pulled, as they arrived (the wire dtype; a worker's folder keeps it)."""
         self._latest: dict[int, tuple[int, Tensors]] = {}
         """Per other block read with `latest`: (version, tensors); a version never changes."""
+        self._upstream_views: dict[int, View] = {}
+        """With a pull codec, per other block read with `latest`: the view held of it (the next
+        read is a delta from it, as pulls of the worker's own block are)."""
         self._elsewhere: dict[int, AggregatorClient] = {}
         """Per block read with `latest` that another aggregator serves: a client of it (no
         worker id: this worker is registered here only)."""
@@ -134,6 +137,7 @@ class AggregatorClient(RetryingHttp):
         self._held = None
         self.view = None
         self._latest = {}
+        self._upstream_views = {}
 
     def status(self) -> dict[str, Any]:
         return self._json("GET", "/v1/status")
@@ -157,7 +161,7 @@ class AggregatorClient(RetryingHttp):
         h = response.headers
         if response.status_code == 303:
             version = int(h["X-Version"])
-            tensors, nbytes = self._version(h["Location"], block, version)
+            tensors, nbytes, self.view = self._version(h["Location"], block, version, self.view)
             return Pulled(
                 tensors,
                 block,
@@ -186,7 +190,8 @@ class AggregatorClient(RetryingHttp):
         worker under `route = features` reads of the blocks before its own. Fetched from the
         version's immutable URL, and not again while the version stands. A block served by
         another aggregator (one aggregator per block) is read there, with the same token, at the
-        URL the directory gives."""
+        URL the directory gives. With a pull codec, every version after the first comes as a
+        delta from the view held of the block, as the worker's own pulls do."""
         if block in self._elsewhere:
             return self._latest_elsewhere(block)
         try:
@@ -195,10 +200,15 @@ class AggregatorClient(RetryingHttp):
             if exc.reason != "wrong_aggregator":
                 raise
             return self._latest_elsewhere(block)
+        url = version_path(block, version)
+        if pull_codec(self.pull_wire) is not None:
+            tensors, _, view = self._version(url, block, version, self._upstream_views.get(block))
+            assert view is not None  # a pull codec always leaves a view
+            self._upstream_views[block] = view
+            return tensors
         held = self._latest.get(block)
         if held is not None and held[0] == version:
             return fp32(held[1])
-        url = version_path(block, version)
         response = self.request("GET", url, follow_redirects=True)
         self.bytes_down += len(response.content)
         if response.status_code >= 400:
@@ -237,20 +247,21 @@ class AggregatorClient(RetryingHttp):
         finally:
             self.bytes_down += peer.bytes_down - before
 
-    def _version(self, url: str, block: int, version: int) -> tuple[Tensors, int]:
-        """A committed version's tensors (fp32) and the bytes its answer carried: the view
-        held when it is that version, else a delta from it (a pull wire with a codec), else
-        the whole version."""
-        view = self.view if self.view is not None and self.view.block == block else None
+    def _version(
+        self, url: str, block: int, version: int, base: View | None
+    ) -> tuple[Tensors, int, View | None]:
+        """A committed version's tensors (fp32), the bytes its answer carried and the view
+        then held (None without a pull codec): the view `base` when it is that version, else
+        a delta from it (a pull wire with a codec), else the whole version."""
+        view = base if base is not None and base.block == block else None
         if view is not None and view.version == version:
-            return fp32(view.tensors), 0
+            return fp32(view.tensors), 0, view
         codec = pull_codec(self.pull_wire)
         nbytes = 0
         if codec is not None and view is not None and view.version < version:
             chained, nbytes = self._delta(url, view, version, codec)
             if chained is not None:
-                self.view = chained
-                return fp32(chained.tensors), nbytes
+                return fp32(chained.tensors), nbytes, chained
         held = self._held if self._held is not None and self._held[0] == url else None
         headers = {} if held is None else {"If-None-Match": held[1]}
         response = self.request("GET", url, headers=headers, follow_redirects=True)
@@ -264,8 +275,11 @@ class AggregatorClient(RetryingHttp):
             tensors = self._version_body(response.content, url, block, version)
             etag = response.headers.get("ETag")
             self._held = None if etag is None else (url, etag, tensors)
-        self.view = View.of(block, version, tensors) if codec is not None else None
-        return fp32(tensors), nbytes
+        return (
+            fp32(tensors),
+            nbytes,
+            View.of(block, version, tensors) if codec is not None else None,
+        )
 
     def _delta(
         self, url: str, base: View, version: int, codec: DeltaWire
