@@ -17,6 +17,7 @@ the pushes alone).
     python bench/compression.py --rounds 30 --local-steps 30 --ablations    # + the ablations
     python bench/compression.py --rounds 30 --local-steps 30 --wires fp16,sparse:0.03:2 --seeds 1,2
     python bench/compression.py --wires topk:0.01     # add a row (rows in the JSON are kept)
+    python bench/compression.py --wires sparse:0.03:2 --variant pull_wire=full   # one ablation
     python bench/compression.py --force               # re-run rows already in the JSON
 
 A variant is `KEY=VALUE[,KEY=VALUE]`: aggregator settings (`outer_lr=0.7,outer_momentum=0.9`),
@@ -65,6 +66,7 @@ ABLATIONS: tuple[tuple[str, str], ...] = (
     ("sparse:0.03:2:beta=0.95", ""),
     ("sparse:0.03:2:beta=0.999", ""),
     ("sparse:0.03:2", "outer_lr=0.7,outer_momentum=0.9"),
+    ("sparse:0.03:2", "pull_wire=full"),
     ("sparse:0.01:2", ""),
 )
 """(wire, variant) of each ablation row: one detail of sparse:0.03:2 changed at a time."""
@@ -88,7 +90,10 @@ def variant_settings(variant: str) -> tuple[dict[str, Any], bool]:
                 raise ValueError(f"variant {item!r}: mean takes only 'dense'")
             dense_mean = True
         elif key in AggregatorSettings.__dataclass_fields__:
-            settings[key] = float(value)
+            try:
+                settings[key] = float(value)
+            except ValueError:
+                settings[key] = value  # a codec name: pull_wire=full
         else:
             raise ValueError(f"variant {item!r}: {key!r} is no aggregator setting")
     return settings, dense_mean
@@ -131,7 +136,7 @@ def run_row(wire: str, variant: str, seed: int, args: argparse.Namespace) -> dic
         "wire": wire,
         "variant": variant,
         "design": design(wire, variant),
-        "pull_wire": pull_wire(wire),
+        "pull_wire": pull_wire(wire, variant),
         "final_sampler_ce": r["final_sampler_ce"],
         "bytes_total": r["bytes"]["up"] + r["bytes"]["down"],
         "bytes_up": r["bytes"]["up"],
@@ -171,6 +176,8 @@ def design(wire: str, variant: str) -> str:
     settings, dense_mean = variant_settings(variant)
     if w.sparse:
         text += "; dense mean" if dense_mean else "; per-coordinate mean"
+    if "pull_wire" in settings:
+        text += f"; pulls {settings['pull_wire']}"
     if settings.get("outer_momentum"):
         text += (
             f"; outer lr {settings.get('outer_lr', 1.0):g}, momentum {settings['outer_momentum']:g}"
@@ -191,6 +198,11 @@ def main() -> None:
         help=f"comma-separated delta wires (default: {','.join(WIRES)})",
     )
     p.add_argument(
+        "--variant",
+        default="",
+        help="a variant (KEY=VALUE[,KEY=VALUE], see above) for the --wires rows other than fp16",
+    )
+    p.add_argument(
         "--ablations",
         action="store_true",
         help="also run the ablation rows (each changes one detail of sparse:0.03:2)",
@@ -204,7 +216,9 @@ def main() -> None:
         "each wire's CE against fp16 of the same seed (default: 0)",
     )
     args = p.parse_args()
-    runs = [(wire, "") for wire in args.wires] + (list(ABLATIONS) if args.ablations else [])
+    runs = [(wire, "" if wire == "fp16" else args.variant) for wire in args.wires] + (
+        list(ABLATIONS) if args.ablations else []
+    )
     runs = list(dict.fromkeys(runs))
     for wire, variant in runs:
         try:
@@ -212,6 +226,7 @@ def main() -> None:
             variant_settings(variant)
         except ValueError as exc:
             p.error(str(exc))
+    forced = set(runs) if args.force else set()  # --force re-runs the rows asked for only
     if any(wire != "fp16" for wire, _ in runs) and ("fp16", "") not in runs:
         runs.insert(0, ("fp16", ""))  # every row is read against fp16 of its seed
     torch.set_num_threads(args.threads)
@@ -226,7 +241,8 @@ def main() -> None:
         for wire, variant in runs:
             key = (wire, variant, seed, args.rounds, args.local_steps)
             old = rows.get(key)
-            if old is not None and not args.force and old.get("pull_wire") == pull_wire(wire):
+            fresh = old is not None and old.get("pull_wire") == pull_wire(wire, variant)
+            if fresh and (wire, variant) not in forced:
                 continue
             label = wire + (f" [{variant}]" if variant else "")
             print(f"compression: {label}, seed {seed} ...", file=sys.stderr, flush=True)
@@ -243,9 +259,11 @@ def main() -> None:
     print(markdown(result_of(rows)))
 
 
-def pull_wire(wire: str) -> str:
-    """How the row's pulls travel: the aggregator's default for this push codec."""
-    return AggregatorSettings(delta_wire=wire).pulls
+def pull_wire(wire: str, variant: str = "") -> str:
+    """How the row's pulls travel: the variant's pull_wire, else the aggregator's default for
+    this push codec."""
+    settings, _ = variant_settings(variant)
+    return AggregatorSettings(delta_wire=wire, pull_wire=settings.get("pull_wire")).pulls
 
 
 Key = tuple[str, str, int, int, int]
@@ -342,9 +360,9 @@ def markdown(result: dict[str, Any]) -> str:
         "the view each worker holds (the lossy codecs). Final CE: the sampler CE (M = 16, 16384 "
         "validation bytes).",
         "",
-        "| wire | variant | design | final CE | − fp16 | bytes total | ÷ fp16 | bytes pushed | "
+        "| wire | pulls | variant | design | final CE | − fp16 | bytes total | ÷ fp16 | bytes pushed | "
         "÷ fp16 | accepted | refused |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         ce = "—" if r["ce_vs_fp16"] is None else f"{r['ce_vs_fp16']:+.4f}"
@@ -352,7 +370,7 @@ def markdown(result: dict[str, Any]) -> str:
         up = "—" if r["bytes_up_vs_fp16"] is None else f"{r['bytes_up_vs_fp16']:.3f}"
         refused = ", ".join(f"{k} {v}" for k, v in sorted(r["refused"].items())) or "none"
         lines.append(
-            f"| {r['wire']} | {r.get('variant') or '—'} | {design(r['wire'], r.get('variant', ''))} "
+            f"| {r['wire']} | {r.get('pull_wire', 'full')} | {r.get('variant') or '—'} | {design(r['wire'], r.get('variant', ''))} "
             f"| {r['final_sampler_ce']:.4f} | {ce} | {r['bytes_total'] / 1e6:.1f} MB"
             f" | {total} | {r['bytes_up'] / 1e6:.1f} MB | {up} | {r['accepted']} | {refused} |"
         )
