@@ -178,6 +178,36 @@ def test_settings_flags_are_derived_from_the_declarations(capsys):
             assert shown == (s.simulated or not simulated_only), (cmd, s.flag)
 
 
+def test_the_live_evaluation_flags_are_checked_before_the_state_is_made(
+    tmp_path, capsys, monkeypatch, corpus
+):
+    """--live-eval-every and its slice: a bad value, an aggregator of some blocks (it cannot
+    assemble the model) or no data each stop with one line, and nothing is written."""
+    monkeypatch.delenv("BLOCKTRAIN_DATA", raising=False)
+    state = tmp_path / "state"
+    start = ["aggregator", "--state", str(state), "--preset", "tiny", "--port", "0"]
+    data = ["--data", str(corpus)]
+    for bad, match in (
+        (
+            ["--live-eval-every", "-1"],
+            "aggregator setting live_eval_every = -1 must be >= 0 (0: off)",
+        ),
+        (["--live-eval-bytes", "20000"], "live_eval_bytes = 20000 must lie in [1, 16384]"),
+        (["--live-eval-sweeps", "0"], "live_eval_sweeps = 0 must lie in [1, 64]"),
+        (
+            ["--live-eval-every", "2", "--blocks", "0"],
+            "--live-eval-every 2 evaluates the assembled model",
+        ),
+    ):
+        fails_cleanly(capsys, [*start, *data, *bad], match)
+    fails_cleanly(
+        capsys,
+        [*start, "--effect-probe", "off", "--live-eval-every", "2"],
+        "--live-eval-every 2 needs the data",
+    )
+    assert not state.exists()
+
+
 def test_a_failed_first_start_leaves_nothing_and_the_corrected_one_starts(
     tmp_path, capsys, monkeypatch, corpus
 ):

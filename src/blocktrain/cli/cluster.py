@@ -9,9 +9,12 @@ Every worker here is the user's own, so the aggregator's effect probe is off unl
 `--effect-probe on`, and rounds have a 60 s deadline unless `--deadline`.
 
 At the start it prints the aggregator's dashboard URL with a viewer token (one that may only
-watch: `blocktrain token add --viewer`) in its fragment, and the token itself. The dashboard
-stays up through the evaluation after the rounds (each round's model, then the final one, with
-progress on stderr), and with --keep-dashboard until Ctrl-C:
+watch: `blocktrain token add --viewer`) in its fragment, and the token itself. While the rounds
+run, the aggregator evaluates the assembled model after every round (--live-eval-every 1; the first
+--live-eval-bytes of the validation split, M = --live-eval-sweeps, in the background) and the
+dashboard plots that validation CE beside the workers' reported loss. The dashboard stays up
+through the evaluation after the rounds (each round's model, then the final one, with progress
+on stderr), and with --keep-dashboard until Ctrl-C:
 
   cluster: 3 workers on http://127.0.0.1:41523 (logs in runs/c3/logs)
   cluster: dashboard http://127.0.0.1:41523/dashboard#token=bt_...
@@ -141,11 +144,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
-CLUSTER_DEFAULTS = {"deadline_s": 60.0, "effect_probe": "off", "min_round_s": 0.0}
+CLUSTER_DEFAULTS = {
+    "deadline_s": 60.0,
+    "effect_probe": "off",
+    "min_round_s": 0.0,
+    "live_eval_every": 1,
+}
 """Settings that differ here from a public aggregator's: short rounds, no effect probe and no
 minimum round length, since every worker of a cluster is the user's own: the probe refuses
 honest updates near the learning rate's peak (BENCHMARKS.md, The shared-node run;
-`--effect-probe on` to have it), and a minimum round only holds back workers that are done."""
+`--effect-probe on` to have it), and a minimum round only holds back workers that are done.
+The live evaluation is on, every round: a cluster always has the data, and its user watches
+the dashboard for the validation CE while the rounds run (a public aggregator's CPU serves the
+workers first: there it is off unless asked for). `--live-eval-every 0` turns it off."""
 
 
 def _check_args(args: argparse.Namespace) -> None:

@@ -20,12 +20,10 @@ import torch
 
 from blocktrain.cli.common import progress_bar
 from blocktrain.config import RunConfig
-from blocktrain.model import init_reference
 from blocktrain.protocol.store.state import bytes_summary, round_versions
-from blocktrain.training import EvalSettings, evaluate_blocktrain, evaluate_reference
+from blocktrain.training import EvalSettings
 from blocktrain.training import checkpoint as ckpt
-from blocktrain.training.evaluate import Progress
-from blocktrain.training.local import build_stack, write_assembled, write_reference
+from blocktrain.training.local import evaluate_units, write_assembled, write_reference
 
 PARTICIPATION_KEYS = (
     "round",
@@ -88,26 +86,6 @@ def evaluation_records(summary: dict[str, Any]) -> list[dict[str, Any]]:
     final = {k: v for k, v in summary["final"].items() if k not in ("sweeps", "bytes")}
     records.append({"event": "eval", "split": "final", "step": summary["rounds"], **final})
     return records
-
-
-def evaluate_units(
-    cfg: RunConfig,
-    unit: str,
-    weights: dict[int, dict[str, torch.Tensor]],
-    windows: torch.Tensor,
-    settings: EvalSettings,
-    progress: Progress | None = None,
-    device: torch.device | str = "cpu",
-) -> dict[str, Any]:
-    """The assembled stack's metrics, or a reference unit's exact CE as both of its CEs, on
-    `device`."""
-    if unit == "reference":
-        model = init_reference(cfg.model, cfg.seed).eval()
-        model.load_state_dict({k: v.float() for k, v in weights[0].items()})
-        model = model.to(device)
-        ev = evaluate_reference(model, windows, settings, progress)
-        return {**ev, "from_noise_ce": ev["ce"], "sampler_ce": ev["ce"]}  # no sweeps: exact
-    return evaluate_blocktrain(build_stack(cfg, weights).to(device), windows, settings, progress)
 
 
 def replicas_per_block(state: Any) -> list[int]:

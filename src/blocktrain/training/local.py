@@ -19,6 +19,7 @@ import functools
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,6 +28,12 @@ from blocktrain.data import ByteSource
 from blocktrain.errors import CheckpointError, ProtocolError
 from blocktrain.model import BlockStack, Reference, init_block, init_reference, target_table
 from blocktrain.training import checkpoint as ckpt
+from blocktrain.training.evaluate import (
+    EvalSettings,
+    Progress,
+    evaluate_blocktrain,
+    evaluate_reference,
+)
 from blocktrain.training.loss import BlockLoss, LossParts, reference_loss
 from blocktrain.training.optim import load_optimizer_tensors, make_optimizer, optimizer_tensors
 from blocktrain.training.step import Objective, train_step
@@ -250,6 +257,27 @@ def build_stack(cfg: RunConfig, blocks: dict[int, Tensors]) -> BlockStack:
             Path(f"<block {b}>"),
         )
     return stack.eval()
+
+
+def evaluate_units(
+    cfg: RunConfig,
+    unit: str,
+    weights: dict[int, Tensors],
+    windows: torch.Tensor,
+    settings: EvalSettings,
+    progress: Progress | None = None,
+    device: torch.device | str = "cpu",
+) -> dict[str, Any]:
+    """The assembled stack's metrics (`evaluate_blocktrain`), or a reference unit's exact CE
+    as both of its CEs, on `device`: what `blocktrain cluster` scores each round's model with,
+    and the aggregator's live evaluation (training/live_eval.py)."""
+    if unit == "reference":
+        model = init_reference(cfg.model, cfg.seed).eval()
+        model.load_state_dict({k: v.float() for k, v in weights[0].items()})
+        model = model.to(device)
+        ev = evaluate_reference(model, windows, settings, progress)
+        return {**ev, "from_noise_ce": ev["ce"], "sampler_ce": ev["ce"]}  # no sweeps: exact
+    return evaluate_blocktrain(build_stack(cfg, weights).to(device), windows, settings, progress)
 
 
 def assembled_tensors(cfg: RunConfig, blocks: dict[int, Tensors]) -> Tensors:

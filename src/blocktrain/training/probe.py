@@ -25,6 +25,9 @@ from blocktrain.training.step import stream_seed
 Tensors = dict[str, torch.Tensor]
 
 _PROBE_SALT = 7
+PROBE_SKIP_BYTES = 16384
+"""Where the probe's slice starts in the validation split: the evaluation windows before it
+(the live evaluation's, training/live_eval.py) never overlap it."""
 
 
 class BlockProbe:
@@ -36,7 +39,7 @@ class BlockProbe:
         valid: ByteSource,
         *,
         windows: int = 32,
-        skip_bytes: int = 16384,
+        skip_bytes: int = PROBE_SKIP_BYTES,
     ) -> None:
         t = cfg.model.seq_len
         skip = -(-skip_bytes // t)

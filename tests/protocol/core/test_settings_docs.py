@@ -59,6 +59,9 @@ def test_every_setting_checks_its_bounds_by_name() -> None:
         "quorum": 0.0,
         "grace_s": -1.0,
         "min_round_s": -1.0,
+        "live_eval_every": -1,
+        "live_eval_bytes": 16385,
+        "live_eval_sweeps": 0,
     }
     assert set(bad) == {f.name for f, _ in declared()}, "a new setting needs a bad value here"
     for name, value in bad.items():

@@ -126,6 +126,13 @@ def test_cluster_command_runs_rounds_over_http(tmp_path, corpus, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert summary == json.loads(capsys.readouterr().out)
     assert len(summary["from_noise_ce_per_round"]) == 4, "round 0 (init) and after each round"
+    # the live evaluation, on in a cluster (--live-eval-every 1): the models after 0 and 3
+    # rounds at least (one that found another waiting may be skipped), while the rounds ran
+    state = StateDir(out / "state")
+    live = state.evals()
+    state.close()
+    assert {0, 3} <= {r["rounds"] for r in live} <= {0, 1, 2, 3}, live
+    assert live[0]["from_noise_ce"] == pytest.approx(summary["from_noise_ce_per_round"][0], abs=0.1)
     assert summary["replicas_per_block"] == [1, 1, 1] or summary["workers"] == 3
     for b in ("0", "1", "2"):
         rounds = summary["participation"][b]

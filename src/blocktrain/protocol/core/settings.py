@@ -334,6 +334,42 @@ class AggregatorSettings:
         default_text="deadline_s / 4",
     )
 
+    live_eval_every: int = setting(
+        0,
+        "N: evaluate the assembled model (every block's version after R rounds) on the first "
+        "live_eval_bytes of the validation split each time every block has closed a multiple "
+        "of N rounds (and the last of max_rounds; R = 0 too, the initial model), one model at "
+        "a time in a background thread, off the request path; its validation CE goes to "
+        "STATE/evals.jsonl, /v1/history, the dashboard and `blocktrain report`. Needs the data "
+        "and every block served here. Cost: one evaluation on one CPU thread, 0.6 s at tiny "
+        "with 4096 bytes and M = 1 (linear in bytes and M). 0: off.",
+        lambda v: v >= 0,
+        "must be >= 0 (0: off)",
+        flag="--live-eval-every",
+        metavar="N",
+        simulated=False,  # the simulator measures its own CE per round (simulate --eval-every)
+    )
+    live_eval_bytes: int = setting(
+        4096,
+        "Validation bytes the live_eval_every evaluation scores, from the split's start (at "
+        "most 16384, where the effect probe's slice starts); its cost is linear in them.",
+        lambda v: 0 < v <= 16384,
+        "must lie in [1, 16384]",
+        flag="--live-eval-bytes",
+        metavar="B",
+        simulated=False,
+    )
+    live_eval_sweeps: int = setting(
+        1,
+        "M, the sweeps from noise of the live_eval_every evaluation; its cost is linear in M "
+        "(with M > 1 the sampler CE is plotted beside the from-noise CE).",
+        lambda v: 0 < v <= 64,
+        "must lie in [1, 64]",
+        flag="--live-eval-sweeps",
+        metavar="M",
+        simulated=False,
+    )
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             meta: Setting = f.metadata["setting"]

@@ -82,6 +82,7 @@ from blocktrain.protocol.http.weights import RangeNotSatisfiable
 from blocktrain.protocol.service.access import AccessLimits, RateLimited
 from blocktrain.protocol.service.aggregator_service import AggregatorService, Clock
 from blocktrain.protocol.service.identity import Caller
+from blocktrain.protocol.service.live_eval import ModelEval
 from blocktrain.protocol.service.placement import Directory
 from blocktrain.protocol.service.updates import PushContext
 from blocktrain.protocol.store.ledger_schema import TokenRow
@@ -107,14 +108,21 @@ def create_app(
     limits: AccessLimits | None = None,
     probe: EffectProbe | None = None,
     directory: Directory | None = None,
+    evaluator: ModelEval | None = None,
 ) -> FastAPI:
     """The aggregator over an initialised state folder. `clock` is injected so that tests can
     drive deadlines; `tick_interval_s` is how often deadlines are checked while served;
     `limits` caps what clients may cost (serve it with `listener.run(app, sock,
     limits.http)` so that the connection limits match); `probe` judges each update by its
-    effect (`effect.EffectProbe`)."""
+    effect (`effect.EffectProbe`); `evaluator` scores the assembled model every `live_eval_every`
+    rounds (`live_eval.ModelEval`)."""
     service = AggregatorService(
-        settings, storage=storage, clock=clock, limits=limits, directory=directory
+        settings,
+        storage=storage,
+        clock=clock,
+        limits=limits,
+        directory=directory,
+        evaluator=evaluator,
     )
     service.engine.use_probe(probe)
     rounds = RoundSignal()
@@ -138,6 +146,7 @@ def create_app(
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             await anyio.to_thread.run_sync(service.flush_traffic)
+            await anyio.to_thread.run_sync(service.close)
 
     app = FastAPI(
         title="BlockTrain aggregator",

@@ -7,8 +7,11 @@ two seconds and draws what an operator watches:
     the run     "done" once every block has finished its rounds; the loss curve against rounds
                 closed (integers: the status's round r at r + 1), labelled for what it is: the
                 mean over blocks of the workers' reported loss, denoise + aux summed, not a
-                validation CE (see protocol/store/history.py); bytes moved, updates accepted
-                and refused by reason
+                validation CE (see protocol/store/history.py); below it, on the same x axis,
+                the validation CE of the assembled model after r rounds at r (the live
+                evaluation, `--live-eval-every`; each series labelled with its slice and M, or a
+                line that says the aggregator runs none); bytes moved, updates accepted and
+                refused by reason
     workers     block, live (yes; timed out; left), last seen, accepted and refused updates
 
 The page itself holds no data, so it is served without a token; the operator pastes a token
@@ -36,10 +39,21 @@ POLL_MS = 2000
 
 
 def history_json(hist: History) -> dict[str, Any]:
-    """What `/v1/history` returns: the model's loss curve and each block's rounds."""
+    """What `/v1/history` returns: the model's loss curve, each block's rounds and the
+    validation CEs (`evals`: one labelled series each, a point per model evaluated, `rounds`
+    the rounds every block had closed, `time_s` when that model was complete, if known)."""
     return {
         "loss_label": hist.loss_label,
         "x_label": hist.x_label,
+        "evals": [
+            {
+                "label": label,
+                "points": [
+                    {"rounds": x, "ce": v, "time_s": hist.eval_time_s.get(x)} for x, v in pts
+                ],
+            }
+            for label, pts in hist.evals.items()
+        ],
         "curve": [
             {"rounds": c[0], "time_s": c[1], "bytes": c[2], "loss": c[3]}
             for c in hist.model_curve()
@@ -83,6 +97,11 @@ th:first-child,td:first-child{text-align:left}
 <h2>Loss per round</h2>
 <p class="muted" id="losslabel"></p>
 <svg id="curve" width="640" height="220" role="img" aria-label="loss curve"></svg>
+<h2>Validation CE per round</h2>
+<p class="muted" id="evalnote">the assembled model after r rounds sits at r (0: the initial
+model), on the loss plot's axis</p>
+<ul id="evallabels" class="muted"></ul>
+<svg id="evals" width="640" height="220" role="img" aria-label="validation CE"></svg>
 <h2>Updates and bytes</h2>
 <p>accepted <b id="accepted">-</b>, refused <b id="refused">-</b>;
 bytes moved <b id="bytes">-</b></p>
@@ -118,20 +137,28 @@ function liveness(w) {
   if (w.state === "timed_out") return "timed out";
   return w.live ? "yes" : "no";
 }
-function curve(points) {
-  const svg = $("curve"); svg.replaceChildren();
-  if (points.length === 0) return;
+const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e"];
+// lines: [{points: [[x, y], ...], color}]; [x0, x1]: the x range, shared by both plots
+function plot(id, lines, x0, x1) {
+  const svg = $(id); svg.replaceChildren();
+  const ys = lines.flatMap(l => l.points.map(p => p[1]));
+  if (ys.length === 0) return;
   const W = 640, H = 220, P = 30;
-  const xs = points.map(p => p.rounds), ys = points.map(p => p.loss);
-  const x0 = Math.min(...xs), x1 = Math.max(...xs, x0 + 1);
   const y0 = Math.min(...ys), y1 = Math.max(...ys, y0 + 1e-6);
   const sx = x => P + (W - 2 * P) * (x - x0) / (x1 - x0);
   const sy = y => H - P - (H - 2 * P) * (y - y0) / (y1 - y0);
   const ns = "http://www.w3.org/2000/svg";
-  const line = document.createElementNS(ns, "polyline");
-  line.setAttribute("points", points.map(p => sx(p.rounds) + "," + sy(p.loss)).join(" "));
-  line.setAttribute("fill", "none"); line.setAttribute("stroke", "#1f77b4");
-  line.setAttribute("stroke-width", "2"); svg.appendChild(line);
+  for (const l of lines) {
+    const line = document.createElementNS(ns, "polyline");
+    line.setAttribute("points", l.points.map(p => sx(p[0]) + "," + sy(p[1])).join(" "));
+    line.setAttribute("fill", "none"); line.setAttribute("stroke", l.color);
+    line.setAttribute("stroke-width", "2"); svg.appendChild(line);
+    for (const p of l.points.length === 1 ? l.points : []) {  // one point: a dot
+      const c = document.createElementNS(ns, "circle"); c.setAttribute("cx", sx(p[0]));
+      c.setAttribute("cy", sy(p[1])); c.setAttribute("r", "3"); c.setAttribute("fill", l.color);
+      svg.appendChild(c);
+    }
+  }
   const labels = [[2, sy(y0), y0.toFixed(3)], [2, sy(y1), y1.toFixed(3)],
     [P, H - 8, x0 + " closed"], [W - P - 50, H - 8, x1 + " closed"]];
   for (const [x, y, text] of labels) {
@@ -139,7 +166,31 @@ function curve(points) {
     t.setAttribute("y", y); t.setAttribute("font-size", "11"); t.textContent = text;
     svg.appendChild(t);
   }
-  svg.dataset.last = points[points.length - 1].loss.toFixed(4);
+  const last = lines[0].points;
+  if (last.length) svg.dataset.last = last[last.length - 1][1].toFixed(4);
+}
+function curves(h, evalEvery) {
+  const loss = h.curve.map(p => [p.rounds, p.loss]);
+  const evals = h.evals.map((e, i) => ({label: e.label, color: COLORS[i % COLORS.length],
+    points: e.points.map(p => [p.rounds, p.ce])}));
+  const xs = loss.map(p => p[0]).concat(...evals.map(e => e.points.map(p => p[0])));
+  const x0 = xs.length ? Math.min(...xs) : 0, x1 = Math.max(...xs, x0 + 1);
+  plot("curve", [{points: loss, color: COLORS[0]}], x0, x1);
+  plot("evals", evals, x0, x1);
+  const items = $("evallabels"); items.replaceChildren();
+  for (const e of evals) {
+    const li = document.createElement("li"); li.style.color = e.color;
+    const last = e.points[e.points.length - 1];
+    li.textContent = e.label + (last ? ": " + last[1].toFixed(4) + " after " + last[0] +
+      (last[0] === 1 ? " round" : " rounds") : "");
+    items.appendChild(li);
+  }
+  if (evals.length === 0) {
+    const li = document.createElement("li");
+    li.textContent = evalEvery > 0 ? "no evaluation recorded yet (every " + evalEvery +
+      " rounds)" : "this aggregator runs no live evaluation (--live-eval-every 0)";
+    items.appendChild(li);
+  }
 }
 async function get(path) {
   const r = await fetch(path, {headers: {"Authorization": "Bearer " + token}});
@@ -167,7 +218,7 @@ async function poll() {
     rows("workers", s.workers.list.map(w => [w.worker_id, w.block, liveness(w),
       w.last_seen_s.toFixed(0) + " s ago", w.accepted, w.refused, w.name || "-"]));
     $("losslabel").textContent = h.loss_label;
-    curve(h.curve);
+    curves(h, s.settings.live_eval_every);
   } catch (e) { $("err").textContent = String(e.message || e); }
 }
 poll(); setInterval(poll, POLL_MS);
@@ -192,10 +243,19 @@ def add_routes(
     authenticated = token("history")  # a default, not in Annotated: this module's annotations
     # are strings, and FastAPI resolves them in the module's globals, where `token` is unknown
 
-    @app.get("/v1/history", responses=refusals, summary="The loss curve and rounds per block")
+    @app.get(
+        "/v1/history",
+        responses=refusals,
+        summary="The loss curve, rounds per block, validation CEs",
+    )
     def history(request: Request, _: TokenRow = authenticated) -> JSONResponse:
-        # the history changes only when a round closes: read the ledger again only then
-        key = tuple(st.rounds.round for st in service.blocks.values())
+        # the history changes only when a round closes or an evaluation is recorded: read
+        # the ledger (and evals.jsonl) again only then
+        evals = service.evaluations
+        key = (
+            tuple(st.rounds.round for st in service.blocks.values()),
+            None if evals is None else evals.recorded,
+        )
         if cache.get("key") != key:
             cache["body"] = history_json(from_state(service.storage))
             cache["key"] = key

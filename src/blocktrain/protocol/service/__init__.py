@@ -7,6 +7,8 @@ HTTP routes call, with no FastAPI here.
     access              what a client may cost: AccessLimits and the per-token rate limit
     placement           which blocks this aggregator serves, and where the others live
     updates             what the push and pull paths carry: context, reply, ledger columns
+    live_eval           the validation CE of the assembled model every live_eval_every rounds, in a
+                        background thread (the evaluator injected); STATE/evals.jsonl
 
 Imports core/ and store/ only of protocol/ (tests/test_layers.py).
 """

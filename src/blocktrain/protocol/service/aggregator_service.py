@@ -50,6 +50,7 @@ from blocktrain.protocol.service import identity
 from blocktrain.protocol.service.access import AccessLimits
 from blocktrain.protocol.service.admission import Admission
 from blocktrain.protocol.service.identity import Caller
+from blocktrain.protocol.service.live_eval import LiveEvaluations, ModelEval
 from blocktrain.protocol.service.placement import Directory, placed
 from blocktrain.protocol.service.updates import PullReply, PushContext, update_fields
 from blocktrain.protocol.store.ledger_schema import TokenRow, fsync_wal
@@ -75,6 +76,7 @@ class AggregatorService(Admission):
         limits: AccessLimits | None = None,
         rate_clock: Clock = time.monotonic,
         directory: Directory | None = None,
+        evaluator: ModelEval | None = None,
     ) -> None:
         self.storage = storage
         self.limits = limits or AccessLimits()
@@ -107,6 +109,20 @@ class AggregatorService(Admission):
         self.blocks: dict[int, EngineBlock] = self.engine.blocks
         self.max_body = self.engine.max_body
         self._shut_out: set[int] = set()  # revoked or banned tokens already dropped
+        self.evaluations: LiveEvaluations | None = None
+        """The live evaluation (`live_eval_every`, `live_eval.py`), given an `evaluator`."""
+        if self.settings.live_eval_every > 0:
+            if evaluator is None:
+                log.warning(
+                    "live_eval_every = %d, but this aggregator was given no evaluator: no live "
+                    "evaluation",
+                    self.settings.live_eval_every,
+                )
+            else:
+                self.evaluations = LiveEvaluations(
+                    storage, self.settings, evaluator, self.blocks, clock
+                )
+                self.engine.on_commit.append(self.evaluations.on_commit)
         self.tick()
 
     # ------------------------------------------------------------------ workers
@@ -370,6 +386,11 @@ class AggregatorService(Admission):
 
     def flush_traffic(self) -> None:
         self.traffic.flush()
+
+    def close(self) -> None:
+        """Stop the live evaluation's thread (the state folder stays open: its owner's)."""
+        if self.evaluations is not None:
+            self.evaluations.close()
 
 
 def open_service(

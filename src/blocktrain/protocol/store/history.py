@@ -1,11 +1,13 @@
 """A run's history, read back for reports and the dashboard, from any of four folders:
 
     state folder     an aggregator's (its ledger): one point per closed round and block, with
-                     the loss the workers reported with their accepted updates
+                     the loss the workers reported with their accepted updates; and with
+                     live_eval_every, the live validation CE of the assembled model (evals.jsonl)
     simulate folder  `blocktrain simulate`'s (simulate.json): the from-noise CE on validation
                      text the simulator measured after each round
-    cluster folder   `blocktrain cluster`'s OUT: its state/ as above, and the validation CE of
-                     each round's model (summary.json, once the evaluation has run)
+    cluster folder   `blocktrain cluster`'s OUT: its state/ as above (the live evaluations
+                     too), and the validation CE of each round's model (summary.json, once the
+                     evaluation after the rounds has run)
     train folder     a `blocktrain train` run (metrics.jsonl): each block's loss components
                      by step, and the validation CE of its evaluations
 
@@ -16,7 +18,9 @@ series carries its own label, and what a label says is what the number is:
     aux_weight times the auxiliary next-byte CE (training/loss.py), a sum that can sit above
     ln 256; the push carries only that sum, so it is labelled as such (`REPORTED_LOSS`), never
     as a validation CE. A train run logs the components, which are plotted separately.
-  - The validation CE (the number users compare) goes in `evals`, apart from training losses.
+  - The validation CE (the number users compare) goes in `evals`, apart from training losses,
+    each series labelled with its slice and M (a live evaluation's, "live", apart from the one a
+    cluster runs after its rounds: different slices are different numbers).
 
 Rounds are integers on one axis, "rounds closed": the status numbers rounds from 0, and its
 round r is the (r + 1)-th to close, so what round r reported (or the model it committed) sits at
@@ -80,6 +84,9 @@ class History:
     """Training losses (self-reported or logged by the trainer), each labelled."""
     evals: Series = field(default_factory=dict)
     """Validation CEs, each labelled."""
+    eval_time_s: dict[int, float] = field(default_factory=dict)
+    """x -> seconds since the first round opened when the model after x rounds was complete
+    (from the live evaluations' records; 0 for the initial model)."""
     facts: list[tuple[str, str]] = field(default_factory=list)
     """More rows for the report's summary table (a cluster's final CE, a train run's steps)."""
     refusals: Counter[str] = field(default_factory=Counter)
@@ -160,9 +167,14 @@ def from_state(state: StateDir) -> History:
     for c in ledger.update_counts():
         if c["fate"] == "refused":
             hist.refusals[c["reason"] or "unknown"] += int(c["n"])
+    t0 = min(
+        (r["started_at"] if r["started_at"] is not None else r["closed_at"] for r in rows),
+        default=None,
+    )
+    _live_evals(hist, state, t0)
     if not rows:
         return hist
-    t0 = min(r["started_at"] if r["started_at"] is not None else r["closed_at"] for r in rows)
+    assert t0 is not None
     # Bytes: every update body by the time it arrived, plus each round's pulls, estimated as
     # one block body per worker that reported (the ledger keeps pull bytes only in totals). A
     # pull's body comes with it, or from the version's URL after a 303 ("weights"; bytes a
@@ -200,6 +212,34 @@ def from_state(state: StateDir) -> History:
     return hist
 
 
+def live_label(key: str, n_bytes: Any, sweeps: Any) -> str:
+    """The label of a live evaluation's series (AggregatorSettings.live_eval_every)."""
+    return (
+        f"{EVAL_KEYS[key]} of the committed model, live: {n_bytes} bytes, M = {sweeps} (nats/byte)"
+    )
+
+
+def _live_evals(hist: History, state: StateDir, t0: float | None) -> None:
+    """The live evaluations of STATE/evals.jsonl, at x = the rounds every block had closed;
+    the sampler CE only where it is not the from-noise CE by definition (M > 1; the record
+    keeps both)."""
+    for record in state.evals():
+        x, sweeps = int(record["rounds"]), record.get("sweeps", "?")
+        for key in EVAL_KEYS:
+            value = record.get(key)
+            if not isinstance(value, int | float) or (key == "sampler_ce" and sweeps == 1):
+                continue
+            label = live_label(key, record.get("bytes", "?"), sweeps)
+            hist.evals.setdefault(label, []).append((x, float(value)))
+        at = record.get("at")
+        if x == 0:
+            hist.eval_time_s[x] = 0.0
+        elif isinstance(at, int | float) and t0 is not None:
+            hist.eval_time_s[x] = max(0.0, at - t0)
+    for label in hist.evals:
+        hist.evals[label].sort()
+
+
 def from_cluster(path: Path) -> History:
     """A cluster output folder: its state/, and the validation CE of each round's model from
     its summary.json (absent while the rounds run: then the training losses only)."""
@@ -207,7 +247,13 @@ def from_cluster(path: Path) -> History:
     hist.kind, hist.source = "cluster", str(path)
     summary_path = path / SUMMARY
     if not summary_path.is_file():
-        hist.facts.append(("validation CE", f"none yet (no {SUMMARY}: the evaluation has not run)"))
+        live = " (the live evaluations are plotted)" if hist.evals else ""
+        hist.facts.append(
+            (
+                "validation CE after the rounds",
+                f"none yet (no {SUMMARY}: the evaluation after the rounds has not run){live}",
+            )
+        )
         return hist
     try:
         summary: dict[str, Any] = json.loads(summary_path.read_text())

@@ -8,6 +8,9 @@
     STATE/blocks/{b}/m{version}.safetensors   outer momentum, when enabled
     STATE/pending/{b}/{uuid}.safetensors   bodies of accepted updates of the open round
     STATE/endpoint.json                    where the running aggregator listens (url, pid)
+    STATE/evals.jsonl                      the live evaluations (`live_eval_every`): one JSON
+                                           record a line, the validation CE of the assembled
+                                           model after R rounds (service/live_eval.py)
 
 Every file is written atomically (temporary file, fsync, rename) and tensors are safetensors
 only; the temporary files a killed process left (`.NAME.*.tmp`) are removed when the aggregator
@@ -39,6 +42,7 @@ FORMAT_VERSION = 1
 MANIFEST = "aggregator.json"
 LEDGER = "ledger.sqlite"
 ENDPOINT = "endpoint.json"
+EVALS = "evals.jsonl"
 
 Tensors = dict[str, torch.Tensor]
 _VERSION_FILE = re.compile(r"^([vm])(\d+)\.safetensors$")
@@ -245,6 +249,37 @@ class StateDir:
         if removed:
             log.info("removed %d temporary file(s) left by an interrupted write", len(removed))
         return removed
+
+    # ------------------------------------------------------------------ live evaluations
+
+    def evals(self) -> list[dict[str, Any]]:
+        """The live evaluations recorded so far (STATE/evals.jsonl), oldest first; none when
+        the file is absent. A line that is not a JSON object is a ProtocolError."""
+        path = self.root / EVALS
+        try:
+            lines = path.read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise ProtocolError(f"{path} is not readable: {exc}") from exc
+        out = []
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as exc:
+                raise ProtocolError(f"{path} line {n} is not JSON: {exc}") from exc
+            if not isinstance(record, dict) or not isinstance(record.get("rounds"), int):
+                raise ProtocolError(f"{path} line {n} is not an evaluation record")
+            out.append(record)
+        return out
+
+    def write_evals(self, records: Iterable[dict[str, Any]]) -> None:
+        """Replace STATE/evals.jsonl with `records`, atomically like every file here (the
+        records are a few hundred bytes each, one per live_eval_every rounds)."""
+        text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in records)
+        atomic_write_bytes(self.root / EVALS, text.encode())
 
     # ------------------------------------------------------------------ endpoint
 
