@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from blocktrain.errors import ConfigError
+from blocktrain.fsutil import json_lines
 from blocktrain.protocol.core.participation import participation
 from blocktrain.protocol.store.storage import LEDGER, StateDir
 
@@ -282,17 +283,7 @@ def from_train(path: Path) -> History:
     sum too, labelled as one, only where no component is logged) and the validation CE."""
     hist = History(str(path), "train", "", x_label=STEPS)
     last_step = 0
-    try:
-        lines = (path / METRICS).read_text().splitlines()
-    except OSError as exc:
-        raise ConfigError(f"{path / METRICS} is not readable: {exc}") from exc
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError as exc:
-            raise ConfigError(f"{path / METRICS} line {n} is not JSON: {exc}") from exc
+    for _, record in json_lines(path / METRICS, ConfigError):
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
             continue
         step = int(record["step"])

@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load_file, save
 
 from blocktrain.errors import ProtocolError
-from blocktrain.fsutil import atomic_write_bytes
+from blocktrain.fsutil import atomic_write_bytes, json_lines
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.store.ledger import Ledger
 
@@ -256,20 +256,10 @@ class StateDir:
         """The live evaluations recorded so far (STATE/evals.jsonl), oldest first; none when
         the file is absent. A line that is not a JSON object is a ProtocolError."""
         path = self.root / EVALS
-        try:
-            lines = path.read_text().splitlines()
-        except FileNotFoundError:
+        if not path.exists():
             return []
-        except OSError as exc:
-            raise ProtocolError(f"{path} is not readable: {exc}") from exc
         out = []
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as exc:
-                raise ProtocolError(f"{path} line {n} is not JSON: {exc}") from exc
+        for n, record in json_lines(path, ProtocolError):
             if not isinstance(record, dict) or not isinstance(record.get("rounds"), int):
                 raise ProtocolError(f"{path} line {n} is not an evaluation record")
             out.append(record)
