@@ -173,3 +173,36 @@ def test_dashboard_marks_workers_that_left_and_a_finished_run(browser, tmp_path:
     finally:
         server.stop()
         state.close()
+
+
+def test_dashboard_plots_the_live_validation_ce(browser, tmp_path: Path) -> None:
+    """The live evaluation (`--live-eval-every`, STATE/evals.jsonl) is drawn under the loss
+    curve, labelled with its slice and M, its last point named in the legend."""
+    state = make_state(tmp_path / "state")
+    alice = add_token(state, "alice")
+    state.write_evals(
+        {"rounds": r, "from_noise_ce": ce, "sampler_ce": ce, "bytes": 4096, "sweeps": 1}
+        for r, ce in ((0, 5.5452), (1, 4.25), (2, 3.125))
+    )
+    app = create_app(storage=state, clock=FakeClock())
+    server = ThreadedServer.start(app, bind("127.0.0.1", 0))
+    try:
+        browser.execute_script("sessionStorage.clear()")
+        browser.get(server.url + "/dashboard#token=" + alice)
+
+        def legend() -> list[str]:
+            return browser.execute_script(
+                "return [...document.querySelectorAll('#evallabels li')].map(li => li.textContent)"
+            )
+
+        wait_for(lambda: any("after 2 rounds" in t for t in legend()), "the live CE legend")
+        (shown,) = legend()  # M = 1: the sampler CE is the from-noise CE, plotted once
+        assert "from-noise CE" in shown and "4096 bytes, M = 1" in shown, shown
+        assert shown.endswith(": 3.1250 after 2 rounds"), shown
+        svg = browser.execute_script("return document.getElementById('evals').dataset.last")
+        assert svg == "3.1250"
+        errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+        assert errors == [], errors
+    finally:
+        server.stop()
+        state.close()
