@@ -110,6 +110,13 @@ def test_pull_wire_setting():
     assert AggregatorSettings(delta_wire="topk:0.1").pulls == "topk:0.1"
     assert AggregatorSettings(delta_wire="topk:0.1", pull_wire="int8").pulls == "int8"
     assert AggregatorSettings(pull_wire="full", delta_wire="int8").pulls == "full"
+    # sparse pushes pull a version's delta (the mean of every replica's votes) denser
+    assert AggregatorSettings(delta_wire="sparse:0.03:2").pulls == "sparse:0.06:4"
+    assert AggregatorSettings(delta_wire="sparse:0.07:8:chunk=32").pulls == "sparse:0.14:8:chunk=32"
+    assert AggregatorSettings(delta_wire="sparse:0.4:2").pulls == "sparse:0.5:4"
+    assert AggregatorSettings(delta_wire="sparse:0.03:2", pull_wire="sparse:0.03:2").pulls == (
+        "sparse:0.03:2"
+    )
     for bad in ("fp16", "int4", "topk:2"):
         with pytest.raises(Exception, match="pull_wire"):
             AggregatorSettings(pull_wire=bad)

@@ -162,6 +162,29 @@ def pull_codec(text: str) -> DeltaWire | None:
     return wire
 
 
+SPARSE_PULL_DENSITY = 2
+"""A sparse push codec's default pulls keep this many times its density. A version's delta is
+the mean of every replica's sparse votes, so its support is up to that many times one vote's
+(two replicas a block at the tiny preset); pulled at the push density the views lag the
+weights, and each worker trains the lag in again. bench/compression.py, tiny, 30 rounds of
+H = 30, pushes sparse:0.03:2: pulls sparse:0.03:2 ended 0.22 CE above fp16, sparse:0.06:4 within
+0.014 (BENCHMARKS.md, Compressed deltas)."""
+SPARSE_PULL_BITS = 4
+
+
+def default_pulls(push: DeltaWire) -> str:
+    """The pull wire when `pull_wire` is not set: full for a dense push codec; for sparse, its
+    chunks at SPARSE_PULL_DENSITY times the density (at most 0.5) and at least SPARSE_PULL_BITS
+    bits; else the push codec itself."""
+    if push.dense:
+        return FULL
+    if push.sparse:
+        density = round(min(0.5, SPARSE_PULL_DENSITY * push.ratio), 6)
+        bits = max(SPARSE_PULL_BITS, push.bits)
+        return str(DeltaWire("sparse", density, bits, push.chunk))
+    return str(push)
+
+
 def valid_pull_wire(text: object) -> bool:
     try:
         pull_codec(str(text))

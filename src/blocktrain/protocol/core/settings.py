@@ -20,9 +20,9 @@ from blocktrain.protocol.core.aggregation import RULES, WEIGHTINGS
 from blocktrain.protocol.core.bodies import WIRE_DTYPES
 from blocktrain.protocol.core.declaration import Setting, setting
 from blocktrain.protocol.core.delta_wire import (
-    FULL,
     WIRE_HELP,
     DeltaWire,
+    default_pulls,
     valid_pull_wire,
     valid_wire,
 )
@@ -240,7 +240,8 @@ class AggregatorSettings:
         "must be full, int8, topk:RATIO with 0 < RATIO < 1 or sparse:DENSITY[:BITS]",
         flag="--pull-wire",
         metavar="WIRE",
-        default_text="the push codec when it is int8, topk or sparse, else full",
+        default_text="the push codec when it is int8 or topk; for sparse:D:B, "
+        "sparse:2D:4 (at most 0.5); else full",
     )
     max_delta_norm: float = setting(
         100.0,
@@ -384,10 +385,11 @@ class AggregatorSettings:
 
     @property
     def pulls(self) -> str:
-        """How pulls travel: pull_wire, else the push codec when it is lossy, else full."""
+        """How pulls travel: pull_wire, else `delta_wire.default_pulls` of the push codec (full
+        for a dense one, a denser sparse codec for sparse, else the push codec)."""
         if self.pull_wire is not None:
             return self.pull_wire
-        return self.push_wire if DeltaWire.parse(self.push_wire).lossy else FULL
+        return default_pulls(DeltaWire.parse(self.push_wire))
 
     @property
     def min_round(self) -> float:
