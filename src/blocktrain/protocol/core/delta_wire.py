@@ -166,9 +166,8 @@ SPARSE_PULL_DENSITY = 2
 """A sparse push codec's default pulls keep this many times its density. A version's delta is
 the mean of every replica's sparse votes, so its support is up to that many times one vote's
 (two replicas a block at the tiny preset); pulled at the push density the views lag the
-weights, and each worker trains the lag in again. bench/compression.py, tiny, 30 rounds of
-H = 30, pushes sparse:0.03:2: pulls sparse:0.03:2 ended 0.22 CE above fp16, sparse:0.06:4 within
-0.014 (BENCHMARKS.md, Compressed deltas)."""
+weights, and each worker trains the lag in again (docs/protocol.md, Compressed pulls; the
+measurements are BENCHMARKS.md's, Compressed deltas)."""
 SPARSE_PULL_BITS = 4
 
 
