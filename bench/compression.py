@@ -7,9 +7,9 @@ Each row is one `blocktrain.simulate` run (the protocol's own RoundEngine with i
 validation, norm bound, effect probe, one vote per identity; real local training; a virtual
 clock) of 6 workers at the tiny preset (2 replicas per block), regime lockstep, the same seed,
 rounds and H in every row; only `delta_wire` differs (and, in an ablation row, one setting the
-row's `variant` names), and with it the pulls: fp16 whole versions for fp16, and deltas in the
-push codec from the view each worker holds for the lossy codecs (the aggregator's default
-`pull_wire`; protocol/core/pulls.py). final_sampler_ce: the final model's sampler CE (M = 16
+row's `variant` names), and with it the pulls: fp16 whole versions for fp16, and for the lossy
+codecs deltas from the view each worker holds, in the aggregator's default `pull_wire` for the
+push codec (`delta_wire.default_pulls`: twice the density for sparse; protocol/core/pulls.py). final_sampler_ce: the final model's sampler CE (M = 16
 sweeps, 16384 validation bytes); bytes_total: every pull and push body of the run (bytes_up:
 the pushes alone).
 
@@ -66,10 +66,14 @@ ABLATIONS: tuple[tuple[str, str], ...] = (
     ("sparse:0.03:2:beta=0.95", ""),
     ("sparse:0.03:2:beta=0.999", ""),
     ("sparse:0.03:2", "outer_lr=0.7,outer_momentum=0.9"),
-    ("sparse:0.03:2", "pull_wire=full"),
+    ("sparse:0.03:2", "pull_wire=full"),  # whole pulls
+    ("sparse:0.03:2", "pull_wire=sparse:0.03:2"),  # pulls at the push density (they lag)
+    ("sparse:0.03:2", "pull_wire=sparse:0.1:4"),
+    ("sparse:0.03:2", "pull_wire=sparse:0.06:8"),
     ("sparse:0.01:2", ""),
 )
-"""(wire, variant) of each ablation row: one detail of sparse:0.03:2 changed at a time."""
+"""(wire, variant) of each ablation row: one detail of sparse:0.03:2 (its default pulls
+sparse:0.06:4, `delta_wire.default_pulls`) changed at a time."""
 TARGETS = {"int8": ("bar", 0.01, 0.55), "topk": ("bar", 0.03, 0.10), "sparse": ("bar", 0.03, 0.10)}
 """What a codec must reach against fp16 of the same seed, on the mean over seeds: (name, CE
 within, total bytes at most). The sparse codecs' goal is GOAL."""
@@ -356,8 +360,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"(2 replicas per block), regime lockstep, {first['rounds']} rounds of H = "
         f"{first['local_steps']}, seed {first['seed']}, the aggregator's defaults; only the "
         "wire differs (and in a row with a variant, the one setting it names): pushes in the "
-        "row's codec, pulls as fp16 whole versions (fp16) or as deltas in the push codec from "
-        "the view each worker holds (the lossy codecs). Final CE: the sampler CE (M = 16, 16384 "
+        "row's codec, pulls as fp16 whole versions (fp16) or as deltas in the pulls column's "
+        "codec from the view each worker holds (the lossy codecs). Final CE: the sampler CE (M = 16, 16384 "
         "validation bytes).",
         "",
         "| wire | pulls | variant | design | final CE | − fp16 | bytes total | ÷ fp16 | bytes pushed | "
