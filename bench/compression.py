@@ -378,12 +378,13 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {r['final_sampler_ce']:.4f} | {ce} | {r['bytes_total'] / 1e6:.1f} MB"
             f" | {total} | {r['bytes_up'] / 1e6:.1f} MB | {up} | {r['accepted']} | {refused} |"
         )
-    spread = {w: e for w, e in result.get("seeds", {}).items() if len(e["seeds"]) > 1}
+    spread = result.get("seeds", {})
     if spread:
         lines += [
             "",
             "Seeds: each wire's final CE minus fp16's of the same seed (the same rounds; a "
-            "difference smaller than the spread between seeds is no difference). The verdict "
+            "difference smaller than the spread between seeds is no difference), every seed "
+            "run (a row run on seed 1 alone is here only). The verdict "
             f"reads the mean over at least {MIN_SEEDS} seeds and the mean bytes ÷ fp16.",
             "",
             "| wire | seeds | CE − fp16, each seed | mean ± sd (± standard error) | "
@@ -394,10 +395,11 @@ def markdown(result: dict[str, Any]) -> str:
             each = ", ".join(f"{x:+.4f}" for x in e["ce_vs_fp16"])
             ratios = ", ".join(f"{x:.3f}" for x in e["bytes_vs_fp16"])
             seeds = ", ".join(str(x) for x in e["seeds"])
+            sd = "—" if e["ce_vs_fp16_sd"] is None else f"{e['ce_vs_fp16_sd']:.4f}"
+            se = "—" if e["ce_vs_fp16_se"] is None else f"{e['ce_vs_fp16_se']:.4f}"
             lines.append(
-                f"| {label} | {seeds} | {each} | {e['ce_vs_fp16_mean']:+.4f} ± "
-                f"{e['ce_vs_fp16_sd']:.4f} (± {e['ce_vs_fp16_se']:.4f}) | {ratios} | "
-                f"{e['verdict']} |"
+                f"| {label} | {seeds} | {each} | {e['ce_vs_fp16_mean']:+.4f} ± {sd} (± {se}) | "
+                f"{ratios} | {e['verdict']} |"
             )
     shorter = sorted(
         result.get("other_rows", []), key=lambda r: (r["rounds"], r["local_steps"], r["seed"])
