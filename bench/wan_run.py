@@ -290,9 +290,7 @@ def main() -> int:
         "per_round_eval": {"split": "valid", "bytes": args.eval_bytes, "sweeps": args.eval_sweeps},
         "rounds_log": measured["rounds"],
         "updates": status["updates"],
-        "bytes": bytes_summary(
-            status, wire, pushed, reads_upstream=run["cfg"].model.route == "features"
-        ),
+        "bytes": bytes_summary(status, wire, pushed),
         "block_mb": max(wire.values()) / 1e6,
         "bytes_by_host": measured["hosts"],
         "final_eval": {"split": "test", "bytes": args.final_bytes, "sweeps": args.final_sweeps},

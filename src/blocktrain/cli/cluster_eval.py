@@ -199,7 +199,7 @@ def evaluate_cluster(
             if rounds
         },
         "updates": status["updates"],
-        "bytes": bytes_summary(status, wire, pushed, reads_upstream=cfg.model.route == "features"),
+        "bytes": bytes_summary(status, wire, pushed),
         "from_noise_ce_per_round": [r["from_noise_ce"] for r in per_round],
         "sampler_ce_per_round": [r["sampler_ce"] for r in per_round],
         "per_round_eval": {

@@ -97,18 +97,13 @@ def round_versions(state: StateDir, rounds: int) -> list[dict[int, int]]:
 
 
 def bytes_summary(
-    status: dict[str, Any],
-    wire_bytes: dict[int, int],
-    delta_bytes: dict[int, int] | None = None,
-    *,
-    reads_upstream: bool = False,
+    status: dict[str, Any], wire_bytes: dict[int, int], delta_bytes: dict[int, int] | None = None
 ) -> dict[str, Any]:
     """Bytes moved against the minimum: one pull (`wire_bytes`: the block, or with compressed
     pulls the delta `pull_bytes` of /v1/status) and one delta upload (`delta_bytes`, compressed
     or not; default: `wire_bytes`) per worker per round it took part in (a push that reached
-    the aggregator, accepted or not), and under route = features (`reads_upstream`) one read
-    of each block before its own, as one pull of it. The orchestrator's own status polls are
-    monitoring, not protocol, and are left out."""
+    the aggregator, accepted or not). The orchestrator's own status polls are monitoring, not
+    protocol, and are left out."""
     up_bytes = delta_bytes or wire_bytes
     by_endpoint = status["bytes"]["by_endpoint"]
     protocol = {ep: v for ep, v in by_endpoint.items() if ep != "status"}
@@ -117,10 +112,7 @@ def bytes_summary(
     pushes = {int(b): 0 for b in wire_bytes}
     for b, rounds in status["participation"].items():
         pushes[int(b)] = sum(r["reported"] for r in rounds)
-    upstream = {b: sum(wire_bytes[a] for a in wire_bytes if a < b) for b in wire_bytes}
-    if not reads_upstream:
-        upstream = dict.fromkeys(wire_bytes, 0)
-    minimum = sum((wire_bytes[b] + up_bytes[b] + upstream[b]) * n for b, n in pushes.items())
+    minimum = sum((wire_bytes[b] + up_bytes[b]) * n for b, n in pushes.items())
     return {
         "total": down + up,
         "down": down,
@@ -132,6 +124,5 @@ def bytes_summary(
         "by_endpoint": protocol,
         "note": "HTTP bodies only (headers and TCP/IP framing not counted); minimum = "
         "(pull bytes + delta bytes) per worker per round, a pull being the block's weights or, "
-        "with compressed pulls, a delta (each worker's first pull is whole: above the minimum), "
-        "plus under route = features one pull of each block before the worker's own",
+        "with compressed pulls, a delta (each worker's first pull is whole: above the minimum)",
     }
