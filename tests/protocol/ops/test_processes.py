@@ -141,7 +141,10 @@ def test_cluster_command_runs_rounds_over_http(tmp_path, corpus, capsys):
     assert summary["updates"]["accepted"] == 9 and summary["updates"]["refused"] == 0
     assert (summary["effect_probe"], summary["pull_wire"]) == ("off", "full")  # the defaults
     b = summary["bytes"]
-    assert b["worker_rounds"] == 9 and 1.0 <= b["ratio_to_minimum"] < 1.2, b
+    # the minimum (a pull and a push per worker-round) leaves out route = features' upstream
+    # reads: at most one of each block before the worker's own per round, 0 + 1 + 2 reads
+    # against 3 pulls and 3 pushes, and fewer where an upstream block has not moved since
+    assert b["worker_rounds"] == 9 and 1.0 <= b["ratio_to_minimum"] < 1.55, b
     assert all(code == 0 for code in summary["exit_codes"].values()), summary["exit_codes"]
     assert (out / "model" / "model.safetensors").is_file()
     # --log-to: the committed rounds and the evaluations, at step = the rounds done
