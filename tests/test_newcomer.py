@@ -217,10 +217,8 @@ def test_3_a_cluster_and_its_dashboard(notes: Path, tmp_path: Path) -> None:
         )
         assert watch[1] == token and watch[3] == url and watch[2] == watch[4]
         assert Path(watch[2]) == out / "viewer.token"
-        assert line_of(proc, r"^cluster: 3 workers on (\S+) \(logs in (.+)\)$").groups() == (
-            url,
-            str(out / "logs"),
-        )
+        workers = line_of(proc, r"^cluster: 3 workers on (\S+) \(on (\S+); logs in (.+)\)$")
+        assert (workers[1], workers[3]) == (url, str(out / "logs"))  # [2]: the device(s)
         dashboard = httpx.get(f"{url}/dashboard", timeout=30)
         assert (
             dashboard.status_code == 200
@@ -462,7 +460,7 @@ def test_7_doctor(aggregator: Aggregator) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert [line.split()[1] for line in lines] == [
-        "url", "dns", "tcp", "tls", "http", "version", "token", "clock",
+        "url", "dns", "tcp", "tls", "http", "version", "token", "clock", "device",
     ]  # fmt: skip
     assert all(line.startswith("ok   ") for line in lines), lines
     bad = a.root / "typo.token"
