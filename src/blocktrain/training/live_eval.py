@@ -28,9 +28,8 @@ Tensors = dict[str, torch.Tensor]
 
 THREADS = 1
 """CPU threads of one evaluation: it runs beside the request threads (and, in a cluster, the
-workers), and one thread is cheap and steady where it has to share the cores: tiny, 4096 bytes,
-M = 1 took 0.6 s on one thread of a 2-core machine whose cores were both busy, against 1.4 to
-12 s on two threads fighting the other work for them."""
+workers), and one thread is steady where it has to share the cores, where more threads would
+fight the other work for them."""
 
 RECORDED = ("from_noise_ce", "sampler_ce")
 """What a live evaluation keeps of `evaluate_blocktrain`'s metrics (history.EVAL_KEYS), as the
