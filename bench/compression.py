@@ -43,7 +43,7 @@ from blocktrain.data import load_split
 from blocktrain.presets import tiny
 from blocktrain.protocol.core import round_engine
 from blocktrain.protocol.core.aggregation import Accumulator
-from blocktrain.protocol.core.delta_wire import DeltaWire
+from blocktrain.protocol.core.delta_wire import FULL, DeltaWire
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.simulate import SimSpec, simulate
 from blocktrain.simulate.regimes import load_regime
@@ -182,6 +182,8 @@ def design(wire: str, variant: str) -> str:
         text += "; dense mean" if dense_mean else "; per-coordinate mean"
     if "pull_wire" in settings:
         text += f"; pulls {settings['pull_wire']}"
+    if settings.get("exact_pulls") == "off" and pull_wire(wire, variant) != FULL:
+        text += "; lossy pulls (from the view)"
     if settings.get("outer_momentum"):
         text += (
             f"; outer lr {settings.get('outer_lr', 1.0):g}, momentum {settings['outer_momentum']:g}"

@@ -85,7 +85,12 @@ def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
 
 
 def looks_like_pickle(body: bytes) -> bool:
-    """A pickle (protocol 2+ starts with PROTO) or a zip, which is what torch.save writes."""
+    """A pickle (protocol 2+ starts with PROTO) or a zip, which is what torch.save writes; not a
+    safetensors file whose header length happens to start with those bytes (640 bytes is
+    80 02 ...): its ninth byte opens the JSON header, `{`, which is no pickle opcode and no
+    zip's compression method."""
+    if len(body) >= 9 and body[8] == ord("{"):
+        return False
     return (len(body) >= 2 and body[0] == 0x80 and 2 <= body[1] <= 5) or body.startswith(
         b"PK\x03\x04"
     )
@@ -121,7 +126,7 @@ def decode(body: Body, *, max_bytes: int | None = None) -> Decoded:
     size = len(view)
     if max_bytes is not None and size > max_bytes:
         raise WireError("too_large", f"the body holds {size} bytes; the limit is {max_bytes}")
-    if looks_like_pickle(view[:4].tobytes()):
+    if looks_like_pickle(view[:9].tobytes()):
         raise WireError(
             "pickle",
             "the body is a pickle or torch.save archive; send safetensors "

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blocktrain.protocol.core.delta_wire import pull_codec
+from blocktrain.protocol.core.delta_wire import DeltaWire, pull_codec
 from blocktrain.protocol.core.effect import EffectProbe
 from blocktrain.protocol.core.events import Committed, EngineBlock
 from blocktrain.protocol.core.pulls import View, Views, read_delta
@@ -56,8 +56,9 @@ class SimAggregator:
         """Called with each commit (the round and the block's new weights)."""
         self._published: dict[int, View] = {}
         """block -> the last version pulled whole, in the wire dtype."""
-        self.views = Views(settings.wire_dtype)
+        self.views = Views(settings.wire_dtype, exact=settings.commit_codec is not None)
         """What an HTTP aggregator's `Versions.views` holds (compressed pulls)."""
+        self.on_close.append(self._remember_step)
         self._next_worker = 0  # ids as the ledger gives them: 0, 1, 2, ...
 
     def _new_id(self, _block: int) -> int:
@@ -100,7 +101,8 @@ class SimAggregator:
         weights, delta_bytes = self._send(block, self.blocks[block].rounds.version, held)
         if delta_bytes is not None:
             return weights, delta_bytes
-        return weights, sum(v.numel() * v.element_size() for v in weights.tensors.values())
+        size = torch.empty((), dtype=self.views.dtype).element_size()  # as sent: the wire dtype
+        return weights, sum(v.numel() * size for v in weights.tensors.values())
 
     def _send(self, block: int, version: int, held: View | None) -> tuple[View, int | None]:
         """Version `version` of `block` as a worker then holds it (the wire dtype), and the
@@ -111,12 +113,33 @@ class SimAggregator:
         if codec is not None and held is not None and held.block == block:
             if held.version == version:
                 return held, 0
-            sent = self.views.delta(block, version, weights, held.id, codec)
-            return read_delta(sent.body, held, version, codec), len(sent.body)
+            if not self.views.exact:
+                sent = self.views.delta(block, version, weights, held.id, codec)
+                return read_delta(sent.body, held, version, codec), len(sent.body)
+            walked = self._walk(block, version, held, codec)
+            if walked is not None:
+                return walked
         published = self._published.get(block)
         if published is None or published.version != version:
             published = self._published[block] = self.views.whole(block, version, weights)
         return published, None
+
+    def _walk(
+        self, block: int, version: int, held: View, codec: DeltaWire
+    ) -> tuple[View, int] | None:
+        """Exact pulls: the commits from `held` to `version` in turn, as an HTTP worker walks
+        them, and their bytes; None when one is not held (the worker then pulls whole)."""
+        view, nbytes = held, 0
+        if not self.views.holds_commits(block, held.version + 1, version):
+            return None
+        for v in range(held.version + 1, version + 1):
+            sent = self.views.delta(block, v, None, view.id, codec)
+            view, nbytes = read_delta(sent.body, view, v, codec), nbytes + len(sent.body)
+        return view, nbytes
+
+    def _remember_step(self, event: Committed) -> None:
+        if event.step is not None:
+            self.views.commit(event.closed.block, event.closed.new_version, event.step)
 
     def push(self, worker: int, block: int, body: bytes, now: float) -> Judged:
         """Check, judge and record one update body, in the service's order: its form, its

@@ -60,6 +60,20 @@ def test_pickles_are_refused_by_name():
         assert exc.value.reason == "pickle"
 
 
+def test_a_header_length_that_starts_like_a_pickle_is_still_safetensors():
+    """A header of 640 bytes is `80 02 00 ...` in little-endian, the opening of a protocol 2
+    pickle; the body is read all the same (a 640-byte header was refused as a pickle)."""
+    for target in (640, 896, 1152, 1408):
+        meta = {"pad": ""}
+        body = encode(tensors(), meta)
+        while int.from_bytes(body[:8], "little") < target:
+            meta["pad"] += "x"
+            body = encode(tensors(), meta)
+        assert int.from_bytes(body[:8], "little") == target, "safetensors pads to 8 bytes"
+        assert body[0] == 0x80 and not looks_like_pickle(body)
+        assert decode(body).metadata["pad"] == meta["pad"]
+
+
 @pytest.mark.parametrize("cut", [0, 3, 8, 20, -1])
 def test_truncated_bodies_are_malformed(cut):
     body = encode(tensors(), {"block": 0})

@@ -49,6 +49,7 @@ def test_every_setting_checks_its_bounds_by_name() -> None:
         "wire_dtype": "int8",
         "delta_wire": "topk:2",
         "pull_wire": "fp16",
+        "exact_pulls": "yes",
         "max_delta_norm": -1.0,
         "max_tokens": 0,
         "max_body_bytes": 0,

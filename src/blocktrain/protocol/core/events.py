@@ -38,6 +38,8 @@ class EngineBlock:
     spec: BlockSpec
     rounds: BlockRounds
     acc: Accumulator
+    remainder: Tensors | None = None
+    """Exact pulls: what the pull codec left out of the commits so far (`pulls.commit_step`)."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,10 @@ class Committed:
     momentum: Tensors | None
     changed: bool
     held: str = ""
+    remainder: Tensors | None = None
+    """Exact pulls: what the pull codec left out, carried to the next commit."""
+    step: Tensors | None = None
+    """Exact pulls: the step from the old weights, as the pull codec's parts (None otherwise)."""
 
 
 CommitListener = Callable[[Committed], None]

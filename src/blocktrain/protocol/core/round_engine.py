@@ -60,6 +60,7 @@ from blocktrain.protocol.core.events import (
 from blocktrain.protocol.core.pacing import Pacer
 from blocktrain.protocol.core.probe_slots import PROBE_SLOTS as PROBE_SLOTS
 from blocktrain.protocol.core.probe_slots import ProbeSlots
+from blocktrain.protocol.core.pulls import commit_step
 from blocktrain.protocol.core.replays import ReplayScreen, Seen
 from blocktrain.protocol.core.rounds import BlockRounds, Registry, RoundClosed
 from blocktrain.protocol.core.settings import AggregatorSettings
@@ -140,6 +141,7 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         momentum: Tensors | None,
         settings: AggregatorSettings,
         rounds: BlockRounds | None = None,
+        remainder: Tensors | None = None,
     ) -> EngineBlock:
         return EngineBlock(
             index,
@@ -148,6 +150,7 @@ class RoundEngine(ReplayScreen, ProbeSlots):
             BlockSpec.of(weights, settings.wire_dtype, settings.delta_wire),
             rounds if rounds is not None else BlockRounds(index, settings),
             accumulator(settings),
+            remainder,
         )
 
     # ------------------------------------------------------------------ workers
@@ -343,14 +346,19 @@ class RoundEngine(ReplayScreen, ProbeSlots):
 
     def _commit(self, st: EngineBlock, closed: RoundClosed) -> Committed:
         aggregate = st.acc.result()
-        weights, momentum = st.weights, st.momentum
+        weights, momentum, remainder = st.weights, st.momentum, st.remainder
         if aggregate.delta is not None:
             weights, momentum = self.outer.apply(st.weights, aggregate.delta, st.momentum)
         changed = closed.new_version != closed.base_version
-        event = Committed(closed, weights, momentum, changed, aggregate.held)
+        step = None
+        codec = self.settings.commit_codec
+        if changed and codec is not None:  # exact pulls: the version as the pull codec carries it
+            made = commit_step(st.weights, weights, st.remainder, codec)
+            weights, remainder, step = made.weights, made.remainder, made.parts
+        event = Committed(closed, weights, momentum, changed, aggregate.held, remainder, step)
         for listener in self.on_commit:
             listener(event)
-        st.weights, st.momentum = weights, momentum
+        st.weights, st.momentum, st.remainder = weights, momentum, remainder
         st.acc = accumulator(self.settings)
         keep = st.rounds.round - self.settings.replay_rounds
         seen = self.seen.setdefault(st.index, {})

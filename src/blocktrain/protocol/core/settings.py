@@ -23,6 +23,7 @@ from blocktrain.protocol.core.delta_wire import (
     WIRE_HELP,
     DeltaWire,
     default_pulls,
+    pull_codec,
     valid_pull_wire,
     valid_wire,
 )
@@ -243,6 +244,18 @@ class AggregatorSettings:
         default_text="the push codec when it is int8 or topk; for sparse:D:B, "
         "sparse:2D:4 (at most 0.5); else full",
     )
+    exact_pulls: str = setting(
+        "on",
+        "on: with a pull codec, every new version is committed as the pull codec carries it "
+        "(old weights + the decoded step; what the codec left out waits at the aggregator for "
+        "the next commit), so a worker that pulls each version in turn holds the weights "
+        "exactly; off: a pull is the codec of (weights - the worker's view), which lags "
+        "(docs/protocol.md, Compressed pulls).",
+        lambda v: v in ("on", "off"),
+        "must be on or off",
+        flag="--exact-pulls",
+        choices=("on", "off"),
+    )
     max_delta_norm: float = setting(
         100.0,
         "Refuse updates with a larger global L2 norm.",
@@ -390,6 +403,11 @@ class AggregatorSettings:
         if self.pull_wire is not None:
             return self.pull_wire
         return default_pulls(DeltaWire.parse(self.push_wire))
+
+    @property
+    def commit_codec(self) -> DeltaWire | None:
+        """The codec every commit is made in (exact_pulls on and a pull codec), else None."""
+        return pull_codec(self.pulls) if self.exact_pulls == "on" else None
 
     @property
     def min_round(self) -> float:

@@ -49,6 +49,11 @@ class RegisterOut(Out):
         description="how pulls travel: full, or int8|topk:RATIO|sparse:DENSITY:BITS deltas "
         "from the view held"
     )
+    exact_pulls: bool = Field(
+        False,
+        description="each version is committed as the pull codec carries it: the delta of "
+        "version v is from a view of version v - 1 only, and views are fp32",
+    )
     done: bool
     resumed: bool = Field(False, description="the worker was taken back (resume_worker_id)")
     run_id: str | None = Field(None, description="the run's id, as /v1/config gives it")

@@ -40,6 +40,7 @@ from fastapi.responses import Response
 from blocktrain.errors import ProtocolError, Refused
 from blocktrain.protocol.core.bodies import CONTENT_TYPE, encode
 from blocktrain.protocol.core.delta_wire import FULL, pull_codec
+from blocktrain.protocol.core.events import Committed
 from blocktrain.protocol.core.pulls import DeltaBody, Views
 from blocktrain.protocol.core.verdict import refused
 from blocktrain.protocol.http.dependencies import tag
@@ -75,8 +76,15 @@ class Versions:
         self.service = service
         self.keep = keep
         self._bodies: OrderedDict[tuple[int, int], VersionBody] = OrderedDict()
-        self.views = Views(service.settings.wire_dtype)
+        settings = service.settings
+        self.views = Views(settings.wire_dtype, exact=settings.commit_codec is not None)
         self._lock = threading.Lock()
+        service.engine.on_commit.append(self._remember_step)
+
+    def _remember_step(self, event: Committed) -> None:
+        """Exact pulls: the commit's step is the delta of its version from the one before."""
+        if event.step is not None:
+            self.views.commit(event.closed.block, event.closed.new_version, event.step)
 
     def get(self, block: int, version: int) -> VersionBody:
         newest = self._published(block, version)
@@ -134,6 +142,13 @@ class Versions:
             )
         codec = pull_codec(wire)
         assert codec is not None  # "full" is no codec, and a wire equal to it was refused
+        if self.views.exact:  # the commit is the delta; the version's weights may be pruned
+            self.service.check_block(block)
+            with self.service.lock:
+                current = self.service.blocks[block].rounds.version
+            if version > current:
+                raise refused("unknown_version", f"block {block} is at version {current}")
+            return self.views.delta(block, version, None, base, codec)
         return self.views.delta(block, version, self.weights(block, version), base, codec)
 
     def _encode(self, block: int, version: int, weights: dict[str, torch.Tensor]) -> VersionBody:

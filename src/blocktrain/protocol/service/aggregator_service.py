@@ -170,6 +170,7 @@ class AggregatorService(Admission):
             "wire_dtype": self.settings.wire_dtype,
             "delta_wire": self.settings.push_wire,
             "pull_wire": self.settings.pulls,
+            "exact_pulls": self.settings.commit_codec is not None,
             "done": reg.view.done,
         }
 

@@ -69,6 +69,9 @@ class Durable:
         momentum = None
         if self.settings.outer_momentum > 0 and self.storage.has_tensors(b, version, "m"):
             momentum = self.storage.load_tensors(b, version, "m")
+        remainder = None
+        if self.settings.commit_codec is not None and self.storage.has_tensors(b, version, "r"):
+            remainder = self.storage.load_tensors(b, version, "r")
         rows = [
             u
             for u in self.ledger.updates(block=b, round=round_)
@@ -131,7 +134,7 @@ class Durable:
                 for w in {u.worker_id for u in rows if u.worker_id is not None}
             },
         )
-        st = RoundEngine.block(b, weights, momentum, self.settings, rounds)
+        st = RoundEngine.block(b, weights, momentum, self.settings, rounds, remainder)
         for uid, worker, delta, weight, tokens in deltas:
             identity = registry.identity(worker)
             # the ledger keeps the timing weight; the vote also carries the identity's standing,
@@ -159,6 +162,8 @@ class Durable:
             self.storage.save_tensors(b, closed.new_version, event.weights)
             if event.momentum is not None:
                 self.storage.save_tensors(b, closed.new_version, event.momentum, kind="m")
+            if event.remainder is not None:
+                self.storage.save_tensors(b, closed.new_version, event.remainder, kind="r")
         ids = [c.update_id for c in closed.accepted]
         self.ledger.commit_round(
             block=b,

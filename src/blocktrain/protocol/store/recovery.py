@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 from blocktrain.errors import ConfigError, ProtocolError
-from blocktrain.protocol.store.storage import StateDir
+from blocktrain.protocol.store.storage import TENSOR_KINDS, StateDir
 
 
 def holder(storage: StateDir) -> dict[str, Any] | None:
@@ -61,9 +61,10 @@ def rollback(storage: StateDir, *, block: int, to_version: int, now: float) -> d
         )
     new_version = version + 1
     storage.save_tensors(block, new_version, storage.load_tensors(block, to_version))
-    if storage.has_tensors(block, to_version, "m"):
-        momentum = storage.load_tensors(block, to_version, "m")
-        storage.save_tensors(block, new_version, momentum, kind="m")
+    for kind in TENSOR_KINDS[1:]:  # the outer momentum and exact pulls' remainder with it
+        if storage.has_tensors(block, to_version, kind):
+            state = storage.load_tensors(block, to_version, kind)
+            storage.save_tensors(block, new_version, state, kind=kind)
     # a crash before this line leaves an unreferenced file that the next commit overwrites
     round_, recorded, dropped = storage.ledger.rollback(block=block, to_version=to_version, now=now)
     assert recorded == new_version

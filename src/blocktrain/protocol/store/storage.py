@@ -6,6 +6,8 @@
     STATE/ledger.sqlite                    tokens, workers, rounds, updates, traffic
     STATE/blocks/{b}/v{version}.safetensors   committed fp32 weights of each version
     STATE/blocks/{b}/m{version}.safetensors   outer momentum, when enabled
+    STATE/blocks/{b}/r{version}.safetensors   exact pulls: what the pull codec left out of the
+                                           commits so far (`pulls.commit_step`)
     STATE/pending/{b}/{uuid}.safetensors   bodies of accepted updates of the open round
     STATE/endpoint.json                    where the running aggregator listens (url, pid)
     STATE/evals.jsonl                      the live evaluations (`live_eval_every`): one JSON
@@ -45,7 +47,9 @@ ENDPOINT = "endpoint.json"
 EVALS = "evals.jsonl"
 
 Tensors = dict[str, torch.Tensor]
-_VERSION_FILE = re.compile(r"^([vm])(\d+)\.safetensors$")
+TENSOR_KINDS = ("v", "m", "r")
+"""A version's files: its weights, outer momentum, exact pulls' remainder."""
+_VERSION_FILE = re.compile(r"^([vmr])(\d+)\.safetensors$")
 
 
 class StateDir:
@@ -215,7 +219,7 @@ class StateDir:
         stays: it is the run's initialisation."""
         if keep <= 0:
             return
-        for kind in ("v", "m"):
+        for kind in TENSOR_KINDS:
             for version in self.versions(block, kind):
                 if 0 < version <= current - keep:
                     self.tensors_path(block, version, kind).unlink(missing_ok=True)

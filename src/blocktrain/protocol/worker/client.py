@@ -83,6 +83,9 @@ class AggregatorClient(RetryingHttp):
         """(URL, ETag, tensors) of the last version downloaded, revalidated when pulled again."""
         self.pull_wire = FULL
         """The registration's pull wire: with a codec, pulls are deltas from `view`."""
+        self.exact_pulls = False
+        """The registration's exact pulls: views are fp32, and each delta is from the version
+        before (a worker further behind walks the versions)."""
         self.view: View | None = None
         """The weights last pulled, as they arrived (the wire dtype; a worker's folder keeps it)."""
         self._latest: dict[int, tuple[int, Tensors]] = {}
@@ -109,6 +112,7 @@ class AggregatorClient(RetryingHttp):
         doc = self._json("POST", "/v1/workers", json=body)
         self.worker_id = int(doc["worker_id"])
         self.pull_wire = str(doc.get("pull_wire") or FULL)
+        self.exact_pulls = bool(doc.get("exact_pulls", False))
         return Registration(
             self.worker_id,
             int(doc["block"]),
@@ -117,6 +121,7 @@ class AggregatorClient(RetryingHttp):
             str(doc["wire_dtype"]),
             str(doc.get("delta_wire") or doc["wire_dtype"]),
             self.pull_wire,
+            self.exact_pulls,
         )
 
     def leave(self) -> None:
@@ -259,7 +264,7 @@ class AggregatorClient(RetryingHttp):
         codec = pull_codec(self.pull_wire)
         nbytes = 0
         if codec is not None and view is not None and view.version < version:
-            chained, nbytes = self._delta(url, view, version, codec)
+            chained, nbytes = self._chain(url, view, version, codec)
             if chained is not None:
                 return fp32(chained.tensors), nbytes, chained
         held = self._held if self._held is not None and self._held[0] == url else None
@@ -275,11 +280,32 @@ class AggregatorClient(RetryingHttp):
             tensors = self._version_body(response.content, url, block, version)
             etag = response.headers.get("ETag")
             self._held = None if etag is None else (url, etag, tensors)
+        if codec is None:
+            return fp32(tensors), nbytes, None
+        # exact pulls hold views in fp32, so that no later step is rounded away
         return (
             fp32(tensors),
             nbytes,
-            View.of(block, version, tensors) if codec is not None else None,
+            View.of(block, version, fp32(tensors) if self.exact_pulls else tensors),
         )
+
+    def _chain(
+        self, url: str, base: View, version: int, codec: DeltaWire
+    ) -> tuple[View | None, int]:
+        """`version` from `base` as one delta, or under exact pulls as the deltas of each version
+        after `base`'s in turn; the view and the bytes received (no view: pull it whole)."""
+        if not self.exact_pulls:
+            return self._delta(url, base, version, codec)
+        stem = url.rstrip("/").rsplit("/", 1)[0]  # .../versions
+        view: View | None = base
+        total = 0
+        for v in range(base.version + 1, version + 1):
+            assert view is not None
+            view, nbytes = self._delta(f"{stem}/{v}", view, v, codec)
+            total += nbytes
+            if view is None:
+                break
+        return view, total
 
     def _delta(
         self, url: str, base: View, version: int, codec: DeltaWire

@@ -25,6 +25,9 @@ class Registration:
     """How pushes carry deltas (an aggregator that does not say takes wire_dtype)."""
     pull_wire: str = FULL
     """How pulls travel: whole versions, or deltas from the view held (`protocol.core.pulls`)."""
+    exact_pulls: bool = False
+    """Each version is committed as the pull codec carries it: views are fp32, and a delta is
+    from the version before only (`protocol.core.pulls`)."""
 
 
 @dataclass(frozen=True)
