@@ -32,7 +32,7 @@ from blocktrain.protocol.core.validation import BlockSpec, Candidate, Limits, va
 from report import machine, update_section, write_json
 
 NAME = "codec_cost.json"
-WIRES = "fp16,int8,topk:0.03,sparse:0.03:2,sparse:0.01:2,sparse:0.03:4,sparse:0.03:8"
+WIRES = "fp16,int8,topk:0.03,sparse:0.03:2,sparse:0.01:2,sparse:0.03:4,sparse:0.03:8,sparse:0.06:4"
 
 
 def timed(fn: Callable[[], Any], reps: int) -> tuple[float, Any]:

@@ -8,8 +8,11 @@ validation, norm bound, effect probe, one vote per identity; real local training
 clock) of 6 workers at the tiny preset (2 replicas per block), regime lockstep, the same seed,
 rounds and H in every row; only `delta_wire` differs (and, in an ablation row, one setting the
 row's `variant` names), and with it the pulls: fp16 whole versions for fp16, and for the lossy
-codecs deltas from the view each worker holds, in the aggregator's default `pull_wire` for the
-push codec (`delta_wire.default_pulls`: twice the density for sparse; protocol/core/pulls.py). final_sampler_ce: the final model's sampler CE (M = 16
+codecs deltas in the aggregator's default `pull_wire` for the push codec
+(`delta_wire.default_pulls`: twice the density for sparse; protocol/core/pulls.py): under exact
+pulls (the default) each version's commit from the version before, with `exact_pulls=off` a
+delta from the view each worker holds (every row measured before exact pulls existed is labelled
+so: it is what that setting runs). final_sampler_ce: the final model's sampler CE (M = 16
 sweeps, 16384 validation bytes); bytes_total: every pull and push body of the run (bytes_up:
 the pushes alone).
 
@@ -363,7 +366,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"{first['local_steps']}, seed {first['seed']}, the aggregator's defaults; only the "
         "wire differs (and in a row with a variant, the one setting it names): pushes in the "
         "row's codec, pulls as fp16 whole versions (fp16) or as deltas in the pulls column's "
-        "codec from the view each worker holds (the lossy codecs). Final CE: the sampler CE (M = 16, 16384 "
+        "codec (the lossy codecs): each version's commit from the one before under exact pulls "
+        "(the default), from the view each worker holds with `exact_pulls=off` (the rows "
+        "measured before exact pulls existed). Final CE: the sampler CE (M = 16, 16384 "
         "validation bytes).",
         "",
         "| wire | pulls | variant | design | final CE | − fp16 | bytes total | ÷ fp16 | bytes pushed | "

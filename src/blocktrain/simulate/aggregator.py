@@ -15,10 +15,18 @@ from dataclasses import dataclass
 
 import torch
 
-from blocktrain.protocol.core.delta_wire import DeltaWire, pull_codec
+from blocktrain.protocol.core.bodies import wire_dtype
+from blocktrain.protocol.core.delta_wire import pull_codec
 from blocktrain.protocol.core.effect import EffectProbe
 from blocktrain.protocol.core.events import Committed, EngineBlock
-from blocktrain.protocol.core.pulls import View, Views, read_delta
+from blocktrain.protocol.core.pulls import (
+    Commits,
+    View,
+    Views,
+    read_commit,
+    read_delta,
+    whole_view,
+)
 from blocktrain.protocol.core.round_engine import RoundEngine
 from blocktrain.protocol.core.rounds import RoundView
 from blocktrain.protocol.core.settings import AggregatorSettings
@@ -56,8 +64,11 @@ class SimAggregator:
         """Called with each commit (the round and the block's new weights)."""
         self._published: dict[int, View] = {}
         """block -> the last version pulled whole, in the wire dtype."""
-        self.views = Views(settings.wire_dtype, exact=settings.commit_codec is not None)
-        """What an HTTP aggregator's `Versions.views` holds (compressed pulls)."""
+        self.views = Views(settings.wire_dtype)
+        """What an HTTP aggregator's `Versions.views` holds (compressed pulls, not exact)."""
+        codec = settings.commit_codec
+        self.commits = None if codec is None else Commits(codec)
+        """Exact pulls: what an HTTP aggregator's `Versions.commits` holds."""
         self.on_close.append(self._remember_step)
         self._next_worker = 0  # ids as the ledger gives them: 0, 1, 2, ...
 
@@ -101,7 +112,7 @@ class SimAggregator:
         weights, delta_bytes = self._send(block, self.blocks[block].rounds.version, held)
         if delta_bytes is not None:
             return weights, delta_bytes
-        size = torch.empty((), dtype=self.views.dtype).element_size()  # as sent: the wire dtype
+        size = torch.empty((), dtype=wire_dtype(self.settings.wire_dtype)).element_size()
         return weights, sum(v.numel() * size for v in weights.tensors.values())
 
     def _send(self, block: int, version: int, held: View | None) -> tuple[View, int | None]:
@@ -113,33 +124,36 @@ class SimAggregator:
         if codec is not None and held is not None and held.block == block:
             if held.version == version:
                 return held, 0
-            if not self.views.exact:
+            if self.commits is None:
                 sent = self.views.delta(block, version, weights, held.id, codec)
                 return read_delta(sent.body, held, version, codec), len(sent.body)
-            walked = self._walk(block, version, held, codec)
+            walked = self._walk(self.commits, block, version, held)
             if walked is not None:
                 return walked
         published = self._published.get(block)
         if published is None or published.version != version:
-            published = self._published[block] = self.views.whole(block, version, weights)
+            if self.commits is None:
+                published = self.views.whole(block, version, weights)
+            else:
+                published = whole_view(block, version, weights, self.settings.wire_dtype, True)
+            self._published[block] = published
         return published, None
 
-    def _walk(
-        self, block: int, version: int, held: View, codec: DeltaWire
-    ) -> tuple[View, int] | None:
+    @staticmethod
+    def _walk(commits: Commits, block: int, version: int, held: View) -> tuple[View, int] | None:
         """Exact pulls: the commits from `held` to `version` in turn, as an HTTP worker walks
         them, and their bytes; None when one is not held (the worker then pulls whole)."""
-        view, nbytes = held, 0
-        if not self.views.holds_commits(block, held.version + 1, version):
+        if not commits.holds(block, held.version + 1, version):
             return None
+        view, nbytes = held, 0
         for v in range(held.version + 1, version + 1):
-            sent = self.views.delta(block, v, None, view.id, codec)
-            view, nbytes = read_delta(sent.body, view, v, codec), nbytes + len(sent.body)
+            body = commits.get(block, v).body
+            view, nbytes = read_commit(body, view, v, commits.codec), nbytes + len(body)
         return view, nbytes
 
     def _remember_step(self, event: Committed) -> None:
-        if event.step is not None:
-            self.views.commit(event.closed.block, event.closed.new_version, event.step)
+        if self.commits is not None and event.step is not None:
+            self.commits.add(event.closed.block, event.closed.new_version, event.step)
 
     def push(self, worker: int, block: int, body: bytes, now: float) -> Judged:
         """Check, judge and record one update body, in the service's order: its form, its

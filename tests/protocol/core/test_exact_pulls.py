@@ -10,11 +10,20 @@ import random
 import pytest
 import torch
 
-from blocktrain.errors import Refused
+from blocktrain.errors import ProtocolError, Refused
 from blocktrain.protocol.core.delta_wire import DeltaWire
-from blocktrain.protocol.core.pulls import Views, commit_step, read_delta
+from blocktrain.protocol.core.pulls import (
+    KEEP_COMMITS,
+    Commits,
+    View,
+    Views,
+    commit_step,
+    read_commit,
+    read_delta,
+    whole_view,
+)
 from blocktrain.protocol.worker.client import AggregatorClient
-from tests.protocol.conftest import SETTINGS, block_tensors, make_harness
+from tests.protocol.conftest import SETTINGS, make_harness
 
 SPARSE = DeltaWire.parse("sparse:0.06:4")
 
@@ -56,20 +65,18 @@ def test_a_view_that_pulls_every_commit_holds_the_weights_up_to_its_first_roundi
     """Under exact pulls the gap between a worker's view and the weights stays the fp16
     rounding of its whole pull; from the view (the lossy design) it is a codec's error."""
     old = weights()
-    exact, lossy = Views("fp16", exact=True), Views("fp16")
-    held = exact.whole(0, 0, old)
+    commits, lossy = Commits(SPARSE), Views("fp16")
+    held = whole_view(0, 0, old, "fp16", exact=True)
     held_lossy = lossy.whole(0, 0, old)
     first = gap(held.tensors, old)
     w, remainder = old, None
     for v, step in enumerate(steps(10), start=1):
         made = commit_step(w, {k: w[k] + step[k] for k in w}, remainder, SPARSE)
         w, remainder = made.weights, made.remainder
-        exact.commit(0, v, made.parts)
-        sent = exact.delta(0, v, None, held.id, SPARSE)
-        held = read_delta(sent.body, held, v, SPARSE)
-        held_lossy = read_delta(
-            lossy.delta(0, v, w, held_lossy.id, SPARSE).body, held_lossy, v, SPARSE
-        )
+        commits.add(0, v, made.parts)
+        held = read_commit(commits.get(0, v).body, held, v, SPARSE)
+        sent = lossy.delta(0, v, w, held_lossy.id, SPARSE)
+        held_lossy = read_delta(sent.body, held_lossy, v, SPARSE)
     assert all(t.dtype == torch.float32 for t in held.tensors.values())
     now = gap(held.tensors, w)
     # the first rounding (about 1e-4 here), unchanged but for fp32 noise
@@ -79,17 +86,25 @@ def test_a_view_that_pulls_every_commit_holds_the_weights_up_to_its_first_roundi
     assert max(float(t.abs().max()) for t in lagged.values()) > 1e-3  # the lossy view lags
 
 
-def test_exact_pulls_send_a_version_from_the_one_before_only():
-    views = Views("fp16", exact=True)
-    w = block_tensors(1)
-    held = views.whole(0, 0, w)
+def test_a_commit_applies_to_the_version_before_only():
+    commits = Commits(SPARSE)
+    w = weights()
+    held = whole_view(0, 0, w, "fp16", exact=True)
     made = commit_step(w, {k: v + 0.01 for k, v in w.items()}, None, SPARSE)
-    views.commit(0, 1, made.parts)
-    with pytest.raises(Refused, match="from a view of version 1 only") as err:
-        views.delta(0, 2, None, held.id, SPARSE)  # two versions on: the worker walks
-    assert err.value.reason == "unknown_base"
-    assert views.holds_commits(0, 1, 1) and not views.holds_commits(0, 1, 2)
-    assert views.delta(0, 1, None, held.id, SPARSE).view.version == 1
+    commits.add(0, 1, made.parts)
+    commits.add(0, 2, made.parts)
+    with pytest.raises(ProtocolError, match="applies to version 1, not 0"):
+        read_commit(commits.get(0, 2).body, held, 2, SPARSE)  # two versions on: walk
+    with pytest.raises(ProtocolError, match="version 1 from version 0, not block 0 version 2"):
+        read_commit(commits.get(0, 1).body, View.of(0, 1, held.tensors), 2, SPARSE)
+    assert read_commit(commits.get(0, 1).body, held, 1, SPARSE).version == 1
+    assert commits.holds(0, 1, 2) and not commits.holds(0, 1, 3)
+    with pytest.raises(Refused) as err:
+        commits.get(0, 3)
+    assert (err.value.reason, err.value.status) == ("version_gone", 410)
+    for v in range(3, 3 + KEEP_COMMITS):
+        commits.add(0, v, made.parts)
+    assert not commits.holds(0, 1, 1)  # the oldest are let go
 
 
 def behind_by_two(tmp_path, exact: str):
@@ -98,9 +113,13 @@ def behind_by_two(tmp_path, exact: str):
         tmp_path / "s", SETTINGS.replace(delta_wire="sparse:0.03:2", exact_pulls=exact)
     )
     paths: list[tuple[str, int]] = []
-    h.client.event_hooks["response"].append(
-        lambda r: paths.append((r.request.url.path, r.status_code))
-    )
+    queries: list[str] = []
+
+    def seen(r) -> None:
+        paths.append((r.request.url.path, r.status_code))
+        queries.append(r.request.url.query.decode())
+
+    h.client.event_hooks["response"].append(seen)
     late = AggregatorClient("http://agg", h.alice, client=h.client, rng=random.Random(0))
     busy = AggregatorClient("http://agg", h.bob, client=h.client, rng=random.Random(1))
     late.register(block=0)
@@ -115,11 +134,11 @@ def behind_by_two(tmp_path, exact: str):
         ).accepted
         h.clock.advance(SETTINGS.deadline_s + 1)  # the late worker never pushes: the round ends
         h.service.tick()
-    return h, late, paths
+    return h, late, paths, queries
 
 
 def test_a_worker_behind_walks_the_commits_over_http(tmp_path):
-    h, late, paths = behind_by_two(tmp_path, "on")
+    h, late, paths, queries = behind_by_two(tmp_path, "on")
     assert late.exact_pulls
     before = len(paths)
     pulled = late.pull(0)
@@ -128,6 +147,8 @@ def test_a_worker_behind_walks_the_commits_over_http(tmp_path):
         ("/v1/blocks/0/versions/1/delta", 200),
         ("/v1/blocks/0/versions/2/delta", 200),
     ]
+    # one URL for every worker (no base): the same body, as cacheable as the version
+    assert all("base=" not in q for q in queries[before:])
     assert late.view is not None and late.view.version == 2
     weights = h.service.blocks[0].weights
     for name, t in weights.items():  # within the fp16 rounding of the first whole pull
@@ -136,7 +157,7 @@ def test_a_worker_behind_walks_the_commits_over_http(tmp_path):
 
 
 def test_without_exact_pulls_a_worker_behind_takes_one_delta(tmp_path):
-    h, late, paths = behind_by_two(tmp_path, "off")
+    h, late, paths, _ = behind_by_two(tmp_path, "off")
     assert not late.exact_pulls
     before = len(paths)
     assert late.pull(0).version == 2
@@ -147,7 +168,7 @@ def test_without_exact_pulls_a_worker_behind_takes_one_delta(tmp_path):
 
 
 def test_the_remainder_is_written_with_each_version_and_read_back_on_restart(tmp_path):
-    h, _, _ = behind_by_two(tmp_path, "on")
+    h, _, _, _ = behind_by_two(tmp_path, "on")
     remainder = h.service.blocks[0].remainder
     assert remainder is not None and any(float(t.abs().max()) > 0 for t in remainder.values())
     assert h.state.has_tensors(0, 2, "r")
@@ -156,4 +177,18 @@ def test_the_remainder_is_written_with_each_version_and_read_back_on_restart(tmp
     assert restored is not None
     for k, t in remainder.items():
         assert torch.equal(restored[k], t)
+    again.state.close()
+
+
+def test_after_a_restart_the_commits_are_gone_and_a_worker_pulls_whole(tmp_path):
+    h, late, _, _ = behind_by_two(tmp_path, "on")
+    again = h.reopen()
+    late.http = again.client
+    seen: list[tuple[str, int]] = []
+    again.client.event_hooks["response"].append(
+        lambda r: seen.append((r.request.url.path, r.status_code))
+    )
+    assert late.pull(0).version == 2
+    assert ("/v1/blocks/0/versions/1/delta", 410) in seen
+    assert seen[-1] == ("/v1/blocks/0/versions/2", 200)
     again.state.close()

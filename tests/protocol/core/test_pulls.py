@@ -1,6 +1,7 @@
-"""Compressed pulls (`protocol.core.pulls`): a version sent as an int8 or top-k delta from the
-view a worker holds, error feedback in the view, and the fallbacks to a whole pull (a base the
-aggregator does not hold, a body that does not lead to the view it names)."""
+"""Compressed pulls (`protocol.core.pulls`) without exact pulls (`exact_pulls = off`): a version
+sent as an int8 or top-k delta from the view a worker holds, error feedback in the view, and the
+fallbacks to a whole pull (a base the aggregator does not hold, a body that does not lead to the
+view it names). Exact pulls: test_exact_pulls.py."""
 
 from __future__ import annotations
 
@@ -139,7 +140,9 @@ def record(h: Harness) -> tuple[list[tuple[str, int]], list[bytes]]:
 
 
 def test_a_worker_pulls_the_next_version_as_a_delta_over_http(tmp_path):
-    h = make_harness(tmp_path / "s", SETTINGS.replace(delta_wire="int8"))  # pulls follow
+    h = make_harness(
+        tmp_path / "s", SETTINGS.replace(delta_wire="int8", exact_pulls="off")
+    )  # pulls follow
     paths, delta_bodies = record(h)
     c = AggregatorClient("http://agg", h.alice, client=h.client, rng=random.Random(0))
     reg = c.register(block=0)
@@ -164,7 +167,7 @@ def test_a_worker_pulls_the_next_version_as_a_delta_over_http(tmp_path):
 
 
 def test_a_worker_falls_back_to_a_whole_pull_when_the_base_is_unknown(tmp_path):
-    h = make_harness(tmp_path / "s", SETTINGS.replace(pull_wire="int8"))
+    h = make_harness(tmp_path / "s", SETTINGS.replace(pull_wire="int8", exact_pulls="off"))
     paths, _ = record(h)
     c = AggregatorClient("http://agg", h.alice, client=h.client, rng=random.Random(0))
     c.register(block=0)
@@ -178,7 +181,7 @@ def test_a_worker_falls_back_to_a_whole_pull_when_the_base_is_unknown(tmp_path):
 
 
 def test_delta_route_checks_the_wire_and_the_token(tmp_path):
-    h = make_harness(tmp_path / "s", SETTINGS.replace(pull_wire="int8"))
+    h = make_harness(tmp_path / "s", SETTINGS.replace(pull_wire="int8", exact_pulls="off"))
     url = "/v1/blocks/0/versions/0/delta"
     headers = {"Authorization": f"Bearer {h.alice}"}
     r = h.client.get(url, params={"base": "0" * 32, "wire": "topk:0.1"}, headers=headers)
@@ -192,7 +195,7 @@ def test_delta_route_checks_the_wire_and_the_token(tmp_path):
 
 
 def test_a_worker_told_wrong_wire_pulls_whole_versions_until_it_registers_again(tmp_path):
-    h = make_harness(tmp_path / "s", SETTINGS.replace(pull_wire="int8"))
+    h = make_harness(tmp_path / "s", SETTINGS.replace(pull_wire="int8", exact_pulls="off"))
     paths, _ = record(h)
     c = AggregatorClient("http://agg", h.alice, client=h.client, rng=random.Random(0))
     c.register(block=0)
@@ -205,11 +208,13 @@ def test_a_worker_told_wrong_wire_pulls_whole_versions_until_it_registers_again(
     assert paths[-1] == ("/v1/blocks/0/versions/1", 200) and c.pull_wire == "full"
 
 
-def test_a_worker_reads_an_upstream_block_as_deltas_from_its_view(tmp_path):
+@pytest.mark.parametrize("exact", ["off", "on"])
+def test_a_worker_reads_an_upstream_block_as_deltas_from_its_view(tmp_path, exact):
     """route = features: a worker of block 1 reads block 0's latest version with `latest`. With
     a pull codec the first read is whole and every later version a delta from the view it holds
-    of block 0, apart from the view of its own block."""
-    h = make_harness(tmp_path / "s", SETTINGS.replace(delta_wire="int8"))
+    of block 0 (under exact pulls: the version's commit), apart from the view of its own
+    block."""
+    h = make_harness(tmp_path / "s", SETTINGS.replace(delta_wire="int8", exact_pulls=exact))
     paths, delta_bodies = record(h)
     pusher = AggregatorClient("http://agg", h.bob, client=h.client, rng=random.Random(0))
     reader = AggregatorClient("http://agg", h.alice, client=h.client, rng=random.Random(1))

@@ -2,8 +2,9 @@
 
 A worker that pulled block b holds a *view* of it: the tensors exactly as they arrived, in the
 wire dtype, named by `view_id` (a SHA-256 of their names, dtypes, shapes and bytes). When the
-aggregator's `pull_wire` is int8, topk:RATIO or sparse:DENSITY:BITS (by default, whenever pushes are compressed), the
-worker asks for the next version *from its view*:
+aggregator's `pull_wire` is int8, topk:RATIO or sparse:DENSITY:BITS (by default, whenever
+pushes are compressed) and `exact_pulls` is off, the worker asks for the next version *from its
+view*:
 
     GET /v1/blocks/{b}/versions/{v}/delta?base=VIEW&wire=CODEC
 
@@ -23,17 +24,23 @@ drifting.
 every new version in the pull codec itself (`commit_step`): the new weights are the old plus the
 step *as the codec carries it*, and what the codec left out waits in a remainder at the
 aggregator, added to the next step (error feedback on the aggregator's side, as DoubleSqueeze
-and SparseLoCo's all-gather of compressed updates have it). The delta of version v from a view
-of version v - 1 is then that commit's body, whatever the view, and a worker holding the
-weights (up to the rounding of its first, whole pull, a constant) holds them still after it:
-nobody trains from a view that lags the weights. Views are then fp32 (the wire dtype's values,
-widened), so that no small step is rounded away. A worker more than one version behind walks
-the versions one at a time; any other base is `unknown_base` and the worker pulls whole.
+has it; SparseLoCo's peers likewise all apply the same compressed messages). The delta of
+version v is then that commit's body (`Commits`), the same for every worker:
+
+    GET /v1/blocks/{b}/versions/{v}/delta?wire=CODEC
+
+and a worker that holds a view of version v - 1 applies it (`read_commit`). One that pulled the
+block whole once holds the weights up to that pull's rounding, a constant, for as long as it
+pulls each version: nobody trains from a view that lags the weights, and the aggregator
+remembers no worker's view. Views are then fp32 (the wire dtype's values, widened), so that no
+small step is rounded away. A worker more than one version behind walks the versions one at a
+time; a commit no longer held is `version_gone`, and the worker pulls whole.
 
 The URL names everything its answer depends on: the version (never changes), the base (by its
 contents) and the codec. It is therefore as immutable, and as cacheable, as the version itself.
-The aggregator remembers the last few views of each block (those it sent whole or as deltas)
-and commits; after a restart it holds none, and each worker pulls one whole version again.
+The aggregator remembers the last few views of each block (those it sent whole or as deltas),
+or under exact pulls the last few commits; after a restart it holds none, and each worker pulls
+one whole version again.
 """
 
 from __future__ import annotations
@@ -138,21 +145,9 @@ def commit_step(
     return CommitStep(apply(old, sent), {k: step[k] - sent[k] for k in step}, parts)
 
 
-def read_delta(body: bytes, base: View, version: int, codec: DeltaWire) -> View:
-    """The view a delta body leads to from `base`. ProtocolError when the body is not a delta of
-    this block and version from this base in this codec, or when the result is not the view the
-    aggregator says it is (then the worker pulls the whole version)."""
-    try:
-        decoded = tensorwire.decode(body)
-    except WireError as exc:
-        raise ProtocolError(f"unreadable delta: {exc.detail}") from exc
-    md = decoded.metadata
-    said = (md.get("block"), md.get("version"), md.get("base"))
-    if said != (str(base.block), str(version), base.id):
-        raise ProtocolError(
-            f"the delta is block {said[0]} version {said[1]} from view {said[2]}, not block "
-            f"{base.block} version {version} from {base.id}"
-        )
+def _parts(decoded: tensorwire.Decoded, base: View, codec: DeltaWire) -> Tensors:
+    """A delta body's parts decoded against `base`, through the checks a push goes through;
+    ProtocolError when they fail."""
     spec = BlockSpec({k: tuple(v.shape) for k, v in base.tensors.items()}, delta_wire=str(codec))
     c = Candidate(base.block, decoded, spec, Limits(math.inf, 1))
     verdict = validate(
@@ -160,10 +155,57 @@ def read_delta(body: bytes, base: View, version: int, codec: DeltaWire) -> View:
     )
     if not verdict.accepted:
         raise ProtocolError(f"bad delta ({verdict.reason}): {verdict.detail}")
-    out = View.of(base.block, version, apply(base.tensors, c.tensors))
+    return c.tensors
+
+
+def _read(body: bytes) -> tensorwire.Decoded:
+    try:
+        return tensorwire.decode(body)
+    except WireError as exc:
+        raise ProtocolError(f"unreadable delta: {exc.detail}") from exc
+
+
+def read_delta(body: bytes, base: View, version: int, codec: DeltaWire) -> View:
+    """The view a delta body leads to from `base`. ProtocolError when the body is not a delta of
+    this block and version from this base in this codec, or when the result is not the view the
+    aggregator says it is (then the worker pulls the whole version)."""
+    decoded = _read(body)
+    md = decoded.metadata
+    said = (md.get("block"), md.get("version"), md.get("base"))
+    if said != (str(base.block), str(version), base.id):
+        raise ProtocolError(
+            f"the delta is block {said[0]} version {said[1]} from view {said[2]}, not block "
+            f"{base.block} version {version} from {base.id}"
+        )
+    out = View.of(base.block, version, apply(base.tensors, _parts(decoded, base, codec)))
     if out.id != md.get("view"):
         raise ProtocolError(f"the delta led to view {out.id}, not {md.get('view')}")
     return out
+
+
+def read_commit(body: bytes, base: View, version: int, codec: DeltaWire) -> View:
+    """Exact pulls: the view a commit body leads to from `base`, a view of the version before.
+    ProtocolError when the body is not the commit of this block and version in this codec."""
+    if base.version != version - 1:
+        raise ProtocolError(
+            f"commit {version} applies to version {version - 1}, not {base.version}"
+        )
+    decoded = _read(body)
+    md = decoded.metadata
+    said = (md.get("block"), md.get("version"), md.get("base_version"))
+    if said != (str(base.block), str(version), str(version - 1)):
+        raise ProtocolError(
+            f"the commit is block {said[0]} version {said[1]} from version {said[2]}, not "
+            f"block {base.block} version {version} from {version - 1}"
+        )
+    return View.of(base.block, version, apply(base.tensors, _parts(decoded, base, codec)))
+
+
+def whole_view(block: int, version: int, weights: Tensors, dtype: str, exact: bool) -> View:
+    """The view of a version pulled whole: its weights in the wire dtype, widened to fp32 under
+    exact pulls (so that no later step is rounded away)."""
+    sent = {k: v.to(wire_dtype(dtype)) for k, v in weights.items()}
+    return View.of(block, version, {k: v.float() for k, v in sent.items()} if exact else sent)
 
 
 @dataclass(frozen=True)
@@ -171,64 +213,80 @@ class DeltaBody:
     body: bytes
     etag: str
     """A strong entity tag: the body's SHA-256, quoted."""
-    view: View
-    """The view the delta leads to."""
+    view: View | None = None
+    """The view the delta leads to (a delta from a view; none for a commit, whose result
+    depends on the view it is applied to)."""
+
+
+def _tagged(body: bytes) -> str:
+    return f'"{hashlib.sha256(body).hexdigest()}"'
+
+
+class Commits:
+    """The aggregator's side under exact pulls: the last KEEP_COMMITS commits of each block,
+    each encoded once, with `__metadata__` block, version, base_version (the version before)
+    and delta_wire. Every worker gets the same body, whatever it holds, so a commit is as
+    cacheable as a version and the aggregator remembers no worker's view."""
+
+    def __init__(self, codec: DeltaWire, keep: int = KEEP_COMMITS) -> None:
+        self.codec = codec
+        self.keep = keep
+        self._bodies: dict[int, OrderedDict[int, DeltaBody]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, block: int, version: int, parts: Tensors) -> None:
+        """Remember the step that made `version` (`commit_step`'s parts)."""
+        meta = {"block": str(block), "version": str(version), "base_version": str(version - 1)}
+        body = tensorwire.encode(parts, {**meta, "delta_wire": self.codec.tag})
+        with self._lock:
+            bodies = self._bodies.setdefault(block, OrderedDict())
+            bodies[version] = DeltaBody(body, _tagged(body))
+            while len(bodies) > self.keep:
+                bodies.popitem(last=False)
+
+    def get(self, block: int, version: int) -> DeltaBody:
+        """The commit of `version`; Refused version_gone when it is not held (older than the
+        last KEEP_COMMITS, or made before a restart)."""
+        with self._lock:
+            found = self._bodies.get(block, OrderedDict()).get(version)
+        if found is None:
+            raise refused(
+                "version_gone",
+                f"the commit of block {block} version {version} is not held (the aggregator "
+                f"keeps the last {self.keep} in memory); pull the version whole",
+            )
+        return found
+
+    def holds(self, block: int, first: int, last: int) -> bool:
+        """Whether the commits of versions first..last of `block` are all held."""
+        with self._lock:
+            bodies = self._bodies.get(block, OrderedDict())
+            return all(v in bodies for v in range(first, last + 1))
 
 
 class Views:
-    """The aggregator's side: the views it sent, by block and id, and the deltas from them;
-    under exact pulls (`exact`) also the last commits, which are those deltas."""
+    """The aggregator's side without exact pulls: the views it sent, by block and id, and the
+    deltas from them."""
 
-    def __init__(
-        self,
-        dtype: str,
-        keep: int = KEEP_VIEWS,
-        keep_deltas: int = KEEP_DELTAS,
-        exact: bool = False,
-    ):
-        self.dtype = wire_dtype(dtype)
+    def __init__(self, dtype: str, keep: int = KEEP_VIEWS, keep_deltas: int = KEEP_DELTAS):
+        self.dtype = dtype
         self.keep = keep
         self.keep_deltas = keep_deltas
-        self.exact = exact
         self._views: dict[int, OrderedDict[str, View]] = {}
         self._deltas: OrderedDict[tuple[int, int, str, str], DeltaBody] = OrderedDict()
-        self._commits: dict[int, OrderedDict[int, Tensors]] = {}
         self._lock = threading.Lock()
 
     def whole(self, block: int, version: int, weights: Tensors) -> View:
-        """The view of a version sent whole (its weights in the wire dtype; widened to fp32
-        under exact pulls), remembered."""
-        view = View.of(block, version, self.held(weights))
+        """The view of a version sent whole (its weights in the wire dtype), remembered."""
+        view = whole_view(block, version, weights, self.dtype, exact=False)
         self._remember(view)
         return view
 
-    def held(self, tensors: Tensors) -> Tensors:
-        """Tensors as a worker holds them after a whole pull: in the wire dtype, widened to
-        fp32 under exact pulls (so that the steps after it are not rounded away)."""
-        out = {k: v.to(self.dtype) for k, v in tensors.items()}
-        return {k: v.float() for k, v in out.items()} if self.exact else out
-
-    def commit(self, block: int, version: int, parts: Tensors) -> None:
-        """Remember the step that made `version` (exact pulls: `commit_step`'s parts)."""
-        with self._lock:
-            commits = self._commits.setdefault(block, OrderedDict())
-            commits[version] = parts
-            while len(commits) > KEEP_COMMITS:
-                commits.popitem(last=False)
-
-    def holds_commits(self, block: int, first: int, last: int) -> bool:
-        """Whether the commits of versions first..last of `block` are all held."""
-        with self._lock:
-            commits = self._commits.get(block, OrderedDict())
-            return all(v in commits for v in range(first, last + 1))
-
     def delta(
-        self, block: int, version: int, weights: Tensors | None, base: str, codec: DeltaWire
+        self, block: int, version: int, weights: Tensors, base: str, codec: DeltaWire
     ) -> DeltaBody:
-        """Version `version` (`weights`, fp32; not needed under exact pulls) as a delta from
-        view `base`; Refused unknown_base when the block holds no such view, or under exact
-        pulls when the view is not of the version before or that commit is not held (the
-        worker pulls it whole)."""
+        """Version `version` (`weights`, fp32) as a delta from view `base`; Refused
+        unknown_base when the block holds no such view (the worker pulls it whole)."""
         key = (block, version, base, str(codec))
         with self._lock:  # one computation per key: the others wait, then find it cached
             found = self._deltas.get(key)
@@ -242,35 +300,24 @@ class Views:
                         f"block {block} holds no view {base[:40]!r} (restarted, or too old); "
                         "pull the whole version",
                     )
-                if self.exact:
-                    parts = self._commits.get(block, OrderedDict()).get(version)
-                    if held.version != version - 1 or parts is None:
-                        raise refused(
-                            "unknown_base",
-                            f"exact pulls send version {version} of block {block} from a view "
-                            f"of version {version - 1} only (this view is of version "
-                            f"{held.version}, or that commit is no longer held); pull the "
-                            "versions in turn or the whole version",
-                        )
-                else:
-                    assert weights is not None
-                    diff = {k: weights[k].float() - v.float() for k, v in held.tensors.items()}
-                    parts = codecs.compress(diff, codec).parts
-                found = self._encode(held, version, parts, codec)
+                found = self._encode(held, version, weights, codec)
                 self._deltas[key] = found
                 while len(self._deltas) > self.keep_deltas:
                     self._deltas.popitem(last=False)
+        assert found.view is not None
         self._remember(found.view)  # its holders may ask for a delta from it next
         return found
 
-    def _encode(self, base: View, version: int, parts: Tensors, codec: DeltaWire) -> DeltaBody:
+    def _encode(self, base: View, version: int, weights: Tensors, codec: DeltaWire) -> DeltaBody:
+        diff = {k: weights[k].float() - v.float() for k, v in base.tensors.items()}
+        parts = codecs.compress(diff, codec).parts
         meta = {"block": str(base.block), "version": str(version), "base": base.id}
         meta["delta_wire"] = codec.tag
         # The result is computed from the body as the worker will read it, then named in it.
         sent = as_read(parts, {k: tuple(v.shape) for k, v in base.tensors.items()}, codec)
         view = View.of(base.block, version, apply(base.tensors, sent))
         body = tensorwire.encode(parts, {**meta, "view": view.id})
-        return DeltaBody(body, f'"{hashlib.sha256(body).hexdigest()}"', view)
+        return DeltaBody(body, _tagged(body), view)
 
     def _remember(self, view: View) -> None:
         with self._lock:

@@ -1,9 +1,11 @@
 """Committed versions of a block's weights at immutable URLs, for plain HTTP caches and CDNs.
 
     GET /v1/blocks/{b}/versions/{v}     version v of block b in the wire dtype (safetensors)
-    GET /v1/blocks/{b}/versions/{v}/delta?base=VIEW&wire=CODEC
-                                        version v as a delta from a view the worker holds
-                                        (with a pull_wire codec; protocol/core/pulls.py)
+    GET /v1/blocks/{b}/versions/{v}/delta?wire=CODEC[&base=VIEW]
+                                        version v as a delta (with a pull_wire codec;
+                                        protocol/core/pulls.py): under exact pulls its
+                                        commit, the same body for everyone; else from the
+                                        view BASE the worker holds
 
 A committed version never changes (nor does a delta, named by its version, base and codec),
 so its answer carries `Cache-Control: ..., max-age=31536000, immutable` and a strong `ETag` (the SHA-256 of the body); `If-None-Match` is answered 304, and
@@ -41,7 +43,7 @@ from blocktrain.errors import ProtocolError, Refused
 from blocktrain.protocol.core.bodies import CONTENT_TYPE, encode
 from blocktrain.protocol.core.delta_wire import FULL, pull_codec
 from blocktrain.protocol.core.events import Committed
-from blocktrain.protocol.core.pulls import DeltaBody, Views
+from blocktrain.protocol.core.pulls import Commits, DeltaBody, Views
 from blocktrain.protocol.core.verdict import refused
 from blocktrain.protocol.http.dependencies import tag
 from blocktrain.protocol.service.aggregator_service import AggregatorService
@@ -77,14 +79,17 @@ class Versions:
         self.keep = keep
         self._bodies: OrderedDict[tuple[int, int], VersionBody] = OrderedDict()
         settings = service.settings
-        self.views = Views(settings.wire_dtype, exact=settings.commit_codec is not None)
+        self.views = Views(settings.wire_dtype)
+        codec = settings.commit_codec
+        self.commits = None if codec is None else Commits(codec)
+        """Exact pulls: the last commits, which are the deltas."""
         self._lock = threading.Lock()
         service.engine.on_commit.append(self._remember_step)
 
     def _remember_step(self, event: Committed) -> None:
         """Exact pulls: the commit's step is the delta of its version from the one before."""
-        if event.step is not None:
-            self.views.commit(event.closed.block, event.closed.new_version, event.step)
+        if self.commits is not None and event.step is not None:
+            self.commits.add(event.closed.block, event.closed.new_version, event.step)
 
     def get(self, block: int, version: int) -> VersionBody:
         newest = self._published(block, version)
@@ -130,9 +135,10 @@ class Versions:
         except ProtocolError:  # pruned meanwhile
             raise self._gone(block, version) from None
 
-    def delta(self, block: int, version: int, base: str, wire: str) -> DeltaBody:
-        """Version `version` as a delta from view `base` in `wire`, the aggregator's pull wire
-        (wrong_wire otherwise; unknown_base when it holds no such view)."""
+    def delta(self, block: int, version: int, base: str | None, wire: str) -> DeltaBody:
+        """Version `version` as a delta in `wire`, the aggregator's pull wire (wrong_wire
+        otherwise): under exact pulls its commit, whatever `base` (version_gone when it is not
+        held); else a delta from view `base` (unknown_base when it holds no such view)."""
         pulls = self.service.settings.pulls
         if wire != pulls:
             raise refused(
@@ -142,13 +148,18 @@ class Versions:
             )
         codec = pull_codec(wire)
         assert codec is not None  # "full" is no codec, and a wire equal to it was refused
-        if self.views.exact:  # the commit is the delta; the version's weights may be pruned
+        if self.commits is not None:  # the commit is the delta; its weights may be pruned
             self.service.check_block(block)
             with self.service.lock:
                 current = self.service.blocks[block].rounds.version
             if version > current:
                 raise refused("unknown_version", f"block {block} is at version {current}")
-            return self.views.delta(block, version, None, base, codec)
+            return self.commits.get(block, version)
+        if base is None:
+            raise refused(
+                "unknown_base",
+                "this aggregator's pulls are not exact: name the view held (base=VIEW)",
+            )
         return self.views.delta(block, version, self.weights(block, version), base, codec)
 
     def _encode(self, block: int, version: int, weights: dict[str, torch.Tensor]) -> VersionBody:
@@ -160,7 +171,7 @@ class Versions:
             "local_steps": settings.local_steps,
         }
         body = encode(weights, meta, settings.wire_dtype)
-        if settings.pulls != FULL:  # a worker that pulls this may ask for the next as a delta
+        if settings.pulls != FULL and self.commits is None:  # the next may come from its view
             self.views.whole(block, version, weights)
         return VersionBody(body, f'"{hashlib.sha256(body).hexdigest()}"')
 
@@ -248,10 +259,14 @@ def add_routes(
             request, found.body, found.etag, {"X-Block": str(block), "X-Version": str(version)}
         )
 
-    def delta_answer(request: Request, block: int, version: int, base: str, wire: str) -> Response:
+    def delta_answer(
+        request: Request, block: int, version: int, base: str | None, wire: str
+    ) -> Response:
         tag(request, "delta", block)
         found = versions.delta(block, version, base, wire)
-        headers = {"X-Block": str(block), "X-Version": str(version), "X-View": found.view.id}
+        headers = {"X-Block": str(block), "X-Version": str(version)}
+        if found.view is not None:
+            headers["X-View"] = found.view.id
         return send(request, found.body, found.etag, headers)
 
     binary = {"content": {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}}}
@@ -268,7 +283,12 @@ def add_routes(
         "responses": {200: binary, **cached},
         "summary": "A committed version as a delta from a view the worker holds (pull_wire)",
     }
-    base_query = Query(min_length=1, max_length=64, description="the id of the view held (X-View)")
+    base_query = Query(
+        None,
+        min_length=1,
+        max_length=64,
+        description="the id of the view held (X-View); not needed under exact pulls",
+    )
     wire_query = Query(max_length=40, description="the aggregator's pull_wire")
     version_url = "/v1/blocks/{block}/versions/{version}"
     if public:
@@ -284,7 +304,7 @@ def add_routes(
             request: Request,
             block: int = Path(ge=0),
             version: int = Path(ge=0),
-            base: str = base_query,
+            base: str | None = base_query,
             wire: str = wire_query,
         ) -> Response:
             return delta_answer(request, block, version, base, wire)
@@ -308,7 +328,7 @@ def add_routes(
             request: Request,
             block: int = Path(ge=0),
             version: int = Path(ge=0),
-            base: str = base_query,
+            base: str | None = base_query,
             wire: str = wire_query,
             _: Any = delta_token,
         ) -> Response:

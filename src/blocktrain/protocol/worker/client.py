@@ -29,7 +29,7 @@ from blocktrain.protocol.core.bodies import (
     version_path,
 )
 from blocktrain.protocol.core.delta_wire import FULL, DeltaWire, pull_codec
-from blocktrain.protocol.core.pulls import View, read_delta
+from blocktrain.protocol.core.pulls import View, read_commit, read_delta
 from blocktrain.protocol.worker.replies import Pulled as Pulled
 from blocktrain.protocol.worker.replies import PushResult as PushResult
 from blocktrain.protocol.worker.replies import Registration as Registration
@@ -292,8 +292,9 @@ class AggregatorClient(RetryingHttp):
     def _chain(
         self, url: str, base: View, version: int, codec: DeltaWire
     ) -> tuple[View | None, int]:
-        """`version` from `base` as one delta, or under exact pulls as the deltas of each version
-        after `base`'s in turn; the view and the bytes received (no view: pull it whole)."""
+        """`version` from `base` as one delta from the view, or under exact pulls as the commits
+        of each version after `base`'s in turn; the view and the bytes received (no view: pull
+        it whole)."""
         if not self.exact_pulls:
             return self._delta(url, base, version, codec)
         stem = url.rstrip("/").rsplit("/", 1)[0]  # .../versions
@@ -310,14 +311,17 @@ class AggregatorClient(RetryingHttp):
     def _delta(
         self, url: str, base: View, version: int, codec: DeltaWire
     ) -> tuple[View | None, int]:
-        """`version` as a delta from `base`, and the bytes received; no view after any refusal
-        (unknown_base after a restart, an old aggregator) or a bad body: the caller then pulls
+        """`version` as a delta from `base` (under exact pulls: its commit, one URL for every
+        worker), and the bytes received; no view after any refusal (unknown_base or
+        version_gone after a restart, an old aggregator) or a bad body: the caller then pulls
         the whole version."""
+        params = (
+            {"wire": self.pull_wire}
+            if self.exact_pulls
+            else {"base": base.id, "wire": self.pull_wire}
+        )
         response = self.request(
-            "GET",
-            url.rstrip("/") + "/delta",
-            params={"base": base.id, "wire": self.pull_wire},
-            follow_redirects=True,
+            "GET", url.rstrip("/") + "/delta", params=params, follow_redirects=True
         )
         self.bytes_down += len(response.content)
         if response.status_code != 200:
@@ -325,8 +329,9 @@ class AggregatorClient(RetryingHttp):
             if response.status_code == 400:  # wrong_wire: restarted with another pull wire
                 self.pull_wire = FULL  # whole pulls until the next registration says again
             return None, len(response.content)
+        read = read_commit if self.exact_pulls else read_delta
         try:
-            return read_delta(response.content, base, version, codec), len(response.content)
+            return read(response.content, base, version, codec), len(response.content)
         except ProtocolError as exc:
             log.warning("delta pull of version %d unusable (%s); pulling it whole", version, exc)
             return None, len(response.content)
