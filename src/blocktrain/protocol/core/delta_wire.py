@@ -165,9 +165,10 @@ def pull_codec(text: str) -> DeltaWire | None:
 SPARSE_PULL_DENSITY = 2
 """A sparse push codec's default pulls keep this many times its density. A version's delta is
 the mean of every replica's sparse votes, so its support is up to that many times one vote's
-(two replicas a block at the tiny preset); pulled at the push density the views lag the
-weights, and each worker trains the lag in again (docs/protocol.md, Compressed pulls; the
-measurements are BENCHMARKS.md's, Compressed deltas)."""
+(two replicas a block at the tiny preset); pulled at the push density, what a pull leaves out
+is a lag (in the views, or under exact pulls in the aggregator's remainder) that each worker
+trains in again (docs/protocol.md, Compressed pulls; the measurements are BENCHMARKS.md's,
+Compressed deltas)."""
 SPARSE_PULL_BITS = 4
 
 
