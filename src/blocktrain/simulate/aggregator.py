@@ -63,7 +63,8 @@ class SimAggregator:
         self.on_close: list[Callable[[Committed], None]] = self.engine.on_commit
         """Called with each commit (the round and the block's new weights)."""
         self._published: dict[int, View] = {}
-        """block -> the last version pulled whole, in the wire dtype."""
+        """block -> the last version pulled whole, in the wire dtype (widened to fp32 under
+        exact pulls)."""
         self.views = Views(settings.wire_dtype)
         """What an HTTP aggregator's `Versions.views` holds (compressed pulls, not exact)."""
         codec = settings.commit_codec

@@ -87,7 +87,8 @@ class AggregatorClient(RetryingHttp):
         """The registration's exact pulls: views are fp32, and each delta is from the version
         before (a worker further behind walks the versions)."""
         self.view: View | None = None
-        """The weights last pulled, as they arrived (the wire dtype; a worker's folder keeps it)."""
+        """The weights last pulled, as they arrived (the wire dtype, widened to fp32 under exact
+        pulls; a worker's folder keeps it)."""
         self._latest: dict[int, tuple[int, Tensors]] = {}
         """Per other block read with `latest`: (version, tensors); a version never changes."""
         self._upstream_views: dict[int, View] = {}
