@@ -45,6 +45,7 @@ one whole version again.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import threading
@@ -95,16 +96,28 @@ def view_id(tensors: Tensors) -> str:
 
 @dataclass(frozen=True)
 class View:
-    """A block's weights as one worker holds them, in the wire dtype."""
+    """A block's weights as one worker holds them: in the wire dtype, or widened to fp32 under
+    exact pulls (`as_held`)."""
 
     block: int
     version: int
     tensors: Tensors
-    id: str
+
+    @functools.cached_property
+    def id(self) -> str:
+        """`view_id` of the tensors, computed when first asked: a delta from the view names it,
+        a commit (exact pulls) does not."""
+        return view_id(self.tensors)
 
     @staticmethod
     def of(block: int, version: int, tensors: Tensors) -> View:
-        return View(block, version, tensors, view_id(tensors))
+        return View(block, version, tensors)
+
+
+def as_held(tensors: Tensors, exact: bool) -> Tensors:
+    """Tensors pulled whole (in the wire dtype) as a worker holds them: widened to fp32 under
+    exact pulls, so that no later step is rounded away."""
+    return {k: v.float() for k, v in tensors.items()} if exact else tensors
 
 
 def apply(base: Tensors, delta: Tensors) -> Tensors:
@@ -205,7 +218,7 @@ def whole_view(block: int, version: int, weights: Tensors, dtype: str, exact: bo
     """The view of a version pulled whole: its weights in the wire dtype, widened to fp32 under
     exact pulls (so that no later step is rounded away)."""
     sent = {k: v.to(wire_dtype(dtype)) for k, v in weights.items()}
-    return View.of(block, version, {k: v.float() for k, v in sent.items()} if exact else sent)
+    return View.of(block, version, as_held(sent, exact))
 
 
 @dataclass(frozen=True)

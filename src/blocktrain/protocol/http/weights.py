@@ -116,18 +116,24 @@ class Versions:
     def _published(self, block: int, version: int) -> dict[str, torch.Tensor] | None:
         """The block's weights when `version` is its newest; None for an older version still
         on disk; unknown_version or version_gone otherwise."""
+        current, weights = self._current(block, version)
+        if version == current:
+            return weights
+        if not self.service.storage.has_tensors(block, version):
+            raise self._gone(block, version)
+        return None
+
+    def _current(self, block: int, version: int) -> tuple[int, dict[str, torch.Tensor]]:
+        """The block's published version and its weights, together; unknown_version when
+        `version` is past it."""
         service = self.service
         service.check_block(block)
-        with service.lock:  # the published version and its weights, together
+        with service.lock:
             st = service.blocks[block]
             current, weights = st.rounds.version, st.weights
         if version > current:
             raise refused("unknown_version", f"block {block} is at version {current}")
-        if version == current:
-            return weights
-        if not service.storage.has_tensors(block, version):
-            raise self._gone(block, version)
-        return None
+        return current, weights
 
     def _load(self, block: int, version: int) -> dict[str, torch.Tensor]:
         try:
@@ -149,11 +155,7 @@ class Versions:
         codec = pull_codec(wire)
         assert codec is not None  # "full" is no codec, and a wire equal to it was refused
         if self.commits is not None:  # the commit is the delta; its weights may be pruned
-            self.service.check_block(block)
-            with self.service.lock:
-                current = self.service.blocks[block].rounds.version
-            if version > current:
-                raise refused("unknown_version", f"block {block} is at version {current}")
+            self._current(block, version)
             return self.commits.get(block, version)
         if base is None:
             raise refused(

@@ -29,7 +29,7 @@ from blocktrain.protocol.core.bodies import (
     version_path,
 )
 from blocktrain.protocol.core.delta_wire import FULL, DeltaWire, pull_codec
-from blocktrain.protocol.core.pulls import View, read_commit, read_delta
+from blocktrain.protocol.core.pulls import View, as_held, read_commit, read_delta
 from blocktrain.protocol.worker.replies import Pulled as Pulled
 from blocktrain.protocol.worker.replies import PushResult as PushResult
 from blocktrain.protocol.worker.replies import Registration as Registration
@@ -283,12 +283,7 @@ class AggregatorClient(RetryingHttp):
             self._held = None if etag is None else (url, etag, tensors)
         if codec is None:
             return fp32(tensors), nbytes, None
-        # exact pulls hold views in fp32, so that no later step is rounded away
-        return (
-            fp32(tensors),
-            nbytes,
-            View.of(block, version, fp32(tensors) if self.exact_pulls else tensors),
-        )
+        return fp32(tensors), nbytes, View.of(block, version, as_held(tensors, self.exact_pulls))
 
     def _chain(
         self, url: str, base: View, version: int, codec: DeltaWire
