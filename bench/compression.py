@@ -16,12 +16,18 @@ so: it is what that setting runs). final_sampler_ce: the final model's sampler C
 sweeps, 16384 validation bytes); bytes_total: every pull and push body of the run (bytes_up:
 the pushes alone).
 
+Rows of another `--preset` (small) are a pair, fp16 and a codec at one length, read against
+each other in their own table; they run with the effect probe off, as `blocktrain cluster` does
+(the probe refuses honest updates at small near the learning rate's peak: BENCHMARKS.md, The
+shared-node run).
+
     python bench/compression.py --rounds 30 --local-steps 30                # the main rows
     python bench/compression.py --rounds 30 --local-steps 30 --ablations    # + the ablations
     python bench/compression.py --rounds 30 --local-steps 30 --wires fp16,sparse:0.03:2 --seeds 1,2
     python bench/compression.py --wires topk:0.01     # add a row (rows in the JSON are kept)
     python bench/compression.py --wires sparse:0.03:2 --variant pull_wire=full   # one ablation
     python bench/compression.py --force               # re-run rows already in the JSON
+    python bench/compression.py --preset small --rounds 20 --local-steps 20 --wires sparse:0.03:2
 
 A variant is `KEY=VALUE[,KEY=VALUE]`: aggregator settings (`outer_lr=0.7,outer_momentum=0.9`),
 or `mean=dense`, which averages sparse votes as dense ones (a coordinate one of two replicas
@@ -43,7 +49,7 @@ import torch
 
 from blocktrain.config import apply_overrides
 from blocktrain.data import load_split
-from blocktrain.presets import tiny
+from blocktrain.presets import PRESETS, preset
 from blocktrain.protocol.core import round_engine
 from blocktrain.protocol.core.aggregation import Accumulator
 from blocktrain.protocol.core.delta_wire import FULL, DeltaWire
@@ -70,9 +76,9 @@ ABLATIONS: tuple[tuple[str, str], ...] = (
     ("sparse:0.03:2:beta=0.999", ""),
     ("sparse:0.03:2", "outer_lr=0.7,outer_momentum=0.9"),
     ("sparse:0.03:2", "pull_wire=full"),  # whole pulls
-    ("sparse:0.03:2", "pull_wire=sparse:0.03:2"),  # pulls at the push density (they lag)
-    ("sparse:0.03:2", "pull_wire=sparse:0.1:4"),
-    ("sparse:0.03:2", "pull_wire=sparse:0.06:8"),
+    ("sparse:0.03:2", "pull_wire=sparse:0.03:4"),  # pulls at the push density
+    ("sparse:0.03:2", "exact_pulls=off"),  # each worker's delta from its view
+    ("sparse:0.02:2", ""),
     ("sparse:0.01:2", ""),
 )
 """(wire, variant) of each ablation row: one detail of sparse:0.03:2 (its default pulls
@@ -82,6 +88,11 @@ TARGETS = {"int8": ("bar", 0.01, 0.55), "topk": ("bar", 0.03, 0.10), "sparse": (
 within, total bytes at most). The sparse codecs' goal is GOAL."""
 GOAL = (0.01, 0.03)
 MIN_SEEDS = 3
+MAIN_PRESET = "tiny"
+"""The preset of the main tables; a row of another preset is read against fp16 of its own
+preset, length and seed."""
+PRESET_SETTINGS: dict[str, dict[str, Any]] = {"small": {"effect_probe": "off"}}
+"""Aggregator settings every row of a preset takes (`blocktrain cluster`'s at small)."""
 
 
 def variant_settings(variant: str) -> tuple[dict[str, Any], bool]:
@@ -123,13 +134,16 @@ def dense_mean_of_sparse(on: bool) -> Iterator[None]:
 
 def run_row(wire: str, variant: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     # the run's seed draws the model's initial weights and each worker's batches
-    cfg = apply_overrides(tiny(), [f"steps={args.rounds * args.local_steps}", f"seed={seed}"])
+    cfg = apply_overrides(
+        preset(args.preset), [f"steps={args.rounds * args.local_steps}", f"seed={seed}"]
+    )
     settings, dense_mean = variant_settings(variant)
+    base = PRESET_SETTINGS.get(args.preset, {})
     spec = SimSpec(
         cfg,
         workers=6,
         rounds=args.rounds,
-        protocol={"local_steps": args.local_steps, "delta_wire": wire, **settings},
+        protocol={"local_steps": args.local_steps, "delta_wire": wire, **base, **settings},
         seed=seed,
         eval_every=args.rounds,  # the final model is what the table compares
     )
@@ -140,6 +154,8 @@ def run_row(wire: str, variant: str, seed: int, args: argparse.Namespace) -> dic
         )
     r = report["regimes"]["lockstep"]
     return {
+        "preset": args.preset,
+        "settings": base,
         "wire": wire,
         "variant": variant,
         "design": design(wire, variant),
@@ -200,6 +216,13 @@ def main() -> None:
     )
     add_simulated_row_args(p)
     p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=MAIN_PRESET,
+        help=f"the rows' shape (default: {MAIN_PRESET}, the main tables; another is a pair "
+        "beside them)",
+    )
+    p.add_argument(
         "--wires",
         type=lambda text: [x.strip() for x in text.split(",") if x.strip()],
         default=list(WIRES),
@@ -248,12 +271,12 @@ def main() -> None:
             rows[key_of(r)] = r
     for seed in args.seeds:
         for wire, variant in runs:
-            key = (wire, variant, seed, args.rounds, args.local_steps)
+            key = (args.preset, wire, variant, seed, args.rounds, args.local_steps)
             old = rows.get(key)
             fresh = old is not None and old.get("pull_wire") == pull_wire(wire, variant)
             if fresh and (wire, variant) not in forced:
                 continue
-            label = wire + (f" [{variant}]" if variant else "")
+            label = f"{args.preset} {wire}" + (f" [{variant}]" if variant else "")
             print(f"compression: {label}, seed {seed} ...", file=sys.stderr, flush=True)
             rows[key] = row = run_row(wire, variant, seed, args)
             print(
@@ -275,23 +298,32 @@ def pull_wire(wire: str, variant: str = "") -> str:
     return AggregatorSettings(delta_wire=wire, pull_wire=settings.get("pull_wire")).pulls
 
 
-Key = tuple[str, str, int, int, int]
-"""A row's wire, variant, seed, rounds and H."""
+Key = tuple[str, str, str, int, int, int]
+"""A row's preset, wire, variant, seed, rounds and H."""
 
 
 def key_of(row: dict[str, Any]) -> Key:
-    return (row["wire"], row.get("variant", ""), row["seed"], row["rounds"], row["local_steps"])
+    return (
+        row.get("preset", MAIN_PRESET),  # the rows measured before --preset existed are tiny
+        row["wire"],
+        row.get("variant", ""),
+        row["seed"],
+        row["rounds"],
+        row["local_steps"],
+    )
 
 
 def result_of(rows: dict[Key, dict[str, Any]]) -> dict[str, Any]:
     """The tables compare runs of one length: the longest that has an fp16 row (rows of other
     lengths are kept under `other_rows`). `rows`: seed 0's, each against fp16 of seed 0;
     `seed_rows`: the other seeds'; `seeds`: per wire and variant, its CE minus fp16's of the
-    same seed, for every seed run with both, and its verdict against the bar and the goal."""
-    lengths = [(k[3] * k[4], k[3], k[4]) for k in rows if k[0] == "fp16" and not k[1]]
+    same seed, for every seed run with both, and its verdict against the bar and the goal;
+    `preset_rows`: the rows of other presets, each against fp16 of its preset, length and seed."""
+    main = {k[1:]: r for k, r in rows.items() if k[0] == MAIN_PRESET}
+    lengths = [(k[3] * k[4], k[3], k[4]) for k in main if k[0] == "fp16" and not k[1]]
     _, rounds, local_steps = max(lengths, default=(0, 0, 0))
-    kept = {k[:3]: r for k, r in rows.items() if (k[3], k[4]) == (rounds, local_steps)}
-    other_rows = [r for k, r in rows.items() if (k[3], k[4]) != (rounds, local_steps)]
+    kept = {k[:3]: r for k, r in main.items() if (k[3], k[4]) == (rounds, local_steps)}
+    other_rows = [r for k, r in main.items() if (k[3], k[4]) != (rounds, local_steps)]
     first = {key: r for key, r in kept.items() if key[2] == 0}
     ordered = sorted(
         first.values(),
@@ -335,7 +367,21 @@ def result_of(rows: dict[Key, dict[str, Any]]) -> dict[str, Any]:
         "seed_rows": others,
         "seeds": seeds,
         "other_rows": other_rows,
+        "preset_rows": preset_rows(rows),
     }
+
+
+def preset_rows(rows: dict[Key, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of presets other than the main one, by preset, length and seed, fp16 first,
+    each with its CE and bytes against fp16 of the same preset, length and seed (None without)."""
+    out = []
+    for key in sorted(k for k in rows if k[0] != MAIN_PRESET):
+        r = rows[key]
+        fp16 = rows.get((key[0], "fp16", "", *key[3:]))
+        r["ce_vs_fp16"] = None if fp16 is None else r["final_sampler_ce"] - fp16["final_sampler_ce"]
+        r["bytes_vs_fp16"] = None if fp16 is None else r["bytes_total"] / fp16["bytes_total"]
+        out.append(r)
+    return sorted(out, key=lambda r: (key_of(r)[0], *key_of(r)[3:], r["wire"] != "fp16"))
 
 
 def verdict(entry: dict[str, Any]) -> str:
@@ -407,6 +453,28 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(
                 f"| {label} | {seeds} | {each} | {e['ce_vs_fp16_mean']:+.4f} ± {sd} (± {se}) | "
                 f"{ratios} | {e['verdict']} |"
+            )
+    pairs = result.get("preset_rows", [])
+    if pairs:
+        lines += [
+            "",
+            "Other shapes: 6 workers, regime lockstep, each row against fp16 of the same preset, "
+            "length and seed, with the settings the preset's rows take "
+            f"(`--preset NAME`; {', '.join(f'{k}: {v}' for k, v in PRESET_SETTINGS.items())}).",
+            "",
+            "| preset | rounds x H | seed | wire | pulls | variant | final CE | − fp16 | "
+            "bytes total | ÷ fp16 | accepted | refused |",
+            "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---|",
+        ]
+        for r in pairs:
+            ce = "—" if r["ce_vs_fp16"] is None else f"{r['ce_vs_fp16']:+.4f}"
+            total = "—" if r["bytes_vs_fp16"] is None else f"{r['bytes_vs_fp16']:.3f}"
+            refused = ", ".join(f"{k} {v}" for k, v in sorted(r["refused"].items())) or "none"
+            lines.append(
+                f"| {r['preset']} | {r['rounds']} x {r['local_steps']} | {r['seed']} | "
+                f"{r['wire']} | {r.get('pull_wire', 'full')} | {r.get('variant') or '—'} | "
+                f"{r['final_sampler_ce']:.4f} | {ce} | {r['bytes_total'] / 1e6:.1f} MB | "
+                f"{total} | {r['accepted']} | {refused} |"
             )
     shorter = sorted(
         result.get("other_rows", []), key=lambda r: (r["rounds"], r["local_steps"], r["seed"])

@@ -17,9 +17,17 @@ from blocktrain.protocol.core.settings import AggregatorSettings
 
 
 def row(
-    wire: str, seed: int, ce: float, total: int, *, variant: str = "", rounds: int = 30
+    wire: str,
+    seed: int,
+    ce: float,
+    total: int,
+    *,
+    variant: str = "",
+    rounds: int = 30,
+    preset: str | None = None,
 ) -> dict[str, Any]:
     return {
+        **({} if preset is None else {"preset": preset}),  # None: a row from before --preset
         "wire": wire,
         "variant": variant,
         "seed": seed,
@@ -69,6 +77,29 @@ def test_the_tables_compare_the_longest_fp16_run_and_keep_the_rest() -> None:
     assert result["command"] == "python bench/compression.py --rounds 30 --local-steps 30"
     text = compression.markdown(result)
     assert "| 10 x 30 | int8 | — | 0 | 2.8500 | 54.0 MB |" in text
+
+
+def test_another_presets_rows_are_a_pair_read_against_their_own_fp16() -> None:
+    tiny = [row("fp16", 0, 2.0, 500), row("sparse:0.03:2", 0, 2.01, 25, preset="tiny")]
+    small = [
+        row("sparse:0.03:2", 0, 1.72, 40, rounds=20, preset="small"),
+        row("fp16", 0, 1.70, 800, rounds=20, preset="small"),
+        row("sparse:0.03:2", 1, 1.75, 40, rounds=20, preset="small"),  # no fp16 of seed 1
+    ]
+    result = table(tiny + small)
+    assert [r["wire"] for r in result["rows"]] == ["fp16", "sparse:0.03:2"]  # tiny's alone
+    assert result["rows"][1]["ce_vs_fp16"] == pytest.approx(0.01)
+    pairs = result["preset_rows"]
+    assert [(r["seed"], r["wire"]) for r in pairs] == [
+        (0, "fp16"),
+        (0, "sparse:0.03:2"),
+        (1, "sparse:0.03:2"),
+    ]
+    assert pairs[1]["ce_vs_fp16"] == pytest.approx(0.02)
+    assert pairs[1]["bytes_vs_fp16"] == pytest.approx(0.05)
+    assert pairs[2]["ce_vs_fp16"] is None
+    text = compression.markdown(result)
+    assert "| small | 20 x 30 | 0 | sparse:0.03:2 | sparse:0.06:4 | — | 1.7200 | +0.0200 |" in text
 
 
 def test_variants_name_settings_or_the_dense_mean() -> None:
