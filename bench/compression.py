@@ -402,6 +402,15 @@ def verdict(entry: dict[str, Any]) -> str:
     return out
 
 
+def against_fp16(r: dict[str, Any]) -> tuple[str, str, str]:
+    """A row's cells for its CE and total bytes against fp16 ('—' without one) and its
+    refusals."""
+    ce = "—" if r["ce_vs_fp16"] is None else f"{r['ce_vs_fp16']:+.4f}"
+    total = "—" if r["bytes_vs_fp16"] is None else f"{r['bytes_vs_fp16']:.3f}"
+    refused = ", ".join(f"{k} {v}" for k, v in sorted(r["refused"].items())) or "none"
+    return ce, total, refused
+
+
 def markdown(result: dict[str, Any]) -> str:
     rows = result["rows"]
     first = rows[0] if rows else {"rounds": "?", "local_steps": "?", "seed": "?"}
@@ -422,10 +431,8 @@ def markdown(result: dict[str, Any]) -> str:
         "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
-        ce = "—" if r["ce_vs_fp16"] is None else f"{r['ce_vs_fp16']:+.4f}"
-        total = "—" if r["bytes_vs_fp16"] is None else f"{r['bytes_vs_fp16']:.3f}"
+        ce, total, refused = against_fp16(r)
         up = "—" if r["bytes_up_vs_fp16"] is None else f"{r['bytes_up_vs_fp16']:.3f}"
-        refused = ", ".join(f"{k} {v}" for k, v in sorted(r["refused"].items())) or "none"
         lines.append(
             f"| {r['wire']} | {r.get('pull_wire', 'full')} | {r.get('variant') or '—'} | {design(r['wire'], r.get('variant', ''))} "
             f"| {r['final_sampler_ce']:.4f} | {ce} | {r['bytes_total'] / 1e6:.1f} MB"
@@ -467,9 +474,7 @@ def markdown(result: dict[str, Any]) -> str:
             "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---|",
         ]
         for r in pairs:
-            ce = "—" if r["ce_vs_fp16"] is None else f"{r['ce_vs_fp16']:+.4f}"
-            total = "—" if r["bytes_vs_fp16"] is None else f"{r['bytes_vs_fp16']:.3f}"
-            refused = ", ".join(f"{k} {v}" for k, v in sorted(r["refused"].items())) or "none"
+            ce, total, refused = against_fp16(r)
             lines.append(
                 f"| {r['preset']} | {r['rounds']} x {r['local_steps']} | {r['seed']} | "
                 f"{r['wire']} | {r.get('pull_wire', 'full')} | {r.get('variant') or '—'} | "
