@@ -96,7 +96,7 @@ def test_a_commit_applies_to_the_version_before_only():
     with pytest.raises(ProtocolError, match="applies to version 1, not 0"):
         read_commit(commits.get(0, 2).body, held, 2, SPARSE)  # two versions on: walk
     with pytest.raises(ProtocolError, match="version 1 from version 0, not block 0 version 2"):
-        read_commit(commits.get(0, 1).body, View.of(0, 1, held.tensors), 2, SPARSE)
+        read_commit(commits.get(0, 1).body, View(0, 1, held.tensors), 2, SPARSE)
     assert read_commit(commits.get(0, 1).body, held, 1, SPARSE).version == 1
     assert commits.holds(0, 1, 2) and not commits.holds(0, 1, 3)
     with pytest.raises(Refused) as err:

@@ -98,7 +98,7 @@ def test_read_delta_refuses_a_body_that_is_not_what_it_says():
         read_delta(body({}, {k: v for k, v in parts.items() if k != "embed"}), held, 1, INT8)
     with pytest.raises(ProtocolError, match="wrong_wire"):
         read_delta(sent.body, held, 1, DeltaWire.parse("topk:0.1"))
-    other = View.of(
+    other = View(
         0, 0, apply(held.tensors, {k: torch.ones_like(v.float()) for k, v in held.tensors.items()})
     )
     with pytest.raises(ProtocolError, match="from view"):

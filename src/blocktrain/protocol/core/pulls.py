@@ -109,10 +109,6 @@ class View:
         a commit (exact pulls) does not."""
         return view_id(self.tensors)
 
-    @staticmethod
-    def of(block: int, version: int, tensors: Tensors) -> View:
-        return View(block, version, tensors)
-
 
 def as_held(tensors: Tensors, exact: bool) -> Tensors:
     """Tensors pulled whole (in the wire dtype) as a worker holds them: widened to fp32 under
@@ -190,7 +186,7 @@ def read_delta(body: bytes, base: View, version: int, codec: DeltaWire) -> View:
             f"the delta is block {said[0]} version {said[1]} from view {said[2]}, not block "
             f"{base.block} version {version} from {base.id}"
         )
-    out = View.of(base.block, version, apply(base.tensors, _parts(decoded, base, codec)))
+    out = View(base.block, version, apply(base.tensors, _parts(decoded, base, codec)))
     if out.id != md.get("view"):
         raise ProtocolError(f"the delta led to view {out.id}, not {md.get('view')}")
     return out
@@ -211,14 +207,14 @@ def read_commit(body: bytes, base: View, version: int, codec: DeltaWire) -> View
             f"the commit is block {said[0]} version {said[1]} from version {said[2]}, not "
             f"block {base.block} version {version} from {version - 1}"
         )
-    return View.of(base.block, version, apply(base.tensors, _parts(decoded, base, codec)))
+    return View(base.block, version, apply(base.tensors, _parts(decoded, base, codec)))
 
 
 def whole_view(block: int, version: int, weights: Tensors, dtype: str, exact: bool) -> View:
     """The view of a version pulled whole: its weights in the wire dtype, widened to fp32 under
     exact pulls (so that no later step is rounded away)."""
     sent = {k: v.to(wire_dtype(dtype)) for k, v in weights.items()}
-    return View.of(block, version, as_held(sent, exact))
+    return View(block, version, as_held(sent, exact))
 
 
 @dataclass(frozen=True)
@@ -328,7 +324,7 @@ class Views:
         meta["delta_wire"] = codec.tag
         # The result is computed from the body as the worker will read it, then named in it.
         sent = as_read(parts, {k: tuple(v.shape) for k, v in base.tensors.items()}, codec)
-        view = View.of(base.block, version, apply(base.tensors, sent))
+        view = View(base.block, version, apply(base.tensors, sent))
         body = tensorwire.encode(parts, {**meta, "view": view.id})
         return DeltaBody(body, _tagged(body), view)
 

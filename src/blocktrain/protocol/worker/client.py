@@ -283,7 +283,7 @@ class AggregatorClient(RetryingHttp):
             self._held = None if etag is None else (url, etag, tensors)
         if codec is None:
             return fp32(tensors), nbytes, None
-        return fp32(tensors), nbytes, View.of(block, version, as_held(tensors, self.exact_pulls))
+        return fp32(tensors), nbytes, View(block, version, as_held(tensors, self.exact_pulls))
 
     def _chain(
         self, url: str, base: View, version: int, codec: DeltaWire

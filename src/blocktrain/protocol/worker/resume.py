@@ -238,7 +238,7 @@ class WorkerFolder:
         view = self._part(VIEW)
         held = None
         if view and reg.pull_wire != FULL and "view_version" in self._meta:
-            held = View.of(reg.block, int(self._meta["view_version"]), view)
+            held = View(reg.block, int(self._meta["view_version"]), view)
         return f"resumed worker {reg.worker_id} from {self.root}: {', '.join(kept)}", held
 
     def _part(self, prefix: str) -> Tensors:
