@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from blocktrain.cli.aggregator import prepare_state
+from blocktrain.cli.aggregator_state import prepare_state
 from blocktrain.cli.main import build_parser, main
 from blocktrain.config import ModelConfig
 from blocktrain.data import load_split

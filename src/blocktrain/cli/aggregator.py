@@ -22,12 +22,11 @@ import argparse
 import gc
 import logging
 import os
-import shutil
 import socket
 import sys
-from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from blocktrain.cli.aggregator_state import prepare_state, remove_new
 from blocktrain.cli.common import (
     Formatter,
     add_config_args,
@@ -35,25 +34,18 @@ from blocktrain.cli.common import (
     add_setting_args,
     add_unit_arg,
     file_patterns,
-    resolve_config,
-    settings_overrides,
-    unit_of,
 )
-from blocktrain.config import RunConfig, parse_blocks
+from blocktrain.config import RunConfig
 from blocktrain.data import ByteSource, load_split
 from blocktrain.errors import ConfigError, DataError
 from blocktrain.httpserve import Limits
 from blocktrain.listener import bind, url_of
-from blocktrain.protocol.core.bounds import derived_settings, largest_block
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.service.access import JSON_BODY_BYTES, AccessLimits
-from blocktrain.protocol.service.placement import Directory, parse_peer, placed
-from blocktrain.protocol.store.state import create_state, run_unit
+from blocktrain.protocol.store.state import run_unit
 from blocktrain.protocol.store.storage import StateDir
-from blocktrain.serving.shared.transport import check_url
 from blocktrain.tls import tls_pair
 from blocktrain.training.live_eval import AssembledEval
-from blocktrain.training.local import initial_units, reference_config
 from blocktrain.training.probe import BlockProbe
 
 log = logging.getLogger(__name__)
@@ -174,81 +166,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
-def prepare_state(
-    args: argparse.Namespace, ready: Callable[[AggregatorSettings], None] | None = None
-) -> tuple[StateDir, AggregatorSettings, Directory]:
-    """The state folder (created from --preset, or resumed with the settings' overrides) and
-    the directory of its blocks (`placement.placed`: --blocks and --peer checked against the
-    saved ones before anything is written). `ready(settings)`, when given, runs after every
-    check and before the first write, with the settings the aggregator will serve: what it
-    raises leaves the folder as it was."""
-    state = StateDir(Path(args.state))
-    overrides = settings_overrides(args)
-    served = None if args.blocks is None else parse_blocks(args.blocks)
-    peers = dict(parse_peer(text) for text in args.peer)
-    for b, url in peers.items():  # saved in the state and handed to workers: checked first
-        check_url(url, f"--peer {b}=URL")
-    if state.initialised:
-        if args.preset is not None or args.overrides or args.seed is not None:
-            raise ConfigError(
-                f"{args.state} already holds a run; omit --preset/--set/--seed "
-                "to resume it, or choose a new --state"
-            )
-        settings = state.settings().replace(**overrides)
-        saved = state.placement()[0]
-        held = served if served is not None else saved or range(state.n_blocks())
-        check_probe_reach(RunConfig.from_dict(state.run_config()).model.route, held, settings)
-        check_eval_reach(held, state.n_blocks(), settings)
-        if ready is not None:
-            ready(settings)
-        directory = placed(state, served, peers)
-        if overrides:
-            state.write_manifest(
-                run_config=state.run_config(), settings=settings, n_blocks=state.n_blocks()
-            )
-        return state, settings, directory
-    if args.preset is None:
-        raise ConfigError(
-            f"{args.state} holds no aggregator state yet: give --preset NAME to create one"
-        )
-    unit = unit_of(args)
-    cfg = reference_config(resolve_config(args)) if unit == "reference" else resolve_config(args)
-    Directory.build(cfg.model.blocks, served, peers)  # a clear error before the state is made
-    blocks = initial_units(cfg, unit)
-    settings = derived_settings(cfg, overrides, largest_block(blocks))
-    check_probe_reach(cfg.model.route, served or range(cfg.model.blocks), settings)
-    check_eval_reach(served or range(cfg.model.blocks), cfg.model.blocks, settings)
-    if ready is not None:
-        ready(settings)
-    state = create_state(Path(args.state), cfg, overrides, blocks, unit)
-    return state, state.settings(), placed(state, served, peers)
-
-
-def check_probe_reach(route: str, served: Iterable[int], settings: AggregatorSettings) -> None:
-    """Under `route = features` the effect probe judges block b with the versions of blocks
-    0..b-1 that its workers read: an aggregator serving b without them cannot run it (its
-    workers can still read them, from their aggregators)."""
-    held = set(served)
-    elsewhere = sorted({u for b in held for u in range(b)} - held)
-    if route == "features" and settings.effect_probe != "off" and elsewhere:
-        raise ConfigError(
-            f"route = features: the blocks served here read block(s) {elsewhere}, which another "
-            "aggregator serves, and the effect probe judges a block with what it reads; serve "
-            "those here too, or pass --effect-probe off"
-        )
-
-
-def check_eval_reach(served: Iterable[int], n_blocks: int, settings: AggregatorSettings) -> None:
-    """--live-eval-every evaluates the assembled model: an aggregator of some blocks cannot."""
-    held = sorted(set(served))
-    if settings.live_eval_every > 0 and held != list(range(n_blocks)):
-        raise ConfigError(
-            f"--live-eval-every {settings.live_eval_every} evaluates the assembled model, and this "
-            f"aggregator serves block(s) {held} of {n_blocks}: pass --live-eval-every 0 here, or "
-            "serve every block"
-        )
-
-
 def needs_data(settings: AggregatorSettings) -> bool:
     """The effect probe and the live evaluation read the validation split."""
     return settings.effect_probe != "off" or settings.live_eval_every > 0
@@ -325,20 +242,6 @@ def live_evaluator(
     )
 
 
-def _remove_new(root: Path, before: set[str] | None) -> None:
-    """Undo a first start that failed after creating its state: remove `root` if it did not
-    exist (`before` None), else the entries it did not hold."""
-    if before is None:
-        shutil.rmtree(root, ignore_errors=True)
-        return
-    for entry in root.iterdir():
-        if entry.name not in before:
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                entry.unlink(missing_ok=True)
-
-
 def run(args: argparse.Namespace) -> int:
     from blocktrain.listener import run as serve
     from blocktrain.protocol.http.app import create_app
@@ -377,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
         if state is not None:
             state.close()
         if fresh:
-            _remove_new(root, before)
+            remove_new(root, before)
         raise
     (sock,) = listening
     url = url_of(sock, tls=tls is not None)

@@ -9,7 +9,7 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from blocktrain.cli.aggregator import prepare_state
+from blocktrain.cli.aggregator_state import prepare_state
 from blocktrain.cli.main import build_parser, main
 from blocktrain.errors import ConfigError
 from blocktrain.protocol.http.app import create_app

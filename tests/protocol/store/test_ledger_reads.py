@@ -54,7 +54,7 @@ def test_reads_see_a_revocation_written_by_another_connection(tmp_path):
 def test_an_accepted_row_is_fsynced_outside_the_service_lock_before_the_answer(
     harness, monkeypatch
 ):
-    import blocktrain.protocol.service.aggregator_service as service_module
+    import blocktrain.protocol.service.pushes as pushes_module
     import blocktrain.protocol.store.ledger as ledger_module
     from blocktrain.protocol.store.ledger_schema import fsync_wal
     from tests.protocol.conftest import delta_body
@@ -70,7 +70,7 @@ def test_an_accepted_row_is_fsynced_outside_the_service_lock_before_the_answer(
 
         return sync
 
-    monkeypatch.setattr(service_module, "fsync_wal", recorder("service"))
+    monkeypatch.setattr(pushes_module, "fsync_wal", recorder("service"))
     monkeypatch.setattr(ledger_module, "fsync_wal", recorder("ledger"))
     w = harness.register(harness.alice, block=0)["worker_id"]
     wb = harness.register(harness.bob, block=0)["worker_id"]

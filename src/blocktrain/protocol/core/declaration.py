@@ -1,6 +1,8 @@
 """How one aggregator setting is declared: `Setting`, what a field declares besides its type
-and default (its doc, its check, its flag, whether the simulator models it), and `setting`, the
-dataclass field that carries it. `settings.AggregatorSettings` declares each of its fields so.
+and default (its doc, its check, its flag, whether the simulator models it), `setting`, the
+dataclass field that carries it; and the checks several settings share (`positive`,
+`positive_or_none`). `settings.AggregatorSettings` and its bases (`round_settings.RoundSettings`,
+`vote_settings.VoteSettings`) declare each of their fields so.
 """
 
 from __future__ import annotations
@@ -42,3 +44,11 @@ def setting(
 ) -> Any:
     meta = Setting(doc, check, why, flag, metavar, choices, simulated, default_text)
     return dataclasses.field(default=default, metadata={"setting": meta})
+
+
+def positive(v: Any) -> bool:
+    return bool(v > 0)
+
+
+def positive_or_none(v: Any) -> bool:
+    return v is None or bool(v > 0)

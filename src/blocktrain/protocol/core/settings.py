@@ -5,6 +5,11 @@ construction and the table in docs/protocol.md are all derived from these declar
 Each field is declared with `declaration.setting`; the settings derived from a run (the delta
 norm and token bounds) are `bounds.derived_settings`.
 
+The fields come in three groups, one module each, in this order: how a round runs
+(`round_settings.RoundSettings`), how its votes are screened and combined
+(`vote_settings.VoteSettings`), then the rest, here: the wire, the update limits, registration,
+when a round closes, the live evaluation. The two groups are bases of `AggregatorSettings`.
+
 The settings are saved in the state folder next to the weights (so that a restarted aggregator
 runs the same protocol).
 """
@@ -16,9 +21,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from blocktrain.errors import ConfigError
-from blocktrain.protocol.core.aggregation import RULES, WEIGHTINGS
 from blocktrain.protocol.core.bodies import WIRE_DTYPES
-from blocktrain.protocol.core.declaration import Setting, setting
+from blocktrain.protocol.core.declaration import (
+    Setting,
+    positive,
+    positive_or_none,
+    setting,
+)
 from blocktrain.protocol.core.delta_wire import (
     WIRE_HELP,
     DeltaWire,
@@ -27,189 +36,16 @@ from blocktrain.protocol.core.delta_wire import (
     valid_pull_wire,
     valid_wire,
 )
-from blocktrain.protocol.core.pacing import PACINGS
-
-
-def _positive(v: Any) -> bool:
-    return bool(v > 0)
-
-
-def _positive_or_none(v: Any) -> bool:
-    return v is None or bool(v > 0)
+from blocktrain.protocol.core.round_settings import RoundSettings
+from blocktrain.protocol.core.vote_settings import VoteSettings
 
 
 @dataclass(frozen=True)
-class AggregatorSettings:
-    """How the aggregator runs rounds, validates and aggregates (docs/protocol.md, "Settings")."""
+class AggregatorSettings(VoteSettings, RoundSettings):
+    """How the aggregator runs rounds, validates and aggregates (docs/protocol.md, "Settings").
+    Its fields are RoundSettings', then VoteSettings', then its own: dataclasses take the bases'
+    fields last base first (reversed MRO), so the bases are listed in reverse."""
 
-    deadline_s: float = setting(
-        60.0,
-        "Seconds from a round's first pull to its deadline.",
-        _positive,
-        "must be positive",
-        flag="--deadline",
-        metavar="S",
-    )
-    local_steps: int = setting(
-        10,
-        "H, the local AdamW steps a worker runs per round (told to workers at registration).",
-        _positive,
-        "must be positive",
-        flag="--local-steps",
-        metavar="H",
-    )
-    pacing: str = setting(
-        "fixed",
-        "fixed: every worker runs H local steps a round; adaptive: each pull tells its worker "
-        "the steps that fill pacing_margin of the time left to the deadline at its measured "
-        "seconds per step (between H / 8 and H), so a slow box still contributes; see "
-        "docs/protocol.md, Pacing.",
-        lambda v: v in PACINGS,
-        f"must be one of {', '.join(PACINGS)}",
-        flag="--pacing",
-        choices=PACINGS,
-    )
-    pacing_margin: float = setting(
-        0.8,
-        "Share of the time left to the deadline that adaptive pacing fills (the rest absorbs "
-        "the jitter of steps and transfers).",
-        lambda v: 0 < v <= 1,
-        "must lie in (0, 1]",
-        flag="--pacing-margin",
-        metavar="F",
-    )
-    staleness: int = setting(
-        0,
-        "S: an update up to S rounds late still counts, in the open round, with weight "
-        "stale_weight ** lateness; 0 refuses every late update.",
-        lambda v: v >= 0,
-        "must be >= 0",
-        flag="--staleness",
-        metavar="S",
-    )
-    stale_weight: float = setting(
-        0.5,
-        "Weight factor per round of lateness within the staleness bound.",
-        lambda v: 0 < v <= 1,
-        "must lie in (0, 1]",
-        flag="--stale-weight",
-    )
-    max_rounds: int | None = setting(
-        None,
-        "Rounds per block after which the block is done (none: run until stopped).",
-        _positive_or_none,
-        "must be positive (or none)",
-        flag="--max-rounds",
-        metavar="R",
-        simulated=False,  # --rounds
-    )
-    rule: str = setting(
-        "mean",
-        "Aggregation of the votes: mean (weighted), median (coordinate-wise), trimmed_mean or "
-        "centered_clip.",
-        lambda v: v in RULES,
-        f"must be one of {', '.join(RULES)}",
-        flag="--rule",
-        choices=tuple(RULES),
-    )
-    trim: float = setting(
-        0.1,
-        "Fraction trimmed at each end per coordinate by trimmed_mean.",
-        lambda v: 0 <= v < 0.5,
-        "must lie in [0, 0.5)",
-        flag="--trim",
-    )
-    tolerate: int = setting(
-        1,
-        "f, the attackers median and trimmed_mean tolerate: they trim at least f per end and "
-        "commit no change when a round has n <= 2f votes.",
-        lambda v: v >= 0,
-        "must be >= 0",
-        flag="--tolerate",
-        metavar="F",
-    )
-    clip: float = setting(
-        2.0,
-        "Clip each vote, tensor by tensor, to this many times the round's median norm of that "
-        "tensor; 0 turns clipping off.",
-        lambda v: v == 0 or v >= 1,
-        "must be 0 (off) or >= 1",
-        flag="--clip",
-        metavar="C",
-    )
-    weighting: str = setting(
-        "identity",
-        "identity: one vote per token (its workers' updates averaged first); reported: one "
-        "vote per update weighted by the tokens its worker claims (unsafe, for comparison).",
-        lambda v: v in WEIGHTINGS,
-        f"must be one of {', '.join(WEIGHTINGS)}",
-        flag="--weighting",
-        choices=tuple(WEIGHTINGS),
-    )
-    effect_probe: str = setting(
-        "on",
-        "on: refuse an update that raises the block's denoising loss on a fixed held-out "
-        "slice by more than probe_tolerance (needs the data; see docs/protocol.md). It "
-        "judges a block with the blocks it reads (route = features, the default), so an "
-        "aggregator of blocks that read blocks served elsewhere (--blocks 1) needs off.",
-        lambda v: v in ("on", "off"),
-        "must be on or off",
-        flag="--effect-probe",
-        choices=("on", "off"),
-    )
-    probe_tolerance: float = setting(
-        0.002,
-        "Relative loss increase that the effect probe refuses without a reputation cost "
-        "(0.002: 0.2 %; more when the block's honest band reaches higher). An update is "
-        "accepted only if the loss falls.",
-        lambda v: 0 <= v < 1,
-        "must lie in [0, 1)",
-        flag="--probe-tolerance",
-    )
-    probe_budget: int = setting(
-        2,
-        "Updates per identity per round that may reach the effect probe and be refused; "
-        "beyond them its updates are refused busy (429) before probing until the round "
-        "closes (an accepted update gives its place back).",
-        _positive,
-        "must be positive",
-        flag="--probe-budget",
-        metavar="N",
-    )
-    replay_rounds: int = setting(
-        8,
-        "Rounds per block whose update bodies' tensor digests are kept: the same tensors "
-        "already accepted, or pushed by another identity, within them are refused replay "
-        "(at most 4096 digests per block, in memory); 0 turns this check off (an update "
-        "stays bound to its worker and the round and version of its pull).",
-        lambda v: v >= 0,
-        "must be >= 0",
-        flag="--replay-rounds",
-        metavar="R",
-    )
-    min_reputation: float = setting(
-        0.1,
-        "An identity whose reputation (halved by each harmful update, +0.1 per helpful one, "
-        "at most 1; it weights the identity's vote) falls below this is refused, until a "
-        "helpful update (still probed) lifts it back.",
-        lambda v: 0 <= v <= 1,
-        "must lie in [0, 1]",
-        flag="--min-reputation",
-    )
-    outer_lr: float = setting(
-        1.0,
-        "Outer learning rate applied to the aggregated delta (1: plain averaging).",
-        _positive,
-        "must be positive",
-        flag="--outer-lr",
-    )
-    outer_momentum: float = setting(
-        0.0,
-        "Outer Nesterov momentum (DiLoCo); 0 turns the outer optimizer off.",
-        lambda v: 0 <= v < 1,
-        "must lie in [0, 1)",
-        flag="--outer-momentum",
-    )
     wire_dtype: str = setting(
         "fp16",
         "dtype of weights on the wire (and of deltas unless delta_wire says otherwise).",
@@ -259,7 +95,7 @@ class AggregatorSettings:
     max_delta_norm: float = setting(
         100.0,
         "Refuse updates with a larger global L2 norm.",
-        _positive,
+        positive,
         "must be positive",
         flag="--max-delta-norm",
         default_text="2 x lr x sqrt(H x params), see delta_norm_bound",
@@ -267,7 +103,7 @@ class AggregatorSettings:
     max_tokens: int = setting(
         1 << 31,
         "Refuse updates that claim more tokens.",
-        _positive,
+        positive,
         "must be positive",
         flag="--max-tokens",
         default_text="2 x H x batch x seq_len, see token_bound",
@@ -275,7 +111,7 @@ class AggregatorSettings:
     max_body_bytes: int | None = setting(
         None,
         "Request body limit in bytes.",
-        _positive_or_none,
+        positive_or_none,
         "must be positive (or none)",
         flag="--max-body-bytes",
         simulated=False,
@@ -284,7 +120,7 @@ class AggregatorSettings:
     n_workers: int = setting(
         1024,
         "Stride of the worker data seeds: seed * n_workers + worker_id.",
-        _positive,
+        positive,
         "must be positive",
         flag="--n-workers",
         simulated=False,  # --workers
@@ -292,7 +128,7 @@ class AggregatorSettings:
     live_window_s: float | None = setting(
         None,
         "A worker heard from within this many seconds is live.",
-        _positive_or_none,
+        positive_or_none,
         "must be positive (or none)",
         flag="--live-window",
         metavar="S",
@@ -312,7 +148,7 @@ class AggregatorSettings:
         1,
         "Registered workers per token; registering one more retires the token's oldest "
         "worker (a restarted worker rejoins at once).",
-        _positive,
+        positive,
         "must be positive",
         flag="--max-workers-per-token",
         metavar="N",

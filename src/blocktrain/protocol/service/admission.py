@@ -1,8 +1,8 @@
 """Who may call the aggregator, and what a refused push leaves: the token (`identity`), its rate
 (`access.rate_limit`), the worker it speaks for and the block it names, checked before a byte of
-a push's body is read (`begin_push`, step 1 of `aggregator_service`'s six); and the ledger row
-of a push refused once its token is known and admitted (`_record_refusal`).
-`AggregatorService` takes it as a mixin; the state it reads is declared here and set there.
+a push's body is read (`begin_push`, step 1 of the six in `pushes`); and the ledger row of a
+push refused once its token is known and admitted (`_record_refusal`). `AggregatorService` takes
+it as a mixin, through `pushes.Pushes`; the state it reads is declared here and set there.
 """
 
 from __future__ import annotations

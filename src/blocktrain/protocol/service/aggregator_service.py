@@ -6,28 +6,8 @@ identity (the `admission` mixin, over `identity`), the ledger, durable update bo
 versions on disk, byte counters (`traffic`) and a lock. Time comes from the injected `clock`
 (seconds since the epoch by default, so deadlines survive a restart).
 
-An update is handled in six steps:
-
-1. identity: token, rate, worker, its block (`begin_push`; the HTTP guard checked the size);
-2. form: `RoundEngine.inspect` (safetensors parse, the validator chain), outside the lock;
-3. timing first: under the lock, `RoundEngine.judge` (duplicate, late, stale), then
-   `RoundEngine.screen` (replays: the body bound to its worker, round and version, its tensors
-   not seen before), and a place at the effect probe (`RoundEngine.reserve_probe`: the
-   identity's budget, the bounded queue);
-4. effect: `RoundEngine.finish` (the probe, one at a time under `probe_lock`, and the
-   identity's standing), outside the engine's lock; then the body is written to STATE/pending
-   and fsynced, still outside it;
-5. timing again: under the lock, `RoundEngine.judge` and `screen` (the round may have closed,
-   or a copy come in, meanwhile); if
-   accepted, a ledger row, then `RoundEngine.record` and `tick` (which may close the round);
-   else the pending file is removed;
-6. an accepted row is fsynced after the lock is released (one fsync covers every row committed
-   so far, so concurrent pushes share them), and only then is the push answered.
-
-A refused push gets a ledger row with its reason before the 4xx goes out once its token is
-known and admitted; earlier refusals (token, rate, the HTTP guard's limits) are counted in
-memory only (`traffic.refusals`), so that no one who merely reaches the port fills the disk.
-Old refused rows are pruned (`AccessLimits.keep_refused`); the ledger's counters keep totals.
+An update's six steps, from its body to accepted or refused, are the push path: the `pushes`
+mixin (`Pushes.submit`), whose base is `Admission`.
 """
 
 from __future__ import annotations
@@ -36,24 +16,24 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
 from blocktrain.errors import ProtocolError
 from blocktrain.httpserve import TokenBucket
 from blocktrain.protocol.core.bodies import encode
-from blocktrain.protocol.core.events import Checked, Committed, EngineBlock, ProbeSlot
+from blocktrain.protocol.core.events import Committed, EngineBlock
 from blocktrain.protocol.core.settings import AggregatorSettings
-from blocktrain.protocol.core.verdict import Verdict, refused
+from blocktrain.protocol.core.verdict import refused
 from blocktrain.protocol.service import identity
 from blocktrain.protocol.service.access import AccessLimits
-from blocktrain.protocol.service.admission import Admission
 from blocktrain.protocol.service.identity import Caller
 from blocktrain.protocol.service.live_eval import LiveEvaluations, ModelEval
 from blocktrain.protocol.service.placement import Directory, placed
-from blocktrain.protocol.service.updates import PullReply, PushContext, update_fields
-from blocktrain.protocol.store.ledger_schema import TokenRow, fsync_wal
+from blocktrain.protocol.service.pushes import Pushes
+from blocktrain.protocol.service.updates import PullReply
+from blocktrain.protocol.store.ledger_schema import TokenRow
 from blocktrain.protocol.store.persist import Durable
 from blocktrain.protocol.store.storage import StateDir
 from blocktrain.protocol.store.traffic import Traffic
@@ -64,7 +44,7 @@ Tensors = dict[str, torch.Tensor]
 Clock = Callable[[], float]
 
 
-class AggregatorService(Admission):
+class AggregatorService(Pushes):
     """The aggregator without HTTP. Thread-safe: one lock guards the engine."""
 
     def __init__(
@@ -249,121 +229,6 @@ class AggregatorService(Admission):
             "deadline_in": None if view.deadline is None else view.deadline - now,
             "done": view.done,
         }
-
-    # ------------------------------------------------------------------ pushes
-
-    def submit(self, ctx: PushContext, body: bytes | bytearray) -> dict[str, Any]:
-        """Check, store and judge one update; returns the acceptance or raises Refused."""
-        checked = self.engine.inspect(ctx.block, body)
-        meta = checked.meta
-        fields = {} if meta is None else update_fields(meta, checked)
-        if not checked.verdict.accepted:
-            self._refused(ctx, checked, checked.verdict, body, fields)
-        assert meta is not None
-        with self.lock:  # the cheap checks first: no probe for a duplicate or late update
-            verdict = self.engine.judge(ctx.worker_id, ctx.block, meta, self.clock())
-            if verdict.accepted:
-                verdict = self.engine.screen(ctx.worker_id, ctx.block, checked)
-            slot = None
-            if verdict.accepted:
-                verdict, slot = self.engine.reserve_probe(ctx.worker_id, ctx.block)
-        if not verdict.accepted:
-            self._refused(ctx, checked, verdict, body, fields)
-        try:
-            if slot is not None:  # the probe: one update at a time, a bounded queue before it
-                with self.probe_lock:
-                    checked = self.engine.finish(checked, ctx.worker_id)
-            else:
-                checked = self.engine.finish(checked, ctx.worker_id)
-        except BaseException:
-            with self.lock:
-                self.engine.release_probe(slot, accepted=False)
-            raise
-        fields = update_fields(meta, checked)
-        if not checked.verdict.accepted:
-            self._refused(ctx, checked, checked.verdict, body, fields, slot)
-        try:
-            name = self.storage.write_pending(ctx.block, body)  # durable before it is accepted
-        except BaseException:
-            with self.lock:
-                self.engine.release_probe(slot, accepted=True)
-            raise
-        with self.lock:
-            now = self.clock()
-            verdict = self.engine.judge(ctx.worker_id, ctx.block, meta, now)
-            if verdict.accepted:  # a copy pushed while this one was probed
-                screened = self.engine.screen(ctx.worker_id, ctx.block, checked)
-                verdict = verdict if screened.accepted else screened
-            self.engine.release_probe(slot, accepted=verdict.accepted)
-            if not verdict.accepted:
-                self.storage.remove_pending(name)
-                self.engine.record(ctx.worker_id, ctx.block, verdict, now, checked=checked)
-                self._refuse(ctx, checked, verdict.reason, verdict.detail, body, fields)
-                self.engine.tick(now)
-                raise refused(verdict.reason, verdict.detail)
-            update_id = self.ledger.record_update(
-                received=ctx.received,
-                bytes=len(body),
-                fate="accepted",
-                token_id=ctx.token_id,
-                worker_id=ctx.worker_id,
-                block=ctx.block,
-                weight=verdict.weight,
-                counts_in=verdict.counts_in,
-                pending=name,
-                seen=now,
-                sync=False,  # fsynced below, outside the lock: concurrent pushes share fsyncs
-                **fields,
-            )
-            self.durable.pending[ctx.block][update_id] = name
-            started = self.engine.record(
-                ctx.worker_id, ctx.block, verdict, now, checked=checked, update_id=update_id
-            )
-            if started:  # so that a restart restores the round's deadline
-                self.ledger.round_started(ctx.block, self.blocks[ctx.block].rounds.round, now)
-            self.engine.tick(now)
-        fsync_wal(self.ledger.path)  # the row is durable before the answer says accepted
-        return {
-            "accepted": True,
-            "update_id": update_id,
-            "round": meta.round,
-            "counts_in": verdict.counts_in,
-            "weight": verdict.weight,
-            "norm": fields["norm"],
-        }
-
-    def _refused(
-        self,
-        ctx: PushContext,
-        checked: Checked,
-        verdict: Verdict,
-        body: bytes | bytearray,
-        fields: dict[str, Any],
-        slot: ProbeSlot | None = None,
-    ) -> NoReturn:
-        """Record a refused update (its ledger row, its report in the round, its reputation)
-        and raise the refusal; `slot`: its place at the probe, given back spent."""
-        with self.lock:
-            now = self.clock()
-            self.engine.release_probe(slot, accepted=False)
-            self.engine.record(ctx.worker_id, ctx.block, verdict, now, checked=checked)
-            self._refuse(ctx, checked, verdict.reason, verdict.detail, body, fields)
-            self.engine.tick(now)
-        raise refused(verdict.reason, verdict.detail)
-
-    def _refuse(
-        self,
-        ctx: PushContext,
-        checked: Checked,
-        reason: str,
-        detail: str,
-        body: bytes | bytearray,
-        fields: dict[str, Any],
-    ) -> None:
-        exc = refused(reason, detail)
-        self._record_refusal(
-            ctx.received, ctx.token_id, ctx.worker_id, ctx.block, exc, len(body), **fields
-        )
 
     # ------------------------------------------------------------------ rounds
 

@@ -1,0 +1,129 @@
+"""The aggregator's settings of how a round's votes are screened and combined: the aggregation
+rule (with its trimming, tolerance, clipping and weighting), the defences that judge each update
+(the effect probe and its budget, the replay screen, reputation), and the outer optimizer that
+applies the aggregate. `VoteSettings` is a base of `settings.AggregatorSettings`, whose fields
+follow `round_settings.RoundSettings`' and precede its own, in docs/protocol.md's settings table
+and in a saved state's settings alike. Declared as every setting is (`declaration.setting`); the
+check on construction is AggregatorSettings'.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from blocktrain.protocol.core.aggregation import RULES, WEIGHTINGS
+from blocktrain.protocol.core.declaration import positive, setting
+
+
+@dataclass(frozen=True)
+class VoteSettings:
+    """How votes are screened and combined (docs/protocol.md, "Settings"); built only as
+    `AggregatorSettings`."""
+
+    rule: str = setting(
+        "mean",
+        "Aggregation of the votes: mean (weighted), median (coordinate-wise), trimmed_mean or "
+        "centered_clip.",
+        lambda v: v in RULES,
+        f"must be one of {', '.join(RULES)}",
+        flag="--rule",
+        choices=tuple(RULES),
+    )
+    trim: float = setting(
+        0.1,
+        "Fraction trimmed at each end per coordinate by trimmed_mean.",
+        lambda v: 0 <= v < 0.5,
+        "must lie in [0, 0.5)",
+        flag="--trim",
+    )
+    tolerate: int = setting(
+        1,
+        "f, the attackers median and trimmed_mean tolerate: they trim at least f per end and "
+        "commit no change when a round has n <= 2f votes.",
+        lambda v: v >= 0,
+        "must be >= 0",
+        flag="--tolerate",
+        metavar="F",
+    )
+    clip: float = setting(
+        2.0,
+        "Clip each vote, tensor by tensor, to this many times the round's median norm of that "
+        "tensor; 0 turns clipping off.",
+        lambda v: v == 0 or v >= 1,
+        "must be 0 (off) or >= 1",
+        flag="--clip",
+        metavar="C",
+    )
+    weighting: str = setting(
+        "identity",
+        "identity: one vote per token (its workers' updates averaged first); reported: one "
+        "vote per update weighted by the tokens its worker claims (unsafe, for comparison).",
+        lambda v: v in WEIGHTINGS,
+        f"must be one of {', '.join(WEIGHTINGS)}",
+        flag="--weighting",
+        choices=tuple(WEIGHTINGS),
+    )
+    effect_probe: str = setting(
+        "on",
+        "on: refuse an update that raises the block's denoising loss on a fixed held-out "
+        "slice by more than probe_tolerance (needs the data; see docs/protocol.md). It "
+        "judges a block with the blocks it reads (route = features, the default), so an "
+        "aggregator of blocks that read blocks served elsewhere (--blocks 1) needs off.",
+        lambda v: v in ("on", "off"),
+        "must be on or off",
+        flag="--effect-probe",
+        choices=("on", "off"),
+    )
+    probe_tolerance: float = setting(
+        0.002,
+        "Relative loss increase that the effect probe refuses without a reputation cost "
+        "(0.002: 0.2 %; more when the block's honest band reaches higher). An update is "
+        "accepted only if the loss falls.",
+        lambda v: 0 <= v < 1,
+        "must lie in [0, 1)",
+        flag="--probe-tolerance",
+    )
+    probe_budget: int = setting(
+        2,
+        "Updates per identity per round that may reach the effect probe and be refused; "
+        "beyond them its updates are refused busy (429) before probing until the round "
+        "closes (an accepted update gives its place back).",
+        positive,
+        "must be positive",
+        flag="--probe-budget",
+        metavar="N",
+    )
+    replay_rounds: int = setting(
+        8,
+        "Rounds per block whose update bodies' tensor digests are kept: the same tensors "
+        "already accepted, or pushed by another identity, within them are refused replay "
+        "(at most 4096 digests per block, in memory); 0 turns this check off (an update "
+        "stays bound to its worker and the round and version of its pull).",
+        lambda v: v >= 0,
+        "must be >= 0",
+        flag="--replay-rounds",
+        metavar="R",
+    )
+    min_reputation: float = setting(
+        0.1,
+        "An identity whose reputation (halved by each harmful update, +0.1 per helpful one, "
+        "at most 1; it weights the identity's vote) falls below this is refused, until a "
+        "helpful update (still probed) lifts it back.",
+        lambda v: 0 <= v <= 1,
+        "must lie in [0, 1]",
+        flag="--min-reputation",
+    )
+    outer_lr: float = setting(
+        1.0,
+        "Outer learning rate applied to the aggregated delta (1: plain averaging).",
+        positive,
+        "must be positive",
+        flag="--outer-lr",
+    )
+    outer_momentum: float = setting(
+        0.0,
+        "Outer Nesterov momentum (DiLoCo); 0 turns the outer optimizer off.",
+        lambda v: 0 <= v < 1,
+        "must lie in [0, 1)",
+        flag="--outer-momentum",
+    )
