@@ -69,3 +69,12 @@ def test_every_setting_checks_its_bounds_by_name() -> None:
         with pytest.raises(ConfigError, match=f"aggregator setting {name} = "):
             AggregatorSettings(**{name: value})  # type: ignore[arg-type]
     AggregatorSettings()  # the defaults pass their own checks
+
+
+def test_outer_momentum_is_refused_with_a_selecting_codec() -> None:
+    for wire in ("sparse:0.03:2", "topk:0.03"):
+        with pytest.raises(ConfigError, match=f"outer_momentum = 0.9 cannot run with .*{wire}"):
+            AggregatorSettings(delta_wire=wire, outer_momentum=0.9)
+        AggregatorSettings(delta_wire=wire)  # error feedback alone
+    for wire in ("int8", None):  # dense codecs keep DiLoCo's outer momentum
+        AggregatorSettings(delta_wire=wire, outer_momentum=0.9)

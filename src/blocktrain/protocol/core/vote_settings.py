@@ -122,7 +122,8 @@ class VoteSettings:
     )
     outer_momentum: float = setting(
         0.0,
-        "Outer Nesterov momentum (DiLoCo); 0 turns the outer optimizer off.",
+        "Outer Nesterov momentum (DiLoCo); 0 turns the outer optimizer off. Refused with a "
+        "topk or sparse delta_wire, whose error feedback takes its place (the two diverge).",
         lambda v: 0 <= v < 1,
         "must lie in [0, 1)",
         flag="--outer-momentum",
