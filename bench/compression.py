@@ -26,12 +26,15 @@ shared-node run).
     python bench/compression.py --rounds 30 --local-steps 30 --wires fp16,sparse:0.03:2 --seeds 1,2
     python bench/compression.py --wires topk:0.01     # add a row (rows in the JSON are kept)
     python bench/compression.py --wires sparse:0.03:2 --variant pull_wire=full   # one ablation
+    python bench/compression.py --wires fp16 --variant outer_lr=0.7,outer_momentum=0.9  # dense control
     python bench/compression.py --force               # re-run rows already in the JSON
     python bench/compression.py --preset small --rounds 20 --local-steps 20 --wires sparse:0.03:2
 
 A variant is `KEY=VALUE[,KEY=VALUE]`: aggregator settings (`outer_lr=0.7,outer_momentum=0.9`),
 or `mean=dense`, which averages sparse votes as dense ones (a coordinate one of two replicas
-sent moves by half its value) instead of per coordinate over the votes that carry it.
+sent moves by half its value) instead of per coordinate over the votes that carry it. It applies
+to every wire `--wires` names, fp16 too (a dense control); plain fp16, the reference of every
+row, runs whenever a row differs from it.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ import torch
 
 from blocktrain.config import apply_overrides
 from blocktrain.data import load_split
+from blocktrain.errors import ConfigError
 from blocktrain.presets import PRESETS, preset
 from blocktrain.protocol.core import round_engine
 from blocktrain.protocol.core.aggregation import Accumulator
@@ -74,7 +78,6 @@ ABLATIONS: tuple[tuple[str, str], ...] = (
     ("sparse:0.03:2", "mean=dense"),
     ("sparse:0.03:2:beta=0.95", ""),
     ("sparse:0.03:2:beta=0.999", ""),
-    ("sparse:0.03:2", "outer_lr=0.7,outer_momentum=0.9"),
     ("sparse:0.03:2", "pull_wire=full"),  # whole pulls
     ("sparse:0.03:2", "pull_wire=sparse:0.03:4"),  # pulls at the push density
     ("sparse:0.03:2", "exact_pulls=off"),  # each worker's delta from its view
@@ -232,7 +235,7 @@ def main() -> None:
     p.add_argument(
         "--variant",
         default="",
-        help="a variant (KEY=VALUE[,KEY=VALUE], see above) for the --wires rows other than fp16",
+        help="a variant (KEY=VALUE[,KEY=VALUE], see above) for the --wires rows",
     )
     p.add_argument(
         "--ablations",
@@ -248,18 +251,18 @@ def main() -> None:
         "each wire's CE against fp16 of the same seed (default: 0)",
     )
     args = p.parse_args()
-    runs = [(wire, "" if wire == "fp16" else args.variant) for wire in args.wires] + (
+    runs = [(wire, args.variant) for wire in args.wires] + (
         list(ABLATIONS) if args.ablations else []
     )
     runs = list(dict.fromkeys(runs))
     for wire, variant in runs:
         try:
-            DeltaWire.parse(wire)
-            variant_settings(variant)
-        except ValueError as exc:
+            settings, _ = variant_settings(variant)
+            AggregatorSettings(delta_wire=wire, **settings)  # refused here, not after other rows
+        except (ValueError, ConfigError) as exc:
             p.error(str(exc))
     forced = set(runs) if args.force else set()  # --force re-runs the rows asked for only
-    if any(wire != "fp16" for wire, _ in runs) and ("fp16", "") not in runs:
+    if any(run != ("fp16", "") for run in runs) and ("fp16", "") not in runs:
         runs.insert(0, ("fp16", ""))  # every row is read against fp16 of its seed
     torch.set_num_threads(args.threads)
     args.train, args.valid = load_split(args.data, "train"), load_split(args.data, "valid")
@@ -340,7 +343,7 @@ def result_of(rows: dict[Key, dict[str, Any]]) -> dict[str, Any]:
     seeds: dict[str, dict[str, Any]] = {}
     for (wire, variant, seed), r in sorted(kept.items(), key=lambda kv: kv[0][2]):
         fp16 = kept.get(("fp16", "", seed))
-        if wire == "fp16" or fp16 is None:
+        if (wire, variant) == ("fp16", "") or fp16 is None:
             continue
         label = wire + (f" [{variant}]" if variant else "")
         entry = seeds.setdefault(

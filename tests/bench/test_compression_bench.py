@@ -102,6 +102,17 @@ def test_another_presets_rows_are_a_pair_read_against_their_own_fp16() -> None:
     assert "| small | 20 x 30 | 0 | sparse:0.03:2 | sparse:0.06:4 | — | 1.7200 | +0.0200 |" in text
 
 
+def test_an_fp16_row_with_a_variant_is_a_control_read_against_plain_fp16() -> None:
+    momentum = "outer_lr=0.7,outer_momentum=0.9"
+    rows = [row("fp16", s, 2.0 + 0.1 * s, 1000) for s in (0, 1)]
+    rows += [row("fp16", s, 2.05 + 0.1 * s, 1000, variant=momentum) for s in (0, 1)]
+    result = table(rows)
+    control = next(r for r in result["rows"] if r["variant"])
+    assert control["ce_vs_fp16"] == pytest.approx(0.05)
+    assert result["seeds"][f"fp16 [{momentum}]"]["ce_vs_fp16"] == pytest.approx([0.05, 0.05])
+    assert "fp16" not in result["seeds"]  # the reference is not read against itself
+
+
 def test_variants_name_settings_or_the_dense_mean() -> None:
     assert compression.variant_settings("") == ({}, False)
     assert compression.variant_settings("outer_lr=0.7,outer_momentum=0.9") == (
