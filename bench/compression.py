@@ -267,11 +267,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     args.train, args.valid = load_split(args.data, "train"), load_split(args.data, "valid")
     path = RESULTS / NAME
-    rows: dict[Key, dict[str, Any]] = {}
-    if path.exists():
-        saved = json.loads(path.read_text())
-        for r in [*saved["rows"], *saved.get("seed_rows", []), *saved.get("other_rows", [])]:
-            rows[key_of(r)] = r
+    rows = saved_rows(json.loads(path.read_text())) if path.exists() else {}
     for seed in args.seeds:
         for wire, variant in runs:
             key = (args.preset, wire, variant, seed, args.rounds, args.local_steps)
@@ -314,6 +310,15 @@ def key_of(row: dict[str, Any]) -> Key:
         row["rounds"],
         row["local_steps"],
     )
+
+
+ROW_LISTS = ("rows", "seed_rows", "other_rows", "preset_rows")
+"""The lists of result_of that hold rows; every row is in exactly one."""
+
+
+def saved_rows(result: dict[str, Any]) -> dict[Key, dict[str, Any]]:
+    """The rows of a saved result_of, by key: what a new run resumes from and keeps."""
+    return {key_of(r): r for name in ROW_LISTS for r in result.get(name, [])}
 
 
 def result_of(rows: dict[Key, dict[str, Any]]) -> dict[str, Any]:

@@ -113,6 +113,16 @@ def test_an_fp16_row_with_a_variant_is_a_control_read_against_plain_fp16() -> No
     assert "fp16" not in result["seeds"]  # the reference is not read against itself
 
 
+def test_a_saved_result_gives_back_every_row_it_holds() -> None:
+    rows = [row("fp16", s, 2.0, 1000) for s in (0, 1)] + [row("fp16", 0, 2.9, 100, rounds=10)]
+    rows += [row("fp16", 0, 1.7, 800, preset="small"), row("int8", 0, 1.8, 400, preset="small")]
+    rows += [row("sparse:0.03:2", 0, 2.01, 25, variant="exact_pulls=off")]
+    saved = table(rows)
+    assert sum(len(saved[name]) for name in compression.ROW_LISTS) == len(rows)
+    back = compression.saved_rows(saved)
+    assert set(back) == {compression.key_of(r) for r in rows}  # the small pair too
+
+
 def test_variants_name_settings_or_the_dense_mean() -> None:
     assert compression.variant_settings("") == ({}, False)
     assert compression.variant_settings("outer_lr=0.7,outer_momentum=0.9") == (
