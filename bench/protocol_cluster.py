@@ -18,21 +18,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import subprocess
-import sys
-from typing import Any
 
-from report import ROOT, machine, update_section, write_json  # bench/report.py
-
-BLOCKTRAIN = [sys.executable, "-m", "blocktrain.cli.main"]
-
-
-def run(argv: list[str]) -> dict[str, Any]:
-    print("$ blocktrain " + " ".join(argv), file=sys.stderr, flush=True)
-    out = subprocess.run(
-        [*BLOCKTRAIN, *argv], cwd=ROOT, check=True, capture_output=True, text=True
-    ).stdout
-    return dict(json.loads(out))
+from report import ROOT, blocktrain_json, machine, update_section, write_json  # bench/report.py
 
 
 def main() -> None:
@@ -75,8 +62,8 @@ def main() -> None:
         args.single_dir,
     ]
     if not args.skip_run:
-        run([*cluster_cmd, "--overwrite", "--no-progress", "--json"])
-        run([*single_cmd, "--overwrite", "--no-progress", "--json"])
+        blocktrain_json([*cluster_cmd, "--overwrite", "--no-progress", "--json"])
+        blocktrain_json([*single_cmd, "--overwrite", "--no-progress", "--json"])
     summary = json.loads((ROOT / args.cluster_dir / "summary.json").read_text())
     eval_cmd = [
         "eval",
@@ -90,8 +77,8 @@ def main() -> None:
         "0",
         "--json",
     ]
-    cluster_eval = run([eval_cmd[0], f"{args.cluster_dir}/model", *eval_cmd[1:]])
-    single_eval = run([eval_cmd[0], args.single_dir, *eval_cmd[1:]])
+    cluster_eval = blocktrain_json([eval_cmd[0], f"{args.cluster_dir}/model", *eval_cmd[1:]])
+    single_eval = blocktrain_json([eval_cmd[0], args.single_dir, *eval_cmd[1:]])
     single_state = json.loads((ROOT / args.single_dir / "state.json").read_text())
     b = summary["bytes"]
     ce = summary["from_noise_ce_per_round"]

@@ -36,7 +36,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import tempfile
 import time
@@ -53,7 +52,7 @@ from blocktrain.protocol.store.storage import StateDir
 from blocktrain.protocol.store.tokens import hash_token, new_token
 from load_http import Connection  # bench/load_http.py, beside this script
 from protocol_load_md import row, section  # beside this script: the table and its prose
-from report import RESULTS, machine, update_section, write_json  # beside this script
+from report import RESULTS, free_ports, machine, update_section, write_json  # beside this script
 
 
 def block(params: int) -> dict[str, torch.Tensor]:
@@ -92,16 +91,6 @@ class Fleet:
     tokens: list[str]
     states: list[StateDir]
     log: dict[str, list] = field(default_factory=lambda: {"pull": [], "push": []})
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def cpu_seconds(pid: int) -> float:

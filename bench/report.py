@@ -1,18 +1,22 @@
-"""Shared by the bench scripts: where results go, and the tables in BENCHMARKS.md."""
+"""Shared by the bench scripts: where results go, the tables in BENCHMARKS.md, and the
+scaffolding of a run: the CLI as a subprocess, trained runs reused, free ports, a server's health."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import re
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 
 from blocktrain.config import RunConfig
@@ -38,6 +42,37 @@ def blocktrain(argv: list[str]) -> str:
     return subprocess.run(
         [*BLOCKTRAIN, *argv], cwd=ROOT, check=True, stdout=subprocess.PIPE, text=True
     ).stdout
+
+
+def blocktrain_json(argv: list[str]) -> dict[str, Any]:
+    """`blocktrain ARGV` (a command given `--json`): its report, parsed."""
+    return dict(json.loads(blocktrain(argv)))
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports (all held open together while they are chosen)."""
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def wait_healthy(url: str, procs: list[subprocess.Popen[Any]], timeout_s: float = 180) -> None:
+    """Wait until `URL/healthz` answers 200; fail at once if one of `procs` (the servers
+    started for it) exits first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"a server exited with {p.returncode} ({p.args!r})")
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                return
+        time.sleep(0.25)
+    raise RuntimeError(f"{url} did not come up in {timeout_s} s")
 
 
 def trained(run: Path, argv: list[str], command: str = "train") -> Path:

@@ -51,33 +51,17 @@ from blocktrain.serving.host.shapes import (
     shape_plan,
 )
 from report import (  # bench/report.py, beside this script
+    BLOCKTRAIN,
     RESULTS,
+    free_ports,
     machine,
     update_section,
+    wait_healthy,
     write_json,
 )
 
 PROMPT = b"The game began development in 2010 , carrying over a large portion of the work"
 HOSTS = 3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait(url: str, procs: list[subprocess.Popen], timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for p in procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"a server exited with {p.returncode} ({p.args!r})")
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                return
-        time.sleep(0.25)
-    raise RuntimeError(f"{url} did not come up in {timeout_s} s")
 
 
 def _commands(
@@ -89,7 +73,7 @@ def _commands(
     host_args: tuple[str, ...],
 ) -> list[list[str]]:
     """The `blocktrain serve-block` command of each host, then the router's `blocktrain serve`."""
-    cli = [sys.executable, "-m", "blocktrain.cli.main"]
+    cli = BLOCKTRAIN
     hosts = [f"http://127.0.0.1:{p}" for p in ports[:HOSTS]]
     served = [f"{n}={d}" for n, d in models.items()]
     return [
@@ -142,7 +126,7 @@ def chain(
     of HostSettings and RouterSettings, some without a flag) the processes are
     bench/serving_procs.py's, built from those fields, and take no command-line arguments."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    ports = [_free_port() for _ in range(HOSTS + 1)]
+    ports = free_ports(HOSTS + 1)
     if host_settings is None and router_settings is None:
         commands = _commands(models, ports, hop_ms, threads, router_args, host_args)
     else:
@@ -162,7 +146,7 @@ def chain(
                 )
             )
         for port in ports:
-            _wait(f"http://127.0.0.1:{port}", procs)
+            wait_healthy(f"http://127.0.0.1:{port}", procs)
         yield f"http://127.0.0.1:{ports[-1]}"
     finally:
         for p in procs:

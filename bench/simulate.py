@@ -15,24 +15,19 @@ against virtual time) and the `simulate` section of BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
-import subprocess
 import sys
 from typing import Any
 
-from report import RESULTS, ROOT, machine, update_section, write_json  # bench/report.py
-
-BLOCKTRAIN = [sys.executable, "-m", "blocktrain.cli.main"]
-
-
-def blocktrain(argv: list[str]) -> dict[str, Any]:
-    print("$ blocktrain " + " ".join(argv), file=sys.stderr, flush=True)
-    out = subprocess.run(
-        [*BLOCKTRAIN, *argv], cwd=ROOT, check=True, stdout=subprocess.PIPE, text=True
-    ).stdout
-    return dict(json.loads(out))
+from report import (  # bench/report.py
+    RESULTS,
+    ROOT,
+    blocktrain_json,
+    machine,
+    update_section,
+    write_json,
+)
 
 
 def main() -> None:
@@ -61,12 +56,14 @@ def main() -> None:
     argv = ["simulate", *common, "--threads", str(args.threads), "--json"]
     if args.seed is not None:
         argv += ["--seed", str(args.seed)]
-    report = blocktrain([*argv, "--out", str(out)])
+    report = blocktrain_json([*argv, "--out", str(out)])
     RESULTS.mkdir(parents=True, exist_ok=True)
     shutil.copy(out / "ce.png", RESULTS / f"{name}.png")
     spread: dict[str, list[float]] = {}
     for seed in range(args.seeds):
-        timing = blocktrain(["simulate", *common, "--timing-only", "--seed", str(seed), "--json"])
+        timing = blocktrain_json(
+            ["simulate", *common, "--timing-only", "--seed", str(seed), "--json"]
+        )
         for regime, r in timing["regimes"].items():
             spread.setdefault(regime, []).append(r["participation"])
     report.pop("outputs", None)
