@@ -7,7 +7,7 @@ bench/chaos.py, bench/chaos_soak.py and bench/wan_run.py.
 Impairment (delay +- jitter and loss on each namespace's egress): `tc netem` on every veth when
 the kernel has sch_netem. This machine's kernel lacks it, so otherwise the same is done through
 netfilter: the loss with iptables' `statistic` match (loss_rule) and the delay by queueing the
-packets (delay_rule: NFQUEUE) to the delay program (DELAY_PROGRAM), run in each namespace.
+packets (delay_rule: NFQUEUE) to the delay program bench/nfqueue_delay.py in each namespace.
 bench/chaos_soak.py toggles the same rules at run time.
 
 Needs root and iproute2 (`ip`); iptables for the netfilter fallback (installed with apt-get when
@@ -29,9 +29,7 @@ from pathlib import Path
 DELAY_MS = 20
 LOSS = 0.01
 SUBNET = "10.231.{}.{}"
-DELAY_PROGRAM = (
-    Path(__file__).resolve().parents[1] / "tests" / "protocol" / "ops" / "nfqueue_delay.py"
-)
+DELAY_PROGRAM = Path(__file__).resolve().parent / "nfqueue_delay.py"  # bench/nfqueue_delay.py
 """The NFQUEUE delay program, run inside a namespace (`ip netns exec NS python DELAY_PROGRAM`)."""
 
 
