@@ -1,5 +1,5 @@
 """Chaos soak: a decentralised run of the tiny preset in network namespaces (the
-aggregator in one, the workers in two worker hosts; tests/protocol/ops/test_netns.py builds them)
+aggregator in one, the workers in two worker hosts; bench/netns.py builds them)
 with, throughout `--minutes`:
 
 - SIGKILLs of the aggregator (restarted on the same state folder and port) and of workers
@@ -33,20 +33,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from chaos_checks import check_ledger, sampled_monotonic, sampler_ce  # bench/chaos_checks.py
-from chaos_soak import DELAY_QUEUE, Soak, make_state  # bench/chaos_soak.py
-from report import ROOT, machine, write_json  # bench/report.py
-
-sys.path.insert(0, str(ROOT))  # the namespaces come from tests/protocol/ops/test_netns.py
-
-import pytest
-from tests.protocol.ops.test_netns import HERE as NETNS_HELPERS
-from tests.protocol.ops.test_netns import build_net
-
 from blocktrain.data import resolve_data_path
 from blocktrain.presets import preset
 from blocktrain.protocol.ops.cluster import run_cluster
 from blocktrain.protocol.store.storage import StateDir
+from chaos_checks import check_ledger, sampled_monotonic, sampler_ce  # bench/chaos_checks.py
+from chaos_soak import DELAY_QUEUE, Soak, make_state  # bench/chaos_soak.py
+from netns import DELAY_PROGRAM, NetnsUnavailable, build_net  # bench/netns.py
+from report import machine, write_json  # bench/report.py
 
 
 def main() -> int:
@@ -79,7 +73,7 @@ def main() -> int:
         p.error("--minutes and --workers must be positive")
     try:
         net = build_net(impaired=False)
-    except pytest.skip.Exception as exc:
+    except NetnsUnavailable as exc:
         print(f"chaos: cannot build the namespaces: {exc}", file=sys.stderr)
         return 2
     helpers = []
@@ -91,7 +85,7 @@ def main() -> int:
                         [
                             *net.exec_prefix(ns),
                             sys.executable,
-                            str(NETNS_HELPERS / "nfqueue_delay.py"),
+                            str(DELAY_PROGRAM),
                             "--queue",
                             str(DELAY_QUEUE),
                             "--delay-ms",

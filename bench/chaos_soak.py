@@ -14,12 +14,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from report import ROOT  # bench/report.py
-
-sys.path.insert(0, str(ROOT))  # the namespaces come from tests/protocol/ops/test_netns.py
-
-from tests.protocol.ops.test_netns import Net, delay_rule, iptables, loss_rule, sh
-
 from blocktrain.data import resolve_data_path
 from blocktrain.errors import ProtocolError
 from blocktrain.presets import preset
@@ -28,6 +22,7 @@ from blocktrain.protocol.store.state import create_state
 from blocktrain.protocol.store.storage import StateDir
 from blocktrain.protocol.store.tokens import hash_token, new_token
 from blocktrain.training.local import initial_blocks
+from netns import Net, delay_rule, iptables, loss_rule, sh  # bench/netns.py
 
 PORT = 18731
 BENCH = Path(__file__).resolve().parent

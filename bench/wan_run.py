@@ -1,5 +1,5 @@
 """A WAN-shaped training run: the aggregator and 3 worker hosts in their own network
-namespaces (tests/protocol/ops/test_netns.py builds them), each namespace's egress delayed 60 +- 20
+namespaces (bench/netns.py builds them), each namespace's egress delayed 60 +- 20
 ms (in order: a burst's packets near 80 ms), 1% of its packets dropped. Needs root. 2 workers
 per host: 2 replicas of each of the tiny preset's 3 blocks, on two hosts (host h trains blocks
 h and h+1 mod 3), so every average crosses the WAN. Round deadline 600 s: 6 trainers sharing 2
@@ -22,14 +22,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from protocol_cluster import run as blocktrain  # bench/protocol_cluster.py
-from report import BENCHMARKS_MD, RESULTS, ROOT, cluster_state, machine, update_section
-
-sys.path.insert(0, str(ROOT))  # the namespaces come from tests/protocol/ops/test_netns.py
-
-import pytest
-from tests.protocol.ops.test_netns import Net, build_net, probe
-
 from blocktrain.config import apply_overrides
 from blocktrain.data import load_split, resolve_data_path
 from blocktrain.errors import ProtocolError
@@ -45,6 +37,9 @@ from blocktrain.protocol.store.state import bytes_summary, round_versions
 from blocktrain.protocol.store.storage import StateDir
 from blocktrain.training import EvalSettings, evaluate_blocktrain
 from blocktrain.training.local import build_stack, write_assembled
+from netns import Net, NetnsUnavailable, build_net, probe  # bench/netns.py
+from protocol_cluster import run as blocktrain  # bench/protocol_cluster.py
+from report import BENCHMARKS_MD, RESULTS, ROOT, cluster_state, machine, update_section
 
 Counts = dict[str, int]
 ZERO: Counts = {"requests": 0, "bytes_in": 0, "bytes_out": 0}  # and the order of a row's counts
@@ -264,7 +259,7 @@ def main() -> int:
         net = build_net(
             hosts=args.hosts, delay_ms=args.delay_ms, jitter_ms=args.jitter_ms, loss=args.loss
         )
-    except pytest.skip.Exception as exc:
+    except NetnsUnavailable as exc:
         print(f"wan: cannot build the namespaces: {exc}", file=sys.stderr)
         return 2
     try:

@@ -1,12 +1,16 @@
-"""The release schedule of the NFQUEUE delay program (tests/protocol/ops/nfqueue_delay.py): delay
-+- jitter, in arrival order. The program itself needs root and netfilter (tests/protocol/
-test_netns.py and bench/wan_run.py run it)."""
+"""The release schedule of the NFQUEUE delay program (bench/nfqueue_delay.py): delay +- jitter,
+in arrival order. The program itself needs root and netfilter (bench/netns.py runs it, for
+tests/protocol/ops/test_netns.py and bench/wan_run.py)."""
 
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
 
-from tests.protocol.ops.nfqueue_delay import release_at
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+
+from nfqueue_delay import release_at  # bench/nfqueue_delay.py
 
 
 def schedule(spacing: float, n: int = 2000) -> list[float]:

@@ -1,5 +1,5 @@
 """Delay every packet of an NFQUEUE by a fixed time: a stand-in for `tc qdisc ... netem delay`
-on kernels built without sch_netem (the netns test falls back to it). Run it inside the network
+on kernels built without sch_netem (bench/netns.py falls back to it). Run it inside the network
 namespace whose iptables rules send packets to the queue:
 
     ip netns exec NS python nfqueue_delay.py --queue 7 --delay-ms 20 [--jitter-ms 10]
