@@ -3,9 +3,10 @@ side by side. Writes benchmarks/results/adversarial.json and the "adversarial" s
 of BENCHMARKS.md.
 
 Each row is one `blocktrain.simulate` run (the protocol's own RoundEngine, real local training,
-a virtual clock) of 6 honest workers at the tiny preset (2 replicas per block, regime lockstep,
-the same seed and rounds everywhere) plus the attackers of the row, every forged delta at the
-norm bound in force and claiming the largest token count the aggregator accepts:
+a virtual clock) of 6 honest workers at the tiny preset (or `--preset`; 2 replicas per block,
+regime lockstep, the same seed and rounds everywhere) plus the attackers of the row, every
+forged delta at the norm bound in force and claiming the largest token count the aggregator
+accepts; each row is read against the clean row of its preset and defences:
 
     clean          no attacker
     shrink         one attacker: -s x the block's weights (s up to 1.76, which leaves -0.76 x
@@ -43,7 +44,7 @@ import torch
 
 from blocktrain.config import apply_overrides
 from blocktrain.data import load_split
-from blocktrain.presets import tiny
+from blocktrain.presets import PRESETS, preset
 from blocktrain.simulate import SimSpec, simulate
 from blocktrain.simulate.attacks import Attack
 from blocktrain.simulate.regimes import load_regime
@@ -75,7 +76,7 @@ DEFENCES = ("default", "none")
 
 
 def run_row(attack: str, defences: str, args: argparse.Namespace) -> dict[str, Any]:
-    cfg = apply_overrides(tiny(), [f"steps={args.rounds * args.local_steps}"])
+    cfg = apply_overrides(preset(args.preset), [f"steps={args.rounds * args.local_steps}"])
     protocol: dict[str, Any] = {"local_steps": args.local_steps}
     if defences == "none":
         protocol.update(undefended(cfg, args.local_steps))
@@ -103,6 +104,7 @@ def run_row(attack: str, defences: str, args: argparse.Namespace) -> dict[str, A
                 honest_refused[reason] = honest_refused.get(reason, 0) + n
     held = sum(1 for rec in r["rounds"] for b in rec["blocks"] if b["held"])
     return {
+        "preset": args.preset,
         "attack": attack,
         "defences": defences,
         "final_ce": r["final_sampler_ce"],
@@ -128,6 +130,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_simulated_row_args(p)
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="(default: tiny)")
     p.add_argument(
         "--only",
         type=lambda text: [x.strip() for x in text.split(",") if x.strip()],
@@ -145,14 +148,15 @@ def main() -> None:
             p.error(f"--only: unknown attack {unknown[0]!r}; known: {', '.join(ATTACKS)}")
         wanted = [(a, d) for a, d in wanted if a in args.only or f"{a}/{d}" in args.only]
     for attack, defences in wanted:
+        key = (args.preset, attack, defences)
         with locked() as rows:
-            old = rows.get((attack, defences))
+            old = rows.get(key)
         if old is not None and not args.force and same_run(old, args):
             continue
-        print(f"adversarial: {attack} / {defences} ...", file=sys.stderr, flush=True)
+        print(f"adversarial: {args.preset} {attack} / {defences} ...", file=sys.stderr, flush=True)
         row = run_row(attack, defences, args)
         with locked() as rows:
-            rows[(attack, defences)] = row
+            rows[key] = row
     with locked() as rows:
         print(markdown(result_of(rows)))
 
@@ -162,7 +166,7 @@ def same_run(row: dict[str, Any], args: argparse.Namespace) -> bool:
 
 
 @contextlib.contextmanager
-def locked() -> Iterator[dict[tuple[str, str], dict[str, Any]]]:
+def locked() -> Iterator[dict[Key, dict[str, Any]]]:
     """The JSON's rows, under a lock; what the caller leaves in the dict is saved (with the
     BENCHMARKS.md section), so that several processes can share the bench."""
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -171,7 +175,7 @@ def locked() -> Iterator[dict[tuple[str, str], dict[str, Any]]]:
     with open(LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         result = json.loads(path.read_text()) if path.exists() else {"rows": []}
-        rows = {(r["attack"], r["defences"]): r for r in result["rows"]}
+        rows = {key_of(r): r for r in result["rows"]}
         before = json.dumps(result["rows"], sort_keys=True)
         yield rows
         saved = result_of(rows)
@@ -180,37 +184,49 @@ def locked() -> Iterator[dict[tuple[str, str], dict[str, Any]]]:
             update_section("adversarial", markdown(saved))
 
 
-def result_of(rows: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
+Key = tuple[str, str, str]
+"""A row's preset, attack and defences."""
+
+
+def key_of(row: dict[str, Any]) -> Key:
+    # rows from before --preset were measured at tiny, the only preset the bench then ran
+    return row.get("preset", "tiny"), row["attack"], row["defences"]
+
+
+def result_of(rows: dict[Key, dict[str, Any]]) -> dict[str, Any]:
     ordered = [rows[k] for k in sorted(rows, key=order)]
     for r in ordered:
-        clean = rows.get(("clean", r["defences"]))
+        r.setdefault("preset", "tiny")
+        clean = rows.get((r["preset"], "clean", r["defences"]))
         r["clean_ce"] = None if clean is None else clean["final_ce"]
     return {"command": "python bench/adversarial.py", "machine": machine(), "rows": ordered}
 
 
-def order(key: tuple[str, str]) -> tuple[int, int]:
-    return list(ATTACKS).index(key[0]), DEFENCES.index(key[1])
+def order(key: Key) -> tuple[bool, str, int, int]:
+    return key[0] != "tiny", key[0], list(ATTACKS).index(key[1]), DEFENCES.index(key[2])
 
 
 def markdown(result: dict[str, Any]) -> str:
     rows = result["rows"]
     first = rows[0] if rows else {"rounds": "?", "local_steps": "?", "seed": "?"}
     lines = [
-        f"`{result['command']}`; JSON: `benchmarks/results/{NAME}`. 6 honest workers, preset "
-        f"tiny (2 replicas per block), regime lockstep, {first['rounds']} rounds of H = "
+        f"`{result['command']}`; JSON: `benchmarks/results/{NAME}`. 6 honest workers (2 "
+        f"replicas per block; `--preset small` for the other shape), regime lockstep, "
+        f"{first['rounds']} rounds of H = "
         f"{first['local_steps']}, seed {first['seed']}; final CE: the sampler CE (M = 16, 16384 "
         "validation bytes). Attackers forge at the norm bound in force and claim the largest "
         "token count.",
         "",
-        "| attack | defences | final CE | clean CE | final − clean | norm bound | attacker "
-        "updates accepted | attacker refusals | honest refusals | rounds held |",
-        "|---|---|---:|---:|---:|---:|---:|---|---|---:|",
+        "| preset | attack | defences | final CE | clean CE | final − clean | norm bound | "
+        "attacker updates accepted | attacker refusals | honest refusals | rounds held |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|---|---:|",
     ]
     for r in rows:
         diff = "—" if r["clean_ce"] is None else f"{r['final_ce'] - r['clean_ce']:+.3f}"
         clean = "—" if r["clean_ce"] is None else f"{r['clean_ce']:.3f}"
         lines.append(
-            f"| {r['attack']} | {r['defences']} | {r['final_ce']:.3f} | {clean} | {diff} | "
+            f"| {r['preset']} | {r['attack']} | {r['defences']} | {r['final_ce']:.3f} | {clean} | "
+            f"{diff} | "
             f"{r['max_delta_norm']:.3g} | {r['attacker_accepted']} | "
             f"{_counts(r['attacker_refused'])} | {_counts(r['honest_refused'])} | "
             f"{r['rounds_held']} |"
