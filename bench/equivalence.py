@@ -23,6 +23,9 @@ Writes benchmarks/results/equivalence.json and the `equivalence` section of BENC
 
     python bench/equivalence.py --pair 3aa3ee6:d12ca73 --pair bf89eab:6363805
     python bench/equivalence.py --pair main:split-400 --checks simulate,train --seeds 0
+    python bench/equivalence.py --pair 3aa3ee6:d12ca73 --checks cluster --reread  # no runs
+
+The JSON keeps the rows of every pair, check and seed run so far; a new call replaces its own.
 """
 
 from __future__ import annotations
@@ -35,34 +38,37 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 from safetensors.torch import load_file
 
-from report import BLOCKTRAIN, ROOT, free_ports, machine, update_section, wait_healthy, write_json
+from report import (
+    BLOCKTRAIN,
+    RESULTS,
+    ROOT,
+    free_ports,
+    machine,
+    update_section,
+    wait_healthy,
+    write_json,
+)
 
 WORK = ROOT / "benchmarks" / "work" / "equivalence"
 NAME = "equivalence.json"
-CHECKS = ("simulate", "train", "serve", "cluster")
 WALL_KEYS = frozenset(
     {
         "wall_s",
-        "elapsed_s",
-        "rounds_wall_s",
-        "total_s",
-        "chain_s",
-        "host_compute_s",
-        "router_s",
-        "timing",
-        "started",
-        "finished",
-        "time",
+        "wall_seconds",
+        "duration_s",  # a cluster round's, from its first pull to its commit
         "compute",  # the simulator's wall seconds of training, evaluation and the rest
     }
 )
 """Keys whose values are wall-clock measurements, which differ from run to run."""
+Output = tuple[Path | None, Any]
+"""What a check compares: the folder of the tensors it saved (None: none), and its JSON."""
 PROMPT = "The history of "
 
 
@@ -187,143 +193,111 @@ def jsonl(path: Path) -> list[Any]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def simulate(r: Revision, seed: int) -> dict[str, Any]:
+SIMULATE = "simulate --preset tiny --workers 6 --rounds 4 --local-steps 10 --regime lockstep,mild"
+SIMULATE += " --attack noise:1 --final-sweeps 4 --final-bytes 4096 --json"
+TRAIN = "train --preset tiny --steps 60 --overwrite --json"
+EVAL = "--bytes 4096 --sweeps 4 --json"
+CLUSTER = "cluster --workers 6 --preset tiny --rounds 3 --local-steps 5 --overwrite --threads 1"
+CLUSTER += " --eval-bytes 2048 --eval-sweeps 2 --final-bytes 4096 --final-sweeps 4 --json"
+
+
+def simulate(r: Revision, seed: int) -> None:
     out = r.fresh(f"simulate-{seed}")
-    report = json.loads(
-        r.cli(
-            [
-                "simulate",
-                "--preset",
-                "tiny",
-                "--workers",
-                "6",
-                "--rounds",
-                "4",
-                "--local-steps",
-                "10",
-                "--regime",
-                "lockstep,mild",
-                "--attack",
-                "noise:1",
-                "--seed",
-                str(seed),
-                "--out",
-                str(out),
-                "--final-sweeps",
-                "4",
-                "--final-bytes",
-                "4096",
-                "--json",
-            ]
-        )
-    )
+    r.cli([*SIMULATE.split(), "--seed", str(seed), "--out", str(out)])
+
+
+def read_simulate(r: Revision, seed: int) -> Output:
+    out = r.runs / f"simulate-{seed}"
     records = {p.parent.name: jsonl(p) for p in sorted(out.glob("*/rounds.jsonl"))}
-    return {"out": out, "json": {"report": report, "records": records}}
+    report = json.loads((out / "simulate.json").read_text())  # what --json prints, kept
+    return out, {"report": report, "records": records}
 
 
-def train(r: Revision, seed: int) -> dict[str, Any]:
+def train(r: Revision, seed: int) -> None:
     out = r.fresh(f"train-{seed}")
-    r.cli(
-        [
-            "train",
-            "--preset",
-            "tiny",
-            "--steps",
-            "60",
-            "--seed",
-            str(seed),
-            "--out",
-            str(out),
-            "--overwrite",
-            "--json",
-        ]
-    )
-    ce = json.loads(r.cli(["eval", str(out), "--bytes", "4096", "--sweeps", "4", "--json"]))
+    r.cli([*TRAIN.split(), "--seed", str(seed), "--out", str(out)])
+    (out / "eval.json").write_text(r.cli(["eval", str(out), *EVAL.split()]))
     text = r.cli(["generate", str(out), "--prompt", PROMPT, "--bytes", "48", "--seed", str(seed)])
-    return {"out": out, "json": {"eval": ce, "generate": text}}
+    (out / "generated.txt").write_text(text)
 
 
-def serve(r: Revision, seed: int) -> dict[str, Any]:
+def read_train(r: Revision, seed: int) -> Output:
+    out = r.runs / f"train-{seed}"
+    ce = json.loads((out / "eval.json").read_text())
+    return out, {"eval": ce, "generate": (out / "generated.txt").read_text()}
 
+
+def serve(r: Revision, seed: int) -> None:
+    """One host holding every block of the train check's run, a router, one seeded request."""
     run = r.runs / f"train-{seed}"
-    if not run.is_dir():
+    if not (run / "generated.txt").exists():
         train(r, seed)
     host_port, router_port = free_ports(2)
     host_url, router_url = f"http://127.0.0.1:{host_port}", f"http://127.0.0.1:{router_port}"
-    procs = [
-        r.spawn(
-            ["serve-block", str(run), "--blocks", "0,1,2", "--port", str(host_port)],
-            r.runs / f"host-{seed}.log",
-        )
-    ]
+    host = ["serve-block", str(run), "--blocks", "0,1,2", "--port", str(host_port)]
+    procs = [r.spawn(host, r.runs / f"host-{seed}.log")]
     try:
         wait_healthy(host_url, procs)
-        procs.append(
-            r.spawn(
-                ["serve", "--hosts", host_url, "--port", str(router_port)],
-                r.runs / f"router-{seed}.log",
-            )
-        )
+        router = ["serve", "--hosts", host_url, "--port", str(router_port)]
+        procs.append(r.spawn(router, r.runs / f"router-{seed}.log"))
         wait_healthy(router_url, procs)
-        reply = httpx.post(
-            f"{router_url}/v1/generate",
-            timeout=120,
-            json={"prompt": PROMPT, "max_bytes": 32, "seed": seed, "temperature": 1.0},
-        )
+        request = {"prompt": PROMPT, "max_bytes": 32, "seed": seed, "temperature": 1.0}
+        reply = httpx.post(f"{router_url}/v1/generate", timeout=120, json=request)
         reply.raise_for_status()
-        text = reply.json()
+        (r.runs / f"serve-{seed}.json").write_text(reply.text)
     finally:
         for p in procs:
             p.terminate()
         for p in procs:
             p.wait(timeout=30)
-    return {"out": None, "json": {"text": text.get("text"), "model": text.get("model")}}
 
 
-def cluster(r: Revision, seed: int) -> dict[str, Any]:
+def read_serve(r: Revision, seed: int) -> Output:
+    reply = json.loads((r.runs / f"serve-{seed}.json").read_text())
+    return None, {"text": reply["text"], "model": reply["model"]}
+
+
+def cluster(r: Revision, seed: int) -> None:
     out = r.fresh(f"cluster-{seed}")
-    r.cli(
-        [
-            "cluster",
-            "--workers",
-            "6",
-            "--preset",
-            "tiny",
-            "--rounds",
-            "3",
-            "--local-steps",
-            "5",
-            "--seed",
-            str(seed),
-            "--out",
-            str(out),
-            "--overwrite",
-            "--threads",
-            "1",
-            "--eval-bytes",
-            "2048",
-            "--eval-sweeps",
-            "2",
-            "--final-bytes",
-            "4096",
-            "--final-sweeps",
-            "4",
-            "--json",
-        ]
-    )
+    r.cli([*CLUSTER.split(), "--seed", str(seed), "--out", str(out)])
+
+
+def read_cluster(r: Revision, seed: int) -> Output:
+    out = r.runs / f"cluster-{seed}"
     summary = json.loads((out / "summary.json").read_text())
     summary.pop("bytes")  # counts the status and round polls too, as many as the wall clock allows
-    return {"out": out / "model", "json": summary}
+    # which process registers first, and so which worker id holds which block, is a race: the
+    # workers are compared as a set, less the bytes their status polls add
+    summary["workers_report"] = sorted(
+        (
+            {k: v for k, v in w.items() if k not in ("worker_id", "bytes_down")}
+            for w in summary["workers_report"]
+        ),
+        key=lambda w: json.dumps(w, sort_keys=True),
+    )
+    return out / "model", summary
 
 
-RUNNERS = {"simulate": simulate, "train": train, "serve": serve, "cluster": cluster}
+CHECKS: dict[str, tuple[Callable[[Revision, int], None], Callable[[Revision, int], Output]]] = {
+    "simulate": (simulate, read_simulate),
+    "train": (train, read_train),
+    "serve": (serve, read_serve),
+    "cluster": (cluster, read_cluster),
+}
+"""Each check's run (writing under the revision's folder) and its reading of what it wrote."""
 
 
-def compare(before: Revision, after: Revision, check: str, seed: int) -> dict[str, Any]:
+def compare(
+    before: Revision, after: Revision, check: str, seed: int, reread: bool = False
+) -> dict[str, Any]:
     started = time.monotonic()
-    a, b = RUNNERS[check](before, seed), RUNNERS[check](after, seed)
-    diffs = differences(before.neutral(a["json"]), after.neutral(b["json"]))
-    gap = None if a["out"] is None else tensor_gap(a["out"], b["out"])
+    run, read = CHECKS[check]
+    if not reread:
+        run(before, seed)
+        run(after, seed)
+    (tensors_a, a), (tensors_b, b) = read(before, seed), read(after, seed)
+    diffs = differences(before.neutral(a), after.neutral(b))
+    gap = None if tensors_a is None or tensors_b is None else tensor_gap(tensors_a, tensors_b)
     return {
         "before": before.commit,
         "after": after.commit,
@@ -338,9 +312,10 @@ def compare(before: Revision, after: Revision, check: str, seed: int) -> dict[st
 
 def markdown(result: dict[str, Any]) -> str:
     lines = [
-        f"`{result['command']}` on {result['machine'].get('cpu', '?')}. Each row runs one check "
-        "at both revisions on one seed; records: every decision and CE the check writes, "
-        "wall-clock keys left out; weight gap: max |before - after| over every tensor saved.",
+        f"`{result['command']} --pair BEFORE:AFTER` on {result['machine'].get('cpu', '?')}. "
+        "Each row runs one check at both revisions on one seed; records: every decision and CE "
+        "the check writes, wall-clock keys left out; weight gap: max |before - after| over every "
+        "tensor saved (0: the same bits).",
         "",
         "| before | after | check | seed | records | weight gap | differences |",
         "|---|---|---|---:|---|---:|---|",
@@ -373,9 +348,14 @@ def main() -> None:
     )
     p.add_argument("--seeds", default="0,1", help="comma-separated seeds (default: 0,1)")
     p.add_argument("--threads", type=int, default=2, help="threads of each run (default: 2)")
+    p.add_argument(
+        "--reread",
+        action="store_true",
+        help="compare what the runs of an earlier call left on disk, without running",
+    )
     args = p.parse_args()
     checks = [c for c in args.checks.split(",") if c]
-    if unknown := set(checks) - set(RUNNERS):
+    if unknown := set(checks) - set(CHECKS):
         p.error(f"unknown checks: {', '.join(sorted(unknown))} (choose from {', '.join(CHECKS)})")
     pairs = []
     for pair in args.pair:
@@ -385,20 +365,28 @@ def main() -> None:
         pairs.append(
             (Revision(before, "before", args.threads), Revision(after, "after", args.threads))
         )
-    rows = [
-        compare(b, a, check, int(seed))
-        for b, a in pairs
-        for check in checks
-        for seed in args.seeds.split(",")
-    ]
+    path = RESULTS / NAME
+    saved = json.loads(path.read_text())["rows"] if path.exists() else []
+    rows = {key_of(r): r for r in saved}  # the rows of other pairs, checks and seeds are kept
+    for b, a in pairs:
+        for check in checks:
+            for seed in args.seeds.split(","):
+                row = compare(b, a, check, int(seed), reread=args.reread)
+                if args.reread and key_of(row) in rows:  # the time the runs took, not the reading
+                    row["wall_s"] = rows[key_of(row)]["wall_s"]
+                rows[key_of(row)] = row
     result = {
-        "command": "python bench/equivalence.py " + " ".join(sys.argv[1:]),
+        "command": "python bench/equivalence.py",
         "machine": machine(),
-        "rows": rows,
+        "rows": list(rows.values()),
     }
     write_json(NAME, result)
     update_section("equivalence", markdown(result))
     print(markdown(result))
+
+
+def key_of(row: dict[str, Any]) -> tuple[str, str, str, int]:
+    return row["before"], row["after"], row["check"], row["seed"]
 
 
 if __name__ == "__main__":
