@@ -14,7 +14,10 @@ compares what each revision's user would have got:
   `POST /v1/generate` with a seed: the bytes generated (the serving rooms' path);
 - cluster: `cluster --workers 6 --rounds 3 --local-steps 5` over real HTTP: each round's
   participation and CE in summary.json (less its traffic counters: they count the polls, as
-  many as the wall clock allows), and the final model's weights.
+  many as the wall clock allows), and the final model's weights;
+- frontier: the revision's own `bench/span_frontier.py --quality-only`, small (FRONTIER: the
+  judge and each model 60 steps, K = 1 and 4, 4 prompts): every quality row (gen_ce, floor_ce,
+  entropy, joint_ce, the samples) and every model it trained. Its seeds are its own.
 
 Records and JSON compare equal but for wall-clock keys (WALL_KEYS); tensors by max |a - b|,
 which is 0 where the two revisions run the same arithmetic on this machine (a restructuring
@@ -22,6 +25,7 @@ moves code, not arithmetic; across machines the last bits may differ, so compare
 Writes benchmarks/results/equivalence.json and the `equivalence` section of BENCHMARKS.md.
 
     python bench/equivalence.py --pair 3aa3ee6:d12ca73 --pair bf89eab:6363805
+    python bench/equivalence.py --pair bf89eab:6363805 --checks frontier --seeds 0
     python bench/equivalence.py --pair main:split-400 --checks simulate,train --seeds 0
     python bench/equivalence.py --pair 3aa3ee6:d12ca73 --checks cluster --reread  # no runs
 
@@ -125,6 +129,11 @@ class Revision:
             stdout=subprocess.PIPE,
             text=True,
         ).stdout
+
+    def script(self, argv: list[str]) -> None:
+        """Run one of this revision's own bench scripts, from its checkout."""
+        print(f"$ [{self.commit[:8]}] python " + " ".join(argv), file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, *argv], cwd=self.tree, env=self.env, check=True)
 
     def spawn(self, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
@@ -278,11 +287,32 @@ def read_cluster(r: Revision, seed: int) -> Output:
     return out / "model", summary
 
 
+FRONTIER = "bench/span_frontier.py --quality-only --preset tiny --spans 1,4 --recipes default"
+FRONTIER += " --samplers euler --drafters ngram --judge-steps 60 --steps 60 --prompts 4 --sweeps 2"
+FRONTIER += " --joint-bytes 2048 --name equivalence_frontier"
+"""The frontier's quality rows, small: the judge and every model 60 steps, 4 prompts."""
+
+
+def frontier(r: Revision, seed: int) -> None:
+    """The revision's own bench/span_frontier.py (its seeds are its own: `seed` is unused)."""
+    shutil.rmtree(r.tree / "benchmarks" / "work" / "span_frontier", ignore_errors=True)
+    r.script(FRONTIER.split())
+
+
+def read_frontier(r: Revision, seed: int) -> Output:
+    result = json.loads(
+        (r.tree / "benchmarks" / "results" / "equivalence_frontier.json").read_text()
+    )
+    result.pop("machine")  # names the revision's own commit
+    return r.tree / "benchmarks" / "work" / "span_frontier", result
+
+
 CHECKS: dict[str, tuple[Callable[[Revision, int], None], Callable[[Revision, int], Output]]] = {
     "simulate": (simulate, read_simulate),
     "train": (train, read_train),
     "serve": (serve, read_serve),
     "cluster": (cluster, read_cluster),
+    "frontier": (frontier, read_frontier),
 }
 """Each check's run (writing under the revision's folder) and its reading of what it wrote."""
 
