@@ -136,13 +136,14 @@ class Revision:
         subprocess.run([sys.executable, *argv], cwd=self.tree, env=self.env, check=True)
 
     def spawn(self, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(
-            [*BLOCKTRAIN, *argv],
-            cwd=self.tree,
-            env=self.env,
-            stdout=log.open("wb"),
-            stderr=subprocess.STDOUT,
-        )
+        with log.open("wb") as out:  # the child holds its own copy of the descriptor
+            return subprocess.Popen(
+                [*BLOCKTRAIN, *argv],
+                cwd=self.tree,
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
 
 
 def neutral(value: Any, names: dict[str, str]) -> Any:
@@ -162,19 +163,22 @@ def without_wall(value: Any) -> Any:
     return value
 
 
-def differences(a: Any, b: Any, path: str = "") -> list[str]:
+def differences(a: Any, b: Any) -> list[str]:
     """Where two JSON values differ (wall-clock keys left out), at most a few paths."""
-    a, b = without_wall(a), without_wall(b)
+    return _differences(without_wall(a), without_wall(b), "")
+
+
+def _differences(a: Any, b: Any, path: str) -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict):
         out = [f"{path}.{k}: only on one side" for k in sorted(set(a) ^ set(b))]
         for k in sorted(set(a) & set(b)):
-            out += differences(a[k], b[k], f"{path}.{k}")
+            out += _differences(a[k], b[k], f"{path}.{k}")
         return out[:5]
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
         return [
             d
             for i, (x, y) in enumerate(zip(a, b, strict=True))
-            for d in differences(x, y, f"{path}[{i}]")
+            for d in _differences(x, y, f"{path}[{i}]")
         ][:5]
     return [] if a == b else [f"{path or '.'}: {json.dumps(a)[:60]} != {json.dumps(b)[:60]}"]
 
@@ -294,17 +298,22 @@ FRONTIER += " --joint-bytes 2048 --name equivalence_frontier"
 
 
 def frontier(r: Revision, seed: int) -> None:
-    """The revision's own bench/span_frontier.py (its seeds are its own: `seed` is unused)."""
-    shutil.rmtree(r.tree / "benchmarks" / "work" / "span_frontier", ignore_errors=True)
+    """The revision's own bench/span_frontier.py (its seeds are its own: `seed` is unused). It
+    writes inside the checkout, which both sides of a pair of one revision share, so what it
+    wrote moves to this side's folder."""
+    models = r.tree / "benchmarks" / "work" / "span_frontier"
+    shutil.rmtree(models, ignore_errors=True)
     r.script(FRONTIER.split())
+    out = r.fresh("frontier")
+    shutil.move(models, out / "models")
+    shutil.move(r.tree / "benchmarks" / "results" / "equivalence_frontier.json", out)
 
 
 def read_frontier(r: Revision, seed: int) -> Output:
-    result = json.loads(
-        (r.tree / "benchmarks" / "results" / "equivalence_frontier.json").read_text()
-    )
+    out = r.runs / "frontier"
+    result = json.loads((out / "equivalence_frontier.json").read_text())
     result.pop("machine")  # names the revision's own commit
-    return r.tree / "benchmarks" / "work" / "span_frontier", result
+    return out / "models", result
 
 
 CHECKS: dict[str, tuple[Callable[[Revision, int], None], Callable[[Revision, int], Output]]] = {

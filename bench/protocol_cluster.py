@@ -19,7 +19,14 @@ import argparse
 import itertools
 import json
 
-from report import ROOT, blocktrain_json, machine, update_section, write_json  # bench/report.py
+from report import (
+    ROOT,
+    blocktrain,
+    blocktrain_json,
+    machine,
+    update_section,
+    write_json,
+)  # bench/report.py
 
 
 def main() -> None:
@@ -62,8 +69,8 @@ def main() -> None:
         args.single_dir,
     ]
     if not args.skip_run:
-        blocktrain_json([*cluster_cmd, "--overwrite", "--no-progress", "--json"])
-        blocktrain_json([*single_cmd, "--overwrite", "--no-progress", "--json"])
+        blocktrain([*cluster_cmd, "--overwrite", "--no-progress", "--json"])
+        blocktrain([*single_cmd, "--overwrite", "--no-progress", "--json"])
     summary = json.loads((ROOT / args.cluster_dir / "summary.json").read_text())
     eval_cmd = [
         "eval",

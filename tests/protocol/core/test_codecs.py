@@ -323,3 +323,13 @@ def test_a_worker_told_another_wire_re_registers_and_follows_it(tmp_path, monkey
         assert calls == ["int8", "int8"]
     finally:
         h.state.close()
+
+
+def test_the_selecting_codecs_are_the_top_k_ones() -> None:
+    # the settings refuse outer momentum with exactly these (their residual carries the rest)
+    assert [
+        w for w in ("fp16", "int8", "topk:0.03", "sparse:0.03:2") if DeltaWire.parse(w).selects
+    ] == [
+        "topk:0.03",
+        "sparse:0.03:2",
+    ]

@@ -127,6 +127,12 @@ class DeltaWire:
         return self.kind in DENSE
 
     @property
+    def selects(self) -> bool:
+        """Sends a selection of the coordinates (top-k), the rest kept in the worker's residual
+        for later rounds."""
+        return self.kind in ("topk", "sparse")
+
+    @property
     def lossy(self) -> bool:
         """Loses more than float rounding: the worker keeps the residual."""
         return not self.dense

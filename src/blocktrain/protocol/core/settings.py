@@ -39,9 +39,6 @@ from blocktrain.protocol.core.delta_wire import (
 from blocktrain.protocol.core.round_settings import RoundSettings
 from blocktrain.protocol.core.vote_settings import VoteSettings
 
-SELECTING = ("topk", "sparse")
-"""Push codecs that send a selection of coordinates, the rest kept in the worker's residual."""
-
 
 @dataclass(frozen=True)
 class AggregatorSettings(VoteSettings, RoundSettings):
@@ -229,7 +226,7 @@ class AggregatorSettings(VoteSettings, RoundSettings):
             value = getattr(self, f.name)
             if not meta.check(value):
                 raise ConfigError(f"aggregator setting {f.name} = {value!r} {meta.why}")
-        if self.outer_momentum > 0 and DeltaWire.parse(self.push_wire).kind in SELECTING:
+        if self.outer_momentum > 0 and DeltaWire.parse(self.push_wire).selects:
             # A selecting codec's residual re-sends late what momentum has already pushed on:
             # BENCHMARKS.md, Compressed deltas (sparse:0.03:2 with momentum 0.9 diverged)
             raise ConfigError(
