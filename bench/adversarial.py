@@ -103,6 +103,15 @@ def run_row(attack: str, defences: str, args: argparse.Namespace) -> dict[str, A
             for reason, n in w["refused"].items():
                 honest_refused[reason] = honest_refused.get(reason, 0) + n
     held = sum(1 for rec in r["rounds"] for b in rec["blocks"] if b["held"])
+    per_round = []  # every block's updates of the round, honest and hostile alike
+    for rec in r["rounds"]:
+        refused_now: dict[str, int] = {}
+        for b in rec["blocks"]:
+            for reason, n in b["refused"].items():
+                refused_now[reason] = refused_now.get(reason, 0) + n
+        per_round.append(
+            {"accepted": sum(b["accepted"] for b in rec["blocks"]), "refused": refused_now}
+        )
     return {
         "preset": args.preset,
         "attack": attack,
@@ -119,6 +128,7 @@ def run_row(attack: str, defences: str, args: argparse.Namespace) -> dict[str, A
         "attacker_refused": refused,
         "honest_refused": honest_refused,
         "rounds_held": held,
+        "per_round": per_round,
         "max_delta_norm": report["protocol"]["max_delta_norm"],
         "protocol": report["protocol"],
         "wall_s": wall,

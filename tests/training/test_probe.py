@@ -42,3 +42,25 @@ def test_the_probe_slice_is_disjoint_from_the_evaluation_windows(corpus):
     probe = BlockProbe(cfg, valid, windows=4, skip_bytes=128)
     evaluated = valid.windows(cfg.model.seq_len, 128)
     assert torch.equal(probe.x, valid.windows(cfg.model.seq_len, 128 + 4 * 16)[len(evaluated) :])
+
+
+def test_window_losses_average_to_the_loss_and_a_secret_draws_a_new_slice_per_draw(corpus):
+    """Finding (issue 31): the probe's slice and noise were public and fixed, so anyone could
+    rebuild it and tune an update to pass it. With a secret, each draw (a committed version)
+    picks its windows and noise from the secret; one draw is the same on every call, so
+    before and after are read on the same windows (the paired test)."""
+    cfg = micro_config()
+    valid = ByteCorpus.open(corpus).split("valid")
+    weights = initial_blocks(cfg)[0]
+    public = BlockProbe(cfg, valid, windows=4, skip_bytes=64)
+    rows = public.window_losses(0, weights)
+    assert rows.shape == (4,)
+    assert float(rows.mean()) == public.loss(0, weights)
+    assert torch.equal(public.window_losses(0, weights, draw=5), rows), "no secret: one slice"
+    secret = BlockProbe(cfg, valid, windows=4, skip_bytes=64, secret=12345)
+    assert len(secret.pool) > 4, "a pool to draw from"
+    first = secret.window_losses(0, weights, draw=0)
+    assert torch.equal(secret.window_losses(0, weights, draw=0), first), "one draw, one slice"
+    assert not torch.equal(secret.window_losses(0, weights, draw=1), first)
+    other = BlockProbe(cfg, valid, windows=4, skip_bytes=64, secret=54321)
+    assert not torch.equal(other.window_losses(0, weights, draw=0), first), "the secret decides"

@@ -22,6 +22,7 @@ import argparse
 import gc
 import logging
 import os
+import secrets
 import socket
 import sys
 from pathlib import Path
@@ -220,6 +221,7 @@ def effect_probe(
     return BlockProbe(
         RunConfig.from_dict(state.run_config()),
         valid if valid is not None else probe_data(args, settings),
+        secret=secrets.randbits(62),  # drawn at each start, never stored nor served
     )
 
 

@@ -31,6 +31,10 @@ from blocktrain.training import EvalSettings, evaluate_blocktrain, evaluate_refe
 from blocktrain.training import checkpoint as ckpt
 from blocktrain.training.local import initial_units, local_trainer, reference_config
 from blocktrain.training.probe import BlockProbe
+from blocktrain.training.step import stream_seed
+
+PROBE_SECRET_SALT = 11
+"""The simulated aggregator's probe secret comes from the run seed and this salt."""
 
 Tensors = dict[str, torch.Tensor]
 
@@ -153,7 +157,12 @@ def simulate(
                 raise ConfigError(
                     "--unit reference simulates with --effect-probe off: the probe judges blocks"
                 )
-            probe = BlockProbe(cfg, valid, skip_bytes=max(spec.eval_bytes, spec.final_bytes))
+            probe = BlockProbe(  # a secret of the run's seed: a simulation is reproducible
+                cfg,
+                valid,
+                skip_bytes=max(spec.eval_bytes, spec.final_bytes),
+                secret=stream_seed(cfg.seed, 0, 0, PROBE_SECRET_SALT),
+            )
     report: dict[str, Any] = {
         "config": cfg.to_dict(),
         "unit": spec.unit,

@@ -23,6 +23,10 @@ class LossParts:
 
     total: torch.Tensor
     logs: dict[str, float]
+    rows: Callable[[], torch.Tensor] | None = None
+    """Each sequence's share of `total`, (N,), for a paired test over the batch (the effect
+    probe); computed on demand, so training pays nothing for it. Their mean is `total` up to
+    float reassociation (and, for a masked run, up to how masked bytes fall between rows)."""
 
 
 class BlockLoss:
@@ -57,15 +61,22 @@ class BlockLoss:
         (or, for a masked run, the mask rates and the masks)."""
         want_aux = self.cfg.aux_weight > 0
         if self.cfg.process == "masked":
-            total, logs, aux = self._masked(block, index, x_bytes, generator, want_aux)
+            total, logs, aux, rows = self._masked(block, index, x_bytes, generator, want_aux)
         else:
-            total, logs, aux = self._gaussian(block, index, x_bytes, generator, want_aux)
+            total, logs, aux, rows = self._gaussian(block, index, x_bytes, generator, want_aux)
         if aux is not None:
-            aux_ce = F.cross_entropy(aux[:, :-1].float().flatten(0, 1), x_bytes[:, 1:].flatten())
+            aux_logits, next_bytes = aux[:, :-1].float(), x_bytes[:, 1:]
+            aux_ce = F.cross_entropy(aux_logits.flatten(0, 1), next_bytes.flatten())
             total = total + self.cfg.aux_weight * aux_ce
             logs["loss_aux"] = float(aux_ce.detach())
+            denoise_rows = rows
+
+            def rows() -> torch.Tensor:
+                per_byte = F.cross_entropy(aux_logits.transpose(1, 2), next_bytes, reduction="none")
+                return denoise_rows() + self.cfg.aux_weight * per_byte.mean(dim=1)
+
         logs["loss"] = float(total.detach())
-        return LossParts(total, logs)
+        return LossParts(total, logs, rows)
 
     def _up(self, index: int, x_bytes: torch.Tensor) -> torch.Tensor | None:
         return None if self.upstream is None else self.upstream(index, x_bytes)
@@ -77,7 +88,7 @@ class BlockLoss:
         x_bytes: torch.Tensor,
         generator: torch.Generator,
         want_aux: bool,
-    ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor | None, Callable[[], torch.Tensor]]:
         n, t = x_bytes.shape
         device = x_bytes.device
         sigma = self.schedule.sample_training_sigma(index, n, generator)  # (N,)
@@ -94,8 +105,9 @@ class BlockLoss:
         ce = F.cross_entropy(
             logits.float().flatten(0, 1), x_bytes.flatten(), reduction="none"
         ).view(n, t)
-        weight = loss_weight(sigma, self.cfg.sigma_data_value)  # (N,)
-        return (weight[:, None] * ce).mean(), {"loss_denoise": float(ce.detach().mean())}, aux
+        weighted = loss_weight(sigma, self.cfg.sigma_data_value)[:, None] * ce  # (N, T)
+        logs = {"loss_denoise": float(ce.detach().mean())}
+        return weighted.mean(), logs, aux, lambda: weighted.mean(dim=1)
 
     def _masked(
         self,
@@ -104,7 +116,7 @@ class BlockLoss:
         x_bytes: torch.Tensor,
         generator: torch.Generator,
         want_aux: bool,
-    ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor | None, Callable[[], torch.Tensor]]:
         """model/masking.py: t from the block's interval (at least 1/K: the sampler never runs a
         block on a span with nothing masked), masks drawn at rate t, and the mean CE of the
         masked bytes (mask_loss = mean), or MD4's (1/t) * their summed CE per byte of the batch
@@ -134,9 +146,17 @@ class BlockLoss:
         mean_masked = on_masked.sum() / masked.sum().clamp(min=1)
         if self.cfg.mask_loss == "elbo":
             total = (on_masked.sum(dim=1) / rate).sum() / (n * t_len)
+
+            def rows() -> torch.Tensor:
+                return on_masked.sum(dim=1) / rate / t_len
+
         else:
             total = mean_masked
-        return total, {"loss_denoise": float(mean_masked.detach())}, aux
+
+            def rows() -> torch.Tensor:
+                return on_masked.sum(dim=1) / masked.sum(dim=1).clamp(min=1)
+
+        return total, {"loss_denoise": float(mean_masked.detach())}, aux, rows
 
 
 def reference_loss(model: Reference, x_bytes: torch.Tensor) -> LossParts:

@@ -1,11 +1,14 @@
 """The aggregator's effect probe (`protocol.core.effect.EffectProbe`, docs/protocol.md): a block's
-own loss (`BlockLoss`, the objective its workers minimise) on a fixed held-out slice, so that
-an update can be judged by what it does to the block rather than by its shape or norm.
+own loss (`BlockLoss`, the objective its workers minimise) on a held-out slice, window by window,
+so that an update can be judged by what it does to the block rather than by its shape or norm.
 
-Deterministic by construction: the same validation windows, and the same sigmas and noise
-(drawn once per block from a fixed seed) for every call. The slice starts after the first
-`skip_bytes` of the split, so it is disjoint from the evaluation windows (`valid.windows`
-from the start) that report the run's CE.
+Deterministic for a given draw: the same windows, sigmas and noise for every call with the same
+(block, draw). Without a secret every draw is the first `windows` windows of the pool with a
+fixed seed (anyone can rebuild that probe from the public config and data); with one, each draw
+(the aggregator draws anew for every committed version) picks `windows` of the pool's windows
+and the noise from the secret, so a worker cannot tune an update to the slice it will be judged
+on. The pool starts after the first `skip_bytes` of the split, so it is disjoint from the
+evaluation windows (`valid.windows` from the start) that report the run's CE.
 """
 
 from __future__ import annotations
@@ -30,8 +33,13 @@ PROBE_SKIP_BYTES = 16384
 (the live evaluation's, training/live_eval.py) never overlap it."""
 
 
+POOL = 8
+"""The pool a secret probe draws its windows from, in slices: 8 x 32 windows of T bytes."""
+
+
 class BlockProbe:
-    """`loss(block, weights)`: block `block`'s training loss with `weights` on the fixed slice."""
+    """`window_losses(block, weights)`: block `block`'s training loss with `weights` on each
+    window of the slice."""
 
     def __init__(
         self,
@@ -40,11 +48,15 @@ class BlockProbe:
         *,
         windows: int = 32,
         skip_bytes: int = PROBE_SKIP_BYTES,
+        secret: int | None = None,
     ) -> None:
         t = cfg.model.seq_len
         skip = -(-skip_bytes // t)
-        rows = valid.windows(t, (skip + windows) * t)
-        self.x = rows[skip:] if len(rows) > skip else rows[-windows:]
+        pool = POOL if secret is not None else 1
+        rows = valid.windows(t, (skip + pool * windows) * t)
+        self.pool = rows[skip:] if len(rows) > skip else rows[-windows:]
+        self.x = self.pool[:windows]  # the slice of every draw when there is no secret
+        self.secret = secret
         self.cfg = cfg
         # every block, so that under route = features a block reads the committed versions of
         # the blocks before it (`others`)
@@ -55,7 +67,19 @@ class BlockProbe:
     def loss(
         self, block: int, weights: Tensors, others: Mapping[int, Tensors] | None = None
     ) -> float:
+        return float(self.window_losses(block, weights, others).mean())
+
+    def window_losses(
+        self,
+        block: int,
+        weights: Tensors,
+        others: Mapping[int, Tensors] | None = None,
+        draw: int = 0,
+    ) -> torch.Tensor:
+        """The loss of each window of draw `draw`'s slice, (windows,): a paired test compares
+        two weights window by window, on the same bytes, sigmas and noise."""
         others = others or {}
+        x, seed = self._slice(block, draw)
         reads = range(block) if self.cfg.model.route == "features" else range(0)
         missing = [b for b in reads if b not in others]
         if missing:
@@ -65,5 +89,15 @@ class BlockProbe:
             for b in reads:
                 self.stack.block(b).load_state_dict({k: v.float() for k, v in others[b].items()})
             module.load_state_dict({k: v.float() for k, v in weights.items()})
-            gen = torch.Generator().manual_seed(stream_seed(self.cfg.seed, block, 0, _PROBE_SALT))
-            return float(self.objective(module, block, self.x, gen).total)
+            gen = torch.Generator().manual_seed(seed)
+            parts = self.objective(module, block, x, gen)
+            assert parts.rows is not None  # BlockLoss always gives them
+            return parts.rows().detach()
+
+    def _slice(self, block: int, draw: int) -> tuple[torch.Tensor, int]:
+        """The windows and the noise seed of (block, draw)."""
+        if self.secret is None:
+            return self.x, stream_seed(self.cfg.seed, block, 0, _PROBE_SALT)
+        seed = stream_seed(self.secret, block, draw, _PROBE_SALT)
+        pick = torch.randperm(len(self.pool), generator=torch.Generator().manual_seed(seed))
+        return self.pool[pick[: len(self.x)]], seed

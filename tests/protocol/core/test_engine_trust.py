@@ -20,7 +20,12 @@ from tests.protocol.conftest import block_tensors, delta_body
 
 BASE = block_tensors(100)
 SETTINGS = AggregatorSettings(
-    deadline_s=30.0, max_delta_norm=1e4, max_tokens=10**12, wire_dtype="fp32", min_round_s=0.0
+    deadline_s=30.0,
+    max_delta_norm=1e4,
+    max_tokens=10**12,
+    wire_dtype="fp32",
+    min_round_s=0.0,
+    probe_step=1.0,  # the effects below are sized for the whole update
 )
 
 
@@ -32,9 +37,10 @@ class TargetProbe:
         self.target = target
         self.calls = 0
 
-    def loss(self, block: int, weights: dict[str, torch.Tensor], others=None) -> float:
+    def window_losses(self, block: int, weights: dict[str, torch.Tensor], others=None, draw=0):
         self.calls += 1
-        return sum(float(((weights[k].float() - t) ** 2).sum()) for k, t in self.target.items())
+        distance = sum(float(((weights[k].float() - t) ** 2).sum()) for k, t in self.target.items())
+        return torch.tensor([distance])  # one window: no spread, so only a fall is accepted
 
 
 def engine(settings: AggregatorSettings = SETTINGS, probe: TargetProbe | None = None):

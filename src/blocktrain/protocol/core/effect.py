@@ -1,6 +1,6 @@
 """Judging an update by its effect (docs/protocol.md, Effect probe): the block's own loss on a
-fixed held-out slice, before and after the update, and a reputation per identity built from
-those verdicts.
+fixed held-out slice, window by window, before and after the update (a paired test), and a
+reputation per identity built from those verdicts.
 
 The protocol never imports the model, so the probe is injected: `EffectProbe` is the type, and
 `training.probe.BlockProbe` the implementation that `cli/aggregator.py` and the simulator wire
@@ -9,6 +9,7 @@ in. It is pure in (block, weights, delta): fixed batch, fixed noise, fixed sigma
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
@@ -34,21 +35,41 @@ BAND_WIDTH = 3.0
 
 
 class EffectProbe(Protocol):
-    def loss(
-        self, block: int, weights: Tensors, others: Mapping[int, Tensors] | None = None
-    ) -> float:
-        """Block `block`'s loss on the fixed held-out slice with these weights (deterministic);
-        `others`: the committed versions of the other blocks this aggregator holds, for a
-        model whose blocks read the blocks before them."""
+    def window_losses(
+        self,
+        block: int,
+        weights: Tensors,
+        others: Mapping[int, Tensors] | None = None,
+        draw: int = 0,
+    ) -> torch.Tensor:
+        """Block `block`'s loss on each window of the held-out slice of draw `draw` with these
+        weights, (windows,), deterministic: the same bytes, sigmas and noise for every call of
+        one draw (a probe may draw a new slice per draw, or keep one); `others`: the committed
+        versions of the other blocks this aggregator holds, for a model whose blocks read the
+        blocks before them."""
         ...
 
 
 @dataclass(frozen=True)
 class Effect:
-    """The probe's reading of one update."""
+    """The probe's reading of one update: the slice's mean loss before and after, and the
+    standard error of the relative change, from the windows' paired differences (0 for a
+    probe of one window)."""
 
     before: float
     after: float
+    stderr: float = 0.0
+
+    @staticmethod
+    def paired(before: torch.Tensor, after: torch.Tensor) -> Effect:
+        """From per-window losses on the same windows, sigmas and noise: each window's change
+        is one paired sample, so the spread between windows (not the spread of the losses
+        themselves) sets how surely the update moved the loss."""
+        mean_before = float(before.double().mean())
+        change = (after.double() - before.double()) / abs(mean_before)
+        n = change.numel()
+        stderr = float(change.std() / math.sqrt(n)) if n > 1 else 0.0
+        return Effect(mean_before, float(after.double().mean()), stderr)
 
     @property
     def relative(self) -> float:
@@ -78,9 +99,13 @@ class HonestBand:
         return median + BAND_WIDTH * spread
 
 
-def judge_effect(effect: Effect, tolerance: float, band: HonestBand | None = None) -> Verdict:
-    """Accept an update only if it lowers the block's loss on the held-out slice. That rule
-    rests on nothing a worker controls, so a majority of hostile identities cannot loosen it
+def judge_effect(
+    effect: Effect, tolerance: float, band: HonestBand | None = None, z: float = 0.0
+) -> Verdict:
+    """Accept an update only if it lowers the block's loss on the held-out slice, or raises it
+    by less than `z` of its own standard errors (`probe_z`; 0: only a fall). That threshold
+    comes from the update's own windows, not from its peers', so a majority of hostile
+    identities cannot loosen it
     (bench/adversarial.py: while the honest band decided acceptance, four tokens on one block
     shifted it, their updates were accepted and the block was wrecked, +2.0 CE). A refused
     update costs reputation (`harmful`) only if it raises the loss by more than `tolerance`
@@ -89,13 +114,13 @@ def judge_effect(effect: Effect, tolerance: float, band: HonestBand | None = Non
     loss about as often as it lowers it (cluster_small), and penalising that noise excluded
     every honest worker. `no_gain` also keeps votes that do nothing from diluting those that
     train, e.g. a majority shrinking a block whose output is still zero."""
-    if effect.after < effect.before:  # NaN is refused too
+    if effect.after < effect.before or effect.relative < z * effect.stderr:  # NaN is refused
         return Verdict.ok()
     upper = None if band is None else band.upper
     limit = tolerance if upper is None else max(tolerance, upper)
     detail = (
         f"the block's held-out loss goes from {effect.before:.5g} to {effect.after:.5g} "
-        f"({effect.relative:+.3%}; tolerance {tolerance:+.3%}"
+        f"({effect.relative:+.3%} ± {effect.stderr:.3%}; tolerance {tolerance:+.3%}"
         + ("" if upper is None else f", recent accepted updates up to {upper:+.3%}")
         + ")"
     )
@@ -137,18 +162,28 @@ class Reputation:
 class ProbeCache:
     """The probe and each block's loss before, computed once per weights objects (a commit
     replaces a block's weights dict and never changes one in place, so every update of a
-    round is compared with the same number while no block it reads moves)."""
+    round is compared with the same numbers while no block it reads moves). Each new "before"
+    is a new draw of the probe's slice, so the slice changes with every committed version."""
 
     def __init__(self, probe: EffectProbe) -> None:
         self.probe = probe
-        self._before: dict[int, tuple[tuple[int, ...], float]] = {}
+        self._before: dict[int, tuple[tuple[int, ...], int, torch.Tensor]] = {}
 
     def effect(
-        self, block: int, weights: Tensors, delta: Tensors, others: Mapping[int, Tensors]
+        self,
+        block: int,
+        weights: Tensors,
+        delta: Tensors,
+        others: Mapping[int, Tensors],
+        step: float = 1.0,
     ) -> Effect:
+        """The effect of `step` x `delta` on the block's slice (`probe_step`)."""
         key = (id(weights), *(id(others[b]) for b in sorted(others)))
         cached = self._before.get(block)
         if cached is None or cached[0] != key:
-            cached = self._before[block] = (key, self.probe.loss(block, weights, others))
-        after = {k: w.float() + delta[k].float() for k, w in weights.items()}
-        return Effect(cached[1], self.probe.loss(block, after, others))
+            draw = 0 if cached is None else cached[1] + 1
+            before = self.probe.window_losses(block, weights, others, draw)
+            cached = self._before[block] = (key, draw, before)
+        _, draw, before = cached
+        after = {k: w.float() + step * delta[k].float() for k, w in weights.items()}
+        return Effect.paired(before, self.probe.window_losses(block, after, others, draw))

@@ -243,8 +243,12 @@ class RoundEngine(ReplayScreen, ProbeSlots):
             return Checked(verdict, candidate)
         block = candidate.block
         others = {b: st.weights for b, st in self.blocks.items() if b != block}
-        effect = self.probe.effect(block, self.blocks[block].weights, candidate.tensors, others)
-        judged = judge_effect(effect, self.settings.probe_tolerance, self.bands.get(block))
+        effect = self.probe.effect(
+            block, self.blocks[block].weights, candidate.tensors, others, self.settings.probe_step
+        )
+        judged = judge_effect(
+            effect, self.settings.probe_tolerance, self.bands.get(block), self.settings.probe_z
+        )
         return Checked(judged if verdict.accepted else verdict, candidate, effect, judged)
 
     def check(self, block: int, body: bytes | bytearray, worker: int | None = None) -> Checked:

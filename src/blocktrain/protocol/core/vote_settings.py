@@ -83,6 +83,26 @@ class VoteSettings:
         "must lie in [0, 1)",
         flag="--probe-tolerance",
     )
+    probe_step: float = setting(
+        0.25,
+        "Fraction of an update the effect probe applies before it reads the slice's loss: a "
+        "descent direction whose whole step overshoots (an honest replica's H steps at the "
+        "peak learning rate) still lowers the loss at a smaller one.",
+        lambda v: 0 < v <= 1,
+        "must lie in (0, 1]",
+        flag="--probe-step",
+        metavar="S",
+    )
+    probe_z: float = setting(
+        1.0,
+        "Standard errors by which an update may raise the slice's loss and still be "
+        "accepted: the effect probe's paired test over its windows, a threshold taken from "
+        "the update itself (0: only a fall is accepted).",
+        lambda v: 0 <= v <= 10,
+        "must lie in [0, 10]",
+        flag="--probe-z",
+        metavar="Z",
+    )
     probe_budget: int = setting(
         2,
         "Updates per identity per round that may reach the effect probe and be refused; "
