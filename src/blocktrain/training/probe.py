@@ -65,5 +65,9 @@ class BlockProbe:
             for b in reads:
                 self.stack.block(b).load_state_dict({k: v.float() for k, v in others[b].items()})
             module.load_state_dict({k: v.float() for k, v in weights.items()})
-            gen = torch.Generator().manual_seed(stream_seed(self.cfg.seed, block, 0, _PROBE_SALT))
-            return float(self.objective(module, block, self.x, gen).total)
+            return float(self.objective(module, block, self.x, self.noise(block)).total)
+
+    def noise(self, block: int) -> torch.Generator:
+        """The generator of block `block`'s sigmas and noise, fresh and alike at every call (a
+        white-box attacker differentiates the probe's loss with it: simulate/attacks)."""
+        return torch.Generator().manual_seed(stream_seed(self.cfg.seed, block, 0, _PROBE_SALT))
