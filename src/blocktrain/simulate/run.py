@@ -23,7 +23,7 @@ from blocktrain.fsutil import atomic_write_bytes
 from blocktrain.model import BlockStack, Reference, init_reference
 from blocktrain.protocol.core.bounds import derived_settings, largest_block
 from blocktrain.protocol.core.local_trainer import UNITS, LocalTrainer
-from blocktrain.simulate.attacks import Attack
+from blocktrain.simulate.attacks import Attack, Hostiles
 from blocktrain.simulate.engine import Simulation
 from blocktrain.simulate.regimes import Regime
 from blocktrain.simulate.workers import TimingOnlyTrainer
@@ -197,7 +197,9 @@ def simulate(
             eval_every=spec.eval_every,
             on_round=on_round,
             probe=probe,
-            attack=spec.attack,
+            hostiles=None
+            if spec.attack is None
+            else Hostiles(spec.attack, settings, seed=spec.seed),
             slowdown=spec.slowdown,
         )
         sim.run()

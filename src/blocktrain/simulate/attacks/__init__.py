@@ -1,0 +1,23 @@
+"""Hostile workers for the simulator (BENCHMARKS.md, Poisoning; `bench/adversarial.py`).
+
+An attacker is a virtual worker like any other: it registers, pulls and pushes on the virtual
+clock, with a trainer that deviates from an honest one's (`Hostiles` builds them):
+
+    shrink          -s x the block's weights, s as large as the bound allows (at most 1.76: the
+                    issue's "-0.76x its weights")                                    forge.py
+    bias            one coordinate at the bound, zeros elsewhere: the logit bias of byte 0 in
+                    the block's output head (`head.bias`), else the first coordinate of the
+                    first tensor                                                     forge.py
+    noise           Gaussian noise scaled to the bound, fresh each round             forge.py
+
+Forged deltas sit at the aggregator's norm bound and claim the largest token count it accepts
+(which bought weight under the old token-weighted mean).
+`Attack.count` attackers, all on `block` (default: where the registry puts them), each with a
+token of its own or all under one (`shared_token`: Sybils).
+"""
+
+from blocktrain.simulate.attacks.forge import ForgingTrainer
+from blocktrain.simulate.attacks.hostiles import Hostiles
+from blocktrain.simulate.attacks.spec import KINDS, Attack
+
+__all__ = ["KINDS", "Attack", "ForgingTrainer", "Hostiles"]
