@@ -75,6 +75,8 @@ class SimSpec:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+        if self.attack is not None and self.attack.trains and self.timing_only:
+            raise ConfigError(f"--attack {self.attack.kind} trains: not with --timing-only")
         for worker, factor in self.slowdown.items():
             if not 0 <= worker < self.workers or not factor > 0:
                 raise ConfigError(f"slowdown {worker}: {factor}: no such worker, or not positive")
@@ -199,7 +201,15 @@ def simulate(
             probe=probe,
             hostiles=None
             if spec.attack is None
-            else Hostiles(spec.attack, settings, seed=spec.seed),
+            else Hostiles(
+                spec.attack,
+                cfg,
+                settings,
+                train,
+                unit=spec.unit,
+                n_workers=spec.workers,
+                seed=spec.seed,
+            ),
             slowdown=spec.slowdown,
         )
         sim.run()

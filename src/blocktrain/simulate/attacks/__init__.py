@@ -9,9 +9,13 @@ clock, with a trainer that deviates from an honest one's (`Hostiles` builds them
                     the block's output head (`head.bias`), else the first coordinate of the
                     first tensor                                                     forge.py
     noise           Gaussian noise scaled to the bound, fresh each round             forge.py
+    poison_repeat   honest training on one repeated byte                            poison.py
+    poison_shuffle  honest training on the run's bytes shuffled                     poison.py
+    poison_foreign  honest training on the run's text in Cyrillic letters           poison.py
 
 Forged deltas sit at the aggregator's norm bound and claim the largest token count it accepts
-(which bought weight under the old token-weighted mean).
+(which bought weight under the old token-weighted mean); poisoners claim what their training
+counted.
 `Attack.count` attackers, all on `block` (default: where the registry puts them), each with a
 token of its own or all under one (`shared_token`: Sybils).
 """

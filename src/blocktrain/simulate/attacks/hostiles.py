@@ -1,24 +1,58 @@
-"""`Hostiles`: the trainers of one `Attack`'s workers in one simulation."""
+"""`Hostiles`: the trainers of one `Attack`'s workers in one simulation, built as the honest
+workers' are (`simulate.run.trainer_factory`), with the deviation layered on top."""
 
 from __future__ import annotations
 
+from blocktrain.config import RunConfig
+from blocktrain.data import ByteSource
+from blocktrain.errors import ConfigError
 from blocktrain.protocol.core.local_trainer import LocalTrainer
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.simulate.attacks.forge import ForgingTrainer
-from blocktrain.simulate.attacks.spec import Attack
+from blocktrain.simulate.attacks.poison import poisoned
+from blocktrain.simulate.attacks.spec import FORGED, POISONED, Attack
+from blocktrain.training.local import local_trainer
 
 
 class Hostiles:
-    """What a `Simulation` needs of its attackers: attacker i's trainer (`trainer`)."""
+    """What a `Simulation` needs of its attackers: attacker i's trainer (`trainer`). Fresh per
+    simulation: the trainers' optimizers start empty."""
 
-    def __init__(self, attack: Attack, settings: AggregatorSettings, *, seed: int) -> None:
+    def __init__(
+        self,
+        attack: Attack,
+        cfg: RunConfig,
+        settings: AggregatorSettings,
+        train: ByteSource | None,
+        *,
+        unit: str,
+        n_workers: int,
+        seed: int,
+    ) -> None:
+        if attack.trains and train is None:
+            raise ConfigError(f"--attack {attack.kind} trains: it needs the train split")
         self.attack = attack
+        self.cfg = cfg
         self.settings = settings
+        self.unit = unit
+        self.n_workers = n_workers
         self.seed = seed
+        self._train = train
+        if attack.kind in POISONED:
+            assert train is not None
+            self._train = poisoned(attack.kind, train, cfg.seed)
 
     def trainer(self, i: int, worker: int, block: int) -> LocalTrainer:
-        """Attacker i's trainer; `worker`: its id."""
-        settings = self.settings
-        return ForgingTrainer(
-            self.attack.kind, settings.max_delta_norm, settings.max_tokens, self.seed + i
+        """Attacker i's trainer; `worker`: its id, which seeds its data as an honest worker's
+        does (seed x n_workers + id)."""
+        kind, settings = self.attack.kind, self.settings
+        if kind in FORGED:
+            return ForgingTrainer(kind, settings.max_delta_norm, settings.max_tokens, self.seed + i)
+        assert self._train is not None
+        return local_trainer(
+            self.cfg,
+            self.unit,
+            block,
+            self._train,
+            data_seed=self.cfg.seed * self.n_workers + worker,
         )

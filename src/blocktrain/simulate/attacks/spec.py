@@ -9,7 +9,9 @@ from blocktrain.errors import ConfigError
 
 FORGED = ("shrink", "bias", "noise")
 """Deltas forged from the pulled weights alone (`forge.ForgingTrainer`)."""
-KINDS = FORGED
+POISONED = ("poison_repeat", "poison_shuffle", "poison_foreign")
+"""Honest training on the wrong bytes (`poison.poisoned`)."""
+KINDS = FORGED + POISONED
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,11 @@ class Attack:
         count = numbers[0] if numbers else 1
         block = numbers[1] if len(numbers) > 1 else None
         return Attack(parts[0], count, block, shared)
+
+    @property
+    def trains(self) -> bool:
+        """Whether its workers run real training steps (they need the run's data)."""
+        return self.kind in POISONED
 
     def token(self, i: int) -> int:
         """The identity attacker i speaks for (distinct from every honest worker's)."""
