@@ -56,11 +56,11 @@ def test_attack_specs_parse_and_refuse_nonsense():
             Attack.parse(bad)
     for kind in KINDS:
         assert Attack.parse(f"{kind}:2:1") == Attack(kind, 2, 1), kind
-    assert Attack.parse("poison_repeat:4:2") == Attack("poison_repeat", 4, 2)
+    assert Attack.parse("drift:4:2") == Attack("drift", 4, 2)
 
 
 def test_attacks_that_train_refuse_a_run_that_does_not() -> None:
-    for kind in ("poison_repeat", "poison_foreign"):
+    for kind in ("poison_repeat", "drift", "ascend"):
         with pytest.raises(ConfigError, match="timing-only"):
             SimSpec(CFG, 6, 2, {}, timing_only=True, attack=Attack(kind))
     SimSpec(CFG, 6, 2, {}, timing_only=True, attack=Attack("noise"))  # forgers need no data

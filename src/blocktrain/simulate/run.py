@@ -139,6 +139,7 @@ def simulate(
     )
     evaluate: RoundEvaluator | None = None
     probe: BlockProbe | None = None
+    probe_skip = max(spec.eval_bytes, spec.final_bytes)
     initial_ce: float | None = None
     if not spec.timing_only:
         if train is None or valid is None:
@@ -155,7 +156,7 @@ def simulate(
                 raise ConfigError(
                     "--unit reference simulates with --effect-probe off: the probe judges blocks"
                 )
-            probe = BlockProbe(cfg, valid, skip_bytes=max(spec.eval_bytes, spec.final_bytes))
+            probe = BlockProbe(cfg, valid, skip_bytes=probe_skip)
     report: dict[str, Any] = {
         "config": cfg.to_dict(),
         "unit": spec.unit,
@@ -206,8 +207,10 @@ def simulate(
                 cfg,
                 settings,
                 train,
+                valid,
                 unit=spec.unit,
                 n_workers=spec.workers,
+                probe_skip=probe_skip,
                 seed=spec.seed,
             ),
             slowdown=spec.slowdown,

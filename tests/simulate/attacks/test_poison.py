@@ -46,7 +46,7 @@ def test_poisoned_sources_hold_what_their_kind_says(corpus: Path) -> None:
 
 
 def test_a_poisoner_trains_for_real_on_its_bytes(corpus: Path) -> None:
-    train = load_split(corpus, "train")
+    train, valid = load_split(corpus, "train"), load_split(corpus, "valid")
     initial = initial_blocks(CFG)
     settings = derived_settings(CFG, {"local_steps": 2}, largest_block(initial))
     hostiles = Hostiles(
@@ -54,8 +54,10 @@ def test_a_poisoner_trains_for_real_on_its_bytes(corpus: Path) -> None:
         CFG,
         settings,
         train,
+        valid,
         unit="block",
         n_workers=6,
+        probe_skip=512,
         seed=0,
     )
     poisoner = hostiles.trainer(0, 6, 2)

@@ -12,10 +12,14 @@ clock, with a trainer that deviates from an honest one's (`Hostiles` builds them
     poison_repeat   honest training on one repeated byte                            poison.py
     poison_shuffle  honest training on the run's bytes shuffled                     poison.py
     poison_foreign  honest training on the run's text in Cyrillic letters           poison.py
+    drift           0.9 x its honest delta plus the largest bias on byte 0's logit that its
+                    own copy of the effect probe still passes                       probed.py
+    ascend          overfits the probe's windows, ascends the real loss orthogonally to the
+                    probe's gradient, at the bound                                  probed.py
 
-Forged deltas sit at the aggregator's norm bound and claim the largest token count it accepts
-(which bought weight under the old token-weighted mean); poisoners claim what their training
-counted.
+Forged and crafted deltas (shrink, bias, noise, ascend) sit at the aggregator's norm bound and
+claim the largest token count it accepts (which bought weight under the old token-weighted
+mean); the others claim what their honest training counted.
 `Attack.count` attackers, all on `block` (default: where the registry puts them), each with a
 token of its own or all under one (`shared_token`: Sybils).
 """

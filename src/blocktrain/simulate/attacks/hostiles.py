@@ -10,13 +10,17 @@ from blocktrain.protocol.core.local_trainer import LocalTrainer
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.simulate.attacks.forge import ForgingTrainer
 from blocktrain.simulate.attacks.poison import poisoned
-from blocktrain.simulate.attacks.spec import FORGED, POISONED, Attack
+from blocktrain.simulate.attacks.probed import AscendTrainer, DriftTrainer
+from blocktrain.simulate.attacks.spec import FORGED, POISONED, PROBED, Attack
 from blocktrain.training.local import local_trainer
+from blocktrain.training.probe import BlockProbe
 
 
 class Hostiles:
-    """What a `Simulation` needs of its attackers: attacker i's trainer (`trainer`). Fresh per
-    simulation: the trainers' optimizers start empty."""
+    """What a `Simulation` needs of its attackers: attacker i's trainer (`trainer`), and, for
+    the probed kinds, one copy of the effect probe rebuilt from the public config and
+    validation data as the aggregator builds it (`probe_skip`: where its slice starts). Fresh
+    per simulation: the trainers' optimizers start empty."""
 
     def __init__(
         self,
@@ -24,13 +28,17 @@ class Hostiles:
         cfg: RunConfig,
         settings: AggregatorSettings,
         train: ByteSource | None,
+        valid: ByteSource | None,
         *,
         unit: str,
         n_workers: int,
+        probe_skip: int,
         seed: int,
     ) -> None:
-        if attack.trains and train is None:
-            raise ConfigError(f"--attack {attack.kind} trains: it needs the train split")
+        if attack.trains and (train is None or valid is None):
+            raise ConfigError(f"--attack {attack.kind} trains: it needs the train and valid splits")
+        if attack.kind in PROBED and unit != "block":
+            raise ConfigError(f"--attack {attack.kind} reads the effect probe, which judges blocks")
         self.attack = attack
         self.cfg = cfg
         self.settings = settings
@@ -41,6 +49,10 @@ class Hostiles:
         if attack.kind in POISONED:
             assert train is not None
             self._train = poisoned(attack.kind, train, cfg.seed)
+        self._probe: BlockProbe | None = None
+        if attack.kind in PROBED:
+            assert valid is not None
+            self._probe = BlockProbe(cfg, valid, skip_bytes=probe_skip)
 
     def trainer(self, i: int, worker: int, block: int) -> LocalTrainer:
         """Attacker i's trainer; `worker`: its id, which seeds its data as an honest worker's
@@ -49,10 +61,16 @@ class Hostiles:
         if kind in FORGED:
             return ForgingTrainer(kind, settings.max_delta_norm, settings.max_tokens, self.seed + i)
         assert self._train is not None
-        return local_trainer(
+        inner = local_trainer(
             self.cfg,
             self.unit,
             block,
             self._train,
             data_seed=self.cfg.seed * self.n_workers + worker,
         )
+        if kind in POISONED:
+            return inner
+        assert self._probe is not None
+        if kind == "drift":
+            return DriftTrainer(inner, self._probe, settings.max_delta_norm)
+        return AscendTrainer(inner, self._probe, settings.max_delta_norm, settings.max_tokens)

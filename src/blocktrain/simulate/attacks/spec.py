@@ -11,7 +11,9 @@ FORGED = ("shrink", "bias", "noise")
 """Deltas forged from the pulled weights alone (`forge.ForgingTrainer`)."""
 POISONED = ("poison_repeat", "poison_shuffle", "poison_foreign")
 """Honest training on the wrong bytes (`poison.poisoned`)."""
-KINDS = FORGED + POISONED
+PROBED = ("drift", "ascend")
+"""Deltas sized against the attacker's own copy of the effect probe (`probed`)."""
+KINDS = FORGED + POISONED + PROBED
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class Attack:
     @property
     def trains(self) -> bool:
         """Whether its workers run real training steps (they need the run's data)."""
-        return self.kind in POISONED
+        return self.kind in POISONED + PROBED
 
     def token(self, i: int) -> int:
         """The identity attacker i speaks for (distinct from every honest worker's)."""
