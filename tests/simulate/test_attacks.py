@@ -63,7 +63,7 @@ def test_attacks_that_train_refuse_a_run_that_does_not() -> None:
     for kind in ("poison_repeat", "drift", "ascend"):
         with pytest.raises(ConfigError, match="timing-only"):
             SimSpec(CFG, 6, 2, {}, timing_only=True, attack=Attack(kind))
-    SimSpec(CFG, 6, 2, {}, timing_only=True, attack=Attack("noise"))  # forgers need no data
+    SimSpec(CFG, 6, 2, {}, timing_only=True, attack=Attack("copy"))  # echoes need no data
 
 
 CFG = apply_overrides(micro_config(), [f"steps={ROUNDS * 2}"])

@@ -126,6 +126,8 @@ class Simulation:
         for _ in range(n_workers):
             worker_id, block = self.agg.register(0.0)
             trainer = make_trainer(worker_id, block)
+            if hostiles is not None:
+                trainer = hostiles.watch(worker_id, block, trainer)
             self._add(worker_id, block, trainer, slow.get(worker_id, 1.0))
         for i in range(0 if hostiles is None else hostiles.attack.count):
             assert hostiles is not None
@@ -264,6 +266,8 @@ class Simulation:
     # ------------------------------------------------------------------ records
 
     def _account(self, w: VirtualWorker, judged: Judged) -> None:
+        if self.hostiles is not None:
+            self.hostiles.judged(judged)
         if judged.verdict.accepted:
             w.accepted += 1
             return

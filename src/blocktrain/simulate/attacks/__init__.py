@@ -16,10 +16,13 @@ clock, with a trainer that deviates from an honest one's (`Hostiles` builds them
                     own copy of the effect probe still passes                       probed.py
     ascend          overfits the probe's windows, ascends the real loss orthogonally to the
                     probe's gradient, at the bound                                  probed.py
+    copy            an exact copy of an honest worker's delta of the same round     echoes.py
+    replay          an honest delta accepted in an earlier round, with fresh metadata
+                                                                                    echoes.py
 
 Forged and crafted deltas (shrink, bias, noise, ascend) sit at the aggregator's norm bound and
 claim the largest token count it accepts (which bought weight under the old token-weighted
-mean); the others claim what their honest training counted.
+mean); the others claim what their honest training (or the honest push they echo) counted.
 `Attack.count` attackers, all on `block` (default: where the registry puts them), each with a
 token of its own or all under one (`shared_token`: Sybils).
 """

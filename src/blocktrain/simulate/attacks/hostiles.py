@@ -8,19 +8,22 @@ from blocktrain.data import ByteSource
 from blocktrain.errors import ConfigError
 from blocktrain.protocol.core.local_trainer import LocalTrainer
 from blocktrain.protocol.core.settings import AggregatorSettings
+from blocktrain.simulate.aggregator import Judged
+from blocktrain.simulate.attacks.echoes import EchoTrainer, Watched, Witness
 from blocktrain.simulate.attacks.forge import ForgingTrainer
 from blocktrain.simulate.attacks.poison import poisoned
 from blocktrain.simulate.attacks.probed import AscendTrainer, DriftTrainer
-from blocktrain.simulate.attacks.spec import FORGED, POISONED, PROBED, Attack
+from blocktrain.simulate.attacks.spec import ECHOES, FORGED, POISONED, PROBED, Attack
 from blocktrain.training.local import local_trainer
 from blocktrain.training.probe import BlockProbe
 
 
 class Hostiles:
-    """What a `Simulation` needs of its attackers: attacker i's trainer (`trainer`), and, for
-    the probed kinds, one copy of the effect probe rebuilt from the public config and
-    validation data as the aggregator builds it (`probe_skip`: where its slice starts). Fresh
-    per simulation: the trainers' optimizers start empty."""
+    """What a `Simulation` needs of its attackers: attacker i's trainer (`trainer`), a view of
+    the honest workers for the echoes (`watch` wraps each honest trainer, `judged` hears every
+    verdict), and, for the probed kinds, one copy of the effect probe rebuilt from the public
+    config and validation data as the aggregator builds it (`probe_skip`: where its slice
+    starts). Fresh per simulation: the witness and the trainers' optimizers start empty."""
 
     def __init__(
         self,
@@ -45,6 +48,9 @@ class Hostiles:
         self.unit = unit
         self.n_workers = n_workers
         self.seed = seed
+        self.witness = Witness() if attack.kind in ECHOES else None
+        self._upstream: dict[int, list[int]] = {}
+        """Block -> the blocks an honest replica of it reads upstream."""
         self._train = train
         if attack.kind in POISONED:
             assert train is not None
@@ -54,12 +60,23 @@ class Hostiles:
             assert valid is not None
             self._probe = BlockProbe(cfg, valid, skip_bytes=probe_skip)
 
+    def watch(self, worker: int, block: int, trainer: LocalTrainer) -> LocalTrainer:
+        """An honest worker's trainer, shown to the witness when the attack needs one."""
+        self._upstream[block] = trainer.upstream_blocks
+        return trainer if self.witness is None else Watched(trainer, self.witness, worker, block)
+
+    def judged(self, judged: Judged) -> None:
+        if self.witness is not None:
+            self.witness.judged(judged)
+
     def trainer(self, i: int, worker: int, block: int) -> LocalTrainer:
         """Attacker i's trainer; `worker`: its id, which seeds its data as an honest worker's
         does (seed x n_workers + id)."""
         kind, settings = self.attack.kind, self.settings
         if kind in FORGED:
             return ForgingTrainer(kind, settings.max_delta_norm, settings.max_tokens, self.seed + i)
+        if self.witness is not None:
+            return EchoTrainer(kind, self.witness, block, self._upstream.get(block, []))
         assert self._train is not None
         inner = local_trainer(
             self.cfg,

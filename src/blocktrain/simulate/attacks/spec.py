@@ -13,7 +13,9 @@ POISONED = ("poison_repeat", "poison_shuffle", "poison_foreign")
 """Honest training on the wrong bytes (`poison.poisoned`)."""
 PROBED = ("drift", "ascend")
 """Deltas sized against the attacker's own copy of the effect probe (`probed`)."""
-KINDS = FORGED + POISONED + PROBED
+ECHOES = ("copy", "replay")
+"""An honest worker's delta pushed again (`echoes`)."""
+KINDS = FORGED + POISONED + PROBED + ECHOES
 
 
 @dataclass(frozen=True)
