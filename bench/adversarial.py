@@ -4,26 +4,43 @@ of BENCHMARKS.md.
 
 Each row is one `blocktrain.simulate` run (the protocol's own RoundEngine, real local training,
 a virtual clock) of 6 honest workers at the tiny preset (or `--preset`; 2 replicas per block,
-regime lockstep, the same seed and rounds everywhere) plus the attackers of the row, every
-forged delta at the norm bound in force and claiming the largest token count the aggregator
-accepts; each row is read against the clean row of its preset and defences:
+regime lockstep, the same seed and H everywhere) plus the attackers of the row, every forged
+or crafted delta at the norm bound in force and claiming the largest token count the aggregator
+accepts; each row is read against the clean row of its preset, defences and rounds:
 
-    clean          no attacker
-    shrink         one attacker: -s x the block's weights (s up to 1.76, which leaves -0.76 x
-                   the weights)
-    bias           one attacker: one coordinate at the bound
-    noise          one attacker: Gaussian noise at the bound
-    sybils         4 attackers under ONE token, shrinking
-    four_tokens    4 attackers under 4 tokens (against the block's 2 honest workers), shrinking
+    clean           no attacker
+    shrink          one attacker: -s x the block's weights (s up to 1.76, which leaves -0.76 x
+                    the weights)
+    bias            one attacker: one coordinate at the bound
+    noise           one attacker: Gaussian noise at the bound
+    sybils          4 attackers under ONE token, shrinking
+    four_tokens     4 attackers under 4 tokens (against the block's 2 honest workers), shrinking
+    majority        3 attackers under 3 tokens (a majority of the block's 5), shrinking
+    poison_repeat   one attacker training honestly on one repeated byte
+    poison_shuffle  one attacker training honestly on the training bytes shuffled
+    poison_foreign  one attacker training honestly on the training text in Cyrillic letters
+    drift           one attacker: 0.9 x its honest delta plus the largest bias on byte 0's logit
+                    its copy of the effect probe passes, every round
+    drift_four      4 attackers under 4 tokens, drifting
+    ascend          one attacker: overfits the probe's windows, ascends the training loss
+                    across the probe's gradient, at the bound
+    copy            one attacker: an exact copy of an honest worker's delta of the same round
+    replay          one attacker: an honest delta accepted in an earlier round, re-pushed
 
-all on the last block (TARGET, the one the final CE hangs on),
+all on the last block (TARGET, the one the final CE hangs on; `blocktrain.simulate.attacks`
+describes each kind), over `--rounds` rounds, or MIN_ROUNDS for the drift rows (the clean
+rows of each length run with them),
 
 under `default` (the aggregator's defaults: one vote per identity, clipping, tight bound, effect
-probe) and `none` (the old aggregator: mean weighted by claimed tokens, no clipping, the loose
-bound 4 x lr x H x sqrt(params), no probe). final_ce is the final model's sampler CE (M = 16
-sweeps on 16384 validation bytes), clean_ce the clean row's under the same defences.
+probe, replay screen) and `none` (the old aggregator: mean weighted by claimed tokens, no
+clipping, the loose bound 4 x lr x H x sqrt(params), no probe, no replay screen). final_ce is
+the final model's sampler CE (M = 16 sweeps on 16384 validation bytes), clean_ce the clean
+row's under the same defences; target_drift the drift attackers' coordinate in the target
+block's final weights (byte 0's logit bias less the mean of the other bytes'), clean_target_drift
+the clean row's.
 
-    python bench/adversarial.py                 # 12 rows of 10 rounds (4-6 min a row here)
+    python bench/adversarial.py                 # 26 rows of 10 rounds and 6 of 20 (4-6 min
+                                                # a 10-round row here)
     python bench/adversarial.py --force         # re-run rows already in the JSON
     python bench/adversarial.py --only sybils,clean/none   # some rows (several processes
                                                 # may share the JSON: each saves under a lock)
@@ -47,6 +64,7 @@ from blocktrain.data import load_split
 from blocktrain.presets import PRESETS, preset
 from blocktrain.simulate import SimSpec, simulate
 from blocktrain.simulate.attacks import Attack
+from blocktrain.simulate.attacks.forge import BIAS_TENSOR
 from blocktrain.simulate.regimes import load_regime
 from defences import undefended  # bench/defences.py, beside it
 from report import (
@@ -71,25 +89,48 @@ ATTACKS: dict[str, Attack | None] = {
     "noise": Attack("noise", block=TARGET),
     "sybils": Attack("shrink", 4, block=TARGET, shared_token=True),
     "four_tokens": Attack("shrink", 4, block=TARGET),
+    "majority": Attack("shrink", 3, block=TARGET),
+    "poison_repeat": Attack("poison_repeat", block=TARGET),
+    "poison_shuffle": Attack("poison_shuffle", block=TARGET),
+    "poison_foreign": Attack("poison_foreign", block=TARGET),
+    "drift": Attack("drift", block=TARGET),
+    "drift_four": Attack("drift", 4, block=TARGET),
+    "ascend": Attack("ascend", block=TARGET),
+    "copy": Attack("copy", block=TARGET),
+    "replay": Attack("replay", block=TARGET),
 }
 DEFENCES = ("default", "none")
+MIN_ROUNDS = {"drift": 20, "drift_four": 20}
+"""Rows that run at least this many rounds whatever --rounds says: a drift that passes each
+round's check needs rounds to add up."""
 
 
-def run_row(attack: str, defences: str, args: argparse.Namespace) -> dict[str, Any]:
-    cfg = apply_overrides(preset(args.preset), [f"steps={args.rounds * args.local_steps}"])
+def rounds_of(attack: str, args: argparse.Namespace) -> int:
+    return max(args.rounds, MIN_ROUNDS.get(attack, 0))
+
+
+def target_drift(block: dict[str, torch.Tensor]) -> float:
+    """The drift attackers' coordinate (byte 0's logit bias) less the mean of its tensor's
+    other coordinates."""
+    bias = block[BIAS_TENSOR].float().view(-1)
+    return float(bias[0] - bias[1:].mean())
+
+
+def run_row(attack: str, defences: str, rounds: int, args: argparse.Namespace) -> dict[str, Any]:
+    cfg = apply_overrides(preset(args.preset), [f"steps={rounds * args.local_steps}"])
     protocol: dict[str, Any] = {"local_steps": args.local_steps}
     if defences == "none":
         protocol.update(undefended(cfg, args.local_steps))
     spec = SimSpec(
         cfg,
         workers=6,
-        rounds=args.rounds,
+        rounds=rounds,
         protocol=protocol,
-        eval_every=args.rounds,  # the final model is what the table compares
+        eval_every=rounds,  # the final model is what the table compares
         attack=ATTACKS[attack],
     )
     t0 = time.perf_counter()
-    report, _ = simulate(spec, [load_regime("lockstep")], args.train, args.valid)
+    report, weights = simulate(spec, [load_regime("lockstep")], args.train, args.valid)
     wall = time.perf_counter() - t0
     r = report["regimes"]["lockstep"]
     attackers = [w for w in r["workers"] if w["attacker"]]
@@ -118,10 +159,12 @@ def run_row(attack: str, defences: str, args: argparse.Namespace) -> dict[str, A
         "defences": defences,
         "final_ce": r["final_sampler_ce"],
         "clean_ce": None,  # filled in from the clean row
+        "target_drift": target_drift(weights["lockstep"][TARGET]),
+        "clean_target_drift": None,  # likewise
         "final_from_noise_ce": r["final_from_noise_ce"],
         "initial_ce": r["initial_ce"],
         "seed": report["seed"],
-        "rounds": args.rounds,
+        "rounds": rounds,
         "local_steps": args.local_steps,
         "attackers": len(attackers),
         "attacker_accepted": sum(w["accepted"] for w in attackers),
@@ -157,22 +200,25 @@ def main() -> None:
         if unknown:
             p.error(f"--only: unknown attack {unknown[0]!r}; known: {', '.join(ATTACKS)}")
         wanted = [(a, d) for a, d in wanted if a in args.only or f"{a}/{d}" in args.only]
-    for attack, defences in wanted:
-        key = (args.preset, attack, defences)
+    runs = [(a, d, rounds_of(a, args)) for a, d in wanted]
+    # the clean row of each length and defences first: every row is read against one
+    runs = list(dict.fromkeys([("clean", d, r) for _, d, r in runs] + runs))
+    for attack, defences, rounds in runs:
+        key = (args.preset, attack, defences, rounds)
         with locked() as rows:
             old = rows.get(key)
-        if old is not None and not args.force and same_run(old, args):
+        if old is not None and not args.force and old["local_steps"] == args.local_steps:
             continue
-        print(f"adversarial: {args.preset} {attack} / {defences} ...", file=sys.stderr, flush=True)
-        row = run_row(attack, defences, args)
+        print(
+            f"adversarial: {args.preset} {attack} / {defences}, {rounds} rounds ...",
+            file=sys.stderr,
+            flush=True,
+        )
+        row = run_row(attack, defences, rounds, args)
         with locked() as rows:
             rows[key] = row
     with locked() as rows:
         print(markdown(result_of(rows)))
-
-
-def same_run(row: dict[str, Any], args: argparse.Namespace) -> bool:
-    return (row["rounds"], row["local_steps"]) == (args.rounds, args.local_steps)
 
 
 @contextlib.contextmanager
@@ -194,54 +240,66 @@ def locked() -> Iterator[dict[Key, dict[str, Any]]]:
             update_section("adversarial", markdown(saved))
 
 
-Key = tuple[str, str, str]
-"""A row's preset, attack and defences."""
+Key = tuple[str, str, str, int]
+"""A row's preset, attack, defences and rounds."""
 
 
 def key_of(row: dict[str, Any]) -> Key:
     # rows from before --preset were measured at tiny, the only preset the bench then ran
-    return row.get("preset", "tiny"), row["attack"], row["defences"]
+    return row.get("preset", "tiny"), row["attack"], row["defences"], row["rounds"]
 
 
 def result_of(rows: dict[Key, dict[str, Any]]) -> dict[str, Any]:
     ordered = [rows[k] for k in sorted(rows, key=order)]
     for r in ordered:
         r.setdefault("preset", "tiny")
-        clean = rows.get((r["preset"], "clean", r["defences"]))
+        clean = rows.get((r["preset"], "clean", r["defences"], r["rounds"]))
         r["clean_ce"] = None if clean is None else clean["final_ce"]
+        r["clean_target_drift"] = None if clean is None else clean.get("target_drift")
     return {"command": "python bench/adversarial.py", "machine": machine(), "rows": ordered}
 
 
-def order(key: Key) -> tuple[bool, str, int, int]:
-    return key[0] != "tiny", key[0], list(ATTACKS).index(key[1]), DEFENCES.index(key[2])
+def order(key: Key) -> tuple[bool, str, int, int, int]:
+    preset, attack, defences, rounds = key
+    return preset != "tiny", preset, rounds, list(ATTACKS).index(attack), DEFENCES.index(defences)
 
 
 def markdown(result: dict[str, Any]) -> str:
     rows = result["rows"]
-    first = rows[0] if rows else {"rounds": "?", "local_steps": "?", "seed": "?"}
+    first = rows[0] if rows else {"local_steps": "?", "seed": "?"}
     lines = [
         f"`{result['command']}`; JSON: `benchmarks/results/{NAME}`. 6 honest workers (2 "
-        f"replicas per block; `--preset small` for the other shape), regime lockstep, "
-        f"{first['rounds']} rounds of H = "
-        f"{first['local_steps']}, seed {first['seed']}; final CE: the sampler CE (M = 16, 16384 "
-        "validation bytes). Attackers forge at the norm bound in force and claim the largest "
-        "token count.",
+        f"replicas per block; `--preset small` for the other shape), regime lockstep, rounds "
+        f"of H = {first['local_steps']}, seed {first['seed']}; final CE: the sampler CE (M = "
+        "16, 16384 validation bytes), against the clean row of the same preset, defences and "
+        "rounds. Forged and crafted deltas sit at the norm bound in force and claim the largest "
+        "token count; byte-0 drift: the target block's head.bias[0] less the mean of the "
+        "other bytes' (the drift rows' coordinate), clean row's in brackets.",
         "",
-        "| preset | attack | defences | final CE | clean CE | final − clean | norm bound | "
-        "attacker updates accepted | attacker refusals | honest refusals | rounds held |",
-        "|---|---|---|---:|---:|---:|---:|---:|---|---|---:|",
+        "| preset | attack | defences | rounds | final CE | clean CE | final − clean | "
+        "norm bound | attacker updates accepted | attacker refusals | honest refusals | "
+        "rounds held | byte-0 drift |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|",
     ]
     for r in rows:
         diff = "—" if r["clean_ce"] is None else f"{r['final_ce'] - r['clean_ce']:+.3f}"
         clean = "—" if r["clean_ce"] is None else f"{r['clean_ce']:.3f}"
         lines.append(
-            f"| {r['preset']} | {r['attack']} | {r['defences']} | {r['final_ce']:.3f} | {clean} | "
-            f"{diff} | "
+            f"| {r['preset']} | {r['attack']} | {r['defences']} | {r['rounds']} | "
+            f"{r['final_ce']:.3f} | {clean} | {diff} | "
             f"{r['max_delta_norm']:.3g} | {r['attacker_accepted']} | "
             f"{_counts(r['attacker_refused'])} | {_counts(r['honest_refused'])} | "
-            f"{r['rounds_held']} |"
+            f"{r['rounds_held']} | {_drift(r)} |"
         )
     return "\n".join(lines)
+
+
+def _drift(row: dict[str, Any]) -> str:
+    """Rows from before target_drift have none."""
+    if row.get("target_drift") is None:
+        return "—"
+    clean = row.get("clean_target_drift")
+    return f"{row['target_drift']:+.2f}" + ("" if clean is None else f" ({clean:+.2f})")
 
 
 def _counts(counts: dict[str, int]) -> str:

@@ -1,4 +1,5 @@
-"""Hostile workers in the simulator: forged deltas at the bound, and what the defaults do."""
+"""Hostile workers in the simulator: forged deltas at the bound, every kind in a short run, and
+what the defaults do. Each kind's own behaviour: tests/simulate/attacks/."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from blocktrain.config import apply_overrides
 from blocktrain.data import load_split
 from blocktrain.errors import ConfigError
 from blocktrain.simulate import REGIMES, SimSpec, simulate
-from blocktrain.simulate.attacks import Attack, ForgingTrainer
+from blocktrain.simulate.attacks import KINDS, Attack, ForgingTrainer
 from tests.conftest import micro_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -53,23 +54,33 @@ def test_attack_specs_parse_and_refuse_nonsense():
     for bad in ("mystery", "shrink:x", "shrink:0", "shrink:1:2:3"):
         with pytest.raises(ConfigError):
             Attack.parse(bad)
+    for kind in KINDS:
+        assert Attack.parse(f"{kind}:2:1") == Attack(kind, 2, 1), kind
+    assert Attack.parse("drift:4:2") == Attack("drift", 4, 2)
+
+
+def test_attacks_that_train_refuse_a_run_that_does_not() -> None:
+    for kind in ("poison_repeat", "drift", "ascend"):
+        with pytest.raises(ConfigError, match="timing-only"):
+            SimSpec(CFG, 6, 2, {}, timing_only=True, attack=Attack(kind))
+    SimSpec(CFG, 6, 2, {}, timing_only=True, attack=Attack("copy"))  # echoes need no data
 
 
 CFG = apply_overrides(micro_config(), [f"steps={ROUNDS * 2}"])
 
 
-def run(corpus: Path, attack: Attack | None, protocol: dict):
+def run(corpus: Path, attack: Attack | None, protocol: dict, rounds: int = ROUNDS):
     cfg = CFG
     spec = SimSpec(
         cfg,
         6,
-        ROUNDS,
+        rounds,
         {"local_steps": 2, **protocol},
         seed=cfg.seed,
         eval_bytes=256,
         final_bytes=512,
         final_sweeps=2,
-        eval_every=ROUNDS,
+        eval_every=rounds,
         attack=attack,
     )
     report, weights = simulate(
@@ -91,3 +102,19 @@ def test_sybils_on_one_block_cannot_wreck_it_under_the_defaults(corpus: Path) ->
     assert norm(wrecked[0]) < 0.5 * ref, "what the defences bought"
     attackers = [w for w in attacked["workers"] if w["attacker"]]
     assert len(attackers) == 4 and {w["block"] for w in attackers} == {0}
+
+
+NEW_KINDS = [k for k in KINDS if k not in ("shrink", "bias", "noise")]
+
+
+@pytest.mark.parametrize("kind", NEW_KINDS)
+def test_every_kind_runs_its_workers_on_its_block(corpus: Path, kind: str) -> None:
+    """Two attackers of each kind on block 2, two rounds: every push of theirs is judged, and
+    the run's records and final weights come out."""
+    result, weights = run(corpus, Attack(kind, 2, block=2), {}, rounds=2)
+    attackers = [w for w in result["workers"] if w["attacker"]]
+    assert [w["block"] for w in attackers] == [2, 2]
+    for w in attackers:
+        assert w["accepted"] + sum(w["refused"].values()) == 2, (kind, w)
+    assert len(result["rounds"]) == 2 and result["final_sampler_ce"] is not None
+    assert all(torch.isfinite(v).all() for v in weights[2].values()), kind

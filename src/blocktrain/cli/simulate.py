@@ -98,8 +98,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--attack",
         type=_attack,
         metavar="KIND[:COUNT[:BLOCK]][:shared]",
-        help=f"add hostile workers ({', '.join(KINDS)}), at the norm bound; shared: all "
-        "under one token (Sybils); BLOCK: all on that block",
+        help=f"add hostile workers ({', '.join(KINDS)}: docs/simulate.md, Attackers); "
+        "shared: all under one token (Sybils); BLOCK: all on that block",
     )
     p.add_argument(
         "--unit",

@@ -39,7 +39,7 @@ from blocktrain.protocol.core.participation import in_time, participation
 from blocktrain.protocol.core.rounds import RoundClosed
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.simulate.aggregator import Judged, SimAggregator
-from blocktrain.simulate.attacks import Attack, ForgingTrainer
+from blocktrain.simulate.attacks import Hostiles
 from blocktrain.simulate.regimes import Regime
 from blocktrain.simulate.workers import Tensors, VirtualWorker
 
@@ -88,11 +88,11 @@ class Simulation:
         eval_every: int = 1,
         on_round: Callable[[int, int], None] | None = None,
         probe: EffectProbe | None = None,
-        attack: Attack | None = None,
+        hostiles: Hostiles | None = None,
         slowdown: Mapping[int, float] | None = None,
     ) -> None:
-        """`n_workers` honest workers (ids 0..n-1, as in a clean run), then the `attack`'s
-        workers; `probe`: the aggregator's effect probe; `slowdown`: honest worker id -> a
+        """`n_workers` honest workers (ids 0..n-1, as in a clean run), then the attackers of
+        `hostiles`; `probe`: the aggregator's effect probe; `slowdown`: honest worker id -> a
         factor on the speed it drew (3: its steps take three times as long)."""
         if settings.max_rounds is None:
             raise ValueError("a simulation needs settings.max_rounds")
@@ -122,38 +122,41 @@ class Simulation:
         self.bytes_up = 0
         self.workers: list[VirtualWorker] = []
         slow = dict(slowdown or {})
+        self.hostiles = hostiles
         for _ in range(n_workers):
             worker_id, block = self.agg.register(0.0)
-            self.workers.append(
-                VirtualWorker(
-                    worker_id,
-                    block,
-                    make_trainer(worker_id, block),
-                    DeltaEncoder(self.settings.push_wire),
-                    speed=regime.speed.draw(self.rng) * slow.get(worker_id, 1.0),
-                    bandwidth=regime.bandwidth_MBps.draw(self.rng) * 1e6,
-                )
-            )
-        for i in range(attack.count if attack is not None else 0):
-            assert attack is not None
+            trainer = make_trainer(worker_id, block)
+            if hostiles is not None:
+                trainer = hostiles.watch(worker_id, block, trainer)
+            self._add(worker_id, block, trainer, slow.get(worker_id, 1.0))
+        for i in range(0 if hostiles is None else hostiles.attack.count):
+            assert hostiles is not None
+            attack = hostiles.attack
             worker_id, block = self.agg.register(0.0, attack.block, attack.token(i))
-            forger = ForgingTrainer(
-                attack.kind, self.settings.max_delta_norm, self.settings.max_tokens, seed + i
-            )
-            self.workers.append(
-                VirtualWorker(
-                    worker_id,
-                    block,
-                    forger,
-                    DeltaEncoder(self.settings.push_wire),
-                    speed=regime.speed.draw(self.rng),
-                    bandwidth=regime.bandwidth_MBps.draw(self.rng) * 1e6,
-                    attacker=True,
-                )
-            )
+            self._add(worker_id, block, hostiles.trainer(i, worker_id, block), attacker=True)
         self.held: dict[tuple[int, int], str] = {}
         self._by_id = {w.id: w for w in self.workers}
         self._wire_bytes = wire_bytes
+
+    def _add(
+        self,
+        worker_id: int,
+        block: int,
+        trainer: LocalTrainer,
+        slowdown: float = 1.0,
+        attacker: bool = False,
+    ) -> None:
+        self.workers.append(
+            VirtualWorker(
+                worker_id,
+                block,
+                trainer,
+                DeltaEncoder(self.settings.push_wire),
+                speed=self.regime.speed.draw(self.rng) * slowdown,
+                bandwidth=self.regime.bandwidth_MBps.draw(self.rng) * 1e6,
+                attacker=attacker,
+            )
+        )
 
     # ------------------------------------------------------------------ the loop
 
@@ -263,6 +266,8 @@ class Simulation:
     # ------------------------------------------------------------------ records
 
     def _account(self, w: VirtualWorker, judged: Judged) -> None:
+        if self.hostiles is not None:
+            self.hostiles.judged(judged)
         if judged.verdict.accepted:
             w.accepted += 1
             return

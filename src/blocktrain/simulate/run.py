@@ -23,7 +23,7 @@ from blocktrain.fsutil import atomic_write_bytes
 from blocktrain.model import BlockStack, Reference, init_reference
 from blocktrain.protocol.core.bounds import derived_settings, largest_block
 from blocktrain.protocol.core.local_trainer import UNITS, LocalTrainer
-from blocktrain.simulate.attacks import Attack
+from blocktrain.simulate.attacks import Attack, Hostiles
 from blocktrain.simulate.engine import Simulation
 from blocktrain.simulate.regimes import Regime
 from blocktrain.simulate.workers import TimingOnlyTrainer
@@ -79,6 +79,8 @@ class SimSpec:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+        if self.attack is not None and self.attack.trains and self.timing_only:
+            raise ConfigError(f"--attack {self.attack.kind} trains: not with --timing-only")
         for worker, factor in self.slowdown.items():
             if not 0 <= worker < self.workers or not factor > 0:
                 raise ConfigError(f"slowdown {worker}: {factor}: no such worker, or not positive")
@@ -141,6 +143,7 @@ def simulate(
     )
     evaluate: RoundEvaluator | None = None
     probe: BlockProbe | None = None
+    probe_skip = max(spec.eval_bytes, spec.final_bytes)
     initial_ce: float | None = None
     if not spec.timing_only:
         if train is None or valid is None:
@@ -160,7 +163,7 @@ def simulate(
             probe = BlockProbe(  # a secret of the run's seed: a simulation is reproducible
                 cfg,
                 valid,
-                skip_bytes=max(spec.eval_bytes, spec.final_bytes),
+                skip_bytes=probe_skip,
                 secret=stream_seed(cfg.seed, 0, 0, PROBE_SECRET_SALT),
             )
     report: dict[str, Any] = {
@@ -206,7 +209,19 @@ def simulate(
             eval_every=spec.eval_every,
             on_round=on_round,
             probe=probe,
-            attack=spec.attack,
+            hostiles=None
+            if spec.attack is None
+            else Hostiles(
+                spec.attack,
+                cfg,
+                settings,
+                train,
+                valid,
+                unit=spec.unit,
+                n_workers=spec.workers,
+                probe_skip=probe_skip,
+                seed=spec.seed,
+            ),
             slowdown=spec.slowdown,
         )
         sim.run()

@@ -1,6 +1,6 @@
 """The simulator's virtual workers: what the event loop (`simulate/engine.py`) keeps per worker,
 and `TimingOnlyTrainer`, a local trainer with no compute for timing and participation studies.
-Attackers' trainers are `simulate/attacks.py`'s."""
+Attackers' trainers are `simulate/attacks/`'s."""
 
 from __future__ import annotations
 

@@ -97,7 +97,16 @@ class BlockProbe:
     def _slice(self, block: int, draw: int) -> tuple[torch.Tensor, int]:
         """The windows and the noise seed of (block, draw)."""
         if self.secret is None:
-            return self.x, stream_seed(self.cfg.seed, block, 0, _PROBE_SALT)
+            return self.x, self._public_seed(block)
         seed = stream_seed(self.secret, block, draw, _PROBE_SALT)
         pick = torch.randperm(len(self.pool), generator=torch.Generator().manual_seed(seed))
         return self.pool[pick[: len(self.x)]], seed
+
+    def noise(self, block: int) -> torch.Generator:
+        """The generator of block `block`'s sigmas and noise on the public slice (`x`), fresh
+        and alike at every call: a white-box attacker, who knows no secret, differentiates
+        the public probe's loss with it (simulate/attacks)."""
+        return torch.Generator().manual_seed(self._public_seed(block))
+
+    def _public_seed(self, block: int) -> int:
+        return stream_seed(self.cfg.seed, block, 0, _PROBE_SALT)
