@@ -44,6 +44,7 @@ def test_every_setting_checks_its_bounds_by_name() -> None:
         "min_reputation": 1.5,
         "probe_budget": 0,
         "replay_rounds": -1,
+        "max_influence": -0.1,
         "outer_lr": 0.0,
         "outer_momentum": 1.0,
         "wire_dtype": "int8",

@@ -345,10 +345,14 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         return committed
 
     def _commit(self, st: EngineBlock, closed: RoundClosed) -> Committed:
-        aggregate = st.acc.result()
+        """Aggregate the round under the influence bound, fed by the block's recorded changes
+        (`influence`)."""
+        aggregate = st.acc.result(st.influence.reference())
         weights, momentum, remainder = st.weights, st.momentum, st.remainder
         if aggregate.delta is not None:
             weights, momentum = self.outer.apply(st.weights, aggregate.delta, st.momentum)
+        if aggregate.uncapped is not None:
+            st.influence = st.influence.add(aggregate.uncapped)
         changed = closed.new_version != closed.base_version
         step = None
         codec = self.settings.commit_codec

@@ -113,6 +113,17 @@ class VoteSettings:
         "must lie in [0, 1]",
         flag="--min-reputation",
     )
+    max_influence: float = setting(
+        0.5,
+        "f: under the mean rule, no identity's term in a round's aggregate exceeds f times the "
+        "median of the block's last 8 changes, tensor by tensor, whatever its weight or norm "
+        "(votes are cut to it); until 8 rounds committed, clip and the norm bound alone; 0 "
+        "turns it off; see docs/protocol.md, Aggregation.",
+        lambda v: v >= 0,
+        "must be >= 0 (0: off)",
+        flag="--max-influence",
+        metavar="F",
+    )
     outer_lr: float = setting(
         1.0,
         "Outer learning rate applied to the aggregated delta (1: plain averaging).",

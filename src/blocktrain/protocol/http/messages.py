@@ -130,6 +130,11 @@ class BlockStatusOut(Out):
         description="the upper edge of the effect probe's honest band (relative loss change; "
         "null with the probe off or fewer than 4 accepted updates since the start)",
     )
+    influence_reference: float | None = Field(
+        None,
+        description="the influence bound's reference, sqrt(sum over tensors of the median of "
+        "the last 8 changes' norms); null before 8 rounds committed a change since the start",
+    )
 
 
 class WorkerStatusOut(Out):

@@ -77,6 +77,7 @@ def snapshot(service: AggregatorService, *, last_rounds: int = 20) -> dict[str, 
                     "delta_bytes": st.spec.delta_bytes,
                     "pull_bytes": st.spec.pull_bytes(service.settings.pulls),
                     "probe_band": engine.bands[b].upper if b in engine.bands else None,
+                    "influence_reference": st.influence.size,
                 }
             )
         reputation = {w: engine.reputation.of(registry.identity(w)) for w in registry.workers}
