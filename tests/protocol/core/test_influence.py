@@ -156,6 +156,7 @@ SETTINGS = AggregatorSettings(
     min_round_s=0.0,
     effect_probe="off",
     max_influence=F,
+    drift_threshold=0.0,
 )
 
 

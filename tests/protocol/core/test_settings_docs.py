@@ -45,6 +45,8 @@ def test_every_setting_checks_its_bounds_by_name() -> None:
         "probe_budget": 0,
         "replay_rounds": -1,
         "max_influence": -0.1,
+        "drift_threshold": 0.5,
+        "drift_min_rounds": 0,
         "outer_lr": 0.0,
         "outer_momentum": 1.0,
         "wire_dtype": "int8",

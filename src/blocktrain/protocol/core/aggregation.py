@@ -266,7 +266,8 @@ class Accumulator:
 
     def by_identity(self) -> tuple[list[Hashable], list[Tensors], list[float]]:
         """(identities, their votes, their weights) under the identity weighting: each
-        identity's updates averaged into one vote."""
+        identity's updates averaged into one vote (the drift tracker reads these whatever the
+        weighting)."""
         groups: dict[Hashable, list[Entry]] = {}
         for e in self.entries.values():
             groups.setdefault(e.identity, []).append(e)

@@ -13,6 +13,7 @@ import torch
 
 from blocktrain.protocol.core.aggregation import Accumulator
 from blocktrain.protocol.core.delta_wire import DeltaWire
+from blocktrain.protocol.core.drift import Drifted
 from blocktrain.protocol.core.effect import Effect
 from blocktrain.protocol.core.influence import InfluenceHistory
 from blocktrain.protocol.core.rounds import BlockRounds, RoundClosed, RoundView
@@ -107,6 +108,8 @@ class Committed:
     """Exact pulls: what the pull codec left out, carried to the next commit."""
     step: Tensors | None = None
     """Exact pulls: the step from the old weights, as the pull codec's parts (None otherwise)."""
+    drifted: tuple[Drifted, ...] = ()
+    """The identities this round's votes flagged for drift (`drift.DriftTracker`)."""
 
 
 CommitListener = Callable[[Committed], None]

@@ -152,6 +152,11 @@ class WorkerStatusOut(Out):
     accepted: int
     refused: int
     reputation: float = Field(1.0, description="its identity's reputation (1 for a newcomer)")
+    drift: float | None = Field(
+        None,
+        description="its identity's drift score on its block (about 1 for independent noise; "
+        "flagged past drift_threshold); null when not observed since its last flag",
+    )
 
 
 class WorkersOut(Out):
