@@ -12,8 +12,9 @@ import torch
 from blocktrain.config import apply_overrides
 from blocktrain.data import load_split
 from blocktrain.errors import ConfigError
+from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.simulate import REGIMES, SimSpec, simulate
-from blocktrain.simulate.attacks import Attack, ForgingTrainer
+from blocktrain.simulate.attacks import DRIFT_BIAS, Attack, DriftingTrainer, ForgingTrainer
 from tests.conftest import micro_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -42,6 +43,26 @@ def test_forged_deltas_sit_at_the_bound_and_claim_the_most_tokens():
     loose = ForgingTrainer("shrink", 1e6, 1, 0)
     loose.load(weights)
     assert torch.allclose(loose.delta()["a"], -1.76 * weights["a"]), "the -0.76x flip"
+
+
+class FixedTrainer:
+    """A trainer whose delta is given."""
+
+    def __init__(self, delta: dict[str, torch.Tensor]) -> None:
+        self.upstream_blocks: list[int] = []
+        self._delta = delta
+
+    def delta(self) -> dict[str, torch.Tensor]:
+        return self._delta
+
+
+def test_the_drift_attacker_sends_a_leaning_copy_of_its_real_delta():
+    honest = {"head.bias": torch.randn(5), "w": torch.randn(8, 4)}
+    sent = DriftingTrainer(FixedTrainer(honest)).delta()  # type: ignore[arg-type]
+    assert torch.allclose(sent["w"], 0.9 * honest["w"])
+    assert torch.allclose(sent["head.bias"][1:], 0.9 * honest["head.bias"][1:])
+    lean = float(sent["head.bias"][0] - 0.9 * honest["head.bias"][0])
+    assert lean == pytest.approx(DRIFT_BIAS * norm(honest), rel=1e-5)
 
 
 def test_attack_specs_parse_and_refuse_nonsense():
@@ -91,3 +112,32 @@ def test_sybils_on_one_block_cannot_wreck_it_under_the_defaults(corpus: Path) ->
     assert norm(wrecked[0]) < 0.5 * ref, "what the defences bought"
     attackers = [w for w in attacked["workers"] if w["attacker"]]
     assert len(attackers) == 4 and {w["block"] for w in attackers} == {0}
+
+
+def test_a_patient_attacker_is_refused_for_drift_and_the_honest_workers_are_not(
+    corpus: Path,
+) -> None:
+    """`--attack drift`: 0.9 x a real delta plus a 3 % lean on one coordinate, every round,
+    beside three honest workers of its block; every update passes its round's checks, and the
+    lean is flagged (docs/protocol.md, Drift)."""
+    rounds = 25
+    cfg = apply_overrides(micro_config(), [f"steps={rounds * 2}"])
+    spec = SimSpec(
+        cfg,
+        9,
+        rounds,
+        {"local_steps": 2, "effect_probe": "off"},
+        seed=cfg.seed,
+        eval_bytes=256,
+        final_bytes=256,
+        final_sweeps=1,
+        eval_every=rounds,
+        attack=Attack("drift", 1, block=0),
+    )
+    report, _ = simulate(
+        spec, [REGIMES["lockstep"]], load_split(corpus, "train"), load_split(corpus, "valid")
+    )
+    workers = report["regimes"]["lockstep"]["workers"]
+    (evil,) = [w for w in workers if w["attacker"]]
+    assert evil["refused"].get("drift", 0) >= AggregatorSettings().drift_min_rounds, evil
+    assert all(w["refused"] == {} for w in workers if not w["attacker"]), workers

@@ -98,8 +98,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--attack",
         type=_attack,
         metavar="KIND[:COUNT[:BLOCK]][:shared]",
-        help=f"add hostile workers ({', '.join(KINDS)}), at the norm bound; shared: all "
-        "under one token (Sybils); BLOCK: all on that block",
+        help=f"add hostile workers ({', '.join(KINDS)}), at the norm bound (drift: 0.9 x a "
+        "real delta plus a 3%% lean on one coordinate); shared: all under one token (Sybils); "
+        "BLOCK: all on that block",
     )
     p.add_argument(
         "--unit",

@@ -10,6 +10,9 @@ the aggregator accepts (which bought weight under the old token-weighted mean):
     bias      one coordinate at the bound, zeros elsewhere: the logit bias of byte 0 in the
               block's output head (`head.bias`), else the first coordinate of the first tensor
     noise     Gaussian noise scaled to the bound, fresh each round
+    drift     patient: it trains for real and sends 0.9 x its delta plus DRIFT_BIAS of the
+              delta's norm on the `bias` coordinate, every round (`DriftingTrainer`); each
+              update passes every check of its round, their lean is what `drift` tracks
 
 `Attack.count` attackers, all on `block` (default: where the registry puts them), each with a
 token of its own or all under one (`shared_token`: Sybils).
@@ -24,14 +27,18 @@ from dataclasses import dataclass
 import torch
 
 from blocktrain.errors import ConfigError
+from blocktrain.protocol.core.local_trainer import LocalTrainer
 
 Tensors = dict[str, torch.Tensor]
 
-KINDS = ("shrink", "bias", "noise")
+KINDS = ("shrink", "bias", "noise", "drift")
 AT_BOUND = 0.99
 """Forged deltas sit just inside the bound (fp16 rounding must not push them over)."""
 MAX_SHRINK = 1.76
 BIAS_TENSOR = "head.bias"
+DRIFT_BIAS = 0.03
+"""The drift attacker's lean: 3 % of its delta's norm on one coordinate (docs/protocol.md,
+Drift: flagged within about 10 to 20 rounds at the default threshold)."""
 
 
 def _norm(tensors: Tensors) -> float:
@@ -76,7 +83,8 @@ class Attack:
 
 
 class ForgingTrainer:
-    """A `protocol.core.local_trainer.LocalTrainer` that trains nothing and forges its delta."""
+    """A `protocol.core.local_trainer.LocalTrainer` that trains nothing and forges its delta
+    (every kind but drift)."""
 
     def __init__(self, kind: str, bound: float, tokens: int, seed: int) -> None:
         self.kind = kind
@@ -106,10 +114,40 @@ class ForgingTrainer:
             return {k: -s * v for k, v in w.items()}
         if self.kind == "bias":
             out = {k: torch.zeros_like(v) for k, v in w.items()}
-            target = BIAS_TENSOR if BIAS_TENSOR in out else sorted(out)[0]
-            out[target].view(-1)[0] = self.bound
+            out[bias_target(out)].view(-1)[0] = self.bound
             return out
         gen = torch.Generator().manual_seed(self.seed * 100_003 + self.round)
         noise = {k: torch.randn(v.shape, generator=gen) for k, v in w.items()}
         scale = self.bound / _norm(noise)
         return {k: scale * v for k, v in noise.items()}
+
+
+def bias_target(tensors: Tensors) -> str:
+    """The tensor whose first coordinate the bias and drift attackers push."""
+    return BIAS_TENSOR if BIAS_TENSOR in tensors else sorted(tensors)[0]
+
+
+class DriftingTrainer:
+    """A real trainer whose delta leans: 0.9 x its own plus DRIFT_BIAS of its norm on one
+    coordinate (`bias_target`), within the norm bound as an honest delta is."""
+
+    def __init__(self, honest: LocalTrainer) -> None:
+        self.honest = honest
+        self.upstream_blocks = honest.upstream_blocks
+
+    def load(self, weights: Tensors) -> None:
+        self.honest.load(weights)
+
+    def load_upstream(self, blocks: dict[int, Tensors]) -> None:
+        self.honest.load_upstream(blocks)
+
+    def train(
+        self, steps: int, first_step: int, should_stop: Callable[[], bool] = lambda: False
+    ) -> dict[str, float]:
+        return self.honest.train(steps, first_step, should_stop)
+
+    def delta(self) -> Tensors:
+        honest = self.honest.delta()
+        out = {k: 0.9 * v.float() for k, v in honest.items()}
+        out[bias_target(out)].view(-1)[0] += DRIFT_BIAS * _norm(honest)
+        return out

@@ -39,7 +39,7 @@ from blocktrain.protocol.core.participation import in_time, participation
 from blocktrain.protocol.core.rounds import RoundClosed
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.simulate.aggregator import Judged, SimAggregator
-from blocktrain.simulate.attacks import Attack, ForgingTrainer
+from blocktrain.simulate.attacks import Attack, DriftingTrainer, ForgingTrainer
 from blocktrain.simulate.regimes import Regime
 from blocktrain.simulate.workers import Tensors, VirtualWorker
 
@@ -137,8 +137,12 @@ class Simulation:
         for i in range(attack.count if attack is not None else 0):
             assert attack is not None
             worker_id, block = self.agg.register(0.0, attack.block, attack.token(i))
-            forger = ForgingTrainer(
-                attack.kind, self.settings.max_delta_norm, self.settings.max_tokens, seed + i
+            forger: LocalTrainer = (
+                DriftingTrainer(make_trainer(worker_id, block))
+                if attack.kind == "drift"
+                else ForgingTrainer(
+                    attack.kind, self.settings.max_delta_norm, self.settings.max_tokens, seed + i
+                )
             )
             self.workers.append(
                 VirtualWorker(
