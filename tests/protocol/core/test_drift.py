@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from blocktrain.protocol.core.drift import DRIFT_BUCKETS, DriftTracker, residuals, tracker
+from blocktrain.protocol.core.drift import (
+    DRIFT_BUCKETS,
+    DRIFT_FORGET,
+    DriftTracker,
+    residuals,
+    tracker,
+)
 from blocktrain.protocol.core.round_engine import RoundEngine
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.core.verdict import REASONS
@@ -142,3 +148,15 @@ def test_the_engine_refuses_a_flagged_identity_and_halves_its_reputation():
     assert first.until + 1 not in refused, "refused for drift_min_rounds rounds, then back"
     assert told[0] == (("token", 0), 0.5), "flagged: reputation halved, and the ledger told"
     assert eng.reputation.of(("token", 1)) == 1.0
+
+
+def test_sketches_are_forgotten_by_their_own_blocks_rounds():
+    gen = torch.Generator().manual_seed(4)
+    drift = DriftTracker(THRESHOLD, MIN_ROUNDS, seed=0)
+    ids = [("token", i) for i in range(4)]
+    votes = [{"w": torch.randn(16, generator=gen)} for _ in ids]
+    drift.observe(1, 3, ids, votes)  # block 1 at its round 3
+    drift.observe(0, 3 + DRIFT_FORGET + 1, ids, votes)  # block 0 far ahead: block 1 keeps its own
+    assert drift.score(1, ids[0]) is not None
+    drift.observe(1, 3 + DRIFT_FORGET + 1, ids[:1], votes[:1])  # too few to observe; still ages
+    assert drift.score(1, ids[0]) is None, "not fed for DRIFT_FORGET rounds of its block"

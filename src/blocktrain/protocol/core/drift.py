@@ -24,8 +24,8 @@ are each other's negatives (which one leans cannot be told); with three, each vo
 is the mean of two, half of it the leaning vote's, so the honest votes lean half as far the
 other way (in a simulation of two honest workers and a drift attacker on a block, an honest one
 was flagged with the attacker). From four, the others' median of three holds against one
-leaning vote. Sketches live in memory
-(a restart starts them again); one not fed for DRIFT_FORGET rounds of its block is dropped.
+leaning vote. Sketches and flags live in memory (a restart starts them again); a sketch not fed
+for DRIFT_FORGET rounds of its block is dropped, and a flag once its rounds have passed.
 """
 
 from __future__ import annotations
@@ -150,8 +150,12 @@ class DriftTracker:
         """Feed one committed round's votes (one per identity); the identities it flags."""
         if not self.on:
             return []
-        for key in [key for key, s in self.sketches.items() if round - s.last > DRIFT_FORGET]:
+        for key in [
+            k for k, s in self.sketches.items() if k[0] == block and round - s.last > DRIFT_FORGET
+        ]:
             del self.sketches[key]
+        for key in [k for k, d in self.refused.items() if k[0] == block and round > d.until]:
+            del self.refused[key]
         if len(votes) < MIN_VOTES:
             return []
         k = min(DRIFT_BUCKETS, sum(t.numel() for t in votes[0].values()))
