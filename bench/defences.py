@@ -24,7 +24,8 @@ def undefended(cfg: RunConfig, local_steps: int) -> dict[str, Any]:
     """The aggregator settings before the poisoning defences (the comparison's "defences none"):
     the mean weighted by claimed tokens, no clipping, no effect probe, the loose norm bound, and
     any number of live workers per token (one per token is one of those defences too); nor the
-    replay check (identical forged deltas from several tokens are copies)."""
+    replay check (identical forged deltas from several tokens are copies), the influence bound
+    or drift tracking."""
     n_params = largest_block(initial_blocks(cfg))
     return {
         "rule": "mean",
@@ -34,4 +35,6 @@ def undefended(cfg: RunConfig, local_steps: int) -> dict[str, Any]:
         "max_delta_norm": loose_delta_norm_bound(cfg, local_steps, n_params),
         "max_workers_per_token": 1024,
         "replay_rounds": 0,
+        "max_influence": 0.0,
+        "drift_threshold": 0.0,
     }

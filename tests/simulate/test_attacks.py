@@ -13,6 +13,7 @@ import torch
 from blocktrain.config import apply_overrides
 from blocktrain.data import load_split
 from blocktrain.errors import ConfigError
+from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.simulate import REGIMES, SimSpec, simulate
 from blocktrain.simulate.attacks import KINDS, Attack, ForgingTrainer
 from tests.conftest import micro_config
@@ -118,3 +119,32 @@ def test_every_kind_runs_its_workers_on_its_block(corpus: Path, kind: str) -> No
         assert w["accepted"] + sum(w["refused"].values()) == 2, (kind, w)
     assert len(result["rounds"]) == 2 and result["final_sampler_ce"] is not None
     assert all(torch.isfinite(v).all() for v in weights[2].values()), kind
+
+
+def test_a_patient_attacker_is_refused_for_drift_and_the_honest_workers_are_not(
+    corpus: Path,
+) -> None:
+    """`--attack drift`: 0.9 x a real delta plus a lean on one coordinate that its copy of the
+    probe passes, every round, beside three honest workers of its block; every update passes
+    its round's checks, and the lean is flagged (docs/protocol.md, Drift)."""
+    rounds = 25
+    cfg = apply_overrides(micro_config(), [f"steps={rounds * 2}"])
+    spec = SimSpec(
+        cfg,
+        9,
+        rounds,
+        {"local_steps": 2, "effect_probe": "off"},
+        seed=cfg.seed,
+        eval_bytes=256,
+        final_bytes=256,
+        final_sweeps=1,
+        eval_every=rounds,
+        attack=Attack("drift", 1, block=0),
+    )
+    report, _ = simulate(
+        spec, [REGIMES["lockstep"]], load_split(corpus, "train"), load_split(corpus, "valid")
+    )
+    workers = report["regimes"]["lockstep"]["workers"]
+    (evil,) = [w for w in workers if w["attacker"]]
+    assert evil["refused"].get("drift", 0) >= AggregatorSettings().drift_min_rounds, evil
+    assert all(w["refused"] == {} for w in workers if not w["attacker"]), workers

@@ -56,9 +56,11 @@ class SimAggregator:
         initial: dict[int, Tensors],
         settings: AggregatorSettings,
         probe: EffectProbe | None = None,
+        seed: int = 0,
     ) -> None:
+        """`seed`: the drift sketches' buckets (the service draws them secretly)."""
         self.settings = settings
-        self.engine = RoundEngine.fresh(initial, settings, probe)
+        self.engine = RoundEngine.fresh(initial, settings, probe, drift_seed=seed)
         self.blocks: dict[int, EngineBlock] = self.engine.blocks
         self.on_close: list[Callable[[Committed], None]] = self.engine.on_commit
         """Called with each commit (the round and the block's new weights)."""

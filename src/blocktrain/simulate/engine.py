@@ -103,7 +103,7 @@ class Simulation:
         wire_bytes = n_params * self._dtype_bytes
         self.deadline_s = regime.deadline_for(settings.local_steps, wire_bytes, wire_bytes)
         self.settings = settings.replace(deadline_s=self.deadline_s)
-        self.agg = SimAggregator(initial, self.settings, probe)
+        self.agg = SimAggregator(initial, self.settings, probe, seed)
         self.agg.on_close.append(self._closed)
         self.evaluate = evaluate
         self.eval_every = eval_every

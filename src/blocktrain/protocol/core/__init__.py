@@ -13,6 +13,8 @@ drive the same code.
     pulls           compressed pulls: a version as a delta from the view a worker holds
     validation      validators chained into one, each returning a Verdict with a reason
     aggregation     token-weighted mean, median, trimmed mean, centered clip, outer Nesterov
+    influence       the influence bound: no vote's term past a fraction of recent changes
+    drift           patient attackers: each identity's residuals, sketched, and its flag
     effect          the effect probe's verdict on an update, and reputation per identity
     declaration     how one setting is declared: its doc, check, flag, and the field
     round_settings  the settings of how a round runs: deadline, H and pacing, staleness, rounds

@@ -8,7 +8,9 @@ A round's accepted updates become one delta in three steps (docs/protocol.md, Ag
    updates, so a token's many workers (Sybils) count once. `"reported"` is the old rule: each
    update is a vote weighted by the token count its worker reports, which a liar inflates.
 2. **Clipping.** With `clip = c > 0`, each vote is scaled, tensor by tensor, to at most c times
-   the median norm of that tensor over the round's votes.
+   the median norm of that tensor over the round's votes. Under `mean`, with `max_influence`
+   f > 0 and a reference (`influence.InfluenceHistory`), each vote is then cut so that its term
+   in the mean is at most f times the median of the block's recent changes (`influence`).
 3. **The rule** over the votes:
 
     mean           sum_i w_i v_i / sum_i w_i   (w_i: staleness factor x reputation); for
@@ -41,6 +43,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from blocktrain.protocol.core.influence import influence_scales, norms, term_norms
 
 Tensors = dict[str, torch.Tensor]
 
@@ -178,6 +182,8 @@ class AggregationPolicy(Protocol):
     def clip(self) -> float: ...
     @property
     def weighting(self) -> str: ...
+    @property
+    def max_influence(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -189,6 +195,7 @@ class Policy:
     tolerate: int = 1
     clip: float = 2.0
     weighting: str = "identity"
+    max_influence: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -210,6 +217,9 @@ class Aggregate:
     delta: Tensors | None
     held: str = ""
     votes: int = 0
+    uncapped: dict[str, float] | None = None
+    """Each tensor's norm of the aggregate before the influence clip, which the block's
+    `influence.InfluenceHistory` records (None when nothing was aggregated)."""
 
 
 class Accumulator:
@@ -254,13 +264,12 @@ class Accumulator:
         removed = [u for u in update_ids if self.entries.pop(u, None) is not None]
         return removed
 
-    def votes(self) -> tuple[list[Tensors], list[float]]:
-        """(votes, their weights) under the policy's weighting (step 1)."""
-        entries = list(self.entries.values())
-        if self.policy.weighting == "reported":
-            return [e.delta for e in entries], [e.weight * e.tokens for e in entries]
+    def by_identity(self) -> tuple[list[Hashable], list[Tensors], list[float]]:
+        """(identities, their votes, their weights) under the identity weighting: each
+        identity's updates averaged into one vote (the drift tracker reads these whatever the
+        weighting)."""
         groups: dict[Hashable, list[Entry]] = {}
-        for e in entries:
+        for e in self.entries.values():
             groups.setdefault(e.identity, []).append(e)
         votes, weights = [], []
         for group in groups.values():
@@ -271,10 +280,19 @@ class Accumulator:
                 else weighted_mean([e.delta for e in group], ws, per_coordinate=self.per_coordinate)
             )
             weights.append(sum(ws) / len(ws))
+        return list(groups), votes, weights
+
+    def votes(self) -> tuple[list[Tensors], list[float]]:
+        """(votes, their weights) under the policy's weighting (step 1)."""
+        if self.policy.weighting == "reported":
+            entries = list(self.entries.values())
+            return [e.delta for e in entries], [e.weight * e.tokens for e in entries]
+        _, votes, weights = self.by_identity()
         return votes, weights
 
-    def result(self) -> Aggregate:
-        """The aggregated delta (None when nothing was added, or when the rule refuses)."""
+    def result(self, reference: dict[str, float] | None = None) -> Aggregate:
+        """The aggregated delta (None when nothing was added, or when the rule refuses);
+        `reference`: the block's `InfluenceHistory.reference`, for the influence clip."""
         if not self.entries:
             return Aggregate(None)
         p = self.policy
@@ -283,7 +301,14 @@ class Accumulator:
         if p.rule == "mean":  # clipping folded into the sum: no fp32 copy of each vote
             scales = clip_scales(votes, p.clip) if p.clip > 0 else None
             mean = weighted_mean(votes, weights, scales, per_coordinate=self.per_coordinate)
-            return Aggregate(mean, votes=n)
+            if reference is None or p.max_influence <= 0:
+                return Aggregate(mean, votes=n, uncapped=norms(mean))
+            terms = term_norms(votes, weights, per_coordinate=self.per_coordinate)
+            capped = influence_scales(terms, reference, p.max_influence, scales)
+            if capped is None:  # no vote was cut
+                return Aggregate(mean, votes=n, uncapped=norms(mean))
+            bounded = weighted_mean(votes, weights, capped, per_coordinate=self.per_coordinate)
+            return Aggregate(bounded, votes=n, uncapped=norms(mean))
         if p.clip > 0:
             votes = clip_to_median(votes, p.clip)
         if p.rule in ("median", "trimmed_mean"):
@@ -295,9 +320,12 @@ class Accumulator:
                 )
                 return Aggregate(None, held, n)
             if p.rule == "median":
-                return Aggregate(coordinate_median(votes), votes=n)
-            return Aggregate(trimmed_mean(votes, p.trim, p.tolerate), votes=n)
-        return Aggregate(centered_clip(votes, weights), votes=n)
+                delta = coordinate_median(votes)
+            else:
+                delta = trimmed_mean(votes, p.trim, p.tolerate)
+        else:
+            delta = centered_clip(votes, weights)
+        return Aggregate(delta, votes=n, uncapped=norms(delta))
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,15 @@ derived from the settings.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from blocktrain.protocol.core.aggregation import Accumulator
 from blocktrain.protocol.core.delta_wire import DeltaWire
+from blocktrain.protocol.core.drift import Drifted
 from blocktrain.protocol.core.effect import Effect
+from blocktrain.protocol.core.influence import InfluenceHistory
 from blocktrain.protocol.core.rounds import BlockRounds, RoundClosed, RoundView
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.core.validation import BlockSpec, Candidate, UpdateMeta
@@ -40,6 +42,9 @@ class EngineBlock:
     acc: Accumulator
     remainder: Tensors | None = None
     """Exact pulls: what the pull codec left out of the commits so far (`pulls.commit_step`)."""
+    influence: InfluenceHistory = field(default_factory=InfluenceHistory)
+    """The block's recent changes, the influence bound's reference (in memory: a restart
+    starts it again)."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,8 @@ class Committed:
     """Exact pulls: what the pull codec left out, carried to the next commit."""
     step: Tensors | None = None
     """Exact pulls: the step from the old weights, as the pull codec's parts (None otherwise)."""
+    drifted: tuple[Drifted, ...] = ()
+    """The identities this round's votes flagged for drift (`drift.DriftTracker`)."""
 
 
 CommitListener = Callable[[Committed], None]

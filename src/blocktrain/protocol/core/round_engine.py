@@ -34,11 +34,13 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Collection, Hashable, Iterable
+from typing import cast
 
 import torch
 
 from blocktrain.protocol.core.aggregation import OuterOptimizer
 from blocktrain.protocol.core.bodies import WireError, decode
+from blocktrain.protocol.core.drift import Drifted, tracker
 from blocktrain.protocol.core.effect import (
     EffectProbe,
     HonestBand,
@@ -87,6 +89,7 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         registry: Registry | None = None,
         probe: EffectProbe | None = None,
         reputation: Reputation | None = None,
+        drift_seed: int | None = None,
     ) -> None:
         self.settings = settings
         self.blocks = blocks
@@ -96,6 +99,8 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         self.reputation = Reputation(settings.min_reputation) if reputation is None else reputation
         self.bands: dict[int, HonestBand] = {}
         """Each block's recent accepted effects (empty after a restart: it refills)."""
+        self.drift = tracker(settings, drift_seed)
+        """Each identity's lean against the other votes of its block (`drift`; in memory)."""
         self._auto_id = 0  # ids for updates recorded without one (the simulator has no ledger)
         self.outer = OuterOptimizer(settings.outer_lr, settings.outer_momentum)
         self.limits = Limits(settings.max_delta_norm, settings.max_tokens)
@@ -126,13 +131,16 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         initial: dict[int, Tensors],
         settings: AggregatorSettings,
         probe: EffectProbe | None = None,
+        drift_seed: int | None = None,
     ) -> RoundEngine:
-        """Version 0 of every block, round 0, no workers."""
+        """Version 0 of every block, round 0, no workers; `drift_seed`: the drift sketches'
+        buckets (None: secret; the simulator fixes it, so that a run is a function of its
+        seed)."""
         blocks = {
             b: cls.block(b, {k: v.detach().float().clone() for k, v in w.items()}, None, settings)
             for b, w in sorted(initial.items())
         }
-        return cls(settings, blocks, probe=probe)
+        return cls(settings, blocks, probe=probe, drift_seed=drift_seed)
 
     @staticmethod
     def block(
@@ -261,7 +269,8 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         Changes no update state: `record` the verdict once the driver has stored it. A worker
         no longer registered on `block` (retired for a newer worker of its token, or gone) is
         refused: its vote would otherwise count as an identity of its own; one that declares
-        more local steps than its pull was told is refused `bad_metadata` (`pacing`)."""
+        more local steps than its pull was told is refused `bad_metadata` (`pacing`); one whose
+        identity is flagged on the block for drift is refused `drift` (`drift.DriftTracker`)."""
         self.tick(now)
         assigned = self.registry.block_of(worker)
         if assigned != block:
@@ -271,9 +280,11 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         paced = self.pacer.check(worker, block, meta)
         if not paced.accepted:
             return paced
-        return self.blocks[block].rounds.judge(
-            worker, round=meta.round, base_version=meta.base_version, now=now
-        )
+        rounds = self.blocks[block].rounds
+        standing = self.drift.standing(block, self.registry.identity(worker), rounds.round)
+        if not standing.accepted:
+            return standing
+        return rounds.judge(worker, round=meta.round, base_version=meta.base_version, now=now)
 
     def record(
         self,
@@ -349,17 +360,33 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         return committed
 
     def _commit(self, st: EngineBlock, closed: RoundClosed) -> Committed:
-        aggregate = st.acc.result()
+        """Aggregate the round under the influence bound, fed by the block's recorded changes
+        (`influence`), and feed its votes to the drift tracker: an identity it flags loses
+        reputation as for a harmful update (its vote of this round still counts)."""
+        drifted: tuple[Drifted, ...] = ()
+        if self.drift.on and st.acc.count:
+            identities, votes, _ = st.acc.by_identity()
+            drifted = tuple(self.drift.observe(st.index, closed.round, identities, votes))
+        for flagged in drifted:
+            identity = cast(tuple[str, int], flagged.identity)  # `Registry.identity`'s
+            if self.reputation.observe(identity, helpful=False):
+                for tell in self.on_reputation:
+                    tell(identity, self.reputation.of(identity), closed.closed_at)
+        aggregate = st.acc.result(st.influence.reference())
         weights, momentum, remainder = st.weights, st.momentum, st.remainder
         if aggregate.delta is not None:
             weights, momentum = self.outer.apply(st.weights, aggregate.delta, st.momentum)
+        if aggregate.uncapped is not None:
+            st.influence = st.influence.add(aggregate.uncapped)
         changed = closed.new_version != closed.base_version
         step = None
         codec = self.settings.commit_codec
         if changed and codec is not None:  # exact pulls: the version as the pull codec carries it
             made = commit_step(st.weights, weights, st.remainder, codec)
             weights, remainder, step = made.weights, made.remainder, made.parts
-        event = Committed(closed, weights, momentum, changed, aggregate.held, remainder, step)
+        event = Committed(
+            closed, weights, momentum, changed, aggregate.held, remainder, step, drifted
+        )
         for listener in self.on_commit:
             listener(event)
         st.weights, st.momentum, st.remainder = weights, momentum, remainder

@@ -82,6 +82,11 @@ REASONS: dict[str, tuple[int, str]] = {
         "the identity's reputation fell below the minimum (harmful updates; a helpful update "
         "still earns it back)",
     ),
+    "drift": (
+        403,
+        "the identity's accepted votes kept leaning one way against the others of its block "
+        "(drift_threshold); its updates there are refused for drift_min_rounds rounds",
+    ),
     "busy": (
         429,
         "the effect probe is not taking this update now: the identity spent its probe budget for "

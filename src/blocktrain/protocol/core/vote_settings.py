@@ -133,6 +133,38 @@ class VoteSettings:
         "must lie in [0, 1]",
         flag="--min-reputation",
     )
+    max_influence: float = setting(
+        1.0,
+        "f: under the mean rule, no identity's term in a round's aggregate exceeds f times the "
+        "median of the block's last 8 changes, tensor by tensor, whatever its weight or norm "
+        "(votes are cut to it); until 8 rounds committed, clip and the norm bound alone; 0 "
+        "turns it off; see docs/protocol.md, Aggregation.",
+        lambda v: v >= 0,
+        "must be >= 0 (0: off)",
+        flag="--max-influence",
+        metavar="F",
+    )
+    drift_threshold: float = setting(
+        5.0,
+        "Flag an identity whose accepted votes on a block keep leaning one way against the "
+        "others' (a count sketch of its residuals; 1 for independent noise, measured up to 4.35 "
+        "for honest workers): its reputation is halved and its updates to the block are refused "
+        "drift for drift_min_rounds rounds; 0 turns it off (it is off with a topk or sparse "
+        "delta_wire); see docs/protocol.md, Drift.",
+        lambda v: v == 0 or v > 1,
+        "must be 0 (off) or > 1",
+        flag="--drift-threshold",
+        metavar="T",
+    )
+    drift_min_rounds: int = setting(
+        10,
+        "Votes of an identity on a block observed (in rounds of 4 votes or more) before it may "
+        "be flagged for drift, and the rounds a flagged identity is refused there.",
+        positive,
+        "must be positive",
+        flag="--drift-min-rounds",
+        metavar="N",
+    )
     outer_lr: float = setting(
         1.0,
         "Outer learning rate applied to the aggregated delta (1: plain averaging).",

@@ -130,6 +130,11 @@ class BlockStatusOut(Out):
         description="the upper edge of the effect probe's honest band (relative loss change; "
         "null with the probe off or fewer than 4 accepted updates since the start)",
     )
+    influence_reference: float | None = Field(
+        None,
+        description="the influence bound's reference, sqrt(sum over tensors of the median of "
+        "the last 8 changes' norms); null before 8 rounds committed a change since the start",
+    )
 
 
 class WorkerStatusOut(Out):
@@ -147,6 +152,11 @@ class WorkerStatusOut(Out):
     accepted: int
     refused: int
     reputation: float = Field(1.0, description="its identity's reputation (1 for a newcomer)")
+    drift: float | None = Field(
+        None,
+        description="its identity's drift score on its block (about 1 for independent noise; "
+        "flagged past drift_threshold); null when not observed since its last flag",
+    )
 
 
 class WorkersOut(Out):

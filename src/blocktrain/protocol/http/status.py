@@ -77,9 +77,14 @@ def snapshot(service: AggregatorService, *, last_rounds: int = 20) -> dict[str, 
                     "delta_bytes": st.spec.delta_bytes,
                     "pull_bytes": st.spec.pull_bytes(service.settings.pulls),
                     "probe_band": engine.bands[b].upper if b in engine.bands else None,
+                    "influence_reference": st.influence.size,
                 }
             )
         reputation = {w: engine.reputation.of(registry.identity(w)) for w in registry.workers}
+        drift = {
+            w: engine.drift.score(e.block, registry.identity(w))
+            for w, e in registry.workers.items()
+        }
         live_identities = registry.live_per_block(now)
         per_block = [live_identities[b] for b in service.blocks]
     ledger = service.ledger
@@ -105,6 +110,7 @@ def snapshot(service: AggregatorService, *, last_rounds: int = 20) -> dict[str, 
             "accepted": counts.get(w, {}).get("accepted", 0),
             "refused": counts.get(w, {}).get("refused", 0),
             "reputation": reputation[w],
+            "drift": drift.get(w),  # its identity's drift score on its block; None: not observed
         }
 
     shown_left = sorted(left_rows, key=lambda r: (r.left_at or 0.0, r.id))[-MAX_LEFT_WORKERS:]

@@ -187,6 +187,17 @@ class Durable:
         self.storage.prune(b, closed.new_version, self.settings.keep_versions)
         if event.held:
             log.warning("block %d round %d: %s", b, closed.round, event.held)
+        for d in event.drifted:
+            log.warning(
+                "block %d round %d: identity %s flagged for drift (score %.2f over %d votes): "
+                "refused there until round %d",
+                b,
+                closed.round,
+                d.identity,
+                d.score,
+                d.votes,
+                d.until,
+            )
         log.info(
             "block %d round %d closed (%s): %d accepted, %d refused, %d/%d reported; version %d",
             b,

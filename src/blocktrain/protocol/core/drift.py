@@ -1,0 +1,210 @@
+"""Patient attackers (docs/protocol.md, Aggregation, "Drift"): an identity whose accepted votes
+pass every check of their round but lean, round after round, the same way.
+
+At each commit, every vote of a round of at least MIN_VOTES votes is compared with the others:
+its residual r = v - (coordinate median of the other votes). Per identity and block a
+count sketch keeps the decayed sum of its residuals in k = min(DRIFT_BUCKETS, params) buckets
+(each coordinate added, with a sign, to one bucket drawn from a secret seed, so that a vote
+cannot be shaped to cancel in its bucket), and the decayed energy E = sum ||r||^2 (decay
+DRIFT_DECAY per vote, squared for E, so that both describe the same recent votes):
+
+    consistency = ||S|| / sqrt(E)                        the whole residual
+    peak        = max_j |S_j| / sqrt(E / k) / sqrt(2 ln 2k)   its most persistent bucket
+
+Each is about 1 for residuals that are independent noise (a random walk, and the largest of k
+Gaussian buckets), and grows like sqrt(t) for a constant direction: consistency when it carries
+a large share of the residual, peak when it is concentrated in a few coordinates (a bias of 3 %
+of the vote on one coordinate). The score is the larger. Past `drift_threshold` after
+`drift_min_rounds` votes, the identity is flagged: its reputation is halved (as for a harmful
+update), its updates to the block are refused `drift` for the next `drift_min_rounds` rounds,
+and its sketch starts again.
+
+A round of fewer than MIN_VOTES is not observed: one vote has no consensus; two votes' residuals
+are each other's negatives (which one leans cannot be told); with three, each vote's consensus
+is the mean of two, half of it the leaning vote's, so the honest votes lean half as far the
+other way (in a simulation of two honest workers and a drift attacker on a block, an honest one
+was flagged with the attacker). From four, the others' median of three holds against one
+leaning vote. Sketches and flags live in memory (a restart starts them again); a sketch not fed
+for DRIFT_FORGET rounds of its block is dropped, and a flag once its rounds have passed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import secrets
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from blocktrain.protocol.core.delta_wire import DeltaWire
+from blocktrain.protocol.core.settings import AggregatorSettings
+from blocktrain.protocol.core.verdict import Verdict
+
+Tensors = dict[str, torch.Tensor]
+
+DRIFT_BUCKETS = 16384
+"""k: 64 KiB of fp32 per identity and block, whatever the block's size."""
+DRIFT_DECAY = 0.95
+"""Per observed vote: the score describes about the last 40 (a constant direction saturates at
+consistency sqrt((1 + 0.95) / (1 - 0.95)) = 6.2), and an honest identity's slow, bounded
+persistence does not add up over a long run."""
+DRIFT_FORGET = 64
+"""Rounds of its block without a vote after which an identity's sketch is dropped."""
+MIN_VOTES = 4
+
+
+@dataclass
+class Sketch:
+    """One identity's recent residuals on one block."""
+
+    sums: torch.Tensor
+    """S, (k,) fp32: the decayed sum of the sketched residuals."""
+    energy: float = 0.0
+    votes: int = 0
+    last: int = 0
+    """The block's round of the last vote observed."""
+
+    def score(self) -> float:
+        if not self.energy > 0:
+            return 0.0
+        k = self.sums.numel()
+        consistency = float(self.sums.norm()) / math.sqrt(self.energy)
+        peak = float(self.sums.abs().max()) / math.sqrt(self.energy / k)
+        return max(consistency, peak / math.sqrt(2 * math.log(2 * k)))
+
+
+@dataclass(frozen=True)
+class Drifted:
+    """An identity flagged at a commit."""
+
+    identity: Hashable
+    block: int
+    score: float
+    votes: int
+    until: int
+    """The last round of the block its updates are refused in."""
+
+
+def residuals(votes: Sequence[Tensors]) -> list[Tensors]:
+    """v_i - the coordinate median of the other votes (the mean of the middle two when they
+    are even in number), for n >= 3 votes (`observe` asks for MIN_VOTES); one sort per tensor serves every i."""
+    n = len(votes)
+    m = n - 1
+    out: list[Tensors] = [{} for _ in votes]
+    for name in votes[0]:
+        stacked = torch.stack([v[name].float().flatten() for v in votes])  # (n, numel)
+        ordered, order = stacked.sort(dim=0)
+        rank = torch.empty_like(order)
+        rank.scatter_(0, order, torch.arange(n).unsqueeze(1).expand_as(order))
+        for i in range(n):
+            if m % 2:
+                median = _other(ordered, rank[i], m // 2)
+            else:
+                median = (
+                    _other(ordered, rank[i], m // 2 - 1) + _other(ordered, rank[i], m // 2)
+                ) / 2
+            out[i][name] = stacked[i] - median
+    return out
+
+
+def _other(ordered: torch.Tensor, rank: torch.Tensor, j: int) -> torch.Tensor:
+    """The j-th smallest value of the others at each coordinate, from the sorted votes and
+    the rank of the vote left out."""
+    return torch.where(rank > j, ordered[j], ordered[j + 1])
+
+
+class DriftTracker:
+    """The sketches of every identity on every block, and the identities refused for drift.
+    `threshold` 0 turns it off; `seed`: the buckets and signs (None: a secret drawn here)."""
+
+    def __init__(self, threshold: float, min_rounds: int, seed: int | None = None) -> None:
+        self.threshold = threshold
+        self.min_rounds = min_rounds
+        self.seed = secrets.randbits(62) if seed is None else seed
+        self.sketches: dict[tuple[int, Hashable], Sketch] = {}
+        self.refused: dict[tuple[int, Hashable], Drifted] = {}
+
+    @property
+    def on(self) -> bool:
+        return self.threshold > 0
+
+    def _buckets(
+        self, block: int, vote: Tensors, k: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per tensor (in name order), each coordinate's bucket and sign, drawn from the seed
+        (once per commit: they are not kept, so the block's size costs no memory here)."""
+        out = []
+        for t, name in enumerate(sorted(vote)):
+            key = hashlib.blake2b(f"{self.seed}:{block}:{t}".encode(), digest_size=8).digest()
+            gen = torch.Generator().manual_seed(int.from_bytes(key) >> 1)
+            n = vote[name].numel()
+            bucket = torch.randint(k, (n,), generator=gen)
+            out.append((bucket, torch.randint(2, (n,), generator=gen).float().mul_(2).sub_(1)))
+        return out
+
+    def observe(
+        self, block: int, round: int, identities: Sequence[Hashable], votes: Sequence[Tensors]
+    ) -> list[Drifted]:
+        """Feed one committed round's votes (one per identity); the identities it flags."""
+        if not self.on:
+            return []
+        for key in [
+            k for k, s in self.sketches.items() if k[0] == block and round - s.last > DRIFT_FORGET
+        ]:
+            del self.sketches[key]
+        for key in [k for k, d in self.refused.items() if k[0] == block and round > d.until]:
+            del self.refused[key]
+        if len(votes) < MIN_VOTES:
+            return []
+        k = min(DRIFT_BUCKETS, sum(t.numel() for t in votes[0].values()))
+        buckets = self._buckets(block, votes[0], k)
+        flagged = []
+        for identity, r in zip(identities, residuals(votes), strict=True):
+            key = (block, identity)
+            sketch = self.sketches.get(key) or Sketch(torch.zeros(k))
+            sketch.sums.mul_(DRIFT_DECAY)
+            for (bucket, sign), name in zip(buckets, sorted(r), strict=True):
+                sketch.sums.index_add_(0, bucket, r[name] * sign)
+            sketch.energy = DRIFT_DECAY**2 * sketch.energy + sum(
+                float(t.pow(2).sum()) for t in r.values()
+            )
+            sketch.votes, sketch.last = sketch.votes + 1, round
+            self.sketches[key] = sketch
+            score = sketch.score()
+            if sketch.votes >= self.min_rounds and score > self.threshold:
+                drifted = Drifted(identity, block, score, sketch.votes, round + self.min_rounds)
+                self.refused[key] = drifted
+                del self.sketches[key]
+                flagged.append(drifted)
+        return flagged
+
+    def standing(self, block: int, identity: Hashable, open_round: int) -> Verdict:
+        """Refused `drift` while flagged on this block."""
+        drifted = self.refused.get((block, identity))
+        if drifted is None:
+            return Verdict.ok()
+        if open_round > drifted.until:
+            del self.refused[(block, identity)]
+            return Verdict.ok()
+        return Verdict.refuse(
+            "drift",
+            f"this identity's last {drifted.votes} accepted votes on block {block} leaned one "
+            f"way against the others' (drift score {drifted.score:.2f} > {self.threshold:g}); "
+            f"its updates are refused until round {drifted.until} closes",
+        )
+
+    def score(self, block: int, identity: Hashable) -> float | None:
+        """The identity's drift score on the block (None: not observed since its last flag)."""
+        sketch = self.sketches.get((block, identity))
+        return None if sketch is None else sketch.score()
+
+
+def tracker(settings: AggregatorSettings, seed: int | None = None) -> DriftTracker:
+    """The settings' tracker; off for a selecting push codec (topk, sparse), whose votes are
+    each mostly zeros where the others' are not: their residuals are the worker's own selection,
+    which error feedback keeps on the same coordinates (honest, and consistent)."""
+    selects = DeltaWire.parse(settings.push_wire).selects
+    threshold = 0.0 if selects else settings.drift_threshold
+    return DriftTracker(threshold, settings.drift_min_rounds, seed)
