@@ -291,7 +291,18 @@ def markdown(result: dict[str, Any]) -> str:
             f"{_counts(r['attacker_refused'])} | {_counts(r['honest_refused'])} | "
             f"{r['rounds_held']} | {_drift(r)} |"
         )
+    clean_rows = [r for r in rows if r["attack"] == "clean" and r.get("per_round")]
+    if clean_rows:
+        lines += ["", "Updates per round of the clean rows (accepted / refused, all honest):", ""]
+        lines += [
+            f"- {r['preset']} {r['defences']}, {r['rounds']} rounds: {_per_round(r)}"
+            for r in clean_rows
+        ]
     return "\n".join(lines)
+
+
+def _per_round(row: dict[str, Any]) -> str:
+    return " ".join(f"{p['accepted']}/{sum(p['refused'].values())}" for p in row["per_round"])
 
 
 def _drift(row: dict[str, Any]) -> str:

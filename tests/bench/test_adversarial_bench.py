@@ -79,3 +79,13 @@ def test_target_drift_is_byte_0_s_logit_bias_less_the_others_mean() -> None:
 
 def test_every_row_names_a_kind_the_simulator_knows() -> None:
     assert {a.kind for a in adversarial.ATTACKS.values() if a is not None} <= set(KINDS)
+
+
+def test_the_clean_rows_updates_are_listed_per_round() -> None:
+    clean = {**row("clean", "default", 2.0, "small"), "per_round": []}
+    clean["per_round"] = [
+        {"accepted": 6, "refused": {}},
+        {"accepted": 4, "refused": {"no_gain": 1, "harmful": 1}},
+    ]
+    text = adversarial.markdown(adversarial.result_of({adversarial.key_of(clean): clean}))
+    assert "- small default, 20 rounds: 6/0 4/2" in text
