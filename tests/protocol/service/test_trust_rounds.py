@@ -131,6 +131,45 @@ def test_a_token_s_refused_probes_are_bounded_per_round(harness):
     assert r.json()["reason"] == "no_gain"
 
 
+def test_a_token_that_spent_its_probe_budget_is_refused_before_its_body_is_read(harness):
+    """Found by bench/live_attacks.py (push_flood): one token pushing valid-shaped deltas as
+    fast as the aggregator answered had 1,359 of its 1,660 pushes refused `busy` in 30 s, and
+    the aggregator read, parsed and hashed each body (1 MB at the tiny preset) before
+    refusing it: 0.7 of a core, and the honest status and pull requests took 6x their
+    unloaded time. Once an identity's probe budget for the open round is spent, every push of
+    it to the block is refused before the probe until the round closes; now it is refused
+    before its body is read, with the same verdict (429 `busy`, not a report)."""
+    from tests.asgi import asgi_request
+
+    h = harness
+    h.service.engine.use_probe(TargetProbe(TARGET))
+    a = h.register(h.alice, block=0)["worker_id"]
+    assert h.pull(h.alice, a, 0).status_code == 200
+    eve = add_token(h.state, "eve")
+    for _ in range(SETTINGS.probe_budget):
+        w = h.register(eve, block=0)["worker_id"]
+        assert h.push(eve, w, 0, body(NOTHING)).json()["reason"] == "no_gain"
+    w = h.register(eve, block=0)["worker_id"]
+    data = body(NOTHING)
+    headers = {
+        **auth(eve, w),
+        "content-type": "application/vnd.safetensors",
+        "content-length": str(len(data)),
+    }
+    chunks = [data[i : i + 1024] for i in range(0, len(data), 1024)]
+    answer = asgi_request(h.client.app, "POST", "/v1/blocks/0/updates", headers, chunks)
+    assert answer.status == 429 and b'"busy"' in answer.body, answer.body
+    assert answer.bytes_pulled == 0, f"{answer.bytes_pulled} bytes of the body were read"
+    rounds = h.service.blocks[0].rounds
+    assert w not in rounds.reported, "busy is not a report"
+    assert h.push(h.alice, a, 0, body(GOOD)).status_code == 200, "other tokens are not"
+    h.clock.advance(SETTINGS.deadline_s)  # the round closes: a new budget
+    h.service.tick()
+    w = h.register(eve, block=0)["worker_id"]
+    r = h.push(eve, w, 0, body(NOTHING, rnd=1, version=h.service.blocks[0].rounds.version))
+    assert r.json()["reason"] == "no_gain", r.text
+
+
 def test_the_probe_s_queue_is_bounded():
     """Memory: at most PROBE_SLOTS updates (and their bodies) hold a place at the probe; the
     next is refused `busy` at once instead of waiting; a place given back is free again, and
@@ -253,3 +292,38 @@ def test_zero_deltas_are_not_replays_and_the_digests_are_bounded(tmp_path):
         kept = [e.round for e in h.service.engine.seen[0].values()]
         assert kept == [rnd], "the last replay_rounds (1) rounds only"
     h.state.close()
+
+
+def test_a_refused_push_is_fsynced_outside_the_service_lock(harness, monkeypatch):
+    """Found by bench/live_attacks.py (push_flood): one token pushing valid-shaped deltas as
+    fast as the aggregator answered (about 60 a second, nearly all refused: busy, duplicate,
+    late) made the honest status and pull requests wait 8x their unloaded latency. Each
+    refusal's ledger row was fsynced (4 ms here) while the service's lock was held, the lock
+    that every status, pull and push takes. Now a refused row is fsynced after the lock is
+    released, and still before the refusal is answered."""
+    from blocktrain.protocol.service import pushes
+    from blocktrain.protocol.store import ledger
+
+    h = harness
+    real = ledger.fsync_wal
+    under_lock: list[bool] = []
+
+    def spy(path):
+        under_lock.append(h.service.lock._is_owned())
+        real(path)
+
+    w = h.register(h.alice, block=0)["worker_id"]
+    v = h.register(h.bob, block=0)["worker_id"]
+    assert h.pull(h.alice, w, 0).status_code == 200 and h.pull(h.bob, v, 0).status_code == 200
+    monkeypatch.setattr(ledger, "fsync_wal", spy)
+    monkeypatch.setattr(pushes, "fsync_wal", spy)
+    junk = h.push(h.alice, w, 0, delta_body(0, dtype="fp32"))  # refused for its form
+    assert junk.json()["reason"] == "bad_dtype", junk.text
+    assert under_lock and not any(under_lock), f"fsyncs under the lock: {under_lock}"
+    assert h.push(h.bob, v, 0, delta_body(0)).status_code == 200
+    under_lock.clear()
+    again = h.push(h.bob, v, 0, delta_body(0, scale=0.02))  # refused for its timing
+    assert again.json()["reason"] == "duplicate", again.text
+    assert under_lock and not any(under_lock), f"fsyncs under the lock: {under_lock}"
+    reasons = [u.reason for u in h.state.ledger.updates(fate="refused")]
+    assert reasons.count("bad_dtype") == 1 and reasons.count("duplicate") == 1, reasons
