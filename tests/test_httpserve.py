@@ -237,6 +237,72 @@ def test_one_address_holds_at_most_its_share_of_the_connections():
         server.stop()
 
 
+class _Transport:
+    """What uvicorn's protocol reads and writes of an asyncio transport, from one peer."""
+
+    def __init__(self, address: str, port: int) -> None:
+        self.peer = (address, port)
+        self.written = b""
+        self.closed = False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"peername": self.peer, "sockname": ("127.0.0.1", 8000)}.get(name, default)
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+
+def test_a_connection_refused_over_its_share_takes_no_slot_of_the_server():
+    """Found by bench/live_attacks.py (halfopen): one address re-opening half-sent heads as fast
+    as it could made clients of other addresses get uvicorn's 503 "Exceeded concurrency limit".
+    A connection refused over its address's share still counted among the server's connections
+    (uvicorn's limit_concurrency: `max_connections`) until its close completed, and one accept
+    batch holds hundreds of them. Now it is refused before uvicorn counts it: however many
+    are refused at once, the server's connections are the ones it serves."""
+    import asyncio
+
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from blocktrain.listener import _protocol
+
+    limits = Limits(max_connections=8)  # a share of 2 per address
+    protocol = _protocol(limits)
+    config = uvicorn.Config(echo_app(limits), http=protocol, limit_concurrency=8)
+    config.load()
+    state = ServerState()
+    loop = asyncio.new_event_loop()
+    try:
+
+        def connect(address: str, port: int) -> tuple[Any, _Transport]:
+            conn, transport = protocol(config, state, {}, _loop=loop), _Transport(address, port)
+            conn.connection_made(transport)  # type: ignore[arg-type]
+            return conn, transport
+
+        attack = [connect("127.0.0.2", 1000 + i) for i in range(50)]  # one accept batch
+        refused = [(c, t) for c, t in attack if t.written.startswith(b"HTTP/1.1 503")]
+        assert len(refused) == 48 and all(t.closed for _, t in refused)
+        assert len(state.connections) == 2, (
+            f"{len(state.connections)} connections count against the limit of 8; 2 are served"
+        )
+        honest, transport = connect("127.0.0.1", 2000)
+        assert honest in state.connections and not transport.written
+        for conn, _ in refused:  # their close completes
+            conn.connection_lost(None)
+        assert len(state.connections) == 3
+        attack[0][0].connection_lost(None)  # one of the two served closes: the share comes back
+        again, transport = connect("127.0.0.2", 3000)
+        assert again in state.connections and not transport.written
+    finally:
+        loop.close()
+
+
 def test_the_share_per_address_is_a_quarter_unless_set():
     assert Limits().per_address == 128 and Limits(max_connections=32).per_address == 8
     assert Limits(max_connections_per_address=600).per_address == 600

@@ -9,7 +9,8 @@ connection limits of `httpserve.Limits` (the body guard and the request rate are
   `limit_concurrency`). Idle keep-alive connections close after `keep_alive_s`.
 - at most `max_connections_per_address` of them from one client address (default a quarter
   of `max_connections`): a connection beyond it is answered 503 and closed as it opens, so one
-  address that keeps re-opening half-sent heads cannot hold every slot (`_protocol`).
+  address that keeps re-opening half-sent heads cannot hold every slot (`_protocol`); nor
+  does a refused connection count against `max_connections`, however many are refused at once.
 """
 
 from __future__ import annotations
@@ -87,14 +88,19 @@ def _protocol(limits: Limits) -> type[H11Protocol]:
         _refused: bool = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            peer = transport.get_extra_info("peername")
+            address = str(peer[0]) if isinstance(peer, tuple | list) and peer else None
+            if address is not None and open_from.get(address, 0) >= per_address:
+                # refused before uvicorn counts it among its connections: those are what
+                # limit_concurrency (max_connections) counts, and one accept batch of a client
+                # re-opening connections as fast as it can holds hundreds not yet closed
+                self._refused = True
+                self.transport = transport
+                transport.write(TOO_MANY_CONNECTIONS)
+                transport.close()
+                return
             super().connection_made(transport)
-            address = self.client[0] if self.client else None
             if address is not None:
-                if open_from.get(address, 0) >= per_address:
-                    self._refused = True
-                    transport.write(TOO_MANY_CONNECTIONS)
-                    transport.close()
-                    return
                 open_from[address] = open_from.get(address, 0) + 1
                 self._address = address
             self._arm()
@@ -114,6 +120,8 @@ def _protocol(limits: Limits) -> type[H11Protocol]:
             self._disarm()  # uvicorn's keep-alive timeout covers the idle time until new data
 
         def connection_lost(self, exc: Exception | None) -> None:
+            if self._refused:
+                return  # uvicorn never saw it
             self._disarm()
             if self._address is not None:
                 left = open_from.pop(self._address) - 1

@@ -39,19 +39,14 @@ class ProbeSlots:
         one. Give it back with `release_probe`. No slot when the probe is off."""
         if self.probe is None:
             return Verdict.ok(), None
+        spent_out = self.budget_spent(worker, block)
+        if spent_out is not None:
+            return spent_out, None
         identity = self.registry.identity(worker)
         open_round = self.blocks[block].rounds.round
         spent_round, spent = self._probe_spent.get(block, (open_round, Counter()))
         if spent_round != open_round:
             spent = Counter()
-        budget = self.settings.probe_budget
-        if spent[identity] >= budget:
-            return Verdict.refuse(
-                "busy",
-                f"this identity's updates reached the effect probe {spent[identity]} time(s) "
-                f"in round {open_round} of block {block} without being accepted "
-                f"(probe_budget {budget}); wait for the next round",
-            ), None
         if self.probing >= PROBE_SLOTS:
             return Verdict.refuse(
                 "busy", f"the effect probe's queue is full ({PROBE_SLOTS} updates); retry"
@@ -60,6 +55,27 @@ class ProbeSlots:
         self._probe_spent[block] = (open_round, spent)
         self.probing += 1
         return Verdict.ok(), ProbeSlot(block, open_round, identity)
+
+    def budget_spent(self, worker: int, block: int) -> Verdict | None:
+        """`busy` when `worker`'s identity already holds or spent its `probe_budget` places in
+        the block's open round (None when it has one left, or the probe is off). Until the
+        round closes, every update of the identity to the block is then refused before the
+        probe, whatever its body: so a driver may refuse a push before reading its body."""
+        if self.probe is None:
+            return None
+        identity = self.registry.identity(worker)
+        open_round = self.blocks[block].rounds.round
+        spent_round, spent = self._probe_spent.get(block, (open_round, Counter()))
+        held = spent[identity] if spent_round == open_round else 0
+        budget = self.settings.probe_budget
+        if held < budget:
+            return None
+        return Verdict.refuse(
+            "busy",
+            f"this identity's updates reached the effect probe {held} time(s) in round "
+            f"{open_round} of block {block} without being accepted (probe_budget {budget}); "
+            "wait for the next round",
+        )
 
     def release_probe(self, slot: ProbeSlot | None, accepted: bool) -> None:
         """The probe is done with an update: its place is free again, and returned to its

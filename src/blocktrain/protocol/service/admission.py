@@ -8,6 +8,7 @@ it as a mixin, through `pushes.Pushes`; the state it reads is declared here and 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,7 @@ class Admission:
     directory: Directory
     engine: RoundEngine
     clock: Callable[[], float]
+    lock: threading.RLock
 
     # ------------------------------------------------------------------ identity
 
@@ -95,9 +97,10 @@ class Admission:
     def begin_push(
         self, *, authorization: str | None, worker_header: str | None, block: int
     ) -> PushContext:
-        """Who is pushing, to which block: refused before a byte of the body is read. Only an
-        authenticated, admitted token's refusals get a ledger row (the HTTP guard has already
-        checked the declared size)."""
+        """Who is pushing, to which block: refused before a byte of the body is read, and so is
+        a push of an identity whose probe budget for the block's open round is spent (`busy`:
+        the probe would refuse it whatever it holds). Only an authenticated, admitted token's
+        refusals get a ledger row (the HTTP guard has already checked the declared size)."""
         received = self.clock()
         token = self.authenticate(authorization)
         self.admit(token.id)
@@ -107,6 +110,10 @@ class Admission:
             caller = self.identify(authorization, worker_header)
             worker = caller.worker_id
             worker = self._worker_on(caller, block)
+            with self.lock:
+                spent = self.engine.budget_spent(worker, block)
+            if spent is not None:  # what reserve_probe would say: not worth reading the body
+                raise refused(spent.reason, spent.detail)
         except Refused as exc:
             self._record_refusal(received, token.id, worker, block, exc, 0)
             raise
@@ -125,8 +132,11 @@ class Admission:
         block: int | None,
         exc: Refused,
         size: int,
+        sync: bool = True,
         **fields: Any,
     ) -> None:
+        """The refused update's ledger row (fsynced unless `sync` is False: then the caller
+        fsyncs the ledger before answering)."""
         known_block = block if block in self.directory.served else None
         self.ledger.record_update(
             received=received,
@@ -137,6 +147,7 @@ class Admission:
             block=known_block,
             reason=exc.reason,
             detail=exc.detail,
+            sync=sync,
             **fields,
         )
         log.info(

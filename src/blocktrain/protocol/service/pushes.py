@@ -5,8 +5,8 @@ base, `Admission`, is step 1: who may push, to which block.
 
 An update is handled in six steps:
 
-1. identity: token, rate, worker, its block (`Admission.begin_push`; the HTTP guard checked
-   the size);
+1. identity: token, rate, worker, its block, and the identity's probe budget in the open
+   round (`Admission.begin_push`, before the body is read; the HTTP guard checked the size);
 2. form: `RoundEngine.inspect` (safetensors parse, the validator chain), outside the lock;
 3. timing first: under the lock, `RoundEngine.judge` (duplicate, late, stale), then
    `RoundEngine.screen` (replays: the body bound to its worker, round and version, its tensors
@@ -18,8 +18,8 @@ An update is handled in six steps:
 5. timing again: under the lock, `RoundEngine.judge` and `screen` (the round may have closed,
    or a copy come in, meanwhile); if accepted, a ledger row, then `RoundEngine.record` and
    `tick` (which may close the round); else the pending file is removed;
-6. an accepted row is fsynced after the lock is released (one fsync covers every row committed
-   so far, so concurrent pushes share them), and only then is the push answered.
+6. the row, accepted or refused, is fsynced after the lock is released (one fsync covers every
+   row committed so far, so concurrent pushes share them), and only then is the push answered.
 
 A refused push gets a ledger row with its reason before the 4xx goes out once its token is
 known and admitted; earlier refusals (token, rate, the HTTP guard's limits) are counted in
@@ -98,29 +98,31 @@ class Pushes(Admission):
                 self.engine.record(ctx.worker_id, ctx.block, verdict, now, checked=checked)
                 self._refuse(ctx, checked, verdict.reason, verdict.detail, body, fields)
                 self.engine.tick(now)
-                raise refused(verdict.reason, verdict.detail)
-            update_id = self.ledger.record_update(
-                received=ctx.received,
-                bytes=len(body),
-                fate="accepted",
-                token_id=ctx.token_id,
-                worker_id=ctx.worker_id,
-                block=ctx.block,
-                weight=verdict.weight,
-                counts_in=verdict.counts_in,
-                pending=name,
-                seen=now,
-                sync=False,  # fsynced below, outside the lock: concurrent pushes share fsyncs
-                **fields,
-            )
-            self.durable.pending[ctx.block][update_id] = name
-            started = self.engine.record(
-                ctx.worker_id, ctx.block, verdict, now, checked=checked, update_id=update_id
-            )
-            if started:  # so that a restart restores the round's deadline
-                self.ledger.round_started(ctx.block, self.blocks[ctx.block].rounds.round, now)
-            self.engine.tick(now)
-        fsync_wal(self.ledger.path)  # the row is durable before the answer says accepted
+            else:
+                update_id = self.ledger.record_update(
+                    received=ctx.received,
+                    bytes=len(body),
+                    fate="accepted",
+                    token_id=ctx.token_id,
+                    worker_id=ctx.worker_id,
+                    block=ctx.block,
+                    weight=verdict.weight,
+                    counts_in=verdict.counts_in,
+                    pending=name,
+                    seen=now,
+                    sync=False,  # fsynced below, outside the lock: concurrent pushes share fsyncs
+                    **fields,
+                )
+                self.durable.pending[ctx.block][update_id] = name
+                started = self.engine.record(
+                    ctx.worker_id, ctx.block, verdict, now, checked=checked, update_id=update_id
+                )
+                if started:  # so that a restart restores the round's deadline
+                    self.ledger.round_started(ctx.block, self.blocks[ctx.block].rounds.round, now)
+                self.engine.tick(now)
+        fsync_wal(self.ledger.path)  # the row (accepted or refused) is durable before the answer
+        if not verdict.accepted:
+            raise refused(verdict.reason, verdict.detail)
         return {
             "accepted": True,
             "update_id": update_id,
@@ -147,6 +149,10 @@ class Pushes(Admission):
             self.engine.record(ctx.worker_id, ctx.block, verdict, now, checked=checked)
             self._refuse(ctx, checked, verdict.reason, verdict.detail, body, fields)
             self.engine.tick(now)
+        # the row is durable before the refusal goes out, but fsynced outside the lock: every
+        # status, pull and push takes it, and a token's stream of refused pushes (one fsync
+        # each) held it for most of every second (bench/live_attacks.py, push_flood)
+        fsync_wal(self.ledger.path)
         raise refused(verdict.reason, verdict.detail)
 
     def _refuse(
@@ -158,7 +164,9 @@ class Pushes(Admission):
         body: bytes | bytearray,
         fields: dict[str, Any],
     ) -> None:
+        """Its ledger row, not yet fsynced: the caller holds the lock, and fsyncs after it."""
         exc = refused(reason, detail)
+        size = len(body)
         self._record_refusal(
-            ctx.received, ctx.token_id, ctx.worker_id, ctx.block, exc, len(body), **fields
+            ctx.received, ctx.token_id, ctx.worker_id, ctx.block, exc, size, sync=False, **fields
         )

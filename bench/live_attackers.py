@@ -1,0 +1,563 @@
+"""Hostile clients for bench/live_attacks.py, each run in a process of its own (standard library
+only: it starts fast, imports no torch, and takes none of the measuring process's GIL):
+
+    python live_attackers.py halfopen HOST PORT --seconds 30
+    python live_attackers.py push-flood URL --token-file T --template F --seconds 30
+    python live_attackers.py stuffing URL --token-file T1 --token-file T2 --template F
+    python live_attackers.py unread-streams URL --streams 8 --seconds 30
+    python live_attackers.py stop-strings URL --mb 1 --seconds 30
+
+Each connects from `--source` addresses (default 127.0.0.2, a loopback address of its own, so
+that the servers' per-address limits see another client than the honest ones on 127.0.0.1),
+runs for `--seconds`, then prints one JSON line of what it did (counts of each outcome).
+
+- halfopen: keeps `--target` connections opening, each sending half a request head and
+  nothing more; any the server answers or closes is re-opened at once.
+- push-flood: `--connections` threads push valid-shaped deltas (the template's tensors, a
+  counter in the first bytes so that no two bodies are alike) for one token's worker, naming
+  the open round, as fast as the aggregator answers; a worker that already reported is
+  replaced by a new registration of the token.
+- stuffing: each token's worker pulls every round as it opens and pushes junk for it at once
+  (a tensor of the wrong shape from even tokens, a NaN among the right shapes from odd ones:
+  refused for their form, before the probe).
+- unread-streams: keeps `--streams` streamed completions open per source address, never
+  reading a byte; one the server closes is opened again.
+- stop-strings: `--connections` threads post completions carrying `--mb` MB of stop strings
+  (alternately 1 KiB strings by the thousand and four strings of a quarter of it each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import http.client
+import json
+import resource
+import selectors
+import socket
+import struct
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+# ------------------------------------------------------------------------------------- bodies
+
+
+def safetensors_body(
+    manifest: list[dict[str, Any]], data: bytes | bytearray, metadata: dict[str, str]
+) -> bytes:
+    """A safetensors file of the tensors laid out in `data` as `manifest` says (each entry:
+    name, dtype code, shape, begin, end), with string `metadata`; the header padded with
+    spaces to a multiple of 8 bytes, as safetensors writes it."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    for t in manifest:
+        header[t["name"]] = {
+            "dtype": t["dtype"],
+            "shape": t["shape"],
+            "data_offsets": [t["begin"], t["end"]],
+        }
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + bytes(data)
+
+
+def update_metadata(block: int, round_: int, version: int, tokens: int, steps: int) -> dict:
+    return {
+        "block": str(block),
+        "base_version": str(version),
+        "round": str(round_),
+        "tokens": str(tokens),
+        "steps": str(steps),
+    }
+
+
+def misshapen(manifest: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The same tensors, the first one's shape changed (flattened, or a 1-D one given a second
+    axis): a body of the right size that every validator reads and refuses (`bad_shape`)."""
+    first, *rest = manifest
+    n = 1
+    for d in first["shape"]:
+        n *= d
+    shape = [n] if len(first["shape"]) > 1 else [n, 1]
+    return [{**first, "shape": shape}, *rest]
+
+
+NAN = {"F16": b"\x00\x7e", "BF16": b"\xc0\x7f", "F32": b"\x00\x00\xc0\x7f"}
+"""A quiet NaN in each wire dtype, little-endian."""
+
+
+def nan(data: bytearray, dtype: str) -> None:
+    """Make the value just past the 8 bytes a push's counter takes a NaN: a body
+    every validator reads and refuses (`non_finite`)."""
+    width = len(NAN[dtype])
+    data[8 : 8 + width] = NAN[dtype]
+
+
+class Template:
+    """What bench/live_attacks.py wrote for the update attackers: the block's tensors (a small
+    noise delta in the wire dtype, raw bytes) and what a push names."""
+
+    def __init__(self, path: Path) -> None:
+        doc = json.loads(path.read_text())
+        self.manifest: list[dict[str, Any]] = doc["tensors"]
+        self.block: int = doc["block"]
+        self.tokens: int = doc["tokens"]
+        self.steps: int = doc["steps"]
+        self.data = bytearray(Path(doc["data"]).read_bytes())
+
+
+# ------------------------------------------------------------------------------------- HTTP
+
+
+class Http:
+    """One-request connections to the server at `url`, from `source`."""
+
+    def __init__(self, url: str, source: str, timeout_s: float = 30.0) -> None:
+        parts = urlsplit(url)
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+        self.source, self.timeout_s = source, timeout_s
+
+    def request(
+        self, method: str, path: str, body: bytes | None = None, headers: dict | None = None
+    ) -> tuple[int | str, bytes]:
+        """(status, body), or (why it failed, b"") when the connection was cut or refused."""
+        conn = http.client.HTTPConnection(
+            self.host, self.port, timeout=self.timeout_s, source_address=(self.source, 0)
+        )
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            r = conn.getresponse()
+            return r.status, r.read()
+        except (ConnectionError, http.client.HTTPException, TimeoutError, OSError) as exc:
+            return type(exc).__name__, b""
+        finally:
+            conn.close()
+
+
+def reason_of(status: int | str, body: bytes) -> str:
+    """An outcome's name: the status and, for an aggregator refusal, its reason."""
+    if isinstance(status, str):
+        return status
+    try:
+        reason = json.loads(body).get("reason")
+    except (ValueError, AttributeError):
+        reason = None
+    return f"{status} {reason}" if reason else str(status)
+
+
+class Counts:
+    """Outcome counts shared by an attacker's threads."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.counter: Counter[str] = Counter()
+
+    def add(self, key: str, n: int = 1) -> None:
+        with self.lock:
+            self.counter[key] += n
+
+    def as_dict(self) -> dict[str, int]:
+        with self.lock:
+            return dict(sorted(self.counter.items()))
+
+
+# ------------------------------------------------------------------------------------- halfopen
+
+
+def halfopen(
+    host: str, port: int, sources: list[str], seconds: float, target: int, path: str
+) -> dict[str, Any]:
+    """Keep `target` connections opening, each with half a request head sent; re-open each one
+    the server answers (a 503 over the address's share) or closes (the head timeout)."""
+    sel = selectors.DefaultSelector()
+    head = f"GET {path} HTTP/1.1\r\nHost: {host}\r\nUser-Agent: halfopen\r\n".encode()
+    counts: Counter[str] = Counter()
+    end = time.monotonic() + seconds
+    n = 0
+    peak_held = 0
+
+    def close(s: socket.socket) -> None:
+        sel.unregister(s)
+        s.close()
+
+    while time.monotonic() < end:
+        for _ in range(64):  # open in bursts, between looks at what the server said
+            if len(sel.get_map()) >= target:
+                break
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setblocking(False)
+            try:
+                s.bind((sources[n % len(sources)], 0))
+                n += 1
+                err = s.connect_ex((host, port))
+            except OSError as exc:
+                s.close()
+                counts[f"open_failed {errno.errorcode.get(exc.errno or 0, exc)}"] += 1
+                break
+            if err not in (0, errno.EINPROGRESS):
+                s.close()
+                counts[f"open_failed {errno.errorcode.get(err, err)}"] += 1
+                break
+            sel.register(s, selectors.EVENT_WRITE, "connecting")
+            counts["opened"] += 1
+        held = sum(1 for k in sel.get_map().values() if k.data == "held")
+        peak_held = max(peak_held, held)
+        for key, _ in sel.select(timeout=0.02):
+            s = key.fileobj
+            assert isinstance(s, socket.socket)
+            if key.data == "connecting":
+                err = s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if err:
+                    counts[f"open_failed {errno.errorcode.get(err, err)}"] += 1
+                    close(s)
+                    continue
+                try:
+                    s.send(head)
+                except OSError:
+                    counts["cut"] += 1
+                    close(s)
+                    continue
+                sel.modify(s, selectors.EVENT_READ, "held")
+                continue
+            try:
+                data = s.recv(4096)
+            except OSError:
+                data = b""
+            if data.startswith(b"HTTP/1.1 "):
+                counts[f"answered {data[9:12].decode(errors='replace')}"] += 1
+            else:
+                counts["closed by the server"] += 1
+            close(s)
+    still = sum(1 for k in sel.get_map().values() if k.data == "held")
+    for key in list(sel.get_map().values()):
+        key.fileobj.close()  # type: ignore[union-attr]
+    return {"outcomes": dict(sorted(counts.items())), "held_at_end": still, "peak_held": peak_held}
+
+
+# ------------------------------------------------------------------------------------- aggregator
+
+
+class Worker:
+    """The attacker's one worker of a token, re-registered when the aggregator stops taking its
+    pushes for the round; the open round and version it names."""
+
+    def __init__(self, http_: Http, token: str, block: int, counts: Counts) -> None:
+        self.http, self.token, self.block, self.counts = http_, token, block, counts
+        self.lock = threading.Lock()
+        self.id: int | None = None
+        self.round = 0
+        self.version = 0
+        self.register(None)
+
+    def headers(self, worker: int | None = None) -> dict[str, str]:
+        h = {"Authorization": f"Bearer {self.token}"}
+        if worker is not None:
+            h["X-Worker-Id"] = str(worker)
+        return h
+
+    def register(self, old: int | None) -> None:
+        """A new worker in place of `old` (unless another thread replaced it already)."""
+        with self.lock:
+            if old is not None and self.id != old:
+                return
+            body = json.dumps({"block": self.block}).encode()
+            headers = {**self.headers(), "Content-Type": "application/json"}
+            status, answer = self.http.request("POST", "/v1/workers", body, headers)
+            self.counts.add(f"register {reason_of(status, answer)}")
+            if status == 200:
+                doc = json.loads(answer)
+                self.id, self.round, self.version = doc["worker_id"], doc["round"], doc["version"]
+
+    def refresh(self) -> None:
+        status, answer = self.http.request(
+            "GET", f"/v1/blocks/{self.block}/round", None, self.headers()
+        )
+        self.counts.add(f"round {reason_of(status, answer)}")
+        if status == 200:
+            doc = json.loads(answer)
+            with self.lock:
+                self.round, self.version = doc["round"], doc["version"]
+
+    def pull(self) -> None:
+        """Pull the open round (it makes the worker a replica the round expects)."""
+        with self.lock:
+            worker = self.id
+        status, answer = self.http.request(
+            "GET", f"/v1/blocks/{self.block}?redirect=1", None, self.headers(worker)
+        )
+        self.counts.add(f"pull {reason_of(status, answer)}")
+
+
+def push(
+    worker: Worker, template: Template, manifest: list[dict[str, Any]], data: bytearray
+) -> str:
+    with worker.lock:
+        wid, round_, version = worker.id, worker.round, worker.version
+    meta = update_metadata(template.block, round_, version, template.tokens, template.steps)
+    body = safetensors_body(manifest, data, meta)
+    headers = {**worker.headers(wid), "Content-Type": "application/vnd.safetensors"}
+    status, answer = worker.http.request(
+        "POST", f"/v1/blocks/{template.block}/updates", body, headers
+    )
+    outcome = reason_of(status, answer)
+    worker.counts.add(f"push {outcome}")
+    if outcome.endswith(("duplicate", "not_assigned", "unknown_worker")):
+        worker.register(wid)
+    elif outcome.endswith(("late", "stale_version", "future_round")):
+        worker.refresh()
+    return outcome
+
+
+def push_flood(
+    url: str, source: str, token: str, template: Template, seconds: float, connections: int
+) -> dict[str, Any]:
+    counts = Counts()
+    worker = Worker(Http(url, source), token, template.block, counts)
+    end = time.monotonic() + seconds
+    sent = [0]
+
+    def run(i: int) -> None:
+        data = bytearray(template.data)
+        n = 0
+        while time.monotonic() < end:
+            n += 1
+            data[0:8] = struct.pack("<II", i, n)  # no two bodies alike: no replay refusal
+            push(worker, template, template.manifest, data)
+            with counts.lock:
+                sent[0] += 1
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(connections)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + 60)
+    return {"pushes": sent[0], "outcomes": counts.as_dict()}
+
+
+def stuffing(
+    url: str, source: str, tokens: list[str], template: Template, seconds: float
+) -> dict[str, Any]:
+    counts = Counts()
+    end = time.monotonic() + seconds
+
+    def run(i: int, token: str) -> None:
+        http_ = Http(url, source)
+        worker = Worker(http_, token, template.block, counts)
+        manifest = misshapen(template.manifest) if i % 2 == 0 else template.manifest
+        data = bytearray(template.data)
+        if i % 2:
+            nan(data, manifest[0]["dtype"])
+        last = -1
+        while time.monotonic() < end:
+            with worker.lock:
+                after = worker.round if worker.round > last else last
+            wait = max(0.0, min(10.0, end - time.monotonic()))
+            status, answer = http_.request(
+                "GET",
+                f"/v1/blocks/{template.block}/round?after={after}&wait={wait:.1f}",
+                None,
+                worker.headers(),
+            )
+            if status != 200:
+                counts.add(f"round {reason_of(status, answer)}")
+                time.sleep(0.1)
+                continue
+            doc = json.loads(answer)
+            with worker.lock:
+                worker.round, worker.version = doc["round"], doc["version"]
+            if doc["round"] == last:
+                continue
+            worker.pull()
+            data[0:8] = struct.pack("<II", i, doc["round"])
+            push(worker, template, manifest, data)
+            last = doc["round"]
+            counts.add("rounds stuffed")
+
+    threads = [
+        threading.Thread(target=run, args=(i, tok), daemon=True) for i, tok in enumerate(tokens)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + 60)
+    return {"tokens": len(tokens), "outcomes": counts.as_dict()}
+
+
+# ------------------------------------------------------------------------------------- router
+
+
+def peer_closed(s: socket.socket) -> bool:
+    """Whether the server closed `s`, read from the kernel's TCP_INFO: no byte is read."""
+    try:
+        # tcpi_state, the first byte of TCP_INFO: 1 is ESTABLISHED (linux/tcp_states.h)
+        return s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] != 1
+    except OSError:
+        return True
+
+
+def unread_streams(
+    url: str,
+    sources: list[str],
+    model: str,
+    streams: int,
+    max_tokens: int,
+    seconds: float,
+    rcvbuf: int,
+) -> dict[str, Any]:
+    """`streams` streamed completions per source address, open at all times and never read;
+    `rcvbuf`: each connection's receive buffer in bytes (0: the kernel's, which on loopback
+    grows to megabytes and takes a whole stream unread)."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    body = json.dumps(
+        {"model": model, "prompt": "The ", "max_tokens": max_tokens, "stream": True}
+    ).encode()
+    request = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    counts: Counter[str] = Counter()
+    held: list[socket.socket] = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for s in [s for s in held if peer_closed(s)]:
+            held.remove(s)
+            s.close()
+            counts["closed by the server"] += 1
+        for source in sources:
+            mine = sum(1 for s in held if s.getsockname()[0] == source)
+            for _ in range(streams - mine):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                try:
+                    if rcvbuf:  # before connecting: the window is offered small from the start
+                        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+                    s.settimeout(5)
+                    s.bind((source, 0))
+                    s.connect((host, port))
+                    s.sendall(request)
+                except OSError as exc:
+                    s.close()
+                    counts[f"open_failed {type(exc).__name__}"] += 1
+                    continue
+                held.append(s)
+                counts["opened"] += 1
+        time.sleep(0.2)
+    still = len(held)
+    for s in held:
+        s.close()
+    return {"outcomes": dict(sorted(counts.items())), "open_at_end": still}
+
+
+def stop_body(model: str, size: int, many: bool) -> bytes:
+    """A completion request of about `size` bytes, most of them stop strings: 1 KiB strings by
+    the thousand (`many`), or four long ones."""
+    stops = ["s" * 1024] * max(1, size // 1028) if many else ["s" * (size // 4 - 8)] * 4
+    return json.dumps({"model": model, "prompt": "The ", "max_tokens": 8, "stop": stops}).encode()
+
+
+def stop_strings(
+    url: str, source: str, model: str, mb: float, seconds: float, connections: int
+) -> dict[str, Any]:
+    counts = Counts()
+    size = int(mb * 1_000_000)
+    bodies = [stop_body(model, size, True), stop_body(model, size, False)]
+    end = time.monotonic() + seconds
+    http_ = Http(url, source)
+
+    def run(i: int) -> None:
+        n = i
+        while time.monotonic() < end:
+            body = bodies[n % 2]
+            n += 1
+            status, _ = http_.request(
+                "POST", "/v1/completions", body, {"Content-Type": "application/json"}
+            )
+            counts.add(str(status))
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(connections)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + 60)
+    return {"body_bytes": [len(b) for b in bodies], "outcomes": counts.as_dict()}
+
+
+# ------------------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = p.add_subparsers(dest="attack", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--seconds", type=float, default=30.0)
+    common.add_argument(
+        "--source",
+        action="append",
+        default=[],
+        help="address to connect from (repeatable; default 127.0.0.2)",
+    )
+    a = sub.add_parser("halfopen", parents=[common])
+    a.add_argument("host")
+    a.add_argument("port", type=int)
+    a.add_argument("--target", type=int, default=1000, help="connections opening at once")
+    a.add_argument("--path", default="/v1/status")
+    a = sub.add_parser("push-flood", parents=[common])
+    a.add_argument("url")
+    a.add_argument("--token-file", required=True)
+    a.add_argument("--template", required=True)
+    a.add_argument("--connections", type=int, default=8)
+    a = sub.add_parser("stuffing", parents=[common])
+    a.add_argument("url")
+    a.add_argument("--token-file", action="append", required=True)
+    a.add_argument("--template", required=True)
+    a = sub.add_parser("unread-streams", parents=[common])
+    a.add_argument("url")
+    a.add_argument("--model", default="tiny")
+    a.add_argument("--streams", type=int, default=8, help="per source address")
+    a.add_argument("--max-tokens", type=int, default=4096)
+    a.add_argument("--rcvbuf", type=int, default=0, help="receive buffer bytes (0: the kernel's)")
+    a = sub.add_parser("stop-strings", parents=[common])
+    a.add_argument("url")
+    a.add_argument("--model", default="tiny")
+    a.add_argument("--mb", type=float, default=1.0)
+    a.add_argument("--connections", type=int, default=4)
+    args = p.parse_args()
+    sources = args.source or ["127.0.0.2"]
+    t0 = time.monotonic()
+    if args.attack == "halfopen":
+        out = halfopen(args.host, args.port, sources, args.seconds, args.target, args.path)
+    elif args.attack == "push-flood":
+        token = Path(args.token_file).read_text().strip()
+        out = push_flood(
+            args.url, sources[0], token, Template(Path(args.template)), args.seconds,
+            args.connections,
+        )  # fmt: skip
+    elif args.attack == "stuffing":
+        tokens = [Path(f).read_text().strip() for f in args.token_file]
+        out = stuffing(args.url, sources[0], tokens, Template(Path(args.template)), args.seconds)
+    elif args.attack == "unread-streams":
+        out = unread_streams(
+            args.url, sources, args.model, args.streams, args.max_tokens, args.seconds, args.rcvbuf
+        )
+    else:
+        out = stop_strings(
+            args.url, sources[0], args.model, args.mb, args.seconds, args.connections
+        )
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out = {
+        "attack": args.attack,
+        "sources": sources,
+        "seconds": time.monotonic() - t0,
+        "cpu_s": usage.ru_utime + usage.ru_stime,
+        **out,
+    }
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,859 @@
+"""Denial of service, live: hostile clients (bench/live_attackers.py, each its own process)
+against the real servers on loopback, an honest client measured before and while each attack
+runs. Writes benchmarks/results/live_attacks.json (live_attacks-quick.json with --quick) and
+the "live-attacks" section of BENCHMARKS.md.
+
+Against the aggregator (`blocktrain aggregator`, tiny preset, its effect probe on, two honest
+`blocktrain worker`s training block 0 for real; a fresh aggregator per attack, one for all
+three with --quick):
+
+    push_flood       one attacker token pushes valid-shaped deltas (noise at half the norm
+                     bound, each body different) naming the open round, from 8 connections
+                     as fast as the aggregator answers, re-registering its worker whenever
+                     a push is refused as a duplicate
+    quorum_stuffing  3 attacker tokens pull each round of block 0 as it opens and push junk
+                     for it at once (a tensor of the wrong shape, or a NaN)
+    halfopen         1000 connections at a time sending half a request head, each re-opened
+                     as soon as the server answers or closes it
+
+Against the router (`blocktrain serve` in front of three `blocktrain serve-block` hosts, a tiny
+model trained 20 steps):
+
+    halfopen         as above
+    unread_streams   8 streamed completions of 4096 bytes kept open, never read (a 4 KiB
+                     receive buffer: the stream stalls at once), each re-opened when the
+                     server ends it
+    unread_streams_4_addresses   the same from each of 4 addresses (127.0.0.2-5)
+    stop_strings     completions carrying 1 MB of stop strings (1 KiB strings by the
+                     thousand, or four of 250 KB), from 4 connections as fast as answered
+
+Every attacker connects from 127.0.0.2 (but the row of 4 addresses), the honest clients
+(workers included) from 127.0.0.1:
+on loopback, one other client address. Each attack: the honest client's requests for
+--unloaded seconds, then while the attack runs for --attack seconds, then --settle seconds.
+The honest client opens a new connection for every request (one every --interval s): against
+the aggregator GET /v1/status (an observer's token) and GET /v1/blocks/0/versions/V (the
+version the status names, ~1 MB); against the router a completion of 8 bytes. The target
+server's RSS is sampled every 0.5 s.
+
+A row passes when, for each honest request, the median while attacked is within --factor (2)
+x the unloaded median and every honest request was served (200); and, against the aggregator,
+each honest worker's updates still land in time (no more refused `late` than unloaded, and
+some accepted when the attack lasts two deadlines), the median round is within --factor x its
+unloaded length, no round closed early before the minimum round length, and the peak RSS
+stays within --rss-growth-mb of its level before the attack. A failing row is reported as it
+is. The attackers run on the same machine: the table shows the CPU they and the server took.
+
+    python bench/live_attacks.py            # the full figures: ~10-15 min on 2 free cores
+    python bench/live_attacks.py --quick    # a smoke: short windows, one aggregator
+    python bench/live_attacks.py --only halfopen,unread_streams
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from blocktrain.data import resolve_data_path
+from blocktrain.presets import preset
+from blocktrain.protocol.core.bodies import SAFETENSORS_CODES, wire_dtype
+from blocktrain.protocol.ops.cluster import Proc, spawn, start_aggregator, start_worker, stop
+from blocktrain.protocol.store.storage import StateDir
+from blocktrain.protocol.store.tokens import hash_token, new_token
+from report import (  # bench/report.py
+    BLOCKTRAIN,
+    ROOT,
+    cluster_state,
+    free_ports,
+    machine,
+    trained,
+    update_section,
+    wait_healthy,
+    write_json,
+)
+
+BENCH = Path(__file__).resolve().parent
+ATTACKERS = BENCH / "live_attackers.py"
+HONEST = "127.0.0.1"
+ATTACKER = "127.0.0.2"
+MODEL = "live-attacks-tiny"
+
+AGGREGATOR_ATTACKS = ("push_flood", "quorum_stuffing", "halfopen")
+ROUTER_ATTACKS = ("halfopen", "unread_streams", "unread_streams_4_addresses", "stop_strings")
+STUFFERS = 3
+"""Attacker tokens of quorum_stuffing."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The pure part: samples, summaries, checks, the markdown (tests/bench/test_live_attacks.py)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One honest request: its kind, when it started (wall clock), how long it took, and its
+    outcome (an HTTP status, or the name of the error that ended it)."""
+
+    kind: str
+    at: float
+    seconds: float
+    outcome: int | str
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) of `values`, linearly interpolated between order statistics."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = q * (len(xs) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summary(samples: list[Sample]) -> dict[str, Any]:
+    """Latency (of the served requests, in ms) and outcomes of one kind of honest request."""
+    served = [s.seconds * 1000 for s in samples if s.outcome == 200]
+    outcomes = Counter(str(s.outcome) for s in samples)
+    return {
+        "n": len(samples),
+        "median_ms": statistics.median(served) if served else None,
+        "p90_ms": percentile(served, 0.9) if served else None,
+        "max_ms": max(served) if served else None,
+        "outcomes": dict(sorted(outcomes.items())),
+        "failed": sum(n for k, n in outcomes.items() if k != "200"),
+    }
+
+
+def ratio(loaded: float | None, unloaded: float | None) -> float | None:
+    if loaded is None or not unloaded:
+        return None
+    return loaded / unloaded
+
+
+def honest_entry(unloaded: list[Sample], loaded: list[Sample], factor: float) -> dict[str, Any]:
+    """One kind of honest request, unloaded against attacked, and its verdict: the attacked
+    median within `factor` x the unloaded one, and every request served."""
+    u, a = summary(unloaded), summary(loaded)
+    r = ratio(a["median_ms"], u["median_ms"])
+    return {
+        "unloaded": u,
+        "loaded": a,
+        "ratio": r,
+        "p90_ratio": ratio(a["p90_ms"], u["p90_ms"]),
+        "within_factor": r is not None and r <= factor,
+        "all_served": u["n"] > 0 and a["n"] > 0 and a["failed"] == 0,
+    }
+
+
+def worker_outcomes(updates: list[dict[str, Any]], names: dict[int, str]) -> dict[str, Any]:
+    """Each honest worker's updates (ledger rows: token_id, fate, reason): accepted, refused
+    `late`, and every refusal by reason."""
+    out: dict[str, Any] = {
+        name: {"accepted": 0, "late": 0, "refused": {}} for name in names.values()
+    }
+    for u in updates:
+        name = names.get(u["token_id"])
+        if name is None:
+            continue
+        entry = out[name]
+        if u["fate"] == "accepted":
+            entry["accepted"] += 1
+        else:
+            entry["refused"][u["reason"]] = entry["refused"].get(u["reason"], 0) + 1
+            entry["late"] += u["reason"] == "late"
+    return out
+
+
+def in_time(unloaded: dict[str, Any], attacked: dict[str, Any], rounds_due: bool) -> bool:
+    """No honest worker had more updates refused late while attacked than over the same time
+    unloaded, and (when the attack lasted long enough for a round to close even at its
+    deadline, `rounds_due`) each had updates accepted while attacked."""
+    return all(
+        attacked[w]["late"] <= unloaded[w]["late"]
+        and (attacked[w]["accepted"] > 0 or not rounds_due)
+        for w in unloaded
+    )
+
+
+def round_stats(rounds: list[dict[str, Any]], min_round_s: float) -> dict[str, Any]:
+    """Rounds (ledger rows) closed in a window: how many, their lengths, their causes, and those
+    closed early (not at the deadline) before the minimum round length."""
+    lengths = [r["closed_at"] - r["started_at"] for r in rounds if r["started_at"] is not None]
+    early = [
+        r
+        for r in rounds
+        if r["cause"] != "deadline"
+        and r["started_at"] is not None
+        and r["closed_at"] - r["started_at"] < min_round_s - 0.05  # the ticker's 0.1 s grain
+    ]
+    causes = Counter(r["cause"] for r in rounds)
+    return {
+        "closed": len(rounds),
+        "median_s": statistics.median(lengths) if lengths else None,
+        "causes": dict(sorted(causes.items())),
+        "early_before_min_round": len(early),
+        "accepted": sum(r["accepted"] for r in rounds),
+    }
+
+
+def rss_stats(rss: list[tuple[float, float]], t0: float, t1: float, end: float) -> dict[str, Any]:
+    """RSS (MB) before the attack (the last sample before t0), its peak during [t0, t1] and the
+    last sample up to `end` (after the settle time)."""
+    before = [mb for t, mb in rss if t < t0]
+    during = [mb for t, mb in rss if t0 <= t <= t1]
+    after = [mb for t, mb in rss if t1 < t <= end]
+    return {
+        "before": before[-1] if before else None,
+        "peak": max(during) if during else None,
+        "after": after[-1] if after else None,
+    }
+
+
+def checks_of(row: dict[str, Any], factor: float, rss_growth_mb: float) -> dict[str, bool]:
+    """The row's checks, by name (see the module docstring)."""
+    checks: dict[str, bool] = {}
+    for kind, h in row["honest"].items():
+        checks[f"{kind}_within_{factor:g}x"] = h["within_factor"]
+        checks[f"{kind}_all_served"] = h["all_served"]
+    if "workers" in row:
+        due = row["windows_s"]["attack"] >= 2 * row["deadline_s"]
+        checks["honest_updates_in_time"] = in_time(
+            row["workers"]["unloaded"], row["workers"]["attack"], due
+        )
+    if "rounds" in row:
+        ru, ra = row["rounds"]["unloaded"], row["rounds"]["attack"]
+        checks["no_early_round_before_min"] = ra["early_before_min_round"] == 0
+        if ru["median_s"] is not None and ra["median_s"] is not None:
+            checks[f"rounds_within_{factor:g}x"] = ra["median_s"] <= factor * ru["median_s"]
+    rss = row.get("rss_mb") or {}
+    if row["target"] == "aggregator" and rss.get("before") is not None:
+        checks["rss_bounded"] = (
+            rss["peak"] is not None and rss["peak"] - rss["before"] <= rss_growth_mb
+        )
+    return checks
+
+
+def finish_row(row: dict[str, Any], factor: float, rss_growth_mb: float) -> dict[str, Any]:
+    row["checks"] = checks_of(row, factor, rss_growth_mb)
+    row["passed"] = all(row["checks"].values())
+    return row
+
+
+def _ms(x: float | None) -> str:
+    return "—" if x is None else f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
+
+
+def _x(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}x"
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k}: {v:,}" for k, v in counts.items()) or "none"
+
+
+def _workers(entry: dict[str, Any]) -> str:
+    return "; ".join(
+        f"{w} {e['accepted']} ok, {e['late']} late"
+        + (f" ({_counts({k: v for k, v in e['refused'].items() if k != 'late'})})"
+           if set(e["refused"]) - {"late"} else "")
+        for w, e in entry.items()
+    )  # fmt: skip
+
+
+def markdown(result: dict[str, Any]) -> str:
+    rows = result["rows"]
+    s = result["settings"]
+    lines = [
+        f"`{result['command']}`; JSON: `benchmarks/results/{result['json']}`. "
+        f"{'Quick mode: ' if s['quick'] else ''}{s['unloaded_s']:g} s unloaded, then "
+        f"{s['attack_s']:g} s attacked, per attack; an honest request every {s['interval_s']:g} s "
+        "on a new connection from 127.0.0.1, the attackers from 127.0.0.2 (the row of 4 "
+        "addresses from 127.0.0.2-5). Aggregator: tiny "
+        f"preset, 2 honest workers on block 0, deadline {s['deadline_s']:g} s, H = "
+        f"{s['local_steps']}, minimum round {s['min_round_s']:g} s. Router: 3 block hosts of a "
+        "tiny model trained 20 steps. Pass: median within "
+        f"{s['factor']:g}x unloaded and every honest request served (and, at the aggregator, the "
+        f"honest updates in time, rounds within {s['factor']:g}x their unloaded length, no early "
+        f"round before the minimum, RSS growth under {s['rss_growth_mb']:g} MB).",
+        "",
+        "| attack | server | honest request | unloaded median (ms) | attacked median (ms) | "
+        "attacked p90 (ms) | ratio | honest outcomes attacked | verdict |",
+        "|---|---|---|---:|---:|---:|---:|---|---|",
+    ]
+    for r in rows:
+        for kind, h in r["honest"].items():
+            verdict = (
+                "pass"
+                if r["passed"]
+                else "**FAIL**: " + ", ".join(k for k, ok in r["checks"].items() if not ok)
+            )
+            lines.append(
+                f"| {r['attack']} | {r['target']} | {kind} | {_ms(h['unloaded']['median_ms'])} | "
+                f"{_ms(h['loaded']['median_ms'])} | {_ms(h['loaded']['p90_ms'])} | "
+                f"{_x(h['ratio'])} | {_counts(h['loaded']['outcomes'])} | {verdict} |"
+            )
+    agg = [r for r in rows if r["target"] == "aggregator"]
+    if agg:
+        lines += [
+            "",
+            "| attack | honest workers unloaded | honest workers attacked | rounds unloaded "
+            "(median s) | rounds attacked (median s) | early before the minimum | aggregator RSS "
+            "MB before / peak / after |",
+            "|---|---|---|---|---|---:|---|",
+        ]
+        for r in agg:
+            ru, ra, m = r["rounds"]["unloaded"], r["rounds"]["attack"], r["rss_mb"]
+            lines.append(
+                f"| {r['attack']} | {_workers(r['workers']['unloaded'])} | "
+                f"{_workers(r['workers']['attack'])} | {ru['closed']} ({_s(ru['median_s'])}) | "
+                f"{ra['closed']} ({_s(ra['median_s'])}) | {ra['early_before_min_round']} | "
+                f"{_mb(m['before'])} / {_mb(m['peak'])} / {_mb(m['after'])} |"
+            )
+    lines += [
+        "",
+        "| attack | server | server CPU unloaded → attacked (cores) | attacker CPU (cores) | "
+        "what the attacker saw |",
+        "|---|---|---|---:|---|",
+    ]
+    for r in rows:
+        a, cpu = r["attacker"], r.get("server_cpu", {})
+        mine = a["cpu_s"] / a["seconds"] if a.get("seconds") else None
+        lines.append(
+            f"| {r['attack']} | {r['target']} | {_cores(cpu.get('unloaded'))} → "
+            f"{_cores(cpu.get('attack'))} | {_cores(mine)} | {_counts(a.get('outcomes', {}))} |"
+        )
+    return "\n".join(lines)
+
+
+def _cores(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}"
+
+
+def _s(x: float | None) -> str:
+    return "—" if x is None else f"{x:.1f}"
+
+
+def _mb(x: float | None) -> str:
+    return "—" if x is None else f"{x:.0f}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring: the honest client, the RSS sampler, the attackers' processes
+# ---------------------------------------------------------------------------------------------
+
+
+def timed_request(
+    kind: str, port: int, method: str, path: str, body: bytes | None, headers: dict[str, str]
+) -> tuple[Sample, bytes]:
+    """One honest request on a new connection from 127.0.0.1 (10 s timeout)."""
+    at, t0 = time.time(), time.perf_counter()
+    conn = http.client.HTTPConnection(HONEST, port, timeout=10, source_address=(HONEST, 0))
+    try:
+        conn.request(method, path, body=body, headers=headers)
+        r = conn.getresponse()
+        data = r.read()
+        outcome: int | str = r.status
+    except (OSError, http.client.HTTPException) as exc:
+        data, outcome = b"", type(exc).__name__
+    finally:
+        conn.close()
+    return Sample(kind, at, time.perf_counter() - t0, outcome), data
+
+
+class Honest:
+    """The honest client of one server: `probe()` makes one round of its requests."""
+
+    def __init__(self, probe: Callable[[], list[Sample]], interval_s: float) -> None:
+        self.probe, self.interval_s = probe, interval_s
+
+    def window(self, seconds: float) -> list[Sample]:
+        samples: list[Sample] = []
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            t = time.monotonic()
+            samples += self.probe()
+            time.sleep(max(0.0, self.interval_s - (time.monotonic() - t)))
+        return samples
+
+
+def aggregator_probe(port: int, token: str) -> Callable[[], list[Sample]]:
+    auth = {"Authorization": f"Bearer {token}"}
+    version = [0]
+
+    def probe() -> list[Sample]:
+        status, body = timed_request("status", port, "GET", "/v1/status?rounds=1", None, auth)
+        if status.outcome == 200:
+            version[0] = json.loads(body)["versions"][0]
+        pull, _ = timed_request(
+            "pull", port, "GET", f"/v1/blocks/0/versions/{version[0]}", None, auth
+        )
+        return [status, pull]
+
+    return probe
+
+
+def router_probe(port: int) -> Callable[[], list[Sample]]:
+    n = [0]
+
+    def probe() -> list[Sample]:
+        n[0] += 1
+        body = json.dumps(
+            {"model": MODEL, "prompt": "The ", "max_tokens": 8, "seed": n[0]}
+        ).encode()
+        sample, _ = timed_request(
+            "completion",
+            port,
+            "POST",
+            "/v1/completions",
+            body,
+            {"Content-Type": "application/json"},
+        )
+        return [sample]
+
+    return probe
+
+
+class RssSampler:
+    """A process's VmRSS (MB) and CPU time (user + system, s) every `every_s` seconds, with the
+    wall-clock time, in a thread."""
+
+    def __init__(self, pid: int, every_s: float = 0.5) -> None:
+        self.pid, self.every_s = pid, every_s
+        self.samples: list[tuple[float, float]] = []
+        self.cpu: list[tuple[float, float]] = []
+        self._tick = os.sysconf("SC_CLK_TCK")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                now = time.time()
+                stat = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                self.cpu.append((now, (int(stat[11]) + int(stat[12])) / self._tick))
+                for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        self.samples.append((now, int(line.split()[1]) / 1024))
+
+    def cpu_share(self, t0: float, t1: float) -> float | None:
+        """The process's CPU time over [t0, t1] per second of wall time (1.0: one core)."""
+        inside = [(t, c) for t, c in self.cpu if t0 <= t <= t1]
+        if len(inside) < 2:
+            return None
+        (ta, ca), (tb, cb) = inside[0], inside[-1]
+        return (cb - ca) / (tb - ta) if tb > ta else None
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+@contextlib.contextmanager
+def attacker(argv: list[str], seconds: float) -> Iterator[dict[str, Any]]:
+    """Run `live_attackers.py ARGV --seconds S` for the with-block (from 127.0.0.2 unless ARGV
+    names its --source addresses); the dict it yields gets the attacker's JSON report once it
+    exits (killed if it has not 60 s after its time)."""
+    sources = [] if "--source" in argv else ["--source", ATTACKER]
+    cmd = [sys.executable, str(ATTACKERS), *argv, "--seconds", str(seconds), *sources]
+    print("$ " + " ".join(cmd[1:]), file=sys.stderr, flush=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    report: dict[str, Any] = {}
+    try:
+        yield report
+    finally:
+        try:
+            out, _ = proc.communicate(timeout=seconds + 60)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # our own child, by its pid
+            out, _ = proc.communicate()
+        lines = [line for line in out.splitlines() if line.strip()]
+        report.update(json.loads(lines[-1]) if lines else {"error": f"exit {proc.returncode}"})
+
+
+@dataclass
+class Windows:
+    """Wall-clock times of one attack's windows."""
+
+    unloaded: tuple[float, float] = (0.0, 0.0)
+    attack: tuple[float, float] = (0.0, 0.0)
+    end: float = 0.0
+    samples: dict[str, list[Sample]] = field(default_factory=dict)
+
+
+def measure(
+    honest: Honest, argv: list[str], args: argparse.Namespace, settle_s: float
+) -> tuple[Windows, dict[str, Any]]:
+    """The honest client unloaded, then while the attacker runs, then `settle_s`."""
+    w = Windows()
+    t = time.time()
+    w.samples["unloaded"] = honest.window(args.unloaded)
+    w.unloaded = (t, time.time())
+    with attacker(argv, args.attack) as report:
+        t = time.time()
+        time.sleep(0.5)  # the attacker's process starts (no torch: a few tens of ms)
+        w.samples["attack"] = honest.window(args.attack - 0.5)
+        w.attack = (t, time.time())
+    time.sleep(settle_s)
+    w.end = time.time()
+    return w, report
+
+
+def honest_of(w: Windows, factor: float) -> dict[str, Any]:
+    kinds = dict.fromkeys(s.kind for s in w.samples["unloaded"] + w.samples["attack"])
+    return {
+        k: honest_entry(
+            [s for s in w.samples["unloaded"] if s.kind == k],
+            [s for s in w.samples["attack"] if s.kind == k],
+            factor,
+        )
+        for k in kinds
+    }
+
+
+def base_row(
+    attack: str,
+    target: str,
+    w: Windows,
+    report: dict[str, Any],
+    rss: RssSampler,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """What every row holds: the honest requests, the server's RSS and CPU, the attacker's
+    report and the windows' lengths."""
+    return {
+        "attack": attack,
+        "target": target,
+        "honest": honest_of(w, args.factor),
+        "rss_mb": rss_stats(rss.samples, w.attack[0], w.attack[1], w.end),
+        "server_cpu": {
+            "unloaded": rss.cpu_share(*w.unloaded),
+            "attack": rss.cpu_share(*w.attack),
+        },
+        "attacker": report,
+        "windows_s": {
+            "unloaded": w.unloaded[1] - w.unloaded[0],
+            "attack": w.attack[1] - w.attack[0],
+        },
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The aggregator
+# ---------------------------------------------------------------------------------------------
+
+
+def noise_delta(
+    shapes: dict[str, list[int]], wire: str, norm: float, seed: int = 0
+) -> tuple[list[dict[str, Any]], bytes]:
+    """Gaussian noise of L2 norm `norm` in the tensors' `shapes`, in the wire dtype: the
+    manifest (name, dtype code, shape, byte range) and raw bytes of an attacker's template."""
+    gen = torch.Generator().manual_seed(seed)
+    noise = {name: torch.randn(shape, generator=gen) for name, shape in sorted(shapes.items())}
+    scale = norm / math.sqrt(sum(float(t.square().sum()) for t in noise.values()))
+    manifest, chunks, offset = [], [], 0
+    for name, t in noise.items():
+        raw = (t * scale).to(wire_dtype(wire)).contiguous().view(torch.uint8).numpy().tobytes()
+        manifest.append(
+            {
+                "name": name,
+                "dtype": SAFETENSORS_CODES[wire],
+                "shape": list(t.shape),
+                "begin": offset,
+                "end": offset + len(raw),
+            }
+        )
+        chunks.append(raw)
+        offset += len(raw)
+    return manifest, b"".join(chunks)
+
+
+def write_template(port: int, observer: str, folder: Path, local_steps: int) -> Path:
+    """The update attackers' template: block 0's tensors as noise at half the norm bound in the
+    wire dtype, and what a push names (tokens, steps)."""
+    auth = {"Authorization": f"Bearer {observer}"}
+    _, body = timed_request("config", port, "GET", "/v1/config", None, auth)
+    config = json.loads(body)
+    protocol = config["protocol"]
+    manifest, data = noise_delta(
+        config["tensors"]["0"], protocol["wire_dtype"], 0.5 * float(protocol["max_delta_norm"])
+    )
+    run = config["run_config"]
+    (folder / "template.bin").write_bytes(data)
+    path = folder / "template.json"
+    doc = {
+        "tensors": manifest,
+        "data": str(folder / "template.bin"),
+        "block": 0,
+        "tokens": local_steps * run["train"]["batch_size"] * run["model"]["seq_len"],
+        "steps": local_steps,
+    }
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def aggregator_argv(attack: str, url: str, port: int, files: dict[str, Any]) -> list[str]:
+    if attack == "push_flood":
+        return ["push-flood", url, "--token-file", files["flood"], "--template", files["template"]]
+    if attack == "quorum_stuffing":
+        argv = ["stuffing", url, "--template", files["template"]]
+        for f in files["stuffers"]:
+            argv += ["--token-file", f]
+        return argv
+    return ["halfopen", HONEST, str(port), "--path", "/v1/status"]
+
+
+def ledger_rows(state: StateDir) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every update (its token, fate, reason, time) and every round of block 0."""
+    rows = state.ledger._query("SELECT received, token_id, fate, reason FROM updates")
+    updates = [dict(r) for r in rows]
+    return updates, state.ledger.rounds(0)
+
+
+def aggregator_rows(attacks: list[str], args: argparse.Namespace, tmp: Path) -> list[dict]:
+    """One aggregator with two honest workers on block 0, and `attacks` one after another."""
+    cfg = preset("tiny")
+    settings = {"deadline_s": args.deadline, "local_steps": args.local_steps, "keep_versions": 10}
+    state, tokens, observer = cluster_state(tmp / "state", cfg, settings, workers=2)
+    files: dict[str, Any] = {"stuffers": []}
+    for i in range(1 + STUFFERS):
+        token = new_token()
+        state.ledger.add_token(f"attacker-{i}", hash_token(token), time.time())
+        path = tmp / f"attacker-{i}.token"
+        path.write_text(token + "\n")
+        if i == 0:
+            files["flood"] = str(path)
+        else:
+            files["stuffers"].append(str(path))
+    names = {
+        r["id"]: r["name"]
+        for r in state.ledger._query("SELECT id, name FROM tokens")
+        if r["name"].startswith("worker-")
+    }
+    logs = tmp / "logs"
+    data = str(resolve_data_path(args.data))
+    agg, url = start_aggregator(state, logs, extra=["--data", data])
+    procs: list[Proc] = [agg]
+    rows = []
+    try:
+        for i, token in enumerate(tokens):
+            procs.append(
+                start_worker(
+                    url, token, logs, name=f"worker-{i}", data=data, extra=["--block", "0"]
+                )
+            )
+        port = int(url.rsplit(":", 1)[1])
+        rss = RssSampler(agg.popen.pid)
+        warm_up(port, observer, procs, args)
+        files["template"] = str(write_template(port, observer, tmp, args.local_steps))
+        honest = Honest(aggregator_probe(port, observer), args.interval)
+        measured = []
+        for attack in attacks:
+            print(f"live_attacks: {attack} against the aggregator ...", file=sys.stderr, flush=True)
+            # an attacker's worker that reported is expected one more round: let it pass
+            settle = max(args.settle, args.deadline + 1) if len(attacks) > 1 else args.settle
+            w, report = measure(honest, aggregator_argv(attack, url, port, files), args, settle)
+            measured.append((attack, w, report))
+        rss.stop()
+    finally:
+        stop(procs[1:])
+        stop(procs[:1])
+    updates, rounds = ledger_rows(StateDir(state.root))
+    min_round = args.deadline / 4
+    for attack, w, report in measured:
+
+        def within(t0: float, t1: float) -> list[dict[str, Any]]:
+            return [u for u in updates if t0 <= u["received"] <= t1]
+
+        def closed(t0: float, t1: float) -> list[dict[str, Any]]:
+            return [r for r in rounds if t0 <= r["closed_at"] <= t1]
+
+        row = {
+            **base_row(attack, "aggregator", w, report, rss, args),
+            "deadline_s": args.deadline,
+            "workers": {
+                "unloaded": worker_outcomes(within(*w.unloaded), names),
+                "attack": worker_outcomes(within(*w.attack), names),
+            },
+            "rounds": {
+                "unloaded": round_stats(closed(*w.unloaded), min_round),
+                "attack": round_stats(closed(*w.attack), min_round),
+            },
+        }
+        rows.append(finish_row(row, args.factor, args.rss_growth_mb))
+    return rows
+
+
+def warm_up(port: int, observer: str, procs: list[Proc], args: argparse.Namespace) -> None:
+    """Until block 0 has closed two rounds with updates accepted (the workers are training)."""
+    auth = {"Authorization": f"Bearer {observer}"}
+    limit = time.monotonic() + args.warm_up
+    while time.monotonic() < limit:
+        for p in procs:
+            if p.popen.poll() is not None:
+                raise RuntimeError(f"{p.name} exited with {p.popen.returncode}: {p.stderr}")
+        sample, body = timed_request("status", port, "GET", "/v1/status?rounds=5", None, auth)
+        if sample.outcome == 200 and json.loads(body)["versions"][0] >= 2:
+            return
+        time.sleep(1.0)
+    raise RuntimeError(f"block 0 did not reach version 2 within {args.warm_up:g} s")
+
+
+# ---------------------------------------------------------------------------------------------
+# The router
+# ---------------------------------------------------------------------------------------------
+
+
+def router_argv(attack: str, url: str, port: int) -> list[str]:
+    if attack == "halfopen":
+        return ["halfopen", HONEST, str(port), "--path", "/v1/models"]
+    if attack.startswith("unread_streams"):
+        argv = ["unread-streams", url, "--model", MODEL, "--streams", "8", "--rcvbuf", "4096"]
+        if attack == "unread_streams_4_addresses":
+            for i in range(4):
+                argv += ["--source", f"127.0.0.{2 + i}"]
+        return argv
+    return ["stop-strings", url, "--model", MODEL, "--mb", "1"]
+
+
+def router_rows(attacks: list[str], args: argparse.Namespace, tmp: Path) -> list[dict]:
+    run = trained(ROOT / "runs" / MODEL, ["--preset", "tiny", "--steps", "20"])
+    ports = free_ports(4)
+    logs = tmp / "router-logs"
+    procs = []
+    try:
+        for b in range(3):
+            argv = [
+                *BLOCKTRAIN,
+                "serve-block",
+                str(run),
+                "--blocks",
+                str(b),
+                "--port",
+                str(ports[b]),
+            ]
+            procs.append(spawn(f"host-{b}", [*argv, "--threads", "1"], logs))
+        hosts = ",".join(f"http://{HONEST}:{p}" for p in ports[:3])
+        procs.append(
+            spawn("router", [*BLOCKTRAIN, "serve", "--hosts", hosts, "--port", str(ports[3])], logs)
+        )
+        url = f"http://{HONEST}:{ports[3]}"
+        for p in ports[:3]:
+            wait_healthy(f"http://{HONEST}:{p}", [x.popen for x in procs])
+        wait_healthy(url, [x.popen for x in procs])
+        wait_ready(url)
+        rss = RssSampler(procs[-1].popen.pid)
+        honest = Honest(router_probe(ports[3]), args.interval)
+        honest.window(2.0)  # the first requests warm the hosts' caches
+        rows = []
+        for attack in attacks:
+            print(f"live_attacks: {attack} against the router ...", file=sys.stderr, flush=True)
+            w, report = measure(honest, router_argv(attack, url, ports[3]), args, args.settle)
+            row = base_row(attack, "router", w, report, rss, args)
+            rows.append(finish_row(row, args.factor, args.rss_growth_mb))
+        rss.stop()
+    finally:
+        stop(procs[-1:])
+        stop(procs[:-1])
+    return rows
+
+
+def wait_ready(url: str, timeout_s: float = 120.0) -> None:
+    limit = time.monotonic() + timeout_s
+    port = int(url.rsplit(":", 1)[1])
+    while time.monotonic() < limit:
+        sample, _ = timed_request("ready", port, "GET", "/readyz", None, {})
+        if sample.outcome == 200:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"{url}/readyz did not answer 200 within {timeout_s:g} s")
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--quick", action="store_true", help="short windows, one aggregator")
+    p.add_argument("--only", default="", help="attacks to run, comma-separated (default: all)")
+    p.add_argument("--unloaded", type=float, help="seconds unloaded per attack (25; quick 6)")
+    p.add_argument("--attack", type=float, help="seconds attacked per attack (30; quick 8)")
+    p.add_argument("--settle", type=float, help="seconds after each attack (5; quick 2)")
+    p.add_argument("--interval", type=float, default=0.25, help="seconds between honest requests")
+    p.add_argument("--deadline", type=float, default=12.0, help="the aggregator's round deadline")
+    p.add_argument("--local-steps", type=int, default=5, help="H of the honest workers")
+    p.add_argument("--factor", type=float, default=2.0, help="the latency a row tolerates")
+    p.add_argument("--rss-growth-mb", type=float, default=256.0)
+    p.add_argument("--warm-up", type=float, default=300.0, help="most seconds to warm up")
+    p.add_argument("--data", default=None, help="corpus (default: $BLOCKTRAIN_DATA)")
+    args = p.parse_args()
+    for name, full, quick in (("unloaded", 25.0, 6.0), ("attack", 30.0, 8.0), ("settle", 5.0, 2.0)):
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    only = {x.strip() for x in args.only.split(",") if x.strip()}
+    known = set(AGGREGATOR_ATTACKS) | set(ROUTER_ATTACKS)
+    if only - known:
+        p.error(f"--only: unknown {sorted(only - known)}; known: {', '.join(sorted(known))}")
+    pick = lambda names: [a for a in names if not only or a in only]  # noqa: E731
+    t0 = time.monotonic()
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="live-attacks-") as tmp:
+        agg = pick(AGGREGATOR_ATTACKS)
+        groups = [agg] if args.quick else [[a] for a in agg]
+        for i, group in enumerate(g for g in groups if g):
+            rows += aggregator_rows(group, args, Path(tmp) / f"aggregator-{i}")
+        if pick(ROUTER_ATTACKS):
+            rows += router_rows(pick(ROUTER_ATTACKS), args, Path(tmp))
+    name = "live_attacks-quick.json" if args.quick else "live_attacks.json"
+    result = {
+        "command": "python bench/live_attacks.py " + " ".join(sys.argv[1:]),
+        "json": name,
+        "settings": {
+            "quick": args.quick,
+            "unloaded_s": args.unloaded,
+            "attack_s": args.attack,
+            "settle_s": args.settle,
+            "interval_s": args.interval,
+            "deadline_s": args.deadline,
+            "min_round_s": args.deadline / 4,
+            "local_steps": args.local_steps,
+            "factor": args.factor,
+            "rss_growth_mb": args.rss_growth_mb,
+            "honest_address": HONEST,
+            "attacker_address": ATTACKER,
+        },
+        "rows": rows,
+        "wall_s": time.monotonic() - t0,
+        "machine": machine(),
+    }
+    result["command"] = result["command"].strip()
+    write_json(name, result)
+    update_section("live-attacks", markdown(result))
+    print(markdown(result))
+    sys.exit(0 if all(r["passed"] for r in rows) else 1)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

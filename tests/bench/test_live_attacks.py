@@ -1,0 +1,227 @@
+"""bench/live_attacks.py's reading of its measurements, without a server: latency summaries and
+the 2x verdict, the aggregator's checks, the markdown; and the update attackers' bodies
+(bench/live_attackers.py builds them without torch) as the aggregator's own checks read them."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import live_attackers
+import live_attacks
+from blocktrain.protocol.core.round_engine import RoundEngine
+from live_attacks import Sample
+from tests.protocol.conftest import SETTINGS, block_tensors
+
+
+def samples(kind: str, ms: list[float], outcome: int | str = 200) -> list[Sample]:
+    return [Sample(kind, 0.0, x / 1000, outcome) for x in ms]
+
+
+def test_latency_is_summarised_over_the_served_requests_and_failures_counted() -> None:
+    s = live_attacks.summary(samples("status", [1, 2, 3, 4, 5]) + samples("status", [9], 503))
+    assert s["n"] == 6 and s["failed"] == 1 and s["outcomes"] == {"200": 5, "503": 1}
+    assert s["median_ms"] == pytest.approx(3.0) and s["max_ms"] == pytest.approx(5.0)
+    assert s["p90_ms"] == pytest.approx(4.6)  # between the 4th and 5th of 5, interpolated
+    assert live_attacks.summary([])["median_ms"] is None
+
+
+def test_the_verdict_is_the_attacked_median_within_the_factor_and_every_request_served() -> None:
+    unloaded = samples("completion", [100, 100, 100])
+    ok = live_attacks.honest_entry(unloaded, samples("completion", [150, 200, 250]), 2.0)
+    assert ok["ratio"] == pytest.approx(2.0) and ok["within_factor"] and ok["all_served"]
+    slow = live_attacks.honest_entry(unloaded, samples("completion", [150, 201, 250]), 2.0)
+    assert not slow["within_factor"] and slow["all_served"]
+    refused = live_attacks.honest_entry(unloaded, samples("completion", [5, 5], 429), 2.0)
+    assert refused["ratio"] is None and not refused["within_factor"]
+    assert not refused["all_served"], "a request refused is a failure, however fast"
+    cut = live_attacks.honest_entry(unloaded, [Sample("completion", 0, 10, "TimeoutError")], 2)
+    assert not cut["all_served"] and cut["loaded"]["outcomes"] == {"TimeoutError": 1}
+
+
+def workers(accepted: int, late: int) -> dict[str, Any]:
+    return {"worker-0": {"accepted": accepted, "late": late, "refused": {}}}
+
+
+def aggregator_row(**over: Any) -> dict[str, Any]:
+    unloaded = samples("status", [4, 4, 4])
+    row: dict[str, Any] = {
+        "attack": "push_flood",
+        "target": "aggregator",
+        "deadline_s": 12.0,
+        "windows_s": {"unloaded": 25.0, "attack": 30.0},
+        "honest": {"status": live_attacks.honest_entry(unloaded, samples("status", [5, 6]), 2.0)},
+        "workers": {"unloaded": workers(4, 0), "attack": workers(4, 0)},
+        "rounds": {
+            "unloaded": {"closed": 8, "median_s": 3.0, "early_before_min_round": 0},
+            "attack": {"closed": 7, "median_s": 3.5, "early_before_min_round": 0},
+        },
+        "rss_mb": {"before": 500.0, "peak": 600.0, "after": 590.0},
+        "attacker": {"outcomes": {"push 429 busy": 10}, "cpu_s": 3.0, "seconds": 30.0},
+        "server_cpu": {"unloaded": 0.1, "attack": 0.5},
+    }
+    row.update(over)
+    return live_attacks.finish_row(row, 2.0, 256.0)
+
+
+def test_an_aggregator_row_checks_updates_rounds_and_memory() -> None:
+    row = aggregator_row()
+    assert row["passed"], row["checks"]
+    assert set(row["checks"]) == {
+        "status_within_2x",
+        "status_all_served",
+        "honest_updates_in_time",
+        "no_early_round_before_min",
+        "rounds_within_2x",
+        "rss_bounded",
+    }
+    late = aggregator_row(workers={"unloaded": workers(4, 0), "attack": workers(3, 1)})
+    assert not late["checks"]["honest_updates_in_time"]
+    starved = aggregator_row(workers={"unloaded": workers(4, 0), "attack": workers(0, 0)})
+    assert not starved["checks"]["honest_updates_in_time"], "30 s is two deadlines: some due"
+    short = aggregator_row(
+        windows_s={"unloaded": 6.0, "attack": 8.0},
+        workers={"unloaded": workers(1, 0), "attack": workers(0, 0)},
+    )
+    assert short["checks"]["honest_updates_in_time"], "no round need close in 8 s"
+    held = aggregator_row(
+        rounds={
+            "unloaded": {"closed": 8, "median_s": 3.0, "early_before_min_round": 0},
+            "attack": {"closed": 2, "median_s": 12.0, "early_before_min_round": 1},
+        }
+    )
+    assert not held["checks"]["rounds_within_2x"]
+    assert not held["checks"]["no_early_round_before_min"]
+    assert not aggregator_row(rss_mb={"before": 500.0, "peak": 800.0, "after": 800.0})["passed"]
+
+
+def test_rounds_memory_and_worker_outcomes_are_read_per_window() -> None:
+    rounds = [
+        {"started_at": 0.0, "closed_at": 3.0, "cause": "all_reported", "accepted": 2},
+        {"started_at": 3.0, "closed_at": 15.0, "cause": "deadline", "accepted": 0},
+        {"started_at": 15.0, "closed_at": 16.0, "cause": "quorum", "accepted": 1},
+    ]
+    stats = live_attacks.round_stats(rounds, min_round_s=3.0)
+    assert stats["closed"] == 3 and stats["median_s"] == 3.0 and stats["accepted"] == 3
+    assert stats["early_before_min_round"] == 1, "the 1 s round closed early on a quorum"
+    assert stats["causes"] == {"all_reported": 1, "deadline": 1, "quorum": 1}
+    rss = [(0.0, 100.0), (1.0, 110.0), (2.0, 300.0), (3.0, 150.0), (9.0, 140.0)]
+    assert live_attacks.rss_stats(rss, 1.5, 3.5, 8.0) == {
+        "before": 110.0,
+        "peak": 300.0,
+        "after": None,
+    }
+    assert live_attacks.rss_stats(rss, 1.5, 2.5, 10.0)["after"] == 140.0
+    updates = [
+        {"token_id": 1, "fate": "accepted", "reason": None},
+        {"token_id": 1, "fate": "refused", "reason": "late"},
+        {"token_id": 2, "fate": "refused", "reason": "no_gain"},
+        {"token_id": 9, "fate": "refused", "reason": "busy"},  # an attacker's: not listed
+    ]
+    got = live_attacks.worker_outcomes(updates, {1: "worker-0", 2: "worker-1"})
+    assert got == {
+        "worker-0": {"accepted": 1, "late": 1, "refused": {"late": 1}},
+        "worker-1": {"accepted": 0, "late": 0, "refused": {"no_gain": 1}},
+    }
+
+
+def test_the_markdown_shows_each_honest_request_and_names_a_failing_check() -> None:
+    passing = aggregator_row()
+    failing = aggregator_row(
+        attack="halfopen",
+        honest={
+            "status": live_attacks.honest_entry(
+                samples("status", [4, 4]), samples("status", [400, 500]), 2.0
+            )
+        },
+    )
+    router = live_attacks.finish_row(
+        {
+            "attack": "unread_streams_4_addresses",
+            "target": "router",
+            "windows_s": {"unloaded": 25.0, "attack": 30.0},
+            "honest": {
+                "completion": live_attacks.honest_entry(
+                    samples("completion", [200]), samples("completion", [3], 429), 2.0
+                )
+            },
+            "rss_mb": {"before": 300.0, "peak": 300.0, "after": 300.0},
+            "attacker": {"outcomes": {"opened": 32}, "cpu_s": 0.3, "seconds": 30.0},
+            "server_cpu": {"unloaded": 0.2, "attack": 0.25},
+        },
+        2.0,
+        256.0,
+    )
+    settings = {
+        "quick": False,
+        "unloaded_s": 25,
+        "attack_s": 30,
+        "interval_s": 0.25,
+        "deadline_s": 12,
+        "local_steps": 5,
+        "min_round_s": 3,
+        "factor": 2,
+        "rss_growth_mb": 256,
+    }
+    text = live_attacks.markdown(
+        {
+            "command": "python bench/live_attacks.py",
+            "json": "live_attacks.json",
+            "settings": settings,
+            "rows": [passing, failing, router],
+        }
+    )
+    assert "| push_flood | aggregator | status | 4.0 | 5.5 |" in text
+    assert "| 1.38x | 200: 2 | pass |" in text
+    assert "| halfopen | aggregator | status | 4.0 | 450 |" in text
+    assert "112.50x | 200: 2 | **FAIL**: status_within_2x |" in text
+    assert "| unread_streams_4_addresses | router | completion | 200 | — | — | — | 429: 1 |" in text
+    assert "**FAIL**: completion_within_2x, completion_all_served |" in text
+    assert "| push_flood | worker-0 4 ok, 0 late | worker-0 4 ok, 0 late |" in text
+    assert "| 8 (3.0) | 7 (3.5) | 0 | 500 / 600 / 590 |" in text
+    assert "| unread_streams_4_addresses | router | 0.20 → 0.25 | 0.01 | opened: 32 |" in text
+
+
+def test_the_attackers_bodies_are_what_the_aggregator_reads_them_as() -> None:
+    """The update attackers build safetensors by hand (no torch in their process): a noise
+    delta of the block's shapes passes every form check; the misshapen and NaN variants of
+    quorum_stuffing are refused for their form, before any probe."""
+    blocks = {0: block_tensors(100)}
+    engine = RoundEngine.fresh(blocks, SETTINGS)
+    shapes = {k: list(v.shape) for k, v in blocks[0].items()}
+    manifest, data = live_attacks.noise_delta(shapes, "fp16", norm=1.0)
+    meta = live_attackers.update_metadata(0, 3, 2, tokens=100, steps=2)
+    body = live_attackers.safetensors_body(manifest, data, meta)
+    checked = engine.inspect(0, body)
+    assert checked.verdict.accepted, checked.verdict
+    assert checked.meta is not None and (checked.meta.round, checked.meta.base_version) == (3, 2)
+    assert checked.candidate is not None and checked.candidate.norm == pytest.approx(1.0, rel=1e-2)
+    bent = live_attackers.safetensors_body(live_attackers.misshapen(manifest), data, meta)
+    assert engine.inspect(0, bent).verdict.reason == "bad_shape"
+    flat = {"a.bias": torch.zeros(8), "b.weight": torch.zeros(2, 3)}  # the first one 1-D
+    flat_engine = RoundEngine.fresh({0: flat}, SETTINGS)
+    flat_manifest, flat_data = live_attacks.noise_delta(
+        {k: list(v.shape) for k, v in flat.items()}, "fp16", norm=1.0
+    )
+    bent = live_attackers.safetensors_body(live_attackers.misshapen(flat_manifest), flat_data, meta)
+    assert flat_engine.inspect(0, bent).verdict.reason == "bad_shape"
+    poisoned = bytearray(data)
+    live_attackers.nan(poisoned, "F16")
+    refused = engine.inspect(0, live_attackers.safetensors_body(manifest, poisoned, meta))
+    assert refused.verdict.reason == "non_finite"
+
+
+def test_a_stop_string_body_is_about_its_size_and_over_the_router_s_stop_limits() -> None:
+    from blocktrain.serving.openai.schemas import MAX_STOP_BYTES, MAX_STOPS
+
+    for many in (True, False):
+        body = live_attackers.stop_body("m", 1_000_000, many)
+        assert 990_000 < len(body) <= 1_000_100, len(body)
+        stops = __import__("json").loads(body)["stop"]
+        assert len(stops) > MAX_STOPS or max(len(s) for s in stops) > MAX_STOP_BYTES
