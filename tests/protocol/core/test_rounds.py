@@ -87,16 +87,33 @@ def test_a_refused_update_is_a_report_but_never_closes_a_round_early():
     """Finding "quorum stuffing": a refused push counted as a report, so junk that cost its
     token nothing met the quorum (or "every replica reported") and closed rounds before the
     honest workers finished. A refused push is still a report (the worker is alive, and a
-    second push is a duplicate), but only updates that passed close a round early."""
+    second push is a duplicate), but only updates that passed close a round early: refusals
+    alone wait for the deadline."""
+    r = fresh()
+    r.pull(1, now=0.0)
+    r.pull(2, now=0.0)
+    r.record(1, Verdict.refuse("bad_dtype", "junk"), round=0, now=1.0)
+    r.record(2, Verdict.refuse("non_finite", "NaN"), round=0, now=2.0)
+    assert r.tick(2.0) is None and r.tick(D - 0.1) is None, "reported, but nothing passed"
+    assert r.judge(2, round=0, base_version=0, now=3.0).reason == "duplicate"
+    closed = r.tick(D)
+    assert closed is not None and closed.cause == "deadline"
+    assert closed.refused == 2 and not closed.accepted and closed.reported == {1, 2}
+
+
+def test_a_round_stops_waiting_for_a_replica_refused_in_it():
+    """Finding "quorum stuffing", its second half: junk pushers on tokens of their own are
+    expected replicas that never pass, so every round ran to its deadline (12 s against 3 s).
+    A replica refused in the round can no longer pass it (a second push is a duplicate), so
+    the round closes once every other expected replica passed."""
     r = fresh()
     r.pull(1, now=0.0)
     r.pull(2, now=0.0)
     assert push(r, 1, now=1.0).accepted
+    assert r.tick(1.0) is None, "worker 2 may still pass"
     r.record(2, Verdict.refuse("non_finite", "NaN"), round=0, now=2.0)
-    assert r.tick(2.0) is None, "worker 2 reported, but its update did not pass"
-    assert r.judge(2, round=0, base_version=0, now=3.0).reason == "duplicate"
-    closed = r.tick(D)
-    assert closed is not None and closed.cause == "deadline"
+    closed = r.tick(2.0)
+    assert closed is not None and closed.cause == "all_reported"
     assert closed.refused == 1 and len(closed.accepted) == 1 and closed.reported == {1, 2}
 
 
@@ -115,7 +132,7 @@ def test_refused_pushes_never_meet_the_quorum():
     assert push(r, 1, now=6.0).accepted
     assert push(r, 2, now=7.0).accepted
     closed = r.tick(7.0)
-    assert closed is not None and closed.cause == "quorum" and len(closed.accepted) == 2
+    assert closed is not None and closed.cause == "all_reported" and len(closed.accepted) == 2
 
 
 def test_a_round_cannot_close_before_its_minimum_length():

@@ -51,18 +51,18 @@ def test_the_pull_tells_each_worker_its_steps_and_a_push_over_them_is_refused(h)
     # round 1 opened at the deadline; its clock starts at its first pull: 30 s left
     assert pull_steps(h, h.alice, fast) == 8, "0.8 x 30 / 1 = 24: clamped to H"
     assert pull_steps(h, h.bob, slow, redirect=True) == 4, "floor(0.8 x 30 / 5)"
-    over = h.push(h.alice, fast, 0, body(h, fast, 9))
-    assert over.status_code == 400 and over.json()["reason"] == "bad_metadata"
-    assert "told 8" in over.json()["detail"]
     h.clock.advance(20.0)
     ok = h.push(h.bob, slow, 0, body(h, slow, 4))
     assert ok.status_code == 200 and ok.json()["accepted"], ok.text
-    [entry] = h.service.blocks[0].acc.entries.values()
+    [entry] = h.service.blocks[0].acc.entries.values()  # the round waits for fast's update
     assert entry.weight == pytest.approx(4 / 8), "its vote weighs its steps: 4 of H = 8"
     h2 = h.reopen()  # a restart reads the pending body back: the same weight
     try:
         [again] = h2.service.blocks[0].acc.entries.values()
         assert again.weight == pytest.approx(4 / 8)
+        over = h2.push(h.alice, fast, 0, body(h2, fast, 9))
+        assert over.status_code == 400 and over.json()["reason"] == "bad_metadata"
+        assert "told 8" in over.json()["detail"]
     finally:
         h2.state.close()
         h.state = h2.state  # closed once by the fixture as well (idempotent)

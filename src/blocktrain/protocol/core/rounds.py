@@ -10,10 +10,12 @@ Life of round r of block b:
     opened    when round r-1 closes (round 0 at the start), publishing version v
     started   at the first pull of round r: its deadline is started + deadline_s
     judged    each update: accepted, or refused with a reason (late, stale_version, ...)
-    closed    at the deadline; early once every expected replica has passed, or once a
-              quorum of them passed and the grace period after it passed, never before the
-              minimum round length (a replica *passes* when its update of the round is
-              accepted: a refused push is a report, but it never closes a round early)
+    closed    at the deadline; early once every expected replica that can still pass has
+              passed, or once a quorum of them passed and the grace period after it passed,
+              never before the minimum round length (a replica *passes* when its update of
+              the round is accepted: a refused push is a report, but it never closes a round
+              early; a replica refused in the round can no longer pass it, so the round stops
+              waiting for it)
     committed version v + 1 if at least one update was accepted, else v (weights kept)
 
 A replica is *expected* in round r if it is still assigned to the block, either pulled round
@@ -165,6 +167,14 @@ class BlockRounds:
         (finding "quorum stuffing")."""
         return frozenset(c.worker_id for c in self.accepted if c.round == self.round)
 
+    def waiting(self, now: float | None = None) -> frozenset[int]:
+        """Expected replicas that can still pass the open round: those refused in it cannot (a
+        second push is a duplicate), so the round stops waiting for them. Otherwise junk pushers
+        on tokens of their own, expected and never passing, would hold every round to its
+        deadline (finding "quorum stuffing", its second half)."""
+        refused = self.reported - self.passed
+        return self.expected(now) - refused
+
     def quorum_met(self, reported: Collection[int], expected: frozenset[int]) -> bool:
         """Whether `reported` (replicas that passed) holds the quorum of `expected` (at least
         one replica)."""
@@ -288,7 +298,7 @@ class BlockRounds:
             self.reported.add(worker)
             if not verdict.accepted:
                 self.refused += 1
-            self._quorum(self.expected(now), now)
+            self._quorum(self.waiting(now), now)
         elif round == self.round - 1:
             # it is alive: expect it in this round (a restart rebuilds this set from the
             # ledger's reports for the previous round, hence the same filter)
@@ -296,19 +306,20 @@ class BlockRounds:
 
     def tick(self, now: float) -> RoundClosed | None:
         """Close the open round if its deadline passed; or, once the minimum round length
-        passed, if every expected replica passed (its update accepted) or the quorum passed
-        and the grace period after it passed."""
+        passed, if every replica it still waits for passed (its update accepted) or the
+        quorum of them passed and the grace period after it passed."""
         if self.done:
             return None
         deadline = self.deadline
         expected = self.expected(now)
+        waiting = self.waiting(now)
         passed = self.passed
-        quorum = self._quorum(expected, now)  # notes when the quorum first passed
+        quorum = self._quorum(waiting, now)  # notes when the quorum first passed
         if deadline is not None and now >= deadline:
             cause = "deadline"
         elif not self._min_over(now):
             return None
-        elif passed and expected <= passed:
+        elif passed and waiting <= passed:
             cause = "all_reported"
         elif quorum and self._grace_over(now):
             cause = "quorum"
@@ -385,7 +396,7 @@ def restore(
     passed = state.passed
     times = sorted((t, w) for w, t in (report_times or {}).items() if w in passed)
     for i, (t, _) in enumerate(times):  # the first report that made the quorum
-        if state.quorum_met({w for _, w in times[: i + 1]}, state.expected(t)):
+        if state.quorum_met({w for _, w in times[: i + 1]}, state.waiting(t)):
             state.quorum_at = t
             break
     return state

@@ -156,8 +156,9 @@ class AggregatorSettings(VoteSettings, RoundSettings):
     )
     quorum: float = setting(
         0.5,
-        "Fraction of the expected replicas whose reports close a round after the grace period "
-        "(1: wait for all of them, up to the deadline).",
+        "Fraction of the expected replicas whose accepted updates close a round after the grace "
+        "period (1: wait for all of them, up to the deadline); a replica refused in the round "
+        "is not waited for.",
         lambda v: 0 < v <= 1,
         "must lie in (0, 1]",
         flag="--quorum",
@@ -175,7 +176,7 @@ class AggregatorSettings(VoteSettings, RoundSettings):
     min_round_s: float | None = setting(
         None,
         "Seconds a round stays open, from its first pull, before it may close early (every "
-        "expected replica passed, or the quorum and the grace period); the deadline is not "
+        "expected replica not refused passed, or the quorum and the grace period); the deadline is not "
         "affected. 0: no minimum (a trusted cluster).",
         lambda v: v is None or v >= 0,
         "must be >= 0 (or none)",
