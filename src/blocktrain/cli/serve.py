@@ -148,6 +148,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="S",
         help="end a stream, releasing its work, when its client reads nothing for S seconds",
     )
+    p.add_argument(
+        "--park-after",
+        type=float,
+        default=RouterSettings.park_after_s,
+        metavar="S",
+        help="a stream whose client reads nothing for S seconds gives its work back to other "
+        "clients until the client reads again",
+    )
     p.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate")
     p.add_argument("--tls-key", metavar="PEM", help="... and this private key")
     p.add_argument(
@@ -228,6 +236,7 @@ def run_cmd(args: argparse.Namespace) -> int:
         max_work_in_flight=args.max_work_in_flight,
         max_work_per_client=args.max_work_per_client,
         send_timeout_s=args.send_timeout,
+        park_after_s=args.park_after,
         secret=load_secret(args.secret_file),
         ca_cert=args.ca_cert,
     )

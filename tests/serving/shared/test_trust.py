@@ -331,10 +331,17 @@ def test_rate_and_work_limiters_count_exactly():
     assert work.in_flight == 0
 
 
-def _unread_stream(app: object, client: str, started: list[int]) -> asyncio.Task:
-    """A streamed completion from `client` whose reader never reads: the router's first send
-    of a body chunk never returns (the connection's buffers are full); its status goes into
-    `started` once the response starts."""
+def _unread_stream(
+    app: object,
+    client: str,
+    started: list[int],
+    stall_s: float = 3600.0,
+    received: list[bytes] | None = None,
+) -> asyncio.Task:
+    """A streamed completion from `client` whose reader does not read: the router's first
+    send of a body chunk returns after `stall_s` (the connection's buffers are full until the
+    reader reads; by default it never does), the later ones at once, into `received`; its
+    status goes into `started` once the response starts."""
     body = json.dumps(
         {"model": "bt", "prompt": "The ", "max_tokens": 8, "stream": True, "seed": 1}
     ).encode()
@@ -364,11 +371,17 @@ def _unread_stream(app: object, client: str, started: list[int]) -> asyncio.Task
         await asyncio.sleep(3600)  # never hangs up
         return {"type": "http.disconnect"}
 
+    stalled = [False]
+
     async def send(message: dict) -> None:
         if message["type"] == "http.response.start":
             started.append(message["status"])
         elif message["type"] == "http.response.body" and message.get("body"):
-            await asyncio.sleep(3600)  # nobody reads
+            if not stalled[0]:
+                stalled[0] = True
+                await asyncio.sleep(stall_s)  # nobody reads, for now
+            if received is not None:
+                received.append(message["body"])
 
     return asyncio.ensure_future(app(scope, receive, send))  # type: ignore[operator]
 
@@ -408,6 +421,122 @@ def test_unread_streams_of_one_client_leave_work_for_everyone_else(cluster):
     started, status, text = asyncio.run(main())
     assert status == 200, text
     assert sorted(started) == [200, 200, 429, 429], started
+    assert router.work.in_flight == 0 and router.work.by_client == {}
+
+
+def test_streams_nobody_reads_from_many_addresses_leave_work_for_everyone_else(cluster):
+    """Regression (bench/live_attacks.py, unread_streams_4_addresses): each address's share
+    of the work was bounded, but streams nobody read from four addresses held all of it, and
+    every other client got 429 (30 of 30). Now a stream whose client reads nothing for
+    `park_after_s` gives its work back: the four streams stay open, with no work in flight,
+    and another client is served."""
+    from blocktrain.serving import RouterSettings, create_router_app
+
+    app = create_router_app(
+        RouterSettings(
+            hosts=tuple(cluster.urls), max_work=8, max_work_in_flight=32, park_after_s=0.1
+        ),
+        transport=cluster.apps,
+    )
+    router = app.state.router
+
+    async def main() -> tuple[list[int], int, int, str]:
+        started: list[int] = []
+        streams = [_unread_stream(app, f"10.0.0.{60 + i}", started) for i in range(4)]
+        for _ in range(600):  # until all four started and parked (a generous bound)
+            if len(started) == 4 and router.work.in_flight == 0:
+                break
+            await asyncio.sleep(0.05)
+        parked = router.work.in_flight
+        transport = httpx.ASGITransport(app=app, client=("10.0.0.7", 1))
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as honest:
+            r = await honest.post(
+                "/v1/completions",
+                json={"model": "bt", "prompt": "The ", "max_tokens": 8, "seed": 2},
+                timeout=60,
+            )
+        assert not any(task.done() for task in streams), "a parked stream ended"
+        for task in streams:
+            task.cancel()
+        await asyncio.gather(*streams, return_exceptions=True)
+        return started, parked, r.status_code, r.text
+
+    started, parked, status, text = asyncio.run(main())
+    assert started == [200] * 4 and parked == 0, (started, parked)
+    assert status == 200, text
+    assert router.work.in_flight == 0 and router.work.by_client == {}
+
+
+def test_parked_streams_still_count_in_their_clients_share(cluster):
+    """A client cannot open stream after stream nobody reads, each parked in turn, and take the
+    whole budget: its parked streams stay in its share (16 units: two streams of 8), so its
+    next two are refused `busy` though the work in flight is empty."""
+    from blocktrain.serving import RouterSettings, create_router_app
+
+    app = create_router_app(
+        RouterSettings(
+            hosts=tuple(cluster.urls), max_work=8, max_work_in_flight=32, park_after_s=0.1
+        ),
+        transport=cluster.apps,
+    )
+    router = app.state.router
+
+    async def main() -> tuple[list[int], int, list[int]]:
+        first: list[int] = []
+        streams = [_unread_stream(app, "10.0.0.66", first) for _ in range(2)]
+        for _ in range(600):
+            if len(first) == 2 and router.work.in_flight == 0:
+                break
+            await asyncio.sleep(0.05)
+        parked = router.work.in_flight
+        more: list[int] = []
+        streams += [_unread_stream(app, "10.0.0.66", more) for _ in range(2)]
+        for _ in range(600):
+            if len(more) == 2:
+                break
+            await asyncio.sleep(0.05)
+        for task in streams:
+            task.cancel()
+        await asyncio.gather(*streams, return_exceptions=True)
+        return first, parked, more
+
+    first, parked, more = asyncio.run(main())
+    assert first == [200, 200] and parked == 0, (first, parked)
+    assert more == [429, 429], more
+    assert router.work.in_flight == 0 and router.work.by_client == {}
+
+
+def test_a_parked_stream_takes_its_work_again_and_ends_in_full_when_its_client_reads(cluster):
+    """A stream parked while its client read nothing goes on once it reads: its work is
+    counted in flight again, and the stream ends with every piece and [DONE]."""
+    from blocktrain.serving import RouterSettings, create_router_app
+
+    app = create_router_app(
+        RouterSettings(hosts=tuple(cluster.urls), park_after_s=0.1), transport=cluster.apps
+    )
+    router = app.state.router
+
+    async def main() -> tuple[int, int, bool, bytes]:
+        started: list[int] = []
+        received: list[bytes] = []
+        stream = _unread_stream(app, "10.0.0.66", started, stall_s=1.0, received=received)
+        held = parked = -1
+        for _ in range(600):
+            if started and held < 0:
+                held = router.work.in_flight
+            if started and router.work.in_flight == 0:
+                parked = 0
+                break
+            await asyncio.sleep(0.02)
+        done, _ = await asyncio.wait([stream], timeout=60)
+        if not done:
+            stream.cancel()
+        return held, parked, bool(done), b"".join(received)
+
+    held, parked, ended, body = asyncio.run(main())
+    assert held == 8 and parked == 0, (held, parked)
+    assert ended, "the stream did not go on when its client read"
+    assert body.rstrip().endswith(b"data: [DONE]"), body[-200:]
     assert router.work.in_flight == 0 and router.work.by_client == {}
 
 

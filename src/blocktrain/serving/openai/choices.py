@@ -200,6 +200,9 @@ class Run:
     """Bytes the chain generated, all choices together."""
     started: float | None = None
     first: float | None = None
+    parked: bool = False
+    """Its work is out of the work in flight while its stream waits for the client (`park`)."""
+    ended: bool = False
 
     def pieces(self) -> AsyncGenerator[Piece]:
         """The choices' pieces, interleaved as they come."""
@@ -294,7 +297,21 @@ class Run:
         )
 
     def done(self) -> None:
-        self.router.done(self.job)
+        if not self.ended:
+            self.router.done(self.job, self.parked)
+            self.ended = True
+
+    def park(self) -> None:
+        """Give the work back while the client reads nothing (the choices wait for it)."""
+        if not (self.parked or self.ended):
+            self.router.park(self.job)
+            self.parked = True
+
+    def resume(self) -> bool:
+        """Take the parked work again -> whether it fits now (then the choices go on)."""
+        if self.parked and self.router.resume(self.job):
+            self.parked = False
+        return not self.parked
 
 
 async def start_run(
@@ -341,8 +358,10 @@ async def start_run(
 async def interleave(gens: list[AsyncIterator[Piece]]) -> AsyncGenerator[Piece]:
     """The items of several async iterators, run concurrently, in the order they come. The
     first failure is raised here, and every iterator still running is cancelled when this one
-    ends, however it ends (a client that hung up included)."""
-    queue: asyncio.Queue[tuple[Piece | None, Exception | None]] = asyncio.Queue()
+    ends, however it ends (a client that hung up included). The queue holds one item per
+    iterator, so that they wait while nobody reads this one (a stream whose client stopped
+    reading computes nothing)."""
+    queue: asyncio.Queue[tuple[Piece | None, Exception | None]] = asyncio.Queue(len(gens))
 
     async def pump(gen: AsyncIterator[Piece]) -> None:
         try:

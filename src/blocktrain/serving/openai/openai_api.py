@@ -6,6 +6,7 @@ shape or the chat shape), usage in bytes and the request's `timings` (an extensi
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -55,46 +56,71 @@ from blocktrain.serving.router.limits import (
     client_address,
     while_connected,
 )
+from blocktrain.serving.router.router_settings import RouterSettings
 from blocktrain.serving.shared.serving_errors import BadRequest, ServingError
 
 log = logging.getLogger(__name__)
 
 
 class _Stalled(Exception):
-    """A stream's client read nothing for the send timeout."""
+    """A stream's client read nothing for the send timeout, or no room came back for it."""
+
+
+RESUME_POLL_S = 0.05
+"""How often a parked stream whose client reads again looks for room for its work."""
 
 
 class _Stream(StreamingResponse):
     """Server-sent events that hold their request's work in flight until the response ends,
     however it ends: sent in full, failed, the client hung up (even before the first event,
-    when the events' generator never ran), or the client stopped reading: a send that waits
-    more than `send_timeout_s` (the connection's buffers are full) ends the stream, and the
-    server closes the connection."""
+    when the events' generator never ran), or the client stopped reading. A send that waits
+    more than `park_after_s` parks the run: its work leaves the work in flight (nothing is
+    computed while the send waits), and is taken again, waiting up to `send_timeout_s` for
+    room, once the client reads. A send that waits more than `send_timeout_s` (the
+    connection's buffers are full) ends the stream, and the server closes the connection."""
 
     def __init__(
         self,
         events: AsyncGenerator[str],
+        run: Run,
         release: Callable[[], Awaitable[None]],
-        send_timeout_s: float,
+        settings: RouterSettings,
     ):
         super().__init__(events, media_type="text/event-stream")
-        self._release = release
-        self._send_timeout_s = send_timeout_s
+        self._run, self._release = run, release
+        self._park_after_s = min(settings.park_after_s, settings.send_timeout_s)
+        self._send_timeout_s = settings.send_timeout_s
+
+    async def _timed_send(self, send: Send, message: MutableMapping[str, Any]) -> None:
+        sending = asyncio.ensure_future(send(message))
+        try:
+            done, _ = await asyncio.wait({sending}, timeout=self._park_after_s)
+            if not done:
+                self._run.park()
+                rest = self._send_timeout_s - self._park_after_s
+                done, _ = await asyncio.wait({sending}, timeout=rest)
+                if not done:
+                    raise _Stalled(f"its client read nothing for {self._send_timeout_s:.0f} s")
+        finally:
+            if not sending.done():
+                sending.cancel()
+        sending.result()
+        if message.get("more_body") and not self._run.resume():
+            loop = asyncio.get_running_loop()
+            end = loop.time() + self._send_timeout_s
+            while not self._run.resume():
+                if loop.time() > end:
+                    raise _Stalled(
+                        f"its client read again, but no room for its work came back in "
+                        f"{self._send_timeout_s:.0f} s"
+                    )
+                await asyncio.sleep(RESUME_POLL_S)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def timed_send(message: MutableMapping[str, Any]) -> None:
-            try:
-                await asyncio.wait_for(send(message), self._send_timeout_s)
-            except TimeoutError:
-                raise _Stalled from None
-
         try:
-            await super().__call__(scope, receive, timed_send)
-        except _Stalled:
-            log.warning(
-                "a stream's client read nothing for %.0f s: stream ended, its work released",
-                self._send_timeout_s,
-            )
+            await super().__call__(scope, receive, functools.partial(self._timed_send, send))
+        except _Stalled as why:
+            log.warning("a stream ended, its work released: %s", why)
         finally:
             await self._release()
 
@@ -312,7 +338,7 @@ async def _respond(shape: _Shape, receive: Receive) -> BaseModel | Response:
             return
         yield "data: [DONE]\n\n"
 
-    return _Stream(events(), release, run.router.settings.send_timeout_s)
+    return _Stream(events(), run, release, run.router.settings)
 
 
 def add_openai_routes(app: FastAPI, router: Router) -> None:

@@ -221,9 +221,19 @@ class Router:
         if exit_ == "sampler" and model.kind == "blocktrain" and cfg.intervals == "reversed":
             raise reversed_stack_sweep(model.name)
 
-    def done(self, job: Job) -> None:
-        """The job ended (answered, failed or abandoned): its work is no longer in flight."""
-        self.work.release(job.units, job.client)
+    def done(self, job: Job, parked: bool = False) -> None:
+        """The job ended (answered, failed or abandoned): its work is no longer in flight, nor
+        in its client's share."""
+        self.work.release(job.units, job.client, parked)
+
+    def park(self, job: Job) -> None:
+        """The job's stream waits for a client that reads nothing: its work leaves the work in
+        flight (a waiting stream computes nothing) until `resume`, but not its client's share."""
+        self.work.park(job.units)
+
+    def resume(self, job: Job) -> bool:
+        """Count a parked job's work in flight again -> whether it fits now."""
+        return self.work.unpark(job.units)
 
     def _draft_limit(self, model: RemoteModel) -> int:
         """The most bytes a traversal may verify: the window keeps room for the context."""

@@ -127,8 +127,22 @@ class WorkLimiter:
         self.by_client[client] = held + units
         return units
 
-    def release(self, units: int, client: str = "") -> None:
+    def park(self, units: int) -> None:
+        """Admitted units that compute nothing for now (a stream nobody reads) leave the work in
+        flight; they stay in their client's share, so that a client cannot open stream after
+        stream nobody reads and have them all admitted."""
         self.in_flight -= units
+
+    def unpark(self, units: int) -> bool:
+        """Count parked units in flight again if they fit -> whether they did."""
+        if self.in_flight + units > self.in_flight_max:
+            return False
+        self.in_flight += units
+        return True
+
+    def release(self, units: int, client: str = "", parked: bool = False) -> None:
+        if not parked:
+            self.in_flight -= units
         left = self.by_client.pop(client, 0) - units
         if left > 0:
             self.by_client[client] = left

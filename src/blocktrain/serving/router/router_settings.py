@@ -62,6 +62,13 @@ class RouterSettings:
     send_timeout_s: float = 30.0
     """A stream whose client reads none of it for this long (one send blocked) is ended, and
     its work released (openai/openai_api.py, `_Stream`)."""
+    park_after_s: float = 2.0
+    """A stream whose client has read none of it for this long gives its work back to the work
+    in flight (it computes nothing while its send waits), though not to its client's share,
+    and takes it again when the client reads, waiting up to send_timeout_s for room: streams
+    nobody reads hold none of the work in flight, from however many addresses, and an address
+    that opens stream after stream holds at most its share, parked or not (bench/live_attacks.py,
+    unread_streams_4_addresses)."""
     secret: str | None = field(default=None, repr=False)
     """The hosts' shared secret, sent with every request to them (shared/auth.py)."""
     ca_cert: str | None = None
@@ -122,6 +129,8 @@ class RouterSettings:
             raise ConfigError(f"--rate-limit {self.rate_per_minute} must be >= 0 (0: none)")
         if self.send_timeout_s <= 0:
             raise ConfigError(f"--send-timeout {self.send_timeout_s} must be positive")
+        if self.park_after_s <= 0:
+            raise ConfigError(f"--park-after {self.park_after_s} must be positive")
         if self.max_work_per_client is not None and not (
             self.max_work <= self.max_work_per_client <= self.max_work_in_flight
         ):
