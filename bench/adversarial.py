@@ -99,7 +99,10 @@ ATTACKS: dict[str, Attack | None] = {
     "copy": Attack("copy", block=TARGET),
     "replay": Attack("replay", block=TARGET),
 }
-DEFENCES = ("default", "none")
+DEFENCES = ("default", "none", "no_drift")
+"""Every row runs under the first two; `no_drift` (the defaults without drift tracking) only
+when --only names it: whether the tracker helps or hurts where it misjudges (drift_four)."""
+SWEPT = DEFENCES[:2]
 MIN_ROUNDS = {"drift": 20, "drift_four": 20}
 """Rows that run at least this many rounds whatever --rounds says: a drift that passes each
 round's check needs rounds to add up."""
@@ -121,6 +124,8 @@ def run_row(attack: str, defences: str, rounds: int, args: argparse.Namespace) -
     protocol: dict[str, Any] = {"local_steps": args.local_steps}
     if defences == "none":
         protocol.update(undefended(cfg, args.local_steps))
+    elif defences == "no_drift":
+        protocol["drift_threshold"] = 0.0
     spec = SimSpec(
         cfg,
         workers=6,
@@ -189,17 +194,24 @@ def main() -> None:
         type=lambda text: [x.strip() for x in text.split(",") if x.strip()],
         default=[],
         metavar="ROWS",
-        help="only these rows: ATTACK (both defences) or ATTACK/DEFENCES, comma-separated",
+        help="only these rows: ATTACK (defences default and none) or ATTACK/DEFENCES (default, "
+        "none, no_drift), comma-separated",
     )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     args.train, args.valid = load_split(args.data, "train"), load_split(args.data, "valid")
-    wanted = [(a, d) for a in ATTACKS for d in DEFENCES]
+    wanted = [(a, d) for a in ATTACKS for d in SWEPT]
     if args.only:
         unknown = [x for x in args.only if x.split("/")[0] not in ATTACKS]
         if unknown:
             p.error(f"--only: unknown attack {unknown[0]!r}; known: {', '.join(ATTACKS)}")
-        wanted = [(a, d) for a, d in wanted if a in args.only or f"{a}/{d}" in args.only]
+        unknown = [x for x in args.only if "/" in x and x.split("/", 1)[1] not in DEFENCES]
+        if unknown:
+            p.error(f"--only: unknown defences in {unknown[0]!r}; known: {', '.join(DEFENCES)}")
+        every = [(a, d) for a in ATTACKS for d in DEFENCES]
+        wanted = [
+            (a, d) for a, d in every if (a in args.only and d in SWEPT) or f"{a}/{d}" in args.only
+        ]
     runs = [(a, d, rounds_of(a, args)) for a, d in wanted]
     # the clean row of each length and defences first: every row is read against one
     runs = list(dict.fromkeys([("clean", d, r) for _, d, r in runs] + runs))
