@@ -4,6 +4,8 @@ is not flagged."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from blocktrain.protocol.core.drift import (
@@ -86,6 +88,52 @@ def test_a_lean_of_four_percent_on_one_coordinate_is_flagged_within_twenty_round
     assert REASONS["drift"][0] == 403
 
 
+def leaning_round(
+    gen: torch.Generator, direction: torch.Tensor, n: int, leaning: int
+) -> list[dict]:
+    """n votes of a round with a steady direction, the first `leaning` of them 0.9 x their
+    honest vote plus 4 % of its norm on one coordinate (drift attackers)."""
+    votes = honest_round(gen, direction + torch.randn(BIG["w"], generator=gen) * 0.005, n)
+    for v in votes[:leaning]:
+        w = 0.9 * v["w"]
+        w.view(-1)[123] += 0.04 * float(v["w"].norm())
+        v["w"] = w
+    return votes
+
+
+def flags(effects: list[float] | None, leaning: int, seed: int) -> set:
+    """The identities flagged in 40 rounds of 6 votes, `leaning` of them drift attackers,
+    each vote's probe effect given by `effects` (None: not probed)."""
+    gen = torch.Generator().manual_seed(seed)
+    drift = DriftTracker(THRESHOLD, MIN_ROUNDS, seed=seed)
+    ids = [("token", i) for i in range(6)]
+    direction = torch.randn(BIG["w"], generator=gen) * 0.01
+    flagged: set = set()
+    for r in range(40):
+        votes = leaning_round(gen, direction, 6, leaning)
+        flagged |= {d.identity for d in drift.observe(0, r, ids, votes, effects)}
+    return flagged
+
+
+def test_a_leaning_majority_does_not_get_the_honest_minority_flagged_when_they_help_more():
+    """Four drift attackers and two honest replicas on a block: the others' median is the
+    attackers' lean, so the honest residuals lean its mirror image, and without effects both
+    honest identities are flagged. The attackers' votes spent their gain on the lean (a
+    relative effect of -0.1 % against the honest -1 %): the honest identities are spared."""
+    honest = {("token", 4), ("token", 5)}
+    assert flags(None, leaning=4, seed=5) & honest == honest, "the failure this rule fixes"
+    effects = [-0.001] * 4 + [-0.01] * 2
+    assert flags(effects, leaning=4, seed=5) & honest == set()
+
+
+def test_a_leaning_minority_is_flagged_whatever_its_effects_unless_they_beat_the_others():
+    """One drift attacker among six: flagged with effects worse than the honest ones, as
+    without effects; spared only if its votes helped more than the others'."""
+    assert flags(None, leaning=1, seed=6) == {("token", 0)}
+    assert flags([-0.001] + [-0.01] * 5, leaning=1, seed=6) == {("token", 0)}
+    assert flags([-0.02] + [-0.01] * 5, leaning=1, seed=6) == set()
+
+
 def test_rounds_of_fewer_than_four_votes_are_not_observed_and_selecting_wires_turn_it_off():
     """One vote has no consensus; two votes' residuals are each other's negatives; with three,
     the leaning vote is half of each other vote's consensus."""
@@ -160,3 +208,56 @@ def test_sketches_are_forgotten_by_their_own_blocks_rounds():
     assert drift.score(1, ids[0]) is not None
     drift.observe(1, 3 + DRIFT_FORGET + 1, ids[:1], votes[:1])  # too few to observe; still ages
     assert drift.score(1, ids[0]) is None, "not fed for DRIFT_FORGET rounds of its block"
+
+
+def _drifted_in_a_run_led_by_four_leaning_tokens(effect_probe: str) -> set:
+    """30 rounds of an engine, block 0: 2 honest workers step towards a target that moves on
+    every round (there is always something to learn), 4 drift attackers (tokens of their own)
+    push 0.9 x that plus a lean on one coordinate; the probe's loss is the distance to the
+    target (`test_engine_trust.TargetProbe`). The identities flagged."""
+    from tests.protocol.core.test_engine_trust import TargetProbe
+
+    gen = torch.Generator().manual_seed(9)
+    base = {k: torch.zeros_like(v) for k, v in block_tensors(0).items()}
+    target = {k: torch.randn(v.shape, generator=gen) for k, v in base.items()}
+    motion = {k: 0.15 * torch.randn(v.shape, generator=gen) for k, v in base.items()}
+    target["layer.bias"][0] = motion["layer.bias"][0] = 0.0  # the lean's coordinate
+    settings = dataclasses.replace(SETTINGS, effect_probe=effect_probe, probe_step=1.0)
+    eng = RoundEngine.fresh({0: base}, settings, probe=TargetProbe(target), drift_seed=0)
+    drifted: list = []
+    eng.on_commit.append(lambda event: drifted.extend(event.drifted))
+    workers = [eng.register(0.0, 0, lambda _b, i=i: i, i).worker for i in range(6)]
+    for r in range(30):
+        now = 1.0 + r
+        weights = eng.blocks[0].weights
+        for w in workers:
+            view = eng.pull(w, 0, now).view
+            v = {
+                k: 0.2 * (target[k] - weights[k]) + 0.02 * torch.randn(t.shape, generator=gen)
+                for k, t in base.items()
+            }
+            if w < 4:
+                v = {k: 0.9 * t for k, t in v.items()}
+                v["layer.bias"][0] += 0.2
+            body = delta_body(
+                0, tensors=v, round=view.round, base_version=view.version, dtype="fp32"
+            )
+            checked = eng.check(0, body, w)
+            assert checked.meta is not None
+            verdict = eng.judge(w, 0, checked.meta, now)
+            verdict = checked.verdict if verdict.accepted else verdict  # the probe's, if on
+            assert verdict.accepted or verdict.reason == "drift", (r, w, verdict)
+            eng.record(w, 0, verdict, now, checked=checked)
+        eng.tick(now + settings.deadline_s)
+        for k in target:
+            target[k] += motion[k]  # between rounds: the probe caches per committed version
+    return {d.identity for d in drifted}
+
+
+def test_the_engine_spares_the_honest_minority_by_its_updates_effects():
+    """End to end in the engine: the effects it reads when it judges each update reach the
+    drift tracker. Without the probe, the honest pair is flagged for leaning against the
+    four attackers; with it, whose attackers' updates lower the loss less, neither is."""
+    honest = {("token", 4), ("token", 5)}
+    assert _drifted_in_a_run_led_by_four_leaning_tokens("off") & honest
+    assert not _drifted_in_a_run_led_by_four_leaning_tokens("on") & honest

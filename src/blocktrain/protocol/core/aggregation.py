@@ -208,6 +208,9 @@ class Entry:
     """Staleness factor x the identity's reputation."""
     tokens: int
     """As reported by the worker: read only by the `reported` weighting."""
+    effect: float | None = None
+    """The effect probe's relative change of the block's held-out loss (None: not probed);
+    read only by the drift tracker."""
 
 
 @dataclass(frozen=True)
@@ -252,25 +255,39 @@ class Accumulator:
         identity: Hashable,
         weight: float = 1.0,
         tokens: int = 1,
+        effect: float | None = None,
     ) -> None:
         if update_id in self.entries:
             raise ValueError(f"update {update_id} is already in the round")
         if not weight > 0 or not tokens > 0:
             raise ValueError("an update's weight and tokens must be positive")
-        self.entries[update_id] = Entry(delta, identity, weight, tokens)
+        self.entries[update_id] = Entry(delta, identity, weight, tokens, effect)
 
     def discard(self, update_ids: Iterable[int]) -> list[int]:
         """Remove these updates (ids not held are ignored); returns the ids removed."""
         removed = [u for u in update_ids if self.entries.pop(u, None) is not None]
         return removed
 
+    def _groups(self) -> dict[Hashable, list[Entry]]:
+        groups: dict[Hashable, list[Entry]] = {}
+        for e in self.entries.values():
+            groups.setdefault(e.identity, []).append(e)
+        return groups
+
+    def effects(self) -> list[float | None]:
+        """Each identity's mean probe effect, in `by_identity`'s order (None: one of its
+        updates was not probed)."""
+        out: list[float | None] = []
+        for group in self._groups().values():
+            known = [e.effect for e in group if e.effect is not None]
+            out.append(sum(known) / len(known) if len(known) == len(group) else None)
+        return out
+
     def by_identity(self) -> tuple[list[Hashable], list[Tensors], list[float]]:
         """(identities, their votes, their weights) under the identity weighting: each
         identity's updates averaged into one vote (the drift tracker reads these whatever the
         weighting)."""
-        groups: dict[Hashable, list[Entry]] = {}
-        for e in self.entries.values():
-            groups.setdefault(e.identity, []).append(e)
+        groups = self._groups()
         votes, weights = [], []
         for group in groups.values():
             ws = [e.weight for e in group]

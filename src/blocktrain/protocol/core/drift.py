@@ -19,6 +19,19 @@ of the vote on one coordinate). The score is the larger. Past `drift_threshold` 
 update), its updates to the block are refused `drift` for the next `drift_min_rounds` rounds,
 and its sketch starts again.
 
+Unless its votes helped more than the others'. The residual says that a vote leans against the
+others, not which side is wrong: when leaning identities hold most of a block's votes, their
+median is the lean, and the honest minority's residuals are its mirror image (bench/
+adversarial.py, drift_four: four drift attackers against two honest replicas; both honest
+identities were flagged, and the block trained on the attackers' votes alone, +0.18 CE). So
+each sketch also keeps the decayed sums of its votes' probe effects (the relative change of
+the block's held-out loss, read when each update was judged) and of the median effect of the
+other votes of the same rounds: an identity whose effects fell further than the others' is
+spared. A drift attacker sizes its lean to spend its vote's gain (that is what passing the
+probe with a bias means), so its effects are the worse, and to be spared it must help more
+than the honest votes do. Rounds with an unprobed vote (the probe off, a restored round) add
+nothing to these sums; with none, every flag stands.
+
 A round of fewer than MIN_VOTES is not observed: one vote has no consensus; two votes' residuals
 are each other's negatives (which one leans cannot be told); with three, each vote's consensus
 is the mean of two, half of it the leaning vote's, so the honest votes lean half as far the
@@ -33,6 +46,7 @@ from __future__ import annotations
 import hashlib
 import math
 import secrets
+import statistics
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -65,6 +79,14 @@ class Sketch:
     votes: int = 0
     last: int = 0
     """The block's round of the last vote observed."""
+    effect: float = 0.0
+    """The decayed sum of its votes' probe effects (relative loss changes: negative helps)..."""
+    peers: float = 0.0
+    """... and of the median effect of the other votes of the same rounds."""
+
+    def helped_more(self) -> bool:
+        """Whether its votes lowered the held-out loss more than the others' of their rounds."""
+        return self.effect < self.peers
 
     def score(self) -> float:
         if not self.energy > 0:
@@ -145,9 +167,15 @@ class DriftTracker:
         return out
 
     def observe(
-        self, block: int, round: int, identities: Sequence[Hashable], votes: Sequence[Tensors]
+        self,
+        block: int,
+        round: int,
+        identities: Sequence[Hashable],
+        votes: Sequence[Tensors],
+        effects: Sequence[float | None] | None = None,
     ) -> list[Drifted]:
-        """Feed one committed round's votes (one per identity); the identities it flags."""
+        """Feed one committed round's votes (one per identity) and their probe effects (None:
+        not probed); the identities it flags."""
         if not self.on:
             return []
         for key in [
@@ -160,8 +188,10 @@ class DriftTracker:
             return []
         k = min(DRIFT_BUCKETS, sum(t.numel() for t in votes[0].values()))
         buckets = self._buckets(block, votes[0], k)
+        known = [e for e in effects or () if e is not None]
+        probed = len(known) == len(votes)
         flagged = []
-        for identity, r in zip(identities, residuals(votes), strict=True):
+        for i, (identity, r) in enumerate(zip(identities, residuals(votes), strict=True)):
             key = (block, identity)
             sketch = self.sketches.get(key) or Sketch(torch.zeros(k))
             sketch.sums.mul_(DRIFT_DECAY)
@@ -171,9 +201,16 @@ class DriftTracker:
                 float(t.pow(2).sum()) for t in r.values()
             )
             sketch.votes, sketch.last = sketch.votes + 1, round
+            sketch.effect *= DRIFT_DECAY
+            sketch.peers *= DRIFT_DECAY
+            if probed:
+                sketch.effect += known[i]
+                sketch.peers += statistics.median(known[:i] + known[i + 1 :])
             self.sketches[key] = sketch
             score = sketch.score()
             if sketch.votes >= self.min_rounds and score > self.threshold:
+                if sketch.helped_more():
+                    continue  # the others lean, not this identity
                 drifted = Drifted(identity, block, score, sketch.votes, round + self.min_rounds)
                 self.refused[key] = drifted
                 del self.sketches[key]

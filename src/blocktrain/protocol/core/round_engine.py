@@ -334,6 +334,7 @@ class RoundEngine(ReplayScreen, ProbeSlots):
             identity=identity,
             weight=verdict.weight * self.reputation.of(identity) * self.pacer.share(meta),
             tokens=meta.tokens,
+            effect=None if checked.effect is None else checked.effect.relative,
         )
         self.registry.seen(worker, now)
         return idle and rounds.started_at is not None
@@ -366,7 +367,9 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         drifted: tuple[Drifted, ...] = ()
         if self.drift.on and st.acc.count:
             identities, votes, _ = st.acc.by_identity()
-            drifted = tuple(self.drift.observe(st.index, closed.round, identities, votes))
+            drifted = tuple(
+                self.drift.observe(st.index, closed.round, identities, votes, st.acc.effects())
+            )
         for flagged in drifted:
             identity = cast(tuple[str, int], flagged.identity)  # `Registry.identity`'s
             if self.reputation.observe(identity, helpful=False):
