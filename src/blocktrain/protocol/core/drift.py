@@ -23,7 +23,8 @@ Unless its votes helped more than the others'. The residual says that a vote lea
 others, not which side is wrong: when leaning identities hold most of a block's votes, their
 median is the lean, and the honest minority's residuals are its mirror image (bench/
 adversarial.py, drift_four: four drift attackers against two honest replicas; both honest
-identities were flagged, and the block trained on the attackers' votes alone, +0.18 CE). So
+identities were flagged, and the block trained on the attackers' votes alone, +0.21 CE; with
+the rule below, +0.02, and the attackers are the ones flagged). So
 each sketch also keeps the decayed sums of its votes' probe effects (the relative change of
 the block's held-out loss, read when each update was judged) and of the median effect of the
 other votes of the same rounds: an identity whose effects fell further than the others' is
