@@ -32,15 +32,19 @@ describes each kind), over `--rounds` rounds, or MIN_ROUNDS for the drift rows (
 rows of each length run with them),
 
 under `default` (the aggregator's defaults: one vote per identity, clipping, tight bound, effect
-probe, replay screen) and `none` (the old aggregator: mean weighted by claimed tokens, no
-clipping, the loose bound 4 x lr x H x sqrt(params), no probe, no replay screen). final_ce is
+probe, replay screen, influence bound, drift tracking) and `none` (the old aggregator: mean
+weighted by claimed tokens, no clipping, the loose bound 4 x lr x H x sqrt(params), no probe,
+no replay screen, no influence bound, no drift tracking); `no_drift` (the defaults without drift
+tracking) only when --only names it. final_ce is
 the final model's sampler CE (M = 16 sweeps on 16384 validation bytes), clean_ce the clean
 row's under the same defences; target_drift the drift attackers' coordinate in the target
 block's final weights (byte 0's logit bias less the mean of the other bytes'), clean_target_drift
 the clean row's.
 
-    python bench/adversarial.py                 # 26 rows of 10 rounds and 6 of 20 (4-6 min
-                                                # a 10-round row here)
+    python bench/adversarial.py                 # 26 rows of 10 rounds and 6 of 20 (about
+                                                # 1 min a default row of 10 rounds here, at
+                                                # tiny; 2-5 min a none row)
+    python bench/adversarial.py --only drift_four/no_drift
     python bench/adversarial.py --force         # re-run rows already in the JSON
     python bench/adversarial.py --only sybils,clean/none   # some rows (several processes
                                                 # may share the JSON: each saves under a lock)

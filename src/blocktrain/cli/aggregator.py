@@ -164,7 +164,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_data_arg(p)  # the validation split feeds the effect probe and --live-eval-every
     add_setting_args(p)
-    p.set_defaults(handler=run)
+    p.set_defaults(handler=run, server=True)  # runtime.return_freed_memory
 
 
 def needs_data(settings: AggregatorSettings) -> bool:

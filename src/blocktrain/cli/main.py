@@ -34,7 +34,7 @@ from blocktrain.cli import (
 )
 from blocktrain.cli.common import apply_text_field
 from blocktrain.errors import BlockTrainError
-from blocktrain.runtime import keep_freed_memory
+from blocktrain.runtime import keep_freed_memory, return_freed_memory
 
 SUBCOMMANDS = (
     train,
@@ -107,7 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING, handlers=[handler]
     )
-    keep_freed_memory()
+    # a server's memory follows its requests; a trainer keeps its activations' pages
+    (return_freed_memory if getattr(args, "server", False) else keep_freed_memory)()
     try:
         apply_text_field(args)
         return int(args.handler(args) or 0)

@@ -191,7 +191,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "pay with slow hops and a distilled drafter, short ones (4-8) or none on one loaded "
         "machine: docs/serving.md, Which D to pick",
     )
-    p.set_defaults(handler=run_cmd)
+    p.set_defaults(handler=run_cmd, server=True)  # runtime.return_freed_memory
 
 
 def model_drafter(run: Path) -> ModelDrafter:

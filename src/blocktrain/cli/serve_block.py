@@ -136,7 +136,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="memory all kept caches may take (MiB); the least recently used generations "
         "are dropped past it",
     )
-    p.set_defaults(handler=run_cmd)
+    p.set_defaults(handler=run_cmd, server=True)  # runtime.return_freed_memory
 
 
 def host_device(name: str) -> torch.device:
