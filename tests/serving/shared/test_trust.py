@@ -386,6 +386,17 @@ def _unread_stream(
     return asyncio.ensure_future(app(scope, receive, send))  # type: ignore[operator]
 
 
+async def _honest_completion(app: object) -> httpx.Response:
+    """A small completion from another client (address 10.0.0.7), answered whole."""
+    transport = httpx.ASGITransport(app=app, client=("10.0.0.7", 1))
+    async with httpx.AsyncClient(transport=transport, base_url="http://router") as honest:
+        return await honest.post(
+            "/v1/completions",
+            json={"model": "bt", "prompt": "The ", "max_tokens": 8, "seed": 2},
+            timeout=60,
+        )
+
+
 def test_unread_streams_of_one_client_leave_work_for_everyone_else(cluster):
     """Regression: the router's in-flight work budget was shared by all clients; four streams
     that are never read held all of it, and every other client got 429 (75 of 75). Now one
@@ -406,13 +417,7 @@ def test_unread_streams_of_one_client_leave_work_for_everyone_else(cluster):
             if len(started) == 4:
                 break
             await asyncio.sleep(0.05)
-        transport = httpx.ASGITransport(app=app, client=("10.0.0.7", 1))
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as honest:
-            r = await honest.post(
-                "/v1/completions",
-                json={"model": "bt", "prompt": "The ", "max_tokens": 8, "seed": 2},
-                timeout=60,
-            )
+        r = await _honest_completion(app)
         for task in streams:
             task.cancel()
         await asyncio.gather(*streams, return_exceptions=True)
@@ -448,13 +453,7 @@ def test_streams_nobody_reads_from_many_addresses_leave_work_for_everyone_else(c
                 break
             await asyncio.sleep(0.05)
         parked = router.work.in_flight
-        transport = httpx.ASGITransport(app=app, client=("10.0.0.7", 1))
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as honest:
-            r = await honest.post(
-                "/v1/completions",
-                json={"model": "bt", "prompt": "The ", "max_tokens": 8, "seed": 2},
-                timeout=60,
-            )
+        r = await _honest_completion(app)
         assert not any(task.done() for task in streams), "a parked stream ended"
         for task in streams:
             task.cancel()
