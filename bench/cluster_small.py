@@ -82,9 +82,9 @@ def parse_args() -> argparse.Namespace:
         "--effect-probe",
         choices=("on", "off"),
         default="off",
-        help="the aggregator's effect probe (default off: the workers of a shared node are the "
-        "operator's own, and the probe, which guards a public aggregator, refuses honest updates "
-        "near the learning rate's peak; BENCHMARKS.md); a resume must pass the same",
+        help="the aggregator's effect probe (default off, as the committed run: the probe's "
+        "rule then refused honest updates near the learning rate's peak; `blocktrain cluster` "
+        "now runs it by default, BENCHMARKS.md); a resume must pass the same",
     )
     p.add_argument("--out", default=str(RESULTS / "cluster_small.json"), help="the JSON")
     p.add_argument("--benchmarks", default=str(BENCHMARKS_MD), help="the Markdown to update")

@@ -5,8 +5,10 @@ Writes OUT/state (the aggregator's state folder, every version kept), OUT/logs (
 process: each worker's says what each of its rounds did), OUT/model (the final assembled run
 folder, for `blocktrain eval` and `generate`), OUT/viewer.token and OUT/summary.json: rounds,
 participation per block, bytes moved against the minimum, from-noise CE per round, final CE.
-Every worker here is the user's own, so the aggregator's effect probe is off unless
-`--effect-probe on`, and rounds have a 60 s deadline unless `--deadline`.
+The aggregator's defaults are a public aggregator's (the effect probe and every other defence
+on: at the small shape they accepted every honest update, BENCHMARKS.md, Poisoning), but rounds
+have a 60 s deadline unless `--deadline`, and no minimum round length; a `--reference` (DiLoCo)
+cluster runs without the probe, which judges blocks.
 
 At the start it prints the aggregator's dashboard URL with a viewer token (one that may only
 watch: `blocktrain token add --viewer`) in its fragment, and the token itself. While the rounds
@@ -146,14 +148,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 CLUSTER_DEFAULTS = {
     "deadline_s": 60.0,
-    "effect_probe": "off",
     "min_round_s": 0.0,
     "live_eval_every": 1,
 }
-"""Settings that differ here from a public aggregator's: short rounds, no effect probe and no
-minimum round length, since every worker of a cluster is the user's own: the probe refuses
-honest updates near the learning rate's peak (BENCHMARKS.md, The shared-node run;
-`--effect-probe on` to have it), and a minimum round only holds back workers that are done.
+"""Settings that differ here from a public aggregator's: short rounds and no minimum round
+length, since every worker of a cluster is the user's own, and a minimum round only holds back
+workers that are done. The defences are the public aggregator's: with the paired test at a
+quarter step, the effect probe accepted every honest update of a 40-round run at the small
+shape, and the final CE was the undefended run's within 0.002 (bench/adversarial.py --preset
+small); it costs one forward pass of the block per update (docs/protocol.md, Effect probe,
+Cost). `--effect-probe off` saves that.
 The live evaluation is on, every round: a cluster always has the data, and its user watches
 the dashboard for the validation CE while the rounds run (a public aggregator's CPU serves the
 workers first: there it is off unless asked for). `--live-eval-every 0` turns it off."""
@@ -202,6 +206,13 @@ def run(args: argparse.Namespace) -> int:
     devices = spread_devices(args.workers, args.device, args.gpus)  # before any side effect
     eval_device = devices[0] if args.gpus is None else "cuda:0"
     backends = log_backends(args)  # an unknown backend or a missing library: before any write
+    unit = unit_of(args)
+    overrides = {**CLUSTER_DEFAULTS, **settings_overrides(args)}
+    # the probe judges blocks: off for DiLoCo, and refused if asked for
+    if unit == "reference" and overrides.setdefault("effect_probe", "off") != "off":
+        raise ConfigError(
+            "a reference (DiLoCo) cluster takes --effect-probe off: the probe judges blocks"
+        )
     out = Path(args.out)
     if (out / "state").exists() or (out / "summary.json").exists():
         if not args.overwrite:
@@ -216,9 +227,7 @@ def run(args: argparse.Namespace) -> int:
     data_path = str(resolve_data_path(args.data))
     patterns = file_patterns(args)
     valid = load_split(data_path, "valid", patterns)
-    overrides = {**CLUSTER_DEFAULTS, **settings_overrides(args)}
     local_steps = overrides.get("local_steps", 10)
-    unit = unit_of(args)
     cfg = resolve_rounds_config(args, local_steps)
     if unit == "reference":
         cfg = reference_config(cfg)

@@ -95,9 +95,12 @@ def test_a_features_cluster_trains_over_http(tmp_path, corpus, capsys):
 
 def test_a_diloco_cluster_trains_over_http(tmp_path, corpus, capsys):
     """--reference: every worker trains a replica of the end-to-end model (DiLoCo, outer
-    Nesterov), the state exports as a reference run, and the aggregator refuses the probe."""
+    Nesterov; the cluster turns the effect probe off, and refuses it asked for), the state
+    exports as a reference run, and the aggregator refuses the probe."""
     out = tmp_path / "cluster"
     argv = cluster_argv(out, corpus, "blocks=1", "layers=2")
+    assert main([*argv, "--reference", "--effect-probe", "on"]) == 2
+    assert "--effect-probe off" in capsys.readouterr().err and not out.exists()
     assert main([*argv, "--reference", "--outer-lr", "0.7", "--outer-momentum", "0.9"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["unit"] == "reference" and summary["blocks"] == 1
@@ -139,7 +142,7 @@ def test_cluster_command_runs_rounds_over_http(tmp_path, corpus, capsys):
         assert [r["round"] for r in rounds] == [0, 1, 2]
         assert all(r["accepted"] == 1 for r in rounds), rounds
     assert summary["updates"]["accepted"] == 9 and summary["updates"]["refused"] == 0
-    assert (summary["effect_probe"], summary["pull_wire"]) == ("off", "full")  # the defaults
+    assert (summary["effect_probe"], summary["pull_wire"]) == ("on", "full")  # the defaults
     b = summary["bytes"]
     # the minimum (a pull and a push per worker-round) leaves out route = features' upstream
     # reads: at most one of each block before the worker's own per round, 0 + 1 + 2 reads
