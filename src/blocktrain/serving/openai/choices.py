@@ -203,6 +203,7 @@ class Run:
     parked: bool = False
     """Its work is out of the work in flight while its stream waits for the client (`park`)."""
     ended: bool = False
+    """Its work was released for good (`done`)."""
 
     def pieces(self) -> AsyncGenerator[Piece]:
         """The choices' pieces, interleaved as they come."""

@@ -105,7 +105,8 @@ class _Stream(StreamingResponse):
             if not sending.done():
                 sending.cancel()
         sending.result()
-        if message.get("more_body") and not self._run.resume():
+        last = message["type"] == "http.response.body" and not message.get("more_body")
+        if not last and not self._run.resume():  # nothing is computed until it fits again
             loop = asyncio.get_running_loop()
             end = loop.time() + self._send_timeout_s
             while not self._run.resume():
