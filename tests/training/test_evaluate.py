@@ -56,3 +56,14 @@ def test_sampler_ce_by_sweeps_uses_the_first_sweeps(stack, windows):
     assert one["sampler_ce_by_sweeps"] == {}
     # one batch: its first sweep draws the same noise whatever M is
     assert by_m["1"] == pytest.approx(one["sampler_ce"], rel=1e-5)
+
+
+def test_the_ce_summary_of_a_wrecked_model_has_an_infinite_perplexity():
+    """Regression: bench/adversarial.py's undefended ascend row ended at a CE past 709 nats,
+    and math.exp raised OverflowError, losing the row."""
+    import math
+
+    from blocktrain.training.evaluate import ce_summary
+
+    assert ce_summary(1000.0) == {"bits_per_byte": 1000.0 / math.log(2), "perplexity": math.inf}
+    assert ce_summary(2.0)["perplexity"] == math.exp(2.0)

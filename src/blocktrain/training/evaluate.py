@@ -29,6 +29,7 @@ denoised at once, exactly as in training, so one sweep over a batch of windows c
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -97,7 +98,10 @@ def _oracle_nll(
 
 
 def ce_summary(ce: float) -> dict[str, float]:
-    return {"bits_per_byte": ce / math.log(2), "perplexity": math.exp(ce)}
+    """Bits per byte and perplexity; a wrecked model's CE past ~709 nats (bench/adversarial.py,
+    ascend undefended) has an infinite perplexity rather than an OverflowError."""
+    perplexity = math.exp(ce) if ce < math.log(sys.float_info.max) else math.inf
+    return {"bits_per_byte": ce / math.log(2), "perplexity": perplexity}
 
 
 @torch.no_grad()
