@@ -167,13 +167,15 @@ class BlockRounds:
         (finding "quorum stuffing")."""
         return frozenset(c.worker_id for c in self.accepted if c.round == self.round)
 
-    def waiting(self, now: float | None = None) -> frozenset[int]:
+    def waiting(
+        self, now: float | None = None, expected: frozenset[int] | None = None
+    ) -> frozenset[int]:
         """Expected replicas that can still pass the open round: those refused in it cannot (a
         second push is a duplicate), so the round stops waiting for them. Otherwise junk pushers
         on tokens of their own, expected and never passing, would hold every round to its
         deadline (finding "quorum stuffing", its second half)."""
         refused = self.reported - self.passed
-        return self.expected(now) - refused
+        return (self.expected(now) if expected is None else expected) - refused
 
     def quorum_met(self, reported: Collection[int], expected: frozenset[int]) -> bool:
         """Whether `reported` (replicas that passed) holds the quorum of `expected` (at least
@@ -312,7 +314,7 @@ class BlockRounds:
             return None
         deadline = self.deadline
         expected = self.expected(now)
-        waiting = self.waiting(now)
+        waiting = self.waiting(now, expected)  # `expected` is read once a tick
         passed = self.passed
         quorum = self._quorum(waiting, now)  # notes when the quorum first passed
         if deadline is not None and now >= deadline:
