@@ -15,6 +15,7 @@ class Answer:
     body: bytes
     chunks_pulled: int
     bytes_pulled: int
+    headers: dict[str, str]
 
 
 def asgi_request(
@@ -65,9 +66,10 @@ def asgi_request(
         "server": ("127.0.0.1", 2),
     }
     asyncio.run(app(scope, receive, send))
-    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    start = next(m for m in sent if m["type"] == "http.response.start")
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    return Answer(status, body, pulled[0], pulled[1])
+    headers = {k.decode().lower(): v.decode() for k, v in start.get("headers", [])}
+    return Answer(start["status"], body, pulled[0], pulled[1], headers)
 
 
 def answered_by(app: Any, request: Any) -> Any:

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 import pytest
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 
 from blocktrain.errors import ConfigError
 from blocktrain.httpserve import HttpGuard, Limits, TokenBucket, declared_length
@@ -27,6 +27,11 @@ def echo_app(limits: Limits, **guard: Any) -> FastAPI:
     @app.post("/refuse")
     async def refuse() -> dict[str, str]:  # answers without reading the body, as a 401 does
         return {"refused": "before the body"}
+
+    @app.post("/limited")
+    async def limited(request: Request) -> Response:  # a client past its rate
+        wait = request.headers.get("x-retry-after", "5")
+        return Response(b"slow down", status_code=429, headers={"retry-after": wait})
 
     app.add_middleware(HttpGuard, limits=limits, **guard)
     return app
@@ -244,6 +249,7 @@ class _Transport:
         self.peer = (address, port)
         self.written = b""
         self.closed = False
+        self.reading = True
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return {"peername": self.peer, "sockname": ("127.0.0.1", 8000)}.get(name, default)
@@ -253,6 +259,9 @@ class _Transport:
 
     def close(self) -> None:
         self.closed = True
+
+    def pause_reading(self) -> None:
+        self.reading = False
 
     def is_closing(self) -> bool:
         return self.closed
@@ -272,7 +281,7 @@ def test_a_connection_refused_over_its_share_takes_no_slot_of_the_server():
 
     from blocktrain.listener import _protocol
 
-    limits = Limits(max_connections=8)  # a share of 2 per address
+    limits = Limits(max_connections=8, tarpit_s=0)  # a share of 2 per address, 503 at once
     protocol = _protocol(limits)
     config = uvicorn.Config(echo_app(limits), http=protocol, limit_concurrency=8)
     config.load()
@@ -301,6 +310,66 @@ def test_a_connection_refused_over_its_share_takes_no_slot_of_the_server():
         assert again in state.connections and not transport.written
     finally:
         loop.close()
+
+
+def test_a_connection_over_its_share_waits_its_tarpit_unread_before_its_503():
+    """Found by bench/live_attacks.py (halfopen): refused at once, a client re-opening each
+    refused connection at once churned 12,000 connections a second through the server's accept
+    loop (a core; honest calls took 54x their unloaded time). Now each refused connection is
+    held, unread, for `tarpit_s` before its 503, up to `held_refusals` of them at once (twice
+    max_connections here); beyond that the 503 goes at once. A client that leaves during its
+    tarpit is forgotten."""
+    import asyncio
+
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from blocktrain.listener import _protocol, held_refusals
+
+    limits = Limits(max_connections=8, tarpit_s=0.05)  # 2 per address; 16 held at most
+    assert held_refusals(limits) == 16
+    protocol = _protocol(limits)
+    config = uvicorn.Config(echo_app(limits), http=protocol, limit_concurrency=8)
+    config.load()
+    state = ServerState()
+    loop = asyncio.new_event_loop()
+    try:
+        attack = []
+        for i in range(30):
+            conn, transport = protocol(config, state, {}, _loop=loop), _Transport("127.0.0.2", i)
+            conn.connection_made(transport)  # type: ignore[arg-type]
+            attack.append((conn, transport))
+        refused = attack[2:]
+        held = [(c, t) for c, t in refused if not t.closed]
+        assert len(held) == 16 and not any(t.written or t.reading for _, t in held)
+        assert all(t.written.startswith(b"HTTP/1.1 503") for _, t in refused[16:])
+        left = held.pop()  # its client goes away during the tarpit
+        left[1].closed = True
+        left[0].connection_lost(None)
+        loop.run_until_complete(asyncio.sleep(0.2))
+        assert all(t.written.startswith(b"HTTP/1.1 503") and t.closed for _, t in held)
+        assert not left[1].written
+        assert len(state.connections) == 2  # the two within the share, served
+    finally:
+        loop.close()
+
+
+def test_a_429_is_held_for_the_tarpit_then_closes_the_connection():
+    """Found by bench/live_attacks.py (stop_strings, push_flood): a client past its rate got
+    its 429 at once, and 4 connections sending as fast as they were answered drew 1,800
+    refusals a second from the router (a core). Now the guard sends a 429 `tarpit_s` after the
+    app decided it, at most its Retry-After, with `Connection: close`."""
+    app = echo_app(Limits(tarpit_s=0.3))
+    started = time.monotonic()
+    answer = asgi_request(app, "POST", "/limited", {"content-length": "0"})
+    waited = time.monotonic() - started
+    assert answer.status == 429 and answer.headers["connection"] == "close"
+    assert 0.3 <= waited < 2.0, waited
+    started = time.monotonic()
+    asgi_request(app, "POST", "/limited", {"content-length": "0", "x-retry-after": "0"})
+    assert time.monotonic() - started < 0.25, "never longer than the Retry-After"
+    ok = asgi_request(app, "POST", "/echo", {"content-length": "2"}, [b"ab"])
+    assert ok.status == 200 and "connection" not in ok.headers
 
 
 def test_the_share_per_address_is_a_quarter_unless_set():

@@ -15,7 +15,8 @@ What is enforced here (the head timeout, the connection caps and keep-alive are 
   after a grace of `body_grace_s` (408 otherwise). The app sees a disconnect; the guard
   answers, with `Connection: close`.
 - `TokenBucket`: requests per client (a token, an address) at a rate, after a burst; each
-  server turns its refusal into its own 429.
+  server turns its refusal into its own 429, which the guard holds for `Limits.tarpit_s` (at
+  most its Retry-After) before it sends it, with `Connection: close`.
 """
 
 from __future__ import annotations
@@ -66,6 +67,14 @@ class Limits:
     """Connections at once from one client address; None: a quarter of `max_connections`."""
     keep_alive_s: int = 30
     max_header_bytes: int = 64 * 1024
+    tarpit_s: float = 1.0
+    """How long a refusal for a client's rate or share waits before it is sent: a 429 (here,
+    at most its Retry-After, and then the connection closes) and a connection over its
+    address's share (listener: held that long, unread, before its 503). A client that floods
+    requests it knows will be refused then gets one answer per connection per `tarpit_s`,
+    however fast it sends: its refusals cost the server what a few polite requests do, not a
+    core (bench/live_attacks.py). A well-behaved client waits the Retry-After anyway. 0: at
+    once."""
 
     def __post_init__(self) -> None:
         for name in ("max_body", "max_connections", "keep_alive_s", "max_header_bytes"):
@@ -79,6 +88,8 @@ class Limits:
         for name in ("header_timeout_s", "body_grace_s", "min_body_rate"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, not {getattr(self, name)}")
+        if not 0 <= self.tarpit_s <= 60:
+            raise ConfigError(f"tarpit_s must lie in 0..60 seconds, not {self.tarpit_s}")
 
     @property
     def per_address(self) -> int:
@@ -277,7 +288,9 @@ class HttpGuard:
                 if body.failure is not None:
                     return  # the guard answers instead
                 body.response_started = True
-                if expects_body and not body.complete:
+                if message.get("status") == 429:
+                    message = await self._tarpit(message)
+                elif expects_body and not body.complete:
                     # an answer before the whole body (a refusal): close after it, or the
                     # server would wait to drain the body, as slowly as the client sends it
                     headers = [*message.get("headers", []), (b"connection", b"close")]
@@ -294,6 +307,21 @@ class HttpGuard:
                 raise
         if body.failure is not None and not body.response_started:
             await self._answer(scope, send, *body.failure)
+
+    async def _tarpit(self, message: Message) -> Message:
+        """A 429, sent `limits.tarpit_s` (at most its Retry-After) after it was decided, on a
+        connection that then closes: a flood of requests past a rate gets one refusal per
+        connection per tarpit_s."""
+        headers = list(message.get("headers", []))
+        delay = self.limits.tarpit_s
+        for key, value in headers:
+            if key.lower() == b"retry-after" and value.strip().isdigit():
+                delay = min(delay, float(value))
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if not any(key.lower() == b"connection" for key, _ in headers):
+            headers.append((b"connection", b"close"))
+        return {**message, "headers": headers}
 
     async def _answer(self, scope: Scope, send: Send, status: int, code: str, detail: str) -> None:
         if self.on_refuse is not None:

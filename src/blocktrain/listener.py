@@ -11,12 +11,17 @@ connection limits of `httpserve.Limits` (the body guard and the request rate are
   of `max_connections`): a connection beyond it is answered 503 and closed as it opens, so one
   address that keeps re-opening half-sent heads cannot hold every slot (`_protocol`); nor
   does a refused connection count against `max_connections`, however many are refused at once.
+  The 503 waits `tarpit_s`, the connection held unread meanwhile (up to `held_refusals` of
+  them; beyond, it is sent at once): a client that re-opens each refused connection at once
+  then churns one per connection per tarpit_s, not as fast as it can (tens of thousands a
+  second on loopback, a core of the server's time).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import resource
 import signal
 import socket
 import threading
@@ -68,7 +73,16 @@ TOO_MANY_CONNECTIONS = (
     b"content-length: %d\r\nretry-after: 1\r\nconnection: close\r\n\r\n%s"
     % (len(_TOO_MANY), _TOO_MANY)
 )
-"""The answer to a connection over its address's share, sent as it opens: no request is read."""
+"""The answer to a connection over its address's share (after `Limits.tarpit_s`): no request is
+read."""
+
+
+def held_refusals(limits: Limits) -> int:
+    """Refused connections held at once for their tarpit: twice `max_connections`, within the
+    file descriptors the process may open beside the connections it serves."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    spare = soft - limits.max_connections - 64 if soft != resource.RLIM_INFINITY else 1 << 20
+    return max(0, min(2 * limits.max_connections, spare))
 
 
 def _protocol(limits: Limits) -> type[H11Protocol]:
@@ -77,15 +91,18 @@ def _protocol(limits: Limits) -> type[H11Protocol]:
     line would hold it (and a slot of `limit_concurrency`) forever. And with a share of the
     connections per client address: one server's protocols count their peers' addresses (all
     run on the server's event loop), and a connection beyond `limits.per_address` is answered
-    503 and closed before anything is read."""
+    503 and closed before anything is read, `limits.tarpit_s` after it opened."""
     header_timeout_s = limits.header_timeout_s
     per_address = limits.per_address
     open_from: dict[str, int] = {}
+    held: set[GuardedH11] = set()
+    most_held = held_refusals(limits) if limits.tarpit_s > 0 else 0
 
     class GuardedH11(H11Protocol):
         _head_timer: asyncio.TimerHandle | None = None
         _address: str | None = None
         _refused: bool = False
+        _hold: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             peer = transport.get_extra_info("peername")
@@ -96,8 +113,12 @@ def _protocol(limits: Limits) -> type[H11Protocol]:
                 # re-opening connections as fast as it can holds hundreds not yet closed
                 self._refused = True
                 self.transport = transport
-                transport.write(TOO_MANY_CONNECTIONS)
-                transport.close()
+                transport.pause_reading()
+                if len(held) < most_held:
+                    held.add(self)
+                    self._hold = self.loop.call_later(limits.tarpit_s, self._refuse)
+                else:
+                    self._refuse()
                 return
             super().connection_made(transport)
             if address is not None:
@@ -119,9 +140,19 @@ def _protocol(limits: Limits) -> type[H11Protocol]:
             super().on_response_complete()
             self._disarm()  # uvicorn's keep-alive timeout covers the idle time until new data
 
+        def _refuse(self) -> None:
+            held.discard(self)
+            self._hold = None
+            if not self.transport.is_closing():
+                self.transport.write(TOO_MANY_CONNECTIONS)
+                self.transport.close()
+
         def connection_lost(self, exc: Exception | None) -> None:
-            if self._refused:
-                return  # uvicorn never saw it
+            if self._refused:  # uvicorn never saw it
+                if self._hold is not None:  # the client left during its tarpit
+                    self._hold.cancel()
+                    self._refuse()
+                return
             self._disarm()
             if self._address is not None:
                 left = open_from.pop(self._address) - 1

@@ -267,11 +267,13 @@ def test_the_router_caps_the_work_in_flight_and_releases_it(cluster):
     with cluster.router(max_work=8, max_work_in_flight=10) as router:
         work = router.app.state.router.work
         held = work.admit(8, "test", "max_tokens")  # another request, running
-        busy = router.post("/v1/completions", json=request)
+        work.admit(2, "test", "max_tokens", "10.0.0.9")  # and another client's
+        busy = router.post("/v1/completions", json=request)  # past its fair share, 10 / 3
         assert busy.status_code == 429, busy.text
         assert busy.json()["error"]["code"] == "busy"
         assert busy.headers["retry-after"] == "1"
         work.release(held)
+        work.release(2, "10.0.0.9")
         assert router.post("/v1/completions", json=request).status_code == 200
         with router.stream("POST", "/v1/completions", json={**request, "stream": True}) as s:
             assert s.status_code == 200
@@ -624,6 +626,78 @@ def test_a_request_whose_client_hung_up_stops_computing_and_frees_its_work(clust
     assert traversals < 200, f"{traversals:.0f} traversals for a client that hung up after 10"
     assert held == [4000], "the work was held until the hang-up"
     assert router.work.in_flight == 0
+
+
+def test_a_newcomer_within_its_fair_share_is_admitted_over_a_full_budget():
+    """Found by bench/live_attacks.py (unread_streams_4_addresses): four addresses, each
+    within its share (half the budget), held the whole budget with streams their buffers had
+    not yet stalled, and another client got 429 on 118 of 118 tries. Now a client whose work
+    stays within its fair share (the budget over the clients holding work) is admitted over a
+    full budget, up to twice the budget, and while the budget is over, the clients above
+    their share pause between pieces; the smallest holder never does."""
+    work = WorkLimiter(per_request=8, in_flight_max=32, per_client=16)
+    for client in ("a", "a", "b", "b"):
+        work.admit(8, "w", "max_tokens", client)
+    assert work.in_flight == 32 and not work.should_yield("a")
+    work.admit(8, "w", "max_tokens", "c")  # fair share 32 / 3: admitted over the budget
+    with pytest.raises(Exception, match="busy"):
+        work.admit(8, "w", "max_tokens", "c")  # 16 would pass it
+    assert work.should_yield("a") and work.should_yield("b") and not work.should_yield("c")
+    work.admit(8, "w", "max_tokens", "d")  # 32 / 4
+    honest = work.admit(4, "w", "max_tokens", "e")  # 32 / 5
+    assert work.in_flight == 52
+    assert [work.should_yield(x) for x in "abcde"] == [True, True, True, True, False]
+    for i in range(3):  # newcomers: the work in flight stays within twice the budget
+        work.admit(4, "w", "max_tokens", f"f{i}")
+    with pytest.raises(Exception, match="busy"):
+        work.admit(4, "w", "max_tokens", "g")
+    assert work.in_flight == 64
+    equal = WorkLimiter(per_request=8, in_flight_max=8)  # the smallest holder goes on
+    equal.admit(5, "w", "max_tokens", "x")
+    equal.admit(4, "w", "max_tokens", "y")  # 4 <= 8 / 2: over the budget, at 9
+    assert equal.in_flight == 9 and equal.should_yield("x") and not equal.should_yield("y")
+    work.release(honest, "e")
+
+
+def test_a_client_is_served_while_four_addresses_hold_the_budget_with_live_streams(cluster):
+    """The same through the router: two streams from each of four addresses, none yet
+    stalled long enough to park, and a fifth client's completion is answered, not 429."""
+    from blocktrain.serving import RouterSettings, create_router_app
+
+    app = create_router_app(
+        RouterSettings(
+            hosts=tuple(cluster.urls), max_work=8, max_work_in_flight=32, park_after_s=3600
+        ),
+        transport=cluster.apps,
+    )
+    router = app.state.router
+
+    async def main() -> tuple[list[int], int, str]:
+        started: list[int] = []
+        streams = []
+        for i in range(4):
+            for _ in range(2):
+                streams.append(_unread_stream(app, f"10.0.0.{60 + i}", started))
+                for _ in range(600):
+                    if len(started) == len(streams):
+                        break
+                    await asyncio.sleep(0.01)
+        transport = httpx.ASGITransport(app=app, client=("10.0.0.7", 1))
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as honest:
+            r = await honest.post(
+                "/v1/completions",
+                json={"model": "bt", "prompt": "The ", "max_tokens": 4, "seed": 2},
+                timeout=60,
+            )
+        for task in streams:
+            task.cancel()
+        await asyncio.gather(*streams, return_exceptions=True)
+        return started, r.status_code, r.text
+
+    started, status, text = asyncio.run(main())
+    assert started == [200] * 4 + [200, 429] * 2, started
+    assert status == 200, text
+    assert router.work.in_flight == 0 and router.work.by_client == {}
 
 
 def test_the_work_share_per_client_counts_exactly():

@@ -81,10 +81,11 @@ def create_app(
 
     app = FastAPI(title="BlockTrain router", lifespan=lifespan)
     app.state.router = router
+    # The guard outside the rate limit: it holds the limit's 429s (Limits.tarpit_s).
+    app.add_middleware(RateLimit, limiter=limiter)
     app.add_middleware(
         HttpGuard, limits=Limits(max_body=settings.max_body_bytes), error_body=error_body
     )
-    app.add_middleware(RateLimit, limiter=limiter)
 
     @app.exception_handler(ServingError)
     async def serving_error(_: Request, exc: ServingError) -> JSONResponse:

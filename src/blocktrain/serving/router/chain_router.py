@@ -21,10 +21,11 @@ that has already started, a failure arrives as a last `data: {"error": ...}` eve
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -57,6 +58,9 @@ from blocktrain.serving.shared.serving_errors import (
     reversed_stack_sweep,
 )
 from blocktrain.serving.shared.wire import WireDtype
+
+YIELD_POLL_S = 0.01
+"""How often a job that yields to a newcomer (`WorkLimiter.should_yield`) looks again."""
 
 log = logging.getLogger(__name__)
 
@@ -268,8 +272,22 @@ class Router:
         if why is not None:
             raise BadRequest(why, param="draft_bytes")
 
-    def stream(self, job: Job, stats: ChainStats) -> AsyncIterator[torch.Tensor]:
-        """The new bytes (1, m) piece by piece: a span per sweep, or a byte per traversal."""
+    async def stream(self, job: Job, stats: ChainStats) -> AsyncIterator[torch.Tensor]:
+        """The new bytes (1, m) piece by piece: a span per sweep, or a byte per traversal.
+        Before each next piece, a job whose client holds more than its fair share of a budget
+        that is over its limit waits (`WorkLimiter.should_yield`): the newcomer admitted within
+        its share computes first."""
+        pieces = self._pieces(job, stats)
+        try:
+            async for piece in pieces:
+                yield piece
+                while self.work.should_yield(job.client):
+                    await asyncio.sleep(YIELD_POLL_S)
+        finally:  # stopped early or cancelled: the loop ends now (a host's cache expires)
+            if isinstance(pieces, AsyncGenerator):
+                await pieces.aclose()
+
+    def _pieces(self, job: Job, stats: ChainStats) -> AsyncIterator[torch.Tensor]:
         chain = self.chain(job.model, stats)
         prompt = torch.tensor([list(job.prompt)], dtype=torch.long)
         gen = torch.Generator().manual_seed(job.seed)
