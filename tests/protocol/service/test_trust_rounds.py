@@ -129,6 +129,28 @@ def test_the_probe_runs_after_the_cheap_checks(harness):
     assert probe.calls == 2, "none of them reached the probe"
 
 
+def test_a_token_that_re_registers_after_an_accepted_push_casts_no_second_update(harness):
+    """Found by bench/live_attacks.py (push_flood): a token that re-registered a worker after
+    each push had 102 pushes accepted in 30 s, 10 a round, every one probed (each new worker's
+    push was its first report). Its token may run one worker, so its identity holds at most
+    one update a round: the new worker's push is refused `duplicate`, before the probe."""
+    h = harness
+    probe = TargetProbe(TARGET)
+    h.service.engine.use_probe(probe)
+    a = h.register(h.alice, block=0)["worker_id"]
+    b = h.register(h.bob, block=0)["worker_id"]  # the round waits for it
+    for t, w in ((h.alice, a), (h.bob, b)):
+        assert h.pull(t, w, 0).status_code == 200
+    assert h.push(h.alice, a, 0, body(GOOD)).status_code == 200
+    calls = probe.calls
+    again = h.register(h.alice, block=0)["worker_id"]  # retires a
+    assert again != a and h.pull(h.alice, again, 0).status_code == 200
+    r = h.push(h.alice, again, 0, body(GOOD))
+    assert r.status_code == 409 and r.json()["reason"] == "duplicate", r.text
+    assert "already has 1 update(s) in round 0" in r.json()["detail"]
+    assert probe.calls == calls, "refused before the probe"
+
+
 def test_a_token_s_refused_probes_are_bounded_per_round(harness):
     """A `no_gain` refusal was free, and the probe is the aggregator's costliest step: a token
     that re-registers a worker for every push (each new worker may report once) reaches it at

@@ -270,7 +270,12 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         no longer registered on `block` (retired for a newer worker of its token, or gone) is
         refused: its vote would otherwise count as an identity of its own; one that declares
         more local steps than its pull was told is refused `bad_metadata` (`pacing`); one whose
-        identity is flagged on the block for drift is refused `drift` (`drift.DriftTracker`)."""
+        identity is flagged on the block for drift is refused `drift` (`drift.DriftTracker`); and
+        one whose identity already has `max_workers_per_token` updates in the block's open round
+        is refused `duplicate`: a token that re-registers after each push (each new worker a
+        first report) still casts one vote a round, but every such push was probed
+        (bench/live_attacks.py, push_flood: 102 of a flooding token's pushes accepted in 30 s,
+        10 a round)."""
         self.tick(now)
         assigned = self.registry.block_of(worker)
         if assigned != block:
@@ -284,7 +289,18 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         standing = self.drift.standing(block, self.registry.identity(worker), rounds.round)
         if not standing.accepted:
             return standing
-        return rounds.judge(worker, round=meta.round, base_version=meta.base_version, now=now)
+        timing = rounds.judge(worker, round=meta.round, base_version=meta.base_version, now=now)
+        if not timing.accepted:
+            return timing
+        identity = self.registry.identity(worker)
+        held = sum(e.identity == identity for e in self.blocks[block].acc.entries.values())
+        if held >= self.settings.max_workers_per_token:
+            return Verdict.refuse(
+                "duplicate",
+                f"identity {identity} already has {held} update(s) in round {rounds.round} of "
+                f"block {block}, as many as its token may run workers",
+            )
+        return timing
 
     def record(
         self,

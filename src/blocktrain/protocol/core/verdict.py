@@ -55,7 +55,11 @@ REASONS: dict[str, tuple[int, str]] = {
     ),
     "stale_version": (409, "base_version is not the version the round published"),
     "future_round": (409, "the update names a round that has not opened"),
-    "duplicate": (409, "this worker already reported for this round"),
+    "duplicate": (
+        409,
+        "this worker already reported for this round, or its identity as many times as its "
+        "token may run workers",
+    ),
     "done": (410, "the block has finished its rounds"),
     "replay": (
         409,
