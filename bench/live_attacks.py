@@ -46,7 +46,8 @@ is. The attackers run on the same machine: the table shows the CPU they and the 
 
     python bench/live_attacks.py            # the full figures: ~10-15 min on 2 free cores
     python bench/live_attacks.py --quick    # a smoke: short windows, one aggregator
-    python bench/live_attacks.py --only halfopen,unread_streams
+    python bench/live_attacks.py --only halfopen,unread_streams   # the other rows of the JSON
+                                            # stay, when measured under the same settings
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ from blocktrain.protocol.store.storage import StateDir
 from blocktrain.protocol.store.tokens import hash_token, new_token
 from report import (  # bench/report.py
     BLOCKTRAIN,
+    RESULTS,
     ROOT,
     cluster_state,
     free_ports,
@@ -277,6 +279,17 @@ def _workers(entry: dict[str, Any]) -> str:
     )  # fmt: skip
 
 
+def _provenance(rows: list[dict]) -> str:
+    """Which commit measured which rows, when they are not all one's (`--only` merges)."""
+    commits: dict[str, list[str]] = {}
+    for r in rows:
+        commits.setdefault(r.get("commit") or "?", []).append(f"{r['attack']} ({r['target']})")
+    if len(commits) <= 1:
+        return ""
+    parts = [f"{c}: {', '.join(names)}" for c, names in commits.items()]
+    return " Rows measured at several commits: " + "; ".join(parts) + "."
+
+
 def markdown(result: dict[str, Any]) -> str:
     rows = result["rows"]
     s = result["settings"]
@@ -291,7 +304,8 @@ def markdown(result: dict[str, Any]) -> str:
         "tiny model trained 20 steps. Pass: median within "
         f"{s['factor']:g}x unloaded and every honest request served (and, at the aggregator, the "
         f"honest updates in time, rounds within {s['factor']:g}x their unloaded length, no early "
-        f"round before the minimum, RSS growth under {s['rss_growth_mb']:g} MB).",
+        f"round before the minimum, RSS growth under {s['rss_growth_mb']:g} MB)."
+        + _provenance(rows),
         "",
         "| attack | server | honest request | unloaded median (ms) | attacked median (ms) | "
         "attacked p90 (ms) | ratio | honest outcomes attacked | verdict |",
@@ -791,6 +805,41 @@ def wait_ready(url: str, timeout_s: float = 120.0) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def settings_of(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "quick": args.quick,
+        "unloaded_s": args.unloaded,
+        "attack_s": args.attack,
+        "settle_s": args.settle,
+        "interval_s": args.interval,
+        "deadline_s": args.deadline,
+        "min_round_s": args.deadline / 4,
+        "local_steps": args.local_steps,
+        "factor": args.factor,
+        "rss_growth_mb": args.rss_growth_mb,
+        "honest_address": HONEST,
+        "attacker_address": ATTACKER,
+    }
+
+
+def merged_rows(path: Path, rows: list[dict], settings: dict[str, Any]) -> list[dict]:
+    """`rows` over the rows of the JSON at `path` (by attack and target), in the bench's order,
+    when that JSON was measured under the same `settings`; else `rows` alone. Each row keeps
+    the commit it was measured at."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return rows
+    if old.get("settings") != settings:
+        return rows
+    order = [(a, "aggregator") for a in AGGREGATOR_ATTACKS] + [
+        (a, "router") for a in ROUTER_ATTACKS
+    ]
+    by_key = {(r["attack"], r["target"]): r for r in old.get("rows", [])}
+    by_key.update({(r["attack"], r["target"]): r for r in rows})
+    return [by_key[k] for k in order if k in by_key]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -826,23 +875,15 @@ def main() -> None:
         if pick(ROUTER_ATTACKS):
             rows += router_rows(pick(ROUTER_ATTACKS), args, Path(tmp))
     name = "live_attacks-quick.json" if args.quick else "live_attacks.json"
+    commit = machine()["commit"]
+    for r in rows:
+        r["commit"] = commit
+    if only:  # the rows not run this time stay, when they were measured under the same settings
+        rows = merged_rows(RESULTS / name, rows, settings_of(args))
     result = {
         "command": "python bench/live_attacks.py " + " ".join(sys.argv[1:]),
         "json": name,
-        "settings": {
-            "quick": args.quick,
-            "unloaded_s": args.unloaded,
-            "attack_s": args.attack,
-            "settle_s": args.settle,
-            "interval_s": args.interval,
-            "deadline_s": args.deadline,
-            "min_round_s": args.deadline / 4,
-            "local_steps": args.local_steps,
-            "factor": args.factor,
-            "rss_growth_mb": args.rss_growth_mb,
-            "honest_address": HONEST,
-            "attacker_address": ATTACKER,
-        },
+        "settings": settings_of(args),
         "rows": rows,
         "wall_s": time.monotonic() - t0,
         "machine": machine(),

@@ -4,6 +4,7 @@ the 2x verdict, the aggregator's checks, the markdown; and the update attackers'
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -225,3 +226,21 @@ def test_a_stop_string_body_is_about_its_size_and_over_the_router_s_stop_limits(
         assert 990_000 < len(body) <= 1_000_100, len(body)
         stops = __import__("json").loads(body)["stop"]
         assert len(stops) > MAX_STOPS or max(len(s) for s in stops) > MAX_STOP_BYTES
+
+
+def test_rows_run_with_only_replace_their_own_and_keep_the_others(tmp_path: Path) -> None:
+    settings = {"quick": False, "attack_s": 30.0}
+    old = [
+        {"attack": "push_flood", "target": "aggregator", "commit": "a"},
+        {"attack": "halfopen", "target": "router", "commit": "a"},
+    ]
+    path = tmp_path / "live.json"
+    path.write_text(json.dumps({"settings": settings, "rows": old}))
+    new = [{"attack": "push_flood", "target": "aggregator", "commit": "b"}]
+    merged = live_attacks.merged_rows(path, new, settings)
+    assert [(r["attack"], r["commit"]) for r in merged] == [("push_flood", "b"), ("halfopen", "a")]
+    assert "several commits: b: push_flood (aggregator); a: halfopen (router)" in (
+        live_attacks._provenance(merged)
+    )
+    assert live_attacks.merged_rows(path, new, {**settings, "attack_s": 8.0}) == new
+    assert live_attacks.merged_rows(tmp_path / "none.json", new, settings) == new
