@@ -835,7 +835,8 @@ def merged_rows(path: Path, rows: list[dict], settings: dict[str, Any]) -> list[
     order = [(a, "aggregator") for a in AGGREGATOR_ATTACKS] + [
         (a, "router") for a in ROUTER_ATTACKS
     ]
-    by_key = {(r["attack"], r["target"]): r for r in old.get("rows", [])}
+    measured_at = old.get("machine", {}).get("commit")
+    by_key = {(r["attack"], r["target"]): {"commit": measured_at, **r} for r in old.get("rows", [])}
     by_key.update({(r["attack"], r["target"]): r for r in rows})
     return [by_key[k] for k in order if k in by_key]
 
