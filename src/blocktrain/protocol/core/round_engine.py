@@ -292,15 +292,23 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         timing = rounds.judge(worker, round=meta.round, base_version=meta.base_version, now=now)
         if not timing.accepted:
             return timing
+        return self.identity_full(worker, block) or timing
+
+    def identity_full(self, worker: int, block: int) -> Verdict | None:
+        """`duplicate` when `worker`'s identity already has `max_workers_per_token` updates in
+        the block's open round (None otherwise). Every further update of the identity would
+        count in that round, whatever round it names, so a driver may refuse a push before
+        reading its body."""
         identity = self.registry.identity(worker)
         held = sum(e.identity == identity for e in self.blocks[block].acc.entries.values())
-        if held >= self.settings.max_workers_per_token:
-            return Verdict.refuse(
-                "duplicate",
-                f"identity {identity} already has {held} update(s) in round {rounds.round} of "
-                f"block {block}, as many as its token may run workers",
-            )
-        return timing
+        if held < self.settings.max_workers_per_token:
+            return None
+        return Verdict.refuse(
+            "duplicate",
+            f"identity {identity} already has {held} update(s) in round "
+            f"{self.blocks[block].rounds.round} of block {block}, as many as its token may run "
+            "workers",
+        )
 
     def record(
         self,

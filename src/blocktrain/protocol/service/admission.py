@@ -99,7 +99,8 @@ class Admission:
     ) -> PushContext:
         """Who is pushing, to which block: refused before a byte of the body is read, and so is
         a push of an identity whose probe budget for the block's open round is spent (`busy`:
-        the probe would refuse it whatever it holds). Only an authenticated, admitted token's
+        the probe would refuse it whatever it holds), or that already has as many updates in
+        that round as its token may run workers (`duplicate`). Only an authenticated, admitted token's
         refusals get a ledger row (the HTTP guard has already checked the declared size)."""
         received = self.clock()
         token = self.authenticate(authorization)
@@ -110,9 +111,11 @@ class Admission:
             caller = self.identify(authorization, worker_header)
             worker = caller.worker_id
             worker = self._worker_on(caller, block)
-            with self.lock:
-                spent = self.engine.budget_spent(worker, block)
-            if spent is not None:  # what reserve_probe would say: not worth reading the body
+            with self.lock:  # what judge or reserve_probe would say: not worth reading the body
+                spent = self.engine.identity_full(worker, block) or self.engine.budget_spent(
+                    worker, block
+                )
+            if spent is not None:
                 raise refused(spent.reason, spent.detail)
         except Refused as exc:
             self._record_refusal(received, token.id, worker, block, exc, 0)
