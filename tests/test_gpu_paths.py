@@ -105,14 +105,39 @@ def test_the_device_line_on_a_faked_gpu_and_the_verdict(monkeypatch):
     assert ok and line.endswith("fits, but more than is free now")
 
 
-def test_serve_block_refuses_a_gpu_it_cannot_host_on_yet(monkeypatch, capsys, tmp_path):
+def test_serve_block_hosts_its_blocks_on_the_gpu_it_is_given(monkeypatch, tmp_path):
+    """`serve-block --device cuda:1` resolves the GPU before the port is bound and hands it to
+    the host's settings (the host loads its blocks there, host_app.create_app); auto is the
+    first GPU when torch sees one."""
+    import blocktrain.cli.serve_block as serve_block
+
+    fake_gpus(monkeypatch, 2)
+    seen: list[torch.device] = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_create_app(settings):
+        seen.append(settings.device)
+        raise Stop
+
+    sock = SimpleNamespace(close=lambda: None, getsockname=lambda: ("127.0.0.1", 1))
+    monkeypatch.setattr(serve_block, "bind", lambda *a: sock)
+    monkeypatch.setattr(serve_block, "url_of", lambda *a, **k: "http://127.0.0.1:1")
+    monkeypatch.setattr(serve_block, "create_app", fake_create_app)
+    argv = ["serve-block", str(tmp_path / "run"), "--blocks", "0", "--port", "0"]
+    for device, expected in (("cuda:1", "cuda:1"), ("auto", "cuda"), ("cpu", "cpu")):
+        with pytest.raises(Stop):
+            main([*argv, "--device", device])
+        assert seen[-1] == torch.device(expected), (device, seen)
+
+
+def test_serve_block_refuses_a_gpu_this_machine_lacks_before_binding(monkeypatch, capsys, tmp_path):
     import blocktrain.cli.serve_block as serve_block
 
     fake_gpus(monkeypatch, 1)
     monkeypatch.setattr(serve_block, "bind", lambda *a: pytest.fail("bound a port"))
     argv = ["serve-block", str(tmp_path / "run"), "--blocks", "0", "--port", "0"]
-    argv += ["--device", "cuda:0"]
-    assert main(argv) == 2
+    assert main([*argv, "--device", "cuda:3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "runs its blocks on the CPU for now" in err[0], err
-    assert serve_block.host_device("auto") == torch.device("cpu")
+    assert len(err) == 1 and "torch sees 1 CUDA GPU(s)" in err[0], err

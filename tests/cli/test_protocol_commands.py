@@ -100,6 +100,20 @@ def test_worker_and_status_refuse_bad_input(capsys, monkeypatch):
     )
 
 
+def test_cluster_with_fewer_workers_than_blocks_is_refused_before_anything_is_written(
+    capsys, tmp_path
+):
+    """Each worker trains one block: 2 workers for tiny's 3 blocks used to run until every
+    worker had finished and then fail ("every worker exited before the end"), block 2 never
+    trained. It is one line now, before the run folder exists; a reference (DiLoCo) cluster
+    trains one unit and takes any count."""
+    out = tmp_path / "c"
+    argv = ["cluster", "--workers", "2", "--preset", "tiny", "--rounds", "1", "--out", str(out)]
+    line = fails_cleanly(capsys, argv, "--workers 2 for 3 blocks")
+    assert "block(s) [2] would get none" in line and "use --workers 3" in line
+    assert not out.exists()
+
+
 def test_status_of_an_unreachable_aggregator_is_one_line(capsys, monkeypatch):
     monkeypatch.setenv("BLOCKTRAIN_TOKEN", "t")
     fails_cleanly(capsys, ["status", "http://127.0.0.1:9", "--timeout", "0.3"], "failed")

@@ -213,6 +213,16 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             "a reference (DiLoCo) cluster takes --effect-probe off: the probe judges blocks"
         )
+    local_steps = overrides.get("local_steps", 10)
+    cfg = resolve_rounds_config(args, local_steps)
+    if unit == "reference":
+        cfg = reference_config(cfg)
+    elif args.workers < cfg.model.blocks:  # a worker trains one block: the rest would wait
+        raise ConfigError(
+            f"--workers {args.workers} for {cfg.model.blocks} blocks: each worker trains one "
+            f"block, so block(s) {list(range(args.workers, cfg.model.blocks))} would get none "
+            f"and the run would never end; use --workers {cfg.model.blocks} or more"
+        )
     out = Path(args.out)
     if (out / "state").exists() or (out / "summary.json").exists():
         if not args.overwrite:
@@ -227,10 +237,6 @@ def run(args: argparse.Namespace) -> int:
     data_path = str(resolve_data_path(args.data))
     patterns = file_patterns(args)
     valid = load_split(data_path, "valid", patterns)
-    local_steps = overrides.get("local_steps", 10)
-    cfg = resolve_rounds_config(args, local_steps)
-    if unit == "reference":
-        cfg = reference_config(cfg)
     overrides.update(
         {
             "max_rounds": args.rounds,

@@ -12,7 +12,7 @@ import torch
 
 from blocktrain.cli.common import Formatter
 from blocktrain.config import parse_blocks
-from blocktrain.device import resolve_device
+from blocktrain.device import DEVICE_HELP, resolve_device
 from blocktrain.errors import ConfigError
 from blocktrain.listener import bind, run, url_of
 from blocktrain.serving.host.host_app import create_app
@@ -113,9 +113,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--device",
         default="auto",
         metavar="DEVICE",
-        help="where this host's blocks run: auto or cpu for now (auto is the CPU here: hosts do "
-        "not run blocks on a GPU yet); cuda or cuda:N, or a device this machine lacks, exits 2 "
-        "before the port is bound",
+        help=DEVICE_HELP + " (or the port bound)",
     )
     p.add_argument(
         "--batch-window-ms",
@@ -139,23 +137,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run_cmd, server=True)  # runtime.return_freed_memory
 
 
-def host_device(name: str) -> torch.device:
-    """serve-block's --device: checked like every command's (`resolve_device`), before the port
-    is bound; the hosts' sweeps, caches and generators are CPU tensors, so a GPU is refused
-    with one line until they move with the blocks (issue 30), and auto is the CPU."""
-    device = resolve_device(name)
-    if name == "auto":
-        return torch.device("cpu")
-    if device.type != "cpu":
-        raise ConfigError(
-            f"--device {name}: serve-block runs its blocks on the CPU for now (its sweeps, "
-            "caches and generators are CPU tensors); use --device cpu or auto"
-        )
-    return device
-
-
 def run_cmd(args: argparse.Namespace) -> int:
-    host_device(args.device)  # before any file is read or the port bound
+    device = resolve_device(args.device)  # before any file is read or the port bound
     sources = tuple(ModelSource.parse(m) for m in args.models)
     parts = parse_blocks(args.blocks)
     next_url = check_url(args.next_url, "--next") if args.next_url else None
@@ -188,6 +171,7 @@ def run_cmd(args: argparse.Namespace) -> int:
             batch_window_ms=args.batch_window_ms,
             kv_cache=not args.no_kv_cache,
             max_cache_bytes=int(args.max_cache_mb * 2**20),
+            device=device,
         )
         app = create_app(settings)  # loads this host's blocks: errors before we serve
     except BaseException:

@@ -87,7 +87,7 @@ def right_align(xs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     length = max(x.shape[1] for x in xs)
     if all(x.shape[1] == length for x in xs):
         x = torch.cat(xs) if len(xs) > 1 else xs[0]
-        return x, torch.zeros(x.shape[0], dtype=torch.long)
+        return x, torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
     out = xs[0].new_zeros(sum(x.shape[0] for x in xs), length, *xs[0].shape[2:])
     pads, row = [], 0
     for x in xs:
@@ -95,7 +95,7 @@ def right_align(xs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         out[row : row + n, length - own :] = x
         pads += [length - own] * n
         row += n
-    return out, torch.tensor(pads, dtype=torch.long)
+    return out, torch.tensor(pads, dtype=torch.long, device=out.device)
 
 
 @dataclass
@@ -124,16 +124,19 @@ class CleanBatch:
         head_dim: int,
         out_dim: int | None = None,
         dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ) -> CleanBatch:
         """The batch of `jobs`, each (rows, context length L_j, its cache or None), in row
         order; every job's cache must hold its first L_j - fresh positions (`reusable`).
-        `out_dim` d: also keep the clean outputs (each cache must hold them)."""
+        `out_dim` d: also keep the clean outputs (each cache must hold them). `device`: where
+        the block runs (the caches are already there)."""
         length = max(lj for _, lj, _ in jobs)
-        pad = torch.tensor([length - lj for n, lj, _ in jobs for _ in range(n)], dtype=torch.long)
+        pads = [length - lj for n, lj, _ in jobs for _ in range(n)]
+        pad = torch.tensor(pads, dtype=torch.long, device=device)
         past = length - fresh
         out = None
         if out_dim is not None:  # padding and the fresh indices stay zero until written
-            out = torch.zeros(int(pad.shape[0]), length, out_dim, dtype=dtype)
+            out = torch.zeros(int(pad.shape[0]), length, out_dim, dtype=dtype, device=device)
             row = 0
             for n, lj, cache in jobs:
                 if lj - fresh > 0:
@@ -143,7 +146,7 @@ class CleanBatch:
         if len(jobs) == 1:  # one generation, no padding: its cache as it is, no copy
             n, _, cache = jobs[0]
             if past == 0:
-                empty = torch.zeros(n, heads, 0, head_dim, dtype=dtype)
+                empty = torch.zeros(n, heads, 0, head_dim, dtype=dtype, device=device)
                 return CleanBatch(pad, length, fresh, [empty] * layers, [empty] * layers, out)
             assert cache is not None and cache.length >= past, "gather past the cache"
             keys = [cache.keys[i][:, :, :past] for i in range(layers)]
@@ -151,8 +154,9 @@ class CleanBatch:
             return CleanBatch(pad, length, fresh, keys, values, out)
         # Padding keys are zeros (finite: a masked key still enters the matrix product).
         n_rows = int(pad.shape[0])
-        keys = [torch.zeros(n_rows, heads, past, head_dim, dtype=dtype) for _ in range(layers)]
-        values = [torch.zeros(n_rows, heads, past, head_dim, dtype=dtype) for _ in range(layers)]
+        shape = (n_rows, heads, past, head_dim)
+        keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         row = 0
         for n, lj, cache in jobs:
             used = lj - fresh
@@ -188,7 +192,7 @@ class CleanBatch:
 
     def valid(self) -> torch.Tensor:
         """(N, length) bool: the indices holding a row's bytes (not padding)."""
-        return torch.arange(self.length)[None, :] >= self.pad[:, None]
+        return torch.arange(self.length, device=self.pad.device)[None, :] >= self.pad[:, None]
 
     def positions(self, index: torch.Tensor) -> torch.Tensor:
         """Indices (L,) -> each row's positions there (N, L) (0 in padding)."""
@@ -198,7 +202,7 @@ class CleanBatch:
         """(N, 1, fresh, length) additive: the last `fresh` indices attend causally to the
         indices holding their row's bytes; a padding query attends to itself only (its output
         is never read, and a query that may attend to nothing would give NaN)."""
-        index = torch.arange(self.length)
+        index = torch.arange(self.length, device=self.pad.device)
         query = index[self.length - self.fresh :]
         causal = index[None, :] <= query[:, None]  # (fresh, length)
         own = index[None, :] == query[:, None]
@@ -208,11 +212,12 @@ class CleanBatch:
         """The layout's mask (Lz, length + Lz) with every row's padding keys masked out ->
         (N, 1, Lz, length + Lz) additive."""
         n, z_len = self.pad.shape[0], layout_mask.shape[0]
-        keys = torch.cat((self.valid(), torch.ones(n, z_len, dtype=torch.bool)), dim=1)
+        own = torch.ones(n, z_len, dtype=torch.bool, device=self.pad.device)
+        keys = torch.cat((self.valid(), own), dim=1)
         return additive((layout_mask[None] & keys[:, None, :])[:, None])
 
 
 def additive(allowed: torch.Tensor) -> torch.Tensor:
     """A bool mask (True = may attend) as the additive one SDPA adds to the scores (0 or -inf):
     made once per pass, where SDPA would convert a bool mask in every call of every layer."""
-    return torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+    return torch.zeros(allowed.shape, device=allowed.device).masked_fill_(~allowed, float("-inf"))

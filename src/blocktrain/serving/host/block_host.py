@@ -259,6 +259,9 @@ class BlockHost:
             upstream = state_input(tensors, "u", (n, lx, cfg.d_model), header.wire_dtype)
         gen, sampling = self._generator(tensors, header)
         session = header.session if self.settings.kv_cache else None
+        # To the blocks' device (the generator stays on the CPU: draws move to the state).
+        x, z = x.to(model.device), z.to(model.device)
+        upstream = None if upstream is None else upstream.to(model.device)
         job = SweepJob(model, header, x, z, grid, gen, sampling, session, upstream)
         # Sweeps at the same point with the same state shape share one forward pass
         # (shared/batching.py), bucketed by the clean positions they compute (their caches may be
@@ -342,6 +345,8 @@ class BlockHost:
                 param="verify",
             )
         gen, sampling = self._generator(tensors, header)
+        x = None if x is None else x.to(model.device)
+        inp = inp.to(model.device)
         run = functools.partial(self._run_stages, model, header, x, inp, gen, sampling)
         h, stage, done, visited, seconds = await anyio.to_thread.run_sync(run)
         trace = self._trace(model, visited, seconds)

@@ -53,7 +53,9 @@ def create_app(
     """A block host. Loads its blocks/stages from the run folders in `settings` unless `models`
     are given; `transport` (tests) replaces the network to the next host."""
     if models is None:
-        models = [load_hosted_model(src, list(settings.parts)) for src in settings.models]
+        models = [
+            load_hosted_model(src, list(settings.parts), settings.device) for src in settings.models
+        ]
     client = make_client(
         timeout_s=settings.timeout_s,
         hop_ms=settings.hop_ms,

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from blocktrain.errors import ConfigError
 from blocktrain.serving.host.loading import ModelSource
 
@@ -54,6 +56,9 @@ class HostSettings:
     max_cache_bytes: int = 1 << 30
     """The bytes all kept caches (clean streams and autoregressive KV) may take; the least
     recently used generations are dropped past it."""
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """Where the blocks (and their caches) live and run: the CPU, or a GPU that
+    `device.resolve_device` found (`serve-block --device`). The wire stays on the CPU."""
 
     def __post_init__(self) -> None:
         if not self.models:

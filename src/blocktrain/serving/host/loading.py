@@ -65,6 +65,9 @@ class HostedModel:
     parts: list[int]  # block indices, or stage indices
     total: int  # B: blocks in the run, or stages of the reference
     fingerprint: str
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """Where its blocks or stages run; the host moves each request's tensors here and the
+    answers back to the CPU for the wire."""
     stack: BlockStack | None = None
     stages: dict[int, ReferenceStage] = field(default_factory=dict)
     head_stages: dict[int, HeadStage] = field(default_factory=dict)
@@ -112,8 +115,12 @@ def _read_selected(path: Path, wanted: list[str]) -> tuple[dict[str, torch.Tenso
         raise CheckpointError(f"{path} is not a readable safetensors file ({exc})") from exc
 
 
-def load_hosted_model(source: ModelSource, parts: list[int]) -> HostedModel:
-    """Load blocks `parts` of a BlockTrain run, or stages `parts` of a reference run."""
+def load_hosted_model(
+    source: ModelSource, parts: list[int], device: torch.device | str = "cpu"
+) -> HostedModel:
+    """Load blocks `parts` of a BlockTrain run, or stages `parts` of a reference run, onto
+    `device`."""
+    device = torch.device(device)
     info = read_config(source.run_dir)
     cfg = info.config
     path = Path(source.run_dir) / MODEL_FILE
@@ -136,7 +143,13 @@ def load_hosted_model(source: ModelSource, parts: list[int]) -> HostedModel:
     if meta.get("format") != FORMAT or meta.get("kind") != info.kind:
         raise CheckpointError(f"{path} is not this run's BlockTrain weights")
     model = HostedModel(
-        source.name, info.kind, cfg, sorted(parts), total, fingerprint(info, meta.get("step", ""))
+        source.name,
+        info.kind,
+        cfg,
+        sorted(parts),
+        total,
+        fingerprint(info, meta.get("step", "")),
+        device,
     )
     with torch.no_grad():
         if info.kind == "blocktrain":
@@ -146,7 +159,7 @@ def load_hosted_model(source: ModelSource, parts: list[int]) -> HostedModel:
             if "targets" not in tensors or tensors["targets"].shape != stack.targets.shape:
                 raise CheckpointError(f"{path} has no usable target table")
             stack.targets.copy_(tensors["targets"])
-            model.stack = stack.eval()
+            model.stack = stack.to(device).eval()
             if cfg.model.route == "features" and cfg.model.aux_weight > 0:  # the head exit
                 model.head_stages = {
                     b: HeadStage(stack.block(b), last=b == total - 1) for b in stack.block_ids
@@ -157,7 +170,7 @@ def load_hosted_model(source: ModelSource, parts: list[int]) -> HostedModel:
                 load_module_tensors(
                     stage, _stage_tensors(tensors, cfg, s, total), "reference.", path
                 )
-                model.stages[s] = stage.eval()
+                model.stages[s] = stage.to(device).eval()
     return model
 
 

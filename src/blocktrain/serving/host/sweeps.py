@@ -110,7 +110,7 @@ def final_answer(
     """The last host's answer: logits, or bytes drawn here; with the advanced generator state
     whenever the request sent one."""
     if final != "bytes":
-        out = {"logits": logits.float().contiguous()}
+        out = {"logits": logits.float().cpu().contiguous()}
     else:
         assert gen is not None and sampling is not None
         out = {"bytes": bytes_tensor(sample_bytes(logits.cpu(), sampling, gen))}
@@ -179,6 +179,7 @@ def run_sweeps(
                 heads=cfg.n_heads,
                 head_dim=cfg.head_dim,
                 out_dim=cfg.d_model if keeps_out[b] else None,
+                device=model.device,
             )
             for b in visited
         }
