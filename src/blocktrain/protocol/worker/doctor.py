@@ -9,7 +9,8 @@ it starts a worker.
     http     the aggregator answers (its OpenAPI document names it)
     version  its blocktrain version has our major.minor
     token    the token is accepted (GET /v1/config)
-    clock    our clock is within MAX_SKEW_S of the aggregator's (its Date header)
+    clock    our clock is within MAX_SKEW_S of the aggregator's (its Date header, read as the
+             interval it stands for: `DATE_RESOLUTION_S`)
 
 A check that cannot run because an earlier one failed is skipped, not failed.
 """
@@ -32,6 +33,11 @@ from blocktrain import __version__
 MAX_SKEW_S = 5.0
 """Deadlines travel as seconds-from-now, so skew does not break rounds; but logs, ledgers and
 certificates read wall times, and several seconds of skew means the clock is not synced."""
+
+DATE_RESOLUTION_S = 2.0
+"""A Date header is the server's clock cut to the second, and uvicorn refreshes the one it sends
+once a second: the aggregator's clock at its answer lies in [Date, Date + 2 s). Read as one
+instant, it put a machine +1.9 s from an aggregator on the same machine."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +121,7 @@ def diagnose(
     trust = ssl.create_default_context(cafile=verify) if isinstance(verify, str) else verify
     client = httpx.Client(base_url=url.rstrip("/"), verify=trust, timeout=timeout_s)
     try:
+        asked = now()
         try:
             doc = client.get("/openapi.json")
         except httpx.HTTPError as exc:
@@ -139,11 +146,14 @@ def diagnose(
                 + ("" if same else ": install the aggregator's version"),
             )
         )
+        answered = now()
         if token is None:
             checks.append(Check("token", None, "not checked: no token given"))
             config = doc
         else:
+            asked = now()
             config = client.get("/v1/config", headers={"Authorization": f"Bearer {token}"})
+            answered = now()
             body = _json(config)
             if config.status_code == 200:
                 checks.append(Check("token", True, f"accepted; {body.get('blocks', '?')} blocks"))
@@ -158,7 +168,7 @@ def diagnose(
                         f"refused ({reason}): {body.get('detail', config.text[:200])}",
                     )
                 )
-        checks.append(_clock(config.headers.get("date"), now()))
+        checks.append(_clock(config.headers.get("date"), asked, answered))
     finally:
         client.close()
     return checks
@@ -186,17 +196,28 @@ def _tls(sock: socket.socket, host: str, verify: str | bool) -> Check:
     return Check("tls", True, f"{version}, certificate trusted, expires {expires}")
 
 
-def _clock(date_header: str | None, local: float) -> Check:
+def _clock(date_header: str | None, asked: float, answered: float) -> Check:
+    """Our clock against the aggregator's, from the Date header of an answer to a request we
+    sent at `asked` and had answered at `answered` (our clock): the least skew that the two
+    intervals allow, 0 when they overlap."""
     if not date_header:
         return Check("clock", None, "not checked: the answer had no Date header")
     try:
         theirs = parsedate_to_datetime(date_header).timestamp()
     except (TypeError, ValueError):
         return Check("clock", None, f"not checked: unreadable Date header {date_header[:40]!r}")
-    skew = local - theirs  # the header has 1 s resolution: up to 1 s is no skew
-    ok = abs(skew) <= MAX_SKEW_S + 1.0
+    ahead = asked - (theirs + DATE_RESOLUTION_S)  # > 0: we are ahead by at least that
+    behind = theirs - answered  # > 0: we are behind by at least that
+    skew = max(ahead, 0.0) - max(behind, 0.0)
+    if skew == 0:
+        return Check(
+            "clock",
+            True,
+            f"within {DATE_RESOLUTION_S:.0f} s of the aggregator's (its Date header's resolution)",
+        )
+    ok = abs(skew) <= MAX_SKEW_S
     hint = "" if ok else "; sync this machine's clock (NTP)"
-    return Check("clock", ok, f"this machine is {skew:+.1f} s from the aggregator{hint}")
+    return Check("clock", ok, f"this machine is at least {skew:+.1f} s from the aggregator{hint}")
 
 
 def _json(response: httpx.Response) -> dict[str, Any]:
