@@ -51,9 +51,11 @@ grep -q "^ok   device   ${device%%:*}" "$work/doctor.txt" || { cat "$work/doctor
 tail -1 "$work/doctor.txt"
 
 # serve-block on the device: one host holds the three blocks, a router in front of it
-bt serve-block "$work/tiny" --blocks 0,1,2 --port 8101 --device "$device" >"$work/host.log" 2>&1 &
+# (python3 itself in the background, not `bt`: $! must be the server's pid for the trap)
+python3 -m blocktrain serve-block "$work/tiny" --blocks 0,1,2 --port 8101 --device "$device" \
+  >"$work/host.log" 2>&1 &
 host=$!
-bt serve --hosts http://127.0.0.1:8101 --port 8100 >"$work/router.log" 2>&1 &
+python3 -m blocktrain serve --hosts http://127.0.0.1:8101 --port 8100 >"$work/router.log" 2>&1 &
 router=$!
 trap 'kill $host $router 2>/dev/null || true' EXIT
 step serve python3 - <<'PY'

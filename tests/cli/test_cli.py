@@ -418,6 +418,10 @@ def test_a_run_records_its_data_and_warns_when_other_data_is_given(capsys, tmp_p
     assert main(["train", "--data", str(corpus), "--out", str(run), "--steps", "1", *TINY]) == 0
     record = json.loads((run / "data.json").read_text())
     assert record["path"] == str(corpus.resolve()) and record["layout"] == "wikitext"
+    json_run = ["train", "--data", str(corpus), "--out", str(tmp_path / "j"), "--steps", "1"]
+    capsys.readouterr()
+    assert main([*json_run, "--json", *TINY]) == 0  # train's JSON names its data too
+    assert json.loads(capsys.readouterr().out)["data"]["path"] == record["path"]
     assert "wiki.valid.raw" in record["split_rule"]
     assert set(record["splits"]) == {"train", "valid", "test"}
     valid_sha = hashlib.sha256((corpus / "wiki.valid.raw").read_bytes()).hexdigest()

@@ -81,3 +81,17 @@ def test_a_workers_name_shows_in_the_status(tmp_path):
     shown = render(status, rounds=1)
     assert "alice-laptop: block 0, live" in shown
     state.close()
+
+
+def test_serve_points_at_the_drafting_guidance_that_exists():
+    """Issue 30, friction 8: nothing told a user which --draft-bytes to pick (D = 6 beat 16 on
+    a quiet machine, and drafting lost to none under load). `serve --help` names the guidance
+    and docs/serving.md holds it, with the yield bound it reasons from."""
+    from pathlib import Path
+
+    text = " ".join(help_text("serve").split())
+    assert "docs/serving.md, Which D to pick" in text
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    section = doc.split("**Which D to pick.**", 1)
+    assert len(section) == 2, "docs/serving.md lost its 'Which D to pick' section"
+    assert "(1 - a^(D+1)) / (1 - a)" in section[1][:400]

@@ -29,6 +29,7 @@ def test_json_contract_and_outputs(capsys, corpus: Path, tmp_path: Path) -> None
     assert report["config"]["train"]["steps"] == 6  # the schedule spans R x H steps
     assert (out / "ce.png").is_file() and (out / "mild" / "rounds.jsonl").is_file()
     saved = json.loads((out / "simulate.json").read_text())
+    assert saved["data"]["path"] == str(corpus.resolve()), "the JSON names its corpus"
     assert saved["regimes"]["lockstep"]["rounds"] == report["regimes"]["lockstep"]["rounds"]
     fails_cleanly(capsys, argv, "already holds a simulation")
 

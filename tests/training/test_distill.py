@@ -4,6 +4,7 @@ distill`)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -111,6 +112,8 @@ def test_the_distill_command_makes_a_drafter_and_refuses_what_cannot_teach(
     argv = ["distill", *data, "--teacher", str(tmp_path / "k1"), "--student", str(tmp_path / "d")]
     assert main([*argv, "--out", str(out), "--steps", "3", "--lr", "5e-4", "--no-progress"]) == 0
     assert "distilled" in capsys.readouterr().out
+    # its data recorded as train records it, so eval and --resume can tell other data
+    assert json.loads((out / "data.json").read_text())["path"] == str(corpus.resolve())
     info, model = load_model(out)
     assert info.kind == "reference" and info.config.train.steps == 3
     assert info.config.train.lr == 5e-4  # --lr, the distillation's peak learning rate
@@ -118,6 +121,10 @@ def test_the_distill_command_makes_a_drafter_and_refuses_what_cannot_teach(
     ModelDrafter(model).draft(list(b"The "), 4, torch.Generator().manual_seed(0))
     assert main(["distill", *data, "--resume", "--out", str(out), "--steps", "4", "-q"]) == 0
     assert load_model(out)[0].config.train.steps == 4
+    assert "warning" not in capsys.readouterr().err  # the data it was distilled on
+    # --device, as train's: a device this machine lacks is one line before anything is written
+    fails_cleanly(capsys, [*argv, "--out", str(tmp_path / "y"), "--device", "cuda:7"], "cuda:7")
+    assert not (tmp_path / "y").exists()
 
     fails_cleanly(
         capsys,

@@ -18,7 +18,7 @@ dashboard plots that validation CE beside the workers' reported loss. The dashbo
 through the evaluation after the rounds (each round's model, then the final one, with progress
 on stderr), and with --keep-dashboard until Ctrl-C:
 
-  cluster: 3 workers on http://127.0.0.1:41523 (logs in runs/c3/logs)
+  cluster: 3 workers on http://127.0.0.1:41523 (on cpu; logs in runs/c3/logs)
   cluster: dashboard http://127.0.0.1:41523/dashboard#token=bt_...
   cluster: viewer token bt_... (in runs/c3/viewer.token; it may only watch: blocktrain status
       http://127.0.0.1:41523 --token-file runs/c3/viewer.token)
@@ -65,6 +65,7 @@ from blocktrain.cli.common import (
     unit_of,
 )
 from blocktrain.data import load_split, resolve_data_path
+from blocktrain.data.provenance import corpus_record, write_record
 from blocktrain.device import spread_devices
 from blocktrain.errors import ConfigError
 from blocktrain.fsutil import atomic_write_bytes
@@ -237,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
     data_path = str(resolve_data_path(args.data))
     patterns = file_patterns(args)
     valid = load_split(data_path, "valid", patterns)
+    record = corpus_record(data_path, patterns=patterns)  # the model's data.json, as train's
     overrides.update(
         {
             "max_rounds": args.rounds,
@@ -310,6 +312,8 @@ def run(args: argparse.Namespace) -> int:
         summary, line = evaluate_cluster(
             args, cfg, unit, state, valid, local_steps, out, status, device=eval_device
         )
+        write_record(out / "model", record)  # what eval, generate and export compare with
+        summary["data"] = record
         summary["wall_seconds"] = wall_seconds
         summary["workers_report"] = cluster.worker_reports()
         summary["exit_codes"] = cluster.exit_codes()  # the aggregator's: None, it still serves

@@ -17,6 +17,7 @@ from pathlib import Path
 from blocktrain.cli.common import (
     Formatter,
     add_data_arg,
+    add_device_arg,
     add_log_arg,
     add_progress_arg,
     check_model_sampler,
@@ -24,6 +25,8 @@ from blocktrain.cli.common import (
     log_backends,
 )
 from blocktrain.cli.train import run_and_report, splits
+from blocktrain.data.provenance import check_data, corpus_record, write_record
+from blocktrain.device import resolve_device
 from blocktrain.errors import ConfigError
 from blocktrain.training import Trainer, read_config
 from blocktrain.training.distill import TeacherSpec
@@ -69,6 +72,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--steps-per-block", type=int, default=1, help="the teacher's sampler points per block"
     )
     add_data_arg(p)
+    add_device_arg(p, default=None)
     p.add_argument("--resume", action="store_true", help="continue the distillation in --out")
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
     add_log_arg(p)
@@ -83,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--steps {args.steps} must be positive")
     if args.lr is not None and not args.lr > 0:
         raise ConfigError(f"--lr {args.lr} must be positive")
+    if args.device is not None:
+        resolve_device(args.device)  # before anything is read or written
     out = Path(args.out)
     if args.resume:
         if args.teacher or args.student or args.lr is not None or args.sampler:
@@ -93,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
         if TeacherSpec.read(out) is None:
             raise ConfigError(f"{out} is not a distillation run (no teacher recorded)")
         train, valid = splits(args.data, file_patterns(args))
-        trainer = Trainer.resume(out, train, valid, steps=args.steps)
+        check_data(out, args.data, ("train",), file_patterns(args))  # a warning when it differs
+        trainer = Trainer.resume(out, train, valid, steps=args.steps, device=args.device)
     else:
         if not args.teacher or not args.student:
             raise ConfigError("distill needs --teacher RUN and --student RUN (or --resume)")
@@ -116,9 +123,12 @@ def run(args: argparse.Namespace) -> int:
             warmup_steps=min(cfg.train.warmup_steps, steps // 10),
             eval_every=max(1, steps // 4),
             checkpoint_every=max(1, steps // 4),
+            device=args.device or cfg.train.device,
         )
+        resolve_device(tcfg.device)  # the student's own device, when --device is not given
         spec = TeacherSpec(str(Path(args.teacher).resolve()), sampler, args.steps_per_block)
         train, valid = splits(args.data, file_patterns(args))
+        record = corpus_record(args.data, patterns=file_patterns(args))
         trainer = Trainer.create(
             dataclasses.replace(cfg, train=tcfg),
             out,
@@ -129,4 +139,5 @@ def run(args: argparse.Namespace) -> int:
             teacher=spec,
             init_from=Path(args.student),
         )
+        write_record(out, record)  # data.json, as train writes it
     return run_and_report(trainer, args, "distilled")

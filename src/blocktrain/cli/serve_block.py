@@ -50,6 +50,8 @@ EXAMPLES = """examples:
   blocktrain serve-block runs/tiny --blocks 0 --port 8101 --no-kv-cache
   # a replica of block 1 (name both in the router's --hosts: URL|URL)
   blocktrain serve-block runs/tiny --blocks 1 --port 8112
+  # on a GPU (auto, the default, takes the first one torch sees)
+  blocktrain serve-block runs/paper --blocks 0 --port 8101 --device cuda:0
 
   # a chain without a router: forward to the next host yourself
   blocktrain serve-block runs/tiny --blocks 0 --port 8101 --next http://127.0.0.1:8102

@@ -36,6 +36,7 @@ from blocktrain.cli.common import (
     settings_overrides,
 )
 from blocktrain.data import load_split, resolve_data_path
+from blocktrain.data.provenance import corpus_record
 from blocktrain.errors import ConfigError
 from blocktrain.simulate import SimSpec, parse_regimes, simulate, write_outputs
 from blocktrain.simulate.attacks import KINDS, Attack
@@ -167,11 +168,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--out {out} is a file, not a folder")
     if out is not None and (out / "simulate.json").exists():
         raise ConfigError(f"{out} already holds a simulation; choose another --out")
-    train = valid = None
+    train = valid = record = None
     if not args.timing_only:
         data = resolve_data_path(args.data)
         patterns = file_patterns(args)
         train, valid = load_split(data, "train", patterns), load_split(data, "valid", patterns)
+        record = corpus_record(data, patterns=patterns)
 
     bars: dict[str, Any] = {}
 
@@ -186,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
             bar.close()
 
     report, weights = simulate(spec, regimes, train, valid, progress=progress)
+    report["data"] = record  # the corpus, as a train run's data.json records it (None: timing only)
     for bar in bars.values():
         bar.close()
     if out is not None:

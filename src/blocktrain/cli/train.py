@@ -19,7 +19,7 @@ from blocktrain.cli.common import (
 )
 from blocktrain.config import parse_blocks
 from blocktrain.data import ByteSource, FilePatterns, load_split
-from blocktrain.data.provenance import check_data, corpus_record, write_record
+from blocktrain.data.provenance import check_data, corpus_record, read_record, write_record
 from blocktrain.device import resolve_device
 from blocktrain.errors import ConfigError, DataError
 from blocktrain.training import Trainer, read_config
@@ -134,6 +134,7 @@ def run_and_report(trainer: Trainer, args: argparse.Namespace, verb: str) -> int
     finally:
         close_trackers(trainer.trackers)
     summary["run_dir"] = str(trainer.run_dir)
+    summary["data"] = read_record(trainer.run_dir)  # None for a run without data.json
     if args.json:
         print_json(summary)
     else:

@@ -150,6 +150,9 @@ def test_cluster_command_runs_rounds_over_http(tmp_path, corpus, capsys):
     assert b["worker_rounds"] == 9 and 1.0 <= b["ratio_to_minimum"] < 1.55, b
     assert all(code == 0 for code in summary["exit_codes"].values()), summary["exit_codes"]
     assert (out / "model" / "model.safetensors").is_file()
+    # the model records its corpus as a train run does, and the summary names it (issue 30)
+    record = json.loads((out / "model" / "data.json").read_text())
+    assert record["path"] == str(corpus.resolve()) and summary["data"] == record
     # --log-to: the committed rounds and the evaluations, at step = the rounds done
     tags, _ = read_events(out / "tensorboard")
     for b in ("0", "1", "2"):
