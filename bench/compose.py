@@ -225,7 +225,10 @@ def summarise(row: Row, by_seed: dict[str, Any], cfg: RunConfig, data: Path) -> 
 
 
 def depth_delivered(rows: list[dict[str, Any]], preset_name: str) -> list[dict[str, Any]]:
-    """D for every stack that has its one-block and deep-block rows, per route."""
+    """D for every stack that has its one-block and deep-block rows, per route. Each ratio reads
+    its rows on the seeds they share (`D_seeds`, `D_reference_seeds`): a row measured on more
+    seeds than the others would otherwise move D by its extra seeds' luck alone (one seed moves
+    a row by up to 0.03 at tiny), not by composition."""
 
     def find(model: str, blocks: int, lpb: int, route: str, steps: int) -> dict[str, Any] | None:
         for r in rows:
@@ -237,31 +240,47 @@ def depth_delivered(rows: list[dict[str, Any]], preset_name: str) -> list[dict[s
                 return r
         return None
 
-    def ce(model: str, blocks: int, lpb: int, route: str, steps: int) -> float | None:
-        r = find(model, blocks, lpb, route, steps)
-        return None if r is None else float(r["test_ce"])
+    def shared(*found: dict[str, Any] | None) -> list[str]:
+        """The seeds every row of `found` was measured on (none when one is missing)."""
+        if any(r is None for r in found):
+            return []
+        seeds = set.intersection(*(set(r["by_seed"]) for r in found if r is not None))
+        return sorted(seeds, key=int)
 
-    def best(r: dict[str, Any] | None) -> float | None:
-        """The better of a BlockTrain row's two exits (the sampler, the last block's head)."""
-        if r is None:
-            return None
-        return min(v for v in (r["test_ce"], r.get("head_ce")) if v is not None)
+    def ce(r: dict[str, Any], seeds: list[str], exit_: str = "sampler") -> float:
+        """The row's mean CE over `seeds`: its sampler's (a reference's exact CE), or with
+        `exit_ = "best"` the better of that and its last block's head, where it was read."""
+        sampler = statistics.fmean(r["by_seed"][s]["test_ce"] for s in seeds)
+        heads = [r["by_seed"][s].get("head_ce_per_block") for s in seeds]
+        if exit_ == "sampler" or not all(heads):
+            return sampler
+        return min(sampler, statistics.fmean(h[-1] for h in heads if h))
 
     out = []
     lpb = min(r["layers_per_block"] for r in rows if r["preset"] == preset_name)
     for r in rows:
         b, steps = r["blocks"], r["steps"]
-        one = ce("blocktrain", 1, lpb, "state", steps)
+        one = find("blocktrain", 1, lpb, "state", steps)
         if r["preset"] != preset_name or r["model"] != "blocktrain" or b == 1 or one is None:
             continue
-        deep = ce("blocktrain", 1, b * lpb, "state", steps)
-        ref_one, ref_deep = (
-            ce("reference", 1, lpb, "end-to-end", steps),
-            ce("reference", 1, b * lpb, "end-to-end", steps),
+        deep = find("blocktrain", 1, b * lpb, "state", steps)
+        refs = (
+            find("reference", 1, lpb, "end-to-end", steps),
+            find("reference", 1, b * lpb, "end-to-end", steps),
         )
-        gain = one - r["test_ce"]
-        one_best = best(find("blocktrain", 1, lpb, "state", steps))
-        deep_best = best(find("blocktrain", 1, b * lpb, "state", steps))
+        seeds = shared(r, one, deep)
+        pair = shared(r, one)  # the stack's gain, for the references' ratio
+        ref_seeds = shared(*refs)
+        D = D_best = D_ref = None
+        if seeds:  # (one - stack) / (one - deep), each read on the same seeds
+            assert deep is not None
+            one_ce, deep_ce = ce(one, seeds), ce(deep, seeds)
+            D = (one_ce - ce(r, seeds)) / (one_ce - deep_ce)
+            one_best, deep_best = ce(one, seeds, "best"), ce(deep, seeds, "best")
+            D_best = (one_best - ce(r, seeds, "best")) / (one_best - deep_best)
+        if pair and ref_seeds:
+            ref_one, ref_deep = (ce(x, ref_seeds) for x in refs if x is not None)
+            D_ref = (ce(one, pair) - ce(r, pair)) / (ref_one - ref_deep)
         out.append(
             {
                 "preset": preset_name,
@@ -270,13 +289,11 @@ def depth_delivered(rows: list[dict[str, Any]], preset_name: str) -> list[dict[s
                 "upstream_every": r.get("upstream_every", 1),
                 "upstream_lag": r.get("upstream_lag", 0),
                 "intervals": r.get("intervals", "forward"),
-                "D": None if deep is None else gain / (one - deep),
-                "D_best_exit": None
-                if one_best is None or deep_best is None
-                else (one_best - best(r)) / (one_best - deep_best),
-                "D_reference": None
-                if ref_one is None or ref_deep is None
-                else gain / (ref_one - ref_deep),
+                "D": D,
+                "D_best_exit": D_best,
+                "D_reference": D_ref,
+                "D_seeds": [int(s) for s in seeds],
+                "D_reference_seeds": [int(s) for s in pair] if ref_seeds else [],
             }
         )
     return out
@@ -453,16 +470,19 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [
         "",
         "D (best exit): each of the three models (one block, the stack, the deep block) by the "
-        "better of its two exits, the sampler and the head.",
+        "better of its two exits, the sampler and the head. Each D reads its rows on the seeds "
+        "they share (D seeds; the references' ratio reads the stack against one block on the "
+        "stack's seeds), so a row measured on more seeds does not move D by their luck.",
         "",
-        "| preset | blocks | route | D (deep block) | D (references) | D (best exit) |",
-        "|---|---:|---|---:|---:|---:|",
+        "| preset | blocks | route | D (deep block) | D (references) | D (best exit) | D seeds |",
+        "|---|---:|---|---:|---:|---:|---|",
     ]
     for d in result["depth"]:
         fmt = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
         lines.append(
             f"| {d['preset']} | {d['blocks']} | {route_label(d)} | {fmt(d['D'])} | "
-            f"{fmt(d['D_reference'])} | {fmt(d.get('D_best_exit'))} |"
+            f"{fmt(d['D_reference'])} | {fmt(d.get('D_best_exit'))} | "
+            f"{','.join(map(str, d.get('D_seeds') or d.get('D_reference_seeds') or [])) or 'n/a'} |"
         )
     if result.get("head_to_head"):
         lines += [
@@ -572,6 +592,11 @@ def main() -> None:
         help=f"with --simulate: which rows, of {', '.join(METHODS)} (default all, so one build "
         "times the whole table); others are kept",
     )
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="run nothing: recompute D and the BENCHMARKS.md section from the JSON",
+    )
     p.add_argument("--seeds", type=lambda s: [int(v) for v in s.split(",")], default=[0])
     p.add_argument("--sweeps", type=int, help="M of the sampler CE (default: 16 tiny, 64 small)")
     p.add_argument("--bytes", type=int, default=32768, help="test bytes")
@@ -585,6 +610,13 @@ def main() -> None:
     old = json.loads(path.read_text()) if path.exists() else {"rows": [], "commands": []}
     fields = Row.__dataclass_fields__
     by_key = {Row(**{k: r[k] for k in fields if k in r}).key: r for r in old["rows"]}
+    if args.report:
+        presets = sorted({r["preset"] for r in old["rows"]})
+        old["depth"] = [d for name in presets for d in depth_delivered(old["rows"], name)]
+        write_json(RESULT, old)
+        update_section("compose", markdown(old))
+        print(markdown(old))
+        return
     if args.cluster:
         old = {"sweeps": DEFAULT_SWEEPS, "test_bytes": args.bytes, "depth": [], **old}
         new_http = over_http(args, data, by_key)
