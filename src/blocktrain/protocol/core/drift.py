@@ -26,8 +26,8 @@ wrong: when leaning identities hold most of a block's votes, the median of all t
 the lean, the honest minority's residuals are its mirror image, and the attacker nearest the
 median shows none (bench/adversarial.py, drift_four: four drift attackers against two honest
 replicas; first both honest identities were flagged, +0.21 CE; then, spared by their effects,
-the attackers were flagged only after 10 votes and one never, +0.02 at tiny and +0.060 at
-small). A drift attacker sizes its lean to spend its vote's gain (that is what passing the
+the attackers were flagged at their tenth vote at the earliest, the one nearest their median
+not at all in one run, +0.02 at tiny and +0.060 at small). A drift attacker sizes its lean to spend its vote's gain (that is what passing the
 probe with a bias means), so the votes that helped most are the honest ones, and every
 leaning vote's residual is read against them.
 
@@ -158,8 +158,8 @@ def _other(ordered: torch.Tensor, rank: torch.Tensor, j: int) -> torch.Tensor:
 def reference(effects: Sequence[float]) -> list[int]:
     """The votes residuals are read against: the max(MIN_REFERENCE, ceil(n / 2)) whose probe
     effects lowered the held-out loss the most. Read against all, a hostile majority's median
-    is its own lean: the attacker nearest that median leaned by nothing (drift_four, tiny: a
-    score of 1.6 against 20 to 30 for the other three, never flagged), and the honest
+    is its own lean: the attacker nearest that median leaned by nothing (drift_four, tiny, one
+    run: a score of 1.6 against 20 to 30 for the other three, never flagged), and the honest
     minority's residuals were its mirror image. A drift attacker spends its vote's gain on its
     lean, so the votes that helped most are the honest ones; among honest votes, any half
     holds the consensus."""
@@ -254,9 +254,9 @@ class DriftTracker:
         """The score that flags after `votes` observed votes: the threshold from min_rounds on,
         and before, threshold x sqrt(min_rounds / votes). A constant lean's score grows like
         sqrt(votes), so one that would pass the threshold only at min_rounds is flagged then,
-        as before, and a bolder one as soon as its score shows it (drift_four: scores of 20 to
-        30 after two votes, bar 11.2), while the bar never falls below the threshold that no
-        honest identity has reached."""
+        as before, and a bolder one as soon as its score shows it (drift_four: the attackers
+        scored 28 at their first vote, bar 15.8), while the bar never falls below the threshold
+        that no honest identity has reached."""
         return self.threshold * math.sqrt(max(1.0, self.min_rounds / votes))
 
     def standing(self, block: int, identity: Hashable, open_round: int) -> Verdict:
