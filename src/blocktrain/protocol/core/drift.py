@@ -1,8 +1,10 @@
 """Patient attackers (docs/protocol.md, Aggregation, "Drift"): an identity whose accepted votes
 pass every check of their round but lean, round after round, the same way.
 
-At each commit, every vote of a round of at least MIN_VOTES votes is compared with the others:
-its residual r = v - (coordinate median of the other votes). Per identity and block a
+At each commit, every vote of a round of at least MIN_VOTES votes is compared with the votes
+that helped most (`reference`: the max(MIN_REFERENCE, ceil(n / 2)) whose probe effects lowered
+the held-out loss the most; all of them when one was not probed): its residual r = v -
+(coordinate median of the other votes of the reference). Per identity and block a
 count sketch keeps the decayed sum of its residuals in k = min(DRIFT_BUCKETS, params) buckets
 (each coordinate added, with a sign, to one bucket drawn from a secret seed, so that a vote
 cannot be shaped to cancel in its bucket), and the decayed energy E = sum ||r||^2 (decay
@@ -14,24 +16,28 @@ DRIFT_DECAY per vote, squared for E, so that both describe the same recent votes
 Each is about 1 for residuals that are independent noise (a random walk, and the largest of k
 Gaussian buckets), and grows like sqrt(t) for a constant direction: consistency when it carries
 a large share of the residual, peak when it is concentrated in a few coordinates (a bias of 3 %
-of the vote on one coordinate). The score is the larger. Past `drift_threshold` after
-`drift_min_rounds` votes, the identity is flagged: its reputation is halved (as for a harmful
-update), its updates to the block are refused `drift` for the next `drift_min_rounds` rounds,
-and its sketch starts again.
+of the vote on one coordinate). The score is the larger. Past `DriftTracker.bar`
+(`drift_threshold` from `drift_min_rounds` votes on, higher before), the identity is flagged:
+its reputation is halved (as for a harmful update), its updates to the block are refused
+`drift` for the next `drift_min_rounds` rounds, and its sketch starts again.
 
-Unless its votes helped more than the others'. The residual says that a vote leans against the
-others, not which side is wrong: when leaning identities hold most of a block's votes, their
-median is the lean, and the honest minority's residuals are its mirror image (bench/
-adversarial.py, drift_four: four drift attackers against two honest replicas; both honest
-identities were flagged, and the block trained on the attackers' votes alone, +0.21 CE; with
-the rule below, +0.02, and the attackers are the ones flagged). So
-each sketch also keeps the decayed sums of its votes' probe effects (the relative change of
-the block's held-out loss, read when each update was judged) and of the median effect of the
-other votes of the same rounds: an identity whose effects fell further than the others' is
-spared. A drift attacker sizes its lean to spend its vote's gain (that is what passing the
-probe with a bias means), so its effects are the worse, and to be spared it must help more
-than the honest votes do. Rounds with an unprobed vote (the probe off, a restored round) add
-nothing to these sums; with none, every flag stands.
+Why the reference. The residual says that a vote leans against the others, not which side is
+wrong: when leaning identities hold most of a block's votes, the median of all the others is
+the lean, the honest minority's residuals are its mirror image, and the attacker nearest the
+median shows none (bench/adversarial.py, drift_four: four drift attackers against two honest
+replicas; first both honest identities were flagged, +0.21 CE; then, spared by their effects,
+the attackers were flagged at their tenth vote at the earliest, the one nearest their median
+not at all in one run, +0.02 at tiny and +0.060 at small). A drift attacker sizes its lean to spend its vote's gain (that is what passing the
+probe with a bias means), so the votes that helped most are the honest ones, and every
+leaning vote's residual is read against them.
+
+Unless its votes helped more. Each sketch also keeps the decayed sums of its votes' probe
+effects (the relative change of the block's held-out loss, read when each update was judged)
+and of the median effect of the other votes of its reference in the same rounds: an identity
+whose effects fell further than those it was read against is spared (the honest votes of a
+reference that an attacker got into lean half its lean the other way; the attacker among them
+is not spared by beating its fellows). Rounds with an unprobed vote (the probe off, a restored
+round) add nothing to these sums; with none, every flag stands.
 
 A round of fewer than MIN_VOTES is not observed: one vote has no consensus; two votes' residuals
 are each other's negatives (which one leans cannot be told); with three, each vote's consensus
@@ -68,6 +74,9 @@ persistence does not add up over a long run."""
 DRIFT_FORGET = 64
 """Rounds of its block without a vote after which an identity's sketch is dropped."""
 MIN_VOTES = 4
+MIN_REFERENCE = 3
+"""The fewest votes a residual is read against (`reference`): the median of 3 holds against one
+leaning vote among them."""
 
 
 @dataclass
@@ -83,10 +92,10 @@ class Sketch:
     effect: float = 0.0
     """The decayed sum of its votes' probe effects (relative loss changes: negative helps)..."""
     peers: float = 0.0
-    """... and of the median effect of the other votes of the same rounds."""
+    """... and of the median effect of the other votes its residuals were read against."""
 
     def helped_more(self) -> bool:
-        """Whether its votes lowered the held-out loss more than the others' of their rounds."""
+        """Whether its votes lowered the held-out loss more than those it was read against."""
         return self.effect < self.peers
 
     def score(self) -> float:
@@ -110,32 +119,53 @@ class Drifted:
     """The last round of the block its updates are refused in."""
 
 
-def residuals(votes: Sequence[Tensors]) -> list[Tensors]:
-    """v_i - the coordinate median of the other votes (the mean of the middle two when they
-    are even in number), for n >= 3 votes (`observe` asks for MIN_VOTES); one sort per tensor serves every i."""
+def residuals(votes: Sequence[Tensors], reference: Sequence[int] | None = None) -> list[Tensors]:
+    """v_i - the coordinate median of the other votes of `reference` (indices; None: all), the
+    mean of the middle two when they are even in number; `reference` holds at least 2 votes
+    (`observe` asks for MIN_VOTES and MIN_REFERENCE). One sort per tensor serves every i."""
     n = len(votes)
-    m = n - 1
+    ref = list(range(n)) if reference is None else sorted(reference)
+    inside = {j: pos for pos, j in enumerate(ref)}
     out: list[Tensors] = [{} for _ in votes]
     for name in votes[0]:
         stacked = torch.stack([v[name].float().flatten() for v in votes])  # (n, numel)
-        ordered, order = stacked.sort(dim=0)
+        ordered, order = stacked[ref].sort(dim=0)
         rank = torch.empty_like(order)
-        rank.scatter_(0, order, torch.arange(n).unsqueeze(1).expand_as(order))
+        rank.scatter_(0, order, torch.arange(len(ref)).unsqueeze(1).expand_as(order))
         for i in range(n):
-            if m % 2:
-                median = _other(ordered, rank[i], m // 2)
-            else:
-                median = (
-                    _other(ordered, rank[i], m // 2 - 1) + _other(ordered, rank[i], m // 2)
-                ) / 2
-            out[i][name] = stacked[i] - median
+            left_out = rank[inside[i]] if i in inside else None
+            out[i][name] = stacked[i] - _median(ordered, left_out)
     return out
+
+
+def _median(ordered: torch.Tensor, left_out: torch.Tensor | None) -> torch.Tensor:
+    """The coordinate median of the sorted votes, less the one of rank `left_out` (None: of
+    all of them)."""
+    m = ordered.shape[0] - (left_out is not None)
+
+    def nth(j: int) -> torch.Tensor:
+        return ordered[j] if left_out is None else _other(ordered, left_out, j)
+
+    return nth(m // 2) if m % 2 else (nth(m // 2 - 1) + nth(m // 2)) / 2
 
 
 def _other(ordered: torch.Tensor, rank: torch.Tensor, j: int) -> torch.Tensor:
     """The j-th smallest value of the others at each coordinate, from the sorted votes and
     the rank of the vote left out."""
     return torch.where(rank > j, ordered[j], ordered[j + 1])
+
+
+def reference(effects: Sequence[float]) -> list[int]:
+    """The votes residuals are read against: the max(MIN_REFERENCE, ceil(n / 2)) whose probe
+    effects lowered the held-out loss the most. Read against all, a hostile majority's median
+    is its own lean: the attacker nearest that median leaned by nothing (drift_four, tiny, one
+    run: a score of 1.6 against 20 to 30 for the other three, never flagged), and the honest
+    minority's residuals were its mirror image. A drift attacker spends its vote's gain on its
+    lean, so the votes that helped most are the honest ones; among honest votes, any half
+    holds the consensus."""
+    n = len(effects)
+    m = max(MIN_REFERENCE, math.ceil(n / 2))
+    return sorted(range(n), key=lambda i: effects[i])[:m]
 
 
 class DriftTracker:
@@ -191,8 +221,10 @@ class DriftTracker:
         buckets = self._buckets(block, votes[0], k)
         known = [e for e in effects or () if e is not None]
         probed = len(known) == len(votes)
+        ref = reference(known) if probed else list(range(len(votes)))
+        rs = residuals(votes, ref)
         flagged = []
-        for i, (identity, r) in enumerate(zip(identities, residuals(votes), strict=True)):
+        for i, (identity, r) in enumerate(zip(identities, rs, strict=True)):
             key = (block, identity)
             sketch = self.sketches.get(key) or Sketch(torch.zeros(k))
             sketch.sums.mul_(DRIFT_DECAY)
@@ -206,10 +238,10 @@ class DriftTracker:
             sketch.peers *= DRIFT_DECAY
             if probed:
                 sketch.effect += known[i]
-                sketch.peers += statistics.median(known[:i] + known[i + 1 :])
+                sketch.peers += statistics.median(known[j] for j in ref if j != i)
             self.sketches[key] = sketch
             score = sketch.score()
-            if sketch.votes >= self.min_rounds and score > self.threshold:
+            if score > self.bar(sketch.votes):
                 if sketch.helped_more():
                     continue  # the others lean, not this identity
                 drifted = Drifted(identity, block, score, sketch.votes, round + self.min_rounds)
@@ -217,6 +249,15 @@ class DriftTracker:
                 del self.sketches[key]
                 flagged.append(drifted)
         return flagged
+
+    def bar(self, votes: int) -> float:
+        """The score that flags after `votes` observed votes: the threshold from min_rounds on,
+        and before, threshold x sqrt(min_rounds / votes). A constant lean's score grows like
+        sqrt(votes), so one that would pass the threshold only at min_rounds is flagged then,
+        as before, and a bolder one as soon as its score shows it (drift_four: the attackers
+        scored 28 at their first vote, bar 15.8), while the bar never falls below the threshold
+        that no honest identity has reached."""
+        return self.threshold * math.sqrt(max(1.0, self.min_rounds / votes))
 
     def standing(self, block: int, identity: Hashable, open_round: int) -> Verdict:
         """Refused `drift` while flagged on this block."""

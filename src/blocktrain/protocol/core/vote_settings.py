@@ -158,8 +158,10 @@ class VoteSettings:
     )
     drift_min_rounds: int = setting(
         10,
-        "Votes of an identity on a block observed (in rounds of 4 votes or more) before it may "
-        "be flagged for drift, and the rounds a flagged identity is refused there.",
+        "Votes of an identity on a block observed (in rounds of 4 votes or more) from which "
+        "its drift score is held to drift_threshold (after v < N votes, to drift_threshold x "
+        "sqrt(N / v): a bold lean is flagged sooner), and the rounds a flagged identity is "
+        "refused there.",
         positive,
         "must be positive",
         flag="--drift-min-rounds",
