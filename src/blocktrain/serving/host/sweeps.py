@@ -110,7 +110,7 @@ def final_answer(
     """The last host's answer: logits, or bytes drawn here; with the advanced generator state
     whenever the request sent one."""
     if final != "bytes":
-        out = {"logits": logits.float().cpu().contiguous()}
+        out = {"logits": logits.float().contiguous()}  # encode moves it to the CPU
     else:
         assert gen is not None and sampling is not None
         out = {"bytes": bytes_tensor(sample_bytes(logits.cpu(), sampling, gen))}
