@@ -114,6 +114,19 @@ def test_cluster_with_fewer_workers_than_blocks_is_refused_before_anything_is_wr
     assert not out.exists()
 
 
+def test_cluster_overwrite_with_missing_data_leaves_the_old_run_whole(capsys, tmp_path):
+    """--overwrite removed the old run's state, logs, model and summary first, so a wrong
+    --data after it lost the old run and ran nothing. The data is read before anything goes."""
+    out = tmp_path / "c"
+    old = {"state/ledger.sqlite": b"ledger", "summary.json": b"{}", "model/data.json": b"{}"}
+    for name, body in old.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_bytes(body)
+    argv = ["cluster", "--workers", "3", "--preset", "tiny", "--rounds", "1", "--out", str(out)]
+    fails_cleanly(capsys, [*argv, "--overwrite", "--data", str(tmp_path / "nope")], "nope")
+    assert {name: (out / name).read_bytes() for name in old} == old
+
+
 def test_status_of_an_unreachable_aggregator_is_one_line(capsys, monkeypatch):
     monkeypatch.setenv("BLOCKTRAIN_TOKEN", "t")
     fails_cleanly(capsys, ["status", "http://127.0.0.1:9", "--timeout", "0.3"], "failed")

@@ -225,20 +225,21 @@ def run(args: argparse.Namespace) -> int:
             f"and the run would never end; use --workers {cfg.model.blocks} or more"
         )
     out = Path(args.out)
-    if (out / "state").exists() or (out / "summary.json").exists():
-        if not args.overwrite:
-            raise ConfigError(
-                f"{out} already holds a cluster run; pass --overwrite or choose another --out"
-            )
+    replacing = (out / "state").exists() or (out / "summary.json").exists()
+    if replacing and not args.overwrite:
+        raise ConfigError(
+            f"{out} already holds a cluster run; pass --overwrite or choose another --out"
+        )
+    data_path = str(resolve_data_path(args.data))
+    patterns = file_patterns(args)
+    valid = load_split(data_path, "valid", patterns)
+    record = corpus_record(data_path, patterns=patterns)  # the model's data.json, as train's
+    if replacing:  # only now: a bad flag or missing data above leaves the old run whole
         for name in ("state", "logs", "model"):
             shutil.rmtree(out / name, ignore_errors=True)
         (out / "summary.json").unlink(missing_ok=True)
         (out / "viewer.token").unlink(missing_ok=True)
         remove_outputs(out)  # the old run's logs, which TensorBoard would show as this one's
-    data_path = str(resolve_data_path(args.data))
-    patterns = file_patterns(args)
-    valid = load_split(data_path, "valid", patterns)
-    record = corpus_record(data_path, patterns=patterns)  # the model's data.json, as train's
     overrides.update(
         {
             "max_rounds": args.rounds,
