@@ -3,11 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from blocktrain.config import ModelConfig, RunConfig, TrainConfig
+
+# The tests' models are micro: torch's spinning intra-op threads only cost time on them, and on
+# a shared 2-core machine they make the suite several times slower than one thread does (tests/
+# model and tests/training beside two busy processes: 571 s at 2 threads, 127 s at 1). Set here,
+# before any fixture trains a run, and again after every test that changed it (a command's
+# --threads).
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    yield
+    torch.set_num_threads(1)
+
 
 TEXT = (
     " = Valkyria Chronicles III = \n\n Senjo no Valkyria 3 : Unrecorded Chronicles is a tactical "

@@ -29,16 +29,6 @@ from blocktrain.training import Trainer, load_model
 from tests.conftest import TEXT, micro_config
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """The hosts compute in worker threads of this process; on a shared 2-core machine torch's
-    spinning intra-op threads make such tiny models 10x slower than one thread does."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @dataclass(frozen=True)
 class Runs:
     blocktrain: Path  # span K = 2, T = 16, 3 blocks of 1 layer (the default route, features)
@@ -59,22 +49,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     (corpus / "wiki.train.raw").write_text(TEXT * 40)
     train = load_split(corpus, "train")
     cfg = micro_config(steps=2)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for kind in ("blocktrain", "reference"):
-            Trainer.create(cfg, root / kind, train, None, kind=kind).run(progress=False)
-        k1 = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, span=1))
-        Trainer.create(k1, root / "k1", train, None, kind="blocktrain").run(progress=False)
-        for name, base, route in (
-            ("features", cfg, "features"),
-            ("features-k1", k1, "features"),
-            ("state", cfg, "state"),
-        ):
-            routed = dataclasses.replace(base, model=dataclasses.replace(base.model, route=route))
-            Trainer.create(routed, root / name, train, None, kind="blocktrain").run(progress=False)
-    finally:
-        torch.set_num_threads(before)
+    for kind in ("blocktrain", "reference"):
+        Trainer.create(cfg, root / kind, train, None, kind=kind).run(progress=False)
+    k1 = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, span=1))
+    Trainer.create(k1, root / "k1", train, None, kind="blocktrain").run(progress=False)
+    for name, base, route in (
+        ("features", cfg, "features"),
+        ("features-k1", k1, "features"),
+        ("state", cfg, "state"),
+    ):
+        routed = dataclasses.replace(base, model=dataclasses.replace(base.model, route=route))
+        Trainer.create(routed, root / name, train, None, kind="blocktrain").run(progress=False)
     return Runs(
         root / "blocktrain",
         root / "reference",

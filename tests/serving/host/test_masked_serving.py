@@ -8,7 +8,6 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-import torch
 
 from blocktrain.data import load_split
 from blocktrain.model import BlockStack, Sampling
@@ -25,13 +24,8 @@ def masked_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "corpus" / "wiki.train.raw").write_text(TEXT * 40)
     cfg = micro_config(steps=3)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, span=4, process="masked"))
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        train = load_split(root / "corpus", "train")
-        Trainer.create(cfg, root / "run", train, None, kind="blocktrain").run(progress=False)
-    finally:
-        torch.set_num_threads(before)
+    train = load_split(root / "corpus", "train")
+    Trainer.create(cfg, root / "run", train, None, kind="blocktrain").run(progress=False)
     return root / "run"
 
 
