@@ -175,6 +175,7 @@ def run_row(attack: str, defences: str, rounds: int, args: argparse.Namespace) -
         "seed": report["seed"],
         "rounds": rounds,
         "local_steps": args.local_steps,
+        "torch_threads": args.threads,  # CE moves with it in the last digits: compare like rows
         "attackers": len(attackers),
         "attacker_accepted": sum(w["accepted"] for w in attackers),
         "attacker_refused": refused,
