@@ -27,9 +27,9 @@ the lean, the honest minority's residuals are its mirror image, and the attacker
 median shows none (bench/adversarial.py, drift_four: four drift attackers against two honest
 replicas; first both honest identities were flagged, +0.21 CE; then, spared by their effects,
 the attackers were flagged at their tenth vote at the earliest, the one nearest their median
-not at all in one run, +0.02 at tiny and +0.060 at small). A drift attacker sizes its lean to spend its vote's gain (that is what passing the
-probe with a bias means), so the votes that helped most are the honest ones, and every
-leaning vote's residual is read against them.
+not at all in one run, +0.02 at tiny and +0.060 at small). A drift attacker sizes its lean to
+spend its vote's gain (that is what passing the probe with a bias means), so the votes that
+helped most are the honest ones, and every leaning vote's residual is read against them.
 
 Unless its votes helped more. Each sketch also keeps the decayed sums of its votes' probe
 effects (the relative change of the block's held-out loss, read when each update was judged)
@@ -157,12 +157,8 @@ def _other(ordered: torch.Tensor, rank: torch.Tensor, j: int) -> torch.Tensor:
 
 def reference(effects: Sequence[float]) -> list[int]:
     """The votes residuals are read against: the max(MIN_REFERENCE, ceil(n / 2)) whose probe
-    effects lowered the held-out loss the most. Read against all, a hostile majority's median
-    is its own lean: the attacker nearest that median leaned by nothing (drift_four, tiny, one
-    run: a score of 1.6 against 20 to 30 for the other three, never flagged), and the honest
-    minority's residuals were its mirror image. A drift attacker spends its vote's gain on its
-    lean, so the votes that helped most are the honest ones; among honest votes, any half
-    holds the consensus."""
+    effects lowered the held-out loss the most (why: the module's "Why the reference"); among
+    honest votes, any half holds the consensus."""
     n = len(effects)
     m = max(MIN_REFERENCE, math.ceil(n / 2))
     return sorted(range(n), key=lambda i: effects[i])[:m]
