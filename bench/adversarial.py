@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import sys
 import time
@@ -71,17 +70,16 @@ from blocktrain.simulate.attacks import Attack
 from blocktrain.simulate.attacks.forge import BIAS_TENSOR
 from blocktrain.simulate.regimes import load_regime
 from defences import undefended  # bench/defences.py, beside it
-from report import (
+from report import (  # bench/report.py
     RESULTS,
-    ROOT,
-    add_simulated_row_args,  # bench/report.py  # bench/report.py
+    add_simulated_row_args,
+    exclusive,
     machine,
     update_section,
     write_json,
 )
 
 NAME = "adversarial.json"
-LOCK = ROOT / "benchmarks" / "work" / "adversarial.lock"  # kept out of git
 TARGET = 2
 """Every attacker goes for the last block (the lowest noise levels): the final sampler CE hangs
 on it. In a clean 10-round run, replacing block 0 or 1 by -0.76x its weights moved the CE by
@@ -244,9 +242,7 @@ def locked() -> Iterator[dict[Key, dict[str, Any]]]:
     BENCHMARKS.md section), so that several processes can share the bench."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / NAME
-    LOCK.parent.mkdir(parents=True, exist_ok=True)
-    with open(LOCK, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with exclusive("adversarial"):
         result = json.loads(path.read_text()) if path.exists() else {"rows": []}
         rows = {key_of(r): r for r in result["rows"]}
         before = json.dumps(result["rows"], sort_keys=True)

@@ -54,7 +54,7 @@ from blocktrain.training.evaluate import head_nll
 from blocktrain.training.flops import count_flops
 from blocktrain.training.local import build_stack
 from blocktrain.training.plan import TRAINED_BYTES_PER_PARAM, plan
-from report import ROOT, blocktrain, machine, trained, update_section, write_json
+from report import ROOT, blocktrain, exclusive, machine, trained, update_section, write_json
 
 RESULT = "compose.json"
 WORK = ROOT / "benchmarks" / "work" / "compose"
@@ -606,61 +606,85 @@ def main() -> None:
     args.sweeps = args.sweeps or DEFAULT_SWEEPS[args.preset]
     torch.set_num_threads(args.threads)
     data = resolve_data_path(args.data)
-    path = ROOT / "benchmarks" / "results" / RESULT
-    old = json.loads(path.read_text()) if path.exists() else {"rows": [], "commands": []}
-    fields = Row.__dataclass_fields__
-    by_key = {Row(**{k: r[k] for k in fields if k in r}).key: r for r in old["rows"]}
     if args.report:
-        presets = sorted({r["preset"] for r in old["rows"]})
-        old["depth"] = [d for name in presets for d in depth_delivered(old["rows"], name)]
-        write_json(RESULT, old)
-        update_section("compose", markdown(old))
-        print(markdown(old))
-        return
-    if args.cluster:
-        old = {"sweeps": DEFAULT_SWEEPS, "test_bytes": args.bytes, "depth": [], **old}
-        new_http = over_http(args, data, by_key)
-        same = ("preset", "intervals", "workers", "rounds", "local_steps", "seed")
-        old["over_http"] = [
-            r
-            for r in old.get("over_http", [])
-            if any(r.get(k, "forward") != new_http[k] for k in same)
-        ] + [new_http]
-        command = "python bench/compose.py " + " ".join(sys.argv[1:])
-        old["commands"] = [c for c in old.get("commands", []) if c != command] + [command]
-        write_json(RESULT, old)
-        update_section("compose", markdown(old))
-        print(markdown(old))
-        return
-    if args.simulate:
-        old = {"sweeps": DEFAULT_SWEEPS, "test_bytes": args.bytes, "depth": [], **old}
-        new = head_to_head(args, data)
-        names = {r["method"] for r in new}
-        old["head_to_head"] = [r for r in old.get("head_to_head", []) if r["method"] not in names]
-        old["head_to_head"] += new
-        command = "python bench/compose.py " + " ".join(sys.argv[1:])
-        old["commands"] = [c for c in old.get("commands", []) if c != command] + [command]
-        write_json(RESULT, old)
-        update_section("compose", markdown(old))
+        with exclusive("compose"):
+            old = stored()
+            presets = sorted({r["preset"] for r in old["rows"]})
+            old["depth"] = [d for name in presets for d in depth_delivered(old["rows"], name)]
+            write_json(RESULT, old)
+            update_section("compose", markdown(old))
         print(markdown(old))
         return
     command = "python bench/compose.py " + " ".join(sys.argv[1:])
-    commands = [c for c in old.get("commands", []) if c != command] + [command]
+    if args.cluster:
+        new_http = over_http(args, data, keyed(stored()))
+        same = ("preset", "intervals", "workers", "rounds", "local_steps", "seed")
+        with exclusive("compose"):
+            old = {"sweeps": DEFAULT_SWEEPS, "test_bytes": args.bytes, "depth": [], **stored()}
+            old["over_http"] = [
+                r
+                for r in old.get("over_http", [])
+                if any(r.get(k, "forward") != new_http[k] for k in same)
+            ] + [new_http]
+            old["commands"] = with_command(old, command)
+            write_json(RESULT, old)
+            update_section("compose", markdown(old))
+        print(markdown(old))
+        return
+    if args.simulate:
+        new = head_to_head(args, data)
+        names = {r["method"] for r in new}
+        with exclusive("compose"):
+            old = {"sweeps": DEFAULT_SWEEPS, "test_bytes": args.bytes, "depth": [], **stored()}
+            old["head_to_head"] = [
+                r for r in old.get("head_to_head", []) if r["method"] not in names
+            ]
+            old["head_to_head"] += new
+            old["commands"] = with_command(old, command)
+            write_json(RESULT, old)
+            update_section("compose", markdown(old))
+        print(markdown(old))
+        return
+    result = stored()
     for row in grid(args, data):
-        by_seed = dict(by_key[row.key]["by_seed"]) if row.key in by_key else {}
+        known = keyed(stored()).get(row.key, {}).get("by_seed", {})
+        by_seed = {}
         for seed in args.seeds:
-            if str(seed) not in by_seed:
+            if str(seed) not in known:
                 by_seed[str(seed)] = measure(row, seed, args, data)
                 print(f"{row.key} seed {seed}: {by_seed[str(seed)]['test_ce']:.4f}", flush=True)
-        for seed, scored in by_seed.items():  # scored before eval reported the head exit
-            run = WORK / f"{row.key}-seed{seed}"
-            if row.model == "blocktrain" and "head_ce_per_block" not in scored and run.exists():
-                seq_len = row.config(0, args.threads).model.seq_len
-                test = load_split(data, "test").windows(seq_len, args.bytes)
-                by_seed[seed] = {**scored, "head_ce_per_block": head_ces(run, test)}
-        by_key[row.key] = summarise(row, by_seed, row.config(0, args.threads), data)
-        result = save(old, by_key, commands, args)  # after every row: a stopped run keeps it
+        # Saved after every row (a stopped run keeps it), into the JSON as it is now: another
+        # process of this bench may have added rows or seeds meanwhile.
+        with exclusive("compose"):
+            old = stored()
+            by_key = keyed(old)
+            by_seed = {**by_key.get(row.key, {}).get("by_seed", {}), **by_seed}
+            for seed, scored in by_seed.items():  # scored before eval reported the head exit
+                run = WORK / f"{row.key}-seed{seed}"
+                if row.model == "blocktrain" and "head_ce_per_block" not in scored and run.exists():
+                    seq_len = row.config(0, args.threads).model.seq_len
+                    test = load_split(data, "test").windows(seq_len, args.bytes)
+                    by_seed[seed] = {**scored, "head_ce_per_block": head_ces(run, test)}
+            by_key[row.key] = summarise(row, by_seed, row.config(0, args.threads), data)
+            result = save(old, by_key, with_command(old, command), args)
     print(markdown(result))
+
+
+def stored() -> dict[str, Any]:
+    """The JSON as it is on disk now."""
+    path = ROOT / "benchmarks" / "results" / RESULT
+    return json.loads(path.read_text()) if path.exists() else {"rows": [], "commands": []}
+
+
+def keyed(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The stored rows by their Row key."""
+    fields = Row.__dataclass_fields__
+    return {Row(**{k: r[k] for k in fields if k in r}).key: r for r in result["rows"]}
+
+
+def with_command(result: dict[str, Any], command: str) -> list[str]:
+    """The commands that made the JSON, COMMAND last."""
+    return [c for c in result.get("commands", []) if c != command] + [command]
 
 
 def save(

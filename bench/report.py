@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import json
 import os
 import platform
@@ -13,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +132,17 @@ def add_simulated_row_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", help="data path (default: $BLOCKTRAIN_DATA)")
 
 
+@contextlib.contextmanager
+def exclusive(name: str) -> Iterator[None]:
+    """Hold the lock NAME (a file under benchmarks/work/, kept out of git) for a read, change
+    and write of a shared file, so that bench processes running side by side lose nothing."""
+    path = ROOT / "benchmarks" / "work" / f"{name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def write_json(name: str, data: dict[str, Any]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / name
@@ -142,14 +155,15 @@ def update_section(name: str, markdown: str, path: Path = BENCHMARKS_MD) -> None
     (appending the section if it is not there yet)."""
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
     block = f"{begin}\n{markdown.strip()}\n{end}"
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
     pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
-    text = (
-        pattern.sub(lambda _: block, text)
-        if pattern.search(text)
-        else (text.rstrip() + "\n\n" + block + "\n")
-    )
-    path.write_text(text)
+    with exclusive(path.name):  # two benches may write their sections of one file at once
+        text = path.read_text() if path.exists() else "# Benchmarks\n"
+        text = (
+            pattern.sub(lambda _: block, text)
+            if pattern.search(text)
+            else (text.rstrip() + "\n\n" + block + "\n")
+        )
+        path.write_text(text)
 
 
 def forward_flops(trainer: Trainer, source: ByteSource) -> FlopCount:
