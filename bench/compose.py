@@ -29,6 +29,7 @@ import argparse
 import copy
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -605,6 +606,9 @@ def main() -> None:
     args = p.parse_args()
     args.sweeps = args.sweeps or DEFAULT_SWEEPS[args.preset]
     torch.set_num_threads(args.threads)
+    # and the `blocktrain eval` subprocesses' (train sets its own from the run's config): at
+    # torch's default they took both cores beside another bench
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
     data = resolve_data_path(args.data)
     if args.report:
         with exclusive("compose"):
