@@ -651,24 +651,24 @@ def main() -> None:
         return
     result = stored()
     for row in grid(args, data):
-        known = keyed(stored()).get(row.key, {}).get("by_seed", {})
-        by_seed = {}
+        by_seed = dict(keyed(stored()).get(row.key, {}).get("by_seed", {}))
         for seed in args.seeds:
-            if str(seed) not in known:
+            if str(seed) not in by_seed:
                 by_seed[str(seed)] = measure(row, seed, args, data)
                 print(f"{row.key} seed {seed}: {by_seed[str(seed)]['test_ce']:.4f}", flush=True)
+        for seed, scored in by_seed.items():  # scored before eval reported the head exit
+            run = WORK / f"{row.key}-seed{seed}"
+            if row.model == "blocktrain" and "head_ce_per_block" not in scored and run.exists():
+                seq_len = row.config(0, args.threads).model.seq_len
+                test = load_split(data, "test").windows(seq_len, args.bytes)
+                by_seed[seed] = {**scored, "head_ce_per_block": head_ces(run, test)}
         # Saved after every row (a stopped run keeps it), into the JSON as it is now: another
-        # process of this bench may have added rows or seeds meanwhile.
+        # process of this bench may have added rows or seeds meanwhile. The lock is held for
+        # the write only, not for the evaluations above.
         with exclusive("compose"):
             old = stored()
             by_key = keyed(old)
             by_seed = {**by_key.get(row.key, {}).get("by_seed", {}), **by_seed}
-            for seed, scored in by_seed.items():  # scored before eval reported the head exit
-                run = WORK / f"{row.key}-seed{seed}"
-                if row.model == "blocktrain" and "head_ce_per_block" not in scored and run.exists():
-                    seq_len = row.config(0, args.threads).model.seq_len
-                    test = load_split(data, "test").windows(seq_len, args.bytes)
-                    by_seed[seed] = {**scored, "head_ce_per_block": head_ces(run, test)}
             by_key[row.key] = summarise(row, by_seed, row.config(0, args.threads), data)
             result = save(old, by_key, with_command(old, command), args)
     print(markdown(result))
