@@ -39,7 +39,9 @@ tracking) only when --only names it. final_ce is
 the final model's sampler CE (M = 16 sweeps on 16384 validation bytes), clean_ce the clean
 row's under the same defences; target_drift the drift attackers' coordinate in the target
 block's final weights (byte 0's logit bias less the mean of the other bytes'), clean_target_drift
-the clean row's.
+the clean row's; attacker_pushes each attacker push's round, fate and what its trainer reported
+of it (ascend: the share of the bound its ascent took, and the block's training loss on a
+fresh batch before and after its whole delta).
 
     python bench/adversarial.py                 # 26 rows of 10 rounds and 6 of 20 (about
                                                 # 1 min a default row of 10 rounds here, at
@@ -177,6 +179,9 @@ def run_row(attack: str, defences: str, rounds: int, args: argparse.Namespace) -
         "attackers": len(attackers),
         "attacker_accepted": sum(w["accepted"] for w in attackers),
         "attacker_refused": refused,
+        "attacker_pushes": [
+            {"worker_id": w["worker_id"], **p} for w in attackers for p in w["pushes"]
+        ],
         "honest_refused": honest_refused,
         "rounds_held": held,
         "per_round": per_round,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -117,6 +118,12 @@ def test_every_kind_runs_its_workers_on_its_block(corpus: Path, kind: str) -> No
     assert [w["block"] for w in attackers] == [2, 2]
     for w in attackers:
         assert w["accepted"] + sum(w["refused"].values()) == 2, (kind, w)
+        fates = Counter(p["fate"] for p in w["pushes"])
+        assert fates == Counter({"accepted": w["accepted"], **w["refused"]}), (kind, w)
+        assert sorted(p["round"] for p in w["pushes"]) == [0, 1], (kind, w)
+    assert all("pushes" not in w for w in result["workers"] if not w["attacker"])
+    if kind == "ascend":  # what its trainer reported of each push comes with it
+        assert all(0.0 <= p["ascent_share"] <= 1.0 for w in attackers for p in w["pushes"])
     assert len(result["rounds"]) == 2 and result["final_sampler_ce"] is not None
     assert all(torch.isfinite(v).all() for v in weights[2].values()), kind
 

@@ -235,6 +235,8 @@ class Simulation:
         logs = w.trainer.train(told, view.version * h, _never)  # as a WorkerLoop: version x H
         self.clocks.train_s += time.perf_counter() - t0
         w.local_steps += int(logs["steps"])
+        if w.attacker:
+            w.reported = {k: v for k, v in logs.items() if k not in ("tokens", "loss", "steps")}
         loss = float(logs["loss"])
         body = update_body(
             w.block,
@@ -257,6 +259,9 @@ class Simulation:
         self.bytes_up += len(body)
         judged = self.agg.push(w.id, w.block, body, now)
         self._account(w, judged)
+        if w.attacker:
+            fate = "accepted" if judged.verdict.accepted else judged.verdict.reason
+            w.pushes.append({"round": trained_on, "fate": fate, **w.reported})
         w.last_round = trained_on
         self._at(now + self._latency(), "pushed", w.id)
 
@@ -369,6 +374,7 @@ class Simulation:
                     "dropped": w.dropped,
                     "local_steps": w.local_steps,
                     "attacker": w.attacker,
+                    **({"pushes": w.pushes} if w.attacker else {}),
                 }
                 for w in self.workers
             ],

@@ -8,6 +8,7 @@ import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -74,3 +75,8 @@ class VirtualWorker:
     dropped: int = 0
     local_steps: int = 0
     attacker: bool = False
+    pushes: list[dict[str, Any]] = field(default_factory=list)
+    """An attacker's pushes: each one's round, its fate ("accepted" or the refusal's reason)
+    and what its trainer reported beyond tokens, loss and steps (what it crafted)."""
+    reported: dict[str, float] = field(default_factory=dict)
+    """Those extra numbers of the push in flight."""

@@ -103,14 +103,18 @@ def test_ascend_sits_at_the_bound_and_its_probe_sees_a_fall(setup) -> None:
             pulled,
             others,
         )
-        assert t.train(2, 8) == {
+        logs = t.train(2, 8)
+        assert {k: logs[k] for k in ("tokens", "loss", "steps")} == {
             "tokens": 99.0,
             "loss": pytest.approx(math.nan, nan_ok=True),
             "steps": 2.0,
         }
+        reports.append(logs)
         return t.delta()
 
+    reports: list[dict[str, float]] = []
     delta = crafted(AscendTrainer)
+    assert 0.0 < reports[0]["ascent_share"] <= 1.0
     assert norm(delta) == pytest.approx(AT_BOUND * bound, rel=1e-4)
     before = probe.loss(BLOCK, pulled, others)
     assert probe.loss(BLOCK, {k: w + delta[k] for k, w in pulled.items()}, others) < before
@@ -129,3 +133,7 @@ def test_ascend_sits_at_the_bound_and_its_probe_sees_a_fall(setup) -> None:
         with torch.no_grad():
             losses.append(float(t.objective(x, torch.Generator().manual_seed(5)).total))
     assert losses[0] > losses[1], "the ascent raises the training text's loss"
+    fit_only = reports[1]
+    assert fit_only["ascent_share"] == 0.0
+    rise = [r["fresh_loss_after"] - r["fresh_loss_before"] for r in reports]
+    assert rise[0] > rise[1], "what it reports of a fresh batch sees the ascent too"

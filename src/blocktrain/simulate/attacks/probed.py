@@ -38,6 +38,7 @@ BISECTIONS = 6
 """Probe calls that refine a size after the two at its ends (then within 1/64 of the range of
 the largest that passes)."""
 _ASCENT_SALT = 11
+_FRESH_SALT = 13
 
 
 def _dot(a: Tensors, b: Tensors) -> float:
@@ -174,8 +175,39 @@ class AscendTrainer(_Probed):
             c = (-ascent * fu + math.sqrt(max(disc, 0.0))) / ff
             return {k: c * fit[k] + ascent * unit[k] for k in fit}
 
-        self._delta = at_bound(self.largest(at_bound, self.bound))
-        return {"tokens": float(self.tokens), "loss": math.nan, "steps": float(steps)}
+        ascent = self.largest(at_bound, self.bound)
+        self._delta = at_bound(ascent)
+        before, after = self._fresh_losses(first_step)
+        return {
+            "tokens": float(self.tokens),
+            "loss": math.nan,
+            "steps": float(steps),
+            "ascent_share": ascent / self.bound,
+            "fresh_loss_before": before,
+            "fresh_loss_after": after,
+        }
+
+    def _fresh_losses(self, first_step: int) -> tuple[float, float]:
+        """The block's training loss on a batch it did not craft with, at the pulled weights
+        and with its whole delta applied (the same bytes and noise): what the update does to
+        the real objective, where the probe cannot see."""
+        inner, cfg = self.inner, self.inner.cfg
+        seeds = [
+            stream_seed(inner.data_seed, inner.block_index, first_step, _FRESH_SALT + i)
+            for i in (0, 1)
+        ]
+        x = inner.data.sample(
+            cfg.train.batch_size, cfg.model.seq_len, torch.Generator().manual_seed(seeds[0])
+        )
+        losses = []
+        inner.module.eval()
+        for weights in (self.base, {k: w + self._delta[k] for k, w in self.base.items()}):
+            inner.load(weights)
+            with torch.no_grad():
+                noise = torch.Generator().manual_seed(seeds[1])
+                losses.append(float(inner.objective(x, noise).total))
+        inner.load(self.base)
+        return losses[0], losses[1]
 
     def _grad(self, x: torch.Tensor, noise: torch.Generator) -> Tensors:
         """The gradient of the block's loss on `x` with `noise`, by state-dict name."""
