@@ -47,7 +47,8 @@ fresh batch before and after its whole delta).
                                                 # 1 min a default row of 10 rounds here, at
                                                 # tiny; 2-5 min a none row)
     python bench/adversarial.py --only drift_four/no_drift
-    python bench/adversarial.py --force         # re-run rows already in the JSON
+    python bench/adversarial.py --force         # re-run rows already in the JSON (those
+                                                # --only names: not the clean rows it adds)
     python bench/adversarial.py --only sybils,clean/none   # some rows (several processes
                                                 # may share the JSON: each saves under a lock)
 """
@@ -227,7 +228,8 @@ def main() -> None:
         key = (args.preset, attack, defences, rounds)
         with locked() as rows:
             old = rows.get(key)
-        if old is not None and not args.force and old["local_steps"] == args.local_steps:
+        forced = args.force and (attack, defences) in wanted  # not the clean rows it adds
+        if old is not None and not forced and old["local_steps"] == args.local_steps:
             continue
         print(
             f"adversarial: {args.preset} {attack} / {defences}, {rounds} rounds ...",

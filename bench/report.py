@@ -128,7 +128,9 @@ def add_simulated_row_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=10, help="rounds per block, every row")
     p.add_argument("--local-steps", type=int, default=10, help="H, every row")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
-    p.add_argument("--force", action="store_true", help="re-run rows already in the JSON")
+    p.add_argument(
+        "--force", action="store_true", help="re-run the rows asked for, though in the JSON"
+    )
     p.add_argument("--data", help="data path (default: $BLOCKTRAIN_DATA)")
 
 
