@@ -3,9 +3,9 @@ against the real servers on loopback, an honest client measured before and while
 runs. Writes benchmarks/results/live_attacks.json (live_attacks-quick.json with --quick) and
 the "live-attacks" section of BENCHMARKS.md.
 
-Against the aggregator (`blocktrain aggregator`, tiny preset, its effect probe on, two honest
-`blocktrain worker`s training block 0 for real; a fresh aggregator per attack, one for all
-three with --quick):
+Against the aggregator (`blocktrain aggregator` of --preset, tiny by default, its effect probe
+on, two honest `blocktrain worker`s training block 0 for real; a fresh aggregator per attack,
+one for all three with --quick):
 
     push_flood       one attacker token pushes valid-shaped deltas (noise at half the norm
                      bound, each body different) naming the open round, from 8 connections
@@ -17,7 +17,7 @@ three with --quick):
                      as soon as the server answers or closes it
 
 Against the router (`blocktrain serve` in front of three `blocktrain serve-block` hosts, a tiny
-model trained 20 steps):
+model trained 20 steps; at the tiny preset only):
 
     halfopen         as above
     unread_streams   8 streamed completions of 4096 bytes kept open, never read (a 4 KiB
@@ -30,7 +30,9 @@ model trained 20 steps):
 Every attacker connects from 127.0.0.2 (but the row of 4 addresses), the honest clients
 (workers included) from 127.0.0.1:
 on loopback, one other client address. Each attack: the honest client's requests for
---unloaded seconds, then while the attack runs for --attack seconds, then --settle seconds.
+--unloaded seconds, then while the attack runs for --attack seconds, then --settle seconds
+(25, 30 and 5 at the tiny preset's deadline of 12 s; the defaults scale with --deadline, whose
+own default is 30 s at a larger preset: its rounds take longer).
 The honest client opens a new connection for every request (one every --interval s): against
 the aggregator GET /v1/status (an observer's token) and GET /v1/blocks/0/versions/V (the
 version the status names, ~1 MB); against the router a completion of 8 bytes. The target
@@ -48,6 +50,9 @@ is. The attackers run on the same machine: the table shows the CPU they and the 
     python bench/live_attacks.py --quick    # a smoke: short windows, one aggregator
     python bench/live_attacks.py --only halfopen,unread_streams   # the other rows of the JSON
                                             # stay, when measured under the same settings
+    python bench/live_attacks.py --preset small   # the aggregator at the small shape (its probe
+                                            # a forward pass of a 2-layer block of d = 256):
+                                            # live_attacks-small.json, ~15 min
 """
 
 from __future__ import annotations
@@ -73,7 +78,7 @@ from typing import Any
 import torch
 
 from blocktrain.data import resolve_data_path
-from blocktrain.presets import preset
+from blocktrain.presets import PRESETS, preset
 from blocktrain.protocol.core.bodies import SAFETENSORS_CODES, wire_dtype
 from blocktrain.protocol.ops.cluster import Proc, spawn, start_aggregator, start_worker, stop
 from blocktrain.protocol.store.storage import StateDir
@@ -96,6 +101,8 @@ ATTACKERS = BENCH / "live_attackers.py"
 HONEST = "127.0.0.1"
 ATTACKER = "127.0.0.2"
 MODEL = "live-attacks-tiny"
+ROUTER_PRESET = "tiny"
+"""The router's rows serve a tiny model, and run at that preset only."""
 
 AGGREGATOR_ATTACKS = ("push_flood", "quorum_stuffing", "halfopen")
 ROUTER_ATTACKS = ("halfopen", "unread_streams", "unread_streams_4_addresses", "stop_strings")
@@ -298,10 +305,15 @@ def markdown(result: dict[str, Any]) -> str:
         f"{'Quick mode: ' if s['quick'] else ''}{s['unloaded_s']:g} s unloaded, then "
         f"{s['attack_s']:g} s attacked, per attack; an honest request every {s['interval_s']:g} s "
         "on a new connection from 127.0.0.1, the attackers from 127.0.0.2 (the row of 4 "
-        "addresses from 127.0.0.2-5). Aggregator: tiny "
+        f"addresses from 127.0.0.2-5). Aggregator: {s.get('preset', 'tiny')} "
         f"preset, 2 honest workers on block 0, deadline {s['deadline_s']:g} s, H = "
-        f"{s['local_steps']}, minimum round {s['min_round_s']:g} s. Router: 3 block hosts of a "
-        "tiny model trained 20 steps. Pass: median within "
+        f"{s['local_steps']}, minimum round {s['min_round_s']:g} s. "
+        + (
+            "Router: 3 block hosts of a tiny model trained 20 steps. "
+            if any(r["target"] == "router" for r in rows)
+            else ""
+        )
+        + "Pass: median within "
         f"{s['factor']:g}x unloaded and every honest request served (and, at the aggregator, the "
         f"honest updates in time, rounds within {s['factor']:g}x their unloaded length, no early "
         f"round before the minimum, RSS growth under {s['rss_growth_mb']:g} MB)."
@@ -643,7 +655,7 @@ def ledger_rows(state: StateDir) -> tuple[list[dict[str, Any]], list[dict[str, A
 
 def aggregator_rows(attacks: list[str], args: argparse.Namespace, tmp: Path) -> list[dict]:
     """One aggregator with two honest workers on block 0, and `attacks` one after another."""
-    cfg = preset("tiny")
+    cfg = preset(args.preset)
     settings = {"deadline_s": args.deadline, "local_steps": args.local_steps, "keep_versions": 10}
     state, tokens, observer = cluster_state(tmp / "state", cfg, settings, workers=2)
     files: dict[str, Any] = {"stuffers": []}
@@ -748,7 +760,7 @@ def router_argv(attack: str, url: str, port: int) -> list[str]:
 
 
 def router_rows(attacks: list[str], args: argparse.Namespace, tmp: Path) -> list[dict]:
-    run = trained(ROOT / "runs" / MODEL, ["--preset", "tiny", "--steps", "20"])
+    run = trained(ROOT / "runs" / MODEL, ["--preset", ROUTER_PRESET, "--steps", "20"])
     ports = free_ports(4)
     logs = tmp / "router-logs"
     procs = []
@@ -807,6 +819,7 @@ def wait_ready(url: str, timeout_s: float = 120.0) -> None:
 
 def settings_of(args: argparse.Namespace) -> dict[str, Any]:
     return {
+        "preset": args.preset,
         "quick": args.quick,
         "unloaded_s": args.unloaded,
         "attack_s": args.attack,
@@ -846,25 +859,38 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--quick", action="store_true", help="short windows, one aggregator")
+    p.add_argument(
+        "--preset",
+        default=ROUTER_PRESET,
+        choices=sorted(PRESETS),
+        help="the aggregator's; the router's rows run at tiny only (default: tiny)",
+    )
     p.add_argument("--only", default="", help="attacks to run, comma-separated (default: all)")
     p.add_argument("--unloaded", type=float, help="seconds unloaded per attack (25; quick 6)")
     p.add_argument("--attack", type=float, help="seconds attacked per attack (30; quick 8)")
     p.add_argument("--settle", type=float, help="seconds after each attack (5; quick 2)")
     p.add_argument("--interval", type=float, default=0.25, help="seconds between honest requests")
-    p.add_argument("--deadline", type=float, default=12.0, help="the aggregator's round deadline")
+    p.add_argument(
+        "--deadline", type=float, help="the aggregator's round deadline (12; 30 past tiny)"
+    )
     p.add_argument("--local-steps", type=int, default=5, help="H of the honest workers")
     p.add_argument("--factor", type=float, default=2.0, help="the latency a row tolerates")
     p.add_argument("--rss-growth-mb", type=float, default=256.0)
     p.add_argument("--warm-up", type=float, default=300.0, help="most seconds to warm up")
     p.add_argument("--data", default=None, help="corpus (default: $BLOCKTRAIN_DATA)")
     args = p.parse_args()
+    if args.deadline is None:
+        args.deadline = 12.0 if args.preset == ROUTER_PRESET else 30.0
+    scale = args.deadline / 12.0  # a window holds as many rounds at any deadline
     for name, full, quick in (("unloaded", 25.0, 6.0), ("attack", 30.0, 8.0), ("settle", 5.0, 2.0)):
         if getattr(args, name) is None:
-            setattr(args, name, quick if args.quick else full)
+            setattr(args, name, scale * (quick if args.quick else full))
     only = {x.strip() for x in args.only.split(",") if x.strip()}
     known = set(AGGREGATOR_ATTACKS) | set(ROUTER_ATTACKS)
     if only - known:
         p.error(f"--only: unknown {sorted(only - known)}; known: {', '.join(sorted(known))}")
+    if args.preset != ROUTER_PRESET and only and not only & set(AGGREGATOR_ATTACKS):
+        p.error(f"--only: the router's rows run at the {ROUTER_PRESET} preset only")
     pick = lambda names: [a for a in names if not only or a in only]  # noqa: E731
     t0 = time.monotonic()
     rows: list[dict[str, Any]] = []
@@ -873,9 +899,10 @@ def main() -> None:
         groups = [agg] if args.quick else [[a] for a in agg]
         for i, group in enumerate(g for g in groups if g):
             rows += aggregator_rows(group, args, Path(tmp) / f"aggregator-{i}")
-        if pick(ROUTER_ATTACKS):
+        if pick(ROUTER_ATTACKS) and args.preset == ROUTER_PRESET:
             rows += router_rows(pick(ROUTER_ATTACKS), args, Path(tmp))
-    name = "live_attacks-quick.json" if args.quick else "live_attacks.json"
+    shape = "" if args.preset == ROUTER_PRESET else f"-{args.preset}"
+    name = f"live_attacks{'-quick' if args.quick else ''}{shape}.json"
     commit = machine()["commit"]
     for r in rows:
         r["commit"] = commit
@@ -891,7 +918,8 @@ def main() -> None:
     }
     result["command"] = result["command"].strip()
     write_json(name, result)
-    update_section("live-attacks", markdown(result))
+    if not args.quick:  # a smoke's figures are not the bench's
+        update_section(f"live-attacks{shape}", markdown(result))
     print(markdown(result))
     sys.exit(0 if all(r["passed"] for r in rows) else 1)
 

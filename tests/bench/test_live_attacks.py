@@ -187,6 +187,16 @@ def test_the_markdown_shows_each_honest_request_and_names_a_failing_check() -> N
     assert "| push_flood | worker-0 4 ok, 0 late | worker-0 4 ok, 0 late |" in text
     assert "| 8 (3.0) | 7 (3.5) | 0 | 500 / 600 / 590 |" in text
     assert "| unread_streams_4_addresses | router | 0.20 → 0.25 | 0.01 | opened: 32 |" in text
+    assert "Aggregator: tiny preset" in text and "Router: 3 block hosts" in text
+    small = live_attacks.markdown(
+        {
+            "command": "python bench/live_attacks.py --preset small",
+            "json": "live_attacks-small.json",
+            "settings": {**settings, "preset": "small"},
+            "rows": [passing],
+        }
+    )
+    assert "Aggregator: small preset" in small and "Router" not in small
 
 
 def test_the_attackers_bodies_are_what_the_aggregator_reads_them_as() -> None:
