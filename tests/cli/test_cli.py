@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from blocktrain.cli.main import main
 
@@ -175,6 +176,24 @@ def test_generate_takes_the_sampler_and_its_steps(capsys, trained):
         assert main([*args, "--sampler", sampler, "--steps-per-block", "2"]) == 0
         outs[sampler] = capsys.readouterr().out
     assert all(outs.values()), outs
+
+
+def test_eval_and_generate_run_on_the_threads_asked_for(capsys, trained, corpus, monkeypatch):
+    """--threads N beside another job (the benches' evaluations); 0, the default, leaves
+    torch's choice; a negative count is a usage error before anything is read."""
+    asked: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", asked.append)
+    gen = ["generate", str(trained), "--prompt", "ab", "--bytes", "2"]
+    assert main([*gen, "--threads", "1"]) == 0
+    ev = ["eval", str(trained), "--data", str(corpus), "--bytes", "256", "--sweeps", "1"]
+    assert main([*ev, "--threads", "2"]) == 0
+    assert main(gen) == 0
+    assert asked == [1, 2]
+    capsys.readouterr()
+    for argv in (gen, ev):
+        with pytest.raises(SystemExit) as exc:
+            main([*argv, "--threads", "-1"])
+        assert exc.value.code == 2 and "not a thread count" in capsys.readouterr().err
 
 
 def test_eval_with_a_judge_reports_the_judged_continuations(capsys, tmp_path, trained, corpus):

@@ -149,6 +149,35 @@ def add_device_arg(parser: argparse.ArgumentParser, default: str | None = "auto"
     )
 
 
+def _thread_count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a thread count (0: torch's choice)")
+    return n
+
+
+def add_threads_arg(parser: argparse.ArgumentParser) -> None:
+    """--threads N: torch's CPU threads for this process (0, the default: torch's choice, every
+    core), e.g. 1 beside another job; `use_threads` applies it."""
+    parser.add_argument(
+        "--threads",
+        type=_thread_count,
+        default=0,
+        metavar="N",
+        help="torch CPU threads (0: torch's choice, every core)",
+    )
+
+
+def use_threads(args: argparse.Namespace) -> None:
+    if args.threads:
+        import torch  # here: `--help` and the commands without torch start faster
+
+        torch.set_num_threads(args.threads)
+
+
 def resolve_rounds_config(args: argparse.Namespace, local_steps: int) -> RunConfig:
     """The config of a run of `args.rounds` rounds of H local steps: unless --set gives
     `steps`, the learning-rate schedule spans the run (round r runs steps r*H .. r*H + H - 1)."""

@@ -12,10 +12,12 @@ from blocktrain.cli.common import (
     add_device_arg,
     add_progress_arg,
     add_sampler_args,
+    add_threads_arg,
     check_model_sampler,
     file_patterns,
     print_json,
     progress_bar,
+    use_threads,
 )
 from blocktrain.data import load_split
 from blocktrain.data.provenance import check_data
@@ -77,12 +79,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_device_arg(p)
+    add_threads_arg(p)
     add_progress_arg(p)
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
+    use_threads(args)
     names = ("bytes", "sweeps", "steps_per_block", "batch_size", "prompts", "prompt_bytes")
     for name in (*names, "gen_bytes"):
         if getattr(args, name) <= 0:

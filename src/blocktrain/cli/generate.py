@@ -15,8 +15,10 @@ from blocktrain.cli.common import (
     add_pattern_args,
     add_sampler_args,
     add_text_field_arg,
+    add_threads_arg,
     check_model_sampler,
     file_patterns,
+    use_threads,
 )
 from blocktrain.data.provenance import check_data
 from blocktrain.device import resolve_device
@@ -101,11 +103,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_pattern_args(p)
     add_text_field_arg(p)
     add_device_arg(p)
+    add_threads_arg(p)
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
+    use_threads(args)
     prompt = args.prompt.encode("utf-8", "surrogateescape")  # argv's own bytes
     if not prompt:
         raise ConfigError("--prompt must hold at least one byte")

@@ -8,9 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-
-from blocktrain.cli.common import Formatter
+from blocktrain.cli.common import Formatter, add_threads_arg, use_threads
 from blocktrain.config import parse_blocks
 from blocktrain.device import DEVICE_HELP, resolve_device
 from blocktrain.errors import ConfigError
@@ -110,7 +108,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "required unless --host is a loopback address",
     )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the next host")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    add_threads_arg(p)
     p.add_argument(
         "--device",
         default="auto",
@@ -144,12 +142,9 @@ def run_cmd(args: argparse.Namespace) -> int:
     sources = tuple(ModelSource.parse(m) for m in args.models)
     parts = parse_blocks(args.blocks)
     next_url = check_url(args.next_url, "--next") if args.next_url else None
-    if args.threads < 0:
-        raise ConfigError(f"--threads {args.threads} must be >= 0")
     if not args.max_cache_mb > 0:
         raise ConfigError(f"--max-cache-mb {args.max_cache_mb} must be positive")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    use_threads(args)
     public = check_url(args.public_url, "--public-url") if args.public_url else None
     secret = load_secret(args.secret_file)
     if secret is None and not is_loopback(args.host):

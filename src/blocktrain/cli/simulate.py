@@ -21,19 +21,19 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from blocktrain.cli.common import (
     Formatter,
     add_config_args,
     add_data_arg,
     add_progress_arg,
     add_setting_args,
+    add_threads_arg,
     file_patterns,
     print_json,
     progress_bar,
     resolve_rounds_config,
     settings_overrides,
+    use_threads,
 )
 from blocktrain.data import load_split, resolve_data_path
 from blocktrain.data.provenance import corpus_record
@@ -117,7 +117,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="make honest workers slower: each ID's drawn speed times FACTOR (5:3: worker 5's "
         "steps take three times as long; see --pacing)",
     )
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    add_threads_arg(p)
     add_progress_arg(p)
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     add_setting_args(p, "protocol settings (virtual seconds)", simulated_only=True)
@@ -141,10 +141,7 @@ def _slowdown(text: str) -> dict[int, float]:
 
 def run(args: argparse.Namespace) -> int:
     regimes = parse_regimes(args.regime)
-    if args.threads is not None:
-        if args.threads <= 0:
-            raise ConfigError("--threads must be positive")
-        torch.set_num_threads(args.threads)
+    use_threads(args)
     protocol = settings_overrides(args)
     local_steps = int(protocol.get("local_steps", 10))
     cfg = resolve_rounds_config(args, local_steps)

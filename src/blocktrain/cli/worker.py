@@ -44,12 +44,14 @@ from blocktrain.cli.common import (
     add_ca_arg,
     add_data_arg,
     add_log_arg,
+    add_threads_arg,
     add_token_args,
     checked_ca,
     file_patterns,
     log_backends,
     print_json,
     resolve_token,
+    use_threads,
 )
 from blocktrain.config import RunConfig
 from blocktrain.data import ByteSource, load_split
@@ -115,7 +117,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --state: discard the worker DIR holds and start a new one there",
     )
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    add_threads_arg(p)
     add_ca_arg(p)
     p.add_argument("--max-rounds", type=int, help="stop after this many rounds")
     p.add_argument(
@@ -155,8 +157,8 @@ def run(args: argparse.Namespace) -> int:
     check_url(args.aggregator, "--aggregator")  # a typo is one line, not a traceback
     if args.block is not None and args.block < 0:
         raise ConfigError("--block must be >= 0")
-    if args.threads < 0 or (args.max_rounds is not None and args.max_rounds <= 0):
-        raise ConfigError("--threads must be >= 0 and --max-rounds positive")
+    if args.max_rounds is not None and args.max_rounds <= 0:
+        raise ConfigError("--max-rounds must be positive")
     if args.fresh and not args.state:
         raise ConfigError("--fresh discards the worker of a --state folder: give --state DIR")
     backends = log_backends(args)
@@ -169,8 +171,7 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)  # before the aggregator hears of this worker
     token = resolve_token(args)
     verify = checked_ca(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    use_threads(args)
     # checked (and locked) before the aggregator hears of this worker
     folder = (
         WorkerFolder(args.state, args.aggregator, block=args.block, fresh=args.fresh, extra=OUTPUTS)
