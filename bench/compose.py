@@ -29,7 +29,6 @@ import argparse
 import copy
 import dataclasses
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -187,7 +186,9 @@ def measure(row: Row, seed: int, args: argparse.Namespace, data: Path) -> dict[s
         argv = ["--preset", row.preset, "--steps", str(row.steps)]
         argv += ["--reference"] if row.model == "reference" else []
         trained(run, [*argv, "--set", *row.overrides(seed, args.threads)])
-    argv = ["eval", str(run), "--split", "test", "--json", "-q"]
+    # on --threads (train takes its own from the run's config): at torch's default an eval took
+    # both cores beside another bench
+    argv = ["eval", str(run), "--split", "test", "--json", "-q", "--threads", str(args.threads)]
     ev = json.loads(blocktrain([*argv, "--bytes", str(args.bytes), "--sweeps", str(args.sweeps)]))
     state = json.loads((run / "state.json").read_text())
     out = {"test_ce": ev["ce"] if row.model == "reference" else ev["sampler_ce"]}
@@ -411,6 +412,7 @@ def over_http(args: argparse.Namespace, data: Path, rows: dict[str, Any]) -> dic
                 "--final-sweeps", "1", "--out", str(out), "--overwrite", "-q"]  # fmt: skip
         blocktrain(argv)
     argv = ["eval", str(out / "model"), "--split", "test", "--json", "-q"]
+    argv += ["--threads", str(args.threads)]
     ev = json.loads(blocktrain([*argv, "--bytes", str(args.bytes), "--sweeps", str(args.sweeps)]))
     summary = json.loads((out / "summary.json").read_text())
     return {
@@ -606,9 +608,6 @@ def main() -> None:
     args = p.parse_args()
     args.sweeps = args.sweeps or DEFAULT_SWEEPS[args.preset]
     torch.set_num_threads(args.threads)
-    # and the `blocktrain eval` subprocesses' (train sets its own from the run's config): at
-    # torch's default they took both cores beside another bench
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)
     data = resolve_data_path(args.data)
     if args.report:
         with exclusive("compose"):
