@@ -41,7 +41,7 @@ row's under the same defences; target_drift the drift attackers' coordinate in t
 block's final weights (byte 0's logit bias less the mean of the other bytes'), clean_target_drift
 the clean row's; attacker_pushes each attacker push's round, fate and what its trainer reported
 of it (ascend: the share of the bound its ascent took, and the block's training loss on a
-fresh batch before and after its whole delta).
+fresh batch before its delta, at the probe's step of it and after the whole of it).
 
     python bench/adversarial.py                 # 26 rows of 10 rounds and 6 of 20 (about
                                                 # 1 min a default row of 10 rounds here, at

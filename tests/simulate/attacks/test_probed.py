@@ -115,6 +115,7 @@ def test_ascend_sits_at_the_bound_and_its_probe_sees_a_fall(setup) -> None:
     reports: list[dict[str, float]] = []
     delta = crafted(AscendTrainer)
     assert 0.0 < reports[0]["ascent_share"] <= 1.0
+    assert all(math.isfinite(reports[0][f"fresh_loss_{at}"]) for at in ("at_probe_step", "after"))
     assert norm(delta) == pytest.approx(AT_BOUND * bound, rel=1e-4)
     before = probe.loss(BLOCK, pulled, others)
     assert probe.loss(BLOCK, {k: w + delta[k] for k, w in pulled.items()}, others) < before

@@ -177,20 +177,21 @@ class AscendTrainer(_Probed):
 
         ascent = self.largest(at_bound, self.bound)
         self._delta = at_bound(ascent)
-        before, after = self._fresh_losses(first_step)
+        before, at_probe_step, after = self._fresh_losses(first_step, (0.0, self.step, 1.0))
         return {
             "tokens": float(self.tokens),
             "loss": math.nan,
             "steps": float(steps),
             "ascent_share": ascent / self.bound,
             "fresh_loss_before": before,
+            "fresh_loss_at_probe_step": at_probe_step,
             "fresh_loss_after": after,
         }
 
-    def _fresh_losses(self, first_step: int) -> tuple[float, float]:
-        """The block's training loss on a batch it did not craft with, at the pulled weights
-        and with its whole delta applied (the same bytes and noise): what the update does to
-        the real objective, where the probe cannot see."""
+    def _fresh_losses(self, first_step: int, steps: tuple[float, ...]) -> list[float]:
+        """The block's training loss on a batch it did not craft with (the same bytes and noise
+        each time), at the pulled weights plus each of `steps` times its delta: what the update
+        does to the real objective, where the probe cannot see."""
         inner, cfg = self.inner, self.inner.cfg
         seeds = [
             stream_seed(inner.data_seed, inner.block_index, first_step, _FRESH_SALT + i)
@@ -201,13 +202,13 @@ class AscendTrainer(_Probed):
         )
         losses = []
         inner.module.eval()
-        for weights in (self.base, {k: w + self._delta[k] for k, w in self.base.items()}):
-            inner.load(weights)
+        for step in steps:
+            inner.load({k: w + step * self._delta[k] for k, w in self.base.items()})
             with torch.no_grad():
                 noise = torch.Generator().manual_seed(seeds[1])
                 losses.append(float(inner.objective(x, noise).total))
         inner.load(self.base)
-        return losses[0], losses[1]
+        return losses
 
     def _grad(self, x: torch.Tensor, noise: torch.Generator) -> Tensors:
         """The gradient of the block's loss on `x` with `noise`, by state-dict name."""
