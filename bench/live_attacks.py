@@ -52,7 +52,7 @@ is. The attackers run on the same machine: the table shows the CPU they and the 
                                             # stay, when measured under the same settings
     python bench/live_attacks.py --preset small   # the aggregator at the small shape (its probe
                                             # a forward pass of a 2-layer block of d = 256):
-                                            # live_attacks-small.json, ~15 min
+                                            # live_attacks-small.json, ~10 min
 """
 
 from __future__ import annotations
