@@ -16,7 +16,10 @@ handful of probe calls).
             (`unit`), the two scaled so that the delta sits at the norm bound. A straight step
             across the probe's gradient leaves the first order only: at the tiny preset a
             step of a third of the bound raised the probe's loss by 11 nats, so the ascent
-            is as long as the probe allows and the fit fills the rest of the bound.
+            is as long as the probe allows and the fit fills the rest of the bound. Each
+            push reports what it did (the simulator's `pushes`): the ascent's share of the
+            bound and the block's training loss on a fresh batch at the pulled weights, at
+            the probe's step of its delta and with the whole of it.
 """
 
 from __future__ import annotations
