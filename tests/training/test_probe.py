@@ -64,3 +64,27 @@ def test_window_losses_average_to_the_loss_and_a_secret_draws_a_new_slice_per_dr
     assert not torch.equal(secret.window_losses(0, weights, draw=1), first)
     other = BlockProbe(cfg, valid, windows=4, skip_bytes=64, secret=54321)
     assert not torch.equal(other.window_losses(0, weights, draw=0), first), "the secret decides"
+
+
+def test_a_secret_pool_lies_away_from_the_public_slice_an_attacker_can_fit(corpus):
+    """Finding (issue 31, ascend at small: 4 of 10 crafted updates passed, each raising the
+    training text's loss at the probe's step): the secret pool was the 256 windows that begin
+    with the public slice, one stretch of text, so an attacker fitting the public slice also
+    fitted the articles every secret draw came from (the likely reason). A secret pool's
+    windows now lie at secret places after the public slice, none of them in it."""
+    cfg = micro_config()
+    valid = ByteCorpus.open(corpus).split("valid")
+    t, skip = cfg.model.seq_len, 64
+    public = BlockProbe(cfg, valid, windows=4, skip_bytes=skip)
+    secret = BlockProbe(cfg, valid, windows=4, skip_bytes=skip, secret=12345)
+    rows = valid.windows(t, len(valid))
+    first = -(-skip // t) + 4  # the index of the first window after the public slice
+    assert len(rows) > first + 8 * 4 * 2, "a split with room to spread over"
+    index = {tuple(r.tolist()): i for i, r in enumerate(rows)}
+    where = sorted(index[tuple(r.tolist())] for r in secret.pool)
+    assert len(where) == 8 * 4 and where[0] >= first, "none in the public slice or before it"
+    assert where[-1] - where[0] > len(where) - 1, "not one stretch of text"
+    assert torch.equal(secret.x, public.x), "the public slice is what an attacker rebuilds"
+    for draw in range(4):
+        x, _ = secret._slice(0, draw)
+        assert not any(tuple(r.tolist()) in {tuple(p.tolist()) for p in public.x} for r in x)

@@ -7,8 +7,10 @@ Deterministic for a given draw: the same windows, sigmas and noise for every cal
 fixed seed (anyone can rebuild that probe from the public config and data); with one, each draw
 (the aggregator draws anew for every committed version) picks `windows` of the pool's windows
 and the noise from the secret, so a worker cannot tune an update to the slice it will be judged
-on. The pool starts after the first `skip_bytes` of the split, so it is disjoint from the
-evaluation windows (`valid.windows` from the start) that report the run's CE.
+on. The public slice starts after the first `skip_bytes` of the split, so it is disjoint from
+the evaluation windows (`valid.windows` from the start) that report the run's CE; a secret
+pool's windows lie at secret places after the public slice, so that fitting the public slice
+(or its neighbours: an article's next windows) fits none of them.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ PROBE_SKIP_BYTES = 16384
 
 POOL = 8
 """The pool a secret probe draws its windows from, in slices: 8 x 32 windows of T bytes."""
+SPREAD_BYTES = 4 << 20
+"""A secret pool's windows lie at secret places in this much of the split after the public
+slice (all of it when shorter): not next to the public slice, whose text an attacker can fit."""
 
 
 class BlockProbe:
@@ -52,10 +57,16 @@ class BlockProbe:
     ) -> None:
         t = cfg.model.seq_len
         skip = -(-skip_bytes // t)
-        pool = POOL if secret is not None else 1
-        rows = valid.windows(t, (skip + pool * windows) * t)
-        self.pool = rows[skip:] if len(rows) > skip else rows[-windows:]
-        self.x = self.pool[:windows]  # the slice of every draw when there is no secret
+        rows = valid.windows(t, (skip + windows) * t)
+        self.x = rows[skip:] if len(rows) > skip else rows[-windows:]
+        """The public slice: every draw's when there is no secret."""
+        self.pool = self.x
+        if secret is not None:
+            spread = valid.windows(t, max(SPREAD_BYTES, (skip + windows) * t))
+            rest = spread[skip + windows :]
+            if len(rest) >= windows:  # else a split too short for more: the public slice
+                pick = torch.randperm(len(rest), generator=torch.Generator().manual_seed(secret))
+                self.pool = rest[pick[: POOL * windows]]
         self.secret = secret
         self.cfg = cfg
         # every block, so that under route = features a block reads the committed versions of
