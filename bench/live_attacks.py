@@ -1,7 +1,8 @@
 """Denial of service, live: hostile clients (bench/live_attackers.py, each its own process)
 against the real servers on loopback, an honest client measured before and while each attack
-runs. Writes benchmarks/results/live_attacks.json (live_attacks-quick.json with --quick) and
-the "live-attacks" section of BENCHMARKS.md.
+runs. Writes benchmarks/results/live_attacks.json (live_attacks-quick.json with --quick;
+live_attacks-small.json and its own section with --preset small) and the "live-attacks"
+section of BENCHMARKS.md.
 
 Against the aggregator (`blocktrain aggregator` of --preset, tiny by default, its effect probe
 on, two honest `blocktrain worker`s training block 0 for real; a fresh aggregator per attack,
@@ -866,9 +867,15 @@ def main() -> None:
         help="the aggregator's; the router's rows run at tiny only (default: tiny)",
     )
     p.add_argument("--only", default="", help="attacks to run, comma-separated (default: all)")
-    p.add_argument("--unloaded", type=float, help="seconds unloaded per attack (25; quick 6)")
-    p.add_argument("--attack", type=float, help="seconds attacked per attack (30; quick 8)")
-    p.add_argument("--settle", type=float, help="seconds after each attack (5; quick 2)")
+    p.add_argument(
+        "--unloaded", type=float, help="seconds unloaded per attack (25; quick 6; x deadline / 12)"
+    )
+    p.add_argument(
+        "--attack", type=float, help="seconds attacked per attack (30; quick 8; x deadline / 12)"
+    )
+    p.add_argument(
+        "--settle", type=float, help="seconds after each attack (5; quick 2; x deadline / 12)"
+    )
     p.add_argument("--interval", type=float, default=0.25, help="seconds between honest requests")
     p.add_argument(
         "--deadline", type=float, help="the aggregator's round deadline (12; 30 past tiny)"
