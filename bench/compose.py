@@ -32,6 +32,7 @@ import json
 import statistics
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -320,13 +321,13 @@ its outer Nesterov; `averaged` the same unit with plain averaging, as the blocks
 METHODS = sorted({method for method, *_ in HEAD_TO_HEAD})
 
 
-def head_to_head(args: argparse.Namespace, data: Path) -> list[dict[str, Any]]:
+def head_to_head(args: argparse.Namespace, data: Path) -> Iterator[dict[str, Any]]:
     """The simulator with real local training: W workers, each holding one unit (a block, or
     DiLoCo's end-to-end replica), R rounds of H local steps, the lockstep regime, no effect
-    probe; the final model's CE on the bench's test bytes (a stack's sampler CE)."""
+    probe; the final model's CE on the bench's test bytes (a stack's sampler CE). Each method's
+    row as it is measured."""
     workers, rounds, h = args.simulate
     lpb = {"tiny": 1, "small": 2}.get(args.preset, 1)
-    out = []
     test = load_split(data, "test").windows(preset(args.preset).model.seq_len, args.bytes)
     for method, blocks, depth, route in HEAD_TO_HEAD:
         if method not in args.methods:
@@ -361,7 +362,7 @@ def head_to_head(args: argparse.Namespace, data: Path) -> list[dict[str, Any]]:
             "averaged": f"end-to-end {depth * lpb}-layer replicas, averaged",
             "reversed": f"BlockTrain B = {blocks}, features, intervals reversed",
         }.get(method, f"BlockTrain B = {blocks}, {route}")
-        out.append(
+        yield (
             {
                 "method": name,
                 "preset": args.preset,
@@ -385,7 +386,6 @@ def head_to_head(args: argparse.Namespace, data: Path) -> list[dict[str, Any]]:
             }
         )
         print(f"  test CE {ce:.4f}, head CE {head}", file=sys.stderr, flush=True)
-    return out
 
 
 def over_http(args: argparse.Namespace, data: Path, rows: dict[str, Any]) -> dict[str, Any]:
@@ -495,12 +495,12 @@ def markdown(result: dict[str, Any]) -> str:
             "end-to-end replica; a reference's CE is exact, a stack's the sampler CE (head CE: "
             "its head exit, for the rows simulated since eval reports it).",
             "",
-            "| method | params | workers | rounds x H | outer lr, momentum | bytes moved (MB) | virtual s | worker MiB | test CE | head CE |",
-            "|---|---:|---:|---|---|---:|---:|---:|---:|---:|",
+            "| method | seed | params | workers | rounds x H | outer lr, momentum | bytes moved (MB) | virtual s | worker MiB | test CE | head CE |",
+            "|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|",
         ]
         for r in result["head_to_head"]:
             lines.append(
-                f"| {r['method']} | {r['params_total']:,} | {r['workers']} | "
+                f"| {r['method']} | {r['seed']} | {r['params_total']:,} | {r['workers']} | "
                 f"{r['rounds']} x {r['local_steps']} | "
                 f"{r['outer']['outer_lr']}, {r['outer']['outer_momentum']} | "
                 f"{r['bytes_moved'] / 1e6:.1f} | "
@@ -634,19 +634,18 @@ def main() -> None:
             update_section("compose", markdown(old))
         print(markdown(old))
         return
-    if args.simulate:
-        new = head_to_head(args, data)
-        names = {r["method"] for r in new}
-        with exclusive("compose"):
-            old = {"sweeps": DEFAULT_SWEEPS, "test_bytes": args.bytes, "depth": [], **stored()}
-            old["head_to_head"] = [
-                r for r in old.get("head_to_head", []) if r["method"] not in names
-            ]
-            old["head_to_head"] += new
-            old["commands"] = with_command(old, command)
-            write_json(RESULT, old)
-            update_section("compose", markdown(old))
-        print(markdown(old))
+    if args.simulate:  # each method's row saved as it comes, over the same method's of its seed
+        one = ("preset", "method", "seed")
+        for new in head_to_head(args, data):
+            with exclusive("compose"):
+                old = {"sweeps": DEFAULT_SWEEPS, "test_bytes": args.bytes, "depth": [], **stored()}
+                old["head_to_head"] = [
+                    r for r in old.get("head_to_head", []) if any(r.get(k) != new[k] for k in one)
+                ] + [new]
+                old["commands"] = with_command(old, command)
+                write_json(RESULT, old)
+                update_section("compose", markdown(old))
+        print(markdown(stored()))
         return
     result = stored()
     for row in grid(args, data):
