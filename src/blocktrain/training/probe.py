@@ -57,13 +57,14 @@ class BlockProbe:
     ) -> None:
         t = cfg.model.seq_len
         skip = -(-skip_bytes // t)
-        rows = valid.windows(t, (skip + windows) * t)
-        self.x = rows[skip:] if len(rows) > skip else rows[-windows:]
+        public_bytes = (skip + windows) * t
+        # one read: the public slice, and with a secret the stretch its pool is drawn from
+        rows = valid.windows(t, public_bytes if secret is None else max(SPREAD_BYTES, public_bytes))
+        self.x = rows[skip : skip + windows] if len(rows) > skip else rows[-windows:]
         """The public slice: every draw's when there is no secret."""
         self.pool = self.x
         if secret is not None:
-            spread = valid.windows(t, max(SPREAD_BYTES, (skip + windows) * t))
-            rest = spread[skip + windows :]
+            rest = rows[skip + windows :]
             if len(rest) >= windows:  # else a split too short for more: the public slice
                 pick = torch.randperm(len(rest), generator=torch.Generator().manual_seed(secret))
                 self.pool = rest[pick[: POOL * windows]]
