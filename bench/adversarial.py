@@ -51,6 +51,9 @@ fresh batch before its delta, at the probe's step of it and after the whole of i
                                                 # --only names: not the clean rows it adds)
     python bench/adversarial.py --only sybils,clean/none   # some rows (several processes
                                                 # may share the JSON: each saves under a lock)
+    python bench/adversarial.py --force --rounds 20 --only clean/default
+                                                # a clean row of another length: clean rows
+                                                # run at --rounds (the drift rows add theirs)
 """
 
 from __future__ import annotations
