@@ -222,3 +222,28 @@ def test_the_schedule_follows_committed_versions_as_a_worker_s_does() -> None:
     assert causes[1] == "deadline", "round 1's updates were all refused: it ran to its deadline"
     assert sim.agg.blocks[0].rounds.version == 3
     assert [t.first_steps for t in trainers] == [[0, 2, 2, 4]] * 2
+
+
+def test_a_relay_run_moves_streams_down_the_chain_and_trains_every_block(corpus: Path) -> None:
+    """route = relay: block b's workers train on the streams block b-1's relayed a round before
+    (so block b's round r waits for block b-1's round r), and the bytes say so."""
+    cfg = apply_overrides(micro_config(), [f"steps={ROUNDS * 2}", "route=relay"])
+    report, weights = run(corpus, [REGIMES["lockstep"]], cfg=cfg)
+    result = report["regimes"]["lockstep"]
+    assert result["participation"] == 1.0
+    assert result["updates"]["accepted"] == 6 * ROUNDS, "every replica, every round"
+    assert all(w["local_steps"] == 2 * ROUNDS for w in result["workers"])
+    for record in result["rounds"]:
+        closes = [b["closed_at"] for b in record["blocks"]]
+        assert closes == sorted(closes), "a block's round closes after the one before's"
+    step = 4 * 16 * (32 + 5)  # N T (d + 5)
+    streams = result["bytes"]
+    # two replicas each of blocks 0 and 1 relay a stream of H = 2 steps a round; blocks 1 and 2
+    # take one each (headers aside)
+    assert 4 * ROUNDS * 2 * step <= streams["stream_up"] < 4 * ROUNDS * (2 * step + 1024)
+    assert streams["stream_down"] == streams["stream_up"]
+    assert result["final_sampler_ce"] < result["initial_ce"]
+    timing, _ = simulate(spec(cfg=cfg, timing_only=True), [REGIMES["lockstep"]], None, None)
+    assert timing["regimes"]["lockstep"]["bytes"]["stream_up"] == streams["stream_up"], (
+        "a timing study moves the streams' true sizes"
+    )

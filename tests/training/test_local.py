@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -12,6 +13,7 @@ from blocktrain.data import ByteCorpus, ByteSource
 from blocktrain.errors import CheckpointError, ProtocolError
 from blocktrain.model import init_block
 from blocktrain.protocol.core.bounds import delta_norm_bound, token_bound
+from blocktrain.relaystream import RelayStream
 from blocktrain.training import EvalSettings, evaluate_blocktrain, load_model
 from blocktrain.training.local import LocalBlockTrainer, build_stack, write_assembled
 
@@ -109,3 +111,67 @@ def test_assembled_run_folder_loads_and_evaluates(tmp_path, corpus):
     assert math.isfinite(ev["from_noise_ce"])
     with pytest.raises(CheckpointError):
         build_stack(CFG, {0: blocks[0]})
+
+
+RELAY = dataclasses.replace(CFG, model=dataclasses.replace(CFG.model, route="relay"))
+
+
+def relay_trainer(block: int, data: ByteSource, **kw) -> LocalBlockTrainer:
+    t = LocalBlockTrainer(RELAY, block, data, data_seed=5, **kw)
+    t.load(init_weights(block))
+    return t
+
+
+def test_a_relay_replica_holds_its_block_only_and_relays_what_it_computed(train_split, tmp_path):
+    first = relay_trainer(0, train_split, spool=tmp_path / "spool")
+    assert first.upstream is None and first.upstream_blocks == [], "no weights of other blocks"
+    assert (first.relays_from, first.relays_to) == (None, 1)
+    block0 = init_block(RELAY.model, RELAY.seed, 0)
+    first.train(3, first_step=0)
+    body = first.stream_out({"round": "0", "worker": "1"})
+    assert body is not None
+    stream = RelayStream.from_body(body.read(), first.stream_shape())
+    assert stream.steps == 3 and stream.metadata["block"] == "0"
+    x, features = stream.step(0)
+    with torch.no_grad():  # its first step's clean output, before that step's update
+        want = block0.clean_stream(x)
+    scale = want.abs().amax(-1, keepdim=True)
+    assert bool(((features - want).abs() <= scale / 127).all()), "int8 of its own output"
+    assert first.stream_out({}) is None, "one stream per round trained"
+
+    second = relay_trainer(1, train_split)
+    assert second.upstream is None and (second.relays_from, second.relays_to) == (0, 2)
+    with pytest.raises(ProtocolError, match="load_stream"):
+        second.train(1, first_step=0)
+    second.load(init_weights(1))
+    second.load_stream(stream)
+    logs = second.train(4, first_step=0)  # more steps than the stream: it wraps
+    assert logs["steps"] == 4 and logs["tokens"] == 4 * 4 * 16
+    assert any(float(d.abs().max()) > 0 for d in second.delta().values())
+    out = second.stream_out({"round": "1", "worker": "2"})
+    assert out is not None and RelayStream.from_body(out.read()).steps == 4
+    last = relay_trainer(2, train_split)
+    assert last.relays_to is None, "the last block relays nothing"
+
+
+def test_a_relay_replica_trains_on_the_stream_s_bytes_not_its_own(train_split, corpus):
+    stream_source = relay_trainer(0, train_split)
+    stream_source.train(2, first_step=0)
+    body = stream_source.stream_out({})
+    assert body is not None
+    stream = RelayStream.from_body(body.read())
+    # a replica reading other text would draw other batches, but it trains on the stream's
+    a, b = relay_trainer(1, train_split), relay_trainer(1, ByteCorpus.open(corpus).split("valid"))
+    for t in (a, b):
+        t.load_stream(stream)
+        t.train(2, first_step=0)
+    for name, delta in a.delta().items():
+        assert torch.allclose(delta, b.delta()[name]), name
+    with pytest.raises(ProtocolError, match="does not fit"):
+        other = LocalBlockTrainer(
+            dataclasses.replace(RELAY, train=dataclasses.replace(RELAY.train, batch_size=2)),
+            1,
+            train_split,
+            data_seed=1,
+        )
+        other.load_stream(stream)

@@ -3,6 +3,7 @@ import json
 import pytest
 import torch
 
+from blocktrain.config import apply_overrides
 from blocktrain.data import load_split
 from blocktrain.errors import BlockTrainError, CheckpointError
 from blocktrain.model import BlockStack, target_table
@@ -133,3 +134,51 @@ def test_corrupt_checkpoint_is_refused(tmp_path, corpus):
         load_model(tmp_path / "r")
     with pytest.raises(CheckpointError):
         Trainer.resume(tmp_path / "r", train, valid)
+
+
+def test_a_relay_run_trains_each_block_on_the_clean_output_of_the_one_before(tmp_path, corpus):
+    """route = relay in one process: one batch a step, block b reading block b-1's clean
+    output of that very update (what its replica relays) rather than a rerun of the chain."""
+    cfg = apply_overrides(micro_config(), ["route=relay"])
+    trainer = Trainer.create(cfg, tmp_path / "run", load_split(corpus, "train"), None)
+    assert trainer.stack is not None and trainer.relay is not None
+    stack = trainer.stack
+    before = {b: {k: v.clone() for k, v in stack.block(b).state_dict().items()} for b in range(3)}
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    relay = trainer.relay
+
+    def spy(index: int, x: torch.Tensor) -> torch.Tensor | None:
+        features = relay(index, x)
+        seen[index] = (x.clone(), None if features is None else features.clone())
+        return features
+
+    for unit in trainer.units:
+        unit.objective.func.upstream = spy  # type: ignore[attr-defined]
+    trainer.train_step()
+    x0, none = seen[0]
+    assert none is None, "block 0 reads nothing"
+    fresh = BlockStack(cfg.model, cfg.seed)
+    fresh.load_state_dict(
+        {f"blocks.{b}.{k}": v for b, sd in before.items() for k, v in sd.items()}
+        | {"targets": stack.targets},
+    )
+    with torch.no_grad():
+        want = None
+        for b in (1, 2):
+            x, features = seen[b]
+            assert torch.equal(x, x0), "every block trains on the first one's batch"
+            want = fresh.block(b - 1).clean_stream(x, want)
+            assert features is not None
+            # block b-1's clean output before its update: the weights at the start of the step
+            assert torch.allclose(features, want, atol=1e-5), f"block {b} reads block {b - 1}"
+    assert not features.requires_grad, "no gradient crosses a block"
+
+
+def test_a_relay_run_trains_and_loads_as_a_features_model(tmp_path, corpus):
+    cfg = apply_overrides(micro_config(), ["route=relay"])
+    Trainer.create(cfg, tmp_path / "run", load_split(corpus, "train"), None).run(progress=False)
+    _, stack = load_model(tmp_path / "run")
+    assert isinstance(stack, BlockStack) and stack.cfg.route == "relay"
+    assert stack.upstream(2, torch.zeros(1, 16, dtype=torch.long)) is not None, (
+        "at inference a relay model reads the chain of clean streams, as a features model"
+    )

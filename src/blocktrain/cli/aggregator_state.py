@@ -80,9 +80,9 @@ def check_probe_reach(route: str, served: Iterable[int], settings: AggregatorSet
     workers can still read them, from their aggregators)."""
     held = set(served)
     elsewhere = sorted({u for b in held for u in range(b)} - held)
-    if route == "features" and settings.effect_probe != "off" and elsewhere:
+    if route != "state" and settings.effect_probe != "off" and elsewhere:
         raise ConfigError(
-            f"route = features: the blocks served here read block(s) {elsewhere}, which another "
+            f"route = {route}: the blocks served here read block(s) {elsewhere}, which another "
             "aggregator serves, and the effect probe judges a block with what it reads; serve "
             "those here too, or pass --effect-probe off"
         )

@@ -154,6 +154,23 @@ class Block(nn.Module):
         stream's next-byte logits (N, Lx, 256) when `with_aux` (else None). `upstream` (N, Lx,
         d): the previous block's clean stream output (`route = features`), which this block's
         clean stream continues."""
+        logits, aux, _ = self.forward_with_clean(
+            x_bytes, z, sigma, layout, with_aux=with_aux, upstream=upstream
+        )
+        return logits, aux
+
+    def forward_with_clean(
+        self,
+        x_bytes: torch.Tensor,
+        z: torch.Tensor,
+        sigma: torch.Tensor,
+        layout: ZLayout,
+        *,
+        with_aux: bool = False,
+        upstream: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """`forward`, and the clean stream's output (N, Lx, d), what `clean_stream` returns:
+        a replica relays it to the next block (`route = relay`) from its own training step."""
         x_len = x_bytes.shape[1]
         sc, cond = self.conditioning(sigma.to(z.dtype))
 
@@ -171,7 +188,7 @@ class Block(nn.Module):
         aux = None
         if with_aux and self.aux_head is not None and self.aux_norm is not None:
             aux = self.aux_head(self.aux_norm(x))  # (N, Lx, 256): predicts byte i + 1
-        return logits, aux
+        return logits, aux, x
 
     def clean_input(self, x_bytes: torch.Tensor, upstream: torch.Tensor | None) -> torch.Tensor:
         """The clean stream's input (N, Lx, d): the byte embeddings, plus the previous block's

@@ -39,7 +39,7 @@ def resolve_exit(exit_: str, model: ModelConfig | None) -> str:
     reads_head = (
         model is not None
         and model.intervals == "reversed"
-        and model.route == "features"
+        and model.reads_upstream
         and model.aux_weight > 0
     )
     return "head" if reads_head else "sampler"

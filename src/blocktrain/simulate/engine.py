@@ -14,6 +14,10 @@ pure function of its seed. A worker's life (its state: `simulate/workers.py`) mi
     push     ->  the aggregator validates and judges it; the answer takes one latency
     pushed   ->  ready again
 
+Under `route = relay` a worker of block b > 0 first takes a stream of block b-1 from the
+aggregator's `RelayPool` (waiting until one it has not trained on arrives) and downloads it
+with its weights; a worker of a block that relays sends its round's stream after its delta.
+
 Deadlines are events too: the first pull of a round schedules a tick at its deadline.
 """
 
@@ -34,10 +38,12 @@ from blocktrain.protocol.core.codecs import DeltaEncoder
 from blocktrain.protocol.core.delta_wire import pull_codec
 from blocktrain.protocol.core.effect import EffectProbe
 from blocktrain.protocol.core.events import Committed
-from blocktrain.protocol.core.local_trainer import LocalTrainer
+from blocktrain.protocol.core.local_trainer import LocalTrainer, RelayTrainer
 from blocktrain.protocol.core.participation import in_time, participation
+from blocktrain.protocol.core.relays import RelayPool, keeps_stream
 from blocktrain.protocol.core.rounds import RoundClosed
 from blocktrain.protocol.core.settings import AggregatorSettings
+from blocktrain.relaystream import Shape
 from blocktrain.simulate.aggregator import Judged, SimAggregator
 from blocktrain.simulate.attacks import Hostiles
 from blocktrain.simulate.regimes import Regime
@@ -90,10 +96,13 @@ class Simulation:
         probe: EffectProbe | None = None,
         hostiles: Hostiles | None = None,
         slowdown: Mapping[int, float] | None = None,
+        relay: Shape | None = None,
     ) -> None:
         """`n_workers` honest workers (ids 0..n-1, as in a clean run), then the attackers of
         `hostiles`; `probe`: the aggregator's effect probe; `slowdown`: honest worker id -> a
-        factor on the speed it drew (3: its steps take three times as long)."""
+        factor on the speed it drew (3: its steps take three times as long); `relay`: under
+        `route = relay`, what each step of a relayed stream holds (the aggregator keeps a
+        `RelayPool` per block)."""
         if settings.max_rounds is None:
             raise ValueError("a simulation needs settings.max_rounds")
         self.regime = regime
@@ -120,6 +129,11 @@ class Simulation:
         self.ce: dict[int, float] = {}
         self.bytes_down = 0
         self.bytes_up = 0
+        self.stream_bytes_down = 0
+        self.stream_bytes_up = 0
+        self.relays = {} if relay is None else {b: RelayPool(b, relay) for b in initial}
+        self._relay_waiting: dict[int, list[VirtualWorker]] = {b: [] for b in initial}
+        """block -> workers waiting for a stream of that block."""
         self.workers: list[VirtualWorker] = []
         slow = dict(slowdown or {})
         self.hostiles = hostiles
@@ -188,6 +202,17 @@ class Simulation:
         if not rounds.done and rounds.round <= w.last_round:
             self._waiting[w.block].append(w)  # long poll until the round closes
             return
+        source = _relays_from(w.trainer)
+        stream_bytes = 0
+        if source is not None and not rounds.done:
+            # a stream it has not trained on (once the block before is done: the newest again)
+            relayed = self.relays[source].take(w.id, reuse=self.agg.blocks[source].rounds.done)
+            if relayed is None:
+                self._relay_waiting[source].append(w)  # a long poll for the next stream
+                return
+            w.stream = relayed.stream()
+            stream_bytes = len(relayed.body)
+            self.stream_bytes_down += stream_bytes
         view, weights, delta_bytes, w.told = self.agg.pull(w.id, w.block, now, w.held)
         if weights is None:
             w.stopped = True
@@ -215,6 +240,7 @@ class Simulation:
                 w.upstream_views[b], sent = self.agg.latest(b, w.upstream_views.get(b))
                 w.upstream[b] = w.upstream_views[b].tensors
                 nbytes += sent
+        nbytes += stream_bytes
         self.bytes_down += nbytes
         self._at(now + self._latency() + nbytes / w.bandwidth, "pulled", w.id)
 
@@ -231,8 +257,16 @@ class Simulation:
         step_s = self.regime.step_s.draw(self.rng)
         w.trainer.load(weights)
         w.trainer.load_upstream(w.upstream)
+        if w.stream is not None:
+            assert isinstance(w.trainer, RelayTrainer)
+            w.trainer.load_stream(w.stream)
+            w.stream = None
         t0 = time.perf_counter()
         logs = w.trainer.train(told, view.version * h, _never)  # as a WorkerLoop: version x H
+        if _relays_to(w.trainer) is not None:
+            assert isinstance(w.trainer, RelayTrainer)
+            out = w.trainer.stream_out({"round": str(view.round), "worker": str(w.id)})
+            w.stream_out = None if out is None else out.read()
         self.clocks.train_s += time.perf_counter() - t0
         w.local_steps += int(logs["steps"])
         if w.attacker:
@@ -250,7 +284,8 @@ class Simulation:
         )
         w.body = (view.round, body)
         compute = told * step_s * w.speed
-        self._at(now + compute + self._latency() + len(body) / w.bandwidth, "push", w.id)
+        sent = len(body) + (0 if w.stream_out is None else len(w.stream_out))
+        self._at(now + compute + self._latency() + sent / w.bandwidth, "push", w.id)
 
     def _on_push(self, w: VirtualWorker, now: float) -> None:
         assert w.body is not None
@@ -259,6 +294,13 @@ class Simulation:
         self.bytes_up += len(body)
         judged = self.agg.push(w.id, w.block, body, now)
         self._account(w, judged)
+        if w.stream_out is not None:  # after the delta, as a WorkerLoop sends it
+            self.bytes_up += len(w.stream_out)
+            self.stream_bytes_up += len(w.stream_out)
+            if keeps_stream(judged.verdict):
+                self.relays[w.block].put(trained_on, w.id, w.stream_out)
+                self._wake_relay(w.block, now)
+            w.stream_out = None
         if w.attacker:
             fate = "accepted" if judged.verdict.accepted else judged.verdict.reason
             w.pushes.append({"round": trained_on, "fate": fate, **w.reported})
@@ -267,6 +309,12 @@ class Simulation:
 
     def _on_pushed(self, w: VirtualWorker, now: float) -> None:
         self._ready(w, now)
+
+    def _wake_relay(self, block: int, now: float) -> None:
+        """The long polls for a stream of `block` answer (a new one, or the block is done)."""
+        waiting, self._relay_waiting[block] = self._relay_waiting[block], []
+        for w in waiting:
+            self._at(now + self._latency(), "pull", w.id)
 
     # ------------------------------------------------------------------ records
 
@@ -291,6 +339,8 @@ class Simulation:
         waiting, self._waiting[b] = self._waiting[b], []
         for w in waiting:  # the long poll answers; the pull follows
             self._at(closed.closed_at + self._latency() + self._latency(), "pull", w.id)
+        if self.agg.blocks[b].rounds.done:  # who waits for its streams takes the newest again
+            self._wake_relay(b, closed.closed_at)
         if self.on_round is not None:
             self.on_round(b, r)
         if self.evaluate is None or not self._evaluated(r):
@@ -362,7 +412,12 @@ class Simulation:
                 "expected": expected,
                 "in_time": own,
             },
-            "bytes": {"down": self.bytes_down, "up": self.bytes_up},
+            "bytes": {
+                "down": self.bytes_down,
+                "up": self.bytes_up,
+                "stream_down": self.stream_bytes_down,
+                "stream_up": self.stream_bytes_up,
+            },
             "workers": [
                 {
                     "worker_id": w.id,
@@ -380,3 +435,11 @@ class Simulation:
             ],
             "compute": self.clocks.to_dict(),
         }
+
+
+def _relays_from(trainer: LocalTrainer) -> int | None:
+    return trainer.relays_from if isinstance(trainer, RelayTrainer) else None
+
+
+def _relays_to(trainer: LocalTrainer) -> int | None:
+    return trainer.relays_to if isinstance(trainer, RelayTrainer) else None

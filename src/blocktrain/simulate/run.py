@@ -23,6 +23,7 @@ from blocktrain.fsutil import atomic_write_bytes
 from blocktrain.model import BlockStack, Reference, init_reference
 from blocktrain.protocol.core.bounds import derived_settings, largest_block
 from blocktrain.protocol.core.local_trainer import UNITS, LocalTrainer
+from blocktrain.relaystream import Shape
 from blocktrain.simulate.attacks import Attack, Hostiles
 from blocktrain.simulate.engine import Simulation
 from blocktrain.simulate.regimes import Regime
@@ -223,6 +224,7 @@ def simulate(
                 seed=spec.seed,
             ),
             slowdown=spec.slowdown,
+            relay=relay_shape(cfg) if spec.unit == "block" else None,
         )
         sim.run()
         summary = sim.summary()
@@ -244,6 +246,13 @@ def simulate(
     return report, weights
 
 
+def relay_shape(cfg: RunConfig) -> Shape | None:
+    """Under `route = relay`, what each step of a relayed stream holds; else None."""
+    if cfg.model.route != "relay":
+        return None
+    return Shape(cfg.train.batch_size, cfg.model.seq_len, cfg.model.d_model)
+
+
 def trainer_factory(
     spec: SimSpec, initial: dict[int, Tensors], train: ByteSource | None
 ) -> Callable[[int, int], LocalTrainer]:
@@ -254,7 +263,10 @@ def trainer_factory(
     def make(worker_id: int, block: int) -> LocalTrainer:
         if spec.timing_only:
             shapes = {k: tuple(v.shape) for k, v in initial[block].items()}
-            return TimingOnlyTrainer(shapes, cfg.train.batch_size * cfg.model.seq_len)
+            relay = relay_shape(cfg) if spec.unit == "block" else None
+            return TimingOnlyTrainer(
+                shapes, cfg.train.batch_size * cfg.model.seq_len, block, relay, cfg.model.blocks
+            )
         assert train is not None
         return local_trainer(
             cfg, spec.unit, block, train, data_seed=cfg.seed * spec.workers + worker_id

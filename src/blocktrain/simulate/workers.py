@@ -16,6 +16,7 @@ from blocktrain.protocol.core.codecs import DeltaEncoder
 from blocktrain.protocol.core.local_trainer import LocalTrainer
 from blocktrain.protocol.core.pulls import View
 from blocktrain.protocol.core.rounds import RoundView
+from blocktrain.relaystream import RelayStream, Shape, StreamBody, StreamWriter
 
 Tensors = dict[str, torch.Tensor]
 
@@ -24,10 +25,38 @@ class TimingOnlyTrainer:
     """No compute: zero deltas with honest token counts, for timing and participation studies
     (`blocktrain simulate --timing-only`) and tests."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], tokens_per_step: int) -> None:
+    def __init__(
+        self,
+        shapes: dict[str, tuple[int, ...]],
+        tokens_per_step: int,
+        block: int = 0,
+        relay: Shape | None = None,
+        blocks: int = 1,
+    ) -> None:
+        """`relay`: under `route = relay`, the shape of a stream's step: a trainer of block
+        `block` of `blocks` then takes a stream (b > 0) and relays one of zeros of the true
+        size (b < blocks - 1), so that a timing study moves a relay run's bytes."""
         self.zeros = {k: torch.zeros(s) for k, s in shapes.items()}
-        self.upstream_blocks: list[int] = []  # it reads nothing from other blocks
+        self.upstream_blocks: list[int] = []  # it reads no weights of other blocks
         self.tokens_per_step = tokens_per_step
+        self.relay = relay
+        self.block = block
+        self.relays_from = block - 1 if relay is not None and block > 0 else None
+        self.relays_to = block + 1 if relay is not None and block < blocks - 1 else None
+        self._steps = 0
+
+    def load_stream(self, stream: RelayStream) -> None:
+        pass
+
+    def stream_out(self, metadata: dict[str, str]) -> StreamBody | None:
+        if self.relay is None or self.relays_to is None or not self._steps:
+            return None
+        writer = StreamWriter(self.relay)
+        x = torch.zeros(self.relay.batch, self.relay.seq_len, dtype=torch.long)
+        u = torch.zeros(self.relay.batch, self.relay.seq_len, self.relay.d_model)
+        for _ in range(self._steps):
+            writer.add(x, u)
+        return writer.finish({"block": str(self.block), **metadata})
 
     def load(self, weights: Tensors) -> None:
         pass
@@ -38,6 +67,7 @@ class TimingOnlyTrainer:
     def train(
         self, steps: int, first_step: int, should_stop: Callable[[], bool] = lambda: False
     ) -> dict[str, float]:
+        self._steps = steps
         return {"tokens": float(steps * self.tokens_per_step), "loss": math.nan, "steps": steps}
 
     def delta(self) -> Tensors:
@@ -69,6 +99,10 @@ class VirtualWorker:
     from it)."""
     body: tuple[int, bytes] | None = None
     """(round, body) of the push in flight."""
+    stream: RelayStream | None = None
+    """Under `route = relay`: the stream of the block before that it pulled to train on."""
+    stream_out: bytes | None = None
+    """... and the stream of its round, sent after its delta."""
     stopped: bool = False
     accepted: int = 0
     refused: Counter[str] = field(default_factory=Counter)

@@ -27,6 +27,7 @@ from blocktrain.config import RunConfig
 from blocktrain.data import ByteSource
 from blocktrain.errors import CheckpointError, ProtocolError
 from blocktrain.model import BlockStack, Reference, init_block, init_reference, target_table
+from blocktrain.relaystream import RelayStream, Shape, StreamBody, StreamWriter
 from blocktrain.training import checkpoint as ckpt
 from blocktrain.training.evaluate import (
     EvalSettings,
@@ -34,7 +35,7 @@ from blocktrain.training.evaluate import (
     evaluate_blocktrain,
     evaluate_reference,
 )
-from blocktrain.training.loss import BlockLoss, LossParts, reference_loss
+from blocktrain.training.loss import BlockLoss, LossParts, Upstream, reference_loss
 from blocktrain.training.optim import load_optimizer_tensors, make_optimizer, optimizer_tensors
 from blocktrain.training.step import Objective, train_step
 
@@ -52,7 +53,10 @@ class LocalBlockTrainer:
         *,
         data_seed: int,
         device: torch.device | str = "cpu",
+        spool: Path | None = None,
     ) -> None:
+        """`spool`: a folder for the relayed stream of a round as it is trained (`route =
+        relay`; None: in memory)."""
         if not 0 <= block < cfg.model.blocks:
             raise ProtocolError(f"block {block} is outside 0..{cfg.model.blocks - 1}")
         self.cfg = cfg
@@ -64,6 +68,14 @@ class LocalBlockTrainer:
         self.upstream: BlockStack | None = None
         self.upstream_blocks: list[int] = []
         self._upstream_loaded = False
+        # route = relay: the stream it trains on, and the one it writes for the next block
+        relay = cfg.model.route == "relay"
+        self.relays_from: int | None = block - 1 if relay and block > 0 else None
+        self.relays_to: int | None = block + 1 if relay and block < cfg.model.blocks - 1 else None
+        self.spool = spool
+        self._stream: RelayStream | None = None
+        self._relayed: torch.Tensor | None = None  # the features of the step being trained
+        self._writer: StreamWriter | None = None
         self.module, self.objective = self._build()
         self.optimizer = make_optimizer(self.module, cfg.train)
         self.base: Tensors | None = None
@@ -77,8 +89,36 @@ class LocalBlockTrainer:
             self.upstream_blocks = list(range(block))
             self.upstream = BlockStack(cfg.model, cfg.seed, self.upstream_blocks).to(self.device)
             self.upstream.eval().requires_grad_(False)
-        upstream = None if self.upstream is None else self.upstream.upstream
+        upstream: Upstream | None = None if self.upstream is None else self.upstream.upstream
+        if self.relays_from is not None:
+            upstream = self._relayed_features
         return module, functools.partial(BlockLoss(cfg.model, targets, upstream), module, block)
+
+    def _relayed_features(self, _index: int, _x_bytes: torch.Tensor) -> torch.Tensor | None:
+        return self._relayed
+
+    def stream_shape(self) -> Shape:
+        """What each step of this run's streams holds: N sequences of T bytes, d features."""
+        m = self.cfg.model
+        return Shape(self.cfg.train.batch_size, m.seq_len, m.d_model)
+
+    def load_stream(self, stream: RelayStream) -> None:
+        """The stream of block `relays_from` this round trains on (route = relay)."""
+        if self.relays_from is None:
+            raise ProtocolError(f"block {self.block_index} trains on no relayed stream")
+        if stream.info.shape != self.stream_shape():
+            raise ProtocolError(
+                f"a relayed stream of {stream.info.shape} does not fit this run's "
+                f"{self.stream_shape()}"
+            )
+        self._stream = stream
+
+    def stream_out(self, metadata: dict[str, str]) -> StreamBody | None:
+        """The stream the last `train` wrote for block `relays_to` (None if it wrote none)."""
+        writer, self._writer = self._writer, None
+        if writer is None or writer.steps == 0:
+            return None
+        return writer.finish({"block": str(self.block_index), **metadata})
 
     def load(self, weights: Tensors) -> None:
         """Set the block's weights to a round's published version (names and shapes must match
@@ -108,12 +148,24 @@ class LocalBlockTrainer:
                 f"block {self.block_index} reads the clean streams of blocks "
                 f"{self.upstream_blocks} (route = features): load_upstream() first"
             )
+        stream, self._stream = self._stream, None
+        if self.relays_from is not None and stream is None:
+            raise ProtocolError(
+                f"block {self.block_index} trains on block {self.relays_from}'s relayed stream "
+                "(route = relay): load_stream() first"
+            )
+        if self.relays_to is not None:
+            self._writer = StreamWriter(self.stream_shape(), self.spool)
         self.module.train()
         losses: list[float] = []
         tokens = 0
         for i in range(steps):
             if should_stop():
                 break
+            batch = None
+            if stream is not None:  # the bytes and features block b-1 trained on and output
+                batch, features = stream.step(i)
+                self._relayed = features.to(self.device)
             result = train_step(
                 self.module,
                 self.optimizer,
@@ -124,9 +176,13 @@ class LocalBlockTrainer:
                 unit=self.block_index,
                 step=first_step + i,
                 device=self.device,
+                batch=batch,
             )
+            if self._writer is not None and result.clean is not None:
+                self._writer.add(result.batch, result.clean)
             losses.append(result.logs["loss"])
             tokens += result.tokens
+        self._relayed = None
         self.steps_done += len(losses)
         mean = sum(losses) / len(losses) if losses else math.nan
         return {"tokens": float(tokens), "loss": mean, "steps": float(len(losses))}
@@ -201,10 +257,12 @@ def local_trainer(
     *,
     data_seed: int,
     device: torch.device | str = "cpu",
+    spool: Path | None = None,
 ) -> LocalBlockTrainer:
-    """The trainer of one replica of unit `index`: a block's, or the reference's (DiLoCo)."""
+    """The trainer of one replica of unit `index`: a block's, or the reference's (DiLoCo);
+    `spool`: where a relay block writes its round's stream (None: in memory)."""
     local = LocalReferenceTrainer if unit == "reference" else LocalBlockTrainer
-    return local(cfg, index, data, data_seed=data_seed, device=device)
+    return local(cfg, index, data, data_seed=data_seed, device=device, spool=spool)
 
 
 def reference_config(cfg: RunConfig) -> RunConfig:

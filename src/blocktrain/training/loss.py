@@ -27,6 +27,19 @@ class LossParts:
     """Each sequence's share of `total`, (N,), for a paired test over the batch (the effect
     probe); computed on demand, so training pays nothing for it. Their mean is `total` up to
     float reassociation (and, for a masked run, up to how masked bytes fall between rows)."""
+    clean: torch.Tensor | None = None
+    """Under `route = relay`, the block's clean-stream output on the batch (N, T, d), detached:
+    what its replica relays to the next block (None for the last block and other routes)."""
+
+
+# (total, logs, aux logits, per-row losses, the relayed clean output): a loss's parts.
+_Parts = tuple[
+    torch.Tensor,
+    dict[str, float],
+    torch.Tensor | None,
+    Callable[[], torch.Tensor],
+    torch.Tensor | None,
+]
 
 
 class BlockLoss:
@@ -61,9 +74,11 @@ class BlockLoss:
         (or, for a masked run, the mask rates and the masks)."""
         want_aux = self.cfg.aux_weight > 0
         if self.cfg.process == "masked":
-            total, logs, aux, rows = self._masked(block, index, x_bytes, generator, want_aux)
+            total, logs, aux, rows, clean = self._masked(block, index, x_bytes, generator, want_aux)
         else:
-            total, logs, aux, rows = self._gaussian(block, index, x_bytes, generator, want_aux)
+            total, logs, aux, rows, clean = self._gaussian(
+                block, index, x_bytes, generator, want_aux
+            )
         if aux is not None:
             aux_logits, next_bytes = aux[:, :-1].float(), x_bytes[:, 1:]
             aux_ce = F.cross_entropy(aux_logits.flatten(0, 1), next_bytes.flatten())
@@ -76,10 +91,28 @@ class BlockLoss:
                 return denoise_rows() + self.cfg.aux_weight * per_byte.mean(dim=1)
 
         logs["loss"] = float(total.detach())
-        return LossParts(total, logs, rows)
+        return LossParts(total, logs, rows, clean)
 
-    def _up(self, index: int, x_bytes: torch.Tensor) -> torch.Tensor | None:
-        return None if self.upstream is None else self.upstream(index, x_bytes)
+    def _forward(
+        self,
+        block: Block,
+        index: int,
+        x_bytes: torch.Tensor,
+        z: torch.Tensor,
+        sigma: torch.Tensor,
+        want_aux: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The block's forward pass on what it reads upstream: (logits, aux logits, and under
+        `route = relay` but for the last block its clean output, detached, for the replica to
+        relay: `LossParts.clean`)."""
+        upstream = None if self.upstream is None else self.upstream(index, x_bytes)
+        layout = self.layout(x_bytes.device)
+        if self.cfg.route != "relay" or index == self.cfg.blocks - 1:
+            return (*block(x_bytes, z, sigma, layout, with_aux=want_aux, upstream=upstream), None)
+        logits, aux, clean = block.forward_with_clean(
+            x_bytes, z, sigma, layout, with_aux=want_aux, upstream=upstream
+        )
+        return logits, aux, clean.detach()
 
     def _gaussian(
         self,
@@ -88,26 +121,19 @@ class BlockLoss:
         x_bytes: torch.Tensor,
         generator: torch.Generator,
         want_aux: bool,
-    ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor | None, Callable[[], torch.Tensor]]:
+    ) -> _Parts:
         n, t = x_bytes.shape
         device = x_bytes.device
         sigma = self.schedule.sample_training_sigma(index, n, generator)  # (N,)
         eps = torch.randn(n, t, self.cfg.d_model, generator=generator, device=device)
         z = torch.addcmul(self.targets[x_bytes], sigma[:, None, None], eps)  # (N, T, d)
-        logits, aux = block(
-            x_bytes,
-            z,
-            sigma,
-            self.layout(device),
-            with_aux=want_aux,
-            upstream=self._up(index, x_bytes),
-        )
+        logits, aux, clean = self._forward(block, index, x_bytes, z, sigma, want_aux)
         ce = F.cross_entropy(
             logits.float().flatten(0, 1), x_bytes.flatten(), reduction="none"
         ).view(n, t)
         weighted = loss_weight(sigma, self.cfg.sigma_data_value)[:, None] * ce  # (N, T)
         logs = {"loss_denoise": float(ce.detach().mean())}
-        return weighted.mean(), logs, aux, lambda: weighted.mean(dim=1)
+        return weighted.mean(), logs, aux, lambda: weighted.mean(dim=1), clean
 
     def _masked(
         self,
@@ -116,7 +142,7 @@ class BlockLoss:
         x_bytes: torch.Tensor,
         generator: torch.Generator,
         want_aux: bool,
-    ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor | None, Callable[[], torch.Tensor]]:
+    ) -> _Parts:
         """model/masking.py: t from the block's interval (at least 1/K: the sampler never runs a
         block on a span with nothing masked), masks drawn at rate t, and the mean CE of the
         masked bytes (mask_loss = mean), or MD4's (1/t) * their summed CE per byte of the batch
@@ -131,14 +157,7 @@ class BlockLoss:
         masked = draw_masks(x_bytes, rate, k, generator, self.cfg.mask_suffix_share)  # (N, T)
         z = masked_state(self.targets, x_bytes, ~masked)
         code = torch.pow(10.0, rate)  # masking.mask_code, per sequence
-        logits, aux = block(
-            x_bytes,
-            z,
-            code,
-            self.layout(x_bytes.device),
-            with_aux=want_aux,
-            upstream=self._up(index, x_bytes),
-        )
+        logits, aux, clean = self._forward(block, index, x_bytes, z, code, want_aux)
         ce = F.cross_entropy(
             logits.float().flatten(0, 1), x_bytes.flatten(), reduction="none"
         ).view(n, t_len)
@@ -156,7 +175,7 @@ class BlockLoss:
             def rows() -> torch.Tensor:
                 return on_masked.sum(dim=1) / masked.sum(dim=1).clamp(min=1)
 
-        return total, {"loss_denoise": float(mean_masked.detach())}, aux, rows
+        return total, {"loss_denoise": float(mean_masked.detach())}, aux, rows, clean
 
 
 def reference_loss(model: Reference, x_bytes: torch.Tensor) -> LossParts:

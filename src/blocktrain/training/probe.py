@@ -92,7 +92,7 @@ class BlockProbe:
         two weights window by window, on the same bytes, sigmas and noise."""
         others = others or {}
         x, seed = self._slice(block, draw)
-        reads = range(block) if self.cfg.model.route == "features" else range(0)
+        reads = range(block) if self.cfg.model.reads_upstream else range(0)
         missing = [b for b in reads if b not in others]
         if missing:
             raise ProtocolError(f"block {block}'s probe reads blocks {missing}, not given")

@@ -55,6 +55,8 @@ def precision_context(
 class StepResult:
     logs: dict[str, float]  # the loss's logs, and grad_norm when gradients are clipped
     tokens: int  # target bytes in the batch
+    batch: torch.Tensor  # the bytes (N, T) it trained on
+    clean: torch.Tensor | None = None  # its relayed clean output (`LossParts.clean`)
 
 
 def train_step(
@@ -68,13 +70,16 @@ def train_step(
     unit: int,
     step: int,
     device: torch.device,
+    batch: torch.Tensor | None = None,
 ) -> StepResult:
     """One AdamW update of `module` at run step `step` (which sets the learning rate), on the
-    batch and noise seeded by (seed, unit, step)."""
+    batch and noise seeded by (seed, unit, step); `batch` (N, T): train on these bytes instead
+    (`route = relay`: those the block before computed the relayed features on)."""
     tcfg = cfg.train
-    batch_gen = torch.Generator().manual_seed(stream_seed(seed, unit, step, _BATCH_SALT))
-    x = data.sample(tcfg.batch_size, cfg.model.seq_len, batch_gen)  # (N, T)
-    x = x.to(device, non_blocking=True)
+    if batch is None:
+        batch_gen = torch.Generator().manual_seed(stream_seed(seed, unit, step, _BATCH_SALT))
+        batch = data.sample(tcfg.batch_size, cfg.model.seq_len, batch_gen)  # (N, T)
+    x = batch.to(device, non_blocking=True)
     noise_gen = torch.Generator(device).manual_seed(stream_seed(seed, unit, step, _NOISE_SALT))
     with precision_context(tcfg.precision, device):
         parts = objective(x, noise_gen)
@@ -87,4 +92,4 @@ def train_step(
         )
     set_learning_rate(optimizer, learning_rate(step, tcfg))
     optimizer.step()
-    return StepResult(logs, x.numel())
+    return StepResult(logs, x.numel(), x, parts.clean)

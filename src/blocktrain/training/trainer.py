@@ -76,6 +76,7 @@ class Trainer:
         self.stack: BlockStack | None = built.stack
         self.reference: Reference | None = built.reference
         self.units: list[Unit] = built.units
+        self.relay = built.relay
 
     # ---------------------------------------------------------------- construction
 
@@ -248,8 +249,14 @@ class Trainer:
         return precision_context(self.cfg.train.precision, self.device)
 
     def train_step(self) -> dict[str, float]:
-        """One update of every unit at `self.step`; returns the merged logs."""
+        """One update of every unit at `self.step`; returns the merged logs. Each unit draws
+        its own batch, but under `route = relay`: there the blocks train in order on the
+        first one's batch, each reading the clean output its predecessor computed in its own
+        update (what a decentralised replica relays), instead of re-running the blocks before."""
         logs: dict[str, float] = {"lr": learning_rate(self.step, self.cfg.train)}
+        batch = None
+        if self.relay is not None:
+            self.relay.features.clear()
         for unit in self.units:
             result = train_step(
                 unit.module,
@@ -261,7 +268,12 @@ class Trainer:
                 unit=unit.index,
                 step=self.step,
                 device=self.device,
+                batch=batch,
             )
+            if self.relay is not None:
+                batch = result.batch
+                if result.clean is not None:
+                    self.relay.features[unit.index + 1] = result.clean
             self.bytes_seen += result.tokens
             prefix = "" if len(self.units) == 1 else f"b{unit.index}_"
             logs.update({prefix + k: v for k, v in result.logs.items()})

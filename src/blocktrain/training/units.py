@@ -37,11 +37,28 @@ class Unit:
     objective: Objective = field(repr=False)  # the unit's loss on a batch
 
 
+class Relay:
+    """What a block reads upstream under `route = relay` in one process: block b-1's clean
+    output of this step when this run trains block b-1 too (`Trainer.train_step` leaves it
+    in `features`: what block b-1's replica relays), else the chain of the frozen blocks
+    before it (`BlockStack.upstream`, as under `features`)."""
+
+    def __init__(self, stack: BlockStack) -> None:
+        self.stack = stack
+        self.features: dict[int, torch.Tensor] = {}
+        """block -> the features it reads at this step."""
+
+    def __call__(self, index: int, x_bytes: torch.Tensor) -> torch.Tensor | None:
+        relayed = self.features.get(index)
+        return self.stack.upstream(index, x_bytes) if relayed is None else relayed
+
+
 @dataclass
 class RunUnits:
     units: list[Unit]
     stack: BlockStack | None = None  # a BlockTrain run's blocks, trained and frozen
     reference: Reference | None = None
+    relay: Relay | None = None  # route = relay: the features passed down within a step
 
 
 def build_units(
@@ -75,7 +92,8 @@ def build_units(
     stack = BlockStack(mcfg, cfg.seed, sorted(held + frozen)).to(device)
     if frozen:
         freeze_upstream(stack, frozen, held, run_dir / ckpt.UPSTREAM_FILE, upstream)
-    loss = BlockLoss(mcfg, stack.targets, stack.upstream)
+    relay = Relay(stack) if mcfg.route == "relay" else None
+    loss = BlockLoss(mcfg, stack.targets, stack.upstream if relay is None else relay)
     units = [
         Unit(
             f"block.{b}.",
@@ -86,7 +104,7 @@ def build_units(
         )
         for b in held
     ]
-    return RunUnits(units, stack=stack)
+    return RunUnits(units, stack=stack, relay=relay)
 
 
 def freeze_upstream(

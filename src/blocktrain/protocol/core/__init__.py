@@ -27,6 +27,7 @@ drive the same code.
     pacing          the local steps each pull tells its worker, from its measured pace
     round_engine    the round engine: register, pull, inspect, judge, record, commit
     local_trainer   what a worker trains (UNITS) and the interface of its trainer
+    relays          relayed streams (route = relay): which a worker of the next block takes
 
 Imports nothing of protocol/ outside core/ (tests/test_layers.py).
 """

@@ -11,6 +11,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from blocktrain.relaystream import RelayStream, StreamBody
+
 Tensors = dict[str, torch.Tensor]
 
 UNITS = ("block", "reference")
@@ -55,3 +57,24 @@ class ResumableTrainer(LocalTrainer, Protocol):
 
     def load_optimizer_state(self, tensors: Tensors, steps_done: int = 0) -> None:
         """Carry on from a saved `optimizer_state`."""
+
+
+@runtime_checkable
+class RelayTrainer(LocalTrainer, Protocol):
+    """A trainer of `route = relay` (docs/model.md): it trains on the stream the replicas of the
+    block before relay (their bytes and clean-stream output), and relays its own for the next
+    block; `training.local.LocalBlockTrainer` is one. The loop and the simulator move streams
+    as payload: they never look inside."""
+
+    relays_from: int | None
+    """The block whose stream it trains on (None: it draws its own batches, as block 0)."""
+    relays_to: int | None
+    """The block its own stream is for (None: the last block relays nothing)."""
+
+    def load_stream(self, stream: RelayStream) -> None:
+        """The stream this round trains on (step i reads the stream's step i, wrapping)."""
+
+    def stream_out(self, metadata: dict[str, str]) -> StreamBody | None:
+        """The stream of the round just trained, with `metadata`; None when it relays nothing
+        or trained no step."""
+        ...

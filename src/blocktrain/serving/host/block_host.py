@@ -255,7 +255,7 @@ class BlockHost:
                 code="misrouted",
             )
         upstream = None
-        if cfg.route == "features" and first_block > 0:  # block b - 1's clean output
+        if cfg.reads_upstream and first_block > 0:  # block b - 1's clean output
             upstream = state_input(tensors, "u", (n, lx, cfg.d_model), header.wire_dtype)
         gen, sampling = self._generator(tensors, header)
         session = header.session if self.settings.kv_cache else None

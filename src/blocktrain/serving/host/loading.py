@@ -160,7 +160,7 @@ def load_hosted_model(
                 raise CheckpointError(f"{path} has no usable target table")
             stack.targets.copy_(tensors["targets"])
             model.stack = stack.to(device).eval()
-            if cfg.model.route == "features" and cfg.model.aux_weight > 0:  # the head exit
+            if cfg.model.reads_upstream and cfg.model.aux_weight > 0:  # the head exit
                 model.head_stages = {
                     b: HeadStage(stack.block(b), last=b == total - 1) for b in stack.block_ids
                 }

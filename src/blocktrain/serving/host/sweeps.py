@@ -156,7 +156,7 @@ def run_sweeps(
     cfg = model.config.model
     # Under `route = features` each block but the last keeps its clean outputs: the next block
     # reads them, on this host or the next.
-    passes = cfg.route == "features"
+    passes = cfg.reads_upstream
     keeps_out = {b: passes and b < cfg.blocks - 1 for b in visited}
     rows = [j.x.shape[0] for j in jobs]
     gens: RowGenerators | None = None

@@ -1,0 +1,134 @@
+"""Research probe: how stale may a relayed upstream stream be? (issue 55, the cheapest test)
+
+Every block of a `route = features` stack trains in one process, but block b never runs the
+blocks before it: at step s it trains on the batch block b-1 trained on at step s - LAG, with
+block b-1's clean-stream output on that batch as computed then (detached). LAG = 0 is a
+synchronous relay (what one process can do); LAG = 1 a pipelined relay (SWARM-style, one step
+behind); LAG = H a relay exchanged once a round of H steps. Block b starts at step b * LAG (no
+stream before). Scored by `blocktrain eval` as bench/compose.py scores its rows.
+
+    python bench/relay_probe.py --preset tiny --blocks 3 --lags 0,1,25 --seeds 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from blocktrain.config import apply_overrides
+from blocktrain.data import load_split, resolve_data_path
+from blocktrain.model import BlockStack
+from blocktrain.presets import preset
+from blocktrain.training.local import write_assembled
+from blocktrain.training.loss import BlockLoss
+from blocktrain.training.optim import learning_rate, make_optimizer, set_learning_rate
+from blocktrain.training.step import _BATCH_SALT, _NOISE_SALT, stream_seed
+from report import ROOT, blocktrain
+
+WORK = ROOT / "benchmarks" / "work" / "relay_probe"
+
+
+def train_relay(cfg, data, lag: int, quant: str) -> BlockStack:  # type: ignore[no-untyped-def]
+    torch.set_num_threads(cfg.train.threads or torch.get_num_threads())
+    stack = BlockStack(cfg.model, cfg.seed)
+    loss = BlockLoss(cfg.model, stack.targets, None)
+    relayed: dict[int, torch.Tensor | None] = {}
+    loss.upstream = lambda b, x: relayed[b]  # type: ignore[assignment]
+    opts = [make_optimizer(stack.block(b), cfg.train) for b in range(cfg.model.blocks)]
+    fifos = [collections.deque() for _ in range(cfg.model.blocks)]  # (x, u) per step, per block
+    tc = cfg.train
+    for s in range(tc.steps):
+        for b in range(cfg.model.blocks):
+            if b == 0:
+                gen = torch.Generator().manual_seed(stream_seed(cfg.seed, 0, s, _BATCH_SALT))
+                x, u = data.sample(tc.batch_size, cfg.model.seq_len, gen), None
+            else:
+                if len(fifos[b - 1]) <= lag:
+                    continue  # no stream yet
+                x, u = fifos[b - 1].popleft()
+            block = stack.block(b)
+            relayed[b] = u
+            noise = torch.Generator().manual_seed(stream_seed(cfg.seed, b, s, _NOISE_SALT))
+            parts = loss(block, b, x, noise)
+            opts[b].zero_grad(set_to_none=True)
+            parts.total.backward()
+            torch.nn.utils.clip_grad_norm_(block.parameters(), tc.grad_clip)
+            set_learning_rate(opts[b], learning_rate(s, tc))
+            if b < cfg.model.blocks - 1:
+                with torch.no_grad():  # the stream as it was computed in this step's forward
+                    out = block.clean_stream(x, u)
+                fifos[b].append((x, quantise(out, quant)))
+            opts[b].step()
+        if s % 100 == 0:
+            print(f"step {s} loss {float(parts.total):.3f}", file=sys.stderr, flush=True)
+    return stack
+
+
+def quantise(u: torch.Tensor, how: str) -> torch.Tensor:
+    if how == "fp32":
+        return u
+    if how == "fp16":
+        return u.half().float()
+    scale = u.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / 127.0
+    return (u / scale).round().clamp(-127, 127) * scale
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--blocks", type=int, default=3)
+    p.add_argument("--lags", default="0,1,25")
+    p.add_argument("--seeds", default="0")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--quant", default="int8", choices=("fp32", "fp16", "int8"))
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--sweeps", type=int, default=16)
+    args = p.parse_args()
+    data = resolve_data_path(None)
+    train = load_split(data, "train")
+    out_path = ROOT / "benchmarks" / "results" / "relay_probe.json"
+    results = json.loads(out_path.read_text()) if out_path.exists() else {"rows": []}
+    lpb = {"tiny": 1, "small": 2}[args.preset]
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        for lag in [int(v) for v in args.lags.split(",")]:
+            sets = [f"blocks={args.blocks}", f"layers={args.blocks * lpb}", f"seed={seed}"]
+            sets += ["route=features", f"threads={args.threads}", f"steps={args.steps}"]
+            cfg = apply_overrides(preset(args.preset), sets)
+            t0 = time.perf_counter()
+            stack = train_relay(cfg, train, lag, args.quant)
+            secs = time.perf_counter() - t0
+            run = WORK / f"{args.preset}-b{args.blocks}-lag{lag}-{args.quant}-seed{seed}"
+            blocks = {b: stack.block(b).state_dict() for b in range(args.blocks)}
+            write_assembled(run, cfg, blocks, args.steps)
+            argv = ["eval", str(run), "--split", "test", "--json", "-q"]
+            argv += ["--threads", str(args.threads), "--bytes", "32768"]
+            ev = json.loads(blocktrain([*argv, "--sweeps", str(args.sweeps)]))
+            row = {
+                "preset": args.preset,
+                "blocks": args.blocks,
+                "lag": lag,
+                "quant": args.quant,
+                "seed": seed,
+                "steps": args.steps,
+                "test_ce": ev["sampler_ce"],
+                "head_ce": ev["head_ce_per_block"][-1],
+                "train_seconds": round(secs, 1),
+            }
+            print(json.dumps(row), flush=True)
+            results["rows"] = [
+                r
+                for r in results["rows"]
+                if {k: r[k] for k in ("preset", "blocks", "lag", "quant", "seed", "steps")}
+                != {k: row[k] for k in ("preset", "blocks", "lag", "quant", "seed", "steps")}
+            ] + [row]
+            out_path.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

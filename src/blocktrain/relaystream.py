@@ -1,0 +1,264 @@
+"""A relayed stream (`route = relay`, docs/model.md): what block b's replica computed in its local
+steps of one round, for the worker of block b+1 to train on without holding blocks 0..b.
+
+One stream is one safetensors body, read only through `tensorwire` (nothing here unpickles):
+
+    bytes      U8  (S, N, T)     the sequences of its S local steps, N of T bytes each
+    features   I8  (S, N, T, d)  block b's clean-stream output on them, per token absmax
+    scales     F32 (S, N, T)     ... int8 with this scale: features ~= int8 * scale
+
+with string metadata `format`, `block` (the block that computed it), `round` and `worker`.
+8-bit activations are what SWARM parallelism relays between its stages (Ryabinin et al.
+2023); the features are a residual stream whose tokens differ in scale, hence a scale per
+token. A step's features are N x T x (d + 5) bytes on the wire. (An fp16 scale would save 2 bytes a
+token, but below 2^-14 its precision falls apart and small tokens with it.)
+
+The writer spools a round to disk one step at a time when given a folder (a worker holds one
+step in memory, whatever H is), or keeps it in memory (the simulator, tests); the reader reads
+one step at a time, from a file or a body in memory.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import mmap
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+from blocktrain.tensorwire import Body, WireError, decode
+
+FORMAT = "blocktrain-relay-1"
+NAMES = ("bytes", "features", "scales")
+DTYPES = {"bytes": ("U8", torch.uint8), "features": ("I8", torch.int8), "scales": ("F32", torch.float32)}  # fmt: skip
+BYTES_PER_TOKEN_OVER_D = 5
+"""A token costs d + 5 bytes: its byte id, d int8 features and an fp32 scale."""
+
+
+def bytes_per_step(batch: int, seq_len: int, d_model: int) -> int:
+    """The bytes one local step's batch adds to a stream (headers aside)."""
+    return batch * seq_len * (d_model + BYTES_PER_TOKEN_OVER_D)
+
+
+def quantise(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """u (..., d) float -> (int8 (..., d), fp32 scales (...)): per-token absmax over 127."""
+    u = u.detach().float()
+    scale = u.abs().amax(dim=-1) / 127.0
+    q = torch.round(u / scale.clamp(min=1e-30)[..., None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantise(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(int8 (..., d), fp32 (...)) -> float32 (..., d)."""
+    return q.float() * scale.float()[..., None]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What every step of a stream holds: N sequences of T bytes, d features a token."""
+
+    batch: int
+    seq_len: int
+    d_model: int
+
+    def tensor_shape(self, name: str, steps: int) -> tuple[int, ...]:
+        base = (steps, self.batch, self.seq_len)
+        return (*base, self.d_model) if name == "features" else base
+
+
+class StreamWriter:
+    """Builds one round's stream, step by step (`add`), then `finish` it into a `StreamBody`."""
+
+    def __init__(self, shape: Shape, spool: Path | None = None) -> None:
+        """`spool`: a folder for the round's parts (one step in memory at a time), else memory."""
+        self.shape = shape
+        self.steps = 0
+        self._paths: list[Path] = []
+        if spool is None:
+            self._parts: list[BinaryIO] = [io.BytesIO() for _ in NAMES]
+        else:
+            spool.mkdir(parents=True, exist_ok=True)
+            self._paths = [spool / f"out.{name}.part" for name in NAMES]
+            self._parts = [open(p, "w+b") for p in self._paths]  # noqa: SIM115 (closed in finish)
+
+    def add(self, x_bytes: torch.Tensor, features: torch.Tensor) -> None:
+        """One local step: x_bytes (N, T) ints in 0..255, features (N, T, d)."""
+        s = self.shape
+        if tuple(x_bytes.shape) != (s.batch, s.seq_len) or tuple(features.shape) != (
+            s.batch,
+            s.seq_len,
+            s.d_model,
+        ):
+            raise ValueError(
+                f"a relayed step is ({s.batch}, {s.seq_len}) bytes with (..., {s.d_model}) "
+                f"features, not {tuple(x_bytes.shape)} and {tuple(features.shape)}"
+            )
+        q, scale = quantise(features)
+        for part, t in zip(self._parts, (x_bytes.to(torch.uint8), q, scale), strict=True):
+            part.write(t.cpu().contiguous().numpy().tobytes())
+        self.steps += 1
+
+    def finish(self, metadata: dict[str, str]) -> StreamBody:
+        """The stream of the steps added so far, with `metadata` (strings) beside the format."""
+        if self.steps == 0:
+            raise ValueError("a stream holds at least one step")
+        offsets: dict[str, list[int]] = {}
+        start = 0
+        for name in NAMES:
+            shape = self.shape.tensor_shape(name, self.steps)
+            size = math.prod(shape) * DTYPES[name][1].itemsize
+            offsets[name] = [start, start + size]
+            start += size
+        header = {
+            "__metadata__": {"format": FORMAT, **metadata},
+            **{
+                name: {
+                    "dtype": DTYPES[name][0],
+                    "shape": list(self.shape.tensor_shape(name, self.steps)),
+                    "data_offsets": offsets[name],
+                }
+                for name in NAMES
+            },
+        }
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes
+        for part in self._parts:
+            part.flush()
+            part.seek(0)
+        return StreamBody(struct.pack("<Q", len(raw)) + raw, self._parts, start)
+
+
+class StreamBody:
+    """A finished stream: its bytes as one `bytes` (`read`) or in chunks (`chunks`, for an
+    upload that never holds the whole round)."""
+
+    def __init__(self, head: bytes, parts: list[BinaryIO], data_bytes: int) -> None:
+        self._head = head
+        self._parts = parts
+        self.size = len(head) + data_bytes
+
+    def chunks(self, chunk: int = 1 << 20) -> Iterator[bytes]:
+        yield self._head
+        for part in self._parts:
+            part.seek(0)
+            while block := part.read(chunk):
+                yield block
+
+    def read(self) -> bytes:
+        return b"".join(self.chunks())
+
+    def close(self) -> None:
+        for part in self._parts:
+            part.close()
+
+
+@dataclass(frozen=True)
+class StreamInfo:
+    """A stream's header, checked: its shape, steps and metadata."""
+
+    shape: Shape
+    steps: int
+    metadata: dict[str, str]
+    offsets: dict[str, tuple[int, int]]
+    """Each tensor's byte range, from the start of the body."""
+
+
+def check(body: Body, shape: Shape | None = None, *, max_bytes: int | None = None) -> StreamInfo:
+    """Read a stream's header and check it: the three tensors and nothing else, their dtypes,
+    one S, N, T and d across them (`shape` when given), finite scales. A WireError (reason
+    `malformed`, `bad_dtype`, `bad_shape`, `non_finite`, ...) says what is wrong."""
+    decoded = decode(body, max_bytes=max_bytes)
+    meta = decoded.metadata
+    if meta.get("format") != FORMAT:
+        raise WireError("malformed", f"not a relayed stream (format {meta.get('format')!r})")
+    if sorted(decoded.tensors) != sorted(NAMES):
+        raise WireError(
+            "malformed", f"a stream holds {', '.join(NAMES)}, not {sorted(decoded.tensors)}"
+        )
+    for name in NAMES:
+        if decoded.tensors[name].dtype != DTYPES[name][0]:
+            raise WireError(
+                "bad_dtype", f"{name} must be {DTYPES[name][0]}, not {decoded.tensors[name].dtype}"
+            )
+    feats = decoded.tensors["features"].shape
+    if len(feats) != 4 or not all(v > 0 for v in feats):
+        raise WireError("bad_shape", f"features must be (S, N, T, d), not {feats}")
+    got = Shape(feats[1], feats[2], feats[3])
+    if shape is not None and got != shape:
+        raise WireError(
+            "bad_shape",
+            f"this run relays (N, T, d) = ({shape.batch}, {shape.seq_len}, {shape.d_model}), "
+            f"not ({got.batch}, {got.seq_len}, {got.d_model})",
+        )
+    steps = feats[0]
+    for name in ("bytes", "scales"):
+        if decoded.tensors[name].shape != got.tensor_shape(name, steps):
+            raise WireError("bad_shape", f"{name} must be {got.tensor_shape(name, steps)}")
+    if not bool(torch.isfinite(decoded.tensors["scales"].to_torch()).all()):
+        raise WireError("non_finite", "the stream's scales hold NaN or infinity")
+    view = memoryview(body).cast("B")
+    (n,) = struct.unpack("<Q", view[:8])
+    header = json.loads(view[8 : 8 + n].tobytes())  # checked by decode above
+    offsets = {name: (8 + n + header[name]["data_offsets"][0], 8 + n + header[name]["data_offsets"][1]) for name in NAMES}  # fmt: skip
+    return StreamInfo(got, steps, meta, offsets)
+
+
+class RelayStream:
+    """A checked stream, read one step at a time (`step`), from a body or a file."""
+
+    def __init__(self, info: StreamInfo, source: Body | Path) -> None:
+        self.info = info
+        self._source = source
+
+    @classmethod
+    def from_body(cls, body: Body, shape: Shape | None = None) -> RelayStream:
+        return cls(check(body, shape), body)
+
+    @classmethod
+    def from_file(cls, path: Path, shape: Shape | None = None) -> RelayStream:
+        """A stream saved to `path`, checked through a memory map (only its header and scales
+        are read), then read a step at a time."""
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                info = check(view, shape)
+            finally:
+                view.release()
+        return cls(info, Path(path))
+
+    @property
+    def steps(self) -> int:
+        return self.info.steps
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return self.info.metadata
+
+    def step(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step `index` (wrapping around S): (bytes (N, T) int64, features (N, T, d) float32)."""
+        index %= self.steps
+        s = self.info.shape
+        out = []
+        for name in NAMES:
+            begin, end = self.info.offsets[name]
+            size = (end - begin) // self.steps
+            raw = self._read(begin + index * size, size)
+            dtype = DTYPES[name][1]
+            out.append(
+                torch.frombuffer(bytearray(raw), dtype=dtype).reshape(s.tensor_shape(name, 1)[1:])
+            )
+        x, q, scale = out
+        return x.long(), dequantise(q, scale)
+
+    def _read(self, start: int, size: int) -> bytes:
+        if isinstance(self._source, Path):
+            with open(self._source, "rb") as f:
+                f.seek(start)
+                return f.read(size)
+        return memoryview(self._source)[start : start + size].tobytes()

@@ -1,0 +1,118 @@
+"""Relayed streams (src/blocktrain/relaystream.py): the format, its checks, and reading a step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load, save
+
+from blocktrain.relaystream import (
+    RelayStream,
+    Shape,
+    StreamWriter,
+    bytes_per_step,
+    check,
+    dequantise,
+    quantise,
+)
+from blocktrain.tensorwire import WireError
+
+SHAPE = Shape(batch=3, seq_len=8, d_model=16)
+
+
+def steps(n: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randint(0, 256, (3, 8), generator=gen),
+            torch.randn(3, 8, 16, generator=gen) * torch.rand(3, 8, 1, generator=gen) * 10,
+        )
+        for _ in range(n)
+    ]
+
+
+def written(batches, spool: Path | None = None) -> bytes:
+    writer = StreamWriter(SHAPE, spool)
+    for x, u in batches:
+        writer.add(x, u)
+    return writer.finish({"block": "0", "round": "4", "worker": "2"}).read()
+
+
+def test_quantisation_errs_by_at_most_half_a_step_of_each_token_scale() -> None:
+    u = torch.randn(5, 7, 16) * torch.logspace(-3, 3, 7)[None, :, None]
+    q, scale = quantise(u)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32
+    err = (dequantise(q, scale) - u).abs()
+    # half a step of the token's own scale (and float32's rounding)
+    bound = u.abs().amax(-1, keepdim=True) * (0.5 / 127 + 1e-6)
+    assert bool((err <= bound).all()), "each token is quantised on its own scale"
+    zero_q, zero_s = quantise(torch.zeros(2, 16))
+    assert torch.equal(dequantise(zero_q, zero_s), torch.zeros(2, 16)), "an all-zero token"
+
+
+@pytest.mark.parametrize("spooled", [False, True])
+def test_a_stream_reads_back_step_by_step_from_memory_and_file(tmp_path, spooled) -> None:
+    batches = steps(3)
+    body = written(batches, tmp_path / "spool" if spooled else None)
+    path = tmp_path / "stream.safetensors"
+    path.write_bytes(body)
+    for stream in (RelayStream.from_body(body, SHAPE), RelayStream.from_file(path, SHAPE)):
+        assert stream.steps == 3
+        assert stream.metadata["round"] == "4" and stream.metadata["worker"] == "2"
+        for i in range(4):  # wraps around its steps
+            x, u = stream.step(i)
+            want_x, want_u = batches[i % 3]
+            assert torch.equal(x, want_x) and x.dtype == torch.int64
+            q, scale = quantise(want_u)
+            assert torch.equal(u, dequantise(q, scale)), "exactly the int8 features sent"
+    assert len(body) - bytes_per_step(3, 8, 16) * 3 < 512, "headers aside, N T (d + 3) a step"
+    # an ordinary safetensors file: safetensors' own reader takes it
+    tensors = load(body)
+    assert tensors["features"].shape == (3, 3, 8, 16) and tensors["bytes"].dtype == torch.uint8
+
+
+def test_the_writer_refuses_a_step_of_another_shape() -> None:
+    writer = StreamWriter(SHAPE)
+    with pytest.raises(ValueError, match="relayed step"):
+        writer.add(torch.zeros(3, 7, dtype=torch.long), torch.zeros(3, 7, 16))
+    with pytest.raises(ValueError, match="at least one step"):
+        writer.finish({})
+
+
+def _body(**tensors: torch.Tensor) -> bytes:
+    base = {
+        "bytes": torch.zeros(2, 3, 8, dtype=torch.uint8),
+        "features": torch.zeros(2, 3, 8, 16, dtype=torch.int8),
+        "scales": torch.ones(2, 3, 8),
+    }
+    base.update(tensors)
+    return save(
+        {k: v for k, v in base.items() if v.numel() or v.dim()}, {"format": "blocktrain-relay-1"}
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (_body(scales=torch.full((2, 3, 8), float("nan"))), "non_finite"),
+        (_body(features=torch.zeros(2, 3, 8, 16)), "bad_dtype"),
+        (_body(bytes=torch.zeros(2, 3, 9, dtype=torch.uint8)), "bad_shape"),
+        (_body(features=torch.zeros(2, 3, 8, 12, dtype=torch.int8)), "bad_shape"),
+        (_body(extra=torch.zeros(1)), "malformed"),
+        (save({"x": torch.zeros(1)}, {"format": "other"}), "malformed"),
+        (b"\x80\x04K\x01.", "pickle"),
+    ],
+)
+def test_check_refuses_what_is_not_a_stream_of_the_run(body: bytes, reason: str) -> None:
+    with pytest.raises(WireError) as err:
+        check(body, Shape(3, 8, 16))
+    assert err.value.reason == reason, err.value.detail
+
+
+def test_check_refuses_an_oversized_body() -> None:
+    body = written(steps(2))
+    with pytest.raises(WireError) as err:
+        check(body, SHAPE, max_bytes=len(body) - 1)
+    assert err.value.reason == "too_large"
