@@ -228,7 +228,7 @@ def test_a_relay_run_moves_streams_down_the_chain_and_trains_every_block(corpus:
     """route = relay: block b's workers train on the streams block b-1's relayed a round before
     (so block b's round r waits for block b-1's round r), and the bytes say so."""
     cfg = apply_overrides(micro_config(), [f"steps={ROUNDS * 2}", "route=relay"])
-    report, weights = run(corpus, [REGIMES["lockstep"]], cfg=cfg)
+    report, _ = run(corpus, [REGIMES["lockstep"]], cfg=cfg)
     result = report["regimes"]["lockstep"]
     assert result["participation"] == 1.0
     assert result["updates"]["accepted"] == 6 * ROUNDS, "every replica, every round"

@@ -31,8 +31,10 @@ worker/late, worker/refused/REASON (1), in --log-dir (default: the --state folde
 from __future__ import annotations
 
 import argparse
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -203,10 +205,15 @@ def _work(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
 
+    # route = relay: the streams of a round, out and in, a step at a time on disk
+    spool = Path(tempfile.mkdtemp(prefix="blocktrain-relay-"))
+
     def make_trainer(reg: Registration, config: dict[str, Any]) -> LocalBlockTrainer:
         cfg = RunConfig.from_dict(config["run_config"])
         unit = run_unit(config["run_config"])
-        return local_trainer(cfg, unit, reg.block, train, data_seed=reg.data_seed, device=device)
+        return local_trainer(
+            cfg, unit, reg.block, train, data_seed=reg.data_seed, device=device, spool=spool
+        )
 
     client = AggregatorClient(
         args.aggregator,
@@ -226,10 +233,12 @@ def _work(
             say=(lambda line: None) if args.quiet else say,
             folder=folder,
             on_round=lambda outcome: tracking.log(outcome.record()),
+            spool=spool,
         )
         report = loop.run()
     finally:
         client.close()
+        shutil.rmtree(spool, ignore_errors=True)
     if args.json:
         print_json(report.to_dict())
     else:

@@ -11,6 +11,7 @@ has trained on already. It keeps the streams of the last `keep` rounds of the bl
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from blocktrain.protocol.core.verdict import Verdict
@@ -41,7 +42,7 @@ class Relayed:
     worker: int
     body: bytes
     steps: int
-    taken_by: set[int] = field(default_factory=set)
+    taken_by: set[Hashable] = field(default_factory=set)
     """Workers (of the next block) it was handed to."""
 
     @property
@@ -63,7 +64,7 @@ class RelayPool:
         self.keep = keep
         self.max_bytes = max_bytes
         self._streams: dict[tuple[int, int], Relayed] = {}
-        self._taken: dict[int, set[tuple[int, int]]] = {}
+        self._taken: dict[Hashable, set[tuple[int, int]]] = {}
         """taker -> the streams it was handed (until they leave the pool)."""
 
     def put(self, round: int, worker: int, body: bytes, *, max_body: int | None = None) -> Relayed:
@@ -78,7 +79,7 @@ class RelayPool:
     def newest_round(self) -> int | None:
         return max((r for r, _ in self._streams), default=None)
 
-    def take(self, taker: int, *, reuse: bool = False) -> Relayed | None:
+    def take(self, taker: Hashable, *, reuse: bool = False) -> Relayed | None:
         """The stream for worker `taker`: of the newest round that holds one it has not trained
         on, the least handed out (then the lowest worker id). None when there is no such stream;
         with `reuse`, it then gets the newest stream again rather than nothing (a taker that
@@ -96,7 +97,7 @@ class RelayPool:
         seen.add(chosen.key)
         return chosen
 
-    def has_fresh(self, taker: int) -> bool:
+    def has_fresh(self, taker: Hashable) -> bool:
         seen = self._taken.get(taker, set())
         return any(s.key not in seen for s in self._streams.values())
 

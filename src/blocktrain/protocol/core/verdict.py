@@ -32,6 +32,15 @@ REASONS: dict[str, tuple[int, str]] = {
         "another aggregator of the run serves the block (the detail names it)",
     ),
     "bad_request": (422, "the request's JSON or parameters do not match the schema"),
+    "not_relayed": (
+        404,
+        "no relayed streams here: the run's route is not relay, or the block is the last",
+    ),
+    "no_update": (
+        409,
+        "a stream comes after its round's delta: that worker has no update of the round that "
+        "was accepted or refused for its timing",
+    ),
     # the body
     "too_large": (413, "the body exceeds the size limit"),
     "pickle": (415, "the body is a pickle or a torch.save archive; only safetensors is read"),

@@ -12,6 +12,9 @@
     GET    /v1/directory                 where each block's aggregator lives (peers.py)
     GET    /v1/blocks/{b}/round          the open round (long poll with ?after=R&wait=S)
     POST   /v1/blocks/{b}/updates        push a delta (safetensors body)
+    POST   /v1/blocks/{b}/streams?round=R   route = relay: the round's stream, after its delta
+    GET    /v1/blocks/{b}/streams        ... a stream of block b to train block b+1 on (long
+                                         poll with ?wait=S; 204 when none came)
     GET    /v1/status                    blocks, versions, rounds, participation, workers, bytes
     GET    /v1/history                   the loss curve and each block's rounds (for the dashboard)
     GET    /dashboard                    the live dashboard, an HTML page (no token to load it)
@@ -36,7 +39,7 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 import anyio
-from fastapi import Depends, FastAPI, Path, Query, Request
+from fastapi import Depends, FastAPI, Header, Path, Query, Request
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -55,6 +58,7 @@ from blocktrain.protocol.http import dashboard, weights
 from blocktrain.protocol.http import metrics as prometheus
 from blocktrain.protocol.http.dependencies import (
     PUSH_PATH,
+    STREAM_PATH,
     endpoint_caller,
     endpoint_of,
     endpoint_token,
@@ -73,6 +77,7 @@ from blocktrain.protocol.http.messages import (
     RegisterOut,
     RoundOut,
     StatusOut,
+    StreamOut,
     UpdateOut,
 )
 from blocktrain.protocol.http.peers import add_routes as add_directory
@@ -127,6 +132,9 @@ def create_app(
     service.engine.use_probe(probe)
     rounds = RoundSignal()
     service.engine.on_commit.append(lambda event: rounds.notify(event.closed.block))
+    streams = RoundSignal()  # wakes the long polls for a block's streams
+    service.on_stream.append(streams.notify)
+    service.engine.on_commit.append(lambda event: streams.notify(event.closed.block))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -160,6 +168,8 @@ def create_app(
     def push_cap(scope: Scope) -> int:
         if scope.get("method") == "POST" and PUSH_PATH.fullmatch(scope.get("path", "")):
             return service.max_body
+        if scope.get("method") == "POST" and STREAM_PATH.fullmatch(scope.get("path", "")):
+            return max(service.max_stream_body, service.limits.http.max_body)
         return service.limits.http.max_body
 
     app.add_middleware(
@@ -354,6 +364,70 @@ def create_app(
             ) from None
         out = await anyio.to_thread.run_sync(service.submit, ctx, body)
         return json_response(request, UpdateOut(**out).model_dump())
+
+    # ------------------------------------------------------------------ relayed streams
+
+    @app.post(
+        "/v1/blocks/{block}/streams",
+        response_model=StreamOut,
+        responses=REFUSALS,
+        openapi_extra=SAFETENSORS_BODY,
+        summary="route = relay: push the round's stream (bytes, 8-bit features), after its delta",
+    )
+    async def push_stream(
+        request: Request,
+        caller: Annotated[Caller, endpoint_caller("stream_push")],
+        block: int = Path(ge=0),
+        round: int = Query(ge=0),
+    ) -> JSONResponse:
+        try:  # the guard caps the size (and the time) while streaming
+            body = await read_body(request.scope, request.stream())
+        except ClientDisconnect:
+            reason, detail = getattr(request.state, GUARD_REFUSAL, ("", ""))
+            raise refused(reason or "malformed", detail or "a partial body") from None
+        out = await anyio.to_thread.run_sync(
+            lambda: service.put_stream(caller=caller, block=block, round=round, body=body)
+        )
+        return json_response(request, StreamOut(**out).model_dump())
+
+    @app.get(
+        "/v1/blocks/{block}/streams",
+        responses={
+            200: {
+                "content": {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}},
+                "description": "a stream; X-Relay-Round, X-Relay-Worker and X-Relay-Steps",
+            },
+            204: {"description": "no stream came within `wait` seconds"},
+            **REFUSALS,
+        },
+        summary="route = relay: a stream of block b to train block b+1 on (long poll)",
+    )
+    async def take_stream(
+        request: Request,
+        token: Annotated[TokenRow, endpoint_token("stream_take")],
+        block: int = Path(ge=0),
+        wait: float = Query(0.0, ge=0.0),
+        x_worker_id: str | None = Header(None),
+    ) -> Response:
+        taker = (token.id, x_worker_id or "")
+        limit = time.monotonic() + min(wait, MAX_WAIT_S)
+        while True:
+            changed = streams.event(block)
+            relayed = service.take_stream(taker=taker, block=block)
+            if relayed is not None or time.monotonic() >= limit:
+                break
+            await streams.wait(changed, min(1.0, limit - time.monotonic()))
+        if relayed is None:
+            _account(request, 0)
+            return Response(status_code=204)
+        _account(request, len(relayed.body))
+        headers = {
+            "X-Relay-Round": str(relayed.round),
+            "X-Relay-Worker": str(relayed.worker),
+            "X-Relay-Steps": str(relayed.steps),
+            "Cache-Control": "no-store",
+        }
+        return Response(relayed.body, media_type=CONTENT_TYPE, headers=headers)
 
     # ------------------------------------------------------------------ status
 

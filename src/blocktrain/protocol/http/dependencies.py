@@ -15,6 +15,7 @@ from blocktrain.protocol.service.updates import PushContext
 from blocktrain.protocol.store.ledger_schema import TokenRow
 
 PUSH_PATH = re.compile(r"/v1/blocks/[^/]+/updates/?")
+STREAM_PATH = re.compile(r"/v1/blocks/[^/]+/streams/?")
 
 
 def _service(request: Request) -> AggregatorService:

@@ -80,6 +80,13 @@ class UpdateOut(Out):
     norm: float = Field(description="the delta's global L2 norm")
 
 
+class StreamOut(Out):
+    accepted: bool
+    block: int
+    round: int = Field(description="the round whose local steps the stream holds")
+    steps: int = Field(description="its local steps (S)")
+
+
 class RefusalOut(Out):
     accepted: bool = False
     reason: str

@@ -32,6 +32,7 @@ from blocktrain.protocol.service.identity import Caller
 from blocktrain.protocol.service.live_eval import LiveEvaluations, ModelEval
 from blocktrain.protocol.service.placement import Directory, placed
 from blocktrain.protocol.service.pushes import Pushes
+from blocktrain.protocol.service.streams import Streams
 from blocktrain.protocol.service.updates import PullReply
 from blocktrain.protocol.store.ledger_schema import TokenRow
 from blocktrain.protocol.store.persist import Durable
@@ -44,7 +45,7 @@ Tensors = dict[str, torch.Tensor]
 Clock = Callable[[], float]
 
 
-class AggregatorService(Pushes):
+class AggregatorService(Pushes, Streams):
     """The aggregator without HTTP. Thread-safe: one lock guards the engine."""
 
     def __init__(
@@ -89,6 +90,7 @@ class AggregatorService(Pushes):
         self.blocks: dict[int, EngineBlock] = self.engine.blocks
         self.max_body = self.engine.max_body
         self._shut_out: set[int] = set()  # revoked or banned tokens already dropped
+        self._init_streams(sorted(self.directory.served), self.settings.local_steps)
         self.evaluations: LiveEvaluations | None = None
         """The live evaluation (`live_eval_every`, `live_eval.py`), given an `evaluator`."""
         if self.settings.live_eval_every > 0:

@@ -15,6 +15,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -35,6 +36,7 @@ from blocktrain.protocol.worker.replies import PushResult as PushResult
 from blocktrain.protocol.worker.replies import Registration as Registration
 from blocktrain.protocol.worker.replies import fp32, seconds, told_steps
 from blocktrain.protocol.worker.retrying import DEFAULT_TIMEOUT, RetryingHttp, RetryPolicy
+from blocktrain.relaystream import RelayStream, StreamBody
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +228,11 @@ class AggregatorClient(RetryingHttp):
     def _latest_elsewhere(self, block: int) -> Tensors:
         """`latest(block)` from the aggregator that serves the block, found in the directory
         once and again after it answers that the block moved."""
+        return self._elsewhere_call(block, lambda peer: peer.latest(block))
+
+    def _elsewhere_call(self, block: int, call: Callable[[AggregatorClient], Any]) -> Any:
+        """`call` on a client of the aggregator that serves `block` (found in the directory
+        once, and again after it answers that the block moved), its bytes counted here."""
         peer = self._elsewhere.get(block)
         if peer is None:
             url = str(self.directory().get("blocks", {}).get(str(block)) or "").rstrip("/")
@@ -243,15 +250,74 @@ class AggregatorClient(RetryingHttp):
                 clock=self._clock,
                 rng=self._rng,
             )
+        peer.worker_id = self.worker_id  # names the taker of a stream; registered here only
         before = peer.bytes_down
         try:
-            return peer.latest(block)
+            return call(peer)
         except Refused as exc:
             if exc.reason == "wrong_aggregator":
                 del self._elsewhere[block]  # it moved: ask the directory again next round
             raise
         finally:
             self.bytes_down += peer.bytes_down - before
+
+    # ------------------------------------------------------------------ relayed streams
+
+    def take_stream(
+        self, block: int, *, wait: float = 0.0, dest: Path | None = None
+    ) -> RelayStream | None:
+        """route = relay: a stream of `block` (the block before this worker's) to train on,
+        waiting up to `wait` s for one; None when none came. Read from the aggregator that
+        serves `block`; written to `dest` as it arrives (then read a step at a time), else
+        held in memory."""
+        if block in self._elsewhere:
+            return self._take_elsewhere(block, wait, dest)
+        params = {"wait": wait}
+        response = self.request("GET", f"/v1/blocks/{block}/streams", params=params, to_file=dest)
+        if dest is None:
+            self.bytes_down += len(response.content)
+        if response.status_code == 204:
+            return None
+        if response.status_code >= 400:
+            refusal = self._refusal(response)
+            if refusal.reason == "wrong_aggregator":
+                return self._take_elsewhere(block, wait, dest)
+            raise refusal
+        try:
+            if dest is not None:
+                return RelayStream.from_file(dest)
+            return RelayStream.from_body(response.content)
+        except WireError as exc:
+            raise ProtocolError(f"the aggregator sent an unreadable stream: {exc.detail}") from exc
+
+    def _take_elsewhere(self, block: int, wait: float, dest: Path | None) -> RelayStream | None:
+        stream: RelayStream | None = self._elsewhere_call(
+            block, lambda peer: peer.take_stream(block, wait=wait, dest=dest)
+        )
+        return stream
+
+    def push_stream(self, block: int, round: int, body: StreamBody) -> PushResult:
+        """route = relay: this worker's stream of `round`, after its delta; uploaded from its
+        chunks (a spooled stream is never held whole). A refusal is returned, not raised."""
+        response = self.request(
+            "POST",
+            f"/v1/blocks/{block}/streams",
+            params={"round": round},
+            content=body.chunks,
+            headers={"Content-Type": CONTENT_TYPE, "Content-Length": str(body.size)},
+        )
+        self.bytes_up += body.size
+        self.bytes_down += len(response.content)
+        try:
+            doc = dict(response.json())
+        except ValueError:
+            doc = {}
+        if response.status_code >= 400:
+            refusal = self._refusal(response)
+            return PushResult(
+                False, refusal.reason, refusal.detail, response.status_code, body.size, doc
+            )
+        return PushResult(True, "", "", response.status_code, body.size, doc)
 
     def _version(
         self, url: str, block: int, version: int, base: View | None

@@ -27,6 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,13 +35,14 @@ import torch
 from blocktrain.errors import ProtocolError, Refused, Unreachable
 from blocktrain.protocol.core.bodies import update_body
 from blocktrain.protocol.core.codecs import DeltaEncoder
-from blocktrain.protocol.core.local_trainer import LocalTrainer
+from blocktrain.protocol.core.local_trainer import LocalTrainer, RelayTrainer
 from blocktrain.protocol.worker.client import AggregatorClient, Registration
 from blocktrain.protocol.worker.outcome import LATE_HINT as LATE_HINT
 from blocktrain.protocol.worker.outcome import RoundOutcome as RoundOutcome
 from blocktrain.protocol.worker.outcome import WorkerReport as WorkerReport
 from blocktrain.protocol.worker.resume import WorkerFolder
 from blocktrain.protocol.worker.retrying import RetryPolicy
+from blocktrain.relaystream import RelayStream
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +81,14 @@ class WorkerLoop:
         clock: Callable[[], float] | None = None,
         folder: WorkerFolder | None = None,
         on_round: Callable[[RoundOutcome], None] | None = None,
+        spool: Path | None = None,
     ) -> None:
         """`say`: where the worker's lines go (its registration, one per round and its hint;
         default: this module's log at INFO); `clock` times the local steps (default:
         time.monotonic); `folder`: where the worker keeps what a restart resumes; `on_round`:
         each round's outcome, once its lines are said and before the folder saves the round
-        (so that a worker killed in between logs that round again once resumed)."""
+        (so that a worker killed in between logs that round again once resumed); `spool`: where
+        a relayed stream it trains on is downloaded (`route = relay`; None: in memory)."""
         self.client = client
         self.make_trainer = make_trainer
         self.want_block = block
@@ -106,6 +110,7 @@ class WorkerLoop:
         """The saved worker the first registration takes back."""
         self._last_round = -1
         """The round the loop waits past after a registration (a resumed worker's last)."""
+        self.spool = spool
 
     def _locate(self, block: int | None) -> None:
         """Move to the aggregator that serves `block`, as the directory of the one we talk to
@@ -207,6 +212,9 @@ class WorkerLoop:
                     return
                 if info["round"] <= last_round:
                     continue  # the long poll timed out; ask again
+                ready, stream = self._stream()
+                if not ready:
+                    continue  # no stream came within the long poll: look at the round again
                 pulled = self.client.pull(reg.block)
                 pulled_at = self.clock()
                 assert self._trainer is not None
@@ -221,6 +229,9 @@ class WorkerLoop:
             assert self._trainer is not None and self._encoder is not None
             self._trainer.load(pulled.tensors)
             self._trainer.load_upstream(upstream)
+            if stream is not None:
+                assert isinstance(self._trainer, RelayTrainer)
+                self._trainer.load_stream(stream)
             # the schedule follows the block's committed version, not the round: a round that
             # committed nothing (burned by refusals, or empty) does not advance it; the steps
             # are those the pull told (adaptive pacing), else H
@@ -244,6 +255,7 @@ class WorkerLoop:
                 steps=ran if ran > 0 else None,  # declared: the aggregator checks and weighs it
             )
             result = self.client.push_bytes(reg.block, body)
+            self._relay(reg.block, pulled.round, result.accepted or result.reason == "duplicate")
             elapsed = self.clock() - pulled_at
             self.report.rounds += 1
             last_round = pulled.round
@@ -283,6 +295,43 @@ class WorkerLoop:
                 return
             if new.worker_id != reg.worker_id:
                 reg, last_round = new, -1
+
+    def _stream(self) -> tuple[bool, RelayStream | None]:
+        """route = relay: (whether to train this round, the stream of the block before to
+        train on), after a long poll of LONG_POLL_S; (True, None) when the trainer reads none."""
+        trainer = self._trainer
+        if not isinstance(trainer, RelayTrainer) or trainer.relays_from is None:
+            return True, None
+        dest = None if self.spool is None else self.spool / "in.stream"
+        if dest is not None:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+        before = self.client.bytes_down
+        stream = self.client.take_stream(trainer.relays_from, wait=LONG_POLL_S, dest=dest)
+        self.report.bytes_stream_down += self.client.bytes_down - before
+        return stream is not None, stream
+
+    def _relay(self, block: int, round: int, delivered: bool) -> None:
+        """route = relay: send the round's stream after its delta (a stream whose delta was
+        refused for its content would be refused too, so it is not sent: `no_update`)."""
+        trainer = self._trainer
+        if not isinstance(trainer, RelayTrainer) or trainer.relays_to is None:
+            return
+        body = trainer.stream_out({"round": str(round), "worker": str(self.client.worker_id)})
+        if body is None:
+            return
+        try:
+            result = self.client.push_stream(block, round, body)
+        finally:
+            body.close()
+        self.report.bytes_stream_up += body.size
+        if not result.accepted:
+            log.info(
+                "stream of round %d not kept: %s (%s)%s",
+                round,
+                result.reason,
+                result.detail,
+                "" if delivered else ", its delta was refused",
+            )
 
     def _handle_refusal(self, exc: Refused, reg: Registration) -> Registration:
         if exc.reason == "done":

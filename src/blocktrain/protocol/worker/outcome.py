@@ -128,6 +128,10 @@ class WorkerReport:
     local_steps: int = 0
     bytes_down: int = 0
     bytes_up: int = 0
+    bytes_stream_down: int = 0
+    """Of bytes_down, the relayed streams it trained on (route = relay)."""
+    bytes_stream_up: int = 0
+    """Of bytes_up, the streams it relayed."""
     last_loss: float | None = None
     late: int = 0
     """Rounds whose update came late (refused as `late`, or counted in a later round)."""

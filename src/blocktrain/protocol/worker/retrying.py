@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -65,17 +66,33 @@ class RetryingHttp:
         return self.stop.is_set()
 
     def request(
-        self, method: str, path: str, *, headers: dict[str, str] | None = None, **kwargs: Any
+        self,
+        method: str,
+        path: str,
+        *,
+        headers: dict[str, str] | None = None,
+        to_file: Path | None = None,
+        **kwargs: Any,
     ) -> httpx.Response:
-        """Send with retries on transient failures; a 4xx answer is returned, not raised."""
+        """Send with retries on transient failures; a 4xx answer is returned, not raised.
+        `to_file`: a 200's body is streamed into that file (the response then holds none), so
+        that a large body is never held whole; a callable `content` is called for each attempt
+        (an upload from chunks)."""
         started = self._clock()
         attempt = 0
+        content = kwargs.pop("content", None)
         while True:
             try:
                 url = path if path.startswith(("http://", "https://")) else self.base_url + path
-                response = self.http.request(
-                    method, url, headers={**self._headers(), **(headers or {})}, **kwargs
-                )
+                if callable(content):
+                    kwargs["content"] = content()
+                elif content is not None:
+                    kwargs["content"] = content
+                all_headers = {**self._headers(), **(headers or {})}
+                if to_file is None:
+                    response = self.http.request(method, url, headers=all_headers, **kwargs)
+                else:
+                    response = self._download(method, url, all_headers, to_file, **kwargs)
                 retry_after = _retry_after(response)
                 if response.status_code < 500 and retry_after is None:
                     return response
@@ -94,6 +111,21 @@ class RetryingHttp:
             attempt += 1
             if self._wait(delay):
                 raise Unreachable(f"stopped while retrying {method} {path}")
+
+    def _download(
+        self, method: str, url: str, headers: dict[str, str], dest: Path, **kwargs: Any
+    ) -> httpx.Response:
+        """One attempt of `request(..., to_file=dest)`: a 200 written to `dest` a chunk at a
+        time (and counted in bytes_down), any other answer read as usual."""
+        with self.http.stream(method, url, headers=headers, **kwargs) as response:
+            if response.status_code != 200:
+                response.read()
+                return response
+            with open(dest, "wb") as f:
+                for chunk in response.iter_bytes():
+                    f.write(chunk)
+                    self.bytes_down += len(chunk)
+            return response
 
     @staticmethod
     def _refusal(response: httpx.Response) -> Refused:
