@@ -20,7 +20,7 @@ from blocktrain.errors import ConfigError
 
 VOCAB_SIZE = 256  # byte values; the vocabulary is fixed
 PROCESSES = ("gaussian", "masked")
-ROUTES = ("state", "features")
+ROUTES = ("state", "features", "relay")
 INTERVAL_ORDERS = ("forward", "reversed")
 
 
@@ -69,7 +69,9 @@ class ModelConfig:
     """What block b+1 reads from block b: also its clean stream's output, which block b+1's
     clean stream continues with no gradient into block b (`features`, the default: the route
     whose blocks compose, docs/model.md), or only the noisy state z (`state`, DiffusionBlocks'
-    original: cheaper, no upstream forward, but a stack of blocks is no better than one)."""
+    original: cheaper, no upstream forward, but a stack of blocks is no better than one), or
+    `relay`: the model of `features`, whose workers receive block b-1's clean stream relayed
+    by its worker instead of recomputing it from the blocks before theirs."""
     intervals: str = "forward"
     """Which block owns which noise: `forward`, block 0 the highest interval (DiffusionBlocks);
     `reversed`, the last block the highest, so that under `route = features` the block that
@@ -163,6 +165,11 @@ class ModelConfig:
             self.intervals,
             why,
         )
+
+    @property
+    def reads_upstream(self) -> bool:
+        """Whether block b > 0 reads block b-1's clean stream (`features` and `relay`)."""
+        return self.route != "state"
 
     @property
     def layers_per_block(self) -> int:
