@@ -24,9 +24,16 @@ class TimingOnlyTrainer:
     """No compute: zero deltas with honest token counts, for timing and participation studies
     (`blocktrain simulate --timing-only`) and tests."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], tokens_per_step: int) -> None:
+    def __init__(
+        self,
+        shapes: dict[str, tuple[int, ...]],
+        tokens_per_step: int,
+        upstream_blocks: list[int] | None = None,
+    ) -> None:
+        """`upstream_blocks`: the blocks whose versions it pulls with its own, as a real
+        worker's (route = features); it reads nothing of them."""
         self.zeros = {k: torch.zeros(s) for k, s in shapes.items()}
-        self.upstream_blocks: list[int] = []  # it reads nothing from other blocks
+        self.upstream_blocks: list[int] = list(upstream_blocks or [])
         self.tokens_per_step = tokens_per_step
 
     def load(self, weights: Tensors) -> None:
@@ -52,8 +59,10 @@ class VirtualWorker:
     encoder: DeltaEncoder
     """Its pushes in the delta wire, with its error-feedback residual (as a WorkerLoop's)."""
     speed: float
-    bandwidth: float
-    """Bytes per virtual second."""
+    down: float
+    """Its download rate, bytes per virtual second."""
+    up: float
+    """Its upload rate, bytes per virtual second."""
     last_round: int = -1
     """The last round it trained on (or gave up on); it waits for a later one."""
     holding: RoundView | None = None
@@ -69,6 +78,8 @@ class VirtualWorker:
     from it)."""
     body: tuple[int, bytes] | None = None
     """(round, body) of the push in flight."""
+    sent: int = 0
+    """The bytes of that push (with, under relay, the round's stream out)."""
     stopped: bool = False
     accepted: int = 0
     refused: Counter[str] = field(default_factory=Counter)
