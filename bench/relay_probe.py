@@ -17,7 +17,6 @@ import collections
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 

@@ -119,7 +119,7 @@ def fit_verdict(
             line += f" ({free / GIB:.1f} GiB free)"
     if need is None:
         return True, f"{line}; fit not checked: no run config (it needs an accepted token)"
-    line += f"; {what} needs {need / GIB:.4f} GiB (weights, gradients, AdamW; not activations)"
+    line += f"; {what} needs {need / GIB:.4f} GiB (weights, gradients, AdamW, the target table and what its route holds; not activations)"
     if total is None:
         return True, f"{line}: fit not checked"
     if need > total:

@@ -113,7 +113,8 @@ def test_plan_counts_the_frozen_upstream_in_a_worker_memory():
     state = dataclasses.replace(cfg, model=dataclasses.replace(CFG, route="state"))
     own = plan(state)["worker_state_bytes_per_block"]
     up = plan(cfg)["worker_state_bytes_per_block"]
-    assert own == [plan(state)["params_per_block"][0] * TRAINED_BYTES_PER_PARAM] * 3
+    table = 256 * CFG.d_model * 4  # the frozen target table, fp32, which every worker holds
+    assert own == [plan(state)["params_per_block"][0] * TRAINED_BYTES_PER_PARAM + table] * 3
     step = up[1] - up[0]
     assert up[0] == own[0] and up == [own[0], own[0] + step, own[0] + 2 * step]
     assert 0 < step < own[0] * UPSTREAM_BYTES_PER_PARAM / TRAINED_BYTES_PER_PARAM

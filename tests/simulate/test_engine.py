@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -24,6 +25,8 @@ from blocktrain.simulate import (
     write_outputs,
 )
 from blocktrain.training import Trainer
+from blocktrain.training.costs import worker_costs
+from blocktrain.training.profiles import PROFILES
 from tests.conftest import micro_config
 
 ROUNDS = 4
@@ -79,10 +82,17 @@ def test_virtual_time_advances_by_events_not_by_sleeping(
         raise AssertionError(f"the simulation slept {seconds}s")
 
     monkeypatch.setattr(time, "sleep", no_sleep)
+    # a device a million times slower than this one, 5 s away: minutes of virtual time a round
+    snail = dataclasses.replace(
+        PROFILES["cpu"], name="snail", peak_flops_per_s=PROFILES["cpu"].peak_flops_per_s / 1e6
+    )
+    snail = dataclasses.replace(snail, latency_s=5.0)
     slow = Regime("slow", step_s=Dist.const(60.0), latency_s=Dist.const(5.0))
-    report, _ = run(corpus, [slow])
+    report, _ = run(corpus, [slow], profile=snail)
     virtual = report["regimes"]["slow"]["virtual_time_s"]
-    assert virtual >= ROUNDS * (2 * 60.0 + 2 * 5.0)
+    step = min(c["step_s"] for c in report["costs"])
+    assert step > 60, "a step of the micro block takes minutes on the snail"
+    assert virtual >= ROUNDS * (2 * step + 2 * 5.0)
     times = [r["time"] for r in report["regimes"]["slow"]["rounds"]]
     assert times == sorted(times)
 
@@ -216,7 +226,11 @@ def test_the_schedule_follows_committed_versions_as_a_worker_s_does() -> None:
         trainers.append(MissingTrainer({k: tuple(v.shape) for k, v in initial[0].items()}))
         return trainers[-1]
 
-    sim = Simulation(REGIMES["lockstep"], settings, initial, make, 2, seed=0)
+    cost = worker_costs(micro_config(), local_steps=2)[0]  # any unit's: it sets the deadline
+    sim = Simulation(
+        REGIMES["lockstep"], settings, initial, make, 2, seed=0, costs={0: cost},
+        profile=PROFILES["cpu"],
+    )  # fmt: skip
     sim.run()
     causes = [sim.closed[(0, r)].cause for r in range(4)]
     assert causes[1] == "deadline", "round 1's updates were all refused: it ran to its deadline"

@@ -3,6 +3,7 @@ times slower than the rest is told fewer steps and its updates count instead of 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -12,21 +13,43 @@ from blocktrain.data import load_split
 from blocktrain.errors import ConfigError
 from blocktrain.presets import preset
 from blocktrain.simulate import Dist, Regime, SimSpec, simulate
+from blocktrain.training.costs import worker_costs
+from blocktrain.training.profiles import PROFILES
 from tests.conftest import micro_config
 
 PACED = Regime(
     "paced",
     step_s=Dist.const(1.0),
-    latency_s=Dist.const(0.01),
-    bandwidth_MBps=Dist.const(1000.0),
     deadline=1.5,  # a normal worker fits; one three times slower does not
+)
+# the cpu profile's steps on a fast link: the round is the compute, so a slowdown tells
+FAST_LINK = dataclasses.replace(
+    PROFILES["cpu"],
+    name="cpu-fast-link",
+    link_down_bytes_per_s=1e9,
+    link_up_bytes_per_s=1e9,
+    latency_s=0.01,
+    sources={
+        **PROFILES["cpu"].sources,
+        "link_down_bytes_per_s": "a test's",
+        "latency_s": "a test's",
+    },
 )
 SLOW = 5
 
 
 def run(pacing: str, **kw: object) -> dict:
     protocol = {"local_steps": 8, "effect_probe": "off", "pacing": pacing}
-    spec = SimSpec(preset("tiny"), 6, 6, protocol, timing_only=True, slowdown={SLOW: 3.0}, **kw)
+    spec = SimSpec(
+        preset("tiny"),
+        6,
+        6,
+        protocol,
+        timing_only=True,
+        slowdown={SLOW: 3.0},
+        profile=FAST_LINK,
+        **kw,  # type: ignore[arg-type]
+    )
     report, _ = simulate(spec, [PACED], None, None)
     return dict(report["regimes"]["paced"])
 
@@ -60,8 +83,19 @@ def test_paced_simulation_with_real_local_training(corpus: Path) -> None:
     """The slow worker trains the steps it is told, for real, and its updates are accepted."""
     cfg = apply_overrides(micro_config(), ["steps=16"])
     protocol = {"local_steps": 4, "effect_probe": "off", "pacing": "adaptive"}
+    # a chip on which the micro block's step takes a second, so that the compute is the round
+    flops = max(c.flops_per_step for c in worker_costs(cfg, local_steps=4))
+    chip = dataclasses.replace(FAST_LINK, peak_flops_per_s=flops, utilisation=1.0)
     spec = SimSpec(
-        cfg, 6, 4, protocol, seed=cfg.seed, eval_bytes=256, final_bytes=256, slowdown={SLOW: 3.0}
+        cfg,
+        6,
+        4,
+        protocol,
+        seed=cfg.seed,
+        eval_bytes=256,
+        final_bytes=256,
+        slowdown={SLOW: 3.0},
+        profile=chip,
     )
     report, _ = simulate(spec, [PACED], load_split(corpus, "train"), load_split(corpus, "valid"))
     result = report["regimes"]["paced"]

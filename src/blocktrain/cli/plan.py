@@ -1,12 +1,21 @@
-"""`blocktrain plan`: the resolved config and what it costs, without training anything."""
+"""`blocktrain plan`: the resolved config and what it costs, without training anything: each
+block's worker's memory, FLOPs per local step and bytes per round, and under a device profile
+its seconds per step and per round and whether it fits (training/costs.py)."""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from blocktrain.cli.common import Formatter, add_config_args, print_json, resolve_config
+from blocktrain.config import RunConfig
 from blocktrain.errors import ConfigError
+from blocktrain.protocol.core.settings import AggregatorSettings
+from blocktrain.training.costs import cost_plan
 from blocktrain.training.plan import plan
+from blocktrain.training.profiles import PROFILES, device_profile
+
+GIB = 1024**3
 
 EXAMPLES = """examples:
   blocktrain plan --preset paper --json
@@ -15,6 +24,8 @@ EXAMPLES = """examples:
   blocktrain plan --shape layers=24,d=4096,blocks=3 --hosts 3
   blocktrain plan --shape seed-75b,route=state             # only z between blocks
   blocktrain plan --shape seed-75b --throughput             # random weights, scaled to fit
+  blocktrain plan --preset small --profile cpu --local-steps 20   # seconds on this machine
+  blocktrain plan --shape layers=32,d=4096,blocks=8,route=relay --profile consumer-gpu --json
 """
 
 
@@ -28,6 +39,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_config_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--profile",
+        default="consumer-gpu",
+        metavar="NAME",
+        help=f"the device a worker trains on, for its seconds and its fit: {', '.join(PROFILES)}",
+    )
+    p.add_argument(
+        "--local-steps",
+        type=int,
+        default=AggregatorSettings().local_steps,
+        metavar="H",
+        help="local steps per round, for the bytes and seconds of a round",
+    )
     shape = p.add_argument_group("logical shapes (serving and memory planning)")
     shape.add_argument(
         "--shape",
@@ -60,6 +84,7 @@ def run_shape(args: argparse.Namespace) -> int:
         raise ConfigError("--shape replaces --preset/--set; put the settings in the SPEC")
     name, cfg = shapes.parse_shape(args.shape)
     result = shapes.shape_plan(name, cfg, args.hosts)
+    result.update(costs(args, shapes.shape_run(cfg)))
     if args.throughput:
         if args.bytes <= 0:
             raise ConfigError(f"--bytes {args.bytes} must be positive")
@@ -81,6 +106,8 @@ def run_shape(args: argparse.Namespace) -> int:
         return 0
     for line in shapes.format_plan(result):
         print(line)
+    for line in format_costs(result):
+        print(line)
     if "throughput" in result:
         t = result["throughput"]
         m = t["model"]
@@ -93,12 +120,64 @@ def run_shape(args: argparse.Namespace) -> int:
     return 0
 
 
+def costs(args: argparse.Namespace, cfg: RunConfig) -> dict[str, Any]:
+    """Each block's worker's costs under --profile, for --local-steps H."""
+    if args.local_steps <= 0:
+        raise ConfigError(f"--local-steps {args.local_steps} must be positive")
+    profile = device_profile(args.profile)
+    wire = AggregatorSettings().wire_dtype
+    return cost_plan(cfg, profile, local_steps=args.local_steps, wire_dtype=wire)
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _flop(flops: float) -> str:
+    return f"{flops / 1e12:.4g} TFLOP" if flops >= 1e12 else f"{flops / 1e9:.4g} GFLOP"
+
+
+def format_costs(result: dict[str, Any]) -> list[str]:
+    """The text lines of the costs: each block's worker, the slowest and the fit."""
+    profile, rows = result["profile"], result["per_block"]
+    lines = [
+        f"  profile           {profile['name']}: {profile['description']} "
+        f"({profile['flops_per_s'] / 1e12:.3g} TFLOP/s sustained, "
+        f"{_size(profile['memory_bytes'])})"
+    ]
+    for row in rows:
+        lines.append(
+            f"  block {row['block']:<11} {_flop(row['flops_per_step'])} a step "
+            f"({row['step_s']:.3g} s), {row['bytes_per_round']['total'] / 1e6:,.1f} MB a round "
+            f"of H = {result['local_steps']} ({row['round_s']:.3g} s), "
+            f"{_size(row['memory_bytes'])}" + ("" if row["fits"] else " (does not fit)")
+        )
+    slowest = rows[result["slowest_block"]]
+    lines.append(
+        f"  slowest block     {result['slowest_block']}: {slowest['round_s']:.3g} s a round"
+    )
+    fewest = result["fewest_blocks_that_fit"]
+    lines.append(
+        f"  fit               the largest worker ({_size(result['largest_worker_bytes'])}, "
+        f"activations not counted) {'fits' if result['fits'] else 'does not fit'} in "
+        f"{_size(profile['memory_bytes'])}; "
+        + (
+            f"the fewest blocks that fit: {fewest}"
+            if fewest is not None
+            else "no number of blocks that divides the layers fits"
+        )
+    )
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     if args.shape is not None:
         return run_shape(args)
     if args.hosts is not None or args.throughput or args.scale is not None:
         raise ConfigError("--hosts, --throughput and --scale go with --shape")
-    result = plan(resolve_config(args))
+    cfg = resolve_config(args)
+    result = plan(cfg)
+    result.update(costs(args, cfg))
     if args.json:
         print_json(result)
         return 0
@@ -120,6 +199,15 @@ def run(args: argparse.Namespace) -> int:
         f"full model {result['optimizer_state_bytes_full'] / gib:.4f} GiB"
     )
     workers = ", ".join(f"{b / gib:.4f}" for b in result["worker_state_bytes_per_block"])
-    upstream = " + the frozen upstream clean streams" if m["route"] == "features" else ""
-    print(f"  worker memory     {workers} GiB by block (weights, gradients, AdamW{upstream})")
+    upstream = {
+        "state": "",
+        "features": " + the frozen upstream clean streams",
+        "relay": " + a step of the relayed streams",
+    }[m["route"]]
+    print(
+        f"  worker memory     {workers} GiB by block (weights, gradients, AdamW, the target "
+        f"table{upstream})"
+    )
+    for line in format_costs(result):
+        print(line)
     return 0

@@ -7,7 +7,9 @@ from a participation regime; nothing sleeps, so 30 rounds of a WAN take the comp
 Several regimes run side by side from the same initial weights, data and seeds.
 
 Regimes: lockstep (every update arrives), mild (about 90% arrive before the deadline), wan
-(about 42%), or a .json/.toml file (see `blocktrain.simulate.regimes`).
+(about 42%), or a .json/.toml file (see `blocktrain.simulate.regimes`). They spread the seconds
+of a device profile (--profile): a local step takes its block's FLOPs over the profile's
+sustained FLOP/s, a message its bytes over the profile's link plus its latency.
 
 Writes OUT/simulate.json (everything), OUT/REGIME/rounds.jsonl (one record per round: virtual
 time, accepted and refused updates per block with reasons, participation, from-noise CE),
@@ -41,12 +43,14 @@ from blocktrain.errors import ConfigError
 from blocktrain.simulate import SimSpec, parse_regimes, simulate, write_outputs
 from blocktrain.simulate.attacks import KINDS, Attack
 from blocktrain.simulate.run import table
+from blocktrain.training.profiles import PROFILES, device_profile
 
 EXAMPLES = """examples:
   blocktrain simulate --preset tiny --workers 6 --rounds 30 --regime lockstep,mild,wan \\
       --out runs/sim
   blocktrain simulate --workers 6 --rounds 30 --regime wan --staleness 1 --json
   blocktrain simulate --workers 12 --rounds 50 --regime mild,my-regime.toml --timing-only
+  blocktrain simulate --regime wan --profile consumer-gpu --timing-only --set route=relay
   blocktrain simulate --regime lockstep --rounds 10 --attack shrink:4:0   # 4 attackers, block 0
   blocktrain simulate --regime lockstep --attack noise --effect-probe off --clip 0
   blocktrain simulate --regime lockstep --rounds 10 --wire topk:0.1   # compressed deltas
@@ -74,6 +78,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="comma-separated regimes: lockstep, mild, wan or .json/.toml files",
     )
     p.add_argument("--seed", type=int, help="run seed (overrides the preset's)")
+    p.add_argument(
+        "--profile",
+        default="cpu",
+        metavar="NAME",
+        help=f"the device every virtual worker trains on: {', '.join(PROFILES)} "
+        "(training/profiles.py)",
+    )
     p.add_argument("--out", metavar="DIR", help="write records, weights and the plot here")
     p.add_argument(
         "--eval-bytes", type=int, default=4096, help="validation bytes for the per-round CE"
@@ -141,6 +152,7 @@ def _slowdown(text: str) -> dict[int, float]:
 
 def run(args: argparse.Namespace) -> int:
     regimes = parse_regimes(args.regime)
+    profile = device_profile(args.profile)
     use_threads(args)
     protocol = settings_overrides(args)
     local_steps = int(protocol.get("local_steps", 10))
@@ -159,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
         attack=args.attack,
         unit=args.unit,
         slowdown=args.slowdown,
+        profile=profile,
     )
     out = Path(args.out) if args.out else None
     if out is not None and out.exists() and not out.is_dir():

@@ -6,11 +6,12 @@ pure function of its seed. A worker's life (its state: `simulate/workers.py`) mi
 
     ready    ->  its pull reaches the aggregator one latency later; if the open round is one it
                  already trained on, it waits (a long poll) until that round closes
-    pull     ->  the weights travel back: latency + bytes / bandwidth
+    pull     ->  the weights travel back: latency + bytes / its download rate
     pulled   ->  with probability `dropout` it vanishes until the round's deadline; else it
                  trains the local steps its pull told (H, or fewer under adaptive pacing)
                  *for real* (the compute is done now, its virtual duration is drawn: steps x
-                 step x speed) and sends the delta: latency + bytes / bandwidth
+                 its block's seconds a step under the profile x the regime's factor x its
+                 speed) and sends the delta: latency + bytes / its upload rate
     push     ->  the aggregator validates and judges it; the answer takes one latency
     pushed   ->  ready again
 
@@ -19,6 +20,11 @@ aggregator's `RelayPool` (waiting until one it has not trained on arrives) and d
 with its weights; a worker of a block that relays sends its round's stream after its delta.
 
 Deadlines are events too: the first pull of a round schedules a tick at its deadline.
+
+The seconds come from the costs (`training.costs`: each unit's FLOPs per step and bytes per
+round) under a device profile (`training.profiles`); the regime spreads them (`regimes.py`).
+Under `route = relay` the stream a worker receives and sends each round (the costs'
+`stream_in`, `stream_out`) travels with its pull and its push.
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ from blocktrain.simulate.aggregator import Judged, SimAggregator
 from blocktrain.simulate.attacks import Hostiles
 from blocktrain.simulate.regimes import Regime
 from blocktrain.simulate.workers import Tensors, VirtualWorker
+from blocktrain.training.costs import WorkerCost, wire_bytes
+from blocktrain.training.profiles import DeviceProfile
 
 
 @dataclass
@@ -90,6 +98,8 @@ class Simulation:
         n_workers: int,
         *,
         seed: int,
+        costs: Mapping[int, WorkerCost],
+        profile: DeviceProfile,
         evaluate: Evaluator | None = None,
         eval_every: int = 1,
         on_round: Callable[[int, int], None] | None = None,
@@ -99,18 +109,26 @@ class Simulation:
         relay: Shape | None = None,
     ) -> None:
         """`n_workers` honest workers (ids 0..n-1, as in a clean run), then the attackers of
-        `hostiles`; `probe`: the aggregator's effect probe; `slowdown`: honest worker id -> a
+        `hostiles`; `costs`: each unit's worker's (`training.costs.unit_costs`), charged under
+        `profile`; `probe`: the aggregator's effect probe; `slowdown`: honest worker id -> a
         factor on the speed it drew (3: its steps take three times as long); `relay`: under
         `route = relay`, what each step of a relayed stream holds (the aggregator keeps a
         `RelayPool` per block)."""
         if settings.max_rounds is None:
             raise ValueError("a simulation needs settings.max_rounds")
+        if sorted(costs) != sorted(initial):
+            raise ValueError(f"costs for units {sorted(costs)}, not {sorted(initial)}")
         self.regime = regime
+        self.costs = dict(costs)
+        self.profile = profile
         self.rng = random.Random(f"blocktrain-simulate:{seed}:{regime.name}")
         n_params = largest_block(initial)
-        self._dtype_bytes = 4 if settings.wire_dtype == "fp32" else 2
-        wire_bytes = n_params * self._dtype_bytes
-        self.deadline_s = regime.deadline_for(settings.local_steps, wire_bytes, wire_bytes)
+        self._dtype_bytes = wire_bytes(settings.wire_dtype)
+        # the slowest block's nominal round, so that every block can make the deadline
+        self.nominal_round_s = max(
+            c.round_s(profile, compute_factor=regime.speed.typical) for c in costs.values()
+        )
+        self.deadline_s = regime.deadline_for(self.nominal_round_s)
         self.settings = settings.replace(deadline_s=self.deadline_s)
         self.agg = SimAggregator(initial, self.settings, probe, seed)
         self.agg.on_close.append(self._closed)
@@ -150,7 +168,7 @@ class Simulation:
             self._add(worker_id, block, hostiles.trainer(i, worker_id, block), attacker=True)
         self.held: dict[tuple[int, int], str] = {}
         self._by_id = {w.id: w for w in self.workers}
-        self._wire_bytes = wire_bytes
+        self._wire_bytes = n_params * self._dtype_bytes
 
     def _add(
         self,
@@ -160,14 +178,17 @@ class Simulation:
         slowdown: float = 1.0,
         attacker: bool = False,
     ) -> None:
+        speed = self.regime.speed.draw(self.rng) * slowdown
+        link = self.regime.bandwidth_MBps.factor(self.rng)
         self.workers.append(
             VirtualWorker(
                 worker_id,
                 block,
                 trainer,
                 DeltaEncoder(self.settings.push_wire),
-                speed=self.regime.speed.draw(self.rng) * slowdown,
-                bandwidth=self.regime.bandwidth_MBps.draw(self.rng) * 1e6,
+                speed=speed,
+                down=self.profile.link_down_bytes_per_s * link,
+                up=self.profile.link_up_bytes_per_s * link,
                 attacker=attacker,
             )
         )
@@ -192,7 +213,7 @@ class Simulation:
         self._seq += 1
 
     def _latency(self) -> float:
-        return self.regime.latency_s.draw(self.rng)
+        return self.profile.latency_s * self.regime.latency_s.factor(self.rng)
 
     def _ready(self, w: VirtualWorker, now: float) -> None:
         self._at(now + self._latency(), "pull", w.id)
@@ -240,9 +261,9 @@ class Simulation:
                 w.upstream_views[b], sent = self.agg.latest(b, w.upstream_views.get(b))
                 w.upstream[b] = w.upstream_views[b].tensors
                 nbytes += sent
-        nbytes += stream_bytes
+        nbytes += stream_bytes  # relay: the round's stream, as it was relayed
         self.bytes_down += nbytes
-        self._at(now + self._latency() + nbytes / w.bandwidth, "pulled", w.id)
+        self._at(now + self._latency() + nbytes / w.down, "pulled", w.id)
 
     def _on_pulled(self, w: VirtualWorker, now: float) -> None:
         assert w.holding is not None and w.held is not None
@@ -254,7 +275,7 @@ class Simulation:
             self._ready(w, max(now, view.deadline if view.deadline is not None else now))
             return
         h, told = self.settings.local_steps, w.told
-        step_s = self.regime.step_s.draw(self.rng)
+        step_s = self.costs[w.block].step_s(self.profile) * self.regime.step_s.factor(self.rng)
         w.trainer.load(weights)
         w.trainer.load_upstream(w.upstream)
         if w.stream is not None:
@@ -284,18 +305,17 @@ class Simulation:
         )
         w.body = (view.round, body)
         compute = told * step_s * w.speed
-        sent = len(body) + (0 if w.stream_out is None else len(w.stream_out))
-        self._at(now + compute + self._latency() + sent / w.bandwidth, "push", w.id)
+        w.sent = len(body) + (0 if w.stream_out is None else len(w.stream_out))
+        self._at(now + compute + self._latency() + w.sent / w.up, "push", w.id)
 
     def _on_push(self, w: VirtualWorker, now: float) -> None:
         assert w.body is not None
         trained_on, body = w.body
         w.body = None
-        self.bytes_up += len(body)
+        self.bytes_up += w.sent
         judged = self.agg.push(w.id, w.block, body, now)
         self._account(w, judged)
         if w.stream_out is not None:  # after the delta, as a WorkerLoop sends it
-            self.bytes_up += len(w.stream_out)
             self.stream_bytes_up += len(w.stream_out)
             if keeps_stream(judged.verdict):
                 self.relays[w.block].put(trained_on, w.id, w.stream_out)
@@ -405,6 +425,7 @@ class Simulation:
             "rounds": records,
             "virtual_time_s": records[-1]["time"] if records else 0.0,
             "deadline_s": self.deadline_s,
+            "nominal_round_s": self.nominal_round_s,
             "updates": {
                 "accepted": sum(w.accepted for w in self.workers),
                 "refused": dict(sorted(refused.items())),
@@ -423,7 +444,8 @@ class Simulation:
                     "worker_id": w.id,
                     "block": w.block,
                     "speed": w.speed,
-                    "bandwidth_MBps": w.bandwidth / 1e6,
+                    "link_down_MBps": w.down / 1e6,
+                    "link_up_MBps": w.up / 1e6,
                     "accepted": w.accepted,
                     "refused": dict(sorted(w.refused.items())),
                     "dropped": w.dropped,

@@ -30,8 +30,10 @@ from blocktrain.simulate.regimes import Regime
 from blocktrain.simulate.workers import TimingOnlyTrainer
 from blocktrain.training import EvalSettings, evaluate_blocktrain, evaluate_reference
 from blocktrain.training import checkpoint as ckpt
+from blocktrain.training.costs import unit_costs
 from blocktrain.training.local import initial_units, local_trainer, reference_config
 from blocktrain.training.probe import BlockProbe
+from blocktrain.training.profiles import PROFILES, DeviceProfile
 from blocktrain.training.step import stream_seed
 
 PROBE_SECRET_SALT = 11
@@ -64,6 +66,9 @@ class SimSpec:
     layers) as the run's one unit: DiLoCo, with the same rounds, averaging and outer optimizer."""
     slowdown: dict[int, float] = dataclasses.field(default_factory=dict)
     """Honest worker id -> a factor on the speed it draws (3: three times slower than drawn)."""
+    profile: DeviceProfile = dataclasses.field(default_factory=lambda: PROFILES["cpu"])
+    """The device every virtual worker trains on: the typical seconds of its steps, its link
+    and its latency, which the regimes spread (`simulate.regimes`)."""
 
     def __post_init__(self) -> None:
         if self.unit not in UNITS:
@@ -142,6 +147,9 @@ def simulate(
         {**spec.protocol, "max_rounds": spec.rounds, "n_workers": spec.workers},
         largest_block(initial),
     )
+    costs = unit_costs(
+        cfg, spec.unit, local_steps=settings.local_steps, wire_dtype=settings.wire_dtype
+    )
     evaluate: RoundEvaluator | None = None
     probe: BlockProbe | None = None
     probe_skip = max(spec.eval_bytes, spec.final_bytes)
@@ -184,6 +192,8 @@ def simulate(
         },
         "attack": None if spec.attack is None else dataclasses.asdict(spec.attack),
         "slowdown": {str(w): f for w, f in sorted(spec.slowdown.items())},
+        "profile": spec.profile.to_dict(),
+        "costs": [c.to_dict(spec.profile) for _, c in sorted(costs.items())],
         "regimes": {},
     }
     weights: dict[str, dict[int, Tensors]] = {}
@@ -206,6 +216,8 @@ def simulate(
             trainer_factory(spec, initial, train),
             spec.workers,
             seed=spec.seed,
+            costs=costs,
+            profile=spec.profile,
             evaluate=evaluate,
             eval_every=spec.eval_every,
             on_round=on_round,
@@ -263,9 +275,18 @@ def trainer_factory(
     def make(worker_id: int, block: int) -> LocalTrainer:
         if spec.timing_only:
             shapes = {k: tuple(v.shape) for k, v in initial[block].items()}
+            # it pulls what a real worker of its block pulls (route = features: the blocks
+            # before it), so that the pulls take their time; under relay it moves streams
+            pulls = cfg.model.route == "features" and spec.unit == "block"
+            upstream = list(range(block)) if pulls else []
             relay = relay_shape(cfg) if spec.unit == "block" else None
             return TimingOnlyTrainer(
-                shapes, cfg.train.batch_size * cfg.model.seq_len, block, relay, cfg.model.blocks
+                shapes,
+                cfg.train.batch_size * cfg.model.seq_len,
+                upstream,
+                block=block,
+                relay=relay,
+                blocks=cfg.model.blocks,
             )
         assert train is not None
         return local_trainer(
@@ -354,7 +375,18 @@ def table(report: dict[str, Any]) -> str:
             f"{_num(r.get('final_sampler_ce'))} | {r['virtual_time_s']:.1f} | "
             f"{refused} | {r['updates']['dropped']} | {share} |"
         )
+    rows.append("")
+    rows.append(describe_costs(report))
     return "\n".join(rows)
+
+
+def describe_costs(report: dict[str, Any]) -> str:
+    """One line: the profile and each unit's nominal seconds a step (what the clock charges)."""
+    steps = ", ".join(
+        (f"block {c['block']}" if "block" in c else "reference") + f" {c['step_s']:.3g} s"
+        for c in report["costs"]
+    )
+    return f"profile {report['profile']['name']}: a local step takes (nominal) {steps}"
 
 
 def _num(value: float | None) -> str:

@@ -29,15 +29,19 @@ class TimingOnlyTrainer:
         self,
         shapes: dict[str, tuple[int, ...]],
         tokens_per_step: int,
+        upstream_blocks: list[int] | None = None,
+        *,
         block: int = 0,
         relay: Shape | None = None,
         blocks: int = 1,
     ) -> None:
-        """`relay`: under `route = relay`, the shape of a stream's step: a trainer of block
-        `block` of `blocks` then takes a stream (b > 0) and relays one of zeros of the true
-        size (b < blocks - 1), so that a timing study moves a relay run's bytes."""
+        """`upstream_blocks`: the blocks whose versions it pulls with its own, as a real
+        worker's (route = features); it reads nothing of them. `relay`: under `route = relay`,
+        the shape of a stream's step: a trainer of block `block` of `blocks` then takes a
+        stream (b > 0) and relays one of zeros of the true size (b < blocks - 1), so that a
+        timing study moves a relay run's bytes."""
         self.zeros = {k: torch.zeros(s) for k, s in shapes.items()}
-        self.upstream_blocks: list[int] = []  # it reads no weights of other blocks
+        self.upstream_blocks: list[int] = list(upstream_blocks or [])
         self.tokens_per_step = tokens_per_step
         self.relay = relay
         self.block = block
@@ -82,8 +86,10 @@ class VirtualWorker:
     encoder: DeltaEncoder
     """Its pushes in the delta wire, with its error-feedback residual (as a WorkerLoop's)."""
     speed: float
-    bandwidth: float
-    """Bytes per virtual second."""
+    down: float
+    """Its download rate, bytes per virtual second."""
+    up: float
+    """Its upload rate, bytes per virtual second."""
     last_round: int = -1
     """The last round it trained on (or gave up on); it waits for a later one."""
     holding: RoundView | None = None
@@ -103,6 +109,8 @@ class VirtualWorker:
     """Under `route = relay`: the stream of the block before that it pulled to train on."""
     stream_out: bytes | None = None
     """... and the stream of its round, sent after its delta."""
+    sent: int = 0
+    """The bytes of that push (with, under relay, the round's stream out)."""
     stopped: bool = False
     accepted: int = 0
     refused: Counter[str] = field(default_factory=Counter)

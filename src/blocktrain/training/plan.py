@@ -10,41 +10,33 @@ import torch
 from blocktrain.config import RunConfig
 from blocktrain.model import Block, Reference, SigmaSchedule
 from blocktrain.model.block import MaskedBlock
-from blocktrain.model.layers import DualStreamLayer
+from blocktrain.training.costs import (
+    TRAINED_BYTES_PER_PARAM,
+    UPSTREAM_BYTES_PER_PARAM,
+    clean_stream_params,
+    worker_memory,
+)
 from blocktrain.training.optim import ADAMW_BYTES_PER_PARAM
 
-TRAINED_BYTES_PER_PARAM = 4 + 4 + ADAMW_BYTES_PER_PARAM  # fp32 weight, gradient, two moments
-UPSTREAM_BYTES_PER_PARAM = 2  # a frozen upstream block, held in 16-bit as the wire sends it
+__all__ = [
+    "TRAINED_BYTES_PER_PARAM",
+    "UPSTREAM_BYTES_PER_PARAM",
+    "clean_stream_params",
+    "plan",
+    "worker_state_bytes",
+]
 
 
 def _count(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def clean_stream_params(block: Block) -> int:
-    """The parameters of a block's clean stream (`Block.clean_stream`): the byte embeddings and
-    the layers less their z-stream modulation. What a worker holds of each upstream block under
-    `route = features`."""
-    modulation = sum(
-        _count(layer.modulation)
-        for layer in block.layers
-        if isinstance(layer, DualStreamLayer) and layer.modulation is not None
-    )
-    return _count(block.embed) + _count(block.layers) - modulation
-
-
 def worker_state_bytes(cfg: RunConfig) -> list[int]:
-    """The training memory of each block's worker: its block's weights, gradients and AdamW
-    moments, plus under `route = features` the clean streams of the blocks before it, frozen
-    (activations not counted)."""
-    m = cfg.model
-    with torch.device("meta"):
-        block = MaskedBlock(m, torch.zeros(256, m.d_model)) if m.process == "masked" else Block(m)
-        own = _count(block) * TRAINED_BYTES_PER_PARAM
-        upstream = clean_stream_params(block) * UPSTREAM_BYTES_PER_PARAM
-    if m.route == "state":
-        return [own] * m.blocks
-    return [own + b * upstream for b in range(m.blocks)]
+    """The training memory of each block's worker (`training.costs.worker_memory`): its
+    block's weights, gradients and AdamW moments, the target table, and what its route adds
+    (the frozen upstream clean streams under `features`, a step of the relayed streams under
+    `relay`); activations not counted."""
+    return [memory["total"] for memory in worker_memory(cfg)]
 
 
 def plan(cfg: RunConfig) -> dict[str, Any]:

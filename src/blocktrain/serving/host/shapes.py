@@ -17,20 +17,19 @@ from typing import Any
 
 import torch
 
-from blocktrain.config import ModelConfig
+from blocktrain.config import ModelConfig, RunConfig
 from blocktrain.errors import ConfigError
 from blocktrain.model import Block, BlockStack, Reference, Sampling, SigmaSchedule, generate
 from blocktrain.model import stack_denoiser as _stack_denoiser
 from blocktrain.model.pipeline import KVCache, split_reference
-from blocktrain.training.optim import ADAMW_BYTES_PER_PARAM
-from blocktrain.training.plan import UPSTREAM_BYTES_PER_PARAM, clean_stream_params
+from blocktrain.training.costs import TRAINED_BYTES, worker_memory
 
 GIB = 1024**3
 FP16_BYTES = 2
 FP32_BYTES = 4
 # A worker training one block in fp32 with AdamW holds per parameter: the weight, its gradient
-# and two moments (activations come on top and depend on the batch).
-TRAIN_BYTES_PER_PARAM = {"weights": 4, "grads": 4, "adamw_moments": ADAMW_BYTES_PER_PARAM}
+# and two moments (activations come on top and depend on the batch): training/costs.py's.
+TRAIN_BYTES_PER_PARAM = TRAINED_BYTES
 
 NAMED_SHAPES: dict[str, dict[str, int]] = {
     # The seed served "up to a 75.80B-parameter logical fp16 shape" on three hosts. This code's
@@ -89,7 +88,7 @@ def parse_shape(spec: str) -> tuple[str, ModelConfig]:
                 f"--shape {item!r}: expected KEY=VALUE with KEY one of "
                 f"{', '.join(sorted(set(ALIASES) | set(hints)))}"
             )
-        if key == "route":  # state or features (checked by ModelConfig)
+        if key == "route":  # state, features or relay (checked by ModelConfig)
             values[key] = text.strip()
             given.add(key)
             continue
@@ -132,21 +131,22 @@ def host_blocks(blocks: int, hosts: int) -> list[list[int]]:
     return out
 
 
+def shape_run(cfg: ModelConfig) -> RunConfig:
+    """A shape as a run: its model, the default training settings (batch 32)."""
+    return RunConfig(preset="shape", model=cfg)
+
+
 def shape_plan(name: str, cfg: ModelConfig, hosts: int | None = None) -> dict[str, Any]:
     """Parameters, fp16 weight bytes per host and the largest worker's training memory of a
-    shape (under `route = features` the last block's worker, which also holds the clean
-    streams of the blocks before it, frozen in fp16), and the state bytes per hop."""
+    shape (`training.costs.worker_memory`: under `route = features` the last block's worker,
+    which also holds the clean streams of the blocks before it, frozen in fp16), and the state
+    bytes per hop."""
     per_block, reference = count_params(cfg)
     total = per_block * cfg.blocks
     split = host_blocks(cfg.blocks, hosts or cfg.blocks)
     table = 256 * cfg.d_model  # the frozen target table, which every host and worker holds
-    features = cfg.route == "features"
-    worker = {k: per_block * v for k, v in TRAIN_BYTES_PER_PARAM.items()}
-    worker["target_table"] = table * FP32_BYTES
-    with torch.device("meta"):
-        stream = clean_stream_params(Block(cfg))
-    worker["upstream_fp16"] = (cfg.blocks - 1) * stream * UPSTREAM_BYTES_PER_PARAM * features
-    worker["total"] = sum(worker.values())
+    features = cfg.reads_upstream  # a hop carries the clean stream under features and relay
+    worker = max(worker_memory(shape_run(cfg)), key=lambda memory: memory["total"])
     context = cfg.seq_len - cfg.span  # the most context a sweep carries
     per_stage_layers = cfg.layers // cfg.blocks
     return {
@@ -300,6 +300,9 @@ def format_plan(plan: dict[str, Any]) -> list[str]:
         if w["upstream_fp16"]
         else ""
     )
+    relay = w["relay_stream_in"] + w["relay_stream_out"] + w["relay_features_fp32"]
+    if relay:
+        upstream += f" + one step of the relayed streams {relay / GIB:.2f}"
     lines.append(
         f"  worker training   {w['total'] / GIB:.2f} GiB for one block (fp32 weights "
         f"{w['weights'] / GIB:.2f} + grads {w['grads'] / GIB:.2f} + AdamW "
