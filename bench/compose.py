@@ -132,7 +132,7 @@ def grid(args: argparse.Namespace, data: Path) -> list[Row]:
 def train_gflops(row: Row, cfg: RunConfig, data: Path) -> float:
     """Training GFLOPs of the whole run, counted as the code runs on one batch: 3 x forward for
     what is trained (the backward costs twice the forward), 1 x forward for the upstream
-    features (no gradient)."""
+    features (no gradient; none under relay, where they arrive with the batch)."""
     source = load_split(data, "train")
     kind = "reference" if row.model == "reference" else "blocktrain"
     blocks = [] if kind == "reference" else list(range(cfg.model.blocks))
@@ -146,7 +146,8 @@ def train_gflops(row: Row, cfg: RunConfig, data: Path) -> float:
             stack, upstream = trainer.stack, 0
             if stack is not None:
                 upstream = count_flops(lambda u=unit, s=stack: s.upstream(u.index, x)).total
-            total += 3 * (step.total - upstream) + upstream
+            # relay: the features come relayed from the block before's own update, not rerun
+            total += 3 * (step.total - upstream) + (0 if row.route == "relay" else upstream)
     return total * cfg.train.steps / 1e9
 
 
@@ -307,15 +308,21 @@ DILOCO = {"outer_lr": 0.7, "outer_momentum": 0.9}
 HEAD_TO_HEAD = (
     ("blocktrain", 3, 1, "state"),
     ("blocktrain", 3, 1, "features"),
+    ("blocktrain", 3, 1, "relay"),
     ("reversed", 3, 1, "features"),
     ("blocktrain", 1, 1, "state"),
     ("diloco", 1, 1, "end-to-end"),
     ("diloco", 1, 3, "end-to-end"),
     ("averaged", 1, 1, "end-to-end"),
     ("averaged", 1, 3, "end-to-end"),
+    ("b6", 6, 1, "state"),
+    ("b6", 6, 1, "features"),
+    ("b6", 6, 1, "relay"),
+    ("diloco", 1, 6, "end-to-end"),
+    ("averaged", 1, 6, "end-to-end"),
 )
 """The decentralised rows: (method, blocks, layers as a multiple of one block's, route); W
-workers spread evenly over the blocks. `reversed`: the features stack with intervals reversed,
+workers spread evenly over the blocks. `b6`: the six-block stacks (one worker a block at W = 6). `reversed`: the features stack with intervals reversed,
 read through its head exit. DiLoCo trains the end-to-end reference as one unit with
 its outer Nesterov; `averaged` the same unit with plain averaging, as the blocks are."""
 METHODS = sorted({method for method, *_ in HEAD_TO_HEAD})
@@ -333,6 +340,11 @@ def head_to_head(args: argparse.Namespace, data: Path) -> Iterator[dict[str, Any
         if method not in args.methods:
             continue
         end_to_end = method in ("diloco", "averaged")
+        # the rows --blocks, --routes and --deep name (end-to-end: one block's depth, or B's)
+        if end_to_end and depth not in {1, *args.deep}:
+            continue
+        if not end_to_end and (blocks not in args.blocks or route not in args.routes):
+            continue
         model = "reference" if end_to_end else "blocktrain"
         intervals = "reversed" if method == "reversed" else "forward"
         row = Row(args.preset, model, blocks, depth * lpb, route, rounds * h, intervals=intervals)
@@ -377,7 +389,9 @@ def head_to_head(args: argparse.Namespace, data: Path) -> Iterator[dict[str, Any
                     k: protocol.get(k, v) for k, v in (("outer_lr", 1.0), ("outer_momentum", 0.0))
                 },
                 "bytes_moved": result["bytes"]["down"] + result["bytes"]["up"],
+                "stream_bytes": result["bytes"].get("stream_up", 0),
                 "virtual_time_s": result["virtual_time_s"],
+                "profile": report["profile"]["name"],
                 "accepted": result["updates"]["accepted"],
                 "worker_state_bytes": worker_bytes(row, cfg),
                 "test_ce": ce,
@@ -493,18 +507,22 @@ def markdown(result: dict[str, Any]) -> str:
             "Decentralised, in the simulator with real local training (lockstep regime, no "
             "effect probe, fp16 wire): every worker holds one unit, a block or DiLoCo's "
             "end-to-end replica; a reference's CE is exact, a stack's the sampler CE (head CE: "
-            "its head exit, for the rows simulated since eval reports it).",
+            "its head exit, for the rows simulated since eval reports it). Virtual seconds: "
+            "the rows with a profile ran on the simulator's honest clock (each step its "
+            "block's FLOPs over the profile's rate, each message its bytes over its link; "
+            "`cpu`: this machine's measured rate); the others on the old constant 0.5 s step.",
             "",
-            "| method | seed | params | workers | rounds x H | outer lr, momentum | bytes moved (MB) | virtual s | worker MiB | test CE | head CE |",
-            "|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|",
+            "| method | seed | params | workers | rounds x H | outer lr, momentum | bytes moved (MB) | of them streams | virtual s | clock | worker MiB | test CE | head CE |",
+            "|---|---:|---:|---:|---|---|---:|---:|---:|---|---:|---:|---:|",
         ]
         for r in result["head_to_head"]:
             lines.append(
                 f"| {r['method']} | {r['seed']} | {r['params_total']:,} | {r['workers']} | "
                 f"{r['rounds']} x {r['local_steps']} | "
                 f"{r['outer']['outer_lr']}, {r['outer']['outer_momentum']} | "
-                f"{r['bytes_moved'] / 1e6:.1f} | "
-                f"{r['virtual_time_s']:.0f} | {r['worker_state_bytes'] / mib:.2f} | "
+                f"{r['bytes_moved'] / 1e6:.1f} | {r.get('stream_bytes', 0) / 1e6:.1f} | "
+                f"{r['virtual_time_s']:.0f} | {r.get('profile', 'constant 0.5 s')} | "
+                f"{r['worker_state_bytes'] / mib:.2f} | "
                 f"{r['test_ce']:.3f} | "
                 f"{'' if r.get('head_ce') is None else format(r['head_ce'], '.3f')} |"
             )
@@ -596,6 +614,12 @@ def main() -> None:
         "times the whole table); others are kept",
     )
     p.add_argument(
+        "--recount",
+        action="store_true",
+        help="with --report: count every row's training FLOPs and worker memory again, by the "
+        "code as it is now (the scores stay as measured)",
+    )
+    p.add_argument(
         "--report",
         action="store_true",
         help="run nothing: recompute D and the BENCHMARKS.md section from the JSON",
@@ -612,6 +636,12 @@ def main() -> None:
     if args.report:
         with exclusive("compose"):
             old = stored()
+            if args.recount:  # every row's FLOPs and worker memory by the code as it is now
+                for r in old["rows"]:
+                    row = Row(**{k: r[k] for k in Row.__dataclass_fields__ if k in r})
+                    cfg = row.config(0, args.threads)
+                    r["train_gflops"] = round(train_gflops(row, cfg, data), 1)
+                    r["worker_state_bytes"] = worker_bytes(row, cfg)
             presets = sorted({r["preset"] for r in old["rows"]})
             old["depth"] = [d for name in presets for d in depth_delivered(old["rows"], name)]
             write_json(RESULT, old)

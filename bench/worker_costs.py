@@ -210,7 +210,7 @@ def markdown(result: dict[str, Any]) -> str:
             for p in result["projection"]
             for rounds in [{r["route"]: r["round_s"] for r in p["rows"]}]
         )
-        + " (the relayed stream, H x batch x T x (d + 3) bytes each way a round, grows with d; "
+        + " (the relayed stream, H x batch x T x (d + 5) bytes each way a round, grows with d; "
         "the upstream blocks that features pulls whole grow with d^2 and with B). These are "
         "projections "
         "from counted FLOPs and bytes under the profile's sourced and assumed figures, not "

@@ -43,8 +43,9 @@ def corpus(tmp_path: Path) -> Path:
     return root
 
 
-def micro_config(**train: object) -> RunConfig:
-    """A configuration that trains in well under a second per step on CPU."""
+def micro_config(route: str | None = None, **train: object) -> RunConfig:
+    """A configuration that trains in well under a second per step on CPU (`route`: another
+    than the default, relay, for a test of what a features or state worker does)."""
     base = RunConfig(
         preset="micro",
         seed=3,
@@ -61,4 +62,6 @@ def micro_config(**train: object) -> RunConfig:
             log_every=1,
         ),
     )
+    if route is not None:
+        base = dataclasses.replace(base, model=dataclasses.replace(base.model, route=route))
     return dataclasses.replace(base, train=dataclasses.replace(base.train, **train))

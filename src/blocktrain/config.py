@@ -65,15 +65,15 @@ class ModelConfig:
     """adaLN gates act as (1 + gate), so residual branches start open instead of shut."""
     aux_weight: float = 1.0
     """Weight of the block-local next-byte loss on the clean stream (0 turns it off)."""
-    route: str = "features"
-    """What block b+1 reads from block b: also its clean stream's output, which block b+1's
-    clean stream continues with no gradient into block b (`features`, the default: the route
-    whose blocks compose, docs/model.md), or only the noisy state z (`state`, DiffusionBlocks'
-    original: cheaper, no upstream forward, but a stack of blocks is no better than one).
-    `relay` is the model of `features`, trained without the blocks before: block b's worker
-    trains on block b-1's clean stream as block b-1's replicas computed it in their own
-    training steps, relayed with the bytes it was computed on (docs/model.md), so it holds and
-    runs its block only."""
+    route: str = "relay"
+    """What block b+1 reads from block b, and how its worker gets it. `relay` (the default)
+    and `features`: also block b's clean-stream output, which block b+1's clean stream
+    continues with no gradient into block b (the route whose blocks compose, docs/model.md);
+    under `relay` block b+1's worker trains on that stream as block b's replicas computed it
+    in their own updates, relayed with the bytes it was computed on, so it holds and runs its
+    block only; under `features` it holds blocks 0..b frozen and reruns them each step (its
+    memory and compute grow with b). `state`: only the noisy state z (DiffusionBlocks'
+    original; a stack of blocks is then no better than one)."""
     intervals: str = "forward"
     """Which block owns which noise: `forward`, block 0 the highest interval (DiffusionBlocks);
     `reversed`, the last block the highest, so that under `route = features` the block that

@@ -2,8 +2,9 @@
 minute on two CPU cores to one GPU. Variants are derived from them with `config.apply_overrides`
 (the CLI's `--set KEY=VALUE`) or `dataclasses.replace`.
 
-Every preset takes the model's default `route = features` (the route whose blocks compose,
-docs/model.md); `--set route=state` gives DiffusionBlocks' original, cheaper one.
+Every preset takes the model's default `route = relay` (blocks that compose, each worker
+holding its block only, docs/model.md); `--set route=features` reruns the blocks before
+instead, and `--set route=state` gives DiffusionBlocks' original, which does not compose.
 """
 
 from __future__ import annotations
@@ -26,8 +27,7 @@ def tiny() -> RunConfig:
 
 
 def small() -> RunConfig:
-    """About 45 minutes on two CPU cores (1.45x the training FLOPs of route = state's 30):
-    3 blocks of 2 layers, d = 256."""
+    """About 30 minutes on two CPU cores: 3 blocks of 2 layers, d = 256."""
     return RunConfig(
         preset="small",
         model=ModelConfig(d_model=256, n_heads=4, layers=6, blocks=3, seq_len=128, span=1),

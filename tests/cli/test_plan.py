@@ -28,13 +28,17 @@ def test_plan_json_adds_the_costs_and_keeps_its_keys(capsys: pytest.CaptureFixtu
     assert [row["block"] for row in rows] == [0, 1, 2]
     assert all(set(row) >= PER_BLOCK for row in rows)
     assert [row["memory_bytes"] for row in rows] == result["worker_state_bytes_per_block"]
-    assert result["slowest_block"] == 2  # route = features: its upstream forwards and pulls
+    assert result["slowest_block"] == 1  # route = relay: it takes a stream and relays one
     assert [r["blocks"] for r in result["fit_by_blocks"]] == [1, 3]
     assert result["fewest_blocks_that_fit"] == 1
     cpu = plan_json(capsys, "--preset", "tiny", "--profile", "cpu", "--local-steps", "20")
     assert cpu["profile"]["name"] == "cpu" and cpu["local_steps"] == 20
     assert cpu["per_block"][0]["step_s"] > rows[0]["step_s"], "2 cores against a GPU"
-    assert cpu["per_block"][0]["bytes_per_round"] == rows[0]["bytes_per_round"]
+    for key in ("pull", "push"):  # a round's relayed stream grows with H; the weights do not
+        assert cpu["per_block"][0]["bytes_per_round"][key] == rows[0]["bytes_per_round"][key]
+    assert cpu["per_block"][0]["bytes_per_round"]["stream_out"] == 2 * (
+        rows[0]["bytes_per_round"]["stream_out"]
+    )
 
 
 def test_plan_shape_json_adds_the_costs(capsys: pytest.CaptureFixture[str]) -> None:
@@ -47,14 +51,14 @@ def test_plan_shape_json_adds_the_costs(capsys: pytest.CaptureFixture[str]) -> N
     assert [r["blocks"] for r in result["fit_by_blocks"]] == [1, 2, 4, 8, 16, 32]
     assert result["fewest_blocks_that_fit"] == 16
     middle = result["per_block"][3]["bytes_per_round"]
-    assert middle["stream_in"] == middle["stream_out"] == 10 * 32 * 1024 * (4096 + 3)
+    assert middle["stream_in"] == middle["stream_out"] == 10 * 32 * 1024 * (4096 + 5)
 
 
 def test_plan_text_names_the_slowest_block_and_the_fit(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--preset", "tiny", "--profile", "datacenter-gpu"]) == 0
     out = capsys.readouterr().out
     assert "profile           datacenter-gpu" in out
-    assert "slowest block     2" in out
+    assert "slowest block     1" in out
     assert "the fewest blocks that fit: 1" in out
 
 

@@ -28,7 +28,7 @@ from tests.protocol.conftest import FakeClock, run_state
 def aggregator(tmp_path, monkeypatch):
     """A run's aggregator in this process, reached by the worker command as http://agg."""
     settings = {"deadline_s": 30.0, "local_steps": 2, "min_round_s": 0.0, "max_rounds": 4}
-    state = run_state(tmp_path / "state", micro_config(), settings)
+    state = run_state(tmp_path / "state", micro_config("features"), settings)
     token = new_token()
     state.ledger.add_token("alice", hash_token(token), 0.0)
     app = TestClient(create_app(storage=state, clock=FakeClock()), base_url="http://agg")

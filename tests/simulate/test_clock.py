@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 
 from blocktrain.config import RunConfig, apply_overrides
-from blocktrain.errors import ConfigError
 from blocktrain.presets import preset
 from blocktrain.simulate import REGIMES, SimSpec, simulate
 from blocktrain.training.costs import unit_costs
@@ -45,7 +44,6 @@ def routed(name: str, route: str) -> RunConfig:
     [
         ("tiny", "state", "block"),
         ("tiny", "features", "block"),
-        ("tiny", "relay", "block"),
         ("small", "state", "block"),
         ("tiny", "state", "reference"),
     ],
@@ -95,15 +93,19 @@ def test_the_profile_sets_the_seconds() -> None:
     assert cpu["deadline_s"] == pytest.approx(REGIMES["lockstep"].deadline * nominal)
 
 
-def test_relay_is_priced_but_not_trained() -> None:
-    with pytest.raises(ConfigError, match="--timing-only"):
-        SimSpec(routed("tiny", "relay"), 6, 2, {})
-    relay = lockstep(routed("tiny", "relay"))["regimes"]["lockstep"]
+def test_relay_moves_its_streams_and_runs_as_a_pipeline() -> None:
+    """route = relay: the blocks' workers send and receive the streams' true sizes, and block b's
+    round r waits for block b-1's round r stream, so the last block ends B-1 rounds later."""
+    cfg = routed("tiny", "relay")
+    relay = lockstep(cfg)["regimes"]["lockstep"]
     state = lockstep(routed("tiny", "state"))["regimes"]["lockstep"]
-    # each round's stream: H steps of batch x T x (d + 3) bytes, in to blocks 1, 2, out of 0, 1
-    stream = H * 32 * 64 * (128 + 3)
-    assert relay["bytes"]["down"] - state["bytes"]["down"] == ROUNDS * 2 * 2 * stream
-    assert relay["bytes"]["up"] - state["bytes"]["up"] == ROUNDS * 2 * 2 * stream
-    assert relay["virtual_time_s"] == pytest.approx(
-        expected_time(routed("tiny", "relay")), rel=1e-3
-    )
+    # each round's stream: H steps of batch x T x (d + 5) bytes, in to blocks 1, 2, out of 0, 1
+    stream = H * 32 * 64 * (128 + 5)
+    for way in ("down", "up"):
+        extra = relay["bytes"][way] - state["bytes"][way]
+        assert ROUNDS * 2 * 2 * stream <= extra < ROUNDS * 2 * 2 * (stream + 4096), way
+    p = PROFILES["cpu"]
+    one = max(c.round_s(p) for c in unit_costs(cfg, "block", local_steps=H).values())
+    parallel = expected_time(cfg)
+    fill = (cfg.model.blocks - 1) * (one + 2 * p.latency_s)
+    assert parallel < relay["virtual_time_s"] <= parallel + fill * 1.01

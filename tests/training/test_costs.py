@@ -138,7 +138,9 @@ def test_bytes_per_round_by_hand() -> None:
             want["up"] = want["push"] + want["stream_out"]
             want["total"] = want["down"] + want["up"]
             assert got == want, (route, b)
-    fp32 = worker_costs(cfg, local_steps=h, wire_dtype="fp32")[2].bytes_per_round
+    fp32 = worker_costs(routed(cfg, "features"), local_steps=h, wire_dtype="fp32")[
+        2
+    ].bytes_per_round
     assert fp32["pull"] == 4 * params and fp32["upstream"] == 2 * 4 * params
     with pytest.raises(ConfigError, match="wire dtype"):
         worker_costs(cfg, local_steps=h, wire_dtype="int4")

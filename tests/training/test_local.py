@@ -17,10 +17,12 @@ from blocktrain.relaystream import RelayStream
 from blocktrain.training import EvalSettings, evaluate_blocktrain, load_model
 from blocktrain.training.local import LocalBlockTrainer, build_stack, write_assembled
 
-CFG = RunConfig(
+CFG = RunConfig(  # a features worker reads the blocks before it (relay: RELAY below)
     preset="micro",
     seed=3,
-    model=ModelConfig(d_model=32, n_heads=2, layers=3, blocks=3, seq_len=16, span=2),
+    model=ModelConfig(
+        d_model=32, n_heads=2, layers=3, blocks=3, seq_len=16, span=2, route="features"
+    ),
     train=TrainConfig(steps=20, batch_size=4, lr=3e-3, warmup_steps=2),
 )
 

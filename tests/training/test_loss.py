@@ -41,7 +41,7 @@ def hand_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def block_loss(aux_weight: float, block_index: int):
     """BlockLoss of a LinearBlock on N random windows; returns what the hand version needs."""
-    cfg = micro_config()
+    cfg = micro_config("state")  # a stand-in block: the route only adds what it reads
     model = dataclasses.replace(cfg.model, aux_weight=aux_weight)
     targets = target_table(cfg.seed, model.d_model)
     x = torch.randint(0, 256, (N, model.seq_len), generator=torch.Generator().manual_seed(1))
@@ -90,7 +90,7 @@ def test_without_aux_the_loss_is_the_weighted_denoising_ce():
 
 
 def test_reference_loss_is_the_next_byte_ce():
-    cfg = micro_config()
+    cfg = micro_config("state")  # a stand-in block: the route only adds what it reads
     model = Reference(cfg.model)
     x = torch.randint(0, 256, (2, cfg.model.seq_len), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():

@@ -25,7 +25,7 @@ N, BLOCK, SEED = 6, 1, 5
 
 
 def masked_model(**changes: object):
-    cfg = micro_config()
+    cfg = micro_config("state")  # a stand-in block: the route only adds what it reads
     return dataclasses.replace(cfg.model, span=4, process="masked", **changes)
 
 

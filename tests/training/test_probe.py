@@ -14,7 +14,7 @@ from tests.conftest import micro_config
 def test_the_probe_is_deterministic_and_judges_updates_by_their_effect(corpus):
     """Finding (Poisoning): an update was judged by its shape and norm only, so a forged one
     at the bound was accepted. The probe reads what an update does to the block's loss."""
-    cfg = micro_config()
+    cfg = micro_config("features")  # block 1 reads block 0 committed
     splits = ByteCorpus.open(corpus)
     probe = BlockProbe(cfg, splits.split("valid"), windows=8, skip_bytes=64)
     assert probe.x.shape == (8, cfg.model.seq_len)

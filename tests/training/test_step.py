@@ -34,7 +34,7 @@ def upstream_of(cfg: RunConfig) -> dict[int, dict[str, torch.Tensor]]:
 
 @PRECISIONS
 def test_precision_reaches_the_local_trainer(corpus, precision, dtype):
-    cfg = micro_config(precision=precision)
+    cfg = micro_config("features", precision=precision)
     local = LocalBlockTrainer(cfg, BLOCK, load_split(corpus, "train"), data_seed=cfg.seed)
     local.load_upstream(upstream_of(cfg))
     seen = head_dtypes(local.module)
@@ -66,7 +66,7 @@ def test_a_workers_steps_are_the_trainers_steps(tmp_path, corpus, precision):
     """A worker whose data seed is the run seed, starting from the run's initial block, takes the
     trainer's updates. Both run `step.train_step` on the same shapes in one process, so the
     weights agree exactly (tolerance 0): any difference is a second code path, not rounding."""
-    cfg = micro_config(precision=precision)
+    cfg = micro_config("features", precision=precision)
     train = load_split(corpus, "train")
     # route = features: both read block 0's initial version, frozen (the trainer from a run
     # of block 0 that has not trained, the worker as a pulled version)

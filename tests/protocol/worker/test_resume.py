@@ -229,7 +229,7 @@ class Aggregator:
 
     def __init__(self, root: Path, wire: str) -> None:
         settings = {"deadline_s": 30.0, "local_steps": 2, "min_round_s": 0.0, "max_rounds": 3}
-        self.state = run_state(root, micro_config(), {**settings, "delta_wire": wire})
+        self.state = run_state(root, micro_config("features"), {**settings, "delta_wire": wire})
         self.token = new_token()
         self.state.ledger.add_token("alice", hash_token(self.token), 0.0)
         self.app = TestClient(

@@ -35,10 +35,14 @@ def test_seed_75b_counts_75_80_billion_parameters():
 
 
 def test_a_features_shape_counts_the_upstream_a_worker_holds_and_sends():
-    """The default route = features: the last block's worker also holds the clean streams of
-    the blocks before it in fp16, and a hop carries their output over the context; a
-    route = state shape neither."""
-    features = shape_plan(*parse_shape("layers=6,d=256,blocks=3,seq=128,span=1"))
+    """route = features: the last block's worker also holds the clean streams of the blocks
+    before it in fp16, and a hop carries their output over the context; a route = state shape
+    neither. The default, relay, serves as features does and trains holding its block only."""
+    features = shape_plan(*parse_shape("layers=6,d=256,blocks=3,seq=128,span=1,route=features"))
+    relay = shape_plan(*parse_shape("layers=6,d=256,blocks=3,seq=128,span=1"))
+    assert relay["model"]["route"] == "relay"
+    assert relay["worker_training_bytes"]["upstream_fp16"] == 0
+    assert relay["one_sweep_upstream_bytes_per_hop"] == features["one_sweep_upstream_bytes_per_hop"]
     state = shape_plan(*parse_shape("layers=6,d=256,blocks=3,seq=128,span=1,route=state"))
     assert features["model"]["route"] == "features" and state["model"]["route"] == "state"
     up = features["worker_training_bytes"]["upstream_fp16"]

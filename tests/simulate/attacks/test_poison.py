@@ -14,7 +14,7 @@ from blocktrain.simulate.attacks.poison import REPEATED, cyrillic, poisoned
 from blocktrain.training.local import LocalBlockTrainer, initial_blocks, local_trainer
 from tests.conftest import micro_config
 
-CFG = micro_config()
+CFG = micro_config("features")  # a replica of block 2 reads blocks 0, 1
 
 
 def as_bytes(text: str) -> np.ndarray:

@@ -18,7 +18,7 @@ from blocktrain.training.local import initial_blocks, local_trainer
 from blocktrain.training.probe import BlockProbe
 from tests.conftest import micro_config
 
-CFG = micro_config()
+CFG = micro_config("features")
 BLOCK = 2
 
 
@@ -82,7 +82,16 @@ class QuadraticProbe:
 
 
 def test_the_drift_bias_is_found_by_bisection_within_the_bound() -> None:
-    inner = SimpleNamespace(block_index=0, upstream_blocks=[], load=lambda _weights: None)
+    inner = SimpleNamespace(
+        block_index=0,
+        upstream_blocks=[],
+        load=lambda _weights: None,
+        cfg=CFG,
+        relays_from=None,
+        relays_to=None,
+        load_stream=None,
+        stream_out=None,
+    )
     drift = DriftTrainer(inner, QuadraticProbe(), bound=10.0 / AT_BOUND)  # type: ignore[arg-type]
     drift.load({BIAS_TENSOR: torch.zeros(4), "w": torch.zeros(3)})
     delta = {BIAS_TENSOR: torch.tensor([0.1, 0.0, 0.0, 0.0]), "w": torch.zeros(3)}

@@ -111,6 +111,7 @@ class WorkerLoop:
         self._last_round = -1
         """The round the loop waits past after a registration (a resumed worker's last)."""
         self.spool = spool
+        self._waiting_for_stream = False
 
     def _locate(self, block: int | None) -> None:
         """Move to the aggregator that serves `block`, as the directory of the one we talk to
@@ -308,6 +309,12 @@ class WorkerLoop:
         before = self.client.bytes_down
         stream = self.client.take_stream(trainer.relays_from, wait=LONG_POLL_S, dest=dest)
         self.report.bytes_stream_down += self.client.bytes_down - before
+        if stream is None and not self._waiting_for_stream:
+            self.say(
+                f"waiting for a stream of block {trainer.relays_from} to train on (route = "
+                f"relay: a worker of block {trainer.relays_from} relays one each round)"
+            )
+        self._waiting_for_stream = stream is None
         return stream is not None, stream
 
     def _relay(self, block: int, round: int, delivered: bool) -> None:

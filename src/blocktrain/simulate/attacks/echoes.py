@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from blocktrain.protocol.core.local_trainer import LocalTrainer
+from blocktrain.protocol.core.local_trainer import LocalTrainer, RelayTrainer
+from blocktrain.relaystream import RelayStream, StreamBody
 from blocktrain.simulate.aggregator import Judged
 from blocktrain.simulate.attacks.forge import Tensors
 
@@ -83,6 +84,9 @@ class Watched:
         self.block = block
         self.upstream_blocks = trainer.upstream_blocks
         self._trained: tuple[int, dict[str, float]] = (0, {})
+        if isinstance(trainer, RelayTrainer):  # route = relay: it takes and relays as before
+            self.relays_from, self.relays_to = trainer.relays_from, trainer.relays_to
+            self.load_stream, self.stream_out = trainer.load_stream, trainer.stream_out
 
     def load(self, weights: Tensors) -> None:
         self.trainer.load(weights)
@@ -109,13 +113,23 @@ class EchoTrainer:
     equal virtual times); elsewhere it is of the newest one seen. With nothing to echo yet it
     pushes zeros, claiming one token."""
 
-    def __init__(self, kind: str, witness: Witness, block: int, upstream: list[int]) -> None:
+    def __init__(
+        self,
+        kind: str,
+        witness: Witness,
+        block: int,
+        upstream: list[int],
+        relays_from: int | None = None,
+    ) -> None:
         self.kind = kind
         self.witness = witness
         self.block = block
-        # it pulls what an honest replica of its block pulls, and ignores it: the same bytes,
-        # so that it arrives with the honest replicas (and, in lockstep, just after them)
+        # it pulls what an honest replica of its block pulls (its upstream blocks; under relay
+        # a stream), and ignores it: the same bytes and waits, so that it arrives with the
+        # honest replicas (and, in lockstep, just after them)
         self.upstream_blocks = upstream
+        self.relays_from = relays_from
+        self.relays_to: int | None = None  # it relays nothing
         self.zeros: Tensors = {}
         self.echo: Push | None = None
 
@@ -124,6 +138,12 @@ class EchoTrainer:
 
     def load_upstream(self, blocks: dict[int, Tensors]) -> None:
         pass
+
+    def load_stream(self, stream: RelayStream) -> None:
+        pass
+
+    def stream_out(self, metadata: dict[str, str]) -> StreamBody | None:
+        return None
 
     def train(
         self, steps: int, first_step: int, should_stop: Callable[[], bool] = lambda: False

@@ -6,7 +6,7 @@ from __future__ import annotations
 from blocktrain.config import RunConfig
 from blocktrain.data import ByteSource
 from blocktrain.errors import ConfigError
-from blocktrain.protocol.core.local_trainer import LocalTrainer
+from blocktrain.protocol.core.local_trainer import LocalTrainer, RelayTrainer
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.simulate.aggregator import Judged
 from blocktrain.simulate.attacks.echoes import EchoTrainer, Watched, Witness
@@ -51,6 +51,8 @@ class Hostiles:
         self.witness = Witness() if attack.kind in ECHOES else None
         self._upstream: dict[int, list[int]] = {}
         """Block -> the blocks an honest replica of it reads upstream."""
+        self._relays_from: dict[int, int | None] = {}
+        """Block -> the block whose stream an honest replica of it trains on (route = relay)."""
         self._train = train
         if attack.kind in POISONED:
             assert train is not None
@@ -63,6 +65,8 @@ class Hostiles:
     def watch(self, worker: int, block: int, trainer: LocalTrainer) -> LocalTrainer:
         """An honest worker's trainer, shown to the witness when the attack needs one."""
         self._upstream[block] = trainer.upstream_blocks
+        if isinstance(trainer, RelayTrainer):
+            self._relays_from[block] = trainer.relays_from
         return trainer if self.witness is None else Watched(trainer, self.witness, worker, block)
 
     def judged(self, judged: Judged) -> None:
@@ -76,7 +80,13 @@ class Hostiles:
         if kind in FORGED:
             return ForgingTrainer(kind, settings.max_delta_norm, settings.max_tokens, self.seed + i)
         if self.witness is not None:
-            return EchoTrainer(kind, self.witness, block, self._upstream.get(block, []))
+            return EchoTrainer(
+                kind,
+                self.witness,
+                block,
+                self._upstream.get(block, []),
+                self._relays_from.get(block),
+            )
         assert self._train is not None
         inner = local_trainer(
             self.cfg,

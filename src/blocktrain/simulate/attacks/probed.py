@@ -64,7 +64,13 @@ class _Probed:
         self.probe = probe
         self.bound = AT_BOUND * bound
         self.step, self.z = step, z  # the aggregator's published probe_step and probe_z
-        self.upstream_blocks = inner.upstream_blocks
+        # its probe copy judges as the aggregator's does, with the blocks before it: it reads
+        # them as a features worker does even where an honest replica needs only a stream
+        reads = inner.cfg.model.reads_upstream
+        self.upstream_blocks = list(range(inner.block_index)) if reads else []
+        # route = relay: it takes and relays streams through its honest trainer
+        self.relays_from, self.relays_to = inner.relays_from, inner.relays_to
+        self.load_stream, self.stream_out = inner.load_stream, inner.stream_out
         self.base: Tensors = {}
         self.others: dict[int, Tensors] = {}
 
@@ -73,7 +79,8 @@ class _Probed:
         self.base = {k: v.float() for k, v in weights.items()}
 
     def load_upstream(self, blocks: dict[int, Tensors]) -> None:
-        self.inner.load_upstream(blocks)
+        if self.inner.upstream_blocks:
+            self.inner.load_upstream(blocks)
         self.others = blocks
 
     def largest(self, deviate: Callable[[float], Tensors], hi: float) -> float:
