@@ -142,10 +142,15 @@ def train_gflops(row: Row, cfg: RunConfig, data: Path) -> float:
     total = 0
     with torch.no_grad():
         for unit in trainer.units:
-            step = count_flops(lambda u=unit: u.objective(x, torch.Generator().manual_seed(0)))
+            # each count on its own copy of the batch: the stack keeps the upstream chain of the
+            # last batch it saw (BlockStack.upstream), and a count that found it there would
+            # miss its FLOPs (an earlier count did, and tripled features' upstream forwards)
+            step = count_flops(
+                lambda u=unit: u.objective(x.clone(), torch.Generator().manual_seed(0))
+            )
             stack, upstream = trainer.stack, 0
             if stack is not None:
-                upstream = count_flops(lambda u=unit, s=stack: s.upstream(u.index, x)).total
+                upstream = count_flops(lambda u=unit, s=stack: s.upstream(u.index, x.clone())).total
             # relay: the features come relayed from the block before's own update, not rerun
             total += 3 * (step.total - upstream) + (0 if row.route == "relay" else upstream)
     return total * cfg.train.steps / 1e9

@@ -8,6 +8,7 @@ behind); LAG = H a relay exchanged once a round of H steps. Block b starts at st
 stream before). Scored by `blocktrain eval` as bench/compose.py scores its rows.
 
     python bench/relay_probe.py --preset tiny --blocks 3 --lags 0,1,25 --seeds 0
+    python bench/relay_probe.py --report     # only the BENCHMARKS.md section, from the JSON
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import statistics
 import sys
 import time
 
@@ -28,7 +30,7 @@ from blocktrain.training.local import write_assembled
 from blocktrain.training.loss import BlockLoss
 from blocktrain.training.optim import learning_rate, make_optimizer, set_learning_rate
 from blocktrain.training.step import _BATCH_SALT, _NOISE_SALT, stream_seed
-from report import ROOT, blocktrain
+from report import ROOT, blocktrain, machine, update_section
 
 WORK = ROOT / "benchmarks" / "work" / "relay_probe"
 
@@ -88,11 +90,18 @@ def main() -> None:
     p.add_argument("--quant", default="int8", choices=("fp32", "fp16", "int8"))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--sweeps", type=int, default=16)
+    p.add_argument("--report", action="store_true", help="only rewrite the BENCHMARKS.md section")
     args = p.parse_args()
+    out_path = ROOT / "benchmarks" / "results" / "relay_probe.json"
+    if args.report:
+        update_section("relay-probe", markdown(json.loads(out_path.read_text())))
+        return
     data = resolve_data_path(None)
     train = load_split(data, "train")
-    out_path = ROOT / "benchmarks" / "results" / "relay_probe.json"
     results = json.loads(out_path.read_text()) if out_path.exists() else {"rows": []}
+    command = "python bench/relay_probe.py " + " ".join(sys.argv[1:])
+    results["commands"] = [c for c in results.get("commands", []) if c != command] + [command]
+    results["machine"] = machine()
     lpb = {"tiny": 1, "small": 2}[args.preset]
     for seed in [int(s) for s in args.seeds.split(",")]:
         for lag in [int(v) for v in args.lags.split(",")]:
@@ -127,6 +136,36 @@ def main() -> None:
                 != {k: row[k] for k in ("preset", "blocks", "lag", "quant", "seed", "steps")}
             ] + [row]
             out_path.write_text(json.dumps(results, indent=1) + "\n")
+            update_section("relay-probe", markdown(results))
+
+
+def markdown(results: dict) -> str:  # type: ignore[type-arg]
+    """The mean CE by lag over the seeds measured, each with its seeds."""
+    lines = [
+        "Each row: every block of a `features` stack trained in one process, block b reading at "
+        "step s what block b-1 output at step s - LAG (int8 with a scale per token, as "
+        "`relaystream` relays it), its batch too; scored by `blocktrain eval` on the 32,768 test "
+        "bytes of bench/compose.py (M = 16). LAG 0 is what `train` does under `route = relay`; "
+        "LAG H what a worker does that takes a stream once a round of H steps.",
+        "",
+        "| preset | blocks | lag (steps) | steps | sampler CE | head CE | seeds |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    groups: dict[tuple, list[dict]] = {}  # type: ignore[type-arg]
+    for r in results["rows"]:
+        key = (r["preset"], r["blocks"], r["lag"], r["steps"], r["quant"])
+        groups.setdefault(key, []).append(r)
+    for (name, blocks, lag, steps, _), rows in sorted(groups.items()):
+        ces = [r["test_ce"] for r in rows]
+        se = f" ± {statistics.stdev(ces) / len(ces) ** 0.5:.3f}" if len(ces) > 1 else ""
+        heads = statistics.fmean(r["head_ce"] for r in rows)
+        seeds = ",".join(str(r["seed"]) for r in sorted(rows, key=lambda r: r["seed"]))
+        lines.append(
+            f"| {name} | {blocks} | {lag} | {steps} | {statistics.fmean(ces):.3f}{se} | "
+            f"{heads:.3f} | {seeds} |"
+        )
+    lines += ["", "```sh", *results.get("commands", []), "```"]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from blocktrain.model import init_block
 from blocktrain.presets import preset
 from blocktrain.relaystream import RelayStream, StreamWriter
 from blocktrain.training.local import LocalBlockTrainer
-from report import machine, write_json
+from report import RESULTS, machine, update_section, write_json
 
 ROUTES = ("state", "features", "relay")
 
@@ -109,7 +109,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--block", type=int, default=None)
     p.add_argument("--one", choices=ROUTES, help=argparse.SUPPRESS)
+    p.add_argument("--report", action="store_true", help="only rewrite the BENCHMARKS.md section")
     args = p.parse_args()
+    if args.report:
+        update_section(
+            "worker-memory", markdown(json.loads((RESULTS / "worker_memory.json").read_text()))
+        )
+        return
     if args.one:
         print(json.dumps(one(args)))
         return
@@ -132,12 +138,40 @@ def main() -> None:
     for r in rows:
         r["ratio_to_state"] = round(r["peak_rss_bytes"] / state, 3)
     command = "python bench/worker_memory.py " + " ".join(
-        [f"--preset {args.preset}", "--set", *args.overrides, f"--steps {args.steps}"]
+        [
+            f"--preset {args.preset}",
+            "--set",
+            *args.overrides,
+            f"--steps {args.steps}",
+            f"--threads {args.threads}",
+        ]
     )
-    write_json(
-        "worker_memory.json",
-        {"command": command, "machine": machine(), "rows": rows},
-    )
+    result = {"command": command, "machine": machine(), "rows": rows}
+    write_json("worker_memory.json", result)
+    update_section("worker-memory", markdown(result))
+
+
+def markdown(result: dict[str, object]) -> str:
+    rows = result["rows"]
+    assert isinstance(rows, list)
+    lines = [
+        f"Command: `{result['command']}` (writes `benchmarks/results/worker_memory.json`). "
+        "Peak resident memory (ru_maxrss) of one process per route that builds the worker's "
+        "trainer (`LocalBlockTrainer`) and trains one round of its local steps: under "
+        "`features` the last block, holding blocks 0..b-1 as a round's upstream versions; "
+        "under `relay` the block before the last, which reads a spooled stream and spools its "
+        "own; under `state` the last block.",
+        "",
+        "| route | block | params of the block | peak RSS (GiB) | vs state | train s (the round) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['route']} | {r['block']} of {r['blocks']} | {r['params_block']:,} | "
+            f"{r['peak_rss_bytes'] / 1024**3:.2f} | {r['ratio_to_state']:.2f}x | "
+            f"{r['train_seconds']} |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
