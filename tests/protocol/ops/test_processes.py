@@ -93,6 +93,21 @@ def test_a_features_cluster_trains_over_http(tmp_path, corpus, capsys):
     assert json.loads(capsys.readouterr().out)["sampler_ce"] < 5.545  # below uniform bytes
 
 
+def test_a_relay_cluster_trains_over_http(tmp_path, corpus, capsys):
+    """route = relay, the default, over HTTP: the workers of blocks 1 and 2 train on the
+    streams the workers before them relay through the aggregator, every update lands, and the
+    exported model evaluates."""
+    out = tmp_path / "cluster"
+    assert main(cluster_argv(out, corpus, "route=relay")) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["updates"]["accepted"] == 9 and summary["updates"]["refused"] == 0
+    assert all(code == 0 for code in summary["exit_codes"].values()), summary["exit_codes"]
+    capsys.readouterr()
+    argv = ["eval", str(out / "model"), "--data", str(corpus), "--bytes", "64", "--sweeps", "1"]
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["sampler_ce"] < 5.545  # below uniform bytes
+
+
 def test_a_diloco_cluster_trains_over_http(tmp_path, corpus, capsys):
     """--reference: every worker trains a replica of the end-to-end model (DiLoCo, outer
     Nesterov; the cluster turns the effect probe off, and refuses it asked for), the state
