@@ -36,8 +36,9 @@ def test_plan_json_adds_the_costs_and_keeps_its_keys(capsys: pytest.CaptureFixtu
     assert cpu["per_block"][0]["step_s"] > rows[0]["step_s"], "2 cores against a GPU"
     for key in ("pull", "push"):  # a round's relayed stream grows with H; the weights do not
         assert cpu["per_block"][0]["bytes_per_round"][key] == rows[0]["bytes_per_round"][key]
-    assert cpu["per_block"][0]["bytes_per_round"]["stream_out"] == 2 * (
-        rows[0]["bytes_per_round"]["stream_out"]
+    assert (
+        cpu["per_block"][0]["bytes_per_round"]["stream_out"]
+        == 2 * (rows[0]["bytes_per_round"]["stream_out"])
     )
 
 
@@ -66,3 +67,23 @@ def test_an_unknown_profile_is_one_line(capsys: pytest.CaptureFixture[str]) -> N
     fails_cleanly(capsys, ["plan", "--profile", "laptop"], "profiles: consumer-gpu, datacenter-gpu")
     fails_cleanly(capsys, ["plan", "--shape", "seed-75b", "--profile", "x"], "unknown profile")
     fails_cleanly(capsys, ["plan", "--local-steps", "0"], "--local-steps 0 must be positive")
+
+
+def test_plan_prices_every_route_and_picks_a_composing_one_that_fits(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The routes trade memory and compute for bytes: at a 7B shape on the consumer GPU only
+    relay composes within 8 GiB; at tiny the streams outweigh the blocks a features worker
+    pulls, so its rounds are the shorter."""
+    big = plan_json(capsys, "--shape", "layers=32,d=4096,blocks=16")
+    routes = big["routes"]
+    assert set(routes) == {"state", "features", "relay"}
+    assert not routes["features"]["fits"] and routes["relay"]["fits"]
+    assert routes["relay"]["largest_flops_per_step"] == routes["state"]["largest_flops_per_step"]
+    assert big["recommended_route"] == "relay"
+    tiny = plan_json(capsys, "--preset", "tiny", "--profile", "cpu")
+    slower = (
+        tiny["routes"]["relay"]["slowest_round_s"] > tiny["routes"]["features"]["slowest_round_s"]
+    )
+    assert slower and tiny["recommended_route"] == "features"
+    assert plan_json(capsys, "--shape", "layers=32,d=4096,blocks=1")["recommended_route"] is None

@@ -167,6 +167,19 @@ def format_costs(result: dict[str, Any]) -> list[str]:
             else "no number of blocks that divides the layers fits"
         )
     )
+    for route, r in result["routes"].items():
+        lines.append(
+            f"  route {route:<11} largest worker {_size(r['largest_worker_bytes'])}"
+            f"{'' if r['fits'] else ' (does not fit)'}, {_flop(r['largest_flops_per_step'])} "
+            f"a step, slowest round {r['slowest_round_s']:.3g} s"
+        )
+    pick = result["recommended_route"]
+    lines.append(
+        f"  pick              route = {pick}: of the routes whose blocks compose, the one that "
+        "fits with the shortest round"
+        if pick is not None
+        else "  pick              neither composing route fits this profile: more blocks"
+    )
     return lines
 
 

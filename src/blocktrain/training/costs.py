@@ -337,4 +337,32 @@ def cost_plan(
         "fits": all(c.fits(profile) for c in costs),
         "fit_by_blocks": table,
         "fewest_blocks_that_fit": min(fitting) if fitting else None,
+        **route_choice(cfg, profile, local_steps=local_steps, wire_dtype=wire_dtype),
     }
+
+
+COMPOSING = ("relay", "features")
+"""The routes whose blocks compose (docs/model.md); `state` does not, whatever it costs."""
+
+
+def route_choice(
+    cfg: RunConfig, profile: DeviceProfile, *, local_steps: int, wire_dtype: str = "fp16"
+) -> dict[str, Any]:
+    """The same shape under each route: its largest worker's memory, its slowest round and
+    whether every worker fits the profile; and the composing route to pick on it: of those
+    that fit, the one whose slowest round is the shortest (the routes trade memory and
+    compute for bytes: a relay worker moves streams where a features worker pulls and reruns
+    the blocks before it). None when neither fits."""
+    routes: dict[str, dict[str, Any]] = {}
+    for route in ("state", *COMPOSING):
+        routed = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, route=route))
+        costs = worker_costs(routed, local_steps=local_steps, wire_dtype=wire_dtype)
+        routes[route] = {
+            "largest_worker_bytes": max(c.memory_bytes for c in costs),
+            "slowest_round_s": max(c.round_s(profile) for c in costs),
+            "largest_flops_per_step": max(c.flops_per_step for c in costs),
+            "fits": all(c.fits(profile) for c in costs),
+        }
+    fitting = [r for r in COMPOSING if routes[r]["fits"]]
+    pick = min(fitting, key=lambda r: routes[r]["slowest_round_s"]) if fitting else None
+    return {"routes": routes, "recommended_route": pick}
