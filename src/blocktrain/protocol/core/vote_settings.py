@@ -67,7 +67,7 @@ class VoteSettings:
         "on",
         "on: refuse an update that raises the block's denoising loss on a fixed held-out "
         "slice by more than probe_tolerance (needs the data; see docs/protocol.md). It "
-        "judges a block with the blocks it reads (route = features, the default), so an "
+        "judges a block with the blocks it reads (route = relay, the default, and features), so an "
         "aggregator of blocks that read blocks served elsewhere (--blocks 1) needs off.",
         lambda v: v in ("on", "off"),
         "must be on or off",
