@@ -474,8 +474,11 @@ def markdown(result: dict[str, Any]) -> str:
         "`test_ce` is the mean over the seeds listed, with its standard error where there are "
         "several. Head CE: the same bytes by the last block's next-byte head over the chain of "
         "clean streams (`generate --exit head`, no sampler; the mean over the seeds). Worker "
-        "MiB: the largest worker's weights, gradients and AdamW moments, plus the frozen 16-bit "
-        "upstream clean streams under `features` (training/plan.py).",
+        "MiB: the largest worker's weights, gradients and AdamW moments and the target table, "
+        "plus the frozen 16-bit upstream clean streams under `features`, or one step of the "
+        "relayed streams in and out under `relay` (training/costs.py). Train GFLOP: the whole "
+        "stack's, counted as the code runs (under `relay` the features come with the batch, "
+        "under `features` each worker reruns the blocks before its own).",
         "",
         "| preset | model | blocks x layers | route | steps | train GFLOP | worker MiB | test CE | head CE | seeds |",
         "|---|---|---|---|---:|---:|---:|---:|---:|---|",

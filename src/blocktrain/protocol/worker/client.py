@@ -307,17 +307,7 @@ class AggregatorClient(RetryingHttp):
             headers={"Content-Type": CONTENT_TYPE, "Content-Length": str(body.size)},
         )
         self.bytes_up += body.size
-        self.bytes_down += len(response.content)
-        try:
-            doc = dict(response.json())
-        except ValueError:
-            doc = {}
-        if response.status_code >= 400:
-            refusal = self._refusal(response)
-            return PushResult(
-                False, refusal.reason, refusal.detail, response.status_code, body.size, doc
-            )
-        return PushResult(True, "", "", response.status_code, body.size, doc)
+        return self._push_result(response, body.size)
 
     def _version(
         self, url: str, block: int, version: int, base: View | None
@@ -449,6 +439,10 @@ class AggregatorClient(RetryingHttp):
             headers={"Content-Type": CONTENT_TYPE},
         )
         self.bytes_up += len(body)
+        return self._push_result(response, len(body))
+
+    def _push_result(self, response: httpx.Response, size: int) -> PushResult:
+        """The answer to a push of `size` bytes (an update or a stream): its refusal, if any."""
         self.bytes_down += len(response.content)
         try:
             doc = dict(response.json())
@@ -457,6 +451,6 @@ class AggregatorClient(RetryingHttp):
         if response.status_code >= 400:
             refusal = self._refusal(response)
             return PushResult(
-                False, refusal.reason, refusal.detail, response.status_code, len(body), doc
+                False, refusal.reason, refusal.detail, response.status_code, size, doc
             )
-        return PushResult(bool(doc.get("accepted")), "", "", response.status_code, len(body), doc)
+        return PushResult(bool(doc.get("accepted")), "", "", response.status_code, size, doc)
