@@ -55,6 +55,7 @@ from blocktrain.training.evaluate import head_nll
 from blocktrain.training.flops import count_flops
 from blocktrain.training.local import build_stack
 from blocktrain.training.plan import TRAINED_BYTES_PER_PARAM, plan
+from blocktrain.training.profiles import PROFILES
 from report import ROOT, blocktrain, exclusive, machine, trained, update_section, write_json
 
 RESULT = "compose.json"
@@ -374,11 +375,7 @@ def head_to_head(args: argparse.Namespace, data: Path) -> Iterator[dict[str, Any
             ev = evaluate_blocktrain(stack, test, EvalSettings(sweeps=args.sweeps, seed=0))
             ce, head = ev["sampler_ce"], ev["head_ce_per_block"][-1]
             params = plan(cfg)["params_total"]
-        name = {
-            "diloco": f"DiLoCo, {depth * lpb}-layer replicas",
-            "averaged": f"end-to-end {depth * lpb}-layer replicas, averaged",
-            "reversed": f"BlockTrain B = {blocks}, features, intervals reversed",
-        }.get(method, f"BlockTrain B = {blocks}, {route}")
+        name = method_name(method, blocks, depth * lpb, route)
         yield (
             {
                 "method": name,
@@ -405,6 +402,69 @@ def head_to_head(args: argparse.Namespace, data: Path) -> Iterator[dict[str, Any
             }
         )
         print(f"  test CE {ce:.4f}, head CE {head}", file=sys.stderr, flush=True)
+
+
+CLOCK_PROFILES = ("cpu", "consumer-gpu")
+"""The profiles `--clock` times the head-to-head's methods under."""
+
+
+def method_name(method: str, blocks: int, layers: int, route: str) -> str:
+    return {
+        "diloco": f"DiLoCo, {layers}-layer replicas",
+        "averaged": f"end-to-end {layers}-layer replicas, averaged",
+        "reversed": f"BlockTrain B = {blocks}, features, intervals reversed",
+    }.get(method, f"BlockTrain B = {blocks}, {route}")
+
+
+def clock(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    """The head-to-head's methods on the simulator's clock, with no training (`--timing-only`:
+    the honest workers' bytes, zero deltas): each profile's virtual seconds for the R rounds,
+    the bytes moved and the largest worker's memory, whatever the CE (which lockstep training
+    does not change). W workers, R rounds of H local steps, lockstep, no effect probe."""
+    workers, rounds, h = args.clock
+    lpb = {"tiny": 1, "small": 2}.get(args.preset, 1)
+    for method, blocks, depth, route in HEAD_TO_HEAD:
+        end_to_end = method in ("diloco", "averaged")
+        if method not in args.methods or method == "averaged":  # DiLoCo's bytes and seconds
+            continue
+        if end_to_end and depth not in {1, *args.deep}:
+            continue
+        if not end_to_end and (blocks not in args.blocks or route not in args.routes):
+            continue
+        model = "reference" if end_to_end else "blocktrain"
+        intervals = "reversed" if method == "reversed" else "forward"
+        row = Row(args.preset, model, blocks, depth * lpb, route, rounds * h, intervals=intervals)
+        cfg = row.config(args.seeds[0], args.threads)
+        # rounds close once every replica reported: the work, not the protocol's minimum round
+        protocol: dict[str, Any] = {"local_steps": h, "effect_probe": "off", "min_round_s": 0.0}
+        protocol |= DILOCO if method == "diloco" else {}
+        unit = "reference" if end_to_end else "block"
+        timed: dict[str, Any] = {}
+        for name in CLOCK_PROFILES:
+            spec = SimSpec(
+                cfg, workers, rounds, protocol, seed=cfg.seed, unit=unit, timing_only=True,
+                profile=PROFILES[name],
+            )  # fmt: skip
+            report, _ = simulate(spec, [REGIMES["lockstep"]], None, None)
+            result = report["regimes"]["lockstep"]
+            timed[name] = {
+                "virtual_time_s": result["virtual_time_s"],
+                "round_s": result["virtual_time_s"] / rounds,
+            }
+        yield {
+            "method": method_name(method, blocks, depth * lpb, route),
+            "preset": args.preset,
+            "blocks": blocks,
+            "layers": cfg.model.layers,
+            "route": route,
+            "workers": workers,
+            "rounds": rounds,
+            "local_steps": h,
+            "bytes_moved": result["bytes"]["down"] + result["bytes"]["up"],
+            "stream_bytes": result["bytes"].get("stream_up", 0),
+            "worker_state_bytes": worker_bytes(row, cfg),
+            "profiles": timed,
+        }
 
 
 def over_http(args: argparse.Namespace, data: Path, rows: dict[str, Any]) -> dict[str, Any]:
@@ -534,6 +594,27 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{r['test_ce']:.3f} | "
                 f"{'' if r.get('head_ce') is None else format(r['head_ce'], '.3f')} |"
             )
+    if result.get("clock"):
+        lines += [
+            "",
+            "On the honest clock (`--clock`, timing only: the same workers, rounds and bytes, "
+            "no training; a round closes once every replica reported, no minimum round): the "
+            "simulator's virtual seconds a round, each step its worker's "
+            "FLOPs over the profile's sustained rate, each message its bytes over the "
+            "profile's link (training/profiles.py: `cpu` this machine's measured rate on a home "
+            "link, `consumer-gpu` an RTX 4060 on one); the round waits for its slowest worker.",
+            "",
+            "| method | workers | rounds x H | bytes moved (MB) | of them streams | worker MiB | round s, cpu | round s, consumer-gpu |",
+            "|---|---:|---|---:|---:|---:|---:|---:|",
+        ]
+        for r in result["clock"]:
+            p = r["profiles"]
+            lines.append(
+                f"| {r['method']} | {r['workers']} | {r['rounds']} x {r['local_steps']} | "
+                f"{r['bytes_moved'] / 1e6:.1f} | {r['stream_bytes'] / 1e6:.1f} | "
+                f"{r['worker_state_bytes'] / mib:.2f} | {p['cpu']['round_s']:.2f} | "
+                f"{p['consumer-gpu']['round_s']:.2f} |"
+            )
     if result.get("over_http"):
         lines += [
             "",
@@ -609,6 +690,12 @@ def main() -> None:
         "rounds of H local steps",
     )
     p.add_argument(
+        "--clock",
+        type=lambda s: tuple(int(v) for v in s.split(":")),
+        help="W:R:H: (only) the head-to-head's methods on the simulator's clock under the "
+        f"profiles {', '.join(CLOCK_PROFILES)}, timing only (no training: seconds and bytes)",
+    )
+    p.add_argument(
         "--cluster",
         type=lambda s: tuple(int(v) for v in s.split(":")),
         help="W:R:H: (only) the B = 3 features stack trained by `blocktrain cluster` over HTTP "
@@ -671,6 +758,19 @@ def main() -> None:
             write_json(RESULT, old)
             update_section("compose", markdown(old))
         print(markdown(old))
+        return
+    if args.clock:
+        rows_now = list(clock(args))
+        with exclusive("compose"):
+            old = {"sweeps": DEFAULT_SWEEPS, "test_bytes": args.bytes, "depth": [], **stored()}
+            names = {(r["preset"], r["method"]) for r in rows_now}
+            old["clock"] = [
+                r for r in old.get("clock", []) if (r["preset"], r["method"]) not in names
+            ] + rows_now
+            old["commands"] = with_command(old, command)
+            write_json(RESULT, old)
+            update_section("compose", markdown(old))
+        print(markdown(stored()))
         return
     if args.simulate:  # each method's row saved as it comes, over the same method's of its seed
         one = ("preset", "method", "seed")
