@@ -23,8 +23,7 @@ Deadlines are events too: the first pull of a round schedules a tick at its dead
 
 The seconds come from the costs (`training.costs`: each unit's FLOPs per step and bytes per
 round) under a device profile (`training.profiles`); the regime spreads them (`regimes.py`).
-Under `route = relay` the stream a worker receives and sends each round (the costs'
-`stream_in`, `stream_out`) travels with its pull and its push.
+A relayed stream travels as its real body, with the pull and the push.
 """
 
 from __future__ import annotations

@@ -318,8 +318,9 @@ class WorkerLoop:
         return stream is not None, stream
 
     def _relay(self, block: int, round: int, delivered: bool) -> None:
-        """route = relay: send the round's stream after its delta (a stream whose delta was
-        refused for its content would be refused too, so it is not sent: `no_update`)."""
+        """route = relay: send the round's stream after its delta; the aggregator keeps it
+        only if that delta was accepted or refused for its timing (else `no_update`, said in
+        the log)."""
         trainer = self._trainer
         if not isinstance(trainer, RelayTrainer) or trainer.relays_to is None:
             return
