@@ -845,15 +845,14 @@ def save(
         ),
     )
     presets = sorted({r["preset"] for r in rows})
-    result = {
+    result = {  # the other tables (head_to_head, over_http, clock) kept as they are
+        **old,
         "machine": machine(),
         "sweeps": DEFAULT_SWEEPS,
         "test_bytes": args.bytes,
         "commands": commands,
         "rows": rows,
         "depth": [d for name in presets for d in depth_delivered(rows, name)],
-        "head_to_head": old.get("head_to_head", []),
-        "over_http": old.get("over_http", []),
     }
     write_json(RESULT, result)
     update_section("compose", markdown(result))

@@ -49,3 +49,25 @@ def test_d_is_not_read_without_a_shared_seed() -> None:
     rows = [row(1, 2, {1: 1.70}), row(3, 2, {0: 1.65}), row(1, 6, {0: 1.62})]
     (d,) = compose.depth_delivered(rows, "small")
     assert d["D"] is None and d["D_best_exit"] is None and d["D_seeds"] == []
+
+
+def test_saving_a_row_keeps_the_other_tables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stack's row saved into the JSON leaves the simulator's, HTTP and clock tables be."""
+    written: dict[str, Any] = {}
+    monkeypatch.setattr(compose, "write_json", lambda name, result: written.update(result))
+    monkeypatch.setattr(compose, "update_section", lambda name, text: None)
+    monkeypatch.setattr(compose, "markdown", lambda result: "")
+    one = row(1, 2, {0: 1.7})
+    old = {
+        "rows": [],
+        "commands": [],
+        "head_to_head": [{"method": "m"}],
+        "over_http": [{"workers": 3}],
+        "clock": [{"method": "c"}],
+    }
+    args = compose.argparse.Namespace(bytes=32768)
+    compose.save(old, {"k": one}, ["cmd"], args)
+    assert written["rows"] == [one]
+    assert written["clock"] == [{"method": "c"}]
+    assert written["head_to_head"] == [{"method": "m"}]
+    assert written["over_http"] == [{"workers": 3}]
