@@ -21,6 +21,7 @@ from blocktrain.listener import bind, run, url_of
 from blocktrain.model import Reference
 from blocktrain.model.speculative import Drafter, ModelDrafter
 from blocktrain.serving.openai.router_app import create_app
+from blocktrain.serving.router.client_tokens import load_tokens
 from blocktrain.serving.router.router_settings import RouterSettings
 from blocktrain.serving.shared.auth import SECRET_ENV, is_loopback, load_secret
 from blocktrain.tls import tls_pair
@@ -53,6 +54,9 @@ EXAMPLES = """examples:
   # hosts off loopback: the router presents their shared secret; limits per client and request
   blocktrain serve --hosts http://10.0.0.5:8101,http://10.0.0.6:8101 --port 8100 \\
       --secret-file serve.secret --rate-limit 30 --max-work 2048
+  # only clients holding a token (one a line; the openai client sends it as its api_key)
+  openssl rand -hex 32 > clients.tokens
+  blocktrain serve --hosts ... --port 8100 --tokens-file clients.tokens
   # hosts on HTTPS with a self-signed certificate: trust it
   blocktrain serve --hosts https://10.0.0.5:8101 --port 8100 --secret-file serve.secret \\
       --ca-cert tls/cert.pem
@@ -138,8 +142,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         metavar="U",
-        help="most work of one client address's requests running at once (429 above; default "
-        "half of --max-work-in-flight; behind a reverse proxy set it to --max-work-in-flight)",
+        help="most work of one client's requests running at once, a client being an address "
+        "and, with --tokens-file, a token (429 above; default half of --max-work-in-flight; "
+        "behind a reverse proxy set it to --max-work-in-flight)",
     )
     p.add_argument(
         "--send-timeout",
@@ -167,6 +172,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--secret-file",
         metavar="PATH",
         help=f"file holding the secret shared with the block hosts (else ${SECRET_ENV})",
+    )
+    p.add_argument(
+        "--tokens-file",
+        metavar="PATH",
+        help="file of client tokens, one a line: every /v1/ request then needs one as "
+        "'Authorization: Bearer TOKEN' (the OpenAI client's api_key), and the work limits "
+        "count each token as well as each address",
     )
     p.add_argument(
         "--draft-corpus",
@@ -238,6 +250,7 @@ def run_cmd(args: argparse.Namespace) -> int:
         send_timeout_s=args.send_timeout,
         park_after_s=args.park_after,
         secret=load_secret(args.secret_file),
+        tokens=load_tokens(args.tokens_file),
         ca_cert=args.ca_cert,
     )
     tls = tls_pair(args.tls_cert, args.tls_key)

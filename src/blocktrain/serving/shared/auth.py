@@ -18,6 +18,7 @@ from pathlib import Path
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from blocktrain.errors import ConfigError
+from blocktrain.httpserve import mark_authenticated
 from blocktrain.serving.shared.serving_errors import Unauthorized, send_error
 
 SECRET_ENV = "BLOCKTRAIN_SERVE_SECRET"
@@ -81,7 +82,10 @@ class RequireSecret:
         if self._expected is None or scope["path"] in OPEN_PATHS:
             return True
         given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        return hmac.compare_digest(_digest(given), self._expected)
+        if not hmac.compare_digest(_digest(given), self._expected):
+            return False
+        mark_authenticated(scope)  # the router's connection: out of the anonymous pool
+        return True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or self.allowed(scope):
