@@ -23,8 +23,8 @@ from blocktrain.model.speculative import Drafter, ModelDrafter
 from blocktrain.serving.openai.router_app import create_app
 from blocktrain.serving.router.client_tokens import load_tokens
 from blocktrain.serving.router.router_settings import RouterSettings
-from blocktrain.serving.shared.auth import SECRET_ENV, is_loopback, load_secret
-from blocktrain.tls import tls_pair
+from blocktrain.serving.shared.auth import SECRET_ENV, load_secret
+from blocktrain.tls import is_loopback, require_tls, tls_pair
 from blocktrain.training.checkpoint import load_model
 
 EXAMPLES = """examples:
@@ -164,6 +164,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate")
     p.add_argument("--tls-key", metavar="PEM", help="... and this private key")
     p.add_argument(
+        "--insecure-http",
+        action="store_true",
+        help="serve plain HTTP on a --host other machines reach (refused otherwise: tokens "
+        "would cross the network in the clear); for TLS ended by a reverse proxy, or a "
+        "private network",
+    )
+    p.add_argument(
         "--ca-cert",
         metavar="PEM",
         help="trust this CA (or self-signed certificate) for https hosts, instead of the system's CAs",
@@ -217,6 +224,8 @@ def model_drafter(run: Path) -> ModelDrafter:
 
 
 def run_cmd(args: argparse.Namespace) -> int:
+    tls = tls_pair(args.tls_cert, args.tls_key)
+    require_tls(args.host, tls, args.insecure_http)  # before a drafter takes its time to load
     hosts = tuple(h.strip() for h in args.hosts.split(",") if h.strip())
     drafter: Drafter | None = None
     if args.draft_corpus and args.draft_model:
@@ -253,7 +262,6 @@ def run_cmd(args: argparse.Namespace) -> int:
         tokens=load_tokens(args.tokens_file),
         ca_cert=args.ca_cert,
     )
-    tls = tls_pair(args.tls_cert, args.tls_key)
     sock = bind(args.host, args.port)
     app = create_app(settings)  # builds nothing that can fail: hosts are asked lazily
     print(f"routing to {', '.join(hosts)} on {url_of(sock, tls=tls is not None)}", flush=True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import os
 from pathlib import Path
 
@@ -49,16 +48,6 @@ def load_secret(secret_file: str | None, environ: dict[str, str] | None = None) 
             f"{MIN_SECRET_CHARS} (e.g. `openssl rand -hex 32`)"
         )
     return secret
-
-
-def is_loopback(host: str) -> bool:
-    """Whether a listening address or URL host is reachable from this machine only."""
-    if host.strip("[]") == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def auth_headers(secret: str | None) -> dict[str, str]:
