@@ -836,7 +836,10 @@ def router_rows(
 ) -> list[dict]:
     """The router in front of three hosts: `attacks` against the router, then `host_attacks`
     against the first host."""
-    run = trained(ROOT / "runs" / MODEL, ["--preset", ROUTER_PRESET, "--steps", "20"])
+    data = str(resolve_data_path(args.data))  # --data, as the aggregator's rows read it
+    run = trained(
+        ROOT / "runs" / MODEL, ["--preset", ROUTER_PRESET, "--steps", "20", "--data", data]
+    )
     ports = free_ports(4)
     logs = tmp / "router-logs"
     procs = []
