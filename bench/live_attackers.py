@@ -11,8 +11,9 @@ Each connects from `--source` addresses (default 127.0.0.2, a loopback address o
 that the servers' per-address limits see another client than the honest ones on 127.0.0.1),
 runs for `--seconds`, then prints one JSON line of what it did (counts of each outcome).
 
-- halfopen: keeps `--target` connections opening, each sending half a request head and
-  nothing more; any the server answers or closes is re-opened at once.
+- halfopen: keeps `--target` connections opening from each source address, each sending
+  half a request head and nothing more; any the server answers or closes is re-opened at
+  once.
 - push-flood: `--connections` threads push valid-shaped deltas (the template's tensors, a
   counter in the first bytes so that no two bodies are alike) for one token's worker, naming
   the open round, as fast as the aggregator answers; a worker that already reported is
@@ -170,39 +171,49 @@ class Counts:
 def halfopen(
     host: str, port: int, sources: list[str], seconds: float, target: int, path: str
 ) -> dict[str, Any]:
-    """Keep `target` connections opening, each with half a request head sent; re-open each one
-    the server answers (a 503 over the address's share) or closes (the head timeout)."""
+    """Keep `target` connections opening from each source address, each with half a request
+    head sent; re-open each one the server answers (a 503 over a share) or closes (the head
+    timeout, or a newcomer displacing it)."""
     sel = selectors.DefaultSelector()
     head = f"GET {path} HTTP/1.1\r\nHost: {host}\r\nUser-Agent: halfopen\r\n".encode()
     counts: Counter[str] = Counter()
     end = time.monotonic() + seconds
-    n = 0
+    source_of: dict[socket.socket, str] = {}
+    mine: Counter[str] = Counter()
+    """source -> its connections open."""
     peak_held = 0
 
     def close(s: socket.socket) -> None:
         sel.unregister(s)
+        mine[source_of.pop(s)] -= 1
         s.close()
 
+    def open_one(source: str) -> bool:
+        """One more connection from `source` -> whether it opened."""
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setblocking(False)
+        try:
+            s.bind((source, 0))
+            err = s.connect_ex((host, port))
+        except OSError as exc:
+            s.close()
+            counts[f"open_failed {errno.errorcode.get(exc.errno or 0, exc)}"] += 1
+            return False
+        if err not in (0, errno.EINPROGRESS):
+            s.close()
+            counts[f"open_failed {errno.errorcode.get(err, err)}"] += 1
+            return False
+        sel.register(s, selectors.EVENT_WRITE, "connecting")
+        source_of[s] = source
+        mine[source] += 1
+        counts["opened"] += 1
+        return True
+
     while time.monotonic() < end:
-        for _ in range(64):  # open in bursts, between looks at what the server said
-            if len(sel.get_map()) >= target:
-                break
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.setblocking(False)
-            try:
-                s.bind((sources[n % len(sources)], 0))
-                n += 1
-                err = s.connect_ex((host, port))
-            except OSError as exc:
-                s.close()
-                counts[f"open_failed {errno.errorcode.get(exc.errno or 0, exc)}"] += 1
-                break
-            if err not in (0, errno.EINPROGRESS):
-                s.close()
-                counts[f"open_failed {errno.errorcode.get(err, err)}"] += 1
-                break
-            sel.register(s, selectors.EVENT_WRITE, "connecting")
-            counts["opened"] += 1
+        burst = 64  # open in bursts, between looks at what the server said
+        for source in sources:
+            while burst and mine[source] < target and open_one(source):
+                burst -= 1
         held = sum(1 for k in sel.get_map().values() if k.data == "held")
         peak_held = max(peak_held, held)
         for key, _ in sel.select(timeout=0.02):
@@ -504,7 +515,9 @@ def main() -> None:
     a = sub.add_parser("halfopen", parents=[common])
     a.add_argument("host")
     a.add_argument("port", type=int)
-    a.add_argument("--target", type=int, default=1000, help="connections opening at once")
+    a.add_argument(
+        "--target", type=int, default=1000, help="connections opening at once, per source address"
+    )
     a.add_argument("--path", default="/v1/status")
     a = sub.add_parser("push-flood", parents=[common])
     a.add_argument("url")

@@ -16,11 +16,14 @@ one for all three with --quick):
                      for it at once (a tensor of the wrong shape, or a NaN)
     halfopen         1000 connections at a time sending half a request head, each re-opened
                      as soon as the server answers or closes it
+    halfopen_4_addresses   130 such connections from each of 4 addresses (127.0.0.2-5): each
+                     under the cap of 128 per address but for two, 520 in all, over the 512
+                     a server holds
 
 Against the router (`blocktrain serve` in front of three `blocktrain serve-block` hosts, a tiny
 model trained 20 steps; at the tiny preset only):
 
-    halfopen         as above
+    halfopen, halfopen_4_addresses   as above
     unread_streams   8 streamed completions of 4096 bytes kept open, never read (a 4 KiB
                      receive buffer: the stream stalls at once), each re-opened when the
                      server ends it
@@ -28,16 +31,19 @@ model trained 20 steps; at the tiny preset only):
     stop_strings     completions carrying 1 MB of stop strings (1 KiB strings by the
                      thousand, or four of 250 KB), from 4 connections as fast as answered
 
-Every attacker connects from 127.0.0.2 (but the row of 4 addresses), the honest clients
+Against block host 0 of that chain (the host target): halfopen_4_addresses.
+
+Every attacker connects from 127.0.0.2 (but the rows of 4 addresses), the honest clients
 (workers included) from 127.0.0.1:
-on loopback, one other client address. Each attack: the honest client's requests for
+on loopback, one other client address (of the same /24: the servers' caps per prefix count
+them together). Each attack: the honest client's requests for
 --unloaded seconds, then while the attack runs for --attack seconds, then --settle seconds
 (25, 30 and 5 at the tiny preset's deadline of 12 s; the defaults scale with --deadline, whose
 own default is 30 s at a larger preset: its rounds take longer).
 The honest client opens a new connection for every request (one every --interval s): against
 the aggregator GET /v1/status (an observer's token) and GET /v1/blocks/0/versions/V (the
-version the status names, ~1 MB); against the router a completion of 8 bytes. The target
-server's RSS is sampled every 0.5 s.
+version the status names, ~1 MB); against the router a completion of 8 bytes; against a host
+GET /v1/info. The target server's RSS is sampled every 0.5 s.
 
 A row passes when, for each honest request, the median while attacked is within --factor (2)
 x the unloaded median and every honest request was served (200); and, against the aggregator,
@@ -46,11 +52,16 @@ some accepted when the attack lasts two deadlines), the median round is within -
 unloaded length, no round closed early before the minimum round length, and the peak RSS
 stays within --rss-growth-mb of its level before the attack. A failing row is reported as it
 is. The attackers run on the same machine: the table shows the CPU they and the server took.
+Every row also says `honest_served_share` (the honest requests served while attacked, of all
+sent then; issue 58's bar: at least 0.975) and `attacker_accepted` (the attacker's pushes
+answered 200, accepted: 0 for a connection attack).
 
     python bench/live_attacks.py            # the full figures: ~10-15 min on 2 free cores
     python bench/live_attacks.py --quick    # a smoke: short windows, one aggregator
     python bench/live_attacks.py --only halfopen,unread_streams   # the other rows of the JSON
                                             # stay, when measured under the same settings
+    python bench/live_attacks.py --only halfopen_4_addresses@aggregator   # ATTACK@TARGET: one
+                                            # server's row (~75 s)
     python bench/live_attacks.py --preset small   # the aggregator at the small shape (its probe
                                             # a forward pass of a 2-layer block of d = 256):
                                             # live_attacks-small.json, ~10 min
@@ -105,8 +116,19 @@ MODEL = "live-attacks-tiny"
 ROUTER_PRESET = "tiny"
 """The router's rows serve a tiny model, and run at that preset only."""
 
-AGGREGATOR_ATTACKS = ("push_flood", "quorum_stuffing", "halfopen")
-ROUTER_ATTACKS = ("halfopen", "unread_streams", "unread_streams_4_addresses", "stop_strings")
+FOUR = tuple(f"127.0.0.{2 + i}" for i in range(4))
+"""The sources of the rows of 4 addresses."""
+
+AGGREGATOR_ATTACKS = ("push_flood", "quorum_stuffing", "halfopen", "halfopen_4_addresses")
+ROUTER_ATTACKS = (
+    "halfopen",
+    "halfopen_4_addresses",
+    "unread_streams",
+    "unread_streams_4_addresses",
+    "stop_strings",
+)
+HOST_ATTACKS = ("halfopen_4_addresses",)
+TARGETS = {"aggregator": AGGREGATOR_ATTACKS, "router": ROUTER_ATTACKS, "host": HOST_ATTACKS}
 STUFFERS = 3
 """Attacker tokens of quorum_stuffing."""
 
@@ -260,10 +282,34 @@ def checks_of(row: dict[str, Any], factor: float, rss_growth_mb: float) -> dict[
     return checks
 
 
+def honest_served_share(row: dict[str, Any]) -> float | None:
+    """The honest requests served (200) while attacked, of all sent then, every kind together."""
+    sent = sum(h["loaded"]["n"] for h in row["honest"].values())
+    failed = sum(h["loaded"]["failed"] for h in row["honest"].values())
+    return (sent - failed) / sent if sent else None
+
+
+def attacker_accepted(row: dict[str, Any]) -> int:
+    """The attacker's pushes the aggregator answered 200 (accepted); none for the attacks that
+    push nothing."""
+    outcomes = row["attacker"].get("outcomes", {})
+    return sum(n for k, n in outcomes.items() if k.startswith("push 200"))
+
+
+def scored(row: dict[str, Any]) -> dict[str, Any]:
+    """The row with its two headline figures (issue 58), read from what it holds: so rows
+    measured before they existed get them too."""
+    return {
+        **row,
+        "attacker_accepted": attacker_accepted(row),
+        "honest_served_share": honest_served_share(row),
+    }
+
+
 def finish_row(row: dict[str, Any], factor: float, rss_growth_mb: float) -> dict[str, Any]:
     row["checks"] = checks_of(row, factor, rss_growth_mb)
     row["passed"] = all(row["checks"].values())
-    return row
+    return scored(row)
 
 
 def _ms(x: float | None) -> str:
@@ -305,13 +351,13 @@ def markdown(result: dict[str, Any]) -> str:
         f"`{result['command']}`; JSON: `benchmarks/results/{result['json']}`. "
         f"{'Quick mode: ' if s['quick'] else ''}{s['unloaded_s']:g} s unloaded, then "
         f"{s['attack_s']:g} s attacked, per attack; an honest request every {s['interval_s']:g} s "
-        "on a new connection from 127.0.0.1, the attackers from 127.0.0.2 (the row of 4 "
+        "on a new connection from 127.0.0.1, the attackers from 127.0.0.2 (the rows of 4 "
         f"addresses from 127.0.0.2-5). Aggregator: {s.get('preset', 'tiny')} "
         f"preset, 2 honest workers on block 0, deadline {s['deadline_s']:g} s, H = "
         f"{s['local_steps']}, minimum round {s['min_round_s']:g} s. "
         + (
-            "Router: 3 block hosts of a tiny model trained 20 steps. "
-            if any(r["target"] == "router" for r in rows)
+            "Router: 3 block hosts of a tiny model trained 20 steps (host: the first of them). "
+            if any(r["target"] in ("router", "host") for r in rows)
             else ""
         )
         + "Pass: median within "
@@ -355,15 +401,16 @@ def markdown(result: dict[str, Any]) -> str:
             )
     lines += [
         "",
-        "| attack | server | server CPU unloaded → attacked (cores) | attacker CPU (cores) | "
-        "what the attacker saw |",
-        "|---|---|---|---:|---|",
+        "| attack | server | honest served attacked | attacker's updates accepted | server CPU "
+        "unloaded → attacked (cores) | attacker CPU (cores) | what the attacker saw |",
+        "|---|---|---:|---:|---|---:|---|",
     ]
     for r in rows:
         a, cpu = r["attacker"], r.get("server_cpu", {})
         mine = a["cpu_s"] / a["seconds"] if a.get("seconds") else None
         lines.append(
-            f"| {r['attack']} | {r['target']} | {_cores(cpu.get('unloaded'))} → "
+            f"| {r['attack']} | {r['target']} | {_share(r['honest_served_share'])} | "
+            f"{r['attacker_accepted']:,} | {_cores(cpu.get('unloaded'))} → "
             f"{_cores(cpu.get('attack'))} | {_cores(mine)} | {_counts(a.get('outcomes', {}))} |"
         )
     return "\n".join(lines)
@@ -371,6 +418,10 @@ def markdown(result: dict[str, Any]) -> str:
 
 def _cores(x: float | None) -> str:
     return "—" if x is None else f"{x:.2f}"
+
+
+def _share(x: float | None) -> str:
+    return "—" if x is None else f"{x:.1%}"
 
 
 def _s(x: float | None) -> str:
@@ -432,6 +483,14 @@ def aggregator_probe(port: int, token: str) -> Callable[[], list[Sample]]:
             "pull", port, "GET", f"/v1/blocks/0/versions/{version[0]}", None, auth
         )
         return [status, pull]
+
+    return probe
+
+
+def host_probe(port: int) -> Callable[[], list[Sample]]:
+    def probe() -> list[Sample]:
+        sample, _ = timed_request("info", port, "GET", "/v1/info", None, {})
+        return [sample]
 
     return probe
 
@@ -644,7 +703,17 @@ def aggregator_argv(attack: str, url: str, port: int, files: dict[str, Any]) -> 
         for f in files["stuffers"]:
             argv += ["--token-file", f]
         return argv
+    if attack == "halfopen_4_addresses":
+        return four_addresses(port, "/v1/status")
     return ["halfopen", HONEST, str(port), "--path", "/v1/status"]
+
+
+def four_addresses(port: int, path: str) -> list[str]:
+    """halfopen_4_addresses: 130 half-sent heads from each of FOUR."""
+    argv = ["halfopen", HONEST, str(port), "--path", path, "--target", "130"]
+    for source in FOUR:
+        argv += ["--source", source]
+    return argv
 
 
 def ledger_rows(state: StateDir) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -751,17 +820,26 @@ def warm_up(port: int, observer: str, procs: list[Proc], args: argparse.Namespac
 def router_argv(attack: str, url: str, port: int) -> list[str]:
     if attack == "halfopen":
         return ["halfopen", HONEST, str(port), "--path", "/v1/models"]
+    if attack == "halfopen_4_addresses":
+        return four_addresses(port, "/v1/models")
     if attack.startswith("unread_streams"):
         argv = ["unread-streams", url, "--model", MODEL, "--streams", "8", "--rcvbuf", "4096"]
         if attack == "unread_streams_4_addresses":
-            for i in range(4):
-                argv += ["--source", f"127.0.0.{2 + i}"]
+            for source in FOUR:
+                argv += ["--source", source]
         return argv
     return ["stop-strings", url, "--model", MODEL, "--mb", "1"]
 
 
-def router_rows(attacks: list[str], args: argparse.Namespace, tmp: Path) -> list[dict]:
-    run = trained(ROOT / "runs" / MODEL, ["--preset", ROUTER_PRESET, "--steps", "20"])
+def router_rows(
+    attacks: list[str], host_attacks: list[str], args: argparse.Namespace, tmp: Path
+) -> list[dict]:
+    """The router in front of three hosts: `attacks` against the router, then `host_attacks`
+    against the first host."""
+    data = str(resolve_data_path(args.data))  # --data, as the aggregator's rows read it
+    run = trained(
+        ROOT / "runs" / MODEL, ["--preset", ROUTER_PRESET, "--steps", "20", "--data", data]
+    )
     ports = free_ports(4)
     logs = tmp / "router-logs"
     procs = []
@@ -796,6 +874,14 @@ def router_rows(attacks: list[str], args: argparse.Namespace, tmp: Path) -> list
             row = base_row(attack, "router", w, report, rss, args)
             rows.append(finish_row(row, args.factor, args.rss_growth_mb))
         rss.stop()
+        host = Honest(host_probe(ports[0]), args.interval)
+        host_rss = RssSampler(procs[0].popen.pid)
+        for attack in host_attacks:
+            print(f"live_attacks: {attack} against host 0 ...", file=sys.stderr, flush=True)
+            w, report = measure(host, four_addresses(ports[0], "/v1/info"), args, args.settle)
+            row = base_row(attack, "host", w, report, host_rss, args)
+            rows.append(finish_row(row, args.factor, args.rss_growth_mb))
+        host_rss.stop()
     finally:
         stop(procs[-1:])
         stop(procs[:-1])
@@ -846,11 +932,12 @@ def merged_rows(path: Path, rows: list[dict], settings: dict[str, Any]) -> list[
         return rows
     if old.get("settings") != settings:
         return rows
-    order = [(a, "aggregator") for a in AGGREGATOR_ATTACKS] + [
-        (a, "router") for a in ROUTER_ATTACKS
-    ]
+    order = [(a, target) for target, attacks in TARGETS.items() for a in attacks]
     measured_at = old.get("machine", {}).get("commit")
-    by_key = {(r["attack"], r["target"]): {"commit": measured_at, **r} for r in old.get("rows", [])}
+    by_key = {
+        (r["attack"], r["target"]): scored({"commit": measured_at, **r})
+        for r in old.get("rows", [])
+    }
     by_key.update({(r["attack"], r["target"]): r for r in rows})
     return [by_key[k] for k in order if k in by_key]
 
@@ -866,7 +953,12 @@ def main() -> None:
         choices=sorted(PRESETS),
         help="the aggregator's; the router's rows run at tiny only (default: tiny)",
     )
-    p.add_argument("--only", default="", help="attacks to run, comma-separated (default: all)")
+    p.add_argument(
+        "--only",
+        default="",
+        help="attacks to run, comma-separated, each ATTACK (against every server it is run "
+        "against) or ATTACK@TARGET (aggregator, router, host) (default: all)",
+    )
     p.add_argument(
         "--unloaded", type=float, help="seconds unloaded per attack (25; quick 6; x deadline / 12)"
     )
@@ -893,21 +985,26 @@ def main() -> None:
         if getattr(args, name) is None:
             setattr(args, name, scale * (quick if args.quick else full))
     only = {x.strip() for x in args.only.split(",") if x.strip()}
-    known = set(AGGREGATOR_ATTACKS) | set(ROUTER_ATTACKS)
+    known = {a for attacks in TARGETS.values() for a in attacks} | {
+        f"{a}@{t}" for t, attacks in TARGETS.items() for a in attacks
+    }
     if only - known:
         p.error(f"--only: unknown {sorted(only - known)}; known: {', '.join(sorted(known))}")
-    if args.preset != ROUTER_PRESET and only and not only & set(AGGREGATOR_ATTACKS):
-        p.error(f"--only: the router's rows run at the {ROUTER_PRESET} preset only")
-    pick = lambda names: [a for a in names if not only or a in only]  # noqa: E731
+
+    def pick(target: str) -> list[str]:
+        return [a for a in TARGETS[target] if not only or {a, f"{a}@{target}"} & only]
+
+    if args.preset != ROUTER_PRESET and only and not pick("aggregator"):
+        p.error(f"--only: the router's and hosts' rows run at the {ROUTER_PRESET} preset only")
     t0 = time.monotonic()
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="live-attacks-") as tmp:
-        agg = pick(AGGREGATOR_ATTACKS)
+        agg = pick("aggregator")
         groups = [agg] if args.quick else [[a] for a in agg]
         for i, group in enumerate(g for g in groups if g):
             rows += aggregator_rows(group, args, Path(tmp) / f"aggregator-{i}")
-        if pick(ROUTER_ATTACKS) and args.preset == ROUTER_PRESET:
-            rows += router_rows(pick(ROUTER_ATTACKS), args, Path(tmp))
+        if (pick("router") or pick("host")) and args.preset == ROUTER_PRESET:
+            rows += router_rows(pick("router"), pick("host"), args, Path(tmp))
     shape = "" if args.preset == ROUTER_PRESET else f"-{args.preset}"
     name = f"live_attacks{'-quick' if args.quick else ''}{shape}.json"
     commit = machine()["commit"]

@@ -12,7 +12,15 @@ import pytest
 from fastapi import FastAPI, Request, Response
 
 from blocktrain.errors import ConfigError
-from blocktrain.httpserve import HttpGuard, Limits, TokenBucket, declared_length
+from blocktrain.httpserve import (
+    FailedAuth,
+    HttpGuard,
+    Limits,
+    TokenBucket,
+    declared_length,
+    mark_authenticated,
+    prefix_of,
+)
 from blocktrain.listener import ThreadedServer, bind
 from tests.asgi import asgi_request
 
@@ -396,3 +404,165 @@ def test_the_token_bucket_admits_a_burst_then_the_rate():
     for rate, burst in ((0.0, 1), (float("inf"), 1), (float("nan"), 1), (1.0, 0)):
         with pytest.raises(ConfigError, match="must be positive"):
             TokenBucket(rate, burst)
+
+
+# ---------------------------------------------------------------------------------------------
+# Caps per prefix and the anonymous pool (issue 58: 4 addresses x 130 half-open connections)
+# ---------------------------------------------------------------------------------------------
+
+
+class _Peer(_Transport):
+    """A transport uvicorn can serve a request on (reads resume after each response)."""
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+
+async def _marking_app(scope: Any, receive: Any, send: Any) -> None:
+    """Answers 200; a request with an Authorization header is marked a token holder's."""
+    if scope["type"] != "http":
+        return
+    if any(k == b"authorization" for k, _ in scope["headers"]):
+        mark_authenticated(scope)
+    await send(
+        {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]}
+    )
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+class _Server:
+    """One server's protocol instances on a private event loop, connected by hand."""
+
+    def __init__(self, limits: Limits) -> None:
+        import asyncio
+
+        import uvicorn
+        from uvicorn.server import ServerState
+
+        from blocktrain.listener import _protocol
+
+        self.protocol = _protocol(limits)
+        self.config = uvicorn.Config(
+            _marking_app, http=self.protocol, limit_concurrency=limits.max_connections
+        )
+        self.config.load()
+        self.state = ServerState()
+        self.loop = asyncio.new_event_loop()
+        self.ports = iter(range(1000, 100_000))
+
+    def connect(self, address: str) -> tuple[Any, _Peer]:
+        conn, peer = (
+            self.protocol(self.config, self.state, {}, _loop=self.loop),
+            _Peer(address, next(self.ports)),
+        )
+        conn.connection_made(peer)  # type: ignore[arg-type]
+        return conn, peer
+
+    def request(self, conn: Any, peer: _Peer, token: bool = False) -> bytes:
+        """One GET on the connection, run to its response -> what the server wrote."""
+        import asyncio
+
+        peer.written = b""
+        auth = b"Authorization: Bearer t\r\n" if token else b""
+        conn.data_received(b"GET / HTTP/1.1\r\nHost: x\r\n" + auth + b"\r\n")
+        self.loop.run_until_complete(asyncio.sleep(0.05))
+        return peer.written
+
+    def close(self) -> None:
+        self.loop.close()
+
+
+def test_prefix_of_groups_a_slash_24_and_a_slash_64():
+    assert prefix_of("203.0.113.7") == prefix_of("203.0.113.250") == "203.0.113.0/24"
+    assert prefix_of("203.0.114.7") != prefix_of("203.0.113.7")
+    assert prefix_of("2001:db8::1") == prefix_of("2001:db8::ffff:1") == "2001:db8::/64"
+    assert prefix_of("2001:db8:0:1::1") != prefix_of("2001:db8::1")
+    assert prefix_of("::ffff:203.0.113.7") == "203.0.113.0/24", "a mapped IPv4 is its IPv4"
+    assert prefix_of("testclient") == "testclient"
+    assert Limits().per_prefix == 256 and Limits().anonymous == 256
+    assert Limits(max_connections_per_address=600).per_prefix == 600, "at least one address's"
+    with pytest.raises(ConfigError, match="max_anonymous_connections"):
+        Limits(max_anonymous_connections=0)
+
+
+def test_one_slash_64_holds_at_most_its_prefix_share_however_many_addresses():
+    """Issue 58: the cap counted exact addresses only, and on IPv6 one /64 holds any number of
+    them. Now a prefix holds at most its share (8 of 16 here) whatever its addresses; another
+    /64 is still served."""
+    s = _Server(Limits(max_connections=16, max_anonymous_connections=16, tarpit_s=0))
+    try:
+        flood = [s.connect(f"2001:db8::{i + 1:x}") for i in range(20)]  # one each: 20 addresses
+        served = [p for _, p in flood if not p.written]
+        assert len(served) == 8, f"{len(served)} served of one /64; its share is 8"
+        assert all(p.written.startswith(b"HTTP/1.1 503") for _, p in flood[8:])
+        other, peer = s.connect("2001:db8:0:1::1")
+        assert s.request(other, peer).startswith(b"HTTP/1.1 200")
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("caps", [True, False])
+def test_half_sent_heads_from_four_addresses_leave_room_for_a_newcomer(caps: bool):
+    """Issue 58: four addresses of 128 half-sent heads each (under the share of 128 per
+    address) held all 512 slots, and honest calls got 503 in 40 of 40. Scaled to 64 slots
+    (16 per address): four addresses of one /24 re-opening 20 each, and an honest client from
+    that /24 (as 127.0.0.2-5 against 127.0.0.1). With the caps per prefix and on the anonymous
+    pool the flood holds half of the slots and the newcomer displaces one of it; without them
+    (both set to every slot: the old behaviour) the honest call gets 503."""
+    loose = {} if caps else {"max_connections_per_prefix": 64, "max_anonymous_connections": 64}
+    s = _Server(Limits(max_connections=64, tarpit_s=0, **loose))
+    try:
+        flood = [s.connect(f"10.0.0.{2 + i % 4}") for i in range(80)]
+        open_ = [c for c, p in flood if not p.closed]
+        assert len(open_) == (32 if caps else 64), len(open_)
+        honest, peer = s.connect("10.0.0.1")
+        answer = s.request(honest, peer)
+        if caps:
+            assert answer.startswith(b"HTTP/1.1 200"), answer
+            assert sum(not p.closed for _, p in flood) == 31, "one flood connection made room"
+        else:
+            assert answer.startswith(b"HTTP/1.1 503"), "every slot was the flood's"
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("token", [True, False])
+def test_a_token_holders_idle_connection_leaves_the_anonymous_pool(token: bool):
+    """A connection whose request showed a valid token (the app marks it) waits for its next
+    request outside the anonymous pool: a flood of half-sent heads cannot displace it. One
+    that showed none is anonymous again between requests, and the longest waiting of the
+    heaviest holder goes first."""
+    s = _Server(Limits(max_connections=8, max_anonymous_connections=2, tarpit_s=0))
+    try:
+        holder = [s.connect("10.0.0.1") for _ in range(2)]
+        for conn, peer in holder:
+            assert s.request(conn, peer, token=token).startswith(b"HTTP/1.1 200")
+        flood = [s.connect("10.0.1.1") for _ in range(2)]
+        assert [p.closed for _, p in holder] == ([False, False] if token else [True, False])
+        if token:
+            assert not any(p.closed for _, p in flood), "the pool had room for the flood"
+            conn, peer = holder[0]
+            assert s.request(conn, peer, token=True).startswith(b"HTTP/1.1 200")
+    finally:
+        s.close()
+
+
+def test_failed_token_checks_lock_out_an_address_then_its_prefix():
+    """Issue 58: 906 token guesses a second from one address, unlimited. Now `burst` failures
+    from an address (4x from its /24) lock every check from there out until the bucket refills,
+    and the wait is what a 429's Retry-After says."""
+    now = [0.0]
+    guard = FailedAuth(Limits(failed_auth_burst=3, failed_auth_per_s=0.5), lambda: now[0])
+    for _ in range(3):
+        assert guard.wait("203.0.113.7") == 0.0
+        guard.failed("203.0.113.7")
+    assert guard.wait("203.0.113.7") == pytest.approx(2.0), "one check refills in 1 / 0.5 s"
+    assert guard.wait("203.0.113.8") == 0.0, "a neighbour is not locked out by 3 failures"
+    for i in range(9):  # the /24 takes 12 in all: 3 + 9 from its other addresses
+        guard.failed(f"203.0.113.{20 + i}")
+    assert guard.wait("203.0.113.99") > 0, "a prefix that guessed from many addresses waits"
+    assert guard.wait("198.51.100.1") == 0.0
+    now[0] += 10.0
+    assert guard.wait("203.0.113.7") == 0.0 and guard.wait("203.0.113.99") == 0.0
+    bucket = TokenBucket(1.0, 1, lambda: now[0])
+    assert bucket.wait("a") == 0.0 and bucket.wait("a") == 0.0, "wait takes nothing"

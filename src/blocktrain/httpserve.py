@@ -17,11 +17,14 @@ What is enforced here (the head timeout, the connection caps and keep-alive are 
 - `TokenBucket`: requests per client (a token, an address) at a rate, after a burst; each
   server turns its refusal into its own 429, which the guard holds for `Limits.tarpit_s` (at
   most its Retry-After) before it sends it, with `Connection: close`.
+- `FailedAuth`: failed token checks per address and per prefix (`prefix_of`); past a burst
+  every token check from there is a 429 until the bucket refills.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import math
 import threading
@@ -48,6 +51,29 @@ been handed so far, for byte accounting that counts what arrived, not what was d
 GUARD_REFUSAL = "guard_refusal"
 """Key in the scope's "state": (code, detail) once the guard has cut the body off; the app,
 which then sees a disconnect, can tell why (its response is dropped: the guard answers)."""
+AUTHENTICATED = "authenticated"
+"""Key in the scope's "state": True once the app found a valid token on the request
+(`mark_authenticated`). The listener then takes the connection out of the anonymous pool for
+good (`Limits.max_anonymous_connections`)."""
+
+
+def mark_authenticated(scope: Scope) -> None:
+    """Tell the listener that this request's connection belongs to a token holder."""
+    scope.setdefault("state", {})[AUTHENTICATED] = True
+
+
+def prefix_of(address: str) -> str:
+    """The network a client address is counted in beside itself: its /24 (IPv4) or its /64
+    (IPv6). One IPv6 host is handed a whole /64, so a cap per address alone holds it to
+    nothing; a /24 is what one NAT pool or small hoster holds. An IPv4-mapped IPv6 address
+    counts as its IPv4 one; what is no address (a test client's name) is its own prefix."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return str(ipaddress.ip_network(f"{ip}/{24 if ip.version == 4 else 64}", strict=False))
 
 
 @dataclass(frozen=True)
@@ -65,8 +91,22 @@ class Limits:
     max_connections: int = 512
     max_connections_per_address: int | None = None
     """Connections at once from one client address; None: a quarter of `max_connections`."""
+    max_connections_per_prefix: int | None = None
+    """Connections at once from one /24 (IPv4) or /64 (IPv6) (`prefix_of`); None: half of
+    `max_connections`, and at least the share of one address."""
+    max_anonymous_connections: int | None = None
+    """Connections at once not known to belong to a token holder, while they wait for a
+    request's head: a new connection until one of its requests presents a valid token (the app
+    marks it, `mark_authenticated`), and one whose requests presented none, between them.
+    None: half of `max_connections`, so that half-sent heads, from however many addresses,
+    never take the slots of token holders. A newcomer past this (or past its prefix's share)
+    takes the place of the longest-waiting one of whoever holds more (listener)."""
     keep_alive_s: int = 30
     max_header_bytes: int = 64 * 1024
+    failed_auth_burst: int = 20
+    failed_auth_per_s: float = 0.5
+    """Failed token checks from one address: `failed_auth_burst` at once, then this many a
+    second; from one prefix four times both (`FailedAuth`)."""
     tarpit_s: float = 1.0
     """How long a refusal for a client's rate or share waits before it is sent: a 429 (here,
     at most its Retry-After, and then the connection closes) and a connection over its
@@ -80,10 +120,19 @@ class Limits:
         for name in ("max_body", "max_connections", "keep_alive_s", "max_header_bytes"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, not {getattr(self, name)}")
-        if self.max_connections_per_address is not None and self.max_connections_per_address <= 0:
+        for name in (
+            "max_connections_per_address",
+            "max_connections_per_prefix",
+            "max_anonymous_connections",
+        ):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, not {getattr(self, name)}")
+        if self.failed_auth_burst < 1 or not (
+            self.failed_auth_per_s > 0 and math.isfinite(self.failed_auth_per_s)
+        ):
             raise ConfigError(
-                "max_connections_per_address must be positive, not "
-                f"{self.max_connections_per_address}"
+                f"failed_auth_burst ({self.failed_auth_burst}) and failed_auth_per_s "
+                f"({self.failed_auth_per_s}) must be positive"
             )
         for name in ("header_timeout_s", "body_grace_s", "min_body_rate"):
             if not getattr(self, name) > 0:
@@ -97,6 +146,20 @@ class Limits:
         if self.max_connections_per_address is not None:
             return self.max_connections_per_address
         return max(1, self.max_connections // 4)
+
+    @property
+    def per_prefix(self) -> int:
+        """Connections at once from one prefix (`prefix_of`)."""
+        if self.max_connections_per_prefix is not None:
+            return self.max_connections_per_prefix
+        return max(self.per_address, self.max_connections // 2)
+
+    @property
+    def anonymous(self) -> int:
+        """Connections at once in the anonymous pool."""
+        if self.max_anonymous_connections is not None:
+            return self.max_anonymous_connections
+        return max(1, self.max_connections // 2)
 
 
 def default_error_body(code: str, detail: str) -> dict[str, Any]:
@@ -143,6 +206,12 @@ class TokenBucket:
         left, then = self._buckets.get(key, (float(self.burst), now))
         return min(float(self.burst), left + max(now - then, 0.0) * self.rate_per_s)
 
+    def wait(self, key: Hashable) -> float:
+        """The seconds until `key` may take a request (0.0: now); takes nothing."""
+        with self._lock:
+            left = self._left(key, self.clock())
+        return 0.0 if left >= 1.0 else (1.0 - left) / self.rate_per_s
+
     def take(self, key: Hashable) -> float:
         """Take one request from `key`'s bucket -> 0.0; or, when it is spent, take nothing and
         return the seconds until a request would be admitted (always > 0)."""
@@ -158,6 +227,38 @@ class TokenBucket:
                 return (1.0 - left) / self.rate_per_s
             self._buckets[key] = (left - 1.0, now)
             return 0.0
+
+
+class FailedAuth:
+    """Failed token checks (token guesses) per client address and per prefix (`prefix_of`):
+    `Limits.failed_auth_burst` failures from an address, then `failed_auth_per_s` a second,
+    and four times both from its prefix. Past them `wait` says how long every token check from
+    there is refused (a 429 with that Retry-After), a valid token's too: a check that went on
+    would go on answering guesses. Unknown and revoked tokens read the same on the wire, so
+    what a guess learns is no. In memory, as `TokenBucket`."""
+
+    PREFIX_FACTOR = 4
+
+    def __init__(self, limits: Limits, clock: Callable[[], float] = time.monotonic) -> None:
+        rate, burst = limits.failed_auth_per_s, limits.failed_auth_burst
+        self.by_address = TokenBucket(rate, burst, clock)
+        self.by_prefix = TokenBucket(self.PREFIX_FACTOR * rate, self.PREFIX_FACTOR * burst, clock)
+
+    def wait(self, address: str) -> float:
+        """The seconds until a token from `address` may be checked (0.0: now)."""
+        return max(self.by_address.wait(address), self.by_prefix.wait(prefix_of(address)))
+
+    def failed(self, address: str) -> None:
+        """A token from `address` was checked and is not valid."""
+        self.by_address.take(address)
+        self.by_prefix.take(prefix_of(address))
+
+    def refusal(self, address: str, wait: float) -> str:
+        """The words of the 429 a server answers while `wait` > 0."""
+        return (
+            f"too many failed token checks from {address} or its network; retry in "
+            f"{math.ceil(wait)}s"
+        )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,17 @@ connection limits of `httpserve.Limits` (the body guard and the request rate are
   them; beyond, it is sent at once): a client that re-opens each refused connection at once
   then churns one per connection per tarpit_s, not as fast as it can (tens of thousands a
   second on loopback, a core of the server's time).
+- at most `max_connections_per_prefix` from one /24 or /64 (`httpserve.prefix_of`; default
+  half of `max_connections`), and at most `max_anonymous_connections` (default half) in the
+  anonymous pool: connections waiting for a request's head that have not shown a valid token
+  (the app marks those that did, `httpserve.mark_authenticated`). Four addresses of 128
+  half-sent heads each held all 512 slots (bench/live_attacks.py, halfopen_4_addresses): now
+  they hold half, and the other half is for requests and token holders. A newcomer past
+  either cap takes the place of the longest-waiting anonymous connection of whoever holds the
+  most (the heaviest prefix, then its heaviest address), when that holder keeps at least as
+  many connections as the newcomer's: an honest client is never locked out by a flood from
+  other addresses, and clients holding as many never displace each other (the newcomer is
+  refused, as over its address's share).
 """
 
 from __future__ import annotations
@@ -35,7 +46,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from blocktrain.errors import ConfigError
-from blocktrain.httpserve import Limits
+from blocktrain.httpserve import AUTHENTICATED, Limits, prefix_of
 from blocktrain.tls import TlsFiles, check_tls
 
 
@@ -67,14 +78,14 @@ def url_of(sock: socket.socket, *, tls: bool = False) -> str:
     return f"{scheme}://{'[' + host + ']' if ':' in host else host}:{port}"
 
 
-_TOO_MANY = b"too many connections from this address\n"
+_TOO_MANY = b"too many connections at once: from this address, its network, or without a token\n"
 TOO_MANY_CONNECTIONS = (
     b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
     b"content-length: %d\r\nretry-after: 1\r\nconnection: close\r\n\r\n%s"
     % (len(_TOO_MANY), _TOO_MANY)
 )
-"""The answer to a connection over its address's share (after `Limits.tarpit_s`): no request is
-read."""
+"""The answer to a connection over its address's share, or its prefix's or the anonymous pool's
+with no room to make (after `Limits.tarpit_s`): no request is read."""
 
 
 def held_refusals(limits: Limits) -> int:
@@ -88,26 +99,75 @@ def held_refusals(limits: Limits) -> int:
 def _protocol(limits: Limits) -> type[H11Protocol]:
     """uvicorn's h11 protocol with a deadline on each request's head: uvicorn times out only
     idle keep-alive connections, so a client that opens a connection and sends half a request
-    line would hold it (and a slot of `limit_concurrency`) forever. And with a share of the
-    connections per client address: one server's protocols count their peers' addresses (all
-    run on the server's event loop), and a connection beyond `limits.per_address` is answered
-    503 and closed before anything is read, `limits.tarpit_s` after it opened."""
+    line would hold it (and a slot of `limit_concurrency`) forever. And with the caps per
+    address, per prefix and on the anonymous pool (the module's docstring): one server's
+    protocols keep their books together (all run on the server's event loop), and a connection
+    refused is answered 503 and closed before anything is read, `limits.tarpit_s` after it
+    opened."""
     header_timeout_s = limits.header_timeout_s
-    per_address = limits.per_address
+    per_address, per_prefix = limits.per_address, limits.per_prefix
+    most_anonymous = limits.anonymous
     open_from: dict[str, int] = {}
+    """address -> connections served."""
+    open_in: dict[str, int] = {}
+    """prefix -> connections served."""
+    anonymous: dict[GuardedH11, None] = {}
+    """The anonymous pool, the longest waiting first (a dict: ordered, O(1) removal)."""
     held: set[GuardedH11] = set()
     most_held = held_refusals(limits) if limits.tarpit_s > 0 else 0
 
+    def admit(address: str, prefix: str) -> bool:
+        """Whether a new connection from `address` is served: within its address's share, and
+        within its prefix's and the anonymous pool's, or room made there by displacing one."""
+        if open_from.get(address, 0) >= per_address:
+            return False
+        prefix_full = open_in.get(prefix, 0) >= per_prefix
+        if not prefix_full and len(anonymous) < most_anonymous:
+            return True
+        victim = heaviest(prefix if prefix_full else None)
+        if victim is None or not holds_more(victim, address, prefix):
+            return False
+        victim.displace()
+        return True
+
+    def heaviest(prefix: str | None) -> GuardedH11 | None:
+        """The longest-waiting anonymous connection of the prefix holding the most
+        connections, and within it of the address holding the most (in `prefix` alone, when
+        given)."""
+        best, most = None, (0, 0)
+        for conn in anonymous:  # the longest waiting first: it wins ties
+            if prefix is not None and conn.prefix != prefix:
+                continue
+            weight = (open_in[conn.prefix], open_from[conn.address])
+            if weight > most:
+                best, most = conn, weight
+        return best
+
+    def holds_more(victim: GuardedH11, address: str, prefix: str) -> bool:
+        """Whether `victim`'s holder (its prefix, or in the newcomer's prefix its address)
+        keeps at least as many connections as the newcomer's once one is displaced: a margin
+        of two, so that two holders never take turns displacing each other (a churn no
+        tarpit would slow)."""
+        if victim.prefix != prefix:
+            return open_in[victim.prefix] >= open_in.get(prefix, 0) + 2
+        return open_from[victim.address] >= open_from.get(address, 0) + 2
+
     class GuardedH11(H11Protocol):
         _head_timer: asyncio.TimerHandle | None = None
-        _address: str | None = None
+        address: str = ""
+        prefix: str = ""
+        _served: bool = False
+        """Counted in the books (open_from, open_in), until it closes or is displaced."""
+        _holder: bool = False
+        """A request of this connection presented a valid token: never anonymous again."""
         _refused: bool = False
         _hold: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             peer = transport.get_extra_info("peername")
-            address = str(peer[0]) if isinstance(peer, tuple | list) and peer else None
-            if address is not None and open_from.get(address, 0) >= per_address:
+            address = str(peer[0]) if isinstance(peer, tuple | list) and peer else "unknown"
+            prefix = prefix_of(address)
+            if not admit(address, prefix):
                 # refused before uvicorn counts it among its connections: those are what
                 # limit_concurrency (max_connections) counts, and one accept batch of a client
                 # re-opening connections as fast as it can holds hundreds not yet closed
@@ -121,9 +181,10 @@ def _protocol(limits: Limits) -> type[H11Protocol]:
                     self._refuse()
                 return
             super().connection_made(transport)
-            if address is not None:
-                open_from[address] = open_from.get(address, 0) + 1
-                self._address = address
+            self.address, self.prefix, self._served = address, prefix, True
+            open_from[address] = open_from.get(address, 0) + 1
+            open_in[prefix] = open_in.get(prefix, 0) + 1
+            anonymous[self] = None
             self._arm()
 
         def data_received(self, data: bytes) -> None:
@@ -135,10 +196,32 @@ def _protocol(limits: Limits) -> type[H11Protocol]:
                     self._arm()
             else:
                 self._disarm()
+                anonymous.pop(self, None)  # in a request: it waits for nothing
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
             self._disarm()  # uvicorn's keep-alive timeout covers the idle time until new data
+            scope = self.scope or {}
+            self._holder = self._holder or bool(scope.get("state", {}).get(AUTHENTICATED))
+            waiting = self.conn.their_state is h11.IDLE and not self.transport.is_closing()
+            if self._served and waiting and not self._holder:
+                anonymous[self] = None  # at the end: the newest to wait
+
+        def displace(self) -> None:
+            """Close this anonymous connection for a newcomer, as its head timeout (or its
+            keep-alive timeout) would have, later."""
+            self._forget()
+            self.transport.close()
+
+        def _forget(self) -> None:
+            anonymous.pop(self, None)
+            if not self._served:
+                return
+            self._served = False
+            for books, key in ((open_from, self.address), (open_in, self.prefix)):
+                left = books.pop(key) - 1
+                if left:
+                    books[key] = left
 
         def _refuse(self) -> None:
             held.discard(self)
@@ -154,11 +237,7 @@ def _protocol(limits: Limits) -> type[H11Protocol]:
                     self._refuse()
                 return
             self._disarm()
-            if self._address is not None:
-                left = open_from.pop(self._address) - 1
-                if left:
-                    open_from[self._address] = left
-                self._address = None
+            self._forget()
             super().connection_lost(exc)
 
         def _arm(self) -> None:

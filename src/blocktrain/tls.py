@@ -1,7 +1,7 @@
 """TLS files for the package's servers: a certificate and its key (`TlsFiles`), the one check of
 the `--tls-cert`/`--tls-key` pair (`tls_pair`), a clear error when they cannot serve
-(`check_tls`), and a self-signed pair made in one command
-(`self_signed`, behind `blocktrain tls self-signed`)."""
+(`check_tls`), the refusal to serve plain HTTP off loopback (`require_tls`), and a self-signed
+pair made in one command (`self_signed`, behind `blocktrain tls self-signed`)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,32 @@ def check_tls(tls: TlsFiles | None) -> None:
         raise ConfigError(
             f"cannot use --tls-cert {tls.cert} with --tls-key {tls.key}: {exc}"
         ) from None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listening address or URL host is reachable from this machine only
+    (127.0.0.0/8, ::1, localhost); 0.0.0.0 and :: listen on every interface."""
+    if host.strip("[]") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def require_tls(host: str, tls: TlsFiles | None, insecure_http: bool) -> None:
+    """A ConfigError for a server about to listen off loopback over plain HTTP, unless its
+    operator said so (`--insecure-http`): its bearer tokens would cross the network in the
+    clear, for anyone on the path to read and replay."""
+    if tls is not None or insecure_http or is_loopback(host):
+        return
+    raise ConfigError(
+        f"--host {host} is reachable from other machines, and over plain HTTP every token "
+        "crosses the network in the clear: serve HTTPS (`blocktrain tls self-signed --out tls "
+        f"--host {host if host not in ('0.0.0.0', '::') else 'NAME'}`, then --tls-cert "
+        "tls/cert.pem --tls-key tls/key.pem), or give --insecure-http where TLS ends elsewhere "
+        "(a reverse proxy) or the network is private"
+    )
 
 
 def tls_pair(cert: str | None, key: str | None) -> TlsFiles | None:

@@ -186,7 +186,11 @@ def test_the_markdown_shows_each_honest_request_and_names_a_failing_check() -> N
     assert "**FAIL**: completion_within_2x, completion_all_served |" in text
     assert "| push_flood | worker-0 4 ok, 0 late | worker-0 4 ok, 0 late |" in text
     assert "| 8 (3.0) | 7 (3.5) | 0 | 500 / 600 / 590 |" in text
-    assert "| unread_streams_4_addresses | router | 0.20 → 0.25 | 0.01 | opened: 32 |" in text
+    assert (
+        "| unread_streams_4_addresses | router | 0.0% | 0 | 0.20 → 0.25 | 0.01 | opened: 32 |"
+        in text
+    )
+    assert "| push_flood | aggregator | 100.0% | 0 |" in text
     assert "Aggregator: tiny preset" in text and "Router: 3 block hosts" in text
     small = live_attacks.markdown(
         {
@@ -240,17 +244,77 @@ def test_a_stop_string_body_is_about_its_size_and_over_the_router_s_stop_limits(
 
 def test_rows_run_with_only_replace_their_own_and_keep_the_others(tmp_path: Path) -> None:
     settings = {"quick": False, "attack_s": 30.0}
+    measured = aggregator_row()
     old = [
-        {"attack": "push_flood", "target": "aggregator", "commit": "a"},
-        {"attack": "halfopen", "target": "router", "commit": "a"},
+        {
+            k: v
+            for k, v in measured.items()
+            if k not in ("attacker_accepted", "honest_served_share")
+        },
+        {**measured, "attack": "halfopen", "target": "router", "commit": "a"},
     ]
     path = tmp_path / "live.json"
-    path.write_text(json.dumps({"settings": settings, "rows": old}))
-    new = [{"attack": "push_flood", "target": "aggregator", "commit": "b"}]
+    path.write_text(json.dumps({"settings": settings, "rows": old, "machine": {"commit": "a"}}))
+    new = [{**measured, "commit": "b"}]
     merged = live_attacks.merged_rows(path, new, settings)
     assert [(r["attack"], r["commit"]) for r in merged] == [("push_flood", "b"), ("halfopen", "a")]
     assert "several commits: b: push_flood (aggregator); a: halfopen (router)" in (
         live_attacks._provenance(merged)
     )
+    assert all("honest_served_share" in r for r in merged), "old rows get the new figures"
     assert live_attacks.merged_rows(path, new, {**settings, "attack_s": 8.0}) == new
     assert live_attacks.merged_rows(tmp_path / "none.json", new, settings) == new
+
+
+def test_each_row_says_the_honest_share_served_and_the_attackers_updates_accepted() -> None:
+    """Issue 58's two figures: the honest requests served while attacked, of all sent then
+    (every kind together), and the attacker's pushes answered 200."""
+    flood = aggregator_row(
+        honest={
+            "status": live_attacks.honest_entry(
+                samples("status", [4]),
+                samples("status", [5] * 19) + samples("status", [9], 503),
+                2.0,
+            ),
+            "pull": live_attacks.honest_entry(samples("pull", [4]), samples("pull", [5] * 20), 2.0),
+        },
+        attacker={"outcomes": {"push 200": 6, "push 409 duplicate": 960, "register 200": 3}},
+    )
+    assert (
+        flood["honest_served_share"] == pytest.approx(39 / 40) and flood["attacker_accepted"] == 6
+    )
+    quiet = aggregator_row(attack="halfopen_4_addresses", attacker={"outcomes": {"opened": 520}})
+    assert quiet["attacker_accepted"] == 0 and quiet["honest_served_share"] == 1.0
+
+
+def test_halfopen_4_addresses_opens_130_from_each_of_four_addresses() -> None:
+    argv = live_attacks.aggregator_argv("halfopen_4_addresses", "http://x", 8470, {})
+    assert argv[:3] == ["halfopen", "127.0.0.1", "8470"] and "--target" in argv
+    assert argv[argv.index("--target") + 1] == "130"
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--source"] == [
+        "127.0.0.2",
+        "127.0.0.3",
+        "127.0.0.4",
+        "127.0.0.5",
+    ]
+    assert live_attacks.router_argv("halfopen_4_addresses", "http://x", 8100)[-8:] == argv[-8:]
+    assert set(live_attacks.TARGETS) == {"aggregator", "router", "host"}
+    assert all("halfopen_4_addresses" in a for a in live_attacks.TARGETS.values())
+
+
+def test_the_halfopen_attacker_keeps_its_target_from_each_source() -> None:
+    """`--target` counts per source address: against a listener that never answers, 3 from
+    each of 2 addresses stay open (and no more are opened)."""
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)  # never accepted: the kernel completes the handshakes
+    try:
+        port = server.getsockname()[1]
+        out = live_attackers.halfopen(
+            "127.0.0.1", port, ["127.0.0.2", "127.0.0.3"], 0.5, 3, "/v1/status"
+        )
+    finally:
+        server.close()
+    assert out["outcomes"] == {"opened": 6} and out["held_at_end"] == 6, out

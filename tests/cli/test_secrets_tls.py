@@ -125,3 +125,47 @@ def test_one_tls_pair_check_for_every_server(tmp_path):
     assert main(["tls", "self-signed", "--out", str(tmp_path / "tls")]) == 0
     pair = tls_pair(str(tmp_path / "tls" / "cert.pem"), str(tmp_path / "tls" / "key.pem"))
     assert pair == TlsFiles(str(tmp_path / "tls" / "cert.pem"), str(tmp_path / "tls" / "key.pem"))
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.0.0.5", "agg.example"])
+def test_aggregator_and_router_refuse_plain_http_off_loopback(tmp_path, capsys, host):
+    """Issue 58: secure by default on a public address. Without TLS the aggregator and the
+    router refuse to listen off loopback (one line naming `blocktrain tls self-signed`, exit 2,
+    before the state folder is made or a port is bound)."""
+    state = tmp_path / "s"
+    argv = ["aggregator", "--state", str(state), "--preset", "tiny", "--host", host, "--port", "0"]
+    fails_cleanly(capsys, argv, "blocktrain tls self-signed")
+    assert not state.exists(), "nothing was made"
+    serve = ["serve", "--hosts", "http://127.0.0.1:9", "--host", host, "--port", "0"]
+    line = fails_cleanly(capsys, serve, "blocktrain tls self-signed")
+    assert "--insecure-http" in line and f"--host {host}" in line
+
+
+def test_loopback_tls_or_insecure_http_may_serve(tmp_path, capsys, monkeypatch):
+    """Loopback (127.0.0.0/8, ::1, localhost) needs no TLS; off loopback TLS, or the operator's
+    --insecure-http (TLS ended by a proxy, a private network), lets the server start."""
+    import blocktrain.cli.serve as serve_cli
+    import blocktrain.listener as listener
+    from blocktrain.tls import is_loopback, require_tls
+
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"):
+        assert is_loopback(host)
+        require_tls(host, None, insecure_http=False)
+    for host in ("0.0.0.0", "::", "10.0.0.5"):
+        assert not is_loopback(host)
+        require_tls(host, TlsFiles("c.pem", "k.pem"), insecure_http=False)
+        require_tls(host, None, insecure_http=True)
+    served: list[str] = []
+
+    def capture(app, sock, *_, **__):
+        served.append(sock.getsockname()[0])
+        sock.close()
+
+    monkeypatch.setattr(serve_cli, "run", capture)
+    monkeypatch.setattr(listener, "run", capture)  # the aggregator imports it as it starts
+    serve = ["serve", "--hosts", "http://127.0.0.1:9", "--host", "0.0.0.0", "--port", "0"]
+    assert main([*serve, "--insecure-http"]) == 0
+    argv = ["aggregator", "--state", str(tmp_path / "s"), "--preset", "tiny", "--port", "0"]
+    assert main([*argv, "--host", "0.0.0.0", "--insecure-http", "--effect-probe", "off"]) == 0
+    capsys.readouterr()
+    assert served == ["0.0.0.0", "0.0.0.0"]

@@ -34,7 +34,9 @@ from schemathesis.core.failures import FailureGroup
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
 from blocktrain.data import load_split
+from blocktrain.httpserve import Limits
 from blocktrain.protocol.http.app import create_app as create_aggregator_app
+from blocktrain.protocol.service.access import JSON_BODY_BYTES, AccessLimits
 from blocktrain.protocol.store.tokens import new_token
 from blocktrain.serving import (
     HostSettings,
@@ -121,7 +123,10 @@ def aggregator(root: Path, stack: ExitStack) -> Target:
     state = run_state(root / "state", micro_config(), {})
     stack.callback(state.close)
     token = add_token(state, "fuzz")
-    app = create_aggregator_app(storage=state, clock=FakeClock())
+    # failed token checks unlimited: a fifth of the cases guess, and a locked-out address
+    # would answer every later case 429 (tests/protocol/service/test_access.py tests the lock)
+    limits = AccessLimits(http=Limits(max_body=JSON_BODY_BYTES, failed_auth_burst=1 << 30))
+    app = create_aggregator_app(storage=state, clock=FakeClock(), limits=limits)
     client = _client(app, stack)
     auth = {"Authorization": f"Bearer {token}"}
     worker = client.post("/v1/workers", json={"block": 0}, headers=auth).json()["worker_id"]

@@ -135,7 +135,7 @@ def replay(trace: list[Event], root: Path, settings, restarts: set[int]) -> dict
                     # the same fp32 tensors written and read back: exact
                     assert torch.equal(value, weights[b][name]), (b, name)
         if kind == "register":
-            reg = service.register(token=service.authenticate(auth))
+            reg = service.register(token=service.authenticate(auth, address=None))
             block_of[w] = reg["block"]
             last_view[w] = (reg["round"], reg["version"])
             continue
@@ -144,14 +144,16 @@ def replay(trace: list[Event], root: Path, settings, restarts: set[int]) -> dict
             service.tick()
         elif kind == "pull":
             try:
-                pulled = service.pull(caller=service.identify(auth, str(w)), block=b)
+                token = service.authenticate(auth, address=None)
+                pulled = service.pull(caller=service.identify(token, str(w)), block=b)
                 last_view[w] = (pulled.view.round, pulled.view.version)
             except Refused as exc:
                 reasons.add(exc.reason)
         else:
             body = body_for(b, last_view[w], params)
             try:
-                ctx = service.begin_push(authorization=auth, worker_header=str(w), block=b)
+                token = service.authenticate(auth, address=None)
+                ctx = service.begin_push(token=token, worker_header=str(w), block=b)
                 service.submit(ctx, body)
                 reasons.add("")
             except Refused as exc:

@@ -45,7 +45,7 @@ from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.service.access import JSON_BODY_BYTES, AccessLimits
 from blocktrain.protocol.store.state import run_unit
 from blocktrain.protocol.store.storage import StateDir
-from blocktrain.tls import tls_pair
+from blocktrain.tls import require_tls, tls_pair
 from blocktrain.training.live_eval import AssembledEval
 from blocktrain.training.probe import BlockProbe
 
@@ -56,7 +56,9 @@ EXAMPLES = """examples:
   blocktrain token add --state runs/agg --name alice          # prints the token
   blocktrain aggregator --state runs/agg --deadline 30         # resume with a new deadline
   blocktrain tls self-signed --out tls --host agg.example      # then:
-  blocktrain aggregator --state runs/agg --tls-cert tls/cert.pem --tls-key tls/key.pem
+  blocktrain aggregator --state runs/agg --host 0.0.0.0 --tls-cert tls/cert.pem \\
+      --tls-key tls/key.pem                                    # off loopback: TLS, or
+  blocktrain aggregator --state runs/agg --host 0.0.0.0 --insecure-http   # TLS at a proxy
   blocktrain aggregator --state runs/agg --private-status --rate-limit 20
   blocktrain aggregator --state runs/agg --public-weights    # versions cacheable by a CDN
   # one aggregator per block, same preset and seed, one state folder each (block 1 reads
@@ -101,6 +103,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8470, help="port (0: any free port)")
     p.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate")
     p.add_argument("--tls-key", metavar="PEM", help="... and this private key")
+    p.add_argument(
+        "--insecure-http",
+        action="store_true",
+        help="serve plain HTTP on a --host other machines reach (refused otherwise: tokens "
+        "would cross the network in the clear); for TLS ended by a reverse proxy, or a "
+        "private network",
+    )
     limits = AccessLimits()
     p.add_argument(
         "--private-status",
@@ -249,6 +258,7 @@ def run(args: argparse.Namespace) -> int:
     from blocktrain.protocol.http.app import create_app
 
     tls = tls_pair(args.tls_cert, args.tls_key)
+    require_tls(args.host, tls, args.insecure_http)
     limits = access_limits(args)  # a clear error before the state is touched
     # Everything a start can fail on (the settings, the probe's data, the port) is checked
     # before the state folder is written, so that a failed first start leaves nothing behind

@@ -21,9 +21,10 @@ from blocktrain.listener import bind, run, url_of
 from blocktrain.model import Reference
 from blocktrain.model.speculative import Drafter, ModelDrafter
 from blocktrain.serving.openai.router_app import create_app
+from blocktrain.serving.router.client_tokens import load_tokens
 from blocktrain.serving.router.router_settings import RouterSettings
-from blocktrain.serving.shared.auth import SECRET_ENV, is_loopback, load_secret
-from blocktrain.tls import tls_pair
+from blocktrain.serving.shared.auth import SECRET_ENV, load_secret
+from blocktrain.tls import is_loopback, require_tls, tls_pair
 from blocktrain.training.checkpoint import load_model
 
 EXAMPLES = """examples:
@@ -53,6 +54,9 @@ EXAMPLES = """examples:
   # hosts off loopback: the router presents their shared secret; limits per client and request
   blocktrain serve --hosts http://10.0.0.5:8101,http://10.0.0.6:8101 --port 8100 \\
       --secret-file serve.secret --rate-limit 30 --max-work 2048
+  # only clients holding a token (one a line; the openai client sends it as its api_key)
+  openssl rand -hex 32 > clients.tokens
+  blocktrain serve --hosts ... --port 8100 --tokens-file clients.tokens
   # hosts on HTTPS with a self-signed certificate: trust it
   blocktrain serve --hosts https://10.0.0.5:8101 --port 8100 --secret-file serve.secret \\
       --ca-cert tls/cert.pem
@@ -138,8 +142,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         metavar="U",
-        help="most work of one client address's requests running at once (429 above; default "
-        "half of --max-work-in-flight; behind a reverse proxy set it to --max-work-in-flight)",
+        help="most work of one client's requests running at once, a client being an address "
+        "and, with --tokens-file, a token (429 above; default half of --max-work-in-flight; "
+        "behind a reverse proxy set it to --max-work-in-flight)",
     )
     p.add_argument(
         "--send-timeout",
@@ -159,6 +164,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate")
     p.add_argument("--tls-key", metavar="PEM", help="... and this private key")
     p.add_argument(
+        "--insecure-http",
+        action="store_true",
+        help="serve plain HTTP on a --host other machines reach (refused otherwise: tokens "
+        "would cross the network in the clear); for TLS ended by a reverse proxy, or a "
+        "private network",
+    )
+    p.add_argument(
         "--ca-cert",
         metavar="PEM",
         help="trust this CA (or self-signed certificate) for https hosts, instead of the system's CAs",
@@ -167,6 +179,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--secret-file",
         metavar="PATH",
         help=f"file holding the secret shared with the block hosts (else ${SECRET_ENV})",
+    )
+    p.add_argument(
+        "--tokens-file",
+        metavar="PATH",
+        help="file of client tokens, one a line: every /v1/ request then needs one as "
+        "'Authorization: Bearer TOKEN' (the OpenAI client's api_key), and the work limits "
+        "count each token as well as each address",
     )
     p.add_argument(
         "--draft-corpus",
@@ -205,6 +224,8 @@ def model_drafter(run: Path) -> ModelDrafter:
 
 
 def run_cmd(args: argparse.Namespace) -> int:
+    tls = tls_pair(args.tls_cert, args.tls_key)
+    require_tls(args.host, tls, args.insecure_http)  # before a drafter takes its time to load
     hosts = tuple(h.strip() for h in args.hosts.split(",") if h.strip())
     drafter: Drafter | None = None
     if args.draft_corpus and args.draft_model:
@@ -238,9 +259,9 @@ def run_cmd(args: argparse.Namespace) -> int:
         send_timeout_s=args.send_timeout,
         park_after_s=args.park_after,
         secret=load_secret(args.secret_file),
+        tokens=load_tokens(args.tokens_file),
         ca_cert=args.ca_cert,
     )
-    tls = tls_pair(args.tls_cert, args.tls_key)
     sock = bind(args.host, args.port)
     app = create_app(settings)  # builds nothing that can fail: hosts are asked lazily
     print(f"routing to {', '.join(hosts)} on {url_of(sock, tls=tls is not None)}", flush=True)

@@ -16,9 +16,9 @@ from blocktrain.listener import bind, run, url_of
 from blocktrain.serving.host.host_app import create_app
 from blocktrain.serving.host.host_settings import HostSettings
 from blocktrain.serving.host.loading import ModelSource
-from blocktrain.serving.shared.auth import SECRET_ENV, is_loopback, load_secret
+from blocktrain.serving.shared.auth import SECRET_ENV, load_secret
 from blocktrain.serving.shared.transport import check_url
-from blocktrain.tls import tls_pair
+from blocktrain.tls import is_loopback, tls_pair
 
 EXAMPLES = """examples:
   # hosts take work only from a router holding the same secret (required off loopback)

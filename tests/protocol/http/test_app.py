@@ -161,7 +161,7 @@ def _cases():
         # (name, how, expected status, reason)
         ("no token", {"headers": {"Authorization": ""}}, 401, "missing_token"),
         ("wrong token", {"token": "bt_wrong"}, 401, "invalid_token"),
-        ("revoked token", {"token": "revoked"}, 401, "revoked_token"),
+        ("revoked token", {"token": "revoked"}, 401, "invalid_token"),
         ("someone else's worker", {"worker": "bob"}, 403, "not_your_worker"),
         ("unregistered worker id", {"worker": 999}, 404, "unknown_worker"),
         ("block not assigned", {"block": 1, "body": delta_body(1)}, 403, "not_assigned"),
@@ -350,7 +350,7 @@ def test_revoking_a_token_takes_effect_at_once(harness):
     assert h.pull(h.alice, a, 0).status_code == 200
     h.state.ledger.revoke_token("alice", 2.0)
     r = h.pull(h.alice, a, 0)
-    assert r.status_code == 401 and r.json()["reason"] == "revoked_token"
+    assert r.status_code == 401 and r.json()["reason"] == "invalid_token"
 
 
 def test_malformed_requests_never_get_a_5xx(harness):

@@ -64,6 +64,7 @@ def test_rounds_across_namespaces_with_delay_and_loss(tmp_path, corpus):
                 net.agg_ip,
                 "--port",
                 "0",
+                "--insecure-http",  # a private network namespace
             ],
             logs,
             prefix=net.exec_prefix(net.agg),

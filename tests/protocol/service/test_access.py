@@ -12,9 +12,10 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from blocktrain.httpserve import TokenBucket
+from blocktrain.httpserve import Limits, TokenBucket
 from blocktrain.protocol.http.app import create_app
 from blocktrain.protocol.service.access import AccessLimits, RateLimited, rate_limit
+from blocktrain.protocol.store.tokens import new_token
 from blocktrain.protocol.worker.client import AggregatorClient
 from blocktrain.protocol.worker.retrying import RetryPolicy
 from tests.asgi import asgi_request
@@ -76,12 +77,12 @@ def test_unauthenticated_refusals_never_grow_the_ledger(harness):
     rows = ledger_rows(h)
     body = delta_body(0)
     for token in ("", "bt_wrong", "bt_" + "A" * 43):
-        for _ in range(20):
+        for _ in range(9):  # 18 invalid in all: within one address's burst of 20 failures
             r = h.client.post("/v1/blocks/0/updates", content=body, headers=auth(token, a))
             assert r.status_code == 401
     assert ledger_rows(h) == rows
     refused = h.client.get("/v1/status", headers=auth(h.alice)).json()["refused_requests"]
-    assert refused["push"] == {"missing_token": 20, "invalid_token": 40}
+    assert refused["push"] == {"missing_token": 9, "invalid_token": 18}
     # an authenticated refusal still has its row
     r = h.client.post("/v1/blocks/1/updates", content=body, headers=auth(h.alice, a))
     assert r.status_code == 403 and ledger_rows(h) == rows + 1
@@ -281,7 +282,6 @@ def test_the_served_aggregator_closes_half_sent_requests_and_answers_before_the_
     open after 45 s); and an unauthenticated body was read whole before the 401."""
     import socket
 
-    from blocktrain.httpserve import Limits
     from blocktrain.listener import ThreadedServer, bind
 
     state = make_state(tmp_path / "s")
@@ -306,3 +306,42 @@ def test_the_served_aggregator_closes_half_sent_requests_and_answers_before_the_
     finally:
         server.stop()
         state.close()
+
+
+def test_an_unknown_and_a_revoked_token_read_the_same(harness, caplog):
+    """Issue 58: the replies told `invalid_token` from `revoked_token` (and named the revoked
+    token's holder). Now both are one reason and one message on the wire; the aggregator's log
+    still says which it was."""
+    h = harness
+    h.state.ledger.revoke_token("alice", 1.0)
+    with caplog.at_level("INFO", logger="blocktrain.protocol.service.identity"):
+        revoked = h.client.get("/v1/config", headers=auth(h.alice))
+    unknown = h.client.get("/v1/config", headers=auth("bt_" + "B" * 43))
+    assert revoked.status_code == unknown.status_code == 401
+    assert revoked.json() == unknown.json(), (revoked.json(), unknown.json())
+    assert revoked.json()["reason"] == "invalid_token" and "alice" not in revoked.text
+    assert "'alice': it was revoked" in caplog.text
+
+
+def test_a_burst_of_failed_token_checks_locks_the_address_out_with_429(tmp_path):
+    """Issue 58: 906 token guesses a second from one address, with no limit per address. Now
+    after `failed_auth_burst` failures every token check from that address is answered 429
+    `rate_limited` with a Retry-After, a valid token's too (else the check would go on
+    answering guesses); another address is served."""
+    state = make_state(tmp_path / "s")
+    alice = add_token(state, "alice")
+    limits = AccessLimits(http=Limits(max_body=16 * 1024, failed_auth_burst=3, tarpit_s=0))
+    app = create_app(storage=state, clock=FakeClock(), limits=limits)
+    guesser = TestClient(app, client=("203.0.113.7", 50000))
+    for _ in range(3):
+        assert guesser.get("/v1/config", headers=auth(new_token())).status_code == 401
+    for token in (new_token(), alice):
+        r = guesser.get("/v1/config", headers=auth(token))
+        assert r.status_code == 429 and r.json()["reason"] == "rate_limited", r.text
+        assert int(r.headers["Retry-After"]) >= 1 and "failed token checks" in r.text
+    r = guesser.post("/v1/blocks/0/updates", content=delta_body(0), headers=auth(alice))
+    assert r.status_code == 429, "the push path counts the same failures"
+    other = TestClient(app, client=("198.51.100.1", 50000))
+    assert other.get("/v1/config", headers=auth(alice)).status_code == 200
+    assert guesser.get("/v1/config").status_code == 401, "no token at all is no guess"
+    state.close()

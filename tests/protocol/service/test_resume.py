@@ -97,7 +97,7 @@ def test_only_its_own_token_may_take_a_worker_back_unless_shut_out(harness):
     assert (r.status_code, r.json()["reason"]) == (403, "banned_token")
     h.state.ledger.revoke_token("alice", 1.0)
     r = resume(h, h.alice, mine)
-    assert (r.status_code, r.json()["reason"]) == (401, "revoked_token")
+    assert (r.status_code, r.json()["reason"]) == (401, "invalid_token")
     assert h.state.ledger.workers() == [], "the worker stays gone"
 
 

@@ -817,3 +817,116 @@ def test_a_host_answering_nested_json_is_a_gateway_error_not_a_500(cluster):
         r = router.post("/v1/generate", json=request)
         assert r.status_code == 502, r.text
         assert "bad /v1/info" in r.json()["error"]["message"]
+
+
+# --------------------------------------------------------------------------- client tokens
+
+
+def test_one_token_holds_one_share_from_however_many_addresses():
+    """Issue 58: two addresses could hold the router's whole in-flight budget, the share being
+    per address only. With tokens a request counts against its token and its address: one
+    token from two addresses holds one share (16 of 32), an address at most a share whatever
+    tokens it shows, and another token still gets its floor over a full budget (the budget
+    over the tokens holding work) while those above their share yield to it."""
+    work = WorkLimiter(per_request=8, in_flight_max=32, per_client=16)
+    work.admit(8, "w", "max_tokens", "token a", "10.0.0.1")
+    work.admit(8, "w", "max_tokens", "token a", "10.0.0.2")
+    with pytest.raises(Exception, match=r"busy for token a: 16 units"):
+        work.admit(8, "w", "max_tokens", "token a", "10.0.0.3")  # a third address: no more
+    work.admit(8, "w", "max_tokens", "token b", "10.0.0.1")
+    with pytest.raises(Exception, match=r"busy for 10\.0\.0\.1: 16 units"):
+        work.admit(8, "w", "max_tokens", "token c", "10.0.0.1")
+    work.admit(8, "w", "max_tokens", "token c", "10.0.0.4")  # the budget is full: 32
+    floor = work.admit(8, "w", "max_tokens", "token d", "10.0.0.6")  # 8 <= 32 / 4 tokens
+    assert work.in_flight == 40
+    assert work.should_yield("token a") and not work.should_yield("token d")
+    work.release(floor, "token d", address="10.0.0.6")
+    for client, address in (("token a", "10.0.0.1"), ("token a", "10.0.0.2")):
+        work.release(8, client, address=address)
+    work.release(8, "token b", address="10.0.0.1")
+    work.release(8, "token c", address="10.0.0.4")
+    assert work.in_flight == 0 and work.by_client == {} and work.by_address == {}
+
+
+TOKEN = "client-token-of-at-least-16"
+
+
+def _router_with_tokens(cluster, tmp_path):
+    from blocktrain.serving import RouterSettings, create_router_app
+    from blocktrain.serving.router.client_tokens import load_tokens
+
+    path = tmp_path / "tokens"
+    path.write_text(f"# the clients\n{TOKEN}\n\nanother-token-0123456789\n")
+    tokens = load_tokens(str(path))
+    assert len(tokens) == 2, "comments and blank lines are skipped"
+    settings = RouterSettings(hosts=tuple(cluster.urls), tokens=tokens)
+    return create_router_app(settings, transport=cluster.apps)
+
+
+def test_a_router_with_tokens_serves_their_holders_and_counts_work_per_token(cluster, tmp_path):
+    """`serve --tokens-file`: a /v1/ request without a token or with a wrong one gets one 401
+    (`invalid_api_key`, the same message for both); a token's is served, its work counted
+    against its token and its address, and its connection marked a token holder's (the
+    listener's anonymous pool); /healthz stays open."""
+    from blocktrain.httpserve import AUTHENTICATED, FailedAuth, Limits
+    from blocktrain.serving.router.client_tokens import RequireToken
+    from blocktrain.serving.router.limits import CLIENT_TOKEN
+
+    app = _router_with_tokens(cluster, tmp_path)
+    router = app.state.router
+    admitted: list[tuple] = []
+    admit = router.work.admit
+
+    def spy(*args: object) -> int:
+        admitted.append(args)
+        return admit(*args)
+
+    router.work.admit = spy
+    body = {"model": "bt", "prompt": "The ", "max_tokens": 4, "seed": 1}
+    with TestClient(app) as client:
+        none = client.post("/v1/completions", json=body)
+        wrong = client.post("/v1/completions", json=body, headers={"authorization": "Bearer x"})
+        assert none.status_code == wrong.status_code == 401
+        assert none.json() == wrong.json() and none.json()["error"]["code"] == "invalid_api_key"
+        assert client.get("/healthz").status_code == 200
+        assert admitted == [], "no work admitted without a token"
+        headers = {"authorization": f"Bearer {TOKEN}"}
+        ok = client.post("/v1/completions", json=body, headers=headers)
+        assert ok.status_code == 200, ok.text
+    ((*_, client_key, address),) = admitted
+    assert client_key.startswith("token ") and address == "testclient"
+    # what the token check leaves in the scope: the token, and the mark the listener reads
+    state: dict = {}
+
+    async def inner(scope: dict, receive: object, send: object) -> None:
+        state.update(scope["state"])
+
+    check = RequireToken(inner, router.settings.tokens, FailedAuth(Limits()))
+    scope = {"type": "http", "path": "/v1/models", "client": ("10.0.0.1", 1)}
+    asyncio.run(
+        check(
+            {**scope, "headers": [(b"authorization", headers["authorization"].encode())]},
+            None,
+            None,
+        )
+    )  # type: ignore[arg-type]
+    assert state[AUTHENTICATED] and state[CLIENT_TOKEN] == client_key.removeprefix("token ")
+    assert router.work.in_flight == 0 and router.work.by_address == {}
+
+
+def test_a_router_locks_out_an_address_that_guesses_tokens(cluster, tmp_path):
+    """Issue 58, at the router: failed token checks from one address past a burst get 429
+    with a Retry-After, a valid token's too; another address is served."""
+    app = _router_with_tokens(cluster, tmp_path)
+    # no `with`: the app's lifespan (which closes its client to the hosts) never runs
+    guesser = TestClient(app, client=("203.0.113.7", 1))
+    for i in range(20):  # Limits.failed_auth_burst
+        r = guesser.get("/v1/models", headers={"authorization": f"Bearer guess-{i:020d}"})
+        assert r.status_code == 401
+    for token in ("guess-again-0000000000", TOKEN):
+        r = guesser.get("/v1/models", headers={"authorization": f"Bearer {token}"})
+        assert r.status_code == 429 and "failed token checks" in r.text, r.text
+        assert int(r.headers["retry-after"]) >= 1
+    other = TestClient(app, client=("198.51.100.1", 1))
+    r = other.get("/v1/models", headers={"authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 200, r.text

@@ -14,8 +14,16 @@ from blocktrain.errors import Refused
 REASONS: dict[str, tuple[int, str]] = {
     # authentication and identity
     "missing_token": (401, "no `Authorization: Bearer` header"),
-    "invalid_token": (401, "the token is not known to this aggregator"),
-    "revoked_token": (401, "the token was revoked"),
+    "invalid_token": (
+        401,
+        "the token is not valid here: unknown to this aggregator, or revoked (the two read the "
+        "same); ask its operator for a token (`blocktrain token add`)",
+    ),
+    "revoked_token": (
+        401,
+        "(the ledger's only) an accepted update dropped from its open round because its token "
+        "was revoked; a revoked token itself is answered `invalid_token`",
+    ),
     "banned_token": (403, "the token was banned (`blocktrain ban`); it is refused for good"),
     "block_not_allowed": (403, "the token is pinned to other blocks (`token add --block`)"),
     "viewer_token": (
@@ -82,7 +90,11 @@ REASONS: dict[str, tuple[int, str]] = {
     "unknown_base": (404, "the aggregator holds no such view to send a delta from; pull it whole"),
     # limits (never a ledger row: counted in memory, see docs/protocol.md, Limits)
     "slow_client": (408, "the request's body came slower than the minimum rate"),
-    "rate_limited": (429, "the token sent more requests than its rate allows; see Retry-After"),
+    "rate_limited": (
+        429,
+        "the token sent more requests than its rate allows, or its address (or network) failed "
+        "too many token checks; see Retry-After",
+    ),
     "rolled_back": (409, "the round was dropped by `blocktrain rollback`; pull and train again"),
     # effect
     "harmful": (

@@ -1,5 +1,7 @@
 """What the aggregator's routes share: accounting tags, and authentication and the rate limit
-as FastAPI dependencies, each run before a route reads its body."""
+as FastAPI dependencies, each run before a route reads its body. A request whose token checks
+out marks its connection a token holder's (`httpserve.mark_authenticated`: the listener keeps
+it out of the anonymous pool)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from typing import Any
 
 from fastapi import Depends, Header, Path, Request
 
-from blocktrain.httpserve import Scope
+from blocktrain.httpserve import Scope, mark_authenticated
 from blocktrain.protocol.service.aggregator_service import AggregatorService
 from blocktrain.protocol.service.identity import Caller, check_may
 from blocktrain.protocol.service.updates import PushContext
@@ -40,6 +42,15 @@ def endpoint_of(scope: Scope) -> str:
     return "register" if path.rstrip("/") == "/v1/workers" else "other"
 
 
+def authenticated(request: Request, authorization: str | None) -> TokenRow:
+    """The request's token (`Admission.authenticate`, its failed checks counted against the
+    client's address), its connection then marked a token holder's."""
+    address = request.client.host if request.client else "unknown"
+    token = _service(request).authenticate(authorization, address=address)
+    mark_authenticated(request.scope)
+    return token
+
+
 def path_block(request: Request) -> int | None:
     return _int_or_none(request.path_params.get("block"))
 
@@ -50,7 +61,7 @@ def endpoint_token(endpoint: str) -> Any:
 
     def dependency(request: Request, authorization: str | None = Header(None)) -> TokenRow:
         tag(request, endpoint, path_block(request))
-        token = _service(request).authenticate(authorization)
+        token = authenticated(request, authorization)
         _service(request).admit(token.id)
         check_may(token, endpoint)
         return token
@@ -70,7 +81,9 @@ def endpoint_caller(endpoint: str) -> Any:
         worker = _int_or_none(request.path_params.get("worker_id"))
         if worker is not None:
             x_worker_id = str(worker)
-        caller = _service(request).identify(authorization, x_worker_id, endpoint)
+        caller = _service(request).identify(
+            authenticated(request, authorization), x_worker_id, endpoint
+        )
         _service(request).admit(caller.token_id)
         tag(request, endpoint, path_block(request), caller.worker_id)
         return caller
@@ -87,7 +100,7 @@ def push_context(
     """The identity of a push, refused before its body is read."""
     tag(request, "push", block)
     ctx = _service(request).begin_push(
-        authorization=authorization, worker_header=x_worker_id, block=block
+        token=authenticated(request, authorization), worker_header=x_worker_id, block=block
     )
     tag(request, "push", block, ctx.worker_id)
     return ctx

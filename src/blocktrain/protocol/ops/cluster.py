@@ -25,6 +25,7 @@ from blocktrain.errors import ProtocolError
 from blocktrain.protocol.store.storage import StateDir
 from blocktrain.protocol.worker.client import AggregatorClient
 from blocktrain.protocol.worker.retrying import RetryPolicy
+from blocktrain.tls import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,10 @@ def start_aggregator(
     name: str = "aggregator",
     prefix: Sequence[str] = (),
 ) -> tuple[Proc, str]:
+    """The aggregator of `state` on host:port (off loopback: the private network namespaces
+    of the benches and tests, over plain HTTP, `--insecure-http`)."""
     state.clear_endpoint()
+    insecure = [] if is_loopback(host) else ["--insecure-http"]
     proc = spawn(
         name,
         [
@@ -105,6 +109,7 @@ def start_aggregator(
             host,
             "--port",
             str(port),
+            *insecure,
             *extra,
         ],
         logs,

@@ -13,11 +13,11 @@ from collections.abc import Callable
 from typing import Any
 
 from blocktrain.errors import Refused
-from blocktrain.httpserve import TokenBucket
+from blocktrain.httpserve import FailedAuth, TokenBucket
 from blocktrain.protocol.core.round_engine import RoundEngine
 from blocktrain.protocol.core.verdict import refused
 from blocktrain.protocol.service import identity
-from blocktrain.protocol.service.access import rate_limit
+from blocktrain.protocol.service.access import RateLimited, rate_limit
 from blocktrain.protocol.service.identity import Caller
 from blocktrain.protocol.service.placement import Directory
 from blocktrain.protocol.service.updates import PushContext
@@ -32,6 +32,7 @@ class Admission:
 
     ledger: Ledger
     limiter: TokenBucket
+    failed_auth: FailedAuth
     n_blocks: int
     directory: Directory
     engine: RoundEngine
@@ -40,13 +41,24 @@ class Admission:
 
     # ------------------------------------------------------------------ identity
 
-    def authenticate(self, authorization: str | None) -> TokenRow:
-        return identity.authenticate(self.ledger, authorization)
+    def authenticate(self, authorization: str | None, *, address: str | None) -> TokenRow:
+        """The caller's token (`identity.authenticate`). From `address` (the client's; None:
+        a caller in this process, the simulator), a burst of invalid tokens locks every check
+        out for a while: 429 `rate_limited` with its Retry-After (`httpserve.FailedAuth`). A
+        request without a token is no guess: it gets its 401 `missing_token`."""
+        if address is not None and authorization and (wait := self.failed_auth.wait(address)):
+            raise RateLimited(self.failed_auth.refusal(address, wait), wait)
+        try:
+            return identity.authenticate(self.ledger, authorization)
+        except Refused as exc:
+            if address is not None and exc.reason == "invalid_token":
+                self.failed_auth.failed(address)
+            raise
 
     def identify(
-        self, authorization: str | None, worker_header: str | None, endpoint: str | None = None
+        self, token: TokenRow, worker_header: str | None, endpoint: str | None = None
     ) -> Caller:
-        return identity.identify(self.ledger, authorization, worker_header, endpoint)
+        return identity.identify(self.ledger, token, worker_header, endpoint)
 
     def admit(self, token_id: int) -> None:
         """The token's rate limit (RateLimited, a 429, when it is spent)."""
@@ -94,21 +106,18 @@ class Admission:
             )
         return caller.worker_id
 
-    def begin_push(
-        self, *, authorization: str | None, worker_header: str | None, block: int
-    ) -> PushContext:
+    def begin_push(self, *, token: TokenRow, worker_header: str | None, block: int) -> PushContext:
         """Who is pushing, to which block: refused before a byte of the body is read, and so is
         a push of an identity whose probe budget for the block's open round is spent (`busy`:
         the probe would refuse it whatever it holds), or that already has as many updates in
         that round as its token may run workers (`duplicate`). Only an authenticated, admitted token's
         refusals get a ledger row (the HTTP guard has already checked the declared size)."""
         received = self.clock()
-        token = self.authenticate(authorization)
         self.admit(token.id)
         worker: int | None = None
         try:
             identity.check_may(token, "push")
-            caller = self.identify(authorization, worker_header)
+            caller = self.identify(token, worker_header)
             worker = caller.worker_id
             worker = self._worker_on(caller, block)
             with self.lock:  # what judge or reserve_probe would say: not worth reading the body

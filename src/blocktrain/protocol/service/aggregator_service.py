@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from blocktrain.errors import ProtocolError
-from blocktrain.httpserve import TokenBucket
+from blocktrain.httpserve import FailedAuth, TokenBucket
 from blocktrain.protocol.core.bodies import encode
 from blocktrain.protocol.core.events import Committed, EngineBlock
 from blocktrain.protocol.core.settings import AggregatorSettings
@@ -62,6 +62,7 @@ class AggregatorService(Pushes, Streams):
         self.storage = storage
         self.limits = limits or AccessLimits()
         self.limiter = TokenBucket(self.limits.rate_per_s, self.limits.burst, rate_clock)
+        self.failed_auth = FailedAuth(self.limits.http, rate_clock)
         self._pruned_at: float | None = None
         manifest = storage.manifest()
         self.settings = settings if settings is not None else storage.settings()

@@ -1,15 +1,20 @@
 """Who is calling: the bearer token (stored hashed in the ledger) and, when there is one, the
 worker it speaks for. The FastAPI app wraps these in dependencies (`http.app.create_app`);
-every refusal carries a reason code of `verdict.REASONS`."""
+every refusal carries a reason code of `verdict.REASONS`. An unknown token and a revoked one
+read the same on the wire (`invalid_token`, one message): a guess learns no more than no, and
+a stolen old token not whose it was. The log tells them apart."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from blocktrain.protocol.core.verdict import Verdict, refused
 from blocktrain.protocol.store.ledger import Ledger
 from blocktrain.protocol.store.ledger_schema import TokenRow
 from blocktrain.protocol.store.tokens import bearer, hash_token
+
+log = logging.getLogger(__name__)
 
 VIEWER_ENDPOINTS = frozenset({"status", "history", "metrics", "config", "directory", "round"})
 """What a viewer token (`blocktrain token add --viewer`) may call: what the dashboard and
@@ -38,26 +43,25 @@ def authenticate(ledger: Ledger, authorization: str | None) -> TokenRow:
     if isinstance(token, Verdict):
         raise refused(token.reason, token.detail)
     row = ledger.token_by_hash(hash_token(token))
-    if row is None:
-        raise refused("invalid_token", "this token is not known to the aggregator")
-    if row.banned is not None:
+    if row is not None and row.banned is not None:
         why = f": {row.ban_reason}" if row.ban_reason else ""
         raise refused("banned_token", f"token {row.name!r} was banned{why}")
-    if row.revoked is not None:
-        raise refused("revoked_token", f"token {row.name!r} was revoked")
+    if row is None or row.revoked is not None:
+        if row is not None:
+            log.info("refused token %r: it was revoked", row.name)
+        raise refused("invalid_token")
     return row
 
 
 def identify(
     ledger: Ledger,
-    authorization: str | None,
+    token: TokenRow,
     worker_header: str | None,
     endpoint: str | None = None,
 ) -> Caller:
-    """The token and, when there is one, the worker making the call (the X-Worker-Id header,
-    else the token's latest registered worker); with `endpoint`, a viewer token is refused
-    first (`check_may`)."""
-    token = authenticate(ledger, authorization)
+    """The authenticated `token` and, when there is one, the worker making the call (the
+    X-Worker-Id header, else the token's latest registered worker); with `endpoint`, a viewer
+    token is refused first (`check_may`)."""
     if endpoint is not None:
         check_may(token, endpoint)
     if worker_header is not None and worker_header.strip():

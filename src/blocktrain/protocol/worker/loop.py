@@ -57,7 +57,7 @@ closed, and its version was pruned, between the pull and the download)."""
 REREGISTER_REASONS = frozenset({"unknown_worker", "not_assigned", "not_your_worker", "wrong_wire"})
 """Refusals after which a worker registers again (wrong_wire: the aggregator was restarted with
 another `--wire`; registering tells the new one)."""
-FATAL_REASONS = frozenset({"missing_token", "invalid_token", "revoked_token"})
+FATAL_REASONS = frozenset({"missing_token", "invalid_token"})
 """Refusals no retry can fix."""
 
 

@@ -325,6 +325,7 @@ async def start_run(
     top_logprobs: int | None,
     arrived: float,
     client: str = "",
+    address: str | None = None,
 ) -> Run:
     """Validate a request and admit its work (n choices of n_bytes); `Run.done` releases it."""
     if top_logprobs is not None:
@@ -344,6 +345,7 @@ async def start_run(
         choices=req.n,
         logprobs=top_logprobs is not None,
         client=client,
+        address=address,
     )
     return Run(
         router,

@@ -53,7 +53,7 @@ from blocktrain.serving.router.chain_router import Router
 from blocktrain.serving.router.limits import (
     CLIENT_GONE,
     ClientGone,
-    client_address,
+    holder_of,
     while_connected,
 )
 from blocktrain.serving.router.router_settings import RouterSettings
@@ -348,6 +348,7 @@ def add_openai_routes(app: FastAPI, router: Router) -> None:
     @app.post("/v1/completions", response_model=None)
     async def completions(req: CompletionRequest, request: Request) -> BaseModel | Response:
         arrived = time.perf_counter()
+        client, address = holder_of(request.scope)
         if req.echo and req.logprobs is not None:
             raise BadRequest(
                 "echo with logprobs asks for the prompt's logprobs, which this router does not "
@@ -362,13 +363,15 @@ def add_openai_routes(app: FastAPI, router: Router) -> None:
             param="max_tokens",
             top_logprobs=req.logprobs,
             arrived=arrived,
-            client=client_address(request.scope),
+            client=client,
+            address=address,
         )
         return await _respond(_CompletionShape(run, req), request.receive)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(req: ChatCompletionRequest, request: Request) -> BaseModel | Response:
         arrived = time.perf_counter()
+        client, address = holder_of(request.scope)
         run = await start_run(
             router,
             req,
@@ -377,6 +380,7 @@ def add_openai_routes(app: FastAPI, router: Router) -> None:
             param="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
             top_logprobs=req.top(),
             arrived=arrived,
-            client=client_address(request.scope),
+            client=client,
+            address=address,
         )
         return await _respond(_ChatShape(run, req), request.receive)

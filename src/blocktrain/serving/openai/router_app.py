@@ -17,10 +17,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from blocktrain.httpserve import HttpGuard, Limits
+from blocktrain.httpserve import FailedAuth, HttpGuard, Limits
 from blocktrain.model import utf8
 from blocktrain.serving.openai.openai_api import add_openai_routes
 from blocktrain.serving.router.chain_router import Router
+from blocktrain.serving.router.client_tokens import RequireToken
 from blocktrain.serving.router.generate_schemas import (
     GenerateRequest,
     GenerateResponse,
@@ -30,7 +31,7 @@ from blocktrain.serving.router.limits import (
     CLIENT_GONE,
     ClientGone,
     RateLimit,
-    client_address,
+    holder_of,
     per_minute,
     while_connected,
 )
@@ -81,11 +82,12 @@ def create_app(
 
     app = FastAPI(title="BlockTrain router", lifespan=lifespan)
     app.state.router = router
-    # The guard outside the rate limit: it holds the limit's 429s (Limits.tarpit_s).
+    limits = Limits(max_body=settings.max_body_bytes)
+    # The guard outside the token check and the rate limit: it holds their 429s
+    # (Limits.tarpit_s). The token before the rate: a request without one costs nothing more.
     app.add_middleware(RateLimit, limiter=limiter)
-    app.add_middleware(
-        HttpGuard, limits=Limits(max_body=settings.max_body_bytes), error_body=error_body
-    )
+    app.add_middleware(RequireToken, digests=settings.tokens, failures=FailedAuth(limits, clock))
+    app.add_middleware(HttpGuard, limits=limits, error_body=error_body)
 
     @app.exception_handler(ServingError)
     async def serving_error(_: Request, exc: ServingError) -> JSONResponse:
@@ -127,13 +129,15 @@ def create_app(
     @app.post("/v1/generate", response_model=GenerateResponse)
     async def generate(req: GenerateRequest, request: Request) -> GenerateResponse | Response:
         t0 = time.perf_counter()
+        client, address = holder_of(request.scope)
         job = await router.job(
             model=req.model,
             prompt=req.prompt,
             n_bytes=req.max_bytes,
             param="max_bytes",
             req=req,
-            client=client_address(request.scope),
+            client=client,
+            address=address,
         )
         stats = ChainStats()
 

@@ -81,7 +81,10 @@ class Job:
     units: int
     """The work admitted for this job, released by `Router.done`."""
     client: str = ""
-    """Whose work it is (the client's address), for its share of the work in flight."""
+    """Whose work it is (its token, or its address: `limits.holder_of`), for its share of the
+    work in flight."""
+    address: str | None = None
+    """The client's address, when the client is a token: it holds to a share too."""
     exit: str = "sampler"
     """A one-sweep model's exit, resolved (never `auto`): the sampler, or its head (one byte
     per traversal)."""
@@ -153,6 +156,7 @@ class Router:
         choices: int = 1,
         logprobs: bool = False,
         client: str = "",
+        address: str | None = None,
     ) -> Job:
         """A validated job, its work admitted: `choices` samples of n_bytes each (with their
         logprobs: then it drafts only when the request asks)."""
@@ -196,7 +200,9 @@ class Router:
         names = ["n"] * (choices > 1) + [param, "steps_per_block"] + ["verify_draws"] * (draws > 1)
         values = [choices] * (choices > 1) + [n_bytes, steps] + [draws] * (draws > 1)
         what = f"{' x '.join(names)} = {' x '.join(map(str, values))}"
-        units = self.work.admit(choices * work_units(n_bytes, steps * draws), what, param, client)
+        units = self.work.admit(
+            choices * work_units(n_bytes, steps * draws), what, param, client, address
+        )
         return Job(
             remote,
             data,
@@ -209,6 +215,7 @@ class Router:
             req.verify_draws,
             units,
             client,
+            address,
             exit=exit_,
         )
 
@@ -228,7 +235,7 @@ class Router:
     def done(self, job: Job, parked: bool = False) -> None:
         """The job ended (answered, failed or abandoned): its work is no longer in flight, nor
         in its client's share."""
-        self.work.release(job.units, job.client, parked)
+        self.work.release(job.units, job.client, parked, job.address)
 
     def park(self, job: Job) -> None:
         """The job's stream waits for a client that reads nothing: its work leaves the work in

@@ -56,10 +56,23 @@ async def while_connected(receive: Receive, work: Awaitable[T]) -> T:
     return task.result()
 
 
+CLIENT_TOKEN = "client_token"
+"""Key in the scope's "state": the request's token (a prefix of its digest), put there by
+`client_tokens.RequireToken` when the router takes tokens."""
+
+
 def client_address(scope: Scope) -> str:
-    """Whom the per-client limits count a request against: its peer's address."""
+    """The request's peer's address: what the rate limit counts."""
     client = scope.get("client")
     return str(client[0]) if client else "unknown"
+
+
+def holder_of(scope: Scope) -> tuple[str, str | None]:
+    """Whom the work limits count a request against: (its token, its address) when the router
+    takes tokens, else (its address, None). The first is the client of the fair share."""
+    token = scope.get("state", {}).get(CLIENT_TOKEN)
+    address = client_address(scope)
+    return (f"token {token}", address) if token else (address, None)
 
 
 def work_units(n_bytes: int, steps_per_block: int) -> int:
@@ -86,7 +99,9 @@ def check_rate(bucket: TokenBucket, client: str) -> None:
 @dataclass
 class WorkLimiter:
     """Caps the work of one request (422), of one client's requests in flight together, and of
-    all requests in flight together (429).
+    all requests in flight together (429). A client is a token when the router takes tokens,
+    and its address then holds to the same share too (`by_address`): one token from many
+    addresses, or many tokens from one, hold at most a share each; else a client is an address.
 
     The budget in flight is shared fairly: a client whose work would stay within its fair
     share (the budget over the clients holding work, itself included) is admitted even when the
@@ -94,7 +109,9 @@ class WorkLimiter:
     the clients above their share pause between pieces (`should_yield`), but never the
     smallest holder. So clients that fill the budget from many addresses delay a newcomer's
     request by a piece, instead of refusing it (bench/live_attacks.py,
-    unread_streams_4_addresses: 429 on 118 of 118 before)."""
+    unread_streams_4_addresses: 429 on 118 of 118 before). With tokens, the fair share is per
+    token: each token holding work has a floor of the budget over the tokens holding work,
+    however many addresses the others use."""
 
     per_request: int
     in_flight_max: int
@@ -102,11 +119,15 @@ class WorkLimiter:
     per_client: int | None = None
     """Work in flight of one client (address) at once; None: no share but the whole."""
     by_client: dict[str, int] = field(default_factory=dict)
+    by_address: dict[str, int] = field(default_factory=dict)
+    """Work in flight per address, of the requests whose client is a token."""
 
-    def admit(self, units: int, what: str, param: str, client: str = "") -> int:
-        """Count `units` of work in flight for `client` -> the units to `release` when the
-        request ends; `what` says how the units were counted, `param` what the client should
-        change."""
+    def admit(
+        self, units: int, what: str, param: str, client: str = "", address: str | None = None
+    ) -> int:
+        """Count `units` of work in flight for `client` (and for `address`, when the client is
+        a token: `holder_of`) -> the units to `release` when the request ends; `what` says how
+        the units were counted, `param` what the client should change."""
         if units > self.per_request:
             raise BadRequest(
                 f"{what} = {units} units of work exceeds this router's limit of "
@@ -116,14 +137,9 @@ class WorkLimiter:
                 status=422,
             )
         held = self.by_client.get(client, 0)
-        if self.per_client is not None and held + units > self.per_client:
-            raise TooManyRequests(
-                f"the router is busy for {client or 'this client'}: {held} units of its work in "
-                f"flight, {units} more would pass its share of {self.per_client} (of "
-                f"{self.in_flight_max} for all clients); retry when one of its requests ends",
-                retry_after_s=1.0,
-                code="busy",
-            )
+        self._check_share(client, held, units)
+        if address is not None:
+            self._check_share(address, self.by_address.get(address, 0), units)
         if self.in_flight + units > self.in_flight_max and not self._within_fair_share(
             client, held + units
         ):
@@ -135,7 +151,19 @@ class WorkLimiter:
             )
         self.in_flight += units
         self.by_client[client] = held + units
+        if address is not None:
+            self.by_address[address] = self.by_address.get(address, 0) + units
         return units
+
+    def _check_share(self, who: str, held: int, units: int) -> None:
+        if self.per_client is not None and held + units > self.per_client:
+            raise TooManyRequests(
+                f"the router is busy for {who or 'this client'}: {held} units of its work in "
+                f"flight, {units} more would pass its share of {self.per_client} (of "
+                f"{self.in_flight_max} for all clients); retry when one of its requests ends",
+                retry_after_s=1.0,
+                code="busy",
+            )
 
     def _within_fair_share(self, client: str, held: int) -> bool:
         """Whether `client`, holding `held` units, stays within its fair share of the budget
@@ -169,12 +197,17 @@ class WorkLimiter:
         self.in_flight += units
         return True
 
-    def release(self, units: int, client: str = "", parked: bool = False) -> None:
+    def release(
+        self, units: int, client: str = "", parked: bool = False, address: str | None = None
+    ) -> None:
         if not parked:
             self.in_flight -= units
-        left = self.by_client.pop(client, 0) - units
-        if left > 0:
-            self.by_client[client] = left
+        for books, key in ((self.by_client, client), (self.by_address, address)):
+            if key is None:
+                continue
+            left = books.pop(key, 0) - units
+            if left > 0:
+                books[key] = left
 
 
 class RateLimit:

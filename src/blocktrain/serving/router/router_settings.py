@@ -57,8 +57,9 @@ class RouterSettings:
     max_work_in_flight: int = 16384
     """Most work of all requests in flight together."""
     max_work_per_client: int | None = None
-    """Most work of one client address's requests in flight together; None: half of
-    max_work_in_flight (and at least max_work), so one client cannot hold the whole budget."""
+    """Most work of one client's requests in flight together, a client being an address, and
+    a token too when the router takes tokens; None: half of max_work_in_flight (and at least
+    max_work), so one client cannot hold the whole budget."""
     send_timeout_s: float = 30.0
     """A stream whose client reads none of it for this long (one send blocked) is ended, and
     its work released (openai/openai_api.py, `_Stream`)."""
@@ -71,6 +72,10 @@ class RouterSettings:
     unread_streams_4_addresses)."""
     secret: str | None = field(default=None, repr=False)
     """The hosts' shared secret, sent with every request to them (shared/auth.py)."""
+    tokens: frozenset[str] = field(default=frozenset(), repr=False)
+    """SHA-256 digests of the clients' tokens (`--tokens-file`, router/client_tokens.py): when
+    any, every /v1/ request needs one, and the work limits count it against its token as well
+    as its address. Empty: the router is open, and a client is its address."""
     ca_cert: str | None = None
     """PEM bundle to verify https hosts against (None: the system's CAs)."""
     coalesce_sweeps: int = 64
@@ -83,7 +88,7 @@ class RouterSettings:
 
     @property
     def work_per_client(self) -> int:
-        """Work one client address may have in flight at once."""
+        """Work one client (an address, a token) may have in flight at once."""
         if self.max_work_per_client is not None:
             return self.max_work_per_client
         return max(self.max_work, self.max_work_in_flight // 2)

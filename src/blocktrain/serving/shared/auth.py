@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import os
 from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from blocktrain.errors import ConfigError
+from blocktrain.httpserve import mark_authenticated
 from blocktrain.serving.shared.serving_errors import Unauthorized, send_error
 
 SECRET_ENV = "BLOCKTRAIN_SERVE_SECRET"
@@ -50,16 +50,6 @@ def load_secret(secret_file: str | None, environ: dict[str, str] | None = None) 
     return secret
 
 
-def is_loopback(host: str) -> bool:
-    """Whether a listening address or URL host is reachable from this machine only."""
-    if host.strip("[]") == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def auth_headers(secret: str | None) -> dict[str, str]:
     """The headers a router (or a host forwarding along --next) sends to a host."""
     return {} if secret is None else {"authorization": f"Bearer {secret}"}
@@ -81,7 +71,10 @@ class RequireSecret:
         if self._expected is None or scope["path"] in OPEN_PATHS:
             return True
         given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        return hmac.compare_digest(_digest(given), self._expected)
+        if not hmac.compare_digest(_digest(given), self._expected):
+            return False
+        mark_authenticated(scope)  # the router's connection: out of the anonymous pool
+        return True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or self.allowed(scope):

@@ -5,9 +5,10 @@
         ├── BadRequest        the request can never succeed as sent (400; 404 for an unknown
         │                     model; 413 too large; 422 too much work); says which parameter
         │                     and why
-        ├── Unauthorized      a host's caller did not present the shared secret (401)
-        ├── TooManyRequests   over the router's rate or concurrent-work limit (429), with
-        │                     the seconds to wait before retrying
+        ├── Unauthorized      a host's caller did not present the shared secret, or a
+        │                     router's client none of its tokens (401)
+        ├── TooManyRequests   over the router's rate or concurrent-work limit, or too many
+        │                     failed token checks (429), with the seconds to wait
         └── HostError         a host of the chain failed; names the host by its URL
             ├── HostUnavailable   unreachable, or died mid-request (503)
             ├── HostTimeout       no answer within the timeout (504)
