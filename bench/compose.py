@@ -334,27 +334,35 @@ its outer Nesterov; `averaged` the same unit with plain averaging, as the blocks
 METHODS = sorted({method for method, *_ in HEAD_TO_HEAD})
 
 
-def head_to_head(args: argparse.Namespace, data: Path) -> Iterator[dict[str, Any]]:
-    """The simulator with real local training: W workers, each holding one unit (a block, or
-    DiLoCo's end-to-end replica), R rounds of H local steps, the lockstep regime, no effect
-    probe; the final model's CE on the bench's test bytes (a stack's sampler CE). Each method's
-    row as it is measured."""
-    workers, rounds, h = args.simulate
+def methods_named(
+    args: argparse.Namespace, steps: int
+) -> Iterator[tuple[str, int, str, Row, RunConfig]]:
+    """The head-to-head's rows that --methods, --blocks, --routes and --deep name (end to end:
+    one block's depth, or B's), each as (method, blocks, route, its Row, its config)."""
     lpb = {"tiny": 1, "small": 2}.get(args.preset, 1)
-    test = load_split(data, "test").windows(preset(args.preset).model.seq_len, args.bytes)
     for method, blocks, depth, route in HEAD_TO_HEAD:
         if method not in args.methods:
             continue
         end_to_end = method in ("diloco", "averaged")
-        # the rows --blocks, --routes and --deep name (end-to-end: one block's depth, or B's)
         if end_to_end and depth not in {1, *args.deep}:
             continue
         if not end_to_end and (blocks not in args.blocks or route not in args.routes):
             continue
         model = "reference" if end_to_end else "blocktrain"
         intervals = "reversed" if method == "reversed" else "forward"
-        row = Row(args.preset, model, blocks, depth * lpb, route, rounds * h, intervals=intervals)
-        cfg = row.config(args.seeds[0], args.threads)
+        row = Row(args.preset, model, blocks, depth * lpb, route, steps, intervals=intervals)
+        yield method, blocks, route, row, row.config(args.seeds[0], args.threads)
+
+
+def head_to_head(args: argparse.Namespace, data: Path) -> Iterator[dict[str, Any]]:
+    """The simulator with real local training: W workers, each holding one unit (a block, or
+    DiLoCo's end-to-end replica), R rounds of H local steps, the lockstep regime, no effect
+    probe; the final model's CE on the bench's test bytes (a stack's sampler CE). Each method's
+    row as it is measured."""
+    workers, rounds, h = args.simulate
+    test = load_split(data, "test").windows(preset(args.preset).model.seq_len, args.bytes)
+    for method, blocks, route, row, cfg in methods_named(args, rounds * h):
+        end_to_end = row.model == "reference"
         protocol: dict[str, Any] = {"local_steps": h, "effect_probe": "off"}
         protocol |= DILOCO if method == "diloco" else {}
         unit = "reference" if end_to_end else "block"
@@ -375,7 +383,7 @@ def head_to_head(args: argparse.Namespace, data: Path) -> Iterator[dict[str, Any
             ev = evaluate_blocktrain(stack, test, EvalSettings(sweeps=args.sweeps, seed=0))
             ce, head = ev["sampler_ce"], ev["head_ce_per_block"][-1]
             params = plan(cfg)["params_total"]
-        name = method_name(method, blocks, depth * lpb, route)
+        name = method_name(method, blocks, row.layers_per_block, route)
         yield (
             {
                 "method": name,
@@ -422,19 +430,10 @@ def clock(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     the bytes moved and the largest worker's memory, whatever the CE (which lockstep training
     does not change). W workers, R rounds of H local steps, lockstep, no effect probe."""
     workers, rounds, h = args.clock
-    lpb = {"tiny": 1, "small": 2}.get(args.preset, 1)
-    for method, blocks, depth, route in HEAD_TO_HEAD:
-        end_to_end = method in ("diloco", "averaged")
-        if method not in args.methods or method == "averaged":  # DiLoCo's bytes and seconds
+    for method, blocks, route, row, cfg in methods_named(args, rounds * h):
+        end_to_end = row.model == "reference"
+        if method == "averaged":  # DiLoCo's bytes and seconds
             continue
-        if end_to_end and depth not in {1, *args.deep}:
-            continue
-        if not end_to_end and (blocks not in args.blocks or route not in args.routes):
-            continue
-        model = "reference" if end_to_end else "blocktrain"
-        intervals = "reversed" if method == "reversed" else "forward"
-        row = Row(args.preset, model, blocks, depth * lpb, route, rounds * h, intervals=intervals)
-        cfg = row.config(args.seeds[0], args.threads)
         # rounds close once every replica reported: the work, not the protocol's minimum round
         protocol: dict[str, Any] = {"local_steps": h, "effect_probe": "off", "min_round_s": 0.0}
         protocol |= DILOCO if method == "diloco" else {}
@@ -452,7 +451,7 @@ def clock(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                 "round_s": result["virtual_time_s"] / rounds,
             }
         yield {
-            "method": method_name(method, blocks, depth * lpb, route),
+            "method": method_name(method, blocks, row.layers_per_block, route),
             "preset": args.preset,
             "blocks": blocks,
             "layers": cfg.model.layers,

@@ -33,6 +33,7 @@ from blocktrain.cli.common import (
     add_config_args,
     add_data_arg,
     add_setting_args,
+    add_tls_args,
     add_unit_arg,
     file_patterns,
 )
@@ -101,15 +102,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, help="run seed (a new state only)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8470, help="port (0: any free port)")
-    p.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate")
-    p.add_argument("--tls-key", metavar="PEM", help="... and this private key")
-    p.add_argument(
-        "--insecure-http",
-        action="store_true",
-        help="serve plain HTTP on a --host other machines reach (refused otherwise: tokens "
-        "would cross the network in the clear); for TLS ended by a reverse proxy, or a "
-        "private network",
-    )
+    add_tls_args(p)
     limits = AccessLimits()
     p.add_argument(
         "--private-status",

@@ -93,6 +93,21 @@ def checked_ca(args: argparse.Namespace) -> str | bool:
     return str(args.ca_cert) if args.ca_cert else True
 
 
+def add_tls_args(parser: argparse.ArgumentParser, public: bool = True) -> None:
+    """--tls-cert/--tls-key; and, for a server that holds tokens (`public`), --insecure-http:
+    such a server refuses plain HTTP off loopback without it (tls.require_tls)."""
+    parser.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate")
+    parser.add_argument("--tls-key", metavar="PEM", help="... and this private key")
+    if public:
+        parser.add_argument(
+            "--insecure-http",
+            action="store_true",
+            help="serve plain HTTP on a --host other machines reach (refused otherwise: tokens "
+            "would cross the network in the clear); for TLS ended by a reverse proxy, or a "
+            "private network",
+        )
+
+
 def add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--preset",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from blocktrain.cli.common import Formatter, add_pattern_args, file_patterns
+from blocktrain.cli.common import Formatter, add_pattern_args, add_tls_args, file_patterns
 from blocktrain.data import load_split
 from blocktrain.data.ngram import NgramDrafter
 from blocktrain.errors import ConfigError
@@ -161,15 +161,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a stream whose client reads nothing for S seconds gives its work back to other "
         "clients until the client reads again",
     )
-    p.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate")
-    p.add_argument("--tls-key", metavar="PEM", help="... and this private key")
-    p.add_argument(
-        "--insecure-http",
-        action="store_true",
-        help="serve plain HTTP on a --host other machines reach (refused otherwise: tokens "
-        "would cross the network in the clear); for TLS ended by a reverse proxy, or a "
-        "private network",
-    )
+    add_tls_args(p)
     p.add_argument(
         "--ca-cert",
         metavar="PEM",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from blocktrain.cli.common import Formatter, add_threads_arg, use_threads
+from blocktrain.cli.common import Formatter, add_threads_arg, add_tls_args, use_threads
 from blocktrain.config import parse_blocks
 from blocktrain.device import DEVICE_HELP, resolve_device
 from blocktrain.errors import ConfigError
@@ -94,8 +94,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=0.0,
         help="emulated one-way latency of the link to --next, each way",
     )
-    p.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate")
-    p.add_argument("--tls-key", metavar="PEM", help="... and this private key")
+    add_tls_args(p, public=False)
     p.add_argument(
         "--ca-cert",
         metavar="PEM",
