@@ -46,6 +46,7 @@ def test_every_setting_checks_its_bounds_by_name() -> None:
         "min_reputation": 1.5,
         "probe_budget": 0,
         "replay_rounds": -1,
+        "copy_distance": 1.0,
         "max_influence": -0.1,
         "drift_threshold": 0.5,
         "drift_min_rounds": 0,
