@@ -43,6 +43,7 @@ def test_every_setting_checks_its_bounds_by_name() -> None:
         "probe_tolerance": 1.0,
         "probe_step": 0.0,
         "probe_z": -1.0,
+        "probe_gain_z": 51.0,
         "min_reputation": 1.5,
         "probe_budget": 0,
         "replay_rounds": -1,

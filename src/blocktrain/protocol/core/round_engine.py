@@ -47,6 +47,7 @@ from blocktrain.protocol.core.effect import (
     HonestBand,
     ProbeCache,
     Reputation,
+    helped,
     judge_effect,
 )
 from blocktrain.protocol.core.events import (
@@ -258,7 +259,11 @@ class RoundEngine(ReplayScreen, ProbeSlots):
             block, self.blocks[block].weights, candidate.tensors, others, self.settings.probe_step
         )
         judged = judge_effect(
-            effect, self.settings.probe_tolerance, self.bands.get(block), self.settings.probe_z
+            effect,
+            self.settings.probe_tolerance,
+            self.bands.get(block),
+            self.settings.probe_z,
+            self.settings.probe_gain_z,
         )
         return Checked(judged if verdict.accepted else verdict, candidate, effect, judged)
 
@@ -330,12 +335,9 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         if meta is None:
             return False  # unreadable: it names no round
         identity = self.registry.identity(worker)
-        probed = checked.judged
-        if (
-            probed is not None
-            and (probed.accepted or probed.reason == "harmful")
-            and self.reputation.observe(identity, helpful=probed.accepted)
-        ):
+        probed, effect = checked.judged, checked.effect
+        helpful = None if probed is None or effect is None else helped(probed, effect)
+        if helpful is not None and self.reputation.observe(identity, helpful=helpful):
             for listener in self.on_reputation:
                 listener(identity, self.reputation.of(identity), now)
         rounds = self.blocks[block].rounds

@@ -103,6 +103,17 @@ class VoteSettings:
         flag="--probe-z",
         metavar="Z",
     )
+    probe_gain_z: float = setting(
+        6.0,
+        "Chance standard deviations by which an update's first-order gain on the slice must "
+        "exceed what a delta of its magnitudes with random signs gains (the gain test: noise "
+        "at any norm reads as a standard normal, at most 2.9 measured; honest updates 29.7 and "
+        "more at tiny, 92 at small; bench/honest_spread.py); 0: only a positive gain.",
+        lambda v: 0 <= v <= 50,
+        "must lie in [0, 50]",
+        flag="--probe-gain-z",
+        metavar="Z",
+    )
     probe_budget: int = setting(
         2,
         "Updates per identity per round that may reach the effect probe and be refused; "
