@@ -14,8 +14,8 @@ TOLERANCE, MIN_REPUTATION = 0.002, 0.1
 
 
 def honest(relative: float) -> Effect:
-    """A reading of an honest direction: its first-order gain 30 chance deviations, as the
-    least of honest updates at the tiny preset read (BENCHMARKS.md, Poisoning)."""
+    """A reading of an honest direction: its first-order gain 30 chance deviations, about
+    the least that honest updates read at the tiny preset (29.3; BENCHMARKS.md, Poisoning)."""
     return Effect(1.0, 1.0 + relative, gain=0.03, chance=0.001)
 
 

@@ -159,8 +159,8 @@ def judge_effect(
     acceptance, four tokens on one block shifted it, their updates were accepted and the block
     was wrecked, +2.0 CE). The gain test is what refuses noise: the windows' changes move
     together (the slice shares most of its gradient), so their standard error is no measure of
-    what a random direction gains, and Gaussian noise read up to 30 standard errors of fall at
-    the tiny preset (`bench/probe_effects.py`), passing the paired test at any norm up to the
+    what a random direction gains, and Gaussian noise read up to 35 standard errors of fall at
+    the tiny preset (`bench/honest_spread.py`), passing the paired test at any norm up to the
     bound; against its chance deviation it reads as the standard normal it is, while honest
     updates read tens of them.
 

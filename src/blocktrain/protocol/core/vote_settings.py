@@ -107,7 +107,7 @@ class VoteSettings:
         6.0,
         "Chance standard deviations by which an update's first-order gain on the slice must "
         "exceed what a delta of its magnitudes with random signs gains (the gain test: noise "
-        "at any norm reads as a standard normal, at most 2.9 measured; honest updates 29.7 and "
+        "at any norm reads as a standard normal, at most 2.6 measured; honest updates 29.3 and "
         "more at tiny, 92 at small; bench/honest_spread.py); 0: only a positive gain.",
         lambda v: 0 <= v <= 50,
         "must lie in [0, 50]",
