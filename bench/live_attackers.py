@@ -531,9 +531,9 @@ def near_replay(
     client = AggregatorClient(
         url, token, transport=httpx.HTTPTransport(local_address=source), retry=None
     )
-    reg = client.register(block=0)
+    trainer = LocalBlockTrainer(cfg, 0, load_split(data, "train"), data_seed=0)
+    reg = client.register(block=0)  # only now: the round waits for a registered worker
     pulled = client.pull(0)
-    trainer = LocalBlockTrainer(cfg, 0, load_split(data, "train"), data_seed=reg.data_seed)
     trainer.load(pulled.tensors)
     trainer.train(local_steps, first_step=pulled.version * local_steps)
     original = trainer.delta()
