@@ -548,6 +548,8 @@ def near_replay(
 
     first = push_delta(original, pulled.round, pulled.version)
     counts[f"original {'accepted' if first.accepted else first.reason}"] += 1
+    since = pulled.round
+    pushes = []  # (rounds after the original's, variant, outcome), in order
     gen = torch.Generator().manual_seed(0)
     size = float(torch.cat([t.float().flatten() for t in original.values()]).norm())
     last, n = pulled.round, 0
@@ -566,12 +568,15 @@ def near_replay(
             scale = 1e-3 * size / float(torch.cat([t.flatten() for t in noise.values()]).norm())
             variant, copy = "noise_1e-3", {k: v + scale * noise[k] for k, v in original.items()}
         result = push_delta(copy, pulled.round, pulled.version)
-        counts[f"{variant} {'accepted' if result.accepted else result.reason}"] += 1
+        outcome = "accepted" if result.accepted else result.reason
+        counts[f"{variant} {outcome}"] += 1
+        pushes.append((pulled.round - since, variant, outcome))
         n += 1
     client.close()
     return {
         "original_update_id": first.body.get("update_id") if first.accepted else None,
         "outcomes": dict(sorted(counts.items())),
+        "pushes": pushes,
     }
 
 
