@@ -111,6 +111,9 @@ DEFENCES = ("default", "none", "no_drift")
 """Every row runs under the first two; `no_drift` (the defaults without drift tracking) only
 when --only names it: whether the tracker helps or hurts where it misjudges (drift_four)."""
 SWEPT = DEFENCES[:2]
+SCREENED = ("replay", "copy")
+"""Refusals of the replay screen; an honest update refused with one is a false positive
+(`honest_screened`, 0 in every row under issue 58's bar)."""
 MIN_ROUNDS = {"drift": 20, "drift_four": 20}
 """Rows that run at least this many rounds whatever --rounds says: a drift that passes each
 round's check needs rounds to add up."""
@@ -187,6 +190,7 @@ def run_row(attack: str, defences: str, rounds: int, args: argparse.Namespace) -
             {"worker_id": w["worker_id"], **p} for w in attackers for p in w["pushes"]
         ],
         "honest_refused": honest_refused,
+        "honest_screened": sum(honest_refused.get(reason, 0) for reason in SCREENED),
         "rounds_held": held,
         "per_round": per_round,
         "max_delta_norm": report["protocol"]["max_delta_norm"],
@@ -301,8 +305,8 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "| preset | attack | defences | rounds | final CE | clean CE | final − clean | "
         "norm bound | attacker updates accepted | attacker refusals | honest refusals | "
-        "rounds held | byte-0 drift |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|",
+        "honest refused replay or copy | rounds held | byte-0 drift |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|",
     ]
     for r in rows:
         diff = "—" if r["clean_ce"] is None else f"{r['final_ce'] - r['clean_ce']:+.3f}"
@@ -312,7 +316,7 @@ def markdown(result: dict[str, Any]) -> str:
             f"{r['final_ce']:.3f} | {clean} | {diff} | "
             f"{r['max_delta_norm']:.3g} | {r['attacker_accepted']} | "
             f"{_counts(r['attacker_refused'])} | {_counts(r['honest_refused'])} | "
-            f"{r['rounds_held']} | {_drift(r)} |"
+            f"{_screened(r)} | {r['rounds_held']} | {_drift(r)} |"
         )
     clean_rows = [r for r in rows if r["attack"] == "clean" and r.get("per_round")]
     if clean_rows:
@@ -326,6 +330,11 @@ def markdown(result: dict[str, Any]) -> str:
 
 def _per_round(row: dict[str, Any]) -> str:
     return " ".join(f"{p['accepted']}/{sum(p['refused'].values())}" for p in row["per_round"])
+
+
+def _screened(row: dict[str, Any]) -> str:
+    """Rows from before honest_screened have none."""
+    return "—" if row.get("honest_screened") is None else str(row["honest_screened"])
 
 
 def _drift(row: dict[str, Any]) -> str:

@@ -1,9 +1,13 @@
 """Hostile clients for bench/live_attacks.py, each run in a process of its own (standard library
-only: it starts fast, imports no torch, and takes none of the measuring process's GIL):
+only: it starts fast, imports no torch, and takes none of the measuring process's GIL; but
+near-replay, which trains its one honest update with blocktrain):
 
     python live_attackers.py halfopen HOST PORT --seconds 30
     python live_attackers.py push-flood URL --token-file T --template F --seconds 30
     python live_attackers.py stuffing URL --token-file T1 --token-file T2 --template F
+    python live_attackers.py near-replay URL --token-file T --preset tiny --local-steps 5
+    python live_attackers.py near-copy URL --token-file T --template F --sniff STATE/pending/0
+    python live_attackers.py noise-probe URL --token-file T1 --template F1,F2 --token-file T2 ...
     python live_attackers.py unread-streams URL --streams 8 --seconds 30
     python live_attackers.py stop-strings URL --mb 1 --seconds 30
 
@@ -21,6 +25,15 @@ runs for `--seconds`, then prints one JSON line of what it did (counts of each o
 - stuffing: each token's worker pulls every round as it opens and pushes junk for it at once
   (a tensor of the wrong shape from even tokens, a NaN among the right shapes from odd ones:
   refused for their form, before the probe).
+- near-replay (issue 58): a token holder that trains one honest update of block 0 and has it
+  accepted, then free-rides on it: each later round it pushes that delta again, re-stamped for
+  the round, with one fp16 value moved by one ulp, or with Gaussian noise of 1e-3 of its norm,
+  in turn.
+- near-copy (issue 58): each round, the first honest body of block 0 it can read (the
+  aggregator's pending folder, standing in for a body sniffed off plain http) pushed at once
+  under its own token, re-stamped for its worker, with one fp16 value moved by one ulp.
+- noise-probe (issue 58): each token's worker pushes, every round of its template's block, the
+  template's zero-mean noise (a share of the norm bound; its templates taken in turn).
 - unread-streams: keeps `--streams` streamed completions open per source address, never
   reading a byte; one the server closes is opened again.
 - stop-strings: `--connections` threads post completions carrying `--mb` MB of stop strings
@@ -107,6 +120,8 @@ class Template:
         self.block: int = doc["block"]
         self.tokens: int = doc["tokens"]
         self.steps: int = doc["steps"]
+        self.share: float = doc.get("share", 0.5)
+        """The delta's norm as a share of the norm bound."""
         self.data = bytearray(Path(doc["data"]).read_bytes())
 
 
@@ -397,6 +412,185 @@ def stuffing(
     return {"tokens": len(tokens), "outcomes": counts.as_dict()}
 
 
+def read_body(body: bytes) -> tuple[list[dict[str, Any]], bytes, dict[str, str]]:
+    """The manifest (in data order), the raw tensor bytes and the metadata of a safetensors
+    body: what `safetensors_body` builds from them."""
+    (size,) = struct.unpack("<Q", body[:8])
+    header = json.loads(body[8 : 8 + size])
+    metadata = header.pop("__metadata__", {})
+    manifest = [
+        {"name": k, "dtype": v["dtype"], "shape": v["shape"], "begin": v["data_offsets"][0],
+         "end": v["data_offsets"][1]}
+        for k, v in header.items()
+    ]  # fmt: skip
+    manifest.sort(key=lambda t: t["begin"])
+    return manifest, body[8 + size :], metadata
+
+
+def one_ulp(data: bytes) -> bytearray:
+    """The first value (fp16 or bf16, little-endian) moved by one ulp: its bits as an integer
+    plus one (minus one for the largest finite magnitudes, whose next step is Inf)."""
+    out = bytearray(data)
+    (bits,) = struct.unpack("<H", out[:2])
+    step = -1 if bits & 0x7FFF in (0x7BFF, 0x7F7F) else 1
+    out[:2] = struct.pack("<H", (bits + step) & 0xFFFF)
+    return out
+
+
+def next_round(worker: Worker, http_: Http, after: int, end: float) -> dict[str, Any] | None:
+    """The block's round once one after `after` opens (long polls until `end`); None then."""
+    while time.monotonic() < end:
+        wait = max(0.0, min(10.0, end - time.monotonic()))
+        status, answer = http_.request(
+            "GET", f"/v1/blocks/{worker.block}/round?after={after}&wait={wait:.1f}", None,
+            worker.headers(),
+        )  # fmt: skip
+        if status != 200:
+            worker.counts.add(f"round {reason_of(status, answer)}")
+            time.sleep(0.1)
+            continue
+        doc = json.loads(answer)
+        if doc["round"] > after and not doc.get("done"):
+            with worker.lock:
+                worker.round, worker.version = doc["round"], doc["version"]
+            return dict(doc)
+    return None
+
+
+def near_copy(
+    url: str, source: str, token: str, template: Template, sniff: Path, seconds: float
+) -> dict[str, Any]:
+    counts = Counts()
+    http_ = Http(url, source)
+    worker = Worker(http_, token, template.block, counts)
+    end = time.monotonic() + seconds
+    seen: set[str] = set()
+    last = -1
+    while time.monotonic() < end:
+        doc = next_round(worker, http_, last, end)
+        if doc is None:
+            break
+        last = doc["round"]
+        worker.pull()  # a replica of the round: it waits for this worker's report
+        while time.monotonic() < end:
+            fresh = sorted(set(p.name for p in sniff.glob("*.safetensors")) - seen)
+            body = None
+            for name in fresh:
+                seen.add(name)
+                try:
+                    manifest, data, meta = read_body((sniff / name).read_bytes())
+                except (OSError, ValueError, struct.error):
+                    continue
+                if int(meta.get("round", -1)) == last:
+                    body = (manifest, data)
+                    break
+            if body is not None:
+                push(worker, template, body[0], one_ulp(body[1]))
+                counts.add("rounds copied")
+                break
+            time.sleep(0.02)
+    return {"outcomes": counts.as_dict()}
+
+
+def noise_probe(
+    url: str, source: str, pairs: list[tuple[str, list[Template]]], seconds: float
+) -> dict[str, Any]:
+    counts = Counts()
+    end = time.monotonic() + seconds
+
+    def run(token: str, templates: list[Template]) -> None:
+        http_ = Http(url, source)
+        worker = Worker(http_, token, templates[0].block, counts)
+        last, n = -1, 0
+        while time.monotonic() < end:
+            doc = next_round(worker, http_, last, end)
+            if doc is None:
+                return
+            last = doc["round"]
+            worker.pull()
+            template = templates[n % len(templates)]
+            outcome = push(worker, template, template.manifest, template.data)
+            counts.add(f"block {template.block} share {template.share:g}: {outcome}")
+            n += 1
+
+    threads = [threading.Thread(target=run, args=pair, daemon=True) for pair in pairs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + 60)
+    return {"tokens": len(pairs), "outcomes": counts.as_dict()}
+
+
+def near_replay(
+    url: str, source: str, token: str, preset_name: str, data: str | None, local_steps: int,
+    seconds: float,
+) -> dict[str, Any]:  # fmt: skip
+    """Train one update of block 0 for real and have it accepted; then push near-copies of it
+    in the later rounds (the only attacker here that imports torch and blocktrain)."""
+    import httpx
+    import torch
+
+    from blocktrain.data import load_split
+    from blocktrain.presets import preset
+    from blocktrain.protocol.core.bodies import update_body
+    from blocktrain.protocol.worker.client import AggregatorClient
+    from blocktrain.training.local import LocalBlockTrainer
+
+    end = time.monotonic() + seconds
+    counts: Counter[str] = Counter()
+    cfg = preset(preset_name)
+    client = AggregatorClient(
+        url, token, transport=httpx.HTTPTransport(local_address=source), retry=None
+    )
+    trainer = LocalBlockTrainer(cfg, 0, load_split(data, "train"), data_seed=0)
+    reg = client.register(block=0)  # only now: the round waits for a registered worker
+    pulled = client.pull(0)
+    trainer.load(pulled.tensors)
+    trainer.train(local_steps, first_step=pulled.version * local_steps)
+    original = trainer.delta()
+    tokens = local_steps * cfg.train.batch_size * cfg.model.seq_len
+
+    def push_delta(delta: dict[str, torch.Tensor], round_: int, version: int) -> Any:
+        body = update_body(
+            0, delta, base_version=version, round=round_, tokens=tokens,
+            worker_id=client.worker_id, dtype=reg.delta_wire, steps=local_steps,
+        )  # fmt: skip
+        return client.push_bytes(0, body)
+
+    first = push_delta(original, pulled.round, pulled.version)
+    counts[f"original {'accepted' if first.accepted else first.reason}"] += 1
+    since = pulled.round
+    pushes = []  # (rounds after the original's, variant, outcome), in order
+    gen = torch.Generator().manual_seed(0)
+    size = float(torch.cat([t.float().flatten() for t in original.values()]).norm())
+    last, n = pulled.round, 0
+    while time.monotonic() < end:
+        wait = max(0.0, min(10.0, end - time.monotonic()))
+        doc = client.round(0, after=last, wait=wait)
+        if doc["round"] <= last or doc.get("done"):
+            continue
+        pulled = client.pull(0)
+        last = pulled.round
+        if n % 2 == 0:
+            variant, copy = "one_ulp", {k: v.half().clone() for k, v in original.items()}
+            copy[sorted(copy)[0]].view(-1).view(torch.int16)[0] += 1
+        else:
+            noise = {k: torch.randn(v.shape, generator=gen) for k, v in original.items()}
+            scale = 1e-3 * size / float(torch.cat([t.flatten() for t in noise.values()]).norm())
+            variant, copy = "noise_1e-3", {k: v + scale * noise[k] for k, v in original.items()}
+        result = push_delta(copy, pulled.round, pulled.version)
+        outcome = "accepted" if result.accepted else result.reason
+        counts[f"{variant} {outcome}"] += 1
+        pushes.append((pulled.round - since, variant, outcome))
+        n += 1
+    client.close()
+    return {
+        "original_update_id": first.body.get("update_id") if first.accepted else None,
+        "outcomes": dict(sorted(counts.items())),
+        "pushes": pushes,
+    }
+
+
 # ------------------------------------------------------------------------------------- router
 
 
@@ -528,6 +722,23 @@ def main() -> None:
     a.add_argument("url")
     a.add_argument("--token-file", action="append", required=True)
     a.add_argument("--template", required=True)
+    a = sub.add_parser("near-replay", parents=[common])
+    a.add_argument("url")
+    a.add_argument("--token-file", required=True)
+    a.add_argument("--preset", default="tiny")
+    a.add_argument("--data", default=None, help="corpus (default: $BLOCKTRAIN_DATA)")
+    a.add_argument("--local-steps", type=int, default=5)
+    a = sub.add_parser("near-copy", parents=[common])
+    a.add_argument("url")
+    a.add_argument("--token-file", required=True)
+    a.add_argument("--template", required=True, help="what a push names (block, tokens, steps)")
+    a.add_argument("--sniff", required=True, help="a folder the honest bodies appear in")
+    a = sub.add_parser("noise-probe", parents=[common])
+    a.add_argument("url")
+    a.add_argument("--token-file", action="append", required=True)
+    a.add_argument(
+        "--template", action="append", required=True, help="comma-separated, one per token"
+    )
     a = sub.add_parser("unread-streams", parents=[common])
     a.add_argument("url")
     a.add_argument("--model", default="tiny")
@@ -553,6 +764,21 @@ def main() -> None:
     elif args.attack == "stuffing":
         tokens = [Path(f).read_text().strip() for f in args.token_file]
         out = stuffing(args.url, sources[0], tokens, Template(Path(args.template)), args.seconds)
+    elif args.attack == "near-replay":
+        token = Path(args.token_file).read_text().strip()
+        out = near_replay(
+            args.url, sources[0], token, args.preset, args.data, args.local_steps, args.seconds
+        )
+    elif args.attack == "near-copy":
+        token = Path(args.token_file).read_text().strip()
+        template = Template(Path(args.template))
+        out = near_copy(args.url, sources[0], token, template, Path(args.sniff), args.seconds)
+    elif args.attack == "noise-probe":
+        pairs = [
+            (Path(t).read_text().strip(), [Template(Path(f)) for f in group.split(",")])
+            for t, group in zip(args.token_file, args.template, strict=True)
+        ]
+        out = noise_probe(args.url, sources[0], pairs, args.seconds)
     elif args.attack == "unread-streams":
         out = unread_streams(
             args.url, sources, args.model, args.streams, args.max_tokens, args.seconds, args.rcvbuf

@@ -19,6 +19,18 @@ one for all three with --quick):
     halfopen_4_addresses   130 such connections from each of 4 addresses (127.0.0.2-5): each
                      under the cap of 128 per address but for two, 520 in all, over the 512
                      a server holds
+    near_replay      (issue 58) a token trains one update of block 0 for real, has it
+                     accepted, then pushes it again in every later round, re-stamped, with one
+                     fp16 value moved by one ulp or noise of 1e-3 of its norm, in turn
+    near_copy        (issue 58) another token pushes, in the same round, each first honest body
+                     of block 0 it reads (the aggregator's pending folder, standing in for a
+                     body sniffed off plain http), one value moved by one ulp
+    noise_probe      (issue 58) 6 tokens push zero-mean Gaussian noise at 0.1, 0.5 and 1 x the
+                     norm bound (just inside it), 3 on block 0 and 3 on the last block, every
+                     round of their block
+
+These rows and halfopen_4_addresses pass only with none of the attacker's updates accepted
+(near_replay's trained original is not one) and at least 0.975 of the honest requests served.
 
 Against the router (`blocktrain serve` in front of three `blocktrain serve-block` hosts, a tiny
 model trained 20 steps; at the tiny preset only):
@@ -95,6 +107,7 @@ from blocktrain.protocol.core.bodies import SAFETENSORS_CODES, wire_dtype
 from blocktrain.protocol.ops.cluster import Proc, spawn, start_aggregator, start_worker, stop
 from blocktrain.protocol.store.storage import StateDir
 from blocktrain.protocol.store.tokens import hash_token, new_token
+from blocktrain.simulate.attacks.forge import AT_BOUND
 from report import (  # bench/report.py
     BLOCKTRAIN,
     RESULTS,
@@ -119,7 +132,15 @@ ROUTER_PRESET = "tiny"
 FOUR = tuple(f"127.0.0.{2 + i}" for i in range(4))
 """The sources of the rows of 4 addresses."""
 
-AGGREGATOR_ATTACKS = ("push_flood", "quorum_stuffing", "halfopen", "halfopen_4_addresses")
+SCREENED = ("near_replay", "near_copy", "noise_probe")
+"""Attacks whose updates the screens must refuse every one of (issue 58)."""
+AGGREGATOR_ATTACKS = (
+    "push_flood",
+    "quorum_stuffing",
+    "halfopen",
+    "halfopen_4_addresses",
+    *SCREENED,
+)
 ROUTER_ATTACKS = (
     "halfopen",
     "halfopen_4_addresses",
@@ -129,6 +150,13 @@ ROUTER_ATTACKS = (
 )
 HOST_ATTACKS = ("halfopen_4_addresses",)
 TARGETS = {"aggregator": AGGREGATOR_ATTACKS, "router": ROUTER_ATTACKS, "host": HOST_ATTACKS}
+BARRED = (*SCREENED, "halfopen_4_addresses")
+"""Issue 58's rows: none of the attacker's updates accepted, SERVED_SHARE of honest calls served."""
+SERVED_SHARE = 0.975
+"""The share of the honest client's requests their rows must see served."""
+NOISE_SHARES = (0.1, 0.5, 1.0)
+NOISE_VARIANTS = 2
+"""Directions of noise per share and block, pushed in turn."""
 STUFFERS = 3
 """Attacker tokens of quorum_stuffing."""
 
@@ -274,6 +302,10 @@ def checks_of(row: dict[str, Any], factor: float, rss_growth_mb: float) -> dict[
         checks["no_early_round_before_min"] = ra["early_before_min_round"] == 0
         if ru["median_s"] is not None and ra["median_s"] is not None:
             checks[f"rounds_within_{factor:g}x"] = ra["median_s"] <= factor * ru["median_s"]
+    if row["attack"] in BARRED:
+        checks["no_attacker_update_accepted"] = row["attacker_accepted"] == 0
+        share = row["honest_served_share"]
+        checks[f"honest_served_{SERVED_SHARE:g}"] = share is not None and share >= SERVED_SHARE
     rss = row.get("rss_mb") or {}
     if row["target"] == "aggregator" and rss.get("before") is not None:
         checks["rss_bounded"] = (
@@ -298,18 +330,20 @@ def attacker_accepted(row: dict[str, Any]) -> int:
 
 def scored(row: dict[str, Any]) -> dict[str, Any]:
     """The row with its two headline figures (issue 58), read from what it holds: so rows
-    measured before they existed get them too."""
+    measured before they existed get them too. A screened row's count of accepted updates,
+    read from the ledger (screened_of), stands."""
     return {
-        **row,
         "attacker_accepted": attacker_accepted(row),
+        **row,
         "honest_served_share": honest_served_share(row),
     }
 
 
 def finish_row(row: dict[str, Any], factor: float, rss_growth_mb: float) -> dict[str, Any]:
+    row = scored(row)
     row["checks"] = checks_of(row, factor, rss_growth_mb)
     row["passed"] = all(row["checks"].values())
-    return scored(row)
+    return row
 
 
 def _ms(x: float | None) -> str:
@@ -671,23 +705,37 @@ def noise_delta(
     return manifest, b"".join(chunks)
 
 
-def write_template(port: int, observer: str, folder: Path, local_steps: int) -> Path:
-    """The update attackers' template: block 0's tensors as noise at half the norm bound in the
-    wire dtype, and what a push names (tokens, steps)."""
+def aggregator_config(port: int, observer: str) -> dict[str, Any]:
     auth = {"Authorization": f"Bearer {observer}"}
     _, body = timed_request("config", port, "GET", "/v1/config", None, auth)
-    config = json.loads(body)
+    return dict(json.loads(body))
+
+
+def write_template(
+    config: dict[str, Any],
+    folder: Path,
+    local_steps: int,
+    *,
+    block: int = 0,
+    share: float = 0.5,
+    inside: float = 1.0,
+    name: str = "template",
+    seed: int = 0,
+) -> Path:
+    """An update attacker's template: block `block`'s tensors as noise at `share` of the norm
+    bound (times `inside`) in the wire dtype, and what a push names (tokens, steps)."""
     protocol = config["protocol"]
-    manifest, data = noise_delta(
-        config["tensors"]["0"], protocol["wire_dtype"], 0.5 * float(protocol["max_delta_norm"])
-    )
+    norm = inside * share * float(protocol["max_delta_norm"])
+    wire = protocol["wire_dtype"]
+    manifest, data = noise_delta(config["tensors"][str(block)], wire, norm, seed)
     run = config["run_config"]
-    (folder / "template.bin").write_bytes(data)
-    path = folder / "template.json"
+    (folder / f"{name}.bin").write_bytes(data)
+    path = folder / f"{name}.json"
     doc = {
         "tensors": manifest,
-        "data": str(folder / "template.bin"),
-        "block": 0,
+        "data": str(folder / f"{name}.bin"),
+        "block": block,
+        "share": share,
         "tokens": local_steps * run["train"]["batch_size"] * run["model"]["seq_len"],
         "steps": local_steps,
     }
@@ -695,7 +743,46 @@ def write_template(port: int, observer: str, folder: Path, local_steps: int) -> 
     return path
 
 
+def noise_templates(config: dict[str, Any], folder: Path, local_steps: int) -> list[list[str]]:
+    """noise_probe's templates: per (block 0 or the last, share of the bound) NOISE_VARIANTS
+    directions of their own, just inside the bound (AT_BOUND of it at a share of 1)."""
+    last = max(int(b) for b in config["tensors"])
+    groups = []
+    for block in (0, last):
+        for share in NOISE_SHARES:
+            group = []
+            for v in range(NOISE_VARIANTS):
+                path = write_template(
+                    config,
+                    folder,
+                    local_steps,
+                    block=block,
+                    share=share,
+                    inside=AT_BOUND,
+                    name=f"noise-{block}-{share:g}-{v}",
+                    seed=1000 * block + 100 * v + int(10 * share),
+                )
+                group.append(str(path))
+            groups.append(group)
+    return groups
+
+
 def aggregator_argv(attack: str, url: str, port: int, files: dict[str, Any]) -> list[str]:
+    if attack == "near_replay":
+        return [
+            "near-replay", url, "--token-file", files["near_replay"], "--preset",
+            files["preset"], "--local-steps", str(files["local_steps"]), "--data", files["data"],
+        ]  # fmt: skip
+    if attack == "near_copy":
+        return [
+            "near-copy", url, "--token-file", files["near_copy"], "--template",
+            files["template"], "--sniff", files["sniff"],
+        ]  # fmt: skip
+    if attack == "noise_probe":
+        argv = ["noise-probe", url]
+        for token, group in zip(files["noise"], files["noise_templates"], strict=True):
+            argv += ["--token-file", token, "--template", ",".join(group)]
+        return argv
     if attack == "push_flood":
         return ["push-flood", url, "--token-file", files["flood"], "--template", files["template"]]
     if attack == "quorum_stuffing":
@@ -717,8 +804,8 @@ def four_addresses(port: int, path: str) -> list[str]:
 
 
 def ledger_rows(state: StateDir) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Every update (its token, fate, reason, time) and every round of block 0."""
-    rows = state.ledger._query("SELECT received, token_id, fate, reason FROM updates")
+    """Every update (its id, token, fate, reason, time) and every round of block 0."""
+    rows = state.ledger._query("SELECT id, received, token_id, fate, reason FROM updates")
     updates = [dict(r) for r in rows]
     return updates, state.ledger.rounds(0)
 
@@ -728,23 +815,35 @@ def aggregator_rows(attacks: list[str], args: argparse.Namespace, tmp: Path) -> 
     cfg = preset(args.preset)
     settings = {"deadline_s": args.deadline, "local_steps": args.local_steps, "keep_versions": 10}
     state, tokens, observer = cluster_state(tmp / "state", cfg, settings, workers=2)
-    files: dict[str, Any] = {"stuffers": []}
-    for i in range(1 + STUFFERS):
+    data = str(resolve_data_path(args.data))
+    files: dict[str, Any] = {
+        "stuffers": [],
+        "noise": [],
+        "preset": args.preset,
+        "local_steps": args.local_steps,
+        "data": data,
+        "sniff": str(state.root / "pending" / "0"),
+    }
+    roles = ["flood", *["stuffers"] * STUFFERS, "near_replay", "near_copy"]
+    roles += ["noise"] * (2 * len(NOISE_SHARES))
+    for i, role in enumerate(roles):
         token = new_token()
         state.ledger.add_token(f"attacker-{i}", hash_token(token), time.time())
         path = tmp / f"attacker-{i}.token"
         path.write_text(token + "\n")
-        if i == 0:
-            files["flood"] = str(path)
+        if isinstance(files.get(role), list):
+            files[role].append(str(path))
         else:
-            files["stuffers"].append(str(path))
-    names = {
-        r["id"]: r["name"]
-        for r in state.ledger._query("SELECT id, name FROM tokens")
-        if r["name"].startswith("worker-")
+            files[role] = str(path)
+    tokens_by_name = {
+        r["name"]: r["id"] for r in state.ledger._query("SELECT id, name FROM tokens")
+    }
+    names = {i: n for n, i in tokens_by_name.items() if n.startswith("worker-")}
+    attackers = {  # each screened attack's tokens (ids)
+        attack: {tokens_by_name[f"attacker-{i}"] for i, r in enumerate(roles) if r == role}
+        for attack, role in zip(SCREENED, ("near_replay", "near_copy", "noise"), strict=True)
     }
     logs = tmp / "logs"
-    data = str(resolve_data_path(args.data))
     agg, url = start_aggregator(state, logs, extra=["--data", data])
     procs: list[Proc] = [agg]
     rows = []
@@ -758,7 +857,9 @@ def aggregator_rows(attacks: list[str], args: argparse.Namespace, tmp: Path) -> 
         port = int(url.rsplit(":", 1)[1])
         rss = RssSampler(agg.popen.pid)
         warm_up(port, observer, procs, args)
-        files["template"] = str(write_template(port, observer, tmp, args.local_steps))
+        config = aggregator_config(port, observer)
+        files["template"] = str(write_template(config, tmp, args.local_steps))
+        files["noise_templates"] = noise_templates(config, tmp, args.local_steps)
         honest = Honest(aggregator_probe(port, observer), args.interval)
         measured = []
         for attack in attacks:
@@ -793,8 +894,22 @@ def aggregator_rows(attacks: list[str], args: argparse.Namespace, tmp: Path) -> 
                 "attack": round_stats(closed(*w.attack), min_round),
             },
         }
+        if attack in SCREENED:
+            row.update(screened_of(within(w.attack[0], w.end), attackers[attack], report))
         rows.append(finish_row(row, args.factor, args.rss_growth_mb))
     return rows
+
+
+def screened_of(
+    updates: list[dict[str, Any]], tokens: set[int], report: dict[str, Any]
+) -> dict[str, Any]:
+    """A screened attack's tokens' updates accepted from the attack's start to the end of its
+    settle time (near_replay's trained original aside), read from the ledger."""
+    original = report.get("original_update_id")
+    accepted = [
+        u for u in updates if u["token_id"] in tokens and u["fate"] == "accepted" and u["id"] != original
+    ]  # fmt: skip
+    return {"attacker_accepted": len(accepted)}
 
 
 def warm_up(port: int, observer: str, procs: list[Proc], args: argparse.Namespace) -> None:

@@ -89,3 +89,14 @@ def test_the_clean_rows_updates_are_listed_per_round() -> None:
     ]
     text = adversarial.markdown(adversarial.result_of({adversarial.key_of(clean): clean}))
     assert "- small default, 20 rounds: 6/0 4/2" in text
+
+
+def test_honest_updates_refused_by_the_replay_screen_are_counted() -> None:
+    """Issue 58's bar: no honest update is refused `replay` or `copy` (a false positive of
+    the near-copy screen); rows from before the count show none."""
+    counted = {**row("clean", "default", 2.0, "tiny", 10), "honest_screened": 0}
+    old = row("noise", "default", 2.1, "tiny", 10)
+    result = adversarial.result_of({adversarial.key_of(r): r for r in (counted, old)})
+    lines = adversarial.markdown(result).splitlines()
+    assert "honest refused replay or copy" in lines[2]
+    assert "| none | 0 | 0 |" in lines[4] and "| none | — | 0 |" in lines[5]

@@ -318,3 +318,64 @@ def test_the_halfopen_attacker_keeps_its_target_from_each_source() -> None:
     finally:
         server.close()
     assert out["outcomes"] == {"opened": 6} and out["held_at_end"] == 6, out
+
+
+def test_a_sniffed_body_nudged_by_one_ulp_and_re_stamped_is_refused_as_a_copy() -> None:
+    """near_copy's body (issue 58), built without torch: the honest body read back, its first
+    value moved by one ulp, its metadata the attacker's; the engine refuses it `copy`."""
+    import dataclasses
+
+    blocks = {0: block_tensors(100)}
+    engine = RoundEngine.fresh(blocks, dataclasses.replace(SETTINGS, replay_rounds=8))
+    ids = iter(range(10))
+    honest, thief = (engine.register(0.0, 0, lambda _b: next(ids), t).worker for t in (1, 2))
+    for w in (honest, thief):
+        engine.pull(w, 0, 0.0)
+    shapes = {k: list(v.shape) for k, v in blocks[0].items()}
+    manifest, data = live_attacks.noise_delta(shapes, "fp16", norm=1.0, seed=3)
+    meta = {**live_attackers.update_metadata(0, 0, 0, tokens=100, steps=2), "worker_id": "0"}
+    original = live_attackers.safetensors_body(manifest, data, meta)
+    read, raw, got = live_attackers.read_body(original)
+    assert (read, raw, got) == (manifest, data, meta), "read_body undoes safetensors_body"
+    nudged = live_attackers.one_ulp(raw)
+    assert nudged[2:] == raw[2:] and nudged[:2] != raw[:2], "one value, one step"
+    for worker, body in ((honest, original), (thief, None)):
+        if body is None:
+            meta = {**meta, "worker_id": str(worker)}
+            body = live_attackers.safetensors_body(read, nudged, meta)
+        checked = engine.inspect(0, body)
+        assert checked.meta is not None
+        verdict = engine.judge(worker, 0, checked.meta, 1.0)
+        verdict = engine.screen(worker, 0, checked) if verdict.accepted else verdict
+        engine.record(worker, 0, verdict, 1.0, checked=checked)
+    assert verdict.reason == "copy", verdict
+
+
+def test_a_screened_row_counts_the_attackers_accepted_updates_and_the_honest_served() -> None:
+    updates = [
+        {"id": 1, "token_id": 7, "fate": "accepted", "reason": None},  # its trained original
+        {"id": 2, "token_id": 7, "fate": "refused", "reason": "replay"},
+        {"id": 3, "token_id": 1, "fate": "accepted", "reason": None},  # an honest worker's
+    ]
+    got = live_attacks.screened_of(updates, {7}, {"original_update_id": 1})
+    assert got == {"attacker_accepted": 0}
+    served = samples("status", [4] * 79) + samples("status", [9], 503)
+    honest = {"status": live_attacks.honest_entry(samples("status", [4]), served, 2.0)}
+    row = aggregator_row(attack="near_replay", honest=honest, **got)
+    assert row["honest_served_share"] == pytest.approx(79 / 80)
+    assert row["checks"]["no_attacker_update_accepted"] and row["checks"]["honest_served_0.975"]
+    refused = samples("status", [4] * 9) + samples("status", [9], 503)
+    honest = {"status": live_attacks.honest_entry(samples("status", [4]), refused, 2.0)}
+    broken = aggregator_row(attack="noise_probe", honest=honest, attacker_accepted=1)
+    assert broken["honest_served_share"] == pytest.approx(0.9)
+    assert not broken["checks"]["no_attacker_update_accepted"]
+    assert not broken["checks"]["honest_served_0.975"] and not broken["passed"]
+    settings = {
+        "quick": False, "unloaded_s": 25, "attack_s": 30, "interval_s": 0.25, "deadline_s": 12,
+        "local_steps": 5, "min_round_s": 3, "factor": 2, "rss_growth_mb": 256,
+    }  # fmt: skip
+    text = live_attacks.markdown(
+        {"command": "c", "json": "j", "settings": settings, "rows": [row, broken]}
+    )
+    assert "| near_replay | aggregator | 98.8% | 0 |" in text
+    assert "| noise_probe | aggregator | 90.0% | 1 |" in text

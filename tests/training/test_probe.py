@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from blocktrain.data import ByteCorpus
@@ -30,10 +31,38 @@ def test_the_probe_is_deterministic_and_judges_updates_by_their_effect(corpus):
     honest = trainer.delta()
     moved = {k: w + honest[k] for k, w in initial[block].items()}
     assert probe.loss(block, moved, upstream) < before, "six honest steps lower the held-out loss"
-    flipped = {k: w - honest[k] for k, w in initial[block].items()}  # the update reversed
-    after = probe.loss(block, flipped, upstream)
-    assert not judge_effect(Effect(before, after), 0.002).accepted
-    assert judge_effect(Effect(before, probe.loss(block, moved, upstream)), 0.002).accepted
+    rows = probe.window_losses(block, initial[block], upstream)
+    gradient = probe.gradient(block, initial[block], upstream)
+
+    def verdict(delta: dict[str, torch.Tensor]) -> bool:
+        after = {k: w + delta[k] for k, w in initial[block].items()}
+        effect = Effect.read(rows, probe.window_losses(block, after, upstream), gradient, delta, 1)
+        return judge_effect(effect, 0.002, None, 1.0, 6.0).accepted
+
+    assert not verdict({k: -v for k, v in honest.items()}), "the update reversed"
+    assert verdict(honest)
+
+
+def test_the_gradient_is_that_of_the_slices_mean_loss(corpus):
+    """The gain test reads g . delta as the first-order change of the probe's loss: a central
+    difference along a random direction agrees (to float32 and second order in eps)."""
+    cfg = micro_config("features")
+    probe = BlockProbe(cfg, ByteCorpus.open(corpus).split("valid"), windows=4, skip_bytes=64)
+    initial = initial_blocks(cfg)
+    upstream = {0: initial[0]}
+    gradient = probe.gradient(1, initial[1], upstream)
+    assert set(gradient) == set(initial[1])
+    gen = torch.Generator().manual_seed(0)
+    direction = {k: torch.randn(v.shape, generator=gen) for k, v in initial[1].items()}
+    eps = 1e-3
+
+    def at(sign: float) -> float:
+        moved = {k: w + sign * eps * direction[k] for k, w in initial[1].items()}
+        return probe.loss(1, moved, upstream)
+
+    slope = (at(1) - at(-1)) / (2 * eps)
+    dot = sum(float((gradient[k] * direction[k]).sum()) for k in direction)
+    assert slope == pytest.approx(dot, rel=0.02), (slope, dot)
 
 
 def test_the_probe_slice_is_disjoint_from_the_evaluation_windows(corpus):

@@ -157,8 +157,8 @@ length, since every worker of a cluster is the user's own, and a minimum round o
 workers that are done. The defences are the public aggregator's: with the paired test at a
 quarter step, the effect probe accepted every honest update of a 40-round run at the small
 shape, and the final CE was the undefended run's within 0.002 (bench/adversarial.py --preset
-small); it costs one forward pass of the block per update (docs/protocol.md, Effect probe,
-Cost). `--effect-probe off` saves that.
+small); it costs one forward pass of the block per update and one backward pass per version
+(docs/protocol.md, Effect probe, Cost). `--effect-probe off` saves that.
 The live evaluation is on, every round: a cluster always has the data, and its user watches
 the dashboard for the validation CE while the rounds run (a public aggregator's CPU serves the
 workers first: there it is off unless asked for). `--live-eval-every 0` turns it off."""

@@ -58,9 +58,9 @@ class SimAggregator:
         probe: EffectProbe | None = None,
         seed: int = 0,
     ) -> None:
-        """`seed`: the drift sketches' buckets (the service draws them secretly)."""
+        """`seed`: the secret of the engine's sketches (the service draws it secretly)."""
         self.settings = settings
-        self.engine = RoundEngine.fresh(initial, settings, probe, drift_seed=seed)
+        self.engine = RoundEngine.fresh(initial, settings, probe, seed=seed)
         self.blocks: dict[int, EngineBlock] = self.engine.blocks
         self.on_close: list[Callable[[Committed], None]] = self.engine.on_commit
         """Called with each commit (the round and the block's new weights)."""

@@ -90,6 +90,33 @@ class BlockProbe:
     ) -> torch.Tensor:
         """The loss of each window of draw `draw`'s slice, (windows,): a paired test compares
         two weights window by window, on the same bytes, sigmas and noise."""
+        with self._lock, torch.no_grad():
+            return self._rows(block, weights, others, draw).detach()
+
+    def gradient(
+        self,
+        block: int,
+        weights: Tensors,
+        others: Mapping[int, Tensors] | None = None,
+        draw: int = 0,
+    ) -> Tensors:
+        """The gradient of the mean of `window_losses(block, weights, others, draw)` with
+        respect to the block's weights (one backward pass; the gain test's, once per version)."""
+        module = self.stack.block(block)
+        with self._lock, torch.enable_grad():
+            rows = self._rows(block, weights, others, draw)
+            params = dict(module.named_parameters())
+            grads = torch.autograd.grad(rows.mean(), list(params.values()), allow_unused=True)
+        got = {name: g for name, g in zip(params, grads, strict=True) if g is not None}
+        return {
+            k: got[k].detach() if k in got else torch.zeros_like(w.float())
+            for k, w in weights.items()
+        }
+
+    def _rows(
+        self, block: int, weights: Tensors, others: Mapping[int, Tensors] | None, draw: int
+    ) -> torch.Tensor:
+        """Each window's loss with `weights` loaded (under the lock, in the caller's grad mode)."""
         others = others or {}
         x, seed = self._slice(block, draw)
         reads = range(block) if self.cfg.model.reads_upstream else range(0)
@@ -97,14 +124,14 @@ class BlockProbe:
         if missing:
             raise ProtocolError(f"block {block}'s probe reads blocks {missing}, not given")
         module = self.stack.block(block)
-        with self._lock, torch.no_grad():
+        with torch.no_grad():
             for b in reads:
                 self.stack.block(b).load_state_dict({k: v.float() for k, v in others[b].items()})
             module.load_state_dict({k: v.float() for k, v in weights.items()})
-            gen = torch.Generator().manual_seed(seed)
-            parts = self.objective(module, block, x, gen)
-            assert parts.rows is not None  # BlockLoss always gives them
-            return parts.rows().detach()
+        gen = torch.Generator().manual_seed(seed)
+        parts = self.objective(module, block, x, gen)
+        assert parts.rows is not None  # BlockLoss always gives them
+        return parts.rows()
 
     def _slice(self, block: int, draw: int) -> tuple[torch.Tensor, int]:
         """The windows and the noise seed of (block, draw)."""

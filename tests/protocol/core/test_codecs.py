@@ -20,7 +20,7 @@ from blocktrain.protocol.core.validation import BlockSpec, Candidate, Limits, va
 from blocktrain.protocol.core.verdict import REASONS
 from blocktrain.protocol.worker.loop import WorkerLoop
 from tests.protocol.conftest import auth, block_tensors, make_harness
-from tests.protocol.worker.test_worker import FakeTrainer, client_for
+from tests.protocol.worker.test_worker import FakeTrainer, client_for, distinct_delta
 
 SHAPES = {"w": (6, 5), "b": (6,), "s": ()}
 LIMITS = Limits(max_delta_norm=50.0, max_tokens=1000)
@@ -251,7 +251,8 @@ def test_workers_push_the_announced_wire_and_the_aggregator_counts_its_bytes(tmp
             if wire in ("topk:0.1", "sparse:0.1:4"):  # error feedback: unsent ones come later
                 assert 0 < float(moved["layer.weight"].count_nonzero()) < 32
             else:
-                assert torch.allclose(moved["layer.weight"], torch.full((8, 4), 0.04), atol=1e-3)
+                sent = sum(distinct_delta(base, n)["layer.weight"] for n in range(1, 5))
+                assert torch.allclose(moved["layer.weight"], sent, atol=1e-3)
         finally:
             h.state.close()
     assert len(set(sizes.values())) == 4, "each wire's pushes are counted at their own size"

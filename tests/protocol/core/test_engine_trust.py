@@ -42,6 +42,9 @@ class TargetProbe:
         distance = sum(float(((weights[k].float() - t) ** 2).sum()) for k, t in self.target.items())
         return torch.tensor([distance])  # one window: no spread, so only a fall is accepted
 
+    def gradient(self, block: int, weights: dict[str, torch.Tensor], others=None, draw=0):
+        return {k: 2 * (w.float() - self.target[k]) for k, w in weights.items()}
+
 
 def engine(settings: AggregatorSettings = SETTINGS, probe: TargetProbe | None = None):
     eng = RoundEngine.fresh({0: BASE}, settings, probe=probe)

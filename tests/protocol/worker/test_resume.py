@@ -29,7 +29,7 @@ from blocktrain.training.local import local_trainer
 from tests.asgi import answered_by
 from tests.conftest import micro_config
 from tests.protocol.conftest import FakeClock, make_harness, run_state
-from tests.protocol.worker.test_worker import SETTINGS, FakeTrainer, client_for
+from tests.protocol.worker.test_worker import SETTINGS, FakeTrainer, client_for, distinct_delta
 
 
 class Killed(Exception):
@@ -53,8 +53,7 @@ class MomentTrainer(FakeTrainer):
         return super().train(steps, first_step, should_stop)  # then the on_train hook
 
     def delta(self):  # by the step trained from: a resumed trainer's first is not round 0's
-        value = 0.01 + 5e-5 * (self.first_steps[-1] + 1)
-        return {k: torch.full_like(v, value) for k, v in self.loaded[-1].items()}
+        return distinct_delta(self.loaded[-1], self.first_steps[-1] + 1)
 
     def optimizer_state(self):
         return {"w.exp_avg": self.moments.clone()}

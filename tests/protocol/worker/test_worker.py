@@ -50,9 +50,17 @@ class FakeTrainer:
             self.on_train(len(self.first_steps))
         return {"tokens": 64.0, "loss": 2.5, "steps": float(steps)}
 
-    def delta(self):  # never the same tensors twice, as real training (replays are refused)
-        value = 0.01 + 5e-5 * len(self.first_steps)
-        return {k: torch.full_like(v, value) for k, v in self.loaded[-1].items()}
+    def delta(self):
+        return distinct_delta(self.loaded[-1], len(self.first_steps))
+
+
+def distinct_delta(weights: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+    """About 0.01 everywhere, each value 0.005 or 0.015 by a sign pattern drawn for `n`: the
+    deltas of two n's point apart as honest replicas' do (about 0.6 between their directions),
+    so that none is a near-copy of another (the replay screen refuses those)."""
+    gen = torch.Generator().manual_seed(n)
+    signs = {k: 2 * torch.randint(2, weights[k].shape, generator=gen) - 1 for k in sorted(weights)}
+    return {k: (0.01 + 0.005 * signs[k]).to(v.dtype) for k, v in weights.items()}
 
 
 def client_for(h: Harness, token: str, **kwargs) -> AggregatorClient:

@@ -70,10 +70,11 @@ def test_replay_pushes_an_accepted_honest_delta_of_an_earlier_step() -> None:
 
 
 def test_the_replay_screen_refuses_copies_and_replays(corpus: Path) -> None:
-    """Under the defaults every copy and replay of a tensor already seen is refused `replay`
-    (round 0's replay has nothing to echo: zeros, `no_gain`); with the screen off a copy
-    passes the probe and doubles an honest vote."""
-    for kind, expected in (("copy", {"replay": 3}), ("replay", {"no_gain": 1, "replay": 2})):
+    """Under the defaults every copy of another identity's tensors is refused `copy`, and
+    every replay `copy` too: what it echoes is another identity's accepted delta (round 0's
+    replay has nothing to echo: zeros, `no_gain`); with the screen off a copy passes the probe
+    and doubles an honest vote."""
+    for kind, expected in (("copy", {"copy": 3}), ("replay", {"no_gain": 1, "copy": 2})):
         result, _ = run(corpus, Attack(kind, block=2), {}, rounds=3)
         (attacker,) = [w for w in result["workers"] if w["attacker"]]
         assert attacker["refused"] == expected and attacker["accepted"] == 0, kind

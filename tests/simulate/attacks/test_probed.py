@@ -80,6 +80,11 @@ class QuadraticProbe:
     def window_losses(self, block, weights, others=None, draw=0) -> torch.Tensor:
         return ((weights[BIAS_TENSOR][:1] - 1.0) ** 2).float()  # one window
 
+    def gradient(self, block, weights, others=None, draw=0) -> dict[str, torch.Tensor]:
+        out = {k: torch.zeros_like(w) for k, w in weights.items()}
+        out[BIAS_TENSOR][0] = 2 * (weights[BIAS_TENSOR][0] - 1.0)
+        return out
+
 
 def test_the_drift_bias_is_found_by_bisection_within_the_bound() -> None:
     inner = SimpleNamespace(

@@ -22,7 +22,8 @@ drive the same code.
     settings        AggregatorSettings: the two groups above, the wire, limits, closing, live eval
     bounds          settings derived from the run: the delta norm and token bounds
     events          what the engine holds and returns: blocks, checks, probe places, commits
-    replays         the replay screen: an update bound to its worker, round and version
+    replays         the replay screen: an update bound to its worker, round and version, and
+                    no near-copy of a recent body (sketches)
     probe_slots     places at the effect probe: each identity's budget, the bounded queue
     pacing          the local steps each pull tells its worker, from its measured pace
     round_engine    the round engine: register, pull, inspect, judge, record, commit

@@ -1,6 +1,7 @@
 """Judging an update by its effect (docs/protocol.md, Effect probe): the block's own loss on a
-fixed held-out slice, window by window, before and after the update (a paired test), and a
-reputation per identity built from those verdicts.
+fixed held-out slice, window by window, before and after the update (a paired test); the
+first-order gain of its direction against what its magnitudes gain by chance (the gain test);
+and a reputation per identity built from those verdicts.
 
 The protocol never imports the model, so the probe is injected: `EffectProbe` is the type, and
 `training.probe.BlockProbe` the implementation that `cli/aggregator.py` and the simulator wire
@@ -12,7 +13,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Hashable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -49,16 +50,33 @@ class EffectProbe(Protocol):
         blocks before them."""
         ...
 
+    def gradient(
+        self,
+        block: int,
+        weights: Tensors,
+        others: Mapping[int, Tensors] | None = None,
+        draw: int = 0,
+    ) -> Tensors:
+        """The gradient of the mean of `window_losses(block, weights, others, draw)` with
+        respect to `weights`, tensor by tensor (zeros where a tensor does not move the loss)."""
+        ...
+
 
 @dataclass(frozen=True)
 class Effect:
-    """The probe's reading of one update: the slice's mean loss before and after, and the
-    standard error of the relative change, from the windows' paired differences (0 for a
-    probe of one window)."""
+    """The probe's reading of one update: the slice's mean loss before and after, the standard
+    error of the relative change, from the windows' paired differences (0 for a probe of one
+    window), and the gain test's two numbers (`read`)."""
 
     before: float
     after: float
     stderr: float = 0.0
+    gain: float = 0.0
+    """The first-order fall of the slice's loss along the probed step, relative:
+    -step x (g . delta) / |before|, g the gradient of the slice's mean loss before."""
+    chance: float = 0.0
+    """What a delta of the same magnitudes gains by chance: the standard deviation of that fall
+    over random signs of the delta's coordinates, step x ||g * delta|| / |before|."""
 
     @staticmethod
     def paired(before: torch.Tensor, after: torch.Tensor) -> Effect:
@@ -71,9 +89,35 @@ class Effect:
         stderr = float(change.std() / math.sqrt(n)) if n > 1 else 0.0
         return Effect(mean_before, float(after.double().mean()), stderr)
 
+    @staticmethod
+    def read(
+        before: torch.Tensor,
+        after: torch.Tensor,
+        gradient: Tensors,
+        delta: Tensors,
+        step: float,
+    ) -> Effect:
+        """`paired`, with the gain test's numbers from the gradient before (`EffectProbe.
+        gradient`) and the delta the probe applied `step` of."""
+        effect = Effect.paired(before, after)
+        dot, square = 0.0, 0.0
+        for name, d in delta.items():
+            terms = gradient[name].double() * d.double()
+            dot += float(terms.sum())
+            square += float(terms.square().sum())
+        scale = step / abs(effect.before)
+        return replace(effect, gain=-dot * scale, chance=math.sqrt(square) * scale)
+
     @property
     def relative(self) -> float:
         return (self.after - self.before) / abs(self.before)
+
+    @property
+    def gain_z(self) -> float:
+        """The gain in chance standard deviations (0 for a delta that moves nothing). For a
+        delta whose signs carry no information about the slice (noise, at any norm and any
+        magnitudes), P(gain_z > t) <= exp(-t^2 / 2) (Hoeffding, given the magnitudes)."""
+        return self.gain / self.chance if self.chance > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -100,21 +144,35 @@ class HonestBand:
 
 
 def judge_effect(
-    effect: Effect, tolerance: float, band: HonestBand | None = None, z: float = 0.0
+    effect: Effect,
+    tolerance: float,
+    band: HonestBand | None = None,
+    z: float = 0.0,
+    gain_z: float = 0.0,
 ) -> Verdict:
-    """Accept an update only if it lowers the block's loss on the held-out slice, or raises it
-    by less than `z` of its own standard errors (`probe_z`; 0: only a fall). That threshold
-    comes from the update's own windows, not from its peers', so a majority of hostile
-    identities cannot loosen it
-    (bench/adversarial.py: while the honest band decided acceptance, four tokens on one block
-    shifted it, their updates were accepted and the block was wrecked, +2.0 CE). A refused
-    update costs reputation (`harmful`) only if it raises the loss by more than `tolerance`
-    (relative) and more than the upper edge of its block's honest band. Otherwise it is
-    `no_gain`, which costs nothing: late in a run an honest replica's delta raises the slice's
-    loss about as often as it lowers it (cluster_small), and penalising that noise excluded
-    every honest worker. `no_gain` also keeps votes that do nothing from diluting those that
-    train, e.g. a majority shrinking a block whose output is still zero."""
-    if effect.after < effect.before or effect.relative < z * effect.stderr:  # NaN is refused
+    """Accept an update only if its direction gains more than chance (`gain_z` above
+    `gain_z` of its chance standard deviations: `probe_gain_z`) and the slice's loss lowers,
+    or rises by less than `z` of its own standard errors (`probe_z`; 0: only a fall).
+
+    Both thresholds come from the update itself, not from its peers', so a majority of hostile
+    identities cannot loosen them (bench/adversarial.py: while the honest band decided
+    acceptance, four tokens on one block shifted it, their updates were accepted and the block
+    was wrecked, +2.0 CE). The gain test is what refuses noise: the windows' changes move
+    together (the slice shares most of its gradient), so their standard error is no measure of
+    what a random direction gains, and Gaussian noise read up to 35 standard errors of fall at
+    the tiny preset (`bench/honest_spread.py`), passing the paired test at any norm up to the
+    bound; against its chance deviation it reads as the standard normal it is, while honest
+    updates read tens of them.
+
+    A refused update costs reputation (`harmful`) only if it raises the loss by more than
+    `tolerance` (relative) and more than the upper edge of its block's honest band. Otherwise
+    it is `no_gain`, which costs nothing: late in a run an honest replica's delta raises the
+    slice's loss about as often as it lowers it (cluster_small), and penalising that noise
+    excluded every honest worker. `no_gain` also keeps votes that do nothing from diluting
+    those that train, e.g. a majority shrinking a block whose output is still zero."""
+    gained = effect.gain_z > gain_z  # NaN is refused
+    lowers = effect.after < effect.before or effect.relative < z * effect.stderr
+    if gained and lowers:
         return Verdict.ok()
     upper = None if band is None else band.upper
     limit = tolerance if upper is None else max(tolerance, upper)
@@ -122,11 +180,22 @@ def judge_effect(
         f"the block's held-out loss goes from {effect.before:.5g} to {effect.after:.5g} "
         f"({effect.relative:+.3%} ± {effect.stderr:.3%}; tolerance {tolerance:+.3%}"
         + ("" if upper is None else f", recent accepted updates up to {upper:+.3%}")
-        + ")"
+        + f"); its direction gains {effect.gain_z:.2f} chance deviations (more than "
+        f"{gain_z:g} needed)"
     )
     if not effect.relative <= limit:  # NaN is harmful
         return Verdict.refuse("harmful", detail)
     return Verdict.refuse("no_gain", detail)
+
+
+def helped(judged: Verdict, effect: Effect) -> bool | None:
+    """How a probed update scores its identity's reputation: True (helpful) when it was
+    accepted and the slice's loss fell, False when it was harmful, None (no change) otherwise:
+    an update the paired test tolerates (a rise within `probe_z` standard errors) is not a
+    measured gain, and a refused one earns nothing."""
+    if judged.accepted:
+        return True if effect.after < effect.before else None
+    return False if judged.reason == "harmful" else None
 
 
 @dataclass
@@ -160,14 +229,15 @@ class Reputation:
 
 
 class ProbeCache:
-    """The probe and each block's loss before, computed once per weights objects (a commit
-    replaces a block's weights dict and never changes one in place, so every update of a
-    round is compared with the same numbers while no block it reads moves). Each new "before"
-    is a new draw of the probe's slice, so the slice changes with every committed version."""
+    """The probe, and each block's loss and gradient before, computed once per weights objects
+    (a commit replaces a block's weights dict and never changes one in place, so every update
+    of a round is compared with the same numbers while no block it reads moves). Each new
+    "before" is a new draw of the probe's slice, so the slice changes with every committed
+    version."""
 
     def __init__(self, probe: EffectProbe) -> None:
         self.probe = probe
-        self._before: dict[int, tuple[tuple[int, ...], int, torch.Tensor]] = {}
+        self._before: dict[int, tuple[tuple[int, ...], int, torch.Tensor, Tensors]] = {}
 
     def effect(
         self,
@@ -183,7 +253,9 @@ class ProbeCache:
         if cached is None or cached[0] != key:
             draw = 0 if cached is None else cached[1] + 1
             before = self.probe.window_losses(block, weights, others, draw)
-            cached = self._before[block] = (key, draw, before)
-        _, draw, before = cached
+            gradient = self.probe.gradient(block, weights, others, draw)
+            cached = self._before[block] = (key, draw, before, gradient)
+        _, draw, before, gradient = cached
         after = {k: w.float() + step * delta[k].float() for k, w in weights.items()}
-        return Effect.paired(before, self.probe.window_losses(block, after, others, draw))
+        losses = self.probe.window_losses(block, after, others, draw)
+        return Effect.read(before, losses, gradient, delta, step)

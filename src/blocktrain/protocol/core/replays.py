@@ -1,31 +1,86 @@
 """The replay screen of the round engine: an update is bound to its worker, round and base
-version, and its tensors are new. `RoundEngine` takes it as a mixin; it reads the engine's
-registry, its blocks' rounds, each worker's last pull (`pulled`) and the digests of recent
-bodies (`seen`), which the engine prunes when a round commits.
+version, and its tensors are not a near-copy of recent ones. `RoundEngine` takes it as a
+mixin; it reads the engine's registry, its blocks' rounds, each worker's last pull (`pulled`)
+and the sketches of recent bodies (`seen`), which the engine prunes when a round commits.
+
+A body's sketch (`Sketcher`) is a count sketch of its dense delta: each coordinate added, with
+a sign, to one of SKETCH_DIMS buckets, normalised to unit length. Two deltas' sketch distance
+estimates the distance between their directions, ||a/|a| - b/|b|||, within about
+sqrt(2 / SKETCH_DIMS) = 9 % of it: a copy with one value moved by one ulp, or with noise of
+1e-3 of its norm, or rescaled, reads about 1e-7, 1e-3 and 0; honest replicas of one block read
+0.2 and more (`copy_distance`, docs/protocol.md, Replays). Buckets and signs are drawn from the
+engine's secret: with them known, a perturbation of one coordinate per bucket with the bucket's
+signs would move a sketch sqrt(params / SKETCH_DIMS) times more than the delta (44x at the
+tiny preset), so a near-copy could be made to read far away. They follow a tensor's name and
+size, not its block, so the bodies of blocks of one shape compare too.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Hashable
 from dataclasses import dataclass
+
+import torch
 
 from blocktrain.protocol.core.events import Checked, EngineBlock
 from blocktrain.protocol.core.rounds import NOT_A_REPORT, Registry
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.core.verdict import Verdict
 
+Tensors = dict[str, torch.Tensor]
+
 REPLAY_ENTRIES = 4096
-"""At most this many digests per block (the oldest go first): the set stays bounded."""
+"""At most this many sketches per block (the oldest go first): the set stays bounded."""
+SKETCH_DIMS = 256
+"""Buckets of a sketch: 1 KiB of fp32 per body kept, whatever the block's size."""
+
+
+class Sketcher:
+    """Unit count sketches of deltas, from a secret `seed`. The buckets of each tensor (name,
+    size) are drawn once and kept as signed bucket codes, 2 bytes a parameter."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._codes: dict[tuple[str, int], torch.Tensor] = {}
+
+    def _code(self, name: str, n: int) -> torch.Tensor:
+        """2 x bucket + (sign > 0) of each of a tensor's n coordinates, (n,) int16."""
+        code = self._codes.get((name, n))
+        if code is None:
+            key = hashlib.blake2b(f"copy:{self.seed}:{name}:{n}".encode(), digest_size=8).digest()
+            gen = torch.Generator().manual_seed(int.from_bytes(key) >> 1)
+            code = torch.randint(2 * SKETCH_DIMS, (n,), generator=gen, dtype=torch.int16)
+            self._codes[(name, n)] = code
+        return code
+
+    def sketch(self, delta: Tensors) -> torch.Tensor | None:
+        """The unit sketch of `delta`, (SKETCH_DIMS,) fp32; None for a delta of zeros, which
+        anyone can make (the simulator's timing-only workers all send one)."""
+        signed = torch.zeros(2 * SKETCH_DIMS, dtype=torch.float64)
+        for name in sorted(delta):
+            t = delta[name].reshape(-1)
+            signed.index_add_(0, self._code(name, t.numel()).long(), t.double())
+        sums = signed[1::2] - signed[0::2]
+        size = float(sums.norm())
+        return (sums / size).float() if size > 0 else None
+
+
+def distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """||a_i - b|| of each row of (n, k) against (k,): exactly 0 for the same sketch, so that
+    copy_distance 0 still catches exact copies."""
+    return (a - b).norm(dim=1)
 
 
 @dataclass
 class Seen:
     """A body's tensors as the engine saw them pushed: by whom first, in which round of the
-    block, and whether any push of them was accepted."""
+    block, whether any push of them was accepted, and their sketch."""
 
     identity: Hashable
     round: int
     accepted: bool
+    sketch: torch.Tensor
 
 
 class ReplayScreen:
@@ -34,17 +89,19 @@ class ReplayScreen:
     settings: AggregatorSettings
     blocks: dict[int, EngineBlock]
     registry: Registry
-    seen: dict[int, dict[bytes, Seen]]
+    seen: dict[int, list[Seen]]
     pulled: dict[int, tuple[int, int, int]]
 
     def screen(self, worker: int, block: int, checked: Checked) -> Verdict:
         """The replay verdict on an update that passed `inspect` and `judge`: it is bound to
-        its worker, round and base version, and its tensors are new. Refused `replay` when its
-        metadata names another worker than the one pushing it, or another round or version
-        than that worker's last pull of the block (when this engine saw one), or when the same
-        tensors (`Candidate.digest`) were accepted before, or pushed by another identity, in
-        the last `replay_rounds` rounds of any block. Read-only; `record` remembers the
-        tensors."""
+        its worker, round and base version, and its tensors are not a near-copy. Refused
+        `replay` when its metadata names another worker than the one pushing it, or another
+        round or version than that worker's last pull of the block (when this engine saw
+        one), or when its sketch lies within `copy_distance` of one of its identity's
+        accepted bodies; `copy` when within it of another identity's body, pushed or
+        accepted; in the last `replay_rounds` rounds of any block. An identity's own body
+        that was not accepted may come again (a retry after `busy` or `late`). Read-only;
+        `record` remembers the sketch."""
         meta, candidate = checked.meta, checked.candidate
         assert meta is not None and candidate is not None
         if meta.worker_id is not None and meta.worker_id != worker:
@@ -66,36 +123,53 @@ class ReplayScreen:
                 f"the body names round {meta.round} from version {meta.base_version}; worker "
                 f"{worker} last pulled round {pulled[1]} (version {pulled[2]})",
             )
-        digest = candidate.digest
-        if digest is None:
+        sketch = candidate.sketch
+        if sketch is None:
             return Verdict.ok()
         identity = self.registry.identity(worker)
-        for b, seen in self.seen.items():  # every block: blocks of one shape swap bodies
-            entry = seen.get(digest)
-            if entry is None:
-                continue
-            where = f"round {entry.round} of block {b}"
-            if entry.accepted:
-                return Verdict.refuse("replay", f"the same tensors were accepted in {where}")
+        near = [  # every block: blocks of one shape swap bodies
+            (apart, b, entry)
+            for b, seen in self.seen.items()
+            for apart, entry in self._within(seen, sketch)
+        ]
+        for apart, b, entry in sorted(near, key=lambda x: x[0]):
+            where = (
+                f"round {entry.round} of block {b} (sketch distance {apart:.2g}, within "
+                f"copy_distance {self.settings.copy_distance:g})"
+            )
             if entry.identity != identity:
+                pushed = "accepted" if entry.accepted else "pushed"
                 return Verdict.refuse(
-                    "replay", f"the same tensors were pushed by another identity in {where}"
+                    "copy", f"the tensors nearly repeat those another identity {pushed} in {where}"
+                )
+            if entry.accepted:
+                return Verdict.refuse(
+                    "replay",
+                    f"the tensors nearly repeat those this identity had accepted in {where}",
                 )
         return Verdict.ok()
 
     def _remember(self, block: int, checked: Checked, identity: Hashable, verdict: Verdict) -> None:
-        """Keep the digest of a pushed body's tensors (one that was judged: not a replay, and
-        not refused before its round was), for `screen`."""
-        digest = None if checked.candidate is None else checked.candidate.digest
-        if digest is None or verdict.reason in NOT_A_REPORT or verdict.reason == "replay":
+        """Keep the sketch of a pushed body (one that was judged: not a replay or a copy, and
+        not refused before its round was), for `screen`; a body near one its identity pushed
+        before updates that entry."""
+        sketch = None if checked.candidate is None else checked.candidate.sketch
+        if sketch is None or verdict.reason in NOT_A_REPORT or verdict.reason in ("replay", "copy"):
             return
         if not self.settings.replay_rounds:
             return
-        seen = self.seen.setdefault(block, {})
-        entry = seen.get(digest)
-        if entry is None:
-            seen[digest] = Seen(identity, self.blocks[block].rounds.round, verdict.accepted)
-            while len(seen) > REPLAY_ENTRIES:
-                del seen[next(iter(seen))]
-        elif verdict.accepted:
-            entry.accepted = True
+        seen = self.seen.setdefault(block, [])
+        for _, entry in self._within(seen, sketch):
+            if entry.identity == identity:
+                entry.accepted = entry.accepted or verdict.accepted
+                return
+        seen.append(Seen(identity, self.blocks[block].rounds.round, verdict.accepted, sketch))
+        del seen[:-REPLAY_ENTRIES]
+
+    def _within(self, seen: list[Seen], sketch: torch.Tensor) -> list[tuple[float, Seen]]:
+        """The entries of `seen` within copy_distance of `sketch`, with their distances."""
+        if not seen:
+            return []
+        gaps = distance(torch.stack([e.sketch for e in seen]), sketch)
+        close = torch.nonzero(gaps <= self.settings.copy_distance).flatten().tolist()
+        return [(float(gaps[i]), seen[i]) for i in close]

@@ -32,6 +32,7 @@ What the engine holds and returns is `events`; its replay screen (`screen`) is
 
 from __future__ import annotations
 
+import secrets
 from collections import Counter
 from collections.abc import Callable, Collection, Hashable, Iterable
 from typing import cast
@@ -46,6 +47,7 @@ from blocktrain.protocol.core.effect import (
     HonestBand,
     ProbeCache,
     Reputation,
+    helped,
     judge_effect,
 )
 from blocktrain.protocol.core.events import (
@@ -63,7 +65,7 @@ from blocktrain.protocol.core.pacing import Pacer
 from blocktrain.protocol.core.probe_slots import PROBE_SLOTS as PROBE_SLOTS
 from blocktrain.protocol.core.probe_slots import ProbeSlots
 from blocktrain.protocol.core.pulls import commit_step
-from blocktrain.protocol.core.replays import ReplayScreen, Seen
+from blocktrain.protocol.core.replays import ReplayScreen, Seen, Sketcher
 from blocktrain.protocol.core.rounds import BlockRounds, Registry, RoundClosed
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.core.validation import (
@@ -71,7 +73,6 @@ from blocktrain.protocol.core.validation import (
     Candidate,
     Limits,
     UpdateMeta,
-    tensors_digest,
     validate,
 )
 from blocktrain.protocol.core.verdict import Verdict
@@ -89,8 +90,11 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         registry: Registry | None = None,
         probe: EffectProbe | None = None,
         reputation: Reputation | None = None,
-        drift_seed: int | None = None,
+        seed: int | None = None,
     ) -> None:
+        """`seed`: the secret of the drift tracker's and the replay screen's sketches (None:
+        drawn here; the simulator fixes it, so that a run is a function of its seed)."""
+        seed = secrets.randbits(62) if seed is None else seed
         self.settings = settings
         self.blocks = blocks
         self.registry = registry or Registry(len(blocks), settings.live_window)
@@ -99,7 +103,7 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         self.reputation = Reputation(settings.min_reputation) if reputation is None else reputation
         self.bands: dict[int, HonestBand] = {}
         """Each block's recent accepted effects (empty after a restart: it refills)."""
-        self.drift = tracker(settings, drift_seed)
+        self.drift = tracker(settings, seed)
         """Each identity's lean against the other votes of its block (`drift`; in memory)."""
         self._auto_id = 0  # ids for updates recorded without one (the simulator has no ledger)
         self.outer = OuterOptimizer(settings.outer_lr, settings.outer_momentum)
@@ -112,9 +116,10 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         """block -> (its open round, the probe places each identity holds or spent in it)."""
         self.probing = 0
         """Updates holding a place at the probe now (at most PROBE_SLOTS)."""
-        self.seen: dict[int, dict[bytes, Seen]] = {b: {} for b in blocks}
-        """Each block's recent bodies by their tensors' digest (the last `replay_rounds`
-        rounds, at most REPLAY_ENTRIES; in memory: a restart empties it)."""
+        self.sketcher = Sketcher(seed)
+        self.seen: dict[int, list[Seen]] = {b: [] for b in blocks}
+        """Each block's recent bodies' sketches (the last `replay_rounds` rounds, at most
+        REPLAY_ENTRIES; in memory: a restart empties it)."""
         self.pulled: dict[int, tuple[int, int, int]] = {}
         self.pacer = Pacer(settings)
         """Each worker's measured seconds per step, and the steps its last pull was told."""
@@ -131,16 +136,15 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         initial: dict[int, Tensors],
         settings: AggregatorSettings,
         probe: EffectProbe | None = None,
-        drift_seed: int | None = None,
+        seed: int | None = None,
     ) -> RoundEngine:
-        """Version 0 of every block, round 0, no workers; `drift_seed`: the drift sketches'
-        buckets (None: secret; the simulator fixes it, so that a run is a function of its
-        seed)."""
+        """Version 0 of every block, round 0, no workers; `seed`: the sketches' secret
+        (`__init__`)."""
         blocks = {
             b: cls.block(b, {k: v.detach().float().clone() for k, v in w.items()}, None, settings)
             for b, w in sorted(initial.items())
         }
-        return cls(settings, blocks, probe=probe, drift_seed=drift_seed)
+        return cls(settings, blocks, probe=probe, seed=seed)
 
     @staticmethod
     def block(
@@ -232,7 +236,7 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         candidate = Candidate(block, decoded, self.blocks[block].spec, self.limits)
         verdict = validate(candidate)
         if verdict.accepted and candidate.norm != 0:
-            candidate.digest = tensors_digest(decoded)
+            candidate.sketch = self.sketcher.sketch(candidate.tensors)
         return Checked(verdict, candidate)
 
     def finish(self, checked: Checked, worker: int | None = None) -> Checked:
@@ -255,7 +259,11 @@ class RoundEngine(ReplayScreen, ProbeSlots):
             block, self.blocks[block].weights, candidate.tensors, others, self.settings.probe_step
         )
         judged = judge_effect(
-            effect, self.settings.probe_tolerance, self.bands.get(block), self.settings.probe_z
+            effect,
+            self.settings.probe_tolerance,
+            self.bands.get(block),
+            self.settings.probe_z,
+            self.settings.probe_gain_z,
         )
         return Checked(judged if verdict.accepted else verdict, candidate, effect, judged)
 
@@ -327,12 +335,9 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         if meta is None:
             return False  # unreadable: it names no round
         identity = self.registry.identity(worker)
-        probed = checked.judged
-        if (
-            probed is not None
-            and (probed.accepted or probed.reason == "harmful")
-            and self.reputation.observe(identity, helpful=probed.accepted)
-        ):
+        probed, effect = checked.judged, checked.effect
+        helpful = None if probed is None or effect is None else helped(probed, effect)
+        if helpful is not None and self.reputation.observe(identity, helpful=helpful):
             for listener in self.on_reputation:
                 listener(identity, self.reputation.of(identity), now)
         rounds = self.blocks[block].rounds
@@ -419,7 +424,5 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         st.weights, st.momentum, st.remainder = weights, momentum, remainder
         st.acc = accumulator(self.settings)
         keep = st.rounds.round - self.settings.replay_rounds
-        seen = self.seen.setdefault(st.index, {})
-        for digest in [d for d, e in seen.items() if e.round < keep]:
-            del seen[digest]
+        self.seen[st.index] = [e for e in self.seen.get(st.index, []) if e.round >= keep]
         return event

@@ -8,7 +8,6 @@ machine's verdict (`rounds.BlockRounds.judge`). The first refusal wins.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -103,20 +102,9 @@ class Candidate:
     meta: UpdateMeta | None = None
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     norm: float | None = None
-    digest: bytes | None = None
-    """SHA-256 of the body's tensors (names, dtypes, shapes, bytes; not the metadata), for the
-    round engine's replay check; None for a delta of zeros, which anyone can make."""
-
-
-def tensors_digest(decoded: Decoded) -> bytes:
-    """SHA-256 over the tensors of a body in name order: each name, dtype code, shape and raw
-    bytes, so the same tensors hash alike whatever the metadata or the layout of the file."""
-    h = hashlib.sha256()
-    for name in sorted(decoded.tensors):
-        raw = decoded.tensors[name]
-        h.update(f"{len(name)}:{name}:{raw.dtype}:{list(raw.shape)}:{len(raw.data)}:".encode())
-        h.update(raw.data)
-    return h.digest()
+    sketch: torch.Tensor | None = None
+    """The unit sketch of the dense delta (`replays.Sketcher`; not the metadata), for the round
+    engine's replay screen; None for a delta of zeros, which anyone can make."""
 
 
 Validator = Callable[[Candidate], Verdict]

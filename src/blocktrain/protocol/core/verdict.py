@@ -81,7 +81,12 @@ REASONS: dict[str, tuple[int, str]] = {
     "replay": (
         409,
         "the body names another worker, or another round or version than the worker's last "
-        "pull, or repeats tensors already accepted or pushed by another identity",
+        "pull, or its tensors nearly repeat its identity's accepted ones (copy_distance)",
+    ),
+    "copy": (
+        409,
+        "the body's tensors nearly repeat those another identity pushed or had accepted in "
+        "the last replay_rounds rounds (copy_distance)",
     ),
     # committed versions at immutable URLs (docs/protocol.md, Pulls through a cache)
     "unknown_version": (404, "the block has not reached this version"),

@@ -103,6 +103,17 @@ class VoteSettings:
         flag="--probe-z",
         metavar="Z",
     )
+    probe_gain_z: float = setting(
+        6.0,
+        "Chance standard deviations by which an update's first-order gain on the slice must "
+        "exceed what a delta of its magnitudes with random signs gains (the gain test: noise "
+        "at any norm reads as a standard normal, at most 2.6 measured; honest updates 29.3 and "
+        "more at tiny, 92 at small; bench/honest_spread.py); 0: only a positive gain.",
+        lambda v: 0 <= v <= 50,
+        "must lie in [0, 50]",
+        flag="--probe-gain-z",
+        metavar="Z",
+    )
     probe_budget: int = setting(
         2,
         "Updates per identity per round that may reach the effect probe and be refused; "
@@ -115,14 +126,25 @@ class VoteSettings:
     )
     replay_rounds: int = setting(
         8,
-        "Rounds per block whose update bodies' tensor digests are kept: the same tensors "
-        "already accepted, or pushed by another identity, within them are refused replay "
-        "(at most 4096 digests per block, in memory); 0 turns this check off (an update "
-        "stays bound to its worker and the round and version of its pull).",
+        "Rounds per block whose update bodies' sketches are kept: a body within copy_distance "
+        "of its identity's own accepted one is refused replay, of another identity's, pushed "
+        "or accepted, copy (at most 4096 sketches per block, in memory); 0 turns this check "
+        "off (an update stays bound to its worker and the round and version of its pull).",
         lambda v: v >= 0,
         "must be >= 0",
         flag="--replay-rounds",
         metavar="R",
+    )
+    copy_distance: float = setting(
+        0.05,
+        "Distance between two deltas' directions (their unit sketches) within which one is a "
+        "copy of the other (replay_rounds): a value moved by one ulp, noise of 1e-3 of the norm "
+        "or a rescaling read 0.0012 at most, honest replicas of a block 0.226 and more at tiny, "
+        "0.276 at small (bench/honest_spread.py); 0: exact copies only.",
+        lambda v: 0 <= v < 1,
+        "must lie in [0, 1)",
+        flag="--copy-distance",
+        metavar="D",
     )
     min_reputation: float = setting(
         0.1,

@@ -8,8 +8,9 @@ honest one).
     replay  the newest honest delta of its block the aggregator accepted from an earlier run
             step, pushed again with fresh metadata (its own round, base version and worker id)
 
-What they meet is the replay screen (`protocol.core.replays`): the same tensors accepted before,
-or pushed by another identity, within `replay_rounds` rounds are refused `replay`.
+What they meet is the replay screen (`protocol.core.replays`): tensors within `copy_distance` of
+a body another identity pushed within `replay_rounds` rounds are refused `copy`, of one the same
+identity had accepted, `replay`.
 """
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ class Hostiles:
         if kind in POISONED:
             return inner
         assert self._probe is not None
-        rule = {"step": settings.probe_step, "z": settings.probe_z}
+        rule = {"step": settings.probe_step, "z": settings.probe_z, "gain_z": settings.probe_gain_z}
         if kind == "drift":
             return DriftTrainer(inner, self._probe, settings.max_delta_norm, **rule)
         return AscendTrainer(

@@ -2,9 +2,9 @@
 of the validation split, its sigmas and its noise follow from the run's config and data, so an
 attacker rebuilds it (`training.probe.BlockProbe`, without the aggregator's secret, which it
 cannot know: the public slice) and sizes its update to pass the published single-round rule
-(`protocol.core.effect.judge_effect` at the aggregator's `probe_step` and `probe_z`) on it: the
-largest deviation its copy of the probe still accepts, by bisection (`_Probed.largest`, a
-handful of probe calls).
+(`protocol.core.effect.judge_effect` at the aggregator's `probe_step`, `probe_z` and
+`probe_gain_z`) on it: the largest deviation its copy of the probe still accepts, by bisection
+(`_Probed.largest`, a handful of probe calls and one gradient).
 
     drift   trains honestly and pushes DRIFT_SHARE x its honest delta plus a bias on byte 0's
             output logit (`head.bias[0]`, the coordinate of the `bias` forger: byte 0 never
@@ -59,11 +59,13 @@ class _Probed:
         bound: float,
         step: float = 1.0,
         z: float = 0.0,
+        gain_z: float = 0.0,
     ) -> None:
         self.inner = inner
         self.probe = probe
         self.bound = AT_BOUND * bound
-        self.step, self.z = step, z  # the aggregator's published probe_step and probe_z
+        # the aggregator's published probe_step, probe_z and probe_gain_z
+        self.step, self.z, self.gain_z = step, z, gain_z
         # its probe copy judges as the aggregator's does, with the blocks before it: it reads
         # them as a features worker does even where an honest replica needs only a stream
         reads = inner.cfg.model.reads_upstream
@@ -89,12 +91,14 @@ class _Probed:
         moved since the pull), by bisection; 0 when even size 0 is not."""
         block = self.inner.block_index
         before = self.probe.window_losses(block, self.base, self.others)
+        gradient = self.probe.gradient(block, self.base, self.others)
 
         def falls(size: float) -> bool:
             delta = deviate(size)
             after = {k: w + self.step * delta[k] for k, w in self.base.items()}
-            effect = Effect.paired(before, self.probe.window_losses(block, after, self.others))
-            return judge_effect(effect, 0.0, None, self.z).accepted
+            losses = self.probe.window_losses(block, after, self.others)
+            effect = Effect.read(before, losses, gradient, delta, self.step)
+            return judge_effect(effect, 0.0, None, self.z, self.gain_z).accepted
 
         lo = 0.0
         if hi <= 0.0 or not falls(lo):
@@ -148,8 +152,9 @@ class AscendTrainer(_Probed):
         tokens: int,
         step: float = 1.0,
         z: float = 0.0,
+        gain_z: float = 0.0,
     ) -> None:
-        super().__init__(inner, probe, bound, step, z)
+        super().__init__(inner, probe, bound, step, z, gain_z)
         self.tokens = tokens
         self._delta: Tensors = {}
 
