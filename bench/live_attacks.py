@@ -332,11 +332,8 @@ def scored(row: dict[str, Any]) -> dict[str, Any]:
     """The row with its two headline figures (issue 58), read from what it holds: so rows
     measured before they existed get them too. A screened row's count of accepted updates,
     read from the ledger (screened_of), stands."""
-    return {
-        "attacker_accepted": attacker_accepted(row),
-        **row,
-        "honest_served_share": honest_served_share(row),
-    }
+    accepted = row["attacker_accepted"] if "attacker_accepted" in row else attacker_accepted(row)
+    return {**row, "attacker_accepted": accepted, "honest_served_share": honest_served_share(row)}
 
 
 def finish_row(row: dict[str, Any], factor: float, rss_growth_mb: float) -> dict[str, Any]:

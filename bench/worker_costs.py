@@ -25,6 +25,7 @@ import sys
 from typing import Any
 
 from blocktrain.config import apply_overrides
+from blocktrain.relaystream import BYTES_PER_TOKEN_OVER_D
 from blocktrain.serving.host.shapes import count_params, parse_shape, shape_run
 from blocktrain.training.costs import cost_plan, reference_cost
 from blocktrain.training.profiles import PROFILES
@@ -210,7 +211,8 @@ def markdown(result: dict[str, Any]) -> str:
             for p in result["projection"]
             for rounds in [{r["route"]: r["round_s"] for r in p["rows"]}]
         )
-        + " (the relayed stream, H x batch x T x (d + 5) bytes each way a round, grows with d; "
+        + " (the relayed stream, H x batch x T x (d + "
+        f"{BYTES_PER_TOKEN_OVER_D}) bytes each way a round, grows with d; "
         "the upstream blocks that features pulls whole grow with d^2 and with B). These are "
         "projections "
         "from counted FLOPs and bytes under the profile's sourced and assumed figures, not "
