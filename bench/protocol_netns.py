@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from report import ROOT, machine, update_section, write_json  # bench/report.py
+from report import RESEARCH, ROOT, machine, update_section, write_json  # bench/report.py
 
 COMMAND = "python -m pytest tests/protocol/ops/test_netns.py -m network -s"
 
@@ -78,6 +78,7 @@ whatever TCP retransmitted under the 1% loss.
 |---|---:|---:|---:|
 {rows}
 """,
+        RESEARCH / "decentralised.md",  # superseded by the WAN-shaped run of BENCHMARKS.md
     )
     print(f"netns: {result['impairment']}; connect {rtt:.1f} ms; wrote protocol_netns.json")
 
