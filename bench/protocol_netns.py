@@ -1,6 +1,7 @@
 """Multi-host on one machine: runs the network-namespace test (tests/protocol/ops/test_netns.py:
 an aggregator and two worker hosts in their own namespaces, veth links on a bridge, a delay of
-20 ms and 1% loss on every link) and records what it measured. Needs root.
+20 ms and 1% loss on every link) and records what it measured, in docs/research/decentralised.md
+(superseded by bench/wan_run.py's run). Needs root.
 
     python bench/protocol_netns.py
 """

@@ -4,7 +4,7 @@ held-out bytes with `blocktrain eval --against`.
 
 Runs live in benchmarks/work/pair-PRESET-{bt,ref}; a finished run is reused, an interrupted one
 resumed. Writes benchmarks/results/pair_PRESET.json and the `pair-PRESET` section of
-BENCHMARKS.md.
+docs/research/quality.md.
 
     OMP_NUM_THREADS=1 python bench/quality_pair.py --preset small     # about an hour per model
 """

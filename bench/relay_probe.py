@@ -8,7 +8,7 @@ behind); LAG = H a relay exchanged once a round of H steps. Block b starts at st
 stream before). Scored by `blocktrain eval` as bench/compose.py scores its rows.
 
     python bench/relay_probe.py --preset tiny --blocks 3 --lags 0,1,25 --seeds 0
-    python bench/relay_probe.py --report     # only the BENCHMARKS.md section, from the JSON
+    python bench/relay_probe.py --report     # only its section (docs/research/compose.md)
 """
 
 from __future__ import annotations
