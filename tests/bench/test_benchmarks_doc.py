@@ -10,6 +10,7 @@ import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -75,7 +76,7 @@ def test_every_rendered_section_is_whole_and_in_one_file_only() -> None:
 def moved() -> list[tuple[str, Path, Callable[[], str]]]:
     """The sections bench scripts render into docs/research/, each with its render from the JSON."""
 
-    def read(name: str) -> dict:  # type: ignore[type-arg]
+    def read(name: str) -> dict[str, Any]:
         return dict(json.loads((RESULTS / name).read_text()))
 
     return [
