@@ -18,8 +18,8 @@ the pushes alone).
 
 Rows of another `--preset` (small) are a pair, fp16 and a codec at one length, read against
 each other in their own table; they run with the effect probe off, as `blocktrain cluster` does
-(the probe refuses honest updates at small near the learning rate's peak: BENCHMARKS.md, The
-shared-node run).
+(the probe refuses honest updates at small near the learning rate's peak:
+docs/research/decentralised.md, The shared-node run).
 
     python bench/compression.py --rounds 30 --local-steps 30                # the main rows
     python bench/compression.py --rounds 30 --local-steps 30 --ablations    # + the ablations

@@ -51,8 +51,8 @@ from blocktrain.protocol.ops.cluster import Proc, start_aggregator, stop
 from blocktrain.protocol.store.storage import StateDir
 from blocktrain.protocol.store.tokens import hash_token, new_token
 from load_http import Connection  # bench/load_http.py, beside this script
-from protocol_load_md import row, section  # beside this script: the table and its prose
-from report import RESULTS, free_ports, machine, update_section, write_json  # beside this script
+from protocol_load_md import profile_text, row, section  # beside this script: table, prose
+from report import RESEARCH, RESULTS, free_ports, machine, update_section, write_json
 
 
 def block(params: int) -> dict[str, torch.Tensor]:
@@ -293,13 +293,13 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="20 and 60 workers, 2 rounds")
     p.add_argument("--no-write", action="store_true", help="print only; write no JSON or docs")
     p.add_argument(
-        "--section-only", action="store_true", help="rewrite BENCHMARKS.md from the JSON; no runs"
+        "--section-only",
+        action="store_true",
+        help="rewrite its sections (BENCHMARKS.md, docs/research/) from the JSON; no runs",
     )
     args = p.parse_args()
     if args.section_only:
-        update_section(
-            "protocol-load", section(json.loads((RESULTS / "protocol_load.json").read_text()))
-        )
+        write_sections(json.loads((RESULTS / "protocol_load.json").read_text()))
         return
     if args.quick:
         args.workers, args.large, args.rounds, args.large_rounds, args.spread = 20, 60, 2, 1, 2.0
@@ -323,7 +323,13 @@ def main() -> None:
         return
     path = write_json("protocol_load.json", result)
     print(f"wrote {path}")
+    write_sections(result)
+
+
+def write_sections(result: dict[str, Any]) -> None:
+    """The table in BENCHMARKS.md; what the profile found, history, in docs/research/."""
     update_section("protocol-load", section(result))
+    update_section("protocol-profile", profile_text(), RESEARCH / "decentralised.md")
 
 
 if __name__ == "__main__":

@@ -53,8 +53,8 @@ accepted update.
 
 **Against the goal** (push p99 under 0.5 s at {first["workers"]} workers, bar 1 s): the first row
 {verdict} it, {bar} the bar: {push["p99_ms"]:.0f} ms (before this work: p99 2.68 s, p50 1.41 s,
-37 updates/s, 78 MB/s, measured with an httpx load generator on an Intel Xeon; see below for what
-moved). Spread over 3 blocks, the 100 workers see push p99 {result["runs"][1]["push"]["p99_ms"]:.0f} ms from one aggregator and
+37 updates/s, 78 MB/s, measured with an httpx load generator on an Intel Xeon; what moved:
+docs/research/decentralised.md). Spread over 3 blocks, the 100 workers see push p99 {result["runs"][1]["push"]["p99_ms"]:.0f} ms from one aggregator and
 {result["runs"][2]["push"]["p99_ms"]:.0f} ms from one aggregator per block. In a burst, latency is queueing: the last of {first["workers"]} pushes waits for the
 ones before it, so p99 is about the whole push phase ({statistics.fmean(push["wall_s_per_round"]):.2f} s a round here).
 All on {m["cpu"]} ({m["cores"]} cores; the 1-minute load average after the runs, which
@@ -65,8 +65,6 @@ most at 1,000 workers: one aggregator closes each block's round (the aggregation
 votes) under the one service lock, and every request of every block waits meanwhile (push p99
 {one["push"]["p99_ms"] / 1e3:.1f} s); with one aggregator per block only that block's requests do ({three["push"]["p99_ms"]:.0f} ms). Staggered
 workers arrive at a rate, so their updates/s is the arrival rate, not a capacity.
-
-{profile_text()}
 """
 
 

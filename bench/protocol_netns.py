@@ -1,6 +1,7 @@
 """Multi-host on one machine: runs the network-namespace test (tests/protocol/ops/test_netns.py:
 an aggregator and two worker hosts in their own namespaces, veth links on a bridge, a delay of
-20 ms and 1% loss on every link) and records what it measured. Needs root.
+20 ms and 1% loss on every link) and records what it measured, in docs/research/decentralised.md
+(superseded by bench/wan_run.py's run). Needs root.
 
     python bench/protocol_netns.py
 """
@@ -14,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from report import ROOT, machine, update_section, write_json  # bench/report.py
+from report import RESEARCH, ROOT, machine, update_section, write_json  # bench/report.py
 
 COMMAND = "python -m pytest tests/protocol/ops/test_netns.py -m network -s"
 
@@ -78,6 +79,7 @@ whatever TCP retransmitted under the 1% loss.
 |---|---:|---:|---:|
 {rows}
 """,
+        RESEARCH / "decentralised.md",  # superseded by the WAN-shaped run of BENCHMARKS.md
     )
     print(f"netns: {result['impairment']}; connect {rtt:.1f} ms; wrote protocol_netns.json")
 

@@ -4,7 +4,7 @@ held-out bytes with `blocktrain eval --against`.
 
 Runs live in benchmarks/work/pair-PRESET-{bt,ref}; a finished run is reused, an interrupted one
 resumed. Writes benchmarks/results/pair_PRESET.json and the `pair-PRESET` section of
-BENCHMARKS.md.
+docs/research/quality.md.
 
     OMP_NUM_THREADS=1 python bench/quality_pair.py --preset small     # about an hour per model
 """
@@ -17,7 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from report import ROOT, blocktrain, machine, trained, update_section, write_json
+from report import RESEARCH, ROOT, blocktrain, machine, trained, update_section, write_json
+
+SECTION_MD = RESEARCH / "quality.md"  # superseded by the full-mode run of BENCHMARKS.md
 
 
 def trained_preset(run: Path, preset: str, reference: bool) -> None:
@@ -48,7 +50,7 @@ def main() -> None:
     command = ("OMP_NUM_THREADS=1 python bench/quality_pair.py " + " ".join(sys.argv[1:])).strip()
     result = {"command": command, "machine": machine(), "runs": steps, "eval": ev}
     write_json(f"pair_{args.preset}.json", result)
-    update_section(f"pair-{args.preset}", markdown(args.preset, result))
+    update_section(f"pair-{args.preset}", markdown(args.preset, result), SECTION_MD)
     print(markdown(args.preset, result))
 
 

@@ -8,7 +8,7 @@ behind); LAG = H a relay exchanged once a round of H steps. Block b starts at st
 stream before). Scored by `blocktrain eval` as bench/compose.py scores its rows.
 
     python bench/relay_probe.py --preset tiny --blocks 3 --lags 0,1,25 --seeds 0
-    python bench/relay_probe.py --report     # only the BENCHMARKS.md section, from the JSON
+    python bench/relay_probe.py --report     # only its section (docs/research/compose.md)
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ from blocktrain.training.local import write_assembled
 from blocktrain.training.loss import BlockLoss
 from blocktrain.training.optim import learning_rate, make_optimizer, set_learning_rate
 from blocktrain.training.step import _BATCH_SALT, _NOISE_SALT, stream_seed
-from report import ROOT, blocktrain, machine, update_section
+from report import RESEARCH, ROOT, blocktrain, machine, update_section
+
+SECTION_MD = RESEARCH / "compose.md"  # history: "Do blocks compose?" read in full
 
 WORK = ROOT / "benchmarks" / "work" / "relay_probe"
 
@@ -90,11 +92,11 @@ def main() -> None:
     p.add_argument("--quant", default="int8", choices=("fp32", "fp16", "int8"))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--sweeps", type=int, default=16)
-    p.add_argument("--report", action="store_true", help="only rewrite the BENCHMARKS.md section")
+    p.add_argument("--report", action="store_true", help="only rewrite its section (SECTION_MD)")
     args = p.parse_args()
     out_path = ROOT / "benchmarks" / "results" / "relay_probe.json"
     if args.report:
-        update_section("relay-probe", markdown(json.loads(out_path.read_text())))
+        update_section("relay-probe", markdown(json.loads(out_path.read_text())), SECTION_MD)
         return
     data = resolve_data_path(None)
     train = load_split(data, "train")
@@ -136,7 +138,7 @@ def main() -> None:
                 != {k: row[k] for k in ("preset", "blocks", "lag", "quant", "seed", "steps")}
             ] + [row]
             out_path.write_text(json.dumps(results, indent=1) + "\n")
-            update_section("relay-probe", markdown(results))
+            update_section("relay-probe", markdown(results), SECTION_MD)
 
 
 def markdown(results: dict) -> str:  # type: ignore[type-arg]

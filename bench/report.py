@@ -33,6 +33,7 @@ from blocktrain.training.local import initial_blocks
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
+RESEARCH = ROOT / "docs" / "research"  # history: research that ended, figures superseded
 
 
 BLOCKTRAIN = [sys.executable, "-m", "blocktrain.cli.main"]
