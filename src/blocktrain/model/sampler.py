@@ -79,20 +79,17 @@ def fork_step(
     sigma_next: float,
     draws: int,
     generator: torch.Generator,
-    antithetic: bool = True,
 ) -> torch.Tensor:
     """The ancestral step into a fork point (Fork): logits (N, L, 256) -> the states of `draws`
     copies of the L tokens (N, draws * L, d), draw after draw, each E[y_hat] + sigma_next * eps.
 
-    Antithetic (the default): the copies' bytes y_hat are drawn stratified (copy m inverts the
-    CDF at (u + m) / M for one uniform u, so the M bytes spread over the law instead of piling
-    on its mode) and their noises in antithetic pairs (antithetic_normal). Copy m alone is then
-    not distributed as one draw, but a copy picked at random is, so the mean of the copies' laws
-    keeps the expectation a verify sweep's rule needs, with less variance (fewer rejections).
-    Otherwise each copy is an independent ancestral step."""
+    The copies' bytes y_hat are drawn stratified (copy m inverts the CDF at (u + m) / M for one
+    uniform u, so the M bytes spread over the law instead of piling on its mode) and their noises
+    in antithetic pairs (antithetic_normal). Copy m alone is then not distributed as one draw,
+    but a copy picked at random is, so the mean of the copies' laws keeps the expectation a
+    verify sweep's rule needs, with less variance (fewer rejections) than independent draws
+    (BENCHMARKS.md, "Speculative K = 1: bytes per verify traversal")."""
     n, length, vocab = logits.shape
-    if not antithetic:
-        return ancestral_step(logits.repeat(1, draws, 1), targets, sigma_next, generator)
     gdev = generator.device
     probs = torch.softmax(logits.float(), dim=-1).to(gdev).reshape(-1, vocab).double()
     cdf = probs.cumsum(dim=-1)
@@ -160,9 +157,6 @@ class Fork:
     draws: int
     layout: ZLayout
     """The layout of the copies: the state's tokens `draws` times over, draw after draw."""
-    antithetic: bool = True
-    """The copies' bytes stratified and their noises in antithetic pairs (fork_step); False:
-    independent draws."""
 
 
 def run_points(
@@ -230,7 +224,6 @@ def run_points(
                     targets=targets,
                     sigma_next=sigma_next,
                     draws=fork.draws,
-                    antithetic=fork.antithetic,
                 )
                 layout = fork.layout
             z = _per_rows(step, logits, generator)
