@@ -194,11 +194,6 @@ def _print_table(r: dict[str, Any]) -> None:
             f"{g['prompts']} continuations of {g['continuation_bytes']} bytes (real text "
             f"{g['floor_ce']:.3f}); byte entropy {g['entropy']:.3f} (real {g['real_entropy']:.3f})"
         )
-        if g["draft_bytes"]:
-            print(
-                f"  drafted       {g['bytes_per_traversal']:.2f} bytes per verify traversal "
-                f"(D = {g['draft_bytes']})"
-            )
         print(f"  a sample      {g['samples'][0]['generated']!r}")
     if "reference" in r:
         print(f"  reference CE  {r['reference']['ce']:.4f}  (same bytes)")
