@@ -25,7 +25,7 @@ def report_quality(doc: dict[str, Any], name: str) -> None:
         f"`benchmarks/results/{name}.json`. Preset `{doc['preset']}`, every compared model "
         f"trained {doc['steps']} steps (per block); the judge and prompts of the span frontier "
         f"({doc['prompts']} prompts; judge {doc['judge']['steps']} steps). joint_ce on "
-        f"{doc['joint_bytes']} test bytes: exact for the AR rows, M = {doc['sweeps']} "
+        f"{doc['joint_bytes']} test bytes: exact for the AR and masked rows, M = {doc['sweeps']} "
         "sweeps for Gaussian ones. No speed columns: the frontier's speed phase measures those.",
         "",
         "| method | K | S | gen_ce (± s.e.) | vs AR | entropy (real) | joint_ce |",
