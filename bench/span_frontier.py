@@ -26,10 +26,10 @@ and the `span-frontier` section of BENCHMARKS.md.
 
     python bench/span_frontier.py --preset tiny                 # ~40 min on 2 cores, judge included
     python bench/span_frontier.py --preset tiny --report        # rebuild the section from the JSON
-    python bench/span_frontier.py --recipes masked --spans 4,16 --steps 1200 --quality-only
+    python bench/span_frontier.py --recipes lowsigma --spans 4,16 --steps 1200 --quality-only
     python bench/span_frontier.py --preset small --judge-steps 3000 --spans 1,4,16,64 \
-        --recipes default,masked --recipe-spans 4,16,64 --samplers euler,ancestral \
-        --span-samplers euler --masked-steps 1,2,4,16 --drafts 16 --drafters ngram,lm-kd \
+        --recipes default --samplers euler,ancestral \
+        --span-samplers euler --drafts 16 --drafters ngram,lm-kd \
         --verify-draws 1,4,16 --drafter-steps 8000 --drafter-distill 800 --speed-bytes 128
 
 --steps N trains every compared model (not the judge) N steps, in benchmarks/work/span_frontier/
@@ -54,7 +54,6 @@ from blocktrain.config import apply_overrides
 from blocktrain.data import load_split, resolve_data_path
 from blocktrain.data.ngram import NgramDrafter
 from blocktrain.model import BlockStack, Reference
-from blocktrain.model.masking import masked_grid
 from blocktrain.model.speculative import Drafter, ModelDrafter
 from blocktrain.presets import preset
 from blocktrain.training import EvalSettings, evaluate_blocktrain, evaluate_reference, load_model
@@ -68,17 +67,11 @@ WORK = ROOT / "benchmarks" / "work" / "span_frontier"
 # default: today's defaults (sigma in [1, 10]). lowsigma: span-research.md R3's first test, a
 # trajectory that crosses the window where the noisy state decides a byte (sigma ~ 0.7 to 0.15),
 # so that more steps per block can couple the bytes of a span.
-# masked: block-local masked span diffusion (model/masking.py, span-research.md R1), sampled by
-# revealing bytes left to right; its rows run the reveal sampler at --masked-steps.
-# masked-suffix / masked-random: the same, trained only on the states that sampler visits (every
-# span's masks a suffix), or only on random masks, instead of half and half.
+# The masked recipes (process = masked) left the product with their code (docs/decisions.md);
+# bb9b624 runs them.
 RECIPES: dict[str, list[str]] = {
     "default": [],
     "lowsigma": ["sigma_min=0.1"],
-    "masked": ["process=masked"],
-    "masked-elbo": ["process=masked", "mask_loss=elbo"],
-    "masked-suffix": ["process=masked", "mask_suffix_share=1"],
-    "masked-random": ["process=masked", "mask_suffix_share=0"],
 }
 
 
@@ -181,7 +174,6 @@ def main() -> None:
     p.add_argument("--speed-bytes", type=int, default=64, help="bytes per timed request")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2, help="torch threads per host process")
-    p.add_argument("--masked-steps", default="1,2,6", help="S values of the masked recipes")
     p.add_argument(
         "--skip",
         default="",
@@ -239,7 +231,7 @@ def main() -> None:
     span_runs: dict[str, tuple[int, str]] = {}  # run name -> (K, recipe)
     for recipe in args.recipes.split(","):
         for k in spans if recipe == "default" else [k for k in recipe_spans if k > 1]:
-            if k >= base.seq_len or (recipe.startswith("masked") and k < base.blocks):
+            if k >= base.seq_len:
                 print(f"skipping K = {k} ({recipe}): does not fit the preset", file=sys.stderr)
                 continue
             name = f"k{k}" if recipe == "default" else f"k{k}-{recipe}"
@@ -259,23 +251,9 @@ def main() -> None:
     ]
     for name, (k, recipe) in span_runs.items():
         prefix = "blocktrain" if recipe == "default" else f"blocktrain-{recipe}"
-        masked = recipe.startswith("masked")
-        for sampler in ["reveal"] if masked else samplers if k == 1 else span_samplers:
+        for sampler in samplers if k == 1 else span_samplers:
             # At K = 1 more steps change nothing in [1, 10].
-            steps_of = ints(args.masked_steps) if masked else [1] if k == 1 else steps
-            for s in steps_of:
-                # The reveal sampler takes at most one round per byte: past that S, the grid
-                # (and the row) is a smaller S's.
-                fewer = [
-                    t
-                    for t in steps_of
-                    if masked
-                    and t < s
-                    and masked_grid(k, base.blocks, t) == masked_grid(k, base.blocks, s)
-                ]
-                if fewer:
-                    print(f"K = {k} ({recipe}): S = {s} is S = {fewer[0]}'s grid", file=sys.stderr)
-                    continue
+            for s in [1] if k == 1 else steps:
                 if f"{prefix}-{sampler}:{k}:{s}" in skipped:
                     continue
                 rows_spec.append(

@@ -71,6 +71,18 @@ def test_configs_written_before_the_route_load_as_state():
     assert RunConfig.from_dict({}).model == ModelConfig(), "no model section: the defaults"
 
 
+def test_configs_written_with_the_masked_process_s_keys_load_unless_masked():
+    """Runs saved while `process` existed name their Gaussian process: they load as before; a
+    masked run (its code removed) is one clear refusal."""
+    cfg = preset("tiny")
+    data = cfg.to_dict()
+    data["model"].update(process="gaussian", mask_loss="mean", mask_suffix_share=0.5)
+    assert RunConfig.from_dict(data) == cfg
+    data["model"]["process"] = "masked"
+    with pytest.raises(ConfigError, match="bb9b624"):
+        RunConfig.from_dict(data)
+
+
 def test_every_field_is_settable():
     keys = settable_keys()
     assert "d_model" in keys and "lr" in keys and "seed" in keys

@@ -19,7 +19,6 @@ from typing import Any, Union
 from blocktrain.errors import ConfigError
 
 VOCAB_SIZE = 256  # byte values; the vocabulary is fixed
-PROCESSES = ("gaussian", "masked")
 ROUTES = ("state", "features", "relay")
 INTERVAL_ORDERS = ("forward", "reversed")
 
@@ -79,14 +78,6 @@ class ModelConfig:
     `reversed`, the last block the highest, so that under `route = features` the block that
     reads the deepest features trains where z carries nothing and it must predict from the
     context (docs/model.md). The sampler visits the blocks from the highest noise down."""
-    process: str = "gaussian"
-    """The span's corruption: gaussian (z = E[y] + sigma * eps) or masked (docs/model.md)."""
-    mask_loss: str = "mean"
-    """A masked run's loss: the masked bytes' mean CE, or MD4's elbo (measured worse)."""
-    mask_suffix_share: float = 0.5
-    """A masked run's share of training sequences masked as a suffix of every span (the states
-    the left-to-right sampler visits); the rest are masked at random (CDCD's mix, measured
-    better than either alone: docs/model.md)."""
 
     def __post_init__(self) -> None:
         _check(self.d_model > 0, "d_model", self.d_model, "must be positive")
@@ -148,25 +139,12 @@ class ModelConfig:
         )
         _check(0 <= self.overlap < 1, "overlap", self.overlap, "must lie in [0, 1)")
         _check(self.aux_weight >= 0, "aux_weight", self.aux_weight, "must be >= 0")
-        share = self.mask_suffix_share
-        _check(0 <= share <= 1, "mask_suffix_share", share, "must lie in [0, 1]")
         for name, ok in (
-            ("process", PROCESSES),
-            ("mask_loss", ("mean", "elbo")),
             ("route", ROUTES),
             ("intervals", INTERVAL_ORDERS),
         ):
             value = getattr(self, name)
             _check(value in ok, name, value, f"must be one of {', '.join(ok)}")
-        why = f"must be >= blocks = {self.blocks} with process=masked (each block reveals bytes)"
-        _check(self.process != "masked" or self.span >= self.blocks, "span", self.span, why)
-        why = "must be forward with process=masked (its rounds reveal bytes in block order)"
-        _check(
-            self.process != "masked" or self.intervals == "forward",
-            "intervals",
-            self.intervals,
-            why,
-        )
 
     @property
     def reads_upstream(self) -> bool:
@@ -282,10 +260,22 @@ class RunConfig:
             raise ConfigError(f"config does not match this version of blocktrain: {exc}") from exc
 
 
+_GAUSSIAN = {"process": "gaussian", "mask_loss": "mean", "mask_suffix_share": 0.5}
+"""The keys of the masked span process (removed; bb9b624 holds it) as a Gaussian run saved them."""
+
+
 def _legacy_model(model: Any) -> Any:
     """A saved model config as this version reads it: one written before `route` existed
-    passed only z between its blocks (`route = state`), whatever today's default is."""
-    if isinstance(model, dict) and model and "route" not in model:
+    passed only z between its blocks (`route = state`), whatever today's default is; one
+    written while the masked span process existed names its Gaussian process, which it drops."""
+    if not isinstance(model, dict) or not model:
+        return model
+    if model.get("process", "gaussian") != "gaussian":
+        raise ConfigError(
+            f"process = {model['process']} was removed (docs/decisions.md); bb9b624 serves it"
+        )
+    model = {k: v for k, v in model.items() if k not in _GAUSSIAN}
+    if "route" not in model:
         return {**model, "route": "state"}
     return model
 

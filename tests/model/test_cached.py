@@ -180,26 +180,6 @@ def test_a_second_point_of_the_same_block_reuses_the_whole_clean_stream():
             torch.testing.assert_close(got[rows], reference(block, ctx, z[rows], sigma), **TOL)
 
 
-def test_a_masked_block_s_cached_forward_is_its_forward():
-    """A masked run's block (its own z path, `MaskedBlock.z_tokens`) runs cached alike."""
-    cfg = ModelConfig(
-        d_model=32, n_heads=2, layers=4, blocks=2, seq_len=32, span=4, process="masked"
-    )
-    block = randomised_block(cfg)
-    assert type(block).__name__ == "MaskedBlock"
-    contexts = [data(1, 6, 4, cfg.d_model, 1)[0], data(2, 11, 4, cfg.d_model, 2)[0]]
-    caches: list[CleanCache | None] = [None, None]
-    _, (caches[1],) = cached_step(block, [contexts[1][:, :9]], [None], torch.zeros(2, 4, 32), 0.5)
-    # z = E[y] where revealed, 0 where masked (the state a masked sweep carries)
-    table = block.table
-    gen = torch.Generator().manual_seed(3)
-    y = torch.randint(0, 256, (3, 4), generator=gen)
-    z = torch.where(torch.rand(3, 4, 1, generator=gen) < 0.5, table[y], torch.zeros(32))
-    got, _ = cached_step(block, contexts, caches, z, 0.5)
-    torch.testing.assert_close(got[:1], reference(block, contexts[0], z[:1], 0.5), **TOL)
-    torch.testing.assert_close(got[1:], reference(block, contexts[1], z[1:], 0.5), **TOL)
-
-
 def test_the_sigma_terms_follow_weights_changed_in_place():
     """The cached pass keeps each sigma's adaLN terms; weights loaded or trained in place after
     a pass must not be served the old terms."""

@@ -102,5 +102,3 @@ def test_reversed_intervals_give_the_last_block_the_highest_noise(spb):
 def test_intervals_are_checked():
     with pytest.raises(ConfigError, match="intervals"):
         ModelConfig(intervals="sideways")
-    with pytest.raises(ConfigError, match="process=masked"):
-        ModelConfig(intervals="reversed", process="masked", span=4)

@@ -81,8 +81,8 @@ def test_flops_on_meta_are_the_cpu_count_at_the_tiny_shape(route: str) -> None:
     assert len({c.flops["train"] for c in costs}) == 1
 
 
-def test_flops_of_a_masked_run_and_of_a_reference_are_the_cpu_count() -> None:
-    cfg = apply_overrides(micro_config(), ["process=masked", "span=4", "route=features"])
+def test_flops_of_a_span_run_and_of_a_reference_are_the_cpu_count() -> None:
+    cfg = apply_overrides(micro_config(), ["span=4", "route=features"])
     for cost in worker_costs(cfg, local_steps=2):
         cpu = cpu_forward_flops(cfg, cost.index)
         assert cost.flops["train"] // 3 + cost.flops["upstream"] == cpu, cost.index

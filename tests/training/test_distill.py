@@ -156,7 +156,7 @@ def test_the_distill_command_makes_a_drafter_and_refuses_what_cannot_teach(
     )
     fails_cleanly(
         capsys,
-        [*argv, "--out", str(tmp_path / "x"), "--sampler", "reveal"],
+        [*argv, "--out", str(tmp_path / "x"), "--sampler", "heun"],
         "sampler",
     )
     fails_cleanly(capsys, ["distill", "--resume", "--out", str(tmp_path / "d")], "not a distil")

@@ -363,12 +363,12 @@ def print_json(obj: Any) -> None:
 
 
 def check_model_sampler(method: str | None, info: RunInfo) -> str | None:
-    """The sampler a run takes for --sampler `method` (None: its default); a ConfigError (exit 2)
-    for one that does not fit the run's process. None for a reference (no sampler)."""
+    """The sampler a run takes for --sampler `method` (None: the default); a ConfigError (exit 2)
+    for an unknown one. None for a reference (no sampler)."""
     if info.kind != "blocktrain":
         return method
     try:
-        return sampler_for(method, info.config.model.process)
+        return sampler_for(method)
     except ValueError as exc:
         raise ConfigError(f"{exc}") from None
 
@@ -396,5 +396,5 @@ def add_sampler_args(p: argparse.ArgumentParser) -> None:
         "--sampler",
         default=None,
         help=f"the sampler's step between grid points: {', '.join(SAMPLERS)} (default: "
-        f"{DEFAULT_SAMPLER} for Gaussian models, reveal for masked ones, --set process=masked)",
+        f"{DEFAULT_SAMPLER})",
     )

@@ -32,7 +32,6 @@ EXAMPLES = """examples:
   blocktrain eval runs/tiny --split test --json      # JSON: sampler_ce, from_noise_ce, ...
   blocktrain eval runs/tiny --against runs/ref       # the reference on the same bytes
   blocktrain eval runs/span16 --judge runs/judge     # + continuations of 64 test prompts, judged
-  blocktrain eval runs/masked --steps-per-block 2    # a masked run: exact joint CE, reveal
   blocktrain eval runs/tiny --device cuda            # on the GPU (default auto: it when present)
   blocktrain eval hf/tiny --data CORPUS --split test # an `export --hf` folder, as a run
 """
@@ -170,12 +169,7 @@ def _print_table(r: dict[str, Any]) -> None:
             f"perplexity {r['perplexity']:.3f})"
         )
     else:
-        if r.get("process") == "masked":
-            print(
-                f"  joint CE      {r['joint_ce']:.4f} nats/byte  (exact: the reveal sampler's own "
-                f"probability of each span of K = {r['span']})"
-            )
-        elif r["span"] == 1:
+        if r["span"] == 1:
             print(
                 f"  sampler CE    {r['sampler_ce']:.4f} nats/byte  ({r['bits_per_byte']:.4f} "
                 f"bits/byte, perplexity {r['perplexity']:.3f}; M = {r['sweeps']} sweeps)"
@@ -186,8 +180,7 @@ def _print_table(r: dict[str, Any]) -> None:
                 f" M = {r['sweeps']} sweeps)"
             )
             print(f"  marginal CE   {r['sampler_ce']:.4f}  (per byte; a diagnostic only at K > 1)")
-        if r.get("process") != "masked":
-            print(f"  from-noise CE {r['from_noise_ce']:.4f}  (one sweep)")
+        print(f"  from-noise CE {r['from_noise_ce']:.4f}  (one sweep)")
         print(f"  CE per step   {', '.join(f'{v:.3f}' for v in r['ce_per_step'])}")
         if r["oracle_ce"] is not None:
             print(
@@ -201,11 +194,6 @@ def _print_table(r: dict[str, Any]) -> None:
             f"{g['prompts']} continuations of {g['continuation_bytes']} bytes (real text "
             f"{g['floor_ce']:.3f}); byte entropy {g['entropy']:.3f} (real {g['real_entropy']:.3f})"
         )
-        if g["draft_bytes"]:
-            print(
-                f"  drafted       {g['bytes_per_traversal']:.2f} bytes per verify traversal "
-                f"(D = {g['draft_bytes']})"
-            )
         print(f"  a sample      {g['samples'][0]['generated']!r}")
     if "reference" in r:
         print(f"  reference CE  {r['reference']['ce']:.4f}  (same bytes)")

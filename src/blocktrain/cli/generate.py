@@ -44,7 +44,6 @@ EXAMPLES = """examples:
   blocktrain generate runs/tiny --prompt "The " --top-p 0.9 --seed 3
   blocktrain generate runs/tiny --prompt "Café " --utf8              # valid UTF-8, no U+FFFD
   blocktrain generate runs/tiny --prompt "The " --sampler ancestral --steps-per-block 4
-  blocktrain generate runs/masked --prompt "The " --steps-per-block 2   # a masked run: reveal
   blocktrain generate runs/tiny --prompt "The " --device cpu             # on the CPU, GPU or not
   blocktrain generate hf/tiny --prompt "The "                            # an export --hf folder
   blocktrain generate runs/tiny --prompt "The " --exit head    # the last block's head, no sampler

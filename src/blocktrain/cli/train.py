@@ -28,7 +28,6 @@ from blocktrain.training.tracking import close_trackers, open_trackers
 EXAMPLES = """examples:
   blocktrain train --preset tiny --out runs/tiny            # all blocks, about 2 minutes on CPU
   blocktrain train --preset small --set span=4 lr=1e-3      # override config fields
-  blocktrain train --preset tiny --set span=4 process=masked # masked spans (docs/model.md)
   blocktrain train --preset tiny --block 0 --out runs/b0    # one block, as a worker would
   blocktrain train --preset tiny --block 1 --upstream runs/b0 --out runs/b1  # reads block 0 frozen
   blocktrain train --preset tiny --set route=state --out runs/state  # only z between blocks

@@ -26,7 +26,6 @@ from blocktrain.model.layers import (
     modulate,
     sinusoidal_features,
 )
-from blocktrain.model.masking import read_state
 from blocktrain.model.sigma import EDMScalings, edm_scalings
 
 BOS = VOCAB_SIZE  # the extra embedding row a z token sees when no clean byte precedes its span
@@ -324,29 +323,3 @@ class Block(nn.Module):
             seen = (last >= 0)[None, :, None]
             h = h + torch.where(seen, upstream[:, last.clamp(min=0)], 0.0)
         return h
-
-
-class MaskedBlock(Block):
-    """The block of a masked run (`process = masked`, model/masking.py): a revealed byte enters
-    the z stream as the block's own byte embedding, a masked one as a learned [MASK] vector,
-    instead of the projected state (which carries nothing but the byte). The state still
-    travels as z = E[y] or 0, which determines y exactly."""
-
-    table: torch.Tensor  # (256, d) E, to read the revealed bytes off z; derived, not saved
-
-    def __init__(self, cfg: ModelConfig, targets: torch.Tensor) -> None:
-        super().__init__(cfg)
-        self.mask_token = nn.Parameter(torch.zeros(cfg.d_model))
-        self.register_buffer("table", targets.clone(), persistent=False)
-
-    def z_tokens(
-        self,
-        x_bytes: torch.Tensor,
-        z: torch.Tensor,
-        c_in: torch.Tensor,
-        layout: ZLayout,
-        upstream: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        base = super().z_tokens(x_bytes, torch.zeros_like(z), c_in, layout, upstream)
-        revealed, y = read_state(z, self.table)  # (N, Lz)
-        return base + torch.where(revealed[..., None], self.embed(y), self.mask_token)

@@ -16,10 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from blocktrain.model.block import ZLayout
-from blocktrain.model.masking import masked_count, pin_revealed, read_state, to_reveal
 from blocktrain.model.sampling import Sampling, sample_bytes
-
-# Re-exported for serving/choices.py, which imports it from here; drop once it names model.sampling.
 from blocktrain.model.span_loop import SpanLoop
 from blocktrain.model.stack import BlockStack
 
@@ -82,20 +79,17 @@ def fork_step(
     sigma_next: float,
     draws: int,
     generator: torch.Generator,
-    antithetic: bool = True,
 ) -> torch.Tensor:
     """The ancestral step into a fork point (Fork): logits (N, L, 256) -> the states of `draws`
     copies of the L tokens (N, draws * L, d), draw after draw, each E[y_hat] + sigma_next * eps.
 
-    Antithetic (the default): the copies' bytes y_hat are drawn stratified (copy m inverts the
-    CDF at (u + m) / M for one uniform u, so the M bytes spread over the law instead of piling
-    on its mode) and their noises in antithetic pairs (antithetic_normal). Copy m alone is then
-    not distributed as one draw, but a copy picked at random is, so the mean of the copies' laws
-    keeps the expectation a verify sweep's rule needs, with less variance (fewer rejections).
-    Otherwise each copy is an independent ancestral step."""
+    The copies' bytes y_hat are drawn stratified (copy m inverts the CDF at (u + m) / M for one
+    uniform u, so the M bytes spread over the law instead of piling on its mode) and their noises
+    in antithetic pairs (antithetic_normal). Copy m alone is then not distributed as one draw,
+    but a copy picked at random is, so the mean of the copies' laws keeps the expectation a
+    verify sweep's rule needs, with less variance (fewer rejections) than independent draws
+    (BENCHMARKS.md, "Speculative K = 1: bytes per verify traversal")."""
     n, length, vocab = logits.shape
-    if not antithetic:
-        return ancestral_step(logits.repeat(1, draws, 1), targets, sigma_next, generator)
     gdev = generator.device
     probs = torch.softmax(logits.float(), dim=-1).to(gdev).reshape(-1, vocab).double()
     cdf = probs.cumsum(dim=-1)
@@ -122,19 +116,14 @@ def _per_rows(
     return torch.cat([step(p, generator=g) for p, (_, g) in zip(parts, generator, strict=True)])
 
 
-SAMPLERS = ("euler", "ancestral", "reveal")
+SAMPLERS = ("euler", "ancestral")
 """The sampler steps between grid points: "euler" (deterministic: Euler on the probability-flow
-ODE) or "ancestral" (re-noise from a sampled byte; draws from the generator) for Gaussian
-models; "reveal" (draw the leftmost masked bytes, model/masking.py) for masked ones."""
-
-PROCESS_SAMPLERS = {"gaussian": ("euler", "ancestral"), "masked": ("reveal",)}
-"""The samplers a model of each `process` runs, its default first."""
+ODE, the default) or "ancestral" (re-noise from a sampled byte; draws from the generator)."""
 
 DEFAULT_SAMPLER = "euler"
 DEFAULT_STEPS_PER_BLOCK = 1
 # The recipe that generation (`blocktrain generate`, the router) and evaluation use when none is
-# named: the best measured one (BENCHMARKS.md, "Span generation: speed and quality"); a masked
-# model's default sampler is "reveal".
+# named: the best measured one (docs/research/spans.md, "Span generation: speed and quality").
 
 
 def check_sampler(method: str) -> str:
@@ -143,73 +132,15 @@ def check_sampler(method: str) -> str:
     return method
 
 
-def sampler_for(method: str | None, process: str) -> str:
-    """The sampler a model of `process` runs for a request of `method` (None: the process's
-    default); one clear ValueError when the two do not fit."""
-    fits = PROCESS_SAMPLERS[process]
-    if method is None:
-        return fits[0]
-    check_sampler(method)
-    if method not in fits:
-        raise ValueError(
-            f"the {method} sampler does not run a {process} model; choose {' or '.join(fits)}"
-        )
-    return method
+def sampler_for(method: str | None) -> str:
+    """The sampler a request of `method` runs (None: the default); one clear ValueError for an
+    unknown one."""
+    return DEFAULT_SAMPLER if method is None else check_sampler(method)
 
 
 def needs_generator(method: str) -> bool:
     """Whether the steps of `method` draw random numbers (then they need the generator)."""
-    return check_sampler(method) in ("ancestral", "reveal")
-
-
-def _per_request(
-    generator: torch.Generator | RowGenerators, sampling: Sampling | list[Sampling] | None, n: int
-) -> list[tuple[int, torch.Generator, Sampling]]:
-    """(rows, generator, sampling) per request of a batch of n rows."""
-    if isinstance(generator, torch.Generator):
-        one = sampling if isinstance(sampling, Sampling) else Sampling()
-        return [(n, generator, one)]
-    samplings = (
-        sampling if isinstance(sampling, list) else [sampling or Sampling()] * len(generator)
-    )
-    return [(rows, g, s) for (rows, g), s in zip(generator, samplings, strict=True)]
-
-
-def reveal_step(
-    z: torch.Tensor,
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    still_masked: int,
-    generator: torch.Generator | RowGenerators,
-    sampling: Sampling | list[Sampling] | None = None,
-    prefix: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One round of a masked model (model/masking.py): the leftmost masked bytes of z (N, K, d),
-    all but `still_masked` of them, drawn from logits (N, K, 256) with each request's sampling
-    and generator, enter the state as E[y].
-
-    A request whose sampling keeps to UTF-8 draws the whole span left to right from logits with
-    the revealed bytes pinned, after the context `prefix` (N, L): the revealed bytes stay, and
-    each new one is valid after those before it."""
-    revealed, _ = read_state(z, targets)
-    reveal = to_reveal(revealed, still_masked)  # (N, K)
-    requests = _per_request(generator, sampling, z.shape[0])
-    rows = [n for n, _, _ in requests]
-    parts = logits.split(rows)
-    any_utf8 = any(s.utf8 for _, _, s in requests)
-    pinned = pin_revealed(logits, z, targets).split(rows) if any_utf8 else parts
-    contexts = prefix.split(rows) if prefix is not None else [None] * len(rows)
-    drawn = [
-        sample_bytes(
-            (pin if s.utf8 else part).to(g.device),
-            s,
-            g,
-            prefix=None if x is None else x.to(g.device),
-        ).to(z.device)
-        for part, pin, x, (_, g, s) in zip(parts, pinned, contexts, requests, strict=True)
-    ]
-    y = torch.cat(drawn)  # (N, K)
-    return torch.where(reveal[..., None], targets[y].to(z.dtype), z)
+    return check_sampler(method) == "ancestral"
 
 
 @dataclass(frozen=True)
@@ -226,9 +157,6 @@ class Fork:
     draws: int
     layout: ZLayout
     """The layout of the copies: the state's tokens `draws` times over, draw after draw."""
-    antithetic: bool = True
-    """The copies' bytes stratified and their noises in antithetic pairs (fork_step); False:
-    independent draws."""
 
 
 def run_points(
@@ -244,7 +172,6 @@ def run_points(
     method: str = "euler",
     generator: torch.Generator | RowGenerators | None = None,
     on_step: StepHook | None = None,
-    sampling: Sampling | list[Sampling] | None = None,
     fork: Fork | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The sweep itself, written once: run grid points start..stop-1 on the state z (N, Lz, d),
@@ -256,12 +183,6 @@ def run_points(
     consecutive points of the blocks it holds and forwards z to the host of the next point.
     `on_step(n, block, sigma, logits)` sees every point's logits. `generator` may be one per
     request of a batch (RowGenerators).
-
-    "reveal" (masked models) starts from the one all-masked state, z = 0, whatever z it is given
-    at point 0; it draws each round's bytes with `sampling` (one per request of a batch, or one
-    for all; default temperature 1), and the last point's logits come back with the revealed
-    positions pinned (`masking.pin_revealed`), so that drawing the span's bytes from them, as for
-    any model, reveals the rest.
 
     `fork` (ancestral only): from fork.point on, z holds fork.draws copies of its tokens under
     fork.layout; a run that starts at or past the point is given the copies already."""
@@ -281,8 +202,6 @@ def run_points(
             layout = fork.layout
     n_seq = x_bytes.shape[0]
     logits = z.new_empty(0)
-    if method == "reveal" and start == 0:
-        z = torch.zeros_like(z)
     for n in range(start, stop):
         block, sigma = grid[n]
         sigma_t = torch.full((n_seq,), sigma, dtype=torch.float32, device=z.device)
@@ -290,15 +209,9 @@ def run_points(
         if on_step is not None:
             on_step(n, block, sigma, logits)
         if n == len(grid) - 1:
-            if method == "reveal":
-                logits = pin_revealed(logits, z, targets)
             break
         if method == "euler":
             z = euler_step(z, logits, targets, sigma, grid[n + 1][1])
-        elif method == "reveal":
-            assert generator is not None
-            still = masked_count(grid[n + 1][1], z.shape[1])
-            z = reveal_step(z, logits, targets, still, generator, sampling, prefix=x_bytes)
         else:
             assert generator is not None
             sigma_next = grid[n + 1][1]
@@ -311,7 +224,6 @@ def run_points(
                     targets=targets,
                     sigma_next=sigma_next,
                     draws=fork.draws,
-                    antithetic=fork.antithetic,
                 )
                 layout = fork.layout
             z = _per_rows(step, logits, generator)
@@ -329,7 +241,6 @@ def one_sweep(
     *,
     method: str = "euler",
     generator: torch.Generator | None = None,
-    sampling: Sampling | None = None,
     fork: Fork | None = None,
 ) -> torch.Tensor:
     """Refine z (N, Lz, d), which starts as sigma_max * eps, through the whole grid; return the
@@ -346,7 +257,6 @@ def one_sweep(
         method=method,
         generator=generator,
         on_step=on_step,
-        sampling=sampling,
         fork=fork,
     )[1]
 
@@ -392,7 +302,6 @@ def generate(
             layout,
             method=method,
             generator=generator,
-            sampling=sampling,
         )
         out.append(loop.push(sample_bytes(logits.cpu(), sampling, generator, prefix=x.cpu())))
     return torch.cat(out, dim=1)

@@ -15,7 +15,6 @@ from statistics import NormalDist
 import torch
 
 from blocktrain.config import ModelConfig
-from blocktrain.model.masking import masked_grid
 
 _STD_NORMAL = NormalDist()
 
@@ -31,9 +30,6 @@ class SigmaSchedule:
     p_std: float
     blocks: int
     overlap: float
-    process: str = "gaussian"
-    """"masked": the sampler grid is the masked process's (model/masking.py)."""
-    span: int = 1
     reversed: bool = False
     """`intervals = reversed`: the last block owns the highest interval, block 0 the lowest."""
 
@@ -46,8 +42,6 @@ class SigmaSchedule:
             cfg.p_std,
             cfg.blocks,
             cfg.overlap,
-            cfg.process,
-            cfg.span,
             cfg.intervals == "reversed",
         )
 
@@ -117,12 +111,7 @@ class SigmaSchedule:
         Point n belongs to the block of rank n // steps_per_block; that point always lies inside
         the block's interval, so the blocks are visited 0..B-1 (B-1..0 under `reversed`), each
         for steps_per_block consecutive points.
-
-        A masked process's grid is `masking.masked_grid`: (block, mask_code) points, the blocks
-        visited 0..B-1, each for at most steps_per_block rounds.
         """
-        if self.process == "masked":
-            return masked_grid(self.span, self.blocks, steps_per_block)
         if steps_per_block < 1:
             raise ValueError("steps_per_block must be >= 1")
         n_points = self.blocks * steps_per_block

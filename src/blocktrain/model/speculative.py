@@ -58,7 +58,7 @@ DEFAULT_VERIFY_DRAWS = 4
 """Noise draws M of a one-sweep verify sweep. More draws accept more bytes a traversal but cost
 compute on every host; M = 4 (antithetic) was the fastest of those measured, where more bought
 too few bytes for their time. The figures: BENCHMARKS.md, "Speculative K = 1: bytes per verify
-traversal" and "Span generation: speed and quality"."""
+traversal", and docs/research/spans.md, "Span generation: speed and quality"."""
 MAX_VERIFY_DRAWS = 16
 
 
@@ -138,7 +138,6 @@ def verify_sweep_layout(
     draws: int,
     fork: int,
     device: torch.device | str = "cpu",
-    antithetic: bool = True,
 ) -> tuple[ZLayout, Fork | None]:
     """The layout a verify sweep starts under, and its Fork (None: the draws start apart):
     one copy of the D + 1 tokens until the fork point, `draws` copies after it."""
@@ -146,7 +145,7 @@ def verify_sweep_layout(
     if not fork:
         return copies, None
     one = verify_layout(context_len, drafted, device=device)
-    return one, Fork(fork, draws, copies, antithetic)
+    return one, Fork(fork, draws, copies)
 
 
 def accept_draft(
@@ -197,7 +196,6 @@ class SpeculativeLoop:
         generator: torch.Generator,
         draws: int = 1,
         fork: int = 0,
-        antithetic: bool = True,
     ) -> None:
         if prompt.shape[0] != 1 or prompt.shape[1] == 0:
             raise ValueError("speculative generation takes one prompt of at least one byte")
@@ -208,9 +206,6 @@ class SpeculativeLoop:
         self.draws = check_verify_draws(draws)
         self.fork = fork
         """The grid point where the draws part (verify_fork); 0: they start apart."""
-        self.antithetic = antithetic
-        """The draws' noises in antithetic pairs (and a fork's bytes stratified); False:
-        independent draws, for comparison."""
         self.drafter, self.sampling, self.generator = drafter, sampling, generator
         self.produced = self.traversals = self.drafted = 0
         # The window leaves room for the longest draft: context + draft <= T - 1 bytes.
@@ -235,17 +230,13 @@ class SpeculativeLoop:
         """A one-sweep verifier's input -> (x (1, P + D): the context's window (at most
         T - 1 - draft_len bytes; model.span_loop.window_start) then the draft, z (1, M * (D + 1),
         d) fp32 at sigma_max: the M = draws draws of the D + 1 positions, one after another
-        (verify_layout), in antithetic pairs unless the loop says otherwise, P). With a fork, z
+        (verify_layout), in antithetic pairs, P). With a fork, z
         holds one draw (1, D + 1, d): the copies part later."""
         self.start = window_start(len(self.context), self.start, self.capacity)
         context = self.context[self.start :]
         copies = 1 if self.fork else self.draws
         shape = (len(draft) + 1, d_model)
-        noise = (
-            antithetic_normal(copies, shape, self.generator)
-            if self.antithetic
-            else torch.randn(copies, *shape, generator=self.generator)
-        )
+        noise = antithetic_normal(copies, shape, self.generator)
         x = torch.tensor([context + draft], dtype=torch.long)
         return x, sigma_max * noise.reshape(1, -1, d_model), len(context)
 
@@ -283,11 +274,9 @@ def generate_speculative(
     generator: torch.Generator,
     method: str = "euler",
     draws: int = DEFAULT_VERIFY_DRAWS,
-    antithetic: bool = True,
 ) -> tuple[torch.Tensor, SpeculativeLoop]:
     """Continue prompt (1, Lp) by n_bytes with a K = 1 stack, D = draft_len drafted bytes
-    verified per sweep, which takes M = draws noise draws (forked at verify_fork; antithetic
-    unless told otherwise). -> ((1, n_bytes) int64, the loop with its counts)."""
+    verified per sweep, which takes M = draws noise draws (forked at verify_fork; antithetic). -> ((1, n_bytes) int64, the loop with its counts)."""
     loop = SpeculativeLoop(
         prompt,
         n_bytes,
@@ -298,15 +287,12 @@ def generate_speculative(
         generator=generator,
         draws=draws,
         fork=verify_fork(len(grid), method, draws),
-        antithetic=antithetic,
     )
 
     def verify(draft: list[int]) -> torch.Tensor:
         x, z, context_len = loop.sweep_input(draft, targets.shape[1], grid[0][1])
         device = targets.device
-        layout, fork = verify_sweep_layout(
-            context_len, len(draft), loop.draws, loop.fork, device, loop.antithetic
-        )
+        layout, fork = verify_sweep_layout(context_len, len(draft), loop.draws, loop.fork, device)
         return one_sweep(
             denoise,
             x.to(device),

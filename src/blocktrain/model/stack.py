@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from blocktrain.config import ModelConfig
-from blocktrain.model.block import Block, MaskedBlock, ZLayout, target_table
+from blocktrain.model.block import Block, ZLayout, target_table
 
 
 def init_block(cfg: ModelConfig, seed: int, index: int) -> Block:
@@ -19,8 +19,6 @@ def init_block(cfg: ModelConfig, seed: int, index: int) -> Block:
     block gets bit-for-bit the same initial weights as a process that builds all of them."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed * 1_000_003 + 7919 * (index + 1))
-        if cfg.process == "masked":
-            return MaskedBlock(cfg, target_table(seed, cfg.d_model))
         return Block(cfg)
 
 

@@ -162,7 +162,7 @@ def model_card(
     m = cfg.model
     reference = info.kind == "reference"
     tags = ["blocktrain", "byte-level"] + (
-        ["autoregressive"] if reference else ["diffusion", f"{m.process}-noise"]
+        ["autoregressive"] if reference else ["diffusion", "gaussian-noise"]
     )
     front = [
         "---",
@@ -183,7 +183,7 @@ def model_card(
         what = (
             f"A byte-level language model of {m.blocks} independently trained diffusion blocks "
             f"({m.layers} layers in all, d_model = {m.d_model}, {m.n_heads} heads, context "
-            f"{m.seq_len} bytes, spans of K = {m.span} byte{'s' * (m.span != 1)}, {m.process} noise, route "
+            f"{m.seq_len} bytes, spans of K = {m.span} byte{'s' * (m.span != 1)}, gaussian noise, route "
             f"{m.route}), trained with [BlockTrain](https://arxiv.org/abs/2606.24722). Its "
             "vocabulary is the 256 byte values."
         )

@@ -37,7 +37,6 @@ import torch
 from blocktrain.config import VOCAB_SIZE, ModelConfig, RunConfig
 from blocktrain.errors import ConfigError
 from blocktrain.model import Block, Reference, ZLayout
-from blocktrain.model.block import MaskedBlock
 from blocktrain.model.layers import DualStreamLayer
 from blocktrain.relaystream import bytes_per_step
 from blocktrain.training.flops import count_flops
@@ -65,14 +64,9 @@ def _count(module: torch.nn.Module) -> int:
 
 
 def _meta_block(m: ModelConfig) -> Block:
-    """A block of `m` on the meta device (every block of a run has this shape; a masked run's
-    adds its [MASK] vector)."""
+    """A block of `m` on the meta device (every block of a run has this shape)."""
     with torch.device("meta"):
-        return (
-            MaskedBlock(m, torch.zeros(VOCAB_SIZE, m.d_model))
-            if m.process == "masked"
-            else Block(m)
-        )
+        return Block(m)
 
 
 def clean_stream_params(block: Block) -> int:
@@ -304,7 +298,7 @@ def fit_by_blocks(cfg: RunConfig, profile: DeviceProfile) -> list[dict[str, Any]
             continue
         try:
             model = dataclasses.replace(cfg.model, blocks=blocks)
-        except ConfigError:  # e.g. a masked run needs span >= blocks
+        except ConfigError:  # a shape these blocks do not fit
             continue
         largest = max(m["total"] for m in worker_memory(dataclasses.replace(cfg, model=model)))
         rows.append(

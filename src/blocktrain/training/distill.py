@@ -76,9 +76,7 @@ class Teacher:
                     f"span {model.cfg.span} and blocks {model.block_ids}): drafts are verified "
                     "one byte per position"
                 )
-            self.method = sampler_for(spec.sampler, model.cfg.process)
-            if self.method == "reveal":
-                raise ConfigError("a masked model verifies no drafts: distil from a K = 1 one")
+            self.method = sampler_for(spec.sampler)
             self.grid = SigmaSchedule.from_config(model.cfg).sampler_grid(spec.steps_per_block)
             self.denoise = stack_denoiser(model)
             self.layout = ZLayout.training(seq_len, 1, device)

@@ -38,7 +38,6 @@ import torch
 import torch.nn.functional as F
 
 from blocktrain.model import BlockStack, Reference, SigmaSchedule, ZLayout, head_logits, one_sweep
-from blocktrain.model.masking import masked_count, to_reveal
 from blocktrain.model.sampler import DEFAULT_STEPS_PER_BLOCK, sampler_for, stack_denoiser
 
 Progress = Callable[[int], None]
@@ -56,8 +55,8 @@ class EvalSettings:
     batch_size: int = 16
     """Windows per forward pass."""
     sampler: str | None = None
-    """The sampler's step: "euler" (the design, section 2.6) or "ancestral" (re-noise from a sample) for
-    Gaussian models, "reveal" for masked ones; None: the model's default."""
+    """The sampler's step: "euler" (the design, section 2.6) or "ancestral" (re-noise from a
+    sample); None: the default."""
     oracle: bool = True
     """Also measure each block's oracle CE (one more forward per block; per-round curves that
     only need the from-noise CE turn it off)."""
@@ -113,9 +112,7 @@ def evaluate_blocktrain(
 ) -> dict[str, Any]:
     """windows (W, T) int64 held-out bytes -> the metrics above (all blocks must be present)."""
     cfg = stack.cfg
-    method = sampler_for(settings.sampler, cfg.process)
-    if cfg.process == "masked":
-        return evaluate_masked(stack, windows, settings, progress)
+    method = sampler_for(settings.sampler)
     device = stack.targets.device
     schedule = SigmaSchedule.from_config(cfg)
     grid = schedule.sampler_grid(settings.steps_per_block)
@@ -207,84 +204,6 @@ def evaluate_blocktrain(
         "steps_per_block": settings.steps_per_block,
         "sampler": method,
         "bytes": n_scored,
-    }
-
-
-@torch.no_grad()
-def masked_logp(
-    stack: BlockStack, x: torch.Tensor, grid: list[tuple[int, float]]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A masked model's reveal schedule `grid` run on the true bytes x (N, T), all spans at once:
-    -> (log p (N, T) of each byte in the round that reveals it, given the bytes revealed
-    before; the grid point (T,) that reveals each position). The sampler draws each round's
-    bytes from exactly these distributions, so a span's summed log p is the log of its
-    probability under the sampler (at temperature 1)."""
-    cfg = stack.cfg
-    k = cfg.span
-    n, t = x.shape
-    layout = ZLayout.training(t, k, x.device)
-    z = torch.zeros(n, t, cfg.d_model, device=x.device)
-    revealed = torch.zeros(n, t // k, k, dtype=torch.bool, device=x.device)  # per span
-    logp = torch.zeros(n, t, device=x.device)
-    point = torch.zeros(t, dtype=torch.long, device=x.device)
-    for step, (block, code) in enumerate(grid):
-        still = masked_count(grid[step + 1][1], k) if step + 1 < len(grid) else 0
-        now = to_reveal(revealed, still).view(n, t)  # the sampler's reveals, as it makes them
-        sigma = torch.full((n,), code, device=x.device)
-        logits = stack.denoise(block, x, z, sigma, layout)[0]
-        lp = logits.float().log_softmax(dim=-1).gather(-1, x[..., None])[..., 0]
-        logp = torch.where(now, lp, logp)
-        point[now[0]] = step
-        z = torch.where(now[..., None], stack.targets[x], z)
-        revealed = revealed | now.view(n, t // k, k)
-    return logp, point
-
-
-@torch.no_grad()
-def evaluate_masked(
-    stack: BlockStack,
-    windows: torch.Tensor,
-    settings: EvalSettings,
-    progress: Progress | None = None,
-) -> dict[str, Any]:
-    """A masked model's exact likelihood (`masked_logp`): the product of the probabilities of a
-    span's bytes in the rounds that reveal them is exactly the sampler's probability of the
-    span, so joint_ce needs no sweeps M, and the per-byte figure is the same sum (sampler_ce =
-    from_noise_ce = joint_ce). ce_per_step: the CE of the bytes each grid point reveals; no
-    oracle. Position 0 of a window is unscored, as in evaluate_blocktrain."""
-    cfg = stack.cfg
-    grid = SigmaSchedule.from_config(cfg).sampler_grid(settings.steps_per_block)
-    step_nll = [0.0] * len(grid)
-    step_bytes = [0] * len(grid)
-    n_scored = 0
-    for start in range(0, windows.shape[0], settings.batch_size):
-        x = windows[start : start + settings.batch_size].to(stack.targets.device)  # (N, T)
-        logp, point = masked_logp(stack, x, grid)
-        keep = _scored(x.shape[1])
-        for step in range(len(grid)):
-            at = point[keep] == step
-            step_nll[step] -= float(logp[:, keep][:, at].sum())
-            step_bytes[step] += int(at.sum()) * x.shape[0]
-        n_scored += logp[:, keep].numel()
-        if progress is not None:
-            progress(x.shape[0])
-    ce = sum(step_nll) / n_scored
-    return {
-        "sampler_ce": ce,
-        "joint_ce": ce,
-        "span": cfg.span,
-        "from_noise_ce": ce,
-        "ce_per_step": [v / max(1, c) for v, c in zip(step_nll, step_bytes, strict=True)],
-        "sampler_ce_per_step": None,
-        "sampler_ce_by_sweeps": None,
-        "oracle_ce": None,
-        "oracle_ce_per_block": None,
-        **ce_summary(ce),
-        "sweeps": 1,
-        "steps_per_block": settings.steps_per_block,
-        "sampler": "reveal",
-        "bytes": n_scored,
-        "process": "masked",
     }
 
 

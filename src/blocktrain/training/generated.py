@@ -172,7 +172,7 @@ def continue_prompts(
                 max_context=cfg.seq_len - cfg.span,
                 sampling=sampling,
                 generator=gen,
-                method=sampler_for(settings.sampler, cfg.process),
+                method=sampler_for(settings.sampler),
             )
         out.append(new.cpu())
         if progress is not None:
@@ -217,7 +217,7 @@ def _speculative(
         seq_len=t,
         sampling=sampling,
         generator=gen,
-        method=sampler_for(settings.sampler, model.cfg.process),
+        method=sampler_for(settings.sampler),
         draws=settings.verify_draws,
     )
     return out.cpu(), loop
@@ -271,9 +271,7 @@ def evaluate_generation(
     result.update(
         temperature=settings.temperature,
         steps_per_block=settings.steps_per_block,
-        sampler=None
-        if isinstance(model, Reference)
-        else sampler_for(settings.sampler, model.cfg.process),
+        sampler=None if isinstance(model, Reference) else sampler_for(settings.sampler),
         draft_bytes=settings.draft_bytes,
         verify_draws=settings.verify_draws,
         seed=settings.seed,

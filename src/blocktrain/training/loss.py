@@ -11,7 +11,6 @@ import torch.nn.functional as F
 
 from blocktrain.config import ModelConfig
 from blocktrain.model import Block, Reference, SigmaSchedule, ZLayout, loss_weight
-from blocktrain.model.masking import draw_masks, mask_interval, masked_state
 
 # What block b reads from the blocks before it (BlockStack.upstream): (b, x_bytes) -> features.
 Upstream = Callable[[int, torch.Tensor], torch.Tensor | None]
@@ -26,7 +25,7 @@ class LossParts:
     rows: Callable[[], torch.Tensor] | None = None
     """Each sequence's share of `total`, (N,), for a paired test over the batch (the effect
     probe); computed on demand, so training pays nothing for it. Their mean is `total` up to
-    float reassociation (and, for a masked run, up to how masked bytes fall between rows)."""
+    float reassociation."""
     clean: torch.Tensor | None = None
     """Under `route = relay`, the block's clean-stream output on the batch (N, T, d), detached:
     what its replica relays to the next block (None for the last block and other routes)."""
@@ -48,9 +47,6 @@ class BlockLoss:
         L_b = E_sigma~block b's interval [ w(sigma) * CE(block(x, E[y] + sigma * eps, sigma), y) ]
               + aux_weight * CE(clean-stream next-byte logits)
 
-    or, for a masked run (model/masking.py), the CE of the masked bytes, t drawn from block b's
-    interval (their mean, or MD4's (1/t)-weighted sum per byte) + the same auxiliary term.
-
     Only block b's parameters receive gradients; nothing here touches another block."""
 
     def __init__(
@@ -70,15 +66,9 @@ class BlockLoss:
     def __call__(
         self, block: Block, index: int, x_bytes: torch.Tensor, generator: torch.Generator
     ) -> LossParts:
-        """x_bytes (N, T) on the block's device; `generator` (same device) draws sigma and eps
-        (or, for a masked run, the mask rates and the masks)."""
+        """x_bytes (N, T) on the block's device; `generator` (same device) draws sigma and eps."""
         want_aux = self.cfg.aux_weight > 0
-        if self.cfg.process == "masked":
-            total, logs, aux, rows, clean = self._masked(block, index, x_bytes, generator, want_aux)
-        else:
-            total, logs, aux, rows, clean = self._gaussian(
-                block, index, x_bytes, generator, want_aux
-            )
+        total, logs, aux, rows, clean = self._gaussian(block, index, x_bytes, generator, want_aux)
         if aux is not None:
             aux_logits, next_bytes = aux[:, :-1].float(), x_bytes[:, 1:]
             aux_ce = F.cross_entropy(aux_logits.flatten(0, 1), next_bytes.flatten())
@@ -134,48 +124,6 @@ class BlockLoss:
         weighted = loss_weight(sigma, self.cfg.sigma_data_value)[:, None] * ce  # (N, T)
         logs = {"loss_denoise": float(ce.detach().mean())}
         return weighted.mean(), logs, aux, lambda: weighted.mean(dim=1), clean
-
-    def _masked(
-        self,
-        block: Block,
-        index: int,
-        x_bytes: torch.Tensor,
-        generator: torch.Generator,
-        want_aux: bool,
-    ) -> _Parts:
-        """model/masking.py: t from the block's interval (at least 1/K: the sampler never runs a
-        block on a span with nothing masked), masks drawn at rate t, and the mean CE of the
-        masked bytes (mask_loss = mean), or MD4's (1/t) * their summed CE per byte of the batch
-        (mask_loss = elbo), which weights a sequence with few masked bytes up to K times more
-        and measured worse."""
-        n, t_len = x_bytes.shape
-        k = self.cfg.span
-        lo, hi = mask_interval(index, self.cfg.blocks, self.cfg.overlap)
-        lo = max(lo, 1.0 / k)
-        u = torch.rand(n, generator=generator, device=generator.device)
-        rate = (lo + (hi - lo) * u).to(x_bytes.device)  # (N,)
-        masked = draw_masks(x_bytes, rate, k, generator, self.cfg.mask_suffix_share)  # (N, T)
-        z = masked_state(self.targets, x_bytes, ~masked)
-        code = torch.pow(10.0, rate)  # masking.mask_code, per sequence
-        logits, aux, clean = self._forward(block, index, x_bytes, z, code, want_aux)
-        ce = F.cross_entropy(
-            logits.float().flatten(0, 1), x_bytes.flatten(), reduction="none"
-        ).view(n, t_len)
-        on_masked = ce * masked
-        mean_masked = on_masked.sum() / masked.sum().clamp(min=1)
-        if self.cfg.mask_loss == "elbo":
-            total = (on_masked.sum(dim=1) / rate).sum() / (n * t_len)
-
-            def rows() -> torch.Tensor:
-                return on_masked.sum(dim=1) / rate / t_len
-
-        else:
-            total = mean_masked
-
-            def rows() -> torch.Tensor:
-                return on_masked.sum(dim=1) / masked.sum(dim=1).clamp(min=1)
-
-        return total, {"loss_denoise": float(mean_masked.detach())}, aux, rows, clean
 
 
 def reference_loss(model: Reference, x_bytes: torch.Tensor) -> LossParts:

@@ -9,7 +9,6 @@ import torch
 
 from blocktrain.config import RunConfig
 from blocktrain.model import Block, Reference, SigmaSchedule
-from blocktrain.model.block import MaskedBlock
 from blocktrain.training.costs import (
     TRAINED_BYTES_PER_PARAM,
     UPSTREAM_BYTES_PER_PARAM,
@@ -43,8 +42,7 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
     """Parameter and optimizer-state accounting, built on the meta device (no memory)."""
     m = cfg.model
     with torch.device("meta"):
-        # Every block has the same shape; a masked run's blocks add their [MASK] vector.
-        block = MaskedBlock(m, torch.zeros(256, m.d_model)) if m.process == "masked" else Block(m)
+        block = Block(m)  # every block has the same shape
         per_block = _count(block)
         reference = _count(Reference(m))
     schedule = SigmaSchedule.from_config(m)

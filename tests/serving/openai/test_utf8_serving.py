@@ -1,7 +1,6 @@
 """UTF-8 constrained decoding through the router: the OpenAI routes' text is valid UTF-8 by
 default (`utf8: false` turns it off, and the barely trained micro runs then write U+FFFD), the
-chain writes what `generate --utf8` writes (the hosts' reveal rounds included, and wherever
---sample-on says the bytes are drawn), speculative verification rejects invalid drafts, and the
+chain writes what `generate --utf8` writes, speculative verification rejects invalid drafts, and the
 logprobs are those of the constrained law."""
 
 from __future__ import annotations
@@ -20,10 +19,7 @@ from blocktrain.serving.router.router_settings import RouterSettings
 from blocktrain.serving.shared.serving_errors import ServingError
 from blocktrain.training import load_model
 from tests.serving.conftest import in_process
-from tests.serving.host.test_masked_serving import masked_cluster, masked_run, masked_stack
 from tests.serving.openai.test_openai_api import client_of, token_bytes, whole_characters
-
-__all__ = ["masked_run", "masked_stack"]  # fixtures, used by name
 
 PROMPT = "Señor "
 
@@ -72,25 +68,6 @@ def test_the_chain_writes_what_generate_utf8_writes(cluster, stack, sample_on):
     expected = in_process(stack, PROMPT.encode(), 21, 6, Sampling(utf8=True))
     assert got["bytes"] == list(whole_characters(bytes(expected)))
     assert valid(bytes(got["bytes"])) and not valid(bytes(free["bytes"]))
-
-
-@pytest.mark.parametrize("sample_on", ["router", "last-host"])
-def test_the_hosts_reveal_rounds_keep_to_utf8_as_generate_does(masked_run, masked_stack, sample_on):
-    body = {"model": "mk", "prompt": PROMPT, "max_bytes": 16, "seed": 2, "utf8": True}
-    with masked_cluster(masked_run).router(sample_on=sample_on) as router:
-        got = router.post("/v1/generate", json={**body, "steps_per_block": 2})
-    assert got.status_code == 200, got.text
-    expected = in_process(
-        masked_stack,
-        PROMPT.encode(),
-        16,
-        2,
-        Sampling(utf8=True),
-        steps_per_block=2,
-        sampler="reveal",
-    )
-    assert got.json()["bytes"] == list(whole_characters(bytes(expected)))
-    assert valid(bytes(got.json()["bytes"]))
 
 
 class HighByteDrafter:

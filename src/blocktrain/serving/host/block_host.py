@@ -206,7 +206,7 @@ class BlockHost:
         if cfg.intervals == "reversed":
             raise reversed_stack_sweep(model.name)
         try:
-            sampler_for(header.sampler, cfg.process)
+            sampler_for(header.sampler)
         except ValueError as exc:
             raise BadRequest(str(exc), param="sampler") from None
         x = byte_input(tensors, "x")  # (N, Lx)

@@ -160,10 +160,8 @@ def run_sweeps(
     keeps_out = {b: passes and b < cfg.blocks - 1 for b in visited}
     rows = [j.x.shape[0] for j in jobs]
     gens: RowGenerators | None = None
-    samplings: list[Sampling] = []  # each request's, for the steps that draw bytes (reveal)
     if needs_generator(header.sampler):  # the host checked that each such job sent one
         gens = [(n, j.gen) for n, j in zip(rows, jobs, strict=True) if j.gen is not None]
-        samplings = [j.sampling or Sampling() for j in jobs if j.gen is not None]
     with compute:
         t0 = time.perf_counter()
         held = reusable(jobs, visited, sessions)
@@ -216,7 +214,6 @@ def run_sweeps(
             stop=points.stop,
             method=header.sampler,
             generator=gens,
-            sampling=samplings,
             fork=fork,
         )
         finals: list[bytes | None] = [None] * len(jobs)

@@ -181,7 +181,7 @@ class Router:
         sampler = req.sampler
         if remote.kind == "blocktrain":
             try:
-                sampler = sampler_for(req.sampler, remote.config.model.process)
+                sampler = sampler_for(req.sampler)
             except ValueError as exc:
                 raise BadRequest(str(exc), param="sampler") from None
         exit_ = resolve_exit(req.exit, remote.config.model if remote.kind == "blocktrain" else None)

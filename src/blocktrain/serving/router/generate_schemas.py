@@ -28,8 +28,7 @@ class SamplingParams(BaseModel):
     """Sampler grid points per block (one-sweep models); an extension."""
     sampler: str | None = None
     """The sampler's step between grid points, one of model.sampler.SAMPLERS (one-sweep
-    models; default: the model's, DEFAULT_SAMPLER for Gaussian models, "reveal" for masked
-    ones); an extension."""
+    models; default: DEFAULT_SAMPLER); an extension."""
 
     exit: Literal["auto", "sampler", "head"] = "auto"
     """One-sweep models (an extension): `sampler` denoises each span from noise; `head` draws

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from typing import Any
 
 import httpx
 
@@ -77,16 +78,12 @@ def join(url: str, path: str) -> str:
     return url.rstrip("/") + path
 
 
-async def post_message(
-    client: httpx.AsyncClient, url: str, path: str, body: bytes
-) -> tuple[bytes, list[TraceEntry]]:
-    """POST a wire message to host `url`; -> (the answer's body, its trace). Raises
-    HostUnavailable / HostTimeout naming `url`, or the error a host down the chain answered
-    with (naming that host)."""
+async def _request(
+    client: httpx.AsyncClient, method: str, url: str, path: str, **kwargs: Any
+) -> httpx.Response:
+    """One request to host `url`: a transport failure is HostUnavailable / HostTimeout naming it."""
     try:
-        resp = await client.post(
-            join(url, path), content=body, headers={"content-type": CONTENT_TYPE}
-        )
+        return await client.request(method, join(url, path), **kwargs)
     except httpx.TimeoutException as exc:
         raise HostTimeout(
             f"host {url} did not answer within the timeout ({type(exc).__name__})", host=url
@@ -97,12 +94,26 @@ async def post_message(
             f"{exc or 'connection lost'}); retry once it is back",
             host=url,
         ) from None
+
+
+def _answer(resp: httpx.Response) -> object:
+    try:
+        return resp.json()
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
+        return resp.text
+
+
+async def post_message(
+    client: httpx.AsyncClient, url: str, path: str, body: bytes
+) -> tuple[bytes, list[TraceEntry]]:
+    """POST a wire message to host `url`; -> (the answer's body, its trace). Raises
+    HostUnavailable / HostTimeout naming `url`, or the error a host down the chain answered
+    with (naming that host)."""
+    resp = await _request(
+        client, "POST", url, path, content=body, headers={"content-type": CONTENT_TYPE}
+    )
     if resp.status_code != 200:
-        try:
-            payload = resp.json()
-        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
-            payload = resp.text
-        raise error_from_json(resp.status_code, payload, default_host=url)
+        raise error_from_json(resp.status_code, _answer(resp), default_host=url)
     return resp.content, trace_from_header(resp.headers.get(TRACE_HEADER))
 
 
@@ -119,22 +130,8 @@ async def post_json(client: httpx.AsyncClient, url: str, path: str, payload: obj
 async def _json_call(
     client: httpx.AsyncClient, method: str, url: str, path: str, payload: object
 ) -> object:
-    try:
-        resp = await client.request(
-            method, join(url, path), json=payload if method == "POST" else None
-        )
-    except httpx.TimeoutException:
-        raise HostTimeout(f"host {url} did not answer within the timeout", host=url) from None
-    except httpx.TransportError as exc:
-        raise HostUnavailable(
-            f"host {url} is unavailable ({type(exc).__name__}: "
-            f"{exc or 'connection lost'}); retry once it is back",
-            host=url,
-        ) from None
-    try:
-        answer = resp.json()
-    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
-        answer = resp.text
+    resp = await _request(client, method, url, path, json=payload if method == "POST" else None)
+    answer = _answer(resp)
     if resp.status_code != 200:
         raise error_from_json(resp.status_code, answer, default_host=url)
     return answer

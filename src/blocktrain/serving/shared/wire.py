@@ -63,9 +63,8 @@ class SamplingSpec(BaseModel):
     top_k: int = Field(0, ge=0, le=256)
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     utf8: bool = False
-    """Bytes drawn on the host (the reveal sampler's rounds) keep the text valid UTF-8 after
-    the context x (model/utf8.py). The final bytes of such a request are drawn on the router,
-    which holds the whole context: final = bytes with utf8 is refused."""
+    """The request keeps its text valid UTF-8 (model/utf8.py): its final bytes are drawn on the
+    router, which holds the whole context, so final = bytes with utf8 is refused."""
 
 
 class _Header(BaseModel):
