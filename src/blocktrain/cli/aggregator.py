@@ -75,8 +75,8 @@ EXAMPLES = """examples:
   # the validation CE of the assembled model every 5 rounds, live on /dashboard and in
   # /v1/history (4096 bytes, M = 1: 0.6 s on one CPU thread at tiny, in the background):
   blocktrain aggregator --state runs/agg --data wikitext/ --live-eval-every 5
-  blocktrain aggregator --state runs/agg --live-eval-every 5 --live-eval-bytes 8192 \\
-      --live-eval-sweeps 2                                   # 4x the bytes x sweeps, 4x the cost
+  blocktrain aggregator --state runs/agg --live-eval-every 5 \\
+      --set live_eval_bytes=8192 live_eval_sweeps=2           # 4x the bytes x sweeps, 4x the cost
   blocktrain aggregator --state runs/agg --live-eval-every 0   # no live evaluation (default)
   blocktrain aggregator --state runs/agg --effect-probe off --rule trimmed_mean --tolerate 1
   blocktrain aggregator --state runs/agg --wire int8        # deltas as int8, a scale per row

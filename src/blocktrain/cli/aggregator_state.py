@@ -12,7 +12,7 @@ import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from blocktrain.cli.common import resolve_config, settings_overrides, unit_of
+from blocktrain.cli.common import resolve_config, settings_overrides, split_sets, unit_of
 from blocktrain.config import RunConfig, parse_blocks
 from blocktrain.errors import ConfigError
 from blocktrain.protocol.core.bounds import derived_settings, largest_block
@@ -39,10 +39,11 @@ def prepare_state(
     for b, url in peers.items():  # saved in the state and handed to workers: checked first
         check_url(url, f"--peer {b}=URL")
     if state.initialised:
-        if args.preset is not None or args.overrides or args.seed is not None:
+        if args.preset is not None or split_sets(args)[0] or args.seed is not None:
             raise ConfigError(
-                f"{args.state} already holds a run; omit --preset/--set/--seed "
-                "to resume it, or choose a new --state"
+                f"{args.state} already holds a run; omit --preset, --seed and --set of a config "
+                "key to resume it (--set of a setting replaces the saved one), or choose a new "
+                "--state"
             )
         settings = state.settings().replace(**overrides)
         saved = state.placement()[0]

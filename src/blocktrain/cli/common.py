@@ -13,7 +13,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from blocktrain.config import RunConfig, apply_overrides
+from blocktrain.config import RunConfig, apply_overrides, parse_value, settable_keys, unknown_key
 from blocktrain.data import DATA_ENV, FilePatterns
 from blocktrain.data.hf import HfSource, is_hf
 from blocktrain.device import DEVICE_HELP
@@ -122,7 +122,9 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=[],
         action="extend",
-        help="override a config field, e.g. --set d_model=256 lr=1e-3",
+        help="override a config field, e.g. --set d_model=256 lr=1e-3; on the commands that run "
+        "the protocol, an aggregator setting too, by its name: --set probe_gain_z=6 (the table "
+        "in docs/protocol.md, Settings)",
     )
 
 
@@ -141,8 +143,33 @@ def unit_of(args: argparse.Namespace) -> str:
     return "reference" if getattr(args, "reference", False) else "block"
 
 
+def split_sets(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
+    """The --set items: the config's KEY=VALUE strings (for `apply_overrides`), and the values
+    of the aggregator settings named, by field name, on a command that takes them
+    (`add_setting_args`). A key that is neither fails with the nearest valid keys."""
+    names: tuple[str, ...] = getattr(args, "setting_names", ())
+    config_keys = settable_keys()
+    hints = typing.get_type_hints(AggregatorSettings)
+    config: list[str] = []
+    settings: dict[str, Any] = {}
+    for item in args.overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
+        key, text = (part.strip() for part in item.split("=", 1))
+        short = key.split(".", 1)[1] if key.startswith(("model.", "train.")) else key
+        if key in names:
+            settings[key] = parse_value(key, text, hints[key])
+        elif short in config_keys:
+            config.append(item)
+        elif key in hints and names:
+            raise ConfigError(f"--set {key}: the simulator does not model this setting")
+        else:
+            raise ConfigError(unknown_key(key, [*config_keys, *names]))
+    return config, settings
+
+
 def resolve_config(args: argparse.Namespace) -> RunConfig:
-    cfg = apply_overrides(preset(args.preset), list(args.overrides))
+    cfg = apply_overrides(preset(args.preset), split_sets(args)[0])
     if getattr(args, "seed", None) is not None:
         cfg = apply_overrides(cfg, [f"seed={args.seed}"])
     if getattr(args, "steps", None) is not None:
@@ -198,7 +225,7 @@ def resolve_rounds_config(args: argparse.Namespace, local_steps: int) -> RunConf
     `steps`, the learning-rate schedule spans the run (round r runs steps r*H .. r*H + H - 1)."""
     cfg = resolve_config(args)
     if not any(
-        item.split("=", 1)[0].strip() in ("steps", "train.steps") for item in args.overrides
+        item.split("=", 1)[0].strip() in ("steps", "train.steps") for item in split_sets(args)[0]
     ):
         cfg = apply_overrides(cfg, [f"steps={args.rounds * local_steps}"])
     return cfg
@@ -211,16 +238,23 @@ def add_setting_args(
     simulated_only: bool = False,
     defaults: dict[str, Any] | None = None,
 ) -> None:
-    """One flag per `AggregatorSettings` field, from its declaration (the simulator's commands
-    take only the simulated ones). An absent flag leaves no attribute: the saved or default
-    value stands (see `settings_overrides`). `defaults`: the command's own defaults, by field
-    name, as its help shows them (the command applies them itself)."""
+    """Every `AggregatorSettings` field as `--set NAME=VALUE`, and a flag for those declared
+    with one (the simulator's commands take only the simulated ones). An absent flag leaves no
+    attribute: the saved or default value stands (see `settings_overrides`). `defaults`: the
+    command's own defaults, by field name, as its help shows them (the command applies them
+    itself)."""
     defaults = defaults or {}
-    group = parser.add_argument_group(title)
+    chosen = [(f, s) for f, s in declared() if s.simulated or not simulated_only]
+    parser.set_defaults(setting_names=tuple(f.name for f, _ in chosen))
+    group = parser.add_argument_group(
+        title,
+        "every setting is also --set NAME=VALUE; these have no flag of their own (docs/"
+        "protocol.md, Settings): " + ", ".join(f.name for f, s in chosen if not s.flag),
+    )
     group.argument_default = argparse.SUPPRESS
     hints = typing.get_type_hints(AggregatorSettings)
-    for f, s in declared():
-        if simulated_only and not s.simulated:
+    for f, s in chosen:
+        if not s.flag:
             continue
         kind = hints[f.name]
         if isinstance(kind, types.UnionType):  # X | None: the flag takes an X
@@ -238,8 +272,15 @@ def add_setting_args(
 
 
 def settings_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The settings given on the command line, by field name."""
-    return {f.name: getattr(args, f.name) for f, _ in declared() if hasattr(args, f.name)}
+    """The settings given on the command line, by field name: --set NAME=VALUE and the
+    settings' own flags (one of the two for a setting)."""
+    given = split_sets(args)[1]
+    for f, s in declared():
+        if hasattr(args, f.name):
+            if f.name in given:
+                raise ConfigError(f"give {s.flag} or --set {f.name}=..., not both")
+            given[f.name] = getattr(args, f.name)
+    return given
 
 
 def add_data_arg(parser: argparse.ArgumentParser) -> None:
