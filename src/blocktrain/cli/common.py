@@ -14,8 +14,7 @@ from typing import Any
 from tqdm import tqdm
 
 from blocktrain.config import RunConfig, apply_overrides, parse_value, settable_keys, unknown_key
-from blocktrain.data import DATA_ENV, FilePatterns
-from blocktrain.data.hf import HfSource, is_hf
+from blocktrain.data import FilePatterns
 from blocktrain.device import DEVICE_HELP
 from blocktrain.errors import ConfigError
 from blocktrain.model.sampler import (
@@ -284,45 +283,15 @@ def settings_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_data_arg(parser: argparse.ArgumentParser) -> None:
-    """--data, the --include / --exclude patterns that choose a folder's files, and
-    --text-field for a Hugging Face dataset."""
+    """--data, and the --include / --exclude patterns that choose a folder's files."""
     parser.add_argument(
         "--data",
         metavar="PATH",
         help="a WikiText raw folder, a text file or a folder of text files, or hf:NAME[:CONFIG] "
-        "/ hf:PATH for a Hugging Face dataset, see `blocktrain data --help` (default: "
-        "$BLOCKTRAIN_DATA)",
+        "/ hf:PATH for a Hugging Face dataset (hf:...#FIELD: its text column, default text), "
+        "see `blocktrain data --help` (default: $BLOCKTRAIN_DATA)",
     )
     add_pattern_args(parser)
-    add_text_field_arg(parser)
-
-
-def add_text_field_arg(parser: argparse.ArgumentParser, of: str = "data") -> None:
-    """--text-field, which `apply_text_field` folds into the hf:... spec of `of`."""
-    parser.add_argument(
-        "--text-field",
-        metavar="FIELD",
-        help="the text column of a Hugging Face dataset (--data hf:...; default: text); "
-        "$BLOCKTRAIN_DATA takes it as hf:NAME#FIELD",
-    )
-    parser.set_defaults(text_field_of=of)
-
-
-def apply_text_field(args: argparse.Namespace) -> None:
-    """Fold --text-field into the command's hf:... data spec (from its flag or
-    $BLOCKTRAIN_DATA), so that the spec alone names the dataset and its column wherever it goes
-    (a worker's command line, data.json). A ConfigError when the data is no such dataset."""
-    field = getattr(args, "text_field", None)
-    if field is None:
-        return
-    of = getattr(args, "text_field_of", "data")
-    value = getattr(args, of, None) or os.environ.get(DATA_ENV) or None
-    if not is_hf(value):
-        raise ConfigError(
-            f"--text-field {field} names the text column of a Hugging Face dataset (--data "
-            f"hf:NAME or hf:PATH); the data given is {value or 'none'}"
-        )
-    setattr(args, of, str(HfSource.parse(str(value)).with_field(field)))
 
 
 def add_pattern_args(parser: argparse.ArgumentParser, of: str = "--data") -> None:

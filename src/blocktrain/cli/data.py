@@ -9,7 +9,6 @@ from blocktrain.cli.common import (
     Formatter,
     add_pattern_args,
     add_progress_arg,
-    add_text_field_arg,
     file_patterns,
     print_json,
     progress_bar,
@@ -25,7 +24,7 @@ EXAMPLES = """examples:
   blocktrain data info ~/src/project --include '*.py' --include '*.md' --exclude 'build/**'
   blocktrain train --data ~/src/project --include '*.py' --out runs/code  # the same patterns
   blocktrain data info hf:wikitext:wikitext-2-raw-v1        # a Hub dataset (cached, or fetched)
-  blocktrain data info hf:/data/my_saved --text-field content  # a save_to_disk folder
+  blocktrain data info hf:/data/my_saved#content  # a save_to_disk folder, its column content
 """
 
 RULES = f"""what a corpus is (--data PATH, or $BLOCKTRAIN_DATA):
@@ -39,8 +38,8 @@ RULES = f"""what a corpus is (--data PATH, or $BLOCKTRAIN_DATA):
   hf:NAME[:CONFIG]    a Hugging Face dataset (pip install datasets): load_dataset(NAME, CONFIG)
   hf:PATH             from the Hub or its local cache (HF_DATASETS_OFFLINE=1: cache only), or a
                       local folder of data files; a folder written by save_to_disk is read with
-                      load_from_disk. --text-field FIELD (default text; hf:NAME#FIELD in
-                      $BLOCKTRAIN_DATA) is the string column read: each record, a newline after
+                      load_from_disk. hf:...#FIELD names the string column read (default
+                      text): each record, a newline after
                       one that lacks it. Its train, validation (or valid, dev) and test splits
                       are the splits; a dataset of one split is cut 90/5/5. The text is written
                       once to $BLOCKTRAIN_CACHE/hf/ (default ~/.cache/blocktrain/hf/), keyed by
@@ -101,7 +100,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "path", nargs="?", help="corpus path, or hf:NAME[:CONFIG] (default: $BLOCKTRAIN_DATA)"
     )
     add_pattern_args(i, of="corpus")
-    add_text_field_arg(i, of="path")
     i.set_defaults(handler=run_info)
 
 

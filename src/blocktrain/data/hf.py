@@ -6,8 +6,7 @@
 - ``hf:PATH``, where PATH is a folder written by ``save_to_disk`` (a Dataset or a
   DatasetDict): ``datasets.load_from_disk(PATH)``.
 
-The text is the column ``text``, or the one ``--text-field FIELD`` names (``hf:NAME#FIELD``
-in ``$BLOCKTRAIN_DATA`` and in the commands a run passes on): a string column; empty and
+The text is the column ``text``, or the one ``hf:NAME#FIELD`` names: a string column; empty and
 missing values are skipped, and a newline is added after a record that does not end in one.
 
 Splits: a dataset with several splits gives its own: ``train``, ``validation`` (or ``valid``,
