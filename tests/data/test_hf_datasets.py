@@ -144,7 +144,7 @@ def test_bad_datasets_are_refused_in_one_line(one_split, splits_dataset, tmp_pat
     fails_cleanly(capsys, [*info, f"hf:{one_split}#n"], "not text")
     fails_cleanly(capsys, [*info, str(one_split)], f"pass --data hf:{one_split}")
     fails_cleanly(
-        capsys, [*info, f"hf:{splits_dataset}", "--include", "*.txt"], "choose files of a folder"
+        capsys, [*info, f"hf:{splits_dataset}", "--glob", "*.txt"], "choose files of a folder"
     )
     fails_cleanly(capsys, [*info, f"hf:{tmp_path / 'none'}"], "does not exist")
     fails_cleanly(capsys, [*info, f"hf:{splits_dataset}:cfg"], "has no configs")

@@ -283,7 +283,7 @@ def settings_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_data_arg(parser: argparse.ArgumentParser) -> None:
-    """--data, and the --include / --exclude patterns that choose a folder's files."""
+    """--data, and the --glob patterns that choose a folder's files."""
     parser.add_argument(
         "--data",
         metavar="PATH",
@@ -295,28 +295,24 @@ def add_data_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def add_pattern_args(parser: argparse.ArgumentParser, of: str = "--data") -> None:
-    """--include and --exclude (repeatable), read by `file_patterns`."""
+    """--glob (repeatable), read by `file_patterns`."""
     parser.add_argument(
-        "--include",
+        "--glob",
         metavar="GLOB",
         action="append",
-        help=f"read only the files of the {of} folder that match (repeatable); a glob on the "
-        "path from the folder: '*.txt' matches a name at any depth, 'docs/**/*.md' a path, ** "
-        "any folders (default: every file)",
-    )
-    parser.add_argument(
-        "--exclude",
-        metavar="GLOB",
-        action="append",
-        help=f"skip the files of the {of} folder that match (repeatable; wins over --include),"
-        " e.g. 'build/**'",
+        help=f"read only the files of the {of} folder that match (repeatable), and none that "
+        "match a !GLOB (which wins); a glob on the path from the folder: '*.txt' matches a name "
+        "at any depth, 'docs/**/*.md' a path, ** any folders, e.g. --glob '*.py' --glob "
+        "'!build/**' (default: every file)",
     )
 
 
 def file_patterns(args: argparse.Namespace) -> FilePatterns:
-    """The --include / --exclude patterns given (none: every file of a folder)."""
+    """The --glob patterns given: GLOB includes, !GLOB excludes (none: every file)."""
+    globs = getattr(args, "glob", None) or ()
     return FilePatterns(
-        tuple(getattr(args, "include", None) or ()), tuple(getattr(args, "exclude", None) or ())
+        tuple(g for g in globs if not g.startswith("!")),
+        tuple(g[1:] for g in globs if g.startswith("!")),
     )
 
 

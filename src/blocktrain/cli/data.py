@@ -21,8 +21,8 @@ EXAMPLES = """examples:
   blocktrain data fetch wikitext-2 --to data/wikitext-2     # needs internet
   blocktrain data info data/wikitext-2
   blocktrain data info my-notes.txt                         # one file: split 90/5/5
-  blocktrain data info ~/src/project --include '*.py' --include '*.md' --exclude 'build/**'
-  blocktrain train --data ~/src/project --include '*.py' --out runs/code  # the same patterns
+  blocktrain data info ~/src/project --glob '*.py' --glob '*.md' --glob '!build/**'
+  blocktrain train --data ~/src/project --glob '*.py' --out runs/code  # the same patterns
   blocktrain data info hf:wikitext:wikitext-2-raw-v1        # a Hub dataset (cached, or fetched)
   blocktrain data info hf:/data/my_saved#content  # a save_to_disk folder, its column content
 """
@@ -46,7 +46,8 @@ RULES = f"""what a corpus is (--data PATH, or $BLOCKTRAIN_DATA):
                       the dataset's fingerprints, and data.json records name and fingerprints
 
 which files a folder gives:
-  --include GLOB / --exclude GLOB choose them (repeatable; --exclude wins). A glob without / is
+  --glob GLOB reads only the files that match, --glob '!GLOB' none that match (repeatable; a
+  !GLOB wins). A glob without / is
   matched against a file's name at any depth ('*.txt'); one with / against its path from the
   folder ('src/*.py'); ** spans folders ('build/**', '**/test_*.py'). The commands that read
   data (train, eval, generate --data, worker, join, aggregator, cluster, simulate, distill) take
