@@ -11,7 +11,7 @@ state folder is consistent after every commit.
 
 Limits: every body is capped before it is read (pushes at max_body_bytes, JSON at 16 KiB),
 tokens are checked before bodies, each token may send --rate-limit requests a second (after a
-burst of --rate-burst), a request's head must arrive within 10 s and its body at 16 KiB/s
+burst of four seconds' worth), a request's head must arrive within 10 s and its body at 16 KiB/s
 after 30 s, and at most --max-connections are served at once. /v1/status always needs a
 token; /metrics needs one with --private-status (default: public, for Prometheus scrapers).
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import math
 import os
 import secrets
 import socket
@@ -137,10 +138,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=limits.rate_per_s,
         metavar="R",
-        help="requests a second each token may send, after its burst",
-    )
-    p.add_argument(
-        "--rate-burst", type=int, default=limits.burst, metavar="N", help="a token's burst"
+        help="requests a second each token may send, after a burst of 4 seconds' worth",
     )
     p.add_argument(
         "--max-connections",
@@ -156,13 +154,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="connections at once from one client address (default: a quarter of "
         "--max-connections; 503 and closed beyond)",
-    )
-    p.add_argument(
-        "--keep-refused",
-        type=int,
-        default=limits.keep_refused,
-        metavar="N",
-        help="refused updates kept in the ledger (older ones are pruned; counts stay)",
     )
     add_data_arg(p)  # the validation split feeds the effect probe and --live-eval-every
     add_setting_args(p)
@@ -182,11 +173,20 @@ def access_limits(args: argparse.Namespace) -> AccessLimits:
             max_connections_per_address=args.max_connections_per_address,
         ),
         rate_per_s=args.rate_limit,
-        burst=args.rate_burst,
+        burst=burst_of(args.rate_limit),
         private_status=args.private_status,
         public_weights=args.public_weights,
-        keep_refused=args.keep_refused,
     )
+
+
+BURST_S = AccessLimits().burst / AccessLimits().rate_per_s
+"""A token's burst, in seconds of its rate: 4 (200 requests at the default 50/s)."""
+
+
+def burst_of(rate_per_s: float) -> int:
+    """A token's burst at --rate-limit `rate_per_s`: BURST_S seconds' worth, at least 1 (a rate
+    that is not positive and finite is refused by `AccessLimits`)."""
+    return max(1, round(BURST_S * rate_per_s)) if math.isfinite(rate_per_s) else 1
 
 
 def probe_data(args: argparse.Namespace, settings: AggregatorSettings | None = None) -> ByteSource:
