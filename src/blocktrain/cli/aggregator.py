@@ -26,9 +26,8 @@ import os
 import secrets
 import socket
 import sys
-from pathlib import Path
 
-from blocktrain.cli.aggregator_state import prepare_state, remove_new
+from blocktrain.cli.aggregator_state import AggregatorSetup, prepare_state, remove_new
 from blocktrain.cli.common import (
     Formatter,
     add_config_args,
@@ -247,18 +246,20 @@ def live_evaluator(
 
 
 def run(args: argparse.Namespace) -> int:
+    """config -> state -> serve: the flags resolved once (`AggregatorSetup`), the state folder
+    made or resumed from them (`prepare_state`), then the app served."""
     from blocktrain.listener import run as serve
     from blocktrain.protocol.http.app import create_app
 
     tls = tls_pair(args.tls_cert, args.tls_key)
     require_tls(args.host, tls, args.insecure_http)
     limits = access_limits(args)  # a clear error before the state is touched
+    setup = AggregatorSetup.of(args)
     # Everything a start can fail on (the settings, the probe's data, the port) is checked
     # before the state folder is written, so that a failed first start leaves nothing behind
     # and the corrected command starts afresh; should anything fail after all, a state this
     # start created is removed again.
-    root = Path(args.state)
-    fresh = not StateDir(root).initialised
+    root, fresh = setup.root, setup.config is not None  # fresh: a state this start creates
     before = {p.name for p in root.iterdir()} if root.is_dir() else None
     valid: list[ByteSource | None] = [None]
     listening: list[socket.socket] = []
@@ -270,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
 
     state: StateDir | None = None
     try:
-        state, settings, directory = prepare_state(args, ready)
+        state, settings, directory = prepare_state(setup, ready)
         app = create_app(
             settings,
             storage=state,

@@ -167,8 +167,11 @@ def split_sets(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
     return config, settings
 
 
-def resolve_config(args: argparse.Namespace) -> RunConfig:
-    cfg = apply_overrides(preset(args.preset), split_sets(args)[0])
+def resolve_config(args: argparse.Namespace, sets: list[str] | None = None) -> RunConfig:
+    """A command's run: its --preset, then the config keys of --set (`sets`, when the caller
+    split them already), then --seed, --steps and --device."""
+    sets = split_sets(args)[0] if sets is None else sets
+    cfg = apply_overrides(preset(args.preset), sets)
     if getattr(args, "seed", None) is not None:
         cfg = apply_overrides(cfg, [f"seed={args.seed}"])
     if getattr(args, "steps", None) is not None:
@@ -222,10 +225,9 @@ def use_threads(args: argparse.Namespace) -> None:
 def resolve_rounds_config(args: argparse.Namespace, local_steps: int) -> RunConfig:
     """The config of a run of `args.rounds` rounds of H local steps: unless --set gives
     `steps`, the learning-rate schedule spans the run (round r runs steps r*H .. r*H + H - 1)."""
-    cfg = resolve_config(args)
-    if not any(
-        item.split("=", 1)[0].strip() in ("steps", "train.steps") for item in split_sets(args)[0]
-    ):
+    sets = split_sets(args)[0]
+    cfg = resolve_config(args, sets)
+    if not any(item.split("=", 1)[0].strip() in ("steps", "train.steps") for item in sets):
         cfg = apply_overrides(cfg, [f"steps={args.rounds * local_steps}"])
     return cfg
 
