@@ -29,8 +29,7 @@ from blocktrain.training.checkpoint import RunInfo
 from blocktrain.training.tracking import check_backends, parse_backends
 
 TOKEN_ENV = "BLOCKTRAIN_TOKEN"
-"""Where `worker` and `status` read the bearer token when neither --token-file nor --token is
-given."""
+"""Where `worker` and `status` read the token when neither --token-file nor --token is given."""
 
 
 def add_token_args(parser: argparse.ArgumentParser, what: str = "bearer token") -> None:
@@ -172,13 +171,8 @@ def resolve_config(args: argparse.Namespace, sets: list[str] | None = None) -> R
     split them already), then --seed, --steps and --device."""
     sets = split_sets(args)[0] if sets is None else sets
     cfg = apply_overrides(preset(args.preset), sets)
-    if getattr(args, "seed", None) is not None:
-        cfg = apply_overrides(cfg, [f"seed={args.seed}"])
-    if getattr(args, "steps", None) is not None:
-        cfg = apply_overrides(cfg, [f"steps={args.steps}"])
-    if getattr(args, "device", None) is not None:
-        cfg = apply_overrides(cfg, [f"device={args.device}"])
-    return cfg
+    given = [(key, getattr(args, key, None)) for key in ("seed", "steps", "device")]
+    return apply_overrides(cfg, [f"{key}={value}" for key, value in given if value is not None])
 
 
 def add_device_arg(parser: argparse.ArgumentParser, default: str | None = "auto") -> None:
@@ -239,11 +233,9 @@ def add_setting_args(
     simulated_only: bool = False,
     defaults: dict[str, Any] | None = None,
 ) -> None:
-    """Every `AggregatorSettings` field as `--set NAME=VALUE`, and a flag for those declared
-    with one (the simulator's commands take only the simulated ones). An absent flag leaves no
-    attribute: the saved or default value stands (see `settings_overrides`). `defaults`: the
-    command's own defaults, by field name, as its help shows them (the command applies them
-    itself)."""
+    """Every `AggregatorSettings` field as `--set NAME=VALUE` and a flag for those declared with
+    one (simulate: the simulated ones); an absent flag leaves no attribute. `defaults`: the
+    command's own defaults, by field name, as its help shows them (the command applies them)."""
     defaults = defaults or {}
     chosen = [(f, s) for f, s in declared() if s.simulated or not simulated_only]
     parser.set_defaults(setting_names=tuple(f.name for f, _ in chosen))
@@ -273,8 +265,7 @@ def add_setting_args(
 
 
 def settings_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The settings given on the command line, by field name: --set NAME=VALUE and the
-    settings' own flags (one of the two for a setting)."""
+    """The settings given, by field name: --set NAME=VALUE or the setting's flag (not both)."""
     given = split_sets(args)[1]
     for f, s in declared():
         if hasattr(args, f.name):
