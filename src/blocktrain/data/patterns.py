@@ -1,6 +1,7 @@
 """Which files of a corpus folder are read: the ``--glob`` patterns, ``GLOB`` to include and
-``!GLOB`` to exclude (``FilePatterns``) and their translation to regular expressions. Hidden files and folders (a
-name starting with ``.``) are never read, whatever the patterns (``data/corpus.py``)."""
+``!GLOB`` to exclude (``FilePatterns``), and their translation to regular expressions. Hidden
+files and folders (a name starting with ``.``) are never read, whatever the patterns
+(``data/corpus.py``)."""
 
 from __future__ import annotations
 

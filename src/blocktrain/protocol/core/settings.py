@@ -1,8 +1,8 @@
 """The aggregator's settings, each declared once: a field of `AggregatorSettings` with its doc,
 its bounds, its command-line flag (a few; every setting is also `--set NAME=VALUE`) and whether
-the simulator models it. The CLI flags
-(`cli.common.add_setting_args`), the simulator's list of flags it leaves out, the check on
-construction and the table in docs/protocol.md are all derived from these declarations.
+the simulator models it. The CLI flags and `--set` keys (`cli.common.add_setting_args`), the
+simulator's list of those it leaves out, the check on construction and the table in
+docs/protocol.md are all derived from these declarations.
 Each field is declared with `declaration.setting`; the settings derived from a run (the delta
 norm and token bounds) are `bounds.derived_settings`.
 
