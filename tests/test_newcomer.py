@@ -278,7 +278,7 @@ def aggregator(notes: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     root = tmp_path_factory.mktemp("by-hand")
     state = root / "state"
     argv = ["aggregator", "--state", state, "--preset", "tiny", *MICRO]
-    argv += ["--local-steps", 2, "--deadline", 20, "--min-round", 0]
+    argv += ["--local-steps", 2, "--deadline", 20, "--set", "min_round_s=0"]
     failed = {}
     done = blocktrain(*argv, "--port", 0, "--data", notes.with_name("ntoes"))
     failed["typo"] = (done, state.exists())

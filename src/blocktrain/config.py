@@ -8,11 +8,13 @@ the weights. Variants are derived with `dataclasses.replace` or with `apply_over
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import re
 import types
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -316,7 +318,15 @@ def settable_keys() -> dict[str, tuple[str, type]]:
     return keys
 
 
-def _parse_value(key: str, text: str, typ: Any) -> Any:
+def unknown_key(key: str, valid: Iterable[str]) -> str:
+    """The error of `--set KEY=...` with a KEY no section has: the nearest valid keys."""
+    near = difflib.get_close_matches(key.split(".", 1)[-1], sorted(valid), n=3, cutoff=0.6)
+    return f"unknown --set key {key!r}" + (
+        f"; nearest: {', '.join(near)}" if near else "; see the command's --help for its keys"
+    )
+
+
+def parse_value(key: str, text: str, typ: Any) -> Any:
     optional = False
     origin = typing.get_origin(typ)
     if origin in (Union, types.UnionType):
@@ -354,9 +364,9 @@ def apply_overrides(cfg: RunConfig, items: list[str]) -> RunConfig:
         key = key.strip()
         short = key.split(".", 1)[1] if key.startswith(("model.", "train.")) else key
         if short not in keys or (key != short and not key.startswith(keys[short][0] + ".")):
-            raise ConfigError(f"unknown --set key {key!r}; valid keys: {', '.join(sorted(keys))}")
+            raise ConfigError(unknown_key(key, keys))
         section, typ = keys[short]
-        value = _parse_value(key, text.strip(), typ)
+        value = parse_value(key, text.strip(), typ)
         if section == "model":
             model_changes[short] = value
         elif section == "train":

@@ -1,5 +1,5 @@
 """Corpora on the command line: `blocktrain data --help` states the rules, `data info` shows
-what a folder reads and skips, and --include / --exclude reach every command that reads data,
+what a folder reads and skips, and --glob patterns reach every command that reads data,
 the run's data.json and the processes `cluster` starts."""
 
 from __future__ import annotations
@@ -43,12 +43,12 @@ def test_data_help_states_the_corpus_rules(capsys):
         "wiki.train.raw, wiki.valid.raw, wiki.test.raw",
         "train is the first 90% of its bytes, valid the next 5%, test the last 5%",
         "subfolders included",
-        "--include GLOB / --exclude GLOB",
+        "--glob GLOB reads only the files that match, --glob '!GLOB' none that match",
         "Hidden files and folders",
         "as its bytes",
         "gzip text (.gz)",
         "skipped in a folder, all of them summed up in one warning line",
-        "blocktrain data info ~/src/project --include '*.py'",
+        "blocktrain data info ~/src/project --glob '*.py'",
     ):
         assert promise in text, promise
 
@@ -69,7 +69,7 @@ def test_data_info_shows_what_a_folder_reads_and_skips(capsys, caplog, tree):
     assert len(skipped) == 1 and skipped[0].endswith(
         "skipped 2 files: 2 not text (first: build/lib.so, img.png)"
     )
-    assert main(["data", "info", str(tree), "--include", "*.py", "--exclude", "build/**"]) == 0
+    assert main(["data", "info", str(tree), "--glob", "*.py", "--glob", "!build/**"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert [Path(f).name for f in info["splits"]["valid"]["files"]] == ["a.py", "b.py"]
     assert info["include"] == ["*.py"] and info["exclude"] == ["build/**"]
@@ -82,21 +82,21 @@ def test_bad_patterns_are_one_line_and_exit_2(capsys, tmp_path, tree):
     out = tmp_path / "r"
     fails_cleanly(
         capsys,
-        ["train", "--data", str(file), "--include", "*.md", "--out", str(out), *TINY],
+        ["train", "--data", str(file), "--glob", "*.md", "--out", str(out), *TINY],
         "choose files of a folder",
     )
     fails_cleanly(
         capsys,
-        ["train", "--data", str(tree), "--include", "*.rs", "--out", str(out), *TINY],
-        "is chosen by --include '*.rs'",
+        ["train", "--data", str(tree), "--glob", "*.rs", "--out", str(out), *TINY],
+        "is chosen by --glob '*.rs'",
     )
-    fails_cleanly(capsys, ["data", "info", str(tree), "--exclude", ""], "non-empty glob")
+    fails_cleanly(capsys, ["data", "info", str(tree), "--glob", ""], "non-empty glob")
     assert not out.exists()
 
 
 def test_a_run_remembers_its_patterns_and_eval_names_them(capsys, tmp_path, tree):
     run = tmp_path / "run"
-    patterns = ["--include", "*.py", "--exclude", "build/**"]
+    patterns = ["--glob", "*.py", "--glob", "!build/**"]
     argv = ["train", "--data", str(tree), *patterns, "--out", str(run), "--steps", "1", *TINY]
     assert main(argv) == 0
     record = json.loads((run / "data.json").read_text())
@@ -110,7 +110,7 @@ def test_a_run_remembers_its_patterns_and_eval_names_them(capsys, tmp_path, tree
     assert main(evaluate) == 0
     other = capsys.readouterr()
     assert json.loads(other.out)["data"]["same_as_training"] is False
-    assert "it was trained with --include '*.py' --exclude 'build/**'" in other.err
+    assert "it was trained with --glob '*.py' --glob '!build/**'" in other.err
 
 
 def test_cluster_passes_the_patterns_to_its_aggregator_and_workers(monkeypatch, tmp_path):
@@ -128,11 +128,11 @@ def test_cluster_passes_the_patterns_to_its_aggregator_and_workers(monkeypatch, 
             tmp_path,
             name="w",
             data="/corpus",
-            data_patterns=["--include", "*.txt", "--exclude", "build/**"],
+            data_patterns=["--glob", "*.txt", "--glob", "!build/**"],
         )
     argv = started[0]
     i = argv.index("--data")
-    assert argv[i : i + 6] == ["--data", "/corpus", "--include", "*.txt", "--exclude", "build/**"]
+    assert argv[i : i + 6] == ["--data", "/corpus", "--glob", "*.txt", "--glob", "!build/**"]
 
 
 def test_the_readme_states_the_rules_the_code_follows():
@@ -145,4 +145,4 @@ def test_the_readme_states_the_rules_the_code_follows():
     assert f"train is its first {train}%, valid the next {valid - train}%" in section
     assert all(f"`{name}`" in section for name in WIKITEXT_FILES.values())
     assert f"at most {gzip_cap()} of their text per corpus" in section
-    assert "--include GLOB" in section and "Hidden files and folders are never read" in section
+    assert "--glob GLOB" in section and "Hidden files and folders are never read" in section

@@ -87,7 +87,7 @@ def test_a_missing_library_stops_before_anything_is_written(tmp_path, corpus, ca
     # cluster, worker and join read --log-to in the same place, before anything else
     cluster = ["cluster", "--workers", "2", "--rounds", "1", "--data", str(corpus)]
     fails_cleanly(capsys, [*cluster, "--out", str(run), "--log-to", "mlflow"], "pip install mlflow")
-    worker = ["worker", "--aggregator", "http://127.0.0.1:9", "--log-dir", str(run)]
+    worker = ["worker", "--aggregator", "http://127.0.0.1:9", "--state", str(run)]
     fails_cleanly(capsys, [*worker, "--log-to", "wandb"], "pip install wandb")
     join = ["join", "http://127.0.0.1:9", "--state", str(run), "--log-to", "tensorboard"]
     fails_cleanly(capsys, join, "pip install tensorboardX")

@@ -200,9 +200,12 @@ def test_settings_flags_are_derived_from_the_declarations(capsys):
         with pytest.raises(SystemExit):
             main([cmd, "--help"])
         text = capsys.readouterr().out
-        for _, s in declared():
-            shown = s.flag in text
-            assert shown == (s.simulated or not simulated_only), (cmd, s.flag)
+        for f, s in declared():
+            offered = s.simulated or not simulated_only
+            if s.flag:
+                assert (s.flag in text) == offered, (cmd, s.flag)
+            else:  # --set NAME=VALUE, named in the group's description
+                assert (f.name in text) == offered, (cmd, f.name)
 
 
 def test_the_live_evaluation_flags_are_checked_before_the_state_is_made(
@@ -219,8 +222,8 @@ def test_the_live_evaluation_flags_are_checked_before_the_state_is_made(
             ["--live-eval-every", "-1"],
             "aggregator setting live_eval_every = -1 must be >= 0 (0: off)",
         ),
-        (["--live-eval-bytes", "20000"], "live_eval_bytes = 20000 must lie in [1, 16384]"),
-        (["--live-eval-sweeps", "0"], "live_eval_sweeps = 0 must lie in [1, 64]"),
+        (["--set", "live_eval_bytes=20000"], "live_eval_bytes = 20000 must lie in [1, 16384]"),
+        (["--set", "live_eval_sweeps=0"], "live_eval_sweeps = 0 must lie in [1, 64]"),
         (
             ["--live-eval-every", "2", "--blocks", "0"],
             "--live-eval-every 2 evaluates the assembled model",

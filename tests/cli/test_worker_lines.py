@@ -103,7 +103,7 @@ def test_log_to_tensorboard_gets_each_rounds_line(aggregator, corpus, tmp_path, 
     """Issue 30, experiment logging: `worker --log-to tensorboard` logs what each round's line
     says, at step = the round: its steps, bytes/s, loss and verdict."""
     logs = tmp_path / "logs"
-    assert main(argv(corpus, "--log-to", "tensorboard", "--log-dir", str(logs))) == 0
+    assert main(argv(corpus, "--log-to", "tensorboard", "--state", str(logs))) == 0
     err = capsys.readouterr().err
     printed = re.findall(
         r"^round (\d) \(block 0\): (\d) steps in .*, loss (\d+\.\d{3}); ", err, re.M
@@ -121,5 +121,5 @@ def test_log_to_tensorboard_gets_each_rounds_line(aggregator, corpus, tmp_path, 
 
 
 def test_log_to_needs_a_folder(aggregator, corpus, capsys):
-    fails_cleanly(capsys, argv(corpus, "--log-to", "tensorboard"), "give --log-dir DIR")
-    fails_cleanly(capsys, argv(corpus, "--log-to", "comet", "--log-dir", "x"), "choose from")
+    fails_cleanly(capsys, argv(corpus, "--log-to", "tensorboard"), "give --state DIR")
+    fails_cleanly(capsys, argv(corpus, "--log-to", "comet", "--state", "x"), "choose from")

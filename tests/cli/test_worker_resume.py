@@ -132,7 +132,7 @@ def test_the_flags_are_in_the_help_of_worker_and_join(capsys):
 
 
 def test_a_resumed_worker_logs_on_in_its_folder(aggregator, corpus, tmp_path, capsys):
-    """`--log-to` without --log-dir writes in the --state folder, which a resume still takes,
+    """`--log-to` writes in the --state folder, which a resume still takes,
     and the resumed worker's rounds follow the first one's (what was logged after the round it
     resumes from is dropped, as `train --resume` does)."""
     folder = tmp_path / "w"
@@ -147,11 +147,11 @@ def test_a_resumed_worker_logs_on_in_its_folder(aggregator, corpus, tmp_path, ca
 def test_a_worker_that_trains_no_round_writes_no_logs(aggregator, corpus, tmp_path, capsys):
     """The loggers open at the first round: a worker stopped before it (here: the run is
     done) leaves its registration in its folder, and no logs."""
-    folder, logs = tmp_path / "w", tmp_path / "logs"
+    folder = tmp_path / "w"
     for _ in range(4):  # the run's four rounds of block 0, by another worker
         assert main(argv(corpus, tmp_path / "other", "--block", "0")) == 0
     capsys.readouterr()
-    extra = ("--block", "0", "--log-to", "tensorboard", "--log-dir", str(logs))
+    extra = ("--block", "0", "--log-to", "tensorboard")
     assert main(argv(corpus, folder, *extra)) == 0
     assert "stopped by done" in capsys.readouterr().out
-    assert [p.name for p in folder.iterdir()] == ["worker.json"] and not logs.exists()
+    assert [p.name for p in folder.iterdir()] == ["worker.json"]

@@ -1,4 +1,4 @@
-"""Which files a corpus reads: --include / --exclude patterns, the one-line summary of skipped
+"""Which files a corpus reads: --glob patterns (GLOB, !GLOB), the one-line summary of skipped
 files, text in other 8-bit encodings, gzip-compressed text (and its cap), and files named for
 what they are (UTF-16, archives, other compressed formats)."""
 
@@ -86,12 +86,12 @@ def test_exclude_wins_over_include_and_no_pattern_reads_everything() -> None:
     assert both.selects("src/a.py") and not both.selects("build/a.py")
     assert not both.selects("README.md")
     assert FilePatterns().selects("anything/at/all.bin")
-    assert both.argv() == ["--include", "*.py", "--exclude", "build/**"]
-    assert both.flags() == "--include '*.py' --exclude 'build/**'"
+    assert both.argv() == ["--glob", "*.py", "--glob", "!build/**"]
+    assert both.flags() == "--glob '*.py' --glob '!build/**'"
 
 
 def test_an_empty_pattern_is_one_clear_error() -> None:
-    with pytest.raises(DataError, match="--exclude takes a non-empty glob"):
+    with pytest.raises(DataError, match="--glob takes a non-empty glob"):
         FilePatterns(exclude=(" ",))
 
 
@@ -121,13 +121,13 @@ def test_include_and_exclude_choose_the_files_of_a_folder(source_tree: Path) -> 
 
 
 def test_patterns_that_choose_nothing_say_so(source_tree: Path) -> None:
-    with pytest.raises(DataError, match=r"no file of folder .*project is chosen by --include "):
+    with pytest.raises(DataError, match=r"no file of folder .*project is chosen by --glob "):
         ByteCorpus.open(source_tree, FilePatterns(include=("*.rs",)))
 
 
 def test_patterns_with_a_single_file_are_refused(tmp_path: Path) -> None:
     file = _write(tmp_path / "notes.txt", TEXT)
-    with pytest.raises(DataError, match=r"--include '\*\.md' choose files of a folder"):
+    with pytest.raises(DataError, match=r"--glob '\*\.md' choose files of a folder"):
         ByteCorpus.open(file, FilePatterns(include=("*.md",)))
 
 
@@ -303,4 +303,4 @@ def test_a_run_records_its_patterns_and_a_check_names_them(
     assert other["same_as_training"] is False
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("blocktrain: warning:")
-    assert "it was trained with --include '*.py' --exclude 'build/**' (given now: none)" in err
+    assert "it was trained with --glob '*.py' --glob '!build/**' (given now: none)" in err

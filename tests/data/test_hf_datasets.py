@@ -107,7 +107,7 @@ def test_load_dataset_reads_a_local_folder_of_data_files(tmp_path):
 
 def test_train_records_the_dataset_and_eval_checks_it(one_split, splits_dataset, tmp_path, capsys):
     run = tmp_path / "run"
-    data = ["--data", f"hf:{one_split}", "--text-field", "content"]
+    data = ["--data", f"hf:{one_split}#content"]
     assert main(["train", *data, "--out", str(run), "--steps", "1", *TINY]) == 0
     capsys.readouterr()
     record = json.loads((run / "data.json").read_text())
@@ -141,12 +141,11 @@ def test_a_hub_dataset_is_named_in_the_model_card_front_matter():
 def test_bad_datasets_are_refused_in_one_line(one_split, splits_dataset, tmp_path, capsys):
     info = ["data", "info"]
     fails_cleanly(capsys, [*info, f"hf:{one_split}"], "no column 'text' (its columns: content, n)")
-    fails_cleanly(capsys, [*info, f"hf:{one_split}", "--text-field", "n"], "not text")
+    fails_cleanly(capsys, [*info, f"hf:{one_split}#n"], "not text")
     fails_cleanly(capsys, [*info, str(one_split)], f"pass --data hf:{one_split}")
     fails_cleanly(
-        capsys, [*info, f"hf:{splits_dataset}", "--include", "*.txt"], "choose files of a folder"
+        capsys, [*info, f"hf:{splits_dataset}", "--glob", "*.txt"], "choose files of a folder"
     )
-    fails_cleanly(capsys, [*info, str(tmp_path), "--text-field", "x"], "--text-field x names")
     fails_cleanly(capsys, [*info, f"hf:{tmp_path / 'none'}"], "does not exist")
     fails_cleanly(capsys, [*info, f"hf:{splits_dataset}:cfg"], "has no configs")
     fails_cleanly(capsys, [*info, "hf:someone/not-cached"], "cannot load the Hugging Face dataset")

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from blocktrain.cli.aggregator_state import prepare_state
+from blocktrain.cli.aggregator_state import AggregatorSetup, prepare_state
 from blocktrain.cli.main import build_parser, main
 from blocktrain.config import ModelConfig
 from blocktrain.data import load_split
@@ -248,14 +248,15 @@ def test_a_per_block_aggregator_of_a_features_run_turns_its_probe_off(corpus, tm
         ("--blocks", "0,1"),
         ("--blocks", "2", "--effect-probe", "off"),
     ):
-        opened, _, directory = prepare_state(build_parser().parse_args(argv(*flags)))
+        opened, _, directory = prepare_state(
+            AggregatorSetup.of(build_parser().parse_args(argv(*flags)))
+        )
         assert list(directory.served) == [int(b) for b in flags[1].split(",")]
         opened.close()
         shutil.rmtree(state)
     # a restart may not turn the probe back on
-    prepare_state(build_parser().parse_args(argv("--blocks", "1", "--effect-probe", "off")))[
-        0
-    ].close()
+    args = build_parser().parse_args(argv("--blocks", "1", "--effect-probe", "off"))
+    prepare_state(AggregatorSetup.of(args))[0].close()
     restart = ["aggregator", "--state", str(state), "--effect-probe", "on"]
     fails_cleanly(capsys, restart, "pass --effect-probe off")
 

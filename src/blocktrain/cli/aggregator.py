@@ -11,7 +11,7 @@ state folder is consistent after every commit.
 
 Limits: every body is capped before it is read (pushes at max_body_bytes, JSON at 16 KiB),
 tokens are checked before bodies, each token may send --rate-limit requests a second (after a
-burst of --rate-burst), a request's head must arrive within 10 s and its body at 16 KiB/s
+burst of four seconds' worth), a request's head must arrive within 10 s and its body at 16 KiB/s
 after 30 s, and at most --max-connections are served at once. /v1/status always needs a
 token; /metrics needs one with --private-status (default: public, for Prometheus scrapers).
 """
@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import math
 import os
 import secrets
 import socket
 import sys
-from pathlib import Path
 
-from blocktrain.cli.aggregator_state import prepare_state, remove_new
+from blocktrain.cli.aggregator_state import AggregatorSetup, prepare_state, remove_new
 from blocktrain.cli.common import (
     Formatter,
     add_config_args,
@@ -75,8 +75,8 @@ EXAMPLES = """examples:
   # the validation CE of the assembled model every 5 rounds, live on /dashboard and in
   # /v1/history (4096 bytes, M = 1: 0.6 s on one CPU thread at tiny, in the background):
   blocktrain aggregator --state runs/agg --data wikitext/ --live-eval-every 5
-  blocktrain aggregator --state runs/agg --live-eval-every 5 --live-eval-bytes 8192 \\
-      --live-eval-sweeps 2                                   # 4x the bytes x sweeps, 4x the cost
+  blocktrain aggregator --state runs/agg --live-eval-every 5 \\
+      --set live_eval_bytes=8192 live_eval_sweeps=2           # 4x the bytes x sweeps, 4x the cost
   blocktrain aggregator --state runs/agg --live-eval-every 0   # no live evaluation (default)
   blocktrain aggregator --state runs/agg --effect-probe off --rule trimmed_mean --tolerate 1
   blocktrain aggregator --state runs/agg --wire int8        # deltas as int8, a scale per row
@@ -137,10 +137,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=limits.rate_per_s,
         metavar="R",
-        help="requests a second each token may send, after its burst",
-    )
-    p.add_argument(
-        "--rate-burst", type=int, default=limits.burst, metavar="N", help="a token's burst"
+        help="requests a second each token may send, after a burst of 4 seconds' worth",
     )
     p.add_argument(
         "--max-connections",
@@ -156,13 +153,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="connections at once from one client address (default: a quarter of "
         "--max-connections; 503 and closed beyond)",
-    )
-    p.add_argument(
-        "--keep-refused",
-        type=int,
-        default=limits.keep_refused,
-        metavar="N",
-        help="refused updates kept in the ledger (older ones are pruned; counts stay)",
     )
     add_data_arg(p)  # the validation split feeds the effect probe and --live-eval-every
     add_setting_args(p)
@@ -182,11 +172,20 @@ def access_limits(args: argparse.Namespace) -> AccessLimits:
             max_connections_per_address=args.max_connections_per_address,
         ),
         rate_per_s=args.rate_limit,
-        burst=args.rate_burst,
+        burst=burst_of(args.rate_limit),
         private_status=args.private_status,
         public_weights=args.public_weights,
-        keep_refused=args.keep_refused,
     )
+
+
+BURST_S = AccessLimits().burst / AccessLimits().rate_per_s
+"""A token's burst, in seconds of its rate: 4 (200 requests at the default 50/s)."""
+
+
+def burst_of(rate_per_s: float) -> int:
+    """A token's burst at --rate-limit `rate_per_s`: BURST_S seconds' worth, at least 1 (a rate
+    that is not positive and finite is refused by `AccessLimits`)."""
+    return max(1, round(BURST_S * rate_per_s)) if math.isfinite(rate_per_s) else 1
 
 
 def probe_data(args: argparse.Namespace, settings: AggregatorSettings | None = None) -> ByteSource:
@@ -247,18 +246,20 @@ def live_evaluator(
 
 
 def run(args: argparse.Namespace) -> int:
+    """config -> state -> serve: the flags resolved once (`AggregatorSetup`), the state folder
+    made or resumed from them (`prepare_state`), then the app served."""
     from blocktrain.listener import run as serve
     from blocktrain.protocol.http.app import create_app
 
     tls = tls_pair(args.tls_cert, args.tls_key)
     require_tls(args.host, tls, args.insecure_http)
     limits = access_limits(args)  # a clear error before the state is touched
+    setup = AggregatorSetup.of(args)
     # Everything a start can fail on (the settings, the probe's data, the port) is checked
     # before the state folder is written, so that a failed first start leaves nothing behind
     # and the corrected command starts afresh; should anything fail after all, a state this
     # start created is removed again.
-    root = Path(args.state)
-    fresh = not StateDir(root).initialised
+    root, fresh = setup.root, setup.config is not None  # fresh: a state this start creates
     before = {p.name for p in root.iterdir()} if root.is_dir() else None
     valid: list[ByteSource | None] = [None]
     listening: list[socket.socket] = []
@@ -270,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
 
     state: StateDir | None = None
     try:
-        state, settings, directory = prepare_state(args, ready)
+        state, settings, directory = prepare_state(setup, ready)
         app = create_app(
             settings,
             storage=state,

@@ -1,5 +1,6 @@
-"""The state folder of `blocktrain aggregator`: created from --preset (version 0 of every block)
-or resumed with the flags' settings (`prepare_state`), the blocks served and their peers
+"""The state folder of `blocktrain aggregator`: its flags resolved once (`AggregatorSetup`: the
+run, the settings given, the blocks and peers), then the folder created from that run (version 0
+of every block) or resumed with those settings (`prepare_state`), the blocks served and their peers
 checked against the saved ones, and the effect probe's and the live evaluation's reach checked
 against the blocks served, all before the first write; and a failed first start undone
 (`remove_new`), so that the corrected command starts afresh.
@@ -10,9 +11,11 @@ from __future__ import annotations
 import argparse
 import shutil
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from blocktrain.cli.common import resolve_config, settings_overrides, unit_of
+from blocktrain.cli.common import resolve_config, settings_overrides, split_sets, unit_of
 from blocktrain.config import RunConfig, parse_blocks
 from blocktrain.errors import ConfigError
 from blocktrain.protocol.core.bounds import derived_settings, largest_block
@@ -24,26 +27,61 @@ from blocktrain.serving.shared.transport import check_url
 from blocktrain.training.local import initial_units, reference_config
 
 
-def prepare_state(
-    args: argparse.Namespace, ready: Callable[[AggregatorSettings], None] | None = None
-) -> tuple[StateDir, AggregatorSettings, Directory]:
-    """The state folder (created from --preset, or resumed with the settings' overrides) and
-    the directory of its blocks (`placement.placed`: --blocks and --peer checked against the
-    saved ones before anything is written). `ready(settings)`, when given, runs after every
-    check and before the first write, with the settings the aggregator will serve: what it
-    raises leaves the folder as it was."""
-    state = StateDir(Path(args.state))
-    overrides = settings_overrides(args)
-    served = None if args.blocks is None else parse_blocks(args.blocks)
-    peers = dict(parse_peer(text) for text in args.peer)
-    for b, url in peers.items():  # saved in the state and handed to workers: checked first
-        check_url(url, f"--peer {b}=URL")
-    if state.initialised:
-        if args.preset is not None or args.overrides or args.seed is not None:
+@dataclass(frozen=True)
+class AggregatorSetup:
+    """What `blocktrain aggregator` was asked for, resolved once from its flags: the run of a
+    new state (preset -> --set -> --seed, as its unit trains it) or none (a resumed state's
+    own), the settings given (--set NAME=VALUE and the settings' flags), the blocks to serve and
+    their peers."""
+
+    root: Path
+    config: RunConfig | None
+    """A new state's run; None: resume the one the folder holds."""
+    unit: str
+    settings: dict[str, Any]
+    served: tuple[int, ...] | None
+    peers: dict[int, str]
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> AggregatorSetup:
+        """The setup from the flags, checked against the folder: a folder that holds a run
+        takes no --preset, --seed or --set of a config key; an empty one needs --preset."""
+        settings = settings_overrides(args)
+        served = None if args.blocks is None else parse_blocks(args.blocks)
+        peers = dict(parse_peer(text) for text in args.peer)
+        for b, url in peers.items():  # saved in the state and handed to workers: checked first
+            check_url(url, f"--peer {b}=URL")
+        root = Path(args.state)
+        unit = unit_of(args)
+        if StateDir(root).initialised:
+            if args.preset is not None or split_sets(args)[0] or args.seed is not None:
+                raise ConfigError(
+                    f"{args.state} already holds a run; omit --preset, --seed and --set of a "
+                    "config key to resume it (--set of a setting replaces the saved one), or "
+                    "choose a new --state"
+                )
+            return cls(root, None, unit, settings, served, peers)
+        if args.preset is None:
             raise ConfigError(
-                f"{args.state} already holds a run; omit --preset/--set/--seed "
-                "to resume it, or choose a new --state"
+                f"{args.state} holds no aggregator state yet: give --preset NAME to create one"
             )
+        cfg = resolve_config(args)
+        config = reference_config(cfg) if unit == "reference" else cfg
+        return cls(root, config, unit, settings, served, peers)
+
+
+def prepare_state(
+    setup: AggregatorSetup, ready: Callable[[AggregatorSettings], None] | None = None
+) -> tuple[StateDir, AggregatorSettings, Directory]:
+    """The state folder (created from the setup's run, or resumed with its settings) and the
+    directory of its blocks (`placement.placed`: the blocks served and the peers checked
+    against the saved ones before anything is written). `ready(settings)`, when given, runs
+    after every check and before the first write, with the settings the aggregator will
+    serve: what it raises leaves the folder as it was."""
+    overrides, served, peers = setup.settings, setup.served, setup.peers
+    cfg = setup.config
+    if cfg is None:
+        state = StateDir(setup.root)
         settings = state.settings().replace(**overrides)
         saved = state.placement()[0]
         held = served if served is not None else saved or range(state.n_blocks())
@@ -57,20 +95,14 @@ def prepare_state(
                 run_config=state.run_config(), settings=settings, n_blocks=state.n_blocks()
             )
         return state, settings, directory
-    if args.preset is None:
-        raise ConfigError(
-            f"{args.state} holds no aggregator state yet: give --preset NAME to create one"
-        )
-    unit = unit_of(args)
-    cfg = reference_config(resolve_config(args)) if unit == "reference" else resolve_config(args)
     Directory.build(cfg.model.blocks, served, peers)  # a clear error before the state is made
-    blocks = initial_units(cfg, unit)
+    blocks = initial_units(cfg, setup.unit)
     settings = derived_settings(cfg, overrides, largest_block(blocks))
     check_probe_reach(cfg.model.route, served or range(cfg.model.blocks), settings)
     check_eval_reach(served or range(cfg.model.blocks), cfg.model.blocks, settings)
     if ready is not None:
         ready(settings)
-    state = create_state(Path(args.state), cfg, overrides, blocks, unit)
+    state = create_state(setup.root, cfg, overrides, blocks, setup.unit)
     return state, state.settings(), placed(state, served, peers)
 
 

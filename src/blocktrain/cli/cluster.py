@@ -13,7 +13,7 @@ cluster runs without the probe, which judges blocks.
 At the start it prints the aggregator's dashboard URL with a viewer token (one that may only
 watch: `blocktrain token add --viewer`) in its fragment, and the token itself. While the rounds
 run, the aggregator evaluates the assembled model after every round (--live-eval-every 1; the first
---live-eval-bytes of the validation split, M = --live-eval-sweeps, in the background) and the
+live_eval_bytes of the validation split, M = live_eval_sweeps, in the background) and the
 dashboard plots that validation CE beside the workers' reported loss. The dashboard stays up
 through the evaluation after the rounds (each round's model, then the final one, with progress
 on stderr), and with --keep-dashboard until Ctrl-C:

@@ -13,9 +13,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from blocktrain.config import RunConfig, apply_overrides
-from blocktrain.data import DATA_ENV, FilePatterns
-from blocktrain.data.hf import HfSource, is_hf
+from blocktrain.config import RunConfig, apply_overrides, parse_value, settable_keys, unknown_key
+from blocktrain.data import FilePatterns
 from blocktrain.device import DEVICE_HELP
 from blocktrain.errors import ConfigError
 from blocktrain.model.sampler import (
@@ -30,8 +29,7 @@ from blocktrain.training.checkpoint import RunInfo
 from blocktrain.training.tracking import check_backends, parse_backends
 
 TOKEN_ENV = "BLOCKTRAIN_TOKEN"
-"""Where `worker` and `status` read the bearer token when neither --token-file nor --token is
-given."""
+"""Where `worker` and `status` read the token when neither --token-file nor --token is given."""
 
 
 def add_token_args(parser: argparse.ArgumentParser, what: str = "bearer token") -> None:
@@ -122,7 +120,9 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=[],
         action="extend",
-        help="override a config field, e.g. --set d_model=256 lr=1e-3",
+        help="override a config field, e.g. --set d_model=256 lr=1e-3; on the commands that run "
+        "the protocol, an aggregator setting too, by its name: --set probe_gain_z=6 (the table "
+        "in docs/protocol.md, Settings)",
     )
 
 
@@ -141,15 +141,38 @@ def unit_of(args: argparse.Namespace) -> str:
     return "reference" if getattr(args, "reference", False) else "block"
 
 
-def resolve_config(args: argparse.Namespace) -> RunConfig:
-    cfg = apply_overrides(preset(args.preset), list(args.overrides))
-    if getattr(args, "seed", None) is not None:
-        cfg = apply_overrides(cfg, [f"seed={args.seed}"])
-    if getattr(args, "steps", None) is not None:
-        cfg = apply_overrides(cfg, [f"steps={args.steps}"])
-    if getattr(args, "device", None) is not None:
-        cfg = apply_overrides(cfg, [f"device={args.device}"])
-    return cfg
+def split_sets(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
+    """The --set items: the config's KEY=VALUE strings (for `apply_overrides`), and the values
+    of the aggregator settings named, by field name, on a command that takes them
+    (`add_setting_args`). A key that is neither fails with the nearest valid keys."""
+    names: tuple[str, ...] = getattr(args, "setting_names", ())
+    config_keys = settable_keys()
+    hints = typing.get_type_hints(AggregatorSettings)
+    config: list[str] = []
+    settings: dict[str, Any] = {}
+    for item in args.overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
+        key, text = (part.strip() for part in item.split("=", 1))
+        short = key.split(".", 1)[1] if key.startswith(("model.", "train.")) else key
+        if key in names:
+            settings[key] = parse_value(key, text, hints[key])
+        elif short in config_keys:
+            config.append(item)
+        elif key in hints and names:
+            raise ConfigError(f"--set {key}: the simulator does not model this setting")
+        else:
+            raise ConfigError(unknown_key(key, [*config_keys, *names]))
+    return config, settings
+
+
+def resolve_config(args: argparse.Namespace, sets: list[str] | None = None) -> RunConfig:
+    """A command's run: its --preset, then the config keys of --set (`sets`, when the caller
+    split them already), then --seed, --steps and --device."""
+    sets = split_sets(args)[0] if sets is None else sets
+    cfg = apply_overrides(preset(args.preset), sets)
+    given = [(key, getattr(args, key, None)) for key in ("seed", "steps", "device")]
+    return apply_overrides(cfg, [f"{key}={value}" for key, value in given if value is not None])
 
 
 def add_device_arg(parser: argparse.ArgumentParser, default: str | None = "auto") -> None:
@@ -196,10 +219,9 @@ def use_threads(args: argparse.Namespace) -> None:
 def resolve_rounds_config(args: argparse.Namespace, local_steps: int) -> RunConfig:
     """The config of a run of `args.rounds` rounds of H local steps: unless --set gives
     `steps`, the learning-rate schedule spans the run (round r runs steps r*H .. r*H + H - 1)."""
-    cfg = resolve_config(args)
-    if not any(
-        item.split("=", 1)[0].strip() in ("steps", "train.steps") for item in args.overrides
-    ):
+    sets = split_sets(args)[0]
+    cfg = resolve_config(args, sets)
+    if not any(item.split("=", 1)[0].strip() in ("steps", "train.steps") for item in sets):
         cfg = apply_overrides(cfg, [f"steps={args.rounds * local_steps}"])
     return cfg
 
@@ -211,16 +233,21 @@ def add_setting_args(
     simulated_only: bool = False,
     defaults: dict[str, Any] | None = None,
 ) -> None:
-    """One flag per `AggregatorSettings` field, from its declaration (the simulator's commands
-    take only the simulated ones). An absent flag leaves no attribute: the saved or default
-    value stands (see `settings_overrides`). `defaults`: the command's own defaults, by field
-    name, as its help shows them (the command applies them itself)."""
+    """Every `AggregatorSettings` field as `--set NAME=VALUE` and a flag for those declared with
+    one (simulate: the simulated ones); an absent flag leaves no attribute. `defaults`: the
+    command's own defaults, by field name, as its help shows them (the command applies them)."""
     defaults = defaults or {}
-    group = parser.add_argument_group(title)
+    chosen = [(f, s) for f, s in declared() if s.simulated or not simulated_only]
+    parser.set_defaults(setting_names=tuple(f.name for f, _ in chosen))
+    group = parser.add_argument_group(
+        title,
+        "every setting is also --set NAME=VALUE; these have no flag of their own (docs/"
+        "protocol.md, Settings): " + ", ".join(f.name for f, s in chosen if not s.flag),
+    )
     group.argument_default = argparse.SUPPRESS
     hints = typing.get_type_hints(AggregatorSettings)
-    for f, s in declared():
-        if simulated_only and not s.simulated:
+    for f, s in chosen:
+        if not s.flag:
             continue
         kind = hints[f.name]
         if isinstance(kind, types.UnionType):  # X | None: the flag takes an X
@@ -238,75 +265,47 @@ def add_setting_args(
 
 
 def settings_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The settings given on the command line, by field name."""
-    return {f.name: getattr(args, f.name) for f, _ in declared() if hasattr(args, f.name)}
+    """The settings given, by field name: --set NAME=VALUE or the setting's flag (not both)."""
+    given = split_sets(args)[1]
+    for f, s in declared():
+        if hasattr(args, f.name):
+            if f.name in given:
+                raise ConfigError(f"give {s.flag} or --set {f.name}=..., not both")
+            given[f.name] = getattr(args, f.name)
+    return given
 
 
 def add_data_arg(parser: argparse.ArgumentParser) -> None:
-    """--data, the --include / --exclude patterns that choose a folder's files, and
-    --text-field for a Hugging Face dataset."""
+    """--data, and the --glob patterns that choose a folder's files."""
     parser.add_argument(
         "--data",
         metavar="PATH",
         help="a WikiText raw folder, a text file or a folder of text files, or hf:NAME[:CONFIG] "
-        "/ hf:PATH for a Hugging Face dataset, see `blocktrain data --help` (default: "
-        "$BLOCKTRAIN_DATA)",
+        "/ hf:PATH for a Hugging Face dataset (hf:...#FIELD: its text column, default text), "
+        "see `blocktrain data --help` (default: $BLOCKTRAIN_DATA)",
     )
     add_pattern_args(parser)
-    add_text_field_arg(parser)
-
-
-def add_text_field_arg(parser: argparse.ArgumentParser, of: str = "data") -> None:
-    """--text-field, which `apply_text_field` folds into the hf:... spec of `of`."""
-    parser.add_argument(
-        "--text-field",
-        metavar="FIELD",
-        help="the text column of a Hugging Face dataset (--data hf:...; default: text); "
-        "$BLOCKTRAIN_DATA takes it as hf:NAME#FIELD",
-    )
-    parser.set_defaults(text_field_of=of)
-
-
-def apply_text_field(args: argparse.Namespace) -> None:
-    """Fold --text-field into the command's hf:... data spec (from its flag or
-    $BLOCKTRAIN_DATA), so that the spec alone names the dataset and its column wherever it goes
-    (a worker's command line, data.json). A ConfigError when the data is no such dataset."""
-    field = getattr(args, "text_field", None)
-    if field is None:
-        return
-    of = getattr(args, "text_field_of", "data")
-    value = getattr(args, of, None) or os.environ.get(DATA_ENV) or None
-    if not is_hf(value):
-        raise ConfigError(
-            f"--text-field {field} names the text column of a Hugging Face dataset (--data "
-            f"hf:NAME or hf:PATH); the data given is {value or 'none'}"
-        )
-    setattr(args, of, str(HfSource.parse(str(value)).with_field(field)))
 
 
 def add_pattern_args(parser: argparse.ArgumentParser, of: str = "--data") -> None:
-    """--include and --exclude (repeatable), read by `file_patterns`."""
+    """--glob (repeatable), read by `file_patterns`."""
     parser.add_argument(
-        "--include",
+        "--glob",
         metavar="GLOB",
         action="append",
-        help=f"read only the files of the {of} folder that match (repeatable); a glob on the "
-        "path from the folder: '*.txt' matches a name at any depth, 'docs/**/*.md' a path, ** "
-        "any folders (default: every file)",
-    )
-    parser.add_argument(
-        "--exclude",
-        metavar="GLOB",
-        action="append",
-        help=f"skip the files of the {of} folder that match (repeatable; wins over --include),"
-        " e.g. 'build/**'",
+        help=f"read only the files of the {of} folder that match (repeatable), and none that "
+        "match a !GLOB (which wins); a glob on the path from the folder: '*.txt' matches a name "
+        "at any depth, 'docs/**/*.md' a path, ** any folders, e.g. --glob '*.py' --glob "
+        "'!build/**' (default: every file)",
     )
 
 
 def file_patterns(args: argparse.Namespace) -> FilePatterns:
-    """The --include / --exclude patterns given (none: every file of a folder)."""
+    """The --glob patterns given: GLOB includes, !GLOB excludes (none: every file)."""
+    globs = getattr(args, "glob", None) or ()
     return FilePatterns(
-        tuple(getattr(args, "include", None) or ()), tuple(getattr(args, "exclude", None) or ())
+        tuple(g for g in globs if not g.startswith("!")),
+        tuple(g[1:] for g in globs if g.startswith("!")),
     )
 
 

@@ -9,7 +9,6 @@ from blocktrain.cli.common import (
     Formatter,
     add_pattern_args,
     add_progress_arg,
-    add_text_field_arg,
     file_patterns,
     print_json,
     progress_bar,
@@ -22,10 +21,10 @@ EXAMPLES = """examples:
   blocktrain data fetch wikitext-2 --to data/wikitext-2     # needs internet
   blocktrain data info data/wikitext-2
   blocktrain data info my-notes.txt                         # one file: split 90/5/5
-  blocktrain data info ~/src/project --include '*.py' --include '*.md' --exclude 'build/**'
-  blocktrain train --data ~/src/project --include '*.py' --out runs/code  # the same patterns
+  blocktrain data info ~/src/project --glob '*.py' --glob '*.md' --glob '!build/**'
+  blocktrain train --data ~/src/project --glob '*.py' --out runs/code  # the same patterns
   blocktrain data info hf:wikitext:wikitext-2-raw-v1        # a Hub dataset (cached, or fetched)
-  blocktrain data info hf:/data/my_saved --text-field content  # a save_to_disk folder
+  blocktrain data info hf:/data/my_saved#content  # a save_to_disk folder, its column content
 """
 
 RULES = f"""what a corpus is (--data PATH, or $BLOCKTRAIN_DATA):
@@ -39,15 +38,16 @@ RULES = f"""what a corpus is (--data PATH, or $BLOCKTRAIN_DATA):
   hf:NAME[:CONFIG]    a Hugging Face dataset (pip install datasets): load_dataset(NAME, CONFIG)
   hf:PATH             from the Hub or its local cache (HF_DATASETS_OFFLINE=1: cache only), or a
                       local folder of data files; a folder written by save_to_disk is read with
-                      load_from_disk. --text-field FIELD (default text; hf:NAME#FIELD in
-                      $BLOCKTRAIN_DATA) is the string column read: each record, a newline after
+                      load_from_disk. hf:...#FIELD names the string column read (default
+                      text): each record, a newline after
                       one that lacks it. Its train, validation (or valid, dev) and test splits
                       are the splits; a dataset of one split is cut 90/5/5. The text is written
                       once to $BLOCKTRAIN_CACHE/hf/ (default ~/.cache/blocktrain/hf/), keyed by
                       the dataset's fingerprints, and data.json records name and fingerprints
 
 which files a folder gives:
-  --include GLOB / --exclude GLOB choose them (repeatable; --exclude wins). A glob without / is
+  --glob GLOB reads only the files that match, --glob '!GLOB' none that match (repeatable; a
+  !GLOB wins). A glob without / is
   matched against a file's name at any depth ('*.txt'); one with / against its path from the
   folder ('src/*.py'); ** spans folders ('build/**', '**/test_*.py'). The commands that read
   data (train, eval, generate --data, worker, join, aggregator, cluster, simulate, distill) take
@@ -101,7 +101,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "path", nargs="?", help="corpus path, or hf:NAME[:CONFIG] (default: $BLOCKTRAIN_DATA)"
     )
     add_pattern_args(i, of="corpus")
-    add_text_field_arg(i, of="path")
     i.set_defaults(handler=run_info)
 
 

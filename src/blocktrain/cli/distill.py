@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         if args.teacher or args.student or args.lr is not None or args.sampler:
             raise ConfigError(
                 "--resume continues a distillation with its saved teacher and settings; only "
-                "--steps, --data, --include and --exclude may be given"
+                "--steps, --data and --glob may be given"
             )
         if TeacherSpec.read(out) is None:
             raise ConfigError(f"{out} is not a distillation run (no teacher recorded)")

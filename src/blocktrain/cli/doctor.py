@@ -24,6 +24,9 @@ from blocktrain.protocol.store.state import run_unit
 from blocktrain.protocol.worker.doctor import Check, diagnose
 from blocktrain.training.plan import TRAINED_BYTES_PER_PARAM, plan, worker_state_bytes
 
+CHECK_TIMEOUT_S = 5.0
+"""Seconds each network check waits (`doctor --timeout`; `join` checks with it)."""
+
 EXAMPLES = """examples:
   blocktrain doctor http://10.0.0.5:8470 --token-file ~/.blocktrain-token
   blocktrain doctor https://agg.example:8470 --ca-file tls/cert.pem   # without a token: no token check
@@ -42,7 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("url", metavar="URL", help="the aggregator's URL")
     add_token_args(p)
     add_ca_arg(p)
-    p.add_argument("--timeout", type=float, default=5.0, metavar="S", help="per network step")
+    p.add_argument(
+        "--timeout", type=float, default=CHECK_TIMEOUT_S, metavar="S", help="per network step"
+    )
     add_device_arg(p)
     p.set_defaults(handler=run)
 

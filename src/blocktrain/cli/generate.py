@@ -14,7 +14,6 @@ from blocktrain.cli.common import (
     add_device_arg,
     add_pattern_args,
     add_sampler_args,
-    add_text_field_arg,
     add_threads_arg,
     check_model_sampler,
     file_patterns,
@@ -100,7 +99,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "the one the run recorded (generation itself reads no data)",
     )
     add_pattern_args(p)
-    add_text_field_arg(p)
     add_device_arg(p)
     add_threads_arg(p)
     p.set_defaults(handler=run)

@@ -28,8 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("url", metavar="URL", help="the aggregator's URL")
     worker.add_worker_args(p)
-    p.add_argument("--timeout", type=float, default=5.0, metavar="S", help="per check")
-    p.set_defaults(handler=run)
+    p.set_defaults(handler=run, timeout=doctor.CHECK_TIMEOUT_S)
 
 
 def run(args: argparse.Namespace) -> int:

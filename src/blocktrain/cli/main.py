@@ -32,7 +32,6 @@ from blocktrain.cli import (
     train,
     worker,
 )
-from blocktrain.cli.common import apply_text_field
 from blocktrain.errors import BlockTrainError
 from blocktrain.runtime import keep_freed_memory, return_freed_memory
 
@@ -110,7 +109,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     # a server's memory follows its requests; a trainer keeps its activations' pages
     (return_freed_memory if getattr(args, "server", False) else keep_freed_memory)()
     try:
-        apply_text_field(args)
         return int(args.handler(args) or 0)
     except BlockTrainError as exc:
         print(f"blocktrain: error: {exc}", file=sys.stderr)

@@ -3,8 +3,8 @@
 The kept version V is written as version current + 1 (versions never go back) and recorded in
 the ledger's `rollbacks` table; the open round's accepted updates, trained on the weights being
 undone, are dropped. Stop the aggregator first: the command refuses while it runs, and the
-aggregator resumes from the rolled-back version when it starts. `--keep-versions` sets how many
-versions the aggregator keeps (version 0 is always kept).
+aggregator resumes from the rolled-back version when it starts. The aggregator's
+`--set keep_versions=N` sets how many versions it keeps (version 0 is always kept).
 """
 
 from __future__ import annotations

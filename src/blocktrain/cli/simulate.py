@@ -52,7 +52,7 @@ EXAMPLES = """examples:
   blocktrain simulate --workers 12 --rounds 50 --regime mild,my-regime.toml --timing-only
   blocktrain simulate --regime wan --profile consumer-gpu --timing-only --set route=relay
   blocktrain simulate --regime lockstep --rounds 10 --attack shrink:4:0   # 4 attackers, block 0
-  blocktrain simulate --regime lockstep --attack noise --effect-probe off --clip 0
+  blocktrain simulate --regime lockstep --attack noise --effect-probe off --set clip=0
   blocktrain simulate --regime lockstep --rounds 10 --wire topk:0.1   # compressed deltas
   blocktrain simulate --unit reference --set layers=3 --outer-lr 0.7 --outer-momentum 0.9 \\
       --effect-probe off            # DiLoCo: end-to-end replicas, outer Nesterov

@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         if args.overrides or args.seed is not None or args.block or args.reference or args.upstream:
             raise ConfigError(
                 "--resume continues a run with its saved config; only --steps, --device, "
-                "--data, --include and --exclude may be given"
+                "--data and --glob may be given"
             )
         info = read_config(Path(args.out))  # a clear error before the data is opened
         resolve_device(args.device or info.config.train.device)

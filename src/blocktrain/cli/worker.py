@@ -25,7 +25,7 @@ its report at the end on stdout:
 
 With --log-to the same rounds go to TensorBoard, W&B or MLflow too, at step = the round:
 worker/loss, worker/steps, worker/seconds, worker/bytes_per_s, worker/accepted (1 or 0),
-worker/late, worker/refused/REASON (1), in --log-dir (default: the --state folder).
+worker/late, worker/refused/REASON (1), in the --state folder.
 """
 
 from __future__ import annotations
@@ -122,24 +122,12 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     add_threads_arg(p)
     add_ca_arg(p)
     p.add_argument("--max-rounds", type=int, help="stop after this many rounds")
-    p.add_argument(
-        "--give-up-after",
-        type=float,
-        default=300.0,
-        metavar="S",
-        help="exit when the aggregator has not answered for S seconds",
-    )
     add_log_arg(
         p,
         what="each round's line (its steps, seconds, bytes/s, loss and verdict, at step = "
         "the round)",
-        folder="LOG_DIR",
-        where="--log-dir",
-    )
-    p.add_argument(
-        "--log-dir",
-        metavar="LOG_DIR",
-        help="where --log-to writes (default: the --state folder; made at the first round)",
+        folder="STATE",
+        where="the --state folder (which --log-to needs)",
     )
     p.add_argument("--json", action="store_true", help="print the final report as JSON")
     p.add_argument(
@@ -164,12 +152,8 @@ def run(args: argparse.Namespace) -> int:
     if args.fresh and not args.state:
         raise ConfigError("--fresh discards the worker of a --state folder: give --state DIR")
     backends = log_backends(args)
-    log_dir = args.log_dir or args.state
-    if backends and not log_dir:
-        raise ConfigError(
-            "--log-to needs a folder for its files: give --log-dir DIR, or --state DIR (they "
-            "go in it then)"
-        )
+    if backends and not args.state:
+        raise ConfigError("--log-to writes in the worker's folder: give --state DIR")
     device = resolve_device(args.device)  # before the aggregator hears of this worker
     token = resolve_token(args)
     verify = checked_ca(args)
@@ -182,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     )
     resumed = folder.round if folder is not None and folder.round >= 0 else None
     config = {"aggregator": args.aggregator, "name": args.name, "block": args.block}
-    tracking = Tracking(backends, Path(log_dir or "."), config, resumed_at=resumed)
+    tracking = Tracking(backends, Path(args.state or "."), config, resumed_at=resumed)
     try:
         train = load_split(args.data, "train", file_patterns(args))
         return _work(args, token, verify, device, train, folder, tracking)
@@ -219,7 +203,7 @@ def _work(
         args.aggregator,
         token,
         verify=verify,
-        retry=RetryPolicy(give_up_after_s=args.give_up_after),
+        retry=RetryPolicy(),  # gives up after 5 minutes without an answer
         stop=stop,
     )
     try:

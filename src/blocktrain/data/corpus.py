@@ -174,8 +174,8 @@ class ByteCorpus:
         elif saved_by_datasets(root):
             raise DataError(
                 f"{root} is a dataset saved by Hugging Face datasets (save_to_disk), not a "
-                f"folder of text: pass --data hf:{root} (and --text-field FIELD for a column "
-                "other than text)"
+                f"folder of text: pass --data hf:{root} (hf:{root}#FIELD for a column other "
+                "than text)"
             )
         elif any(
             (root / name).is_file() and patterns.selects(name) for name in WIKITEXT_FILES.values()

@@ -6,8 +6,7 @@
 - ``hf:PATH``, where PATH is a folder written by ``save_to_disk`` (a Dataset or a
   DatasetDict): ``datasets.load_from_disk(PATH)``.
 
-The text is the column ``text``, or the one ``--text-field FIELD`` names (``hf:NAME#FIELD``
-in ``$BLOCKTRAIN_DATA`` and in the commands a run passes on): a string column; empty and
+The text is the column ``text``, or the one ``hf:NAME#FIELD`` names: a string column; empty and
 missing values are skipped, and a newline is added after a record that does not end in one.
 
 Splits: a dataset with several splits gives its own: ``train``, ``validation`` (or ``valid``,
@@ -89,11 +88,6 @@ class HfSource:
     def __str__(self) -> str:
         out = PREFIX + self.name + (f":{self.config}" if self.config else "")
         return out + (f"#{self.text_field}" if self.text_field != DEFAULT_FIELD else "")
-
-    def with_field(self, field: str) -> HfSource:
-        if not field.strip():
-            raise DataError("--text-field takes the name of a string column, e.g. text")
-        return HfSource(self.name, self.config, field.strip())
 
     @property
     def path(self) -> Path | None:
@@ -199,7 +193,7 @@ def _check_field(source: HfSource, dataset: Any) -> None:
     columns = list(dataset.column_names)
     if source.text_field not in columns:
         strings = [c for c in columns if _is_string(dataset.features.get(c))]
-        hint = f"; pass --text-field with one of: {', '.join(strings)}" if strings else ""
+        hint = f"; name one after '#' (hf:...#FIELD): {', '.join(strings)}" if strings else ""
         raise DataError(
             f"the Hugging Face dataset {source} has no column {source.text_field!r} (its "
             f"columns: {', '.join(columns)}){hint}"
@@ -207,8 +201,8 @@ def _check_field(source: HfSource, dataset: Any) -> None:
     if not _is_string(dataset.features.get(source.text_field)):
         raise DataError(
             f"column {source.text_field!r} of the Hugging Face dataset {source} is "
-            f"{dataset.features.get(source.text_field)}, not text; pass --text-field with a "
-            "string column"
+            f"{dataset.features.get(source.text_field)}, not text; name a string "
+            "column after '#' (hf:...#FIELD)"
         )
 
 

@@ -1,6 +1,7 @@
-"""Which files of a corpus folder are read: the ``--include`` / ``--exclude`` globs
-(``FilePatterns``) and their translation to regular expressions. Hidden files and folders (a
-name starting with ``.``) are never read, whatever the patterns (``data/corpus.py``)."""
+"""Which files of a corpus folder are read: the ``--glob`` patterns, ``GLOB`` to include and
+``!GLOB`` to exclude (``FilePatterns``), and their translation to regular expressions. Hidden
+files and folders (a name starting with ``.``) are never read, whatever the patterns
+(``data/corpus.py``)."""
 
 from __future__ import annotations
 
@@ -28,10 +29,11 @@ class FilePatterns:
     )
 
     def __post_init__(self) -> None:
-        for flag, patterns in (("--include", self.include), ("--exclude", self.exclude)):
-            for pattern in patterns:
-                if not pattern.strip():
-                    raise DataError(f"{flag} takes a non-empty glob pattern, e.g. '*.txt'")
+        for pattern in (*self.include, *self.exclude):
+            if not pattern.strip():
+                raise DataError(
+                    "--glob takes a non-empty glob pattern, e.g. '*.txt' or '!build/**'"
+                )
         compiled = (
             tuple(_glob_regex(p) for p in self.include),
             tuple(_glob_regex(p) for p in self.exclude),
@@ -50,8 +52,8 @@ class FilePatterns:
 
     def argv(self) -> list[str]:
         """The command-line flags that give these patterns, for a child command."""
-        return [a for p in self.include for a in ("--include", p)] + [
-            a for p in self.exclude for a in ("--exclude", p)
+        return [a for p in self.include for a in ("--glob", p)] + [
+            a for p in self.exclude for a in ("--glob", f"!{p}")
         ]
 
     def flags(self) -> str:

@@ -6,7 +6,7 @@ differs from it.
      "include": ["*.txt"], "exclude": ["build/**"],
      "splits": {"train": {"bytes": N, "sha256": "...", "files": ["..."]}, "valid": ...}}
 
-`include` and `exclude` are the --include / --exclude patterns that chose a folder's files.
+`include` and `exclude` are the --glob patterns (GLOB, !GLOB) that chose a folder's files.
 For a Hugging Face dataset (``--data hf:...``) `path` is the spec and `dataset` records its
 name, config, text field, splits, fingerprints and rows (data/hf.py).
 
@@ -150,6 +150,6 @@ def _pattern_hint(recorded: dict[str, Any], now: dict[str, Any]) -> str:
     if then == given:
         return ""
     return (
-        f"; it was trained with {then.flags() or 'no --include/--exclude'} "
+        f"; it was trained with {then.flags() or 'no --glob'} "
         f"(given now: {given.flags() or 'none'})"
     )

@@ -168,7 +168,7 @@ def probe_file(file: Path, budget: GzipBudget) -> Probe:
             f"{file} decompresses to more than the {gzip_cap()} of .gz text one "
             f"corpus may hold in memory (with the corpus's other .gz files; a gzip bomb?); "
             f"decompress it yourself (`gunzip -k {file}`) to read it memory-mapped, or "
-            "--exclude it"
+            "leave it out with --glob '!PATTERN'"
         ) from None
     except DataError as exc:
         return Probe("badgzip", gzip=True, what=str(exc).removeprefix(f"{file} is "))

@@ -52,7 +52,7 @@ class AssembledEval:
     ):
         if n_bytes > PROBE_SKIP_BYTES:
             raise ConfigError(
-                f"--live-eval-bytes {n_bytes} reaches into the effect probe's held-out slice "
+                f"--set live_eval_bytes={n_bytes} reaches into the effect probe's held-out slice "
                 f"(from byte {PROBE_SKIP_BYTES} of the validation split): at most "
                 f"{PROBE_SKIP_BYTES}"
             )

@@ -1,7 +1,7 @@
 """Experiment logging: every record the trainer appends to metrics.jsonl also goes to
 TensorBoard, Weights & Biases or MLflow (`train --log-to`, `distill --log-to`), and so do the
 committed rounds and the evaluations of a cluster (`cluster --log-to`, under OUT) and the rounds
-a worker prints (`worker --log-to`, under its --log-dir or --state), offline unless told
+a worker prints (`worker --log-to`, under its --state), offline unless told
 otherwise, so that nothing needs a server:
 
     tensorboard   event files under RUN_DIR/tensorboard/ (`tensorboard --logdir RUN_DIR`),

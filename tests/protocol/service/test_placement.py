@@ -9,7 +9,7 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from blocktrain.cli.aggregator_state import prepare_state
+from blocktrain.cli.aggregator_state import AggregatorSetup, prepare_state
 from blocktrain.cli.main import build_parser, main
 from blocktrain.errors import ConfigError
 from blocktrain.protocol.http.app import create_app
@@ -92,7 +92,8 @@ def test_a_folder_older_than_the_record_takes_the_blocks_of_its_next_start(tmp_p
 
 
 def aggregator_args(tmp_path, *flags: str):
-    return build_parser().parse_args(["aggregator", "--state", str(tmp_path / "s"), *flags])
+    args = build_parser().parse_args(["aggregator", "--state", str(tmp_path / "s"), *flags])
+    return AggregatorSetup.of(args)
 
 
 def test_the_cli_saves_blocks_and_peers_and_restarts_agree_with_them(tmp_path):

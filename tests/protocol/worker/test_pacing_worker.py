@@ -69,7 +69,7 @@ def test_a_slow_worker_runs_the_steps_it_is_told_and_gets_in(tmp_path) -> None:
         assert report.refused == {"late": 1} and report.accepted == 3
         assert report.local_steps == 8 + 3 * 4
         late = next(line for line in lines if "hint" in line)
-        assert late.endswith("or lower its --pacing-margin"), late
+        assert late.endswith("or lower its --set pacing_margin"), late
         assert any(line.startswith("round 1 (block 0): 4 steps") for line in lines), lines
         rows = [u for u in h.state.ledger.updates(fate="accepted")]
         assert len(rows) == 3

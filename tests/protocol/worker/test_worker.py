@@ -392,7 +392,7 @@ def test_the_loop_says_a_line_per_round_and_a_hint_when_late(h):
         "raise the aggregator's --deadline or lower its --local-steps, or run it with "
         "--pacing adaptive"
     )
-    for flag in ("--deadline", "--local-steps", "--pacing", "--pacing-margin"):  # as spelt
+    for flag in ("--deadline", "--local-steps", "--pacing"):  # as spelt
         assert any(s.flag == flag for _, s in declared())
 
 
@@ -440,7 +440,7 @@ def test_a_hint_tells_a_round_closed_early_from_a_missed_deadline():
     assert base.bytes_per_s == pytest.approx(2560 / 12)
     early = base.hint()
     assert early is not None and early.startswith("the round closed before its deadline")
-    assert "--grace or --quorum" in early
+    assert "--set grace_s or quorum" in early
     missed = dataclasses.replace(base, seconds=70.0, elapsed=71.0).hint()
     assert missed is not None and missed.startswith("updates arrive after the round's deadline")
     assert dataclasses.replace(base, accepted=True, reason="", detail="").hint() is None

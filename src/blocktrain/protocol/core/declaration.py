@@ -1,6 +1,6 @@
 """How one aggregator setting is declared: `Setting`, what a field declares besides its type
-and default (its doc, its check, its flag, whether the simulator models it), `setting`, the
-dataclass field that carries it; and the checks several settings share (`positive`,
+and default (its doc, its check, its flag if it has one, whether the simulator models it),
+`setting`, the dataclass field that carries it; and the checks several settings share (`positive`,
 `positive_or_none`). `settings.AggregatorSettings` and its bases (`round_settings.RoundSettings`,
 `vote_settings.VoteSettings`) declare each of their fields so.
 """
@@ -21,7 +21,9 @@ class Setting:
     check: Callable[[Any], bool]
     why: str
     """What `check` requires, completing "aggregator setting NAME = VALUE ..."."""
-    flag: str
+    flag: str | None = None
+    """The setting's own flag, for the few a user picks on a normal run; every setting is also
+    `--set NAME=VALUE` (cli.common.add_setting_args)."""
     metavar: str | None = None
     choices: tuple[str, ...] | None = None
     simulated: bool = True
@@ -36,7 +38,7 @@ def setting(
     check: Callable[[Any], bool],
     why: str,
     *,
-    flag: str,
+    flag: str | None = None,
     metavar: str | None = None,
     choices: tuple[str, ...] | None = None,
     simulated: bool = True,

@@ -51,8 +51,6 @@ class RoundSettings:
         "the jitter of steps and transfers).",
         lambda v: 0 < v <= 1,
         "must lie in (0, 1]",
-        flag="--pacing-margin",
-        metavar="F",
     )
     staleness: int = setting(
         0,
@@ -68,14 +66,11 @@ class RoundSettings:
         "Weight factor per round of lateness within the staleness bound.",
         lambda v: 0 < v <= 1,
         "must lie in (0, 1]",
-        flag="--stale-weight",
     )
     max_rounds: int | None = setting(
         None,
         "Rounds per block after which the block is done (none: run until stopped).",
         positive_or_none,
         "must be positive (or none)",
-        flag="--max-rounds",
-        metavar="R",
         simulated=False,  # --rounds
     )

@@ -1,7 +1,8 @@
 """The aggregator's settings, each declared once: a field of `AggregatorSettings` with its doc,
-its bounds, its command-line flag and whether the simulator models it. The CLI flags
-(`cli.common.add_setting_args`), the simulator's list of flags it leaves out, the check on
-construction and the table in docs/protocol.md are all derived from these declarations.
+its bounds, its command-line flag (a few; every setting is also `--set NAME=VALUE`) and whether
+the simulator models it. The CLI flags and `--set` keys (`cli.common.add_setting_args`), the
+simulator's list of those it leaves out, the check on construction and the table in
+docs/protocol.md are all derived from these declarations.
 Each field is declared with `declaration.setting`; the settings derived from a run (the delta
 norm and token bounds) are `bounds.derived_settings`.
 
@@ -51,8 +52,6 @@ class AggregatorSettings(VoteSettings, RoundSettings):
         "dtype of weights on the wire (and of deltas unless delta_wire says otherwise).",
         lambda v: v in WIRE_DTYPES,
         f"must be one of {', '.join(WIRE_DTYPES)}",
-        flag="--wire-dtype",
-        choices=tuple(WIRE_DTYPES),
     )
     delta_wire: str | None = setting(
         None,
@@ -89,15 +88,12 @@ class AggregatorSettings(VoteSettings, RoundSettings):
         "(docs/protocol.md, Compressed pulls).",
         lambda v: v in ("on", "off"),
         "must be on or off",
-        flag="--exact-pulls",
-        choices=("on", "off"),
     )
     max_delta_norm: float = setting(
         100.0,
         "Refuse updates with a larger global L2 norm.",
         positive,
         "must be positive",
-        flag="--max-delta-norm",
         default_text="2 x lr x sqrt(H x params), see delta_norm_bound",
     )
     max_tokens: int = setting(
@@ -105,7 +101,6 @@ class AggregatorSettings(VoteSettings, RoundSettings):
         "Refuse updates that claim more tokens.",
         positive,
         "must be positive",
-        flag="--max-tokens",
         default_text="2 x H x batch x seq_len, see token_bound",
     )
     max_body_bytes: int | None = setting(
@@ -113,7 +108,6 @@ class AggregatorSettings(VoteSettings, RoundSettings):
         "Request body limit in bytes.",
         positive_or_none,
         "must be positive (or none)",
-        flag="--max-body-bytes",
         simulated=False,
         default_text="twice the largest block's fp32 size + 1 MiB",
     )
@@ -122,7 +116,6 @@ class AggregatorSettings(VoteSettings, RoundSettings):
         "Stride of the worker data seeds: seed * n_workers + worker_id.",
         positive,
         "must be positive",
-        flag="--n-workers",
         simulated=False,  # --workers
     )
     live_window_s: float | None = setting(
@@ -130,8 +123,6 @@ class AggregatorSettings(VoteSettings, RoundSettings):
         "A worker heard from within this many seconds is live.",
         positive_or_none,
         "must be positive (or none)",
-        flag="--live-window",
-        metavar="S",
         simulated=False,
         default_text="3 x deadline_s",
     )
@@ -141,7 +132,6 @@ class AggregatorSettings(VoteSettings, RoundSettings):
         "return to (0: keep all, e.g. to evaluate every round).",
         lambda v: v >= 0,
         "must be >= 0",
-        flag="--keep-versions",
         simulated=False,
     )
     max_workers_per_token: int = setting(
@@ -161,16 +151,12 @@ class AggregatorSettings(VoteSettings, RoundSettings):
         "is not waited for.",
         lambda v: 0 < v <= 1,
         "must lie in (0, 1]",
-        flag="--quorum",
-        metavar="F",
     )
     grace_s: float | None = setting(
         None,
         "Seconds a round stays open after its quorum reported, for the other replicas.",
         lambda v: v is None or v >= 0,
         "must be >= 0 (or none)",
-        flag="--grace",
-        metavar="S",
         default_text="as long as the quorum took, at least deadline_s / 10",
     )
     min_round_s: float | None = setting(
@@ -180,8 +166,6 @@ class AggregatorSettings(VoteSettings, RoundSettings):
         "affected. 0: no minimum (a trusted cluster).",
         lambda v: v is None or v >= 0,
         "must be >= 0 (or none)",
-        flag="--min-round",
-        metavar="S",
         default_text="deadline_s / 4",
     )
 
@@ -206,8 +190,6 @@ class AggregatorSettings(VoteSettings, RoundSettings):
         "most 16384, where the effect probe's slice starts); its cost is linear in them.",
         lambda v: 0 < v <= 16384,
         "must lie in [1, 16384]",
-        flag="--live-eval-bytes",
-        metavar="B",
         simulated=False,
     )
     live_eval_sweeps: int = setting(
@@ -216,8 +198,6 @@ class AggregatorSettings(VoteSettings, RoundSettings):
         "(with M > 1 the sampler CE is plotted beside the from-noise CE).",
         lambda v: 0 < v <= 64,
         "must lie in [1, 64]",
-        flag="--live-eval-sweeps",
-        metavar="M",
         simulated=False,
     )
 
@@ -296,8 +276,9 @@ def settings_table() -> str:
     """The markdown table of docs/protocol.md (a test holds the two equal)."""
     rows = ["| setting | flag | default | simulated | meaning |", "|---|---|---|---|---|"]
     for f, s in declared():
+        flag = f"`{s.flag}`" if s.flag else "--set only"
         rows.append(
-            f"| `{f.name}` | `{s.flag}` | {default_text(f, s)} | "
+            f"| `{f.name}` | {flag} | {default_text(f, s)} | "
             f"{'yes' if s.simulated else 'no'} | {s.doc} |"
         )
     return "\n".join(rows)

@@ -34,7 +34,6 @@ class VoteSettings:
         "Fraction trimmed at each end per coordinate by trimmed_mean.",
         lambda v: 0 <= v < 0.5,
         "must lie in [0, 0.5)",
-        flag="--trim",
     )
     tolerate: int = setting(
         1,
@@ -51,8 +50,6 @@ class VoteSettings:
         "tensor; 0 turns clipping off.",
         lambda v: v == 0 or v >= 1,
         "must be 0 (off) or >= 1",
-        flag="--clip",
-        metavar="C",
     )
     weighting: str = setting(
         "identity",
@@ -60,8 +57,6 @@ class VoteSettings:
         "vote per update weighted by the tokens its worker claims (unsafe, for comparison).",
         lambda v: v in WEIGHTINGS,
         f"must be one of {', '.join(WEIGHTINGS)}",
-        flag="--weighting",
-        choices=tuple(WEIGHTINGS),
     )
     effect_probe: str = setting(
         "on",
@@ -81,7 +76,6 @@ class VoteSettings:
         "accepted only if the loss falls.",
         lambda v: 0 <= v < 1,
         "must lie in [0, 1)",
-        flag="--probe-tolerance",
     )
     probe_step: float = setting(
         0.25,
@@ -90,8 +84,6 @@ class VoteSettings:
         "peak learning rate) still lowers the loss at a smaller one.",
         lambda v: 0 < v <= 1,
         "must lie in (0, 1]",
-        flag="--probe-step",
-        metavar="S",
     )
     probe_z: float = setting(
         1.0,
@@ -100,8 +92,6 @@ class VoteSettings:
         "the update itself (0: only a fall is accepted).",
         lambda v: 0 <= v <= 10,
         "must lie in [0, 10]",
-        flag="--probe-z",
-        metavar="Z",
     )
     probe_gain_z: float = setting(
         6.0,
@@ -111,8 +101,6 @@ class VoteSettings:
         "more at tiny, 92 at small; bench/honest_spread.py); 0: only a positive gain.",
         lambda v: 0 <= v <= 50,
         "must lie in [0, 50]",
-        flag="--probe-gain-z",
-        metavar="Z",
     )
     probe_budget: int = setting(
         2,
@@ -121,8 +109,6 @@ class VoteSettings:
         "closes (an accepted update gives its place back).",
         positive,
         "must be positive",
-        flag="--probe-budget",
-        metavar="N",
     )
     replay_rounds: int = setting(
         8,
@@ -132,8 +118,6 @@ class VoteSettings:
         "off (an update stays bound to its worker and the round and version of its pull).",
         lambda v: v >= 0,
         "must be >= 0",
-        flag="--replay-rounds",
-        metavar="R",
     )
     copy_distance: float = setting(
         0.05,
@@ -143,8 +127,6 @@ class VoteSettings:
         "0.276 at small (bench/honest_spread.py); 0: exact copies only.",
         lambda v: 0 <= v < 1,
         "must lie in [0, 1)",
-        flag="--copy-distance",
-        metavar="D",
     )
     min_reputation: float = setting(
         0.1,
@@ -153,7 +135,6 @@ class VoteSettings:
         "helpful update (still probed) lifts it back.",
         lambda v: 0 <= v <= 1,
         "must lie in [0, 1]",
-        flag="--min-reputation",
     )
     max_influence: float = setting(
         1.0,
@@ -163,8 +144,6 @@ class VoteSettings:
         "turns it off; see docs/protocol.md, Aggregation.",
         lambda v: v >= 0,
         "must be >= 0 (0: off)",
-        flag="--max-influence",
-        metavar="F",
     )
     drift_threshold: float = setting(
         5.0,
@@ -175,8 +154,6 @@ class VoteSettings:
         "delta_wire); see docs/protocol.md, Drift.",
         lambda v: v == 0 or v > 1,
         "must be 0 (off) or > 1",
-        flag="--drift-threshold",
-        metavar="T",
     )
     drift_min_rounds: int = setting(
         10,
@@ -186,8 +163,6 @@ class VoteSettings:
         "refused there.",
         positive,
         "must be positive",
-        flag="--drift-min-rounds",
-        metavar="N",
     )
     outer_lr: float = setting(
         1.0,

@@ -144,7 +144,7 @@ def worker_argv(
     ]
     if data:
         argv += ["--data", data]
-    return argv + list(data_patterns)  # --include / --exclude, for the files of a --data folder
+    return argv + list(data_patterns)  # --glob, for the files of a --data folder
 
 
 def start_worker(

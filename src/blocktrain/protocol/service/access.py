@@ -44,7 +44,7 @@ class AccessLimits:
 
 def _check_rate(rate_per_s: float, burst: int) -> None:
     if not (rate_per_s > 0 and math.isfinite(rate_per_s)) or burst < 1:
-        raise ConfigError(f"--rate-limit {rate_per_s} and --rate-burst {burst} must be positive")
+        raise ConfigError(f"--rate-limit {rate_per_s} and its burst {burst} must be positive")
 
 
 class RateLimited(Refused):

@@ -57,7 +57,7 @@ def rollback(storage: StateDir, *, block: int, to_version: int, now: float) -> d
         kept = ", ".join(map(str, storage.versions(block)))
         raise ConfigError(
             f"version {to_version} of block {block} is not kept on disk (kept: {kept}); "
-            "raise --keep-versions to keep more"
+            "raise --set keep_versions to keep more"
         )
     new_version = version + 1
     storage.save_tensors(block, new_version, storage.load_tensors(block, to_version))

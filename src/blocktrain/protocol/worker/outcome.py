@@ -9,7 +9,10 @@ from typing import Any
 LATE_HINT = "raise the aggregator's --deadline or lower its --local-steps"
 """What fixes updates that arrive after their round closed (flags of `blocktrain aggregator` and
 `cluster`, protocol/core/settings.py: `deadline_s`, `local_steps`)."""
-PACING_HINT = {"fixed": "run it with --pacing adaptive", "adaptive": "lower its --pacing-margin"}
+PACING_HINT = {
+    "fixed": "run it with --pacing adaptive",
+    "adaptive": "lower its --set pacing_margin",
+}
 """And, by the aggregator's `pacing`: what sizes each worker's steps to the deadline."""
 
 
@@ -75,7 +78,7 @@ class RoundOutcome:
         if closed_early:
             return (
                 f"the round closed before its deadline ({timing}): the other replicas' quorum "
-                "and grace closed it; raise the aggregator's --grace or --quorum, or lower its "
+                "and grace closed it; raise the aggregator's --set grace_s or quorum, or lower its "
                 "--local-steps"
             )
         pace = PACING_HINT.get(self.pacing, PACING_HINT["fixed"])

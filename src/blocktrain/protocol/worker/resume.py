@@ -12,7 +12,7 @@ back as the same worker, sending what an uninterrupted one would have sent.
                              from it, `core.pulls`); its metadata: block, worker id, last round
                              pushed, version, local steps done, delta wire, the view's version
     DIR/tensorboard/, ...    what else the caller names (`extra`): `worker --log-to`'s files
-                             when --log-dir is left out (training/tracking.py, OUTPUTS)
+                             (training/tracking.py, OUTPUTS)
 
 worker.json is written at each registration, and both after each pushed round (accepted or
 refused: they mirror what the worker holds), the tensors first; every write is atomic
