@@ -122,3 +122,19 @@ class VirtualWorker:
     and what its trainer reported beyond tokens, loss and steps (what it crafted)."""
     reported: dict[str, float] = field(default_factory=dict)
     """Those extra numbers of the push in flight."""
+
+    def record(self) -> dict[str, Any]:
+        """Its line in a simulation's summary."""
+        return {
+            "worker_id": self.id,
+            "block": self.block,
+            "speed": self.speed,
+            "link_down_MBps": self.down / 1e6,
+            "link_up_MBps": self.up / 1e6,
+            "accepted": self.accepted,
+            "refused": dict(sorted(self.refused.items())),
+            "dropped": self.dropped,
+            "local_steps": self.local_steps,
+            "attacker": self.attacker,
+            **({"pushes": self.pushes} if self.attacker else {}),
+        }
