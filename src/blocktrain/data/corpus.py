@@ -1,22 +1,8 @@
-"""Byte-level corpora: find the text, split it, and draw windows of bytes from it.
+"""Byte-level corpora: find the text, split it, and draw windows of bytes from it (README.md,
+"Your own corpus", for the layouts).
 
-The model's vocabulary is the 256 byte values, so a corpus is just bytes. Files are memory-mapped
-(read-only) rather than read, so that a corpus larger than memory costs nothing to open and every
-batch copies only the bytes it uses. Three layouts are understood:
-
-- a WikiText folder (any of ``wiki.train.raw``, ``wiki.valid.raw``, ``wiki.test.raw`` at its top):
-  each file is its split, and the folder's other files are not read;
-- any other text file: the first 90% is ``train``, the next 5% ``valid``, the last 5% ``test``;
-- any other folder: every non-hidden regular file under it, subfolders included, split 90/5/5
-  like a single file, so that every split draws from every file;
-- ``hf:NAME[:CONFIG]`` or ``hf:PATH``: a Hugging Face ``datasets`` dataset, its text column
-  written once into a cache folder and read from there (``data/hf.py``).
-
-What a file holds is judged from its first 64 KiB (``data/sniff.py``); the files a folder skips
-are summed up in one warning line (``skipped 3 files: 2 not text, 1 empty (first: a.bin, b.png,
-c.txt)``), and ``FilePatterns`` (``data/patterns.py``) choose its files. A split is a
-``ByteSource`` (``data/source.py``), which draws the windows.
-"""
+Files are memory-mapped rather than read, so that a corpus larger than memory costs nothing to
+open and every batch copies only the bytes it uses."""
 
 from __future__ import annotations
 

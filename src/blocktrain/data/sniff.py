@@ -1,20 +1,7 @@
-"""What a corpus file holds, judged from its first 64 KiB, and the text of a gzip file.
-
-- UTF-8 text is read as it is;
-- text in another 8-bit encoding (Latin-1, Windows-1252, ...: not UTF-8, but without NUL bytes
-  or more than 1% control bytes) is read as its bytes, the model being byte-level, with one
-  warning line that names the files: convert them first (``iconv -f latin1 -t utf-8``) to train
-  on UTF-8;
-- gzip-compressed files (by their magic bytes) are decompressed into memory, at most
-  ``GZIP_MAX_BYTES`` of text per corpus (a gzip bomb is an error, not an out-of-memory kill),
-  and then judged as above;
-- empty files, binary data, UTF-16/32 text, archives and other compressed formats are refused
-  for a single file, with a message naming what the file is, and skipped in a folder
-  (``data/corpus.py`` sums them up in one warning line).
-
-Only a sample is read so that opening stays cheap for any corpus size, and bad inputs fail at
-open rather than deep inside training.
-"""
+"""What a corpus file holds, judged from its first 64 KiB (README.md, "Your own corpus"), and the
+text of a gzip file, decompressed into memory up to ``GZIP_MAX_BYTES`` a corpus (a gzip bomb is
+an error, not an out-of-memory kill). Only a sample is read, so that opening stays cheap for any
+corpus size and bad inputs fail at open rather than deep inside training."""
 
 from __future__ import annotations
 

@@ -34,7 +34,6 @@ from blocktrain.simulate.workers import Tensors, VirtualWorker
 from blocktrain.training.costs import WorkerCost, wire_bytes
 from blocktrain.training.profiles import DeviceProfile
 
-
 Evaluator = Callable[[dict[int, Tensors]], float]  # assembled per-block weights -> CE
 
 

@@ -1,9 +1,5 @@
-"""Several regimes side by side: the same model, data, seeds and protocol settings, one
-`Simulation` each, then the per-round records, the final weights and a plot.
-
-Every regime starts from the same version 0 and fresh workers (new AdamW state), so the lines of
-the plot differ only by how the updates arrived.
-"""
+"""Several regimes side by side: the same model, data, seeds and settings, one `Simulation` each
+from the same version 0 and fresh workers, then the records, the final weights and a plot."""
 
 from __future__ import annotations
 
@@ -36,8 +32,7 @@ from blocktrain.training.probe import BlockProbe
 from blocktrain.training.profiles import PROFILES, DeviceProfile
 from blocktrain.training.step import stream_seed
 
-PROBE_SECRET_SALT = 11
-"""The simulated aggregator's probe secret comes from the run seed and this salt."""
+PROBE_SECRET_SALT = 11  # the simulated probe's secret: from the run seed and this salt
 
 Tensors = dict[str, torch.Tensor]
 
@@ -49,26 +44,17 @@ class SimSpec:
     cfg: RunConfig
     workers: int
     rounds: int
-    protocol: dict[str, Any]
-    """AggregatorSettings overrides (local_steps, staleness, rule, ...)."""
+    protocol: dict[str, Any]  # AggregatorSettings overrides
     seed: int = 0
     eval_bytes: int = 4096
     eval_every: int = 1
-    final_sweeps: int = 16
-    """M for the final model's sampler CE."""
-    final_bytes: int = 16384
-    """Validation bytes for the final model's sampler CE (more than per round: it decides)."""
+    final_sweeps: int = 16  # M for the final model's sampler CE
+    final_bytes: int = 16384  # more than per round: the final figure decides
     timing_only: bool = False
     attack: Attack | None = None
-    """Hostile workers added to the honest ones (`simulate.attacks`)."""
-    unit: str = "block"
-    """What a worker trains: a `block` of the stack, or the end-to-end `reference` (of `layers`
-    layers) as the run's one unit: DiLoCo, with the same rounds, averaging and outer optimizer."""
-    slowdown: dict[int, float] = dataclasses.field(default_factory=dict)
-    """Honest worker id -> a factor on the speed it draws (3: three times slower than drawn)."""
+    unit: str = "block"  # or the end-to-end `reference` as the run's one unit (DiLoCo)
+    slowdown: dict[int, float] = dataclasses.field(default_factory=dict)  # worker -> factor
     profile: DeviceProfile = dataclasses.field(default_factory=lambda: PROFILES["cpu"])
-    """The device every virtual worker trains on: the typical seconds of its steps, its link
-    and its latency, which the regimes spread (`simulate.regimes`)."""
 
     def __post_init__(self) -> None:
         if self.unit not in UNITS:
@@ -250,8 +236,8 @@ def simulate(
         }
         weights[regime.name] = {b: st.weights for b, st in sim.agg.blocks.items()}
         if evaluate is not None:
-            # the from-noise CE of late rounds carries the commitment penalty (the design, section 2.8);
-            # the final model is also measured with the sampler CE over M sweeps
+            # late from-noise CE carries the commitment penalty (the design, section 2.8): the
+            # final model is also measured with the sampler CE over M sweeps
             final = evaluate.evaluate(weights[regime.name], spec.final_sweeps, final=True)
             report["regimes"][regime.name]["final_sampler_ce"] = float(final["sampler_ce"])
             report["regimes"][regime.name]["final_from_noise_ce"] = float(final["from_noise_ce"])
@@ -275,8 +261,7 @@ def trainer_factory(
     def make(worker_id: int, block: int) -> LocalTrainer:
         if spec.timing_only:
             shapes = {k: tuple(v.shape) for k, v in initial[block].items()}
-            # it pulls what a real worker of its block pulls (route = features: the blocks
-            # before it), so that the pulls take their time; under relay it moves streams
+            # it pulls (and relays) what a real worker of its block does: the same bytes
             pulls = cfg.model.route == "features" and spec.unit == "block"
             upstream = list(range(block)) if pulls else []
             relay = relay_shape(cfg) if spec.unit == "block" else None
@@ -294,11 +279,6 @@ def trainer_factory(
         )
 
     return make
-
-
-# ---------------------------------------------------------------------------------------------
-# Outputs
-# ---------------------------------------------------------------------------------------------
 
 
 def write_outputs(

@@ -1,17 +1,7 @@
-"""Echoes of honest work (`copy`, `replay`): an attacker that trains nothing and pushes, under
-its own token, a delta an honest worker of its block made. The simulator hands it that delta
-(`Witness`; over the network: a worker that shares a host, a link or a storage bucket with an
-honest one).
-
-    copy    each round, an exact copy of the delta of its block's first honest worker from the
-            same run step (the same base version): that update's vote counted twice
-    replay  the newest honest delta of its block the aggregator accepted from an earlier run
-            step, pushed again with fresh metadata (its own round, base version and worker id)
-
-What they meet is the replay screen (`protocol.core.replays`): tensors within `copy_distance` of
-a body another identity pushed within `replay_rounds` rounds are refused `copy`, of one the same
-identity had accepted, `replay`.
-"""
+"""Echoes of honest work (`copy`, `replay`): an attacker that trains nothing and pushes, under its
+own token, a delta an honest worker of its block made, handed to it by the simulator (`Witness`;
+over the network: a worker sharing a host, link or bucket with an honest one). What they meet is
+the replay screen (`protocol.core.replays`)."""
 
 from __future__ import annotations
 
