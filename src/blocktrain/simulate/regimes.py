@@ -121,7 +121,7 @@ class Dist:
 
 @dataclass(frozen=True)
 class Regime:
-    """How virtual workers behave around a device profile's figures (module docstring)."""
+    """How virtual workers behave around a device profile's figures (docs/simulate.md)."""
 
     name: str
     step_s: Dist = field(default_factory=lambda: Dist.const(1.0))  # per worker and round

@@ -16,7 +16,6 @@ from blocktrain.config import RunConfig
 from blocktrain.data import ByteSource
 from blocktrain.errors import ConfigError
 from blocktrain.fsutil import atomic_write_bytes
-from blocktrain.model import BlockStack, Reference, init_reference
 from blocktrain.protocol.core.bounds import derived_settings, largest_block
 from blocktrain.protocol.core.local_trainer import UNITS, LocalTrainer
 from blocktrain.relaystream import Shape
@@ -24,10 +23,15 @@ from blocktrain.simulate.attacks import Attack, Hostiles
 from blocktrain.simulate.engine import Simulation
 from blocktrain.simulate.regimes import Regime
 from blocktrain.simulate.workers import TimingOnlyTrainer
-from blocktrain.training import EvalSettings, evaluate_blocktrain, evaluate_reference
+from blocktrain.training import EvalSettings
 from blocktrain.training import checkpoint as ckpt
 from blocktrain.training.costs import unit_costs
-from blocktrain.training.local import initial_units, local_trainer, reference_config
+from blocktrain.training.local import (
+    evaluate_units,
+    initial_units,
+    local_trainer,
+    reference_config,
+)
 from blocktrain.training.probe import BlockProbe
 from blocktrain.training.profiles import PROFILES, DeviceProfile
 from blocktrain.training.step import stream_seed
@@ -83,40 +87,6 @@ class SimSpec:
             )
 
 
-class RoundEvaluator:
-    """The per-round CE (one sweep from noise) and the final sampler CE (M sweeps), on fixed
-    validation windows with fixed noise; for a reference unit, its exact CE as both."""
-
-    def __init__(
-        self, cfg: RunConfig, windows: torch.Tensor, final_windows: torch.Tensor, unit: str
-    ) -> None:
-        self.model: BlockStack | Reference = (
-            init_reference(cfg.model, cfg.seed)
-            if unit == "reference"
-            else BlockStack(cfg.model, cfg.seed)
-        ).eval()
-        self.windows = windows
-        self.final_windows = final_windows
-        self.seed = cfg.seed
-
-    def evaluate(
-        self, blocks: dict[int, Tensors], sweeps: int = 1, *, final: bool = False
-    ) -> dict[str, Any]:
-        settings = EvalSettings(sweeps=sweeps, seed=self.seed, oracle=False)
-        windows = self.final_windows if final else self.windows
-        if isinstance(self.model, Reference):
-            self.model.load_state_dict(blocks[0])
-            ce = evaluate_reference(self.model, windows, settings)["ce"]
-            return {"from_noise_ce": ce, "sampler_ce": ce}
-        with torch.no_grad():
-            for b, weights in blocks.items():
-                self.model.block(b).load_state_dict(weights)
-        return evaluate_blocktrain(self.model, windows, settings)
-
-    def __call__(self, blocks: dict[int, Tensors]) -> float:
-        return float(self.evaluate(blocks)["from_noise_ce"])
-
-
 def simulate(
     spec: SimSpec,
     regimes: list[Regime],
@@ -136,19 +106,21 @@ def simulate(
     costs = unit_costs(
         cfg, spec.unit, local_steps=settings.local_steps, wire_dtype=settings.wire_dtype
     )
-    evaluate: RoundEvaluator | None = None
+    evaluate: Callable[[dict[int, Tensors]], float] | None = None
     probe: BlockProbe | None = None
     probe_skip = max(spec.eval_bytes, spec.final_bytes)
     initial_ce: float | None = None
     if not spec.timing_only:
         if train is None or valid is None:
             raise ConfigError("a simulation that trains needs the train and valid splits")
-        evaluate = RoundEvaluator(
-            cfg,
-            valid.windows(cfg.model.seq_len, spec.eval_bytes),
-            valid.windows(cfg.model.seq_len, spec.final_bytes),
-            spec.unit,
-        )
+        windows = valid.windows(cfg.model.seq_len, spec.eval_bytes)
+        final_windows = valid.windows(cfg.model.seq_len, spec.final_bytes)
+
+        def evaluate(blocks: dict[int, Tensors]) -> float:
+            """The per-round CE: one sweep from noise (a reference unit's exact CE)."""
+            once = EvalSettings(sweeps=1, seed=cfg.seed, oracle=False)
+            return float(evaluate_units(cfg, spec.unit, blocks, windows, once)["from_noise_ce"])
+
         initial_ce = evaluate(initial)
         if settings.effect_probe == "on":  # its slice starts after the evaluation's windows
             if spec.unit != "block":
@@ -238,7 +210,8 @@ def simulate(
         if evaluate is not None:
             # late from-noise CE carries the commitment penalty (the design, section 2.8): the
             # final model is also measured with the sampler CE over M sweeps
-            final = evaluate.evaluate(weights[regime.name], spec.final_sweeps, final=True)
+            at_end = EvalSettings(sweeps=spec.final_sweeps, seed=cfg.seed, oracle=False)
+            final = evaluate_units(cfg, spec.unit, weights[regime.name], final_windows, at_end)
             report["regimes"][regime.name]["final_sampler_ce"] = float(final["sampler_ce"])
             report["regimes"][regime.name]["final_from_noise_ce"] = float(final["from_noise_ce"])
     return report, weights

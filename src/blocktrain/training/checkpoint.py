@@ -60,15 +60,21 @@ def load_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         raise CheckpointError(f"{path} is not a readable safetensors file ({exc})") from exc
 
 
-def write_config(run_dir: Path, info: RunInfo) -> None:
-    doc = {
+def config_doc(info: RunInfo) -> dict[str, Any]:
+    """config.json of a run (an export adds the Hub's keys before these)."""
+    return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "kind": info.kind,
         "blocks": info.blocks,
         **info.config.to_dict(),
     }
-    atomic_write_bytes(run_dir / CONFIG_FILE, (json.dumps(doc, indent=2) + "\n").encode())
+
+
+def write_config(run_dir: Path, info: RunInfo) -> None:
+    atomic_write_bytes(
+        run_dir / CONFIG_FILE, (json.dumps(config_doc(info), indent=2) + "\n").encode()
+    )
 
 
 def read_config(run_dir: Path) -> RunInfo:

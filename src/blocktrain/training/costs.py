@@ -79,7 +79,9 @@ def _trained(params: int) -> dict[str, int]:
 
 
 def worker_memory(cfg: RunConfig) -> list[dict[str, int]]:
-    """Each block's worker's training memory, broken down (module docstring), with `total`."""
+    """Each block's worker's training memory, broken down, with `total`: under `relay` one local
+    step of the streams in (b > 0) and out (b < B-1), as the worker spools a round's stream to
+    disk a step at a time, and that step's input features dequantised to fp32."""
     m = cfg.model
     block = _meta_block(m)
     params, stream = _count(block), clean_stream_params(block)
@@ -160,7 +162,9 @@ def _round(pull: int, upstream: int, stream_in: int, stream_out: int) -> dict[st
 
 
 def round_bytes(cfg: RunConfig, *, local_steps: int, wire_dtype: str) -> list[dict[str, int]]:
-    """Each block's worker's bytes per round of `local_steps` local steps (module docstring)."""
+    """Each block's worker's bytes per round of `local_steps` local steps: the block pulled and
+    its delta pushed, dense in the wire dtype; under `features` the blocks before it pulled whole
+    (as the simulator pulls them); under `relay` the round's streams in and out."""
     m = cfg.model
     block = wire_bytes(wire_dtype) * _count(_meta_block(m))
     stream = local_steps * relay_step_bytes(cfg) if m.route == "relay" else 0

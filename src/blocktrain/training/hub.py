@@ -106,11 +106,7 @@ def hf_config(info: ckpt.RunInfo, step: int | None) -> dict[str, Any]:
         "vocab_size": 256,
         "torch_dtype": "float32",
         "step": step,
-        "format": ckpt.FORMAT,
-        "format_version": ckpt.FORMAT_VERSION,
-        "kind": info.kind,
-        "blocks": info.blocks,
-        **info.config.to_dict(),
+        **ckpt.config_doc(info),
     }
 
 
