@@ -31,26 +31,17 @@ from blocktrain.errors import DataError
 
 logger = logging.getLogger(__name__)
 
-DATA_ENV = "BLOCKTRAIN_DATA"
-"""Environment variable naming the corpus when no ``--data`` flag is given."""
-
+DATA_ENV = "BLOCKTRAIN_DATA"  # names the corpus when no ``--data`` flag is given
 SPLITS: tuple[str, ...] = ("train", "valid", "test")
-"""The split names every corpus answers to."""
-
+# each split's file in a WikiText folder; the presence of any one marks the layout
 WIKITEXT_FILES: dict[str, str] = {
     "train": "wiki.train.raw",
     "valid": "wiki.valid.raw",
     "test": "wiki.test.raw",
 }
-"""File of each split in a WikiText folder; the presence of any one marks the layout."""
-
-SPLIT_FRACTIONS: tuple[float, float] = (0.90, 0.95)
-"""Ends of train and of valid, as fractions of a file, for the position split."""
-
-SHOWN = 3
-"""File names a summary line shows."""
-DataPath = str | os.PathLike[str] | HfSource
-"""What --data gives: a path, or a Hugging Face dataset (``hf:NAME``, or an HfSource)."""
+SPLIT_FRACTIONS: tuple[float, float] = (0.90, 0.95)  # the ends of train and valid in a file
+SHOWN = 3  # file names a summary line shows
+DataPath = str | os.PathLike[str] | HfSource  # what --data gives
 
 
 def resolve_data_path(path: DataPath | None) -> Path | HfSource:
@@ -101,25 +92,18 @@ class ByteCorpus:
         source: str | None = None,
     ) -> None:
         self.root = root
-        self.layout = layout
-        """``"wikitext"``, ``"file"``, ``"folder"`` or ``"hf"``."""
-        self.source = source or str(root.resolve())
-        """What --data named: the absolute path, or the ``hf:...`` spec."""
-        self.dataset = dataset
-        """For a Hugging Face dataset: its name, config, text field, splits and fingerprints
-        (data/hf.py), as data.json records them."""
+        self.layout = layout  # "wikitext", "file", "folder" or "hf"
+        self.source = source or str(root.resolve())  # the absolute path, or the hf: spec
+        self.dataset = dataset  # a Hugging Face dataset's record (data/hf.py), as data.json's
         self.patterns = patterns
-        self.skipped = skipped or {}
-        """Files of a folder that are not read, by reason (paths relative to the folder)."""
-        self.not_utf8 = not_utf8 or []
-        """Files read as their bytes though they are not UTF-8 (8-bit text)."""
-        self.excluded = excluded
-        """Files of a folder that the patterns leave out."""
+        self.skipped = skipped or {}  # a folder's files not read, by reason (relative paths)
+        self.not_utf8 = not_utf8 or []  # files read as their bytes though not UTF-8
+        self.excluded = excluded  # a folder's files the patterns leave out
         self._splits = splits
         self._missing = missing or {}
+        # its gzip files' text, held while the corpus is, so that its splits map it from the
+        # cache instead of decompressing it again
         self._held = held or []
-        """The decompressed text of its gzip files, held while the corpus is, so that its
-        splits map it from the cache instead of decompressing it again."""
 
     @classmethod
     def open(cls, path: DataPath, patterns: FilePatterns | None = None) -> ByteCorpus:
@@ -354,9 +338,9 @@ def _summary(skipped: dict[str, list[str]]) -> str:
     return f"skipped {total} file{'s' * (total != 1)}: {parts} (first: {', '.join(first)})"
 
 
+# the corpora whose skipped files this process reported: a command that opens its corpus for
+# several splits says it once
 _REPORTED: set[tuple[str, FilePatterns]] = set()
-"""The corpora whose skipped files this process has already reported: a command that opens
-its corpus for several splits says it once."""
 
 
 def _report(

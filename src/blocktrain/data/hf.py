@@ -23,14 +23,12 @@ PREFIX = "hf:"
 DEFAULT_FIELD = "text"
 CACHE_ENV = "BLOCKTRAIN_CACHE"
 INSTALL = "pip install datasets"
-SPLIT_NAMES: dict[str, tuple[str, ...]] = {
+SPLIT_NAMES: dict[str, tuple[str, ...]] = {  # the dataset's splits each of ours reads, in order
     "train": ("train",),
     "valid": ("validation", "valid", "dev"),
     "test": ("test",),
 }
-"""The dataset splits each of BlockTrain's splits reads, in order of preference."""
-WHOLE = "all"
-"""The cache file of a one-split dataset, cut 90/5/5."""
+WHOLE = "all"  # the cache file of a one-split dataset, cut 90/5/5
 RECORD_FILE = "dataset.json"
 
 

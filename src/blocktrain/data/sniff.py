@@ -18,17 +18,11 @@ import numpy as np
 
 from blocktrain.errors import DataError
 
-SNIFF_BYTES = 64 * 1024
-"""How much of each file is checked for text at open: enough to catch binaries, cheap for huge
-corpora."""
-
+SNIFF_BYTES = 64 * 1024  # enough to catch binaries, cheap for huge corpora
+# above this share of control bytes (but tab, newlines, form feed, escape), a file that is not
+# UTF-8 is binary data rather than text in an 8-bit encoding
 CONTROL_SHARE = 0.01
-"""Above this share of control bytes (other than tab, newlines, form feed and escape), a file
-that is not UTF-8 is binary data rather than text in an 8-bit encoding."""
-
-GZIP_MAX_BYTES = 1 << 30
-"""Most text (decompressed) that one corpus reads from .gz files: it is held in memory, not
-mapped, so a gzip bomb stops here with a clear error."""
+GZIP_MAX_BYTES = 1 << 30  # of .gz text a corpus holds in memory: a gzip bomb stops here
 
 
 def gzip_cap() -> str:
@@ -62,8 +56,7 @@ SKIP_REASONS: dict[TextKind, str] = {
     "compressed": "compressed",
     "archive": "archives",
     "badgzip": "bad gzip",
-}
-"""How the one summary line counts the files of each kind a folder skips."""
+}  # how the one summary line counts the files of each kind a folder skips
 
 
 @dataclass(frozen=True)
@@ -90,10 +83,10 @@ class GzipBudget:
     held: list[np.ndarray] = field(default_factory=list)
 
 
+# decompressed gzip files, by (path, size, mtime), while some corpus or split holds them
 _INFLATED: weakref.WeakValueDictionary[tuple[str, int, int], np.ndarray] = (
     weakref.WeakValueDictionary()
 )
-"""Decompressed gzip files, by (path, size, mtime), while some corpus or split holds them."""
 
 
 class _TooLarge(Exception):

@@ -21,8 +21,8 @@ from blocktrain.training.card import blocktrain_version, model_card, run_facts
 MODEL_TYPE = "blocktrain"
 ARCHITECTURES = {"blocktrain": "BlockTrainBlockStack", "reference": "BlockTrainReference"}
 CARD_FILE = "README.md"
+# other libraries' weights files, which unpickle: named in the refusal, never opened
 PICKLED = ("pytorch_model.bin", "model.pt", "model.pth", "pytorch_model.bin.index.json")
-"""Weights files of other libraries that unpickle: named in the refusal, never opened."""
 
 Tensors = dict[str, torch.Tensor]
 Model = BlockStack | Reference

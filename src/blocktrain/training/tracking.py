@@ -29,8 +29,7 @@ IDS_FILE = "tracking.json"
 TENSORBOARD_DIR = "tensorboard"
 WANDB_DIR = "wandb"
 MLFLOW_DIR = "mlruns"
-OUTPUTS = (TENSORBOARD_DIR, WANDB_DIR, MLFLOW_DIR, IDS_FILE)
-"""What the backends write in a run folder (a worker's --state folder may hold them too)."""
+OUTPUTS = (TENSORBOARD_DIR, WANDB_DIR, MLFLOW_DIR, IDS_FILE)  # what the backends write
 
 
 class Tracker(Protocol):
@@ -135,8 +134,7 @@ def _save_id(run_dir: Path, key: str, value: str) -> None:
     atomic_write_bytes(run_dir / IDS_FILE, (json.dumps(ids, indent=2) + "\n").encode())
 
 
-_WRITERS = itertools.count()
-"""Numbers the TensorBoard writers of this process (their files' suffix)."""
+_WRITERS = itertools.count()  # numbers this process's TensorBoard writers (their suffix)
 
 
 class TensorBoardTracker:

@@ -16,8 +16,7 @@ from blocktrain.relaystream import RelayStream, StreamBody
 from blocktrain.simulate.aggregator import Judged
 from blocktrain.simulate.attacks.forge import Tensors
 
-KEEP = 4
-"""Accepted honest pushes a witness keeps per block (a replay needs only the newest earlier one)."""
+KEEP = 4  # accepted honest pushes a witness keeps per block (a replay needs the newest earlier)
 
 
 @dataclass(frozen=True)
@@ -36,12 +35,9 @@ class Witness:
     a verdict is on that worker's latest push."""
 
     def __init__(self) -> None:
-        self.latest: dict[int, tuple[int, Push]] = {}
-        """Honest worker id -> (its block, its latest push)."""
-        self.newest: dict[int, Push] = {}
-        """Block -> the first honest push of the newest run step seen."""
-        self.accepted: dict[int, list[Push]] = {}
-        """Block -> its latest KEEP accepted honest pushes, oldest first."""
+        self.latest: dict[int, tuple[int, Push]] = {}  # honest worker -> (block, latest push)
+        self.newest: dict[int, Push] = {}  # block -> first honest push of the newest step seen
+        self.accepted: dict[int, list[Push]] = {}  # block -> its latest KEEP accepted, in order
 
     def saw(self, worker: int, block: int, push: Push) -> None:
         self.latest[worker] = (block, push)

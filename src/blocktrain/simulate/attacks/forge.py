@@ -11,8 +11,7 @@ import torch
 
 Tensors = dict[str, torch.Tensor]
 
-AT_BOUND = 0.99
-"""Forged deltas sit just inside the bound (fp16 rounding must not push them over)."""
+AT_BOUND = 0.99  # just inside the bound: fp16 rounding must not push a forged delta over
 MAX_SHRINK = 1.76
 BIAS_TENSOR = "head.bias"
 

@@ -10,8 +10,7 @@ import numpy as np
 from blocktrain.data import ByteSource
 
 REPEATED = ord("e")
-LATIN_TO_CYRILLIC = "абцдефгхийклмнопярстувшьыз"
-"""The Cyrillic letter of each of a..z (all in а..я, whose capitals sit 0x20 below)."""
+LATIN_TO_CYRILLIC = "абцдефгхийклмнопярстувшьыз"  # a..z, all in а..я (capitals 0x20 below)
 
 
 class MemorySource(ByteSource):

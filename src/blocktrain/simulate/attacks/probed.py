@@ -27,9 +27,7 @@ from blocktrain.training.probe import BlockProbe
 from blocktrain.training.step import stream_seed
 
 DRIFT_SHARE = 0.9
-BISECTIONS = 6
-"""Probe calls that refine a size after the two at its ends (then within 1/64 of the range of
-the largest that passes)."""
+BISECTIONS = 6  # probe calls after the two at its ends: within 1/64 of the range
 _ASCENT_SALT = 11
 _FRESH_SALT = 13
 
