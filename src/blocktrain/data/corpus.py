@@ -1,22 +1,8 @@
-"""Byte-level corpora: find the text, split it, and draw windows of bytes from it.
+"""Byte-level corpora: find the text, split it, and draw windows of bytes from it (README.md,
+"Your own corpus", for the layouts).
 
-The model's vocabulary is the 256 byte values, so a corpus is just bytes. Files are memory-mapped
-(read-only) rather than read, so that a corpus larger than memory costs nothing to open and every
-batch copies only the bytes it uses. Three layouts are understood:
-
-- a WikiText folder (any of ``wiki.train.raw``, ``wiki.valid.raw``, ``wiki.test.raw`` at its top):
-  each file is its split, and the folder's other files are not read;
-- any other text file: the first 90% is ``train``, the next 5% ``valid``, the last 5% ``test``;
-- any other folder: every non-hidden regular file under it, subfolders included, split 90/5/5
-  like a single file, so that every split draws from every file;
-- ``hf:NAME[:CONFIG]`` or ``hf:PATH``: a Hugging Face ``datasets`` dataset, its text column
-  written once into a cache folder and read from there (``data/hf.py``).
-
-What a file holds is judged from its first 64 KiB (``data/sniff.py``); the files a folder skips
-are summed up in one warning line (``skipped 3 files: 2 not text, 1 empty (first: a.bin, b.png,
-c.txt)``), and ``FilePatterns`` (``data/patterns.py``) choose its files. A split is a
-``ByteSource`` (``data/source.py``), which draws the windows.
-"""
+Files are memory-mapped rather than read, so that a corpus larger than memory costs nothing to
+open and every batch copies only the bytes it uses."""
 
 from __future__ import annotations
 
@@ -45,26 +31,17 @@ from blocktrain.errors import DataError
 
 logger = logging.getLogger(__name__)
 
-DATA_ENV = "BLOCKTRAIN_DATA"
-"""Environment variable naming the corpus when no ``--data`` flag is given."""
-
+DATA_ENV = "BLOCKTRAIN_DATA"  # names the corpus when no ``--data`` flag is given
 SPLITS: tuple[str, ...] = ("train", "valid", "test")
-"""The split names every corpus answers to."""
-
+# each split's file in a WikiText folder; the presence of any one marks the layout
 WIKITEXT_FILES: dict[str, str] = {
     "train": "wiki.train.raw",
     "valid": "wiki.valid.raw",
     "test": "wiki.test.raw",
 }
-"""File of each split in a WikiText folder; the presence of any one marks the layout."""
-
-SPLIT_FRACTIONS: tuple[float, float] = (0.90, 0.95)
-"""Ends of train and of valid, as fractions of a file, for the position split."""
-
-SHOWN = 3
-"""File names a summary line shows."""
-DataPath = str | os.PathLike[str] | HfSource
-"""What --data gives: a path, or a Hugging Face dataset (``hf:NAME``, or an HfSource)."""
+SPLIT_FRACTIONS: tuple[float, float] = (0.90, 0.95)  # the ends of train and valid in a file
+SHOWN = 3  # file names a summary line shows
+DataPath = str | os.PathLike[str] | HfSource  # what --data gives
 
 
 def resolve_data_path(path: DataPath | None) -> Path | HfSource:
@@ -115,25 +92,18 @@ class ByteCorpus:
         source: str | None = None,
     ) -> None:
         self.root = root
-        self.layout = layout
-        """``"wikitext"``, ``"file"``, ``"folder"`` or ``"hf"``."""
-        self.source = source or str(root.resolve())
-        """What --data named: the absolute path, or the ``hf:...`` spec."""
-        self.dataset = dataset
-        """For a Hugging Face dataset: its name, config, text field, splits and fingerprints
-        (data/hf.py), as data.json records them."""
+        self.layout = layout  # "wikitext", "file", "folder" or "hf"
+        self.source = source or str(root.resolve())  # the absolute path, or the hf: spec
+        self.dataset = dataset  # a Hugging Face dataset's record (data/hf.py), as data.json's
         self.patterns = patterns
-        self.skipped = skipped or {}
-        """Files of a folder that are not read, by reason (paths relative to the folder)."""
-        self.not_utf8 = not_utf8 or []
-        """Files read as their bytes though they are not UTF-8 (8-bit text)."""
-        self.excluded = excluded
-        """Files of a folder that the patterns leave out."""
+        self.skipped = skipped or {}  # a folder's files not read, by reason (relative paths)
+        self.not_utf8 = not_utf8 or []  # files read as their bytes though not UTF-8
+        self.excluded = excluded  # a folder's files the patterns leave out
         self._splits = splits
         self._missing = missing or {}
+        # its gzip files' text, held while the corpus is, so that its splits map it from the
+        # cache instead of decompressing it again
         self._held = held or []
-        """The decompressed text of its gzip files, held while the corpus is, so that its
-        splits map it from the cache instead of decompressing it again."""
 
     @classmethod
     def open(cls, path: DataPath, patterns: FilePatterns | None = None) -> ByteCorpus:
@@ -368,9 +338,9 @@ def _summary(skipped: dict[str, list[str]]) -> str:
     return f"skipped {total} file{'s' * (total != 1)}: {parts} (first: {', '.join(first)})"
 
 
+# the corpora whose skipped files this process reported: a command that opens its corpus for
+# several splits says it once
 _REPORTED: set[tuple[str, FilePatterns]] = set()
-"""The corpora whose skipped files this process has already reported: a command that opens
-its corpus for several splits says it once."""
 
 
 def _report(

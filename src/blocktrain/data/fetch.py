@@ -23,8 +23,7 @@ from blocktrain.errors import DataError
 
 logger = logging.getLogger(__name__)
 
-URL_ENV = "BLOCKTRAIN_WIKITEXT_URL"
-"""Environment variable holding a mirror's base URL (the part before the archive's file name)."""
+URL_ENV = "BLOCKTRAIN_WIKITEXT_URL"  # a mirror's base URL (before the archive's file name)
 
 DEFAULT_BASE_URL = "https://wikitext.smerity.com"
 
@@ -32,20 +31,16 @@ WIKITEXT_ARCHIVES: dict[str, str] = {
     "wikitext-2": "wikitext-2-raw-v1.zip",
     "wikitext-103": "wikitext-103-raw-v1.zip",
 }
-"""Archive file name of each corpus name ``fetch_wikitext`` accepts."""
 
-KNOWN_SHA256: dict[str, str] = {
+KNOWN_SHA256: dict[str, str] = {  # published digests (4,721,645 bytes for WikiText-2)
     "wikitext-2-raw-v1.zip": "ef7edb566e3e2b2d31b29c1fdb0c89a4cc683597484c3dc2517919c615435a11",
 }
-"""Published digests of the official archives (4,721,645 bytes for WikiText-2)."""
 
-MEMBERS: tuple[str, ...] = ("wiki.train.raw", "wiki.valid.raw", "wiki.test.raw")
-"""The only archive members unpacked, by base name."""
+MEMBERS: tuple[str, ...] = ("wiki.train.raw", "wiki.valid.raw", "wiki.test.raw")  # unpacked
 
 CHUNK = 1 << 20
 
-Progress = Callable[[int, int | None], None]
-"""Called with the bytes downloaded so far and the total (None when the server does not say)."""
+Progress = Callable[[int, int | None], None]  # bytes so far, and the total (None: not said)
 
 
 def fetch_wikitext(

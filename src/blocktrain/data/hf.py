@@ -1,27 +1,10 @@
-"""Hugging Face `datasets` as a corpus: ``--data hf:NAME[:CONFIG]`` or ``--data hf:PATH``.
+"""Hugging Face `datasets` as a corpus: ``--data hf:NAME[:CONFIG]`` (``load_dataset``) or
+``--data hf:PATH`` (``load_from_disk``); README.md, "Your own corpus".
 
-- ``hf:NAME`` / ``hf:NAME:CONFIG``: ``datasets.load_dataset(NAME, CONFIG)``: a dataset of the
-  Hub (from the local cache once fetched; ``HF_DATASETS_OFFLINE=1`` keeps it off the network),
-  or a local folder of data files (jsonl, csv, parquet, text) that ``load_dataset`` reads;
-- ``hf:PATH``, where PATH is a folder written by ``save_to_disk`` (a Dataset or a
-  DatasetDict): ``datasets.load_from_disk(PATH)``.
-
-The text is the column ``text``, or the one ``hf:NAME#FIELD`` names: a string column; empty and
-missing values are skipped, and a newline is added after a record that does not end in one.
-
-Splits: a dataset with several splits gives its own: ``train``, ``validation`` (or ``valid``,
-``dev``) and ``test``, a missing one failing only when asked for; a dataset of one split (a
-plain Dataset, or a DatasetDict of ``train`` alone) is cut 90/5/5 by position, like a text file.
-
-Each split's text is written once, as UTF-8, into a cache folder keyed by the dataset's
-fingerprints and the field (``$BLOCKTRAIN_CACHE/hf/``, default ``~/.cache/blocktrain/hf/``),
-and then memory-mapped like any corpus file, so batches, hashes and worker processes work as
-they do for files. The run's data.json records the dataset's name, config, field, splits and
-fingerprints.
-
-``datasets`` is imported only here, only for such a corpus: without it, one DataError line
-that names the pip command.
-"""
+Each split's text column is written once, as UTF-8, into a cache folder keyed by the dataset's
+fingerprints and the field, then memory-mapped like any corpus file, so that batches, hashes and
+worker processes work as they do for files. ``datasets`` is imported only here, only for such a
+corpus."""
 
 from __future__ import annotations
 
@@ -40,14 +23,12 @@ PREFIX = "hf:"
 DEFAULT_FIELD = "text"
 CACHE_ENV = "BLOCKTRAIN_CACHE"
 INSTALL = "pip install datasets"
-SPLIT_NAMES: dict[str, tuple[str, ...]] = {
+SPLIT_NAMES: dict[str, tuple[str, ...]] = {  # the dataset's splits each of ours reads, in order
     "train": ("train",),
     "valid": ("validation", "valid", "dev"),
     "test": ("test",),
 }
-"""The dataset splits each of BlockTrain's splits reads, in order of preference."""
-WHOLE = "all"
-"""The cache file of a one-split dataset, cut 90/5/5."""
+WHOLE = "all"  # the cache file of a one-split dataset, cut 90/5/5
 RECORD_FILE = "dataset.json"
 
 

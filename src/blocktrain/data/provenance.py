@@ -2,18 +2,8 @@
 one warning line `eval`, `generate --data` and `train --resume` print when the data given now
 differs from it.
 
-    {"path": "/abs/corpus", "layout": "wikitext", "split_rule": "...",
-     "include": ["*.txt"], "exclude": ["build/**"],
-     "splits": {"train": {"bytes": N, "sha256": "...", "files": ["..."]}, "valid": ...}}
-
-`include` and `exclude` are the --glob patterns (GLOB, !GLOB) that chose a folder's files.
-For a Hugging Face dataset (``--data hf:...``) `path` is the spec and `dataset` records its
-name, config, text field, splits, fingerprints and rows (data/hf.py).
-
 Data is the same when a split's bytes are (its SHA-256), wherever the corpus lies now: a moved
-copy raises no warning, an edited file or another corpus does. Runs from before the record
-have no data.json and are not checked.
-"""
+copy raises no warning, an edited file or another corpus does."""
 
 from __future__ import annotations
 

@@ -1,20 +1,7 @@
-"""What a corpus file holds, judged from its first 64 KiB, and the text of a gzip file.
-
-- UTF-8 text is read as it is;
-- text in another 8-bit encoding (Latin-1, Windows-1252, ...: not UTF-8, but without NUL bytes
-  or more than 1% control bytes) is read as its bytes, the model being byte-level, with one
-  warning line that names the files: convert them first (``iconv -f latin1 -t utf-8``) to train
-  on UTF-8;
-- gzip-compressed files (by their magic bytes) are decompressed into memory, at most
-  ``GZIP_MAX_BYTES`` of text per corpus (a gzip bomb is an error, not an out-of-memory kill),
-  and then judged as above;
-- empty files, binary data, UTF-16/32 text, archives and other compressed formats are refused
-  for a single file, with a message naming what the file is, and skipped in a folder
-  (``data/corpus.py`` sums them up in one warning line).
-
-Only a sample is read so that opening stays cheap for any corpus size, and bad inputs fail at
-open rather than deep inside training.
-"""
+"""What a corpus file holds, judged from its first 64 KiB (README.md, "Your own corpus"), and the
+text of a gzip file, decompressed into memory up to ``GZIP_MAX_BYTES`` a corpus (a gzip bomb is
+an error, not an out-of-memory kill). Only a sample is read, so that opening stays cheap for any
+corpus size and bad inputs fail at open rather than deep inside training."""
 
 from __future__ import annotations
 
@@ -31,17 +18,11 @@ import numpy as np
 
 from blocktrain.errors import DataError
 
-SNIFF_BYTES = 64 * 1024
-"""How much of each file is checked for text at open: enough to catch binaries, cheap for huge
-corpora."""
-
+SNIFF_BYTES = 64 * 1024  # enough to catch binaries, cheap for huge corpora
+# above this share of control bytes (but tab, newlines, form feed, escape), a file that is not
+# UTF-8 is binary data rather than text in an 8-bit encoding
 CONTROL_SHARE = 0.01
-"""Above this share of control bytes (other than tab, newlines, form feed and escape), a file
-that is not UTF-8 is binary data rather than text in an 8-bit encoding."""
-
-GZIP_MAX_BYTES = 1 << 30
-"""Most text (decompressed) that one corpus reads from .gz files: it is held in memory, not
-mapped, so a gzip bomb stops here with a clear error."""
+GZIP_MAX_BYTES = 1 << 30  # of .gz text a corpus holds in memory: a gzip bomb stops here
 
 
 def gzip_cap() -> str:
@@ -75,8 +56,7 @@ SKIP_REASONS: dict[TextKind, str] = {
     "compressed": "compressed",
     "archive": "archives",
     "badgzip": "bad gzip",
-}
-"""How the one summary line counts the files of each kind a folder skips."""
+}  # how the one summary line counts the files of each kind a folder skips
 
 
 @dataclass(frozen=True)
@@ -103,10 +83,10 @@ class GzipBudget:
     held: list[np.ndarray] = field(default_factory=list)
 
 
+# decompressed gzip files, by (path, size, mtime), while some corpus or split holds them
 _INFLATED: weakref.WeakValueDictionary[tuple[str, int, int], np.ndarray] = (
     weakref.WeakValueDictionary()
 )
-"""Decompressed gzip files, by (path, size, mtime), while some corpus or split holds them."""
 
 
 class _TooLarge(Exception):

@@ -1,12 +1,6 @@
-"""The aggregator of the simulator: the protocol's own round engine
-(`protocol.core.round_engine`) in one process, on the simulator's virtual clock, with no tokens,
-ledger or disk.
-
-Every decision (which block a worker gets, each update's verdict, when a round closes, the new
-weights) is `RoundEngine`'s, exactly as `protocol.service.aggregator_service.AggregatorService`
-takes it; this class only keeps what the virtual workers need around it (worker ids, the weights
-as they travel).
-"""
+"""The simulator's aggregator: the protocol's own `RoundEngine` on the virtual clock, with no
+tokens, ledger or disk. Every decision is the engine's, as `AggregatorService` takes it; this
+class keeps only what the virtual workers need around it (worker ids, the weights in transit)."""
 
 from __future__ import annotations
 
@@ -41,11 +35,8 @@ class Judged:
 
     worker: int
     block: int
-    round: int | None
-    """The round the update names (None when its metadata could not be read)."""
+    round: int | None  # the round the update names (None: its metadata could not be read)
     verdict: Verdict
-    tokens: int = 0
-    nbytes: int = 0
 
 
 class SimAggregator:
@@ -63,23 +54,19 @@ class SimAggregator:
         self.engine = RoundEngine.fresh(initial, settings, probe, seed=seed)
         self.blocks: dict[int, EngineBlock] = self.engine.blocks
         self.on_close: list[Callable[[Committed], None]] = self.engine.on_commit
-        """Called with each commit (the round and the block's new weights)."""
+        # block -> the last version pulled whole, in the wire dtype (fp32 under exact pulls)
         self._published: dict[int, View] = {}
-        """block -> the last version pulled whole, in the wire dtype (widened to fp32 under
-        exact pulls)."""
+        # what an HTTP aggregator's `Versions.views` holds (compressed pulls, not exact), and
+        # under exact pulls its `Versions.commits`
         self.views = Views(settings.wire_dtype)
-        """What an HTTP aggregator's `Versions.views` holds (compressed pulls, not exact)."""
         codec = settings.commit_codec
         self.commits = None if codec is None else Commits(codec)
-        """Exact pulls: what an HTTP aggregator's `Versions.commits` holds."""
         self.on_close.append(self._remember_step)
         self._next_worker = 0  # ids as the ledger gives them: 0, 1, 2, ...
 
     def _new_id(self, _block: int) -> int:
         self._next_worker += 1
         return self._next_worker - 1
-
-    # ------------------------------------------------------------------ workers
 
     def register(
         self, now: float, block: int | None = None, token: int | None = None
@@ -88,18 +75,11 @@ class SimAggregator:
         reg = self.engine.register(now, block, self._new_id, token)
         return reg.worker, reg.block
 
-    def leave(self, worker: int, now: float) -> None:
-        self.engine.leave(worker, now)
-
-    # ------------------------------------------------------------------ pulls and pushes
-
     def pull(
         self, worker: int, block: int, now: float, held: View | None = None
     ) -> tuple[RoundView, View | None, int | None, int]:
-        """The open round, the weights the worker then holds (the wire dtype; none when the
-        block is done), the bytes of a delta pull (`protocol.core.pulls`: with a pull codec and a
-        view `held`, exactly what an HTTP worker would get and compute; None for a whole one)
-        and the local steps the pull tells the worker (`protocol.core.pacing`)."""
+        """The open round, the weights the worker then holds (none when the block is done), the
+        bytes of a delta pull (`_send`) and the local steps the pull tells (`core.pacing`)."""
         pulled = self.engine.pull(worker, block, now)
         view = pulled.view
         steps = self.settings.local_steps if pulled.local_steps is None else pulled.local_steps
@@ -109,9 +89,8 @@ class SimAggregator:
         return view, weights, delta_bytes, steps
 
     def latest(self, block: int, held: View | None) -> tuple[View, int]:
-        """What a worker under `route = features` reads of a block before its own: the latest
-        committed version (no pull recorded), as the HTTP client's `latest` gets it: a delta
-        from the view `held` with a pull codec, else whole; and the bytes it carried."""
+        """What a `route = features` worker reads of a block before its own: the latest
+        committed version (no pull recorded), as the HTTP client's `latest`; and its bytes."""
         weights, delta_bytes = self._send(block, self.blocks[block].rounds.version, held)
         if delta_bytes is not None:
             return weights, delta_bytes
@@ -159,9 +138,8 @@ class SimAggregator:
             self.commits.add(event.closed.block, event.closed.new_version, event.step)
 
     def push(self, worker: int, block: int, body: bytes, now: float) -> Judged:
-        """Check, judge and record one update body, in the service's order: its form, its
-        timing, replays, a place at the probe, then its effect (and its identity's
-        standing)."""
+        """Check, judge and record one update body, in the service's order: form, timing,
+        replays, a place at the probe, then its effect (and its identity's standing)."""
         checked = self.engine.inspect(block, body)
         meta = checked.meta
         verdict = checked.verdict
@@ -178,16 +156,7 @@ class SimAggregator:
                     self.engine.release_probe(slot, accepted=verdict.accepted)
         self.engine.record(worker, block, verdict, now, checked=checked)
         self.engine.tick(now)
-        if meta is None or not verdict.accepted:
-            return Judged(
-                worker, block, None if meta is None else meta.round, verdict, 0, len(body)
-            )
-        return Judged(worker, block, meta.round, verdict, meta.tokens, len(body))
-
-    # ------------------------------------------------------------------ rounds
+        return Judged(worker, block, None if meta is None else meta.round, verdict)
 
     def tick(self, now: float) -> list[Committed]:
         return self.engine.tick(now)
-
-    def weights(self, block: int) -> Tensors:
-        return self.blocks[block].weights

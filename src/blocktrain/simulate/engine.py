@@ -1,29 +1,8 @@
 """The event loop: N virtual workers against one `SimAggregator`, on a virtual clock.
 
-Nothing sleeps. Events wait in a heap ordered by (virtual time, insertion order), so a run is a
-pure function of its seed. A worker's life (its state: `simulate/workers.py`) mirrors
-`protocol.worker.loop.WorkerLoop`:
-
-    ready    ->  its pull reaches the aggregator one latency later; if the open round is one it
-                 already trained on, it waits (a long poll) until that round closes
-    pull     ->  the weights travel back: latency + bytes / its download rate
-    pulled   ->  with probability `dropout` it vanishes until the round's deadline; else it
-                 trains the local steps its pull told (H, or fewer under adaptive pacing)
-                 *for real* (the compute is done now, its virtual duration is drawn: steps x
-                 its block's seconds a step under the profile x the regime's factor x its
-                 speed) and sends the delta: latency + bytes / its upload rate
-    push     ->  the aggregator validates and judges it; the answer takes one latency
-    pushed   ->  ready again
-
-Under `route = relay` a worker of block b > 0 first takes a stream of block b-1 from the
-aggregator's `RelayPool` (waiting until one it has not trained on arrives) and downloads it
-with its weights; a worker of a block that relays sends its round's stream after its delta.
-
-Deadlines are events too: the first pull of a round schedules a tick at its deadline.
-
-The seconds come from the costs (`training.costs`: each unit's FLOPs per step and bytes per
-round) under a device profile (`training.profiles`); the regime spreads them (`regimes.py`).
-A relayed stream travels as its real body, with the pull and the push.
+Nothing sleeps: events wait in a heap ordered by (virtual time, insertion order), so a run is a
+pure function of its seed. A worker's life (ready, pull, pulled, push, pushed) mirrors
+`protocol.worker.loop.WorkerLoop`; docs/simulate.md, "A worker's life in virtual time".
 """
 
 from __future__ import annotations
@@ -34,7 +13,6 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from blocktrain.protocol.core.bodies import update_body
@@ -56,33 +34,7 @@ from blocktrain.simulate.workers import Tensors, VirtualWorker
 from blocktrain.training.costs import WorkerCost, wire_bytes
 from blocktrain.training.profiles import DeviceProfile
 
-
-@dataclass
-class Clocks:
-    """Where the wall time of a run went."""
-
-    train_s: float = 0.0
-    eval_s: float = 0.0
-    wall_s: float = 0.0
-
-    def to_dict(self) -> dict[str, float]:
-        other = max(0.0, self.wall_s - self.train_s - self.eval_s)
-        return {
-            "wall_s": self.wall_s,
-            "train_s": self.train_s,
-            "eval_s": self.eval_s,
-            "other_s": other,
-            "train_fraction": self.train_s / self.wall_s if self.wall_s > 0 else 0.0,
-        }
-
-
-def _never() -> bool:
-    """A virtual worker is never stopped mid-round (its dropouts are drawn, not signalled)."""
-    return False
-
-
-Evaluator = Callable[[dict[int, Tensors]], float]
-"""Assembled per-block weights -> from-noise CE."""
+Evaluator = Callable[[dict[int, Tensors]], float]  # assembled per-block weights -> CE
 
 
 class Simulation:
@@ -108,11 +60,8 @@ class Simulation:
         relay: Shape | None = None,
     ) -> None:
         """`n_workers` honest workers (ids 0..n-1, as in a clean run), then the attackers of
-        `hostiles`; `costs`: each unit's worker's (`training.costs.unit_costs`), charged under
-        `profile`; `probe`: the aggregator's effect probe; `slowdown`: honest worker id -> a
-        factor on the speed it drew (3: its steps take three times as long); `relay`: under
-        `route = relay`, what each step of a relayed stream holds (the aggregator keeps a
-        `RelayPool` per block)."""
+        `hostiles`; `slowdown`: honest worker id -> a factor on the speed it drew; `relay`:
+        under `route = relay`, a stream step's shape (a `RelayPool` per block)."""
         if settings.max_rounds is None:
             raise ValueError("a simulation needs settings.max_rounds")
         if sorted(costs) != sorted(initial):
@@ -121,7 +70,6 @@ class Simulation:
         self.costs = dict(costs)
         self.profile = profile
         self.rng = random.Random(f"blocktrain-simulate:{seed}:{regime.name}")
-        n_params = largest_block(initial)
         self._dtype_bytes = wire_bytes(settings.wire_dtype)
         # the slowest block's nominal round, so that every block can make the deadline
         self.nominal_round_s = max(
@@ -135,7 +83,7 @@ class Simulation:
         self.eval_every = eval_every
         self.on_round = on_round
         self.rounds = settings.max_rounds
-        self.clocks = Clocks()
+        self.train_s = self.eval_s = self.wall_s = 0.0  # where the wall time went
         self._heap: list[tuple[float, int, str, int]] = []
         self._seq = 0
         self._waiting: dict[int, list[VirtualWorker]] = {b: [] for b in initial}
@@ -144,13 +92,10 @@ class Simulation:
         self.refusals: dict[tuple[int, int], Counter[str]] = {}
         self._snapshots: dict[int, dict[int, Tensors]] = {}
         self.ce: dict[int, float] = {}
-        self.bytes_down = 0
-        self.bytes_up = 0
-        self.stream_bytes_down = 0
-        self.stream_bytes_up = 0
+        self.bytes_down = self.bytes_up = self.stream_bytes_down = self.stream_bytes_up = 0
         self.relays = {} if relay is None else {b: RelayPool(b, relay) for b in initial}
+        # block -> the workers waiting for a stream of that block
         self._relay_waiting: dict[int, list[VirtualWorker]] = {b: [] for b in initial}
-        """block -> workers waiting for a stream of that block."""
         self.workers: list[VirtualWorker] = []
         slow = dict(slowdown or {})
         self.hostiles = hostiles
@@ -167,7 +112,7 @@ class Simulation:
             self._add(worker_id, block, hostiles.trainer(i, worker_id, block), attacker=True)
         self.held: dict[tuple[int, int], str] = {}
         self._by_id = {w.id: w for w in self.workers}
-        self._wire_bytes = n_params * self._dtype_bytes
+        self._wire_bytes = largest_block(initial) * self._dtype_bytes
 
     def _add(
         self,
@@ -205,7 +150,7 @@ class Simulation:
                 continue
             w = self._by_id[key]
             getattr(self, f"_on_{kind}")(w, now)
-        self.clocks.wall_s = time.perf_counter() - started
+        self.wall_s = time.perf_counter() - started
 
     def _at(self, when: float, kind: str, key: int) -> None:
         heapq.heappush(self._heap, (when, self._seq, kind, key))
@@ -245,10 +190,8 @@ class Simulation:
         w.holding = view
         w.held = weights
         nbytes = self._wire_bytes if delta_bytes is None else delta_bytes
-        # route = features: the latest committed versions of the blocks it reads, with its own:
-        # with a pull codec as deltas from the views it holds of them (as an HTTP worker's
-        # `latest`), else whole (the fp32 weights themselves; commits build new dicts, so these
-        # stay as pulled), counted in the wire dtype
+        # route = features: the blocks it reads, as deltas from its views with a pull codec (an
+        # HTTP worker's `latest`), else whole (commits build new dicts: these stay as pulled)
         if pull_codec(self.settings.pulls) is None:
             w.upstream = {b: self.agg.blocks[b].weights for b in w.trainer.upstream_blocks}
             nbytes += sum(
@@ -282,12 +225,12 @@ class Simulation:
             w.trainer.load_stream(w.stream)
             w.stream = None
         t0 = time.perf_counter()
-        logs = w.trainer.train(told, view.version * h, _never)  # as a WorkerLoop: version x H
-        if _relays_to(w.trainer) is not None:
-            assert isinstance(w.trainer, RelayTrainer)
+        # as a WorkerLoop: from step version x H; never stopped mid-round (dropouts are drawn)
+        logs = w.trainer.train(told, view.version * h, lambda: False)
+        if isinstance(w.trainer, RelayTrainer) and w.trainer.relays_to is not None:
             out = w.trainer.stream_out({"round": str(view.round), "worker": str(w.id)})
             w.stream_out = None if out is None else out.read()
-        self.clocks.train_s += time.perf_counter() - t0
+        self.train_s += time.perf_counter() - t0
         w.local_steps += int(logs["steps"])
         if w.attacker:
             w.reported = {k: v for k, v in logs.items() if k not in ("tokens", "loss", "steps")}
@@ -326,8 +269,7 @@ class Simulation:
         w.last_round = trained_on
         self._at(now + self._latency(), "pushed", w.id)
 
-    def _on_pushed(self, w: VirtualWorker, now: float) -> None:
-        self._ready(w, now)
+    _on_pushed = _ready  # ready again
 
     def _wake_relay(self, block: int, now: float) -> None:
         """The long polls for a stream of `block` answer (a new one, or the block is done)."""
@@ -370,7 +312,7 @@ class Simulation:
             del self._snapshots[r]
             t0 = time.perf_counter()
             self.ce[r] = self.evaluate(snapshot)
-            self.clocks.eval_s += time.perf_counter() - t0
+            self.eval_s += time.perf_counter() - t0
 
     def _evaluated(self, r: int) -> bool:
         return (r + 1) % self.eval_every == 0 or r == self.rounds - 1
@@ -438,29 +380,16 @@ class Simulation:
                 "stream_down": self.stream_bytes_down,
                 "stream_up": self.stream_bytes_up,
             },
-            "workers": [
-                {
-                    "worker_id": w.id,
-                    "block": w.block,
-                    "speed": w.speed,
-                    "link_down_MBps": w.down / 1e6,
-                    "link_up_MBps": w.up / 1e6,
-                    "accepted": w.accepted,
-                    "refused": dict(sorted(w.refused.items())),
-                    "dropped": w.dropped,
-                    "local_steps": w.local_steps,
-                    "attacker": w.attacker,
-                    **({"pushes": w.pushes} if w.attacker else {}),
-                }
-                for w in self.workers
-            ],
-            "compute": self.clocks.to_dict(),
+            "workers": [w.record() for w in self.workers],
+            "compute": {
+                "wall_s": self.wall_s,
+                "train_s": self.train_s,
+                "eval_s": self.eval_s,
+                "other_s": max(0.0, self.wall_s - self.train_s - self.eval_s),
+                "train_fraction": self.train_s / self.wall_s if self.wall_s > 0 else 0.0,
+            },
         }
 
 
 def _relays_from(trainer: LocalTrainer) -> int | None:
     return trainer.relays_from if isinstance(trainer, RelayTrainer) else None
-
-
-def _relays_to(trainer: LocalTrainer) -> int | None:
-    return trainer.relays_to if isinstance(trainer, RelayTrainer) else None

@@ -1,38 +1,9 @@
-"""Participation regimes: how fast virtual workers compute, how their messages travel, how often
-they drop out, and how long a round waits for them (the BlockTrain design, section 5).
+"""Participation regimes (the BlockTrain design, section 5; docs/simulate.md, "Regimes").
 
-A regime is a handful of distributions, read relative to a device profile
-(`training.profiles`, `--profile`) and the run's costs (`training.costs`): the profile and the
-block set the typical seconds, the regime only how they spread. Each draw is taken as a factor
-on the typical figure, draw / typical (the distribution's median), so `step_s = lognormal(0.5,
-0.3)` and `lognormal(1, 0.3)` mean the same, and any constant means "exactly the profile's":
-
-    a local step   its block's FLOPs per step / the profile's sustained FLOP/s, x the `step_s`
-                   factor (drawn per worker and round), x the worker's `speed` (drawn once)
-    a link         the profile's download and upload rates, x the `bandwidth_MBps` factor
-                   (drawn once per worker, the same for both directions)
-    a message      the profile's one-way latency, x the `latency_s` factor (drawn per message),
-                   plus its bytes over the link
-
-With probability `dropout` a worker vanishes for the round after pulling (a preempted spot
-instance, a closed laptop) and comes back at the round's deadline.
-
-The deadline is `deadline` times the *nominal* round of the slowest block (`WorkerCost.round_s`:
-H typical steps x the typical speed, its pull and push in the costs' bytes over the profile's
-links, two latencies), so every block can make it and one regime means the same thing for the
-tiny and the paper shape; `deadline_s` pins it in seconds instead.
-
-The named regimes reproduce the seed's participation levels (all, about 90%, about 42% of the
-updates arrive before the deadline, at the tiny preset on the `cpu` profile);
-`tests/simulate/test_regimes.py` checks that they do, and `blocktrain simulate --timing-only`
-measures any regime in seconds. A custom regime is a JSON or TOML file with the same fields, e.g.
-
-    name = "flaky"
-    deadline = 1.4
-    dropout = 0.05
-    step_s = {kind = "lognormal", median = 1, sigma = 0.3}
-    latency_s = {kind = "lognormal", median = 1, sigma = 0.5}
-"""
+A regime only spreads the typical figures of a device profile and the run's costs: each draw is
+a factor draw / typical (the distribution's median), so any constant means "the profile's".
+The deadline scales the slowest block's nominal round (`WorkerCost.round_s`), so one regime
+means the same for every model shape."""
 
 from __future__ import annotations
 
@@ -150,26 +121,17 @@ class Dist:
 
 @dataclass(frozen=True)
 class Regime:
-    """How virtual workers behave around a device profile's figures (module docstring)."""
+    """How virtual workers behave around a device profile's figures (docs/simulate.md)."""
 
     name: str
-    step_s: Dist = field(default_factory=lambda: Dist.const(1.0))
-    """A local step's spread, drawn per worker and round, relative to its typical value: the
-    factor on the profile's seconds of the worker's step."""
-    speed: Dist = field(default_factory=lambda: Dist.const(1.0))
-    """A worker's slowness factor, drawn once per worker (1: the profile's hardware)."""
-    latency_s: Dist = field(default_factory=lambda: Dist.const(1.0))
-    """A message's one-way latency spread, relative to its typical value: the factor on the
-    profile's latency."""
+    step_s: Dist = field(default_factory=lambda: Dist.const(1.0))  # per worker and round
+    speed: Dist = field(default_factory=lambda: Dist.const(1.0))  # once per worker
+    latency_s: Dist = field(default_factory=lambda: Dist.const(1.0))  # per message
+    # once per worker, on both directions (the name keeps the files' older unit)
     bandwidth_MBps: Dist = field(default_factory=lambda: Dist.const(1.0))
-    """A worker's link spread, drawn once per worker, relative to its typical value: the factor
-    on the profile's download and upload rates (the name keeps the files' older unit)."""
     dropout: float = 0.0
-    """Probability that a worker vanishes for a round after pulling it."""
-    deadline: float = 10.0
-    """The round deadline as a multiple of the slowest block's nominal round."""
-    deadline_s: float | None = None
-    """The deadline in seconds (overrides `deadline`)."""
+    deadline: float = 10.0  # x the slowest block's nominal round
+    deadline_s: float | None = None  # overrides `deadline`
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -249,11 +211,8 @@ REGIMES: dict[str, Regime] = {
         description="consumer machines over the internet: about 42% of updates in time",
     ),
 }
-"""The seed's three regimes (calibrated with `--timing-only`, see the module docstring). Their
-deadlines were recalibrated when the clock came from the costs (tiny preset, `cpu` profile, 6
-workers, 20 rounds, 30 seeds: mild 1.3 -> 1.5 realises 90.0%, wan 1.12 -> 1.0 realises 43.4%),
-and wan's again for the relay route's streams (1.0 -> 0.9: 43.5% over 12 seeds; mild at 1.5
-realises 90.1% there); their spreads are as before, as factors."""
+"""The seed's three regimes, calibrated with `--timing-only` (their recalibrations:
+docs/simulate.md, "Regimes")."""
 
 
 def load_regime(spec: str) -> Regime:

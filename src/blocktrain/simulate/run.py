@@ -1,9 +1,5 @@
-"""Several regimes side by side: the same model, data, seeds and protocol settings, one
-`Simulation` each, then the per-round records, the final weights and a plot.
-
-Every regime starts from the same version 0 and fresh workers (new AdamW state), so the lines of
-the plot differ only by how the updates arrived.
-"""
+"""Several regimes side by side: the same model, data, seeds and settings, one `Simulation` each
+from the same version 0 and fresh workers, then the records, the final weights and a plot."""
 
 from __future__ import annotations
 
@@ -20,7 +16,6 @@ from blocktrain.config import RunConfig
 from blocktrain.data import ByteSource
 from blocktrain.errors import ConfigError
 from blocktrain.fsutil import atomic_write_bytes
-from blocktrain.model import BlockStack, Reference, init_reference
 from blocktrain.protocol.core.bounds import derived_settings, largest_block
 from blocktrain.protocol.core.local_trainer import UNITS, LocalTrainer
 from blocktrain.relaystream import Shape
@@ -28,16 +23,20 @@ from blocktrain.simulate.attacks import Attack, Hostiles
 from blocktrain.simulate.engine import Simulation
 from blocktrain.simulate.regimes import Regime
 from blocktrain.simulate.workers import TimingOnlyTrainer
-from blocktrain.training import EvalSettings, evaluate_blocktrain, evaluate_reference
+from blocktrain.training import EvalSettings
 from blocktrain.training import checkpoint as ckpt
 from blocktrain.training.costs import unit_costs
-from blocktrain.training.local import initial_units, local_trainer, reference_config
+from blocktrain.training.local import (
+    evaluate_units,
+    initial_units,
+    local_trainer,
+    reference_config,
+)
 from blocktrain.training.probe import BlockProbe
 from blocktrain.training.profiles import PROFILES, DeviceProfile
 from blocktrain.training.step import stream_seed
 
-PROBE_SECRET_SALT = 11
-"""The simulated aggregator's probe secret comes from the run seed and this salt."""
+PROBE_SECRET_SALT = 11  # the simulated probe's secret: from the run seed and this salt
 
 Tensors = dict[str, torch.Tensor]
 
@@ -49,26 +48,17 @@ class SimSpec:
     cfg: RunConfig
     workers: int
     rounds: int
-    protocol: dict[str, Any]
-    """AggregatorSettings overrides (local_steps, staleness, rule, ...)."""
+    protocol: dict[str, Any]  # AggregatorSettings overrides
     seed: int = 0
     eval_bytes: int = 4096
     eval_every: int = 1
-    final_sweeps: int = 16
-    """M for the final model's sampler CE."""
-    final_bytes: int = 16384
-    """Validation bytes for the final model's sampler CE (more than per round: it decides)."""
+    final_sweeps: int = 16  # M for the final model's sampler CE
+    final_bytes: int = 16384  # more than per round: the final figure decides
     timing_only: bool = False
     attack: Attack | None = None
-    """Hostile workers added to the honest ones (`simulate.attacks`)."""
-    unit: str = "block"
-    """What a worker trains: a `block` of the stack, or the end-to-end `reference` (of `layers`
-    layers) as the run's one unit: DiLoCo, with the same rounds, averaging and outer optimizer."""
-    slowdown: dict[int, float] = dataclasses.field(default_factory=dict)
-    """Honest worker id -> a factor on the speed it draws (3: three times slower than drawn)."""
+    unit: str = "block"  # or the end-to-end `reference` as the run's one unit (DiLoCo)
+    slowdown: dict[int, float] = dataclasses.field(default_factory=dict)  # worker -> factor
     profile: DeviceProfile = dataclasses.field(default_factory=lambda: PROFILES["cpu"])
-    """The device every virtual worker trains on: the typical seconds of its steps, its link
-    and its latency, which the regimes spread (`simulate.regimes`)."""
 
     def __post_init__(self) -> None:
         if self.unit not in UNITS:
@@ -97,40 +87,6 @@ class SimSpec:
             )
 
 
-class RoundEvaluator:
-    """The per-round CE (one sweep from noise) and the final sampler CE (M sweeps), on fixed
-    validation windows with fixed noise; for a reference unit, its exact CE as both."""
-
-    def __init__(
-        self, cfg: RunConfig, windows: torch.Tensor, final_windows: torch.Tensor, unit: str
-    ) -> None:
-        self.model: BlockStack | Reference = (
-            init_reference(cfg.model, cfg.seed)
-            if unit == "reference"
-            else BlockStack(cfg.model, cfg.seed)
-        ).eval()
-        self.windows = windows
-        self.final_windows = final_windows
-        self.seed = cfg.seed
-
-    def evaluate(
-        self, blocks: dict[int, Tensors], sweeps: int = 1, *, final: bool = False
-    ) -> dict[str, Any]:
-        settings = EvalSettings(sweeps=sweeps, seed=self.seed, oracle=False)
-        windows = self.final_windows if final else self.windows
-        if isinstance(self.model, Reference):
-            self.model.load_state_dict(blocks[0])
-            ce = evaluate_reference(self.model, windows, settings)["ce"]
-            return {"from_noise_ce": ce, "sampler_ce": ce}
-        with torch.no_grad():
-            for b, weights in blocks.items():
-                self.model.block(b).load_state_dict(weights)
-        return evaluate_blocktrain(self.model, windows, settings)
-
-    def __call__(self, blocks: dict[int, Tensors]) -> float:
-        return float(self.evaluate(blocks)["from_noise_ce"])
-
-
 def simulate(
     spec: SimSpec,
     regimes: list[Regime],
@@ -150,19 +106,21 @@ def simulate(
     costs = unit_costs(
         cfg, spec.unit, local_steps=settings.local_steps, wire_dtype=settings.wire_dtype
     )
-    evaluate: RoundEvaluator | None = None
+    evaluate: Callable[[dict[int, Tensors]], float] | None = None
     probe: BlockProbe | None = None
     probe_skip = max(spec.eval_bytes, spec.final_bytes)
     initial_ce: float | None = None
     if not spec.timing_only:
         if train is None or valid is None:
             raise ConfigError("a simulation that trains needs the train and valid splits")
-        evaluate = RoundEvaluator(
-            cfg,
-            valid.windows(cfg.model.seq_len, spec.eval_bytes),
-            valid.windows(cfg.model.seq_len, spec.final_bytes),
-            spec.unit,
-        )
+        windows = valid.windows(cfg.model.seq_len, spec.eval_bytes)
+        final_windows = valid.windows(cfg.model.seq_len, spec.final_bytes)
+
+        def evaluate(blocks: dict[int, Tensors]) -> float:
+            """The per-round CE: one sweep from noise (a reference unit's exact CE)."""
+            once = EvalSettings(sweeps=1, seed=cfg.seed, oracle=False)
+            return float(evaluate_units(cfg, spec.unit, blocks, windows, once)["from_noise_ce"])
+
         initial_ce = evaluate(initial)
         if settings.effect_probe == "on":  # its slice starts after the evaluation's windows
             if spec.unit != "block":
@@ -250,9 +208,10 @@ def simulate(
         }
         weights[regime.name] = {b: st.weights for b, st in sim.agg.blocks.items()}
         if evaluate is not None:
-            # the from-noise CE of late rounds carries the commitment penalty (the design, section 2.8);
-            # the final model is also measured with the sampler CE over M sweeps
-            final = evaluate.evaluate(weights[regime.name], spec.final_sweeps, final=True)
+            # late from-noise CE carries the commitment penalty (the design, section 2.8): the
+            # final model is also measured with the sampler CE over M sweeps
+            at_end = EvalSettings(sweeps=spec.final_sweeps, seed=cfg.seed, oracle=False)
+            final = evaluate_units(cfg, spec.unit, weights[regime.name], final_windows, at_end)
             report["regimes"][regime.name]["final_sampler_ce"] = float(final["sampler_ce"])
             report["regimes"][regime.name]["final_from_noise_ce"] = float(final["from_noise_ce"])
     return report, weights
@@ -275,8 +234,7 @@ def trainer_factory(
     def make(worker_id: int, block: int) -> LocalTrainer:
         if spec.timing_only:
             shapes = {k: tuple(v.shape) for k, v in initial[block].items()}
-            # it pulls what a real worker of its block pulls (route = features: the blocks
-            # before it), so that the pulls take their time; under relay it moves streams
+            # it pulls (and relays) what a real worker of its block does: the same bytes
             pulls = cfg.model.route == "features" and spec.unit == "block"
             upstream = list(range(block)) if pulls else []
             relay = relay_shape(cfg) if spec.unit == "block" else None
@@ -294,11 +252,6 @@ def trainer_factory(
         )
 
     return make
-
-
-# ---------------------------------------------------------------------------------------------
-# Outputs
-# ---------------------------------------------------------------------------------------------
 
 
 def write_outputs(

@@ -1,6 +1,4 @@
-"""The simulator's virtual workers: what the event loop (`simulate/engine.py`) keeps per worker,
-and `TimingOnlyTrainer`, a local trainer with no compute for timing and participation studies.
-Attackers' trainers are `simulate/attacks/`'s."""
+"""What the event loop keeps per virtual worker, and `TimingOnlyTrainer` (`--timing-only`)."""
 
 from __future__ import annotations
 
@@ -22,8 +20,7 @@ Tensors = dict[str, torch.Tensor]
 
 
 class TimingOnlyTrainer:
-    """No compute: zero deltas with honest token counts, for timing and participation studies
-    (`blocktrain simulate --timing-only`) and tests."""
+    """No compute: zero deltas with honest token counts, for timing and participation studies."""
 
     def __init__(
         self,
@@ -35,11 +32,9 @@ class TimingOnlyTrainer:
         relay: Shape | None = None,
         blocks: int = 1,
     ) -> None:
-        """`upstream_blocks`: the blocks whose versions it pulls with its own, as a real
-        worker's (route = features); it reads nothing of them. `relay`: under `route = relay`,
-        the shape of a stream's step: a trainer of block `block` of `blocks` then takes a
-        stream (b > 0) and relays one of zeros of the true size (b < blocks - 1), so that a
-        timing study moves a relay run's bytes."""
+        """It pulls what a real worker pulls (`upstream_blocks`) and, under relay, takes a
+        stream and relays one of zeros of the true size, so that a timing study moves a run's
+        bytes."""
         self.zeros = {k: torch.zeros(s) for k, s in shapes.items()}
         self.upstream_blocks: list[int] = list(upstream_blocks or [])
         self.tokens_per_step = tokens_per_step
@@ -83,42 +78,42 @@ class VirtualWorker:
     id: int
     block: int
     trainer: LocalTrainer
-    encoder: DeltaEncoder
-    """Its pushes in the delta wire, with its error-feedback residual (as a WorkerLoop's)."""
+    encoder: DeltaEncoder  # its pushes, with its error-feedback residual (as a WorkerLoop's)
     speed: float
-    down: float
-    """Its download rate, bytes per virtual second."""
+    down: float  # bytes per virtual second
     up: float
-    """Its upload rate, bytes per virtual second."""
-    last_round: int = -1
-    """The last round it trained on (or gave up on); it waits for a later one."""
-    holding: RoundView | None = None
-    """The round of the pull in flight (its weights: `held`)."""
-    told: int = 0
-    """The local steps that pull told it (`protocol.core.pacing`)."""
-    held: View | None = None
-    """The weights it last pulled, as they arrived (compressed pulls are deltas from it)."""
-    upstream: dict[int, Tensors] = field(default_factory=dict)
-    """The committed versions of its trainer's upstream blocks, pulled with its own."""
-    upstream_views: dict[int, View] = field(default_factory=dict)
-    """With a pull codec: the view it holds of each upstream block (the next read is a delta
-    from it)."""
-    body: tuple[int, bytes] | None = None
-    """(round, body) of the push in flight."""
-    stream: RelayStream | None = None
-    """Under `route = relay`: the stream of the block before that it pulled to train on."""
-    stream_out: bytes | None = None
-    """... and the stream of its round, sent after its delta."""
-    sent: int = 0
-    """The bytes of that push (with, under relay, the round's stream out)."""
+    last_round: int = -1  # the last round it trained on (or gave up on)
+    holding: RoundView | None = None  # the round of the pull in flight
+    told: int = 0  # the local steps that pull told it (`protocol.core.pacing`)
+    held: View | None = None  # the weights it last pulled (compressed pulls are deltas from it)
+    upstream: dict[int, Tensors] = field(default_factory=dict)  # route = features
+    upstream_views: dict[int, View] = field(default_factory=dict)  # ... with a pull codec
+    body: tuple[int, bytes] | None = None  # (round, body) of the push in flight
+    stream: RelayStream | None = None  # route = relay: the stream it trains on
+    stream_out: bytes | None = None  # ... and its round's stream, sent after its delta
+    sent: int = 0  # the bytes of that push, with the stream out
     stopped: bool = False
     accepted: int = 0
     refused: Counter[str] = field(default_factory=Counter)
     dropped: int = 0
     local_steps: int = 0
     attacker: bool = False
+    # an attacker's pushes: round, fate ("accepted" or the reason) and what it crafted
     pushes: list[dict[str, Any]] = field(default_factory=list)
-    """An attacker's pushes: each one's round, its fate ("accepted" or the refusal's reason)
-    and what its trainer reported beyond tokens, loss and steps (what it crafted)."""
-    reported: dict[str, float] = field(default_factory=dict)
-    """Those extra numbers of the push in flight."""
+    reported: dict[str, float] = field(default_factory=dict)  # ... of the push in flight
+
+    def record(self) -> dict[str, Any]:
+        """Its line in a simulation's summary."""
+        return {
+            "worker_id": self.id,
+            "block": self.block,
+            "speed": self.speed,
+            "link_down_MBps": self.down / 1e6,
+            "link_up_MBps": self.up / 1e6,
+            "accepted": self.accepted,
+            "refused": dict(sorted(self.refused.items())),
+            "dropped": self.dropped,
+            "local_steps": self.local_steps,
+            "attacker": self.attacker,
+            **({"pushes": self.pushes} if self.attacker else {}),
+        }

@@ -1,20 +1,6 @@
-"""Run folders: config.json, weights and optimizer state as safetensors, written atomically.
-
-    RUN_DIR/config.json          the RunConfig plus `kind` ("blocktrain" | "reference") and the
-                                 blocks this run trains
-    RUN_DIR/model.safetensors    weights ("block.{b}.*" and "targets", or "reference.*")
-    RUN_DIR/optimizer.safetensors  AdamW moments per trained unit, for exact resume
-    RUN_DIR/state.json           the step the two files above belong to
-    RUN_DIR/metrics.jsonl        one JSON object per logged step or evaluation
-    RUN_DIR/upstream.safetensors a route = features run of some blocks only: the frozen weights
-                                 of the blocks before them that it reads but does not train
-                                 ("block.{b}.*", copied from `train --upstream RUN_DIR`)
-
-A Hugging Face export (training/hub.py) holds the same config.json, with the Hub's keys added,
-and the same model.safetensors, so everything here reads it as a run folder.
-
-Nothing here unpickles: tensors live in safetensors only, everything else in JSON.
-"""
+"""Run folders (README.md, "A run folder"): config.json, weights and optimizer state as
+safetensors, written atomically. Nothing here unpickles: tensors live in safetensors only,
+everything else in JSON."""
 
 from __future__ import annotations
 
@@ -74,15 +60,21 @@ def load_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         raise CheckpointError(f"{path} is not a readable safetensors file ({exc})") from exc
 
 
-def write_config(run_dir: Path, info: RunInfo) -> None:
-    doc = {
+def config_doc(info: RunInfo) -> dict[str, Any]:
+    """config.json of a run (an export adds the Hub's keys before these)."""
+    return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "kind": info.kind,
         "blocks": info.blocks,
         **info.config.to_dict(),
     }
-    atomic_write_bytes(run_dir / CONFIG_FILE, (json.dumps(doc, indent=2) + "\n").encode())
+
+
+def write_config(run_dir: Path, info: RunInfo) -> None:
+    atomic_write_bytes(
+        run_dir / CONFIG_FILE, (json.dumps(config_doc(info), indent=2) + "\n").encode()
+    )
 
 
 def read_config(run_dir: Path) -> RunInfo:

@@ -1,30 +1,11 @@
-"""What the worker of each block costs: FLOPs per local step, training memory, bytes per round,
-and under a device profile (`training/profiles.py`) seconds per step and per round.
+"""What the worker of each block costs: FLOPs per local step, training memory, bytes per round, and
+under a device profile seconds per step and per round. One place for these figures: `blocktrain
+plan`, `training.plan`, the shape plans (`serving/host/shapes.py`) and the simulator's clock read
+them (docs/serving.md, "What a worker costs").
 
-One place for these figures: `blocktrain plan` reports them, `training.plan.worker_state_bytes`
-and the shape plans' worker memory (`serving/host/shapes.py`) are read from here, and the
-simulator's virtual clock charges them (`simulate/engine.py`).
-
-FLOPs are counted by running this code on the meta device under `training.flops.count_flops`
-(no memory, no arithmetic; on meta, attention decomposes into the matrix products the CPU
-counter sees as one attention call, with the same count): one sequence, times the batch.
-
-    train     3 x the forward of the trained block as BlockLoss runs it (its z stream, head and
-              aux head), the backward costing twice the forward
-    upstream  route = features: the forward of the clean streams of blocks 0..b-1, no backward;
-              route = relay: nothing (block b-1's worker relays its clean stream instead)
-
-Memory (activations not counted): the own block at 16 bytes a parameter (fp32 weight and
-gradient, two AdamW moments), the frozen target table in fp32; under `features` the clean
-streams of blocks 0..b-1 in 16 bits; under `relay` one local step of the relayed streams in
-(b > 0) and out (b < B-1), each batch x T x (d + 5) bytes (int8 features, the uint8 byte ids and
-an fp32 scale per token, `relaystream`: the worker spools a round's stream to disk a step at a
-time), and the input features of that step dequantised to fp32 (b > 0).
-
-Bytes per round of H local steps: the block pulled and its delta pushed, dense in the wire dtype;
-under `features` the b blocks before it pulled whole (as the simulator's engine pulls them); under
-`relay` H steps of the stream in (b > 0) and out (b < B-1).
-"""
+FLOPs are counted by running the model on the meta device under `count_flops` (no memory, no
+arithmetic), one sequence times the batch: 3 x the trained block's forward, plus under `features`
+the clean streams of blocks 0..b-1 (no backward). Activations are not counted in memory."""
 
 from __future__ import annotations
 
@@ -92,7 +73,9 @@ def _trained(params: int) -> dict[str, int]:
 
 
 def worker_memory(cfg: RunConfig) -> list[dict[str, int]]:
-    """Each block's worker's training memory, broken down (module docstring), with `total`."""
+    """Each block's worker's training memory, broken down, with `total`: under `relay` one local
+    step of the streams in (b > 0) and out (b < B-1), as the worker spools a round's stream to
+    disk a step at a time, and that step's input features dequantised to fp32."""
     m = cfg.model
     block = _meta_block(m)
     params, stream = _count(block), clean_stream_params(block)
@@ -173,7 +156,9 @@ def _round(pull: int, upstream: int, stream_in: int, stream_out: int) -> dict[st
 
 
 def round_bytes(cfg: RunConfig, *, local_steps: int, wire_dtype: str) -> list[dict[str, int]]:
-    """Each block's worker's bytes per round of `local_steps` local steps (module docstring)."""
+    """Each block's worker's bytes per round of `local_steps` local steps: the block pulled and
+    its delta pushed, dense in the wire dtype; under `features` the blocks before it pulled whole
+    (as the simulator pulls them); under `relay` the round's streams in and out."""
     m = cfg.model
     block = wire_bytes(wire_dtype) * _count(_meta_block(m))
     stream = local_steps * relay_step_bytes(cfg) if m.route == "relay" else 0

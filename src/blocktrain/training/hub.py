@@ -1,22 +1,7 @@
-"""The Hugging Face Hub layout of a trained model: what `blocktrain export --hf DIR` writes, and
-what `blocktrain.from_pretrained(DIR)` (or `load_hf`) reads back.
-
-    DIR/config.json        the run's config.json (format, kind, blocks, preset, seed, model,
-                           train) plus the Hub's keys: model_type "blocktrain", architectures,
-                           blocktrain_version, vocab_size, torch_dtype, and the step exported
-    DIR/model.safetensors  the weights, named as in a run folder ("block.{b}.*" and "targets",
-                           or "reference.*"); safetensors only, nothing is ever pickled
-    DIR/README.md          the model card (training/card.py): YAML front matter (library_name:
-                           blocktrain, tags, pipeline_tag, datasets when the corpus was a Hub
-                           dataset), how to load it, the training table (steps, losses,
-                           validation CE, or "not measured"), the training data and the config
-    DIR/data.json          the run's corpus record, when it has one: `blocktrain eval DIR`
-                           compares the data it is given with it, as for a run folder
-
-The config.json is a run folder's with keys added, so `load_model`, `blocktrain eval DIR`,
-`generate DIR` and `serve-block DIR` read an export as they read a run. Other files of DIR (a
-clone's .git, .gitattributes) are left as they are.
-"""
+"""The Hugging Face Hub layout of a trained model (README.md, "Exports for the Hugging Face Hub"):
+what `blocktrain export --hf DIR` writes, and what `blocktrain.from_pretrained(DIR)` (or
+`load_hf`) reads back. Its config.json is a run folder's with the Hub's keys added, so
+everything that reads a run folder reads an export."""
 
 from __future__ import annotations
 
@@ -36,8 +21,8 @@ from blocktrain.training.card import blocktrain_version, model_card, run_facts
 MODEL_TYPE = "blocktrain"
 ARCHITECTURES = {"blocktrain": "BlockTrainBlockStack", "reference": "BlockTrainReference"}
 CARD_FILE = "README.md"
+# other libraries' weights files, which unpickle: named in the refusal, never opened
 PICKLED = ("pytorch_model.bin", "model.pt", "model.pth", "pytorch_model.bin.index.json")
-"""Weights files of other libraries that unpickle: named in the refusal, never opened."""
 
 Tensors = dict[str, torch.Tensor]
 Model = BlockStack | Reference
@@ -121,11 +106,7 @@ def hf_config(info: ckpt.RunInfo, step: int | None) -> dict[str, Any]:
         "vocab_size": 256,
         "torch_dtype": "float32",
         "step": step,
-        "format": ckpt.FORMAT,
-        "format_version": ckpt.FORMAT_VERSION,
-        "kind": info.kind,
-        "blocks": info.blocks,
-        **info.config.to_dict(),
+        **ckpt.config_doc(info),
     }
 
 

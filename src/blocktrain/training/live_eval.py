@@ -1,15 +1,10 @@
 """The model side of the aggregator's live evaluation (`AggregatorSettings.live_eval_every`;
-`protocol.service.live_eval` schedules it, and the protocol never imports the model, so this is
-injected as the effect probe is): the validation CE of the assembled model on a fixed slice.
-
-It is `blocktrain cluster`'s per-round evaluation (`local.evaluate_units`, over
-`evaluate_blocktrain` or `evaluate_reference`), on a slice of its own size: the first
-`live_eval_bytes` of the validation split, in windows of T bytes, with fixed noise (seeded by
-the run's seed), so that every evaluation scores the same bytes the same way and the curve moves
-only with the model. The slice ends before byte 16384 (`PROBE_SKIP_BYTES`), where the effect
-probe's held-out slice starts, so an update the probe accepted is never judged on the bytes
-that score it.
-"""
+`protocol.service.live_eval` schedules it and, as the protocol never imports the model, this is
+injected as the effect probe is): `blocktrain cluster`'s per-round evaluation
+(`local.evaluate_units`) on the first `live_eval_bytes` of the validation split with fixed
+noise, so that the curve moves only with the model. The slice ends before `PROBE_SKIP_BYTES`,
+where the effect probe's starts, so an update the probe accepted is never judged on the bytes
+that score it."""
 
 from __future__ import annotations
 

@@ -1,16 +1,11 @@
 """One block replica trained in memory, as a decentralised worker does; and the assembly of a
 checkpoint from per-block weights, as the aggregator's export does.
 
-`LocalBlockTrainer` takes the trainer's step (`step.train_step`, with BlockLoss and
-make_optimizer): a worker's update is `Trainer.train_step`'s for one block, with the batches
-drawn from the worker's own data seed (`seed * n_workers + worker_id`, so two replicas
-of a block see different batches) and the step index taken from the committed version it
-trains from (version * H + i), so the learning-rate schedule follows the run's progress, not
-the worker's age. Its AdamW state
-lives as long as the object: it carries over from round to round while the weights are reset
-to each round's published version (and, with `optimizer_state` and `load_optimizer_state`, a
-worker's folder keeps it across restarts: `protocol.worker.resume`).
-"""
+A worker's update is `Trainer.train_step`'s for one block (`step.train_step`), with batches from
+the worker's own data seed (`seed * n_workers + worker_id`, so that two replicas of a block see
+different batches) and the step index from the version it trains from (version * H + i), so
+that the learning-rate schedule follows the run's progress, not the worker's age. Its AdamW
+state carries over from round to round while the weights are reset to each round's version."""
 
 from __future__ import annotations
 

@@ -30,16 +30,13 @@ from blocktrain.training.step import stream_seed
 Tensors = dict[str, torch.Tensor]
 
 _PROBE_SALT = 7
+# where the probe's slice starts in the validation split: the evaluation windows before it
+# (the live evaluation's, training/live_eval.py) never overlap it
 PROBE_SKIP_BYTES = 16384
-"""Where the probe's slice starts in the validation split: the evaluation windows before it
-(the live evaluation's, training/live_eval.py) never overlap it."""
-
-
-POOL = 8
-"""The pool a secret probe draws its windows from, in slices: 8 x 32 windows of T bytes."""
+POOL = 8  # a secret probe's pool, in slices: 8 x 32 windows of T bytes
+# a secret pool's windows lie at secret places in this much of the split after the public
+# slice (all of it when shorter): not next to the public slice, whose text an attacker can fit
 SPREAD_BYTES = 4 << 20
-"""A secret pool's windows lie at secret places in this much of the split after the public
-slice (all of it when shorter): not next to the public slice, whose text an attacker can fit."""
 
 
 class BlockProbe:

@@ -17,7 +17,7 @@ from blocktrain.errors import ConfigError
 GIB = 1024**3
 MBIT = 1e6 / 8  # bytes per second in one megabit per second
 
-FIGURES = (
+FIGURES = (  # the figures every profile sources (the keys of `DeviceProfile.sources`)
     "memory_bytes",
     "peak_flops_per_s",
     "utilisation",
@@ -25,7 +25,6 @@ FIGURES = (
     "link_up_bytes_per_s",
     "latency_s",
 )
-"""The figures every profile sources (the keys of `DeviceProfile.sources`)."""
 
 
 @dataclass(frozen=True)
@@ -34,20 +33,13 @@ class DeviceProfile:
 
     name: str
     description: str
-    memory_bytes: int
-    """Memory a worker's training state must fit in (the GPU's, or this machine's RAM)."""
-    peak_flops_per_s: float
-    """Peak dense rate in the precision it trains in (16-bit tensor cores on a GPU)."""
-    utilisation: float
-    """The sustained share of the peak a training step reaches (model FLOPs utilisation)."""
+    memory_bytes: int  # what a worker's training state must fit in (GPU memory, or RAM)
+    peak_flops_per_s: float  # dense, in the precision it trains in (16-bit tensor cores)
+    utilisation: float  # the sustained share of the peak a step reaches (MFU)
     link_down_bytes_per_s: float
-    """Download rate of its network link."""
     link_up_bytes_per_s: float
-    """Upload rate of its network link."""
-    latency_s: float
-    """One-way latency of a message to the aggregator (or to the next worker)."""
-    sources: Mapping[str, str]
-    """Where each figure of FIGURES comes from."""
+    latency_s: float  # one way, to the aggregator (or to the next worker)
+    sources: Mapping[str, str]  # where each figure of FIGURES comes from
 
     def __post_init__(self) -> None:
         for name in FIGURES:
@@ -60,8 +52,7 @@ class DeviceProfile:
             raise ConfigError(f"profile {self.name}: no source for {', '.join(missing)}")
 
     @property
-    def flops_per_s(self) -> float:
-        """The sustained rate: peak x utilisation."""
+    def flops_per_s(self) -> float:  # the sustained rate
         return self.peak_flops_per_s * self.utilisation
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,29 +1,6 @@
-"""Experiment logging: every record the trainer appends to metrics.jsonl also goes to
-TensorBoard, Weights & Biases or MLflow (`train --log-to`, `distill --log-to`), and so do the
-committed rounds and the evaluations of a cluster (`cluster --log-to`, under OUT) and the rounds
-a worker prints (`worker --log-to`, under its --state), offline unless told
-otherwise, so that nothing needs a server:
-
-    tensorboard   event files under RUN_DIR/tensorboard/ (`tensorboard --logdir RUN_DIR`),
-                  written with tensorboardX, or torch.utils.tensorboard where only the
-                  tensorboard package is installed
-    wandb         an offline run under RUN_DIR/wandb/ (`wandb sync RUN_DIR/wandb/offline-run-*`
-                  uploads it); WANDB_MODE=online logs to the server, WANDB_PROJECT names the
-                  project (default blocktrain)
-    mlflow        a file store under RUN_DIR/mlruns/ (`mlflow ui --backend-store-uri
-                  RUN_DIR/mlruns`); MLFLOW_TRACKING_URI points elsewhere,
-                  MLFLOW_EXPERIMENT_NAME names the experiment (default blocktrain)
-
-A record becomes scalars named `train/KEY` (a training step), `SPLIT/KEY` (an evaluation,
-`valid/sampler_ce`) or `EVENT/KEY` (another record without a split: `worker/loss`), at its step; lists are numbered (`valid/ce_per_step/0`) and nested
-records joined with `/` (`valid/block0/oracle_ce`); strings, booleans and missing values are
-left out. A resumed run continues its W&B and MLflow runs (their ids are kept in
-RUN_DIR/tracking.json), and TensorBoard drops the steps logged after the checkpoint it resumes
-from, as metrics.jsonl does.
-
-`check_backends` imports the libraries before any file is written: a missing one is one
-ConfigError line that names the pip command.
-"""
+"""Experiment logging (`--log-to`; README.md, "Experiment logging"): every metrics record also goes
+to TensorBoard, Weights & Biases or MLflow, offline unless told otherwise, so that nothing needs
+a server. `check_backends` imports the libraries before any file is written."""
 
 from __future__ import annotations
 
@@ -52,8 +29,7 @@ IDS_FILE = "tracking.json"
 TENSORBOARD_DIR = "tensorboard"
 WANDB_DIR = "wandb"
 MLFLOW_DIR = "mlruns"
-OUTPUTS = (TENSORBOARD_DIR, WANDB_DIR, MLFLOW_DIR, IDS_FILE)
-"""What the backends write in a run folder (a worker's --state folder may hold them too)."""
+OUTPUTS = (TENSORBOARD_DIR, WANDB_DIR, MLFLOW_DIR, IDS_FILE)  # what the backends write
 
 
 class Tracker(Protocol):
@@ -158,8 +134,7 @@ def _save_id(run_dir: Path, key: str, value: str) -> None:
     atomic_write_bytes(run_dir / IDS_FILE, (json.dumps(ids, indent=2) + "\n").encode())
 
 
-_WRITERS = itertools.count()
-"""Numbers the TensorBoard writers of this process (their files' suffix)."""
+_WRITERS = itertools.count()  # numbers this process's TensorBoard writers (their suffix)
 
 
 class TensorBoardTracker:

@@ -1,17 +1,7 @@
-"""Echoes of honest work (`copy`, `replay`): an attacker that trains nothing and pushes, under
-its own token, a delta an honest worker of its block made. The simulator hands it that delta
-(`Witness`; over the network: a worker that shares a host, a link or a storage bucket with an
-honest one).
-
-    copy    each round, an exact copy of the delta of its block's first honest worker from the
-            same run step (the same base version): that update's vote counted twice
-    replay  the newest honest delta of its block the aggregator accepted from an earlier run
-            step, pushed again with fresh metadata (its own round, base version and worker id)
-
-What they meet is the replay screen (`protocol.core.replays`): tensors within `copy_distance` of
-a body another identity pushed within `replay_rounds` rounds are refused `copy`, of one the same
-identity had accepted, `replay`.
-"""
+"""Echoes of honest work (`copy`, `replay`): an attacker that trains nothing and pushes, under its
+own token, a delta an honest worker of its block made, handed to it by the simulator (`Witness`;
+over the network: a worker sharing a host, link or bucket with an honest one). What they meet is
+the replay screen (`protocol.core.replays`)."""
 
 from __future__ import annotations
 
@@ -26,8 +16,7 @@ from blocktrain.relaystream import RelayStream, StreamBody
 from blocktrain.simulate.aggregator import Judged
 from blocktrain.simulate.attacks.forge import Tensors
 
-KEEP = 4
-"""Accepted honest pushes a witness keeps per block (a replay needs only the newest earlier one)."""
+KEEP = 4  # accepted honest pushes a witness keeps per block (a replay needs the newest earlier)
 
 
 @dataclass(frozen=True)
@@ -46,12 +35,9 @@ class Witness:
     a verdict is on that worker's latest push."""
 
     def __init__(self) -> None:
-        self.latest: dict[int, tuple[int, Push]] = {}
-        """Honest worker id -> (its block, its latest push)."""
-        self.newest: dict[int, Push] = {}
-        """Block -> the first honest push of the newest run step seen."""
-        self.accepted: dict[int, list[Push]] = {}
-        """Block -> its latest KEEP accepted honest pushes, oldest first."""
+        self.latest: dict[int, tuple[int, Push]] = {}  # honest worker -> (block, latest push)
+        self.newest: dict[int, Push] = {}  # block -> first honest push of the newest step seen
+        self.accepted: dict[int, list[Push]] = {}  # block -> its latest KEEP accepted, in order
 
     def saw(self, worker: int, block: int, push: Push) -> None:
         self.latest[worker] = (block, push)

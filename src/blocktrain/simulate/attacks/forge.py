@@ -1,7 +1,6 @@
-"""Forged deltas (`shrink`, `bias`, `noise`): a trainer that trains nothing and forges its delta
-from the weights it pulled, at the aggregator's norm bound (a forged delta must pass the
-validators to do harm), claiming the largest token count the aggregator accepts (which bought
-weight under the old token-weighted mean)."""
+"""Forged deltas (`shrink`, `bias`, `noise`): made from the pulled weights at the aggregator's norm
+bound (a forged delta must pass the validators to do harm), claiming the largest token count it
+accepts."""
 
 from __future__ import annotations
 
@@ -12,8 +11,7 @@ import torch
 
 Tensors = dict[str, torch.Tensor]
 
-AT_BOUND = 0.99
-"""Forged deltas sit just inside the bound (fp16 rounding must not push them over)."""
+AT_BOUND = 0.99  # just inside the bound: fp16 rounding must not push a forged delta over
 MAX_SHRINK = 1.76
 BIAS_TENSOR = "head.bias"
 

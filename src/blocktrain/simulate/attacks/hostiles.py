@@ -49,10 +49,8 @@ class Hostiles:
         self.n_workers = n_workers
         self.seed = seed
         self.witness = Witness() if attack.kind in ECHOES else None
-        self._upstream: dict[int, list[int]] = {}
-        """Block -> the blocks an honest replica of it reads upstream."""
-        self._relays_from: dict[int, int | None] = {}
-        """Block -> the block whose stream an honest replica of it trains on (route = relay)."""
+        self._upstream: dict[int, list[int]] = {}  # block -> what its honest replica reads
+        self._relays_from: dict[int, int | None] = {}  # block -> the stream it trains on
         self._train = train
         if attack.kind in POISONED:
             assert train is not None

@@ -1,16 +1,7 @@
-"""Data poisoning (`poison_*`): a worker that trains honestly, a real `LocalBlockTrainer` with
-real AdamW steps, on the wrong bytes. Only its byte source differs from an honest worker's, so
-its updates look honest to every check on their shape: the question is whether the effect probe
-(held-out text) refuses them.
-
-    poison_repeat   one byte repeated (REPEATED, "e")
-    poison_shuffle  the run's training bytes shuffled byte-wise with the run's seed: the same
-                    unigram statistics, no structure
-    poison_foreign  another language: no other-language corpus is at hand offline, so the run's
-                    training text with its Latin letters transliterated into Cyrillic, letter
-                    for letter (`cyrillic`): a different script of 2-byte UTF-8 letters, with
-                    the same words, spaces, digits and punctuation
-"""
+"""Data poisoning (`poison_*`; docs/simulate.md, "Attackers"): a real `LocalBlockTrainer` on the
+wrong bytes. Only its byte source differs from an honest worker's, so its updates look honest to
+every check on their shape: the question is whether the effect probe refuses them. There is no
+other-language corpus offline, so `poison_foreign` transliterates the run's text into Cyrillic."""
 
 from __future__ import annotations
 
@@ -19,8 +10,7 @@ import numpy as np
 from blocktrain.data import ByteSource
 
 REPEATED = ord("e")
-LATIN_TO_CYRILLIC = "абцдефгхийклмнопярстувшьыз"
-"""The Cyrillic letter of each of a..z (all in а..я, whose capitals sit 0x20 below)."""
+LATIN_TO_CYRILLIC = "абцдефгхийклмнопярстувшьыз"  # a..z, all in а..я (capitals 0x20 below)
 
 
 class MemorySource(ByteSource):

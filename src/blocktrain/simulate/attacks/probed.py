@@ -1,26 +1,16 @@
-"""White-box attackers of the effect probe (`drift`, `ascend`). The probe is public: its slice
-of the validation split, its sigmas and its noise follow from the run's config and data, so an
-attacker rebuilds it (`training.probe.BlockProbe`, without the aggregator's secret, which it
-cannot know: the public slice) and sizes its update to pass the published single-round rule
-(`protocol.core.effect.judge_effect` at the aggregator's `probe_step`, `probe_z` and
-`probe_gain_z`) on it: the largest deviation its copy of the probe still accepts, by bisection
-(`_Probed.largest`, a handful of probe calls and one gradient).
+"""White-box attackers of the effect probe (`drift`, `ascend`; docs/simulate.md, "Attackers").
 
-    drift   trains honestly and pushes DRIFT_SHARE x its honest delta plus a bias on byte 0's
-            output logit (`head.bias[0]`, the coordinate of the `bias` forger: byte 0 never
-            occurs in text, so all of that bias is harm), as large as the probe and the norm
-            bound allow. Each round's push passes; what matters is what the bias adds up to.
-    ascend  overfits the probe, then ascends the real loss: the pulled number of AdamW steps
-            on the probe's own windows and noise (`fit`), plus a step up the loss of a batch of
-            the run's training data with its component along the probe's gradient removed
-            (`unit`), the two scaled so that the delta sits at the norm bound. A straight step
-            across the probe's gradient leaves the first order only: at the tiny preset a
-            step of a third of the bound raised the probe's loss by 11 nats, so the ascent
-            is as long as the probe allows and the fit fills the rest of the bound. Each
-            push reports what it did (the simulator's `pushes`): the ascent's share of the
-            bound and the block's training loss on a fresh batch at the pulled weights, at
-            the probe's step of its delta and with the whole of it.
-"""
+The probe is public: its slice of the validation split, its sigmas and its noise follow from the
+run's config and data, so an attacker rebuilds it (`training.probe.BlockProbe`, without the
+aggregator's secret: the public slice) and sizes its update to the largest deviation its copy
+still accepts under the published single-round rule (`judge_effect` at the aggregator's
+`probe_step`, `probe_z`, `probe_gain_z`), by bisection (`_Probed.largest`).
+
+`drift` biases byte 0's logit (`head.bias[0]`: byte 0 never occurs in text, so all of that bias
+is harm). `ascend` overfits the probe's windows and adds a step up the training loss with its
+component along the probe's gradient removed: a straight step across the probe's gradient leaves
+only the first order (at tiny, a third of the bound raised the probe's loss by 11 nats), so the
+ascent is as long as the probe allows and the fit fills the rest of the bound."""
 
 from __future__ import annotations
 
@@ -37,9 +27,7 @@ from blocktrain.training.probe import BlockProbe
 from blocktrain.training.step import stream_seed
 
 DRIFT_SHARE = 0.9
-BISECTIONS = 6
-"""Probe calls that refine a size after the two at its ends (then within 1/64 of the range of
-the largest that passes)."""
+BISECTIONS = 6  # probe calls after the two at its ends: within 1/64 of the range
 _ASCENT_SALT = 11
 _FRESH_SALT = 13
 

@@ -7,14 +7,10 @@ from dataclasses import dataclass
 
 from blocktrain.errors import ConfigError
 
-FORGED = ("shrink", "bias", "noise")
-"""Deltas forged from the pulled weights alone (`forge.ForgingTrainer`)."""
-POISONED = ("poison_repeat", "poison_shuffle", "poison_foreign")
-"""Honest training on the wrong bytes (`poison.poisoned`)."""
-PROBED = ("drift", "ascend")
-"""Deltas sized against the attacker's own copy of the effect probe (`probed`)."""
-ECHOES = ("copy", "replay")
-"""An honest worker's delta pushed again (`echoes`)."""
+FORGED = ("shrink", "bias", "noise")  # from the pulled weights alone (`forge`)
+POISONED = ("poison_repeat", "poison_shuffle", "poison_foreign")  # the wrong bytes (`poison`)
+PROBED = ("drift", "ascend")  # sized against their own copy of the effect probe (`probed`)
+ECHOES = ("copy", "replay")  # an honest worker's delta pushed again (`echoes`)
 KINDS = FORGED + POISONED + PROBED + ECHOES
 
 
