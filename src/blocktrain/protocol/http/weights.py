@@ -46,6 +46,7 @@ from blocktrain.protocol.core.events import Committed
 from blocktrain.protocol.core.pulls import Commits, DeltaBody, Views
 from blocktrain.protocol.core.verdict import refused
 from blocktrain.protocol.http.dependencies import tag
+from blocktrain.protocol.http.messages import BINARY
 from blocktrain.protocol.service.aggregator_service import AggregatorService
 
 IMMUTABLE = "max-age=31536000, immutable"
@@ -271,7 +272,7 @@ def add_routes(
             headers["X-View"] = found.view.id
         return send(request, found.body, found.etag, headers)
 
-    binary = {"content": {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}}}
+    binary = {"content": BINARY}
     cached: dict[int | str, dict[str, Any]] = {
         206: {"description": "the byte range asked for"},
         304: {"description": "not modified (If-None-Match)"},
