@@ -4,7 +4,7 @@ tensors.
 A round's accepted updates become one delta in three steps (docs/protocol.md, Aggregation):
 
 1. **Votes.** With `weighting = "identity"` (the default) each identity (a token, or a worker
-   without one: `rounds.Registry.identity`) casts ONE vote, the staleness-weighted mean of its
+   without one: `registry.Registry.identity`) casts ONE vote, the staleness-weighted mean of its
    updates, so a token's many workers (Sybils) count once. `"reported"` is the old rule: each
    update is a vote weighted by the token count its worker reports, which a liar inflates.
 2. **Clipping.** With `clip = c > 0`, each vote is scaled, tensor by tensor, to at most c times

@@ -10,7 +10,7 @@ from collections.abc import Hashable
 
 from blocktrain.protocol.core.effect import ProbeCache
 from blocktrain.protocol.core.events import EngineBlock, ProbeSlot
-from blocktrain.protocol.core.rounds import Registry
+from blocktrain.protocol.core.registry import Registry
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.core.verdict import Verdict
 

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from blocktrain.protocol.core.events import Checked, EngineBlock
-from blocktrain.protocol.core.rounds import NOT_A_REPORT, Registry
+from blocktrain.protocol.core.registry import Registry
+from blocktrain.protocol.core.rounds import NOT_A_REPORT
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.core.verdict import Verdict
 

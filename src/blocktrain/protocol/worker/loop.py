@@ -36,10 +36,11 @@ from blocktrain.errors import ProtocolError, Refused, Unreachable
 from blocktrain.protocol.core.bodies import update_body
 from blocktrain.protocol.core.codecs import DeltaEncoder
 from blocktrain.protocol.core.local_trainer import LocalTrainer, RelayTrainer
-from blocktrain.protocol.worker.client import AggregatorClient, Registration
+from blocktrain.protocol.worker.client import AggregatorClient
 from blocktrain.protocol.worker.outcome import LATE_HINT as LATE_HINT
 from blocktrain.protocol.worker.outcome import RoundOutcome as RoundOutcome
 from blocktrain.protocol.worker.outcome import WorkerReport as WorkerReport
+from blocktrain.protocol.worker.replies import Registration
 from blocktrain.protocol.worker.resume import WorkerFolder
 from blocktrain.protocol.worker.retrying import RetryPolicy
 from blocktrain.relaystream import RelayStream

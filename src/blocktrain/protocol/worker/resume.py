@@ -50,7 +50,7 @@ from blocktrain.protocol.core.codecs import DeltaEncoder
 from blocktrain.protocol.core.delta_wire import FULL
 from blocktrain.protocol.core.local_trainer import LocalTrainer, ResumableTrainer
 from blocktrain.protocol.core.pulls import View
-from blocktrain.protocol.worker.client import Pulled, Registration
+from blocktrain.protocol.worker.replies import Pulled, Registration
 
 FORMAT = "blocktrain-worker"
 FORMAT_VERSION = 1
