@@ -1,38 +1,16 @@
-"""Aggregation of one block's accepted deltas (docs/protocol.md, "Aggregation"), over dicts of
-tensors.
+"""Aggregation of one block's accepted deltas (docs/protocol.md, "Aggregation"): votes (one per
+identity under `weighting = "identity"`, so a token's many workers count once), clipping (and,
+under `mean`, the influence bound), then the rule:
 
-A round's accepted updates become one delta in three steps (docs/protocol.md, Aggregation):
-
-1. **Votes.** With `weighting = "identity"` (the default) each identity (a token, or a worker
-   without one: `registry.Registry.identity`) casts ONE vote, the staleness-weighted mean of its
-   updates, so a token's many workers (Sybils) count once. `"reported"` is the old rule: each
-   update is a vote weighted by the token count its worker reports, which a liar inflates.
-2. **Clipping.** With `clip = c > 0`, each vote is scaled, tensor by tensor, to at most c times
-   the median norm of that tensor over the round's votes. Under `mean`, with `max_influence`
-   f > 0 and a reference (`influence.InfluenceHistory`), each vote is then cut so that its term
-   in the mean is at most f times the median of the block's recent changes (`influence`).
-3. **The rule** over the votes:
-
-    mean           sum_i w_i v_i / sum_i w_i   (w_i: staleness factor x reputation); for
-                   sparse votes (`--wire sparse:...`) per coordinate over the votes that
-                   carry it: sum_i w_i v_i / sum_{i: v_i != 0} w_i
+    mean           sum_i w_i v_i / sum_i w_i (w_i: staleness x reputation x steps share); for
+                   sparse votes per coordinate over the votes that carry it
     median         coordinate-wise median of the votes (unweighted)
-    trimmed_mean   per coordinate, drop the k smallest and k largest and average the rest,
-                   k = max(tolerate, ceil(trim * n)); refused when n <= 2k
-    centered_clip  Karimireddy et al. 2021 (arXiv 2012.10333): from the coordinate median v,
-                   3 times v <- v + mean_i clip(v_i - v, tau), tau the median distance to v
+    trimmed_mean   per coordinate, drop k = max(tolerate, ceil(trim * n)) at each end
+    centered_clip  Karimireddy et al. 2021 (arXiv 2012.10333), from the coordinate median
 
-`median` is refused too when n <= 2 * tolerate: with that few votes it is one attacker's
-choice. A refused aggregation commits no change, and says why (`Aggregate.held`).
-
-The result is applied by an outer optimizer. With outer_lr = 1 and no momentum it is plain
-averaging, theta + mean delta. With momentum mu it is DiLoCo's outer Nesterov step (Douillard
-et al. 2023, arXiv 2311.08105) on the outer gradient g = -delta:
-
-    m <- mu * m + g;   theta <- theta - lr * (g + mu * m)
-
-All arithmetic is fp32 whatever the wire dtype.
-"""
+`median` and `trimmed_mean` commit no change when n <= 2 * tolerate (`Aggregate.held`). The
+outer optimizer is DiLoCo's Nesterov step on g = -delta (plain averaging with lr 1 and no
+momentum). All arithmetic is fp32 whatever the wire dtype."""
 
 from __future__ import annotations
 

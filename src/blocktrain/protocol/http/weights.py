@@ -1,29 +1,15 @@
-"""Committed versions of a block's weights at immutable URLs, for plain HTTP caches and CDNs.
+"""Committed versions of a block's weights at immutable URLs, for plain HTTP caches and CDNs
+(docs/protocol.md, Pulls through a cache).
 
     GET /v1/blocks/{b}/versions/{v}     version v of block b in the wire dtype (safetensors)
     GET /v1/blocks/{b}/versions/{v}/delta?wire=CODEC[&base=VIEW]
-                                        version v as a delta (with a pull_wire codec;
-                                        protocol/core/pulls.py): under exact pulls its
-                                        commit, the same body for everyone; else from the
-                                        view BASE the worker holds
+                                        version v as a delta (core/pulls.py)
 
-A committed version never changes (nor does a delta, named by its version, base and codec),
-so its answer carries `Cache-Control: ..., max-age=31536000, immutable` and a strong `ETag` (the SHA-256 of the body); `If-None-Match` is answered 304, and
-one byte range `Range: bytes=...` 206 (`Accept-Ranges: bytes`; 416 `bad_range` when it starts
-past the end; several ranges, or a stale `If-Range`, get the whole body). A version the block has
-not reached is `unknown_version` (404); one pruned by `keep_versions` is `version_gone` (410).
-
-Access. By default the route checks the bearer token like every other, and the answer is
-`private`: a worker's own cache may keep it, a shared cache must not hand it to others, who
-would skip the token check. With `--public-weights` (`AccessLimits.public_weights`) it needs no
-token and is `public`, so that a CDN may cache it once and serve every worker: the weights are
-then as public as the URL.
-
-The round's pull (`GET /v1/blocks/{b}`) still answers with the body, and says where the
-version lives (`X-Weights-Url`); with `?redirect=1` it records the pull as always (the round's
-clock, who pulled) and answers 303 See Other to that URL, with the round's headers, so that the
-bytes come from wherever the URL is cached. The worker's client pulls so.
-"""
+A version never changes, so its answer is `immutable` with a strong `ETag` (304 on
+`If-None-Match`, 206 on one `Range`); `unknown_version` is 404, one pruned by `keep_versions`
+`version_gone` (410). The answer is `private` behind the token, or `public` without one under
+`--public-weights`, so that a CDN may serve every worker. The round's pull with `?redirect=1`
+records the pull and answers 303 to the version's URL."""
 
 from __future__ import annotations
 

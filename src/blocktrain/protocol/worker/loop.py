@@ -1,25 +1,11 @@
-"""The loop a worker runs:
+"""The loop a worker runs: register -> [wait for a new round -> pull -> train the steps the
+pull tells -> push delta] ...
 
-    register -> [wait for a new round -> pull -> train H local steps -> push delta] ...
-
-(H as the pull tells it: the aggregator's `--pacing adaptive` sizes each worker's steps to the
-round's deadline, `protocol.core.pacing`; the push declares the steps it took.)
-
-`WorkerLoop` knows nothing of the model: it drives any `LocalTrainer` (`load` weights, `train`
-H steps, return the `delta`); the CLI plugs in `training.local.LocalBlockTrainer`, the simulator
-the same or a timing-only stand-in. It re-syncs by itself: after a refusal it pulls the open
-round again, after an aggregator restart its retries reconnect, and if its worker id is gone it
-registers anew. A stop event (set on SIGTERM) ends it between local steps; it then tells the
-aggregator it is leaving, as it does when its block is done. With a folder (`resume.WorkerFolder`,
-`blocktrain worker --state DIR`) it saves its registration, optimizer state and residual after
-each push, and its first registration takes the saved worker back (later ones, after a refusal,
-register anew as without one).
-
-Each round it trained gives one `RoundOutcome`, said as a line (`blocktrain worker` prints them
-on stderr): the round, its local steps, the bytes trained per second, the verdict, and a hint
-when the update came late; `on_round` gets the outcome itself (`worker --log-to` logs its
-`record`).
-"""
+`WorkerLoop` drives any `LocalTrainer` and knows nothing of the model. It re-syncs by itself:
+after a refusal it pulls again, after an aggregator restart its retries reconnect, and if its
+worker id is gone it registers anew. A stop event ends it between local steps, and it tells the
+aggregator it leaves. With a folder (`resume.WorkerFolder`) it saves its state after each push.
+Each round gives one `RoundOutcome` (`on_round`), said as a line."""
 
 from __future__ import annotations
 
