@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from fastapi import FastAPI, Path, Query, Request
+from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.responses import Response
 
 from blocktrain.errors import ProtocolError, Refused
@@ -241,36 +241,11 @@ def add_routes(
         account(request, end - start)
         return Response(body[start:end], status_code=206, media_type=CONTENT_TYPE, headers=headers)
 
-    def version_answer(request: Request, block: int, version: int) -> Response:
-        tag(request, "weights", block)
-        found = versions.get(block, version)
-        return send(
-            request, found.body, found.etag, {"X-Block": str(block), "X-Version": str(version)}
-        )
-
-    def delta_answer(
-        request: Request, block: int, version: int, base: str | None, wire: str
-    ) -> Response:
-        tag(request, "delta", block)
-        found = versions.delta(block, version, base, wire)
-        headers = {"X-Block": str(block), "X-Version": str(version)}
-        if found.view is not None:
-            headers["X-View"] = found.view.id
-        return send(request, found.body, found.etag, headers)
-
     binary = {"content": BINARY}
     cached: dict[int | str, dict[str, Any]] = {
         206: {"description": "the byte range asked for"},
         304: {"description": "not modified (If-None-Match)"},
         **refusals,
-    }
-    spec: dict[str, Any] = {
-        "responses": {200: binary, **cached},
-        "summary": "A committed version's weights at an immutable (cacheable) URL",
-    }
-    delta_spec: dict[str, Any] = {
-        "responses": {200: binary, **cached},
-        "summary": "A committed version as a delta from a view the worker holds (pull_wire)",
     }
     base_query = Query(
         None,
@@ -279,48 +254,48 @@ def add_routes(
         description="the id of the view held (X-View); not needed under exact pulls",
     )
     wire_query = Query(max_length=40, description="the aggregator's pull_wire")
-    version_url = "/v1/blocks/{block}/versions/{version}"
-    if public:
 
-        @app.get(version_url, **spec)
-        def public_version(
-            request: Request, block: int = Path(ge=0), version: int = Path(ge=0)
-        ) -> Response:
-            return version_answer(request, block, version)
+    def no_token() -> None:
+        return None
 
-        @app.get(DELTA_PATH, **delta_spec)
-        def public_delta(
-            request: Request,
-            block: int = Path(ge=0),
-            version: int = Path(ge=0),
-            base: str | None = base_query,
-            wire: str = wire_query,
-        ) -> Response:
-            return delta_answer(request, block, version, base, wire)
+    # a default, not in Annotated: see dashboard.add_routes
+    version_auth = Depends(no_token) if public else token("weights")
+    delta_auth = Depends(no_token) if public else token("delta")
 
-    else:
-        authenticated = token("weights")  # a default: see dashboard.add_routes
+    @app.get(
+        "/v1/blocks/{block}/versions/{version}",
+        responses={200: binary, **cached},
+        summary="A committed version's weights at an immutable (cacheable) URL",
+    )
+    def version_weights(
+        request: Request,
+        block: int = Path(ge=0),
+        version: int = Path(ge=0),
+        _: Any = version_auth,
+    ) -> Response:
+        tag(request, "weights", block)
+        found = versions.get(block, version)
+        headers = {"X-Block": str(block), "X-Version": str(version)}
+        return send(request, found.body, found.etag, headers)
 
-        @app.get(version_url, **spec)
-        def private_version(
-            request: Request,
-            block: int = Path(ge=0),
-            version: int = Path(ge=0),
-            _: Any = authenticated,
-        ) -> Response:
-            return version_answer(request, block, version)
-
-        delta_token = token("delta")
-
-        @app.get(DELTA_PATH, **delta_spec)
-        def private_delta(
-            request: Request,
-            block: int = Path(ge=0),
-            version: int = Path(ge=0),
-            base: str | None = base_query,
-            wire: str = wire_query,
-            _: Any = delta_token,
-        ) -> Response:
-            return delta_answer(request, block, version, base, wire)
+    @app.get(
+        DELTA_PATH,
+        responses={200: binary, **cached},
+        summary="A committed version as a delta from a view the worker holds (pull_wire)",
+    )
+    def version_delta(
+        request: Request,
+        block: int = Path(ge=0),
+        version: int = Path(ge=0),
+        base: str | None = base_query,
+        wire: str = wire_query,
+        _: Any = delta_auth,
+    ) -> Response:
+        tag(request, "delta", block)
+        found = versions.delta(block, version, base, wire)
+        headers = {"X-Block": str(block), "X-Version": str(version)}
+        if found.view is not None:
+            headers["X-View"] = found.view.id
+        return send(request, found.body, found.etag, headers)
 
     return versions
