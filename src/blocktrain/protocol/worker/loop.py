@@ -70,12 +70,9 @@ class WorkerLoop:
         on_round: Callable[[RoundOutcome], None] | None = None,
         spool: Path | None = None,
     ) -> None:
-        """`say`: where the worker's lines go (its registration, one per round and its hint;
-        default: this module's log at INFO); `clock` times the local steps (default:
-        time.monotonic); `folder`: where the worker keeps what a restart resumes; `on_round`:
-        each round's outcome, once its lines are said and before the folder saves the round
-        (so that a worker killed in between logs that round again once resumed); `spool`: where
-        a relayed stream it trains on is downloaded (`route = relay`; None: in memory)."""
+        """`say`: where the worker's lines go (default: this module's log); `folder`: what a restart
+        resumes; `on_round`: each round's outcome, before the folder saves the round (a worker killed
+        in between logs that round again once resumed); `spool`: where a relayed stream is downloaded."""
         self.client = client
         self.make_trainer = make_trainer
         self.want_block = block
