@@ -144,28 +144,11 @@ def worker_argv(
 
 
 def start_worker(
-    url: str,
-    token: str,
-    logs: Path,
-    *,
-    name: str,
-    data: str | None,
-    threads: int = 1,
-    device: str | None = None,
-    extra: Sequence[str] = (),
-    prefix: Sequence[str] = (),
-    data_patterns: Sequence[str] = (),
+    url: str, token: str, logs: Path, *, prefix: Sequence[str] = (), **options: Any
 ) -> Proc:
-    argv = worker_argv(
-        url,
-        name=name,
-        data=data,
-        threads=threads,
-        device=device,
-        extra=extra,
-        data_patterns=data_patterns,
-    )
-    return spawn(name, argv, logs, env={"BLOCKTRAIN_TOKEN": token}, prefix=prefix)
+    """One of a cluster's workers, started (`options`: `worker_argv`'s)."""
+    argv = worker_argv(url, **options)
+    return spawn(options["name"], argv, logs, env={"BLOCKTRAIN_TOKEN": token}, prefix=prefix)
 
 
 def stop(procs: Sequence[Proc], grace_s: float = 20.0) -> None:
