@@ -38,13 +38,9 @@ def weighted_mean(
     *,
     per_coordinate: bool = False,
 ) -> Tensors:
-    """sum_i w_i v_i / sum_i w_i in fp32, each tensor of v_i first multiplied by its factor in
-    `scales` (clipping, folded in: no scaled copy of any vote is made).
-
-    `per_coordinate` (sparse votes): each coordinate is divided by the weight of the votes that
-    carry it, those whose value there is non-zero before clipping, instead of by all the weight
-    (a coordinate that one of two votes sent is that vote's value, not half of it); a
-    coordinate no vote carries stays 0."""
+    """sum_i w_i v_i / sum_i w_i in fp32, each tensor of v_i scaled by its factor in `scales`
+    (clipping folded in: no scaled copy is made). `per_coordinate` (sparse votes): each coordinate
+    is divided by the weight of the votes that carry it (non-zero there), not by all the weight."""
     if not deltas:
         raise ValueError("nothing to aggregate")
     if len(weights) != len(deltas):
@@ -204,11 +200,9 @@ class Aggregate:
 
 
 class Accumulator:
-    """Collects one round's accepted updates, each kept under its update id until the round
-    closes, so that `discard` can take a revoked identity's updates back out.
-    `per_coordinate`: the votes are sparse, and the mean (of an identity's updates, and of the
-    votes) is taken per coordinate over those that carry it (`weighted_mean`); the other rules
-    see a coordinate a vote did not carry as its 0."""
+    """Collects one round's accepted updates under their update ids until the round closes (so
+    that `discard` can take a revoked identity's back out). `per_coordinate`: the votes are sparse,
+    and their means are taken per coordinate (`weighted_mean`)."""
 
     def __init__(
         self, policy: AggregationPolicy | None = None, *, per_coordinate: bool = False

@@ -129,10 +129,9 @@ def check_k(raw: dict[str, RawTensor], shapes: dict[str, tuple[int, ...]]) -> No
 def decode(
     raw: dict[str, RawTensor], shapes: dict[str, tuple[int, ...]], wire: DeltaWire
 ) -> Tensors:
-    """The dense delta of parts whose names, dtypes and shapes were checked against
-    `expected_parts` (and `check_k`): fp16/bf16 stay as they came (the accumulator sums in
-    fp32), int8, top-k and sparse become fp32. WireError bad_scales / bad_indices (sparse: also
-    malformed, for padding bits that are not 0) for parts that do not describe one tensor."""
+    """The dense delta of parts checked against `expected_parts` (and `check_k`): fp16/bf16 as
+    they came, the others fp32. WireError bad_scales / bad_indices / malformed for parts that do not
+    describe one tensor."""
     out: Tensors = {}
     for name, shape in shapes.items():
         if wire.dense:

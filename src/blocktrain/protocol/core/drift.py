@@ -210,12 +210,10 @@ class DriftTracker:
         return flagged
 
     def bar(self, votes: int) -> float:
-        """The score that flags after `votes` observed votes: the threshold from min_rounds on,
-        and before, threshold x sqrt(min_rounds / votes). A constant lean's score grows like
-        sqrt(votes), so one that would pass the threshold only at min_rounds is flagged then,
-        as before, and a bolder one as soon as its score shows it (drift_four: the attackers
-        scored 28 at their first vote, bar 15.8), while the bar never falls below the threshold
-        that no honest identity has reached."""
+        """The score that flags after `votes` observed votes: the threshold from min_rounds on, and
+        threshold x sqrt(min_rounds / votes) before: a constant lean's score grows like sqrt(votes), so
+        a bolder one is flagged sooner (drift_four: 28 at the first vote, bar 15.8), and the bar never
+        falls below the threshold no honest identity reached."""
         return self.threshold * math.sqrt(max(1.0, self.min_rounds / votes))
 
     def standing(self, block: int, identity: Hashable, open_round: int) -> Verdict:

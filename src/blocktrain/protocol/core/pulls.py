@@ -201,10 +201,9 @@ def _tagged(body: bytes) -> str:
 
 
 class Commits:
-    """The aggregator's side under exact pulls: the last KEEP_COMMITS commits of each block,
-    each encoded once, with `__metadata__` block, version, base_version (the version before)
-    and delta_wire. Every worker gets the same body, whatever it holds, so a commit is as
-    cacheable as a version and the aggregator remembers no worker's view."""
+    """The aggregator's side under exact pulls: the last KEEP_COMMITS commits of each block, each
+    encoded once (`__metadata__` block, version, base_version, delta_wire): the same body for every
+    worker, as cacheable as a version."""
 
     def __init__(self, codec: DeltaWire, keep: int = KEEP_COMMITS) -> None:
         self.codec = codec
