@@ -90,10 +90,6 @@ class RelayPool:
         seen.add(chosen.key)
         return chosen
 
-    def has_fresh(self, taker: Hashable) -> bool:
-        seen = self._taken.get(taker, set())
-        return any(s.key not in seen for s in self._streams.values())
-
     @property
     def nbytes(self) -> int:
         return sum(len(s.body) for s in self._streams.values())
