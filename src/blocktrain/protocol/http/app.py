@@ -112,11 +112,9 @@ def create_app(
     evaluator: ModelEval | None = None,
 ) -> FastAPI:
     """The aggregator over an initialised state folder. `clock` is injected so that tests can
-    drive deadlines; `tick_interval_s` is how often deadlines are checked while served;
-    `limits` caps what clients may cost (serve it with `listener.run(app, sock,
-    limits.http)` so that the connection limits match); `probe` judges each update by its
-    effect (`effect.EffectProbe`); `evaluator` scores the assembled model every `live_eval_every`
-    rounds (`live_eval.ModelEval`)."""
+    drive deadlines; serve it with `listener.run(app, sock, limits.http)` so that the connection
+    limits match `limits`; `probe` judges each update by its effect; `evaluator` scores the
+    assembled model every `live_eval_every` rounds."""
     service = AggregatorService(
         settings,
         storage=storage,

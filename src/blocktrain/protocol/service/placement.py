@@ -91,12 +91,9 @@ def placed(
     storage: StateDir, served: Collection[int] | None = None, peers: dict[int, str] | None = None
 ) -> Directory:
     """The directory of an aggregator over `storage`, given its start's `--blocks` (`served`;
-    None: not given) and `--peer`s, saved in the state folder (`StateDir.placement`).
-
-    The first start saves the blocks it serves (all when not given); every later start serves
-    those: a `served` that disagrees is a ConfigError naming both, since the folder holds those
-    blocks' rounds and no other's. Peers may move: one given replaces the saved URL of its
-    block, and the folder keeps the latest."""
+    None: not given) and `--peer`s. The first start saves the blocks it serves; a later start with
+    others is a ConfigError (the folder holds those blocks' rounds only); a peer given replaces its
+    block's saved URL."""
     saved_served, saved_peers = storage.placement()
     if served is not None and saved_served is not None and sorted(set(served)) != saved_served:
         raise ConfigError(
