@@ -1,24 +1,12 @@
 """The limits every server of the package (aggregator, block hosts, router) holds a client to,
-written once: what one server tolerates (`Limits`), the body guard and the request rate.
-`blocktrain.listener` binds the socket and runs uvicorn under the same `Limits`.
+written once (`Limits`); `blocktrain.listener` binds the socket and runs uvicorn under them.
 
-    sock = listener.bind(host, port)             # a clear ConfigError if the port is taken
-    app.add_middleware(HttpGuard, limits=limits, body_limit=..., error_body=...)
-    listener.run(app, sock, limits, tls=TlsFiles(cert, key))  # or ThreadedServer.start(...)
-
-What is enforced here (the head timeout, the connection caps and keep-alive are listener's):
-
-- `HttpGuard`, a pure-ASGI middleware: a request body is refused with 413 when its
-  Content-Length exceeds the route's cap, before the app runs, and while streaming when a
-  chunked body grows past it; a Content-Length that is not a plain decimal number, or one
-  over 2**62, gets 400 (never a 500). A body must keep coming at `min_body_rate` bytes/s
-  after a grace of `body_grace_s` (408 otherwise). The app sees a disconnect; the guard
-  answers, with `Connection: close`.
-- `TokenBucket`: requests per client (a token, an address) at a rate, after a burst; each
-  server turns its refusal into its own 429, which the guard holds for `Limits.tarpit_s` (at
-  most its Retry-After) before it sends it, with `Connection: close`.
-- `FailedAuth`: failed token checks per address and per prefix (`prefix_of`); past a burst
-  every token check from there is a 429 until the bucket refills.
+- `HttpGuard`, a pure-ASGI middleware: a body over its route's cap gets 413 (declared, before
+  the app runs, or while streaming), a Content-Length that is not a plain number 400 (never a
+  500), a body slower than `min_body_rate` after `body_grace_s` 408; the guard answers, with
+  `Connection: close`, and holds every 429 for `Limits.tarpit_s`.
+- `TokenBucket`: requests per client (a token, an address) at a rate, after a burst.
+- `FailedAuth`: failed token checks per address and per prefix (`prefix_of`).
 """
 
 from __future__ import annotations
@@ -42,19 +30,16 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 MAX_CONTENT_LENGTH = 2**62
-"""A declared length above this is nonsense for any route (and would overflow the ledger's
-64-bit counters): 400 before anything else looks at it."""
+"""A declared length above this is nonsense (it would overflow the ledger's counters): 400."""
 
+# keys in the ASGI scope's "state"
 BODY_BYTES = "body_bytes"
-"""Key in the ASGI scope's "state" (`request.state.body_bytes`): the body bytes the app has
-been handed so far, for byte accounting that counts what arrived, not what was declared."""
+"""The body bytes the app has been handed so far (accounting counts what arrived)."""
 GUARD_REFUSAL = "guard_refusal"
-"""Key in the scope's "state": (code, detail) once the guard has cut the body off; the app,
-which then sees a disconnect, can tell why (its response is dropped: the guard answers)."""
+"""(code, detail) once the guard cut the body off (the app sees a disconnect; the guard answers)."""
 AUTHENTICATED = "authenticated"
-"""Key in the scope's "state": True once the app found a valid token on the request
-(`mark_authenticated`). The listener then takes the connection out of the anonymous pool for
-good (`Limits.max_anonymous_connections`)."""
+"""True once the app found a valid token: the listener takes the connection out of the
+anonymous pool for good."""
 
 
 def mark_authenticated(scope: Scope) -> None:
@@ -64,9 +49,7 @@ def mark_authenticated(scope: Scope) -> None:
 
 def prefix_of(address: str) -> str:
     """The network a client address is counted in beside itself: its /24 (IPv4) or its /64
-    (IPv6). One IPv6 host is handed a whole /64, so a cap per address alone holds it to
-    nothing; a /24 is what one NAT pool or small hoster holds. An IPv4-mapped IPv6 address
-    counts as its IPv4 one; what is no address (a test client's name) is its own prefix."""
+    (IPv6: one host is handed a whole /64). What is no address is its own prefix."""
     try:
         ip = ipaddress.ip_address(address)
     except ValueError:
@@ -95,12 +78,8 @@ class Limits:
     """Connections at once from one /24 (IPv4) or /64 (IPv6) (`prefix_of`); None: half of
     `max_connections`, and at least the share of one address."""
     max_anonymous_connections: int | None = None
-    """Connections at once not known to belong to a token holder, while they wait for a
-    request's head: a new connection until one of its requests presents a valid token (the app
-    marks it, `mark_authenticated`), and one whose requests presented none, between them.
-    None: half of `max_connections`, so that half-sent heads, from however many addresses,
-    never take the slots of token holders. A newcomer past this (or past its prefix's share)
-    takes the place of the longest-waiting one of whoever holds more (listener)."""
+    """Connections at once waiting for a request's head that never showed a valid token; None:
+    half of `max_connections`, so that half-sent heads never take the slots of token holders."""
     keep_alive_s: int = 30
     max_header_bytes: int = 64 * 1024
     failed_auth_burst: int = 20
@@ -108,17 +87,16 @@ class Limits:
     """Failed token checks from one address: `failed_auth_burst` at once, then this many a
     second; from one prefix four times both (`FailedAuth`)."""
     tarpit_s: float = 1.0
-    """How long a refusal for a client's rate or share waits before it is sent: a 429 (here,
-    at most its Retry-After, and then the connection closes) and a connection over its
-    address's share (listener: held that long, unread, before its 503). A client that floods
-    requests it knows will be refused then gets one answer per connection per `tarpit_s`,
-    however fast it sends: its refusals cost the server what a few polite requests do, not a
-    core (bench/live_attacks.py). A well-behaved client waits the Retry-After anyway. 0: at
-    once."""
+    """How long a 429 (at most its Retry-After) or a connection over its share (listener) waits
+    before its refusal is sent: a flood gets one answer per connection per `tarpit_s`, not a
+    core of the server's time (bench/live_attacks.py). 0: at once."""
 
     def __post_init__(self) -> None:
         for name in ("max_body", "max_connections", "keep_alive_s", "max_header_bytes"):
             if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, not {getattr(self, name)}")
+        for name in ("header_timeout_s", "body_grace_s", "min_body_rate"):
+            if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, not {getattr(self, name)}")
         for name in (
             "max_connections_per_address",
@@ -134,9 +112,6 @@ class Limits:
                 f"failed_auth_burst ({self.failed_auth_burst}) and failed_auth_per_s "
                 f"({self.failed_auth_per_s}) must be positive"
             )
-        for name in ("header_timeout_s", "body_grace_s", "min_body_rate"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be positive, not {getattr(self, name)}")
         if not 0 <= self.tarpit_s <= 60:
             raise ConfigError(f"tarpit_s must lie in 0..60 seconds, not {self.tarpit_s}")
 
@@ -172,14 +147,9 @@ def default_error_body(code: str, detail: str) -> dict[str, Any]:
 
 
 class TokenBucket:
-    """Request rates per client, the one token bucket of every server: a client (a token id,
-    an address: any hashable key) may send `burst` requests at once, then `rate_per_s` a
-    second. Each server turns a refusal into its own error (the aggregator's 429
-    `rate_limited`, the router's OpenAI-style 429), with the wait as its Retry-After.
-
-    Buckets live in memory (a restart refills them). Once `max_keys` are held, those that have
-    refilled are forgotten (a full bucket is the same as none), so idle clients cost no memory.
-    Thread-safe; `clock` is monotonic seconds."""
+    """Request rates per client (any hashable key): `burst` requests at once, then `rate_per_s`
+    a second; each server turns a refusal into its own 429. In memory and thread-safe; past
+    `max_keys` the refilled buckets are forgotten (a full bucket is the same as none)."""
 
     def __init__(
         self,
@@ -230,12 +200,9 @@ class TokenBucket:
 
 
 class FailedAuth:
-    """Failed token checks (token guesses) per client address and per prefix (`prefix_of`):
-    `Limits.failed_auth_burst` failures from an address, then `failed_auth_per_s` a second,
-    and four times both from its prefix. Past them `wait` says how long every token check from
-    there is refused (a 429 with that Retry-After), a valid token's too: a check that went on
-    would go on answering guesses. Unknown and revoked tokens read the same on the wire, so
-    what a guess learns is no. In memory, as `TokenBucket`."""
+    """Failed token checks per client address and (four times as many) per prefix. Past them
+    every token check from there is refused, a valid token's too: a check that went on would go
+    on answering guesses."""
 
     PREFIX_FACTOR = 4
 
@@ -294,10 +261,9 @@ def declared_length(headers: list[tuple[bytes, bytes]]) -> tuple[int | None, str
 
 
 async def read_body(scope: Scope, chunks: AsyncIterator[bytes]) -> bytearray:
-    """A request's body in one buffer allocated at its declared Content-Length (which the
-    guard has held to the route's cap), each chunk copied once, into place: parsers then read
-    it through views (`tensorwire.decode`) and never copy it again. A body without a declared
-    length (chunked) grows as it comes."""
+    """A request's body in one buffer allocated at its declared Content-Length (held to the
+    route's cap by the guard), each chunk copied once, into place (parsers read it through
+    views); a chunked body grows as it comes."""
     length, _ = declared_length(scope["headers"])
     buf = bytearray(length or 0)
     pos = 0
@@ -313,12 +279,9 @@ async def read_body(scope: Scope, chunks: AsyncIterator[bytes]) -> bytearray:
 
 
 class HttpGuard:
-    """Pure-ASGI middleware: body caps (declared and streamed) and a minimum body rate.
-
-    `body_limit(scope)` gives a route's cap in bytes (default: `limits.max_body`);
-    `error_body(code, detail)` shapes the JSON of the guard's own 400/408/413 answers (codes
-    `bad_request`, `slow_client`, `too_large`); `on_refuse(scope, code)` is told of each, for
-    counters. Add it with `app.add_middleware(HttpGuard, limits=..., ...)`."""
+    """Body caps (declared and streamed) and a minimum body rate. `body_limit(scope)`: a route's
+    cap; `error_body(code, detail)`: the JSON of the guard's 400/408/413 (`bad_request`,
+    `slow_client`, `too_large`); `on_refuse(scope, code)` is told of each."""
 
     def __init__(
         self,
@@ -410,9 +373,8 @@ class HttpGuard:
             await self._answer(scope, send, *body.failure)
 
     async def _tarpit(self, message: Message) -> Message:
-        """A 429, sent `limits.tarpit_s` (at most its Retry-After) after it was decided, on a
-        connection that then closes: a flood of requests past a rate gets one refusal per
-        connection per tarpit_s."""
+        """A 429, sent `limits.tarpit_s` (at most its Retry-After) late, then the connection
+        closes."""
         headers = list(message.get("headers", []))
         delay = self.limits.tarpit_s
         for key, value in headers:

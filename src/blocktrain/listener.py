@@ -1,32 +1,17 @@
 """The listening side of every server of the package: a socket bound beforehand (`bind`) and
-uvicorn serving an app on it (`run`, or `ThreadedServer` for tests and benchmarks), under the
-connection limits of `httpserve.Limits` (the body guard and the request rate are httpserve's):
+uvicorn serving an app on it (`run`, or `ThreadedServer`), under the connection limits of
+`httpserve.Limits` (docs/protocol.md, Limits):
 
-- a request's head (request line and headers) must arrive within `header_timeout_s` of the
-  connection opening or of the previous response; a half-sent head is closed (uvicorn has no
-  such timeout: `_protocol` adds it). Heads over `max_header_bytes` get 400 (h11).
-- at most `max_connections` connections at once; a request beyond it gets 503 (uvicorn's
-  `limit_concurrency`). Idle keep-alive connections close after `keep_alive_s`.
-- at most `max_connections_per_address` of them from one client address (default a quarter
-  of `max_connections`): a connection beyond it is answered 503 and closed as it opens, so one
-  address that keeps re-opening half-sent heads cannot hold every slot (`_protocol`); nor
-  does a refused connection count against `max_connections`, however many are refused at once.
-  The 503 waits `tarpit_s`, the connection held unread meanwhile (up to `held_refusals` of
-  them; beyond, it is sent at once): a client that re-opens each refused connection at once
-  then churns one per connection per tarpit_s, not as fast as it can (tens of thousands a
-  second on loopback, a core of the server's time).
-- at most `max_connections_per_prefix` from one /24 or /64 (`httpserve.prefix_of`; default
-  half of `max_connections`), and at most `max_anonymous_connections` (default half) in the
-  anonymous pool: connections waiting for a request's head that have not shown a valid token
-  (the app marks those that did, `httpserve.mark_authenticated`). Four addresses of 128
-  half-sent heads each held all 512 slots (bench/live_attacks.py, halfopen_4_addresses): now
-  they hold half, and the other half is for requests and token holders. A newcomer past
-  either cap takes the place of the longest-waiting anonymous connection of whoever holds the
-  most (the heaviest prefix, then its heaviest address), when that holder keeps at least as
-  many connections as the newcomer's: an honest client is never locked out by a flood from
-  other addresses, and clients holding as many never displace each other (the newcomer is
-  refused, as over its address's share).
-"""
+- a request's head must arrive within `header_timeout_s` (uvicorn has no such timeout:
+  `_protocol` adds it); heads over `max_header_bytes` get 400; at most `max_connections` at
+  once (503 beyond); idle keep-alive connections close after `keep_alive_s`.
+- at most `max_connections_per_address` from one address, `max_connections_per_prefix` from one
+  /24 or /64, and `max_anonymous_connections` waiting for a head without having shown a valid
+  token: four addresses of 128 half-sent heads held all 512 slots before
+  (bench/live_attacks.py, halfopen_4_addresses). A refused connection is answered 503 and
+  closed as it opens, after `tarpit_s`, so a flood churns one per connection per tarpit_s.
+  A newcomer past a cap takes the place of the longest-waiting anonymous connection of whoever
+  holds the most, so an honest client is never locked out by a flood from elsewhere."""
 
 from __future__ import annotations
 
@@ -97,13 +82,9 @@ def held_refusals(limits: Limits) -> int:
 
 
 def _protocol(limits: Limits) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with a deadline on each request's head: uvicorn times out only
-    idle keep-alive connections, so a client that opens a connection and sends half a request
-    line would hold it (and a slot of `limit_concurrency`) forever. And with the caps per
-    address, per prefix and on the anonymous pool (the module's docstring): one server's
-    protocols keep their books together (all run on the server's event loop), and a connection
-    refused is answered 503 and closed before anything is read, `limits.tarpit_s` after it
-    opened."""
+    """uvicorn's h11 protocol with a deadline on each request's head (a half-sent request line
+    would hold a slot forever), and the caps per address, per prefix and on the anonymous pool;
+    a refused connection is answered 503 and closed before anything is read."""
     header_timeout_s = limits.header_timeout_s
     per_address, per_prefix = limits.per_address, limits.per_prefix
     most_anonymous = limits.anonymous
@@ -144,10 +125,8 @@ def _protocol(limits: Limits) -> type[H11Protocol]:
         return best
 
     def holds_more(victim: GuardedH11, address: str, prefix: str) -> bool:
-        """Whether `victim`'s holder (its prefix, or in the newcomer's prefix its address)
-        keeps at least as many connections as the newcomer's once one is displaced: a margin
-        of two, so that two holders never take turns displacing each other (a churn no
-        tarpit would slow)."""
+        """Whether `victim`'s holder keeps at least as many connections as the newcomer's once one is
+        displaced: a margin of two, so that two holders never take turns displacing each other."""
         if victim.prefix != prefix:
             return open_in[victim.prefix] >= open_in.get(prefix, 0) + 2
         return open_from[victim.address] >= open_from.get(address, 0) + 2
@@ -291,10 +270,8 @@ def run(
 
 @contextlib.contextmanager
 def _stopped_by_signals() -> Iterator[None]:
-    """uvicorn catches SIGINT and SIGTERM while it serves, shuts down, then raises the signal
-    again to the handler it found: Python's own made Ctrl+C a KeyboardInterrupt (`blocktrain:
-    interrupted`, exit 130) and SIGTERM a kill (exit -15) after a clean stop. No-op handlers
-    meanwhile let the serving command return; the previous ones come back after."""
+    """uvicorn catches SIGINT and SIGTERM while it serves, then raises the signal again: no-op
+    handlers meanwhile let the serving command return; the previous ones come back after."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -1,22 +1,16 @@
 """A relayed stream (`route = relay`, docs/model.md): what block b's replica computed in its local
 steps of one round, for the worker of block b+1 to train on without holding blocks 0..b.
 
-One stream is one safetensors body, read only through `tensorwire` (nothing here unpickles):
+One safetensors body, read only through `tensorwire`:
 
     bytes      U8  (S, N, T)     the sequences of its S local steps, N of T bytes each
     features   I8  (S, N, T, d)  block b's clean-stream output on them, per token absmax
     scales     F32 (S, N, T)     ... int8 with this scale: features ~= int8 * scale
 
-with string metadata `format`, `block` (the block that computed it), `round` and `worker`.
-8-bit activations are what SWARM parallelism relays between its stages (Ryabinin et al.
-2023); the features are a residual stream whose tokens differ in scale, hence a scale per
-token. A step's features are N x T x (d + 5) bytes on the wire. (An fp16 scale would save 2 bytes a
-token, but below 2^-14 its precision falls apart and small tokens with it.)
-
-The writer spools a round to disk one step at a time when given a folder (a worker holds one
-step in memory, whatever H is), or keeps it in memory (the simulator, tests); the reader reads
-one step at a time, from a file or a body in memory.
-"""
+with string metadata `format`, `block`, `round` and `worker`. 8-bit activations are what SWARM
+relays between its stages; a scale per token because the residual stream's tokens differ in
+scale (an fp16 scale loses small tokens below 2^-14). The writer spools a round one step at a
+time to a folder or keeps it in memory; the reader reads one step at a time."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""Tensors in an HTTP body, read safely: one safetensors file, nothing else. The aggregator's
-protocol and the serving chain both build their messages on this (protocol/core/bodies.py with
-string metadata, serving/shared/wire.py with a JSON header); one parser, one error, one media type.
-
-Bodies are parsed here, with safetensors' own checks (the header, the offsets, and that the data
-covers the body exactly), from a view of the body, so that a pushed delta is never copied after
-it was read; nothing here, or anywhere in BlockTrain, unpickles. A body that looks like a pickle or a `torch.save` archive is refused with
-its own reason so that the sender learns what went wrong.
-"""
+"""Tensors in an HTTP body, read safely: one safetensors file, nothing else, parsed here for
+the protocol (core/bodies.py) and the serving chain (serving/shared/wire.py) alike. Bodies are
+parsed from a view, so that a pushed delta is never copied after it was read; nothing in
+BlockTrain unpickles, and a body that looks like a pickle or a `torch.save` archive gets its
+own reason so that the sender learns what went wrong."""
 
 from __future__ import annotations
 
@@ -114,14 +110,10 @@ Body = bytes | bytearray | memoryview
 
 def decode(body: Body, *, max_bytes: int | None = None) -> Decoded:
     """Parse a safetensors body, refusing (WireError) anything oversized, pickled or malformed.
-
-    The checks are safetensors' own (`read_metadata` and `Metadata::validate` in its Rust
-    source; `tests/protocol/core/test_tensorwire_parse.py` holds it to safetensors' verdicts): the header
-    length within the body and at most 100 MB, the header UTF-8 JSON with string metadata, each
-    tensor a known dtype, a shape of unsigned integers and `data_offsets` [begin, end] that, in
-    order, tile the data from 0 to the body's end with exactly the bytes the shape needs. The
-    tensors' bytes are not copied: each `RawTensor.data` is a view into `body` (share a
-    writable buffer, e.g. the bytearray a request was read into, and `to_torch` shares it too)."""
+    The checks are safetensors' own (its Rust `Metadata::validate`; test_tensorwire_parse.py holds
+    this to its verdicts): the header within the body and at most 100 MB, string metadata, known
+    dtypes, and `data_offsets` that tile the data exactly. Each `RawTensor.data` is a view into
+    `body`, not a copy."""
     view = memoryview(body).cast("B")
     size = len(view)
     if max_bytes is not None and size > max_bytes:

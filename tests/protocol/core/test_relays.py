@@ -31,7 +31,6 @@ def test_takers_get_the_newest_round_spread_over_its_replicas_and_never_twice() 
     assert third is not None and third.round == 0, "then the least handed out"
     pool.take(10)
     assert pool.take(10) is None, "a taker never trains on a stream twice"
-    assert not pool.has_fresh(10)
     pool.put(1, worker=2, body=stream())
     newest = pool.take(12)
     assert newest is not None and (newest.round, newest.worker) == (1, 2), "the newest round"

@@ -6,7 +6,8 @@ import pytest
 
 from blocktrain.errors import ConfigError
 from blocktrain.protocol.core.participation import in_time, participation
-from blocktrain.protocol.core.rounds import BlockRounds, Registry, RoundClosed, restore
+from blocktrain.protocol.core.registry import Registry
+from blocktrain.protocol.core.rounds import BlockRounds, RoundClosed, restore
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.core.verdict import REASONS, Verdict
 

@@ -7,7 +7,8 @@ import dataclasses
 
 import torch
 
-from blocktrain.protocol.core.round_engine import PROBE_SLOTS, RoundEngine
+from blocktrain.protocol.core.probe_slots import PROBE_SLOTS
+from blocktrain.protocol.core.round_engine import RoundEngine
 from tests.protocol.conftest import (
     SETTINGS,
     add_token,

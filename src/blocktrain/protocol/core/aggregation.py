@@ -1,38 +1,16 @@
-"""Aggregation of one block's accepted deltas (docs/protocol.md, "Aggregation"), over dicts of
-tensors.
+"""Aggregation of one block's accepted deltas (docs/protocol.md, "Aggregation"): votes (one per
+identity under `weighting = "identity"`, so a token's many workers count once), clipping (and,
+under `mean`, the influence bound), then the rule:
 
-A round's accepted updates become one delta in three steps (docs/protocol.md, Aggregation):
-
-1. **Votes.** With `weighting = "identity"` (the default) each identity (a token, or a worker
-   without one: `rounds.Registry.identity`) casts ONE vote, the staleness-weighted mean of its
-   updates, so a token's many workers (Sybils) count once. `"reported"` is the old rule: each
-   update is a vote weighted by the token count its worker reports, which a liar inflates.
-2. **Clipping.** With `clip = c > 0`, each vote is scaled, tensor by tensor, to at most c times
-   the median norm of that tensor over the round's votes. Under `mean`, with `max_influence`
-   f > 0 and a reference (`influence.InfluenceHistory`), each vote is then cut so that its term
-   in the mean is at most f times the median of the block's recent changes (`influence`).
-3. **The rule** over the votes:
-
-    mean           sum_i w_i v_i / sum_i w_i   (w_i: staleness factor x reputation); for
-                   sparse votes (`--wire sparse:...`) per coordinate over the votes that
-                   carry it: sum_i w_i v_i / sum_{i: v_i != 0} w_i
+    mean           sum_i w_i v_i / sum_i w_i (w_i: staleness x reputation x steps share); for
+                   sparse votes per coordinate over the votes that carry it
     median         coordinate-wise median of the votes (unweighted)
-    trimmed_mean   per coordinate, drop the k smallest and k largest and average the rest,
-                   k = max(tolerate, ceil(trim * n)); refused when n <= 2k
-    centered_clip  Karimireddy et al. 2021 (arXiv 2012.10333): from the coordinate median v,
-                   3 times v <- v + mean_i clip(v_i - v, tau), tau the median distance to v
+    trimmed_mean   per coordinate, drop k = max(tolerate, ceil(trim * n)) at each end
+    centered_clip  Karimireddy et al. 2021 (arXiv 2012.10333), from the coordinate median
 
-`median` is refused too when n <= 2 * tolerate: with that few votes it is one attacker's
-choice. A refused aggregation commits no change, and says why (`Aggregate.held`).
-
-The result is applied by an outer optimizer. With outer_lr = 1 and no momentum it is plain
-averaging, theta + mean delta. With momentum mu it is DiLoCo's outer Nesterov step (Douillard
-et al. 2023, arXiv 2311.08105) on the outer gradient g = -delta:
-
-    m <- mu * m + g;   theta <- theta - lr * (g + mu * m)
-
-All arithmetic is fp32 whatever the wire dtype.
-"""
+`median` and `trimmed_mean` commit no change when n <= 2 * tolerate (`Aggregate.held`). The
+outer optimizer is DiLoCo's Nesterov step on g = -delta (plain averaging with lr 1 and no
+momentum). All arithmetic is fp32 whatever the wire dtype."""
 
 from __future__ import annotations
 
@@ -60,13 +38,9 @@ def weighted_mean(
     *,
     per_coordinate: bool = False,
 ) -> Tensors:
-    """sum_i w_i v_i / sum_i w_i in fp32, each tensor of v_i first multiplied by its factor in
-    `scales` (clipping, folded in: no scaled copy of any vote is made).
-
-    `per_coordinate` (sparse votes): each coordinate is divided by the weight of the votes that
-    carry it, those whose value there is non-zero before clipping, instead of by all the weight
-    (a coordinate that one of two votes sent is that vote's value, not half of it); a
-    coordinate no vote carries stays 0."""
+    """sum_i w_i v_i / sum_i w_i in fp32, each tensor of v_i scaled by its factor in `scales`
+    (clipping folded in: no scaled copy is made). `per_coordinate` (sparse votes): each coordinate
+    is divided by the weight of the votes that carry it (non-zero there), not by all the weight."""
     if not deltas:
         raise ValueError("nothing to aggregate")
     if len(weights) != len(deltas):
@@ -226,11 +200,9 @@ class Aggregate:
 
 
 class Accumulator:
-    """Collects one round's accepted updates, each kept under its update id until the round
-    closes, so that `discard` can take a revoked identity's updates back out.
-    `per_coordinate`: the votes are sparse, and the mean (of an identity's updates, and of the
-    votes) is taken per coordinate over those that carry it (`weighted_mean`); the other rules
-    see a coordinate a vote did not carry as its 0."""
+    """Collects one round's accepted updates under their update ids until the round closes (so
+    that `discard` can take a revoked identity's back out). `per_coordinate`: the votes are sparse,
+    and their means are taken per coordinate (`weighted_mean`)."""
 
     def __init__(
         self, policy: AggregationPolicy | None = None, *, per_coordinate: bool = False

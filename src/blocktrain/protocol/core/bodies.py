@@ -60,10 +60,9 @@ def update_body(
     dtype: str = "fp16",
     steps: int | None = None,
 ) -> bytes:
-    """The body of a push: the delta in the delta wire `dtype` (fp16, bf16, fp32, int8,
-    topk:RATIO or sparse:DENSITY:BITS; see `codecs`), or already compressed by a worker's `codecs.DeltaEncoder`, with
-    the metadata the aggregator's validators read (`steps`: the local steps it took, as the
-    pull told; the simulator builds its pushes with this too)."""
+    """The body of a push: the delta in the delta wire `dtype` (see `codecs`), or already
+    compressed by a worker's `codecs.DeltaEncoder`, with the metadata the validators read (`steps`:
+    the local steps it took)."""
     if not isinstance(delta, Compressed):
         delta = compress(delta, DeltaWire.parse(dtype))
     meta: dict[str, object] = {

@@ -1,35 +1,13 @@
-"""How a pushed delta travels (the aggregator setting `delta_wire`, flag `--wire`): dense in a
-float dtype, int8 with a scale per row, top-k with error feedback kept on the worker, or sparse:
-chunked top-k with low-bit values and packed indices (docs/protocol.md, Compressed deltas).
+"""How a pushed delta travels (`delta_wire`, flag `--wire`; docs/protocol.md, Compressed
+deltas): dense in a float dtype, int8 with a scale per row, top-k, or sparse (chunked top-k,
+low-bit values, packed indices, `sparse_codec`). Every codec writes plain safetensors parts
+(NAME, NAME#scale, NAME#values, NAME#indices, NAME#scales) and a compressed body names its codec
+in `__metadata__["delta_wire"]`. `decode` turns the parts back into dense tensors, refusing
+(WireError) any that could open a hole (scales not finite, indices out of range or repeated);
+the aggregator then validates the dense tensors as it does fp16 ones.
 
-Every codec writes plain safetensors tensors; a block tensor NAME travels as these parts:
-
-    fp16 | bf16 | fp32   NAME            the delta in that dtype (as before compression existed)
-    int8                 NAME            I8, the block tensor's shape: round(x / scale)
-                         NAME#scale      F32 [rows]: max |x| of the row / 127 (rows = the first
-                                         dimension; a 0-d or 1-d tensor is one row)
-    topk:RATIO           NAME#values     F16 [k]: the k largest-magnitude coordinates
-                         NAME#indices    I32 [k]: their flat indices, ascending, unique
-                                         (k = ceil(RATIO x numel), at least 1)
-    sparse:DENSITY:BITS  NAME#scales      F16 [chunks]: max |x| of each chunk
-                         NAME#values      U8: the kept values' BITS-bit codes, packed
-                         NAME#indices     U8: their indices within their chunk, packed
-
-and a compressed body says which codec it is in `__metadata__["delta_wire"]` ("int8", "topk",
-or for sparse the codec without its worker-side `beta`, e.g. "sparse:0.03:2").
-`decode` turns the parts back into dense fp32 tensors, refusing (WireError) parts that could
-open a hole: scales not finite or negative, indices out of range or repeated, a k beyond the
-tensor. The aggregator then validates the dense tensors exactly as it does fp16 ones.
-
-`DeltaEncoder` is what the worker (`protocol.worker.loop`) and the simulator push with: for a lossy
-codec it adds the residual of the last push (what was not sent) to the new delta before it
-compresses, and keeps the new residual (error feedback, as in DeMo and SparseLoCo), so that over
-rounds everything a worker learned is sent. The sparse codec's `beta` decays that residual
-(delta + beta x residual is compressed; beta = 1 is the plain accumulation of the others).
-
-The codec names (`DeltaWire`, `FULL`, `pull_codec`) are `delta_wire`; the sparse codec's layout,
-packing and checks are `sparse_codec`.
-"""
+`DeltaEncoder` keeps a worker's error-feedback residual (as in DeMo and SparseLoCo), so that
+over rounds everything a worker learned is sent."""
 
 from __future__ import annotations
 
@@ -151,10 +129,9 @@ def check_k(raw: dict[str, RawTensor], shapes: dict[str, tuple[int, ...]]) -> No
 def decode(
     raw: dict[str, RawTensor], shapes: dict[str, tuple[int, ...]], wire: DeltaWire
 ) -> Tensors:
-    """The dense delta of parts whose names, dtypes and shapes were checked against
-    `expected_parts` (and `check_k`): fp16/bf16 stay as they came (the accumulator sums in
-    fp32), int8, top-k and sparse become fp32. WireError bad_scales / bad_indices (sparse: also
-    malformed, for padding bits that are not 0) for parts that do not describe one tensor."""
+    """The dense delta of parts checked against `expected_parts` (and `check_k`): fp16/bf16 as
+    they came, the others fp32. WireError bad_scales / bad_indices / malformed for parts that do not
+    describe one tensor."""
     out: Tensors = {}
     for name, shape in shapes.items():
         if wire.dense:

@@ -1,9 +1,6 @@
-"""How one aggregator setting is declared: `Setting`, what a field declares besides its type
-and default (its doc, its check, its flag if it has one, whether the simulator models it),
-`setting`, the dataclass field that carries it; and the checks several settings share (`positive`,
-`positive_or_none`). `settings.AggregatorSettings` and its bases (`round_settings.RoundSettings`,
-`vote_settings.VoteSettings`) declare each of their fields so.
-"""
+"""How one aggregator setting is declared: `Setting` (its doc, check, flag, whether the
+simulator models it), `setting` (the dataclass field that carries it), and the checks several
+settings share."""
 
 from __future__ import annotations
 

@@ -1,52 +1,15 @@
 """Patient attackers (docs/protocol.md, Aggregation, "Drift"): an identity whose accepted votes
 pass every check of their round but lean, round after round, the same way.
 
-At each commit, every vote of a round of at least MIN_VOTES votes is compared with the votes
-that helped most (`reference`: the max(MIN_REFERENCE, ceil(n / 2)) whose probe effects lowered
-the held-out loss the most; all of them when one was not probed): its residual r = v -
-(coordinate median of the other votes of the reference). Per identity and block a
-count sketch keeps the decayed sum of its residuals in k = min(DRIFT_BUCKETS, params) buckets
-(each coordinate added, with a sign, to one bucket drawn from a secret seed, so that a vote
-cannot be shaped to cancel in its bucket), and the decayed energy E = sum ||r||^2 (decay
-DRIFT_DECAY per vote, squared for E, so that both describe the same recent votes):
-
-    consistency = ||S|| / sqrt(E)                        the whole residual
-    peak        = max_j |S_j| / sqrt(E / k) / sqrt(2 ln 2k)   its most persistent bucket
-
-Each is about 1 for residuals that are independent noise (a random walk, and the largest of k
-Gaussian buckets), and grows like sqrt(t) for a constant direction: consistency when it carries
-a large share of the residual, peak when it is concentrated in a few coordinates (a bias of 3 %
-of the vote on one coordinate). The score is the larger. Past `DriftTracker.bar`
-(`drift_threshold` from `drift_min_rounds` votes on, higher before), the identity is flagged:
-its reputation is halved (as for a harmful update), its updates to the block are refused
-`drift` for the next `drift_min_rounds` rounds, and its sketch starts again.
-
-Why the reference. The residual says that a vote leans against the others, not which side is
-wrong: when leaning identities hold most of a block's votes, the median of all the others is
-the lean, the honest minority's residuals are its mirror image, and the attacker nearest the
-median shows none (bench/adversarial.py, drift_four: four drift attackers against two honest
-replicas; first both honest identities were flagged, +0.21 CE; then, spared by their effects,
-the attackers were flagged at their tenth vote at the earliest, the one nearest their median
-not at all in one run, +0.02 at tiny and +0.060 at small). A drift attacker sizes its lean to
-spend its vote's gain (that is what passing the probe with a bias means), so the votes that
-helped most are the honest ones, and every leaning vote's residual is read against them.
-
-Unless its votes helped more. Each sketch also keeps the decayed sums of its votes' probe
-effects (the relative change of the block's held-out loss, read when each update was judged)
-and of the median effect of the other votes of its reference in the same rounds: an identity
-whose effects fell further than those it was read against is spared (the honest votes of a
-reference that an attacker got into lean half its lean the other way; the attacker among them
-is not spared by beating its fellows). Rounds with an unprobed vote (the probe off, a restored
-round) add nothing to these sums; with none, every flag stands.
-
-A round of fewer than MIN_VOTES is not observed: one vote has no consensus; two votes' residuals
-are each other's negatives (which one leans cannot be told); with three, each vote's consensus
-is the mean of two, half of it the leaning vote's, so the honest votes lean half as far the
-other way (in a simulation of two honest workers and a drift attacker on a block, an honest one
-was flagged with the attacker). From four, the others' median of three holds against one
-leaning vote. Sketches and flags live in memory (a restart starts them again); a sketch not fed
-for DRIFT_FORGET rounds of its block is dropped, and a flag once its rounds have passed.
-"""
+At each commit of a round of at least MIN_VOTES votes, each vote's residual is read against the
+coordinate median of the votes that helped most (`reference`): with leaning identities the
+majority of a block, the median of all the others is the lean itself (bench/adversarial.py,
+drift_four). Per identity and block a count sketch, its buckets drawn from a secret seed, keeps
+the decayed sum of the residuals and their energy; its score (whole-residual consistency, or its
+most persistent bucket) is about 1 for independent noise and grows like sqrt(t) for a constant
+direction. Past `DriftTracker.bar` the identity is flagged: its reputation halved, its updates
+to the block refused `drift` for `drift_min_rounds` rounds. An identity whose probe effects fell
+further than those it was read against is spared. Sketches and flags live in memory."""
 
 from __future__ import annotations
 
@@ -157,7 +120,7 @@ def _other(ordered: torch.Tensor, rank: torch.Tensor, j: int) -> torch.Tensor:
 
 def reference(effects: Sequence[float]) -> list[int]:
     """The votes residuals are read against: the max(MIN_REFERENCE, ceil(n / 2)) whose probe
-    effects lowered the held-out loss the most (why: the module's "Why the reference"); among
+    effects lowered the held-out loss the most (docs/protocol.md, Drift, says why); among
     honest votes, any half holds the consensus."""
     n = len(effects)
     m = max(MIN_REFERENCE, math.ceil(n / 2))
@@ -247,12 +210,10 @@ class DriftTracker:
         return flagged
 
     def bar(self, votes: int) -> float:
-        """The score that flags after `votes` observed votes: the threshold from min_rounds on,
-        and before, threshold x sqrt(min_rounds / votes). A constant lean's score grows like
-        sqrt(votes), so one that would pass the threshold only at min_rounds is flagged then,
-        as before, and a bolder one as soon as its score shows it (drift_four: the attackers
-        scored 28 at their first vote, bar 15.8), while the bar never falls below the threshold
-        that no honest identity has reached."""
+        """The score that flags after `votes` observed votes: the threshold from min_rounds on, and
+        threshold x sqrt(min_rounds / votes) before: a constant lean's score grows like sqrt(votes), so
+        a bolder one is flagged sooner (drift_four: 28 at the first vote, bar 15.8), and the bar never
+        falls below the threshold no honest identity reached."""
         return self.threshold * math.sqrt(max(1.0, self.min_rounds / votes))
 
     def standing(self, block: int, identity: Hashable, open_round: int) -> Verdict:

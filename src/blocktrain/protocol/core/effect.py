@@ -1,12 +1,8 @@
 """Judging an update by its effect (docs/protocol.md, Effect probe): the block's own loss on a
 fixed held-out slice, window by window, before and after the update (a paired test); the
 first-order gain of its direction against what its magnitudes gain by chance (the gain test);
-and a reputation per identity built from those verdicts.
-
-The protocol never imports the model, so the probe is injected: `EffectProbe` is the type, and
-`training.probe.BlockProbe` the implementation that `cli/aggregator.py` and the simulator wire
-in. It is pure in (block, weights, delta): fixed batch, fixed noise, fixed sigmas.
-"""
+and a reputation per identity built from those verdicts. The probe is injected (`EffectProbe`;
+`training.probe.BlockProbe` implements it): the protocol never imports the model."""
 
 from __future__ import annotations
 
@@ -44,10 +40,8 @@ class EffectProbe(Protocol):
         draw: int = 0,
     ) -> torch.Tensor:
         """Block `block`'s loss on each window of the held-out slice of draw `draw` with these
-        weights, (windows,), deterministic: the same bytes, sigmas and noise for every call of
-        one draw (a probe may draw a new slice per draw, or keep one); `others`: the committed
-        versions of the other blocks this aggregator holds, for a model whose blocks read the
-        blocks before them."""
+        weights, (windows,), deterministic for one draw; `others`: the other blocks' committed
+        versions, for blocks that read the blocks before them."""
         ...
 
     def gradient(
@@ -122,11 +116,9 @@ class Effect:
 
 @dataclass(frozen=True)
 class HonestBand:
-    """The relative effects of a block's last BAND_WINDOW accepted updates: how far its
-    workers' updates move the held-out loss at this point of the run. It decides only whether
-    a refused update costs reputation, never whether one is accepted, so the most a majority
-    of hostile identities can do with it is narrow it back to the tolerance. Immutable, so
-    `check` may read it outside the lock."""
+    """The relative effects of a block's last BAND_WINDOW accepted updates. It decides only
+    whether a refused update costs reputation, never whether one is accepted, so a hostile
+    majority can at most narrow it back to the tolerance. Immutable (read outside the lock)."""
 
     recent: tuple[float, ...] = ()
 
@@ -150,26 +142,16 @@ def judge_effect(
     z: float = 0.0,
     gain_z: float = 0.0,
 ) -> Verdict:
-    """Accept an update only if its direction gains more than chance (`gain_z` above
-    `gain_z` of its chance standard deviations: `probe_gain_z`) and the slice's loss lowers,
-    or rises by less than `z` of its own standard errors (`probe_z`; 0: only a fall).
+    """Accept an update only if its direction gains more than `gain_z` chance standard deviations
+    (`probe_gain_z`) and the slice's loss falls, or rises by less than `z` of its own standard
+    errors (`probe_z`; 0: only a fall).
 
-    Both thresholds come from the update itself, not from its peers', so a majority of hostile
-    identities cannot loosen them (bench/adversarial.py: while the honest band decided
-    acceptance, four tokens on one block shifted it, their updates were accepted and the block
-    was wrecked, +2.0 CE). The gain test is what refuses noise: the windows' changes move
-    together (the slice shares most of its gradient), so their standard error is no measure of
-    what a random direction gains, and Gaussian noise read up to 35 standard errors of fall at
-    the tiny preset (`bench/honest_spread.py`), passing the paired test at any norm up to the
-    bound; against its chance deviation it reads as the standard normal it is, while honest
-    updates read tens of them.
-
-    A refused update costs reputation (`harmful`) only if it raises the loss by more than
-    `tolerance` (relative) and more than the upper edge of its block's honest band. Otherwise
-    it is `no_gain`, which costs nothing: late in a run an honest replica's delta raises the
-    slice's loss about as often as it lowers it (cluster_small), and penalising that noise
-    excluded every honest worker. `no_gain` also keeps votes that do nothing from diluting
-    those that train, e.g. a majority shrinking a block whose output is still zero."""
+    Both thresholds come from the update itself, so a hostile majority cannot loosen them (while
+    the honest band decided acceptance, four tokens on one block wrecked it, +2.0 CE). The gain
+    test is what refuses noise: the windows' changes move together, and Gaussian noise read up to
+    35 standard errors of fall (bench/honest_spread.py). A refused update costs reputation
+    (`harmful`) only past `tolerance` and its block's honest band; otherwise it is `no_gain`, free:
+    late in a run an honest delta raises the slice's loss about as often as it lowers it."""
     gained = effect.gain_z > gain_z  # NaN is refused
     lowers = effect.after < effect.before or effect.relative < z * effect.stderr
     if gained and lowers:
@@ -189,10 +171,8 @@ def judge_effect(
 
 
 def helped(judged: Verdict, effect: Effect) -> bool | None:
-    """How a probed update scores its identity's reputation: True (helpful) when it was
-    accepted and the slice's loss fell, False when it was harmful, None (no change) otherwise:
-    an update the paired test tolerates (a rise within `probe_z` standard errors) is not a
-    measured gain, and a refused one earns nothing."""
+    """How a probed update scores its identity's reputation: True when it was accepted and the
+    loss fell, False when harmful, None otherwise (a tolerated rise is not a measured gain)."""
     if judged.accepted:
         return True if effect.after < effect.before else None
     return False if judged.reason == "harmful" else None
@@ -200,9 +180,9 @@ def helped(judged: Verdict, effect: Effect) -> bool | None:
 
 @dataclass
 class Reputation:
-    """Each identity's standing in [0, 1], from 1: a harmful update halves it, a helpful one
-    adds REWARD. It weights the identity's vote; below `minimum` its updates are refused, but
-    still probed, so that a helpful one earns its way back (a false verdict is not forever)."""
+    """Each identity's standing in [0, 1], from 1: a harmful update halves it, a helpful one adds
+    REWARD. It weights the identity's vote; below `minimum` its updates are refused, but still
+    probed, so that a helpful one earns its way back."""
 
     minimum: float
     scores: dict[Hashable, float] = field(default_factory=dict)
@@ -229,11 +209,9 @@ class Reputation:
 
 
 class ProbeCache:
-    """The probe, and each block's loss and gradient before, computed once per weights objects
-    (a commit replaces a block's weights dict and never changes one in place, so every update
-    of a round is compared with the same numbers while no block it reads moves). Each new
-    "before" is a new draw of the probe's slice, so the slice changes with every committed
-    version."""
+    """The probe, and each block's loss and gradient before, computed once per weights objects (a
+    commit replaces a block's weights dict, never changes one in place); each new "before" is a new
+    draw of the probe's slice."""
 
     def __init__(self, probe: EffectProbe) -> None:
         self.probe = probe

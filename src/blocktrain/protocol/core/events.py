@@ -1,8 +1,6 @@
-"""What the round engine (`round_engine.RoundEngine`) holds and hands its drivers: a block as
-it holds it, a registration, a pull, an update's content verdict (`Checked`), a place at the
-effect probe, a commit; the listeners a driver hooks in, and the accumulator and body limit
-derived from the settings.
-"""
+"""What the round engine holds and hands its drivers: a block, a registration, a pull, an
+update's content verdict (`Checked`), a commit; the listeners a driver hooks in, and the
+accumulator and body limit derived from the settings."""
 
 from __future__ import annotations
 

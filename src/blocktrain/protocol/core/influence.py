@@ -1,20 +1,14 @@
 """Influence bounded up front (docs/protocol.md, Aggregation, "The influence bound"): under the
-`mean` rule no identity's term in a round's aggregate may exceed `max_influence` (f) times a
-reference that no round's votes can move, the median of the block's last INFLUENCE_WINDOW
-recorded changes, tensor by tensor.
+`mean` rule no identity's term in a round's aggregate may exceed `max_influence` (f) times the
+median of the block's last INFLUENCE_WINDOW recorded changes, tensor by tensor, a reference no
+round's votes can move (the clip of `aggregation.clip_scales` is relative to the round's own
+median, which a hostile majority sets):
 
-The clip of `aggregation.clip_scales` is relative to the round's own median vote norm, which a
-hostile majority sets. This one is relative to the past: vote i's term in the mean is
-share_i x s_i x ||v_i|| with share_i = w_i / sum_j w_j (weight: staleness x reputation x pacing
-share; per coordinate over the votes that carry it for sparse votes), and s_i is cut until
+    share_i x s_i x ||v_i[t]|| <= f x R[t]
 
-    share_i x s_i x ||v_i[t]|| <= f x R[t],   R[t] = median of the last 8 recorded ||delta[t]||
-
-What is recorded is each committed round's aggregate before this clip (with `clip` applied),
-and at most INFLUENCE_GROWTH x R[t]. Not the clipped step: in a block of one or two honest
-identities their own terms exceed f x R (a lone identity's term is the whole change), so a
-reference fed by the clipped steps would shrink with every round and starve the block.
-"""
+What is recorded is each round's aggregate before this cut, at most INFLUENCE_GROWTH x R[t]: a
+reference fed by the cut steps would shrink with every round in a block of one or two honest
+identities (a lone identity's term is the whole change) and starve it."""
 
 from __future__ import annotations
 
@@ -96,10 +90,9 @@ def influence_scales(
     fraction: float,
     scales: Sequence[Mapping[str, float]] | None = None,
 ) -> list[dict[str, float]] | None:
-    """Per vote and tensor, the factor (at most its factor in `scales`, the `clip` one) that
-    keeps its term within fraction x reference; None when no vote needs cutting. A tensor whose
-    reference is 0 (no recorded round changed it) keeps its `scales` factor: a zero bound would
-    freeze it for good."""
+    """Per vote and tensor, the factor (at most its `scales` one) that keeps its term within
+    fraction x reference; None when no vote needs cutting. A tensor whose reference is 0 keeps its
+    `scales` factor: a zero bound would freeze it for good."""
     out: list[dict[str, float]] = []
     cut = False
     for i, vote_terms in enumerate(terms):

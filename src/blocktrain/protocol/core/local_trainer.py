@@ -1,8 +1,5 @@
 """What a worker trains and what drives it: the unit of a run (`UNITS`) and the interface of a
-replica's trainer (`LocalTrainer`), which the worker loop (`protocol.worker.loop.WorkerLoop`) and
-the simulator (`simulate.engine`) call alike. The CLI plugs in
-`training.local.LocalBlockTrainer`; this package never builds a model.
-"""
+replica's trainer (`LocalTrainer`), which the worker loop and the simulator call alike."""
 
 from __future__ import annotations
 
@@ -62,9 +59,7 @@ class ResumableTrainer(LocalTrainer, Protocol):
 @runtime_checkable
 class RelayTrainer(LocalTrainer, Protocol):
     """A trainer of `route = relay` (docs/model.md): it trains on the stream the replicas of the
-    block before relay (their bytes and clean-stream output), and relays its own for the next
-    block; `training.local.LocalBlockTrainer` is one. The loop and the simulator move streams
-    as payload: they never look inside."""
+    block before relay, and relays its own; the loop and the simulator never look inside a stream."""
 
     relays_from: int | None
     """The block whose stream it trains on (None: it draws its own batches, as block 0)."""

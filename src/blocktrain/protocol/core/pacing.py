@@ -1,32 +1,11 @@
 """Pacing (docs/protocol.md, Pacing): the local steps each worker is told at a pull.
 
-With `pacing = "fixed"` every worker runs H = `local_steps` steps a round, as it always did. With
-"adaptive" the aggregator sizes each worker's steps from its measured speed, so that its update
-fits in the round's deadline: a slow box runs fewer steps and still contributes, instead of being
-refused `late` round after round.
-
-Measuring. At each pull the engine notes when the worker pulled and the steps it was told; when
-the worker's push for that round is judged (accepted or refused, `late` included; not `busy` nor
-a `duplicate`), the time from the pull to the push over the steps the push took is one reading of
-its seconds per step. The reading includes the worker's transfers and its wait for the
-aggregator, so steps sized from it fit the whole round trip: with o the fixed cost and s the
-time of a step, a reading after h steps is o / h + s, and sizing h' = m T / (o / h + s) settles
-where o + h s = m T. The last `KEEP` readings are kept, in memory (a restart forgets them), and
-their median is the worker's pace: one slow round does not move it.
-
-Sizing. At a pull with `left` seconds to the round's deadline (the whole deadline for the pull
-that starts the round's clock), h = floor(pacing_margin x left / pace), clamped to
-[`fewest_steps(H)`, H]; H while the worker has no reading (its first round, after a restart) and
-always under fixed pacing. The pull's answer says h (`X-Local-Steps`); the worker runs h steps,
-its learning-rate schedule still at step version x H + i, and declares them (`__metadata__`
-`steps`).
-
-Judging. An update may not declare more steps than its pull was told (H when it names another
-round than the worker's last pull): more is refused `bad_metadata`. A push that declares none
-predates pacing and counts as H steps. An accepted update's vote weighs steps / H (times its
-staleness factor and its identity's reputation), so a shorter update counts for less, as fewer
-tokens do in FedAvg's mean.
-"""
+`fixed`: H = `local_steps` for everyone. `adaptive`: a worker's pace is the median of its last
+KEEP readings of (push time - pull time) / steps, which includes its transfers, so sized steps
+fit the whole round trip; a pull with `left` seconds to the deadline tells it h =
+floor(pacing_margin x left / pace), clamped to [`fewest_steps(H)`, H] (H before any reading).
+An update may not declare more steps than its pull was told (`bad_metadata`); one that declares
+none counts as H. An accepted vote weighs steps / H, as fewer tokens do in FedAvg's mean."""
 
 from __future__ import annotations
 

@@ -15,9 +15,7 @@ def in_time(closed: RoundClosed) -> int:
 
 
 def participation(in_time: int, expected: int) -> float:
-    """The participation of one round, or of several summed (docs/protocol.md, Accounting):
-    updates of the round itself accepted, over the replicas it expected. Updates counted late
-    (staleness > 0) are not in the numerator: they are the previous round's participation,
-    come too late. A round that expected nobody has participation 1 if it accepted an update
-    of its own, else 0."""
+    """Updates of the round itself accepted, over the replicas it expected (of one round, or of
+    several summed); updates counted late are the previous round's participation, come too late. A
+    round that expected nobody has participation 1 if it accepted an update of its own, else 0."""
     return in_time / expected if expected else float(in_time > 0)

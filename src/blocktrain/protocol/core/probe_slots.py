@@ -10,7 +10,7 @@ from collections.abc import Hashable
 
 from blocktrain.protocol.core.effect import ProbeCache
 from blocktrain.protocol.core.events import EngineBlock, ProbeSlot
-from blocktrain.protocol.core.rounds import Registry
+from blocktrain.protocol.core.registry import Registry
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.core.verdict import Verdict
 
@@ -32,11 +32,10 @@ class ProbeSlots:
     probing: int
 
     def reserve_probe(self, worker: int, block: int) -> tuple[Verdict, ProbeSlot | None]:
-        """A place at the effect probe for an update of `worker` that passed the cheap checks
-        (`inspect`, `judge`): refused `busy` when its identity already holds or spent
-        `probe_budget` places in the block's open round (a refused update that reached the
-        probe keeps its place spent until the round closes), or when PROBE_SLOTS updates hold
-        one. Give it back with `release_probe`. No slot when the probe is off."""
+        """A place at the effect probe for an update of `worker` that passed the cheap checks:
+        refused `busy` when its identity holds or spent `probe_budget` places in the block's open round
+        (a refused update keeps its place spent), or when PROBE_SLOTS updates hold one. Give it back
+        with `release_probe`. No slot when the probe is off."""
         if self.probe is None:
             return Verdict.ok(), None
         spent_out = self.budget_spent(worker, block)
@@ -57,10 +56,8 @@ class ProbeSlots:
         return Verdict.ok(), ProbeSlot(block, open_round, identity)
 
     def budget_spent(self, worker: int, block: int) -> Verdict | None:
-        """`busy` when `worker`'s identity already holds or spent its `probe_budget` places in
-        the block's open round (None when it has one left, or the probe is off). Until the
-        round closes, every update of the identity to the block is then refused before the
-        probe, whatever its body: so a driver may refuse a push before reading its body."""
+        """`busy` when `worker`'s identity holds or spent its `probe_budget` places in the block's
+        open round (None otherwise): a driver may refuse a push before reading its body."""
         if self.probe is None:
             return None
         identity = self.registry.identity(worker)

@@ -1,47 +1,16 @@
-"""Compressed pulls: a version sent as a delta from the weights a worker already holds.
+"""Compressed pulls (docs/protocol.md, Compressed pulls): a version sent as a delta from the
+weights a worker already holds, its *view* (named by `view_id`, a SHA-256 of its tensors).
 
-A worker that pulled block b holds a *view* of it: the tensors exactly as they arrived, in the
-wire dtype, named by `view_id` (a SHA-256 of their names, dtypes, shapes and bytes). When the
-aggregator's `pull_wire` is int8, topk:RATIO or sparse:DENSITY:BITS (by default, whenever
-pushes are compressed) and `exact_pulls` is off, the worker asks for the next version *from its
-view*:
+With `exact_pulls` off, the worker asks `GET .../versions/{v}/delta?base=VIEW&wire=CODEC` and
+gets compress(W_v - view): each delta is taken against the view, so what one left out is in the
+next (error feedback in the construction). Both sides compute the new view with the same
+elementwise operations and agree bit for bit; on a mismatch, or a base no longer held
+(`unknown_base`), the worker pulls whole.
 
-    GET /v1/blocks/{b}/versions/{v}/delta?base=VIEW&wire=CODEC
-
-and gets compress(W_v - view) in that codec: the same parts as a push (`codecs`), with
-`__metadata__` block, version, base, view (the id of the result) and delta_wire. The new view
-is `apply(view, decoded delta)`: the sum in fp32, rounded to the wire dtype. Both sides compute
-it with the same elementwise operations, so they agree bit for bit; the worker checks this
-against the id the aggregator sent, and on a mismatch, or a base the aggregator no longer holds
-(404 `unknown_base`), it pulls the whole version instead.
-
-Error feedback lies in the construction. Each delta is taken against the view, not against the
-last version, so what one delta did not carry (int8 rounding, top-k's small coordinates) is
-still in the next one: a chained view stays within one delta's error of the weights instead of
-drifting.
-
-**Exact pulls** (the setting `exact_pulls`, on by default) go further. The aggregator commits
-every new version in the pull codec itself (`commit_step`): the new weights are the old plus the
-step *as the codec carries it*, and what the codec left out waits in a remainder at the
-aggregator, added to the next step (error feedback on the aggregator's side, as DoubleSqueeze
-has it; SparseLoCo's peers likewise all apply the same compressed messages). The delta of
-version v is then that commit's body (`Commits`), the same for every worker:
-
-    GET /v1/blocks/{b}/versions/{v}/delta?wire=CODEC
-
-and a worker that holds a view of version v - 1 applies it (`read_commit`). One that pulled the
-block whole once holds the weights up to that pull's rounding, a constant, for as long as it
-pulls each version: nobody trains from a view that lags the weights, and the aggregator
-remembers no worker's view. Views are then fp32 (the wire dtype's values, widened), so that no
-small step is rounded away. A worker more than one version behind walks the versions one at a
-time; a commit no longer held is `version_gone`, and the worker pulls whole.
-
-The URL names everything its answer depends on: the version (never changes), the base (by its
-contents) and the codec. It is therefore as immutable, and as cacheable, as the version itself.
-The aggregator remembers the last few views of each block (those it sent whole or as deltas),
-or under exact pulls the last few commits; after a restart it holds none, and each worker pulls
-one whole version again.
-"""
+Exact pulls (the default) commit every version as the pull codec carries it (`commit_step`,
+the remainder waiting at the aggregator, as in DoubleSqueeze): the delta of version v is that
+commit's body (`Commits`), the same for every worker, and views are fp32. A URL names all its
+answer depends on, so it is as immutable and cacheable as the version."""
 
 from __future__ import annotations
 
@@ -232,10 +201,9 @@ def _tagged(body: bytes) -> str:
 
 
 class Commits:
-    """The aggregator's side under exact pulls: the last KEEP_COMMITS commits of each block,
-    each encoded once, with `__metadata__` block, version, base_version (the version before)
-    and delta_wire. Every worker gets the same body, whatever it holds, so a commit is as
-    cacheable as a version and the aggregator remembers no worker's view."""
+    """The aggregator's side under exact pulls: the last KEEP_COMMITS commits of each block, each
+    encoded once (`__metadata__` block, version, base_version, delta_wire): the same body for every
+    worker, as cacheable as a version."""
 
     def __init__(self, codec: DeltaWire, keep: int = KEEP_COMMITS) -> None:
         self.codec = codec

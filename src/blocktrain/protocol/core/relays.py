@@ -1,13 +1,8 @@
 """Relayed streams (`route = relay`, docs/protocol.md "Relayed streams"): what the replicas of
-block b computed in their rounds, held for the workers of block b+1 to train on.
-
-A worker of block b pushes its round's stream after its delta; a worker of block b+1 takes
-one before it pulls its own round. `RelayPool` decides which, the same for the aggregator and
-the simulator: the newest round's streams first, and among them the one handed out least (so
-that the replicas of block b+1 train on different replicas' sequences), never one the taker
-has trained on already. It keeps the streams of the last `keep` rounds of the block and at most
-`max_bytes` in all (the oldest go first), and nothing here reads a clock.
-"""
+block b computed in their rounds, held for the workers of block b+1 to train on. `RelayPool`
+decides which, the same for the aggregator and the simulator: the newest round's first, among
+them the one handed out least (so that b+1's replicas train on different sequences), never one
+the taker trained on already; it keeps the last `keep` rounds, at most `max_bytes` in all."""
 
 from __future__ import annotations
 
@@ -80,10 +75,8 @@ class RelayPool:
         return max((r for r, _ in self._streams), default=None)
 
     def take(self, taker: Hashable, *, reuse: bool = False) -> Relayed | None:
-        """The stream for worker `taker`: of the newest round that holds one it has not trained
-        on, the least handed out (then the lowest worker id). None when there is no such stream;
-        with `reuse`, it then gets the newest stream again rather than nothing (a taker that
-        may not wait any longer)."""
+        """The stream for worker `taker`: of the newest round holding one it has not trained on, the
+        least handed out (then the lowest worker id); None when none, or with `reuse` the newest again."""
         seen = self._taken.setdefault(taker, set())
         fresh = [s for s in self._streams.values() if s.key not in seen]
         pool = fresh or (list(self._streams.values()) if reuse else [])
@@ -96,10 +89,6 @@ class RelayPool:
         chosen.taken_by.add(taker)
         seen.add(chosen.key)
         return chosen
-
-    def has_fresh(self, taker: Hashable) -> bool:
-        seen = self._taken.get(taker, set())
-        return any(s.key not in seen for s in self._streams.values())
 
     @property
     def nbytes(self) -> int:

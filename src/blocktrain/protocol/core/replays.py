@@ -1,19 +1,12 @@
-"""The replay screen of the round engine: an update is bound to its worker, round and base
-version, and its tensors are not a near-copy of recent ones. `RoundEngine` takes it as a
-mixin; it reads the engine's registry, its blocks' rounds, each worker's last pull (`pulled`)
-and the sketches of recent bodies (`seen`), which the engine prunes when a round commits.
+"""The replay screen of the round engine (a mixin of `RoundEngine`; docs/protocol.md,
+Replays): an update is bound to its worker, round and base version, and its tensors are not a
+near-copy of recent ones.
 
-A body's sketch (`Sketcher`) is a count sketch of its dense delta: each coordinate added, with
-a sign, to one of SKETCH_DIMS buckets, normalised to unit length. Two deltas' sketch distance
-estimates the distance between their directions, ||a/|a| - b/|b|||, within about
-sqrt(2 / SKETCH_DIMS) = 9 % of it: a copy with one value moved by one ulp, or with noise of
-1e-3 of its norm, or rescaled, reads about 1e-7, 1e-3 and 0; honest replicas of one block read
-0.2 and more (`copy_distance`, docs/protocol.md, Replays). Buckets and signs are drawn from the
-engine's secret: with them known, a perturbation of one coordinate per bucket with the bucket's
-signs would move a sketch sqrt(params / SKETCH_DIMS) times more than the delta (44x at the
-tiny preset), so a near-copy could be made to read far away. They follow a tensor's name and
-size, not its block, so the bodies of blocks of one shape compare too.
-"""
+A body's sketch (`Sketcher`) is a unit-length count sketch of its dense delta (SKETCH_DIMS
+buckets): two sketches' distance estimates the distance between the deltas' directions within
+about 9 %: copies moved by one ulp, by noise of 1e-3 of the norm or rescaled read 1e-3 or less,
+honest replicas 0.2 and more (`copy_distance`). Buckets and signs are drawn from the engine's
+secret: known, they would let a near-copy be made to read far away."""
 
 from __future__ import annotations
 
@@ -24,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from blocktrain.protocol.core.events import Checked, EngineBlock
-from blocktrain.protocol.core.rounds import NOT_A_REPORT, Registry
+from blocktrain.protocol.core.registry import Registry
+from blocktrain.protocol.core.rounds import NOT_A_REPORT
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.core.verdict import Verdict
 
@@ -93,15 +87,11 @@ class ReplayScreen:
     pulled: dict[int, tuple[int, int, int]]
 
     def screen(self, worker: int, block: int, checked: Checked) -> Verdict:
-        """The replay verdict on an update that passed `inspect` and `judge`: it is bound to
-        its worker, round and base version, and its tensors are not a near-copy. Refused
-        `replay` when its metadata names another worker than the one pushing it, or another
-        round or version than that worker's last pull of the block (when this engine saw
-        one), or when its sketch lies within `copy_distance` of one of its identity's
-        accepted bodies; `copy` when within it of another identity's body, pushed or
-        accepted; in the last `replay_rounds` rounds of any block. An identity's own body
-        that was not accepted may come again (a retry after `busy` or `late`). Read-only;
-        `record` remembers the sketch."""
+        """The replay verdict on an update that passed `inspect` and `judge` (read-only; `record`
+        remembers the sketch). `replay`: its metadata names another worker, or another round or
+        version than the worker's last pull, or its sketch lies within `copy_distance` of one of its
+        identity's accepted bodies; `copy`: within it of another identity's body, pushed or accepted,
+        in the last `replay_rounds` rounds. An identity's own refused body may come again (a retry)."""
         meta, candidate = checked.meta, checked.candidate
         assert meta is not None and candidate is not None
         if meta.worker_id is not None and meta.worker_id != worker:
@@ -150,9 +140,8 @@ class ReplayScreen:
         return Verdict.ok()
 
     def _remember(self, block: int, checked: Checked, identity: Hashable, verdict: Verdict) -> None:
-        """Keep the sketch of a pushed body (one that was judged: not a replay or a copy, and
-        not refused before its round was), for `screen`; a body near one its identity pushed
-        before updates that entry."""
+        """Keep the sketch of a judged body for `screen` (one near a body its identity pushed before
+        updates that entry)."""
         sketch = None if checked.candidate is None else checked.candidate.sketch
         if sketch is None or verdict.reason in NOT_A_REPORT or verdict.reason in ("replay", "copy"):
             return

@@ -1,33 +1,14 @@
-"""The round engine: every decision the aggregator takes, written once, in memory.
+"""The round engine: every decision the aggregator takes, written once, in memory. Time is
+always passed in; nothing here reads a clock, sleeps or does I/O. Two drivers share it:
+`service.AggregatorService` (wall clock, persists each event, serves HTTP) and
+`simulate.SimAggregator` (virtual clock, one process).
 
-`RoundEngine` holds each block's weights, round state machine (`rounds.BlockRounds`) and
-accumulator, and the worker registry. It assigns blocks, records pulls, checks an update's
-content (`bodies.decode`, `validation.validate`), judges its timing, accumulates it, closes rounds
-and applies the outer optimizer. Time is always passed in; nothing here reads a clock, sleeps or
-does I/O.
-
-Two drivers, no second copy of a decision:
-
-    protocol.service.AggregatorService   wall clock; persists each event (ledger rows, pending
-                                         bodies, committed versions) and serves it over HTTP
-    simulate.SimAggregator               virtual clock; one process
-
-An update goes through `inspect` (its form: size, safetensors, the validator chain), `judge`
-(timing, read-only: duplicate, late, stale, and no more local steps than the pull was told:
-`pacing.Pacer`, which also sizes each pull's steps), then, when a probe is wired in, `reserve_probe`
-(the identity's probe budget for the round, and the probe's bounded queue), `finish` (its
-effect on the block's held-out loss, and the identity's standing) and `release_probe`, then
-`record` (the round's state, the identity's reputation and, if accepted, the accumulator); a
-driver persists what it must between `judge` and `record`, and calls `tick` afterwards. The
-costly probe runs only for an update that passed every cheap check, and a refused update that
-reached it spends its identity's budget (`probe_budget`). `check` is `inspect` then `finish`
-(for callers that judge timing themselves). A round that closes is committed by
-`tick`: the new weights are computed, handed to every `on_commit` listener (the service writes
-them to disk there, before any pull can see them) and only then published.
-
-What the engine holds and returns is `events`; its replay screen (`screen`) is
-`replays.ReplayScreen` and its places at the probe (`reserve_probe`, `release_probe`)
-`probe_slots.ProbeSlots`, which it takes as mixins.
+An update goes through `inspect` (its form), `judge` (its timing, read-only), then, with a
+probe, `reserve_probe`, `finish` (its effect on the held-out loss) and `release_probe`, then
+`record`; a driver persists what it must between `judge` and `record`, and calls `tick`
+afterwards. The costly probe runs last, only for an update that passed every cheap check. A
+round that closes is committed by `tick`: every `on_commit` listener sees the new weights (the
+service writes them to disk there) before any pull can.
 """
 
 from __future__ import annotations
@@ -62,11 +43,11 @@ from blocktrain.protocol.core.events import (
     max_body_bytes,
 )
 from blocktrain.protocol.core.pacing import Pacer
-from blocktrain.protocol.core.probe_slots import PROBE_SLOTS as PROBE_SLOTS
 from blocktrain.protocol.core.probe_slots import ProbeSlots
 from blocktrain.protocol.core.pulls import commit_step
+from blocktrain.protocol.core.registry import Registry
 from blocktrain.protocol.core.replays import ReplayScreen, Seen, Sketcher
-from blocktrain.protocol.core.rounds import BlockRounds, Registry, RoundClosed
+from blocktrain.protocol.core.rounds import BlockRounds, RoundClosed
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.core.validation import (
     BlockSpec,
@@ -92,8 +73,7 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         reputation: Reputation | None = None,
         seed: int | None = None,
     ) -> None:
-        """`seed`: the secret of the drift tracker's and the replay screen's sketches (None:
-        drawn here; the simulator fixes it, so that a run is a function of its seed)."""
+        """`seed`: the sketches' secret (None: drawn; the simulator fixes it)."""
         seed = secrets.randbits(62) if seed is None else seed
         self.settings = settings
         self.blocks = blocks
@@ -121,9 +101,8 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         """Each block's recent bodies' sketches (the last `replay_rounds` rounds, at most
         REPLAY_ENTRIES; in memory: a restart empties it)."""
         self.pulled: dict[int, tuple[int, int, int]] = {}
-        self.pacer = Pacer(settings)
-        """Each worker's measured seconds per step, and the steps its last pull was told."""
         """worker -> (block, round, version) of its last pull (in memory)."""
+        self.pacer = Pacer(settings)
 
     def use_probe(self, probe: EffectProbe | None) -> None:
         """Judge updates by their effect with `probe` (unless the setting turns it off)."""
@@ -138,8 +117,7 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         probe: EffectProbe | None = None,
         seed: int | None = None,
     ) -> RoundEngine:
-        """Version 0 of every block, round 0, no workers; `seed`: the sketches' secret
-        (`__init__`)."""
+        """Version 0 of every block, round 0, no workers."""
         blocks = {
             b: cls.block(b, {k: v.detach().float().clone() for k, v in w.items()}, None, settings)
             for b, w in sorted(initial.items())
@@ -176,13 +154,10 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         allowed: Collection[int] | None = None,
         resume: int | None = None,
     ) -> Registered:
-        """Assign a block (the requested one, else the fewest live identities among `allowed`,
-        finished blocks last); `new_id(block)` names the worker (the ledger's row id, or a
-        counter); `token` is the identity it speaks for (`Registry.identity`). A token at its
-        `max_workers_per_token` has its oldest workers retired first, so that a worker that
-        restarts rejoins at once and a token never holds more workers than allowed. `resume`:
-        the id of a worker taken back (the driver checked it is the token's, and `new_id`
-        returns it), never retired for itself."""
+        """Assign a block (the requested one, else the fewest live identities among `allowed`);
+        `new_id(block)` names the worker. A token at its `max_workers_per_token` has its oldest
+        workers retired first, so that a restarted worker rejoins at once. `resume`: the id of a
+        worker taken back, never retired for itself."""
         self.tick(now)
         replaced: list[int] = []
         if token is not None:
@@ -224,8 +199,7 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         return PullEvent(view, started and view.deadline is not None, steps)
 
     def inspect(self, block: int, body: bytes | bytearray) -> Checked:
-        """The form verdict on an update body: size, safetensors, the validator chain. Cheap,
-        and changes no state, so a driver may call it outside its lock."""
+        """The form verdict on an update body; changes no state (callable outside a lock)."""
         if len(body) > self.max_body:
             detail = f"the body declares {len(body)} bytes; the limit is {self.max_body}"
             return Checked(Verdict.refuse("too_large", detail), None)
@@ -240,11 +214,9 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         return Checked(verdict, candidate)
 
     def finish(self, checked: Checked, worker: int | None = None) -> Checked:
-        """After `inspect` (and, for a driver, `judge` and `reserve_probe`): `worker`'s
-        identity's standing, and (unless off) the effect probe against the block's current
-        weights. An excluded identity's update is refused, but probed all the same. Changes no
-        state, so a driver may call it outside its lock (the probe, the costly part, should
-        run there)."""
+        """`worker`'s identity's standing, then the effect probe against the block's weights
+        (an excluded identity's update is probed all the same). Changes no state, so the costly
+        probe may run outside the driver's lock."""
         verdict, candidate = checked.verdict, checked.candidate
         if not verdict.accepted or candidate is None:
             return checked
@@ -268,22 +240,14 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         return Checked(judged if verdict.accepted else verdict, candidate, effect, judged)
 
     def check(self, block: int, body: bytes | bytearray, worker: int | None = None) -> Checked:
-        """`inspect`, then `finish`: the whole content verdict, for a caller that judges the
-        timing itself (a driver judges it between the two, so that the probe runs last)."""
+        """`inspect`, then `finish`, for a caller that judges the timing itself."""
         return self.finish(self.inspect(block, body), worker)
 
     def judge(self, worker: int, block: int, meta: UpdateMeta, now: float) -> Verdict:
-        """The timing verdict on an update that passed `check` (closing due rounds first).
-        Changes no update state: `record` the verdict once the driver has stored it. A worker
-        no longer registered on `block` (retired for a newer worker of its token, or gone) is
-        refused: its vote would otherwise count as an identity of its own; one that declares
-        more local steps than its pull was told is refused `bad_metadata` (`pacing`); one whose
-        identity is flagged on the block for drift is refused `drift` (`drift.DriftTracker`); and
-        one whose identity already has `max_workers_per_token` updates in the block's open round
-        is refused `duplicate`: a token that re-registers after each push (each new worker a
-        first report) still casts one vote a round, but every such push was probed
-        (bench/live_attacks.py, push_flood: 102 of a flooding token's pushes accepted in 30 s,
-        10 a round)."""
+        """The timing verdict on an update (closing due rounds first); `record` it once the
+        driver has stored it. An identity with `max_workers_per_token` updates in the open round
+        is refused `duplicate`: a token that re-registers after each push still casts one vote a
+        round (bench/live_attacks.py, push_flood: 102 pushes accepted in 30 s before)."""
         self.tick(now)
         assigned = self.registry.block_of(worker)
         if assigned != block:
@@ -303,10 +267,8 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         return self.identity_full(worker, block) or timing
 
     def identity_full(self, worker: int, block: int) -> Verdict | None:
-        """`duplicate` when `worker`'s identity already has `max_workers_per_token` updates in
-        the block's open round (None otherwise). Every further update of the identity would
-        count in that round, whatever round it names, so a driver may refuse a push before
-        reading its body."""
+        """`duplicate` when `worker`'s identity already fills the block's open round (any
+        further update would count there, so a driver may refuse it before reading its body)."""
         identity = self.registry.identity(worker)
         held = sum(e.identity == identity for e in self.blocks[block].acc.entries.values())
         if held < self.settings.max_workers_per_token:
@@ -328,9 +290,9 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         checked: Checked,
         update_id: int = -1,
     ) -> bool:
-        """Record a judged update, accepted or refused at any step, in its round; an accepted
-        one joins the accumulator. Call `tick` afterwards. True when the update started the
-        open round's clock (an update counted late into a round nobody pulled yet)."""
+        """Record a judged update in its round (an accepted one joins the accumulator); call
+        `tick` afterwards. True when it started the open round's clock (counted late into a
+        round nobody pulled yet)."""
         meta = checked.meta
         if meta is None:
             return False  # unreadable: it names no round
@@ -369,9 +331,8 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         return idle and rounds.started_at is not None
 
     def discard(self, block: int, update_ids: Iterable[int]) -> list[int]:
-        """Take accepted updates back out of the open round (the accumulator and the round's
-        accepted list), e.g. those of a revoked or banned token; ids not in the open round are
-        ignored. Returns the ids removed. A round left with none commits no change."""
+        """Take accepted updates (of a revoked or banned token) back out of the open round;
+        returns the ids removed."""
         st = self.blocks[block]
         removed = st.acc.discard(update_ids)
         gone = set(removed)
@@ -390,9 +351,8 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         return committed
 
     def _commit(self, st: EngineBlock, closed: RoundClosed) -> Committed:
-        """Aggregate the round under the influence bound, fed by the block's recorded changes
-        (`influence`), and feed its votes to the drift tracker: an identity it flags loses
-        reputation as for a harmful update (its vote of this round still counts)."""
+        """Aggregate the round under the influence bound; an identity the drift tracker flags
+        loses reputation as for a harmful update (its vote of this round still counts)."""
         drifted: tuple[Drifted, ...] = ()
         if self.drift.on and st.acc.count:
             identities, votes, _ = st.acc.by_identity()

@@ -1,10 +1,6 @@
-"""The first of the aggregator's settings, how a round runs: its deadline, the local steps
-each worker runs (H, fixed or paced), how late an update may still count, and how many rounds a
-block runs. `RoundSettings` is a base of `settings.AggregatorSettings`, whose first fields these
-are: the first rows of docs/protocol.md's settings table and the first keys of a saved state's
-settings. Declared as every setting is (`declaration.setting`); the check on construction is
-AggregatorSettings'.
-"""
+"""The first of the aggregator's settings, how a round runs: its deadline, the local steps H
+(fixed or paced), how late an update may still count, and how many rounds a block runs. A base
+of `settings.AggregatorSettings`, whose first fields these are."""
 
 from __future__ import annotations
 

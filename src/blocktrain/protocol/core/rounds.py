@@ -1,30 +1,16 @@
-"""Rounds and deadlines (docs/protocol.md, "Rounds"): the pure state machine of one block (the
-registry that assigns workers to blocks is `registry.Registry`, re-exported here).
+"""Rounds and deadlines (docs/protocol.md, "Rounds"): the pure state machine of one block.
+Every method that depends on time takes `now`, so the aggregator, the simulator and the tests
+drive exactly this code.
 
-Nothing here reads a clock, sleeps, does I/O or touches tensors: every method that depends on
-time takes `now` (seconds on whatever clock the caller keeps), so the aggregator, the
-single-machine simulator and the tests drive exactly this code, the last two with virtual time.
+Round r of block b opens when r-1 closes, publishing version v; its first pull starts its
+clock (deadline = start + deadline_s). It closes at the deadline; early once every expected
+replica that can still pass has passed (its update accepted; a replica refused in the round can
+no longer pass), or once a quorum passed and the grace period after it; never before the
+minimum round length. It commits v + 1 if an update was accepted, else keeps v.
 
-Life of round r of block b:
-
-    opened    when round r-1 closes (round 0 at the start), publishing version v
-    started   at the first pull of round r: its deadline is started + deadline_s
-    judged    each update: accepted, or refused with a reason (late, stale_version, ...)
-    closed    at the deadline; early once every expected replica that can still pass has
-              passed, or once a quorum of them passed and the grace period after it passed,
-              never before the minimum round length (a replica *passes* when its update of
-              the round is accepted: a refused push is a report, but it never closes a round
-              early; a replica refused in the round can no longer pass it, so the round stops
-              waiting for it)
-    committed version v + 1 if at least one update was accepted, else v (weights kept)
-
-A replica is *expected* in round r if it is still assigned to the block, either pulled round
-r or pushed something for round r-1, and was heard from (registered or reported, accepted or
-not) within the live window. A worker that dies therefore holds its block up for at most one
-deadline: it is expected in the round it died in, which closes at the deadline, and not in the
-next one (it neither pulled it nor pushed for the one before). A worker that pulls every round
-and never pushes stops being expected once the live window passes, and until then the quorum
-closes its rounds after the grace period rather than at the deadline.
+A replica is *expected* in round r if it is still assigned, pulled r or pushed for r-1, and was
+heard from within the live window: a worker that dies holds its block up for one deadline at
+most, and one that only pulls stops being expected once the live window passes.
 """
 
 from __future__ import annotations
@@ -34,8 +20,6 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from blocktrain.protocol.core.registry import Registry as Registry
-from blocktrain.protocol.core.registry import WorkerEntry as WorkerEntry
 from blocktrain.protocol.core.verdict import Verdict
 
 NOT_A_REPORT = frozenset(

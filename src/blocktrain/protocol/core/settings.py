@@ -1,19 +1,10 @@
-"""The aggregator's settings, each declared once: a field of `AggregatorSettings` with its doc,
-its bounds, its command-line flag (a few; every setting is also `--set NAME=VALUE`) and whether
-the simulator models it. The CLI flags and `--set` keys (`cli.common.add_setting_args`), the
-simulator's list of those it leaves out, the check on construction and the table in
-docs/protocol.md are all derived from these declarations.
-Each field is declared with `declaration.setting`; the settings derived from a run (the delta
-norm and token bounds) are `bounds.derived_settings`.
-
-The fields come in three groups, one module each, in this order: how a round runs
-(`round_settings.RoundSettings`), how its votes are screened and combined
-(`vote_settings.VoteSettings`), then the rest, here: the wire, the update limits, registration,
-when a round closes, the live evaluation. The two groups are bases of `AggregatorSettings`.
-
-The settings are saved in the state folder next to the weights (so that a restarted aggregator
-runs the same protocol).
-"""
+"""The aggregator's settings, each declared once (`declaration.setting`): a field of
+`AggregatorSettings` with its doc, bounds, command-line flag (a few; every setting is also
+`--set NAME=VALUE`) and whether the simulator models it, from which the CLI flags and `--set`
+keys (`cli.common.add_setting_args`), the simulator's list of those it leaves out, the check on
+construction and the table in docs/protocol.md are derived. Three groups, in this order: how a round runs
+(`round_settings`), how its votes are combined (`vote_settings`), then the rest, here. Saved in
+the state folder, so that a restarted aggregator runs the same protocol."""
 
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
-"""The sparse codec (after SparseLoCo and DeMo) cuts a matrix [rows, rest] into CHUNK x CHUNK
-tiles (a vector, or a 0-d tensor, into flat chunks of CHUNK^2), keeps the k = ceil(DENSITY x n)
-largest magnitudes of each chunk of n values (at least 1), and sends each kept value as a sign
-and a BITS - 1 bit magnitude level m: value = sign x scale x (m + 1) / 2^(BITS - 1), with scale
-the chunk's max |x| in fp16. No level is zero, so a kept coordinate decodes non-zero whenever
-its chunk's scale is; the aggregator's mean of sparse votes counts, per coordinate, only the
-votes whose value there is non-zero (`aggregation.weighted_mean`, per_coordinate).
-
-A tensor is cut by `layout`; `sparse_encode` writes its parts (scales, values, indices, the
-values and indices packed by `pack`), `sparse_decode` reads them back, refusing (WireError)
-scales that are not finite or negative, padding bits that are not 0 and indices out of their
-chunk or not ascending.
-"""
+"""The sparse codec (after SparseLoCo and DeMo): a matrix is cut into CHUNK x CHUNK tiles (a
+vector into flat chunks of CHUNK^2), the k = ceil(DENSITY x n) largest magnitudes of each chunk
+are kept, each as a sign and a BITS - 1 bit level m: value = sign x scale x (m + 1) /
+2^(BITS - 1), scale the chunk's max |x| in fp16. No level is zero, so a kept coordinate decodes
+non-zero and the mean of sparse votes can count, per coordinate, the votes that carry it.
+`sparse_decode` refuses (WireError) bad scales, padding bits that are not 0 and indices out of
+their chunk or not ascending."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""The aggregator's settings of how a round's votes are screened and combined: the aggregation
-rule (with its trimming, tolerance, clipping and weighting), the defences that judge each update
-(the effect probe and its budget, the replay screen, reputation), and the outer optimizer that
-applies the aggregate. `VoteSettings` is a base of `settings.AggregatorSettings`, whose fields
-follow `round_settings.RoundSettings`' and precede its own, in docs/protocol.md's settings table
-and in a saved state's settings alike. Declared as every setting is (`declaration.setting`); the
-check on construction is AggregatorSettings'.
-"""
+"""The aggregator's settings of how a round's votes are screened and combined: the rule (with
+its trimming, tolerance, clipping and weighting), the defences that judge each update, and the
+outer optimizer. A base of `settings.AggregatorSettings` (its fields follow RoundSettings')."""
 
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 import anyio
-from fastapi import Depends, FastAPI, Header, Path, Query, Request
+from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -54,7 +54,7 @@ from blocktrain.protocol.core.bodies import CONTENT_TYPE, version_path
 from blocktrain.protocol.core.effect import EffectProbe
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.core.verdict import refused
-from blocktrain.protocol.http import dashboard, weights
+from blocktrain.protocol.http import dashboard, relay, weights
 from blocktrain.protocol.http import metrics as prometheus
 from blocktrain.protocol.http.dependencies import (
     PUSH_PATH,
@@ -66,7 +66,7 @@ from blocktrain.protocol.http.dependencies import (
     push_context,
     tag,
 )
-from blocktrain.protocol.http.longpoll import RoundSignal
+from blocktrain.protocol.http.longpoll import MAX_WAIT_S, RoundSignal
 from blocktrain.protocol.http.messages import (
     REFUSALS,
     REGISTER_BODY,
@@ -77,8 +77,8 @@ from blocktrain.protocol.http.messages import (
     RegisterOut,
     RoundOut,
     StatusOut,
-    StreamOut,
     UpdateOut,
+    binary_reply,
 )
 from blocktrain.protocol.http.peers import add_routes as add_directory
 from blocktrain.protocol.http.peers import here
@@ -94,10 +94,6 @@ from blocktrain.protocol.store.ledger_schema import TokenRow
 from blocktrain.protocol.store.storage import StateDir
 
 log = logging.getLogger(__name__)
-
-MAX_WAIT_S = 60.0
-"""The longest a long poll is held."""
-
 
 # ---------------------------------------------------------------------------------------------
 # The app
@@ -116,11 +112,9 @@ def create_app(
     evaluator: ModelEval | None = None,
 ) -> FastAPI:
     """The aggregator over an initialised state folder. `clock` is injected so that tests can
-    drive deadlines; `tick_interval_s` is how often deadlines are checked while served;
-    `limits` caps what clients may cost (serve it with `listener.run(app, sock,
-    limits.http)` so that the connection limits match); `probe` judges each update by its
-    effect (`effect.EffectProbe`); `evaluator` scores the assembled model every `live_eval_every`
-    rounds (`live_eval.ModelEval`)."""
+    drive deadlines; serve it with `listener.run(app, sock, limits.http)` so that the connection
+    limits match `limits`; `probe` judges each update by its effect; `evaluator` scores the
+    assembled model every `live_eval_every` rounds."""
     service = AggregatorService(
         settings,
         storage=storage,
@@ -132,9 +126,6 @@ def create_app(
     service.engine.use_probe(probe)
     rounds = RoundSignal()
     service.engine.on_commit.append(lambda event: rounds.notify(event.closed.block))
-    streams = RoundSignal()  # wakes the long polls for a block's streams
-    service.on_stream.append(streams.notify)
-    service.engine.on_commit.append(lambda event: streams.notify(event.closed.block))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -285,10 +276,7 @@ def create_app(
     @app.get(
         "/v1/blocks/{block}",
         responses={
-            200: {
-                "content": {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}},
-                "description": "the weights; __metadata__ holds block, version, round, deadline",
-            },
+            **binary_reply("the weights; __metadata__ holds block, version, round, deadline"),
             **REFUSALS,
         },
         summary="Pull the open round's weights (starts its clock)",
@@ -365,69 +353,7 @@ def create_app(
         out = await anyio.to_thread.run_sync(service.submit, ctx, body)
         return json_response(request, UpdateOut(**out).model_dump())
 
-    # ------------------------------------------------------------------ relayed streams
-
-    @app.post(
-        "/v1/blocks/{block}/streams",
-        response_model=StreamOut,
-        responses=REFUSALS,
-        openapi_extra=SAFETENSORS_BODY,
-        summary="route = relay: push the round's stream (bytes, 8-bit features), after its delta",
-    )
-    async def push_stream(
-        request: Request,
-        caller: Annotated[Caller, endpoint_caller("stream_push")],
-        block: int = Path(ge=0),
-        round: int = Query(ge=0),
-    ) -> JSONResponse:
-        try:  # the guard caps the size (and the time) while streaming
-            body = await read_body(request.scope, request.stream())
-        except ClientDisconnect:
-            reason, detail = getattr(request.state, GUARD_REFUSAL, ("", ""))
-            raise refused(reason or "malformed", detail or "a partial body") from None
-        out = await anyio.to_thread.run_sync(
-            lambda: service.put_stream(caller=caller, block=block, round=round, body=body)
-        )
-        return json_response(request, StreamOut(**out).model_dump())
-
-    @app.get(
-        "/v1/blocks/{block}/streams",
-        responses={
-            200: {
-                "content": {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}},
-                "description": "a stream; X-Relay-Round, X-Relay-Worker and X-Relay-Steps",
-            },
-            204: {"description": "no stream came within `wait` seconds"},
-            **REFUSALS,
-        },
-        summary="route = relay: a stream of block b to train block b+1 on (long poll)",
-    )
-    async def take_stream(
-        request: Request,
-        token: Annotated[TokenRow, endpoint_token("stream_take")],
-        block: int = Path(ge=0),
-        wait: float = Query(0.0, ge=0.0),
-        x_worker_id: str | None = Header(None),
-    ) -> Response:
-        taker = (token.id, x_worker_id or "")
-        limit = time.monotonic() + min(wait, MAX_WAIT_S)
-        while True:
-            changed = streams.event(block)
-            relayed = service.take_stream(taker=taker, block=block)
-            if relayed is not None or time.monotonic() >= limit:
-                break
-            await streams.wait(changed, min(1.0, limit - time.monotonic()))
-        if relayed is None:
-            _account(request, 0)
-            return Response(status_code=204)
-        _account(request, len(relayed.body))
-        headers = {
-            "X-Relay-Round": str(relayed.round),
-            "X-Relay-Worker": str(relayed.worker),
-            "X-Relay-Steps": str(relayed.steps),
-            "Cache-Control": "no-store",
-        }
-        return Response(relayed.body, media_type=CONTENT_TYPE, headers=headers)
+    relay.add_routes(app, service, _account, json_response, REFUSALS)
 
     # ------------------------------------------------------------------ status
 

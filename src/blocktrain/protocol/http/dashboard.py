@@ -1,25 +1,11 @@
-"""The aggregator's live dashboard: one self-contained HTML page (no build step, no external
-resource) at `/dashboard`, which polls the token-protected `/v1/status` and `/v1/history` every
-two seconds and draws what an operator watches:
+"""The aggregator's live dashboard: one self-contained HTML page at `/dashboard` (no build step,
+no external resource) that polls `/v1/status` and `/v1/history` every two seconds: per block its
+version, round, deadline and participation; the run's reported loss (labelled as what it is,
+not a validation CE) and live validation CE against rounds closed, bytes moved and refusals; the
+workers.
 
-    per block   version, round (and "done"), deadline countdown, live replicas, participation
-                per round
-    the run     "done" once every block has finished its rounds; the loss curve against rounds
-                closed (integers: the status's round r at r + 1), labelled for what it is: the
-                mean over blocks of the workers' reported loss, denoise + aux summed, not a
-                validation CE (see protocol/store/history.py); below it, on the same x axis,
-                the validation CE of the assembled model after r rounds at r (the live
-                evaluation, `--live-eval-every`; each series labelled with its slice and M, or a
-                line that says the aggregator runs none); bytes moved, updates accepted and
-                refused by reason
-    workers     block, live (yes; timed out; left), last seen, accepted and refused updates
-
-The page itself holds no data, so it is served without a token; the operator pastes a token
-once (kept in the tab's sessionStorage, sent as `Authorization: Bearer`), or opens the page as
-`/dashboard#token=...` (the fragment never leaves the browser, and the page drops it from the
-address bar once read). A viewer token (`blocktrain token add --viewer`) is enough: it reads the
-status and the history, and may do nothing that trains.
-"""
+The page holds no data, so it needs no token; the operator pastes one (kept in sessionStorage)
+or opens `/dashboard#token=...` (a fragment never leaves the browser). A viewer token is enough."""
 
 from __future__ import annotations
 

@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+MAX_WAIT_S = 60.0
+"""The longest a long poll is held."""
+
 
 class RoundSignal:
     """Wakes the long polls of a block when one of its rounds closes. `notify` may be called

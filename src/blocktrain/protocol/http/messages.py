@@ -231,9 +231,10 @@ REGISTER_BODY: dict[str, Any] = {
     }
 }
 
-SAFETENSORS_BODY: dict[str, Any] = {
-    "requestBody": {
-        "required": True,
-        "content": {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}},
-    }
-}
+BINARY: dict[str, Any] = {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}}
+SAFETENSORS_BODY: dict[str, Any] = {"requestBody": {"required": True, "content": BINARY}}
+
+
+def binary_reply(description: str) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI 200 of a route that answers with a safetensors body."""
+    return {200: {"content": BINARY, "description": description}}

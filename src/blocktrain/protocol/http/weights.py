@@ -1,29 +1,15 @@
-"""Committed versions of a block's weights at immutable URLs, for plain HTTP caches and CDNs.
+"""Committed versions of a block's weights at immutable URLs, for plain HTTP caches and CDNs
+(docs/protocol.md, Pulls through a cache).
 
     GET /v1/blocks/{b}/versions/{v}     version v of block b in the wire dtype (safetensors)
     GET /v1/blocks/{b}/versions/{v}/delta?wire=CODEC[&base=VIEW]
-                                        version v as a delta (with a pull_wire codec;
-                                        protocol/core/pulls.py): under exact pulls its
-                                        commit, the same body for everyone; else from the
-                                        view BASE the worker holds
+                                        version v as a delta (core/pulls.py)
 
-A committed version never changes (nor does a delta, named by its version, base and codec),
-so its answer carries `Cache-Control: ..., max-age=31536000, immutable` and a strong `ETag` (the SHA-256 of the body); `If-None-Match` is answered 304, and
-one byte range `Range: bytes=...` 206 (`Accept-Ranges: bytes`; 416 `bad_range` when it starts
-past the end; several ranges, or a stale `If-Range`, get the whole body). A version the block has
-not reached is `unknown_version` (404); one pruned by `keep_versions` is `version_gone` (410).
-
-Access. By default the route checks the bearer token like every other, and the answer is
-`private`: a worker's own cache may keep it, a shared cache must not hand it to others, who
-would skip the token check. With `--public-weights` (`AccessLimits.public_weights`) it needs no
-token and is `public`, so that a CDN may cache it once and serve every worker: the weights are
-then as public as the URL.
-
-The round's pull (`GET /v1/blocks/{b}`) still answers with the body, and says where the
-version lives (`X-Weights-Url`); with `?redirect=1` it records the pull as always (the round's
-clock, who pulled) and answers 303 See Other to that URL, with the round's headers, so that the
-bytes come from wherever the URL is cached. The worker's client pulls so.
-"""
+A version never changes, so its answer is `immutable` with a strong `ETag` (304 on
+`If-None-Match`, 206 on one `Range`); `unknown_version` is 404, one pruned by `keep_versions`
+`version_gone` (410). The answer is `private` behind the token, or `public` without one under
+`--public-weights`, so that a CDN may serve every worker. The round's pull with `?redirect=1`
+records the pull and answers 303 to the version's URL."""
 
 from __future__ import annotations
 
@@ -36,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from fastapi import FastAPI, Path, Query, Request
+from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.responses import Response
 
 from blocktrain.errors import ProtocolError, Refused
@@ -46,6 +32,7 @@ from blocktrain.protocol.core.events import Committed
 from blocktrain.protocol.core.pulls import Commits, DeltaBody, Views
 from blocktrain.protocol.core.verdict import refused
 from blocktrain.protocol.http.dependencies import tag
+from blocktrain.protocol.http.messages import BINARY
 from blocktrain.protocol.service.aggregator_service import AggregatorService
 
 IMMUTABLE = "max-age=31536000, immutable"
@@ -254,36 +241,11 @@ def add_routes(
         account(request, end - start)
         return Response(body[start:end], status_code=206, media_type=CONTENT_TYPE, headers=headers)
 
-    def version_answer(request: Request, block: int, version: int) -> Response:
-        tag(request, "weights", block)
-        found = versions.get(block, version)
-        return send(
-            request, found.body, found.etag, {"X-Block": str(block), "X-Version": str(version)}
-        )
-
-    def delta_answer(
-        request: Request, block: int, version: int, base: str | None, wire: str
-    ) -> Response:
-        tag(request, "delta", block)
-        found = versions.delta(block, version, base, wire)
-        headers = {"X-Block": str(block), "X-Version": str(version)}
-        if found.view is not None:
-            headers["X-View"] = found.view.id
-        return send(request, found.body, found.etag, headers)
-
-    binary = {"content": {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}}}
+    binary = {"content": BINARY}
     cached: dict[int | str, dict[str, Any]] = {
         206: {"description": "the byte range asked for"},
         304: {"description": "not modified (If-None-Match)"},
         **refusals,
-    }
-    spec: dict[str, Any] = {
-        "responses": {200: binary, **cached},
-        "summary": "A committed version's weights at an immutable (cacheable) URL",
-    }
-    delta_spec: dict[str, Any] = {
-        "responses": {200: binary, **cached},
-        "summary": "A committed version as a delta from a view the worker holds (pull_wire)",
     }
     base_query = Query(
         None,
@@ -292,48 +254,48 @@ def add_routes(
         description="the id of the view held (X-View); not needed under exact pulls",
     )
     wire_query = Query(max_length=40, description="the aggregator's pull_wire")
-    version_url = "/v1/blocks/{block}/versions/{version}"
-    if public:
 
-        @app.get(version_url, **spec)
-        def public_version(
-            request: Request, block: int = Path(ge=0), version: int = Path(ge=0)
-        ) -> Response:
-            return version_answer(request, block, version)
+    def no_token() -> None:
+        return None
 
-        @app.get(DELTA_PATH, **delta_spec)
-        def public_delta(
-            request: Request,
-            block: int = Path(ge=0),
-            version: int = Path(ge=0),
-            base: str | None = base_query,
-            wire: str = wire_query,
-        ) -> Response:
-            return delta_answer(request, block, version, base, wire)
+    # a default, not in Annotated: see dashboard.add_routes
+    version_auth = Depends(no_token) if public else token("weights")
+    delta_auth = Depends(no_token) if public else token("delta")
 
-    else:
-        authenticated = token("weights")  # a default: see dashboard.add_routes
+    @app.get(
+        "/v1/blocks/{block}/versions/{version}",
+        responses={200: binary, **cached},
+        summary="A committed version's weights at an immutable (cacheable) URL",
+    )
+    def version_weights(
+        request: Request,
+        block: int = Path(ge=0),
+        version: int = Path(ge=0),
+        _: Any = version_auth,
+    ) -> Response:
+        tag(request, "weights", block)
+        found = versions.get(block, version)
+        headers = {"X-Block": str(block), "X-Version": str(version)}
+        return send(request, found.body, found.etag, headers)
 
-        @app.get(version_url, **spec)
-        def private_version(
-            request: Request,
-            block: int = Path(ge=0),
-            version: int = Path(ge=0),
-            _: Any = authenticated,
-        ) -> Response:
-            return version_answer(request, block, version)
-
-        delta_token = token("delta")
-
-        @app.get(DELTA_PATH, **delta_spec)
-        def private_delta(
-            request: Request,
-            block: int = Path(ge=0),
-            version: int = Path(ge=0),
-            base: str | None = base_query,
-            wire: str = wire_query,
-            _: Any = delta_token,
-        ) -> Response:
-            return delta_answer(request, block, version, base, wire)
+    @app.get(
+        DELTA_PATH,
+        responses={200: binary, **cached},
+        summary="A committed version as a delta from a view the worker holds (pull_wire)",
+    )
+    def version_delta(
+        request: Request,
+        block: int = Path(ge=0),
+        version: int = Path(ge=0),
+        base: str | None = base_query,
+        wire: str = wire_query,
+        _: Any = delta_auth,
+    ) -> Response:
+        tag(request, "delta", block)
+        found = versions.delta(block, version, base, wire)
+        headers = {"X-Block": str(block), "X-Version": str(version)}
+        if found.view is not None:
+            headers["X-View"] = found.view.id
+        return send(request, found.body, found.etag, headers)
 
     return versions

@@ -1,10 +1,6 @@
-"""A whole decentralised run on this machine: the aggregator and N worker processes, talking
-real HTTP over loopback (or any address the caller gives), each a `blocktrain` subprocess.
-
-This module only starts, watches and stops processes; the caller prepares the state folder
-(config, initial weights, tokens) and evaluates the result (`LocalCluster`: with the aggregator
-still serving, as `blocktrain cluster` does so that its dashboard stays up).
-"""
+"""A whole decentralised run on this machine: the aggregator and N `blocktrain` worker
+subprocesses over real HTTP. This module only starts, watches and stops processes; the caller
+prepares the state folder and evaluates the result."""
 
 from __future__ import annotations
 
@@ -148,28 +144,11 @@ def worker_argv(
 
 
 def start_worker(
-    url: str,
-    token: str,
-    logs: Path,
-    *,
-    name: str,
-    data: str | None,
-    threads: int = 1,
-    device: str | None = None,
-    extra: Sequence[str] = (),
-    prefix: Sequence[str] = (),
-    data_patterns: Sequence[str] = (),
+    url: str, token: str, logs: Path, *, prefix: Sequence[str] = (), **options: Any
 ) -> Proc:
-    argv = worker_argv(
-        url,
-        name=name,
-        data=data,
-        threads=threads,
-        device=device,
-        extra=extra,
-        data_patterns=data_patterns,
-    )
-    return spawn(name, argv, logs, env={"BLOCKTRAIN_TOKEN": token}, prefix=prefix)
+    """One of a cluster's workers, started (`options`: `worker_argv`'s)."""
+    argv = worker_argv(url, **options)
+    return spawn(options["name"], argv, logs, env={"BLOCKTRAIN_TOKEN": token}, prefix=prefix)
 
 
 def stop(procs: Sequence[Proc], grace_s: float = 20.0) -> None:
@@ -216,15 +195,8 @@ class ClusterResult:
 
 class LocalCluster:
     """The aggregator and one worker process per token, in steps, so that the caller can work
-    while the aggregator still serves (its dashboard, its status) after the rounds:
-
-        with LocalCluster(state, tokens, observer, logs, data=...) as cluster:
-            url = cluster.start()               # the aggregator listens; the workers start
-            status = cluster.wait_rounds()      # every block done, the workers gone
-            ...                                 # the aggregator still answers at `url`
-        cluster.exit_codes()                    # the `with` block stopped every process
-
-    The state's settings must set max_rounds."""
+    while the aggregator still serves after the rounds (`start`, `wait_rounds`, then the `with`
+    block stops every process). The state's settings must set max_rounds."""
 
     def __init__(
         self,
@@ -242,12 +214,8 @@ class LocalCluster:
     ) -> None:
         if state.settings().max_rounds is None:
             raise ProtocolError("a cluster run needs max_rounds in the aggregator settings")
-        self.state, self.tokens, self.observer_token, self.logs = (
-            state,
-            tokens,
-            observer_token,
-            logs,
-        )
+        self.state, self.tokens = state, tokens
+        self.observer_token, self.logs = observer_token, logs
         self.data, self.data_patterns, self.threads = data, data_patterns, threads
         self.timeout_s, self.host = timeout_s, host
         self.devices = list(devices)
@@ -352,27 +320,12 @@ def run_cluster(
     observer_token: str,
     logs: Path,
     *,
-    data: str | None,
-    data_patterns: Sequence[str] = (),
-    threads: int = 1,
-    timeout_s: float = 3600.0,
-    host: str = "127.0.0.1",
     on_status: Callable[[dict[str, Any]], None] | None = None,
+    **options: Any,
 ) -> ClusterResult:
-    """Start the aggregator and one worker per token; wait until every block is done (the
-    state's settings must set max_rounds) or `timeout_s`; stop everything."""
-    cluster = LocalCluster(
-        state,
-        tokens,
-        observer_token,
-        logs,
-        data=data,
-        data_patterns=data_patterns,
-        threads=threads,
-        timeout_s=timeout_s,
-        host=host,
-    )
-    with cluster:
+    """Start the aggregator and one worker per token (`LocalCluster`'s `options`); wait until
+    every block is done or `timeout_s`; stop everything."""
+    with LocalCluster(state, tokens, observer_token, logs, **options) as cluster:
         url = cluster.start()
         status = cluster.wait_rounds(on_status)
     return ClusterResult(

@@ -1,18 +1,11 @@
 """`blocktrain report`: a run's history (`protocol.store.history`) drawn as PNG plots and one HTML
-page that shows them with a summary.
+page that shows them with a summary (no script, no external resource).
 
-    curves.png    one shared integer x axis (rounds closed, or a train run's steps), a panel
-                  each: the training losses as labelled (a worker's reported loss is the sum
-                  denoise + aux, and says so), the validation CE where the source has one, and
-                  each round's participation per block
+    curves.png    the training losses as labelled, the validation CE and each round's
+                  participation, on one integer x axis (rounds closed, or a train run's steps)
     cost.png      the model curve against seconds and MB moved (rounds sources)
     refusals.png  refused updates by reason
-    index.html    the summary table, what each plot shows, and the plots (no script, no
-                  external resource)
-
-Round r as the status numbers it (from 0) is the (r + 1)-th to close, and sits at x = r + 1; an
-evaluation of the model after r rounds sits at x = r (0: the initial model).
-"""
+    index.html    the summary table, what each plot shows, and the plots"""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""What a client may cost the aggregator (`AccessLimits`, not saved in the state folder: they
-are the server's, not the run's), and per-token request rates
-(`rate_limit`, on the shared `httpserve.TokenBucket`).
-
-A token may send `burst` requests at once, then `rate_per_s` a second; one more is refused with
-429 `rate_limited` and a Retry-After of the seconds until a request would be admitted. Buckets
-live in memory (a restart refills them)."""
+"""What a client may cost the aggregator (`AccessLimits`: the server's, not the run's, so not
+saved in the state folder), and per-token request rates (`rate_limit`, on
+`httpserve.TokenBucket`: a refusal is 429 `rate_limited` with its Retry-After)."""
 
 from __future__ import annotations
 

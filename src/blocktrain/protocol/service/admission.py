@@ -1,9 +1,6 @@
-"""Who may call the aggregator, and what a refused push leaves: the token (`identity`), its rate
-(`access.rate_limit`), the worker it speaks for and the block it names, checked before a byte of
-a push's body is read (`begin_push`, step 1 of the six in `pushes`); and the ledger row of a
-push refused once its token is known and admitted (`_record_refusal`). `AggregatorService` takes
-it as a mixin, through `pushes.Pushes`; the state it reads is declared here and set there.
-"""
+"""Who may call the aggregator (token, rate, the worker it speaks for, the block it names),
+checked before a byte of a push's body is read (`begin_push`), and the ledger row of a push
+refused once its token is known (`_record_refusal`). A mixin of `AggregatorService`."""
 
 from __future__ import annotations
 
@@ -42,10 +39,9 @@ class Admission:
     # ------------------------------------------------------------------ identity
 
     def authenticate(self, authorization: str | None, *, address: str | None) -> TokenRow:
-        """The caller's token (`identity.authenticate`). From `address` (the client's; None:
-        a caller in this process, the simulator), a burst of invalid tokens locks every check
-        out for a while: 429 `rate_limited` with its Retry-After (`httpserve.FailedAuth`). A
-        request without a token is no guess: it gets its 401 `missing_token`."""
+        """The caller's token (`identity.authenticate`). From `address` (None: a caller in this
+        process), a burst of invalid tokens locks every check out for a while (`httpserve.FailedAuth`);
+        a request without a token is no guess: it gets its 401 `missing_token`."""
         if address is not None and authorization and (wait := self.failed_auth.wait(address)):
             raise RateLimited(self.failed_auth.refusal(address, wait), wait)
         try:
@@ -70,10 +66,9 @@ class Admission:
         self.directory.check(block)
 
     def resumable(self, token: TokenRow, worker_id: int, block: int | None) -> int:
-        """The block of a worker that `token` asks to take back (`resume_worker_id`): its own
-        worker, left or timed out or still registered; refused for an id this aggregator never
-        gave (`unknown_worker`), another token's worker (`not_your_worker`) or another block
-        than the worker's (`not_assigned`). Revoked and banned tokens never get here."""
+        """The block of a worker that `token` asks to take back (`resume_worker_id`): its own worker,
+        left, timed out or still registered; refused `unknown_worker`, `not_your_worker` or
+        `not_assigned` otherwise."""
         row = self.ledger.worker(worker_id)
         if row is None:
             raise refused(
@@ -107,11 +102,9 @@ class Admission:
         return caller.worker_id
 
     def begin_push(self, *, token: TokenRow, worker_header: str | None, block: int) -> PushContext:
-        """Who is pushing, to which block: refused before a byte of the body is read, and so is
-        a push of an identity whose probe budget for the block's open round is spent (`busy`:
-        the probe would refuse it whatever it holds), or that already has as many updates in
-        that round as its token may run workers (`duplicate`). Only an authenticated, admitted token's
-        refusals get a ledger row (the HTTP guard has already checked the declared size)."""
+        """Who is pushing, to which block: refused before a byte of the body is read, and so is an
+        identity whose probe budget in the open round is spent (`busy`) or that already fills the round
+        (`duplicate`). Only an admitted token's refusals get a ledger row."""
         received = self.clock()
         self.admit(token.id)
         worker: int | None = None

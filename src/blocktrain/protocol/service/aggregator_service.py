@@ -1,14 +1,7 @@
-"""The aggregator's service: the round engine (`core.round_engine.RoundEngine`) on the wall
-clock, with every event persisted, and the functions the HTTP routes call.
-
-The engine takes every decision; this module adds what a real aggregator needs around it:
-identity (the `admission` mixin, over `identity`), the ledger, durable update bodies, committed
-versions on disk, byte counters (`traffic`) and a lock. Time comes from the injected `clock`
-(seconds since the epoch by default, so deadlines survive a restart).
-
-An update's six steps, from its body to accepted or refused, are the push path: the `pushes`
-mixin (`Pushes.submit`), whose base is `Admission`.
-"""
+"""The aggregator's service: the round engine on the wall clock, with every event persisted,
+and the functions the HTTP routes call. The engine takes every decision; this adds identity
+(the `admission` mixin), the ledger, durable bodies, committed versions on disk, byte counters
+and a lock. Time comes from the injected `clock` (epoch seconds: deadlines survive a restart)."""
 
 from __future__ import annotations
 
@@ -237,9 +230,8 @@ class AggregatorService(Pushes, Streams):
 
     def tick(self) -> list[Committed]:
         """Drop what tokens revoked or banned since the last tick left (`token revoke` and `ban`
-        write the ledger from another process), close every round that is due (the aggregator
-        calls this a few times a second), flush the traffic counters and, now and then, prune
-        refused ledger rows."""
+        write the ledger from another process), close every round that is due, flush the traffic
+        counters and, now and then, prune refused ledger rows."""
         with self.lock:
             now = self.clock()
             shut_out = self.ledger.shut_out_tokens()

@@ -1,8 +1,6 @@
-"""Who is calling: the bearer token (stored hashed in the ledger) and, when there is one, the
-worker it speaks for. The FastAPI app wraps these in dependencies (`http.app.create_app`);
-every refusal carries a reason code of `verdict.REASONS`. An unknown token and a revoked one
-read the same on the wire (`invalid_token`, one message): a guess learns no more than no, and
-a stolen old token not whose it was. The log tells them apart."""
+"""Who is calling: the bearer token (stored hashed in the ledger) and the worker it speaks for.
+An unknown token and a revoked one read the same on the wire (`invalid_token`): a guess learns
+no more than no. The log tells them apart."""
 
 from __future__ import annotations
 

@@ -1,27 +1,13 @@
-"""The aggregator's live evaluation (`AggregatorSettings.live_eval_every` = N > 0): the
-validation CE of the assembled model while the run trains, for `/v1/history`, the dashboard and
-`blocktrain report`.
+"""The aggregator's live evaluation (`live_eval_every` = N > 0): the validation CE of the
+assembled model while the run trains, for `/v1/history`, the dashboard and `blocktrain report`.
 
-The model after R rounds is every block's version after its R-th round: blocks run their
-rounds apart, so each commit of a round R due for evaluation (R a multiple of N, or the last of
-`max_rounds`) lends its weights (a reference: a commit replaces a block's weights, never changes
-them in place) until every block has committed its R-th round; then that model waits for the
-evaluator. R = 0, the initial model, is evaluated at the first start.
-
-Off the request path: one background thread evaluates, one model at a time, outside every lock
-the routes take; the commit only hands it the weights. A model that finds another still waiting
-replaces it (the curve skips a point rather than fall behind the run), and at most
-`MAX_INCOMPLETE` rounds wait for a slow block (older ones are dropped, with a log line). Each
-evaluation is a record in STATE/evals.jsonl (`StateDir.write_evals`): rounds, from_noise_ce,
-sampler_ce (and joint_ce for K > 1), bytes, sweeps, the versions scored, `at` (when the model
-was complete: its last block's commit, by the aggregator's clock; null for R = 0), `evaluated_at`
-and `eval_s` (the evaluation's own wall time). A restart reads them back, evaluates the newest
-complete model not yet recorded (from the versions on disk, where kept) and reloads the blocks
-that committed a due round the others have not closed yet.
-
-The protocol never imports the model: the evaluator is injected (`ModelEval`;
-`training.live_eval.AssembledEval` is the one `cli/aggregator.py` builds).
-"""
+The model after R rounds is every block's version after its R-th round: each commit of a due
+round lends its weights until every block has committed it; then the model waits for the one
+background thread that evaluates, off the request path. A newer model replaces one still waiting
+(the curve skips a point rather than fall behind), and at most `MAX_INCOMPLETE` rounds wait for
+a slow block. Each evaluation is a record in STATE/evals.jsonl; a restart reads them back and
+evaluates the newest complete model not yet recorded. The evaluator is injected (`ModelEval`),
+so the protocol never imports the model."""
 
 from __future__ import annotations
 

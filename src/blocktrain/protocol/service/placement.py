@@ -1,27 +1,14 @@
 """One aggregator process per block (or per subset of blocks), and the directory that tells
-workers where each block lives.
+workers where each block lives (docs/protocol.md, One aggregator per block).
 
-    blocktrain aggregator --state runs/agg0 --preset tiny --blocks 0 --port 8470 \\
-        --peer 1=http://hostB:8471 --peer 2=http://hostC:8472
+    blocktrain aggregator --state runs/agg0 --preset tiny --blocks 0 --peer 1=http://hostB:8471
 
-serves block 0 only; a request for block 1 or 2 (a registration, a pull, a push) is refused
-with 421 `wrong_aggregator`, whose detail names the block's URL. Blocks never wait for each
-other (each runs its own rounds), so nothing else passes between aggregators: each process has
-its own state folder (created from the same preset and seed, so that every block starts from
-the same weights) and its own ledger; a worker's token must be known to each aggregator it
-trains for (`blocktrain token add --state A --state B ...` adds one token to several).
-
-    GET /v1/directory    {"blocks": {"0": URL, ...}, "served": [0]}   (also in /v1/config)
-
-maps every block the aggregator knows of to a URL: its own blocks to the URL the request came
-in on, the others to their `--peer`. A worker (`protocol.worker.loop.WorkerLoop`) reads it before it
-registers and after a `wrong_aggregator` refusal, and talks to the aggregator of its block.
-
-The state folder saves the blocks served and the peers at the first start (`placed`): a restart
-without `--blocks` serves the same blocks, one with other blocks is refused, and a `--peer`
-replaces its block's saved URL. Only the served blocks are loaded (`persist.Durable.restore`),
-so the others open no round, and `/v1/status`, `/metrics` and the ledger hold nothing of them.
-"""
+serves block 0 only; a request for another block is refused 421 `wrong_aggregator`, naming its
+URL. Blocks never wait for each other, so nothing passes between aggregators: each has its own
+state folder (from the same preset and seed) and ledger. `GET /v1/directory` maps every block
+known to a URL; a worker reads it before it registers and after a `wrong_aggregator`. The state
+folder saves the blocks served and the peers at the first start (`placed`); only the served
+blocks are loaded."""
 
 from __future__ import annotations
 
@@ -104,12 +91,9 @@ def placed(
     storage: StateDir, served: Collection[int] | None = None, peers: dict[int, str] | None = None
 ) -> Directory:
     """The directory of an aggregator over `storage`, given its start's `--blocks` (`served`;
-    None: not given) and `--peer`s, saved in the state folder (`StateDir.placement`).
-
-    The first start saves the blocks it serves (all when not given); every later start serves
-    those: a `served` that disagrees is a ConfigError naming both, since the folder holds those
-    blocks' rounds and no other's. Peers may move: one given replaces the saved URL of its
-    block, and the folder keeps the latest."""
+    None: not given) and `--peer`s. The first start saves the blocks it serves; a later start with
+    others is a ConfigError (the folder holds those blocks' rounds only); a peer given replaces its
+    block's saved URL."""
     saved_served, saved_peers = storage.placement()
     if served is not None and saved_served is not None and sorted(set(served)) != saved_served:
         raise ConfigError(

@@ -1,31 +1,17 @@
-"""The push path of the aggregator's service: one update checked, stored and judged
-(`Pushes.submit`), and what a refused one leaves (its ledger row, its report in the round).
-`AggregatorService` takes it as a mixin; the state it reads is declared here and set there. Its
-base, `Admission`, is step 1: who may push, to which block.
+"""The push path of the aggregator's service (`Pushes.submit`; a mixin of `AggregatorService`,
+on `Admission`, which says who may push to which block):
 
-An update is handled in six steps:
+1. identity, rate, worker, block and probe budget, before the body is read;
+2. form: `RoundEngine.inspect`, outside the lock;
+3. timing under the lock: `judge`, the replay `screen`, a place at the probe;
+4. effect: `finish` (the probe, one at a time), outside the engine's lock; the body is written
+   to STATE/pending and fsynced;
+5. timing again under the lock (the round may have closed meanwhile): if accepted, a ledger row,
+   `record` and `tick`; else the pending file goes;
+6. the row is fsynced after the lock (one fsync covers concurrent pushes), then the answer.
 
-1. identity: token, rate, worker, its block, and the identity's probe budget in the open
-   round (`Admission.begin_push`, before the body is read; the HTTP guard checked the size);
-2. form: `RoundEngine.inspect` (safetensors parse, the validator chain), outside the lock;
-3. timing first: under the lock, `RoundEngine.judge` (duplicate, late, stale), then
-   `RoundEngine.screen` (replays: the body bound to its worker, round and version, its tensors
-   not seen before), and a place at the effect probe (`RoundEngine.reserve_probe`: the
-   identity's budget, the bounded queue);
-4. effect: `RoundEngine.finish` (the probe, one at a time under `probe_lock`, and the
-   identity's standing), outside the engine's lock; then the body is written to STATE/pending
-   and fsynced, still outside it;
-5. timing again: under the lock, `RoundEngine.judge` and `screen` (the round may have closed,
-   or a copy come in, meanwhile); if accepted, a ledger row, then `RoundEngine.record` and
-   `tick` (which may close the round); else the pending file is removed;
-6. the row, accepted or refused, is fsynced after the lock is released (one fsync covers every
-   row committed so far, so concurrent pushes share them), and only then is the push answered.
-
-A refused push gets a ledger row with its reason before the 4xx goes out once its token is
-known and admitted; earlier refusals (token, rate, the HTTP guard's limits) are counted in
-memory only (`traffic.refusals`), so that no one who merely reaches the port fills the disk.
-Old refused rows are pruned (`AccessLimits.keep_refused`); the ledger's counters keep totals.
-"""
+A refused push of a known token gets a ledger row before its 4xx; earlier refusals are counted
+in memory only, so that no one who merely reaches the port fills the disk."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""Relayed streams at the aggregator (`route = relay`; docs/protocol.md, "Relayed streams"): a
-worker of block b pushes its round's stream after its delta (`put_stream`), a worker of block
-b+1 takes one before it pulls (`take_stream`). `core.relays.RelayPool` decides which; this
-mixin of `AggregatorService` adds who may push (a worker of the block, for a round whose update
-of its own was accepted or refused for its timing only) and the size cap.
-
-Streams live in memory only: a restarted aggregator has none until the next round's pushes, and
-the next block's workers wait for them (its rounds, meanwhile, wait for nobody).
-"""
+"""Relayed streams at the aggregator (`route = relay`; docs/protocol.md, "Relayed streams"), a
+mixin of `AggregatorService`: who may push a stream (a worker of the block, for a round whose
+update was accepted or refused for its timing only) and its size cap; `core.relays.RelayPool`
+decides who takes which. In memory only: after a restart the next block's workers wait for the
+next round's streams."""
 
 from __future__ import annotations
 

@@ -1,32 +1,13 @@
-"""A run's history, read back for reports and the dashboard, from any of four folders:
+"""A run's history, read back for reports and the dashboard, from an aggregator's state folder
+(its ledger, and evals.jsonl), a simulate folder (simulate.json), a cluster folder (its state/
+and summary.json) or a train run (metrics.jsonl). All become the same `History`, so
+`protocol.ops.report` draws them with one code path.
 
-    state folder     an aggregator's (its ledger): one point per closed round and block, with
-                     the loss the workers reported with their accepted updates; and with
-                     live_eval_every, the live validation CE of the assembled model (evals.jsonl)
-    simulate folder  `blocktrain simulate`'s (simulate.json): the from-noise CE on validation
-                     text the simulator measured after each round
-    cluster folder   `blocktrain cluster`'s OUT: its state/ as above (the live evaluations
-                     too), and the validation CE of each round's model (summary.json, once the
-                     evaluation after the rounds has run)
-    train folder     a `blocktrain train` run (metrics.jsonl): each block's loss components
-                     by step, and the validation CE of its evaluations
-
-All become the same `History`, so `protocol.ops.report` draws them with one code path. Every
-series carries its own label, and what a label says is what the number is:
-
-  - A worker's reported loss is its block's whole training objective, the denoise loss plus
-    aux_weight times the auxiliary next-byte CE (training/loss.py), a sum that can sit above
-    ln 256; the push carries only that sum, so it is labelled as such (`REPORTED_LOSS`), never
-    as a validation CE. A train run logs the components, which are plotted separately.
-  - The validation CE (the number users compare) goes in `evals`, apart from training losses,
-    each series labelled with its slice and M (a live evaluation's, "live", apart from the one a
-    cluster runs after its rounds: different slices are different numbers).
-
-Rounds are integers on one axis, "rounds closed": the status numbers rounds from 0, and its
-round r is the (r + 1)-th to close, so what round r reported (or the model it committed) sits at
-x = r + 1, and the evaluation of the model after r rounds at x = r (0: the initial model); the
-same convention as `blocktrain cluster --log-to`. A train run's x is the optimizer step.
-"""
+Every series says what its number is: a worker's reported loss is its block's whole objective
+(denoise + aux, which can sit above ln 256: `REPORTED_LOSS`), never a validation CE; validation
+CEs go in `evals`, each labelled with its slice and M. Rounds lie on one axis, "rounds closed":
+what round r reported sits at x = r + 1, the model after r rounds at x = r (as `cluster
+--log-to`); a train run's x is the optimizer step."""
 
 from __future__ import annotations
 

@@ -1,14 +1,9 @@
 """The ledger: one SQLite file recording tokens (hashed), workers, each block's committed state,
 every closed round, every update's fate, the bytes moved and each identity's reputation: the
-aggregator's source of truth across restarts. An update is acknowledged as accepted only after
-its row is durable here (and its body fsynced); a round's commit marks its accepted updates
-with the version they went into, in one transaction: every row with fate 'accepted' has a
-committed_version, but the open round's.
-
-WAL journal, fsynced after every transaction (`ledger_schema.fsync_wal`, what synchronous=FULL
-does), except an accepted update's row, which the service fsyncs outside its lock before it
-answers. Writes share one connection behind a lock; token and worker reads use one per thread.
-"""
+aggregator's source of truth across restarts. An update is acknowledged as accepted only once
+its row is durable (and its body fsynced); a commit marks its accepted updates with their
+version in one transaction. WAL journal, fsynced after every transaction but an accepted
+update's (the service fsyncs it outside its lock); writes share one connection behind a lock."""
 
 from __future__ import annotations
 

@@ -14,8 +14,9 @@ from blocktrain.protocol.core.bodies import decode
 from blocktrain.protocol.core.effect import Reputation
 from blocktrain.protocol.core.events import Committed, EngineBlock
 from blocktrain.protocol.core.pacing import declared_steps, steps_share
+from blocktrain.protocol.core.registry import Registry
 from blocktrain.protocol.core.round_engine import RoundEngine
-from blocktrain.protocol.core.rounds import NOT_A_REPORT, Contribution, Registry, restore
+from blocktrain.protocol.core.rounds import NOT_A_REPORT, Contribution, restore
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.store.ledger_schema import WorkerRow
 from blocktrain.protocol.store.storage import StateDir

@@ -1,9 +1,6 @@
-"""An aggregator's state folder as runs use it: created for a run config, read back as the
-committed blocks of each round, and the cluster summary's byte accounting.
-
-The model's version 0 comes from the caller (`training.local.initial_blocks`): this package
-moves tensors as payload and never builds a model.
-"""
+"""An aggregator's state folder as runs use it: created for a run config (version 0 comes from
+the caller: this package never builds a model), read back as the committed blocks of each
+round, and the cluster summary's byte accounting."""
 
 from __future__ import annotations
 
@@ -99,11 +96,9 @@ def round_versions(state: StateDir, rounds: int) -> list[dict[int, int]]:
 def bytes_summary(
     status: dict[str, Any], wire_bytes: dict[int, int], delta_bytes: dict[int, int] | None = None
 ) -> dict[str, Any]:
-    """Bytes moved against the minimum: one pull (`wire_bytes`: the block, or with compressed
-    pulls the delta `pull_bytes` of /v1/status) and one delta upload (`delta_bytes`, compressed
-    or not; default: `wire_bytes`) per worker per round it took part in (a push that reached
-    the aggregator, accepted or not). The orchestrator's own status polls are monitoring, not
-    protocol, and are left out."""
+    """Bytes moved against the minimum: one pull (`wire_bytes`, or the compressed `pull_bytes`)
+    and one delta upload (`delta_bytes`, default `wire_bytes`) per worker per round it pushed in.
+    The orchestrator's status polls are left out."""
     up_bytes = delta_bytes or wire_bytes
     by_endpoint = status["bytes"]["by_endpoint"]
     protocol = {ep: v for ep, v in by_endpoint.items() if ep != "status"}

@@ -1,23 +1,17 @@
 """The aggregator's state folder.
 
-    STATE/aggregator.json                  run config (opaque here), settings, block count,
-                                           the blocks served here and their peers' URLs, and
-                                           the run id (random, made with the folder)
+    STATE/aggregator.json                  run config, settings, block count, blocks served
+                                           and their peers, and the run id
     STATE/ledger.sqlite                    tokens, workers, rounds, updates, traffic
     STATE/blocks/{b}/v{version}.safetensors   committed fp32 weights of each version
     STATE/blocks/{b}/m{version}.safetensors   outer momentum, when enabled
-    STATE/blocks/{b}/r{version}.safetensors   exact pulls: what the pull codec left out of the
-                                           commits so far (`pulls.commit_step`)
+    STATE/blocks/{b}/r{version}.safetensors   exact pulls: what the pull codec left out so far
     STATE/pending/{b}/{uuid}.safetensors   bodies of accepted updates of the open round
     STATE/endpoint.json                    where the running aggregator listens (url, pid)
-    STATE/evals.jsonl                      the live evaluations (`live_eval_every`): one JSON
-                                           record a line, the validation CE of the assembled
-                                           model after R rounds (service/live_eval.py)
+    STATE/evals.jsonl                      the live evaluations, one JSON record a line
 
-Every file is written atomically (temporary file, fsync, rename) and tensors are safetensors
-only; the temporary files a killed process left (`.NAME.*.tmp`) are removed when the aggregator
-starts (`remove_temporaries`). The module moves tensors as payload; it knows nothing of the model.
-"""
+Every file is written atomically (temporary, fsync, rename), tensors as safetensors only; the
+temporaries a killed process left are removed at start (`remove_temporaries`)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
-"""Byte counters per endpoint, block and worker, and the batched marks of pulls: kept in memory
-between the aggregator's ticks and flushed to the ledger by them, so that a pull or a push does
-not pay for a SQLite transaction of its own. Refused requests are counted by endpoint and
-reason in memory only (since the start): a flood of unauthenticated requests costs no disk.
-
-The keys come from the aggregator, never from the request as sent: a block not served here
-(outside the run, or another aggregator's) and an unauthenticated worker count under NONE_KEY, and bytes in are the bytes read, so a
-request cannot add rows to the traffic table or numbers SQLite cannot store."""
+"""Byte counters per endpoint, block and worker, and the batched marks of pulls, kept in memory
+between the aggregator's ticks and flushed to the ledger by them (a pull or a push pays for no
+SQLite transaction of its own). Refused requests are counted in memory only, so a flood costs no
+disk. The keys come from the aggregator, never from the request (NONE_KEY for a block not served
+or a worker not authenticated), so a request cannot add rows to the traffic table."""
 
 from __future__ import annotations
 

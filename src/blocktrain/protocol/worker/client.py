@@ -1,11 +1,5 @@
-"""The worker's HTTP client of the aggregator.
-
-`AggregatorClient` is httpx with explicit timeouts and an injectable transport (or a whole
-`httpx.Client`, e.g. a FastAPI TestClient, so that tests run client and app in one process).
-Transient failures (connection errors, timeouts, 5xx) are retried with exponential backoff and
-full jitter; a 429 (the token's rate limit) is retried after its Retry-After; any other 4xx is
-a refusal (`errors.Refused`) and is never retried blindly (`retrying.RetryingHttp`, its base).
-"""
+"""The worker's HTTP client of the aggregator: httpx with an injectable transport (or a whole
+`httpx.Client`, e.g. a FastAPI TestClient), retried as `retrying.RetryingHttp` says."""
 
 from __future__ import annotations
 
@@ -25,16 +19,20 @@ from blocktrain.errors import ProtocolError, Refused
 from blocktrain.protocol.core.bodies import (
     CONTENT_TYPE,
     WireError,
-    decode,
     update_body,
     version_path,
 )
 from blocktrain.protocol.core.delta_wire import FULL, DeltaWire, pull_codec
 from blocktrain.protocol.core.pulls import View, as_held, read_commit, read_delta
-from blocktrain.protocol.worker.replies import Pulled as Pulled
-from blocktrain.protocol.worker.replies import PushResult as PushResult
+from blocktrain.protocol.worker.replies import (
+    Pulled,
+    PushResult,
+    fp32,
+    seconds,
+    told_steps,
+    version_body,
+)
 from blocktrain.protocol.worker.replies import Registration as Registration
-from blocktrain.protocol.worker.replies import fp32, seconds, told_steps
 from blocktrain.protocol.worker.retrying import DEFAULT_TIMEOUT, RetryingHttp, RetryPolicy
 from blocktrain.relaystream import RelayStream, StreamBody
 
@@ -75,8 +73,7 @@ class AggregatorClient(RetryingHttp):
         self.retry = retry or RetryPolicy()
         self.stop = stop or threading.Event()
         self._sleep = sleep
-        self._clock = clock
-        """Measures the retry budget; tests pass a fake one with a fake `sleep`."""
+        self._clock = clock  # measures the retry budget
         self._rng = rng or random.Random()
         self.worker_id: int | None = None
         self.bytes_down = 0
@@ -86,19 +83,15 @@ class AggregatorClient(RetryingHttp):
         self.pull_wire = FULL
         """The registration's pull wire: with a codec, pulls are deltas from `view`."""
         self.exact_pulls = False
-        """The registration's exact pulls: views are fp32, and each delta is from the version
-        before (a worker further behind walks the versions)."""
+        """Exact pulls: views are fp32, each delta is the commit of the version before."""
         self.view: View | None = None
-        """The weights last pulled, as they arrived (the wire dtype, widened to fp32 under exact
-        pulls; a worker's folder keeps it)."""
+        """The weights last pulled, as they arrived (a worker's folder keeps it)."""
         self._latest: dict[int, tuple[int, Tensors]] = {}
-        """Per other block read with `latest`: (version, tensors); a version never changes."""
+        """Per other block read with `latest`: (version, tensors)."""
         self._upstream_views: dict[int, View] = {}
-        """With a pull codec, per other block read with `latest`: the view held of it (the next
-        read is a delta from it, as pulls of the worker's own block are)."""
+        """With a pull codec, per other block read with `latest`: the view held of it."""
         self._elsewhere: dict[int, AggregatorClient] = {}
-        """Per block read with `latest` that another aggregator serves: a client of it (no
-        worker id: this worker is registered here only)."""
+        """Per block that another aggregator serves: a client of it."""
 
     def close(self) -> None:
         self.http.close()
@@ -155,11 +148,9 @@ class AggregatorClient(RetryingHttp):
 
     def pull(self, block: int) -> Pulled:
         """The open round's weights. The aggregator records the pull and answers 303 with the
-        round in its headers (`?redirect=1`); the bytes come from the version's immutable URL,
-        which a plain HTTP cache or CDN may serve, and a version already held is revalidated
-        (If-None-Match, 304) instead of downloaded again. With a `pull_wire` codec the next
-        version comes as a delta from the view held (`protocol.core.pulls`). An aggregator without
-        versioned URLs answers with the body at once, as before."""
+        round in its headers; the bytes come from the version's immutable URL (a cache or CDN
+        may serve it; a version held is revalidated, If-None-Match), or as a delta from the
+        view held with a `pull_wire` codec."""
         response = self.request(
             "GET", f"/v1/blocks/{block}", params={"redirect": 1}, follow_redirects=False
         )
@@ -167,47 +158,31 @@ class AggregatorClient(RetryingHttp):
         if response.status_code >= 400:
             raise self._refusal(response)
         h = response.headers
-        if response.status_code == 303:
-            version = int(h["X-Version"])
-            tensors, nbytes, self.view = self._version(h["Location"], block, version, self.view)
-            return Pulled(
-                tensors,
-                block,
-                version,
-                int(h["X-Round"]),
-                seconds(h),
-                nbytes + len(response.content),
-                told_steps(h),
-            )
-        meta, tensors = self._weights(response.content)
-        tensors = fp32(tensors)
-        if "round" not in meta:  # something between us followed the 303 for us
-            raise ProtocolError(f"GET /v1/blocks/{block} answered a body without its round")
+        if response.status_code != 303:  # something between us followed the redirect
+            raise ProtocolError(f"GET /v1/blocks/{block} answered {response.status_code}, not 303")
+        version = int(h["X-Version"])
+        tensors, nbytes, self.view = self._version(h["Location"], block, version, self.view)
         return Pulled(
             tensors,
-            int(meta["block"]),
-            int(meta["version"]),
-            int(meta["round"]),
+            block,
+            version,
+            int(h["X-Round"]),
             seconds(h),
-            len(response.content),
+            nbytes + len(response.content),
             told_steps(h),
         )
 
     def latest(self, block: int) -> Tensors:
-        """The latest committed version of another block (fp32), read without a pull: what a
-        worker under `route = features` reads of the blocks before its own. Fetched from the
-        version's immutable URL, and not again while the version stands. A block served by
-        another aggregator (one aggregator per block) is read there, with the same token, at the
-        URL the directory gives. With a pull codec, every version after the first comes as a
-        delta from the view held of the block, as the worker's own pulls do."""
+        """The latest committed version of another block (fp32), read without a pull (`route =
+        features`), from the aggregator that serves it; as deltas with a pull codec."""
         if block in self._elsewhere:
-            return self._latest_elsewhere(block)
+            return self._elsewhere_call(block, lambda peer: peer.latest(block))
         try:
             version = int(self.round(block)["version"])
         except Refused as exc:
             if exc.reason != "wrong_aggregator":
                 raise
-            return self._latest_elsewhere(block)
+            return self._elsewhere_call(block, lambda peer: peer.latest(block))
         url = version_path(block, version)
         if pull_codec(self.pull_wire) is not None:
             tensors, _, view = self._version(url, block, version, self._upstream_views.get(block))
@@ -221,14 +196,9 @@ class AggregatorClient(RetryingHttp):
         self.bytes_down += len(response.content)
         if response.status_code >= 400:
             raise self._refusal(response)
-        tensors = self._version_body(response.content, url, block, version)
+        tensors = version_body(response.content, url, block, version)
         self._latest[block] = (version, tensors)
         return fp32(tensors)
-
-    def _latest_elsewhere(self, block: int) -> Tensors:
-        """`latest(block)` from the aggregator that serves the block, found in the directory
-        once and again after it answers that the block moved."""
-        return self._elsewhere_call(block, lambda peer: peer.latest(block))
 
     def _elsewhere_call(self, block: int, call: Callable[[AggregatorClient], Any]) -> Any:
         """`call` on a client of the aggregator that serves `block` (found in the directory
@@ -266,12 +236,10 @@ class AggregatorClient(RetryingHttp):
     def take_stream(
         self, block: int, *, wait: float = 0.0, dest: Path | None = None
     ) -> RelayStream | None:
-        """route = relay: a stream of `block` (the block before this worker's) to train on,
-        waiting up to `wait` s for one; None when none came. Read from the aggregator that
-        serves `block`; written to `dest` as it arrives (then read a step at a time), else
-        held in memory."""
+        """route = relay: a stream of `block` to train on, waiting up to `wait` s (None when none
+        came); spooled to `dest` as it arrives, else held in memory."""
         if block in self._elsewhere:
-            return self._take_elsewhere(block, wait, dest)
+            return self._elsewhere_call(block, lambda p: p.take_stream(block, wait=wait, dest=dest))
         params = {"wait": wait}
         response = self.request("GET", f"/v1/blocks/{block}/streams", params=params, to_file=dest)
         if dest is None:
@@ -281,7 +249,9 @@ class AggregatorClient(RetryingHttp):
         if response.status_code >= 400:
             refusal = self._refusal(response)
             if refusal.reason == "wrong_aggregator":
-                return self._take_elsewhere(block, wait, dest)
+                return self._elsewhere_call(
+                    block, lambda p: p.take_stream(block, wait=wait, dest=dest)
+                )
             raise refusal
         try:
             if dest is not None:
@@ -290,15 +260,9 @@ class AggregatorClient(RetryingHttp):
         except WireError as exc:
             raise ProtocolError(f"the aggregator sent an unreadable stream: {exc.detail}") from exc
 
-    def _take_elsewhere(self, block: int, wait: float, dest: Path | None) -> RelayStream | None:
-        stream: RelayStream | None = self._elsewhere_call(
-            block, lambda peer: peer.take_stream(block, wait=wait, dest=dest)
-        )
-        return stream
-
     def push_stream(self, block: int, round: int, body: StreamBody) -> PushResult:
-        """route = relay: this worker's stream of `round`, after its delta; uploaded from its
-        chunks (a spooled stream is never held whole). A refusal is returned, not raised."""
+        """route = relay: this worker's stream of `round`, uploaded from its chunks; a refusal is
+        returned, not raised."""
         response = self.request(
             "POST",
             f"/v1/blocks/{block}/streams",
@@ -312,9 +276,8 @@ class AggregatorClient(RetryingHttp):
     def _version(
         self, url: str, block: int, version: int, base: View | None
     ) -> tuple[Tensors, int, View | None]:
-        """A committed version's tensors (fp32), the bytes its answer carried and the view
-        then held (None without a pull codec): the view `base` when it is that version, else
-        a delta from it (a pull wire with a codec), else the whole version."""
+        """A committed version's tensors (fp32), the bytes its answer carried and the view then
+        held (None without a pull codec): `base` itself, a delta from it, or the whole version."""
         view = base if base is not None and base.block == block else None
         if view is not None and view.version == version:
             return fp32(view.tensors), 0, view
@@ -334,7 +297,7 @@ class AggregatorClient(RetryingHttp):
         else:
             if response.status_code >= 400:
                 raise self._refusal(response)
-            tensors = self._version_body(response.content, url, block, version)
+            tensors = version_body(response.content, url, block, version)
             etag = response.headers.get("ETag")
             self._held = None if etag is None else (url, etag, tensors)
         if codec is None:
@@ -344,9 +307,8 @@ class AggregatorClient(RetryingHttp):
     def _chain(
         self, url: str, base: View, version: int, codec: DeltaWire
     ) -> tuple[View | None, int]:
-        """`version` from `base` as one delta from the view, or under exact pulls as the commits
-        of each version after `base`'s in turn; the view and the bytes received (no view: pull
-        it whole)."""
+        """`version` from `base`: one delta from the view, or under exact pulls each version's
+        commit in turn; the view and the bytes received (no view: pull it whole)."""
         if not self.exact_pulls:
             return self._delta(url, base, version, codec)
         stem = url.rstrip("/").rsplit("/", 1)[0]  # .../versions
@@ -363,10 +325,8 @@ class AggregatorClient(RetryingHttp):
     def _delta(
         self, url: str, base: View, version: int, codec: DeltaWire
     ) -> tuple[View | None, int]:
-        """`version` as a delta from `base` (under exact pulls: its commit, one URL for every
-        worker), and the bytes received; no view after any refusal (unknown_base or
-        version_gone after a restart, an old aggregator) or a bad body: the caller then pulls
-        the whole version."""
+        """`version` as a delta from `base` (under exact pulls: its commit), and the bytes
+        received; no view after a refusal or a bad body (the caller then pulls it whole)."""
         params = (
             {"wire": self.pull_wire}
             if self.exact_pulls
@@ -387,25 +347,6 @@ class AggregatorClient(RetryingHttp):
         except ProtocolError as exc:
             log.warning("delta pull of version %d unusable (%s); pulling it whole", version, exc)
             return None, len(response.content)
-
-    def _version_body(self, body: bytes, url: str, block: int, version: int) -> Tensors:
-        """The tensors of a committed version's body, refused unless it names that version."""
-        meta, tensors = self._weights(body)
-        if (meta.get("block"), meta.get("version")) != (str(block), str(version)):
-            raise ProtocolError(
-                f"{url} holds block {meta.get('block')} version {meta.get('version')}, "
-                f"not block {block} version {version}"
-            )
-        return tensors
-
-    @staticmethod
-    def _weights(body: bytes) -> tuple[dict[str, str], Tensors]:
-        """The metadata and tensors of a weights body, as they travelled (the wire dtype)."""
-        try:
-            decoded = decode(body)
-        except WireError as exc:
-            raise ProtocolError(f"the aggregator sent unreadable weights: {exc.detail}") from exc
-        return decoded.metadata, decoded.to_torch()
 
     def push(
         self,

@@ -1,25 +1,11 @@
-"""The loop a worker runs:
+"""The loop a worker runs: register -> [wait for a new round -> pull -> train the steps the
+pull tells -> push delta] ...
 
-    register -> [wait for a new round -> pull -> train H local steps -> push delta] ...
-
-(H as the pull tells it: the aggregator's `--pacing adaptive` sizes each worker's steps to the
-round's deadline, `protocol.core.pacing`; the push declares the steps it took.)
-
-`WorkerLoop` knows nothing of the model: it drives any `LocalTrainer` (`load` weights, `train`
-H steps, return the `delta`); the CLI plugs in `training.local.LocalBlockTrainer`, the simulator
-the same or a timing-only stand-in. It re-syncs by itself: after a refusal it pulls the open
-round again, after an aggregator restart its retries reconnect, and if its worker id is gone it
-registers anew. A stop event (set on SIGTERM) ends it between local steps; it then tells the
-aggregator it is leaving, as it does when its block is done. With a folder (`resume.WorkerFolder`,
-`blocktrain worker --state DIR`) it saves its registration, optimizer state and residual after
-each push, and its first registration takes the saved worker back (later ones, after a refusal,
-register anew as without one).
-
-Each round it trained gives one `RoundOutcome`, said as a line (`blocktrain worker` prints them
-on stderr): the round, its local steps, the bytes trained per second, the verdict, and a hint
-when the update came late; `on_round` gets the outcome itself (`worker --log-to` logs its
-`record`).
-"""
+`WorkerLoop` drives any `LocalTrainer` and knows nothing of the model. It re-syncs by itself:
+after a refusal it pulls again, after an aggregator restart its retries reconnect, and if its
+worker id is gone it registers anew. A stop event ends it between local steps, and it tells the
+aggregator it leaves. With a folder (`resume.WorkerFolder`) it saves its state after each push.
+Each round gives one `RoundOutcome` (`on_round`), said as a line."""
 
 from __future__ import annotations
 
@@ -36,10 +22,11 @@ from blocktrain.errors import ProtocolError, Refused, Unreachable
 from blocktrain.protocol.core.bodies import update_body
 from blocktrain.protocol.core.codecs import DeltaEncoder
 from blocktrain.protocol.core.local_trainer import LocalTrainer, RelayTrainer
-from blocktrain.protocol.worker.client import AggregatorClient, Registration
+from blocktrain.protocol.worker.client import AggregatorClient
 from blocktrain.protocol.worker.outcome import LATE_HINT as LATE_HINT
 from blocktrain.protocol.worker.outcome import RoundOutcome as RoundOutcome
 from blocktrain.protocol.worker.outcome import WorkerReport as WorkerReport
+from blocktrain.protocol.worker.replies import Registration
 from blocktrain.protocol.worker.resume import WorkerFolder
 from blocktrain.protocol.worker.retrying import RetryPolicy
 from blocktrain.relaystream import RelayStream
@@ -83,12 +70,9 @@ class WorkerLoop:
         on_round: Callable[[RoundOutcome], None] | None = None,
         spool: Path | None = None,
     ) -> None:
-        """`say`: where the worker's lines go (its registration, one per round and its hint;
-        default: this module's log at INFO); `clock` times the local steps (default:
-        time.monotonic); `folder`: where the worker keeps what a restart resumes; `on_round`:
-        each round's outcome, once its lines are said and before the folder saves the round
-        (so that a worker killed in between logs that round again once resumed); `spool`: where
-        a relayed stream it trains on is downloaded (`route = relay`; None: in memory)."""
+        """`say`: where the worker's lines go (default: this module's log); `folder`: what a restart
+        resumes; `on_round`: each round's outcome, before the folder saves the round (a worker killed
+        in between logs that round again once resumed); `spool`: where a relayed stream is downloaded."""
         self.client = client
         self.make_trainer = make_trainer
         self.want_block = block

@@ -1,5 +1,5 @@
 """What the aggregator answers a worker, as its client reads it: a registration, a pull, a
-push's verdict, and the round's headers (`X-Deadline-In`, `X-Local-Steps`)."""
+push's verdict, the round's headers (`X-Deadline-In`, `X-Local-Steps`) and a version's body."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from typing import Any
 import httpx
 import torch
 
+from blocktrain.errors import ProtocolError
+from blocktrain.protocol.core.bodies import WireError, decode
 from blocktrain.protocol.core.delta_wire import FULL
 
 Tensors = dict[str, torch.Tensor]
@@ -68,3 +70,19 @@ def told_steps(headers: httpx.Headers) -> int | None:
     """X-Local-Steps: the steps this pull tells the worker to run (None: not said)."""
     value = headers.get("X-Local-Steps") or None
     return None if value is None else int(value)
+
+
+def version_body(body: bytes, url: str, block: int, version: int) -> Tensors:
+    """The tensors of a committed version's body (the wire dtype), refused unless it names that
+    version."""
+    try:
+        decoded = decode(body)
+    except WireError as exc:
+        raise ProtocolError(f"the aggregator sent unreadable weights: {exc.detail}") from exc
+    meta = decoded.metadata
+    if (meta.get("block"), meta.get("version")) != (str(block), str(version)):
+        raise ProtocolError(
+            f"{url} holds block {meta.get('block')} version {meta.get('version')}, "
+            f"not block {block} version {version}"
+        )
+    return decoded.to_torch()

@@ -1,33 +1,17 @@
-"""A worker's folder (`blocktrain worker --state DIR`): what a restarted worker needs to come
-back as the same worker, sending what an uninterrupted one would have sent.
+"""A worker's folder (`blocktrain worker --state DIR`; docs/protocol.md, A worker that
+resumes): what a restarted worker needs to come back as the same worker, sending what an
+uninterrupted one would have sent.
 
-    DIR/worker.json          the registration: the aggregator's URL (as given, and the one
-                             registered at), the run (the aggregator's run id and a digest of
-                             its run config), worker id, block, data seed, delta wire; and the
-                             last round pushed and the local steps done, for people to read
-    DIR/state.safetensors    the AdamW state (`optimizer/NAME.exp_avg`, `.exp_avg_sq`, `.step`),
-                             the delta codec's error-feedback residual (`residual/NAME`, a lossy
-                             push wire only) and the view of the block the last pull left
-                             (`view/NAME`, a pull wire of deltas only: the next pull is a delta
-                             from it, `core.pulls`); its metadata: block, worker id, last round
-                             pushed, version, local steps done, delta wire, the view's version
-    DIR/tensorboard/, ...    what else the caller names (`extra`): `worker --log-to`'s files
-                             (training/tracking.py, OUTPUTS)
+    DIR/worker.json          the registration (URL, run id and config digest, worker id, block,
+                             data seed, delta wire), and the last round pushed, for people
+    DIR/state.safetensors    the AdamW state (`optimizer/NAME.*`), the error-feedback residual
+                             (`residual/NAME`) and the view of the last pull (`view/NAME`)
+    DIR/tensorboard/, ...    what else the caller names (`extra`)
 
-worker.json is written at each registration, and both after each pushed round (accepted or
-refused: they mirror what the worker holds), the tensors first; every write is atomic
-(`fsutil.atomic_write_bytes`), tensors are safetensors only, and the round a restart continues
-after is the tensors' own. The batches need nothing saved: they are drawn from (data seed,
-block, step), and the step from the version pulled.
-
-A restart with the same folder asks the aggregator for its worker back (`resume_worker_id`):
-its own token may take it back whether it left or timed out; another token, or an id the
-aggregator never gave, is refused, and so is a token revoked or banned. Before that the folder
-must belong to the run: another block than `--block` asks for, another run id or run config
-than the aggregator's, is refused with one line (a ConfigError, exit 2) and nothing is written;
-`--fresh` discards the folder's worker and starts a new one. A folder is locked while a worker
-uses it.
-"""
+Both are written after each pushed round, the tensors first, each atomically; the batches need
+nothing saved (they are drawn from data seed, block and step). A restart asks for its worker
+back (`resume_worker_id`); a folder of another block, run id or run config is refused before
+anything is written (`--fresh` starts a new worker). A folder is locked while a worker uses it."""
 
 from __future__ import annotations
 
@@ -50,7 +34,7 @@ from blocktrain.protocol.core.codecs import DeltaEncoder
 from blocktrain.protocol.core.delta_wire import FULL
 from blocktrain.protocol.core.local_trainer import LocalTrainer, ResumableTrainer
 from blocktrain.protocol.core.pulls import View
-from blocktrain.protocol.worker.client import Pulled, Registration
+from blocktrain.protocol.worker.replies import Pulled, Registration
 
 FORMAT = "blocktrain-worker"
 FORMAT_VERSION = 1

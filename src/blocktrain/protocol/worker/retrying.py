@@ -1,9 +1,7 @@
-"""The plumbing of the worker's client: HTTP with explicit timeouts, retried on transient
-failures (connection errors, timeouts, 5xx) with exponential backoff and full jitter, and after
-a 429's Retry-After; any other 4xx is returned to the caller, a refusal (`errors.Refused`) that
-is never retried blindly. `AggregatorClient` takes `RetryingHttp` as its base; the state it
-reads is declared here and set by the client.
-"""
+"""The plumbing of the worker's client (`RetryingHttp`, `AggregatorClient`'s base): HTTP with
+explicit timeouts, retried on transient failures (connection errors, timeouts, 5xx) with
+exponential backoff and full jitter, and after a 429's Retry-After; any other 4xx is returned
+to the caller, never retried blindly."""
 
 from __future__ import annotations
 
