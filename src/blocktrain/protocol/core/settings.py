@@ -2,9 +2,9 @@
 `AggregatorSettings` with its doc, bounds, command-line flag (a few; every setting is also
 `--set NAME=VALUE`) and whether the simulator models it, from which the CLI flags and `--set`
 keys (`cli.common.add_setting_args`), the simulator's list of those it leaves out, the check on
-construction and the table in docs/protocol.md are derived. Three groups, in this order: how a round runs
-(`round_settings`), how its votes are combined (`vote_settings`), then the rest, here. Saved in
-the state folder, so that a restarted aggregator runs the same protocol."""
+construction and the table in docs/protocol.md are derived. Three groups, in this order: how a
+round runs (`round_settings`), how its votes are combined (`vote_settings`), then the rest, here.
+Saved in the state folder, so that a restarted aggregator runs the same protocol."""
 
 from __future__ import annotations
 
