@@ -55,7 +55,9 @@ def print_tables(result: dict[str, Any]) -> None:
     print("| package | files | lines | largest module | its lines |")
     print("|---|---:|---:|---|---:|")
     for name, row in result["packages"].items():
-        print(f"| {name} | {row['files']} | {row['lines']} | {row['largest']} | {row['its_lines']} |")
+        print(
+            f"| {name} | {row['files']} | {row['lines']} | {row['largest']} | {row['its_lines']} |"
+        )
     print(f"| all | {result['files']} | {result['lines']} | | |")
     over = result["over_limit"]
     listed = ", ".join(f"{name} {count}" for name, count in over.items()) or "none"
