@@ -16,6 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
+import fuzz
 import protocol_load_md
 import quality
 import quality_pair
@@ -115,6 +116,11 @@ def test_a_section_moved_to_docs_research_is_the_one_its_json_renders(
 def test_the_aggregator_under_load_section_is_the_one_its_json_renders() -> None:
     result = json.loads((RESULTS / "protocol_load.json").read_text())
     assert section(BENCHMARKS_MD, "protocol-load") == protocol_load_md.section(result).strip()
+
+
+def test_the_fuzzing_table_is_the_one_its_json_renders() -> None:
+    result = json.loads((RESULTS / "fuzz.json").read_text())
+    assert section(BENCHMARKS_MD, "fuzz") == fuzz.markdown(result).strip()
 
 
 def test_links_to_docs_research_and_to_benchmarks_sections_resolve() -> None:
