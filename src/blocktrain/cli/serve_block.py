@@ -60,7 +60,7 @@ EXAMPLES = """examples:
 
   # expert limits, windows and caches by name (docs/serving.md, Settings)
   blocktrain serve-block runs/tiny --blocks 0 --port 8101 --set max_sessions=64 session_ttl_s=120
-  blocktrain serve-block runs/tiny --blocks 0 --port 8101 --set public_url=https://blocks.example:8101
+  blocktrain serve-block runs/tiny --blocks 0 --port 8101 --set public_url=https://h.example:8101
 
   # a chain without a router: forward to the next host yourself
   blocktrain serve-block runs/tiny --blocks 0 --port 8101 --next http://127.0.0.1:8102

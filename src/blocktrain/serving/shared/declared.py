@@ -15,18 +15,19 @@ from typing import Any
 
 def field_docs(cls: type) -> dict[str, str]:
     """Each field's attribute docstring, on one line."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body  # type: ignore[attr-defined]
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
     docs = {}
     for stmt, after in itertools.pairwise(body):
         named = isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
         if named and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
-            docs[stmt.target.id] = " ".join(str(after.value.value).split())  # type: ignore[union-attr]
+            docs[stmt.target.id] = " ".join(str(after.value.value).split())
     return docs
 
 
 def set_keys(cls: type, flags: dict[str, str]) -> tuple[str, ...]:
     """The fields `--set` takes: those without a flag of their own."""
-    return tuple(f.name for f in dataclasses.fields(cls) if f.name not in flags)  # type: ignore[arg-type]
+    return tuple(f.name for f in dataclasses.fields(cls) if f.name not in flags)
 
 
 def _default(f: dataclasses.Field[Any]) -> str:
@@ -42,7 +43,7 @@ def settings_table(commands: list[tuple[str, type, dict[str, str]]]) -> str:
     rows = ["| setting | command | flag | default | meaning |", "|---|---|---|---|---|"]
     for command, cls, flags in commands:
         docs = field_docs(cls)
-        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        for f in dataclasses.fields(cls):
             flag = f"`{flags[f.name]}`" if f.name in flags else "--set only"
             meaning = docs[f.name].replace("|", "\\|")
             rows.append(f"| `{f.name}` | {command} | {flag} | {_default(f)} | {meaning} |")
