@@ -79,11 +79,11 @@ def _commands(
     return [
         *(
             [*cli, "serve-block", *served, "--blocks", str(i), "--port", str(port),
-             "--hop-ms", str(hop_ms), "--threads", str(threads), *host_args]
+             "--set", f"hop_ms={hop_ms}", "--threads", str(threads), *host_args]
             for i, port in enumerate(ports[:HOSTS])
         ),
         [*cli, "serve", "--hosts", ",".join(hosts), "--port", str(ports[-1]),
-         "--hop-ms", str(hop_ms), *router_args],
+         "--set", f"hop_ms={hop_ms}", *router_args],
     ]  # fmt: skip
 
 

@@ -202,22 +202,27 @@ def test_eval_with_a_judge_reports_the_judged_continuations(capsys, tmp_path, tr
     assert main(["train", "--out", str(judge), *args, "seed=1"]) == 0
     capsys.readouterr()
     base = ["eval", str(trained), "--data", str(corpus), "--bytes", "32", "--sweeps", "2"]
-    small = ["--prompts", "2", "--prompt-bytes", "10", "--gen-bytes", "6"]
+    small = ["--set", "prompts=2", "prompt_bytes=10", "continuation_bytes=6"]
     assert main([*base, "--judge", str(judge), *small, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     gen = out["generated"]
     assert {"gen_ce", "floor_ce", "entropy", "real_entropy", "samples"} <= set(gen)
     assert gen["prompts"] == 2 and gen["continuation_bytes"] == 6
     assert out["joint_ce"] > 0 and out["span"] == 1
-    # --temperature: the continuations' temperature (0: greedy, fewer distinct bytes)
-    assert main([*base, "--judge", str(judge), *small, "--temperature", "0", "--json"]) == 0
+    # temperature: the continuations' temperature (0: greedy, fewer distinct bytes)
+    assert main([*base, "--judge", str(judge), *small, "temperature=0", "--json"]) == 0
     cold = json.loads(capsys.readouterr().out)["generated"]
     assert (gen["temperature"], cold["temperature"]) == (1.0, 0.0)
     assert cold["entropy"] < gen["entropy"]
     assert main([*base, "--judge", str(judge), *small]) == 0
     assert "judge CE" in capsys.readouterr().out
     fails_cleanly(capsys, [*base, "--judge", str(trained)], "is not a reference")
-    fails_cleanly(capsys, [*base, "--judge", str(judge), "--gen-bytes", "0"], "--gen-bytes")
+    fails_cleanly(
+        capsys,
+        [*base, "--judge", str(judge), "--set", "continuation_bytes=0"],
+        "continuation_bytes",
+    )
+    fails_cleanly(capsys, [*base, "--set", "sampler=euler"], "give --sampler")
 
 
 def test_one_block_run_cannot_be_evaluated_as_a_model(capsys, tmp_path, corpus):

@@ -1,6 +1,6 @@
 """Flags that no test touched and no document named (docs/rooms-metrics.md, "CLI surface before
-and after"), kept because a user has a use for each: each does what its help says. (`eval
---temperature`, `distill --lr`, `simulate --eval-every` and `cluster --eval-sweeps` are held
+and after"), kept because a user has a use for each: each does what its help says. (`eval --set
+temperature`, `distill --lr`, `simulate --eval-every` and `cluster --eval-sweeps` are held
 beside their commands' other tests.)"""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def test_tls_self_signed_days_sets_the_validity(tmp_path: Path, capsys) -> None:
 
 
 def test_serve_block_public_url_and_batch_window(tmp_path: Path, monkeypatch, capsys) -> None:
-    """--public-url is how the host names itself (/healthz, /v1/info, traces and errors), e.g.
+    """--set public_url is how the host names itself (/healthz, /v1/info, traces and errors), e.g.
     behind NAT or listening on 0.0.0.0; --batch-window-ms is its batcher's gather window."""
     run = write_untrained_run(micro_config(), tmp_path / "m")
     served: dict[str, Any] = {}
@@ -47,7 +47,8 @@ def test_serve_block_public_url_and_batch_window(tmp_path: Path, monkeypatch, ca
 
     monkeypatch.setattr(serve_block_cli, "run", capture)
     url = "https://blocks.example:8101"
-    argv = ["serve-block", str(run), "--blocks", "0,1,2", "--port", "0", "--public-url", url]
+    argv = ["serve-block", str(run), "--blocks", "0,1,2", "--port", "0"]
+    argv += ["--set", f"public_url={url}"]
     assert main([*argv, "--batch-window-ms", "5"]) == 0
     capsys.readouterr()
     with TestClient(served["app"]) as client:

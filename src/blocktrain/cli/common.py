@@ -17,15 +17,9 @@ from blocktrain.config import RunConfig, apply_overrides, parse_value, settable_
 from blocktrain.data import FilePatterns
 from blocktrain.device import DEVICE_HELP
 from blocktrain.errors import ConfigError
-from blocktrain.model.sampler import (
-    DEFAULT_SAMPLER,
-    DEFAULT_STEPS_PER_BLOCK,
-    SAMPLERS,
-    sampler_for,
-)
 from blocktrain.presets import PRESETS, preset
 from blocktrain.protocol.core.settings import AggregatorSettings, declared, default_text
-from blocktrain.training.checkpoint import RunInfo
+from blocktrain.serving.shared.declared import set_keys
 from blocktrain.training.tracking import check_backends, parse_backends
 
 TOKEN_ENV = "BLOCKTRAIN_TOKEN"
@@ -142,12 +136,14 @@ def unit_of(args: argparse.Namespace) -> str:
 
 
 def split_sets(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
-    """The --set items: the config's KEY=VALUE strings (for `apply_overrides`), and the values
-    of the aggregator settings named, by field name, on a command that takes them
-    (`add_setting_args`). A key that is neither fails with the nearest valid keys."""
+    """The --set items: the config's KEY=VALUE strings (for `apply_overrides`, on a command with
+    a --preset), and the values of the settings named, by field name, on a command that takes
+    them (`add_setting_args`, `add_named_sets`). A key that is neither fails with the nearest
+    valid keys, or why the command refuses it (`set_refused`)."""
     names: tuple[str, ...] = getattr(args, "setting_names", ())
-    config_keys = settable_keys()
-    hints = typing.get_type_hints(AggregatorSettings)
+    config_keys = settable_keys() if hasattr(args, "preset") else []
+    hints = typing.get_type_hints(getattr(args, "settings_class", AggregatorSettings))
+    refused: dict[str, str] = getattr(args, "set_refused", {})
     config: list[str] = []
     settings: dict[str, Any] = {}
     for item in args.overrides:
@@ -159,11 +155,35 @@ def split_sets(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
             settings[key] = parse_value(key, text, hints[key])
         elif short in config_keys:
             config.append(item)
-        elif key in hints and names:
-            raise ConfigError(f"--set {key}: the simulator does not model this setting")
+        elif key in refused:
+            raise ConfigError(f"--set {key}: {refused[key]}")
         else:
             raise ConfigError(unknown_key(key, [*config_keys, *names]))
     return config, settings
+
+
+def add_named_sets(
+    p: argparse.ArgumentParser,
+    cls: type,
+    flags: dict[str, str],
+    where: str = "docs/serving.md, Settings",
+    names: tuple[str, ...] | None = None,
+) -> None:
+    """--set NAME=VALUE for the fields of the settings class `cls` (`HostSettings`,
+    `RouterSettings`, eval's `GenSettings`) that have no flag in `flags` (`names`: only these);
+    `--set` of a field in `flags` names its flag. `where`: the table that documents them."""
+    names = set_keys(cls, flags) if names is None else names
+    refused = {name: f"give {flag}" for name, flag in flags.items()}
+    p.set_defaults(setting_names=names, settings_class=cls, set_refused=refused)
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        metavar="NAME=VALUE",
+        nargs="+",
+        default=[],
+        action="extend",
+        help=f"an expert setting by its name ({where}): {', '.join(names)}",
+    )
 
 
 def resolve_config(args: argparse.Namespace, sets: list[str] | None = None) -> RunConfig:
@@ -238,7 +258,8 @@ def add_setting_args(
     command's own defaults, by field name, as its help shows them (the command applies them)."""
     defaults = defaults or {}
     chosen = [(f, s) for f, s in declared() if s.simulated or not simulated_only]
-    parser.set_defaults(setting_names=tuple(f.name for f, _ in chosen))
+    refused = {f.name: "the simulator does not model this setting" for f, _ in declared()}
+    parser.set_defaults(setting_names=tuple(f.name for f, _ in chosen), set_refused=refused)
     group = parser.add_argument_group(
         title,
         "every setting is also --set NAME=VALUE; these have no flag of their own (docs/"
@@ -361,17 +382,6 @@ def print_json(obj: Any) -> None:
     sys.stdout.write("\n")
 
 
-def check_model_sampler(method: str | None, info: RunInfo) -> str | None:
-    """The sampler a run takes for --sampler `method` (None: the default); a ConfigError (exit 2)
-    for an unknown one. None for a reference (no sampler)."""
-    if info.kind != "blocktrain":
-        return method
-    try:
-        return sampler_for(method)
-    except ValueError as exc:
-        raise ConfigError(f"{exc}") from None
-
-
 class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """Keep the examples' line breaks and show defaults, except the empty ones (None, False: an
     option left out, a flag not given), which say nothing a reader needs."""
@@ -380,20 +390,3 @@ class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsH
         if action.default is None or action.default is False:
             return action.help
         return super()._get_help_string(action)
-
-
-def add_sampler_args(p: argparse.ArgumentParser) -> None:
-    """--steps-per-block and --sampler, defaulting to the best measured recipe; the command
-    checks the values (one clear error line for an unknown sampler)."""
-    p.add_argument(
-        "--steps-per-block",
-        type=int,
-        default=DEFAULT_STEPS_PER_BLOCK,
-        help="sampler points per block",
-    )
-    p.add_argument(
-        "--sampler",
-        default=None,
-        help=f"the sampler's step between grid points: {', '.join(SAMPLERS)} (default: "
-        f"{DEFAULT_SAMPLER})",
-    )

@@ -20,10 +20,10 @@ from blocktrain.cli.common import (
     add_device_arg,
     add_log_arg,
     add_progress_arg,
-    check_model_sampler,
     file_patterns,
     log_backends,
 )
+from blocktrain.cli.evaluate import check_model_sampler
 from blocktrain.cli.train import run_and_report, splits
 from blocktrain.data.provenance import check_data, corpus_record, write_record
 from blocktrain.device import resolve_device

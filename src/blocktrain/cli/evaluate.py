@@ -10,13 +10,13 @@ from blocktrain.cli.common import (
     Formatter,
     add_data_arg,
     add_device_arg,
+    add_named_sets,
     add_progress_arg,
-    add_sampler_args,
     add_threads_arg,
-    check_model_sampler,
     file_patterns,
     print_json,
     progress_bar,
+    split_sets,
     use_threads,
 )
 from blocktrain.data import load_split
@@ -24,7 +24,9 @@ from blocktrain.data.provenance import check_data
 from blocktrain.device import resolve_device
 from blocktrain.errors import CheckpointError, ConfigError
 from blocktrain.model import BlockStack, Reference
+from blocktrain.model.sampler import DEFAULT_SAMPLER, DEFAULT_STEPS_PER_BLOCK, SAMPLERS, sampler_for
 from blocktrain.training import EvalSettings, evaluate_blocktrain, evaluate_reference, load_model
+from blocktrain.training.checkpoint import RunInfo
 from blocktrain.training.generated import GenSettings, evaluate_generation
 
 EXAMPLES = """examples:
@@ -32,9 +34,42 @@ EXAMPLES = """examples:
   blocktrain eval runs/tiny --split test --json      # JSON: sampler_ce, from_noise_ce, ...
   blocktrain eval runs/tiny --against runs/ref       # the reference on the same bytes
   blocktrain eval runs/span16 --judge runs/judge     # + continuations of 64 test prompts, judged
+  blocktrain eval runs/span16 --judge runs/judge --set prompts=16 temperature=0   # greedy, 16
   blocktrain eval runs/tiny --device cuda            # on the GPU (default auto: it when present)
   blocktrain eval hf/tiny --data CORPUS --split test # an `export --hf` folder, as a run
 """
+
+JUDGED_SETS = ("prompts", "prompt_bytes", "continuation_bytes", "temperature")
+"""The `GenSettings` of the judged continuations (--judge) that eval's --set takes, by name."""
+JUDGED_FLAGS = {"steps_per_block": "--steps-per-block", "sampler": "--sampler", "seed": "--seed"}
+
+
+def check_model_sampler(method: str | None, info: RunInfo) -> str | None:
+    """The sampler a run takes for --sampler `method` (None: the default); a ConfigError (exit 2)
+    for an unknown one. None for a reference (no sampler)."""
+    if info.kind != "blocktrain":
+        return method
+    try:
+        return sampler_for(method)
+    except ValueError as exc:
+        raise ConfigError(f"{exc}") from None
+
+
+def add_sampler_args(p: argparse.ArgumentParser) -> None:
+    """--steps-per-block and --sampler, defaulting to the best measured recipe; the command
+    checks the values (one clear error line for an unknown sampler)."""
+    p.add_argument(
+        "--steps-per-block",
+        type=int,
+        default=DEFAULT_STEPS_PER_BLOCK,
+        help="sampler points per block",
+    )
+    p.add_argument(
+        "--sampler",
+        default=None,
+        help=f"the sampler's step between grid points: {', '.join(SAMPLERS)} (default: "
+        f"{DEFAULT_SAMPLER})",
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -70,12 +105,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--reference`): continue fixed prompts of the split and report the judge's CE on them "
         "(gen_ce), on the real continuations (floor_ce) and the outputs' byte entropy",
     )
-    p.add_argument("--prompts", type=int, default=64, help="fixed prompts, with --judge")
-    p.add_argument("--prompt-bytes", type=int, default=128, help="bytes per prompt, with --judge")
-    p.add_argument("--gen-bytes", type=int, default=128, help="bytes generated per prompt")
-    p.add_argument(
-        "--temperature", type=float, default=1.0, help="of the continuations, with --judge"
-    )
+    add_named_sets(p, GenSettings, JUDGED_FLAGS, "with --judge; docs/model.md", JUDGED_SETS)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_device_arg(p)
     add_threads_arg(p)
@@ -86,19 +116,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     use_threads(args)
-    names = ("bytes", "sweeps", "steps_per_block", "batch_size", "prompts", "prompt_bytes")
-    for name in (*names, "gen_bytes"):
+    for name in ("bytes", "sweeps", "steps_per_block", "batch_size"):
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+    judged = split_sets(args)[1]
     try:
         gen_settings = GenSettings(
-            prompts=args.prompts,
-            prompt_bytes=args.prompt_bytes,
-            continuation_bytes=args.gen_bytes,
-            temperature=args.temperature,
-            steps_per_block=args.steps_per_block,
-            sampler=args.sampler,
-            seed=args.seed,
+            steps_per_block=args.steps_per_block, sampler=args.sampler, seed=args.seed, **judged
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

@@ -13,12 +13,11 @@ from blocktrain.cli.common import (
     Formatter,
     add_device_arg,
     add_pattern_args,
-    add_sampler_args,
     add_threads_arg,
-    check_model_sampler,
     file_patterns,
     use_threads,
 )
+from blocktrain.cli.evaluate import add_sampler_args, check_model_sampler
 from blocktrain.data.provenance import check_data
 from blocktrain.device import resolve_device
 from blocktrain.errors import CheckpointError, ConfigError

@@ -24,6 +24,7 @@ EXAMPLES = """examples:
   blocktrain plan --shape layers=24,d=4096,blocks=3 --hosts 3
   blocktrain plan --shape seed-75b,route=state             # only z between blocks
   blocktrain plan --shape seed-75b --throughput             # random weights, scaled to fit
+  blocktrain plan --shape seed-75b --throughput 16          # ... timing 16 output bytes
   blocktrain plan --preset small --profile cpu --local-steps 20   # seconds on this machine
   blocktrain plan --shape layers=32,d=4096,blocks=8,route=relay --profile consumer-gpu --json
 """
@@ -63,9 +64,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     shape.add_argument("--hosts", type=int, help="serving hosts (default: one per block)")
     shape.add_argument(
         "--throughput",
-        action="store_true",
-        help="also time one-sweep and autoregressive generation here, on random "
-        "weights of the shape scaled down in width",
+        nargs="?",
+        type=int,
+        const=64,
+        metavar="BYTES",
+        help="also time one-sweep and autoregressive generation of BYTES output bytes (64 when "
+        "left out) here, on random weights of the shape scaled down in width",
     )
     shape.add_argument(
         "--scale",
@@ -73,7 +77,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="width divisor for --throughput (default: the smallest power of "
         "two that fits 60M parameters)",
     )
-    shape.add_argument("--bytes", type=int, default=64, help="output bytes for --throughput")
     p.set_defaults(handler=run)
 
 
@@ -85,21 +88,22 @@ def run_shape(args: argparse.Namespace) -> int:
     name, cfg = shapes.parse_shape(args.shape)
     result = shapes.shape_plan(name, cfg, args.hosts)
     result.update(costs(args, shapes.shape_run(cfg)))
-    if args.throughput:
-        if args.bytes <= 0:
-            raise ConfigError(f"--bytes {args.bytes} must be positive")
+    if args.throughput is not None:
+        if args.throughput <= 0:
+            raise ConfigError(f"--throughput {args.throughput} must be positive")
         divisor = args.scale if args.scale is not None else shapes.auto_scale(cfg)
         scaled = shapes.scale_shape(cfg, divisor)
-        prompt = min(64, scaled.seq_len - args.bytes)
+        prompt = min(64, scaled.seq_len - args.throughput)
         if prompt < 1:
             raise ConfigError(
-                f"--bytes {args.bytes} leaves no room for a prompt in T = {scaled.seq_len}"
+                f"--throughput {args.throughput} leaves no room for a prompt in T = "
+                f"{scaled.seq_len}"
             )
         result["throughput"] = {
             "width_divisor": divisor,
             "weights": "random (untrained)",
             "where": "this process, no network",
-            **shapes.measure_throughput(scaled, prompt_bytes=prompt, output_bytes=args.bytes),
+            **shapes.measure_throughput(scaled, prompt_bytes=prompt, output_bytes=args.throughput),
         }
     if args.json:
         print_json(result)
@@ -186,7 +190,7 @@ def format_costs(result: dict[str, Any]) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     if args.shape is not None:
         return run_shape(args)
-    if args.hosts is not None or args.throughput or args.scale is not None:
+    if args.hosts is not None or args.throughput is not None or args.scale is not None:
         raise ConfigError("--hosts, --throughput and --scale go with --shape")
     cfg = resolve_config(args)
     result = plan(cfg)

@@ -13,7 +13,14 @@ from pathlib import Path
 
 import httpx
 
-from blocktrain.cli.common import Formatter, add_pattern_args, add_tls_args, file_patterns
+from blocktrain.cli.common import (
+    Formatter,
+    add_named_sets,
+    add_pattern_args,
+    add_tls_args,
+    file_patterns,
+    split_sets,
+)
 from blocktrain.data import load_split
 from blocktrain.data.ngram import NgramDrafter
 from blocktrain.errors import ConfigError
@@ -22,7 +29,7 @@ from blocktrain.model import Reference
 from blocktrain.model.speculative import Drafter, ModelDrafter
 from blocktrain.serving.openai.router_app import create_app
 from blocktrain.serving.router.client_tokens import load_tokens
-from blocktrain.serving.router.router_settings import RouterSettings
+from blocktrain.serving.router.router_settings import FLAGS, RouterSettings
 from blocktrain.serving.shared.auth import SECRET_ENV, load_secret
 from blocktrain.tls import is_loopback, require_tls, tls_pair
 from blocktrain.training.checkpoint import load_model
@@ -53,7 +60,9 @@ EXAMPLES = """examples:
 
   # hosts off loopback: the router presents their shared secret; limits per client and request
   blocktrain serve --hosts http://10.0.0.5:8101,http://10.0.0.6:8101 --port 8100 \\
-      --secret-file serve.secret --rate-limit 30 --max-work 2048
+      --secret-file serve.secret --rate-limit 30 --set max_work=2048
+  # expert limits and timeouts by name (docs/serving.md, Settings)
+  blocktrain serve --hosts ... --port 8100 --set timeout_s=60 wire_dtype=fp16 max_output_bytes=1024
   # only clients holding a token (one a line; the openai client sends it as its api_key)
   openssl rand -hex 32 > clients.tokens
   blocktrain serve --hosts ... --port 8100 --tokens-file clients.tokens
@@ -87,36 +96,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, required=True, help="TCP port (0: any free port)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument(
-        "--hop-ms",
-        type=float,
-        default=0.0,
-        help="emulated one-way latency of the link to each host, each way",
-    )
-    p.add_argument(
-        "--wire",
-        default="fp32",
-        choices=("fp32", "fp16"),
-        help="dtype of the state between hosts (fp32 is exact)",
-    )
-    p.add_argument(
         "--sample-on",
         default="router",
         choices=("router", "last-host"),
         help="where the bytes are drawn from the final logits",
-    )
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=300.0,
-        help="seconds to wait for one traversal of the chain",
-    )
-    p.add_argument("--max-output-bytes", type=int, default=4096, help="per request")
-    p.add_argument("--max-prompt-bytes", type=int, default=65536, help="per request")
-    p.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=RouterSettings.max_body_bytes,
-        help="largest request body (413 above)",
     )
     p.add_argument(
         "--rate-limit",
@@ -124,42 +107,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=RouterSettings.rate_per_minute,
         metavar="N",
         help="generation requests a minute per client address (429 above; 0: no limit)",
-    )
-    p.add_argument(
-        "--max-work",
-        type=int,
-        default=RouterSettings.max_work,
-        help="most work per request, in output bytes x steps_per_block (422 above)",
-    )
-    p.add_argument(
-        "--max-work-in-flight",
-        type=int,
-        default=RouterSettings.max_work_in_flight,
-        help="most work of all requests running at once (429 above)",
-    )
-    p.add_argument(
-        "--max-work-per-client",
-        type=int,
-        default=None,
-        metavar="U",
-        help="most work of one client's requests running at once, a client being an address "
-        "and, with --tokens-file, a token (429 above; default half of --max-work-in-flight; "
-        "behind a reverse proxy set it to --max-work-in-flight)",
-    )
-    p.add_argument(
-        "--send-timeout",
-        type=float,
-        default=RouterSettings.send_timeout_s,
-        metavar="S",
-        help="end a stream, releasing its work, when its client reads nothing for S seconds",
-    )
-    p.add_argument(
-        "--park-after",
-        type=float,
-        default=RouterSettings.park_after_s,
-        metavar="S",
-        help="a stream whose client reads nothing for S seconds gives its work back to other "
-        "clients until the client reads again",
     )
     add_tls_args(p)
     p.add_argument(
@@ -202,6 +149,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "pay with slow hops and a distilled drafter, short ones (4-8) or none on one loaded "
         "machine: docs/serving.md, Which D to pick",
     )
+    add_named_sets(p, RouterSettings, FLAGS)
     p.set_defaults(handler=run_cmd, server=True)  # runtime.return_freed_memory
 
 
@@ -237,22 +185,12 @@ def run_cmd(args: argparse.Namespace) -> int:
         drafter=drafter,
         draft_bytes=args.draft_bytes,
         hosts=hosts,
-        hop_ms=args.hop_ms,
-        timeout_s=args.timeout,
-        wire_dtype=args.wire,
         sample_on=args.sample_on,
-        max_prompt_bytes=args.max_prompt_bytes,
-        max_output_bytes=args.max_output_bytes,
-        max_body_bytes=args.max_body_bytes,
         rate_per_minute=args.rate_limit,
-        max_work=args.max_work,
-        max_work_in_flight=args.max_work_in_flight,
-        max_work_per_client=args.max_work_per_client,
-        send_timeout_s=args.send_timeout,
-        park_after_s=args.park_after,
         secret=load_secret(args.secret_file),
         tokens=load_tokens(args.tokens_file),
         ca_cert=args.ca_cert,
+        **split_sets(args)[1],
     )
     sock = bind(args.host, args.port)
     app = create_app(settings)  # builds nothing that can fail: hosts are asked lazily

@@ -8,13 +8,20 @@ from __future__ import annotations
 import argparse
 import sys
 
-from blocktrain.cli.common import Formatter, add_threads_arg, add_tls_args, use_threads
+from blocktrain.cli.common import (
+    Formatter,
+    add_named_sets,
+    add_threads_arg,
+    add_tls_args,
+    split_sets,
+    use_threads,
+)
 from blocktrain.config import parse_blocks
 from blocktrain.device import DEVICE_HELP, resolve_device
 from blocktrain.errors import ConfigError
 from blocktrain.listener import bind, run, url_of
 from blocktrain.serving.host.host_app import create_app
-from blocktrain.serving.host.host_settings import HostSettings
+from blocktrain.serving.host.host_settings import FLAGS, HostSettings
 from blocktrain.serving.host.loading import ModelSource
 from blocktrain.serving.shared.auth import SECRET_ENV, load_secret
 from blocktrain.serving.shared.transport import check_url
@@ -51,6 +58,10 @@ EXAMPLES = """examples:
   # on a GPU (auto, the default, takes the first one torch sees)
   blocktrain serve-block runs/paper --blocks 0 --port 8101 --device cuda:0
 
+  # expert limits, windows and caches by name (docs/serving.md, Settings)
+  blocktrain serve-block runs/tiny --blocks 0 --port 8101 --set max_sessions=64 session_ttl_s=120
+  blocktrain serve-block runs/tiny --blocks 0 --port 8101 --set public_url=https://h.example:8101
+
   # a chain without a router: forward to the next host yourself
   blocktrain serve-block runs/tiny --blocks 0 --port 8101 --next http://127.0.0.1:8102
 """
@@ -85,15 +96,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="URL",
         help="next host of a chain without a router (hosts behind a router take none)",
     )
-    p.add_argument(
-        "--public-url", metavar="URL", help="how this host names itself (default: http://HOST:PORT)"
-    )
-    p.add_argument(
-        "--hop-ms",
-        type=float,
-        default=0.0,
-        help="emulated one-way latency of the link to --next, each way",
-    )
     add_tls_args(p, public=False)
     p.add_argument(
         "--ca-cert",
@@ -106,7 +108,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         help=f"file holding the secret shared with the router (else ${SECRET_ENV}); "
         "required unless --host is a loopback address",
     )
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the next host")
     add_threads_arg(p)
     p.add_argument(
         "--device",
@@ -133,6 +134,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="memory all kept caches may take (MiB); the least recently used generations "
         "are dropped past it",
     )
+    add_named_sets(p, HostSettings, FLAGS)
     p.set_defaults(handler=run_cmd, server=True)  # runtime.return_freed_memory
 
 
@@ -143,8 +145,10 @@ def run_cmd(args: argparse.Namespace) -> int:
     next_url = check_url(args.next_url, "--next") if args.next_url else None
     if not args.max_cache_mb > 0:
         raise ConfigError(f"--max-cache-mb {args.max_cache_mb} must be positive")
+    sets = split_sets(args)[1]
     use_threads(args)
-    public = check_url(args.public_url, "--public-url") if args.public_url else None
+    public = sets.pop("public_url", None)
+    public = check_url(public, "--set public_url") if public else None
     secret = load_secret(args.secret_file)
     if secret is None and not is_loopback(args.host):
         raise ConfigError(
@@ -160,14 +164,13 @@ def run_cmd(args: argparse.Namespace) -> int:
             parts=parts,
             next_url=next_url,
             public_url=public or url_of(sock, tls=tls is not None),
-            hop_ms=args.hop_ms,
-            timeout_s=args.timeout,
             secret=secret,
             ca_cert=args.ca_cert,
             batch_window_ms=args.batch_window_ms,
             kv_cache=not args.no_kv_cache,
             max_cache_bytes=int(args.max_cache_mb * 2**20),
             device=device,
+            **sets,
         )
         app = create_app(settings)  # loads this host's blocks: errors before we serve
     except BaseException:

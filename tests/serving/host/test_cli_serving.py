@@ -64,7 +64,9 @@ def test_bad_serve_block_input(capsys, runs, tmp_path, busy_port):
         capsys, ["serve-block", f"a b={run}", "--blocks", "0", "--port", "0"], "NAME=RUN_DIR"
     )
     fails_cleanly(
-        capsys, ["serve-block", run, "--blocks", "0", "--port", "0", "--hop-ms", "-1"], "--hop-ms"
+        capsys,
+        ["serve-block", run, "--blocks", "0", "--port", "0", "--set", "hop_ms=-1"],
+        "hop_ms = -1",
     )
 
 
@@ -76,7 +78,9 @@ def test_bad_serve_input(capsys, busy_port):
         capsys, ["serve", "--hosts", "http://a:1", "--port", str(busy_port)], "cannot listen"
     )
     fails_cleanly(
-        capsys, ["serve", "--hosts", "http://a:1", "--port", "0", "--timeout", "0"], "--timeout"
+        capsys,
+        ["serve", "--hosts", "http://a:1", "--port", "0", "--set", "timeout_s=0"],
+        "timeout_s = 0",
     )
 
 
@@ -122,11 +126,11 @@ def test_bad_router_limits_are_one_line(capsys, monkeypatch):
     monkeypatch.delenv("BLOCKTRAIN_SERVE_SECRET", raising=False)
     serve = ["serve", "--hosts", "http://a:1", "--port", "0"]
     fails_cleanly(capsys, [*serve, "--rate-limit", "-1"], "--rate-limit -1")
-    fails_cleanly(capsys, [*serve, "--max-work", "0"], "max_work = 0")
-    fails_cleanly(capsys, [*serve, "--max-body-bytes", "0"], "max_body_bytes = 0")
-    fails_cleanly(capsys, [*serve, "--max-work", "100", "--max-work-in-flight", "10"], "no request")
-    fails_cleanly(capsys, [*serve, "--max-work-per-client", "100"], "--max-work-per-client 100")
-    fails_cleanly(capsys, [*serve, "--send-timeout", "0"], "--send-timeout 0")
+    fails_cleanly(capsys, [*serve, "--set", "max_work=0"], "max_work = 0")
+    fails_cleanly(capsys, [*serve, "--set", "max_body_bytes=0"], "max_body_bytes = 0")
+    fails_cleanly(capsys, [*serve, "--set", "max_work=100", "max_work_in_flight=10"], "no request")
+    fails_cleanly(capsys, [*serve, "--set", "max_work_per_client=100"], "max_work_per_client = 100")
+    fails_cleanly(capsys, [*serve, "--set", "send_timeout_s=0"], "send_timeout_s = 0")
 
 
 def test_bad_tls_input_is_one_line(capsys, runs, tmp_path, monkeypatch):

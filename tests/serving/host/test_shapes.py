@@ -115,7 +115,6 @@ def test_plan_shape_throughput_json(capsys):
                 "--shape",
                 "d=64,layers=3,blocks=3,seq=64,span=8",
                 "--throughput",
-                "--bytes",
                 "8",
                 "--json",
             ]

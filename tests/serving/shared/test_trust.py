@@ -217,7 +217,7 @@ def test_a_chunked_upload_is_cut_off_at_the_hosts_body_limit(runs):
 
 def test_the_router_caps_request_bodies(cluster):
     """Finding: the router has no body limit. A declared or chunked body over
-    --max-body-bytes is a 413, in the OpenAI error shape."""
+    max_body_bytes is a 413, in the OpenAI error shape."""
     with cluster.router(max_body_bytes=1000) as router:
         r = router.post("/v1/generate", json={"model": "bt", "prompt": "a" * 2000})
         app = router.app
@@ -261,7 +261,7 @@ def test_the_router_caps_the_work_of_one_request(cluster):
 
 
 def test_the_router_caps_the_work_in_flight_and_releases_it(cluster):
-    """Finding: the router has no concurrency limit. Work beyond --max-work-in-flight is a
+    """Finding: the router has no concurrency limit. Work beyond max_work_in_flight is a
     429 with Retry-After; a finished request (plain, streamed or failed) frees its work."""
     request = {"model": "bt", "prompt": "The ", "max_tokens": 4}
     with cluster.router(max_work=8, max_work_in_flight=10) as router:

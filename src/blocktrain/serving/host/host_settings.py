@@ -1,7 +1,8 @@
 """How one block host runs (`HostSettings`): the runs it serves and the blocks it holds, where it
 passes the state on, and the bounds on its requests, batches and caches; each checked when the
 settings are made, so that a bad flag of `blocktrain serve-block` is one line before anything
-starts. The work itself is `block_host.py`."""
+starts. The work itself is `block_host.py`. `FLAGS`: the fields that `serve-block` gives a flag
+of their own; every other is `--set NAME=VALUE` (docs/serving.md, Settings)."""
 
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ class HostSettings:
     """Where to forward the state (a chain without a router); None: answer it to the caller
     (the router sends it on to the next host of its route)."""
     public_url: str = "http://127.0.0.1"
-    """How this host names itself in traces and errors."""
+    """How this host names itself in /healthz, /v1/info, traces and errors, e.g. behind NAT or
+    listening on 0.0.0.0 (default: http://HOST:PORT, as bound)."""
     hop_ms: float = 0.0
-    """Emulated one-way latency of the link to --next (see shared/transport.py)."""
+    """Emulated one-way latency of the link to --next, each way (see shared/transport.py)."""
     timeout_s: float = 300.0
     """Read timeout when forwarding to the next host."""
     max_body_bytes: int = 256 * 2**20
@@ -48,8 +50,8 @@ class HostSettings:
     sweep that finds the host idle runs at once, and those that arrive while a batch computes
     go together after it (bench/serving_load.py: 4.35x at 32 clients)."""
     batch_rows: int = 64
-    """Most sequences in one batched forward pass; 1 turns batching off. No flag of
-    `blocktrain serve-block`: bench/serving_load.py sets it to compare (bench/serving_procs.py)."""
+    """Most sequences in one batched forward pass; 1 turns batching off
+    (bench/serving_load.py compares, bench/serving_procs.py)."""
     kv_cache: bool = True
     """Keep each generation's clean stream per block (model/cached.py); off: every sweep
     computes its whole context."""
@@ -69,9 +71,9 @@ class HostSettings:
         if not self.parts or len(set(self.parts)) != len(self.parts):
             raise ConfigError(f"--blocks {list(self.parts)} must name distinct blocks")
         if self.hop_ms < 0:
-            raise ConfigError(f"--hop-ms {self.hop_ms} must be >= 0")
+            raise ConfigError(f"hop_ms = {self.hop_ms} must be >= 0")
         if self.timeout_s <= 0:
-            raise ConfigError(f"--timeout {self.timeout_s} must be positive")
+            raise ConfigError(f"timeout_s = {self.timeout_s} must be positive")
         if self.batch_window_ms < 0:
             raise ConfigError(f"--batch-window-ms {self.batch_window_ms} must be >= 0")
         for name in (
@@ -83,3 +85,17 @@ class HostSettings:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} = {getattr(self, name)} must be positive")
+
+
+FLAGS = {
+    "models": "RUN_DIR",
+    "parts": "--blocks",
+    "next_url": "--next",
+    "secret": "--secret-file",
+    "ca_cert": "--ca-cert",
+    "batch_window_ms": "--batch-window-ms",
+    "kv_cache": "--no-kv-cache",
+    "max_cache_bytes": "--max-cache-mb",
+    "device": "--device",
+}
+"""The fields `serve-block` sets from a flag (or its positional RUN_DIR) of their own."""

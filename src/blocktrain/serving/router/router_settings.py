@@ -1,7 +1,8 @@
 """How the router runs (`RouterSettings`): the hosts of its chain (a position may hold replicas),
 what travels on the wire, and every limit on what a request may ask; each checked when the
 settings are made, so that a bad flag of `blocktrain serve` is one line before anything starts.
-The work itself is `chain_router.py`."""
+The work itself is `chain_router.py`. `FLAGS`: the fields that `serve` gives a flag of their own;
+every other is `--set NAME=VALUE` (docs/serving.md, Settings)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ class RouterSettings:
     """Block hosts, in chain order (the first receives each request); an entry may name
     replicas of one position as `URL|URL` (replicas.py)."""
     hop_ms: float = 0.0
-    """Emulated one-way latency of the link to the first host (see shared/transport.py)."""
+    """Emulated one-way latency of the link to each host, each way (see shared/transport.py)."""
     timeout_s: float = 300.0
     """Read timeout of one traversal of the chain."""
     wire_dtype: str = "fp32"
@@ -80,11 +81,11 @@ class RouterSettings:
     """PEM bundle to verify https hosts against (None: the system's CAs)."""
     coalesce_sweeps: int = 64
     """Most sweeps of concurrent generations sent to one host in one request (shared/coalesce.py);
-    1: each its own request. At most the hosts' `HostSettings.max_batch` (64 too). No flag of
-    `blocktrain serve`: bench/serving_load.py sets it to compare (bench/serving_procs.py)."""
+    1: each its own request. At most the hosts' `HostSettings.max_batch` (64 too)
+    (bench/serving_load.py compares, bench/serving_procs.py)."""
     coalesce_window_ms: float = 0.0
     """How long a sweep waits for others bound for the same host (0: none; those that arrive
-    while a request to the host is in flight go together after it). No flag, as above."""
+    while a request to the host is in flight go together after it)."""
 
     @property
     def work_per_client(self) -> int:
@@ -103,11 +104,11 @@ class RouterSettings:
             raise ConfigError("--hosts must name at least one block host")
         _positions(self.hosts)  # checks every URL, and that none appears twice
         if self.hop_ms < 0:
-            raise ConfigError(f"--hop-ms {self.hop_ms} must be >= 0")
+            raise ConfigError(f"hop_ms = {self.hop_ms} must be >= 0")
         if self.timeout_s <= 0:
-            raise ConfigError(f"--timeout {self.timeout_s} must be positive")
+            raise ConfigError(f"timeout_s = {self.timeout_s} must be positive")
         if self.wire_dtype not in ("fp32", "fp16"):
-            raise ConfigError(f"--wire {self.wire_dtype!r} must be fp32 or fp16")
+            raise ConfigError(f"wire_dtype = {self.wire_dtype!r} must be fp32 or fp16")
         if self.sample_on not in ("router", "last-host"):
             raise ConfigError(f"--sample-on {self.sample_on!r} must be router or last-host")
         for name in (
@@ -133,18 +134,31 @@ class RouterSettings:
         if self.rate_per_minute < 0:
             raise ConfigError(f"--rate-limit {self.rate_per_minute} must be >= 0 (0: none)")
         if self.send_timeout_s <= 0:
-            raise ConfigError(f"--send-timeout {self.send_timeout_s} must be positive")
+            raise ConfigError(f"send_timeout_s = {self.send_timeout_s} must be positive")
         if self.park_after_s <= 0:
-            raise ConfigError(f"--park-after {self.park_after_s} must be positive")
+            raise ConfigError(f"park_after_s = {self.park_after_s} must be positive")
         if self.max_work_per_client is not None and not (
             self.max_work <= self.max_work_per_client <= self.max_work_in_flight
         ):
             raise ConfigError(
-                f"--max-work-per-client {self.max_work_per_client} must lie in --max-work "
-                f"{self.max_work} .. --max-work-in-flight {self.max_work_in_flight}"
+                f"max_work_per_client = {self.max_work_per_client} must lie in max_work "
+                f"{self.max_work} .. max_work_in_flight {self.max_work_in_flight}"
             )
         if self.max_work > self.max_work_in_flight:
             raise ConfigError(
-                f"--max-work {self.max_work} exceeds --max-work-in-flight "
+                f"max_work = {self.max_work} exceeds max_work_in_flight "
                 f"{self.max_work_in_flight}: no request could ever run"
             )
+
+
+FLAGS = {
+    "hosts": "--hosts",
+    "sample_on": "--sample-on",
+    "drafter": "--draft-corpus / --draft-model",
+    "draft_bytes": "--draft-bytes",
+    "rate_per_minute": "--rate-limit",
+    "secret": "--secret-file",
+    "tokens": "--tokens-file",
+    "ca_cert": "--ca-cert",
+}
+"""The fields `serve` sets from a flag of its own."""

@@ -9,6 +9,7 @@ several sweeps at once.
     transport       HTTP between router and hosts: URLs, timeouts, hop latency, errors
     batching        the batcher: jobs that arrive together and share a key run as one batch
     coalesce        /v1/sweeps: several sweeps bound for one host in one request, and back
+    declared        the settings' flags, `--set` keys and docs/serving.md table, derived
 
 Imports nothing of serving/ outside shared/ (tests/test_layers.py).
 """
