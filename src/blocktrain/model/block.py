@@ -224,11 +224,10 @@ class Block(nn.Module):
         return self.head(modulate(F.layer_norm(denoised, denoised.shape[-1:]), *final))
 
     def sigma_terms(self, sigma: torch.Tensor) -> SigmaTerms:
-        """Everything a pass derives from sigma (N,) alone, for inference: the EDM scalings,
-        each layer's adaLN terms and the final adaLN's. Memoised: a block host calls its blocks
-        at the same few grid sigmas on every sweep, and these terms showed in a py-spy profile
-        of a host's sweeps. The key holds the parameters' versions, so weights loaded or
-        trained in place are never served stale terms."""
+        """Everything a pass derives from sigma (N,) alone, for inference (the EDM scalings, the
+        adaLN terms), memoised: a host calls its blocks at the same few grid sigmas on every
+        sweep, and these terms showed in a py-spy profile. The key holds the parameters'
+        versions, so weights loaded or trained in place are never served stale terms."""
         params = self._sigma_params
         key = (tuple(sigma.tolist()), tuple(p._version for p in params))
         terms = self._sigma_memo.get(key)
@@ -303,8 +302,7 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         """The z stream's input tokens (N, Lz, d): the projected c_in * z, plus the clean
         embedding of the last byte each z token may see (BOS before the first span), plus the
-        upstream features (N, Lx, d) at that byte when given: the deep residual from which an
-        end-to-end model of the stack's depth would predict the next byte."""
+        upstream features (N, Lx, d) at that byte when given."""
         h = self.z_in(c_in[:, None, None] * z)
         last = layout.span_start - 1  # (Lz,)
         if self.cfg.z_prev_byte:

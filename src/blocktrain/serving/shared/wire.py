@@ -1,8 +1,6 @@
 """What travels between the router and the hosts: one safetensors body per message, whose
 metadata key "blocktrain" holds a JSON header (`SweepHeader`, `StageHeader`) and whose tensors
-are the state (docs/serving.md, "The wire", has the table). Besides those, a `route = features`
-sweep past block 0 carries `u` (N, Lx, d): the previous block's clean output at every context
-position (docs/model.md).
+are the state (docs/serving.md, "The wire" and "One sweep: who does what").
 
 Logits always travel in fp32 so that sampling gives the same bytes wherever it runs; the fp16
 option only narrows the state. Bodies are read by `blocktrain.tensorwire`, the aggregator's
