@@ -1,5 +1,5 @@
 """`POST /v1/chat/completions`: its request and response models and the byte-level chat template
-(docs/serving.md, "The chat template"). It promises a well-formed byte prompt and a one-line
+(docs/serving.md, "The OpenAI API"). It promises a well-formed byte prompt and a one-line
 reply; it does not promise that the reply answers anything."""
 
 from __future__ import annotations

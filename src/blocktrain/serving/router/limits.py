@@ -95,10 +95,10 @@ def check_rate(bucket: TokenBucket, client: str) -> None:
 @dataclass
 class WorkLimiter:
     """Caps the work of one request (422), of one client's requests in flight, and of all
-    requests in flight (429), shared fairly: docs/serving.md, "Trust" (`max_work_in_flight`,
-    `max_work_per_client`). The fair share lets clients that fill the budget from many addresses
-    delay a newcomer by a piece instead of refusing it (bench/live_attacks.py,
-    unread_streams_4_addresses: 429 on 118 of 118 before)."""
+    requests in flight (429), shared fairly (docs/serving.md, "Trust: authentication and
+    limits": `max_work_in_flight`, `max_work_per_client`). The fair share lets clients that fill
+    the budget from many addresses delay a newcomer by a piece instead of refusing it
+    (bench/live_attacks.py, unread_streams_4_addresses: 429 on 118 of 118 before)."""
 
     per_request: int
     in_flight_max: int

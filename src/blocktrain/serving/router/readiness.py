@@ -1,6 +1,6 @@
-"""The router's readiness check (`GET /readyz`, docs/serving.md, "Readiness"): a 1-byte sweep or
-step through every replica of every hop of every served model, so that each host shows it can
-compute, not merely answer."""
+"""The router's readiness check, `GET /readyz` (docs/serving.md, "Batching, readiness and
+replicas"): a 1-byte sweep or step through every replica of every hop of every served model, so
+that each host shows it can compute, not merely answer."""
 
 from __future__ import annotations
 
