@@ -1,11 +1,6 @@
-"""A BlockTrain block: the denoiser of one noise interval (the BlockTrain design, sections 2.2-2.4; docs/model.md).
-
-    logits = block(x_bytes, z, sigma, layout)
-
-`x_bytes` are the clean context bytes, `z` the noisy states of the positions being denoised
-(living in the space of the frozen target table E), `sigma` one noise level per sequence.
-Each block owns all of its parameters; blocks share nothing trainable, only E, which is derived
-from the run's seed and never trained.
+"""A BlockTrain block, `logits = block(x_bytes, z, sigma, layout)`: the denoiser of one noise
+interval (the design, sections 2.2-2.4; docs/model.md, "A block"). Blocks share nothing
+trainable, only the target table E, derived from the run's seed and never trained.
 """
 
 from __future__ import annotations
@@ -151,8 +146,7 @@ class Block(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x_bytes (N, Lx) int64; z (N, Lz, d); sigma (N,) -> logits (N, Lz, 256), and the clean
         stream's next-byte logits (N, Lx, 256) when `with_aux` (else None). `upstream` (N, Lx,
-        d): the previous block's clean stream output (`route = features`), which this block's
-        clean stream continues."""
+        d): the previous block's clean output (`route = features`)."""
         logits, aux, _ = self.forward_with_clean(
             x_bytes, z, sigma, layout, with_aux=with_aux, upstream=upstream
         )
@@ -198,9 +192,8 @@ class Block(nn.Module):
     def clean_stream(
         self, x_bytes: torch.Tensor, upstream: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The clean stream alone: x_bytes (N, Lx) -> its last residual (N, Lx, d), what the
-        next block reads under `route = features`. It depends on the context only, never on z
-        or sigma."""
+        """The clean stream alone: x_bytes (N, Lx) -> its last residual (N, Lx, d); it depends
+        on the context only, never on z or sigma."""
         x = self.clean_input(x_bytes, upstream)
         rope_x = self.rotary.rotation(torch.arange(x_bytes.shape[1], device=x_bytes.device))
         for layer in self.layers:
@@ -231,11 +224,10 @@ class Block(nn.Module):
         return self.head(modulate(F.layer_norm(denoised, denoised.shape[-1:]), *final))
 
     def sigma_terms(self, sigma: torch.Tensor) -> SigmaTerms:
-        """Everything a pass derives from sigma (N,) alone, for inference: the EDM scalings,
-        each layer's adaLN terms and the final adaLN's. Memoised: a block host calls its blocks
-        at the same few grid sigmas on every sweep, and these terms showed in a py-spy profile
-        of a host's sweeps. The key holds the parameters' versions, so weights loaded or
-        trained in place are never served stale terms."""
+        """Everything a pass derives from sigma (N,) alone, for inference (the EDM scalings, the
+        adaLN terms), memoised: a host calls its blocks at the same few grid sigmas on every
+        sweep, and these terms showed in a py-spy profile. The key holds the parameters'
+        versions, so weights loaded or trained in place are never served stale terms."""
         params = self._sigma_params
         key = (tuple(sigma.tolist()), tuple(p._version for p in params))
         terms = self._sigma_memo.get(key)
@@ -257,12 +249,10 @@ class Block(nn.Module):
         clean: CleanBatch,
         upstream: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`forward`'s logits (N, Lz, 256) with the clean stream taken from `clean` (a batch of
-        right-aligned contexts, model/cached.py): only its last `clean.fresh` indices run
-        through the layers, and they are left in `clean` for the next call, with their clean
-        outputs in `clean.out` when it keeps them. x_bytes (N, Lx) right-aligned (Lx =
-        clean.length), z (N, Lz, d), sigma (N,), layout built for Lx; `upstream` (N, Lx, d)
-        right-aligned: the previous block's clean output (`route = features`)."""
+        """`forward`'s logits (N, Lz, 256) with the clean stream taken from `clean` (right-aligned
+        contexts, model/cached.py): only its last `clean.fresh` indices run through the layers,
+        and they are left in `clean` (outputs in `clean.out`) for the next call. x_bytes (N, Lx),
+        Lx = clean.length; `upstream` (N, Lx, d) right-aligned (`route = features`)."""
         length, fresh = x_bytes.shape[1], clean.fresh
         assert length == clean.length and len(clean.keys) == len(self.layers)
         terms = self.sigma_terms(sigma.to(z.dtype))
@@ -312,8 +302,7 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         """The z stream's input tokens (N, Lz, d): the projected c_in * z, plus the clean
         embedding of the last byte each z token may see (BOS before the first span), plus the
-        upstream features (N, Lx, d) at that byte when given: the deep residual from which an
-        end-to-end model of the stack's depth would predict the next byte."""
+        upstream features (N, Lx, d) at that byte when given."""
         h = self.z_in(c_in[:, None, None] * z)
         last = layout.span_start - 1  # (Lz,)
         if self.cfg.z_prev_byte:

@@ -1,27 +1,11 @@
 """A block's clean stream cached per generation, and contexts of different lengths in one
-forward pass: what a block host runs per sweep (`Block.forward_cached`, serving/host/sweeps.py).
+forward pass (`Block.forward_cached`): docs/serving.md, "Batching, readiness and replicas" (the
+clean-stream cache, right-aligned contexts). `KVCache` is also what a reference stage keeps.
 
-`KVCache` holds the keys and values of the positions seen, per layer: what a stage of the
-reference keeps (model/pipeline.py), and the base of a block's `CleanCache`.
-
-The clean stream of a block does not depend on z or sigma (layers.py): position i's keys and
-values depend only on bytes 0..i. A generation's next sweep sees the same context plus a few new
-bytes (K after a span, the accepted bytes after a verify sweep), so a host keeps each layer's
-rotated (k, v) of the context and computes only the new positions and the z tokens.
-
-Under `route = features` the next block reads this block's clean output (its last residual per
-position), so the cache keeps those outputs too (`out`) whenever a next block exists: the host
-passes the whole context's outputs on with the state, and a block on the same host reads them
-directly (serving/host/sweeps.py).
-
-Several generations share one forward pass with their contexts **right-aligned** to one length
-L: row r's L_r bytes sit at indices L - L_r .. L - 1 (`pad` = L - L_r indices of padding before
-them), so every row's z tokens sit at the same indices and one `ZLayout`, built for L, serves
-the batch (the z path, `Block.z_tokens`, reads the byte before a span at the same index in
-every row). A token's position (its rotation) is its index less its row's pad; padding keys are
-masked out of every query. The last `fresh` indices of every row are computed (the most any row
-lacks in its cache; a row that lacks fewer recomputes a few cached positions, which costs
-little and keeps one query block for the batch); the indices before them come from the caches.
+Invariants: a token's position (its rotation) is its index less its row's pad, and padding keys
+are masked out of every query; the last `fresh` indices of every row are computed (the most any
+row lacks: a row that lacks fewer recomputes a few cached positions, which keeps one query block
+for the batch).
 """
 
 from __future__ import annotations
@@ -33,8 +17,8 @@ import torch
 
 @dataclass
 class KVCache:
-    """Keys and values of the positions a stage has already seen, per layer: each (N, H, P, hd).
-    `length` is P, the position the next new token takes."""
+    """Keys and values of the positions a stage has seen, per layer: each (N, H, P, hd);
+    `length` is P."""
 
     keys: dict[int, torch.Tensor] = field(default_factory=dict)
     values: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -56,8 +40,7 @@ class KVCache:
 
 @dataclass
 class CleanCache(KVCache):
-    """One block's clean stream for one generation's rows: keys and values per layer, each
-    (N, H, P, hd), of the bytes `tokens` (N, P): position i holds byte tokens[:, i]."""
+    """One block's clean stream for one generation's rows, of the bytes `tokens` (N, P)."""
 
     tokens: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0, dtype=torch.long))
     out: torch.Tensor | None = None
@@ -100,12 +83,10 @@ def right_align(xs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass
 class CleanBatch:
-    """One block's clean stream for a batch of right-aligned contexts of `length` indices. The
+    """One block's clean stream for a batch of right-aligned contexts of `length` indices: the
     keys/values (per layer (N, H, length - fresh, hd)) hold the indices before the last `fresh`;
-    `Block.forward_cached` computes those and leaves all `length` indices here (fresh = 0), so
-    the next grid point of the same block (steps_per_block > 1) computes only z. `out`
-    (N, length, d), when the next block reads this one's clean output (`route = features`):
-    the cached indices' outputs, and the fresh ones' once the forward pass wrote them."""
+    `Block.forward_cached` computes those and leaves fresh = 0, so a block's next grid point
+    computes only z. `out` (N, length, d): the clean outputs, when `route = features`."""
 
     pad: torch.Tensor  # (N,) int64
     length: int
@@ -128,8 +109,7 @@ class CleanBatch:
     ) -> CleanBatch:
         """The batch of `jobs`, each (rows, context length L_j, its cache or None), in row
         order; every job's cache must hold its first L_j - fresh positions (`reusable`).
-        `out_dim` d: also keep the clean outputs (each cache must hold them). `device`: where
-        the block runs (the caches are already there)."""
+        `out_dim` d: also keep the clean outputs."""
         length = max(lj for _, lj, _ in jobs)
         pads = [length - lj for n, lj, _ in jobs for _ in range(n)]
         pad = torch.tensor(pads, dtype=torch.long, device=device)

@@ -1,12 +1,8 @@
-"""The autoregressive exit: a block's next-byte head over the chain of clean streams.
-
-Every block's clean stream carries a next-byte head, trained by the auxiliary term of the
-block's local loss (training/loss.py). Under `route = features` the clean streams chain (block b
-continues blocks 0..b-1), so the last block's head predicts the next byte with the whole stack's
-depth, from the context alone: no z and no sampler. It reads the stack as a greedy block-wise
-autoregressive model (decoupled greedy learning, Belilovsky et al. 2020, arXiv 1901.08164),
-trained by nothing but the blocks' own losses. BENCHMARKS.md, "Do blocks compose?", measures it
-beside the sampler.
+"""The autoregressive exit: the last block's next-byte head over the chain of clean streams
+(`route = features`), from the context alone: no z and no sampler. It reads the stack as a greedy
+block-wise autoregressive model (Belilovsky et al. 2020, arXiv 1901.08164) trained by nothing but
+the blocks' own losses. docs/serving.md, "The head exit of a features stack"; BENCHMARKS.md,
+"Do blocks compose?", measures it beside the sampler.
 """
 
 from __future__ import annotations
@@ -27,11 +23,10 @@ head, and `auto` (the default) picks one per model (`resolve_exit`)."""
 
 
 def resolve_exit(exit_: str, model: ModelConfig | None) -> str:
-    """The exit `exit_` means for `model` (None: a reference, which has one exit). `auto` is
-    `head` for an intervals = reversed route = features stack with next-byte heads, whose
-    sweep starts at the last block (so it cannot run over a chain of hosts) and whose head is
-    its best reading (BENCHMARKS.md, "Do blocks compose?"); `sampler` otherwise. `sampler` and
-    `head` are kept as given: their refusals are the caller's."""
+    """The exit `exit_` means for `model` (None: a reference, which has one exit): `auto` is
+    `head` for an intervals = reversed route = features stack with next-byte heads (its sweep
+    starts at the last block, so it cannot run over a chain of hosts), `sampler` otherwise.
+    `sampler` and `head` are kept as given: their refusals are the caller's."""
     if exit_ not in EXITS:
         raise ValueError(f"exit {exit_!r} is not one of {', '.join(EXITS)}")
     if exit_ != "auto":
@@ -58,11 +53,9 @@ def head_logits(stack: BlockStack, x_bytes: torch.Tensor, block: int | None = No
 
 
 class HeadStage(nn.Module):
-    """Block b's clean stream with a key/value cache: one stage of the head exit's pipeline
-    across hosts (docs/serving.md), as `ReferenceStage` is of the reference's. It wraps the
-    block (no copy of its weights). Chained over the blocks in order, the last stage's logits
-    are `head_logits` of the context (tests prove it), and each new byte costs one token
-    through every block's clean stream."""
+    """Block b's clean stream with a key/value cache (no copy of its weights): one stage of the
+    head exit's pipeline across hosts, as `ReferenceStage` is of the reference's. Chained over
+    the blocks, the last stage's logits are `head_logits` of the context."""
 
     def __init__(self, block: Block, last: bool) -> None:
         super().__init__()
@@ -73,10 +66,9 @@ class HeadStage(nn.Module):
     def forward(
         self, x_new: torch.Tensor, upstream: torch.Tensor | None, cache: KVCache | None = None
     ) -> torch.Tensor:
-        """x_new (N, L) the new bytes; `upstream` (N, L, d) the previous block's clean output at
-        them (None for block 0); the new tokens take positions cache.length.. and extend the
-        cache in place. Returns this block's clean output (N, L, d), or on the last block the
-        head's logits (N, L, 256); position i predicts the byte after it."""
+        """x_new (N, L) the new bytes at positions cache.length.. (the cache is extended in
+        place); `upstream` (N, L, d) the previous block's clean output (None for block 0) ->
+        this block's clean output (N, L, d), or on the last block the head's logits."""
         block = self.block
         h = block.clean_input(x_new, upstream)
         h = cached_clean_pass(list(enumerate(block.layers)), block.rotary, h, cache)

@@ -1,13 +1,7 @@
-"""Transformer pieces shared by the blocks and the end-to-end reference.
-
-A BlockTrain block runs two streams through the same layers (docs/model.md, "A block"):
-  - the clean stream x: a plain pre-norm causal Transformer over the context bytes;
-  - the noisy stream z: one token per position being denoised; it attends to the clean tokens
-    before its span's start and to every z token of its own span, and its residual branches are
-    modulated by the noise level (adaLN).
-Nothing attends from x to z, so the clean stream does not depend on z or sigma: the reference is
-exactly the clean stream alone, and at inference its keys and values are cached per generation
-(model/cached.py).
+"""Transformer pieces shared by the blocks and the end-to-end reference: one layer runs the
+clean stream x and the noise-conditioned stream z (docs/model.md, "A block"). Nothing attends
+from x to z, so the clean stream does not depend on z or sigma: the reference is the clean
+stream alone, and at inference its keys and values are cached (model/cached.py).
 """
 
 from __future__ import annotations
@@ -107,13 +101,10 @@ class DualStreamLayer(nn.Module):
         past: tuple[torch.Tensor, torch.Tensor] | None = None,
         mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """The clean stream's causal attention with its residual, for L new positions that
-        follow P cached ones: x (N, L, d), rot (L, hd/2) their rotations (or (N, 1, L, hd/2),
-        one row's positions each), past the (k, v) of the cached positions, each (N, H, P, hd),
-        or None -> (x (N, L, d), (k, v) each (N, H, P + L, hd), rotated: what the z stream
-        attends to and what a KV cache keeps). `mask` (N, 1, L, P + L), bool (True = may
-        attend) or additive, replaces the causal mask (rows padded to one length,
-        model/cached.py)."""
+        """The clean stream's causal attention with its residual, for L new positions after P
+        cached ones: x (N, L, d), rot (L, hd/2) (or (N, 1, L, hd/2) per row), past the cached
+        (k, v), each (N, H, P, hd), or None -> (x, (k, v) each (N, H, P + L, hd), rotated).
+        `mask` (N, 1, L, P + L), bool or additive, replaces the causal mask (padded rows)."""
         q, k, v = self._heads(self.ln1(x))  # each (N, H, L, hd)
         q, k = apply_rotary(q, rot), apply_rotary(k, rot)
         if mask is not None:

@@ -1,12 +1,7 @@
-"""The end-to-end reference split into pipeline stages, with a key/value cache per stage: what the
-autoregressive serving baseline runs on each host (docs/serving.md, "The autoregressive baseline").
-
-Stage s of S holds the reference's layers [s * L / S, (s + 1) * L / S); the first stage also holds
-the byte embedding, the last the final norm and the head. Chaining the stages gives exactly
-`Reference.forward` (tests prove it); with a cache, each new byte costs one pass of one token
-through every stage instead of a pass over the whole context.
-
-Pure math, like the rest of `model/`: no I/O, no logging, no globals.
+"""The end-to-end reference split into pipeline stages with a key/value cache each: the
+autoregressive serving baseline (docs/serving.md, "The autoregressive baseline"). Stage s of S
+holds layers [s * L / S, (s + 1) * L / S) (the first also the embedding, the last the final norm
+and head); chained, the stages give exactly `Reference.forward`.
 """
 
 from __future__ import annotations
@@ -71,9 +66,8 @@ def cached_clean_pass(
     layers: Sequence[tuple[int, nn.Module]], rotary: Rotary, h: torch.Tensor, cache: KVCache | None
 ) -> torch.Tensor:
     """The clean stream's `layers` ((cache index, DualStreamLayer) pairs) on L new tokens h
-    (N, L, d) at positions cache.length.., each attending to the cached ones; the cache (if
-    given) is extended in place. -> (N, L, d). What a pipeline stage runs per step: the
-    reference's stages and a BlockTrain run's head stages (model/heads.py) alike."""
+    (N, L, d) at positions cache.length.. (the cache, if given, extended in place) -> (N, L, d):
+    a reference stage's and a head stage's step alike."""
     start = cache.length if cache is not None else 0
     rot = rotary.rotation(torch.arange(start, start + h.shape[1], device=h.device))  # (L, hd/2)
     for i, layer in layers:

@@ -1,10 +1,6 @@
-"""The one-sweep sampler (docs/model.md, "The sampler"), in the style of k-diffusion: a pure loop
-over a sigma grid that only calls a denoiser. A denoiser is any callable
-
-    denoise(block_index, x_bytes, z, sigma, layout) -> logits (N, Lz, 256)
-
-so a local BlockStack, a single worker's block or a chain of remote hosts all plug in. `generate`
-drives it span by span (model/span_loop.py); bytes are drawn from logits by model/sampling.py.
+"""The one-sweep sampler: a pure loop over a sigma grid that only calls a denoiser
+`denoise(block_index, x_bytes, z, sigma, layout) -> logits (N, Lz, 256)`, so a local BlockStack,
+one worker's block or a chain of remote hosts all plug in. docs/model.md, "The sampler".
 """
 
 from __future__ import annotations
@@ -51,8 +47,7 @@ def ancestral_step(
     logits: torch.Tensor, targets: torch.Tensor, sigma_next: float, generator: torch.Generator
 ) -> torch.Tensor:
     """Re-noise from a sampled prediction: y_hat ~ softmax(logits), z <- E[y_hat] + sigma_next *
-    eps. The state then has exactly the form the next block was trained on (E[y] + sigma * eps),
-    with y drawn from the model instead of the data."""
+    eps, exactly the form the next block was trained on."""
     gdev = generator.device  # draw on the generator's device, use on the logits' device
     probs = torch.softmax(logits.float(), dim=-1).to(gdev)
     flat = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator)
@@ -64,11 +59,9 @@ def ancestral_step(
 def antithetic_normal(
     copies: int, shape: tuple[int, ...], generator: torch.Generator
 ) -> torch.Tensor:
-    """`copies` standard normal draws of `shape` (copies, *shape), in antithetic pairs: the
-    first ceil(M / 2) are drawn, the rest are minus the first ones. Each copy alone is a
-    standard normal draw, so the mean of any function of them keeps its expectation, and when
-    the function is near odd in the noise (a sweep's law at high sigma) the pairs cancel much of
-    its variance. One copy is one plain draw."""
+    """`copies` standard normal draws of `shape` (copies, *shape), in antithetic pairs (the
+    first ceil(M / 2) drawn, the rest minus those). Each copy alone is a standard normal draw,
+    so a mean over them keeps its expectation; near odd functions cancel much of their variance."""
     drawn = torch.randn((copies + 1) // 2, *shape, generator=generator, device=generator.device)
     return torch.cat((drawn, -drawn[: copies // 2]))
 
@@ -81,14 +74,13 @@ def fork_step(
     generator: torch.Generator,
 ) -> torch.Tensor:
     """The ancestral step into a fork point (Fork): logits (N, L, 256) -> the states of `draws`
-    copies of the L tokens (N, draws * L, d), draw after draw, each E[y_hat] + sigma_next * eps.
+    copies of the L tokens (N, draws * L, d), each E[y_hat] + sigma_next * eps.
 
-    The copies' bytes y_hat are drawn stratified (copy m inverts the CDF at (u + m) / M for one
-    uniform u, so the M bytes spread over the law instead of piling on its mode) and their noises
-    in antithetic pairs (antithetic_normal). Copy m alone is then not distributed as one draw,
-    but a copy picked at random is, so the mean of the copies' laws keeps the expectation a
-    verify sweep's rule needs, with less variance (fewer rejections) than independent draws
-    (BENCHMARKS.md, "Speculative K = 1: bytes per verify traversal")."""
+    The bytes are drawn stratified (copy m inverts the CDF at (u + m) / M for one uniform u) and
+    the noises in antithetic pairs. Copy m alone is not distributed as one draw, but a copy
+    picked at random is, so the mean of the copies' laws keeps the expectation a verify sweep's
+    rule needs, with fewer rejections (BENCHMARKS.md, "Speculative K = 1: bytes per verify
+    traversal")."""
     n, length, vocab = logits.shape
     gdev = generator.device
     probs = torch.softmax(logits.float(), dim=-1).to(gdev).reshape(-1, vocab).double()
@@ -133,8 +125,7 @@ def check_sampler(method: str) -> str:
 
 
 def sampler_for(method: str | None) -> str:
-    """The sampler a request of `method` runs (None: the default); one clear ValueError for an
-    unknown one."""
+    """The sampler a request of `method` runs (None: the default), or a ValueError."""
     return DEFAULT_SAMPLER if method is None else check_sampler(method)
 
 
@@ -146,12 +137,9 @@ def needs_generator(method: str) -> bool:
 @dataclass(frozen=True)
 class Fork:
     """Noise draws that share a sweep up to grid point `point` (model.speculative's verify
-    draws): the ancestral step into `point` takes each of `draws` copies of the state's tokens
-    through its own byte and noise draw (fork_step), and from `point` on the copies run under
-    `layout`, as `draws` sweeps that share everything before. A copy picked at random has the
-    law the sweep's state has at `point`, so the mean of the copies' laws is still an unbiased
-    estimate of the sampler's law; only the ancestral sampler draws at a step (an Euler step
-    would copy one state `draws` times)."""
+    draws): the ancestral step into `point` makes `draws` copies of the state's tokens
+    (fork_step), which run under `layout` from `point` on. Only the ancestral sampler draws at a
+    step (an Euler step would copy one state `draws` times)."""
 
     point: int
     draws: int
@@ -174,17 +162,10 @@ def run_points(
     on_step: StepHook | None = None,
     fork: Fork | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sweep itself, written once: run grid points start..stop-1 on the state z (N, Lz, d),
-    which lies at grid[start]'s sigma. After every point but the grid's last, z moves to the next
-    point's sigma. Returns (z at grid[stop], or as it was at the grid's last point; the logits
-    (N, Lz, 256) of point stop - 1).
-
-    A whole sweep is start = 0, stop = len(grid) (`one_sweep`); a block host runs the
-    consecutive points of the blocks it holds and forwards z to the host of the next point.
-    `on_step(n, block, sigma, logits)` sees every point's logits. `generator` may be one per
-    request of a batch (RowGenerators).
-
-    `fork` (ancestral only): from fork.point on, z holds fork.draws copies of its tokens under
+    """The sweep itself, written once: grid points start..stop-1 on z (N, Lz, d), which lies at
+    grid[start]'s sigma -> (z at grid[stop] (as it was, at the grid's last point), the logits
+    (N, Lz, 256) of point stop - 1). `on_step(n, block, sigma, logits)` sees every point's
+    logits. `fork` (ancestral only): from fork.point on, z holds fork.draws copies under
     fork.layout; a run that starts at or past the point is given the copies already."""
     check_sampler(method)
     stop = len(grid) if stop is None else stop
@@ -275,10 +256,8 @@ def generate(
     generator: torch.Generator,
     method: str = "euler",
 ) -> torch.Tensor:
-    """Continue `prompt` (N, Lp) by n_bytes, one span of K bytes per sweep: ceil(n / K) sweeps.
-    The context window holds at most `max_context` bytes (T - K for a model trained on T bytes;
-    `window_start`).
-    Returns (N, n_bytes) int64."""
+    """Continue `prompt` (N, Lp) by n_bytes, one span of K bytes per sweep, the window at most
+    `max_context` bytes (T - K) -> (N, n_bytes) int64."""
     check_sampler(method)
     loop = SpanLoop(
         prompt,

@@ -59,11 +59,9 @@ def sample_bytes(
     generator: torch.Generator,
     prefix: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """logits (..., 256) -> bytes (...) int64, greedy or by temperature / top-k / top-p.
-
-    With `sampling.utf8`, logits are (N, 256) or (N, K, 256), the K positions of a span drawn
-    one after another, each from the bytes that keep the text valid UTF-8 after `prefix` (N, L),
-    the bytes before them (None: the start of a text; its last 3 bytes are enough)."""
+    """logits (..., 256) -> bytes (...) int64. With `sampling.utf8`, logits are (N, 256) or
+    (N, K, 256), the K positions drawn one after another, each valid after `prefix` (N, L), the
+    bytes before them (None: the start of a text; its last 3 bytes are enough)."""
     if sampling.utf8:
         return utf8.draw_valid(logits, prefix, lambda lg: _draw(lg, sampling, generator)).to(
             logits.device

@@ -1,9 +1,5 @@
-"""Noise levels: the equal-mass partition, EDM scalings, training draws and the sampler grid.
-
-docs/model.md, "Noise levels". The noise is variance-exploding, z = y + sigma * eps, and ln(sigma)
-follows a log-normal N(p_mean, p_std) truncated to [sigma_min, sigma_max] (EDM, Karras et al.
-2022, arXiv 2206.00364). Block 0 owns the highest-sigma interval (the last block under
-`intervals = reversed`).
+"""Noise levels: the equal-mass partition, EDM scalings (Karras et al. 2022, arXiv 2206.00364),
+training draws and the sampler grid (docs/model.md, "Noise levels").
 """
 
 from __future__ import annotations
@@ -56,10 +52,7 @@ class SigmaSchedule:
         return min(max(sigma, self.sigma_min), self.sigma_max)
 
     def boundaries(self) -> list[float]:
-        """The B + 1 interval ends in increasing sigma: `sigma_b` for q_b = q(min) + b/B * mass.
-
-        For [1, 10] and B = 3 this is 1, 1.3436, 2.0711, 10.
-        """
+        """The B + 1 interval ends in increasing sigma: `sigma_b` for q_b = q(min) + b/B * mass."""
         q_lo, q_hi = self.cdf(self.sigma_min), self.cdf(self.sigma_max)
         inner = [
             self.inverse_cdf(q_lo + b / self.blocks * (q_hi - q_lo)) for b in range(1, self.blocks)
@@ -105,13 +98,9 @@ class SigmaSchedule:
         return self.sample_sigma(*self.training_interval(block), n, generator)
 
     def sampler_grid(self, steps_per_block: int) -> list[tuple[int, float]]:
-        """The one-sweep grid: N = B * steps_per_block sigmas evenly spaced in q from sigma_max
-        down to sigma_min (the DiffusionBlocks schedule), each with the block that owns it.
-
-        Point n belongs to the block of rank n // steps_per_block; that point always lies inside
-        the block's interval, so the blocks are visited 0..B-1 (B-1..0 under `reversed`), each
-        for steps_per_block consecutive points.
-        """
+        """The one-sweep grid: B * steps_per_block sigmas evenly spaced in q from sigma_max down
+        to sigma_min (the DiffusionBlocks schedule), each with the block that owns it (point n:
+        rank n // steps_per_block, always inside that block's interval)."""
         if steps_per_block < 1:
             raise ValueError("steps_per_block must be >= 1")
         n_points = self.blocks * steps_per_block

@@ -8,14 +8,10 @@ import torch
 
 
 def window_start(length: int, start: int, capacity: int) -> int:
-    """Where a generation's context window starts (SpanLoop, SpeculativeLoop), given its
-    context's `length` and the window's current `start`: it stays put while the context fits in
-    `capacity` bytes from it, so that each sweep's context extends the last one's and the
-    hosts' clean-stream caches hold; once it would not fit, it restarts at the last
-    capacity // 2 bytes, as the autoregressive stages do. A sweep then recomputes its whole
-    context once per capacity // 2 new bytes instead of at every sweep, and sees between
-    capacity // 2 and capacity bytes of context. A loop's first window is the prompt's last
-    `capacity` bytes (`first_window`)."""
+    """Where a generation's context window starts, given its context's `length` and the
+    window's current `start`: it stays put while the context fits in `capacity` bytes from it
+    (so the hosts' clean-stream caches hold), then restarts at the last capacity // 2 bytes. A
+    sweep so recomputes its context once per capacity // 2 new bytes, not at every sweep."""
     if length - start <= capacity:
         return start
     return length - max(1, capacity // 2)
@@ -27,18 +23,15 @@ def first_window(length: int, capacity: int) -> int:
 
 
 class SpanLoop:
-    """The bookkeeping of generation by spans, shared by `generate` (blocks in this process)
-    and the router (blocks on a chain of hosts), so that both draw the same numbers in the same
-    order: per span, the context window (`window_start`), then the initial noise z = sigma_max *
-    eps drawn from the request's generator on the CPU (results do not depend on the device), then
-    the sweep (which may draw from the generator too), then the bytes sampled from the final
-    logits.
+    """The bookkeeping of generation by spans, shared by `generate` and the router so that both
+    draw the same numbers in the same order: per span, the window (`window_start`), the noise
+    z = sigma_max * eps from the request's generator on the CPU (results do not depend on the
+    device), the sweep (which may draw too), the bytes sampled from the final logits.
 
         loop = SpanLoop(prompt, n, ...)
         while not loop.done:
             x, z = loop.next_input()
-            new = ...one sweep of (x, z), then sample_bytes...   # (N, K)
-            emitted = loop.push(new)
+            emitted = loop.push(new)   # new: (N, K) sampled from one sweep of (x, z)
     """
 
     def __init__(

@@ -1,41 +1,12 @@
-"""Speculative generation with a K = 1 stack: draft D bytes cheaply, then verify all of them, and
-draw one more, in ONE sweep of the blocks: speculative sampling (Leviathan et al. 2023, arXiv
-2211.17192, section 2.3, its lemma in appendix A.1; Chen et al. 2023, arXiv 2302.01318) with a
-target whose law is a mixture over the sweep's noise.
+"""Speculative generation with a K = 1 stack: D bytes drafted cheaply, verified (and one more
+drawn) in ONE sweep by Leviathan et al.'s rule (arXiv 2211.17192; Chen et al., arXiv 2302.01318)
+against a target whose law is a mixture over the sweep's noise. docs/serving.md, "Speculative
+generation", has the layout, the M verify draws, their fork and their antithetic pairs.
 
-The verify sweep puts the draft in the clean stream and one z token at each of the D + 1
-positions after the context, each its own span of one byte (the K = 1 training layout, cut to
-those positions): z_i sees the context and the drafted bytes d_<i, never d_i. Each z_i starts
-from fresh noise, independent of the draft, so p_i = the sampler's distribution of byte i given
-(context, d_<i) for that sweep's noise. The rule: accept d_i with probability
-min(1, p_i(d_i) / r_i(d_i)) where r_i is the law d_i was drawn from; at the first rejection draw
-from norm(max(0, p_i - r_i)) and stop; if all are accepted draw a bonus byte from p_D. Whatever
-r is, the emitted bytes follow exactly the K = 1 sampler's law (the same lemma, applied per
-sweep noise and then averaged over it), so the text is the K = 1 model's; the drafter only
-decides how many bytes one traversal yields: (1 - a^(D+1)) / (1 - a) for acceptance a.
-
-Verify draws. One sweep's p_i is a noisy estimate of the sampler's law q_i = E_noise p_i, and
-the noise costs acceptance: E sum min(p, r) <= sum min(q, r) (min is concave). So the verify
-sweep carries M z tokens per position, each its own noise and seeing only itself and the clean
-stream (one clean stream for all M), and the rule takes their mean p_bar_i =
-(1/M) sum_m p_i,m: still exact, since
-E p_bar_i = q_i, and the M draws cost compute on each host, never a hop. An autoregressive
-verifier is deterministic: it takes one.
-
-Forked draws. Under the ancestral sampler the M draws need not start apart: the sweep runs one
-copy of the D + 1 tokens up to its last grid point, and the ancestral step into that point draws
-each of M copies its own byte and noise (model.sampler.Fork). Given the shared first part a copy
-picked at random has the sweep's law, so E p_bar_i = q_i still holds, and the draws cost the
-last point's compute only (one block of B, on one host). Under Euler, whose steps draw nothing,
-the draws are M sweeps from M noises.
-
-Antithetic draws. Nothing in the rule needs the M draws to be independent of each other, only
-of the draft, and each to keep its law on average. So the M starting noises come in antithetic
-pairs (eps, -eps; model.sampler.antithetic_normal), and at a fork the copies' bytes are drawn
-stratified and their noises paired (model.sampler.fork_step). A sweep's law moves with its
-noise in a nearly odd way, so the pairs cancel much of p_bar's variance, and fewer draws accept
-as much. The bytes per traversal of each choice are measured by bench/verify_acceptance.py:
-BENCHMARKS.md, "Speculative K = 1: bytes per verify traversal".
+Why the text is exact: each z_i starts from noise independent of the draft, so the lemma holds
+per sweep noise and then averaged over it; the mean p_bar of M draws (forked or not) keeps
+E p_bar = q, and the draws need to be independent of the draft only, not of each other. Why M
+draws: E sum min(p, r) <= sum min(q, r) (min is concave), so one sweep's noise costs acceptance.
 """
 
 from __future__ import annotations
@@ -70,28 +41,24 @@ def check_verify_draws(draws: int) -> int:
 
 def verify_fork(points: int, method: str, draws: int) -> int:
     """The grid point (of `points`) where a verify sweep's M = draws copies part: the last one
-    under the ancestral sampler, whose step into it draws each copy's own state; 0 (M sweeps
-    from M noises) under a sampler whose steps draw nothing, or with one draw."""
+    under the ancestral sampler; 0 (M sweeps from M noises) under Euler, or with one draw."""
     return points - 1 if method == "ancestral" and draws > 1 and points > 1 else 0
 
 
 class Drafter(Protocol):
-    """Anything that drafts bytes and says the law it drew each one from (data.ngram's
-    NgramDrafter, or a small autoregressive model: ModelDrafter)."""
+    """Drafts bytes and says the law it drew each one from (NgramDrafter, ModelDrafter)."""
 
     def draft(
         self, context: list[int], n: int, generator: torch.Generator
     ) -> tuple[list[int], torch.Tensor]:
-        """n bytes drawn one after another given the context and the bytes drafted before
-        each -> (the bytes, their laws (n, 256))."""
+        """n bytes -> (the bytes, their laws (n, 256))."""
         ...
 
 
 class ModelDrafter:
-    """A small autoregressive byte model on the router (a `--reference` run) as the drafter, drawing
-    from its own distribution (temperature 1), the law the rule needs. A draft of n bytes is one
-    pass over the context's last T - n bytes, then one cached token per byte (model.pipeline),
-    so each drafted byte sees at most the model's T bytes."""
+    """A small autoregressive byte model (a `--reference` run) as the drafter, at temperature 1
+    (the law the rule needs): one pass over the context's last T - n bytes, then one cached
+    token per byte, so each drafted byte sees at most the model's T bytes."""
 
     def __init__(self, model: Reference) -> None:
         self.seq_len = model.cfg.seq_len
@@ -123,9 +90,8 @@ class ModelDrafter:
 def verify_layout(
     context_len: int, drafted: int, draws: int = 1, device: torch.device | str = "cpu"
 ) -> ZLayout:
-    """z tokens at positions P..P+D, `draws` times over, for a clean stream of P context bytes
-    and D drafted ones: z_i sees clean bytes 0..P+i-1 (the context and d_<i) and itself only,
-    so the draws of one position are independent sweeps that share one clean stream."""
+    """z tokens at positions P..P+D, `draws` times over: z_i sees the context and d_<i and
+    itself only, so a position's draws are independent sweeps sharing one clean stream."""
     pos = torch.arange(context_len, context_len + drafted + 1, device=device).repeat(draws)
     to_x = torch.arange(context_len + drafted, device=device)[None, :] < pos[:, None]
     to_z = torch.eye(len(pos), dtype=torch.bool, device=device)
@@ -139,8 +105,7 @@ def verify_sweep_layout(
     fork: int,
     device: torch.device | str = "cpu",
 ) -> tuple[ZLayout, Fork | None]:
-    """The layout a verify sweep starts under, and its Fork (None: the draws start apart):
-    one copy of the D + 1 tokens until the fork point, `draws` copies after it."""
+    """The layout a verify sweep starts under, and its Fork (None: the draws start apart)."""
     copies = verify_layout(context_len, drafted, draws, device=device)
     if not fork:
         return copies, None
@@ -151,8 +116,8 @@ def verify_sweep_layout(
 def accept_draft(
     draft: list[int], laws: torch.Tensor, probs: torch.Tensor, generator: torch.Generator
 ) -> list[int]:
-    """The bytes one verify sweep emits: draft (D,) drawn from laws (D, 256); probs (D + 1, 256)
-    the sampler's distributions at the D + 1 verified positions -> 1..D + 1 bytes."""
+    """draft (D,) drawn from laws (D, 256); probs (D + 1, 256) the sampler's distributions at
+    the D + 1 verified positions -> the 1..D + 1 emitted bytes."""
     out: list[int] = []
     for i, byte in enumerate(draft):
         p, r = probs[i].double(), laws[i].double()
@@ -171,17 +136,14 @@ def accept_draft(
 
 class SpeculativeLoop:
     """The bookkeeping of speculative generation for one sequence, shared by the in-process
-    loops and the router's, so that all draw the same numbers in the same order: the draft, then
-    (for a one-sweep model) the noise of the D + 1 z tokens, then the verify pass (a sweep may
-    draw too), then the acceptance draws. The verifier may be a K = 1 BlockTrain stack or an
-    autoregressive model: the rule is the same.
+    loops and the router's so that all draw the same numbers in the same order: the draft, the
+    noise of the D + 1 z tokens (one-sweep model), the verify pass, the acceptance draws.
 
         loop = SpeculativeLoop(prompt, n, ...)
         while not loop.done:
             draft = loop.next_draft()
             x, z, context_len = loop.sweep_input(draft, d_model, sigma_max)   # one-sweep model
-            logits = ...the verifier's logits at the D + 1 positions...      # (1, D + 1, 256)
-            emitted = loop.push(logits)
+            emitted = loop.push(logits)   # the verifier's (1, M (D + 1), 256)
     """
 
     def __init__(
@@ -227,11 +189,8 @@ class SpeculativeLoop:
     def sweep_input(
         self, draft: list[int], d_model: int, sigma_max: float
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """A one-sweep verifier's input -> (x (1, P + D): the context's window (at most
-        T - 1 - draft_len bytes; model.span_loop.window_start) then the draft, z (1, M * (D + 1),
-        d) fp32 at sigma_max: the M = draws draws of the D + 1 positions, one after another
-        (verify_layout), in antithetic pairs, P). With a fork, z
-        holds one draw (1, D + 1, d): the copies part later."""
+        """-> (x (1, P + D): the context's window then the draft, z (1, M * (D + 1), d) at
+        sigma_max in antithetic pairs (one draw with a fork), P)."""
         self.start = window_start(len(self.context), self.start, self.capacity)
         context = self.context[self.start :]
         copies = 1 if self.fork else self.draws
@@ -241,8 +200,7 @@ class SpeculativeLoop:
         return x, sigma_max * noise.reshape(1, -1, d_model), len(context)
 
     def push(self, logits: torch.Tensor) -> torch.Tensor:
-        """The verifier's logits at the D + 1 positions, M draws of them one after another
-        (1, M * (D + 1), 256) -> the emitted bytes (1, m), 1 <= m <= D + 1."""
+        """logits (1, M * (D + 1), 256) -> the emitted bytes (1, m), 1 <= m <= D + 1."""
         assert self._pending is not None, "push follows next_draft"
         draft, laws = self._pending
         self._pending = None
@@ -275,8 +233,7 @@ def generate_speculative(
     method: str = "euler",
     draws: int = DEFAULT_VERIFY_DRAWS,
 ) -> tuple[torch.Tensor, SpeculativeLoop]:
-    """Continue prompt (1, Lp) by n_bytes with a K = 1 stack, D = draft_len drafted bytes
-    verified per sweep, which takes M = draws noise draws (forked at verify_fork; antithetic). -> ((1, n_bytes) int64, the loop with its counts)."""
+    """prompt (1, Lp) continued by n_bytes with a K = 1 stack -> ((1, n_bytes), the loop)."""
     loop = SpeculativeLoop(
         prompt,
         n_bytes,
@@ -320,8 +277,7 @@ def generate_autoregressive_speculative(
     sampling: Sampling,
     generator: torch.Generator,
 ) -> tuple[torch.Tensor, SpeculativeLoop]:
-    """The same with an autoregressive verifier `model(x (1, L)) -> logits (1, L, 256)`: one
-    pass over the context's last T - D bytes and the draft scores the D + 1 positions."""
+    """The same with an autoregressive verifier `model(x (1, L)) -> logits (1, L, 256)`."""
     loop = SpeculativeLoop(
         prompt,
         n_bytes,
@@ -340,8 +296,7 @@ def generate_autoregressive_speculative(
 
 
 def _drive(loop: SpeculativeLoop, verify: Callable[[list[int]], torch.Tensor]) -> torch.Tensor:
-    """Run `loop` in this process: draft, `verify(draft)` -> the logits at the D + 1 positions
-    (1, D + 1, 256), accept; -> the emitted bytes (1, n)."""
+    """Run `loop` in this process -> the emitted bytes (1, n)."""
     out = []
     while not loop.done:
         draft = loop.next_draft()

@@ -1,8 +1,6 @@
 """The blocks a process holds: `BlockStack` (all of them, or a worker's one, with the frozen
-target table E) and `init_block`, which builds block b from (seed, b) alone.
-
-Under `route = features` a held block reads the clean streams of the blocks before it
-(`BlockStack.upstream`); every caller runs a block through `BlockStack.denoise` so that it does.
+target table E) and `init_block`. Every caller runs a block through `BlockStack.denoise`, so that
+under `route = features` it reads the clean streams of the blocks before it.
 """
 
 from __future__ import annotations
@@ -63,13 +61,11 @@ class BlockStack(nn.Module):
 
     @torch.no_grad()
     def upstream(self, index: int, x_bytes: torch.Tensor) -> torch.Tensor | None:
-        """What block `index` reads from the blocks before it besides z: None under `route =
-        state`; under `route = features`, the clean stream of blocks 0..index-1 run in turn on
-        x_bytes (N, Lx), with no gradient, so no block's loss reaches another's weights.
-
-        The clean stream depends on the context alone, so the sampler's calls on one context
-        (every grid point, every sweep) share it: the chain of the last context is kept, keyed
-        by the tensor, its version and the blocks' parameter versions."""
+        """What block `index` reads besides z: None under `route = state`; under `route =
+        features`, the clean stream of blocks 0..index-1 run in turn on x_bytes (N, Lx), with no
+        gradient, so no block's loss reaches another's weights. The sampler's calls on one
+        context share it: the last chain is kept, keyed by the tensor, its version and the
+        blocks' parameter versions."""
         if self.cfg.route == "state" or index == 0:
             return None
         missing = [b for b in range(index) if b not in self.block_ids]

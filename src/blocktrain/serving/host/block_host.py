@@ -1,27 +1,8 @@
-"""A block host: serves some blocks of a BlockTrain run (one-sweep generation) and/or some stages
-of a reference run (the autoregressive baseline), and passes the state on: back to the router,
-or to its own configured --next.
-
-The work behind the host's routes (the app itself is `host_app.py`, its settings
-`host_settings.py`).
-
-Who does what in one sweep (docs/serving.md, "One sweep: who does what"): the router draws the
-span's initial noise; each host runs the grid points that belong to its blocks with
-`model.sampler.run_points`, the same code that `generate` and evaluation run: that block's logits
-and, unless a point is the grid's last, the sampler's step to the next point (every host holds the
-frozen target table E), so the state on the wire is always "z at the next grid point". All
-steps_per_block points of a block run on its host: they cost compute, not hops. A sampler whose
-steps draw noise (ancestral) draws it from the request's generator, whose state travels with z and
-comes back advanced. The host of the last point answers with its logits (the router samples), or
-with bytes sampled with the request's generator state when asked to (`final = "bytes"`). Any other
-host answers the state for the next point (with its last block's clean output under `route =
-features`) to the router, which sends it to the next host (or
-forwards it to its own configured `--next`, in a chain without a router): the next hop is never
-read from a request.
-
-Concurrent sweeps at the same grid point run as one batch through the block's forward pass
-(`shared/batching.py` gathers them, `sweeps.py` runs them), each block's clean stream taken from the
-generation's cache on this host where it holds the context (`sessions.py`, model/cached.py).
+"""A block host: serves some blocks of a BlockTrain run and/or some stages of a reference run,
+and passes the state on, back to the router or to its own configured --next (the app is
+`host_app.py`). Who does what in one sweep: docs/serving.md, "One sweep: who does what". The
+state on the wire is always "z at the next grid point"; the next hop is never read from a
+request.
 """
 
 from __future__ import annotations
@@ -146,9 +127,8 @@ class BlockHost:
         self, path: str, message: bytes, trace: TraceEntry
     ) -> tuple[bytes, list[TraceEntry]]:
         """The state for the next part: forwarded to this host's own --next (a chain without a
-        router), else answered to the caller, the router, which sends it to the next host of
-        its route. The next hop never comes from the request: a host makes no request to a URL
-        it was not configured with."""
+        router), else answered to the router. A host makes no request to a URL it was not
+        configured with."""
         if self.settings.next_url is None:
             return message, [trace]
         answer, later = await post_message(self.client, self.settings.next_url, path, message)

@@ -1,14 +1,6 @@
-"""The block host's HTTP app: routes over `block_host.BlockHost`, the shared secret, body limits,
-and errors as JSON.
-
-POST /v1/sweep   run this host's points of the sigma grid on a span's state, then pass it on
-POST /v1/sweeps  several sweeps in one request, each answered on its own (shared/coalesce.py)
-POST /v1/stage   run this host's reference stages (the autoregressive baseline), then pass on
-POST /v1/release drop one generation's caches here (JSON {"model", "session"}): the router's
-                 word for a generation that ended without a closing message
-GET  /v1/info    the models, blocks/stages and fingerprints held here, and the batching
-                 counters (needs the secret)
-GET  /healthz    liveness (open)
+"""The block host's HTTP app: the routes (`/v1/sweep`, `/v1/sweeps`, `/v1/stage`, `/v1/release`,
+`/v1/info` behind the secret, `/healthz` open) over `block_host.BlockHost`, the shared secret,
+body limits, and errors as JSON (docs/serving.md, "The wire").
 """
 
 from __future__ import annotations

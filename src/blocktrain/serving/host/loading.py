@@ -1,9 +1,7 @@
-"""What a host loads: only its blocks (or reference stages) of a run folder, read tensor by
-tensor from the safetensors file, so a host never holds the whole model.
-
-A BlockTrain run served on hosts: host h holds blocks P_h and the frozen target table E (every
-host needs E for its Euler steps). A reference run: its `layers` are split into as many stages
-as the config has blocks, so the autoregressive baseline runs on the same number of hosts.
+"""What a host loads: only its blocks (and the frozen table E, which every host's steps need) or
+reference stages of a run folder, read tensor by tensor, so a host never holds the whole model.
+A reference's layers are split into as many stages as the config has blocks, so the baseline
+runs on the same number of hosts.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""The caches a host keeps per generation (session): the autoregressive pipeline's KV caches per
-stage, and the BlockTrain blocks' clean-stream caches per block (model/cached.py).
-
-One store for both, least recently used first, with three bounds: a count of sessions, a time
-to live, and bytes. A generation that is abandoned (its router died, a stop sequence ended it)
-is dropped by whichever bound comes first; a BlockTrain cache that is dropped only costs the
-next sweep a recomputation, an autoregressive one a prefill (`SessionLost`)."""
+"""The caches a host keeps per generation (session): the autoregressive KV caches per stage and
+the blocks' clean-stream caches, in one least-recently-used store bounded by a count, a time to
+live and bytes. A dropped BlockTrain cache only costs the next sweep a recomputation, an
+autoregressive one a prefill (`SessionLost`)."""
 
 from __future__ import annotations
 
@@ -54,10 +51,9 @@ class SessionStore:
         return self._bytes
 
     def open(self, model: str, session: str, stage: int, pos: int) -> KVCache:
-        """The cache of `stage` for a step at position `pos`: a fresh one at pos 0, else the one
-        left by the previous step, which must hold at least `pos` positions. A cache that holds
-        more is cut back to `pos`: the positions past it held drafted bytes that the router's
-        verification rejected (speculative decoding)."""
+        """The cache of `stage` for a step at position `pos`: a fresh one at pos 0, else the
+        previous step's, which must hold at least `pos` positions; one that holds more is cut
+        back to `pos` (rejected drafted bytes)."""
         with self._lock:
             self._expire()
             key = (model, session)

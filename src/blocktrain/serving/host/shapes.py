@@ -1,10 +1,7 @@
-"""Logical shapes: memory planning for models far larger than this machine (docs/serving.md,
-"Logical shapes"), and throughput runs on random weights of a scaled-down version of them.
-
-Parameters are counted by building the modules on the meta device (no memory): exactly this
-code's parameter count. A SPEC is a named shape, `KEY=VALUE,...` over the model config, or a
-name followed by overrides: `seed-75b`, `layers=33,d=13696,blocks=3`, `seed-75b,span=16`,
-`seed-75b,route=state` (the route's default is the model's, features).
+"""Logical shapes: memory planning for models far larger than this machine, and throughput runs
+on random weights of a scaled-down version (docs/serving.md, "Logical shapes"). Parameters are
+counted by building the modules on the meta device: exactly this code's count. A SPEC is a name,
+`KEY=VALUE,...` over the model config, or a name with overrides (`seed-75b,span=16`).
 """
 
 from __future__ import annotations

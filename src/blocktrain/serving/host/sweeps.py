@@ -1,18 +1,9 @@
 """A block host's compute for sweeps: a batch of sweeps at the same grid point runs as one pass of
-`model.sampler.run_points` over their rows together (shared/batching.py gathers them), and the last
-host's answer (logits, or bytes drawn with the request's own generator).
-
-Each block's clean stream comes from the generation's cache on this host as far as it holds the
-context (compared byte by byte), so a sweep computes only the positions its cache lacks (one per
-sweep at K = 1) and the z tokens; contexts of different lengths share the pass right-aligned
-(model/cached.py). Without a cache (none yet, evicted, the window moved, another replica, or
-`--no-kv-cache`) a sweep computes its whole context: the cache changes the cost, never the
-result beyond float rounding.
-
-Batched and unbatched sweeps follow one law: the rows of one request see the same layout, the
-same grid points and the same steps as they would alone; a step that draws noise (ancestral)
-draws each request's rows from its own generator, and so does the final sampling, so every
-request's randomness stays its own whatever it was batched with."""
+`model.sampler.run_points` over their rows (shared/batching.py gathers them), each block's clean
+stream taken from the generation's cache as far as it holds the context (docs/serving.md,
+"Batching, readiness and replicas"). The cache changes the cost, never the result beyond float
+rounding; batched and unbatched sweeps follow one law: each request's rows see the layout, grid
+and steps they would alone, and draw from the request's own generator."""
 
 from __future__ import annotations
 
@@ -123,8 +114,7 @@ def reusable(
     jobs: list[SweepJob], blocks: list[int], sessions: SessionStore | None
 ) -> list[tuple[int, dict[int, CleanCache]]]:
     """Per job: how many leading context positions every one of `blocks` holds in its cache
-    (compared byte by byte with the context sent: nothing a caller claims is trusted), and
-    those caches."""
+    (compared byte by byte: nothing a caller claims is trusted), and those caches."""
     out = []
     for j in jobs:
         caches = (

@@ -1,10 +1,6 @@
-"""`POST /v1/chat/completions`: its request and response models and the byte-level chat template.
-
-The models are byte-level LMs trained on plain text, not on dialogues, so the template is the
-simplest that a text model can continue: one line per message, `ROLE: CONTENT`, then
-`assistant: ` for the reply, which ends at the first newline (always a stop sequence, beside the
-request's own). It promises a well-formed byte prompt and a one-line reply; it does not promise
-that the reply answers anything."""
+"""`POST /v1/chat/completions`: its request and response models and the byte-level chat template
+(docs/serving.md, "The OpenAI API"). It promises a well-formed byte prompt and a one-line
+reply; it does not promise that the reply answers anything."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
 """The generation behind the OpenAI routes: the `n` choices of one request, each its own sample
-(choice i draws from seed + i), run concurrently over the chain. A choice ends at its first stop
-sequence (not returned; finish "stop") or when its bytes are all generated (finish "length"),
-and keeps, when asked, the log-probability of each byte it returns. A token is one byte.
-
-A request that keeps to UTF-8 (`utf8`, the OpenAI routes' default) draws valid bytes only
-(model/utf8.py); its pieces end at character boundaries (the bytes of a character not yet
-complete wait for the next piece), a character the byte budget cuts short is dropped, and its
-logprobs are those of the constrained law each byte was drawn from."""
+(choice i draws from seed + i), run concurrently over the chain, each ending at its first stop
+sequence (finish "stop") or its byte budget ("length"). docs/serving.md, "The OpenAI API".
+A choice that keeps to UTF-8 ends its pieces at character boundaries, and its logprobs are those
+of the constrained law each byte was drawn from."""
 
 from __future__ import annotations
 
@@ -45,10 +41,9 @@ def byte_token(b: int) -> str:
 def log_distribution(
     logits: torch.Tensor, sampling: Sampling, states: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """logits (L, 256) -> log-probabilities (L, 256) of the distribution each byte was drawn
-    from: the UTF-8 constraint in `states` (L,) (model/utf8.py; None: none), temperature, top-k
-    and top-p applied (-inf outside them). Greedy draws from a point mass, which tells nothing,
-    so at temperature 0 this is the model's own distribution (within the constraint)."""
+    """logits (L, 256) -> log-probabilities (L, 256) of the law each byte was drawn from (the
+    UTF-8 constraint in `states` (L,), None: none; temperature, top-k, top-p). Greedy draws from
+    a point mass, which tells nothing, so at temperature 0 this is the model's own law."""
     if states is not None:
         logits = utf8.mask_logits(logits, states)
     if sampling.temperature == 0:
@@ -97,13 +92,10 @@ def prefix_function(s: bytes) -> list[int]:
 
 
 class StopScanner:
-    """Cuts a choice's bytes at the first stop sequence. The bytes that could begin one are held
-    back until the next bytes settle it, so that no part of a stop sequence is ever sent.
-
-    Linear time: each stop sequence keeps its KMP state (the longest prefix of it the bytes so
-    far end with), so a piece costs O(len(piece)) steps per stop sequence (amortized), whatever
-    the stops' length; the held bytes are the longest such prefix, at most the longest stop
-    less one byte."""
+    """Cuts a choice's bytes at the first stop sequence, holding back the bytes that could begin
+    one until the next bytes settle it, so that no part of a stop sequence is ever sent.
+    Linear time: each stop sequence keeps its KMP state, so a piece costs O(len(piece)) steps
+    per stop (amortized); the held bytes are at most the longest stop less one byte."""
 
     def __init__(self, stops: list[bytes]) -> None:
         self.stops = stops
@@ -140,9 +132,8 @@ class StopScanner:
 
 
 class CharacterBoundary:
-    """Holds back the bytes of a character not yet complete, so that each piece of a choice
-    that keeps to UTF-8 ends at a character boundary; at the end, what is still held (a
-    character the byte budget cut short) is dropped."""
+    """Holds back the bytes of a character not yet complete (each piece ends at a character
+    boundary); at the end, what is still held (cut short by the budget) is dropped."""
 
     def __init__(self, state: int) -> None:
         self.state = state
@@ -359,11 +350,10 @@ async def start_run(
 
 
 async def interleave(gens: list[AsyncIterator[Piece]]) -> AsyncGenerator[Piece]:
-    """The items of several async iterators, run concurrently, in the order they come. The
-    first failure is raised here, and every iterator still running is cancelled when this one
-    ends, however it ends (a client that hung up included). The queue holds one item per
-    iterator, so that they wait while nobody reads this one (a stream whose client stopped
-    reading computes nothing)."""
+    """The items of several async iterators, run concurrently, in the order they come; the
+    first failure is raised here, and every iterator still running is cancelled when this ends.
+    The queue holds one item per iterator, so that a stream whose client stopped reading
+    computes nothing."""
     queue: asyncio.Queue[tuple[Piece | None, Exception | None]] = asyncio.Queue(len(gens))
 
     async def pump(gen: AsyncIterator[Piece]) -> None:

@@ -1,7 +1,5 @@
 """The router's OpenAI-compatible routes, `POST /v1/completions` and `POST /v1/chat/completions`,
-plain or streamed as server-sent events, over the choices of choices.py. Both answer the same
-way: the text of each choice, its finish reason, per-byte logprobs when asked (the completions
-shape or the chat shape), usage in bytes and the request's `timings` (an extension)."""
+plain or streamed (SSE), over the choices of choices.py (docs/serving.md, "The OpenAI API")."""
 
 from __future__ import annotations
 
@@ -72,12 +70,9 @@ RESUME_POLL_S = 0.05
 
 class _Stream(StreamingResponse):
     """Server-sent events that hold their request's work in flight until the response ends,
-    however it ends: sent in full, failed, the client hung up (even before the first event,
-    when the events' generator never ran), or the client stopped reading. A send that waits
-    more than `park_after_s` parks the run: its work leaves the work in flight (nothing is
-    computed while the send waits), and is taken again, waiting up to `send_timeout_s` for
-    room, once the client reads. A send that waits more than `send_timeout_s` (the
-    connection's buffers are full) ends the stream, and the server closes the connection."""
+    however it ends (even a client that hung up before the first event). A send waiting more
+    than `park_after_s` parks the run's work (docs/serving.md, "Settings"); one waiting more
+    than `send_timeout_s` ends the stream, and the server closes the connection."""
 
     def __init__(
         self,

@@ -1,6 +1,5 @@
-"""The router's HTTP app: `POST /v1/generate`, the OpenAI-compatible `POST /v1/completions` and
-`POST /v1/chat/completions` (openai_api.py), `GET /v1/models`, `GET /healthz` and `GET /readyz`
-(router/readiness.py), over `router.chain_router.Router`; every error as OpenAI-shaped JSON."""
+"""The router's HTTP app over `router.chain_router.Router` (docs/serving.md): `/v1/generate`,
+the OpenAI routes (openai_api.py), `/v1/models`, `/healthz`, `/readyz`; errors as OpenAI JSON."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""The OpenAI-compatible request and response models of `/v1/completions` (`/v1/chat/completions`
-is in chat.py), over the router's `SamplingParams` (router/generate_schemas.py). Requests are
-strict (unknown fields are refused with a reason); tokens are bytes, so `max_tokens` counts bytes
-and a prompt may be a string or a list of byte values."""
+"""The OpenAI-compatible request and response models of `/v1/completions`, over the router's
+`SamplingParams`. Requests are strict (unknown fields are refused with a reason); tokens are
+bytes (docs/serving.md, "The OpenAI API")."""
 
 from __future__ import annotations
 

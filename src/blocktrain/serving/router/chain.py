@@ -1,15 +1,6 @@
-"""The router's side of the chain: the messages of one traversal of the hosts of a model
-(`Chain`): a sweep of one span's state, a verify sweep of a draft, or one autoregressive step.
-How a message travels the route (replicas, failover, traces) is `traversal.py`; which hosts serve
-which model is `directory.py`; the generation loops over a chain are in `streams.py`.
-
-Per sweep the router draws the initial noise from the request's generator, sends z = sigma_max *
-noise along the chain once (to each host of the route in turn: a host answers the state for the
-next one, and the next hop is the router's choice, never a URL in a message), and samples the
-span's bytes from the final logits with the same generator (or lets the last host sample with the
-generator's state, which comes back advanced; so does the state when the sampler's steps draw
-noise on the hosts). With the state in fp32 on the wire, the bytes are those of `generate` (same
-shapes, same code path).
+"""The router's side of the chain: the messages of one traversal of a model's hosts (`Chain`): a
+sweep of one span's state, a verify sweep of a draft, or one autoregressive step. Who does what
+in a sweep: docs/serving.md, "One sweep: who does what"; the route itself is `traversal.py`.
 """
 
 from __future__ import annotations
@@ -58,9 +49,8 @@ class Chain(Traversal):
         self.final: Final = "bytes" if sample_on == "last-host" else "logits"
 
     def _header(self, kind: type[H], final: Final, sampling: Sampling | None, **fields: Any) -> H:
-        """The header of one message (a sweep's or a stage's): the model and the run it
-        resolved to, what the last host answers, the sampling it draws with (None: it draws
-        nothing) and the state's wire dtype, then the message's own `fields`."""
+        """The header of one message: the model and its run, what the last host answers, the
+        sampling it draws with (None: nothing) and the wire dtype, then the message's `fields`."""
         spec = None
         if sampling is not None:
             spec = SamplingSpec(
@@ -79,15 +69,14 @@ class Chain(Traversal):
         )
 
     def _logits(self, out: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The final logits the last host answered."""
         if "logits" not in out:
             raise HostRefused("the last host answered no logits", host=self._last_url)
         return out["logits"]
 
     def _final(self, sampling: Sampling) -> Final:
         """Where a traversal's bytes are drawn: a request that keeps to UTF-8 is drawn here,
-        whatever --sample-on says, since the last host of an autoregressive chain holds only
-        the newest bytes, not the context the constraint follows."""
+        whatever --sample-on says: the last host of an autoregressive chain holds only the
+        newest bytes, not the context the constraint follows."""
         return "logits" if sampling.utf8 else self.final
 
     def _finish(
@@ -97,9 +86,8 @@ class Chain(Traversal):
         generator: torch.Generator,
         context: torch.Tensor,
     ) -> torch.Tensor:
-        """The sampled bytes, drawn here (after `context` (N, L), the bytes before them) or by
-        the last host. Whenever the chain drew from the request's generator, its advanced
-        state comes back and is adopted here."""
+        """The sampled bytes, drawn here (after `context` (N, L)) or by the last host; the
+        generator's advanced state, whenever it comes back, is adopted here."""
         if "generator" in out:
             generator.set_state(out["generator"])
         if self._final(sampling) == "logits":
@@ -158,8 +146,7 @@ class Chain(Traversal):
         close: bool = False,
     ) -> torch.Tensor:
         """x (N, Lx) int64 context, z (N, K, d) fp32 at sigma_max -> the span's bytes (N, K).
-        `session` names the generation, whose clean streams the hosts cache until a sweep
-        with `close` (the last)."""
+        The hosts cache `session`'s clean streams until a sweep with `close`."""
         out = await self._sweep(
             x,
             z,
@@ -190,9 +177,8 @@ class Chain(Traversal):
         close: bool = False,
     ) -> torch.Tensor:
         """One verify sweep (model.speculative): x (1, P + D) the context then the draft, z
-        (1, M (D + 1), d), M = draws ((1, D + 1, d) when the draws `fork` later) -> the final
-        logits (1, M (D + 1), 256); the router applies the rule. The hosts cut the session's
-        caches back to the bytes the next sweep keeps."""
+        (1, M (D + 1), d) ((1, D + 1, d) with a `fork`) -> the final logits (1, M (D + 1), 256).
+        The hosts cut the session's caches back to the bytes the next sweep keeps."""
         out = await self._sweep(
             x,
             z,
@@ -222,8 +208,8 @@ class Chain(Traversal):
         generator: torch.Generator,
         context: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """tokens (N, L) int64 at positions pos.. -> the next byte (N,), drawn after
-        `context` (N, L'), the generation's bytes so far (default: the tokens)."""
+        """tokens (N, L) int64 at positions pos.. -> the next byte (N,), drawn after `context`
+        (default: the tokens)."""
         final = self._final(sampling)
         header = self._header(StageHeader, final, sampling, session=session, pos=pos, close=close)
         tensors = {"x": bytes_tensor(tokens)}
@@ -236,7 +222,7 @@ class Chain(Traversal):
         self, tokens: torch.Tensor, *, session: str, pos: int, close: bool, drafted: int
     ) -> torch.Tensor:
         """tokens (1, L) at positions pos.., the last `drafted` a draft -> the logits of the
-        last drafted + 1 positions (1, drafted + 1, 256); the router applies the rule."""
+        last drafted + 1 positions (1, drafted + 1, 256)."""
         header = self._header(
             StageHeader, "logits", None, session=session, pos=pos, close=close, verify=drafted
         )

@@ -1,22 +1,7 @@
-"""The router: takes generation requests and sends each span's state along the chain of hosts.
-
-    POST /v1/generate      BlockTrain's own API (bytes, seed, traversals, timing)
-    POST /v1/completions   OpenAI-compatible completions, non-streaming and streaming (SSE)
-    POST /v1/chat/completions   the same for chat, over a byte-level template (openai/chat.py)
-    GET  /v1/models        the models the hosts assemble into complete chains
-    GET  /healthz          liveness of the router itself
-    GET  /readyz           readiness: a 1-byte sweep through every host (readiness.py)
-
-A BlockTrain model is served by one sweep per span of K bytes; a reference model by the
-autoregressive pipeline, one traversal per byte. The router learns what the hosts serve from
-their /v1/info and asks again after any host failure, so it keeps serving once a host is back;
-a position of the chain may hold replicas, and a failed hop is retried on another (replicas.py).
-
-Errors are OpenAI-shaped JSON, `{"error": {"message", "type", "param", "code", "host"}}`: 400 for
-a bad request (404 for an unknown model, 413 for a body over the limit, 422 for more work than
-one request may ask for, 429 over the rate or in-flight work limit), 503 naming the host that is unreachable or died
-mid-request, 504 for one that timed out, 502 for a host that refused the state. In a stream
-that has already started, a failure arrives as a last `data: {"error": ...}` event.
+"""The router: takes generation requests (`/v1/generate`, the OpenAI routes, `/v1/models`,
+`/healthz`, `/readyz`) and sends each span's state along the chain of hosts (docs/serving.md;
+its "Errors" has the statuses). It learns what the hosts serve from their /v1/info and asks
+again after any host failure, so it keeps serving once a host is back.
 """
 
 from __future__ import annotations
@@ -280,10 +265,8 @@ class Router:
             raise BadRequest(why, param="draft_bytes")
 
     async def stream(self, job: Job, stats: ChainStats) -> AsyncIterator[torch.Tensor]:
-        """The new bytes (1, m) piece by piece: a span per sweep, or a byte per traversal.
-        Before each next piece, a job whose client holds more than its fair share of a budget
-        that is over its limit waits (`WorkLimiter.should_yield`): the newcomer admitted within
-        its share computes first."""
+        """The new bytes (1, m) piece by piece. Before each next piece, a job whose client holds
+        more than its fair share of a budget over its limit waits (`WorkLimiter.should_yield`)."""
         pieces = self._pieces(job, stats)
         try:
             async for piece in pieces:

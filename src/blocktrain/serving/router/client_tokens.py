@@ -1,14 +1,7 @@
-"""The router's client tokens (`blocktrain serve --tokens-file`): when it has any, every `/v1/`
-request must present one as `Authorization: Bearer TOKEN` (what the OpenAI clients send as
-their `api_key`), checked before the body is read; `/healthz` and `/readyz` stay open. The
-work limits then count a request against its token as well as its address
-(`limits.holder_of`), and its connection leaves the listener's anonymous pool
-(`httpserve.mark_authenticated`).
-
-Tokens live in a file, one a line, never on the command line (where `ps` shows them); the
-router keeps only their SHA-256 digests. A missing and a wrong token get the same 401; failed
-checks from one address or its network are limited (`httpserve.FailedAuth`): past a burst,
-every check from there is a 429 with a Retry-After until the bucket refills.
+"""The router's client tokens (`serve --tokens-file`): docs/serving.md, "Trust: authentication
+and limits". Tokens live in a file, never on the command line (where `ps` shows them); the router
+keeps only their SHA-256 digests; a missing and a wrong token get the same 401, and failed checks
+from one address or its network are limited (`httpserve.FailedAuth`).
 """
 
 from __future__ import annotations
@@ -56,9 +49,8 @@ def load_tokens(path: str | None) -> frozenset[str]:
 
 class RequireToken:
     """ASGI middleware: a `/v1/` request must present one of `digests` (none: the router is
-    open, and this passes everything through). A valid token is put in the scope's state
-    (`CLIENT_TOKEN`, a prefix of its digest: whom the work limits count) and its connection
-    marked a token holder's."""
+    open). A valid token is put in the scope's state (`CLIENT_TOKEN`, a prefix of its digest:
+    whom the work limits count) and its connection marked a token holder's."""
 
     def __init__(self, app: ASGIApp, digests: frozenset[str], failures: FailedAuth) -> None:
         self.app = app

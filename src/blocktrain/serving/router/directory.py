@@ -1,8 +1,6 @@
-"""Which hosts serve which model: the router asks every host of `--hosts` for its /v1/info and
-assembles the models whose parts the positions of the chain cover exactly once. A position may
-hold several replicas (replicas.py): they must serve the same blocks of the same runs; one that
-is down or disagrees is left out (and named in `down`) while another replica of its position
-serves, and is asked again after `recheck_s`."""
+"""Which hosts serve which model: the models whose parts the positions of `--hosts` cover
+exactly once, from every host's /v1/info. A replica that is down or disagrees is left out (and
+named in `down`) while another of its position serves, and is asked again after `recheck_s`."""
 
 from __future__ import annotations
 

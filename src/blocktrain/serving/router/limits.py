@@ -1,10 +1,7 @@
-"""The router's admission limits: requests per client per minute, and work, per request and in
-flight at once. A request over a limit is refused before any host computes.
-
-Work is counted in bytes x steps_per_block (`work_units`): the chain's compute grows with both
-(each sampler point of each block runs once per span, and the spans grow with the bytes), so a
-cap on units is a cap on a request's compute whatever its shape. What a unit costs, and so how
-long the default cap lets one request run: docs/serving.md, "Trust: authentication and limits".
+"""The router's admission limits: requests per client per minute, and work per request and in
+flight, refused before any host computes (docs/serving.md, "Trust: authentication and limits").
+Work is counted in bytes x steps_per_block (`work_units`): the chain's compute grows with both,
+so a cap on units caps a request's compute whatever its shape.
 """
 
 from __future__ import annotations
@@ -32,10 +29,9 @@ class ClientGone(Exception):
 
 
 async def while_connected(receive: Receive, work: Awaitable[T]) -> T:
-    """`work`, run until it ends or the client hangs up, whichever comes first: then the work
-    is cancelled (ClientGone), so that a request nobody waits for stops computing and frees
-    its work in flight. For a route that has read its whole body: what `receive` gives next
-    is the disconnect."""
+    """`work`, run until it ends or the client hangs up: then it is cancelled (ClientGone), so
+    that a request nobody waits for frees its work in flight. For a route that has read its
+    whole body (what `receive` gives next is the disconnect)."""
 
     async def hung_up() -> None:
         while (await receive())["type"] != "http.disconnect":
@@ -98,20 +94,11 @@ def check_rate(bucket: TokenBucket, client: str) -> None:
 
 @dataclass
 class WorkLimiter:
-    """Caps the work of one request (422), of one client's requests in flight together, and of
-    all requests in flight together (429). A client is a token when the router takes tokens,
-    and its address then holds to the same share too (`by_address`): one token from many
-    addresses, or many tokens from one, hold at most a share each; else a client is an address.
-
-    The budget in flight is shared fairly: a client whose work would stay within its fair
-    share (the budget over the clients holding work, itself included) is admitted even when the
-    budget is full, up to twice the budget, and while the work in flight is over the budget
-    the clients above their share pause between pieces (`should_yield`), but never the
-    smallest holder. So clients that fill the budget from many addresses delay a newcomer's
-    request by a piece, instead of refusing it (bench/live_attacks.py,
-    unread_streams_4_addresses: 429 on 118 of 118 before). With tokens, the fair share is per
-    token: each token holding work has a floor of the budget over the tokens holding work,
-    however many addresses the others use."""
+    """Caps the work of one request (422), of one client's requests in flight, and of all
+    requests in flight (429), shared fairly (docs/serving.md, "Trust: authentication and
+    limits": `max_work_in_flight`, `max_work_per_client`). The fair share lets clients that fill
+    the budget from many addresses delay a newcomer by a piece instead of refusing it
+    (bench/live_attacks.py, unread_streams_4_addresses: 429 on 118 of 118 before)."""
 
     per_request: int
     in_flight_max: int
@@ -166,18 +153,16 @@ class WorkLimiter:
             )
 
     def _within_fair_share(self, client: str, held: int) -> bool:
-        """Whether `client`, holding `held` units, stays within its fair share of the budget
-        (and the work in flight within twice the budget): then it is admitted over a full
-        budget, and those above their share make room (`should_yield`)."""
+        """Whether `client`, holding `held` units, stays within its fair share (and the work in
+        flight within twice the budget): then it is admitted over a full budget."""
         holders = len(self.by_client) + (client not in self.by_client)
         over = self.in_flight + held - self.by_client.get(client, 0)
         return held <= self.in_flight_max / holders and over <= 2 * self.in_flight_max
 
     def should_yield(self, client: str) -> bool:
-        """Whether `client`'s requests should pause before their next piece: the work in flight
-        is over the budget (a client within its fair share was admitted) and `client` holds
-        more than its share, and more than the smallest holder (who always goes on, so that
-        some work always ends)."""
+        """Whether `client` should pause before its next piece: the work in flight is over the
+        budget and `client` holds more than its share and more than the smallest holder (who
+        always goes on, so that some work always ends)."""
         if self.in_flight <= self.in_flight_max:
             return False
         held = self.by_client.get(client, 0)
@@ -186,8 +171,8 @@ class WorkLimiter:
 
     def park(self, units: int) -> None:
         """Admitted units that compute nothing for now (a stream nobody reads) leave the work in
-        flight; they stay in their client's share, so that a client cannot open stream after
-        stream nobody reads and have them all admitted."""
+        flight but stay in their client's share, so that a client cannot have stream after
+        unread stream admitted."""
         self.in_flight -= units
 
     def unpark(self, units: int) -> bool:

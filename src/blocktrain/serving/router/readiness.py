@@ -1,9 +1,6 @@
-"""The router's readiness check (`GET /readyz`): a 1-byte sweep (a 1-byte autoregressive step for
-a reference model, and for a stack whose default exit is its head: an intervals = reversed
-features stack, `model.heads.resolve_exit`) through the whole chain of every served model, sent to every replica of every
-hop, so that each host shows it can compute, not merely answer. Ready (200) when every model's
-sweep completes through at least one replica per hop; otherwise 503 with the host that failed.
-`/healthz` stays the cheap liveness check of the router itself."""
+"""The router's readiness check, `GET /readyz` (docs/serving.md, "Batching, readiness and
+replicas"): a 1-byte sweep or step through every replica of every hop of every served model, so
+that each host shows it can compute, not merely answer."""
 
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
-"""Block replicas in the router: several hosts at one position of the chain, and the health
-scores that choose among them.
-
-A position of `--hosts` is one URL or several alternatives joined by `|`:
-
-    --hosts http://a:8101|http://a2:8101,http://b:8102,http://c:8103|http://c2:8103
-
-Alternatives serve the same blocks of the same run. The router sends each traversal to one of
-them: the healthiest (no recent failure, then the fewest traversals in flight weighted by its
-recent latency); a generation keeps the replica it started on (an autoregressive session's KV
-cache lives there) until that replica fails. A replica that fails (connection error, timeout,
-5xx) is skipped for `cooldown_s`, and the same message is sent to the next replica: a host's
+"""Block replicas in the router: several hosts at one position of `--hosts`, joined by `|`, and
+the health scores that choose among them (docs/serving.md, "Batching, readiness and replicas").
+A failed replica is skipped for `cooldown_s` and the same message goes to the next: a host's
 answer depends only on the message, so the retry computes what the failed host would have.
 """
 

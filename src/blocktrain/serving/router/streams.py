@@ -1,11 +1,7 @@
-"""The router's generation loops over a `Chain`, each yielding the new bytes as they come.
-
-- `one_sweep_stream`: `model.sampler.generate`'s loop (`SpanLoop`), with the sweep itself
-  (`run_points`) run by the chain of hosts: one traversal per span of K bytes.
-- `speculative_stream`: `model.speculative.generate_speculative`'s loop (`SpeculativeLoop`): a
-  K = 1 model verifies bytes drafted on the router, 1..D + 1 bytes per traversal.
-- `autoregressive_stream`: the reference split into stages on the same hosts, one traversal per
-  byte, a KV cache per stage and generation.
+"""The router's generation loops over a `Chain`, each yielding the new bytes as they come: the
+loops of `model.sampler.generate` (`SpanLoop`, a traversal per span), of
+`model.speculative.generate_speculative` (`SpeculativeLoop`) and the autoregressive pipeline's
+(a traversal per byte), with the sweep or step run by the chain of hosts.
 """
 
 from __future__ import annotations
@@ -35,8 +31,7 @@ async def one_sweep_stream(
     sampler: str,
 ) -> AsyncIterator[torch.Tensor]:
     """Continue prompt (N, Lp) by n_bytes; yields each span's new bytes (N, <= K) as soon as its
-    sweep returns. The same loop (model.span_loop.SpanLoop) and the same sweep
-    (model.sampler.run_points, on the hosts) as model.sampler.generate."""
+    sweep returns (the loop and sweep of model.sampler.generate)."""
     cfg = chain.model.config.model
     loop = SpanLoop(
         prompt,
@@ -68,9 +63,8 @@ async def one_sweep_stream(
 async def speculative_stream(
     chain: Chain, loop: SpeculativeLoop, *, steps_per_block: int, sampler: str
 ) -> AsyncIterator[torch.Tensor]:
-    """Run `loop` (one prompt, its drafter) with the chain's K = 1 model as the verifier: each
-    traversal verifies the bytes drafted on the router and yields the 1..D + 1 it emits. The
-    same loop as model.speculative.generate_speculative."""
+    """Run `loop` with the chain's K = 1 model as the verifier; yields the 1..D + 1 bytes each
+    traversal emits."""
     cfg = chain.model.config.model
     async with chain.session() as session:  # the hosts cache the clean streams under it
         while not loop.done:
@@ -102,12 +96,10 @@ async def autoregressive_stream(
     generator: torch.Generator,
 ) -> AsyncIterator[torch.Tensor]:
     """Continue prompt (N, Lp) by n_bytes, one traversal per byte; yields each byte (N, 1).
-
-    The stages' caches hold at most T positions. The first step prefills the last T bytes of
-    the prompt; when the caches are full the window restarts from the last T/2 bytes (so the
-    context seen is between T/2 and T bytes, where `generate_autoregressive` always sees T). A
-    stage that lost its cache (its host restarted) makes the router prefill again. A restart
-    keeps the session's name: a step at position 0 replaces its caches on every host."""
+    The stages' caches hold at most T positions: the first step prefills the prompt's last T
+    bytes, and a full cache restarts from the last T/2 (so the context is T/2 to T bytes, where
+    `generate_autoregressive` always sees T). A stage that lost its cache makes the router
+    prefill again, under the same session name (a step at position 0 replaces the caches)."""
     if prompt.shape[1] == 0:
         raise ValueError("the prompt must hold at least one byte")
     window = chain.model.config.model.seq_len
@@ -145,11 +137,9 @@ async def autoregressive_stream(
 async def autoregressive_speculative_stream(
     chain: Chain, loop: SpeculativeLoop
 ) -> AsyncIterator[torch.Tensor]:
-    """Run `loop` with the autoregressive pipeline as the verifier, so that it gets the same
-    drafter and the comparison stays fair: each traversal sends the bytes not yet cached plus a
-    draft of D, the last stage answers the logits of the D + 1 last positions, and the hosts
-    cut their caches back past the accepted bytes at the next step. The law of the text is the
-    reference's own."""
+    """Run `loop` with the autoregressive pipeline as the verifier (the same drafter, so the
+    comparison stays fair): the last stage answers the logits of the D + 1 last positions, and
+    the hosts cut their caches back past the accepted bytes at the next step."""
     window = chain.model.config.model.seq_len
     pos = 0
     pending = loop.context[-window:]

@@ -1,13 +1,7 @@
 """One traversal of a model's route, whatever the message (`Traversal`, the base of
-`chain.Chain`): the message goes to a replica of each hop in turn, and each host's answer, the
-state for the next one, goes on unchanged to the next hop, until a host answers the final logits
-or bytes; the hosts' traces and the time are counted (`ChainStats`).
-
-A hop with several replicas (replicas.py) sends to the one the generation used last (its caches
-live there), else the healthiest, and sends the same message to the next one when a replica
-fails (connection error, timeout, 5xx): the traversal goes on, and fails (503, naming the
-blocks) only when no replica of a hop is left. A generation's name on the hosts (`session`) is
-released on the hosts it used when it ends without a closing message.
+`chain.Chain`): each host's answer goes on unchanged to a replica of the next hop until one
+answers the final logits or bytes; traces and time are counted (`ChainStats`). A failed replica
+is retried on the next (docs/serving.md, "Batching, readiness and replicas": replicas).
 """
 
 from __future__ import annotations
@@ -112,10 +106,8 @@ class Traversal:
                 await self.release(generation.name)
 
     async def release(self, session: str) -> None:
-        """Ask the hosts this generation used to drop its caches: for a generation that ended
-        without a closing message (a stop sequence, a speculative one, a client that left),
-        so that its caches do not wait for the hosts' bounds and crowd out live ones. Best
-        effort: a host that cannot be reached drops them at its bounds all the same."""
+        """Ask the hosts this generation used to drop its caches (it ended without a closing
+        message), so that they do not crowd out live ones until the hosts' bounds. Best effort."""
         payload = {"model": self.model.name, "session": session}
         urls = sorted(set(self._pinned.values()))
         results = await asyncio.gather(
@@ -129,9 +121,8 @@ class Traversal:
     async def _send(
         self, path: str, tensors: dict[str, torch.Tensor], header: BaseModel
     ) -> dict[str, torch.Tensor]:
-        """One traversal: the message goes to the first hop of the route; each host answers
-        the state for the next one, which goes on unchanged to the next hop of the route,
-        until a host answers the final logits or bytes."""
+        """One traversal: the message to the first hop; each host's answer goes on unchanged
+        to the next hop, until a host answers the final logits or bytes."""
         t0 = time.perf_counter()
         message = encode(tensors, header.model_dump())
         trace: list[TraceEntry] = []

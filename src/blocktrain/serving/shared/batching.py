@@ -1,16 +1,9 @@
-"""Batching on a block host: requests that arrive together and can share one forward pass run as
-one batch.
-
-Jobs are grouped by a key (for a sweep: the model, the grid point, the sampler and the shapes:
-the context length and the state's length, so that the rows concatenate and share one layout).
-A batch waits at most `window_s` after its oldest job for more to arrive, unless its bucket
-already holds `max_rows` rows; while one batch computes, the next ones fill up, so under load
-the batches grow by themselves. One batch computes at a time per host (in a worker thread, so
-that the event loop keeps answering), oldest bucket first. `max_rows = 1` is batching off: every
-job runs alone, through the same code.
-
-`run` may be a coroutine function (the router's coalescing, coalesce.py): it is awaited on the
-event loop instead of running in a worker thread; still one batch at a time per batcher.
+"""Batching: jobs that arrive together and share a key run as one batch (docs/serving.md,
+"Batching, readiness and replicas"). A batch waits at most `window_s` after its oldest job
+unless its bucket holds `max_rows` rows; one batch computes at a time per batcher, oldest bucket
+first, in a worker thread (so that the event loop keeps answering), or awaited on the loop when
+`run` is a coroutine function (the router's coalescing). `max_rows = 1` runs every job alone,
+through the same code.
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
 """Coalescing: the router sends the sweeps of several generations bound for one host as one
-request, and the host answers them in one response.
-
-Most of what a hop costs is per request (HTTP, the event loop, the hand-off to the compute
-thread), not the blocks' forward pass, which the host's batcher already merges. So when it is on
-(`RouterSettings.coalesce_sweeps` > 1), the router gathers the sweeps that are bound for the same
-host (`batching.Batcher`, one per host: the oldest waits at most the window, a batch holds at
-most `coalesce_sweeps`, and while one is in flight the next fills up) and posts them together:
-
-    POST /v1/sweeps   tensors "0" .. "N-1": (B,) uint8, each the body of one /v1/sweep message
-                      metadata: {"count": N}
-    answer            tensors "i": (B,) uint8, the /v1/sweep answer of sweep i, for the sweeps
-                      that succeeded; metadata: {"results": [one per sweep: {"trace": [...]} or
-                      {"status": 4xx/5xx, "error": {...}}]}
-
-Each sweep keeps its own header (its session, generator state, sampling, sampler, steps, draft,
-close), and the host runs each through the single-sweep code (`BlockHost.sweep`, all at once, so
-its batcher merges their forward passes): a generation's bytes are those of /v1/sweep. A
-malformed entry is refused alone (its own error in `results`); a malformed envelope, or more than
-the host's max_batch sweeps (HostSettings, 64), refuses the whole request (400). A lone sweep
-goes to /v1/sweep. Autoregressive stages are not coalesced.
+`POST /v1/sweeps`, and the host answers them in one response (docs/serving.md, "Batching,
+readiness and replicas" and "The wire"). Most of what a hop costs is per request (HTTP, the
+event loop, the hand-off to the compute thread), not the forward pass the host's batcher already
+merges. Each sweep keeps its own header and runs through the single-sweep code, so a
+generation's bytes are those of /v1/sweep.
 """
 
 from __future__ import annotations
@@ -121,9 +106,9 @@ def unpack_answers(body: bytes, count: int, url: str) -> list[Outcome]:
 async def host_sweeps(
     sweep: Callable[[bytes], Awaitable[Answer]], body: bytes, max_sweeps: int
 ) -> bytes:
-    """The host's /v1/sweeps: every sweep through `sweep` (BlockHost.sweep) at once, so that
-    the host's batcher merges them; each one's answer or refusal in the one response. An error
-    that is not a refusal (a bug) fails the whole request, as it would a single sweep."""
+    """The host's /v1/sweeps: every sweep through `sweep` at once (the batcher merges them),
+    each one's answer or refusal in the one response. An error that is not a refusal (a bug)
+    fails the whole request, as it would a single sweep."""
     messages = unpack(body, max_sweeps)
     done = await asyncio.gather(*(sweep(m) for m in messages), return_exceptions=True)
     outcomes: list[Outcome] = []

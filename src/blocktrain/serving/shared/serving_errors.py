@@ -1,26 +1,7 @@
-"""The serving layer's errors: a branch of the one tree in `blocktrain.errors`.
-
-    BlockTrainError
-    └── ServingError          anything a client or an operator of the chain can act on
-        ├── BadRequest        the request can never succeed as sent (400; 404 for an unknown
-        │                     model; 413 too large; 422 too much work); says which parameter
-        │                     and why
-        ├── Unauthorized      a host's caller did not present the shared secret, or a
-        │                     router's client none of its tokens (401)
-        ├── TooManyRequests   over the router's rate or concurrent-work limit, or too many
-        │                     failed token checks (429), with the seconds to wait
-        └── HostError         a host of the chain failed; names the host by its URL
-            ├── HostUnavailable   unreachable, or died mid-request (503)
-            ├── HostTimeout       no answer within the timeout (504)
-            └── HostRefused       answered with an error: wrong model, stale fingerprint,
-                │                 misrouted state, bad payload (the host's own status, or 502
-                │                 at the router)
-                └── SessionLost   an autoregressive stage no longer holds the KV cache of a
-                                  generation (the host restarted): the router prefills again
-
-Every error carries the HTTP status it maps to, a machine-readable `code` and, for host errors,
-the `host` it concerns. Hosts relay the errors of hosts behind them unchanged, so the router
-names the host that actually failed.
+"""The serving layer's errors (a branch of `blocktrain.errors`): each carries the HTTP status it
+maps to, a machine-readable `code` and, for host errors, the `host` it concerns
+(docs/serving.md, "Errors"). Hosts relay the errors of hosts behind them unchanged, so the
+router names the host that actually failed.
 """
 
 from __future__ import annotations
@@ -183,10 +164,10 @@ def has_body(scope: Scope) -> bool:
 
 
 async def send_error(send: Send, err: ServingError, scope: Scope | None = None) -> None:
-    """Answer an ASGI request with `err` as JSON, from a middleware, before any route (and
-    without reading the request's body). With the request's `scope`, a request that declares
-    a body is answered `Connection: close`, and the server closes the connection after the
-    answer instead of draining a body nobody reads, as slowly as the client cares to send it."""
+    """Answer an ASGI request with `err` as JSON, from a middleware, before any route and
+    without reading the body. With `scope`, a request that declares a body is answered
+    `Connection: close`, so the server closes instead of draining a body nobody reads, as slowly
+    as the client cares to send it."""
     body = json.dumps(err.to_json()).encode()
     headers = [
         (b"content-type", b"application/json"),

@@ -1,11 +1,8 @@
 """HTTP between the router and the hosts: clients with explicit timeouts, the emulated hop
-latency, and the mapping of transport failures to errors that name the host.
-
-Hop latency is emulated in the transport, not in the network: `DelayTransport` waits `hop_ms`
-before sending each request and again before handing back its response, as a link with a
-one-way latency of `hop_ms` would (one round trip costs 2 * hop_ms). Every link of the chain has
-one: router -> host 0, host 0 -> host 1, ..., so one traversal of a chain of H hosts crosses H
-links, out and back: 2 * H * hop_ms of emulated latency on top of the real loopback cost.
+latency, and transport failures mapped to errors that name the host. `DelayTransport` waits
+`hop_ms` before each request and again before its response, a link of one-way latency `hop_ms`:
+a traversal of H hosts costs 2 * H * hop_ms on top of loopback (docs/serving.md, "Hop latency
+and the benchmark").
 """
 
 from __future__ import annotations
@@ -50,9 +47,8 @@ def make_client(
     ca_cert: str | None = None,
 ) -> httpx.AsyncClient:
     """An async client for the chain: connect timeout 5 s, read/write/pool `timeout_s`, the
-    emulated hop latency when hop_ms > 0, and the hosts' shared secret on every request;
-    https hosts are verified against `ca_cert` (a PEM bundle, e.g. a self-signed certificate)
-    or the system's CAs. `transport` lets tests run hosts in-process."""
+    hop latency, the hosts' shared secret; https hosts verified against `ca_cert` or the
+    system's CAs. `transport` lets tests run hosts in-process."""
     try:
         verify = True if ca_cert is None else ssl.create_default_context(cafile=ca_cert)
     except (OSError, ssl.SSLError) as exc:

@@ -1,37 +1,11 @@
-"""What travels between the router and the hosts: one safetensors body per message.
+"""What travels between the router and the hosts: one safetensors body per message, whose
+metadata key "blocktrain" holds a JSON header (`SweepHeader`, `StageHeader`) and whose tensors
+are the state (docs/serving.md, "The wire" and "One sweep: who does what").
 
-A request body is a safetensors file whose metadata key "blocktrain" holds a JSON header
-(`SweepHeader` or `StageHeader`) and whose tensors are the state:
-
-    POST /v1/sweep   x (N, Lx) uint8       the clean context bytes of the span (and a draft)
-                     z (N, K, d) fp32|fp16 the noisy state at grid point `step`
-                                           ((N, M (D + 1), d) for a verify sweep of D drafted, M draws;
-                                           (N, D + 1, d) before its `fork`)
-                     u (N, Lx, d) fp32|fp16 a `route = features` run past block 0: the
-                                           previous block's clean output at every context
-                                           position (docs/model.md)
-                     generator (S,) uint8  the request's torch.Generator state, when a host
-                                           draws from it (final = "bytes", or a sampler
-                                           whose steps draw noise); it comes back advanced
-    POST /v1/stage   x (N, L) uint8        new bytes (to the first stage), or
-                     h (N, L, d) fp32|fp16 hidden states (to the later stages)
-                     generator (S,) uint8  as above
-
-A sweep's header may name its generation (`session`): each host keeps its blocks' clean streams
-under it and reuses them as far as the next sweep's context repeats the cached bytes
-(host/sessions.py, model/cached.py).
-
-A final answer is a safetensors body too: `logits` (N, K, 256) fp32 for a sweep, (N, 256) for a
-stage step; or `bytes` (N, K) / (N,) uint8 and the advanced `generator` state when the last host
-samples. Logits always travel in fp32 so that sampling gives the same bytes wherever it runs;
-the fp16 option only narrows the state. Every host adds a line to the `x-blocktrain-trace`
-response header (JSON list) saying what it computed and for how long.
-
-Bodies are read by `blocktrain.tensorwire`, the parser the aggregator uses too (a pickle or a
-malformed body is refused with its reason). Errors travel as JSON
-(`serving_errors.ServingError.to_json`), never as safetensors. Nothing is pickled.
-
-    POST /v1/release {"model", "session"}  (JSON) drop a generation's caches on this host
+Logits always travel in fp32 so that sampling gives the same bytes wherever it runs; the fp16
+option only narrows the state. Bodies are read by `blocktrain.tensorwire`, the aggregator's
+parser (a pickle or a malformed body is refused with its reason); errors travel as JSON
+(`ServingError.to_json`). Nothing is pickled.
 """
 
 from __future__ import annotations
@@ -88,20 +62,15 @@ class SweepHeader(_Header):
     """The step between grid points (model.sampler.SAMPLERS)."""
     drafted: int = Field(default=0, ge=0, le=62)
     """A verify sweep (model.speculative): the last `drafted` bytes of x are a draft, and z
-    holds drafted + 1 tokens, one per position after the context (K = 1 models; the last host
-    answers logits (N, drafted + 1, 256)). 0: an ordinary sweep of one span."""
+    holds drafted + 1 tokens, one per position after the context. 0: one span."""
     draws: int = Field(default=1, ge=1, le=16)
-    """In a verify sweep z holds draws x (drafted + 1) tokens, the positions after the context
-    `draws` times over, each an independent sweep that shares the clean stream
-    (model.speculative.verify_layout); the logits come back in the same order. draws > 1 makes
-    a sweep a verify sweep even with nothing drafted (the drafter may find no draft)."""
+    """z holds draws x (drafted + 1) tokens (verify_layout), the logits come back in that order;
+    draws > 1 makes a verify sweep even with nothing drafted (the drafter may find no draft)."""
     fork: int = Field(default=0, ge=0, le=4096)
-    """The grid point where a verify sweep's draws part (model.speculative.verify_fork): before
-    it z holds one copy of the drafted + 1 tokens, from it on `draws` copies, each drawn its own
-    state by the ancestral step into the point. 0: the draws start apart (z holds them all)."""
+    """The grid point where a verify sweep's draws part (verify_fork): before it z holds one
+    copy, from it on `draws`. 0: the draws start apart (z holds them all)."""
     session: str | None = Field(default=None, min_length=1, max_length=64)
-    """Names one generation: each host keeps its blocks' clean-stream caches under it and
-    reuses them as far as the next sweep's context repeats the cached bytes. None: no cache."""
+    """Names one generation, whose clean-stream caches each host keeps. None: no cache."""
     close: bool = False
     """The generation's last sweep: the hosts drop its caches afterwards."""
 
@@ -117,8 +86,7 @@ class SweepHeader(_Header):
 
 
 class Release(BaseModel):
-    """POST /v1/release, a JSON body: drop one generation's caches on this host (one that
-    ended without a closing message)."""
+    """POST /v1/release, a JSON body: drop one generation's caches on this host."""
 
     model_config = ConfigDict(extra="forbid")
     model: str = Field(min_length=1, max_length=200)
@@ -135,8 +103,8 @@ class StageHeader(_Header):
     close: bool = False
     """Drop the caches after this step (the generation's last byte)."""
     verify: int = Field(default=0, ge=0, le=62)
-    """The last `verify` tokens are a draft (speculative decoding): the last stage answers the
-    logits of the last verify + 1 positions, (N, verify + 1, 256). 0: the last position's."""
+    """The last `verify` tokens are a draft: the last stage answers the logits of the last
+    verify + 1 positions. 0: the last position's."""
 
 
 class TraceEntry(BaseModel):
