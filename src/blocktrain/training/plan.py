@@ -9,21 +9,8 @@ import torch
 
 from blocktrain.config import RunConfig
 from blocktrain.model import Block, Reference, SigmaSchedule
-from blocktrain.training.costs import (
-    TRAINED_BYTES_PER_PARAM,
-    UPSTREAM_BYTES_PER_PARAM,
-    clean_stream_params,
-    worker_memory,
-)
+from blocktrain.training.costs import worker_memory
 from blocktrain.training.optim import ADAMW_BYTES_PER_PARAM
-
-__all__ = [
-    "TRAINED_BYTES_PER_PARAM",
-    "UPSTREAM_BYTES_PER_PARAM",
-    "clean_stream_params",
-    "plan",
-    "worker_state_bytes",
-]
 
 
 def _count(module: torch.nn.Module) -> int:
