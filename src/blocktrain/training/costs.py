@@ -1,11 +1,7 @@
 """What the worker of each block costs: FLOPs per local step, training memory, bytes per round, and
-under a device profile seconds per step and per round. One place for these figures: `blocktrain
-plan`, `training.plan`, the shape plans (`serving/host/shapes.py`) and the simulator's clock read
-them (docs/serving.md, "What a worker costs").
-
-FLOPs are counted by running the model on the meta device under `count_flops` (no memory, no
-arithmetic), one sequence times the batch: 3 x the trained block's forward, plus under `features`
-the clean streams of blocks 0..b-1 (no backward). Activations are not counted in memory."""
+under a device profile seconds per step and per round; one place for these figures (`blocktrain
+plan`, the shape plans, the simulator's clock). How each is counted: docs/serving.md, "What a
+worker costs"."""
 
 from __future__ import annotations
 
@@ -51,9 +47,8 @@ def _meta_block(m: ModelConfig) -> Block:
 
 
 def clean_stream_params(block: Block) -> int:
-    """The parameters of a block's clean stream (`Block.clean_stream`): the byte embeddings and
-    the layers less their z-stream modulation. What a worker holds of each upstream block under
-    `route = features`."""
+    """The parameters of a block's clean stream (its byte embeddings and layers less their z-stream
+    modulation): what a worker holds of each upstream block under `route = features`."""
     modulation = sum(
         _count(layer.modulation)
         for layer in block.layers
@@ -73,9 +68,8 @@ def _trained(params: int) -> dict[str, int]:
 
 
 def worker_memory(cfg: RunConfig) -> list[dict[str, int]]:
-    """Each block's worker's training memory, broken down, with `total`: under `relay` one local
-    step of the streams in (b > 0) and out (b < B-1), as the worker spools a round's stream to
-    disk a step at a time, and that step's input features dequantised to fp32."""
+    """Each block's worker's training memory, broken down, with `total`; under `relay` one local step
+    of the streams, as the worker spools a round's stream to disk a step at a time."""
     m = cfg.model
     block = _meta_block(m)
     params, stream = _count(block), clean_stream_params(block)
@@ -156,9 +150,8 @@ def _round(pull: int, upstream: int, stream_in: int, stream_out: int) -> dict[st
 
 
 def round_bytes(cfg: RunConfig, *, local_steps: int, wire_dtype: str) -> list[dict[str, int]]:
-    """Each block's worker's bytes per round of `local_steps` local steps: the block pulled and
-    its delta pushed, dense in the wire dtype; under `features` the blocks before it pulled whole
-    (as the simulator pulls them); under `relay` the round's streams in and out."""
+    """Each block's worker's bytes per round of `local_steps` local steps (docs/serving.md, "What a
+    worker costs")."""
     m = cfg.model
     block = wire_bytes(wire_dtype) * _count(_meta_block(m))
     stream = local_steps * relay_step_bytes(cfg) if m.route == "relay" else 0
@@ -327,11 +320,10 @@ COMPOSING = ("relay", "features")
 def route_choice(
     cfg: RunConfig, profile: DeviceProfile, *, local_steps: int, wire_dtype: str = "fp16"
 ) -> dict[str, Any]:
-    """The same shape under each route: its largest worker's memory, its slowest round and
-    whether every worker fits the profile; and the composing route to pick on it: of those
-    that fit, the one whose slowest round is the shortest (the routes trade memory and
-    compute for bytes: a relay worker moves streams where a features worker pulls and reruns
-    the blocks before it). None when neither fits."""
+    """The same shape under each route: its largest worker's memory, its slowest round and whether
+    every worker fits the profile; and the route to pick: of those that fit, the one whose slowest
+    round is the shortest (relay moves streams where features pulls and reruns the blocks before
+    it). None when neither fits."""
     routes: dict[str, dict[str, Any]] = {}
     for route in ("state", *COMPOSING):
         routed = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, route=route))
