@@ -1,9 +1,6 @@
-"""Typed, frozen configuration: the model and its training (the presets are blocktrain.presets).
-
-A run is described completely by a `RunConfig`, which is saved as `RUN_DIR/config.json` next to
-the weights. Variants are derived with `dataclasses.replace` or with `apply_overrides` (the CLI's
-`--set KEY=VALUE`).
-"""
+"""Typed, frozen configuration: the model and its training. A run is described completely by a
+`RunConfig`, saved as `RUN_DIR/config.json` next to the weights; variants come from
+`dataclasses.replace` or `apply_overrides` (the CLI's `--set KEY=VALUE`)."""
 
 from __future__ import annotations
 
@@ -283,10 +280,9 @@ def _legacy_model(model: Any) -> Any:
 
 
 def parse_blocks(text: str, flag: str = "--blocks") -> tuple[int, ...]:
-    """The block indices of a command's `--blocks` (train's `--block`): distinct non-negative
-    integers separated by commas, e.g. "0" or "1, 2" -> (1, 2), sorted; empty items (a
-    trailing comma) are skipped. A ConfigError naming `flag` and the text otherwise. Whether
-    each index is a block of the run is the caller's check: only it knows the run."""
+    """The block indices of `--blocks` (train's `--block`): distinct non-negative integers separated
+    by commas, sorted ("1, 2" -> (1, 2)); empty items are skipped; a ConfigError naming `flag`
+    otherwise. Whether each is a block of the run is the caller's check."""
     items = [item.strip() for item in text.split(",") if item.strip()]
     blocks = [int(item) for item in items if re.fullmatch(r"[0-9]+", item)]
     if not items or len(blocks) != len(items) or len(set(blocks)) != len(blocks):

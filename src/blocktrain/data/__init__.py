@@ -1,8 +1,5 @@
 """Training and evaluation text: byte corpora on disk, their splits, and the WikiText download.
-
-Everything here raises `blocktrain.errors.DataError` for problems a user can fix (a missing path,
-an empty or binary file, a split that is not there, a failed download).
-"""
+Problems a user can fix raise `blocktrain.errors.DataError`."""
 
 from __future__ import annotations
 
