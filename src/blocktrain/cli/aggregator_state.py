@@ -29,10 +29,9 @@ from blocktrain.training.local import initial_units, reference_config
 
 @dataclass(frozen=True)
 class AggregatorSetup:
-    """What `blocktrain aggregator` was asked for, resolved once from its flags: the run of a
-    new state (preset -> --set -> --seed, as its unit trains it) or none (a resumed state's
-    own), the settings given (--set NAME=VALUE and the settings' flags), the blocks to serve and
-    their peers."""
+    """What `blocktrain aggregator` was asked for, resolved once from its flags: the run of a new
+    state (preset -> --set -> --seed) or none (a resumed state's own), the settings given, the
+    blocks to serve and their peers."""
 
     root: Path
     config: RunConfig | None
@@ -73,11 +72,9 @@ class AggregatorSetup:
 def prepare_state(
     setup: AggregatorSetup, ready: Callable[[AggregatorSettings], None] | None = None
 ) -> tuple[StateDir, AggregatorSettings, Directory]:
-    """The state folder (created from the setup's run, or resumed with its settings) and the
-    directory of its blocks (`placement.placed`: the blocks served and the peers checked
-    against the saved ones before anything is written). `ready(settings)`, when given, runs
-    after every check and before the first write, with the settings the aggregator will
-    serve: what it raises leaves the folder as it was."""
+    """The state folder (created from the setup's run, or resumed with its settings) and the directory
+    of its blocks. `ready(settings)`, when given, runs after every check and before the first write:
+    what it raises leaves the folder as it was."""
     overrides, served, peers = setup.settings, setup.served, setup.peers
     cfg = setup.config
     if cfg is None:

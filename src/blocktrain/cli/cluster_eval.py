@@ -54,9 +54,9 @@ ROUND_KEYS = (
 def round_records(
     status: dict[str, Any], logged: dict[str, int], losses: Callable[[], dict[Any, float]]
 ) -> list[dict[str, Any]]:
-    """The rounds of `status` closed since the last one `logged` has of their block (block ->
-    round; updated) as metrics records; `losses()`, asked only when there are some, gives
-    (block, round) -> the mean loss the round's accepted updates reported (the ledger's)."""
+    """The rounds of `status` closed since the last one `logged` has of their block (block -> round;
+    updated) as metrics records; `losses()`, asked only when there are some, gives (block, round)
+    -> the mean loss the round's accepted updates reported."""
     fresh = [
         (b, row)
         for b, rows in sorted(status["participation"].items(), key=lambda item: int(item[0]))

@@ -18,10 +18,8 @@ def _count(module: torch.nn.Module) -> int:
 
 
 def worker_state_bytes(cfg: RunConfig) -> list[int]:
-    """The training memory of each block's worker (`training.costs.worker_memory`): its
-    block's weights, gradients and AdamW moments, the target table, and what its route adds
-    (the frozen upstream clean streams under `features`, a step of the relayed streams under
-    `relay`); activations not counted."""
+    """The training memory of each block's worker (`training.costs.worker_memory`'s totals);
+    activations not counted."""
     return [memory["total"] for memory in worker_memory(cfg)]
 
 
