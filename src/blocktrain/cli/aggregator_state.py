@@ -1,10 +1,7 @@
-"""The state folder of `blocktrain aggregator`: its flags resolved once (`AggregatorSetup`: the
-run, the settings given, the blocks and peers), then the folder created from that run (version 0
-of every block) or resumed with those settings (`prepare_state`), the blocks served and their peers
-checked against the saved ones, and the effect probe's and the live evaluation's reach checked
-against the blocks served, all before the first write; and a failed first start undone
-(`remove_new`), so that the corrected command starts afresh.
-"""
+"""The state folder of `blocktrain aggregator`: its flags resolved once (`AggregatorSetup`), the
+folder created or resumed (`prepare_state`), every check against the saved blocks, peers and
+the probe's reach before the first write, and a failed first start undone (`remove_new`), so
+that the corrected command starts afresh."""
 
 from __future__ import annotations
 

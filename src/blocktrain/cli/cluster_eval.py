@@ -1,12 +1,7 @@
-"""The evaluation after a `blocktrain cluster`'s rounds: each round's model and the final one,
-scored on the validation split with progress on stderr, and the run's summary (summary.json).
-The cluster command (cli/cluster.py) runs it while the aggregator still serves the dashboard.
-
-`--log-to` (training/tracking.py) gets the same figures as metrics records, at step = the
-rounds done: each committed round of each block as the status lists it (`rounds/block0/accepted`,
-`.../participation`, `.../duration_s`, `.../version`, `.../loss`: the mean training loss its
-accepted updates reported; round k at step k + 1), each round's evaluation (`valid/from_noise_ce`,
-`valid/sampler_ce`, after r rounds at step r) and the final one (`final/sampler_ce`, ...)."""
+"""The evaluation after a `blocktrain cluster`'s rounds, run while the aggregator still serves the
+dashboard: each round's model and the final one, scored on the validation split, and the run's
+summary (summary.json). `--log-to` gets the same figures as metrics records, at step = the rounds
+done (README.md, "Experiment logging")."""
 
 from __future__ import annotations
 
