@@ -5,20 +5,17 @@ from __future__ import annotations
 
 from blocktrain.data.corpus import (
     DATA_ENV,
-    SPLITS,
     ByteCorpus,
     load_split,
     resolve_data_path,
 )
-from blocktrain.data.fetch import URL_ENV, WIKITEXT_ARCHIVES, fetch_wikitext
+from blocktrain.data.fetch import URL_ENV, fetch_wikitext
 from blocktrain.data.patterns import FilePatterns
 from blocktrain.data.source import ByteSource
 
 __all__ = [
     "DATA_ENV",
-    "SPLITS",
     "URL_ENV",
-    "WIKITEXT_ARCHIVES",
     "ByteCorpus",
     "ByteSource",
     "FilePatterns",
