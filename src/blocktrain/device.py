@@ -102,8 +102,8 @@ def device_memory(device: torch.device) -> tuple[str, int | None, int | None]:
 def fit_verdict(
     device: torch.device, need: int | None, what: str = "the block's worker"
 ) -> tuple[bool, str]:
-    """Whether `need` bytes (a worker's state) fit on `device`, as (ok, one line); it fails only when
-    the need passes the device's total memory; None `need`: the fit is not checked."""
+    """Whether `need` bytes (a worker's state) fit on `device`, as (ok, one line); it fails only
+    when the need passes the device's total memory; None `need`: the fit is not checked."""
     name, total, free = device_memory(device)
     kind = "RAM" if device.type == "cpu" else "memory"
     if total is None:

@@ -69,9 +69,9 @@ class AggregatorSetup:
 def prepare_state(
     setup: AggregatorSetup, ready: Callable[[AggregatorSettings], None] | None = None
 ) -> tuple[StateDir, AggregatorSettings, Directory]:
-    """The state folder (created from the setup's run, or resumed with its settings) and the directory
-    of its blocks. `ready(settings)`, when given, runs after every check and before the first write:
-    what it raises leaves the folder as it was."""
+    """The state folder (created from the setup's run, or resumed with its settings) and the
+    directory of its blocks. `ready(settings)`, when given, runs after every check and before the
+    first write: what it raises leaves the folder as it was."""
     overrides, served, peers = setup.settings, setup.served, setup.peers
     cfg = setup.config
     if cfg is None:

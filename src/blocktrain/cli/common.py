@@ -136,9 +136,9 @@ def unit_of(args: argparse.Namespace) -> str:
 
 
 def split_sets(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
-    """The --set items: the config's KEY=VALUE strings (for `apply_overrides`), and the values of the
-    settings named, by field name, on a command that takes them. A key that is neither fails with
-    the nearest valid keys, or why the command refuses it (`set_refused`)."""
+    """The --set items: the config's KEY=VALUE strings (for `apply_overrides`), and the values of
+    the settings named, by field name, on a command that takes them. A key that is neither fails
+    with the nearest valid keys, or why the command refuses it (`set_refused`)."""
     names: tuple[str, ...] = getattr(args, "setting_names", ())
     config_keys = settable_keys() if hasattr(args, "preset") else []
     hints = typing.get_type_hints(getattr(args, "settings_class", AggregatorSettings))
@@ -251,8 +251,9 @@ def add_setting_args(
     simulated_only: bool = False,
     defaults: dict[str, Any] | None = None,
 ) -> None:
-    """Every `AggregatorSettings` field as `--set NAME=VALUE` and a flag for those declared with one;
-    an absent flag leaves no attribute. `defaults`: the command's own, as its help shows them."""
+    """Every `AggregatorSettings` field as `--set NAME=VALUE` and a flag for those declared with
+    one; an absent flag leaves no attribute. `defaults`: the command's own, as its help shows them.
+    """
     defaults = defaults or {}
     chosen = [(f, s) for f, s in declared() if s.simulated or not simulated_only]
     refused = {f.name: "the simulator does not model this setting" for f, _ in declared()}
@@ -348,8 +349,8 @@ def add_log_arg(
 
 
 def log_backends(args: argparse.Namespace) -> tuple[str, ...]:
-    """The --log-to backends (repeatable, comma-separated), each library imported: an unknown backend
-    or a missing library is one ConfigError line, before the command writes anything."""
+    """The --log-to backends (repeatable, comma-separated), each library imported: an unknown
+    backend or a missing library is one ConfigError line, before the command writes anything."""
     names = parse_backends(getattr(args, "log_to", None))
     check_backends(names)
     return names

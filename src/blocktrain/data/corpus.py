@@ -106,7 +106,8 @@ class ByteCorpus:
     def open(cls, path: DataPath, patterns: FilePatterns | None = None) -> ByteCorpus:
         """Open a WikiText folder, a text file, a folder of text files or a Hugging Face dataset
         (``hf:...``); `patterns` choose the files of a folder. Only the first 64 KiB of each file is
-        read here, so opening is cheap for any corpus size and bad inputs fail now, not in training."""
+        read here, so opening is cheap for any corpus size and bad inputs fail now, not in training.
+        """
         patterns = patterns or NO_PATTERNS
         if is_hf(path):
             source = path if isinstance(path, HfSource) else HfSource.parse(str(path))

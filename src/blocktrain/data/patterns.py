@@ -15,8 +15,8 @@ from blocktrain.errors import DataError
 class FilePatterns:
     """Files that match an ``include`` pattern (all, when there is none) and no ``exclude`` pattern.
     Globs on the path relative to the folder: one without ``/`` matches a name at any depth, one
-    with ``/`` the whole path (a leading ``/`` the same); ``*`` and ``?`` stay within a name,
-    ``**`` spans folders, ``[abc]`` is a set, and a trailing ``/`` means everything under a folder."""
+    with ``/`` the whole path (a leading ``/`` the same); ``*`` and ``?`` stay within a name, ``**``
+    spans folders, ``[abc]`` is a set, and a trailing ``/`` means everything under a folder."""
 
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()

@@ -79,8 +79,9 @@ class ByteSource:
         return f"ByteSource(name={self.name!r}, bytes={len(self)}, files={len(self.paths)})"
 
     def sample(self, batch_size: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
-        """Draw ``batch_size`` random windows of ``seq_len`` bytes (int64, on the CPU): a start uniform
-        over all valid starts of all spans, from ``generator`` only, so equal seeds give equal batches."""
+        """Draw ``batch_size`` random windows of ``seq_len`` bytes (int64, on the CPU): a start
+        uniform over all valid starts of all spans, from ``generator`` only, so equal seeds give
+        equal batches."""
         _check_positive(batch_size=batch_size, seq_len=seq_len)
         starts = np.array([max(0, len(a) - seq_len + 1) for a in self._arrays], dtype=np.int64)
         total = int(starts.sum())
@@ -102,8 +103,8 @@ class ByteSource:
         return torch.from_numpy(out)
 
     def windows(self, seq_len: int, n_bytes: int) -> torch.Tensor:
-        """``ceil(n_bytes / seq_len)`` consecutive, non-overlapping windows from the start, file by file
-        (fewer if the split holds fewer): evaluation needs the same text every time."""
+        """``ceil(n_bytes / seq_len)`` consecutive, non-overlapping windows from the start, file by
+        file (fewer if the split holds fewer): evaluation needs the same text every time."""
         _check_positive(seq_len=seq_len, n_bytes=n_bytes)
         wanted = math.ceil(n_bytes / seq_len)
         chunks: list[np.ndarray] = []

@@ -23,8 +23,8 @@ def blocktrain_version() -> str:
 
 
 def run_facts(run_dir: Path) -> dict[str, Any]:
-    """What a run folder (state.json, metrics.jsonl) or a `cluster` run's summary.json says about its
-    training, for the model card; a value the run does not hold is None."""
+    """What a run folder (state.json, metrics.jsonl) or a `cluster` run's summary.json says about
+    its training, for the model card; a value the run does not hold is None."""
     from blocktrain.training.checkpoint import iter_metrics
 
     run_dir = Path(run_dir)

@@ -68,8 +68,8 @@ def _trained(params: int) -> dict[str, int]:
 
 
 def worker_memory(cfg: RunConfig) -> list[dict[str, int]]:
-    """Each block's worker's training memory, broken down, with `total`; under `relay` one local step
-    of the streams, as the worker spools a round's stream to disk a step at a time."""
+    """Each block's worker's training memory, broken down, with `total`; under `relay` one local
+    step of the streams, as the worker spools a round's stream to disk a step at a time."""
     m = cfg.model
     block = _meta_block(m)
     params, stream = _count(block), clean_stream_params(block)

@@ -85,8 +85,8 @@ def split_prompts(windows: torch.Tensor, prompt_bytes: int) -> tuple[torch.Tenso
 @torch.no_grad()
 def judge_nll(judge: Reference, prompts: torch.Tensor, continuations: torch.Tensor) -> torch.Tensor:
     """The judge's summed NLL (nats) of each continuation given its prompt: prompts (P, Lp),
-    continuations (P, Lc) int64 -> (P,) float64. Windows of the judge's T bytes advance by T/2,
-    so every scored byte sees between T/2 and T - 1 bytes before it (all of them if Lp + Lc <= T)."""
+    continuations (P, Lc) int64 -> (P,) float64. Windows of the judge's T bytes advance by T/2, so
+    every scored byte sees between T/2 and T - 1 bytes before it (all of them if Lp + Lc <= T)."""
     device = next(judge.parameters()).device
     full = torch.cat((prompts, continuations), dim=1).to(device)  # (P, L)
     total, first = full.shape[1], prompts.shape[1]
