@@ -69,8 +69,7 @@ def round_records(
 
 
 def evaluation_records(summary: dict[str, Any]) -> list[dict[str, Any]]:
-    """A cluster summary's evaluations as metrics records: each round's model, then the
-    final one."""
+    """A cluster summary's evaluations as metrics records: each round's model, then the final."""
     per_round = zip(
         summary["from_noise_ce_per_round"], summary["sampler_ce_per_round"], strict=True
     )

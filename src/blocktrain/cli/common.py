@@ -195,8 +195,7 @@ def resolve_config(args: argparse.Namespace, sets: list[str] | None = None) -> R
 
 
 def add_device_arg(parser: argparse.ArgumentParser, default: str | None = "auto") -> None:
-    """--device: auto, cpu, cuda or cuda:N. `default` None: the run config's `device` (train, whose
-    --set device=... it overrides)."""
+    """--device; `default` None: the run config's `device` (which train's --device overrides)."""
     parser.add_argument(
         "--device",
         default=default,
@@ -216,8 +215,7 @@ def _thread_count(text: str) -> int:
 
 
 def add_threads_arg(parser: argparse.ArgumentParser) -> None:
-    """--threads N: torch's CPU threads for this process (0, the default: torch's choice, every
-    core), e.g. 1 beside another job; `use_threads` applies it."""
+    """--threads N (0, the default: torch's choice, every core); `use_threads` applies it."""
     parser.add_argument(
         "--threads",
         type=_thread_count,

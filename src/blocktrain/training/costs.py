@@ -150,8 +150,7 @@ def _round(pull: int, upstream: int, stream_in: int, stream_out: int) -> dict[st
 
 
 def round_bytes(cfg: RunConfig, *, local_steps: int, wire_dtype: str) -> list[dict[str, int]]:
-    """Each block's worker's bytes per round of `local_steps` local steps (docs/serving.md, "What a
-    worker costs")."""
+    """Each worker's bytes a round of `local_steps` (docs/serving.md, What a worker costs)."""
     m = cfg.model
     block = wire_bytes(wire_dtype) * _count(_meta_block(m))
     stream = local_steps * relay_step_bytes(cfg) if m.route == "relay" else 0
@@ -268,8 +267,7 @@ def unit_costs(
 
 
 def fit_by_blocks(cfg: RunConfig, profile: DeviceProfile) -> list[dict[str, Any]]:
-    """For every B that divides `layers` (a valid config of it): whether the largest worker's
-    memory fits the profile's."""
+    """For every B that divides `layers`: whether the largest worker's memory fits the profile's."""
     rows = []
     for blocks in range(1, cfg.model.layers + 1):
         if cfg.model.layers % blocks:
