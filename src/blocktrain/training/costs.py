@@ -36,7 +36,7 @@ def wire_bytes(dtype: str) -> int:
     return WIRE_BYTES[dtype]
 
 
-def _count(module: torch.nn.Module) -> int:
+def count_params(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
@@ -50,11 +50,11 @@ def clean_stream_params(block: Block) -> int:
     """The parameters of a block's clean stream (its byte embeddings and layers less their z-stream
     modulation): what a worker holds of each upstream block under `route = features`."""
     modulation = sum(
-        _count(layer.modulation)
+        count_params(layer.modulation)
         for layer in block.layers
         if isinstance(layer, DualStreamLayer) and layer.modulation is not None
     )
-    return _count(block.embed) + _count(block.layers) - modulation
+    return count_params(block.embed) + count_params(block.layers) - modulation
 
 
 def relay_step_bytes(cfg: RunConfig) -> int:
@@ -72,7 +72,7 @@ def worker_memory(cfg: RunConfig) -> list[dict[str, int]]:
     step of the streams, as the worker spools a round's stream to disk a step at a time."""
     m = cfg.model
     block = _meta_block(m)
-    params, stream = _count(block), clean_stream_params(block)
+    params, stream = count_params(block), clean_stream_params(block)
     relay = m.route == "relay"
     step = relay_step_bytes(cfg)
     features_fp32 = cfg.train.batch_size * m.seq_len * m.d_model * FEATURES_FP32_BYTES
@@ -152,7 +152,7 @@ def _round(pull: int, upstream: int, stream_in: int, stream_out: int) -> dict[st
 def round_bytes(cfg: RunConfig, *, local_steps: int, wire_dtype: str) -> list[dict[str, int]]:
     """Each worker's bytes a round of `local_steps` (docs/serving.md, What a worker costs)."""
     m = cfg.model
-    block = wire_bytes(wire_dtype) * _count(_meta_block(m))
+    block = wire_bytes(wire_dtype) * count_params(_meta_block(m))
     stream = local_steps * relay_step_bytes(cfg) if m.route == "relay" else 0
     return [
         _round(
@@ -249,7 +249,7 @@ def reference_cost(cfg: RunConfig, *, local_steps: int, wire_dtype: str = "fp16"
         model = Reference(m)
     x = torch.zeros(1, m.seq_len, dtype=torch.long, device="meta")
     forward = count_flops(lambda: model(x)).total
-    params = _count(model)
+    params = count_params(model)
     flops = {"train": 3 * cfg.train.batch_size * forward, "upstream": 0}
     flops["total"] = flops["train"]
     memory = {**_trained(params), "total": params * TRAINED_BYTES_PER_PARAM}

@@ -9,12 +9,8 @@ import torch
 
 from blocktrain.config import RunConfig
 from blocktrain.model import Block, Reference, SigmaSchedule
-from blocktrain.training.costs import worker_memory
+from blocktrain.training.costs import count_params, worker_memory
 from blocktrain.training.optim import ADAMW_BYTES_PER_PARAM
-
-
-def _count(module: torch.nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
 
 
 def worker_state_bytes(cfg: RunConfig) -> list[int]:
@@ -28,8 +24,8 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
     m = cfg.model
     with torch.device("meta"):
         block = Block(m)  # every block has the same shape
-        per_block = _count(block)
-        reference = _count(Reference(m))
+        per_block = count_params(block)
+        reference = count_params(Reference(m))
     schedule = SigmaSchedule.from_config(m)
     total = per_block * m.blocks
     return {
