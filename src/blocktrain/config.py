@@ -64,19 +64,16 @@ class ModelConfig:
     aux_weight: float = 1.0
     """Weight of the block-local next-byte loss on the clean stream (0 turns it off)."""
     route: str = "relay"
-    """What block b+1 reads from block b, and how its worker gets it. `relay` (the default)
-    and `features`: also block b's clean-stream output, which block b+1's clean stream
-    continues with no gradient into block b (the route whose blocks compose, docs/model.md);
-    under `relay` block b+1's worker trains on that stream as block b's replicas computed it
-    in their own updates, relayed with the bytes it was computed on, so it holds and runs its
-    block only; under `features` it holds blocks 0..b frozen and reruns them each step (its
-    memory and compute grow with b). `state`: only the noisy state z (DiffusionBlocks'
-    original; a stack of blocks is then no better than one)."""
+    """What block b+1 reads from block b, and how its worker gets it (docs/model.md, "Blocks that
+    compose" and "Relayed streams"): `relay` and `features` also block b's clean stream, which
+    block b+1's continues with no gradient into block b; `relay` relays it, so a worker holds and
+    runs its block only, `features` reruns blocks 0..b each step (memory and compute grow with b).
+    `state`: only z (DiffusionBlocks' original; a stack is then no better than one block)."""
     intervals: str = "forward"
     """Which block owns which noise: `forward`, block 0 the highest interval (DiffusionBlocks);
-    `reversed`, the last block the highest, so that under `route = features` the block that
-    reads the deepest features trains where z carries nothing and it must predict from the
-    context (docs/model.md). The sampler visits the blocks from the highest noise down."""
+    `reversed`, the last block the highest, so that under `route = features` the block reading the
+    deepest features trains where z carries nothing (docs/model.md). The sampler visits the
+    highest noise first."""
 
     def __post_init__(self) -> None:
         _check(self.d_model > 0, "d_model", self.d_model, "must be positive")

@@ -86,7 +86,8 @@ def evaluate_blocktrain(
     settings: EvalSettings,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """windows (W, T) int64 held-out bytes -> the metrics above (all blocks must be present)."""
+    """windows (W, T) int64 held-out bytes -> the metrics of docs/model.md, Evaluation (all blocks
+    present)."""
     cfg = stack.cfg
     method = sampler_for(settings.sampler)
     device = stack.targets.device
