@@ -51,10 +51,11 @@ from blocktrain.training import (
     load_model,
 )
 from blocktrain.training.checkpoint import RunInfo
+from blocktrain.training.costs import TRAINED_BYTES_PER_PARAM
 from blocktrain.training.evaluate import head_nll
 from blocktrain.training.flops import count_flops
 from blocktrain.training.local import build_stack
-from blocktrain.training.plan import TRAINED_BYTES_PER_PARAM, plan
+from blocktrain.training.plan import plan
 from blocktrain.training.profiles import PROFILES
 from report import ROOT, blocktrain, exclusive, machine, trained, update_section, write_json
 

@@ -1,9 +1,6 @@
-"""Typed, frozen configuration: the model and its training (the presets are blocktrain.presets).
-
-A run is described completely by a `RunConfig`, which is saved as `RUN_DIR/config.json` next to
-the weights. Variants are derived with `dataclasses.replace` or with `apply_overrides` (the CLI's
-`--set KEY=VALUE`).
-"""
+"""Typed, frozen configuration: the model and its training. A run is described completely by a
+`RunConfig`, saved as `RUN_DIR/config.json` next to the weights; variants come from
+`dataclasses.replace` or `apply_overrides` (the CLI's `--set KEY=VALUE`)."""
 
 from __future__ import annotations
 
@@ -67,19 +64,16 @@ class ModelConfig:
     aux_weight: float = 1.0
     """Weight of the block-local next-byte loss on the clean stream (0 turns it off)."""
     route: str = "relay"
-    """What block b+1 reads from block b, and how its worker gets it. `relay` (the default)
-    and `features`: also block b's clean-stream output, which block b+1's clean stream
-    continues with no gradient into block b (the route whose blocks compose, docs/model.md);
-    under `relay` block b+1's worker trains on that stream as block b's replicas computed it
-    in their own updates, relayed with the bytes it was computed on, so it holds and runs its
-    block only; under `features` it holds blocks 0..b frozen and reruns them each step (its
-    memory and compute grow with b). `state`: only the noisy state z (DiffusionBlocks'
-    original; a stack of blocks is then no better than one)."""
+    """What block b+1 reads from block b, and how its worker gets it (docs/model.md, "Blocks that
+    compose" and "Relayed streams"): `relay` and `features` also block b's clean stream, which
+    block b+1's continues with no gradient into block b; `relay` relays it, so a worker holds and
+    runs its block only, `features` reruns blocks 0..b each step (memory and compute grow with b).
+    `state`: only z (DiffusionBlocks' original; a stack is then no better than one block)."""
     intervals: str = "forward"
     """Which block owns which noise: `forward`, block 0 the highest interval (DiffusionBlocks);
-    `reversed`, the last block the highest, so that under `route = features` the block that
-    reads the deepest features trains where z carries nothing and it must predict from the
-    context (docs/model.md). The sampler visits the blocks from the highest noise down."""
+    `reversed`, the last block the highest, so that under `route = features` the block reading the
+    deepest features trains where z carries nothing (docs/model.md). The sampler visits the
+    highest noise first."""
 
     def __post_init__(self) -> None:
         _check(self.d_model > 0, "d_model", self.d_model, "must be positive")
@@ -283,10 +277,9 @@ def _legacy_model(model: Any) -> Any:
 
 
 def parse_blocks(text: str, flag: str = "--blocks") -> tuple[int, ...]:
-    """The block indices of a command's `--blocks` (train's `--block`): distinct non-negative
-    integers separated by commas, e.g. "0" or "1, 2" -> (1, 2), sorted; empty items (a
-    trailing comma) are skipped. A ConfigError naming `flag` and the text otherwise. Whether
-    each index is a block of the run is the caller's check: only it knows the run."""
+    """The block indices of `--blocks` (train's `--block`): distinct non-negative integers separated
+    by commas, sorted ("1, 2" -> (1, 2)); empty items are skipped; a ConfigError naming `flag`
+    otherwise. Whether each is a block of the run is the caller's check."""
     items = [item.strip() for item in text.split(",") if item.strip()]
     blocks = [int(item) for item in items if re.fullmatch(r"[0-9]+", item)]
     if not items or len(blocks) != len(items) or len(set(blocks)) != len(blocks):

@@ -1,9 +1,6 @@
-"""The one place a device name (`--device`, the config's `device`) becomes a torch device.
-
-Every command that trains or runs a model goes through `resolve_device`, before anything is
-written or any aggregator is contacted: a device this machine does not have is one ConfigError
-(one `blocktrain: error:` line, exit 2), never a traceback from the first `.to(device)`.
-"""
+"""The one place a device name becomes a torch device: every command that trains or runs a model
+resolves it before anything is written or any aggregator contacted, so a device this machine
+lacks is one ConfigError, never a traceback from the first `.to(device)`."""
 
 from __future__ import annotations
 
@@ -79,9 +76,8 @@ GIB = 2**30
 
 
 def device_memory(device: torch.device) -> tuple[str, int | None, int | None]:
-    """What `device` is and its memory: (its name, total bytes, free bytes), None where torch
-    or the OS does not say. A GPU's name and memory (`get_device_properties`, `mem_get_info`);
-    the CPU's RAM (physical pages, and the available ones where the OS counts them)."""
+    """What `device` is and its memory: (its name, total bytes, free bytes), None where torch or the
+    OS does not say."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         props = torch.cuda.get_device_properties(index)
@@ -106,8 +102,7 @@ def device_memory(device: torch.device) -> tuple[str, int | None, int | None]:
 def fit_verdict(
     device: torch.device, need: int | None, what: str = "the block's worker"
 ) -> tuple[bool, str]:
-    """Whether `need` bytes (a worker's state, `training.plan.worker_state_bytes`) fit on
-    `device`, as (ok, one line): the device, its memory, the need and the verdict. It fails only
+    """Whether `need` bytes (a worker's state) fit on `device`, as (ok, one line); it fails only
     when the need passes the device's total memory; None `need`: the fit is not checked."""
     name, total, free = device_memory(device)
     kind = "RAM" if device.type == "cpu" else "memory"

@@ -1,11 +1,7 @@
-"""The named presets: a function per shape that a run starts from (`--preset NAME`), from a
-minute on two CPU cores to one GPU. Variants are derived from them with `config.apply_overrides`
-(the CLI's `--set KEY=VALUE`) or `dataclasses.replace`.
-
-Every preset takes the model's default `route = relay` (blocks that compose, each worker
-holding its block only, docs/model.md); `--set route=features` reruns the blocks before
-instead, and `--set route=state` gives DiffusionBlocks' original, which does not compose.
-"""
+"""The named presets (`--preset NAME`), from a minute on two CPU cores to one GPU. Every preset
+takes the model's default `route = relay` (blocks that compose, docs/model.md); `--set
+route=features` reruns the blocks before instead, `--set route=state` is DiffusionBlocks'
+original, which does not compose."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""TLS files for the package's servers: a certificate and its key (`TlsFiles`), the one check of
-the `--tls-cert`/`--tls-key` pair (`tls_pair`), a clear error when they cannot serve
-(`check_tls`), the refusal to serve plain HTTP off loopback (`require_tls`), and a self-signed
-pair made in one command (`self_signed`, behind `blocktrain tls self-signed`)."""
+"""TLS files for the package's servers: the certificate and key pair, the check that they can
+serve, the refusal to serve plain HTTP off loopback, and a self-signed pair
+(`blocktrain tls self-signed`)."""
 
 from __future__ import annotations
 

@@ -21,9 +21,10 @@ from blocktrain.model.heads import HeadStage, resolve_exit
 from blocktrain.simulate import REGIMES, SimSpec, simulate
 from blocktrain.training import load_model
 from blocktrain.training.checkpoint import MODEL_FILE, UPSTREAM_FILE, load_tensors
+from blocktrain.training.costs import TRAINED_BYTES_PER_PARAM, UPSTREAM_BYTES_PER_PARAM
 from blocktrain.training.local import LocalBlockTrainer, initial_blocks
 from blocktrain.training.loss import BlockLoss
-from blocktrain.training.plan import TRAINED_BYTES_PER_PARAM, UPSTREAM_BYTES_PER_PARAM, plan
+from blocktrain.training.plan import plan
 from blocktrain.training.probe import BlockProbe
 from tests.cli.test_cli import TINY, fails_cleanly
 from tests.conftest import micro_config

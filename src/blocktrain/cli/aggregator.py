@@ -189,8 +189,7 @@ def burst_of(rate_per_s: float) -> int:
 
 
 def probe_data(args: argparse.Namespace, settings: AggregatorSettings | None = None) -> ByteSource:
-    """The validation split of --data (or $BLOCKTRAIN_DATA) that the effect probe and the live
-    evaluation read."""
+    """The validation split of --data that the effect probe and the live evaluation read."""
     try:
         return load_split(args.data, "valid", file_patterns(args))
     except DataError as exc:

@@ -1,10 +1,7 @@
-"""The state folder of `blocktrain aggregator`: its flags resolved once (`AggregatorSetup`: the
-run, the settings given, the blocks and peers), then the folder created from that run (version 0
-of every block) or resumed with those settings (`prepare_state`), the blocks served and their peers
-checked against the saved ones, and the effect probe's and the live evaluation's reach checked
-against the blocks served, all before the first write; and a failed first start undone
-(`remove_new`), so that the corrected command starts afresh.
-"""
+"""The state folder of `blocktrain aggregator`: its flags resolved once (`AggregatorSetup`), the
+folder created or resumed (`prepare_state`), every check against the saved blocks, peers and
+the probe's reach before the first write, and a failed first start undone (`remove_new`), so
+that the corrected command starts afresh."""
 
 from __future__ import annotations
 
@@ -29,10 +26,9 @@ from blocktrain.training.local import initial_units, reference_config
 
 @dataclass(frozen=True)
 class AggregatorSetup:
-    """What `blocktrain aggregator` was asked for, resolved once from its flags: the run of a
-    new state (preset -> --set -> --seed, as its unit trains it) or none (a resumed state's
-    own), the settings given (--set NAME=VALUE and the settings' flags), the blocks to serve and
-    their peers."""
+    """What `blocktrain aggregator` was asked for, resolved once from its flags: the run of a new
+    state (preset -> --set -> --seed) or none (a resumed state's own), the settings given, the
+    blocks to serve and their peers."""
 
     root: Path
     config: RunConfig | None
@@ -74,10 +70,8 @@ def prepare_state(
     setup: AggregatorSetup, ready: Callable[[AggregatorSettings], None] | None = None
 ) -> tuple[StateDir, AggregatorSettings, Directory]:
     """The state folder (created from the setup's run, or resumed with its settings) and the
-    directory of its blocks (`placement.placed`: the blocks served and the peers checked
-    against the saved ones before anything is written). `ready(settings)`, when given, runs
-    after every check and before the first write, with the settings the aggregator will
-    serve: what it raises leaves the folder as it was."""
+    directory of its blocks. `ready(settings)`, when given, runs after every check and before the
+    first write: what it raises leaves the folder as it was."""
     overrides, served, peers = setup.settings, setup.served, setup.peers
     cfg = setup.config
     if cfg is None:

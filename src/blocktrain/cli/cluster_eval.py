@@ -1,12 +1,7 @@
-"""The evaluation after a `blocktrain cluster`'s rounds: each round's model and the final one,
-scored on the validation split with progress on stderr, and the run's summary (summary.json).
-The cluster command (cli/cluster.py) runs it while the aggregator still serves the dashboard.
-
-`--log-to` (training/tracking.py) gets the same figures as metrics records, at step = the
-rounds done: each committed round of each block as the status lists it (`rounds/block0/accepted`,
-`.../participation`, `.../duration_s`, `.../version`, `.../loss`: the mean training loss its
-accepted updates reported; round k at step k + 1), each round's evaluation (`valid/from_noise_ce`,
-`valid/sampler_ce`, after r rounds at step r) and the final one (`final/sampler_ce`, ...)."""
+"""The evaluation after a `blocktrain cluster`'s rounds, run while the aggregator still serves the
+dashboard: each round's model and the final one, scored on the validation split, and the run's
+summary (summary.json). `--log-to` gets the same figures as metrics records, at step = the rounds
+done (README.md, "Experiment logging")."""
 
 from __future__ import annotations
 
@@ -54,9 +49,9 @@ ROUND_KEYS = (
 def round_records(
     status: dict[str, Any], logged: dict[str, int], losses: Callable[[], dict[Any, float]]
 ) -> list[dict[str, Any]]:
-    """The rounds of `status` closed since the last one `logged` has of their block (block ->
-    round; updated) as metrics records; `losses()`, asked only when there are some, gives
-    (block, round) -> the mean loss the round's accepted updates reported (the ledger's)."""
+    """The rounds of `status` closed since the last one `logged` has of their block (block -> round;
+    updated) as metrics records; `losses()`, asked only when there are some, gives (block, round)
+    -> the mean loss the round's accepted updates reported."""
     fresh = [
         (b, row)
         for b, rows in sorted(status["participation"].items(), key=lambda item: int(item[0]))
@@ -74,8 +69,7 @@ def round_records(
 
 
 def evaluation_records(summary: dict[str, Any]) -> list[dict[str, Any]]:
-    """A cluster summary's evaluations as metrics records: each round's model, then the
-    final one."""
+    """A cluster summary's evaluations as metrics records: each round's model, then the final."""
     per_round = zip(
         summary["from_noise_ce_per_round"], summary["sampler_ce_per_round"], strict=True
     )

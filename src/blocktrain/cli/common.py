@@ -136,10 +136,9 @@ def unit_of(args: argparse.Namespace) -> str:
 
 
 def split_sets(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
-    """The --set items: the config's KEY=VALUE strings (for `apply_overrides`, on a command with
-    a --preset), and the values of the settings named, by field name, on a command that takes
-    them (`add_setting_args`, `add_named_sets`). A key that is neither fails with the nearest
-    valid keys, or why the command refuses it (`set_refused`)."""
+    """The --set items: the config's KEY=VALUE strings (for `apply_overrides`), and the values of
+    the settings named, by field name, on a command that takes them. A key that is neither fails
+    with the nearest valid keys, or why the command refuses it (`set_refused`)."""
     names: tuple[str, ...] = getattr(args, "setting_names", ())
     config_keys = settable_keys() if hasattr(args, "preset") else []
     hints = typing.get_type_hints(getattr(args, "settings_class", AggregatorSettings))
@@ -169,9 +168,9 @@ def add_named_sets(
     where: str = "docs/serving.md, Settings",
     names: tuple[str, ...] | None = None,
 ) -> None:
-    """--set NAME=VALUE for the fields of the settings class `cls` (`HostSettings`,
-    `RouterSettings`, eval's `GenSettings`) that have no flag in `flags` (`names`: only these);
-    `--set` of a field in `flags` names its flag. `where`: the table that documents them."""
+    """--set NAME=VALUE for the fields of the settings class `cls` that have no flag in `flags`
+    (`names`: only these); `--set` of a field in `flags` names its flag. `where`: the table that
+    documents them."""
     names = set_keys(cls, flags) if names is None else names
     refused = {name: f"give {flag}" for name, flag in flags.items()}
     p.set_defaults(setting_names=names, settings_class=cls, set_refused=refused)
@@ -196,9 +195,7 @@ def resolve_config(args: argparse.Namespace, sets: list[str] | None = None) -> R
 
 
 def add_device_arg(parser: argparse.ArgumentParser, default: str | None = "auto") -> None:
-    """--device: auto, cpu, cuda or cuda:N; `blocktrain.device.resolve_device` refuses one this
-    machine lacks (each command calls it before any side effect).
-    `default` None: the run config's `device` (train, whose --set device=... it overrides)."""
+    """--device; `default` None: the run config's `device` (which train's --device overrides)."""
     parser.add_argument(
         "--device",
         default=default,
@@ -218,8 +215,7 @@ def _thread_count(text: str) -> int:
 
 
 def add_threads_arg(parser: argparse.ArgumentParser) -> None:
-    """--threads N: torch's CPU threads for this process (0, the default: torch's choice, every
-    core), e.g. 1 beside another job; `use_threads` applies it."""
+    """--threads N (0, the default: torch's choice, every core); `use_threads` applies it."""
     parser.add_argument(
         "--threads",
         type=_thread_count,
@@ -254,8 +250,8 @@ def add_setting_args(
     defaults: dict[str, Any] | None = None,
 ) -> None:
     """Every `AggregatorSettings` field as `--set NAME=VALUE` and a flag for those declared with
-    one (simulate: the simulated ones); an absent flag leaves no attribute. `defaults`: the
-    command's own defaults, by field name, as its help shows them (the command applies them)."""
+    one; an absent flag leaves no attribute. `defaults`: the command's own, as its help shows them.
+    """
     defaults = defaults or {}
     chosen = [(f, s) for f, s in declared() if s.simulated or not simulated_only]
     refused = {f.name: "the simulator does not model this setting" for f, _ in declared()}
@@ -352,8 +348,7 @@ def add_log_arg(
 
 def log_backends(args: argparse.Namespace) -> tuple[str, ...]:
     """The --log-to backends (repeatable, comma-separated), each library imported: an unknown
-    backend or a missing library is one ConfigError line, before the command writes anything.
-    Every command that takes --log-to reads it here."""
+    backend or a missing library is one ConfigError line, before the command writes anything."""
     names = parse_backends(getattr(args, "log_to", None))
     check_backends(names)
     return names

@@ -22,7 +22,8 @@ from blocktrain.device import fit_verdict, resolve_device
 from blocktrain.errors import ConfigError
 from blocktrain.protocol.store.state import run_unit
 from blocktrain.protocol.worker.doctor import Check, diagnose
-from blocktrain.training.plan import TRAINED_BYTES_PER_PARAM, plan, worker_state_bytes
+from blocktrain.training.costs import TRAINED_BYTES_PER_PARAM
+from blocktrain.training.plan import plan, worker_state_bytes
 
 CHECK_TIMEOUT_S = 5.0
 """Seconds each network check waits (`doctor --timeout`; `join` checks with it)."""

@@ -56,8 +56,7 @@ def check_model_sampler(method: str | None, info: RunInfo) -> str | None:
 
 
 def add_sampler_args(p: argparse.ArgumentParser) -> None:
-    """--steps-per-block and --sampler, defaulting to the best measured recipe; the command
-    checks the values (one clear error line for an unknown sampler)."""
+    """--steps-per-block and --sampler, defaulting to the best measured recipe."""
     p.add_argument(
         "--steps-per-block",
         type=int,

@@ -45,12 +45,9 @@ DataPath = str | os.PathLike[str] | HfSource  # what --data gives
 
 
 def resolve_data_path(path: DataPath | None) -> Path | HfSource:
-    """Return the corpus path from the flag, else from ``BLOCKTRAIN_DATA``: a Path, or for
-    ``hf:...`` the HfSource (``str()`` of it is the spec again, for a child command).
-
-    The flag wins so that one run can point elsewhere without touching the environment. An empty
-    value counts as not given, so ``BLOCKTRAIN_DATA=`` does not silently mean the current folder.
-    """
+    """The corpus path from the flag, else from ``BLOCKTRAIN_DATA``: a Path, or for ``hf:...`` the
+    HfSource (its ``str()`` is the spec again, for a child command). An empty value counts as not
+    given, so ``BLOCKTRAIN_DATA=`` does not silently mean the current folder."""
     if isinstance(path, HfSource):
         return path
     value: str | os.PathLike[str] | None = path if path not in (None, "") else None
@@ -107,12 +104,9 @@ class ByteCorpus:
 
     @classmethod
     def open(cls, path: DataPath, patterns: FilePatterns | None = None) -> ByteCorpus:
-        """Open a WikiText folder, a text file, a folder of text files or a Hugging Face
-        dataset (``hf:...``); `patterns` choose the files of a folder.
-
-        Only the first 64 KiB of each file is read here (all of a gzip file's text, which is
-        held in memory), so opening is cheap for any corpus size; empty and binary inputs fail
-        now rather than deep inside training.
+        """Open a WikiText folder, a text file, a folder of text files or a Hugging Face dataset
+        (``hf:...``); `patterns` choose the files of a folder. Only the first 64 KiB of each file is
+        read here, so opening is cheap for any corpus size and bad inputs fail now, not in training.
         """
         patterns = patterns or NO_PATTERNS
         if is_hf(path):

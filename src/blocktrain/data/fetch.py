@@ -52,12 +52,9 @@ def fetch_wikitext(
     progress: Progress | None = None,
     timeout: float = 60.0,
 ) -> Path:
-    """Download WikiText ``name`` and unpack its raw splits into ``dest``; return ``dest``.
-
-    The URL is ``url`` if given, else ``$BLOCKTRAIN_WIKITEXT_URL/<archive>``, else the official
-    one. The digest checked is ``sha256`` if given, else the published one of the archive when it
-    is fetched by its official name (from the official site or a mirror), else none.
-    """
+    """Download WikiText ``name`` and unpack its raw splits into ``dest``; return ``dest``. The URL:
+    ``url``, else ``$BLOCKTRAIN_WIKITEXT_URL/<archive>``, else the official one; the digest:
+    ``sha256``, else the published one when fetched by its official name, else none."""
     archive = _archive_name(name)
     source = url or f"{_base_url()}/{archive}"
     expected = sha256 or (None if url else KNOWN_SHA256.get(archive))
@@ -138,11 +135,9 @@ def _content_length(value: str | None) -> int | None:
 
 
 def _extract(archive: Path, dest: Path, source: str) -> None:
-    """Write the three raw splits of ``archive`` into ``dest``, by base name only.
-
-    Taking only the base name of a member means no member name (``../x``, absolute paths) can
-    place a file outside ``dest``. All three members must be present before anything is written.
-    """
+    """Write the three raw splits of ``archive`` into ``dest``, by base name only, so that no member
+    name (``../x``, absolute paths) can place a file outside ``dest``. All three members must be
+    present before anything is written."""
     try:
         with zipfile.ZipFile(archive) as bundle:
             chosen = _choose_members(bundle.infolist())

@@ -1,7 +1,6 @@
-"""Which files of a corpus folder are read: the ``--glob`` patterns, ``GLOB`` to include and
-``!GLOB`` to exclude (``FilePatterns``), and their translation to regular expressions. Hidden
-files and folders (a name starting with ``.``) are never read, whatever the patterns
-(``data/corpus.py``)."""
+"""Which files of a corpus folder are read: the ``--glob`` patterns (README.md, "Your own corpus")
+and their translation to regular expressions. Hidden files and folders are never read, whatever
+the patterns."""
 
 from __future__ import annotations
 
@@ -14,13 +13,10 @@ from blocktrain.errors import DataError
 
 @dataclass(frozen=True)
 class FilePatterns:
-    """Which files of a corpus folder are read: those that match an ``include`` pattern (all,
-    when there is none) and no ``exclude`` pattern. Patterns are globs on the file's path
-    relative to the folder, with ``/`` between folders: one without ``/`` matches a file's name
-    at any depth (``*.txt``), one with ``/`` the whole path from the folder (``src/*.py``, and a
-    leading ``/`` is the same); ``*`` and ``?`` stay within a folder's name, ``**`` spans any
-    number of folders (``build/**``, ``**/test_*.py``), ``[abc]`` is a set, and a trailing ``/``
-    means everything under that folder."""
+    """Files that match an ``include`` pattern (all, when there is none) and no ``exclude`` pattern.
+    Globs on the path relative to the folder: one without ``/`` matches a name at any depth, one
+    with ``/`` the whole path (a leading ``/`` the same); ``*`` and ``?`` stay within a name, ``**``
+    spans folders, ``[abc]`` is a set, and a trailing ``/`` means everything under a folder."""
 
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()

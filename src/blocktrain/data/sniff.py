@@ -172,14 +172,10 @@ def check_text(file: Path, budget: GzipBudget) -> Probe:
 
 
 def _classify(sample: bytes) -> tuple[TextKind, str]:
-    """The kind of a file from its first bytes, and for one that is not read, what it is.
-
-    A byte-order mark marks UTF-16/32 text; magic bytes, a compressed file or an archive; then a
-    NUL byte marks binary data; valid UTF-8 is text; otherwise a file with at most 1% control
-    bytes is 8-bit text (Latin-1, Windows-1252, ...), and one with more, binary data. The
-    decoder is not told the sample is final, so a multi-byte character cut by the sample's end
-    (at most 3 bytes) is not an error.
-    """
+    """The kind of a file from its first bytes, and for one that is not read, what it is: a BOM
+    marks UTF-16/32 text; magic bytes a compressed file or an archive; a NUL byte binary data; valid
+    UTF-8 is text; else at most 1% control bytes is 8-bit text, more is binary. The decoder is not
+    told the sample is final, so a multi-byte character cut by the sample's end is not an error."""
     if not sample:
         return "empty", "empty"
     if sample.startswith((b"\xff\xfe", b"\xfe\xff")):

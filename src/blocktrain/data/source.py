@@ -1,9 +1,6 @@
-"""One split's bytes: the spans of files it is made of, memory-mapped, and the windows drawn
-from them (random batches for training, fixed windows for evaluation).
-
-Randomness comes only from the ``torch.Generator`` a caller passes, so batches are reproducible
-from a seed and independent of any global RNG state.
-"""
+"""One split's bytes, memory-mapped, and the windows drawn from them. Randomness comes only from
+the ``torch.Generator`` a caller passes, so batches are reproducible from a seed and independent
+of any global RNG state."""
 
 from __future__ import annotations
 
@@ -36,12 +33,9 @@ class Span:
 
 
 class ByteSource:
-    """The bytes of one split, memory-mapped, possibly spread over several files.
-
-    Each file is mapped once and each span is a view of that map, so nothing is copied until a
-    batch is built, and then only the bytes of its windows. Windows never cross a file boundary,
-    because the byte after one file's end is not the text that follows it.
-    """
+    """The bytes of one split, memory-mapped, possibly spread over several files: nothing is copied
+    until a batch is built. Windows never cross a file boundary, because the byte after one file's
+    end is not the text that follows it."""
 
     def __init__(self, name: str, spans: Sequence[Span]) -> None:
         self.name = name
@@ -85,13 +79,9 @@ class ByteSource:
         return f"ByteSource(name={self.name!r}, bytes={len(self)}, files={len(self.paths)})"
 
     def sample(self, batch_size: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
-        """Draw ``batch_size`` random windows of ``seq_len`` bytes, as an int64 tensor.
-
-        A start is drawn uniformly over all valid starts of all spans, which is the same as
-        picking a span in proportion to its valid starts and then a start inside it. Only
-        ``generator`` is used, so equal seeds give equal batches. The batch is on the CPU whatever
-        the generator's device; the caller moves it.
-        """
+        """Draw ``batch_size`` random windows of ``seq_len`` bytes (int64, on the CPU): a start
+        uniform over all valid starts of all spans, from ``generator`` only, so equal seeds give
+        equal batches."""
         _check_positive(batch_size=batch_size, seq_len=seq_len)
         starts = np.array([max(0, len(a) - seq_len + 1) for a in self._arrays], dtype=np.int64)
         total = int(starts.sum())
@@ -113,11 +103,8 @@ class ByteSource:
         return torch.from_numpy(out)
 
     def windows(self, seq_len: int, n_bytes: int) -> torch.Tensor:
-        """Return ``ceil(n_bytes / seq_len)`` consecutive, non-overlapping windows from the start.
-
-        Evaluation needs the same text every time, so this is deterministic: windows are taken
-        file by file from each span's start, and fewer are returned if the split holds fewer.
-        """
+        """``ceil(n_bytes / seq_len)`` consecutive, non-overlapping windows from the start, file by
+        file (fewer if the split holds fewer): evaluation needs the same text every time."""
         _check_positive(seq_len=seq_len, n_bytes=n_bytes)
         wanted = math.ceil(n_bytes / seq_len)
         chunks: list[np.ndarray] = []

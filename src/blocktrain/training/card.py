@@ -1,7 +1,5 @@
-"""The model card of a Hugging Face export (its README.md) and the facts it shows: what a run
-folder, a cluster run's summary or an aggregator state says about the training. A figure the
-source does not hold is "not measured" on the card, never guessed.
-"""
+"""The model card of a Hugging Face export (its README.md) and the facts it shows. A figure the
+source does not hold is "not measured" on the card, never guessed."""
 
 from __future__ import annotations
 
@@ -25,10 +23,8 @@ def blocktrain_version() -> str:
 
 
 def run_facts(run_dir: Path) -> dict[str, Any]:
-    """What a run folder says about its training, for the model card: the step, bytes seen,
-    wall time (state.json), the last training loss and the last validation (metrics.jsonl), or,
-    for the model folder a `cluster` run writes, its summary.json's final evaluation. A value
-    the run does not hold is None ("not measured" on the card)."""
+    """What a run folder (state.json, metrics.jsonl) or a `cluster` run's summary.json says about
+    its training, for the model card; a value the run does not hold is None."""
     from blocktrain.training.checkpoint import iter_metrics
 
     run_dir = Path(run_dir)

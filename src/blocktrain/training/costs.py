@@ -1,11 +1,7 @@
 """What the worker of each block costs: FLOPs per local step, training memory, bytes per round, and
-under a device profile seconds per step and per round. One place for these figures: `blocktrain
-plan`, `training.plan`, the shape plans (`serving/host/shapes.py`) and the simulator's clock read
-them (docs/serving.md, "What a worker costs").
-
-FLOPs are counted by running the model on the meta device under `count_flops` (no memory, no
-arithmetic), one sequence times the batch: 3 x the trained block's forward, plus under `features`
-the clean streams of blocks 0..b-1 (no backward). Activations are not counted in memory."""
+under a device profile seconds per step and per round; one place for these figures (`blocktrain
+plan`, the shape plans, the simulator's clock). How each is counted: docs/serving.md, "What a
+worker costs"."""
 
 from __future__ import annotations
 
@@ -40,7 +36,7 @@ def wire_bytes(dtype: str) -> int:
     return WIRE_BYTES[dtype]
 
 
-def _count(module: torch.nn.Module) -> int:
+def count_params(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
@@ -51,15 +47,14 @@ def _meta_block(m: ModelConfig) -> Block:
 
 
 def clean_stream_params(block: Block) -> int:
-    """The parameters of a block's clean stream (`Block.clean_stream`): the byte embeddings and
-    the layers less their z-stream modulation. What a worker holds of each upstream block under
-    `route = features`."""
+    """The parameters of a block's clean stream (its byte embeddings and layers less their z-stream
+    modulation): what a worker holds of each upstream block under `route = features`."""
     modulation = sum(
-        _count(layer.modulation)
+        count_params(layer.modulation)
         for layer in block.layers
         if isinstance(layer, DualStreamLayer) and layer.modulation is not None
     )
-    return _count(block.embed) + _count(block.layers) - modulation
+    return count_params(block.embed) + count_params(block.layers) - modulation
 
 
 def relay_step_bytes(cfg: RunConfig) -> int:
@@ -73,12 +68,11 @@ def _trained(params: int) -> dict[str, int]:
 
 
 def worker_memory(cfg: RunConfig) -> list[dict[str, int]]:
-    """Each block's worker's training memory, broken down, with `total`: under `relay` one local
-    step of the streams in (b > 0) and out (b < B-1), as the worker spools a round's stream to
-    disk a step at a time, and that step's input features dequantised to fp32."""
+    """Each block's worker's training memory, broken down, with `total`; under `relay` one local
+    step of the streams, as the worker spools a round's stream to disk a step at a time."""
     m = cfg.model
     block = _meta_block(m)
-    params, stream = _count(block), clean_stream_params(block)
+    params, stream = count_params(block), clean_stream_params(block)
     relay = m.route == "relay"
     step = relay_step_bytes(cfg)
     features_fp32 = cfg.train.batch_size * m.seq_len * m.d_model * FEATURES_FP32_BYTES
@@ -156,11 +150,9 @@ def _round(pull: int, upstream: int, stream_in: int, stream_out: int) -> dict[st
 
 
 def round_bytes(cfg: RunConfig, *, local_steps: int, wire_dtype: str) -> list[dict[str, int]]:
-    """Each block's worker's bytes per round of `local_steps` local steps: the block pulled and
-    its delta pushed, dense in the wire dtype; under `features` the blocks before it pulled whole
-    (as the simulator pulls them); under `relay` the round's streams in and out."""
+    """Each worker's bytes a round of `local_steps` (docs/serving.md, What a worker costs)."""
     m = cfg.model
-    block = wire_bytes(wire_dtype) * _count(_meta_block(m))
+    block = wire_bytes(wire_dtype) * count_params(_meta_block(m))
     stream = local_steps * relay_step_bytes(cfg) if m.route == "relay" else 0
     return [
         _round(
@@ -257,7 +249,7 @@ def reference_cost(cfg: RunConfig, *, local_steps: int, wire_dtype: str = "fp16"
         model = Reference(m)
     x = torch.zeros(1, m.seq_len, dtype=torch.long, device="meta")
     forward = count_flops(lambda: model(x)).total
-    params = _count(model)
+    params = count_params(model)
     flops = {"train": 3 * cfg.train.batch_size * forward, "upstream": 0}
     flops["total"] = flops["train"]
     memory = {**_trained(params), "total": params * TRAINED_BYTES_PER_PARAM}
@@ -275,8 +267,7 @@ def unit_costs(
 
 
 def fit_by_blocks(cfg: RunConfig, profile: DeviceProfile) -> list[dict[str, Any]]:
-    """For every B that divides `layers` (a valid config of it): whether the largest worker's
-    memory fits the profile's."""
+    """For every B that divides `layers`: whether the largest worker's memory fits the profile's."""
     rows = []
     for blocks in range(1, cfg.model.layers + 1):
         if cfg.model.layers % blocks:
@@ -327,11 +318,10 @@ COMPOSING = ("relay", "features")
 def route_choice(
     cfg: RunConfig, profile: DeviceProfile, *, local_steps: int, wire_dtype: str = "fp16"
 ) -> dict[str, Any]:
-    """The same shape under each route: its largest worker's memory, its slowest round and
-    whether every worker fits the profile; and the composing route to pick on it: of those
-    that fit, the one whose slowest round is the shortest (the routes trade memory and
-    compute for bytes: a relay worker moves streams where a features worker pulls and reruns
-    the blocks before it). None when neither fits."""
+    """The same shape under each route: its largest worker's memory, its slowest round and whether
+    every worker fits the profile; and the route to pick: of those that fit, the one whose slowest
+    round is the shortest (relay moves streams where features pulls and reruns the blocks before
+    it). None when neither fits."""
     routes: dict[str, dict[str, Any]] = {}
     for route in ("state", *COMPOSING):
         routed = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, route=route))

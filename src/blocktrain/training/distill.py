@@ -1,18 +1,12 @@
-"""Distilling a drafter: fine-tune a small autoregressive byte model (a `--reference` run) towards
-the law of the model whose drafts it makes, instead of towards the data.
+"""Distilling a drafter (docs/model.md, "Speculative generation"): fine-tune a small autoregressive
+byte model (a `--reference` run) towards the law of the model whose drafts it makes, not the data.
 
-Speculative sampling accepts a drafted byte with probability sum_y min(q(y), r(y)) on average,
-where q is the verifier's law and r the drafter's (model/speculative.py): it pays for the
-drafter to be close to q, not to the text. For a K = 1 BlockTrain teacher q is the one-sweep
-sampler's law, which no single pass computes; but one sweep's distribution p is an unbiased
-estimate of it (E p = q), and the cross-entropy -sum_y p(y) log r(y) is linear in p, so one
-sweep per batch, with fresh noise, gives an unbiased gradient of the cross-entropy to q itself
-(DistillSpec, Zhou et al. 2023, arXiv 2310.08461, distils towards the verifier the same way).
-An autoregressive teacher's law is its softmax.
-
-The teacher is named in the run folder (`distill.json`), so a distillation resumes like any
-run; the student's weights start from its own run's (`Trainer.create(init_from=...)`).
-"""
+For a K = 1 BlockTrain teacher that law q is the one-sweep sampler's, which no single pass
+computes; but one sweep's distribution p is an unbiased estimate of it (E p = q), and the
+cross-entropy -sum_y p(y) log r(y) is linear in p, so one sweep per batch, with fresh noise,
+gives an unbiased gradient of the cross-entropy to q itself (DistillSpec, arXiv 2310.08461). An
+autoregressive teacher's law is its softmax. The teacher is named in the run folder
+(`distill.json`), so a distillation resumes like any run."""
 
 from __future__ import annotations
 

@@ -1,30 +1,6 @@
-"""Quality on held-out text (the BlockTrain design, section 2.8; docs/model.md, Evaluation), in nats per byte.
-
-Every figure is measured on the same bytes: consecutive windows of T bytes from the split, each
-position i >= 1 of a window predicted from the true clean bytes before its span (position 0 has
-no context and is not scored, for BlockTrain and the reference alike). All spans of a window are
-denoised at once, exactly as in training, so one sweep over a batch of windows costs B block calls.
-
-- sampler_ce: -log mean_m p_m(true byte) over M independent sweeps from pure noise; the headline
-  for K = 1. For K > 1 it is a per-byte *marginal* and only a diagnostic: it cannot see whether
-  the bytes of a span fit together.
-- joint_ce: -log((1/M) sum_m prod_{j in span} p_m(y_j)) / K, the sampler's joint CE per byte of a
-  whole span, an upper bound that tightens with M (position 0 of a window, unscored, counts as
-  certain); equal to sampler_ce at K = 1. The quality of K > 1 is this and the judged text
-  (training/generated.py), never the marginal.
-- from_noise_ce: the CE of single sweeps' final logits, averaged over the M sweeps.
-- ce_per_step: the CE of the logits at each point of the sampler grid (diagnostic).
-- sampler_ce_per_step: the sampler CE (-log mean over the M sweeps) of each grid point's logits:
-  how much each block adds to the mixture the sampler emits (diagnostic; the last entry is
-  sampler_ce).
-- sampler_ce_by_sweeps: the sampler CE of the first m sweeps for m = 1, 2, 4, ... < M (how it
-  tightens with M).
-- oracle_ce: each block's CE on truly noised targets from its own interval (diagnostic).
-- head_ce_per_block: the CE of each block's clean-stream next-byte head (the auxiliary loss's
-  head) on the true context, bytes 1..T-1: what an autoregressive exit after that block would
-  score, with no sampler (diagnostic; under `route = features` the last block's is the greedy
-  block-wise autoregressive stack of the issue's control, trained by the same local losses).
-"""
+"""Quality on held-out text in nats per byte: every figure, its windows and what it scores are in
+docs/model.md, Evaluation. For K > 1 `sampler_ce` is a per-byte marginal, only a diagnostic;
+`joint_ce` and the judged text (training/generated.py) are the quality, never the marginal."""
 
 from __future__ import annotations
 
@@ -110,7 +86,8 @@ def evaluate_blocktrain(
     settings: EvalSettings,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """windows (W, T) int64 held-out bytes -> the metrics above (all blocks must be present)."""
+    """windows (W, T) int64 held-out bytes -> the metrics of docs/model.md, Evaluation (all blocks
+    present)."""
     cfg = stack.cfg
     method = sampler_for(settings.sampler)
     device = stack.targets.device

@@ -1,10 +1,9 @@
 """One block replica trained in memory, as a decentralised worker does; and the assembly of a
 checkpoint from per-block weights, as the aggregator's export does.
 
-A worker's update is `Trainer.train_step`'s for one block (`step.train_step`), with batches from
-the worker's own data seed (`seed * n_workers + worker_id`, so that two replicas of a block see
-different batches) and the step index from the version it trains from (version * H + i), so
-that the learning-rate schedule follows the run's progress, not the worker's age. Its AdamW
+A worker's batches come from its own data seed (`seed * n_workers + worker_id`: two replicas of a
+block see different batches) and its step index from the version it trains from (version * H + i),
+so that the learning-rate schedule follows the run's progress, not the worker's age. Its AdamW
 state carries over from round to round while the weights are reset to each round's version."""
 
 from __future__ import annotations
@@ -321,9 +320,8 @@ def evaluate_units(
     progress: Progress | None = None,
     device: torch.device | str = "cpu",
 ) -> dict[str, Any]:
-    """The assembled stack's metrics (`evaluate_blocktrain`), or a reference unit's exact CE
-    as both of its CEs, on `device`: what `blocktrain cluster` scores each round's model with,
-    and the aggregator's live evaluation (training/live_eval.py)."""
+    """The assembled stack's metrics, or a reference unit's exact CE as both of its CEs: what
+    `blocktrain cluster` and the aggregator's live evaluation score each round's model with."""
     if unit == "reference":
         model = init_reference(cfg.model, cfg.seed).eval()
         model.load_state_dict({k: v.float() for k, v in weights[0].items()})

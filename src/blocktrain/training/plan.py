@@ -9,32 +9,13 @@ import torch
 
 from blocktrain.config import RunConfig
 from blocktrain.model import Block, Reference, SigmaSchedule
-from blocktrain.training.costs import (
-    TRAINED_BYTES_PER_PARAM,
-    UPSTREAM_BYTES_PER_PARAM,
-    clean_stream_params,
-    worker_memory,
-)
+from blocktrain.training.costs import count_params, worker_memory
 from blocktrain.training.optim import ADAMW_BYTES_PER_PARAM
-
-__all__ = [
-    "TRAINED_BYTES_PER_PARAM",
-    "UPSTREAM_BYTES_PER_PARAM",
-    "clean_stream_params",
-    "plan",
-    "worker_state_bytes",
-]
-
-
-def _count(module: torch.nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
 
 
 def worker_state_bytes(cfg: RunConfig) -> list[int]:
-    """The training memory of each block's worker (`training.costs.worker_memory`): its
-    block's weights, gradients and AdamW moments, the target table, and what its route adds
-    (the frozen upstream clean streams under `features`, a step of the relayed streams under
-    `relay`); activations not counted."""
+    """The training memory of each block's worker (`training.costs.worker_memory`'s totals);
+    activations not counted."""
     return [memory["total"] for memory in worker_memory(cfg)]
 
 
@@ -43,8 +24,8 @@ def plan(cfg: RunConfig) -> dict[str, Any]:
     m = cfg.model
     with torch.device("meta"):
         block = Block(m)  # every block has the same shape
-        per_block = _count(block)
-        reference = _count(Reference(m))
+        per_block = count_params(block)
+        reference = count_params(Reference(m))
     schedule = SigmaSchedule.from_config(m)
     total = per_block * m.blocks
     return {

@@ -1,17 +1,13 @@
-"""The aggregator's effect probe (`protocol.core.effect.EffectProbe`, docs/protocol.md): a block's
-own loss (`BlockLoss`, the objective its workers minimise) on a held-out slice, window by window,
-so that an update can be judged by what it does to the block rather than by its shape or norm.
+"""The aggregator's effect probe (docs/protocol.md, "Effect probe"): a block's own loss on a
+held-out slice, window by window, so that an update is judged by what it does to the block rather
+than by its shape or norm.
 
-Deterministic for a given draw: the same windows, sigmas and noise for every call with the same
-(block, draw). Without a secret every draw is the first `windows` windows of the pool with a
-fixed seed (anyone can rebuild that probe from the public config and data); with one, each draw
-(the aggregator draws anew for every committed version) picks `windows` of the pool's windows
-and the noise from the secret, so a worker cannot tune an update to the slice it will be judged
-on. The public slice starts after the first `skip_bytes` of the split, so it is disjoint from
-the evaluation windows (`valid.windows` from the start) that report the run's CE; a secret
-pool's windows lie at secret places after the public slice, so that fitting the public slice
-(or its neighbours: an article's next windows) fits none of them.
-"""
+Deterministic for a given (block, draw). Without a secret every draw is the public slice, which
+anyone can rebuild from the public config and data; with one, each draw picks its windows and
+noise from the secret, so a worker cannot tune an update to the slice it will be judged on. The
+public slice starts after `skip_bytes`, disjoint from the evaluation windows; a secret pool's
+windows lie at secret places after it, so fitting the public slice (or an article's next
+windows) fits none of them."""
 
 from __future__ import annotations
 

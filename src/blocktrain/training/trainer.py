@@ -1,9 +1,7 @@
 """The training loop: one chosen block (what a worker does), every block in turn (the
-single-machine job), or the end-to-end reference.
-
-Each update is `step.train_step`, seeded by (seed, unit, step); the optimizer state is saved
-exactly, so a resumed run computes the same losses as an uninterrupted one.
-"""
+single-machine job), or the end-to-end reference. Each update is seeded by (seed, unit, step) and
+the optimizer state is saved exactly, so a resumed run computes the same losses as an
+uninterrupted one."""
 
 from __future__ import annotations
 

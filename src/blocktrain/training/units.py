@@ -1,10 +1,6 @@
 """What a run trains: its units, each an independently optimised piece (a block, or the whole
-reference) with its own AdamW and its own loss on a batch.
-
-A BlockTrain run trains the blocks it holds. Under `route = features` a run of some blocks only
-also holds the blocks before them that they read, frozen (training/checkpoint.py's
-UPSTREAM_FILE); a reference run trains one unit, from the data or distilling a teacher.
-"""
+reference) with its own AdamW and its own loss on a batch. Under `route = features` a run of some
+blocks also holds, frozen, the blocks before them that they read (UPSTREAM_FILE)."""
 
 from __future__ import annotations
 
