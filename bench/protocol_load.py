@@ -27,12 +27,20 @@ and the aggregators' CPU seconds (user + system, all requests) per accepted upda
 
     python bench/protocol_load.py                    # the runs of BENCHMARKS.md (~5 minutes)
     python bench/protocol_load.py --quick --no-write # 20 and 60 workers, a smoke test
+    python bench/protocol_load.py --baseline fe4cdbc # each run also against that commit's
+                                                     # aggregator, interleaved: A, B, A, B...
+
+With `--baseline REV`, `git archive REV src` is exported to a temporary folder and each
+configuration runs first with that revision's aggregator (PYTHONPATH at its src/), then with
+this checkout's, so that the machine's noise (it is shared) hits both alike; the JSON keeps this
+checkout's rows where they were and the baseline's under `baseline`, each with its commit.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -52,6 +60,7 @@ from blocktrain.protocol.store.storage import StateDir
 from blocktrain.protocol.store.tokens import hash_token, new_token
 from load_http import Connection  # bench/load_http.py, beside this script
 from protocol_load_md import profile_text, row, section  # beside this script: table, prose
+from protocol_revisions import Revision, export, python_path, this_checkout  # beside this script
 from report import RESEARCH, RESULTS, free_ports, machine, update_section, write_json
 
 
@@ -98,9 +107,24 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start_fleet(root: Path, run: Run, params: int) -> Fleet:
+def aggregator_extra(rev: Revision, run: Run, k: int, urls: list[str]) -> list[str]:
+    """The bench's flags for aggregator k of `run`, as revision `rev` spells them."""
+    cap = str(2 * run.workers + 64)  # every worker is on loopback: one address holds them all
+    flags = rev.flags()
+    extra = []
+    for flag, value in (("--max-connections", cap), ("--max-connections-per-address", cap)):
+        name = flag.removeprefix("--").replace("-", "_")
+        extra += [flag, value] if flag in flags else ["--set", f"{name}={value}"]
+    if run.aggregators > 1:  # one per block
+        extra += ["--blocks", str(k)]
+        extra += [f"--peer={j}={urls[j]}" for j in range(run.aggregators) if j != k]
+    return extra
+
+
+def start_fleet(root: Path, run: Run, params: int, rev: Revision | None = None) -> Fleet:
     """`run.aggregators` processes: one serving every block, or one per block (`--blocks`,
-    `--peer`), each with its own state folder holding the same version 0."""
+    `--peer`), each with its own state folder holding the same version 0; from `rev`'s
+    src/ (default: whatever the PYTHONPATH of this process says)."""
     settings = AggregatorSettings(
         deadline_s=600.0,
         min_round_s=0.0,  # the load, not the round length, is measured
@@ -126,14 +150,11 @@ def start_fleet(root: Path, run: Run, params: int) -> Fleet:
         )
         for i, token in enumerate(tokens):
             state.ledger.add_token(f"w{i}", hash_token(token), time.time())
-        cap = str(2 * run.workers + 64)  # every worker is on loopback: one address holds them all
-        extra = ["--max-connections", cap, "--max-connections-per-address", cap]
-        if run.aggregators > 1:  # one per block
-            extra += ["--blocks", str(k)]
-            extra += [f"--peer={j}={urls[j]}" for j in range(run.aggregators) if j != k]
-        proc, url = start_aggregator(
-            state, root / "logs", port=ports[k], extra=extra, name=f"aggregator{k}"
-        )
+        extra = aggregator_extra(rev or this_checkout(), run, k, urls)
+        with python_path(rev.src) if rev is not None else contextlib.nullcontext():
+            proc, url = start_aggregator(
+                state, root / "logs", port=ports[k], extra=extra, name=f"aggregator{k}"
+            )
         fleet.procs.append(proc)
         fleet.states.append(state)
         served = range(run.blocks) if run.aggregators == 1 else [k]
@@ -143,8 +164,21 @@ def start_fleet(root: Path, run: Run, params: int) -> Fleet:
 
 async def drive(fleet: Fleet, run: Run, params: int) -> None:
     """Every worker through `run.rounds` rounds; fills `fleet.log`."""
-    delta = {k: torch.full_like(v, 1e-3) for k, v in block(params).items()}
-    bodies: dict[tuple[int, int, int], bytes] = {}  # (block, version, round) -> the push body
+    shapes = {k: v.shape for k, v in block(params).items()}
+    offsets = run.workers * (run.rounds + 1)
+    pool = torch.randn(params + offsets, generator=torch.Generator().manual_seed(1)).half()
+
+    def delta(i: int, round_: int) -> dict[str, torch.Tensor]:
+        """Worker i's delta in a round: a window of one random pool (1e-3 a coordinate) at an
+        offset of its own, so that no two pushes are near-copies (the replay screen refuses
+        those as `copy` or `replay`) and no body costs a random draw."""
+        at = (i + run.workers * round_) % offsets
+        out = {}
+        for k, shape in shapes.items():
+            n = shape.numel()
+            out[k], at = pool[at : at + n].view(shape) * 1e-3, at + n
+        return out
+
     barrier = asyncio.Barrier(run.workers)
     rng = random.Random(0)
 
@@ -174,25 +208,23 @@ async def drive(fleet: Fleet, run: Run, params: int) -> None:
             pulled = await conn.request("GET", moved.headers["location"], headers)
             t1 = time.perf_counter()
             version = int(moved.headers["x-version"])
-            key = (b, version, round_)
-            if key not in bodies:
-                meta = {"block": b, "base_version": version, "round": round_, "tokens": 4096}
-                bodies[key] = encode(delta, meta, "fp16")
+            meta = {"block": b, "base_version": version, "round": round_, "tokens": 4096}
+            body = encode(delta(i, round_), meta, "fp16")
             await arrive()
             t2 = time.perf_counter()
             push_headers = {**headers, "Content-Type": CONTENT_TYPE}
-            pushed = await conn.request(
-                "POST", f"/v1/blocks/{b}/updates", push_headers, bodies[key]
-            )
+            pushed = await conn.request("POST", f"/v1/blocks/{b}/updates", push_headers, body)
             t3 = time.perf_counter()
             if run.arrival == "staggered":  # idle until the next round: a new connection then
                 await conn.close()
             reason = "" if pushed.status == 200 else json.loads(pushed.body).get("reason", "")
             fleet.log["pull"].append(((b, round_), t0, t1, len(pulled.body)))
-            fleet.log["push"].append(((b, round_), t2, t3, len(bodies[key]), pushed.status, reason))
+            fleet.log["push"].append(((b, round_), t2, t3, len(body), pushed.status, reason))
         await conn.close()
 
-    await asyncio.gather(*(worker(i) for i in range(run.workers)))
+    async with asyncio.TaskGroup() as group:  # one failing worker stops the run, not a hang
+        for i in range(run.workers):  # at the barrier, where the others would wait for it
+            group.create_task(worker(i))
 
 
 def phase(entries: list[tuple], nbytes_index: int = 3) -> dict[str, Any]:
@@ -224,9 +256,9 @@ def phase(entries: list[tuple], nbytes_index: int = 3) -> dict[str, Any]:
     }
 
 
-def measure(run: Run, params: int) -> dict[str, Any]:
+def measure(run: Run, params: int, rev: Revision) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        fleet = start_fleet(Path(tmp), run, params)
+        fleet = start_fleet(Path(tmp), run, params, rev)
         try:
             cpu0 = [cpu_seconds(p.popen.pid) for p in fleet.procs]
             started = time.perf_counter()
@@ -243,6 +275,7 @@ def measure(run: Run, params: int) -> dict[str, Any]:
     refused = [e for e in log["push"] if e[4] != 200]
     accepted = len(log["push"]) - len(refused)
     return {
+        "commit": rev.commit,
         "workers": run.workers,
         "aggregators": run.aggregators,
         "blocks": run.blocks,
@@ -291,6 +324,11 @@ def main() -> None:
         "--spread", type=float, default=20.0, help="seconds over which staggered workers arrive"
     )
     p.add_argument("--quick", action="store_true", help="20 and 60 workers, 2 rounds")
+    p.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also run each configuration against REV's aggregator (git archive), interleaved",
+    )
     p.add_argument("--no-write", action="store_true", help="print only; write no JSON or docs")
     p.add_argument(
         "--section-only",
@@ -304,11 +342,16 @@ def main() -> None:
     if args.quick:
         args.workers, args.large, args.rounds, args.large_rounds, args.spread = 20, 60, 2, 1, 2.0
     torch.set_num_threads(1)
-    results = []
-    for run in runs_of(args):
-        r = measure(run, args.params)
-        results.append(r)
-        print(row(r), flush=True)
+    results, baseline = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        old = export(args.baseline, Path(tmp)) if args.baseline else None
+        new = this_checkout()
+        for run in runs_of(args):
+            if old is not None:  # A, B, A, B: the same noise for both
+                baseline.append(measure(run, args.params, old))
+                print(row(baseline[-1]), flush=True)
+            results.append(measure(run, args.params, new))
+            print(row(results[-1]), flush=True)
     first = results[0]
     result = {
         **{k: first[k] for k in ("workers", "params", "rounds", "wire_dtype", "body_bytes")},
@@ -316,7 +359,9 @@ def main() -> None:
         "final_version": first["final_versions"][0],
         "elapsed_s": first["elapsed_s"],
         "client": "bench/load_http.py (asyncio streams)",
+        "commit": new.commit,
         "runs": results,
+        **({"baseline": {"commit": old.commit, "runs": baseline}} if old is not None else {}),
         "machine": machine(),
     }
     if args.no_write:
