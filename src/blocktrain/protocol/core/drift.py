@@ -20,7 +20,6 @@ import statistics
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from blocktrain.protocol.core.delta_wire import DeltaWire
@@ -86,39 +85,37 @@ class Drifted:
 def residuals(votes: Sequence[Tensors], reference: Sequence[int] | None = None) -> list[Tensors]:
     """v_i - the coordinate median of the other votes of `reference` (indices; None: all), the
     mean of the middle two when they are even in number; `reference` holds at least 2 votes
-    (`observe` asks for MIN_VOTES and MIN_REFERENCE). One sort per tensor serves every i: the
-    j-th smallest of the others, one vote of the reference left out, is the j-th of all of them
-    when the vote lies above it, else the (j+1)-th (ties hold equal values either way)."""
+    (`observe` asks for MIN_VOTES and MIN_REFERENCE). One sort per tensor serves every i."""
     n = len(votes)
     ref = list(range(n)) if reference is None else sorted(reference)
-    inside = set(ref)
-    m = len(ref)
+    inside = {j: pos for pos, j in enumerate(ref)}
     out: list[Tensors] = [{} for _ in votes]
     for name in votes[0]:
         stacked = torch.stack([v[name].float().flatten() for v in votes])  # (n, numel)
-        # numpy sorts each coordinate's m values, contiguous, about 3.5x as fast as torch
-        # does along dim 0 (100 votes of 1M: the round's commit, under the service's lock)
-        ordered = torch.from_numpy(np.sort(stacked[ref].t().contiguous().numpy(), axis=1))
-        lo, hi = max(0, (m - 1) // 2 - 1), min(m, m // 2 + 2)  # the ranks a median reads
-        picked = {j: ordered[:, j].contiguous() for j in range(lo, hi)}
+        ordered, order = stacked[ref].sort(dim=0)
+        rank = torch.empty_like(order)
+        rank.scatter_(0, order, torch.arange(len(ref)).unsqueeze(1).expand_as(order))
         for i in range(n):
-            left_out = stacked[i] if i in inside else None
-            out[i][name] = stacked[i] - _median(picked, m, left_out)
+            left_out = rank[inside[i]] if i in inside else None
+            out[i][name] = stacked[i] - _median(ordered, left_out)
     return out
 
 
-def _median(picked: dict[int, torch.Tensor], m: int, left_out: torch.Tensor | None) -> torch.Tensor:
-    """The coordinate median of the m sorted votes (`picked`: the j-th smallest, for the ranks
-    around the middle), less the vote `left_out` (None: of all of them)."""
-    if left_out is not None:
-        m -= 1
+def _median(ordered: torch.Tensor, left_out: torch.Tensor | None) -> torch.Tensor:
+    """The coordinate median of the sorted votes, less the one of rank `left_out` (None: of
+    all of them)."""
+    m = ordered.shape[0] - (left_out is not None)
 
     def nth(j: int) -> torch.Tensor:
-        if left_out is None:
-            return picked[j]
-        return torch.where(left_out > picked[j], picked[j], picked[j + 1])
+        return ordered[j] if left_out is None else _other(ordered, left_out, j)
 
     return nth(m // 2) if m % 2 else (nth(m // 2 - 1) + nth(m // 2)) / 2
+
+
+def _other(ordered: torch.Tensor, rank: torch.Tensor, j: int) -> torch.Tensor:
+    """The j-th smallest value of the others at each coordinate, from the sorted votes and
+    the rank of the vote left out."""
+    return torch.where(rank > j, ordered[j], ordered[j + 1])
 
 
 def reference(effects: Sequence[float]) -> list[int]:
