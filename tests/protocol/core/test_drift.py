@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
+from blocktrain.protocol.core import drift
 from blocktrain.protocol.core.drift import (
     DRIFT_BUCKETS,
     DRIFT_FORGET,
@@ -407,3 +409,48 @@ def test_residuals_against_a_reference_are_against_the_median_of_its_other_votes
             m = len(others)
             med = s[m // 2] if m % 2 else (s[m // 2 - 1] + s[m // 2]) / 2
             assert torch.allclose(r["a"], votes[i]["a"] - med), (n, ref, i)
+
+
+def _residuals_by_full_sort(votes, reference=None):
+    """The implementation `residuals` replaced (a torch sort along the votes, ranks scattered
+    back), kept here as the reference: the values must not move by a bit."""
+    n = len(votes)
+    ref = list(range(n)) if reference is None else sorted(reference)
+    inside = {j: pos for pos, j in enumerate(ref)}
+    out = [{} for _ in votes]
+    for name in votes[0]:
+        stacked = torch.stack([v[name].float().flatten() for v in votes])
+        ordered, order = stacked[ref].sort(dim=0)
+        rank = torch.empty_like(order)
+        rank.scatter_(0, order, torch.arange(len(ref)).unsqueeze(1).expand_as(order))
+        for i in range(n):
+            m = ordered.shape[0] - (i in inside)
+
+            def nth(j, i=i, ordered=ordered, rank=rank):
+                if i not in inside:
+                    return ordered[j]
+                return torch.where(rank[inside[i]] > j, ordered[j], ordered[j + 1])
+
+            median = nth(m // 2) if m % 2 else (nth(m // 2 - 1) + nth(m // 2)) / 2
+            out[i][name] = stacked[i] - median
+    return out
+
+
+@pytest.mark.parametrize("columns", [drift.SELECT_COLUMNS, 3])  # 3: a tensor in several pieces
+def test_residuals_equal_those_of_a_full_sort_bit_for_bit_ties_included(monkeypatch, columns):
+    monkeypatch.setattr(drift, "SELECT_COLUMNS", columns)
+    gen = torch.Generator().manual_seed(3)
+    for n, ref in ((2, None), (3, None), (4, [0, 2]), (5, [1, 2, 4]), (8, None), (9, [0, 3, 5, 8])):
+        # fp16 values on a coarse grid: many ties, zeros among them
+        votes = [
+            {
+                "w": (torch.randint(-3, 4, (7, 5), generator=gen) * 0.25).half(),
+                "b": torch.randn(6, generator=gen).half(),
+            }
+            for _ in range(n)
+        ]
+        got, want = residuals(votes, ref), _residuals_by_full_sort(votes, ref)
+        for g, w in zip(got, want, strict=True):
+            assert g.keys() == w.keys()
+            for k in g:
+                assert torch.equal(g[k], w[k]), (n, ref, k)
