@@ -298,6 +298,21 @@ def measure(run: Run, params: int, rev: Revision) -> dict[str, Any]:
     }
 
 
+def attempt(run: Run, params: int, rev: Revision) -> dict[str, Any]:
+    """`measure`, or the run's configuration and what stopped it (a worker's request failed:
+    the aggregator closed a connection, say), so that one revision's failure still leaves the
+    other's rows, and says so in the table."""
+    try:
+        return measure(run, params, rev)
+    except Exception as exc:  # an exception group of the workers' TaskGroup too
+        first: BaseException = exc
+        while getattr(first, "exceptions", None):  # the first worker's failure in the group
+            first = first.exceptions[0]  # type: ignore[attr-defined]
+        fields = ("workers", "aggregators", "blocks", "arrival", "spread_s", "rounds")
+        return {"commit": rev.commit, **{k: getattr(run, k) for k in fields},
+                "params": params, "failed": f"{type(first).__name__}: {first}"[:200]}  # fmt: skip
+
+
 def runs_of(args: argparse.Namespace) -> list[Run]:
     """The first is the comparison with earlier measurements (its keys are the JSON's top
     level): N workers on one block of one aggregator, in bursts."""
@@ -348,9 +363,9 @@ def main() -> None:
         new = this_checkout()
         for run in runs_of(args):
             if old is not None:  # A, B, A, B: the same noise for both
-                baseline.append(measure(run, args.params, old))
+                baseline.append(attempt(run, args.params, old))
                 print(row(baseline[-1]), flush=True)
-            results.append(measure(run, args.params, new))
+            results.append(attempt(run, args.params, new))
             print(row(results[-1]), flush=True)
     first = results[0]
     result = {
