@@ -74,10 +74,10 @@ EXAMPLES = """examples:
   blocktrain aggregator --state runs/agg --data wikitext/   # the effect probe's held-out slice
   # the validation CE of the assembled model every 5 rounds, live on /dashboard and in
   # /v1/history (4096 bytes, M = 1: 0.6 s on one CPU thread at tiny, in the background):
-  blocktrain aggregator --state runs/agg --data wikitext/ --live-eval-every 5
-  blocktrain aggregator --state runs/agg --live-eval-every 5 \\
+  blocktrain aggregator --state runs/agg --data wikitext/ --set live_eval_every=5
+  blocktrain aggregator --state runs/agg --set live_eval_every=5 \\
       --set live_eval_bytes=8192 live_eval_sweeps=2           # 4x the bytes x sweeps, 4x the cost
-  blocktrain aggregator --state runs/agg --live-eval-every 0   # no live evaluation (default)
+  blocktrain aggregator --state runs/agg --set live_eval_every=0   # no live evaluation (default)
   blocktrain aggregator --state runs/agg --effect-probe off --rule trimmed_mean --tolerate 1
   blocktrain aggregator --state runs/agg --wire int8        # deltas as int8, a scale per row
   blocktrain aggregator --state runs/agg --wire topk:0.03   # 3 % of each delta, error feedback
@@ -154,7 +154,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="connections at once from one client address (default: a quarter of "
         "--max-connections; 503 and closed beyond)",
     )
-    add_data_arg(p)  # the validation split feeds the effect probe and --live-eval-every
+    add_data_arg(p)  # the validation split feeds the effect probe and live_eval_every
     add_setting_args(p)
     p.set_defaults(handler=run, server=True)  # runtime.return_freed_memory
 
@@ -197,7 +197,7 @@ def probe_data(args: argparse.Namespace, settings: AggregatorSettings | None = N
         if settings is None or settings.effect_probe != "off":
             users.append(("the effect probe", "--effect-probe off"))
         if settings is not None and settings.live_eval_every > 0:
-            users.append((f"--live-eval-every {settings.live_eval_every}", "--live-eval-every 0"))
+            users.append((f"--set live_eval_every={settings.live_eval_every}", "--set live_eval_every=0"))
         raise ConfigError(
             f"{' and '.join(u for u, _ in users)} need{'s' if len(users) == 1 else ''} the "
             f"data ({exc}), or {' and '.join(f for _, f in users)}"

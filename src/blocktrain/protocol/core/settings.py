@@ -171,8 +171,6 @@ class AggregatorSettings(VoteSettings, RoundSettings):
         "with 4096 bytes and M = 1 (linear in bytes and M). 0: off.",
         lambda v: v >= 0,
         "must be >= 0 (0: off)",
-        flag="--live-eval-every",
-        metavar="N",
         simulated=False,  # the simulator measures its own CE per round (simulate --eval-every)
     )
     live_eval_bytes: int = setting(
