@@ -140,7 +140,7 @@ def test_bad_tls_input_is_one_line(capsys, runs, tmp_path, monkeypatch):
     missing = ["--tls-cert", str(tmp_path / "c.pem"), "--tls-key", str(tmp_path / "k.pem")]
     fails_cleanly(capsys, [*host, *missing], "cannot use --tls-cert")
     serve = ["serve", "--hosts", "https://a:1", "--port", "0"]
-    fails_cleanly(capsys, [*serve, "--ca-cert", str(tmp_path / "ca.pem")], "--ca-cert")
+    fails_cleanly(capsys, [*serve, "--set", f"ca_cert={tmp_path / 'ca.pem'}"], "ca_cert")
 
 
 def _signal_once_serving(sig: signal.Signals, port: int) -> None:

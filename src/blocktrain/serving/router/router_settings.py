@@ -110,7 +110,7 @@ class RouterSettings:
         if self.wire_dtype not in ("fp32", "fp16"):
             raise ConfigError(f"wire_dtype = {self.wire_dtype!r} must be fp32 or fp16")
         if self.sample_on not in ("router", "last-host"):
-            raise ConfigError(f"--sample-on {self.sample_on!r} must be router or last-host")
+            raise ConfigError(f"sample_on {self.sample_on!r} must be router or last-host")
         for name in (
             "max_prompt_bytes",
             "max_output_bytes",
@@ -153,12 +153,10 @@ class RouterSettings:
 
 FLAGS = {
     "hosts": "--hosts",
-    "sample_on": "--sample-on",
     "drafter": "--draft-corpus / --draft-model",
     "draft_bytes": "--draft-bytes",
     "rate_per_minute": "--rate-limit",
     "secret": "--secret-file",
     "tokens": "--tokens-file",
-    "ca_cert": "--ca-cert",
 }
 """The fields `serve` sets from a flag of its own."""
