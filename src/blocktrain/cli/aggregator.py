@@ -12,7 +12,7 @@ state folder is consistent after every commit.
 Limits: every body is capped before it is read (pushes at max_body_bytes, JSON at 16 KiB),
 tokens are checked before bodies, each token may send --rate-limit requests a second (after a
 burst of four seconds' worth), a request's head must arrive within 10 s and its body at 16 KiB/s
-after 30 s, and at most --max-connections are served at once. /v1/status always needs a
+after 30 s, and at most max_connections (--set) are served at once. /v1/status always needs a
 token; /metrics needs one with --private-status (default: public, for Prometheus scrapers).
 """
 
@@ -139,21 +139,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="R",
         help="requests a second each token may send, after a burst of 4 seconds' worth",
     )
-    p.add_argument(
-        "--max-connections",
-        type=int,
-        default=limits.http.max_connections,
-        metavar="N",
-        help="connections served at once (503 beyond)",
-    )
-    p.add_argument(
-        "--max-connections-per-address",
-        type=int,
-        default=None,
-        metavar="N",
-        help="connections at once from one client address (default: a quarter of "
-        "--max-connections; 503 and closed beyond)",
-    )
     add_data_arg(p)  # the validation split feeds the effect probe and live_eval_every
     add_setting_args(p)
     p.set_defaults(handler=run, server=True)  # runtime.return_freed_memory
@@ -164,12 +149,12 @@ def needs_data(settings: AggregatorSettings) -> bool:
     return settings.effect_probe != "off" or settings.live_eval_every > 0
 
 
-def access_limits(args: argparse.Namespace) -> AccessLimits:
+def access_limits(args: argparse.Namespace, settings: AggregatorSettings) -> AccessLimits:
     return AccessLimits(
         http=Limits(
             max_body=JSON_BODY_BYTES,
-            max_connections=args.max_connections,
-            max_connections_per_address=args.max_connections_per_address,
+            max_connections=settings.max_connections,
+            max_connections_per_address=settings.max_connections_per_address,
         ),
         rate_per_s=args.rate_limit,
         burst=burst_of(args.rate_limit),
@@ -252,7 +237,6 @@ def run(args: argparse.Namespace) -> int:
 
     tls = tls_pair(args.tls_cert, args.tls_key)
     require_tls(args.host, tls, args.insecure_http)
-    limits = access_limits(args)  # a clear error before the state is touched
     setup = AggregatorSetup.of(args)
     # Everything a start can fail on (the settings, the probe's data, the port) is checked
     # before the state folder is written, so that a failed first start leaves nothing behind
@@ -262,8 +246,10 @@ def run(args: argparse.Namespace) -> int:
     before = {p.name for p in root.iterdir()} if root.is_dir() else None
     valid: list[ByteSource | None] = [None]
     listening: list[socket.socket] = []
+    access: list[AccessLimits] = []
 
     def ready(settings: AggregatorSettings) -> None:
+        access.append(access_limits(args, settings))  # a clear error before the state is touched
         if needs_data(settings):
             valid[0] = probe_data(args, settings)
         listening.append(bind(args.host, args.port))
@@ -271,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
     state: StateDir | None = None
     try:
         state, settings, directory = prepare_state(setup, ready)
+        (limits,) = access
         app = create_app(
             settings,
             storage=state,
