@@ -158,7 +158,7 @@ def test_foreign_checkpoint(capsys, tmp_path, corpus):
 
 def test_bad_generation_settings(capsys, trained):
     fails_cleanly(capsys, ["generate", str(trained), "--prompt", ""], "at least one byte")
-    fails_cleanly(capsys, ["generate", str(trained), "--prompt", "a", "--top-p", "0"], "top_p")
+    fails_cleanly(capsys, ["generate", str(trained), "--prompt", "a", "--set", "top_p=0"], "top_p")
     fails_cleanly(capsys, ["generate", str(trained), "--prompt", "a", "--bytes", "0"], "--bytes")
     fails_cleanly(
         capsys, ["generate", str(trained), "--prompt", "a", "--sampler", "heun"], "unknown sampler"
