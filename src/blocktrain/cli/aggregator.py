@@ -182,7 +182,9 @@ def probe_data(args: argparse.Namespace, settings: AggregatorSettings | None = N
         if settings is None or settings.effect_probe != "off":
             users.append(("the effect probe", "--effect-probe off"))
         if settings is not None and settings.live_eval_every > 0:
-            users.append((f"--set live_eval_every={settings.live_eval_every}", "--set live_eval_every=0"))
+            users.append(
+                (f"--set live_eval_every={settings.live_eval_every}", "--set live_eval_every=0")
+            )
         raise ConfigError(
             f"{' and '.join(u for u, _ in users)} need{'s' if len(users) == 1 else ''} the "
             f"data ({exc}), or {' and '.join(f for _, f in users)}"
