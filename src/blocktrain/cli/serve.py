@@ -122,7 +122,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "speculative generation (requests' draft_bytes, K = 1 models)",
     )
     add_pattern_args(p, of="--draft-corpus")
-    p.add_argument("--draft-order", type=int, default=3, help="context bytes of the drafter")
     p.add_argument(
         "--draft-model",
         metavar="RUN",
@@ -157,6 +156,7 @@ def run_cmd(args: argparse.Namespace) -> int:
     require_tls(args.host, tls, args.insecure_http)  # before a drafter takes its time to load
     hosts = tuple(h.strip() for h in args.hosts.split(",") if h.strip())
     drafter: Drafter | None = None
+    sets = split_sets(args)[1]
     if args.draft_corpus and args.draft_model:
         raise ConfigError("give --draft-corpus or --draft-model, not both")
     if args.draft_model:
@@ -166,7 +166,8 @@ def run_cmd(args: argparse.Namespace) -> int:
             raise ConfigError(f"--draft-corpus {args.draft_corpus} does not exist")
         try:
             drafter = NgramDrafter(
-                load_split(args.draft_corpus, "train", file_patterns(args)).read(), args.draft_order
+                load_split(args.draft_corpus, "train", file_patterns(args)).read(),
+                sets.get("draft_order", RouterSettings.draft_order),
             )
         except ValueError as exc:
             raise ConfigError(f"--draft-corpus {args.draft_corpus}: {exc}") from None
@@ -177,7 +178,7 @@ def run_cmd(args: argparse.Namespace) -> int:
         rate_per_minute=args.rate_limit,
         secret=load_secret(args.secret_file),
         tokens=load_tokens(args.tokens_file),
-        **split_sets(args)[1],
+        **sets,
     )
     sock = bind(args.host, args.port)
     app = create_app(settings)  # builds nothing that can fail: hosts are asked lazily

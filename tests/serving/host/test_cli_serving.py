@@ -88,7 +88,7 @@ def test_a_bad_draft_corpus_is_one_clear_line(capsys, tmp_path, runs):
     serve = ["serve", "--hosts", "http://a:1", "--port", "0", "--draft-corpus"]
     fails_cleanly(capsys, [*serve, str(tmp_path / "none")], "--draft-corpus")
     corpus = runs.blocktrain.parent / "corpus"
-    fails_cleanly(capsys, [*serve, str(corpus), "--draft-order", "9"], "order = 9")
+    fails_cleanly(capsys, [*serve, str(corpus), "--set", "draft_order=9"], "order = 9")
     model = [*serve[:-1], "--draft-model"]
     fails_cleanly(capsys, [*model, str(tmp_path)], "not a run folder")
     fails_cleanly(capsys, [*model, str(runs.blocktrain)], "takes a --reference one")

@@ -43,6 +43,9 @@ class RouterSettings:
     drafter: Drafter | None = None
     """Drafts bytes for speculative generation with K = 1 models (requests' draft_bytes): a
     byte n-gram (data.ngram) or a small autoregressive model (model.speculative.ModelDrafter)."""
+    draft_order: int = 3
+    """Context bytes of the byte n-gram drafter that serve builds from --draft-corpus (unused
+    without it)."""
     max_draft_bytes: int = 32
     """Largest draft_bytes a request may ask for."""
     draft_bytes: int = 0
