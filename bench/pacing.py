@@ -3,7 +3,7 @@
 The tiny preset in the simulator, with real local training: W workers, one of them --slowdown
 times slower than the rest, R rounds of H local steps, a deadline of --deadline-factor times a
 normal worker's round (so that a normal worker fits and the slow one does not), once with
-`--pacing fixed` and once with `--pacing adaptive`, side by side in one process: the same seed,
+`--set pacing=fixed` and once with `--set pacing=adaptive`, side by side in one process: the same seed,
 regime, rounds and protocol otherwise (its defaults, the effect probe included). Per run: the
 updates accepted and refused (by reason) of the slow worker and of the others, the steps they
 ran, the final model's test CE (the sampler CE over M sweeps on the test bytes) and the virtual

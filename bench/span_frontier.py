@@ -305,8 +305,8 @@ def main() -> None:
         router_args[None] = (
             "--draft-corpus",
             str(data_path),
-            "--draft-order",
-            str(args.draft_order),
+            "--set",
+            f"draft_order={args.draft_order}",
         )
     if {"lm", "lm-kd"} & set(drafter_kinds):
         # A 1-layer autoregressive byte model of the tiny width, with the compared models' T.

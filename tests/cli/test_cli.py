@@ -3,6 +3,7 @@ input, with nothing overwritten."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -157,7 +158,7 @@ def test_foreign_checkpoint(capsys, tmp_path, corpus):
 
 def test_bad_generation_settings(capsys, trained):
     fails_cleanly(capsys, ["generate", str(trained), "--prompt", ""], "at least one byte")
-    fails_cleanly(capsys, ["generate", str(trained), "--prompt", "a", "--top-p", "0"], "top_p")
+    fails_cleanly(capsys, ["generate", str(trained), "--prompt", "a", "--set", "top_p=0"], "top_p")
     fails_cleanly(capsys, ["generate", str(trained), "--prompt", "a", "--bytes", "0"], "--bytes")
     fails_cleanly(
         capsys, ["generate", str(trained), "--prompt", "a", "--sampler", "heun"], "unknown sampler"
@@ -337,12 +338,13 @@ def test_data_fetch_from_a_local_archive(capsys, tmp_path):
             "--to",
             str(tmp_path / "x"),
             "--url",
-            archive.as_uri(),
-            "--sha256",
-            "0" * 64,
+            f"{archive.as_uri()}#sha256={'0' * 64}",
         ],
         "sha256",
     )
+    digest = hashlib.sha256(archive.read_bytes()).hexdigest()  # the fragment's own digest passes
+    url = f"{archive.as_uri()}#sha256={digest}"
+    assert main(["data", "fetch", "wikitext-2", "--to", str(tmp_path / "y"), "--url", url]) == 0
 
 
 def no_gpu(monkeypatch):

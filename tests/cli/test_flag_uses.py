@@ -20,6 +20,7 @@ import blocktrain.cli.serve_block as serve_block_cli
 from blocktrain.cli.main import main
 from blocktrain.model import Sampling
 from blocktrain.serving.host.loading import write_untrained_run
+from tests.cli.test_cli import fails_cleanly
 from tests.conftest import micro_config
 
 
@@ -59,8 +60,9 @@ def test_serve_block_public_url_and_batch_window(tmp_path: Path, monkeypatch, ca
 
 
 def test_generate_temperature_and_top_k_reach_the_sampling(trained, monkeypatch, capsys) -> None:
-    """--temperature and --top-k set the byte draws' `Sampling` (0: greedy; k: the k likeliest
-    bytes only), whose draws tests/model/test_sampler.py holds."""
+    """--temperature and --set top_k=K set the byte draws' `Sampling` (0: greedy; k: the k
+    likeliest bytes only), whose draws tests/model/test_sampler.py holds; --set takes exactly
+    the fields without a flag, and names the flag of one that has it."""
     used: list[Sampling] = []
     real = generate_cli.generate
 
@@ -71,10 +73,17 @@ def test_generate_temperature_and_top_k_reach_the_sampling(trained, monkeypatch,
     monkeypatch.setattr(generate_cli, "generate", spy)
     argv = ["generate", str(trained), "--prompt", "The ", "--bytes", "8", "--continuation-only"]
     assert main([*argv, "--temperature", "0"]) == 0
-    assert main([*argv, "--top-k", "1"]) == 0
+    assert main([*argv, "--set", "top_k=1"]) == 0
     assert main(argv) == 0
-    assert capsys.readouterr().out.count("\n") >= 3  # each ends its 8 bytes with a newline
-    assert [(s.temperature, s.top_k) for s in used] == [(0.0, 0), (1.0, 1), (1.0, 0)]
+    assert main([*argv, "--set", "top_p=0.5"]) == 0
+    assert capsys.readouterr().out.count("\n") >= 4  # each ends its 8 bytes with a newline
+    assert [(s.temperature, s.top_k, s.top_p) for s in used] == [
+        (0.0, 0, 1.0),
+        (1.0, 1, 1.0),
+        (1.0, 0, 1.0),
+        (1.0, 0, 0.5),
+    ]
+    fails_cleanly(capsys, [*argv, "--set", "temperature=0"], "--temperature")
 
 
 def test_eval_batch_size_changes_memory_not_the_figures(trained, corpus, capsys) -> None:

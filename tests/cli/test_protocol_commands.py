@@ -211,7 +211,7 @@ def test_settings_flags_are_derived_from_the_declarations(capsys):
 def test_the_live_evaluation_flags_are_checked_before_the_state_is_made(
     tmp_path, capsys, monkeypatch, corpus
 ):
-    """--live-eval-every and its slice: a bad value, an aggregator of some blocks (it cannot
+    """--set live_eval_every and its slice: a bad value, an aggregator of some blocks (it cannot
     assemble the model) or no data each stop with one line, and nothing is written."""
     monkeypatch.delenv("BLOCKTRAIN_DATA", raising=False)
     state = tmp_path / "state"
@@ -219,21 +219,21 @@ def test_the_live_evaluation_flags_are_checked_before_the_state_is_made(
     data = ["--data", str(corpus)]
     for bad, match in (
         (
-            ["--live-eval-every", "-1"],
+            ["--set", "live_eval_every=-1"],
             "aggregator setting live_eval_every = -1 must be >= 0 (0: off)",
         ),
         (["--set", "live_eval_bytes=20000"], "live_eval_bytes = 20000 must lie in [1, 16384]"),
         (["--set", "live_eval_sweeps=0"], "live_eval_sweeps = 0 must lie in [1, 64]"),
         (
-            ["--live-eval-every", "2", "--blocks", "0"],
-            "--live-eval-every 2 evaluates the assembled model",
+            ["--set", "live_eval_every=2", "--blocks", "0"],
+            "--set live_eval_every=2 evaluates the assembled model",
         ),
     ):
         fails_cleanly(capsys, [*start, *data, *bad], match)
     fails_cleanly(
         capsys,
-        [*start, "--effect-probe", "off", "--live-eval-every", "2"],
-        "--live-eval-every 2 needs the data",
+        [*start, "--effect-probe", "off", "--set", "live_eval_every=2"],
+        "--set live_eval_every=2 needs the data",
     )
     assert not state.exists()
 

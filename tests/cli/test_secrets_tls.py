@@ -90,11 +90,13 @@ def test_aggregator_refuses_bad_limits_and_tls_files(tmp_path, capsys):
         capsys, ["aggregator", "--state", str(state), "--rate-limit", "0"], "--rate-limit"
     )
     fails_cleanly(
-        capsys, ["aggregator", "--state", str(state), "--max-connections", "0"], "max_connections"
+        capsys,
+        ["aggregator", "--state", str(state), "--set", "max_connections=0"],
+        "max_connections",
     )
     fails_cleanly(
         capsys,
-        ["aggregator", "--state", str(state), "--max-connections-per-address", "0"],
+        ["aggregator", "--state", str(state), "--set", "max_connections_per_address=0"],
         "max_connections_per_address",
     )
     bogus = tmp_path / "bogus.pem"

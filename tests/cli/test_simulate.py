@@ -84,7 +84,7 @@ def test_the_wire_is_reported_and_changes_the_bytes_pushed(capsys) -> None:
 
 
 def test_slowdown_and_adaptive_pacing(capsys) -> None:
-    """`--slowdown 5:3` makes worker 5 three times slower; `--pacing adaptive` tells it fewer
+    """`--slowdown 5:3` makes worker 5 three times slower; `--set pacing=adaptive` tells it fewer
     steps, so that it still gets updates in (issue 30)."""
     argv = ["simulate", "--timing-only", "--rounds", "6", "--regime", "lockstep", "--json"]
     # on the cpu profile tiny's slowest block takes about 0.9 s a round of 8 steps: 1.2 s
@@ -93,7 +93,7 @@ def test_slowdown_and_adaptive_pacing(capsys) -> None:
     argv += ["--slowdown", "5:3"]
     slow = {}
     for pacing in ("fixed", "adaptive"):
-        assert main([*argv, "--pacing", pacing]) == 0
+        assert main([*argv, "--set", f"pacing={pacing}"]) == 0
         report = json.loads(capsys.readouterr().out)
         assert report["slowdown"] == {"5": 3.0} and report["protocol"]["pacing"] == pacing
         slow[pacing] = report["regimes"]["lockstep"]["workers"][5]

@@ -85,7 +85,7 @@ def test_the_worker_prints_a_line_per_round_and_a_hint(aggregator, corpus, capsy
     assert err[3].startswith("  hint: updates arrive after the round's deadline")
     assert err[3].endswith(
         "raise the aggregator's --deadline or lower its --local-steps, or run it with "
-        "--pacing adaptive"
+        "--set pacing=adaptive"
     )
     assert err[-1] == (
         "1 of 2 updates came late: raise the aggregator's --deadline or lower its --local-steps"

@@ -12,7 +12,7 @@ state folder is consistent after every commit.
 Limits: every body is capped before it is read (pushes at max_body_bytes, JSON at 16 KiB),
 tokens are checked before bodies, each token may send --rate-limit requests a second (after a
 burst of four seconds' worth), a request's head must arrive within 10 s and its body at 16 KiB/s
-after 30 s, and at most --max-connections are served at once. /v1/status always needs a
+after 30 s, and at most max_connections (--set) are served at once. /v1/status always needs a
 token; /metrics needs one with --private-status (default: public, for Prometheus scrapers).
 """
 
@@ -74,10 +74,10 @@ EXAMPLES = """examples:
   blocktrain aggregator --state runs/agg --data wikitext/   # the effect probe's held-out slice
   # the validation CE of the assembled model every 5 rounds, live on /dashboard and in
   # /v1/history (4096 bytes, M = 1: 0.6 s on one CPU thread at tiny, in the background):
-  blocktrain aggregator --state runs/agg --data wikitext/ --live-eval-every 5
-  blocktrain aggregator --state runs/agg --live-eval-every 5 \\
+  blocktrain aggregator --state runs/agg --data wikitext/ --set live_eval_every=5
+  blocktrain aggregator --state runs/agg --set live_eval_every=5 \\
       --set live_eval_bytes=8192 live_eval_sweeps=2           # 4x the bytes x sweeps, 4x the cost
-  blocktrain aggregator --state runs/agg --live-eval-every 0   # no live evaluation (default)
+  blocktrain aggregator --state runs/agg --set live_eval_every=0   # no live evaluation (default)
   blocktrain aggregator --state runs/agg --effect-probe off --rule trimmed_mean --tolerate 1
   blocktrain aggregator --state runs/agg --wire int8        # deltas as int8, a scale per row
   blocktrain aggregator --state runs/agg --wire topk:0.03   # 3 % of each delta, error feedback
@@ -139,22 +139,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="R",
         help="requests a second each token may send, after a burst of 4 seconds' worth",
     )
-    p.add_argument(
-        "--max-connections",
-        type=int,
-        default=limits.http.max_connections,
-        metavar="N",
-        help="connections served at once (503 beyond)",
-    )
-    p.add_argument(
-        "--max-connections-per-address",
-        type=int,
-        default=None,
-        metavar="N",
-        help="connections at once from one client address (default: a quarter of "
-        "--max-connections; 503 and closed beyond)",
-    )
-    add_data_arg(p)  # the validation split feeds the effect probe and --live-eval-every
+    add_data_arg(p)  # the validation split feeds the effect probe and live_eval_every
     add_setting_args(p)
     p.set_defaults(handler=run, server=True)  # runtime.return_freed_memory
 
@@ -164,12 +149,12 @@ def needs_data(settings: AggregatorSettings) -> bool:
     return settings.effect_probe != "off" or settings.live_eval_every > 0
 
 
-def access_limits(args: argparse.Namespace) -> AccessLimits:
+def access_limits(args: argparse.Namespace, settings: AggregatorSettings) -> AccessLimits:
     return AccessLimits(
         http=Limits(
             max_body=JSON_BODY_BYTES,
-            max_connections=args.max_connections,
-            max_connections_per_address=args.max_connections_per_address,
+            max_connections=settings.max_connections,
+            max_connections_per_address=settings.max_connections_per_address,
         ),
         rate_per_s=args.rate_limit,
         burst=burst_of(args.rate_limit),
@@ -197,7 +182,9 @@ def probe_data(args: argparse.Namespace, settings: AggregatorSettings | None = N
         if settings is None or settings.effect_probe != "off":
             users.append(("the effect probe", "--effect-probe off"))
         if settings is not None and settings.live_eval_every > 0:
-            users.append((f"--live-eval-every {settings.live_eval_every}", "--live-eval-every 0"))
+            users.append(
+                (f"--set live_eval_every={settings.live_eval_every}", "--set live_eval_every=0")
+            )
         raise ConfigError(
             f"{' and '.join(u for u, _ in users)} need{'s' if len(users) == 1 else ''} the "
             f"data ({exc}), or {' and '.join(f for _, f in users)}"
@@ -252,7 +239,6 @@ def run(args: argparse.Namespace) -> int:
 
     tls = tls_pair(args.tls_cert, args.tls_key)
     require_tls(args.host, tls, args.insecure_http)
-    limits = access_limits(args)  # a clear error before the state is touched
     setup = AggregatorSetup.of(args)
     # Everything a start can fail on (the settings, the probe's data, the port) is checked
     # before the state folder is written, so that a failed first start leaves nothing behind
@@ -262,8 +248,10 @@ def run(args: argparse.Namespace) -> int:
     before = {p.name for p in root.iterdir()} if root.is_dir() else None
     valid: list[ByteSource | None] = [None]
     listening: list[socket.socket] = []
+    access: list[AccessLimits] = []
 
     def ready(settings: AggregatorSettings) -> None:
+        access.append(access_limits(args, settings))  # a clear error before the state is touched
         if needs_data(settings):
             valid[0] = probe_data(args, settings)
         listening.append(bind(args.host, args.port))
@@ -271,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
     state: StateDir | None = None
     try:
         state, settings, directory = prepare_state(setup, ready)
+        (limits,) = access
         app = create_app(
             settings,
             storage=state,

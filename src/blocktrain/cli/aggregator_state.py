@@ -115,12 +115,12 @@ def check_probe_reach(route: str, served: Iterable[int], settings: AggregatorSet
 
 
 def check_eval_reach(served: Iterable[int], n_blocks: int, settings: AggregatorSettings) -> None:
-    """--live-eval-every evaluates the assembled model: an aggregator of some blocks cannot."""
+    """live_eval_every evaluates the assembled model: an aggregator of some blocks cannot."""
     held = sorted(set(served))
     if settings.live_eval_every > 0 and held != list(range(n_blocks)):
         raise ConfigError(
-            f"--live-eval-every {settings.live_eval_every} evaluates the assembled model, and this "
-            f"aggregator serves block(s) {held} of {n_blocks}: pass --live-eval-every 0 here, or "
+            f"--set live_eval_every={settings.live_eval_every} evaluates the assembled model, and this "
+            f"aggregator serves block(s) {held} of {n_blocks}: pass --set live_eval_every=0 here, or "
             "serve every block"
         )
 

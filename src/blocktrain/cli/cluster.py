@@ -12,7 +12,7 @@ cluster runs without the probe, which judges blocks.
 
 At the start it prints the aggregator's dashboard URL with a viewer token (one that may only
 watch: `blocktrain token add --viewer`) in its fragment, and the token itself. While the rounds
-run, the aggregator evaluates the assembled model after every round (--live-eval-every 1; the first
+run, the aggregator evaluates the assembled model after every round (--set live_eval_every=1; the first
 live_eval_bytes of the validation split, M = live_eval_sweeps, in the background) and the
 dashboard plots that validation CE beside the workers' reported loss. The dashboard stays up
 through the evaluation after the rounds (each round's model, then the final one, with progress
@@ -161,7 +161,7 @@ small); it costs one forward pass of the block per update and one backward pass 
 (docs/protocol.md, Effect probe, Cost). `--effect-probe off` saves that.
 The live evaluation is on, every round: a cluster always has the data, and its user watches
 the dashboard for the validation CE while the rounds run (a public aggregator's CPU serves the
-workers first: there it is off unless asked for). `--live-eval-every 0` turns it off."""
+workers first: there it is off unless asked for). `--set live_eval_every=0` turns it off."""
 
 
 def _check_args(args: argparse.Namespace) -> None:

@@ -19,6 +19,7 @@ from blocktrain.data.sniff import gzip_cap
 
 EXAMPLES = """examples:
   blocktrain data fetch wikitext-2 --to data/wikitext-2     # needs internet
+  blocktrain data fetch wikitext-2 --to wt2 --url https://mirror/wikitext-2-raw-v1.zip#sha256=HEX
   blocktrain data info data/wikitext-2
   blocktrain data info my-notes.txt                         # one file: split 90/5/5
   blocktrain data info ~/src/project --glob '*.py' --glob '*.md' --glob '!build/**'
@@ -85,8 +86,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     f.add_argument("name", choices=("wikitext-2", "wikitext-103"))
     f.add_argument("--to", required=True, metavar="DIR", help="folder for the wiki.*.raw files")
-    f.add_argument("--url", help="archive URL (default: the official one)")
-    f.add_argument("--sha256", help="expected archive checksum")
+    f.add_argument(
+        "--url",
+        metavar="URL[#sha256=HEX]",
+        help="archive URL (default: the official one); a #sha256=HEX fragment is the checksum "
+        "it must have (pip's spelling)",
+    )
     add_progress_arg(f)
     f.set_defaults(handler=run_fetch)
     i = dsub.add_parser(
@@ -112,14 +117,21 @@ def run_fetch(args: argparse.Namespace) -> int:
             bar.total = total
         bar.update(done - bar.n)
 
+    url, sha256 = _url_and_digest(args.url)
     try:
-        dest = fetch_wikitext(
-            args.name, Path(args.to), url=args.url, sha256=args.sha256, progress=progress
-        )
+        dest = fetch_wikitext(args.name, Path(args.to), url=url, sha256=sha256, progress=progress)
     finally:
         bar.close()
     print(dest)
     return 0
+
+
+def _url_and_digest(url: str | None) -> tuple[str | None, str | None]:
+    """--url URL#sha256=HEX: the URL, and the digest its fragment names (None: none)."""
+    if url is None or "#sha256=" not in url:
+        return url, None
+    source, digest = url.rsplit("#sha256=", 1)
+    return source, digest.strip().lower()
 
 
 def run_info(args: argparse.Namespace) -> int:

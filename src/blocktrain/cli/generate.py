@@ -12,9 +12,11 @@ import torch
 from blocktrain.cli.common import (
     Formatter,
     add_device_arg,
+    add_named_sets,
     add_pattern_args,
     add_threads_arg,
     file_patterns,
+    split_sets,
     use_threads,
 )
 from blocktrain.cli.evaluate import add_sampler_args, check_model_sampler
@@ -39,7 +41,8 @@ from blocktrain.training import load_model
 EXAMPLES = """examples:
   blocktrain generate runs/tiny --prompt "The " --bytes 200
   blocktrain generate runs/tiny --prompt "The " --temperature 0       # greedy
-  blocktrain generate runs/tiny --prompt "The " --top-p 0.9 --seed 3
+  blocktrain generate runs/tiny --prompt "The " --set top_p=0.9 --seed 3   # nucleus sampling
+  blocktrain generate runs/tiny --prompt "The " --set top_k=40             # the 40 likeliest
   blocktrain generate runs/tiny --prompt "Café " --utf8              # valid UTF-8, no U+FFFD
   blocktrain generate runs/tiny --prompt "The " --sampler ancestral --steps-per-block 4
   blocktrain generate runs/tiny --prompt "The " --device cpu             # on the CPU, GPU or not
@@ -67,8 +70,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bytes", type=int, default=256, help="bytes to generate")
     p.add_argument("--seed", type=int, default=0, help="seeds the noise and the sampling")
     p.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k likeliest bytes (0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     p.add_argument(
         "--utf8",
         action="store_true",
@@ -100,7 +101,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_pattern_args(p)
     add_device_arg(p)
     add_threads_arg(p)
+    add_named_sets(p, Sampling, SAMPLING_FLAGS, "the byte draws' Sampling; docs/serving.md")
     p.set_defaults(handler=run)
+
+
+SAMPLING_FLAGS = {"temperature": "--temperature", "utf8": "--utf8"}
+"""The `Sampling` fields generate sets from a flag of their own; --set takes the others
+(top_k: the k likeliest bytes only, 0: all; top_p: the nucleus mass, 1: all)."""
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,9 +121,7 @@ def run(args: argparse.Namespace) -> int:
     if args.steps_per_block <= 0:
         raise ConfigError("--steps-per-block must be positive")
     try:
-        sampling = Sampling(
-            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, utf8=args.utf8
-        )
+        sampling = Sampling(temperature=args.temperature, utf8=args.utf8, **split_sets(args)[1])
         if args.sampler is not None:
             check_sampler(args.sampler)
     except ValueError as exc:

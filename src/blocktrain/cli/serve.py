@@ -68,7 +68,7 @@ EXAMPLES = """examples:
   blocktrain serve --hosts ... --port 8100 --tokens-file clients.tokens
   # hosts on HTTPS with a self-signed certificate: trust it
   blocktrain serve --hosts https://10.0.0.5:8101 --port 8100 --secret-file serve.secret \\
-      --ca-cert tls/cert.pem
+      --set ca_cert=tls/cert.pem
 
   # the openai client, unchanged
   python -c "import openai; c = openai.OpenAI(base_url='http://127.0.0.1:8100/v1', api_key='x');
@@ -96,12 +96,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, required=True, help="TCP port (0: any free port)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument(
-        "--sample-on",
-        default="router",
-        choices=("router", "last-host"),
-        help="where the bytes are drawn from the final logits",
-    )
-    p.add_argument(
         "--rate-limit",
         type=int,
         default=RouterSettings.rate_per_minute,
@@ -109,11 +103,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="generation requests a minute per client address (429 above; 0: no limit)",
     )
     add_tls_args(p)
-    p.add_argument(
-        "--ca-cert",
-        metavar="PEM",
-        help="trust this CA (or self-signed certificate) for https hosts, instead of the system's CAs",
-    )
     p.add_argument(
         "--secret-file",
         metavar="PATH",
@@ -133,7 +122,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "speculative generation (requests' draft_bytes, K = 1 models)",
     )
     add_pattern_args(p, of="--draft-corpus")
-    p.add_argument("--draft-order", type=int, default=3, help="context bytes of the drafter")
     p.add_argument(
         "--draft-model",
         metavar="RUN",
@@ -168,6 +156,7 @@ def run_cmd(args: argparse.Namespace) -> int:
     require_tls(args.host, tls, args.insecure_http)  # before a drafter takes its time to load
     hosts = tuple(h.strip() for h in args.hosts.split(",") if h.strip())
     drafter: Drafter | None = None
+    sets = split_sets(args)[1]
     if args.draft_corpus and args.draft_model:
         raise ConfigError("give --draft-corpus or --draft-model, not both")
     if args.draft_model:
@@ -177,7 +166,8 @@ def run_cmd(args: argparse.Namespace) -> int:
             raise ConfigError(f"--draft-corpus {args.draft_corpus} does not exist")
         try:
             drafter = NgramDrafter(
-                load_split(args.draft_corpus, "train", file_patterns(args)).read(), args.draft_order
+                load_split(args.draft_corpus, "train", file_patterns(args)).read(),
+                sets.get("draft_order", RouterSettings.draft_order),
             )
         except ValueError as exc:
             raise ConfigError(f"--draft-corpus {args.draft_corpus}: {exc}") from None
@@ -185,12 +175,10 @@ def run_cmd(args: argparse.Namespace) -> int:
         drafter=drafter,
         draft_bytes=args.draft_bytes,
         hosts=hosts,
-        sample_on=args.sample_on,
         rate_per_minute=args.rate_limit,
         secret=load_secret(args.secret_file),
         tokens=load_tokens(args.tokens_file),
-        ca_cert=args.ca_cert,
-        **split_sets(args)[1],
+        **sets,
     )
     sock = bind(args.host, args.port)
     app = create_app(settings)  # builds nothing that can fail: hosts are asked lazily

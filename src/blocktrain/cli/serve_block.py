@@ -98,11 +98,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_tls_args(p, public=False)
     p.add_argument(
-        "--ca-cert",
-        metavar="PEM",
-        help="trust this CA (or self-signed certificate) for an https --next, instead of the system's CAs",
-    )
-    p.add_argument(
         "--secret-file",
         metavar="PATH",
         help=f"file holding the secret shared with the router (else ${SECRET_ENV}); "
@@ -165,7 +160,6 @@ def run_cmd(args: argparse.Namespace) -> int:
             next_url=next_url,
             public_url=public or url_of(sock, tls=tls is not None),
             secret=secret,
-            ca_cert=args.ca_cert,
             batch_window_ms=args.batch_window_ms,
             kv_cache=not args.no_kv_cache,
             max_cache_bytes=int(args.max_cache_mb * 2**20),

@@ -126,7 +126,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default={},
         metavar="ID:FACTOR[,...]",
         help="make honest workers slower: each ID's drawn speed times FACTOR (5:3: worker 5's "
-        "steps take three times as long; see --pacing)",
+        "steps take three times as long; see --set pacing)",
     )
     add_threads_arg(p)
     add_progress_arg(p)

@@ -21,7 +21,7 @@ its report at the end on stdout:
   round 0 (block 1): 10 steps in 2.1s, 1,950 bytes/s, loss 5.412; accepted
   round 1 (block 1): 10 steps in 71.3s, 57 bytes/s, loss 4.871; refused: late (...)
     hint: updates arrive after the round's deadline (...): raise the aggregator's --deadline or
-    lower its --local-steps, or run it with --pacing adaptive
+    lower its --local-steps, or run it with --set pacing=adaptive
 
 With --log-to the same rounds go to TensorBoard, W&B or MLflow too, at step = the round:
 worker/loss, worker/steps, worker/seconds, worker/bytes_per_s, worker/accepted (1 or 0),

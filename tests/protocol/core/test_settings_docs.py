@@ -61,6 +61,8 @@ def test_every_setting_checks_its_bounds_by_name() -> None:
         "max_delta_norm": -1.0,
         "max_tokens": 0,
         "max_body_bytes": 0,
+        "max_connections": 0,
+        "max_connections_per_address": 0,
         "n_workers": 0,
         "live_window_s": 0.0,
         "keep_versions": -1,

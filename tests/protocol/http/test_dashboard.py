@@ -176,7 +176,7 @@ def test_dashboard_marks_workers_that_left_and_a_finished_run(browser, tmp_path:
 
 
 def test_dashboard_plots_the_live_validation_ce(browser, tmp_path: Path) -> None:
-    """The live evaluation (`--live-eval-every`, STATE/evals.jsonl) is drawn under the loss
+    """The live evaluation (`--set live_eval_every`, STATE/evals.jsonl) is drawn under the loss
     curve, labelled with its slice and M, its last point named in the legend."""
     state = make_state(tmp_path / "state")
     alice = add_token(state, "alice")

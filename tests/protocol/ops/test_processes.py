@@ -144,7 +144,7 @@ def test_cluster_command_runs_rounds_over_http(tmp_path, corpus, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert summary == json.loads(capsys.readouterr().out)
     assert len(summary["from_noise_ce_per_round"]) == 4, "round 0 (init) and after each round"
-    # the live evaluation, on in a cluster (--live-eval-every 1): the models after 0 and 3
+    # the live evaluation, on in a cluster (--set live_eval_every=1): the models after 0 and 3
     # rounds at least (one that found another waiting may be skipped), while the rounds ran
     state = StateDir(out / "state")
     live = state.evals()

@@ -159,7 +159,7 @@ def test_history_dashboard_and_report_carry_the_live_evaluations(tmp_path, corpu
 
         page = run.client.get("/dashboard").text
         assert 'id="evals"' in page and "Validation CE per round" in page
-        assert "h.evals" in page and "--live-eval-every 0" in page
+        assert "h.evals" in page and "--set live_eval_every=0" in page
 
         hist = load(run.root)  # `blocktrain report` on the state folder
         assert hist.evals[series["label"]] == [(r["rounds"], r["from_noise_ce"]) for r in records]

@@ -390,10 +390,11 @@ def test_the_loop_says_a_line_per_round_and_a_hint_when_late(h):
     assert "took 33.0s, the push came 37.0s after the pull, the round had 30.0s left" in hint
     assert hint.endswith(
         "raise the aggregator's --deadline or lower its --local-steps, or run it with "
-        "--pacing adaptive"
+        "--set pacing=adaptive"
     )
-    for flag in ("--deadline", "--local-steps", "--pacing"):  # as spelt
+    for flag in ("--deadline", "--local-steps"):  # as spelt
         assert any(s.flag == flag for _, s in declared())
+    assert "pacing" in {f.name for f, _ in declared()}  # --set pacing=adaptive
 
 
 def test_an_update_counted_late_says_so(h):

@@ -88,7 +88,7 @@ def test_a_bad_draft_corpus_is_one_clear_line(capsys, tmp_path, runs):
     serve = ["serve", "--hosts", "http://a:1", "--port", "0", "--draft-corpus"]
     fails_cleanly(capsys, [*serve, str(tmp_path / "none")], "--draft-corpus")
     corpus = runs.blocktrain.parent / "corpus"
-    fails_cleanly(capsys, [*serve, str(corpus), "--draft-order", "9"], "order = 9")
+    fails_cleanly(capsys, [*serve, str(corpus), "--set", "draft_order=9"], "order = 9")
     model = [*serve[:-1], "--draft-model"]
     fails_cleanly(capsys, [*model, str(tmp_path)], "not a run folder")
     fails_cleanly(capsys, [*model, str(runs.blocktrain)], "takes a --reference one")
@@ -140,7 +140,7 @@ def test_bad_tls_input_is_one_line(capsys, runs, tmp_path, monkeypatch):
     missing = ["--tls-cert", str(tmp_path / "c.pem"), "--tls-key", str(tmp_path / "k.pem")]
     fails_cleanly(capsys, [*host, *missing], "cannot use --tls-cert")
     serve = ["serve", "--hosts", "https://a:1", "--port", "0"]
-    fails_cleanly(capsys, [*serve, "--ca-cert", str(tmp_path / "ca.pem")], "--ca-cert")
+    fails_cleanly(capsys, [*serve, "--set", f"ca_cert={tmp_path / 'ca.pem'}"], "ca_cert")
 
 
 def _signal_once_serving(sig: signal.Signals, port: int) -> None:

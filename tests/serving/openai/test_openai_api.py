@@ -256,7 +256,7 @@ def test_logprobs_are_refused_where_the_router_cannot_give_them(client, cluster)
     assert exc.value.body["param"] == "logprobs"
     with (
         cluster.router(sample_on="last-host") as router,
-        pytest.raises(openai.BadRequestError, match="--sample-on last-host"),
+        pytest.raises(openai.BadRequestError, match="sample_on=last-host"),
     ):
         client_of(router).completions.create(model="bt", prompt=PROMPT, max_tokens=3, logprobs=0)
 

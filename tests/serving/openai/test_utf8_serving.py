@@ -140,7 +140,7 @@ def test_logprobs_are_those_of_the_constrained_law(cluster):
 
 
 def test_a_host_refuses_to_draw_utf8_bytes_it_has_no_context_for(cluster):
-    """The router draws the final bytes of a UTF-8 request itself, whatever --sample-on says; a
+    """The router draws the final bytes of a UTF-8 request itself, whatever sample_on says; a
     host asked to draw them (final = bytes with utf8, as a router that did not would ask) says
     why instead of drawing them blind: the last stage holds only the newest bytes."""
 

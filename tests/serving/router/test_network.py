@@ -211,7 +211,7 @@ def test_over_sockets_hosts_want_the_secret_and_cut_chunked_uploads_at_their_cap
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 def test_hosts_on_https_with_a_self_signed_certificate(runs, tmp_path):
     """The shared secret crosses the network inside TLS; the router
-    verifies the hosts against the certificate it is given (--ca-cert)."""
+    verifies the hosts against the certificate it is given (--set ca_cert)."""
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(
         [

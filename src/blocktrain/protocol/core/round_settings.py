@@ -38,8 +38,6 @@ class RoundSettings:
         "docs/protocol.md, Pacing.",
         lambda v: v in PACINGS,
         f"must be one of {', '.join(PACINGS)}",
-        flag="--pacing",
-        choices=PACINGS,
     )
     pacing_margin: float = setting(
         0.8,

@@ -102,6 +102,22 @@ class AggregatorSettings(VoteSettings, RoundSettings):
         simulated=False,
         default_text="twice the largest block's fp32 size + 1 MiB",
     )
+    max_connections: int = setting(
+        512,
+        "Connections served at once (503 beyond).",
+        positive,
+        "must be positive",
+        simulated=False,
+    )
+    max_connections_per_address: int | None = setting(
+        None,
+        "Connections at once from one client address (503 and closed beyond); behind a "
+        "reverse proxy every client has the proxy's address.",
+        positive_or_none,
+        "must be positive (or none)",
+        simulated=False,
+        default_text="a quarter of max_connections",
+    )
     n_workers: int = setting(
         1024,
         "Stride of the worker data seeds: seed * n_workers + worker_id.",
@@ -171,8 +187,6 @@ class AggregatorSettings(VoteSettings, RoundSettings):
         "with 4096 bytes and M = 1 (linear in bytes and M). 0: off.",
         lambda v: v >= 0,
         "must be >= 0 (0: off)",
-        flag="--live-eval-every",
-        metavar="N",
         simulated=False,  # the simulator measures its own CE per round (simulate --eval-every)
     )
     live_eval_bytes: int = setting(

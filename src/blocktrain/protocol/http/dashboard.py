@@ -174,7 +174,7 @@ function curves(h, evalEvery) {
   if (evals.length === 0) {
     const li = document.createElement("li");
     li.textContent = evalEvery > 0 ? "no evaluation recorded yet (every " + evalEvery +
-      " rounds)" : "this aggregator runs no live evaluation (--live-eval-every 0)";
+      " rounds)" : "this aggregator runs no live evaluation (--set live_eval_every=0)";
     items.appendChild(li);
   }
 }

@@ -240,7 +240,7 @@ class LocalCluster:
         # the aggregator's effect probe reads it
         probe_data = ["--data", self.data, *self.data_patterns] if self.data else []
         # every worker runs on this machine, from one address: no share per address below the cap
-        one_address = ["--max-connections-per-address", "512"]
+        one_address = ["--set", "max_connections_per_address=512"]
         self.aggregator, self.url = start_aggregator(
             self.state, self.logs, host=self.host, extra=[*probe_data, *one_address]
         )

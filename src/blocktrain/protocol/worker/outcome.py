@@ -10,7 +10,7 @@ LATE_HINT = "raise the aggregator's --deadline or lower its --local-steps"
 """What fixes updates that arrive after their round closed (flags of `blocktrain aggregator` and
 `cluster`, protocol/core/settings.py: `deadline_s`, `local_steps`)."""
 PACING_HINT = {
-    "fixed": "run it with --pacing adaptive",
+    "fixed": "run it with --set pacing=adaptive",
     "adaptive": "lower its --set pacing_margin",
 }
 """And, by the aggregator's `pacing`: what sizes each worker's steps to the deadline."""

@@ -92,7 +92,6 @@ FLAGS = {
     "parts": "--blocks",
     "next_url": "--next",
     "secret": "--secret-file",
-    "ca_cert": "--ca-cert",
     "batch_window_ms": "--batch-window-ms",
     "kv_cache": "--no-kv-cache",
     "max_cache_bytes": "--max-cache-mb",

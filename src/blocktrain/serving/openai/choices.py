@@ -322,7 +322,9 @@ async def start_run(
     if top_logprobs is not None:
         why = None
         if router.settings.sample_on != "router":
-            why = "logprobs need the router to sample (this one runs with --sample-on last-host)"
+            why = (
+                "logprobs need the router to sample (this one runs with --set sample_on=last-host)"
+            )
         elif req.draft_bytes:
             why = "logprobs are not reported for speculative generation (draft_bytes > 0)"
         if why:

@@ -75,7 +75,7 @@ class Chain(Traversal):
 
     def _final(self, sampling: Sampling) -> Final:
         """Where a traversal's bytes are drawn: a request that keeps to UTF-8 is drawn here,
-        whatever --sample-on says: the last host of an autoregressive chain holds only the
+        whatever sample_on says: the last host of an autoregressive chain holds only the
         newest bytes, not the context the constraint follows."""
         return "logits" if sampling.utf8 else self.final
 

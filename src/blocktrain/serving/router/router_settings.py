@@ -43,6 +43,9 @@ class RouterSettings:
     drafter: Drafter | None = None
     """Drafts bytes for speculative generation with K = 1 models (requests' draft_bytes): a
     byte n-gram (data.ngram) or a small autoregressive model (model.speculative.ModelDrafter)."""
+    draft_order: int = 3
+    """Context bytes of the byte n-gram drafter that serve builds from --draft-corpus (unused
+    without it)."""
     max_draft_bytes: int = 32
     """Largest draft_bytes a request may ask for."""
     draft_bytes: int = 0
@@ -110,7 +113,7 @@ class RouterSettings:
         if self.wire_dtype not in ("fp32", "fp16"):
             raise ConfigError(f"wire_dtype = {self.wire_dtype!r} must be fp32 or fp16")
         if self.sample_on not in ("router", "last-host"):
-            raise ConfigError(f"--sample-on {self.sample_on!r} must be router or last-host")
+            raise ConfigError(f"sample_on {self.sample_on!r} must be router or last-host")
         for name in (
             "max_prompt_bytes",
             "max_output_bytes",
@@ -153,12 +156,10 @@ class RouterSettings:
 
 FLAGS = {
     "hosts": "--hosts",
-    "sample_on": "--sample-on",
     "drafter": "--draft-corpus / --draft-model",
     "draft_bytes": "--draft-bytes",
     "rate_per_minute": "--rate-limit",
     "secret": "--secret-file",
     "tokens": "--tokens-file",
-    "ca_cert": "--ca-cert",
 }
 """The fields `serve` sets from a flag of its own."""

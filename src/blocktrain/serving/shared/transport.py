@@ -52,7 +52,7 @@ def make_client(
     try:
         verify = True if ca_cert is None else ssl.create_default_context(cafile=ca_cert)
     except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"cannot use --ca-cert {ca_cert}: {exc}") from None
+        raise ConfigError(f"cannot use ca_cert {ca_cert}: {exc}") from None
     inner = transport or httpx.AsyncHTTPTransport(retries=0, verify=verify)
     outer: httpx.AsyncBaseTransport = DelayTransport(inner, hop_ms / 1000) if hop_ms > 0 else inner
     timeout = httpx.Timeout(timeout_s, connect=min(CONNECT_TIMEOUT_S, timeout_s))
