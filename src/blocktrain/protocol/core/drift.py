@@ -250,11 +250,8 @@ class DriftTracker:
 
     def standing(self, block: int, identity: Hashable, open_round: int) -> Verdict:
         """Refused `drift` while flagged on this block."""
-        drifted = self.refused.get((block, identity))
-        if drifted is None:
-            return Verdict.ok()
-        if open_round > drifted.until:
-            del self.refused[(block, identity)]
+        drifted = self.refused.get((block, identity))  # only read: `observe` prunes, on a
+        if drifted is None or open_round > drifted.until:  # thread of its own in the service
             return Verdict.ok()
         return Verdict.refuse(
             "drift",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import secrets
 from collections import Counter
 from collections.abc import Callable, Collection, Hashable, Iterable
+from functools import partial
 from typing import cast
 
 import torch
@@ -85,6 +86,9 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         """Each block's recent accepted effects (empty after a restart: it refills)."""
         self.drift = tracker(settings, seed)
         """Each identity's lean against the other votes of its block (`drift`; in memory)."""
+        self.drift_later: Callable[[RoundClosed, Callable[[], list[Drifted]]], None] | None = None
+        """Runs a commit's drift observation, given the round and it; None: inside the commit
+        (the service's: on a thread of its own, `service/drift_jobs.py`, then `penalise`)."""
         self._auto_id = 0  # ids for updates recorded without one (the simulator has no ledger)
         self.outer = OuterOptimizer(settings.outer_lr, settings.outer_momentum)
         self.limits = Limits(settings.max_delta_norm, settings.max_tokens)
@@ -341,6 +345,14 @@ class RoundEngine(ReplayScreen, ProbeSlots):
 
     # ------------------------------------------------------------------ rounds
 
+    def penalise(self, drifted: Iterable[Drifted], now: float) -> None:
+        """Each identity the drift tracker flagged loses reputation as for a harmful update."""
+        for flagged in drifted:
+            identity = cast(tuple[str, int], flagged.identity)  # `Registry.identity`'s
+            if self.reputation.observe(identity, helpful=False):
+                for tell in self.on_reputation:
+                    tell(identity, self.reputation.of(identity), now)
+
     def tick(self, now: float) -> list[Committed]:
         """Close and commit every round that is due."""
         committed = []
@@ -351,19 +363,19 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         return committed
 
     def _commit(self, st: EngineBlock, closed: RoundClosed) -> Committed:
-        """Aggregate the round under the influence bound; an identity the drift tracker flags
-        loses reputation as for a harmful update (its vote of this round still counts)."""
+        """Aggregate the round under the influence bound; observe its votes' drift (`penalise`:
+        its vote of this round still counts)."""
         drifted: tuple[Drifted, ...] = ()
         if self.drift.on and st.acc.count:
             identities, votes, _ = st.acc.by_identity()
-            drifted = tuple(
-                self.drift.observe(st.index, closed.round, identities, votes, st.acc.effects())
+            observe = partial(
+                self.drift.observe, st.index, closed.round, identities, votes, st.acc.effects()
             )
-        for flagged in drifted:
-            identity = cast(tuple[str, int], flagged.identity)  # `Registry.identity`'s
-            if self.reputation.observe(identity, helpful=False):
-                for tell in self.on_reputation:
-                    tell(identity, self.reputation.of(identity), closed.closed_at)
+            if self.drift_later is not None:
+                self.drift_later(closed, observe)
+            else:
+                drifted = tuple(observe())
+                self.penalise(drifted, closed.closed_at)
         aggregate = st.acc.result(st.influence.reference())
         weights, momentum, remainder = st.weights, st.momentum, st.remainder
         if aggregate.delta is not None:

@@ -4,6 +4,7 @@ HTTP routes call, with no FastAPI here.
     aggregator_service  AggregatorService: identity, registration, pulls, pushes, ticks
     admission           who may call and push: token, rate, worker, block; refusal rows
     pushes              the push path: an update's six steps to accepted or refused (a mixin)
+    drift_jobs          each commit's drift observation on a thread of its own, outside the lock
     streams             relayed streams (route = relay): who may push one, which is taken (a mixin)
     identity            who is calling: the bearer token and the worker it speaks for
     access              what a client may cost: AccessLimits and the per-token rate limit

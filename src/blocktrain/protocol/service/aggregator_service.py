@@ -21,6 +21,7 @@ from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.core.verdict import refused
 from blocktrain.protocol.service import identity
 from blocktrain.protocol.service.access import AccessLimits
+from blocktrain.protocol.service.drift_jobs import DriftJobs
 from blocktrain.protocol.service.identity import Caller
 from blocktrain.protocol.service.live_eval import LiveEvaluations, ModelEval
 from blocktrain.protocol.service.placement import Directory, placed
@@ -81,6 +82,7 @@ class AggregatorService(Pushes, Streams):
         """block -> ((version, round, deadline), the encoded body of the last pull)."""
         self.engine = self.durable.restore(self.directory.served)
         self.engine.on_commit.append(self.durable.commit)
+        self.drift_jobs = DriftJobs(self.engine, self.lock)
         self.blocks: dict[int, EngineBlock] = self.engine.blocks
         self.max_body = self.engine.max_body
         self._shut_out: set[int] = set()  # revoked or banned tokens already dropped

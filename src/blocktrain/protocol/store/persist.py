@@ -5,18 +5,19 @@ updates are tracked here, so that a commit removes exactly those it aggregated."
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 
 import torch
 
 from blocktrain.protocol.core import codecs
 from blocktrain.protocol.core.bodies import decode
+from blocktrain.protocol.core.drift import Drifted
 from blocktrain.protocol.core.effect import Reputation
 from blocktrain.protocol.core.events import Committed, EngineBlock
 from blocktrain.protocol.core.pacing import declared_steps, steps_share
 from blocktrain.protocol.core.registry import Registry
 from blocktrain.protocol.core.round_engine import RoundEngine
-from blocktrain.protocol.core.rounds import NOT_A_REPORT, Contribution, restore
+from blocktrain.protocol.core.rounds import NOT_A_REPORT, Contribution, RoundClosed, restore
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.store.ledger_schema import WorkerRow
 from blocktrain.protocol.store.storage import StateDir
@@ -188,17 +189,7 @@ class Durable:
         self.storage.prune(b, closed.new_version, self.settings.keep_versions)
         if event.held:
             log.warning("block %d round %d: %s", b, closed.round, event.held)
-        for d in event.drifted:
-            log.warning(
-                "block %d round %d: identity %s flagged for drift (score %.2f over %d votes): "
-                "refused there until round %d",
-                b,
-                closed.round,
-                d.identity,
-                d.score,
-                d.votes,
-                d.until,
-            )
+        warn_drifted(closed, event.drifted)
         log.info(
             "block %d round %d closed (%s): %d accepted, %d refused, %d/%d reported; version %d",
             b,
@@ -240,3 +231,18 @@ class Durable:
                     len(ids),
                     len(workers),
                 )
+
+
+def warn_drifted(closed: RoundClosed, drifted: Iterable[Drifted]) -> None:
+    """The log line of each identity a round's drift observation flagged."""
+    for d in drifted:
+        log.warning(
+            "block %d round %d: identity %s flagged for drift (score %.2f over %d votes): "
+            "refused there until round %d",
+            closed.block,
+            closed.round,
+            d.identity,
+            d.score,
+            d.votes,
+            d.until,
+        )
