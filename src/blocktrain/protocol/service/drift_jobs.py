@@ -8,9 +8,9 @@ commit observed them itself."""
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 
 from blocktrain.protocol.core.drift import Drifted
 from blocktrain.protocol.core.round_engine import RoundEngine
@@ -19,22 +19,35 @@ from blocktrain.protocol.store.persist import warn_drifted
 
 log = logging.getLogger(__name__)
 
+Job = tuple[RoundClosed, Callable[[], list[Drifted]], threading.Event]
+
 
 class DriftJobs:
     """One thread observes the commits in their order (the tracker's sketches are its alone);
-    the flags it raises are applied under the service's `lock`."""
+    the flags it raises are applied under the service's `lock`. A daemon: a stopping
+    aggregator does not wait for observations (the sketches live in memory only)."""
 
     def __init__(self, engine: RoundEngine, lock: threading.RLock) -> None:
         self.engine = engine
         self.lock = lock
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="drift")
-        self.last: dict[int, Future[None]] = {}
-        """block -> its last observation."""
+        self.jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
+        self.last: dict[int, threading.Event] = {}
+        """block -> set once its last observation is applied."""
+        threading.Thread(target=self._serve, name="drift", daemon=True).start()
         engine.drift_later = self.submit
 
     def submit(self, closed: RoundClosed, observe: Callable[[], list[Drifted]]) -> None:
         """Called inside the commit, under the lock: only queues."""
-        self.last[closed.block] = self.pool.submit(self._run, closed, observe)
+        done = self.last[closed.block] = threading.Event()
+        self.jobs.put((closed, observe, done))
+
+    def _serve(self) -> None:
+        while True:
+            closed, observe, done = self.jobs.get()
+            try:
+                self._run(closed, observe)
+            finally:
+                done.set()
 
     def _run(self, closed: RoundClosed, observe: Callable[[], list[Drifted]]) -> None:
         try:
@@ -50,6 +63,6 @@ class DriftJobs:
 
     def wait(self, block: int) -> None:
         """Until the block's last observation is applied (call it outside the lock)."""
-        last = self.last.get(block)
-        if last is not None:
-            last.result()
+        done = self.last.get(block)
+        if done is not None:
+            done.wait()
