@@ -148,6 +148,11 @@ def start_fleet(root: Path, run: Run, params: int, rev: Revision | None = None) 
             settings=settings,
             blocks={b: tensors for b in range(run.blocks)},
         )
+        if rev is not None:  # another revision's aggregator reads only the settings it knows
+            doc = state.manifest()
+            known = rev.settings_fields()
+            doc["settings"] = {k: v for k, v in doc["settings"].items() if k in known}
+            state._write_manifest(doc)
         for i, token in enumerate(tokens):
             state.ledger.add_token(f"w{i}", hash_token(token), time.time())
         extra = aggregator_extra(rev or this_checkout(), run, k, urls)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,6 +27,17 @@ class Revision:
         """The options its `blocktrain aggregator` takes (flags moved behind `--set` over time)."""
         text = (self.src / "blocktrain" / "cli" / "aggregator.py").read_text()
         return set(re.findall(r'"(--[a-z][a-z-]*)"', text))
+
+    def settings_fields(self) -> set[str]:
+        """The aggregator settings its code knows (a state folder naming any other is refused)."""
+        code = (
+            "import dataclasses; from blocktrain.protocol.core.settings import AggregatorSettings"
+            " as S; print(' '.join(f.name for f in dataclasses.fields(S)))"
+        )
+        env = {**os.environ, "PYTHONPATH": str(self.src)}
+        out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                             capture_output=True, text=True).stdout  # fmt: skip
+        return set(out.split())
 
 
 @contextmanager
