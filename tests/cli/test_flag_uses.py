@@ -87,11 +87,11 @@ def test_generate_temperature_and_top_k_reach_the_sampling(trained, monkeypatch,
 
 
 def test_eval_batch_size_changes_memory_not_the_figures(trained, corpus, capsys) -> None:
-    """--batch-size is windows per forward pass: one at a time gives the same CE as sixteen
+    """--set batch_size is windows per forward pass: one at a time gives the same CE as sixteen
     (the noise is drawn per batch, so up to its sampling error)."""
     base = ["eval", str(trained), "--data", str(corpus), "--bytes", "256", "--sweeps", "2"]
     ces = []
     for size in ("1", "16"):
-        assert main([*base, "--batch-size", size, "--json"]) == 0
+        assert main([*base, "--set", f"batch_size={size}", "--json"]) == 0
         ces.append(json.loads(capsys.readouterr().out)["sampler_ce"])
     assert ces[0] == pytest.approx(ces[1], abs=0.01)
