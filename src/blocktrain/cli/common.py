@@ -142,6 +142,7 @@ def split_sets(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
     names: tuple[str, ...] = getattr(args, "setting_names", ())
     config_keys = settable_keys() if hasattr(args, "preset") else []
     hints = typing.get_type_hints(getattr(args, "settings_class", AggregatorSettings))
+    hints.update(getattr(args, "own_settings", {}))
     refused: dict[str, str] = getattr(args, "set_refused", {})
     config: list[str] = []
     settings: dict[str, Any] = {}
@@ -248,18 +249,25 @@ def add_setting_args(
     *,
     simulated_only: bool = False,
     defaults: dict[str, Any] | None = None,
+    own: dict[str, type] | None = None,
+    own_doc: str = "",
 ) -> None:
     """Every `AggregatorSettings` field as `--set NAME=VALUE` and a flag for those declared with
     one; an absent flag leaves no attribute. `defaults`: the command's own, as its help shows them.
+    `own`: settings of the command itself that --set also takes (name -> the type its value is
+    read as; `settings_overrides` returns them with the others), documented where `own_doc` says.
     """
     defaults = defaults or {}
+    own = own or {}
     chosen = [(f, s) for f, s in declared() if s.simulated or not simulated_only]
     refused = {f.name: "the simulator does not model this setting" for f, _ in declared()}
-    parser.set_defaults(setting_names=tuple(f.name for f, _ in chosen), set_refused=refused)
+    names = (*(f.name for f, _ in chosen), *own)
+    parser.set_defaults(setting_names=names, set_refused=refused, own_settings=own)
+    also = f"; and this command's own ({own_doc}): {', '.join(own)}" if own else ""
     group = parser.add_argument_group(
         title,
         "every setting is also --set NAME=VALUE; these have no flag of their own (docs/"
-        "protocol.md, Settings): " + ", ".join(f.name for f, s in chosen if not s.flag),
+        "protocol.md, Settings): " + ", ".join(f.name for f, s in chosen if not s.flag) + also,
     )
     group.argument_default = argparse.SUPPRESS
     hints = typing.get_type_hints(AggregatorSettings)
