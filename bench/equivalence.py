@@ -211,7 +211,7 @@ SIMULATE += " --set attack=noise:1 --final-sweeps 4 --final-bytes 4096 --json"
 TRAIN = "train --preset tiny --steps 60 --overwrite --json"
 EVAL = "--bytes 4096 --sweeps 4 --json"
 CLUSTER = "cluster --workers 6 --preset tiny --rounds 3 --local-steps 5 --overwrite --threads 1"
-CLUSTER += " --eval-bytes 2048 --eval-sweeps 2 --final-bytes 4096 --final-sweeps 4 --json"
+CLUSTER += " --eval-bytes 2048 --final-bytes 4096 --final-sweeps 4 --json"  # M = 2 per round
 
 
 def simulate(r: Revision, seed: int) -> None:
