@@ -1,6 +1,6 @@
 """Flags that no test touched and no document named (docs/rooms-metrics.md, "CLI surface before
 and after"), kept because a user has a use for each: each does what its help says. (`eval --set
-temperature`, `distill --lr`, `simulate --eval-every` and `cluster --eval-sweeps` are held
+temperature`, `distill --lr`, `simulate --eval-every` and `cluster --set round_eval_sweeps` are held
 beside their commands' other tests.)"""
 
 from __future__ import annotations
@@ -71,7 +71,16 @@ def test_generate_temperature_and_top_k_reach_the_sampling(trained, monkeypatch,
         return real(*args, **kwargs)
 
     monkeypatch.setattr(generate_cli, "generate", spy)
-    argv = ["generate", str(trained), "--prompt", "The ", "--bytes", "8", "--continuation-only"]
+    argv = [
+        "generate",
+        str(trained),
+        "--prompt",
+        "The ",
+        "--bytes",
+        "8",
+        "--set",
+        "continuation_only=1",
+    ]
     assert main([*argv, "--temperature", "0"]) == 0
     assert main([*argv, "--set", "top_k=1"]) == 0
     assert main(argv) == 0

@@ -168,13 +168,16 @@ def add_named_sets(
     flags: dict[str, str],
     where: str = "docs/serving.md, Settings",
     names: tuple[str, ...] | None = None,
+    own: dict[str, type] | None = None,
 ) -> None:
     """--set NAME=VALUE for the fields of the settings class `cls` that have no flag in `flags`
     (`names`: only these); `--set` of a field in `flags` names its flag. `where`: the table that
-    documents them."""
-    names = set_keys(cls, flags) if names is None else names
+    documents them. `own`: settings of the command itself that --set also takes (name -> the
+    type its value is read as; `split_sets` returns them with the others)."""
+    own = own or {}
+    names = (*(set_keys(cls, flags) if names is None else names), *own)
     refused = {name: f"give {flag}" for name, flag in flags.items()}
-    p.set_defaults(setting_names=names, settings_class=cls, set_refused=refused)
+    p.set_defaults(setting_names=names, settings_class=cls, set_refused=refused, own_settings=own)
     p.add_argument(
         "--set",
         dest="overrides",
