@@ -100,7 +100,11 @@ def add_tls_args(parser: argparse.ArgumentParser, public: bool = True) -> None:
         )
 
 
-def add_config_args(parser: argparse.ArgumentParser) -> None:
+def add_config_args(parser: argparse.ArgumentParser, own: dict[str, type] | None = None) -> None:
+    """--preset and --set; `own`: settings of the command itself that --set also takes by name
+    (name -> the type its value is read as; `split_sets` returns them apart from the config's)."""
+    if own:
+        parser.set_defaults(setting_names=tuple(own), own_settings=own)
     parser.add_argument(
         "--preset",
         default="tiny",
@@ -116,7 +120,8 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
         action="extend",
         help="override a config field, e.g. --set d_model=256 lr=1e-3; on the commands that run "
         "the protocol, an aggregator setting too, by its name: --set probe_gain_z=6 (the table "
-        "in docs/protocol.md, Settings)",
+        "in docs/protocol.md, Settings)"
+        + (f"; this command's own: {', '.join(own)}" if own else ""),
     )
 
 

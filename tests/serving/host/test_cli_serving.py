@@ -104,6 +104,10 @@ def test_bad_plan_shape_input(capsys):
     fails_cleanly(capsys, ["plan", "--shape", "nope"], "unknown shape")
     fails_cleanly(capsys, ["plan", "--shape", "seed-75b", "--set", "span=2"], "replaces")
     fails_cleanly(capsys, ["plan", "--throughput"], "go with --shape")
+    fails_cleanly(capsys, ["plan", "--set", "scale=2"], "go with --shape")
+    fails_cleanly(
+        capsys, ["plan", "--shape", "seed-75b", "--throughput", "--set", "scale=0"], ">= 1"
+    )
     fails_cleanly(capsys, ["plan", "--shape", "seed-75b", "--hosts", "4"], "--hosts 4")
 
 
