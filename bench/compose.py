@@ -486,8 +486,8 @@ def over_http(args: argparse.Namespace, data: Path, rows: dict[str, Any]) -> dic
     sets = [s for s in row.overrides(seed, 1) if not s.startswith("threads=")]
     if not (out / "summary.json").exists():
         argv = ["cluster", "--preset", row.preset, "--workers", str(workers), "--rounds",
-                str(rounds), "--local-steps", str(h), "--set", *sets, "--data", str(data),
-                "--eval-bytes", "1024", "--eval-sweeps", "1", "--final-bytes", "1024",
+                str(rounds), "--local-steps", str(h), "--set", *sets, "round_eval_sweeps=1", "--data", str(data),
+                "--eval-bytes", "1024", "--final-bytes", "1024",
                 "--final-sweeps", "1", "--out", str(out), "--overwrite", "-q"]  # fmt: skip
         blocktrain(argv)
     argv = ["eval", str(out / "model"), "--split", "test", "--json", "-q"]

@@ -6,7 +6,7 @@ own CLI (`python -m blocktrain.cli.main` with that checkout's src/ first on the 
 compares what each revision's user would have got:
 
 - simulate: `simulate --preset tiny --workers 6 --rounds 4 --local-steps 10 --regime
-  lockstep,mild --attack noise:1 --seed S`: every round's record (accepted and refused updates
+  lockstep,mild --set attack=noise:1 --seed S`: every round's record (accepted and refused updates
   per block with their reasons, participation, from-noise CE) and the final blocks;
 - train: `train --preset tiny --steps 60 --seed S`, then `eval --bytes 4096 --sweeps 4` and
   `generate --bytes 48 --seed S` of that run: the weights, the CE and the bytes generated;
@@ -207,11 +207,11 @@ def jsonl(path: Path) -> list[Any]:
 
 
 SIMULATE = "simulate --preset tiny --workers 6 --rounds 4 --local-steps 10 --regime lockstep,mild"
-SIMULATE += " --attack noise:1 --final-sweeps 4 --final-bytes 4096 --json"
+SIMULATE += " --set attack=noise:1 --final-sweeps 4 --final-bytes 4096 --json"
 TRAIN = "train --preset tiny --steps 60 --overwrite --json"
 EVAL = "--bytes 4096 --sweeps 4 --json"
 CLUSTER = "cluster --workers 6 --preset tiny --rounds 3 --local-steps 5 --overwrite --threads 1"
-CLUSTER += " --eval-bytes 2048 --eval-sweeps 2 --final-bytes 4096 --final-sweeps 4 --json"
+CLUSTER += " --eval-bytes 2048 --final-bytes 4096 --final-sweeps 4 --json"  # M = 2 per round
 
 
 def simulate(r: Revision, seed: int) -> None:

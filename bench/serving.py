@@ -415,8 +415,8 @@ def report(doc: dict[str, Any]) -> None:
             f"{scaled['one_sweep_bytes_per_s']:.1f} bytes/s, the KV-cached autoregressive "
             f"stages {scaled['ar_bytes_per_s']:.1f} bytes/s ({scaled['ratio']:.1f}x) for "
             f"{scaled['output_bytes']} bytes after a {scaled['prompt_bytes']}-byte prompt "
-            "(the same measurement as `blocktrain plan --shape seed-75b --throughput --scale "
-            "64`; measured by `bench/serving.py`).",
+            "(the same measurement as `blocktrain plan --shape seed-75b --throughput --set "
+            "scale=64`; measured by `bench/serving.py`).",
         ]
     update_section("serving-shapes", "\n".join(shape_lines))
 

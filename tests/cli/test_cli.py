@@ -171,7 +171,16 @@ def test_bad_generation_settings(capsys, trained):
 
 
 def test_generate_takes_the_sampler_and_its_steps(capsys, trained):
-    args = ["generate", str(trained), "--prompt", "ab", "--bytes", "6", "--continuation-only"]
+    args = [
+        "generate",
+        str(trained),
+        "--prompt",
+        "ab",
+        "--bytes",
+        "6",
+        "--set",
+        "continuation_only=1",
+    ]
     outs = {}
     for sampler in ("euler", "ancestral"):
         assert main([*args, "--sampler", sampler, "--steps-per-block", "2"]) == 0
@@ -277,7 +286,7 @@ def test_train_eval_generate_end_to_end(tmp_path, corpus):
     assert {"sampler_ce", "from_noise_ce", "ce_per_step", "oracle_ce", "bits_per_byte"} <= set(out)
     assert len(out["ce_per_step"]) == 3
     text = call(
-        "generate", str(run), "--prompt", "The ", "--bytes", "20", "--continuation-only"
+        "generate", str(run), "--prompt", "The ", "--bytes", "20", "--set", "continuation_only=1"
     ).stdout
     assert len(text.rstrip("\n").encode("utf-8", errors="surrogateescape")) >= 1
     ref = tmp_path / "ref"

@@ -1,6 +1,6 @@
 """Flags that no test touched and no document named (docs/rooms-metrics.md, "CLI surface before
 and after"), kept because a user has a use for each: each does what its help says. (`eval --set
-temperature`, `distill --lr`, `simulate --eval-every` and `cluster --eval-sweeps` are held
+temperature`, `distill --lr`, `simulate --eval-every` and `cluster --set round_eval_sweeps` are held
 beside their commands' other tests.)"""
 
 from __future__ import annotations
@@ -71,7 +71,16 @@ def test_generate_temperature_and_top_k_reach_the_sampling(trained, monkeypatch,
         return real(*args, **kwargs)
 
     monkeypatch.setattr(generate_cli, "generate", spy)
-    argv = ["generate", str(trained), "--prompt", "The ", "--bytes", "8", "--continuation-only"]
+    argv = [
+        "generate",
+        str(trained),
+        "--prompt",
+        "The ",
+        "--bytes",
+        "8",
+        "--set",
+        "continuation_only=1",
+    ]
     assert main([*argv, "--temperature", "0"]) == 0
     assert main([*argv, "--set", "top_k=1"]) == 0
     assert main(argv) == 0
@@ -87,11 +96,11 @@ def test_generate_temperature_and_top_k_reach_the_sampling(trained, monkeypatch,
 
 
 def test_eval_batch_size_changes_memory_not_the_figures(trained, corpus, capsys) -> None:
-    """--batch-size is windows per forward pass: one at a time gives the same CE as sixteen
+    """--set batch_size is windows per forward pass: one at a time gives the same CE as sixteen
     (the noise is drawn per batch, so up to its sampling error)."""
     base = ["eval", str(trained), "--data", str(corpus), "--bytes", "256", "--sweeps", "2"]
     ces = []
     for size in ("1", "16"):
-        assert main([*base, "--batch-size", size, "--json"]) == 0
+        assert main([*base, "--set", f"batch_size={size}", "--json"]) == 0
         ces.append(json.loads(capsys.readouterr().out)["sampler_ce"])
     assert ces[0] == pytest.approx(ces[1], abs=0.01)

@@ -7,7 +7,16 @@ from blocktrain.cli.main import main
 
 
 def generated(capsys, run, *extra: str) -> str:
-    argv = ["generate", str(run), "--prompt", "Señor ", "--bytes", "60", "--continuation-only"]
+    argv = [
+        "generate",
+        str(run),
+        "--prompt",
+        "Señor ",
+        "--bytes",
+        "60",
+        "--set",
+        "continuation_only=1",
+    ]
     assert main([*argv, "--seed", "2", *extra]) == 0
     return capsys.readouterr().out.removesuffix("\n")
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from blocktrain.cli.main import main
 from tests.cli.test_cli import TINY, fails_cleanly
 
@@ -84,13 +82,13 @@ def test_the_wire_is_reported_and_changes_the_bytes_pushed(capsys) -> None:
 
 
 def test_slowdown_and_adaptive_pacing(capsys) -> None:
-    """`--slowdown 5:3` makes worker 5 three times slower; `--set pacing=adaptive` tells it fewer
+    """`--set slowdown=5:3` makes worker 5 three times slower; `--set pacing=adaptive` tells it fewer
     steps, so that it still gets updates in (issue 30)."""
     argv = ["simulate", "--timing-only", "--rounds", "6", "--regime", "lockstep", "--json"]
     # on the cpu profile tiny's slowest block takes about 0.9 s a round of 8 steps: 1.2 s
     # leaves a normal worker time, not one three times slower
     argv += ["--local-steps", "8", "--deadline", "1.2", "--effect-probe", "off", "--no-progress"]
-    argv += ["--slowdown", "5:3"]
+    argv += ["--set", "slowdown=5:3"]
     slow = {}
     for pacing in ("fixed", "adaptive"):
         assert main([*argv, "--set", f"pacing={pacing}"]) == 0
@@ -98,6 +96,7 @@ def test_slowdown_and_adaptive_pacing(capsys) -> None:
         assert report["slowdown"] == {"5": 3.0} and report["protocol"]["pacing"] == pacing
         slow[pacing] = report["regimes"]["lockstep"]["workers"][5]
     assert slow["fixed"]["accepted"] == 0 and slow["adaptive"]["accepted"] > 0
-    with pytest.raises(SystemExit) as exc:  # argparse's usage and exit 2, as for --attack
-        main([*argv, "--slowdown", "5"])
-    assert exc.value.code == 2 and "ID:FACTOR" in capsys.readouterr().err
+    # simulate's own settings (SimSpec's slowdown, attack, unit) by --set: one line, exit 2
+    fails_cleanly(capsys, [*argv, "--set", "slowdown=5"], "ID:FACTOR")
+    fails_cleanly(capsys, [*argv, "--set", "attack=shrink:x"], "COUNT and BLOCK are integers")
+    fails_cleanly(capsys, [*argv, "--set", "unit=blocks"], "choose one of")

@@ -59,6 +59,11 @@ def test_a_flagged_field_or_an_unknown_key_fails_clearly(capsys) -> None:
     args = parse("serve", "--hosts", "http://a:1", "--port", "0", "--set", "rate_per_minute=5")
     with pytest.raises(ConfigError, match="--set rate_per_minute: give --rate-limit"):
         split_sets(args)
+    args = parse("serve", "--hosts", "http://a:1", "--port", "0", "--set", "tokens=x")
+    with pytest.raises(ConfigError, match="--set tokens: give --set tokens_file=PATH"):
+        split_sets(args)  # the digests are read from the file serve's own tokens_file names
+    args = parse("serve", "--hosts", "http://a:1", "--port", "0", "--set", "tokens_file=t")
+    assert split_sets(args)[1] == {"tokens_file": "t"}
     args = parse("serve", "--hosts", "http://a:1", "--port", "0", "--set", "max_wrk=5")
     with pytest.raises(ConfigError, match="unknown --set key 'max_wrk'; nearest: max_work"):
         split_sets(args)

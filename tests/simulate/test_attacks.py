@@ -131,7 +131,7 @@ def test_every_kind_runs_its_workers_on_its_block(corpus: Path, kind: str) -> No
 def test_a_patient_attacker_is_refused_for_drift_and_the_honest_workers_are_not(
     corpus: Path,
 ) -> None:
-    """`--attack drift`: 0.9 x a real delta plus a lean on one coordinate that its copy of the
+    """`--set attack=drift`: 0.9 x a real delta plus a lean on one coordinate that its copy of the
     probe passes, every round, beside three honest workers of its block; every update passes
     its round's checks, and the lean is flagged (docs/protocol.md, Drift)."""
     rounds = 25

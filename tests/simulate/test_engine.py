@@ -176,7 +176,7 @@ def test_compressed_deltas_train(corpus: Path, wire: str) -> None:
 def test_a_reference_unit_alone_is_the_reference_trained_in_one_process(
     corpus: Path, tmp_path: Path
 ) -> None:
-    """DiLoCo's replica (`--unit reference`): one worker, plain averaging and an fp32 wire
+    """DiLoCo's replica (`--set unit=reference`): one worker, plain averaging and an fp32 wire
     make its rounds exactly `train --reference` (same batches, steps and AdamW state)."""
     cfg = apply_overrides(micro_config(), [f"steps={ROUNDS * 2}"])
     protocol = {"local_steps": 2, "effect_probe": "off", "wire_dtype": "fp32"}
@@ -192,7 +192,7 @@ def test_a_reference_unit_alone_is_the_reference_trained_in_one_process(
     assert trainer.reference is not None
     for name, value in trainer.reference.state_dict().items():
         torch.testing.assert_close(weights["lockstep"][0][name], value, atol=1e-5, rtol=1e-4)
-    with pytest.raises(ConfigError, match="--unit reference simulates with --effect-probe off"):
+    with pytest.raises(ConfigError, match="--set unit=reference simulates with --effect-probe off"):
         simulate(replace(one, protocol={"local_steps": 2}), [REGIMES["lockstep"]], train, valid)
 
 

@@ -116,7 +116,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--eval-bytes", type=int, default=8192, help="validation bytes for the per-round CE"
     )
-    p.add_argument("--eval-sweeps", type=int, default=2, help="sweeps M for the per-round CE")
     p.add_argument(
         "--final-bytes",
         type=int,
@@ -143,9 +142,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_progress_arg(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    add_setting_args(p, defaults=CLUSTER_DEFAULTS)
+    add_setting_args(
+        p,
+        defaults=CLUSTER_DEFAULTS,
+        own={"round_eval_sweeps": int},
+        own_doc="round_eval_sweeps: sweeps M of the per-round CE, default 2; docs/protocol.md",
+    )
     p.set_defaults(handler=run)
 
+
+ROUND_EVAL_SWEEPS = 2
+"""Sweeps M of the per-round CE (on --eval-bytes): cluster's own `--set round_eval_sweeps=M`."""
 
 CLUSTER_DEFAULTS = {
     "deadline_s": 60.0,
@@ -170,7 +177,6 @@ def _check_args(args: argparse.Namespace) -> None:
         "rounds",
         "threads",
         "eval_bytes",
-        "eval_sweeps",
         "final_bytes",
         "final_sweeps",
     ):
@@ -209,6 +215,9 @@ def run(args: argparse.Namespace) -> int:
     backends = log_backends(args)  # an unknown backend or a missing library: before any write
     unit = unit_of(args)
     overrides = {**CLUSTER_DEFAULTS, **settings_overrides(args)}
+    args.eval_sweeps = overrides.pop("round_eval_sweeps", ROUND_EVAL_SWEEPS)  # cluster_eval's
+    if args.eval_sweeps <= 0:
+        raise ConfigError(f"--set round_eval_sweeps={args.eval_sweeps} must be positive")
     # the probe judges blocks: off for DiLoCo, and refused if asked for
     if unit == "reference" and overrides.setdefault("effect_probe", "off") != "off":
         raise ConfigError(

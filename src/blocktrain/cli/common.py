@@ -100,7 +100,11 @@ def add_tls_args(parser: argparse.ArgumentParser, public: bool = True) -> None:
         )
 
 
-def add_config_args(parser: argparse.ArgumentParser) -> None:
+def add_config_args(parser: argparse.ArgumentParser, own: dict[str, type] | None = None) -> None:
+    """--preset and --set; `own`: settings of the command itself that --set also takes by name
+    (name -> the type its value is read as; `split_sets` returns them apart from the config's)."""
+    if own:
+        parser.set_defaults(setting_names=tuple(own), own_settings=own)
     parser.add_argument(
         "--preset",
         default="tiny",
@@ -116,7 +120,8 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
         action="extend",
         help="override a config field, e.g. --set d_model=256 lr=1e-3; on the commands that run "
         "the protocol, an aggregator setting too, by its name: --set probe_gain_z=6 (the table "
-        "in docs/protocol.md, Settings)",
+        "in docs/protocol.md, Settings)"
+        + (f"; this command's own: {', '.join(own)}" if own else ""),
     )
 
 
@@ -142,6 +147,7 @@ def split_sets(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
     names: tuple[str, ...] = getattr(args, "setting_names", ())
     config_keys = settable_keys() if hasattr(args, "preset") else []
     hints = typing.get_type_hints(getattr(args, "settings_class", AggregatorSettings))
+    hints.update(getattr(args, "own_settings", {}))
     refused: dict[str, str] = getattr(args, "set_refused", {})
     config: list[str] = []
     settings: dict[str, Any] = {}
@@ -167,13 +173,16 @@ def add_named_sets(
     flags: dict[str, str],
     where: str = "docs/serving.md, Settings",
     names: tuple[str, ...] | None = None,
+    own: dict[str, type] | None = None,
 ) -> None:
     """--set NAME=VALUE for the fields of the settings class `cls` that have no flag in `flags`
     (`names`: only these); `--set` of a field in `flags` names its flag. `where`: the table that
-    documents them."""
-    names = set_keys(cls, flags) if names is None else names
+    documents them. `own`: settings of the command itself that --set also takes (name -> the
+    type its value is read as; `split_sets` returns them with the others)."""
+    own = own or {}
+    names = (*(set_keys(cls, flags) if names is None else names), *own)
     refused = {name: f"give {flag}" for name, flag in flags.items()}
-    p.set_defaults(setting_names=names, settings_class=cls, set_refused=refused)
+    p.set_defaults(setting_names=names, settings_class=cls, set_refused=refused, own_settings=own)
     p.add_argument(
         "--set",
         dest="overrides",
@@ -248,18 +257,25 @@ def add_setting_args(
     *,
     simulated_only: bool = False,
     defaults: dict[str, Any] | None = None,
+    own: dict[str, type] | None = None,
+    own_doc: str = "",
 ) -> None:
     """Every `AggregatorSettings` field as `--set NAME=VALUE` and a flag for those declared with
     one; an absent flag leaves no attribute. `defaults`: the command's own, as its help shows them.
+    `own`: settings of the command itself that --set also takes (name -> the type its value is
+    read as; `settings_overrides` returns them with the others), documented where `own_doc` says.
     """
     defaults = defaults or {}
+    own = own or {}
     chosen = [(f, s) for f, s in declared() if s.simulated or not simulated_only]
     refused = {f.name: "the simulator does not model this setting" for f, _ in declared()}
-    parser.set_defaults(setting_names=tuple(f.name for f, _ in chosen), set_refused=refused)
+    names = (*(f.name for f, _ in chosen), *own)
+    parser.set_defaults(setting_names=names, set_refused=refused, own_settings=own)
+    also = f"; and this command's own ({own_doc}): {', '.join(own)}" if own else ""
     group = parser.add_argument_group(
         title,
         "every setting is also --set NAME=VALUE; these have no flag of their own (docs/"
-        "protocol.md, Settings): " + ", ".join(f.name for f, s in chosen if not s.flag),
+        "protocol.md, Settings): " + ", ".join(f.name for f, s in chosen if not s.flag) + also,
     )
     group.argument_default = argparse.SUPPRESS
     hints = typing.get_type_hints(AggregatorSettings)

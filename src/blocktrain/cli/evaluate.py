@@ -36,11 +36,15 @@ EXAMPLES = """examples:
   blocktrain eval runs/span16 --judge runs/judge     # + continuations of 64 test prompts, judged
   blocktrain eval runs/span16 --judge runs/judge --set prompts=16 temperature=0   # greedy, 16
   blocktrain eval runs/tiny --device cuda            # on the GPU (default auto: it when present)
+  blocktrain eval runs/tiny --set batch_size=4       # 4 windows a forward pass (memory)
   blocktrain eval hf/tiny --data CORPUS --split test # an `export --hf` folder, as a run
 """
 
 JUDGED_SETS = ("prompts", "prompt_bytes", "continuation_bytes", "temperature")
 """The `GenSettings` of the judged continuations (--judge) that eval's --set takes, by name."""
+EVAL_SETS = (*JUDGED_SETS, "batch_size")
+"""eval's --set: the judged `GenSettings` above, and batch_size, the evaluation's
+`EvalSettings.batch_size` (windows per forward pass, default 16; not the judge's)."""
 JUDGED_FLAGS = {"steps_per_block": "--steps-per-block", "sampler": "--sampler", "seed": "--seed"}
 
 
@@ -91,7 +95,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sweeps", type=int, default=16, help="M, sampler sweeps from pure noise")
     add_sampler_args(p)
     p.add_argument("--seed", type=int, default=0, help="seeds the noise")
-    p.add_argument("--batch-size", type=int, default=16, help="windows per forward pass")
     p.add_argument(
         "--against",
         metavar="REF_RUN_DIR",
@@ -104,7 +107,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--reference`): continue fixed prompts of the split and report the judge's CE on them "
         "(gen_ce), on the real continuations (floor_ce) and the outputs' byte entropy",
     )
-    add_named_sets(p, GenSettings, JUDGED_FLAGS, "with --judge; docs/model.md", JUDGED_SETS)
+    add_named_sets(
+        p,
+        GenSettings,
+        JUDGED_FLAGS,
+        "batch_size: windows per forward pass, default 16; the others with --judge; docs/model.md",
+        EVAL_SETS,
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_device_arg(p)
     add_threads_arg(p)
@@ -115,10 +124,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     use_threads(args)
-    for name in ("bytes", "sweeps", "steps_per_block", "batch_size"):
+    for name in ("bytes", "sweeps", "steps_per_block"):
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
     judged = split_sets(args)[1]
+    batch_size = judged.pop("batch_size", EvalSettings.batch_size)
+    if batch_size <= 0:
+        raise ConfigError(f"--set batch_size={batch_size} must be positive")
     try:
         gen_settings = GenSettings(
             steps_per_block=args.steps_per_block, sampler=args.sampler, seed=args.seed, **judged
@@ -147,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         sweeps=args.sweeps,
         steps_per_block=args.steps_per_block,
         seed=args.seed,
-        batch_size=args.batch_size,
+        batch_size=batch_size,
         sampler=args.sampler,
     )
     result: dict[str, Any] = {"run_dir": str(args.run_dir), "kind": info.kind, "split": args.split}

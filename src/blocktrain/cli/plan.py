@@ -7,7 +7,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from blocktrain.cli.common import Formatter, add_config_args, print_json, resolve_config
+from blocktrain.cli.common import (
+    Formatter,
+    add_config_args,
+    print_json,
+    resolve_config,
+    split_sets,
+)
 from blocktrain.config import RunConfig
 from blocktrain.errors import ConfigError
 from blocktrain.protocol.core.settings import AggregatorSettings
@@ -25,6 +31,7 @@ EXAMPLES = """examples:
   blocktrain plan --shape seed-75b,route=state             # only z between blocks
   blocktrain plan --shape seed-75b --throughput             # random weights, scaled to fit
   blocktrain plan --shape seed-75b --throughput 16          # ... timing 16 output bytes
+  blocktrain plan --shape seed-75b --throughput --set scale=64   # ... at 1/64 of the width
   blocktrain plan --preset small --profile cpu --local-steps 20   # seconds on this machine
   blocktrain plan --shape layers=32,d=4096,blocks=8,route=relay --profile consumer-gpu --json
 """
@@ -38,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=EXAMPLES,
         formatter_class=Formatter,
     )
-    add_config_args(p)
+    add_config_args(p, own={"scale": int})  # --set scale=N: --throughput's width divisor
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
         "--profile",
@@ -71,27 +78,23 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="also time one-sweep and autoregressive generation of BYTES output bytes (64 when "
         "left out) here, on random weights of the shape scaled down in width",
     )
-    shape.add_argument(
-        "--scale",
-        type=int,
-        help="width divisor for --throughput (default: the smallest power of "
-        "two that fits 60M parameters)",
-    )
     p.set_defaults(handler=run)
 
 
 def run_shape(args: argparse.Namespace) -> int:
     from blocktrain.serving.host import shapes
 
-    if args.overrides:
+    config, own = split_sets(args)
+    if config:
         raise ConfigError("--shape replaces --preset/--set; put the settings in the SPEC")
+    scale = own.get("scale")
     name, cfg = shapes.parse_shape(args.shape)
     result = shapes.shape_plan(name, cfg, args.hosts)
     result.update(costs(args, shapes.shape_run(cfg)))
     if args.throughput is not None:
         if args.throughput <= 0:
             raise ConfigError(f"--throughput {args.throughput} must be positive")
-        divisor = args.scale if args.scale is not None else shapes.auto_scale(cfg)
+        divisor = scale if scale is not None else shapes.auto_scale(cfg)
         scaled = shapes.scale_shape(cfg, divisor)
         prompt = min(64, scaled.seq_len - args.throughput)
         if prompt < 1:
@@ -190,8 +193,8 @@ def format_costs(result: dict[str, Any]) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     if args.shape is not None:
         return run_shape(args)
-    if args.hosts is not None or args.throughput is not None or args.scale is not None:
-        raise ConfigError("--hosts, --throughput and --scale go with --shape")
+    if args.hosts is not None or args.throughput is not None or "scale" in split_sets(args)[1]:
+        raise ConfigError("--hosts, --throughput and --set scale go with --shape")
     cfg = resolve_config(args)
     result = plan(cfg)
     result.update(costs(args, cfg))

@@ -65,7 +65,7 @@ EXAMPLES = """examples:
   blocktrain serve --hosts ... --port 8100 --set timeout_s=60 wire_dtype=fp16 max_output_bytes=1024
   # only clients holding a token (one a line; the openai client sends it as its api_key)
   openssl rand -hex 32 > clients.tokens
-  blocktrain serve --hosts ... --port 8100 --tokens-file clients.tokens
+  blocktrain serve --hosts ... --port 8100 --set tokens_file=clients.tokens
   # hosts on HTTPS with a self-signed certificate: trust it
   blocktrain serve --hosts https://10.0.0.5:8101 --port 8100 --secret-file serve.secret \\
       --set ca_cert=tls/cert.pem
@@ -109,13 +109,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         help=f"file holding the secret shared with the block hosts (else ${SECRET_ENV})",
     )
     p.add_argument(
-        "--tokens-file",
-        metavar="PATH",
-        help="file of client tokens, one a line: every /v1/ request then needs one as "
-        "'Authorization: Bearer TOKEN' (the OpenAI client's api_key), and the work limits "
-        "count each token as well as each address",
-    )
-    p.add_argument(
         "--draft-corpus",
         metavar="PATH",
         help="a corpus (folder or file) whose train split builds the byte n-gram drafter for "
@@ -137,7 +130,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "pay with slow hops and a distilled drafter, short ones (4-8) or none on one loaded "
         "machine: docs/serving.md, Which D to pick",
     )
-    add_named_sets(p, RouterSettings, FLAGS)
+    add_named_sets(p, RouterSettings, FLAGS, own={"tokens_file": str})
     p.set_defaults(handler=run_cmd, server=True)  # runtime.return_freed_memory
 
 
@@ -157,6 +150,7 @@ def run_cmd(args: argparse.Namespace) -> int:
     hosts = tuple(h.strip() for h in args.hosts.split(",") if h.strip())
     drafter: Drafter | None = None
     sets = split_sets(args)[1]
+    tokens_file = sets.pop("tokens_file", None)  # the file `tokens` is read from (none: no tokens)
     if args.draft_corpus and args.draft_model:
         raise ConfigError("give --draft-corpus or --draft-model, not both")
     if args.draft_model:
@@ -177,7 +171,7 @@ def run_cmd(args: argparse.Namespace) -> int:
         hosts=hosts,
         rate_per_minute=args.rate_limit,
         secret=load_secret(args.secret_file),
-        tokens=load_tokens(args.tokens_file),
+        tokens=load_tokens(tokens_file),
         **sets,
     )
     sock = bind(args.host, args.port)

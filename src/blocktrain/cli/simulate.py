@@ -41,7 +41,7 @@ from blocktrain.data import load_split, resolve_data_path
 from blocktrain.data.provenance import corpus_record
 from blocktrain.errors import ConfigError
 from blocktrain.simulate import SimSpec, parse_regimes, simulate, write_outputs
-from blocktrain.simulate.attacks import KINDS, Attack
+from blocktrain.simulate.attacks import Attack
 from blocktrain.simulate.run import table
 from blocktrain.training.profiles import PROFILES, device_profile
 
@@ -51,10 +51,11 @@ EXAMPLES = """examples:
   blocktrain simulate --workers 6 --rounds 30 --regime wan --staleness 1 --json
   blocktrain simulate --workers 12 --rounds 50 --regime mild,my-regime.toml --timing-only
   blocktrain simulate --regime wan --profile consumer-gpu --timing-only --set route=relay
-  blocktrain simulate --regime lockstep --rounds 10 --attack shrink:4:0   # 4 attackers, block 0
-  blocktrain simulate --regime lockstep --attack noise --effect-probe off --set clip=0
+  blocktrain simulate --regime lockstep --rounds 10 --set attack=shrink:4:0   # 4 attackers, block 0
+  blocktrain simulate --regime lockstep --set attack=noise clip=0 --effect-probe off
+  blocktrain simulate --timing-only --set slowdown=5:3 pacing=adaptive   # worker 5 3x slower
   blocktrain simulate --regime lockstep --rounds 10 --wire topk:0.1   # compressed deltas
-  blocktrain simulate --unit reference --set layers=3 --outer-lr 0.7 --outer-momentum 0.9 \\
+  blocktrain simulate --set unit=reference layers=3 --outer-lr 0.7 --outer-momentum 0.9 \\
       --effect-probe off            # DiLoCo: end-to-end replicas, outer Nesterov
 """
 
@@ -106,40 +107,24 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="no training: zero deltas, to measure a regime's participation in seconds",
     )
-    p.add_argument(
-        "--attack",
-        type=_attack,
-        metavar="KIND[:COUNT[:BLOCK]][:shared]",
-        help=f"add hostile workers ({', '.join(KINDS)}: docs/simulate.md, Attackers); "
-        "shared: all under one token (Sybils); BLOCK: all on that block",
-    )
-    p.add_argument(
-        "--unit",
-        choices=("block", "reference"),
-        default="block",
-        help="what a worker trains: a block of the stack, or the end-to-end reference of "
-        "`layers` layers as one unit (DiLoCo)",
-    )
-    p.add_argument(
-        "--slowdown",
-        type=_slowdown,
-        default={},
-        metavar="ID:FACTOR[,...]",
-        help="make honest workers slower: each ID's drawn speed times FACTOR (5:3: worker 5's "
-        "steps take three times as long; see --set pacing)",
-    )
     add_threads_arg(p)
     add_progress_arg(p)
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    add_setting_args(p, "protocol settings (virtual seconds)", simulated_only=True)
+    add_setting_args(
+        p,
+        "protocol settings (virtual seconds)",
+        simulated_only=True,
+        own=SIM_SETTINGS,
+        own_doc="docs/simulate.md, Simulation settings",
+    )
     p.set_defaults(handler=run)
 
 
-def _attack(text: str) -> Attack:
-    try:
-        return Attack.parse(text)
-    except ConfigError as exc:  # argparse answers it with usage and exit 2
-        raise argparse.ArgumentTypeError(str(exc)) from None
+SIM_SETTINGS: dict[str, type] = {"attack": str, "unit": str, "slowdown": str}
+"""The `SimSpec` fields that simulate's --set takes by name (docs/simulate.md, "Simulation
+settings"): attack=KIND[:COUNT[:BLOCK]][:shared] adds hostile workers (none by default); unit=block
+or unit=reference (DiLoCo: the end-to-end reference of `layers` layers as one unit; default
+block); slowdown=ID:FACTOR[,...] makes honest workers slower (none by default)."""
 
 
 def _slowdown(text: str) -> dict[int, float]:
@@ -147,7 +132,7 @@ def _slowdown(text: str) -> dict[int, float]:
         pairs = [item.split(":") for item in text.split(",") if item.strip()]
         return {int(worker): float(factor) for worker, factor in pairs}
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not ID:FACTOR[,ID:FACTOR...]") from None
+        raise ConfigError(f"--set slowdown={text}: expected ID:FACTOR[,ID:FACTOR...]") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -155,6 +140,9 @@ def run(args: argparse.Namespace) -> int:
     profile = device_profile(args.profile)
     use_threads(args)
     protocol = settings_overrides(args)
+    attack = protocol.pop("attack", None)
+    unit = protocol.pop("unit", "block")
+    slowdown = _slowdown(protocol.pop("slowdown", ""))
     local_steps = int(protocol.get("local_steps", 10))
     cfg = resolve_rounds_config(args, local_steps)
     spec = SimSpec(
@@ -168,9 +156,9 @@ def run(args: argparse.Namespace) -> int:
         final_sweeps=args.final_sweeps,
         final_bytes=args.final_bytes,
         timing_only=args.timing_only,
-        attack=args.attack,
-        unit=args.unit,
-        slowdown=args.slowdown,
+        attack=None if attack is None else Attack.parse(attack),
+        unit=unit,
+        slowdown=slowdown,
         profile=profile,
     )
     out = Path(args.out) if args.out else None

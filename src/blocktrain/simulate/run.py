@@ -62,7 +62,7 @@ class SimSpec:
 
     def __post_init__(self) -> None:
         if self.unit not in UNITS:
-            raise ConfigError(f"--unit {self.unit!r}: choose one of {', '.join(UNITS)}")
+            raise ConfigError(f"--set unit={self.unit}: choose one of {', '.join(UNITS)}")
         if self.unit == "reference":  # the reference has no blocks
             object.__setattr__(self, "cfg", reference_config(self.cfg))
         for name in (
@@ -76,7 +76,7 @@ class SimSpec:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
         if self.attack is not None and self.attack.trains and self.timing_only:
-            raise ConfigError(f"--attack {self.attack.kind} trains: not with --timing-only")
+            raise ConfigError(f"--set attack={self.attack.kind} trains: not with --timing-only")
         for worker, factor in self.slowdown.items():
             if not 0 <= worker < self.workers or not factor > 0:
                 raise ConfigError(f"slowdown {worker}: {factor}: no such worker, or not positive")
@@ -125,7 +125,7 @@ def simulate(
         if settings.effect_probe == "on":  # its slice starts after the evaluation's windows
             if spec.unit != "block":
                 raise ConfigError(
-                    "--unit reference simulates with --effect-probe off: the probe judges blocks"
+                    "--set unit=reference simulates with --effect-probe off: the probe judges blocks"
                 )
             probe = BlockProbe(  # a secret of the run's seed: a simulation is reproducible
                 cfg,

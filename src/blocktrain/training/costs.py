@@ -260,7 +260,7 @@ def reference_cost(cfg: RunConfig, *, local_steps: int, wire_dtype: str = "fp16"
 def unit_costs(
     cfg: RunConfig, unit: str, *, local_steps: int, wire_dtype: str = "fp16"
 ) -> dict[int, WorkerCost]:
-    """Unit index -> its worker's cost: the blocks, or the one reference (`--unit`)."""
+    """Unit index -> its worker's cost: the blocks, or the one reference (simulate `--set unit=reference`, `--reference`)."""
     if unit == "reference":
         return {0: reference_cost(cfg, local_steps=local_steps, wire_dtype=wire_dtype)}
     return {c.index: c for c in worker_costs(cfg, local_steps=local_steps, wire_dtype=wire_dtype)}

@@ -200,7 +200,7 @@ class LocalBlockTrainer:
 
 class LocalReferenceTrainer(LocalBlockTrainer):
     """The end-to-end reference as one unit (unit 0) of a decentralised run: DiLoCo's replica
-    (`simulate --unit reference`), the same rounds, averaging and outer optimizer as a block."""
+    (`simulate --set unit=reference`), the same rounds, averaging and outer optimizer as a block."""
 
     def _build(self) -> tuple[torch.nn.Module, Objective]:
         module = init_reference(self.cfg.model, self.cfg.seed).to(self.device)

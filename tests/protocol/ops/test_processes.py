@@ -67,14 +67,14 @@ def cluster_argv(out, corpus, *settings: str) -> list[str]:
         str(out),
         "--eval-bytes",
         "256",
-        "--eval-sweeps",
-        "1",
         "--final-bytes",
         "256",
         "--final-sweeps",
         "2",
         "--no-progress",
         "--json",
+        "--set",
+        "round_eval_sweeps=1",
     ]
 
 
@@ -85,7 +85,7 @@ def test_a_features_cluster_trains_over_http(tmp_path, corpus, capsys):
     assert main(cluster_argv(out, corpus, "route=features")) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["updates"]["accepted"] == 9 and summary["updates"]["refused"] == 0
-    assert summary["per_round_eval"]["sweeps"] == 1  # --eval-sweeps
+    assert summary["per_round_eval"]["sweeps"] == 1  # --set round_eval_sweeps
     assert all(code == 0 for code in summary["exit_codes"].values()), summary["exit_codes"]
     capsys.readouterr()
     argv = ["eval", str(out / "model"), "--data", str(corpus), "--bytes", "64", "--sweeps", "1"]

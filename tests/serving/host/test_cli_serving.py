@@ -89,6 +89,8 @@ def test_a_bad_draft_corpus_is_one_clear_line(capsys, tmp_path, runs):
     fails_cleanly(capsys, [*serve, str(tmp_path / "none")], "--draft-corpus")
     corpus = runs.blocktrain.parent / "corpus"
     fails_cleanly(capsys, [*serve, str(corpus), "--set", "draft_order=9"], "order = 9")
+    tokens = [*serve[:-1], "--set", f"tokens_file={tmp_path / 'none'}"]
+    fails_cleanly(capsys, tokens, "--set tokens_file=")  # serve's own setting: the tokens' file
     model = [*serve[:-1], "--draft-model"]
     fails_cleanly(capsys, [*model, str(tmp_path)], "not a run folder")
     fails_cleanly(capsys, [*model, str(runs.blocktrain)], "takes a --reference one")
@@ -102,6 +104,10 @@ def test_bad_plan_shape_input(capsys):
     fails_cleanly(capsys, ["plan", "--shape", "nope"], "unknown shape")
     fails_cleanly(capsys, ["plan", "--shape", "seed-75b", "--set", "span=2"], "replaces")
     fails_cleanly(capsys, ["plan", "--throughput"], "go with --shape")
+    fails_cleanly(capsys, ["plan", "--set", "scale=2"], "go with --shape")
+    fails_cleanly(
+        capsys, ["plan", "--shape", "seed-75b", "--throughput", "--set", "scale=0"], ">= 1"
+    )
     fails_cleanly(capsys, ["plan", "--shape", "seed-75b", "--hosts", "4"], "--hosts 4")
 
 

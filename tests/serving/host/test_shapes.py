@@ -124,3 +124,6 @@ def test_plan_shape_throughput_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["throughput"]["weights"] == "random (untrained)"
     assert out["throughput"]["output_bytes"] == 8
+    shape = ["plan", "--shape", "d=64,layers=3,blocks=3,seq=64,span=8", "--throughput", "8"]
+    assert main([*shape, "--set", "scale=2", "--json"]) == 0  # --throughput's width divisor
+    assert json.loads(capsys.readouterr().out)["throughput"]["width_divisor"] == 2

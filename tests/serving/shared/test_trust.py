@@ -864,7 +864,7 @@ def _router_with_tokens(cluster, tmp_path):
 
 
 def test_a_router_with_tokens_serves_their_holders_and_counts_work_per_token(cluster, tmp_path):
-    """`serve --tokens-file`: a /v1/ request without a token or with a wrong one gets one 401
+    """`serve --set tokens_file=PATH`: a /v1/ request without a token or with a wrong one gets one 401
     (`invalid_api_key`, the same message for both); a token's is served, its work counted
     against its token and its address, and its connection marked a token holder's (the
     listener's anonymous pool); /healthz stays open."""

@@ -185,7 +185,7 @@ def scale_shape(cfg: ModelConfig, width_divisor: int) -> ModelConfig:
     """The same chain (blocks, layers, T, K) at 1/width_divisor of the width, keeping the head
     width where possible: what a throughput run on this machine can hold."""
     if width_divisor < 1:
-        raise ConfigError(f"--scale {width_divisor} must be >= 1")
+        raise ConfigError(f"--set scale={width_divisor} must be >= 1")
     if width_divisor == 1:
         return cfg
     head = cfg.head_dim if cfg.head_dim % 2 == 0 else 64

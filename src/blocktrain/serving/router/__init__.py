@@ -9,7 +9,7 @@ the router's request-level work (`Router`).
     streams           the generation loops over a chain, yielding the new bytes as they come
     generate_schemas  the sampling parameters every request shares; /v1/generate's models
     limits            admission: requests per client a minute, work per request and in flight
-    client_tokens     the clients' tokens (--tokens-file), checked before the body is read
+    client_tokens     the clients' tokens (--set tokens_file=PATH), checked before the body is read
     router_settings   how the router runs: its hosts, the wire, every limit, each checked
     chain_router      the router's work: a request made a validated job, and its bytes
     readiness         /readyz: a 1-byte sweep through every replica of every hop

@@ -1,4 +1,4 @@
-"""The router's client tokens (`serve --tokens-file`): docs/serving.md, "Trust: authentication
+"""The router's client tokens (`serve --set tokens_file=PATH`): docs/serving.md, "Trust: authentication
 and limits". Tokens live in a file, never on the command line (where `ps` shows them); the router
 keeps only their SHA-256 digests; a missing and a wrong token get the same 401, and failed checks
 from one address or its network are limited (`httpserve.FailedAuth`).
@@ -34,14 +34,14 @@ def load_tokens(path: str | None) -> frozenset[str]:
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"--tokens-file {path}: cannot read it ({exc})") from None
+        raise ConfigError(f"--set tokens_file={path}: cannot read it ({exc})") from None
     tokens = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
     if not tokens:
-        raise ConfigError(f"--tokens-file {path} holds no token (one a line)")
+        raise ConfigError(f"--set tokens_file={path} holds no token (one a line)")
     for n, token in enumerate(tokens, 1):
         if len(token) < MIN_SECRET_CHARS:
             raise ConfigError(
-                f"--tokens-file {path}: token {n} holds {len(token)} characters; use at least "
+                f"--set tokens_file={path}: token {n} holds {len(token)} characters; use at least "
                 f"{MIN_SECRET_CHARS} (e.g. `openssl rand -hex 32`)"
             )
     return frozenset(digest(t) for t in tokens)

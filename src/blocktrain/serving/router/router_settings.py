@@ -77,7 +77,7 @@ class RouterSettings:
     secret: str | None = field(default=None, repr=False)
     """The hosts' shared secret, sent with every request to them (shared/auth.py)."""
     tokens: frozenset[str] = field(default=frozenset(), repr=False)
-    """SHA-256 digests of the clients' tokens (`--tokens-file`, router/client_tokens.py): when
+    """SHA-256 digests of the clients' tokens (`--set tokens_file=PATH`, router/client_tokens.py): when
     any, every /v1/ request needs one, and the work limits count it against its token as well
     as its address. Empty: the router is open, and a client is its address."""
     ca_cert: str | None = None
@@ -160,6 +160,6 @@ FLAGS = {
     "draft_bytes": "--draft-bytes",
     "rate_per_minute": "--rate-limit",
     "secret": "--secret-file",
-    "tokens": "--tokens-file",
+    "tokens": "--set tokens_file=PATH",
 }
 """The fields `serve` sets from a flag of its own."""

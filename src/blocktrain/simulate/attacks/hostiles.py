@@ -39,9 +39,9 @@ class Hostiles:
         seed: int,
     ) -> None:
         if attack.trains and (train is None or valid is None):
-            raise ConfigError(f"--attack {attack.kind} trains: it needs the train and valid splits")
+            raise ConfigError(f"attack {attack.kind} trains: it needs the train and valid splits")
         if attack.kind in PROBED and unit != "block":
-            raise ConfigError(f"--attack {attack.kind} reads the effect probe, which judges blocks")
+            raise ConfigError(f"attack {attack.kind} reads the effect probe, which judges blocks")
         self.attack = attack
         self.cfg = cfg
         self.settings = settings

@@ -1,4 +1,4 @@
-"""`Attack`: which hostile workers a simulation adds (`blocktrain simulate --attack`,
+"""`Attack`: which hostile workers a simulation adds (`blocktrain simulate --set attack=...`,
 bench/adversarial.py); the kinds are described in `simulate/attacks/__init__.py`."""
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ class Attack:
         if shared:
             parts = parts[:-1]
         if not parts or len(parts) > 3:
-            raise ConfigError(f"--attack {text!r}: expected KIND[:COUNT[:BLOCK]][:shared]")
+            raise ConfigError(f"--set attack={text}: expected KIND[:COUNT[:BLOCK]][:shared]")
         try:
             numbers = [int(p) for p in parts[1:]]
         except ValueError:
-            raise ConfigError(f"--attack {text!r}: COUNT and BLOCK are integers") from None
+            raise ConfigError(f"--set attack={text}: COUNT and BLOCK are integers") from None
         count = numbers[0] if numbers else 1
         block = numbers[1] if len(numbers) > 1 else None
         return Attack(parts[0], count, block, shared)
