@@ -6,7 +6,7 @@ own CLI (`python -m blocktrain.cli.main` with that checkout's src/ first on the 
 compares what each revision's user would have got:
 
 - simulate: `simulate --preset tiny --workers 6 --rounds 4 --local-steps 10 --regime
-  lockstep,mild --set attack=noise:1 --seed S`: every round's record (accepted and refused updates
+  lockstep,mild --attack noise:1 --seed S` (`--set attack=noise:1` since issue 57): every round's record (accepted and refused updates
   per block with their reasons, participation, from-noise CE) and the final blocks;
 - train: `train --preset tiny --steps 60 --seed S`, then `eval --bytes 4096 --sweeps 4` and
   `generate --bytes 48 --seed S` of that run: the weights, the CE and the bytes generated;
@@ -130,6 +130,12 @@ class Revision:
             text=True,
         ).stdout
 
+    def knows(self, flag: str, command: str) -> bool:
+        """Whether its `blocktrain COMMAND` takes `flag` (knobs moved behind `--set` over time)."""
+        return (
+            f'"{flag}"' in (self.tree / "src" / "blocktrain" / "cli" / f"{command}.py").read_text()
+        )
+
     def script(self, argv: list[str]) -> None:
         """Run one of this revision's own bench scripts, from its checkout."""
         print(f"$ [{self.commit[:8]}] python " + " ".join(argv), file=sys.stderr, flush=True)
@@ -207,7 +213,8 @@ def jsonl(path: Path) -> list[Any]:
 
 
 SIMULATE = "simulate --preset tiny --workers 6 --rounds 4 --local-steps 10 --regime lockstep,mild"
-SIMULATE += " --set attack=noise:1 --final-sweeps 4 --final-bytes 4096 --json"
+SIMULATE += " --final-sweeps 4 --final-bytes 4096 --json"
+ATTACK = "noise:1"  # `--attack` before issue 57 moved it behind `--set attack=`
 TRAIN = "train --preset tiny --steps 60 --overwrite --json"
 EVAL = "--bytes 4096 --sweeps 4 --json"
 CLUSTER = "cluster --workers 6 --preset tiny --rounds 3 --local-steps 5 --overwrite --threads 1"
@@ -216,7 +223,10 @@ CLUSTER += " --eval-bytes 2048 --final-bytes 4096 --final-sweeps 4 --json"  # M 
 
 def simulate(r: Revision, seed: int) -> None:
     out = r.fresh(f"simulate-{seed}")
-    r.cli([*SIMULATE.split(), "--seed", str(seed), "--out", str(out)])
+    attack = (
+        ["--attack", ATTACK] if r.knows("--attack", "simulate") else ["--set", f"attack={ATTACK}"]
+    )
+    r.cli([*SIMULATE.split(), *attack, "--seed", str(seed), "--out", str(out)])
 
 
 def read_simulate(r: Revision, seed: int) -> Output:
