@@ -101,8 +101,7 @@ def add_tls_args(parser: argparse.ArgumentParser, public: bool = True) -> None:
 
 
 def add_config_args(parser: argparse.ArgumentParser, own: dict[str, type] | None = None) -> None:
-    """--preset and --set; `own`: settings of the command itself that --set also takes by name
-    (name -> the type its value is read as; `split_sets` returns them apart from the config's)."""
+    """--preset and --set; `own`: the command's own settings --set takes (name -> value type)."""
     if own:
         parser.set_defaults(setting_names=tuple(own), own_settings=own)
     parser.add_argument(
@@ -177,8 +176,7 @@ def add_named_sets(
 ) -> None:
     """--set NAME=VALUE for the fields of the settings class `cls` that have no flag in `flags`
     (`names`: only these); `--set` of a field in `flags` names its flag. `where`: the table that
-    documents them. `own`: settings of the command itself that --set also takes (name -> the
-    type its value is read as; `split_sets` returns them with the others)."""
+    documents them. `own`: the command's own settings --set takes (name -> value type)."""
     own = own or {}
     names = (*(set_keys(cls, flags) if names is None else names), *own)
     refused = {name: f"give {flag}" for name, flag in flags.items()}
@@ -262,8 +260,7 @@ def add_setting_args(
 ) -> None:
     """Every `AggregatorSettings` field as `--set NAME=VALUE` and a flag for those declared with
     one; an absent flag leaves no attribute. `defaults`: the command's own, as its help shows them.
-    `own`: settings of the command itself that --set also takes (name -> the type its value is
-    read as; `settings_overrides` returns them with the others), documented where `own_doc` says.
+    `own`: the command's own settings --set takes (name -> value type), documented in `own_doc`.
     """
     defaults = defaults or {}
     own = own or {}
