@@ -105,8 +105,9 @@ def _moved(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
         "lock, so that the next round opens, and its pulls are served, while it runs. A block's "
         "pushes wait for it before they are judged (a flag refuses the same updates as before), "
         "so in a burst, which pushes at once the moment a round opens, the wait that was the "
-        "round's opening is now in the push: push p50 and p99 rose. Workers that train between "
-        "their pull and their push find it done."
+        f"round's opening is now in the push: push p99 {new['push']['p99_ms']:.0f} ms against "
+        f"{old['push']['p99_ms']:.0f}. Workers that train between their pull and their push "
+        "find it done."
     )
     if big and "failed" not in big[0][0] and "failed" not in big[0][1]:
         b_old, b_new = big[0]

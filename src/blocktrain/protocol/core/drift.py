@@ -103,9 +103,9 @@ def residual_pieces(
 ) -> Iterator[tuple[str, slice, list[torch.Tensor]]]:
     """(tensor name, coordinates, each vote's residual there), SELECT_COLUMNS coordinates of
     one tensor at a time. At each coordinate the ranks a median reads come from two selections
-    along its votes, stacked contiguous (the hi smallest, then the largest of those): 100 votes
-    of 1M, the commit's case under the service's lock, take 2.4 s where a sort along the votes
-    took 9.8 s, with the same values (a selection returns the votes' own). The j-th smallest
+    along its votes, stacked contiguous (the hi smallest, then the largest of those), where a
+    sort along the votes was 3x slower (bench/commit_cost.py: a 100-vote commit of 1M, 9.0 s
+    -> 2.8 s), with the same values (a selection returns the votes' own). The j-th smallest
     of the others, one vote of the reference left out, is the j-th of all of them when the vote
     lies above it, else the (j+1)-th (ties hold equal values either way)."""
     n = len(votes)
