@@ -29,6 +29,12 @@ docs/research/decentralised.md, The shared-node run).
     python bench/compression.py --wires fp16 --variant outer_lr=0.7,outer_momentum=0.9  # dense control
     python bench/compression.py --force               # re-run rows already in the JSON
     python bench/compression.py --preset small --rounds 20 --local-steps 20 --wires sparse:0.03:2
+    python bench/compression.py --traffic --rounds 20 --local-steps 20   # bytes by kind, no training
+
+`--traffic` counts what each kind of byte a run moves (pushes, pulls, relayed streams) for
+fp16 and the sparse codec under every route at tiny and small: the simulator on its timing-only
+path (the same messages and bodies, no training), 6 workers, lockstep. It writes the JSON's
+`traffic` rows and their table.
 
 A variant is `KEY=VALUE[,KEY=VALUE]`: aggregator settings (`outer_lr=0.7,outer_momentum=0.9`),
 or `mean=dense`, which averages sparse votes as dense ones (a coordinate one of two replicas
@@ -50,7 +56,7 @@ from typing import Any
 
 import torch
 
-from blocktrain.config import apply_overrides
+from blocktrain.config import ROUTES, apply_overrides
 from blocktrain.data import load_split
 from blocktrain.errors import ConfigError
 from blocktrain.presets import PRESETS, preset
@@ -61,6 +67,7 @@ from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.simulate import SimSpec, simulate
 from blocktrain.simulate.regimes import load_regime
 from report import (
+    RESEARCH,
     RESULTS,
     add_simulated_row_args,  # bench/report.py
     machine,
@@ -69,6 +76,7 @@ from report import (
 )
 
 NAME = "compression.json"
+RESEARCH_MD = RESEARCH / "compression.md"  # the readings in full, and the runs of other lengths
 WIRES = ("fp16", "int8", "topk:0.03", "sparse:0.03:2")
 ABLATIONS: tuple[tuple[str, str], ...] = (
     ("topk:0.03", ""),  # per-tensor top-k, fp16 values, int32 indices
@@ -213,6 +221,61 @@ def design(wire: str, variant: str) -> str:
     return text
 
 
+TRAFFIC_PRESETS = ("tiny", "small")
+TRAFFIC_WIRES = ("fp16", "sparse:0.03:2")
+
+
+def traffic_row(name: str, route: str, wire: str, rounds: int, local_steps: int) -> dict[str, Any]:
+    """The bytes of one timing-only run (no training: the same messages and bodies) by kind."""
+    cfg = apply_overrides(preset(name), [f"steps={rounds * local_steps}", f"route={route}"])
+    protocol = {"local_steps": local_steps, "delta_wire": wire, **PRESET_SETTINGS.get(name, {})}
+    spec = SimSpec(cfg, workers=6, rounds=rounds, protocol=protocol, timing_only=True)
+    report, _ = simulate(spec, [load_regime("lockstep")], None, None)
+    b = report["regimes"]["lockstep"]["bytes"]
+    streams = b["stream_up"] + b["stream_down"]
+    return {
+        "preset": name,
+        "route": route,
+        "wire": wire,
+        "pull_wire": pull_wire(wire),
+        "rounds": rounds,
+        "local_steps": local_steps,
+        "workers": 6,
+        "bytes_pushed": b["up"] - b["stream_up"],
+        "bytes_pulled": b["down"] - b["stream_down"],
+        "bytes_streams": streams,
+        "bytes_total": b["up"] + b["down"],
+    }
+
+
+def traffic_markdown(rows: list[dict[str, Any]]) -> str:
+    """The traffic table: each row's kinds, and its total against fp16 of its preset and route."""
+    if not rows:
+        return ""
+    first = rows[0]
+    lines = [
+        f"What the bytes are (`python bench/compression.py --traffic --rounds {first['rounds']} "
+        f"--local-steps {first['local_steps']}`): the simulator's timing-only path, the same "
+        f"messages and bodies without training, 6 workers, lockstep, {first['rounds']} rounds of "
+        f"H = {first['local_steps']}. Pulls: the block's versions, and under `features` the "
+        "upstream blocks' too; streams: the relayed streams, up and down (8-bit features).",
+        "",
+        "| preset | route | wire | pushes | pulls | streams | total | ÷ fp16 | streams' share |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    fp16 = {(r["preset"], r["route"]): r["bytes_total"] for r in rows if r["wire"] == "fp16"}
+    for r in rows:
+        base = fp16.get((r["preset"], r["route"]))
+        ratio = "—" if base is None else f"{r['bytes_total'] / base:.3f}"
+        lines.append(
+            f"| {r['preset']} | {r['route']} | {r['wire']} | {r['bytes_pushed'] / 1e6:.1f} MB | "
+            f"{r['bytes_pulled'] / 1e6:.1f} MB | {r['bytes_streams'] / 1e6:.1f} MB | "
+            f"{r['bytes_total'] / 1e6:.1f} MB | {ratio} | "
+            f"{r['bytes_streams'] / r['bytes_total']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -250,7 +313,26 @@ def main() -> None:
         help="comma-separated seeds; the table is seed 0's, the others give the spread of "
         "each wire's CE against fp16 of the same seed (default: 0)",
     )
+    p.add_argument(
+        "--traffic",
+        action="store_true",
+        help="only count the bytes by kind (no training) for fp16 and sparse:0.03:2 under "
+        "every route at tiny and small",
+    )
     args = p.parse_args()
+    path = RESULTS / NAME
+    saved = json.loads(path.read_text()) if path.exists() else {}
+    if args.traffic:
+        traffic = [
+            traffic_row(name, route, wire, args.rounds, args.local_steps)
+            for name in TRAFFIC_PRESETS
+            for route in ROUTES
+            for wire in TRAFFIC_WIRES
+        ]
+        write_json(NAME, {**saved, "traffic": traffic})
+        update_section("compression-traffic", traffic_markdown(traffic))
+        print(traffic_markdown(traffic))
+        return
     runs = [(wire, args.variant) for wire in args.wires] + (
         list(ABLATIONS) if args.ablations else []
     )
@@ -266,8 +348,7 @@ def main() -> None:
         runs.insert(0, ("fp16", ""))  # every row is read against fp16 of its seed
     torch.set_num_threads(args.threads)
     args.train, args.valid = load_split(args.data, "train"), load_split(args.data, "valid")
-    path = RESULTS / NAME
-    rows = saved_rows(json.loads(path.read_text())) if path.exists() else {}
+    rows = saved_rows(saved)
     for seed in args.seeds:
         for wire, variant in runs:
             key = (args.preset, wire, variant, seed, args.rounds, args.local_steps)
@@ -285,8 +366,9 @@ def main() -> None:
                 flush=True,
             )
             result = result_of(rows)  # saved after every row: an interrupted run resumes
-            write_json(NAME, result)
+            write_json(NAME, {**result, "traffic": saved.get("traffic", [])})
             update_section("compression", markdown(result))
+            update_section("compression-other", shorter_markdown(result), RESEARCH_MD)
     print(markdown(result_of(rows)))
 
 
@@ -490,22 +572,26 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{r['final_sampler_ce']:.4f} | {ce} | {r['bytes_total'] / 1e6:.1f} MB | "
                 f"{total} | {r['accepted']} | {refused} |"
             )
+    return "\n".join(lines)
+
+
+def shorter_markdown(result: dict[str, Any]) -> str:
+    """The runs of other lengths (kept, not compared): docs/research/compression.md's table."""
     shorter = sorted(
         result.get("other_rows", []), key=lambda r: (r["rounds"], r["local_steps"], r["seed"])
     )
-    if shorter:
-        lines += [
-            "",
-            "Runs of other lengths (kept, not compared with the tables above):",
-            "",
-            "| rounds x H | wire | variant | seed | final CE | bytes total |",
-            "|---|---|---|---:|---:|---:|",
-        ]
-        lines += [
-            f"| {r['rounds']} x {r['local_steps']} | {r['wire']} | {r.get('variant') or '—'} | "
-            f"{r['seed']} | {r['final_sampler_ce']:.4f} | {r['bytes_total'] / 1e6:.1f} MB |"
-            for r in shorter
-        ]
+    lines = [
+        "Runs of other lengths (`bench/compression.py`, kept in compression.json's "
+        "`other_rows`, not compared with BENCHMARKS.md's tables):",
+        "",
+        "| rounds x H | wire | variant | seed | final CE | bytes total |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r['rounds']} x {r['local_steps']} | {r['wire']} | {r.get('variant') or '—'} | "
+        f"{r['seed']} | {r['final_sampler_ce']:.4f} | {r['bytes_total'] / 1e6:.1f} MB |"
+        for r in shorter
+    ]
     return "\n".join(lines)
 
 

@@ -75,8 +75,28 @@ def test_the_tables_compare_the_longest_fp16_run_and_keep_the_rest() -> None:
     assert {r["wire"] for r in result["rows"]} == {"fp16", "sparse:0.03:2"}
     assert {(r["wire"], r["rounds"]) for r in result["other_rows"]} == {("fp16", 10), ("int8", 10)}
     assert result["command"] == "python bench/compression.py --rounds 30 --local-steps 30"
-    text = compression.markdown(result)
+    text = compression.shorter_markdown(result)  # docs/research/compression.md's table
     assert "| 10 x 30 | int8 | — | 0 | 2.8500 | 54.0 MB |" in text
+    assert "10 x 30" not in compression.markdown(result)
+
+
+def test_traffic_counts_the_relayed_streams_apart_and_the_codec_leaves_them() -> None:
+    """A timing-only run per route: the streams are relay's alone, the delta codec shrinks
+    pushes and pulls but not them, and each total is read against fp16 of its route."""
+    rows = [
+        compression.traffic_row("tiny", route, wire, rounds=2, local_steps=3)
+        for route in ("state", "relay")
+        for wire in ("fp16", "sparse:0.03:2")
+    ]
+    by = {(r["route"], r["wire"]): r for r in rows}
+    for r in rows:
+        assert r["bytes_total"] == r["bytes_pushed"] + r["bytes_pulled"] + r["bytes_streams"]
+    assert by["state", "fp16"]["bytes_streams"] == 0 < by["relay", "fp16"]["bytes_streams"]
+    assert by["relay", "sparse:0.03:2"]["bytes_streams"] == by["relay", "fp16"]["bytes_streams"]
+    assert by["relay", "sparse:0.03:2"]["bytes_pushed"] < by["relay", "fp16"]["bytes_pushed"] / 10
+    text = compression.traffic_markdown(rows)
+    ratio = by["relay", "sparse:0.03:2"]["bytes_total"] / by["relay", "fp16"]["bytes_total"]
+    assert "| tiny | relay | sparse:0.03:2 |" in text and f"| {ratio:.3f} |" in text
 
 
 def test_another_presets_rows_are_a_pair_read_against_their_own_fp16() -> None:
