@@ -7,7 +7,15 @@ synchronous relay (what one process can do); LAG = 1 a pipelined relay (SWARM-st
 behind); LAG = H a relay exchanged once a round of H steps. Block b starts at step b * LAG (no
 stream before). Scored by `blocktrain eval` as bench/compose.py scores its rows.
 
+What a cheaper stream costs (issue 56: every byte through a codec): `--quant int4` / `int2`
+relay the features in 4 or 2 bits a value with a scale per token (symmetric levels, as int8),
+and `--every K` relays one step in K, block b training K consecutive steps on each relayed
+batch (the newest at least LAG steps old): K times fewer stream bytes, each sequence seen K
+times downstream.
+
     python bench/relay_probe.py --preset tiny --blocks 3 --lags 0,1,25 --seeds 0
+    python bench/relay_probe.py --lags 10 --quant int4 --seeds 0,1,2
+    python bench/relay_probe.py --lags 10 --every 4 --seeds 0
     python bench/relay_probe.py --report     # only its section (docs/research/compose.md)
 """
 
@@ -37,14 +45,15 @@ SECTION_MD = RESEARCH / "compose.md"  # history: "Do blocks compose?" read in fu
 WORK = ROOT / "benchmarks" / "work" / "relay_probe"
 
 
-def train_relay(cfg, data, lag: int, quant: str) -> BlockStack:  # type: ignore[no-untyped-def]
+def train_relay(cfg, data, lag: int, quant: str, every: int = 1) -> BlockStack:  # type: ignore[no-untyped-def]
     torch.set_num_threads(cfg.train.threads or torch.get_num_threads())
     stack = BlockStack(cfg.model, cfg.seed)
     loss = BlockLoss(cfg.model, stack.targets, None)
     relayed: dict[int, torch.Tensor | None] = {}
     loss.upstream = lambda b, x: relayed[b]  # type: ignore[assignment]
     opts = [make_optimizer(stack.block(b), cfg.train) for b in range(cfg.model.blocks)]
-    fifos = [collections.deque() for _ in range(cfg.model.blocks)]  # (x, u) per step, per block
+    # (step, x, u) per relayed step, per block; block b reads the newest at least LAG steps old
+    fifos = [collections.deque() for _ in range(cfg.model.blocks)]
     tc = cfg.train
     for s in range(tc.steps):
         for b in range(cfg.model.blocks):
@@ -52,9 +61,12 @@ def train_relay(cfg, data, lag: int, quant: str) -> BlockStack:  # type: ignore[
                 gen = torch.Generator().manual_seed(stream_seed(cfg.seed, 0, s, _BATCH_SALT))
                 x, u = data.sample(tc.batch_size, cfg.model.seq_len, gen), None
             else:
-                if len(fifos[b - 1]) <= lag:
+                fifo = fifos[b - 1]
+                while len(fifo) > 1 and fifo[1][0] <= s - lag:
+                    fifo.popleft()  # a newer relayed step is old enough
+                if not fifo or fifo[0][0] > s - lag:
                     continue  # no stream yet
-                x, u = fifos[b - 1].popleft()
+                _, x, u = fifo[0]
             block = stack.block(b)
             relayed[b] = u
             noise = torch.Generator().manual_seed(stream_seed(cfg.seed, b, s, _NOISE_SALT))
@@ -63,10 +75,10 @@ def train_relay(cfg, data, lag: int, quant: str) -> BlockStack:  # type: ignore[
             parts.total.backward()
             torch.nn.utils.clip_grad_norm_(block.parameters(), tc.grad_clip)
             set_learning_rate(opts[b], learning_rate(s, tc))
-            if b < cfg.model.blocks - 1:
+            if b < cfg.model.blocks - 1 and s % every == 0:
                 with torch.no_grad():  # the stream as it was computed in this step's forward
                     out = block.clean_stream(x, u)
-                fifos[b].append((x, quantise(out, quant)))
+                fifos[b].append((s, x, quantise(out, quant)))
             opts[b].step()
         if s % 100 == 0:
             print(f"step {s} loss {float(parts.total):.3f}", file=sys.stderr, flush=True)
@@ -78,8 +90,17 @@ def quantise(u: torch.Tensor, how: str) -> torch.Tensor:
         return u
     if how == "fp16":
         return u.half().float()
-    scale = u.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / 127.0
-    return (u / scale).round().clamp(-127, 127) * scale
+    top = QUANT_LEVELS[how]  # symmetric: -top .. top
+    scale = u.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / top
+    return (u / scale).round().clamp(-top, top) * scale
+
+
+KEY = ("preset", "blocks", "lag", "quant", "every", "seed", "steps")
+"""What makes a row (rows measured before `every` existed relay every step)."""
+
+QUANT_LEVELS = {"int8": 127, "int4": 7, "int2": 1}
+"""The largest level of each integer stream codec (int2: -1, 0, 1 with a scale per token)."""
+QUANT_BITS = {"fp32": 32, "fp16": 16, "int8": 8, "int4": 4, "int2": 2}
 
 
 def main() -> None:
@@ -89,7 +110,8 @@ def main() -> None:
     p.add_argument("--lags", default="0,1,25")
     p.add_argument("--seeds", default="0")
     p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--quant", default="int8", choices=("fp32", "fp16", "int8"))
+    p.add_argument("--quant", default="int8", choices=("fp32", "fp16", *QUANT_LEVELS))
+    p.add_argument("--every", type=int, default=1, help="relay one step in K (default 1)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--sweeps", type=int, default=16)
     p.add_argument("--report", action="store_true", help="only rewrite its section (SECTION_MD)")
@@ -111,9 +133,10 @@ def main() -> None:
             sets += ["route=features", f"threads={args.threads}", f"steps={args.steps}"]
             cfg = apply_overrides(preset(args.preset), sets)
             t0 = time.perf_counter()
-            stack = train_relay(cfg, train, lag, args.quant)
+            stack = train_relay(cfg, train, lag, args.quant, args.every)
             secs = time.perf_counter() - t0
-            run = WORK / f"{args.preset}-b{args.blocks}-lag{lag}-{args.quant}-seed{seed}"
+            every = f"-every{args.every}" if args.every > 1 else ""
+            run = WORK / f"{args.preset}-b{args.blocks}-lag{lag}-{args.quant}{every}-seed{seed}"
             blocks = {b: stack.block(b).state_dict() for b in range(args.blocks)}
             write_assembled(run, cfg, blocks, args.steps)
             argv = ["eval", str(run), "--split", "test", "--json", "-q"]
@@ -124,6 +147,7 @@ def main() -> None:
                 "blocks": args.blocks,
                 "lag": lag,
                 "quant": args.quant,
+                "every": args.every,
                 "seed": seed,
                 "steps": args.steps,
                 "test_ce": ev["sampler_ce"],
@@ -134,37 +158,43 @@ def main() -> None:
             results["rows"] = [
                 r
                 for r in results["rows"]
-                if {k: r[k] for k in ("preset", "blocks", "lag", "quant", "seed", "steps")}
-                != {k: row[k] for k in ("preset", "blocks", "lag", "quant", "seed", "steps")}
+                if {k: r.get(k, 1) for k in KEY} != {k: row[k] for k in KEY}  # every: 1
             ] + [row]
             out_path.write_text(json.dumps(results, indent=1) + "\n")
             update_section("relay-probe", markdown(results), SECTION_MD)
 
 
 def markdown(results: dict) -> str:  # type: ignore[type-arg]
-    """The mean CE by lag over the seeds measured, each with its seeds."""
+    """The mean CE by lag, stream codec and relay period over the seeds measured, each with its
+    seeds and its stream bytes against int8 every step."""
     lines = [
         "Each row: every block of a `features` stack trained in one process, block b reading at "
-        "step s what block b-1 output at step s - LAG (int8 with a scale per token, as "
-        "`relaystream` relays it), its batch too; scored by `blocktrain eval` on the 32,768 test "
-        "bytes of bench/compose.py (M = 16). LAG 0 is what `train` does under `route = relay`; "
-        "LAG H what a worker does that takes a stream once a round of H steps.",
+        "step s what block b-1 output at the newest relayed step at least LAG old (its features "
+        "in the row's codec with a scale per token, int8 as `relaystream` relays it), its batch "
+        "too; every K: one step in K relayed, each used K steps; scored by `blocktrain eval` on "
+        "the 32,768 test bytes of bench/compose.py (M = 16). LAG 0 is what `train` does under "
+        "`route = relay`; LAG H what a worker does that takes a stream once a round of H steps. "
+        "Stream bytes: a token's byte, its features and an fp32 scale, per step, against int8 "
+        "every step.",
         "",
-        "| preset | blocks | lag (steps) | steps | sampler CE | head CE | seeds |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "| preset | blocks | lag (steps) | codec | every K | stream bytes | steps | sampler CE | "
+        "head CE | seeds |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---|",
     ]
     groups: dict[tuple, list[dict]] = {}  # type: ignore[type-arg]
     for r in results["rows"]:
-        key = (r["preset"], r["blocks"], r["lag"], r["steps"], r["quant"])
+        key = (r["preset"], r["blocks"], r["lag"], r["quant"], r.get("every", 1), r["steps"])
         groups.setdefault(key, []).append(r)
-    for (name, blocks, lag, steps, _), rows in sorted(groups.items()):
+    for (name, blocks, lag, quant, every, steps), rows in sorted(groups.items()):
         ces = [r["test_ce"] for r in rows]
         se = f" ± {statistics.stdev(ces) / len(ces) ** 0.5:.3f}" if len(ces) > 1 else ""
         heads = statistics.fmean(r["head_ce"] for r in rows)
         seeds = ",".join(str(r["seed"]) for r in sorted(rows, key=lambda r: r["seed"]))
+        d = preset(name).model.d_model
+        share = (d * QUANT_BITS[quant] / 8 + 5) / every / (d + 5)
         lines.append(
-            f"| {name} | {blocks} | {lag} | {steps} | {statistics.fmean(ces):.3f}{se} | "
-            f"{heads:.3f} | {seeds} |"
+            f"| {name} | {blocks} | {lag} | {quant} | {every} | {share:.2f} | {steps} | "
+            f"{statistics.fmean(ces):.3f}{se} | {heads:.3f} | {seeds} |"
         )
     lines += ["", "```sh", *results.get("commands", []), "```"]
     return "\n".join(lines)
