@@ -116,3 +116,60 @@ def test_check_refuses_an_oversized_body() -> None:
     with pytest.raises(WireError) as err:
         check(body, SHAPE, max_bytes=len(body) - 1)
     assert err.value.reason == "too_large"
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_a_packed_stream_reads_back_its_levels_at_a_fraction_of_the_bytes(bits) -> None:
+    """relay_bits 4 and 2: each value a level in -L..L on the token's scale, 8 / bits a byte;
+    the reader gives back exactly what was sent, and the body is that much smaller."""
+    shape = Shape(3, 8, 16, bits)
+    writer = StreamWriter(shape)
+    batches = steps(2)
+    for x, u in batches:
+        writer.add(x, u)
+    body = writer.finish({"block": "0"}).read()
+    stream = RelayStream.from_body(body, shape)
+    top = (1 << (bits - 1)) - 1
+    for i, (want_x, want_u) in enumerate(batches):
+        x, u = stream.step(i)
+        assert torch.equal(x, want_x)
+        scale = want_u.abs().amax(-1, keepdim=True) / top
+        assert torch.allclose(u, (want_u / scale).round().clamp(-top, top) * scale)
+        assert torch.equal(u, dequantise(*quantise(want_u, bits), bits, 16))
+    assert len(body) - bytes_per_step(3, 8, 16, bits) * 2 < 512
+    assert bytes_per_step(3, 8, 16, bits) == 3 * 8 * (16 * bits // 8 + 5)
+    with pytest.raises(WireError, match="this run relays"):
+        check(body, SHAPE)  # an 8-bit run refuses a packed stream
+    tensors = load(body)
+    assert tensors["features"].dtype == torch.uint8
+
+
+def test_check_refuses_a_packed_stream_without_its_width_or_with_unknown_bits() -> None:
+    body = written(steps(1))
+    n = int.from_bytes(body[:8], "little")
+    header = body[8 : 8 + n].decode()
+    for meta, reason in (('"bits":"4"', "malformed"), ('"bits":"3","d_model":"16"', "malformed")):
+        bad = header.replace('"format"', meta + ',"format"', 1).encode()
+        bad += b" " * (-len(bad) % 8)
+        with pytest.raises(WireError) as err:
+            check(len(bad).to_bytes(8, "little") + bad + body[8 + n :])
+        assert err.value.reason == reason
+
+
+def test_relay_bits_and_every_price_a_rounds_stream_and_bad_values_are_refused() -> None:
+    """costs.round_bytes: a round's stream holds ceil(H / relay_every) steps of
+    bytes_per_step(..., relay_bits); the config refuses other bits and a period below 1."""
+    from blocktrain.config import apply_overrides
+    from blocktrain.errors import ConfigError
+    from blocktrain.presets import preset
+    from blocktrain.training.costs import round_bytes
+
+    cfg = apply_overrides(preset("tiny"), ["route=relay", "relay_bits=4", "relay_every=3"])
+    m, t = cfg.model, cfg.train
+    rounds = round_bytes(cfg, local_steps=10, wire_dtype="fp16")
+    want = 4 * bytes_per_step(t.batch_size, m.seq_len, m.d_model, 4)  # ceil(10 / 3) steps
+    assert rounds[0]["stream_out"] == want and rounds[1]["stream_in"] == want
+    assert rounds[0]["stream_in"] == 0 and rounds[-1]["stream_out"] == 0
+    for bad in ("relay_bits=3", "relay_every=0"):
+        with pytest.raises(ConfigError, match=bad.split("=")[0]):
+            apply_overrides(preset("tiny"), [bad])

@@ -18,6 +18,8 @@ from typing import Any, Union
 from blocktrain.errors import ConfigError
 
 VOCAB_SIZE = 256  # byte values; the vocabulary is fixed
+RELAY_BITS = (8, 4, 2)
+"""The bits a relayed feature may take (`relay_bits`, relaystream.py)."""
 ROUTES = ("state", "features", "relay")
 INTERVAL_ORDERS = ("forward", "reversed")
 
@@ -199,8 +201,20 @@ class TrainConfig:
     """'fp32', or 'bf16' autocast (on GPUs that support it)."""
     threads: int = 0
     """CPU threads for torch (0: leave torch's default)."""
+    relay_bits: int = 8
+    """`route = relay`: the bits of each relayed feature, 8, 4 or 2 (relaystream.py)."""
+    relay_every: int = 1
+    """`route = relay`: relay one local step in this many; block b+1 trains on each relayed batch
+    this many times (a stream this many times smaller)."""
 
     def __post_init__(self) -> None:
+        _check(
+            self.relay_bits in RELAY_BITS,
+            "relay_bits",
+            self.relay_bits,
+            f"must be one of {RELAY_BITS}",
+        )
+        _check(self.relay_every >= 1, "relay_every", self.relay_every, "must be at least 1")
         for name in ("steps", "batch_size"):
             _check(getattr(self, name) > 0, name, getattr(self, name), "must be positive")
         for name in ("warmup_steps", "eval_every", "checkpoint_every", "log_every", "threads"):

@@ -9,8 +9,11 @@ One safetensors body, read only through `tensorwire`:
 
 with string metadata `format`, `block`, `round` and `worker`. 8-bit activations are what SWARM
 relays between its stages; a scale per token because the residual stream's tokens differ in
-scale (an fp16 scale loses small tokens below 2^-14). The writer spools a round one step at a
-time to a folder or keeps it in memory; the reader reads one step at a time."""
+scale (an fp16 scale loses small tokens below 2^-14). At `bits` 4 or 2 (metadata `bits` and
+`d_model`; the run's `relay_bits`) each value is a level in -L..L (L = 2^(bits-1) - 1) stored
+as level + L, 8 / bits of them a byte, the first in the low bits: features U8 (S, N, T,
+ceil(d bits / 8)). The writer spools a round one step at a time to a folder or keeps it in
+memory; the reader reads one step at a time."""
 
 from __future__ import annotations
 
@@ -32,24 +35,51 @@ FORMAT = "blocktrain-relay-1"
 NAMES = ("bytes", "features", "scales")
 DTYPES = {"bytes": ("U8", torch.uint8), "features": ("I8", torch.int8), "scales": ("F32", torch.float32)}  # fmt: skip
 BYTES_PER_TOKEN_OVER_D = 5
-"""A token costs d + 5 bytes: its byte id, d int8 features and an fp32 scale."""
+"""A token costs its features and 5 bytes more: its byte id and an fp32 scale."""
 
 
-def bytes_per_step(batch: int, seq_len: int, d_model: int) -> int:
+def feature_width(d_model: int, bits: int = 8) -> int:
+    """The bytes of one token's features at `bits` a value."""
+    return -(-d_model * bits // 8)
+
+
+def bytes_per_step(batch: int, seq_len: int, d_model: int, bits: int = 8) -> int:
     """The bytes one local step's batch adds to a stream (headers aside)."""
-    return batch * seq_len * (d_model + BYTES_PER_TOKEN_OVER_D)
+    return batch * seq_len * (feature_width(d_model, bits) + BYTES_PER_TOKEN_OVER_D)
 
 
-def quantise(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """u (..., d) float -> (int8 (..., d), fp32 scales (...)): per-token absmax over 127."""
+def packs(bits: int) -> bool:
+    """Whether values of `bits` bits pack whole into bytes with a level each side of 0."""
+    return 2 <= bits <= 8 and 8 % bits == 0
+
+
+def _top(bits: int) -> int:
+    return (1 << (bits - 1)) - 1
+
+
+def quantise(u: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """u (..., d) float -> (codes, fp32 scales (...)): per-token absmax over the top level;
+    codes int8 (..., d) at 8 bits, else packed uint8 (..., feature_width(d, bits))."""
+    top = _top(bits)
     u = u.detach().float()
-    scale = u.abs().amax(dim=-1) / 127.0
-    q = torch.round(u / scale.clamp(min=1e-30)[..., None]).clamp(-127, 127).to(torch.int8)
-    return q, scale
+    scale = u.abs().amax(dim=-1) / top
+    q = torch.round(u / scale.clamp(min=1e-30)[..., None]).clamp(-top, top)
+    if bits == 8:
+        return q.to(torch.int8), scale
+    per = 8 // bits
+    codes = (q + top).to(torch.uint8)
+    pad = -codes.shape[-1] % per
+    codes = torch.nn.functional.pad(codes, (0, pad)).reshape(*codes.shape[:-1], -1, per)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+    return (codes << shifts).sum(dim=-1, dtype=torch.uint8), scale
 
 
-def dequantise(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """(int8 (..., d), fp32 (...)) -> float32 (..., d)."""
+def dequantise(q: torch.Tensor, scale: torch.Tensor, bits: int = 8, d: int = 0) -> torch.Tensor:
+    """(codes, fp32 (...)) -> float32 (..., d); `d` the features a token has (packed codes)."""
+    if bits != 8:
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+        codes = (q[..., None] >> shifts) & ((1 << bits) - 1)
+        q = codes.reshape(*q.shape[:-1], -1)[..., :d].float() - _top(bits)
     return q.float() * scale.float()[..., None]
 
 
@@ -60,10 +90,14 @@ class Shape:
     batch: int
     seq_len: int
     d_model: int
+    bits: int = 8
 
     def tensor_shape(self, name: str, steps: int) -> tuple[int, ...]:
         base = (steps, self.batch, self.seq_len)
-        return (*base, self.d_model) if name == "features" else base
+        return (*base, feature_width(self.d_model, self.bits)) if name == "features" else base
+
+    def dtype(self, name: str) -> tuple[str, torch.dtype]:
+        return ("U8", torch.uint8) if name == "features" and self.bits != 8 else DTYPES[name]
 
 
 class StreamWriter:
@@ -93,7 +127,7 @@ class StreamWriter:
                 f"a relayed step is ({s.batch}, {s.seq_len}) bytes with (..., {s.d_model}) "
                 f"features, not {tuple(x_bytes.shape)} and {tuple(features.shape)}"
             )
-        q, scale = quantise(features)
+        q, scale = quantise(features, s.bits)
         for part, t in zip(self._parts, (x_bytes.to(torch.uint8), q, scale), strict=True):
             part.write(t.cpu().contiguous().numpy().tobytes())
         self.steps += 1
@@ -106,14 +140,15 @@ class StreamWriter:
         start = 0
         for name in NAMES:
             shape = self.shape.tensor_shape(name, self.steps)
-            size = math.prod(shape) * DTYPES[name][1].itemsize
+            size = math.prod(shape) * self.shape.dtype(name)[1].itemsize
             offsets[name] = [start, start + size]
             start += size
+        packed = {} if self.shape.bits == 8 else {"bits": str(self.shape.bits), "d_model": str(self.shape.d_model)}  # fmt: skip
         header = {
-            "__metadata__": {"format": FORMAT, **metadata},
+            "__metadata__": {"format": FORMAT, **metadata, **packed},
             **{
                 name: {
-                    "dtype": DTYPES[name][0],
+                    "dtype": self.shape.dtype(name)[0],
                     "shape": list(self.shape.tensor_shape(name, self.steps)),
                     "data_offsets": offsets[name],
                 }
@@ -175,23 +210,31 @@ def check(body: Body, shape: Shape | None = None, *, max_bytes: int | None = Non
         raise WireError(
             "malformed", f"a stream holds {', '.join(NAMES)}, not {sorted(decoded.tensors)}"
         )
-    for name in NAMES:
-        if decoded.tensors[name].dtype != DTYPES[name][0]:
-            raise WireError(
-                "bad_dtype", f"{name} must be {DTYPES[name][0]}, not {decoded.tensors[name].dtype}"
-            )
     feats = decoded.tensors["features"].shape
     if len(feats) != 4 or not all(v > 0 for v in feats):
         raise WireError("bad_shape", f"features must be (S, N, T, d), not {feats}")
-    got = Shape(feats[1], feats[2], feats[3])
+    try:
+        bits = int(meta.get("bits", "8"))
+        d = int(meta["d_model"]) if bits != 8 else feats[3]
+    except (KeyError, ValueError):
+        raise WireError("malformed", "a packed stream names its bits and d_model") from None
+    if not packs(bits) or d <= 0:
+        raise WireError("malformed", f"a stream's features take 8, 4 or 2 bits, not {bits}")
+    got = Shape(feats[1], feats[2], d, bits)
+    for name in NAMES:
+        if decoded.tensors[name].dtype != got.dtype(name)[0]:
+            raise WireError(
+                "bad_dtype",
+                f"{name} must be {got.dtype(name)[0]}, not {decoded.tensors[name].dtype}",
+            )
     if shape is not None and got != shape:
         raise WireError(
             "bad_shape",
-            f"this run relays (N, T, d) = ({shape.batch}, {shape.seq_len}, {shape.d_model}), "
-            f"not ({got.batch}, {got.seq_len}, {got.d_model})",
+            f"this run relays (N, T, d, bits) = ({shape.batch}, {shape.seq_len}, {shape.d_model}, "
+            f"{shape.bits}), not ({got.batch}, {got.seq_len}, {got.d_model}, {got.bits})",
         )
     steps = feats[0]
-    for name in ("bytes", "scales"):
+    for name in NAMES:
         if decoded.tensors[name].shape != got.tensor_shape(name, steps):
             raise WireError("bad_shape", f"{name} must be {got.tensor_shape(name, steps)}")
     if not bool(torch.isfinite(decoded.tensors["scales"].to_torch()).all()):
@@ -243,12 +286,12 @@ class RelayStream:
             begin, end = self.info.offsets[name]
             size = (end - begin) // self.steps
             raw = self._read(begin + index * size, size)
-            dtype = DTYPES[name][1]
+            dtype = s.dtype(name)[1]
             out.append(
                 torch.frombuffer(bytearray(raw), dtype=dtype).reshape(s.tensor_shape(name, 1)[1:])
             )
         x, q, scale = out
-        return x.long(), dequantise(q, scale)
+        return x.long(), dequantise(q, scale, s.bits, s.d_model)
 
     def _read(self, start: int, size: int) -> bytes:
         if isinstance(self._source, Path):

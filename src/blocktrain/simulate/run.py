@@ -221,7 +221,7 @@ def relay_shape(cfg: RunConfig) -> Shape | None:
     """Under `route = relay`, what each step of a relayed stream holds; else None."""
     if cfg.model.route != "relay":
         return None
-    return Shape(cfg.train.batch_size, cfg.model.seq_len, cfg.model.d_model)
+    return Shape(cfg.train.batch_size, cfg.model.seq_len, cfg.model.d_model, cfg.train.relay_bits)
 
 
 def trainer_factory(
@@ -245,6 +245,7 @@ def trainer_factory(
                 block=block,
                 relay=relay,
                 blocks=cfg.model.blocks,
+                relay_every=cfg.train.relay_every,
             )
         assert train is not None
         return local_trainer(

@@ -31,6 +31,7 @@ class TimingOnlyTrainer:
         block: int = 0,
         relay: Shape | None = None,
         blocks: int = 1,
+        relay_every: int = 1,
     ) -> None:
         """It pulls what a real worker pulls (`upstream_blocks`) and, under relay, takes a
         stream and relays one of zeros of the true size, so that a timing study moves a run's
@@ -39,6 +40,7 @@ class TimingOnlyTrainer:
         self.upstream_blocks: list[int] = list(upstream_blocks or [])
         self.tokens_per_step = tokens_per_step
         self.relay = relay
+        self.relay_every = relay_every
         self.block = block
         self.relays_from = block - 1 if relay is not None and block > 0 else None
         self.relays_to = block + 1 if relay is not None and block < blocks - 1 else None
@@ -53,7 +55,7 @@ class TimingOnlyTrainer:
         writer = StreamWriter(self.relay)
         x = torch.zeros(self.relay.batch, self.relay.seq_len, dtype=torch.long)
         u = torch.zeros(self.relay.batch, self.relay.seq_len, self.relay.d_model)
-        for _ in range(self._steps):
+        for _ in range(0, self._steps, self.relay_every):  # the steps a real worker relays
             writer.add(x, u)
         return writer.finish({"block": str(self.block), **metadata})
 

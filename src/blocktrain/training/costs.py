@@ -58,9 +58,9 @@ def clean_stream_params(block: Block) -> int:
 
 
 def relay_step_bytes(cfg: RunConfig) -> int:
-    """One local step of a relayed clean stream: batch x T x (d + 5) bytes (relaystream)."""
+    """One relayed step of a clean stream: batch x T x (d bits / 8 + 5) bytes (relaystream)."""
     m = cfg.model
-    return bytes_per_step(cfg.train.batch_size, m.seq_len, m.d_model)
+    return bytes_per_step(cfg.train.batch_size, m.seq_len, m.d_model, cfg.train.relay_bits)
 
 
 def _trained(params: int) -> dict[str, int]:
@@ -153,7 +153,8 @@ def round_bytes(cfg: RunConfig, *, local_steps: int, wire_dtype: str) -> list[di
     """Each worker's bytes a round of `local_steps` (docs/serving.md, What a worker costs)."""
     m = cfg.model
     block = wire_bytes(wire_dtype) * count_params(_meta_block(m))
-    stream = local_steps * relay_step_bytes(cfg) if m.route == "relay" else 0
+    relayed = -(-local_steps // cfg.train.relay_every)  # the steps a round's stream holds
+    stream = relayed * relay_step_bytes(cfg) if m.route == "relay" else 0
     return [
         _round(
             block,

@@ -93,8 +93,8 @@ class LocalBlockTrainer:
 
     def stream_shape(self) -> Shape:
         """What each step of this run's streams holds: N sequences of T bytes, d features."""
-        m = self.cfg.model
-        return Shape(self.cfg.train.batch_size, m.seq_len, m.d_model)
+        m, t = self.cfg.model, self.cfg.train
+        return Shape(t.batch_size, m.seq_len, m.d_model, t.relay_bits)
 
     def load_stream(self, stream: RelayStream) -> None:
         """The stream of block `relays_from` this round trains on (route = relay)."""
@@ -157,8 +157,9 @@ class LocalBlockTrainer:
             if should_stop():
                 break
             batch = None
+            every = self.cfg.train.relay_every  # each relayed step serves `every` steps
             if stream is not None:  # the bytes and features block b-1 trained on and output
-                batch, features = stream.step(i)
+                batch, features = stream.step(i // every)
                 self._relayed = features.to(self.device)
             result = train_step(
                 self.module,
@@ -172,7 +173,7 @@ class LocalBlockTrainer:
                 device=self.device,
                 batch=batch,
             )
-            if self._writer is not None and result.clean is not None:
+            if self._writer is not None and result.clean is not None and i % every == 0:
                 self._writer.add(result.batch, result.clean)
             losses.append(result.logs["loss"])
             tokens += result.tokens

@@ -28,9 +28,9 @@ def stream_shape(run_config: dict[str, Any]) -> Shape | None:
     model = run_config.get("model", {})
     if model.get("route") != "relay":
         return None
-    return Shape(
-        int(run_config["train"]["batch_size"]), int(model["seq_len"]), int(model["d_model"])
-    )
+    train = run_config["train"]
+    bits = int(train.get("relay_bits", 8))
+    return Shape(int(train["batch_size"]), int(model["seq_len"]), int(model["d_model"]), bits)
 
 
 class Streams:
@@ -50,7 +50,7 @@ class Streams:
             if shape is None
             else STEPS_SLACK
             * local_steps
-            * bytes_per_step(shape.batch, shape.seq_len, shape.d_model)
+            * bytes_per_step(shape.batch, shape.seq_len, shape.d_model, shape.bits)
             + STREAM_HEADER_BYTES
         )
         self.relays: dict[int, RelayPool] = (
