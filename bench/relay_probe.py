@@ -158,7 +158,7 @@ def main() -> None:
             results["rows"] = [
                 r
                 for r in results["rows"]
-                if {k: r.get(k, 1) for k in KEY} != {k: row[k] for k in KEY}  # every: 1
+                if {k: {"every": 1, **r}[k] for k in KEY} != {k: row[k] for k in KEY}
             ] + [row]
             out_path.write_text(json.dumps(results, indent=1) + "\n")
             update_section("relay-probe", markdown(results), SECTION_MD)

@@ -48,6 +48,12 @@ def bytes_per_step(batch: int, seq_len: int, d_model: int, bits: int = 8) -> int
     return batch * seq_len * (feature_width(d_model, bits) + BYTES_PER_TOKEN_OVER_D)
 
 
+def relayed_steps(local_steps: int, every: int) -> int:
+    """The steps a round's stream holds when one local step in `every` is relayed (0, every,
+    2 every, ...)."""
+    return -(-local_steps // every)
+
+
 def packs(bits: int) -> bool:
     """Whether values of `bits` bits pack whole into bytes with a level each side of 0."""
     return 2 <= bits <= 8 and 8 % bits == 0
@@ -74,9 +80,13 @@ def quantise(u: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor
     return (codes << shifts).sum(dim=-1, dtype=torch.uint8), scale
 
 
-def dequantise(q: torch.Tensor, scale: torch.Tensor, bits: int = 8, d: int = 0) -> torch.Tensor:
+def dequantise(
+    q: torch.Tensor, scale: torch.Tensor, bits: int = 8, d: int | None = None
+) -> torch.Tensor:
     """(codes, fp32 (...)) -> float32 (..., d); `d` the features a token has (packed codes)."""
     if bits != 8:
+        if d is None:
+            raise ValueError("packed codes need the features a token has (d)")
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
         codes = (q[..., None] >> shifts) & ((1 << bits) - 1)
         q = codes.reshape(*q.shape[:-1], -1)[..., :d].float() - _top(bits)

@@ -25,7 +25,7 @@ from blocktrain.simulate.regimes import Regime
 from blocktrain.simulate.workers import TimingOnlyTrainer
 from blocktrain.training import EvalSettings
 from blocktrain.training import checkpoint as ckpt
-from blocktrain.training.costs import unit_costs
+from blocktrain.training.costs import stream_shape, unit_costs
 from blocktrain.training.local import (
     evaluate_units,
     initial_units,
@@ -221,7 +221,7 @@ def relay_shape(cfg: RunConfig) -> Shape | None:
     """Under `route = relay`, what each step of a relayed stream holds; else None."""
     if cfg.model.route != "relay":
         return None
-    return Shape(cfg.train.batch_size, cfg.model.seq_len, cfg.model.d_model, cfg.train.relay_bits)
+    return stream_shape(cfg)
 
 
 def trainer_factory(

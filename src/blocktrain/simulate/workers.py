@@ -14,7 +14,7 @@ from blocktrain.protocol.core.codecs import DeltaEncoder
 from blocktrain.protocol.core.local_trainer import LocalTrainer
 from blocktrain.protocol.core.pulls import View
 from blocktrain.protocol.core.rounds import RoundView
-from blocktrain.relaystream import RelayStream, Shape, StreamBody, StreamWriter
+from blocktrain.relaystream import RelayStream, Shape, StreamBody, StreamWriter, relayed_steps
 
 Tensors = dict[str, torch.Tensor]
 
@@ -55,7 +55,7 @@ class TimingOnlyTrainer:
         writer = StreamWriter(self.relay)
         x = torch.zeros(self.relay.batch, self.relay.seq_len, dtype=torch.long)
         u = torch.zeros(self.relay.batch, self.relay.seq_len, self.relay.d_model)
-        for _ in range(0, self._steps, self.relay_every):  # the steps a real worker relays
+        for _ in range(relayed_steps(self._steps, self.relay_every)):  # what a worker relays
             writer.add(x, u)
         return writer.finish({"block": str(self.block), **metadata})
 

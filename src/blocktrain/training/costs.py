@@ -15,7 +15,7 @@ from blocktrain.config import VOCAB_SIZE, ModelConfig, RunConfig
 from blocktrain.errors import ConfigError
 from blocktrain.model import Block, Reference, ZLayout
 from blocktrain.model.layers import DualStreamLayer
-from blocktrain.relaystream import bytes_per_step
+from blocktrain.relaystream import Shape, bytes_per_step, relayed_steps
 from blocktrain.training.flops import count_flops
 from blocktrain.training.optim import ADAMW_BYTES_PER_PARAM
 from blocktrain.training.profiles import DeviceProfile
@@ -57,10 +57,16 @@ def clean_stream_params(block: Block) -> int:
     return count_params(block.embed) + count_params(block.layers) - modulation
 
 
+def stream_shape(cfg: RunConfig) -> Shape:
+    """What each step of this run's relayed streams holds: N sequences of T bytes, d features
+    at `relay_bits`."""
+    return Shape(cfg.train.batch_size, cfg.model.seq_len, cfg.model.d_model, cfg.train.relay_bits)
+
+
 def relay_step_bytes(cfg: RunConfig) -> int:
     """One relayed step of a clean stream: batch x T x (d bits / 8 + 5) bytes (relaystream)."""
-    m = cfg.model
-    return bytes_per_step(cfg.train.batch_size, m.seq_len, m.d_model, cfg.train.relay_bits)
+    s = stream_shape(cfg)
+    return bytes_per_step(s.batch, s.seq_len, s.d_model, s.bits)
 
 
 def _trained(params: int) -> dict[str, int]:
@@ -153,7 +159,7 @@ def round_bytes(cfg: RunConfig, *, local_steps: int, wire_dtype: str) -> list[di
     """Each worker's bytes a round of `local_steps` (docs/serving.md, What a worker costs)."""
     m = cfg.model
     block = wire_bytes(wire_dtype) * count_params(_meta_block(m))
-    relayed = -(-local_steps // cfg.train.relay_every)  # the steps a round's stream holds
+    relayed = relayed_steps(local_steps, cfg.train.relay_every)
     stream = relayed * relay_step_bytes(cfg) if m.route == "relay" else 0
     return [
         _round(

@@ -23,6 +23,7 @@ from blocktrain.errors import CheckpointError, ProtocolError
 from blocktrain.model import BlockStack, Reference, init_block, init_reference, target_table
 from blocktrain.relaystream import RelayStream, Shape, StreamBody, StreamWriter
 from blocktrain.training import checkpoint as ckpt
+from blocktrain.training.costs import stream_shape
 from blocktrain.training.evaluate import (
     EvalSettings,
     Progress,
@@ -93,8 +94,7 @@ class LocalBlockTrainer:
 
     def stream_shape(self) -> Shape:
         """What each step of this run's streams holds: N sequences of T bytes, d features."""
-        m, t = self.cfg.model, self.cfg.train
-        return Shape(t.batch_size, m.seq_len, m.d_model, t.relay_bits)
+        return stream_shape(self.cfg)
 
     def load_stream(self, stream: RelayStream) -> None:
         """The stream of block `relays_from` this round trains on (route = relay)."""
@@ -153,11 +153,11 @@ class LocalBlockTrainer:
         self.module.train()
         losses: list[float] = []
         tokens = 0
+        every = self.cfg.train.relay_every  # each relayed step serves `every` steps
         for i in range(steps):
             if should_stop():
                 break
             batch = None
-            every = self.cfg.train.relay_every  # each relayed step serves `every` steps
             if stream is not None:  # the bytes and features block b-1 trained on and output
                 batch, features = stream.step(i // every)
                 self._relayed = features.to(self.device)
