@@ -16,19 +16,23 @@ so: it is what that setting runs). final_sampler_ce: the final model's sampler C
 sweeps, 16384 validation bytes); bytes_total: every pull and push body of the run (bytes_up:
 the pushes alone).
 
-Rows of another `--preset` (small) are a pair, fp16 and a codec at one length, read against
-each other in their own table; they run with the effect probe off, as `blocktrain cluster` does
-(the probe refuses honest updates at small near the learning rate's peak:
-docs/research/decentralised.md, The shared-node run).
+Rows run under `--route` (default: the config's default, `relay`). Every row measured before
+rows recorded their route ran under `features`, the default then: those are the main tables.
+Rows of another route or another `--preset` are pairs, fp16 and a codec of the same preset,
+route, length and seed, read against each other in their own table. Small rows run with the
+effect probe off, as `blocktrain cluster` does (the probe refuses honest updates at small near
+the learning rate's peak: docs/research/decentralised.md, The shared-node run).
 
-    python bench/compression.py --rounds 30 --local-steps 30                # the main rows
-    python bench/compression.py --rounds 30 --local-steps 30 --ablations    # + the ablations
+    python bench/compression.py --rounds 30 --local-steps 30 --route features   # the main rows
+    python bench/compression.py --rounds 30 --local-steps 30 --route features --ablations
     python bench/compression.py --rounds 30 --local-steps 30 --wires fp16,sparse:0.03:2 --seeds 1,2
     python bench/compression.py --wires topk:0.01     # add a row (rows in the JSON are kept)
     python bench/compression.py --wires sparse:0.03:2 --variant pull_wire=full   # one ablation
     python bench/compression.py --wires fp16 --variant outer_lr=0.7,outer_momentum=0.9  # dense control
     python bench/compression.py --force               # re-run rows already in the JSON
     python bench/compression.py --preset small --rounds 20 --local-steps 20 --wires sparse:0.03:2
+    python bench/compression.py --preset small --rounds 20 --local-steps 20 --wires sparse:0.03:2 \
+        --route relay --eval-every 5        # the pair under relay, the gap against rounds
     python bench/compression.py --traffic --rounds 20 --local-steps 20   # bytes by kind, no training
 
 `--traffic` counts what each kind of byte a run moves (pushes, pulls, relayed streams) for
@@ -56,7 +60,7 @@ from typing import Any
 
 import torch
 
-from blocktrain.config import ROUTES, apply_overrides
+from blocktrain.config import ROUTES, ModelConfig, apply_overrides
 from blocktrain.data import load_split
 from blocktrain.errors import ConfigError
 from blocktrain.presets import PRESETS, preset
@@ -102,6 +106,10 @@ MIN_SEEDS = 3
 MAIN_PRESET = "tiny"
 """The preset of the main tables; a row of another preset is read against fp16 of its own
 preset, length and seed."""
+MAIN_ROUTE = "features"
+"""The route of the main tables: every row measured before a row recorded its route ran under
+`features`, the default until 22240f6; a row of another route is read against fp16 of its own
+route, beside them."""
 PRESET_SETTINGS: dict[str, dict[str, Any]] = {"small": {"effect_probe": "off"}}
 """Aggregator settings every row of a preset takes (`blocktrain cluster`'s at small)."""
 
@@ -146,7 +154,8 @@ def dense_mean_of_sparse(on: bool) -> Iterator[None]:
 def run_row(wire: str, variant: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     # the run's seed draws the model's initial weights and each worker's batches
     cfg = apply_overrides(
-        preset(args.preset), [f"steps={args.rounds * args.local_steps}", f"seed={seed}"]
+        preset(args.preset),
+        [f"steps={args.rounds * args.local_steps}", f"seed={seed}", f"route={args.route}"],
     )
     settings, dense_mean = variant_settings(variant)
     base = PRESET_SETTINGS.get(args.preset, {})
@@ -156,7 +165,7 @@ def run_row(wire: str, variant: str, seed: int, args: argparse.Namespace) -> dic
         rounds=args.rounds,
         protocol={"local_steps": args.local_steps, "delta_wire": wire, **base, **settings},
         seed=seed,
-        eval_every=args.rounds,  # the final model is what the table compares
+        eval_every=args.eval_every or args.rounds,  # the final model is what tables compare
     )
     t0 = time.perf_counter()
     with dense_mean_of_sparse(dense_mean):
@@ -166,6 +175,7 @@ def run_row(wire: str, variant: str, seed: int, args: argparse.Namespace) -> dic
     r = report["regimes"]["lockstep"]
     return {
         "preset": args.preset,
+        "route": args.route,
         "settings": base,
         "wire": wire,
         "variant": variant,
@@ -184,6 +194,10 @@ def run_row(wire: str, variant: str, seed: int, args: argparse.Namespace) -> dic
         "local_steps": args.local_steps,
         "workers": 6,
         "wall_s": time.perf_counter() - t0,
+        # the assembled model's from-noise CE after each evaluated round: the gap against rounds
+        "from_noise_by_round": [
+            [x["round"], x["from_noise_ce"]] for x in r["rounds"] if x["from_noise_ce"] is not None
+        ],
     }
 
 
@@ -289,6 +303,20 @@ def main() -> None:
         "beside them)",
     )
     p.add_argument(
+        "--route",
+        choices=ROUTES,
+        default=ModelConfig.route,
+        help=f"the rows' route (default: {ModelConfig.route}, the default; the main tables "
+        f"are {MAIN_ROUTE}'s)",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="also measure the from-noise CE every N rounds (the row's from_noise_by_round; "
+        "default: the final round only)",
+    )
+    p.add_argument(
         "--wires",
         type=lambda text: [x.strip() for x in text.split(",") if x.strip()],
         default=list(WIRES),
@@ -351,12 +379,12 @@ def main() -> None:
     rows = saved_rows(saved)
     for seed in args.seeds:
         for wire, variant in runs:
-            key = (args.preset, wire, variant, seed, args.rounds, args.local_steps)
+            key = (args.preset, wire, variant, seed, args.rounds, args.local_steps, args.route)
             old = rows.get(key)
             fresh = old is not None and old.get("pull_wire") == pull_wire(wire, variant)
             if fresh and (wire, variant) not in forced:
                 continue
-            label = f"{args.preset} {wire}" + (f" [{variant}]" if variant else "")
+            label = f"{args.preset} {args.route} {wire}" + (f" [{variant}]" if variant else "")
             print(f"compression: {label}, seed {seed} ...", file=sys.stderr, flush=True)
             rows[key] = row = run_row(wire, variant, seed, args)
             print(
@@ -379,8 +407,8 @@ def pull_wire(wire: str, variant: str = "") -> str:
     return AggregatorSettings(delta_wire=wire, pull_wire=settings.get("pull_wire")).pulls
 
 
-Key = tuple[str, str, str, int, int, int]
-"""A row's preset, wire, variant, seed, rounds and H."""
+Key = tuple[str, str, str, int, int, int, str]
+"""A row's preset, wire, variant, seed, rounds, H and route."""
 
 
 def key_of(row: dict[str, Any]) -> Key:
@@ -391,6 +419,7 @@ def key_of(row: dict[str, Any]) -> Key:
         row["seed"],
         row["rounds"],
         row["local_steps"],
+        row.get("route", MAIN_ROUTE),
     )
 
 
@@ -409,7 +438,7 @@ def result_of(rows: dict[Key, dict[str, Any]]) -> dict[str, Any]:
     `seed_rows`: the other seeds'; `seeds`: per wire and variant, its CE minus fp16's of the
     same seed, for every seed run with both, and its verdict against the bar and the goal;
     `preset_rows`: the rows of other presets, each against fp16 of its preset, length and seed."""
-    main = {k[1:]: r for k, r in rows.items() if k[0] == MAIN_PRESET}
+    main = {k[1:6]: r for k, r in rows.items() if (k[0], k[6]) == (MAIN_PRESET, MAIN_ROUTE)}
     lengths = [(k[3] * k[4], k[3], k[4]) for k in main if k[0] == "fp16" and not k[1]]
     _, rounds, local_steps = max(lengths, default=(0, 0, 0))
     kept = {k[:3]: r for k, r in main.items() if (k[3], k[4]) == (rounds, local_steps)}
@@ -451,7 +480,10 @@ def result_of(rows: dict[Key, dict[str, Any]]) -> dict[str, Any]:
         entry["verdict"] = verdict(entry)
     others = [r for key, r in sorted(kept.items(), key=lambda kv: kv[0][2]) if key[2] != 0]
     return {
-        "command": f"python bench/compression.py --rounds {rounds} --local-steps {local_steps}",
+        "command": (
+            f"python bench/compression.py --rounds {rounds} --local-steps {local_steps} "
+            f"--route {MAIN_ROUTE}"
+        ),
         "machine": machine(),
         "rows": ordered,
         "seed_rows": others,
@@ -462,10 +494,11 @@ def result_of(rows: dict[Key, dict[str, Any]]) -> dict[str, Any]:
 
 
 def preset_rows(rows: dict[Key, dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rows of presets other than the main one, by preset, length and seed, fp16 first,
-    each with its CE and bytes against fp16 of the same preset, length and seed (None without)."""
+    """The rows of presets or routes other than the main tables', by preset, length, seed and
+    route, fp16 first, each with its CE and bytes against fp16 of the same preset, length, seed
+    and route (None without)."""
     out = []
-    for key in sorted(k for k in rows if k[0] != MAIN_PRESET):
+    for key in sorted(k for k in rows if (k[0], k[6]) != (MAIN_PRESET, MAIN_ROUTE)):
         r = rows[key]
         fp16 = rows.get((key[0], "fp16", "", *key[3:]))
         r["ce_vs_fp16"] = None if fp16 is None else r["final_sampler_ce"] - fp16["final_sampler_ce"]
@@ -556,18 +589,20 @@ def markdown(result: dict[str, Any]) -> str:
     if pairs:
         lines += [
             "",
-            "Other shapes: 6 workers, regime lockstep, each row against fp16 of the same preset, "
+            "Other shapes and routes (the tables above ran under `features`, the default then): "
+            "6 workers, regime lockstep, each row against fp16 of the same preset, route, "
             "length and seed, with the settings the preset's rows take "
             f"(`--preset NAME`; {', '.join(f'{k}: {v}' for k, v in PRESET_SETTINGS.items())}).",
             "",
-            "| preset | rounds x H | seed | wire | pulls | variant | final CE | − fp16 | "
+            "| preset | route | rounds x H | seed | wire | pulls | variant | final CE | − fp16 | "
             "bytes total | ÷ fp16 | accepted | refused |",
-            "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---|",
+            "|---|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---|",
         ]
         for r in pairs:
             ce, total, refused = against_fp16(r)
             lines.append(
-                f"| {r['preset']} | {r['rounds']} x {r['local_steps']} | {r['seed']} | "
+                f"| {key_of(r)[0]} | {key_of(r)[6]} | {r['rounds']} x {r['local_steps']} | "
+                f"{r['seed']} | "
                 f"{r['wire']} | {r.get('pull_wire', 'full')} | {r.get('variant') or '—'} | "
                 f"{r['final_sampler_ce']:.4f} | {ce} | {r['bytes_total'] / 1e6:.1f} MB | "
                 f"{total} | {r['accepted']} | {refused} |"

@@ -25,9 +25,11 @@ def row(
     variant: str = "",
     rounds: int = 30,
     preset: str | None = None,
+    route: str | None = None,
 ) -> dict[str, Any]:
     return {
         **({} if preset is None else {"preset": preset}),  # None: a row from before --preset
+        **({} if route is None else {"route": route}),  # None: a row from before --route
         "wire": wire,
         "variant": variant,
         "seed": seed,
@@ -74,7 +76,9 @@ def test_the_tables_compare_the_longest_fp16_run_and_keep_the_rest() -> None:
     result = table(short + long)
     assert {r["wire"] for r in result["rows"]} == {"fp16", "sparse:0.03:2"}
     assert {(r["wire"], r["rounds"]) for r in result["other_rows"]} == {("fp16", 10), ("int8", 10)}
-    assert result["command"] == "python bench/compression.py --rounds 30 --local-steps 30"
+    assert result["command"] == (
+        "python bench/compression.py --rounds 30 --local-steps 30 --route features"
+    )
     text = compression.shorter_markdown(result)  # docs/research/compression.md's table
     assert "| 10 x 30 | int8 | — | 0 | 2.8500 | 54.0 MB |" in text
     assert "10 x 30" not in compression.markdown(result)
@@ -119,7 +123,28 @@ def test_another_presets_rows_are_a_pair_read_against_their_own_fp16() -> None:
     assert pairs[1]["bytes_vs_fp16"] == pytest.approx(0.05)
     assert pairs[2]["ce_vs_fp16"] is None
     text = compression.markdown(result)
-    assert "| small | 20 x 30 | 0 | sparse:0.03:2 | sparse:0.06:4 | — | 1.7200 | +0.0200 |" in text
+    assert (
+        "| small | features | 20 x 30 | 0 | sparse:0.03:2 | sparse:0.06:4 | — | 1.7200 | +0.0200 |"
+        in text
+    )
+
+
+def test_a_row_of_another_route_is_read_against_fp16_of_its_route() -> None:
+    # rows from before --route ran under features (the main tables); relay rows pair apart
+    rows = [row("fp16", 0, 2.0, 500), row("sparse:0.03:2", 0, 2.01, 25)]
+    rows += [
+        row("fp16", 0, 1.9, 2000, route="relay"),
+        row("sparse:0.03:2", 0, 1.95, 1600, route="relay"),
+    ]
+    result = table(rows)
+    assert [r["wire"] for r in result["rows"]] == ["fp16", "sparse:0.03:2"]
+    assert result["rows"][1]["ce_vs_fp16"] == pytest.approx(0.01)
+    relay = [r for r in result["preset_rows"] if r.get("route") == "relay"]
+    assert [r["wire"] for r in relay] == ["fp16", "sparse:0.03:2"]
+    assert relay[1]["ce_vs_fp16"] == pytest.approx(0.05)
+    assert relay[1]["bytes_vs_fp16"] == pytest.approx(0.8)
+    assert "| tiny | relay | 30 x 30 | 0 | sparse:0.03:2 |" in compression.markdown(result)
+    assert compression.key_of(rows[0])[6] == "features"
 
 
 def test_an_fp16_row_with_a_variant_is_a_control_read_against_plain_fp16() -> None:
