@@ -54,10 +54,12 @@ def test_every_check_passes_against_a_healthy_aggregator(capsys, aggregator, tmp
         "version",
         "token",
         "clock",
+        "codecs",
         "device",
     ]
     assert all(line.startswith("ok") for line in lines.values()), lines
     assert "2 blocks" in lines["token"]
+    assert "pushes fp16 (dense), pulls whole versions in fp16" in lines["codecs"]
 
 
 def test_a_bad_token_fails_the_token_check_with_its_reason(capsys, aggregator) -> None:
@@ -71,7 +73,8 @@ def test_a_bad_token_fails_the_token_check_with_its_reason(capsys, aggregator) -
 def test_no_token_skips_only_the_token_check(capsys, aggregator, monkeypatch) -> None:
     monkeypatch.delenv("BLOCKTRAIN_TOKEN", raising=False)
     assert main(["doctor", aggregator[0]]) == 0
-    assert _lines(capsys)["token"].startswith("skip")
+    lines = _lines(capsys)
+    assert lines["token"].startswith("skip") and lines["codecs"].startswith("skip")
 
 
 def test_unreachable_and_unresolvable_fail_where_they_fail(capsys) -> None:

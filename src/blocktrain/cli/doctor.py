@@ -1,5 +1,6 @@
 """`blocktrain doctor`: why this machine cannot train for an aggregator. One line per check:
-URL, DNS, TCP, TLS, HTTP, version, token and clock (`protocol.worker.doctor`), then the device
+URL, DNS, TCP, TLS, HTTP, version, token and clock (`protocol.worker.doctor`), the codecs the
+run's bytes go through (pushes, pulls, relayed streams), then the device
 (--device: its name, its memory, and whether the block a worker would train fits, by `blocktrain
 plan`'s worker memory for the aggregator's run config); exit code 0 when every check passed, 1
 when one failed."""
@@ -20,6 +21,7 @@ from blocktrain.cli.common import (
 from blocktrain.config import RunConfig
 from blocktrain.device import fit_verdict, resolve_device
 from blocktrain.errors import ConfigError
+from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.store.state import run_unit
 from blocktrain.protocol.worker.doctor import Check, diagnose
 from blocktrain.training.costs import TRAINED_BYTES_PER_PARAM
@@ -67,7 +69,22 @@ def checks_for(args: argparse.Namespace) -> list[Check]:
         args.url, token, verify=checked_ca(args), timeout_s=args.timeout, on_config=configs.append
     )
     run_config = configs[0].get("run_config") if configs else None
-    return [*checks, device_check(args.device, run_config, getattr(args, "block", None))]
+    device = device_check(args.device, run_config, getattr(args, "block", None))
+    return [*checks, codecs_check(configs[0] if configs else None), device]
+
+
+def codecs_check(config: dict[str, Any] | None) -> Check:
+    """The codecs line: what the run's bytes go through (pushes, pulls, streams), from the
+    aggregator's /v1/config; skipped without it (no token, or the token check failed)."""
+    if config is None:
+        return Check("codecs", None, "needs the run's config (the token check)")
+    try:
+        known = AggregatorSettings.__dataclass_fields__  # /v1/config adds max_body_bytes
+        protocol = {k: v for k, v in dict(config["protocol"]).items() if k in known}
+        settings = AggregatorSettings.from_dict(protocol)
+        return Check("codecs", True, settings.codecs(dict(config["run_config"])))
+    except (ConfigError, KeyError, TypeError, ValueError) as exc:
+        return Check("codecs", False, f"the aggregator's settings do not parse here: {exc}")
 
 
 def device_check(name: str, run_config: dict[str, Any] | None, block: int | None) -> Check:

@@ -125,6 +125,24 @@ def test_pull_wire_setting():
     assert str(DeltaWire.parse("topk:0.03")) == "topk:0.03"
 
 
+def test_the_codecs_line_names_every_kind_of_byte():
+    relay = {"model": {"route": "relay"}, "train": {"relay_bits": 4, "relay_every": 2}}
+    sparse = AggregatorSettings(delta_wire="sparse:0.03:2")
+    assert sparse.codecs(relay) == (
+        "pushes sparse:0.03:2, pulls sparse:0.06:4 (exact commits), relayed streams 4-bit, "
+        "one step in 2"
+    )
+    off = AggregatorSettings(delta_wire="int8", exact_pulls="off")
+    assert off.codecs({"model": {"route": "state"}}) == (
+        "pushes int8, pulls int8 (from the view held)"
+    )
+    dense = AggregatorSettings().codecs({"model": {"route": "features"}})
+    assert dense.startswith("pushes fp16 (dense), pulls whole versions in fp16")
+    assert "blocks before it" in dense
+    # a run config without the keys (a saved older one) reads the defaults: relay, 8 bits
+    assert AggregatorSettings().codecs({}).endswith("relayed streams 8-bit")
+
+
 def record(h: Harness) -> tuple[list[tuple[str, int]], list[bytes]]:
     """(path, status) of every answer the harness's client gets, and the delta bodies."""
     paths: list[tuple[str, int]] = []

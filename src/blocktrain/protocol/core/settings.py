@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from blocktrain.config import ModelConfig, TrainConfig
 from blocktrain.errors import ConfigError
 from blocktrain.protocol.core.bodies import WIRE_DTYPES
 from blocktrain.protocol.core.declaration import (
@@ -21,6 +22,7 @@ from blocktrain.protocol.core.declaration import (
     setting,
 )
 from blocktrain.protocol.core.delta_wire import (
+    FULL,
     WIRE_HELP,
     DeltaWire,
     default_pulls,
@@ -238,6 +240,28 @@ class AggregatorSettings(VoteSettings, RoundSettings):
     def commit_codec(self) -> DeltaWire | None:
         """The codec every commit is made in (exact_pulls on and a pull codec), else None."""
         return pull_codec(self.pulls) if self.exact_pulls == "on" else None
+
+    def codecs(self, run_config: dict[str, Any]) -> str:
+        """Every codec a worker's bytes go through, in one line (`blocktrain doctor`, the
+        dashboard and /v1/status `codecs`): pushes, pulls, and what the run's route adds."""
+        push = DeltaWire.parse(self.push_wire)
+        pulls = self.pulls
+        text = f"pushes {push}" + (" (dense)" if push.dense else "") + ", pulls "
+        if pulls == FULL:
+            text += f"whole versions in {self.wire_dtype}"
+        else:
+            text += pulls + (" (exact commits)" if self.commit_codec else " (from the view held)")
+        model, train = run_config.get("model", {}), run_config.get("train", {})
+        route = model.get("route", ModelConfig.route)
+        if route == "relay":
+            bits = train.get("relay_bits", TrainConfig.relay_bits)
+            every = train.get("relay_every", TrainConfig.relay_every)
+            text += f", relayed streams {bits}-bit" + (
+                f", one step in {every}" if every > 1 else ""
+            )
+        elif route == "features":
+            text += ", and the blocks before it in the same pulls (route features)"
+        return text
 
     @property
     def min_round(self) -> float:

@@ -90,7 +90,7 @@ model), on the loss plot's axis</p>
 <svg id="evals" width="640" height="220" role="img" aria-label="validation CE"></svg>
 <h2>Updates and bytes</h2>
 <p>accepted <b id="accepted">-</b>, refused <b id="refused">-</b>;
-bytes moved <b id="bytes">-</b></p>
+bytes moved <b id="bytes">-</b>; codecs <span id="codecs">-</span></p>
 <table id="reasons"><thead><tr><th>refusal reason</th><th>count</th></tr></thead><tbody></tbody></table>
 <h2>Workers</h2>
 <table id="workers"><thead><tr><th>worker</th><th>block</th><th>live</th><th>last seen</th>
@@ -200,6 +200,7 @@ async function poll() {
     $("accepted").textContent = s.updates.accepted;
     $("refused").textContent = s.updates.refused;
     $("bytes").textContent = mb(s.bytes.total);
+    $("codecs").textContent = s.codecs;
     rows("reasons", Object.entries(s.updates.refused_by_reason).sort((a, b) => b[1] - a[1]));
     rows("workers", s.workers.list.map(w => [w.worker_id, w.block, liveness(w),
       w.last_seen_s.toFixed(0) + " s ago", w.accepted, w.refused, w.name || "-"]));

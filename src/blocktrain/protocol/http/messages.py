@@ -213,6 +213,9 @@ class StatusOut(Out):
     updates: UpdatesOut
     bytes: dict[str, Any] = Field(description="totals, and by endpoint, block and worker")
     settings: dict[str, Any]
+    codecs: str = Field(
+        "", description="every codec a worker's bytes go through: pushes, pulls, streams"
+    )
     refused_requests: dict[str, dict[str, int]] = Field(
         default_factory=dict,
         description="endpoint -> reason -> requests refused since the aggregator started "

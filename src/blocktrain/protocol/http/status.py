@@ -158,5 +158,6 @@ def snapshot(service: AggregatorService, *, last_rounds: int = 20) -> dict[str, 
         },
         "bytes": service.traffic.summary(),
         "settings": service.public_settings(),
+        "codecs": service.settings.codecs(service.run_config),
         "refused_requests": service.traffic.refusals(),
     }
