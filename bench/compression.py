@@ -70,6 +70,7 @@ from blocktrain.protocol.core.delta_wire import FULL, DeltaWire
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.simulate import SimSpec, simulate
 from blocktrain.simulate.regimes import load_regime
+from codec_trace import traced  # bench/codec_trace.py
 from report import (
     RESEARCH,
     RESULTS,
@@ -168,7 +169,7 @@ def run_row(wire: str, variant: str, seed: int, args: argparse.Namespace) -> dic
         eval_every=args.eval_every or args.rounds,  # the final model is what tables compare
     )
     t0 = time.perf_counter()
-    with dense_mean_of_sparse(dense_mean):
+    with dense_mean_of_sparse(dense_mean), traced() as trace:
         report, _ = simulate(
             spec, [load_regime("lockstep")], args.train, args.valid, progress=progress
         )
@@ -198,6 +199,8 @@ def run_row(wire: str, variant: str, seed: int, args: argparse.Namespace) -> dic
         "from_noise_by_round": [
             [x["round"], x["from_noise_ce"]] for x in r["rounds"] if x["from_noise_ce"] is not None
         ],
+        # per tensor kind and push: the share of the update sent, the residual kept
+        "codec_trace": trace.summary(),
     }
 
 
