@@ -141,6 +141,8 @@ def test_the_codecs_line_names_every_kind_of_byte():
     assert "blocks before it" in dense
     # a run config without the keys (a saved older one) reads the defaults: relay, 8 bits
     assert AggregatorSettings().codecs({}).endswith("relayed streams 8-bit")
+    # DiLoCo-style reference replicas have no blocks to relay between
+    assert AggregatorSettings().codecs({"unit": "reference"}).endswith("in fp16")
 
 
 def record(h: Harness) -> tuple[list[tuple[str, int]], list[bytes]]:
