@@ -2,15 +2,15 @@
 issue 56's measures of why sparse deltas lose at the small shape (the density each kind of
 tensor gets, and the error-feedback residual's norm over rounds).
 
-`traced()` wraps `DeltaEncoder.compress` for the length of one run (`bench/compression.py
---trace`): every push of every worker is summed, per push index (the worker's n-th push, a
+`traced()` wraps `DeltaEncoder.compress` for the length of one run (every row of
+`bench/compression.py`, its `codec_trace`): every push of every worker is summed, per push index (the worker's n-th push, a
 round under lockstep) and per tensor kind, into squared norms of the delta trained, of what
 the push sent and of the residual kept. `Trace.summary()` reads them as
 
     sent_share       |sent|^2 / |delta + beta x residual before|^2: how much of what the
                      worker meant to send went out (1 for a dense codec);
-    residual_ratio   |residual after| / |delta|: how many rounds of its own training the kept
-                     residual holds (0 for a dense codec);
+    residual_ratio   |residual after| / |delta|: the kept residual against one push's delta
+                     (above 1: more than a round of training waits; 0 for a dense codec);
 
 pooled over the workers (squared norms summed before the ratio).
 """
@@ -101,3 +101,35 @@ def traced() -> Iterator[Trace]:
         yield trace
     finally:
         DeltaEncoder.compress = original  # type: ignore[method-assign]
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """docs/research/compression.md's table of the traced rows with a lossy codec: per tensor
+    kind, the share of the update sent and the residual kept at the first, middle and last push."""
+    traced_rows = [
+        r for r in rows if any(e[1] < 1 for v in r.get("codec_trace", {}).values() for e in v)
+    ]
+    if not traced_rows:
+        return ""
+    lines = [
+        "What each push sends and keeps back, per tensor kind (`bench/codec_trace.py`, recorded "
+        "by every `bench/compression.py` row): **sent** |sent|² / |delta + residual|², the share "
+        "of what the worker meant to send that went out; **kept** |residual| / |delta|, the "
+        "residual's size against one push's delta (above 1: more than a round of training waits); "
+        "pooled over the 6 workers, at the first, middle and last push.",
+        "",
+        "| preset | route | rounds x H | seed | wire | kind | sent (first / middle / last) | "
+        "kept (first / middle / last) |",
+        "|---|---|---|---:|---|---|---|---|",
+    ]
+    for r in traced_rows:
+        head = (
+            f"| {r.get('preset', 'tiny')} | {r.get('route', 'features')} | {r['rounds']} x "
+            f"{r['local_steps']} | {r['seed']} | {r['wire']} "
+        )
+        for kind, entries in sorted(r["codec_trace"].items()):
+            picks = [entries[0], entries[len(entries) // 2], entries[-1]]
+            sent = " / ".join(f"{e[1]:.3f}" for e in picks)
+            kept = " / ".join(f"{e[2]:.2f}" for e in picks)
+            lines.append(f"{head}| {kind} | {sent} | {kept} |")
+    return "\n".join(lines)

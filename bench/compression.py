@@ -60,6 +60,7 @@ from typing import Any
 
 import torch
 
+import codec_trace  # bench/codec_trace.py
 from blocktrain.config import ROUTES, ModelConfig, apply_overrides
 from blocktrain.data import load_split
 from blocktrain.errors import ConfigError
@@ -70,7 +71,6 @@ from blocktrain.protocol.core.delta_wire import FULL, DeltaWire
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.simulate import SimSpec, simulate
 from blocktrain.simulate.regimes import load_regime
-from codec_trace import traced  # bench/codec_trace.py
 from report import (
     RESEARCH,
     RESULTS,
@@ -169,7 +169,7 @@ def run_row(wire: str, variant: str, seed: int, args: argparse.Namespace) -> dic
         eval_every=args.eval_every or args.rounds,  # the final model is what tables compare
     )
     t0 = time.perf_counter()
-    with dense_mean_of_sparse(dense_mean), traced() as trace:
+    with dense_mean_of_sparse(dense_mean), codec_trace.traced() as trace:
         report, _ = simulate(
             spec, [load_regime("lockstep")], args.train, args.valid, progress=progress
         )
@@ -400,6 +400,9 @@ def main() -> None:
             write_json(NAME, {**result, "traffic": saved.get("traffic", [])})
             update_section("compression", markdown(result))
             update_section("compression-other", shorter_markdown(result), RESEARCH_MD)
+            update_section(
+                "compression-trace", codec_trace.markdown(list(rows.values())), RESEARCH_MD
+            )
     print(markdown(result_of(rows)))
 
 

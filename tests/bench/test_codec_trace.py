@@ -56,3 +56,15 @@ def test_a_sparse_push_sends_a_share_and_keeps_the_rest_dense_sends_all() -> Non
     d = delta(3)
     lone.record(dense, d, d, None)
     assert lone.summary()["mlp"] == [[1, pytest.approx(1.0), 0.0]]
+
+
+def test_the_table_shows_lossy_rows_at_their_first_middle_and_last_push() -> None:
+    dense = {"wire": "fp16", "rounds": 3, "local_steps": 3, "seed": 0}
+    dense["codec_trace"] = {"mlp": [[1, 1.0, 0.0], [2, 1.0, 0.0]]}
+    sparse = {**dense, "wire": "sparse:0.03:2", "preset": "small", "route": "relay"}
+    sparse["codec_trace"] = {"mlp": [[1, 0.04, 0.98], [2, 0.05, 1.3], [3, 0.06, 1.7]]}
+    text = codec_trace.markdown([dense, sparse])
+    row = "| small | relay | 3 x 3 | 0 | sparse:0.03:2 | mlp | 0.040 / 0.050 / 0.060 | "
+    assert row + "0.98 / 1.30 / 1.70 |" in text
+    assert "fp16" not in text.split("|---|")[-1]  # a dense codec sends everything: no row
+    assert codec_trace.markdown([dense]) == ""
