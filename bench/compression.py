@@ -25,12 +25,14 @@ the learning rate's peak: docs/research/decentralised.md, The shared-node run).
 
     python bench/compression.py --rounds 30 --local-steps 30 --route features   # the main rows
     python bench/compression.py --rounds 30 --local-steps 30 --route features --ablations
-    python bench/compression.py --rounds 30 --local-steps 30 --wires fp16,sparse:0.03:2 --seeds 1,2
+    python bench/compression.py --rounds 30 --local-steps 30 --route features --seeds 1,2 \
+        --wires fp16,sparse:0.03:2          # the spread over seeds
     python bench/compression.py --wires topk:0.01     # add a row (rows in the JSON are kept)
     python bench/compression.py --wires sparse:0.03:2 --variant pull_wire=full   # one ablation
     python bench/compression.py --wires fp16 --variant outer_lr=0.7,outer_momentum=0.9  # dense control
     python bench/compression.py --force               # re-run rows already in the JSON
-    python bench/compression.py --preset small --rounds 20 --local-steps 20 --wires sparse:0.03:2
+    python bench/compression.py --preset small --rounds 20 --local-steps 20 --wires sparse:0.03:2 \
+        --route features                    # the small pair of the table
     python bench/compression.py --preset small --rounds 20 --local-steps 20 --wires sparse:0.03:2 \
         --route relay --eval-every 5        # the pair under relay, the gap against rounds
     python bench/compression.py --traffic --rounds 20 --local-steps 20   # bytes by kind, no training
