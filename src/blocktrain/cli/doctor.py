@@ -79,9 +79,7 @@ def codecs_check(config: dict[str, Any] | None) -> Check:
     if config is None:
         return Check("codecs", None, "needs the run's config (the token check)")
     try:
-        known = AggregatorSettings.__dataclass_fields__  # /v1/config adds max_body_bytes
-        protocol = {k: v for k, v in dict(config["protocol"]).items() if k in known}
-        settings = AggregatorSettings.from_dict(protocol)
+        settings = AggregatorSettings.from_dict(dict(config["protocol"]))
         return Check("codecs", True, settings.codecs(dict(config["run_config"])))
     except (ConfigError, KeyError, TypeError, ValueError) as exc:
         return Check("codecs", False, f"the aggregator's settings do not parse here: {exc}")

@@ -251,10 +251,10 @@ class AggregatorSettings(VoteSettings, RoundSettings):
             text += f"whole versions in {self.wire_dtype}"
         else:
             text += pulls + (" (exact commits)" if self.commit_codec else " (from the view held)")
-        model, train = run_config.get("model", {}), run_config.get("train", {})
-        route = model.get("route", ModelConfig.route)
         if run_config.get("unit", "block") != "block":
             return text  # whole reference replicas: no route between blocks
+        model, train = run_config.get("model", {}), run_config.get("train", {})
+        route = model.get("route", ModelConfig.route)
         if route == "relay":
             bits = train.get("relay_bits", TrainConfig.relay_bits)
             every = train.get("relay_every", TrainConfig.relay_every)

@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from blocktrain.config import TrainConfig
 from blocktrain.protocol.core.relays import TIMING_REASONS, Relayed, RelayPool
 from blocktrain.protocol.core.verdict import refused
 from blocktrain.protocol.service.identity import Caller
@@ -29,7 +30,7 @@ def stream_shape(run_config: dict[str, Any]) -> Shape | None:
     if model.get("route") != "relay":
         return None
     train = run_config["train"]
-    bits = int(train.get("relay_bits", 8))
+    bits = int(train.get("relay_bits", TrainConfig.relay_bits))  # saved before relay_bits: 8
     return Shape(int(train["batch_size"]), int(model["seq_len"]), int(model["d_model"]), bits)
 
 
