@@ -35,6 +35,8 @@ the learning rate's peak: docs/research/decentralised.md, The shared-node run).
         --route features                    # the small pair of the table
     python bench/compression.py --preset small --rounds 20 --local-steps 20 --wires sparse:0.03:2 \
         --route relay --eval-every 5        # the pair under relay, the gap against rounds
+    python bench/compression.py --preset small --rounds 30 --local-steps 30 --wires sparse:0.03:2 \
+        --route relay --variant relay_bits=2 --eval-every 5   # and 2-bit streams
     python bench/compression.py --traffic --rounds 20 --local-steps 20   # bytes by kind, no training
 
 `--traffic` counts what each kind of byte a run moves (pushes, pulls, relayed streams) for
@@ -43,6 +45,7 @@ path (the same messages and bodies, no training), 6 workers, lockstep. It writes
 `traffic` rows and their table.
 
 A variant is `KEY=VALUE[,KEY=VALUE]`: aggregator settings (`outer_lr=0.7,outer_momentum=0.9`),
+the streams' `relay_bits` or `relay_every` (as `--set` takes them; they act under relay only),
 or `mean=dense`, which averages sparse votes as dense ones (a coordinate one of two replicas
 sent moves by half its value) instead of per coordinate over the votes that carry it. It applies
 to every wire `--wires` names, fp16 too (a dense control); plain fp16, the reference of every
@@ -117,8 +120,13 @@ PRESET_SETTINGS: dict[str, dict[str, Any]] = {"small": {"effect_probe": "off"}}
 """Aggregator settings every row of a preset takes (`blocktrain cluster`'s at small)."""
 
 
+STREAM_KEYS = ("relay_bits", "relay_every")
+"""Variant keys that set the run's config (`--set`): how `route = relay` relays its streams."""
+
+
 def variant_settings(variant: str) -> tuple[dict[str, Any], bool]:
-    """(aggregator settings, dense mean?) of a variant `KEY=VALUE[,KEY=VALUE]` ('' is none)."""
+    """(aggregator settings, dense mean?) of a variant `KEY=VALUE[,KEY=VALUE]` ('' is none);
+    its STREAM_KEYS are `variant_overrides`'."""
     settings: dict[str, Any] = {}
     dense_mean = False
     for item in filter(None, (x.strip() for x in variant.split(","))):
@@ -134,9 +142,17 @@ def variant_settings(variant: str) -> tuple[dict[str, Any], bool]:
                 settings[key] = float(value)
             except ValueError:
                 settings[key] = value  # a codec name: pull_wire=full
-        else:
-            raise ValueError(f"variant {item!r}: {key!r} is no aggregator setting")
+        elif key not in STREAM_KEYS:
+            raise ValueError(
+                f"variant {item!r}: {key!r} is no aggregator setting, nor one of {STREAM_KEYS}"
+            )
     return settings, dense_mean
+
+
+def variant_overrides(variant: str) -> list[str]:
+    """The variant's run config overrides (`relay_bits=2`), as `--set` takes them."""
+    items = (x.strip() for x in variant.split(","))
+    return [x for x in items if x.partition("=")[0] in STREAM_KEYS]
 
 
 @contextlib.contextmanager
@@ -158,7 +174,12 @@ def run_row(wire: str, variant: str, seed: int, args: argparse.Namespace) -> dic
     # the run's seed draws the model's initial weights and each worker's batches
     cfg = apply_overrides(
         preset(args.preset),
-        [f"steps={args.rounds * args.local_steps}", f"seed={seed}", f"route={args.route}"],
+        [
+            f"steps={args.rounds * args.local_steps}",
+            f"seed={seed}",
+            f"route={args.route}",
+            *variant_overrides(variant),
+        ],
     )
     settings, dense_mean = variant_settings(variant)
     base = PRESET_SETTINGS.get(args.preset, {})
@@ -233,6 +254,11 @@ def design(wire: str, variant: str) -> str:
         text += f"; pulls {settings['pull_wire']}"
     if settings.get("exact_pulls") == "off" and pull_wire(wire, variant) != FULL:
         text += "; lossy pulls (from the view)"
+    for item in variant_overrides(variant):
+        key, _, value = item.partition("=")
+        text += (
+            f"; streams {value}-bit" if key == "relay_bits" else f"; one step in {value} relayed"
+        )
     if settings.get("outer_momentum"):
         text += (
             f"; outer lr {settings.get('outer_lr', 1.0):g}, momentum {settings['outer_momentum']:g}"
@@ -242,11 +268,18 @@ def design(wire: str, variant: str) -> str:
 
 TRAFFIC_PRESETS = ("tiny", "small")
 TRAFFIC_WIRES = ("fp16", "sparse:0.03:2")
+TRAFFIC_STREAM_BITS = (4, 2)
+"""The cheaper streams the traffic table adds under relay, with the sparse codec."""
 
 
-def traffic_row(name: str, route: str, wire: str, rounds: int, local_steps: int) -> dict[str, Any]:
+def traffic_row(
+    name: str, route: str, wire: str, rounds: int, local_steps: int, relay_bits: int = 8
+) -> dict[str, Any]:
     """The bytes of one timing-only run (no training: the same messages and bodies) by kind."""
-    cfg = apply_overrides(preset(name), [f"steps={rounds * local_steps}", f"route={route}"])
+    cfg = apply_overrides(
+        preset(name),
+        [f"steps={rounds * local_steps}", f"route={route}", f"relay_bits={relay_bits}"],
+    )
     protocol = {"local_steps": local_steps, "delta_wire": wire, **PRESET_SETTINGS.get(name, {})}
     spec = SimSpec(cfg, workers=6, rounds=rounds, protocol=protocol, timing_only=True)
     report, _ = simulate(spec, [load_regime("lockstep")], None, None)
@@ -257,6 +290,7 @@ def traffic_row(name: str, route: str, wire: str, rounds: int, local_steps: int)
         "route": route,
         "wire": wire,
         "pull_wire": pull_wire(wire),
+        "relay_bits": relay_bits,
         "rounds": rounds,
         "local_steps": local_steps,
         "workers": 6,
@@ -277,7 +311,8 @@ def traffic_markdown(rows: list[dict[str, Any]]) -> str:
         f"--local-steps {first['local_steps']}`): the simulator's timing-only path, the same "
         f"messages and bodies without training, 6 workers, lockstep, {first['rounds']} rounds of "
         f"H = {first['local_steps']}. Pulls: the block's versions, and under `features` the "
-        "upstream blocks' too; streams: the relayed streams, up and down (8-bit features).",
+        "upstream blocks' too; streams: the relayed streams, up and down (8-bit features unless the "
+        "row says).",
         "",
         "| preset | route | wire | pushes | pulls | streams | total | ÷ fp16 | streams' share |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|",
@@ -286,8 +321,10 @@ def traffic_markdown(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         base = fp16.get((r["preset"], r["route"]))
         ratio = "—" if base is None else f"{r['bytes_total'] / base:.3f}"
+        bits = r.get("relay_bits", 8)
+        wire = r["wire"] if bits == 8 else f"{r['wire']}, {bits}-bit streams"
         lines.append(
-            f"| {r['preset']} | {r['route']} | {r['wire']} | {r['bytes_pushed'] / 1e6:.1f} MB | "
+            f"| {r['preset']} | {r['route']} | {wire} | {r['bytes_pushed'] / 1e6:.1f} MB | "
             f"{r['bytes_pulled'] / 1e6:.1f} MB | {r['bytes_streams'] / 1e6:.1f} MB | "
             f"{r['bytes_total'] / 1e6:.1f} MB | {ratio} | "
             f"{r['bytes_streams'] / r['bytes_total']:.2f} |"
@@ -350,17 +387,18 @@ def main() -> None:
         "--traffic",
         action="store_true",
         help="only count the bytes by kind (no training) for fp16 and sparse:0.03:2 under "
-        "every route at tiny and small",
+        "every route at tiny and small, and under relay with 4- and 2-bit streams",
     )
     args = p.parse_args()
     path = RESULTS / NAME
     saved = json.loads(path.read_text()) if path.exists() else {}
     if args.traffic:
         traffic = [
-            traffic_row(name, route, wire, args.rounds, args.local_steps)
+            traffic_row(name, route, wire, args.rounds, args.local_steps, bits)
             for name in TRAFFIC_PRESETS
             for route in ROUTES
-            for wire in TRAFFIC_WIRES
+            for wire, bits in [(w, 8) for w in TRAFFIC_WIRES]
+            + ([(TRAFFIC_WIRES[-1], b) for b in TRAFFIC_STREAM_BITS] if route == "relay" else [])
         ]
         write_json(NAME, {**saved, "traffic": traffic})
         update_section("compression-traffic", traffic_markdown(traffic))
@@ -374,6 +412,7 @@ def main() -> None:
         try:
             settings, _ = variant_settings(variant)
             AggregatorSettings(delta_wire=wire, **settings)  # refused here, not after other rows
+            apply_overrides(preset(args.preset), variant_overrides(variant))
         except (ValueError, ConfigError) as exc:
             p.error(str(exc))
     forced = set(runs) if args.force else set()  # --force re-runs the rows asked for only

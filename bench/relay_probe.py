@@ -8,7 +8,8 @@ behind); LAG = H a relay exchanged once a round of H steps. Block b starts at st
 stream before). Scored by `blocktrain eval` as bench/compose.py scores its rows.
 
 What a cheaper stream costs (issue 56: every byte through a codec): `--quant int4` / `int2`
-relay the features in 4 or 2 bits a value with a scale per token (symmetric levels, as int8),
+relay the features in 4 or 2 bits a value, relaystream's own codec (each token rotated, then
+evenly spaced levels on its RMS; rows `int4-absmax` / `int2-absmax` are the codec before it),
 and `--every K` relays one step in K, block b training K consecutive steps on each relayed
 batch (the newest at least LAG steps old): K times fewer stream bytes, each sequence seen K
 times downstream.
@@ -17,6 +18,7 @@ times downstream.
     python bench/relay_probe.py --lags 10 --quant int4 --seeds 0,1,2
     python bench/relay_probe.py --lags 10 --every 4 --seeds 0
     python bench/relay_probe.py --report     # only its section (docs/research/compose.md)
+    python bench/relay_probe.py --codec-error benchmarks/work/compose/small-blocktrain-b3-l2-relay-1000-seed0
 """
 
 from __future__ import annotations
@@ -27,13 +29,16 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
+from blocktrain import relaystream
 from blocktrain.config import apply_overrides
 from blocktrain.data import load_split, resolve_data_path
 from blocktrain.model import BlockStack
 from blocktrain.presets import preset
+from blocktrain.training.checkpoint import load_model
 from blocktrain.training.local import write_assembled
 from blocktrain.training.loss import BlockLoss
 from blocktrain.training.optim import learning_rate, make_optimizer, set_learning_rate
@@ -86,21 +91,58 @@ def train_relay(cfg, data, lag: int, quant: str, every: int = 1) -> BlockStack: 
 
 
 def quantise(u: torch.Tensor, how: str) -> torch.Tensor:
+    """The features as a reader gets them back: relaystream's own codec at int8/int4/int2."""
     if how == "fp32":
         return u
     if how == "fp16":
         return u.half().float()
-    top = QUANT_LEVELS[how]  # symmetric: -top .. top
-    scale = u.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / top
+    bits = QUANT_BITS[how]
+    return relaystream.dequantise(*relaystream.quantise(u, bits), bits, u.shape[-1])
+
+
+def absmax(u: torch.Tensor, bits: int) -> torch.Tensor:
+    """The packed codes before the rotation (ABSMAX_BITS): levels -L..L over the token's absmax."""
+    top = (1 << (bits - 1)) - 1
+    scale = u.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30) / top
     return (u / scale).round().clamp(-top, top) * scale
+
+
+@torch.no_grad()
+def codec_errors(run: Path, sequences: int = 32, seed: int = 0) -> dict:  # type: ignore[type-arg]
+    """Each codec's ||decoded - u|| / ||u|| on the clean stream each block but the last relays,
+    on `sequences` validation sequences of the run's length."""
+    info, model = load_model(run)
+    assert isinstance(model, BlockStack)
+    cfg = info.config.model
+    x = load_split(None, "valid").sample(
+        sequences, cfg.seq_len, torch.Generator().manual_seed(seed)
+    )
+    codecs = {
+        **{q: (lambda u, q=q: quantise(u, q)) for q in ("int8", "int4", "int2")},
+        **{q: (lambda u, b=b: absmax(u, b)) for q, b in ABSMAX_BITS.items()},
+    }
+    rows, up = [], None
+    for b in range(cfg.blocks - 1):
+        u = model.block(b).clean_stream(x, up)
+        for name, codec in codecs.items():
+            err = float((codec(u) - u).norm() / u.norm())
+            rows.append({"block": b, "quant": name, "rel_error": round(err, 4)})
+        up = u
+    return {
+        "run": run.name,
+        "tokens": sequences * cfg.seq_len,
+        "d_model": cfg.d_model,
+        "rows": rows,
+    }
 
 
 KEY = ("preset", "blocks", "lag", "quant", "every", "seed", "steps")
 """What makes a row (rows measured before `every` existed relay every step)."""
 
-QUANT_LEVELS = {"int8": 127, "int4": 7, "int2": 1}
-"""The largest level of each integer stream codec (int2: -1, 0, 1 with a scale per token)."""
 QUANT_BITS = {"fp32": 32, "fp16": 16, "int8": 8, "int4": 4, "int2": 2}
+ABSMAX_BITS = {"int4-absmax": 4, "int2-absmax": 2}
+"""Rows measured before the packed codes were rotated (relaystream's `blocktrain-relay-1`, last
+held by 549164f): levels -L..L over the token's absmax, no rotation."""
 
 
 def main() -> None:
@@ -110,15 +152,27 @@ def main() -> None:
     p.add_argument("--lags", default="0,1,25")
     p.add_argument("--seeds", default="0")
     p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--quant", default="int8", choices=("fp32", "fp16", *QUANT_LEVELS))
+    p.add_argument("--quant", default="int8", choices=tuple(QUANT_BITS))
     p.add_argument("--every", type=int, default=1, help="relay one step in K (default 1)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--sweeps", type=int, default=16)
     p.add_argument("--report", action="store_true", help="only rewrite its section (SECTION_MD)")
+    p.add_argument(
+        "--codec-error",
+        metavar="RUN",
+        help="only measure each stream codec's relative error on the clean streams of a trained "
+        "run folder (bench/compose.py's), on validation bytes",
+    )
     args = p.parse_args()
     out_path = ROOT / "benchmarks" / "results" / "relay_probe.json"
     if args.report:
         update_section("relay-probe", markdown(json.loads(out_path.read_text())), SECTION_MD)
+        return
+    if args.codec_error:
+        results = json.loads(out_path.read_text()) if out_path.exists() else {"rows": []}
+        results["codec_error"] = codec_errors(Path(args.codec_error))
+        out_path.write_text(json.dumps(results, indent=1) + "\n")
+        update_section("relay-probe", markdown(results), SECTION_MD)
         return
     data = resolve_data_path(None)
     train = load_split(data, "train")
@@ -170,7 +224,9 @@ def markdown(results: dict) -> str:  # type: ignore[type-arg]
     lines = [
         "Each row: every block of a `features` stack trained in one process, block b reading at "
         "step s what block b-1 output at the newest relayed step at least LAG old (its features "
-        "in the row's codec with a scale per token, int8 as `relaystream` relays it), its batch "
+        "in the row's codec, relaystream's own: int8 on the token's absmax, int4 and int2 the "
+        "rotated token on its RMS; `-absmax` rows are the packed codes before the rotation, "
+        "levels on the absmax), its batch "
         "too; every K: one step in K relayed, each used K steps; scored by `blocktrain eval` on "
         "the 32,768 test bytes of bench/compose.py (M = 16). LAG 0 is what `train` does under "
         "`route = relay`; LAG H what a worker does that takes a stream once a round of H steps. "
@@ -191,12 +247,27 @@ def markdown(results: dict) -> str:  # type: ignore[type-arg]
         heads = statistics.fmean(r["head_ce"] for r in rows)
         seeds = ",".join(str(r["seed"]) for r in sorted(rows, key=lambda r: r["seed"]))
         d = preset(name).model.d_model
-        share = (d * QUANT_BITS[quant] / 8 + 5) / every / (d + 5)
+        share = (d * {**QUANT_BITS, **ABSMAX_BITS}[quant] / 8 + 5) / every / (d + 5)
         lines.append(
             f"| {name} | {blocks} | {lag} | {quant} | {every} | {share:.2f} | {steps} | "
             f"{statistics.fmean(ces):.3f}{se} | {heads:.3f} | {seeds} |"
         )
     lines += ["", "```sh", *results.get("commands", []), "```"]
+    if err := results.get("codec_error"):
+        names = list(dict.fromkeys(r["quant"] for r in err["rows"]))
+        lines += [
+            "",
+            f"What each codec loses of a trained stream (`python bench/relay_probe.py "
+            f"--codec-error benchmarks/work/compose/{err['run']}`): ||decoded - u|| / ||u|| on the "
+            f"clean stream each block relays, {err['tokens']:,} validation tokens, d = "
+            f"{err['d_model']}.",
+            "",
+            "| block | " + " | ".join(names) + " |",
+            "|---:|" + "---:|" * len(names),
+        ]
+        for b in sorted({r["block"] for r in err["rows"]}):
+            cells = {r["quant"]: r["rel_error"] for r in err["rows"] if r["block"] == b}
+            lines.append(f"| {b} | " + " | ".join(f"{cells[n]:.3f}" for n in names) + " |")
     return "\n".join(lines)
 
 

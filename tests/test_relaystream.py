@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load, save
 
 from blocktrain.relaystream import (
+    STEP,
     RelayStream,
     Shape,
     StreamWriter,
@@ -16,6 +17,8 @@ from blocktrain.relaystream import (
     check,
     dequantise,
     quantise,
+    rotate,
+    unrotate,
 )
 from blocktrain.tensorwire import WireError
 
@@ -120,8 +123,8 @@ def test_check_refuses_an_oversized_body() -> None:
 
 @pytest.mark.parametrize("bits", [4, 2])
 def test_a_packed_stream_reads_back_its_levels_at_a_fraction_of_the_bytes(bits) -> None:
-    """relay_bits 4 and 2: each value a level in -L..L on the token's scale, 8 / bits a byte;
-    the reader gives back exactly what was sent, and the body is that much smaller."""
+    """relay_bits 4 and 2: each rotated value one of 2^bits levels on the token's RMS, 8 / bits
+    a byte; the reader gives back exactly what was sent, and the body is that much smaller."""
     shape = Shape(3, 8, 16, bits)
     writer = StreamWriter(shape)
     batches = steps(2)
@@ -129,19 +132,57 @@ def test_a_packed_stream_reads_back_its_levels_at_a_fraction_of_the_bytes(bits) 
         writer.add(x, u)
     body = writer.finish({"block": "0"}).read()
     stream = RelayStream.from_body(body, shape)
-    top = (1 << (bits - 1)) - 1
+    half = 1 << (bits - 1)
     for i, (want_x, want_u) in enumerate(batches):
         x, u = stream.step(i)
         assert torch.equal(x, want_x)
-        scale = want_u.abs().amax(-1, keepdim=True) / top
-        assert torch.allclose(u, (want_u / scale).round().clamp(-top, top) * scale)
         assert torch.equal(u, dequantise(*quantise(want_u, bits), bits, 16))
+        # in the rotated basis each value inside the levels' range is off by at most half a step
+        v, got = rotate(want_u), rotate(u)
+        step = STEP[bits] * v.pow(2).mean(-1, keepdim=True).sqrt()
+        inside = v.abs() <= half * step
+        assert bool(((got - v).abs() <= step / 2 + 1e-4)[inside].all())
     assert len(body) - bytes_per_step(3, 8, 16, bits) * 2 < 512
     assert bytes_per_step(3, 8, 16, bits) == 3 * 8 * (16 * bits // 8 + 5)
     with pytest.raises(WireError, match="this run relays"):
         check(body, SHAPE)  # an 8-bit run refuses a packed stream
     tensors = load(body)
     assert tensors["features"].dtype == torch.uint8
+
+
+@pytest.mark.parametrize("d", [256, 24, 6])
+def test_the_rotation_is_orthonormal_and_undone(d) -> None:
+    """Signs then Walsh-Hadamard over chunks of d's largest power-of-two factor (256, 8, 2)."""
+    u = torch.randn(5, d, dtype=torch.float64)
+    v = rotate(u)
+    assert torch.allclose(v.norm(dim=-1), u.norm(dim=-1))
+    assert torch.allclose(unrotate(v), u)
+
+
+def test_the_rotation_spreads_an_outlier_feature_so_few_bits_keep_the_token() -> None:
+    """Residual streams carry a few large features; absmax levels spend their range on them and
+    round the rest to 0. The rotated codec's error stays near a Gaussian's at either width."""
+    gen = torch.Generator().manual_seed(0)
+    u = torch.randn(512, 256, generator=gen)
+    u[:, 3] *= 20  # an outlier feature, as trained streams have
+    for bits, bound in ((2, 0.40), (4, 0.12)):
+        err = (dequantise(*quantise(u, bits), bits, 256) - u).norm() / u.norm()
+        top = (1 << (bits - 1)) - 1
+        scale = u.abs().amax(-1, keepdim=True) / top
+        absmax_err = ((u / scale).round().clamp(-top, top) * scale - u).norm() / u.norm()
+        assert err < bound < absmax_err, (bits, float(err), float(absmax_err))
+
+
+def test_an_8_bit_stream_of_the_first_format_still_reads_and_its_packed_ones_do_not() -> None:
+    """blocktrain-relay-1 wrote the same 8-bit codes; its packed codes meant other levels."""
+    body = written(steps(1))
+    n = int.from_bytes(body[:8], "little")
+    old = body[8 : 8 + n].replace(b"blocktrain-relay-2", b"blocktrain-relay-1")
+    assert check(body[:8] + old + body[8 + n :], SHAPE).steps == 1
+    header = old.decode().replace('"format"', '"bits":"4","d_model":"16","format"', 1).encode()
+    header += b" " * (-len(header) % 8)
+    with pytest.raises(WireError, match="relay-1 stream's features take 8 bits"):
+        check(len(header).to_bytes(8, "little") + header + body[8 + n :])
 
 
 def test_check_refuses_a_packed_stream_without_its_width_or_with_unknown_bits() -> None:

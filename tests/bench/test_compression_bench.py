@@ -101,6 +101,14 @@ def test_traffic_counts_the_relayed_streams_apart_and_the_codec_leaves_them() ->
     text = compression.traffic_markdown(rows)
     ratio = by["relay", "sparse:0.03:2"]["bytes_total"] / by["relay", "fp16"]["bytes_total"]
     assert "| tiny | relay | sparse:0.03:2 |" in text and f"| {ratio:.3f} |" in text
+    two = compression.traffic_row("tiny", "relay", "sparse:0.03:2", 2, 3, relay_bits=2)
+    # a 2-bit stream: a token's d / 4 bytes of features and its 5 bytes more, against d + 5
+    d = 128
+    want = by["relay", "fp16"]["bytes_streams"] * (d // 4 + 5) / (d + 5)
+    assert abs(two["bytes_streams"] - want) < 0.01 * want
+    assert "| tiny | relay | sparse:0.03:2, 2-bit streams |" in compression.traffic_markdown(
+        [*rows, two]
+    )
 
 
 def test_another_presets_rows_are_a_pair_read_against_their_own_fp16() -> None:
@@ -183,6 +191,11 @@ def test_variants_name_settings_or_the_dense_mean() -> None:
         compression.design(wire, variant)
     assert "dense mean" in compression.design("sparse:0.03:2", "mean=dense")
     assert "per-coordinate mean" in compression.design("sparse:0.03:2", "")
+    # the streams' codec is the run's config, not an aggregator setting
+    variant = "relay_bits=2,relay_every=3,outer_lr=0.5"
+    assert compression.variant_settings(variant) == ({"outer_lr": 0.5}, False)
+    assert compression.variant_overrides(variant) == ["relay_bits=2", "relay_every=3"]
+    assert "streams 2-bit; one step in 3 relayed" in compression.design("sparse:0.03:2", variant)
 
 
 def test_the_dense_mean_ablation_patches_the_engine_and_restores_it() -> None:
