@@ -63,7 +63,7 @@ def relayed_steps(local_steps: int, every: int) -> int:
 
 
 def packs(bits: int) -> bool:
-    """Whether values of `bits` bits pack whole into bytes with a level each side of 0."""
+    """Whether values of `bits` bits pack whole into bytes (8, 4 or 2)."""
     return 2 <= bits <= 8 and 8 % bits == 0
 
 
