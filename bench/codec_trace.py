@@ -125,7 +125,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     for r in traced_rows:
         head = (
             f"| {r.get('preset', 'tiny')} | {r.get('route', 'features')} | {r['rounds']} x "
-            f"{r['local_steps']} | {r['seed']} | {r['wire']} "
+            f"{r['local_steps']} | {r['seed']} | {r['wire']}"
+            + (f" [{r['variant']}] " if r.get("variant") else " ")
         )
         for kind, entries in sorted(r["codec_trace"].items()):
             picks = [entries[0], entries[len(entries) // 2], entries[-1]]
