@@ -165,18 +165,17 @@ def main() -> None:
     )
     args = p.parse_args()
     out_path = ROOT / "benchmarks" / "results" / "relay_probe.json"
+    results = json.loads(out_path.read_text()) if out_path.exists() else {"rows": []}
     if args.report:
-        update_section("relay-probe", markdown(json.loads(out_path.read_text())), SECTION_MD)
+        update_section("relay-probe", markdown(results), SECTION_MD)
         return
     if args.codec_error:
-        results = json.loads(out_path.read_text()) if out_path.exists() else {"rows": []}
         results["codec_error"] = codec_errors(Path(args.codec_error))
         out_path.write_text(json.dumps(results, indent=1) + "\n")
         update_section("relay-probe", markdown(results), SECTION_MD)
         return
     data = resolve_data_path(None)
     train = load_split(data, "train")
-    results = json.loads(out_path.read_text()) if out_path.exists() else {"rows": []}
     command = "python bench/relay_probe.py " + " ".join(sys.argv[1:])
     results["commands"] = [c for c in results.get("commands", []) if c != command] + [command]
     results["machine"] = machine()

@@ -23,6 +23,7 @@ step at a time to a folder or keeps it in memory; the reader reads one step at a
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import math
@@ -62,11 +63,6 @@ def relayed_steps(local_steps: int, every: int) -> int:
     return -(-local_steps // every)
 
 
-def packs(bits: int) -> bool:
-    """Whether values of `bits` bits pack whole into bytes (8, 4 or 2)."""
-    return 2 <= bits <= 8 and 8 % bits == 0
-
-
 STEP = {2: 0.9957, 4: 0.3352}
 """The step of the uniform quantiser with 2^bits levels that has the least squared error on a
 unit Gaussian (Max 1960), times the token's RMS: a packed stream's scale."""
@@ -75,7 +71,9 @@ _SIGNS_SEED = 0x5EED_2E1A
 """The seed of the rotation's signs: one fixed rotation, so sender and reader agree with no key."""
 
 
+@functools.cache
 def _signs(d: int) -> torch.Tensor:
+    """The rotation's d signs, drawn once per width (every relayed step uses them twice)."""
     gen = torch.Generator().manual_seed(_SIGNS_SEED)
     return torch.randint(0, 2, (d,), generator=gen).float() * 2 - 1
 
@@ -272,7 +270,7 @@ def check(body: Body, shape: Shape | None = None, *, max_bytes: int | None = Non
         d = int(meta["d_model"]) if bits != 8 else feats[3]
     except (KeyError, ValueError):
         raise WireError("malformed", "a packed stream names its bits and d_model") from None
-    if not packs(bits) or d <= 0 or bits not in READABLE_FORMATS[meta["format"]]:
+    if d <= 0 or bits not in READABLE_FORMATS[meta["format"]]:
         allowed = " or ".join(map(str, READABLE_FORMATS[meta["format"]][::-1]))
         raise WireError(
             "malformed", f"a {meta['format']} stream's features take {allowed} bits, not {bits}"
