@@ -436,9 +436,9 @@ def _residuals_by_full_sort(votes, reference=None):
     return out
 
 
-@pytest.mark.parametrize("columns", [drift.SELECT_COLUMNS, 3])  # 3: a tensor in several pieces
-def test_residuals_equal_those_of_a_full_sort_bit_for_bit_ties_included(monkeypatch, columns):
-    monkeypatch.setattr(drift, "SELECT_COLUMNS", columns)
+@pytest.mark.parametrize("values", [drift.SELECT_VALUES, 12])  # 12: a tensor in several pieces
+def test_residuals_equal_those_of_a_full_sort_bit_for_bit_ties_included(monkeypatch, values):
+    monkeypatch.setattr(drift, "SELECT_VALUES", values)
     gen = torch.Generator().manual_seed(3)
     for n, ref in ((2, None), (3, None), (4, [0, 2]), (5, [1, 2, 4]), (8, None), (9, [0, 3, 5, 8])):
         # fp16 values on a coarse grid: many ties, zeros among them

@@ -20,6 +20,7 @@ import statistics
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from blocktrain.protocol.core.delta_wire import DeltaWire
@@ -93,58 +94,77 @@ def residuals(votes: Sequence[Tensors], reference: Sequence[int] | None = None) 
     return out
 
 
-SELECT_COLUMNS = 1 << 16
-"""Coordinates of one tensor read at a time: (SELECT_COLUMNS, votes) fp32 in memory, not the
-votes x the block (333 votes of 1M, a 1,000-worker round on 3 blocks: 87 MB, not 1.3 GB)."""
+SELECT_VALUES = 1 << 21
+"""Votes x coordinates of one tensor read at a time: 8 MB of fp32 per intermediate, not the
+votes x the block (333 votes of 1M, a 1,000-worker round on 3 blocks: 1.3 GB), and a few times
+faster than 87 MB pieces, which overflow the caches (bench/commit_cost.py)."""
 
 
 def residual_pieces(
     votes: Sequence[Tensors], reference: Sequence[int] | None = None
-) -> Iterator[tuple[str, slice, list[torch.Tensor]]]:
-    """(tensor name, coordinates, each vote's residual there), SELECT_COLUMNS coordinates of
-    one tensor at a time. At each coordinate the ranks a median reads come from two selections
-    along its votes, stacked contiguous (the hi smallest, then the largest of those), where a
-    sort along the votes was 3x slower (bench/commit_cost.py: a 100-vote commit of 1M, 9.0 s
-    -> 2.8 s), with the same values (a selection returns the votes' own). The j-th smallest
-    of the others, one vote of the reference left out, is the j-th of all of them when the vote
-    lies above it, else the (j+1)-th (ties hold equal values either way)."""
+) -> Iterator[tuple[str, slice, torch.Tensor]]:
+    """(tensor name, coordinates, the votes' residuals there as one (votes, coordinates) fp32
+    tensor), SELECT_VALUES // votes coordinates of one tensor at a time. The ranks a median reads come
+    from two introselects along each coordinate's votes (`_middle_ranks`), with the values a
+    full sort gives (a selection returns the votes' own). The j-th smallest of the others, one
+    vote of the reference left out, is the j-th of all of them when the vote lies above it, else
+    the (j+1)-th (ties hold equal values either way)."""
     n = len(votes)
     ref = list(range(n)) if reference is None else sorted(reference)
-    inside = set(ref)
     m = len(ref)
     lo, hi = max(0, (m - 1) // 2 - 1), min(m, m // 2 + 2)  # the ranks a median reads
+    columns = max(1, SELECT_VALUES // n)
     for name in votes[0]:
         flat = [v[name].flatten() for v in votes]
-        for s in range(0, flat[0].numel(), SELECT_COLUMNS):
-            at = slice(s, s + SELECT_COLUMNS)
-            piece = [f[at].float() for f in flat]
-            rows = torch.stack([piece[j] for j in ref], dim=1)  # (coordinates, m)
-            smallest = rows.topk(hi, dim=1, largest=False, sorted=False).values
-            middle = smallest.topk(hi - lo, dim=1, largest=True, sorted=True).values
-            ranks = middle.flip(1).t().contiguous()
-            picked = {lo + k: ranks[k] for k in range(hi - lo)}
-            yield (
-                name,
-                at,
-                [
-                    piece[i] - _median(picked, m, piece[i] if i in inside else None)
-                    for i in range(n)
-                ],
-            )
+        for s in range(0, flat[0].numel(), columns):
+            at = slice(s, s + columns)
+            piece = torch.stack([f[at] for f in flat]).float()  # (n, coordinates)
+            inside = piece if m == n else piece[ref]
+            rows = inside.t().contiguous()  # (coordinates, m): each coordinate's votes
+            picked = dict(zip(range(lo, hi), _middle_ranks(rows, lo, hi), strict=True))
+            if m == n:
+                yield name, at, piece - _median(picked, m, piece)
+                continue
+            out = piece - _median(picked, m, None)
+            out[ref] = inside - _median(picked, m, inside)
+            yield name, at, out
+
+
+def _middle_ranks(rows: torch.Tensor, lo: int, hi: int) -> list[torch.Tensor]:
+    """The lo-th .. (hi-1)-th smallest of each row of `rows` (coordinates, m), each (coordinates,).
+    numpy's introselect for one rank, then for the few next ones in the rest, then a sort of
+    those few: 5x faster than torch's topk, and one partition for several ranks at once is 5x
+    slower than for one (bench/commit_cost.py: a 100-vote commit of 1M, 2.94 s -> 1.15 s)."""
+    a = rows.numpy()
+    first = np.partition(a, lo, axis=1)
+    out = [torch.from_numpy(np.ascontiguousarray(first[:, lo]))]
+    if hi - lo > 1:
+        rest = np.partition(first[:, lo + 1 :], hi - lo - 2, axis=1)[:, : hi - lo - 1]
+        rest.sort(axis=1)
+        out += [torch.from_numpy(np.ascontiguousarray(rest[:, j])) for j in range(hi - lo - 1)]
+    return out
 
 
 def _median(picked: dict[int, torch.Tensor], m: int, left_out: torch.Tensor | None) -> torch.Tensor:
     """The coordinate median of the m votes (`picked`: the j-th smallest, for the ranks around
-    the middle), less the vote `left_out` (None: of all of them)."""
+    the middle), less each vote of `left_out` (votes, coordinates) in turn (None: of all)."""
     if left_out is not None:
         m -= 1
 
     def nth(j: int) -> torch.Tensor:
         if left_out is None:
             return picked[j]
-        return torch.where(left_out > picked[j], picked[j], picked[j + 1])
+        return _select(left_out > picked[j], picked[j], picked[j + 1])
 
     return nth(m // 2) if m % 2 else (nth(m // 2 - 1) + nth(m // 2)) / 2
+
+
+def _select(cond: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.where(cond, a, b) for fp32 a and b, bit for bit, on their bits: torch's CPU `where`
+    is not vectorised (3.6 ns a value against 1.4 here, (333, 8192) votes)."""
+    mask = cond.to(torch.int32).neg_()  # all ones where cond
+    a, b = a.view(torch.int32), b.view(torch.int32)
+    return (b ^ ((a ^ b) & mask)).view(torch.float32)
 
 
 def reference(effects: Sequence[float]) -> list[int]:
@@ -212,18 +232,17 @@ class DriftTracker:
         probed = len(known) == len(votes)
         ref = reference(known) if probed else list(range(len(votes)))
         sketches = [self.sketches.get((block, who)) or Sketch(torch.zeros(k)) for who in identities]
-        energy = [0.0 for _ in votes]
-        for sketch in sketches:
-            sketch.sums.mul_(DRIFT_DECAY)
+        sums = torch.stack([sketch.sums for sketch in sketches]).mul_(DRIFT_DECAY)  # (votes, k)
+        energy = torch.zeros(len(votes), dtype=torch.float64)
         for name, at, pieces in residual_pieces(votes, ref):  # no vote's whole residual is held
             bucket, sign = buckets[name]
-            for i, r in enumerate(pieces):
-                sketches[i].sums.index_add_(0, bucket[at], r * sign[at])
-                energy[i] += float(r.pow(2).sum())
+            sums.index_add_(1, bucket[at], pieces * sign[at])
+            energy += pieces.pow(2).sum(1)
         flagged = []
         for i, (identity, sketch) in enumerate(zip(identities, sketches, strict=True)):
             key = (block, identity)
-            sketch.energy = DRIFT_DECAY**2 * sketch.energy + energy[i]
+            sketch.sums = sums[i].clone()
+            sketch.energy = DRIFT_DECAY**2 * sketch.energy + float(energy[i])
             sketch.votes, sketch.last = sketch.votes + 1, round
             sketch.effect *= DRIFT_DECAY
             sketch.peers *= DRIFT_DECAY
