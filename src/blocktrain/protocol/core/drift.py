@@ -134,7 +134,7 @@ def _middle_ranks(rows: torch.Tensor, lo: int, hi: int) -> list[torch.Tensor]:
     """The lo-th .. (hi-1)-th smallest of each row of `rows` (coordinates, m), each (coordinates,).
     numpy's introselect for one rank, then for the few next ones in the rest, then a sort of
     those few: 5x faster than torch's topk, and one partition for several ranks at once is 5x
-    slower than for one (bench/commit_cost.py: a 100-vote commit of 1M, 2.94 s -> 1.15 s)."""
+    slower than for one (bench/commit_cost.py: a 100-vote commit of 1M, 2.97 s -> 1.29 s)."""
     a = rows.numpy()
     first = np.partition(a, lo, axis=1)
     out = [torch.from_numpy(np.ascontiguousarray(first[:, lo]))]

@@ -1,5 +1,5 @@
 """Each commit's drift observation (`drift.DriftTracker.observe`: two selections over every
-coordinate of every vote; bench/commit_cost.py: a commit of 100 votes of 1M is 1.15 s on one
+coordinate of every vote; bench/commit_cost.py: a commit of 100 votes of 1M is 1.3 s on one
 core) on a thread of its own, outside
 the service's lock, so that pulls, long polls, status and the other blocks' pushes go on
 meanwhile. A block's pushes wait for its last observation before they are judged, so that a
