@@ -94,20 +94,31 @@ def _moved(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
     """What the pairs show the work changed: throughput and CPU of the first burst, and the
     1,000-worker run on one aggregator."""
     (old, new), big = pairs[0], [p for p in pairs if p[1]["workers"] >= 1000][:1]
+    cost = commit_costs(old["commit"], new["workers"])
+    drift = (
+        f" (`bench/commit_cost.py`, in docs/research/decentralised.md: a commit of {new['workers']} "
+        f"votes of 1M in {cost[1]['commit_s_mean']:.2f} s against {cost[0]['commit_s_mean']:.2f} s)"
+        if cost
+        else ""
+    )
+    engine = f" ({cost[1]['inspect_ms_per_update']:.1f} ms, `bench/commit_cost.py`)" if cost else ""
     text = (
         f"\n**What moved, and where the time went instead.** At {new['workers']} workers in a "
-        f"burst: {new['push']['per_s']:.1f} updates/s against {old['push']['per_s']:.1f}, and "
+        f"burst: push p50 / p99 {new['push']['p50_ms']:.0f} / {new['push']['p99_ms']:.0f} ms "
+        f"against {old['push']['p50_ms']:.0f} / {old['push']['p99_ms']:.0f}, "
+        f"{new['push']['per_s']:.1f} updates/s against {old['push']['per_s']:.1f}, and "
         f"{1e3 * new['aggregator_cpu_s_per_update']:.0f} ms of aggregator CPU an update against "
-        f"{1e3 * old['aggregator_cpu_s_per_update']:.0f}: the drift observation of a commit "
-        "(docs/protocol.md, Drift) reads the ranks its medians need by two selections instead of "
-        "a sort along the votes, in pieces of 64K coordinates (`bench/commit_cost.py`, in "
-        "docs/research/decentralised.md), and runs on a thread of its own, outside the service's "
-        "lock, so that the next round opens, and its pulls are served, while it runs. A block's "
-        "pushes wait for it before they are judged (a flag refuses the same updates as before), "
-        "so in a burst, which pushes at once the moment a round opens, the wait that was the "
-        f"round's opening is now in the push: push p99 {new['push']['p99_ms']:.0f} ms against "
-        f"{old['push']['p99_ms']:.0f}. Workers that train between their pull and their push "
-        "find it done."
+        f"{1e3 * old['aggregator_cpu_s_per_update']:.0f}. The block's pushes wait for the drift "
+        "observation of its last commit (docs/protocol.md, Drift; a flag refuses the same updates "
+        "as if the commit had observed them), and that observation now reads the ranks its "
+        "medians need with numpy's introselect instead of torch's topk, and each piece's "
+        f"residuals as one tensor{drift}. What is left is queueing: in a burst the last of "
+        f"{new['workers']} pushes waits for the {new['workers'] - 1} before it, each a "
+        f"{new['body_bytes'] / 1e6:.2f} MB body through h11's framing, the parse, validation and "
+        f"copy sketch{engine}, the body's fsync and the ledger row, on the 2 cores the load "
+        "generator shares. A p99 of 500 ms in a burst leaves "
+        f"{500 / new['workers']:.0f} ms of the whole path to each push and pull, against the "
+        f"{1e3 * new['aggregator_cpu_s_per_update']:.0f} ms of aggregator CPU measured here."
     )
     if big and "failed" not in big[0][0] and "failed" not in big[0][1]:
         b_old, b_new = big[0]
@@ -118,6 +129,17 @@ def _moved(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
             f"against {b_old['accepted']:,} of {b_old['accepted'] + b_old['refused']:,}."
         )
     return text + "\n"
+
+
+def commit_costs(baseline: str, votes: int) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """bench/commit_cost.py's rows at `votes` (baseline's, this checkout's), when it last ran
+    against the same baseline (None: it did not)."""
+    path = RESULTS / "commit_cost.json"
+    doc = json.loads(path.read_text()) if path.exists() else {}
+    if doc.get("baseline") != baseline:
+        return None
+    rows = {r["commit"]: r for r in doc["rows"] if r["votes"] == votes}
+    return rows[baseline], rows[doc["commit"]]
 
 
 def _share(entries: list[list[Any]], needle: str) -> float:
