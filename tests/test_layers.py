@@ -85,7 +85,7 @@ RULES = {
     "model": "model/ is pure math: it imports only torch, the standard library and config",
     "protocol": "protocol/'s modules live in its rooms; its __init__.py imports none of them",
     "protocol.core": "protocol/core/ is the round logic: it imports nothing of protocol/ outside "
-    "core/, and of third-party packages only torch",
+    "core/, and of third-party packages only torch and numpy",
     "protocol.store": "protocol/store/ (state folder, ledger) imports only core/ of protocol/",
     "protocol.service": "protocol/service/ (the engine on the wall clock) imports only core/ and "
     "store/ of protocol/, and no web framework",
@@ -103,9 +103,10 @@ RULES = {
     "serving.openai": "serving/openai/ (the OpenAI API, the router's app) imports shared/ and "
     "router/ of serving/, not host/",
 }
-# model/ and protocol/core/ run anywhere torch does: no third-party package but torch.
+# model/ and protocol/core/ run anywhere torch does: no third-party package but torch (and,
+# for core's coordinate selections, numpy, which torch's tensors share memory with).
 TORCH_ONLY = frozenset({"model", CORE})
-TORCH = frozenset({"torch"})
+TORCH = {"model": frozenset({"torch"}), CORE: frozenset({"torch", "numpy"})}
 # The web framework stays in protocol/http/ (uvicorn runs through listener, a bottom part).
 WEB = frozenset({"fastapi", "starlette", "pydantic", "uvicorn"})
 WEB_FREE = PROTOCOL - {"protocol.http", "protocol.ops"}
@@ -195,7 +196,7 @@ def check_source(
             other = part_of(target)
             if other != part and other not in ALLOWED[part]:
                 out.append(Violation(file, line, part, target, rule_for(part)))
-        elif part in TORCH_ONLY and top not in TORCH | sys.stdlib_module_names:
+        elif part in TORCH_ONLY and top not in TORCH[part] | sys.stdlib_module_names:
             out.append(Violation(file, line, part, target, RULES[part]))
         elif part in WEB_FREE and top in WEB:
             out.append(Violation(file, line, part, target, f"{part} imports no web framework"))
@@ -348,9 +349,11 @@ PACKAGES = {
 # import of protocol/ and what it may not, relative imports included, and the third-party rules.
 ROOM_CASES = [
     # core imports nothing of protocol/ outside core/, and of third-party packages only torch
+    # and numpy
     ("core.fake", "from blocktrain.protocol.core.verdict import Verdict", False),
     ("core.fake", "from . import rounds", False),
     ("core.fake", "import torch", False),
+    ("core.fake", "import numpy as np", False),
     ("core.fake", "from blocktrain.protocol.store.ledger import Ledger", True),
     ("core.fake", "from ..store import ledger", True),
     ("core.fake", "from blocktrain.protocol import service", True),
