@@ -104,11 +104,11 @@ def residual_pieces(
     votes: Sequence[Tensors], reference: Sequence[int] | None = None
 ) -> Iterator[tuple[str, slice, torch.Tensor]]:
     """(tensor name, coordinates, the votes' residuals there as one (votes, coordinates) fp32
-    tensor), SELECT_VALUES // votes coordinates of one tensor at a time. The ranks a median reads come
-    from two introselects along each coordinate's votes (`_middle_ranks`), with the values a
-    full sort gives (a selection returns the votes' own). The j-th smallest of the others, one
-    vote of the reference left out, is the j-th of all of them when the vote lies above it, else
-    the (j+1)-th (ties hold equal values either way)."""
+    tensor), SELECT_VALUES // votes coordinates of one tensor at a time. The ranks a median
+    reads come from two introselects along each coordinate's votes (`_middle_ranks`), with the
+    values a full sort gives (a selection returns the votes' own). The j-th smallest of the
+    others, one vote of the reference left out, is the j-th of all of them when the vote lies
+    above it, else the (j+1)-th (ties hold equal values either way)."""
     n = len(votes)
     ref = list(range(n)) if reference is None else sorted(reference)
     m = len(ref)
