@@ -47,6 +47,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,8 +64,10 @@ from protocol_load_md import profile_text, row, section  # beside this script: t
 from protocol_revisions import Revision, export, python_path, this_checkout  # beside this script
 from report import RESEARCH, RESULTS, free_ports, machine, update_section, write_json
 
+Tensors = dict[str, torch.Tensor]
 
-def block(params: int) -> dict[str, torch.Tensor]:
+
+def block(params: int) -> Tensors:
     """A synthetic block: two matrices and a bias, `params` parameters in all."""
     cols = 512
     rows = (params - cols) // (2 * cols)
@@ -167,23 +170,28 @@ def start_fleet(root: Path, run: Run, params: int, rev: Revision | None = None) 
     return fleet
 
 
-async def drive(fleet: Fleet, run: Run, params: int) -> None:
-    """Every worker through `run.rounds` rounds; fills `fleet.log`."""
+def worker_deltas(params: int, workers: int, rounds: int) -> Callable[[int, int], Tensors]:
+    """delta(i, round): worker i's delta in a round, a window of one random pool (1e-3 a
+    coordinate) at an offset of its own, so that no two pushes are near-copies (the replay
+    screen refuses those as `copy` or `replay`) and no body costs a random draw."""
     shapes = {k: v.shape for k, v in block(params).items()}
-    offsets = run.workers * (run.rounds + 1)
+    offsets = workers * (rounds + 1)
     pool = torch.randn(params + offsets, generator=torch.Generator().manual_seed(1)).half()
 
-    def delta(i: int, round_: int) -> dict[str, torch.Tensor]:
-        """Worker i's delta in a round: a window of one random pool (1e-3 a coordinate) at an
-        offset of its own, so that no two pushes are near-copies (the replay screen refuses
-        those as `copy` or `replay`) and no body costs a random draw."""
-        at = (i + run.workers * round_) % offsets
+    def delta(i: int, round_: int) -> Tensors:
+        at = (i + workers * round_) % offsets
         out = {}
         for k, shape in shapes.items():
             n = shape.numel()
             out[k], at = pool[at : at + n].view(shape) * 1e-3, at + n
         return out
 
+    return delta
+
+
+async def drive(fleet: Fleet, run: Run, params: int) -> None:
+    """Every worker through `run.rounds` rounds; fills `fleet.log`."""
+    delta = worker_deltas(params, run.workers, run.rounds)
     barrier = asyncio.Barrier(run.workers)
     rng = random.Random(0)
 

@@ -28,23 +28,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from blocktrain.protocol.core.bodies import CONTENT_TYPE, encode
 from blocktrain.protocol.ops.cluster import stop
 from load_http import Connection
-from protocol_load import Run, block, cpu_seconds, phase, start_fleet
+from protocol_load import Run, cpu_seconds, phase, start_fleet, worker_deltas
 from report import RESULTS, machine
 
 IDLE = ("Condition.wait", "EpollSelector.select", "_PollLikeSelector", "Event.wait", "select (")
 
 
 async def burst(url: str, tokens: list[str], rounds: int, params: int, log: dict) -> None:
-    delta = {k: torch.full_like(v, 1e-3) for k, v in block(params).items()}
+    delta = worker_deltas(params, len(tokens), rounds)  # each its own: no push is a `copy`
     barrier = asyncio.Barrier(len(tokens))
-    bodies: dict[tuple[int, int], bytes] = {}
 
-    async def worker(token: str) -> None:
+    async def worker(i: int, token: str) -> None:
         conn = Connection(url)
         headers = {"Authorization": f"Bearer {token}"}
         r = await conn.request("POST", "/v1/workers", headers, b'{"block": 0}')
@@ -61,24 +58,22 @@ async def burst(url: str, tokens: list[str], rounds: int, params: int, log: dict
             t0 = time.perf_counter()
             pulled = await conn.request("GET", "/v1/blocks/0", headers)
             t1 = time.perf_counter()
-            key = (int(pulled.headers["x-version"]), last)
-            if key not in bodies:
-                meta = {"block": 0, "base_version": key[0], "round": last, "tokens": 4096}
-                bodies[key] = encode(delta, meta, "fp16")
+            meta = {"block": 0, "base_version": int(pulled.headers["x-version"]), "round": last}
+            body = encode(delta(i, last), {**meta, "tokens": 4096}, "fp16")
             await barrier.wait()
             t2 = time.perf_counter()
             pushed = await conn.request(
                 "POST",
                 "/v1/blocks/0/updates",
                 {**headers, "Content-Type": CONTENT_TYPE},
-                bodies[key],
+                body,
             )
             t3 = time.perf_counter()
             log["pull"].append(((0, last), t0, t1, len(pulled.body)))
-            log["push"].append(((0, last), t2, t3, len(bodies[key]), pushed.status, ""))
+            log["push"].append(((0, last), t2, t3, len(body), pushed.status, ""))
         await conn.close()
 
-    await asyncio.gather(*(worker(t) for t in tokens))
+    await asyncio.gather(*(worker(i, t) for i, t in enumerate(tokens)))
 
 
 def summarise(raw: Path, top: int = 15) -> dict[str, list[tuple[str, float]]]:
