@@ -7,11 +7,15 @@ import ctypes
 import ctypes.util
 import logging
 import sys
+import threading
+import time
 
 log = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_MMAP_MAX = -4
+_M_ARENA_MAX = -8
 
 
 def keep_freed_memory() -> bool:
@@ -26,28 +30,80 @@ def keep_freed_memory() -> bool:
     return _mallopt(mmap=1 << 30, trim=1 << 31)
 
 
-SERVER_MMAP_THRESHOLD = 128 << 10
-"""glibc's own starting threshold, held fixed (setting it turns off glibc's raising it)."""
+TRIM_EVERY_S = 2.0
+"""How often a server looks at the free part of its heap (`serve_from_heap`)."""
+RETAIN_FREE_BYTES = 256 << 20
+"""What it may keep free for the next requests; beyond it, `malloc_trim` hands it all back."""
 
 
-def return_freed_memory() -> bool:
-    """For the servers (aggregator, router, block hosts): serve every allocation of 128 KiB or
-    more (a request body, its tensors) with its own mmap and trim the heap, so that what a flood
-    of requests held goes back to the kernel when they are answered. Under keep_freed_memory's
-    thresholds an aggregator pushed valid-shaped 1 MB bodies by one token (bench/
-    live_attacks.py, push_flood) grew from 486 to 821 MB and stayed there. The cost is the
-    page faults of the probe's forward passes, a small part of a server's work."""
-    return _mallopt(mmap=SERVER_MMAP_THRESHOLD, trim=2 * SERVER_MMAP_THRESHOLD)
+def serve_from_heap(trim_every_s: float = TRIM_EVERY_S, retain: int = RETAIN_FREE_BYTES) -> bool:
+    """For the servers (aggregator, router, block hosts): every allocation from one heap, whose
+    free part goes back to the kernel (`malloc_trim`) once it exceeds `retain` bytes, looked at
+    every `trim_every_s` seconds, not at each free.
+
+    Each push's body, its fp32 views and the commit's stacked votes are megabytes; served by
+    mmaps of their own (glibc's default above its threshold, and for threads' arenas above 64
+    MiB) each one page-faulted its memory in zeroed and unmapped it again: 44 % of an
+    aggregator's samples under 100 pushing workers were page faults and 8 % munmap (perf, bench/
+    protocol_profile.py), 54 of its 80 ms of CPU per update system time. From one heap (no
+    mmap, one arena for all threads) the freed megabytes serve the next requests. The bound is
+    what keeps a flood of bodies from leaving the server at its peak (bench/live_attacks.py,
+    push_flood, checks the aggregator's RSS). Returns whether the settings took effect."""
+    libc = _libc()
+    if libc is None:
+        return False
+    options = ((_M_MMAP_MAX, 0), (_M_ARENA_MAX, 1), (_M_TRIM_THRESHOLD, 1 << 30))
+    ok = all([libc.mallopt(option, value) == 1 for option, value in options])
+    if ok:
+        threading.Thread(
+            target=_trim_beyond, args=(libc, trim_every_s, retain), name="malloc-trim", daemon=True
+        ).start()
+    log.debug("glibc malloc: one heap, free beyond %d bytes trimmed: %s", retain, ok)
+    return ok
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                     "uordblks", "fordblks", "keepcost")
+    ]  # fmt: skip
+
+
+def free_heap_bytes(libc: ctypes.CDLL) -> int | None:
+    """The heap's free bytes (`mallinfo2().fordblks`; None before glibc 2.33)."""
+    try:
+        mallinfo2 = libc.mallinfo2
+    except AttributeError:
+        return None
+    mallinfo2.restype = _Mallinfo2
+    return int(mallinfo2().fordblks)
+
+
+def _trim_beyond(libc: ctypes.CDLL, every_s: float, retain: int) -> None:
+    while True:
+        time.sleep(every_s)
+        free = free_heap_bytes(libc)
+        if free is None or free > retain:
+            libc.malloc_trim(0)
+
+
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt, libc.malloc_trim  # noqa: B018 (glibc's; musl lacks malloc_trim)
+    except (OSError, AttributeError):
+        return None
+    return libc
 
 
 def _mallopt(mmap: int, trim: int) -> bool:
-    if not sys.platform.startswith("linux"):
+    libc = _libc()
+    if libc is None:
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, mmap) == 1
-        ok = libc.mallopt(_M_TRIM_THRESHOLD, trim) == 1 and ok
-    except (OSError, AttributeError):
-        return False
+    ok = libc.mallopt(_M_MMAP_THRESHOLD, mmap) == 1
+    ok = libc.mallopt(_M_TRIM_THRESHOLD, trim) == 1 and ok
     log.debug("glibc mallopt thresholds: mmap %d, trim %d: %s", mmap, trim, ok)
     return ok

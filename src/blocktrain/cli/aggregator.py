@@ -141,7 +141,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_data_arg(p)  # the validation split feeds the effect probe and live_eval_every
     add_setting_args(p)
-    p.set_defaults(handler=run, server=True)  # runtime.return_freed_memory
+    p.set_defaults(handler=run, server=True)  # runtime.serve_from_heap
 
 
 def needs_data(settings: AggregatorSettings) -> bool:

@@ -33,7 +33,7 @@ from blocktrain.cli import (
     worker,
 )
 from blocktrain.errors import BlockTrainError
-from blocktrain.runtime import keep_freed_memory, return_freed_memory
+from blocktrain.runtime import keep_freed_memory, serve_from_heap
 
 SUBCOMMANDS = (
     train,
@@ -106,8 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING, handlers=[handler]
     )
-    # a server's memory follows its requests; a trainer keeps its activations' pages
-    (return_freed_memory if getattr(args, "server", False) else keep_freed_memory)()
+    # servers allocate from one heap trimmed every few seconds; a trainer keeps its activations' pages
+    (serve_from_heap if getattr(args, "server", False) else keep_freed_memory)()
     try:
         return int(args.handler(args) or 0)
     except BlockTrainError as exc:

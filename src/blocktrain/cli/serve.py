@@ -131,7 +131,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "machine: docs/serving.md, Which D to pick",
     )
     add_named_sets(p, RouterSettings, FLAGS, own={"tokens_file": str})
-    p.set_defaults(handler=run_cmd, server=True)  # runtime.return_freed_memory
+    p.set_defaults(handler=run_cmd, server=True)  # runtime.serve_from_heap
 
 
 def model_drafter(run: Path) -> ModelDrafter:

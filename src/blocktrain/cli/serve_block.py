@@ -130,7 +130,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "are dropped past it",
     )
     add_named_sets(p, HostSettings, FLAGS)
-    p.set_defaults(handler=run_cmd, server=True)  # runtime.return_freed_memory
+    p.set_defaults(handler=run_cmd, server=True)  # runtime.serve_from_heap
 
 
 def run_cmd(args: argparse.Namespace) -> int:
