@@ -94,36 +94,33 @@ def _moved(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
     """What the pairs show the work changed: throughput and CPU of the first burst, and the
     1,000-worker run on one aggregator."""
     (old, new), big = pairs[0], [p for p in pairs if p[1]["workers"] >= 1000][:1]
-    cost = commit_costs(old["commit"], new["workers"])
-    drift = (
-        f" (`bench/commit_cost.py`, in docs/research/decentralised.md: a commit of {new['workers']} "
-        f"votes of 1M in {cost[1]['commit_s_mean']:.2f} s against {cost[0]['commit_s_mean']:.2f} s)"
-        if cost
-        else ""
-    )
-    engine = f" ({cost[1]['inspect_ms_per_update']:.1f} ms, `bench/commit_cost.py`)" if cost else ""
+    split = heap_split()
     text = (
         f"\n**What moved, and where the time went instead.** At {new['workers']} workers in a "
         f"burst: push p50 / p99 {new['push']['p50_ms']:.0f} / {new['push']['p99_ms']:.0f} ms "
         f"against {old['push']['p50_ms']:.0f} / {old['push']['p99_ms']:.0f}, "
         f"{new['push']['per_s']:.1f} updates/s against {old['push']['per_s']:.1f}, and "
         f"{1e3 * new['aggregator_cpu_s_per_update']:.0f} ms of aggregator CPU an update against "
-        f"{1e3 * old['aggregator_cpu_s_per_update']:.0f}. The block's pushes wait for the drift "
-        "observation of its last commit (docs/protocol.md, Drift; a flag refuses the same updates "
-        "as if the commit had observed them), and that observation now reads the ranks its "
-        "medians need with numpy's introselect instead of torch's topk, and each piece's "
-        f"residuals as one tensor{drift}. What is left is queueing: in a burst the last of "
-        f"{new['workers']} pushes waits for the {new['workers'] - 1} before it, each a "
+        f"{1e3 * old['aggregator_cpu_s_per_update']:.0f}. Sampled with `perf record -g` under "
+        "this load, 44 % of the aggregator's time had been page faults and 8 % munmap: servers "
+        "gave every allocation of 128 KiB or more an mmap of its own (so that a flood's memory "
+        "went back), so each push's body, its fp32 views and the commit's stacked votes faulted "
+        "fresh zeroed pages in and unmapped them again. Servers now allocate from one heap (no "
+        "mmap, one arena for all threads) and hand its free part back beyond 256 MB, looked at "
+        f"every 2 s (`runtime.serve_from_heap`{split}). What is left is queueing: in a burst the "
+        f"last of {new['workers']} pushes waits for the {new['workers'] - 1} before it, each a "
         f"{new['body_bytes'] / 1e6:.2f} MB body through h11's framing, the parse, validation and "
-        f"copy sketch{engine}, the body's fsync and the ledger row, on the 2 cores the load "
-        "generator shares. A p99 of 500 ms in a burst leaves "
-        f"{500 / new['workers']:.0f} ms of the whole path to each push and pull, against the "
+        "copy sketch, the body's write and fsync and the ledger row, and for the drift "
+        "observation of the block's last commit (docs/protocol.md, Drift), on the 2 cores the "
+        f"load generator shares. A p99 of 500 ms in a burst leaves {500 / new['workers']:.0f} ms "
+        "of the whole path to each push and pull, against the "
         f"{1e3 * new['aggregator_cpu_s_per_update']:.0f} ms of aggregator CPU measured here."
     )
     if big and "failed" not in big[0][0] and "failed" not in big[0][1]:
         b_old, b_new = big[0]
         text += (
-            f" At {b_new['workers']:,} workers on one aggregator: pull p99 "
+            f" At {b_new['workers']:,} workers on one aggregator: push p99 "
+            f"{b_new['push']['p99_ms'] / 1e3:.1f} s against {b_old['push']['p99_ms'] / 1e3:.1f} s, pull p99 "
             f"{b_new['pull']['p99_ms'] / 1e3:.1f} s against {b_old['pull']['p99_ms'] / 1e3:.1f} s, "
             f"{b_new['accepted']:,} of {b_new['accepted'] + b_new['refused']:,} updates accepted "
             f"against {b_old['accepted']:,} of {b_old['accepted'] + b_old['refused']:,}."
@@ -131,15 +128,25 @@ def _moved(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
     return text + "\n"
 
 
-def commit_costs(baseline: str, votes: int) -> tuple[dict[str, Any], dict[str, Any]] | None:
-    """bench/commit_cost.py's rows at `votes` (baseline's, this checkout's), when it last ran
-    against the same baseline (None: it did not)."""
-    path = RESULTS / "commit_cost.json"
+def heap_split() -> str:
+    """The user and system CPU per update that bench/protocol_profile.py measured with one
+    heap and without (labels `heap_off_*`, `heap_on_*` of protocol_profile.json), or ""."""
+    path = RESULTS / "protocol_profile.json"
     doc = json.loads(path.read_text()) if path.exists() else {}
-    if doc.get("baseline") != baseline:
-        return None
-    rows = {r["commit"]: r for r in doc["rows"] if r["votes"] == votes}
-    return rows[baseline], rows[doc["commit"]]
+    runs = {
+        side: [r for k, r in doc.items() if k.startswith(f"heap_{side}_")] for side in ("off", "on")
+    }
+    if not runs["off"] or not runs["on"]:
+        return ""
+
+    def ms(side: str, key: str) -> float:
+        return statistics.fmean(r[f"aggregator_{key}_ms_per_update"] for r in runs[side])
+
+    return (
+        f"; `bench/protocol_profile.py`, {len(runs['on'])} runs a side, alternated: system time "
+        f"{ms('off', 'system'):.0f} -> {ms('on', 'system'):.0f} ms an update, user "
+        f"{ms('off', 'user'):.0f} -> {ms('on', 'user'):.0f}"
+    )
 
 
 def _share(entries: list[list[Any]], needle: str) -> float:
