@@ -39,12 +39,15 @@ class Sketcher:
         self._codes: dict[tuple[str, int], torch.Tensor] = {}
 
     def _code(self, name: str, n: int) -> torch.Tensor:
-        """2 x bucket + (sign > 0) of each of a tensor's n coordinates, (n,) int16."""
+        """2 x bucket + (sign > 0) of each of a tensor's n coordinates, (n,) int32: index_add_
+        takes int32 indices faster than int64 ones, with the same sums (bench/commit_cost.py:
+        inspect 5.3 -> 4.6 ms an update of 1M, with the sketch), and kept so, not converted at
+        each push."""
         code = self._codes.get((name, n))
         if code is None:
             key = hashlib.blake2b(f"copy:{self.seed}:{name}:{n}".encode(), digest_size=8).digest()
             gen = torch.Generator().manual_seed(int.from_bytes(key) >> 1)
-            code = torch.randint(2 * SKETCH_DIMS, (n,), generator=gen, dtype=torch.int16)
+            code = torch.randint(2 * SKETCH_DIMS, (n,), generator=gen, dtype=torch.int16).int()
             self._codes[(name, n)] = code
         return code
 
@@ -54,9 +57,7 @@ class Sketcher:
         signed = torch.zeros(2 * SKETCH_DIMS, dtype=torch.float64)
         for name in sorted(delta):
             t = delta[name].reshape(-1)
-            # int32 indices: index_add_ takes them faster than int64 ones, with the same sums
-            # (bench/commit_cost.py: inspect 5.3 -> 4.6 ms an update of 1M, with the sketch)
-            signed.index_add_(0, self._code(name, t.numel()).int(), t.double())
+            signed.index_add_(0, self._code(name, t.numel()), t.double())
         sums = signed[1::2] - signed[0::2]
         size = float(sums.norm())
         return (sums / size).float() if size > 0 else None
