@@ -34,6 +34,7 @@ TRIM_EVERY_S = 2.0
 """How often a server looks at the free part of its heap (`serve_from_heap`)."""
 RETAIN_FREE_BYTES = 256 << 20
 """What it may keep free for the next requests; beyond it, `malloc_trim` hands it all back."""
+_trimming = False
 
 
 def serve_from_heap(trim_every_s: float = TRIM_EVERY_S, retain: int = RETAIN_FREE_BYTES) -> bool:
@@ -54,7 +55,9 @@ def serve_from_heap(trim_every_s: float = TRIM_EVERY_S, retain: int = RETAIN_FRE
         return False
     options = ((_M_MMAP_MAX, 0), (_M_ARENA_MAX, 1), (_M_TRIM_THRESHOLD, 1 << 30))
     ok = all([libc.mallopt(option, value) == 1 for option, value in options])
-    if ok:
+    global _trimming
+    if ok and not _trimming:  # one thread a process, however often a server starts in it
+        _trimming = True
         threading.Thread(
             target=_trim_beyond, args=(libc, trim_every_s, retain), name="malloc-trim", daemon=True
         ).start()
