@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from blocktrain.listener import bind, run, url_of
+from blocktrain.runtime import serve_from_heap
 from blocktrain.serving.host.host_app import create_app as host_app
 from blocktrain.serving.host.host_settings import HostSettings
 from blocktrain.serving.host.loading import ModelSource
@@ -53,6 +54,7 @@ def main() -> None:
     p.add_argument("kind", choices=("host", "router"))
     p.add_argument("spec", help="the settings' fields as one JSON object")
     args = p.parse_args()
+    serve_from_heap()  # as the CLI's serve and serve-block do
     {"host": host, "router": router}[args.kind](json.loads(args.spec))
 
 
