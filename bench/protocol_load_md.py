@@ -102,7 +102,7 @@ def _moved(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
         f"{new['push']['per_s']:.1f} updates/s against {old['push']['per_s']:.1f}, and "
         f"{1e3 * new['aggregator_cpu_s_per_update']:.0f} ms of aggregator CPU an update against "
         f"{1e3 * old['aggregator_cpu_s_per_update']:.0f}. Sampled with `perf record -g` under "
-        "this load, 44 % of the aggregator's time had been page faults and 8 % munmap: servers "
+        "this load, most of the aggregator's time had been page faults and munmap: servers "
         "gave every allocation of 128 KiB or more an mmap of its own (so that a flood's memory "
         "went back), so each push's body, its fp32 views and the commit's stacked votes faulted "
         "fresh zeroed pages in and unmapped them again. Servers now allocate from one heap (no "

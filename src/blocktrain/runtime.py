@@ -44,18 +44,19 @@ def serve_from_heap(trim_every_s: float = TRIM_EVERY_S, retain: int = RETAIN_FRE
 
     Each push's body, its fp32 views and the commit's stacked votes are megabytes; served by
     mmaps of their own (glibc's default above its threshold, and for threads' arenas above 64
-    MiB) each one page-faulted its memory in zeroed and unmapped it again: 44 % of an
-    aggregator's samples under 100 pushing workers were page faults and 8 % munmap (perf, bench/
-    protocol_profile.py), 54 of its 80 ms of CPU per update system time. From one heap (no
+    MiB) each one page-faulted its memory in zeroed and unmapped it again: under 100 pushing
+    workers most of an aggregator's samples were page faults and munmap (`perf record -g`), and
+    39 of its 61 ms of CPU per update system time (bench/protocol_profile.py, protocol_profile.
+    json's `heap_off_*`; 9 of 29 ms from one heap, `heap_on_*`). From one heap (no
     mmap, one arena for all threads) the freed megabytes serve the next requests. The bound is
     what keeps a flood of bodies from leaving the server at its peak (bench/live_attacks.py,
     push_flood, checks the aggregator's RSS). Returns whether the settings took effect."""
+    global _trimming
     libc = _libc()
     if libc is None:
         return False
     options = ((_M_MMAP_MAX, 0), (_M_ARENA_MAX, 1), (_M_TRIM_THRESHOLD, 1 << 30))
     ok = all([libc.mallopt(option, value) == 1 for option, value in options])
-    global _trimming
     if ok and not _trimming:  # one thread a process, however often a server starts in it
         _trimming = True
         threading.Thread(
@@ -73,21 +74,15 @@ class _Mallinfo2(ctypes.Structure):
     ]  # fmt: skip
 
 
-def free_heap_bytes(libc: ctypes.CDLL) -> int | None:
-    """The heap's free bytes (`mallinfo2().fordblks`; None before glibc 2.33)."""
-    try:
-        mallinfo2 = libc.mallinfo2
-    except AttributeError:
-        return None
-    mallinfo2.restype = _Mallinfo2
-    return int(mallinfo2().fordblks)
-
-
 def _trim_beyond(libc: ctypes.CDLL, every_s: float, retain: int) -> None:
+    """Every `every_s` seconds, trim when the heap's free bytes (`mallinfo2().fordblks`) exceed
+    `retain`; before glibc 2.33 (no mallinfo2), trim each time."""
+    mallinfo2 = getattr(libc, "mallinfo2", None)
+    if mallinfo2 is not None:
+        mallinfo2.restype = _Mallinfo2
     while True:
         time.sleep(every_s)
-        free = free_heap_bytes(libc)
-        if free is None or free > retain:
+        if mallinfo2 is None or mallinfo2().fordblks > retain:
             libc.malloc_trim(0)
 
 

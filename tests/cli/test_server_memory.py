@@ -48,3 +48,10 @@ def test_a_server_gives_back_what_a_burst_freed_beyond_the_bound():
     before, peak, after = map(float, out.stdout.split())
     assert peak - before > 300
     assert after - before < 64, (before, peak, after)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_a_trainers_memory_mode_takes_effect_on_glibc():
+    from blocktrain import runtime
+
+    assert runtime.keep_freed_memory()  # what this process runs under anyway (cli/main.py)
