@@ -436,16 +436,18 @@ def _residuals_by_full_sort(votes, reference=None):
     return out
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("values", [drift.SELECT_VALUES, 12])  # 12: a tensor in several pieces
-def test_residuals_equal_those_of_a_full_sort_bit_for_bit_ties_included(monkeypatch, values):
-    monkeypatch.setattr(drift, "SELECT_VALUES", values)
+def test_residuals_equal_those_of_a_full_sort_bit_for_bit_ties_included(monkeypatch, values, dtype):
+    monkeypatch.setattr(drift, "SELECT_VALUES", values)  # the selections run on integer keys
     gen = torch.Generator().manual_seed(3)
     for n, ref in ((2, None), (3, None), (4, [0, 2]), (5, [1, 2, 4]), (8, None), (9, [0, 3, 5, 8])):
-        # fp16 values on a coarse grid: many ties, zeros among them
+        # values on a coarse grid: many ties, zeros of both signs among them
         votes = [
             {
-                "w": (torch.randint(-3, 4, (7, 5), generator=gen) * 0.25).half(),
-                "b": torch.randn(6, generator=gen).half(),
+                "w": (torch.randint(-3, 4, (7, 5), generator=gen) * 0.25).to(dtype),
+                "b": torch.randn(6, generator=gen).to(dtype),
+                "z": ((torch.randint(0, 2, (4,), generator=gen) * 2 - 1) * 0.0).to(dtype),
             }
             for _ in range(n)
         ]
