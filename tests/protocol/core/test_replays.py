@@ -50,3 +50,26 @@ def test_zeros_have_no_sketch_and_the_secret_decides_the_buckets():
     assert float(distance(one.unsqueeze(0), other)[0]) > 1.0, "another secret, other buckets"
     renamed = {f"block1.{k}": v for k, v in delta(0).items()}
     assert apart(s, delta(0), renamed) > 1.0, "buckets follow a tensor's name and size"
+
+
+def test_seen_bodies_keep_the_newest_and_find_them_across_their_matrix_growing(monkeypatch):
+    from blocktrain.protocol.core import replays
+
+    monkeypatch.setattr(replays, "REPLAY_ENTRIES", 100)
+    gen = torch.Generator().manual_seed(5)
+    sketches = [
+        torch.nn.functional.normalize(torch.randn(SKETCH_DIMS, generator=gen), dim=0)
+        for _ in range(250)
+    ]
+    seen = replays.SeenBodies()
+    for i, s in enumerate(sketches):  # past 64 rows, 128, then compacted as the oldest go
+        seen.add(replays.Seen(identity=i, round=i // 10, accepted=True, sketch=s))
+        assert [e.identity for e in seen] == list(range(max(0, i - 99), i + 1))
+        for j in {i, max(0, i - 99), (i + max(0, i - 99)) // 2}:
+            found = seen.within(sketches[j], 1e-6)
+            assert [(gap, e.identity) for gap, e in found] == [(0.0, j)], (i, j)
+    assert seen.within(sketches[149], 1e-6) == [], "dropped: the oldest go first"
+    kept = seen.since(20)
+    assert [e.identity for e in kept] == list(range(200, 250))
+    assert [e.identity for _, e in kept.within(sketches[230], 1e-6)] == [230]
+    assert replays.SeenBodies().within(sketches[0], 1.0) == []

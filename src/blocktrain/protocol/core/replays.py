@@ -11,7 +11,7 @@ secret: known, they would let a near-copy be made to read far away."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -81,13 +81,58 @@ class Seen:
     sketch: torch.Tensor
 
 
+class SeenBodies:
+    """A block's remembered bodies, oldest first, at most REPLAY_ENTRIES, with their sketches
+    kept as the rows of one matrix: a screen reads one (n, SKETCH_DIMS) tensor, where stacking
+    the n sketches at each push cost 4.5 ms at 4,096 of them, three times a push, under the
+    service's lock, for every block of the shape (a 1,000-worker round)."""
+
+    def __init__(self, entries: Iterable[Seen] = ()) -> None:
+        self.entries: list[Seen] = list(entries)
+        self._rows = torch.stack([e.sketch for e in self.entries]) if self.entries else None
+        self._start = 0
+        """The oldest entry's row: the rows before it belong to entries dropped since."""
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __iter__(self) -> Iterator[Seen]:
+        return iter(self.entries)
+
+    def add(self, entry: Seen) -> None:
+        """Keep `entry`, the newest; past REPLAY_ENTRIES the oldest goes."""
+        n = len(self.entries)
+        if self._rows is None or self._start + n == self._rows.shape[0]:
+            rows = torch.empty(max(64, 2 * n), SKETCH_DIMS)  # at most 2 x REPLAY_ENTRIES
+            if self._rows is not None:
+                rows[:n] = self._rows[self._start : self._start + n]
+            self._rows, self._start = rows, 0
+        self._rows[self._start + n] = entry.sketch
+        self.entries.append(entry)
+        if n + 1 > REPLAY_ENTRIES:
+            del self.entries[0]
+            self._start += 1
+
+    def since(self, round: int) -> SeenBodies:
+        """The entries of `round` and later."""
+        return SeenBodies(e for e in self.entries if e.round >= round)
+
+    def within(self, sketch: torch.Tensor, limit: float) -> list[tuple[float, Seen]]:
+        """The entries within distance `limit` of `sketch`, with their distances."""
+        if self._rows is None or not self.entries:
+            return []
+        gaps = distance(self._rows[self._start : self._start + len(self.entries)], sketch)
+        close = torch.nonzero(gaps <= limit).flatten().tolist()
+        return [(float(gaps[i]), self.entries[i]) for i in close]
+
+
 class ReplayScreen:
     """`screen` and `_remember` over the engine's state (declared here, set by `RoundEngine`)."""
 
     settings: AggregatorSettings
     blocks: dict[int, EngineBlock]
     registry: Registry
-    seen: dict[int, list[Seen]]
+    seen: dict[int, SeenBodies]
     pulled: dict[int, tuple[int, int, int]]
 
     def screen(self, worker: int, block: int, checked: Checked) -> Verdict:
@@ -124,7 +169,7 @@ class ReplayScreen:
         near = [  # every block: blocks of one shape swap bodies
             (apart, b, entry)
             for b, seen in self.seen.items()
-            for apart, entry in self._within(seen, sketch)
+            for apart, entry in seen.within(sketch, self.settings.copy_distance)
         ]
         for apart, b, entry in sorted(near, key=lambda x: x[0]):
             where = (
@@ -151,18 +196,9 @@ class ReplayScreen:
             return
         if not self.settings.replay_rounds:
             return
-        seen = self.seen.setdefault(block, [])
-        for _, entry in self._within(seen, sketch):
+        seen = self.seen.setdefault(block, SeenBodies())
+        for _, entry in seen.within(sketch, self.settings.copy_distance):
             if entry.identity == identity:
                 entry.accepted = entry.accepted or verdict.accepted
                 return
-        seen.append(Seen(identity, self.blocks[block].rounds.round, verdict.accepted, sketch))
-        del seen[:-REPLAY_ENTRIES]
-
-    def _within(self, seen: list[Seen], sketch: torch.Tensor) -> list[tuple[float, Seen]]:
-        """The entries of `seen` within copy_distance of `sketch`, with their distances."""
-        if not seen:
-            return []
-        gaps = distance(torch.stack([e.sketch for e in seen]), sketch)
-        close = torch.nonzero(gaps <= self.settings.copy_distance).flatten().tolist()
-        return [(float(gaps[i]), seen[i]) for i in close]
+        seen.add(Seen(identity, self.blocks[block].rounds.round, verdict.accepted, sketch))

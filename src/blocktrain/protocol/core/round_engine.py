@@ -47,7 +47,7 @@ from blocktrain.protocol.core.pacing import Pacer
 from blocktrain.protocol.core.probe_slots import ProbeSlots
 from blocktrain.protocol.core.pulls import commit_step
 from blocktrain.protocol.core.registry import Registry
-from blocktrain.protocol.core.replays import ReplayScreen, Seen, Sketcher
+from blocktrain.protocol.core.replays import ReplayScreen, SeenBodies, Sketcher
 from blocktrain.protocol.core.rounds import BlockRounds, RoundClosed
 from blocktrain.protocol.core.settings import AggregatorSettings
 from blocktrain.protocol.core.validation import (
@@ -101,7 +101,7 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         self.probing = 0
         """Updates holding a place at the probe now (at most PROBE_SLOTS)."""
         self.sketcher = Sketcher(seed)
-        self.seen: dict[int, list[Seen]] = {b: [] for b in blocks}
+        self.seen: dict[int, SeenBodies] = {b: SeenBodies() for b in blocks}
         """Each block's recent bodies' sketches (the last `replay_rounds` rounds, at most
         REPLAY_ENTRIES; in memory: a restart empties it)."""
         self.pulled: dict[int, tuple[int, int, int]] = {}
@@ -396,5 +396,5 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         st.weights, st.momentum, st.remainder = weights, momentum, remainder
         st.acc = accumulator(self.settings)
         keep = st.rounds.round - self.settings.replay_rounds
-        self.seen[st.index] = [e for e in self.seen.get(st.index, []) if e.round >= keep]
+        self.seen[st.index] = self.seen.get(st.index, SeenBodies()).since(keep)
         return event
