@@ -3,11 +3,14 @@
 For each revision (this checkout, and with `--baseline REV` that commit's src/ exported with
 `git archive`), a fresh process at one torch thread builds a `RoundEngine` on one synthetic
 block of `--params` parameters (the block of bench/protocol_load.py, the same settings),
-registers N workers, and runs two rounds: each worker's fp16 body through `inspect` (parse,
-validate, the copy sketch), `judge`, `screen` and `record`, then the commit (`tick`: the drift
-observation, the aggregation). No HTTP, no disk: the engine's own costs, side by side.
+registers N workers, and runs `--rounds` rounds: each worker's fp16 body through `inspect`
+(parse, validate, the copy sketch), `judge`, `screen` and `record`, then the commit (`tick`: the
+drift observation, the aggregation). No HTTP, no disk: the engine's own costs, side by side.
+The replay screen remembers `replay_rounds` (8) rounds of sketches, so its cost grows over the
+first rounds: the last round's judge + record is the steady state.
 
     python bench/commit_cost.py --baseline d351f86        # 100 and 333 votes, both revisions
+    python bench/commit_cost.py --baseline dd3ddc7 --rounds 9   # the screen at 8 rounds kept
 """
 
 from __future__ import annotations
@@ -41,9 +44,10 @@ settings = AggregatorSettings(deadline_s=600.0, min_round_s=0.0, local_steps=1,
 weights = block(params)
 engine = RoundEngine.fresh({{0: weights}}, settings, seed=0)
 workers = [engine.register(0.0, 0, lambda _b, i=i: i, i).worker for i in range(n)]
-pool = torch.randn(params + 4 * n, generator=torch.Generator().manual_seed(1)).half()
-spent = {{"inspect_s": 0.0, "judge_record_s": 0.0, "commit_s": []}}
-for r in range(2):
+pool = torch.randn(params + n * ({rounds} + 1), generator=torch.Generator().manual_seed(1)).half()
+spent = {{"inspect_s": 0.0, "judge_record_s": [], "commit_s": []}}
+for r in range({rounds}):
+    spent["judge_record_s"].append(0.0)
     views = [engine.pull(w, 0, 1.0 + r).view for w in workers]
     for i, (w, view) in enumerate(zip(workers, views)):
         at, delta = i + n * r, {{}}
@@ -61,7 +65,7 @@ for r in range(2):
         engine.record(w, 0, verdict, 1.0 + r, checked=checked)
         t2 = time.perf_counter()
         spent["inspect_s"] += t1 - t0
-        spent["judge_record_s"] += t2 - t1
+        spent["judge_record_s"][-1] += t2 - t1
     t0 = time.perf_counter()
     (committed,) = engine.tick(1.0 + r)
     spent["commit_s"].append(time.perf_counter() - t0)
@@ -70,19 +74,22 @@ print(json.dumps(spent))
 """
 
 
-def measure(rev: Revision, votes: int, params: int) -> dict[str, Any]:
-    code = RUN.format(bench=str(BENCH), votes=votes, params=params)
+def measure(rev: Revision, votes: int, params: int, rounds: int) -> dict[str, Any]:
+    code = RUN.format(bench=str(BENCH), votes=votes, params=params, rounds=rounds)
     env = {**os.environ, "PYTHONPATH": str(rev.src), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
                          capture_output=True, text=True).stdout  # fmt: skip
     spent = json.loads(out.strip().splitlines()[-1])
-    updates = 2 * votes
+    updates = rounds * votes
+    judged = spent["judge_record_s"]
     return {
         "commit": rev.commit,
         "votes": votes,
         "params": params,
+        "rounds": rounds,
         "inspect_ms_per_update": 1e3 * spent["inspect_s"] / updates,
-        "judge_record_ms_per_update": 1e3 * spent["judge_record_s"] / updates,
+        "judge_record_ms_per_update": 1e3 * sum(judged) / updates,
+        "judge_record_ms_last_round": 1e3 * judged[-1] / votes,
         "commit_s": spent["commit_s"],
         "commit_s_mean": sum(spent["commit_s"]) / len(spent["commit_s"]),
     }
@@ -91,18 +98,24 @@ def measure(rev: Revision, votes: int, params: int) -> dict[str, Any]:
 def section(result: dict[str, Any]) -> str:
     rows = "\n".join(
         f"| {r['commit']} | {r['votes']} | {r['inspect_ms_per_update']:.2f} ms | "
-        f"{r['judge_record_ms_per_update']:.2f} ms | {r['commit_s_mean']:.2f} s |"
+        f"{r['judge_record_ms_per_update']:.2f} ms | "
+        f"{r.get('judge_record_ms_last_round', r['judge_record_ms_per_update']):.2f} ms | "
+        f"{r['commit_s_mean']:.2f} s |"
         for r in result["rows"]
     )
-    return f"""**The engine alone** (`python bench/commit_cost.py --baseline {result["baseline"]}`,
+    rounds = result["rows"][0].get("rounds", 2)
+    return f"""**The engine alone** (`python bench/commit_cost.py --baseline {result["baseline"]}{
+        f" --rounds {rounds}" if rounds != 2 else ""
+    }`,
 `benchmarks/results/commit_cost.json`; {result["machine"]["cpu"]}, one torch thread, each
 revision in a fresh process, interleaved): one block of {result["rows"][0]["params"]:,}
-parameters, two rounds of N fp16 bodies through `inspect` (parse, validate, the copy sketch),
-`judge`, `screen`, `record`, then each round's commit (the drift observation and the
-aggregation), the mean of the two.
+parameters, {rounds} rounds of N fp16 bodies through `inspect` (parse, validate, the copy
+sketch), `judge`, `screen`, `record`, then each round's commit (the drift observation and the
+aggregation), the mean over the rounds; the last round's judge + record screens against the
+sketches of the rounds before it (8 at most: `replay_rounds`).
 
-| code | votes | inspect an update | judge + record an update | commit a round |
-|---|---:|---:|---:|---:|
+| code | votes | inspect an update | judge + record an update | the last round's | commit a round |
+|---|---:|---:|---:|---:|---:|
 {rows}
 """
 
@@ -114,6 +127,7 @@ def main() -> None:
     p.add_argument("--baseline", metavar="REV", required=True, help="the commit to compare with")
     p.add_argument("--votes", default="100,333", help="workers of one round, comma-separated")
     p.add_argument("--params", type=int, default=1_048_576, help="parameters of the block")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of N updates and a commit each")
     p.add_argument("--no-write", action="store_true", help="print only")
     args = p.parse_args()
     rows = []
@@ -121,7 +135,7 @@ def main() -> None:
         old, new = export(args.baseline, Path(tmp)), this_checkout()
         for votes in (int(v) for v in args.votes.split(",")):
             for rev in (old, new):
-                rows.append(measure(rev, votes, args.params))
+                rows.append(measure(rev, votes, args.params, args.rounds))
                 print(json.dumps(rows[-1]), flush=True)
     result = {"baseline": old.commit, "commit": new.commit, "rows": rows, "machine": machine()}
     if args.no_write:

@@ -94,27 +94,32 @@ def _moved(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
     """What the pairs show the work changed: throughput and CPU of the first burst, and the
     1,000-worker run on one aggregator."""
     (old, new), big = pairs[0], [p for p in pairs if p[1]["workers"] >= 1000][:1]
-    split = heap_split()
     text = (
         f"\n**What moved, and where the time went instead.** At {new['workers']} workers in a "
         f"burst: push p50 / p99 {new['push']['p50_ms']:.0f} / {new['push']['p99_ms']:.0f} ms "
         f"against {old['push']['p50_ms']:.0f} / {old['push']['p99_ms']:.0f}, "
         f"{new['push']['per_s']:.1f} updates/s against {old['push']['per_s']:.1f}, and "
         f"{1e3 * new['aggregator_cpu_s_per_update']:.0f} ms of aggregator CPU an update against "
-        f"{1e3 * old['aggregator_cpu_s_per_update']:.0f}. Sampled with `perf record -g` under "
-        "this load, most of the aggregator's time had been page faults and munmap: servers "
-        "gave every allocation of 128 KiB or more an mmap of its own (so that a flood's memory "
-        "went back), so each push's body, its fp32 views and the commit's stacked votes faulted "
-        "fresh zeroed pages in and unmapped them again. Servers now allocate from one heap (no "
-        "mmap, one arena for all threads) and hand its free part back beyond 256 MB, looked at "
-        f"every 2 s (`runtime.serve_from_heap`{split}). What is left is queueing: in a burst the "
-        f"last of {new['workers']} pushes waits for the {new['workers'] - 1} before it, each a "
-        f"{new['body_bytes'] / 1e6:.2f} MB body through h11's framing, the parse, validation and "
-        "copy sketch, the body's write and fsync and the ledger row, and for the drift "
-        "observation of the block's last commit (docs/protocol.md, Drift), on the 2 cores the "
-        f"load generator shares. A p99 of 500 ms in a burst leaves {500 / new['workers']:.0f} ms "
-        "of the whole path to each push and pull, against the "
-        f"{1e3 * new['aggregator_cpu_s_per_update']:.0f} ms of aggregator CPU measured here."
+        f"{1e3 * old['aggregator_cpu_s_per_update']:.0f}. Pushes no longer wait for the drift "
+        "observation of their block's last commit: they are judged on the flags known so far, "
+        "the block's next round closes once its flags are in, and a flagged identity's updates "
+        "accepted meanwhile leave that round, refused `drift` (docs/protocol.md, Drift). The "
+        "wait had held the request threads while an observation ran (one thread observes every "
+        "block's commits, a selection over every coordinate of every vote, the engine's largest "
+        "cost). Two costs of every push went as well. The copy sketch summed a body in fp64 (a "
+        "conversion and an index_add_ of every value), now an fp32 bincount, and the finite "
+        "check and the norm bound each read the whole body, now one pass serves both. The "
+        "replay screen stacked every remembered sketch of every block for each of its three "
+        "looks a push, under the service's lock (8 rounds of bodies a block: 2,664 sketches a "
+        "block at 1,000 workers on 3 blocks), and now reads them as the rows of one matrix kept "
+        f"as they come{engine_split()}. What is left at {new['workers']} is queueing: in a "
+        f"burst the last of {new['workers']} pushes waits for the {new['workers'] - 1} before "
+        f"it, each a {new['body_bytes'] / 1e6:.2f} MB body through h11's framing, the parse, "
+        "validation and copy sketch, the body's write and fsync and the ledger row, on the 2 "
+        "cores that the load generator and the drift observations share. A p99 of 500 ms in a "
+        f"burst leaves {500 / new['workers']:.0f} ms of the whole path to each push and pull, "
+        f"against the {1e3 * new['aggregator_cpu_s_per_update']:.0f} ms of aggregator CPU "
+        "measured here."
     )
     if big and "failed" not in big[0][0] and "failed" not in big[0][1]:
         b_old, b_new = big[0]
@@ -128,24 +133,25 @@ def _moved(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
     return text + "\n"
 
 
-def heap_split() -> str:
-    """The user and system CPU per update that bench/protocol_profile.py measured with one
-    heap and without (labels `heap_off_*`, `heap_on_*` of protocol_profile.json), or ""."""
-    path = RESULTS / "protocol_profile.json"
+def engine_split() -> str:
+    """The engine's costs by revision as bench/commit_cost.py measured them (its JSON's rows of
+    the fewest votes), or "" when that run compared other revisions than `protocol_load`'s."""
+    path = RESULTS / "commit_cost.json"
     doc = json.loads(path.read_text()) if path.exists() else {}
-    runs = {
-        side: [r for k, r in doc.items() if k.startswith(f"heap_{side}_")] for side in ("off", "on")
-    }
-    if not runs["off"] or not runs["on"]:
+    rows = doc.get("rows", [])
+    if not rows or "judge_record_ms_last_round" not in rows[0]:
         return ""
-
-    def ms(side: str, key: str) -> float:
-        return statistics.fmean(r[f"aggregator_{key}_ms_per_update"] for r in runs[side])
-
+    votes = min(r["votes"] for r in rows)
+    old, new = (next(r for r in rows if r["votes"] == votes and r["commit"] == c)
+                for c in (doc["baseline"], doc["commit"]))  # fmt: skip
+    big = max((r for r in rows if r["commit"] == doc["commit"]), key=lambda r: r["votes"])
     return (
-        f"; `bench/protocol_profile.py`, {len(runs['on'])} runs a side, alternated: system time "
-        f"{ms('off', 'system'):.0f} -> {ms('on', 'system'):.0f} ms an update, user "
-        f"{ms('off', 'user'):.0f} -> {ms('on', 'user'):.0f}"
+        f" (`bench/commit_cost.py --rounds {new['rounds']}`, the engine alone, {votes} votes of "
+        f"{new['params']:,}: inspect {old['inspect_ms_per_update']:.1f} -> "
+        f"{new['inspect_ms_per_update']:.1f} ms an update, judge + record in round "
+        f"{new['rounds']} {old['judge_record_ms_last_round']:.2f} -> "
+        f"{new['judge_record_ms_last_round']:.2f} ms; a commit of {big['votes']} votes, drift "
+        f"observation included, {big['commit_s_mean']:.1f} s)"
     )
 
 

@@ -1,5 +1,5 @@
 """The service observes each commit's drift on a thread of its own (service/drift_jobs.py):
-outside its lock, and before the block's next update is judged."""
+outside its lock, and before the block's next round closes."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import threading
 
 import torch
 
+from blocktrain.protocol.core.drift import Drifted
 from tests.protocol.conftest import SETTINGS, add_token, auth, delta_body, make_harness
 
 DRIFT = dataclasses.replace(
@@ -57,35 +58,60 @@ def test_a_leaning_token_is_refused_drift_through_the_service(tmp_path):
     h.state.close()
 
 
-def test_the_observation_runs_outside_the_lock_and_the_blocks_next_push_waits_for_it(tmp_path):
+def test_the_observation_runs_outside_the_lock_and_its_flags_drop_the_open_rounds_updates(
+    tmp_path,
+):
+    """Pushes go on while a commit is observed; the block's next round waits for the flags,
+    and a flagged identity's update accepted meanwhile leaves it, refused `drift`."""
     h, tokens, workers = _harness(tmp_path)
-    tracker = h.service.engine.drift
-    observe, started, go = tracker.observe, threading.Event(), threading.Event()
+    engine = h.service.engine
+    leaning = engine.registry.identity(workers[0])
+    started, go = threading.Event(), threading.Event()
 
-    def held_observe(*args, **kwargs):
+    def held_observe(block, round, *args, **kwargs):
         started.set()
         assert go.wait(10)
-        return observe(*args, **kwargs)
+        flag = engine.drift.refused[(block, leaning)] = Drifted(leaning, block, 99.0, 5, round + 3)
+        return [flag]
 
-    tracker.observe = held_observe
+    engine.drift.observe = held_observe
     tensors = {k: 0.01 * torch.randn(t.shape) for k, t in h.weights(0).items()}
-    assert (
-        _round(h, tokens, workers, 0, lambda w: {k: v * (w + 1) for k, v in tensors.items()}) == {}
-    )
+    scaled = lambda w: {k: v * (w + 1) for k, v in tensors.items()}  # noqa: E731
+    assert _round(h, tokens, workers, 0, scaled) == {}
     assert started.wait(10), "the commit queued its observation"
     assert h.service.lock.acquire(timeout=5), "the observation does not hold the service's lock"
     h.service.lock.release()
     assert h.client.get("/v1/status", headers=auth(h.alice)).status_code == 200
-    version = int(h.pull(tokens[0], workers[0], 0).headers["x-version"])
-    assert version == 1, "the commit published its version before its drift was observed"
 
-    answers = []
-    body = delta_body(0, tensors=tensors, round=1, base_version=version, dtype="fp32")
-    pusher = threading.Thread(target=lambda: answers.append(h.push(tokens[0], workers[0], 0, body)))
-    pusher.start()
-    pusher.join(0.5)
-    assert pusher.is_alive() and not answers, "the block's push waits for the observation"
+    assert _round(h, tokens, workers, 1, scaled) == {}, "answered at once, on the flags so far"
+    h.service.tick()
+    assert h.service.blocks[0].rounds.round == 1, "every replica passed, yet it waits for flags"
     go.set()
-    pusher.join(10)
-    assert answers[0].status_code == 200, answers[0].text
+    h.service.drift_jobs.wait(0)
+    assert h.service.blocks[0].rounds.round == 2, "the flags in, the round closed"
+    rows = h.state.ledger.updates(block=0, round=1)
+    fates = {r.worker_id: (r.fate, r.reason) for r in rows}
+    assert fates.pop(workers[0]) == ("refused", "drift")
+    assert set(fates.values()) == {("accepted", None)}
+    assert {r.committed_version for r in rows if r.fate == "accepted"} == {2}
+    assert not [r for r in rows if r.worker_id == workers[0] and r.pending], "its body is gone"
+    r = _round(h, tokens, workers, 2, scaled)
+    assert r == {workers[0]: "drift"}, "and it is refused from the next round on"
+    h.state.close()
+
+
+def test_a_failed_observation_leaves_the_next_round_free_to_close(tmp_path, caplog):
+    h, tokens, workers = _harness(tmp_path)
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("observation broke")
+
+    h.service.engine.drift.observe = failing
+    tensors = {k: 0.01 * torch.randn(t.shape) for k, t in h.weights(0).items()}
+    scaled = lambda w: {k: v * (w + 1) for k, v in tensors.items()}  # noqa: E731
+    for rnd in range(3):
+        assert _round(h, tokens, workers, rnd, scaled) == {}
+        h.service.drift_jobs.wait(0)
+        assert h.service.blocks[0].rounds.round == rnd + 1
+    assert "the drift observation failed" in caplog.text
     h.state.close()

@@ -50,13 +50,7 @@ from blocktrain.protocol.core.registry import Registry
 from blocktrain.protocol.core.replays import ReplayScreen, SeenBodies, Sketcher
 from blocktrain.protocol.core.rounds import BlockRounds, RoundClosed
 from blocktrain.protocol.core.settings import AggregatorSettings
-from blocktrain.protocol.core.validation import (
-    BlockSpec,
-    Candidate,
-    Limits,
-    UpdateMeta,
-    validate,
-)
+from blocktrain.protocol.core.validation import BlockSpec, Candidate, Limits, UpdateMeta, validate
 from blocktrain.protocol.core.verdict import Verdict
 
 Tensors = dict[str, torch.Tensor]
@@ -89,6 +83,9 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         self.drift_later: Callable[[RoundClosed, Callable[[], list[Drifted]]], None] | None = None
         """Runs a commit's drift observation, given the round and it; None: inside the commit
         (the service's: on a thread of its own, `service/drift_jobs.py`, then `penalise`)."""
+        self.observing: set[int] = set()
+        """Blocks whose last commit `drift_later` observes: their open round does not close
+        before its flags are in (`drift_jobs`: they drop a flagged identity's updates)."""
         self._auto_id = 0  # ids for updates recorded without one (the simulator has no ledger)
         self.outer = OuterOptimizer(settings.outer_lr, settings.outer_momentum)
         self.limits = Limits(settings.max_delta_norm, settings.max_tokens)
@@ -357,7 +354,7 @@ class RoundEngine(ReplayScreen, ProbeSlots):
         """Close and commit every round that is due."""
         committed = []
         for st in self.blocks.values():
-            closed = st.rounds.tick(now)
+            closed = None if st.index in self.observing else st.rounds.tick(now)
             if closed is not None:
                 committed.append(self._commit(st, closed))
         return committed
@@ -372,6 +369,7 @@ class RoundEngine(ReplayScreen, ProbeSlots):
                 self.drift.observe, st.index, closed.round, identities, votes, st.acc.effects()
             )
             if self.drift_later is not None:
+                self.observing.add(st.index)
                 self.drift_later(closed, observe)
             else:
                 drifted = tuple(observe())

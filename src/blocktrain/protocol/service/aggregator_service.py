@@ -82,7 +82,7 @@ class AggregatorService(Pushes, Streams):
         """block -> ((version, round, deadline), the encoded body of the last pull)."""
         self.engine = self.durable.restore(self.directory.served)
         self.engine.on_commit.append(self.durable.commit)
-        self.drift_jobs = DriftJobs(self.engine, self.lock)
+        self.drift_jobs = DriftJobs(self.engine, self.lock, self.durable, clock)
         self.blocks: dict[int, EngineBlock] = self.engine.blocks
         self.max_body = self.engine.max_body
         self._shut_out: set[int] = set()  # revoked or banned tokens already dropped

@@ -21,7 +21,6 @@ from typing import Any, NoReturn
 from blocktrain.protocol.core.events import Checked, EngineBlock, ProbeSlot
 from blocktrain.protocol.core.verdict import Verdict, refused
 from blocktrain.protocol.service.admission import Admission
-from blocktrain.protocol.service.drift_jobs import DriftJobs
 from blocktrain.protocol.service.updates import PushContext, update_fields
 from blocktrain.protocol.store.ledger_schema import fsync_wal
 from blocktrain.protocol.store.persist import Durable
@@ -36,7 +35,6 @@ class Pushes(Admission):
     blocks: dict[int, EngineBlock]
     lock: threading.RLock
     probe_lock: threading.Lock
-    drift_jobs: DriftJobs
 
     def submit(self, ctx: PushContext, body: bytes | bytearray) -> dict[str, Any]:
         """Check, store and judge one update; returns the acceptance or raises Refused."""
@@ -46,7 +44,6 @@ class Pushes(Admission):
         if not checked.verdict.accepted:
             self._refused(ctx, checked, checked.verdict, body, fields)
         assert meta is not None
-        self.drift_jobs.wait(ctx.block)  # a flag of the block's last round applies to this update
         with self.lock:  # the cheap checks first: no probe for a duplicate or late update
             verdict = self.engine.judge(ctx.worker_id, ctx.block, meta, self.clock())
             if verdict.accepted:

@@ -202,6 +202,18 @@ class Durable:
             closed.new_version,
         )
 
+    def drop_updates(
+        self, engine: RoundEngine, block: int, ids: list[int], reason: str, detail: str
+    ) -> None:
+        """Accepted updates of the block's open round out of it: refused `reason` in the ledger
+        first, then out of the engine's round, and their bodies gone."""
+        if not ids:
+            return
+        self.ledger.drop_updates(ids, reason, detail)
+        engine.discard(block, ids)
+        for uid in ids:
+            self.storage.remove_pending(self.pending[block].pop(uid))
+
     def drop_tokens(self, engine: RoundEngine, shut_out: dict[int, str], now: float) -> None:
         """Tokens revoked or banned (token id -> the reason code): their accepted updates leave
         their open rounds (in the ledger first, then the engine) before their workers leave
@@ -212,13 +224,10 @@ class Durable:
         owners = self.ledger.owners(open_ids)
         for token_id, reason in shut_out.items():
             ids = [uid for uid, owner in owners.items() if owner == token_id]
-            if ids:
-                detail = f"dropped from its round: the token was {reason.removesuffix('_token')}"
-                self.ledger.drop_updates(ids, reason, detail)
-            for uid in ids:
-                block = open_ids[uid]
-                engine.discard(block, [uid])
-                self.storage.remove_pending(self.pending[block].pop(uid))
+            detail = f"dropped from its round: the token was {reason.removesuffix('_token')}"
+            for block in {open_ids[uid] for uid in ids}:
+                mine = [uid for uid in ids if open_ids[uid] == block]
+                self.drop_updates(engine, block, mine, reason, detail)
             workers = engine.registry.workers_of(token_id)
             for worker in workers:
                 self.ledger.worker_left(worker, now)
