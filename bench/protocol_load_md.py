@@ -145,13 +145,15 @@ def engine_split() -> str:
     old, new = (next(r for r in rows if r["votes"] == votes and r["commit"] == c)
                 for c in (doc["baseline"], doc["commit"]))  # fmt: skip
     big = max((r for r in rows if r["commit"] == doc["commit"]), key=lambda r: r["votes"])
+    big_old = next(r for r in rows if r["votes"] == big["votes"] and r["commit"] == doc["baseline"])
     return (
         f" (`bench/commit_cost.py --rounds {new['rounds']}`, the engine alone, {votes} votes of "
         f"{new['params']:,}: inspect {old['inspect_ms_per_update']:.1f} -> "
         f"{new['inspect_ms_per_update']:.1f} ms an update, judge + record in round "
         f"{new['rounds']} {old['judge_record_ms_last_round']:.2f} -> "
-        f"{new['judge_record_ms_last_round']:.2f} ms; a commit of {big['votes']} votes, drift "
-        f"observation included, {big['commit_s_mean']:.1f} s)"
+        f"{new['judge_record_ms_last_round']:.2f} ms, {big_old['judge_record_ms_last_round']:.2f} "
+        f"-> {big['judge_record_ms_last_round']:.2f} ms at {big['votes']} votes; a commit of "
+        f"{big['votes']} votes, drift observation included, {big['commit_s_mean']:.1f} s)"
     )
 
 

@@ -7,8 +7,7 @@ identity's updates accepted in it meanwhile are dropped, refused `drift` in the 
 revoked token's are). So a flag keeps the same votes out of the same versions, and a halved
 reputation weighs the same votes, as when the commit observed them itself; only the answer of
 such an update said accepted. Pushes used to wait for the observation instead: at 1,000 workers
-on 3 blocks that wait held the request threads, and push and pull p99 were 14-16 s against
-1.0-2.9 s with the tracker off (docs/protocol.md, Drift)."""
+on 3 blocks that wait held the request threads (docs/protocol.md, Drift)."""
 
 from __future__ import annotations
 
