@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 
+import pytest
 import torch
 
 from blocktrain.protocol.core.drift import Drifted
@@ -100,18 +101,27 @@ def test_the_observation_runs_outside_the_lock_and_its_flags_drop_the_open_round
     h.state.close()
 
 
-def test_a_failed_observation_leaves_the_next_round_free_to_close(tmp_path, caplog):
+@pytest.mark.parametrize("part", ["observe", "penalise"])
+def test_a_failed_observation_leaves_the_next_round_free_to_close(tmp_path, caplog, part):
+    """Whether the selection or the flags' application fails, the round after closes, and the
+    thread lives on to observe the next commits."""
     h, tokens, workers = _harness(tmp_path)
+    calls = []
 
     def failing(*args, **kwargs):
-        raise RuntimeError("observation broke")
+        calls.append(part)
+        raise RuntimeError("it broke")
 
-    h.service.engine.drift.observe = failing
+    owner = h.service.engine.drift if part == "observe" else h.service.engine
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(owner, part, failing)
     tensors = {k: 0.01 * torch.randn(t.shape) for k, t in h.weights(0).items()}
     scaled = lambda w: {k: v * (w + 1) for k, v in tensors.items()}  # noqa: E731
     for rnd in range(3):
         assert _round(h, tokens, workers, rnd, scaled) == {}
-        h.service.drift_jobs.wait(0)
+        assert h.service.drift_jobs.last[0].wait(10), "the commit was observed"
         assert h.service.blocks[0].rounds.round == rnd + 1
-    assert "the drift observation failed" in caplog.text
+    assert len(calls) == 3, "a failure each commit, and the thread still there for the next"
+    assert "drift observation failed" in caplog.text
+    monkeypatch.undo()
     h.state.close()

@@ -83,9 +83,11 @@ class Seen:
 
 class SeenBodies:
     """A block's remembered bodies, oldest first, at most REPLAY_ENTRIES, with their sketches
-    kept as the rows of one matrix: a screen reads one (n, SKETCH_DIMS) tensor, where stacking
-    the n sketches at each push cost 4.5 ms at 4,096 of them, three times a push, under the
-    service's lock, for every block of the shape (a 1,000-worker round)."""
+    also kept as the rows of one matrix (up to twice their number: it grows by doubling and
+    drops the oldest by an offset): a screen reads one (n, SKETCH_DIMS) tensor instead of
+    stacking n sketches for each of its three looks a push, under the service's lock, for every
+    block (bench/commit_cost.py --rounds 9, a 333-vote round against 8 rounds of sketches:
+    judge + record 6.8 -> 1.1 ms an update)."""
 
     def __init__(self, entries: Iterable[Seen] = ()) -> None:
         self.entries: list[Seen] = list(entries)

@@ -59,6 +59,12 @@ class DriftJobs:
             closed, observe, done = self.jobs.get()
             try:
                 self._run(closed, observe)
+            except Exception:  # the thread outlives any one commit: every block waits on it
+                log.exception(
+                    "block %d round %d: applying the drift observation failed",
+                    closed.block,
+                    closed.round,
+                )
             finally:
                 done.set()
 

@@ -212,7 +212,9 @@ class Durable:
         self.ledger.drop_updates(ids, reason, detail)
         engine.discard(block, ids)
         for uid in ids:
-            self.storage.remove_pending(self.pending[block].pop(uid))
+            name = self.pending.get(block, {}).pop(uid, None)
+            if name is not None:
+                self.storage.remove_pending(name)
 
     def drop_tokens(self, engine: RoundEngine, shut_out: dict[int, str], now: float) -> None:
         """Tokens revoked or banned (token id -> the reason code): their accepted updates leave
