@@ -544,10 +544,6 @@ def near_replay(
     )
     trainer = LocalBlockTrainer(cfg, 0, load_split(data, "train"), data_seed=0)
     reg = client.register(block=0)  # only now: the round waits for a registered worker
-    pulled = client.pull(0)
-    trainer.load(pulled.tensors)
-    trainer.train(local_steps, first_step=pulled.version * local_steps)
-    original = trainer.delta()
     tokens = local_steps * cfg.train.batch_size * cfg.model.seq_len
 
     def push_delta(delta: dict[str, torch.Tensor], round_: int, version: int) -> Any:
@@ -557,8 +553,16 @@ def near_replay(
         )  # fmt: skip
         return client.push_bytes(0, body)
 
-    first = push_delta(original, pulled.round, pulled.version)
-    counts[f"original {'accepted' if first.accepted else first.reason}"] += 1
+    for _ in range(3):  # a round that closed while it trained: train again on the next one's
+        pulled = client.pull(0)
+        trainer.load(pulled.tensors)
+        trainer.train(local_steps, first_step=pulled.version * local_steps)
+        original = trainer.delta()
+        first = push_delta(original, pulled.round, pulled.version)
+        counts[f"original {'accepted' if first.accepted else first.reason}"] += 1
+        if first.reason != "late":
+            break
+        client.round(0, after=pulled.round, wait=30)
     since = pulled.round
     pushes = []  # (rounds after the original's, variant, outcome), in order
     gen = torch.Generator().manual_seed(0)
