@@ -99,11 +99,11 @@ def section(result: dict[str, Any]) -> str:
     rows = "\n".join(
         f"| {r['commit']} | {r['votes']} | {r['inspect_ms_per_update']:.2f} ms | "
         f"{r['judge_record_ms_per_update']:.2f} ms | "
-        f"{r.get('judge_record_ms_last_round', r['judge_record_ms_per_update']):.2f} ms | "
+        f"{r['judge_record_ms_last_round']:.2f} ms | "
         f"{r['commit_s_mean']:.2f} s |"
         for r in result["rows"]
     )
-    rounds = result["rows"][0].get("rounds", 2)
+    rounds = result["rows"][0]["rounds"]
     return f"""**The engine alone** (`python bench/commit_cost.py --baseline {result["baseline"]}{
         f" --rounds {rounds}" if rounds != 2 else ""
     }`,

@@ -112,7 +112,7 @@ def _moved(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
         "replay screen stacked every remembered sketch of every block for each of its three "
         "looks a push, under the service's lock (8 rounds of bodies a block: 2,664 sketches a "
         "block at 1,000 workers on 3 blocks), and now reads them as the rows of one matrix kept "
-        f"as they come{engine_split()}. What is left at {new['workers']} is queueing: in a "
+        f"as they come{engine_split(old['commit'], new['commit'])}. What is left at {new['workers']} is queueing: in a "
         f"burst the last of {new['workers']} pushes waits for the {new['workers'] - 1} before "
         f"it, each a {new['body_bytes'] / 1e6:.2f} MB body through h11's framing, the parse, "
         "validation and copy sketch, the body's write and fsync and the ledger row, on the 2 "
@@ -133,19 +133,25 @@ def _moved(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
     return text + "\n"
 
 
-def engine_split() -> str:
-    """The engine's costs by revision as bench/commit_cost.py measured them (its JSON's rows of
-    the fewest votes), or "" when that run compared other revisions than `protocol_load`'s."""
+def engine_split(baseline: str, commit: str) -> str:
+    """The engine's costs by revision as bench/commit_cost.py measured them (its rows of the
+    fewest and the most votes), or "" when that run compared other revisions than these."""
     path = RESULTS / "commit_cost.json"
     doc = json.loads(path.read_text()) if path.exists() else {}
-    rows = doc.get("rows", [])
-    if not rows or "judge_record_ms_last_round" not in rows[0]:
+    if (doc.get("baseline"), doc.get("commit")) != (baseline, commit):
         return ""
-    votes = min(r["votes"] for r in rows)
-    old, new = (next(r for r in rows if r["votes"] == votes and r["commit"] == c)
-                for c in (doc["baseline"], doc["commit"]))  # fmt: skip
-    big = max((r for r in rows if r["commit"] == doc["commit"]), key=lambda r: r["votes"])
-    big_old = next(r for r in rows if r["votes"] == big["votes"] and r["commit"] == doc["baseline"])
+    rows = doc["rows"]
+
+    def of(rev: str, votes: int) -> dict[str, Any]:
+        return next(r for r in rows if r["votes"] == votes and r["commit"] == rev)
+
+    votes, most = min(r["votes"] for r in rows), max(r["votes"] for r in rows)
+    old, new, big_old, big = (
+        of(baseline, votes),
+        of(commit, votes),
+        of(baseline, most),
+        of(commit, most),
+    )
     return (
         f" (`bench/commit_cost.py --rounds {new['rounds']}`, the engine alone, {votes} votes of "
         f"{new['params']:,}: inspect {old['inspect_ms_per_update']:.1f} -> "

@@ -102,7 +102,9 @@ def test_the_observation_runs_outside_the_lock_and_its_flags_drop_the_open_round
 
 
 @pytest.mark.parametrize("part", ["observe", "penalise"])
-def test_a_failed_observation_leaves_the_next_round_free_to_close(tmp_path, caplog, part):
+def test_a_failed_observation_leaves_the_next_round_free_to_close(
+    tmp_path, caplog, monkeypatch, part
+):
     """Whether the selection or the flags' application fails, the round after closes, and the
     thread lives on to observe the next commits."""
     h, tokens, workers = _harness(tmp_path)
@@ -113,7 +115,6 @@ def test_a_failed_observation_leaves_the_next_round_free_to_close(tmp_path, capl
         raise RuntimeError("it broke")
 
     owner = h.service.engine.drift if part == "observe" else h.service.engine
-    monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setattr(owner, part, failing)
     tensors = {k: 0.01 * torch.randn(t.shape) for k, t in h.weights(0).items()}
     scaled = lambda w: {k: v * (w + 1) for k, v in tensors.items()}  # noqa: E731
@@ -123,5 +124,4 @@ def test_a_failed_observation_leaves_the_next_round_free_to_close(tmp_path, capl
         assert h.service.blocks[0].rounds.round == rnd + 1
     assert len(calls) == 3, "a failure each commit, and the thread still there for the next"
     assert "drift observation failed" in caplog.text
-    monkeypatch.undo()
     h.state.close()

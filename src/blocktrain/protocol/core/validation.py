@@ -221,6 +221,10 @@ def check_decode(c: Candidate) -> Verdict:
     return Verdict.ok()
 
 
+def _norm(t: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(t, dtype=torch.float32))
+
+
 def check_finite(c: Candidate) -> Verdict:
     """Every value is finite; and `c.norm`, which `check_norm` bounds, from the same pass."""
     total = 0.0
@@ -228,7 +232,7 @@ def check_finite(c: Candidate) -> Verdict:
         # An fp32 norm is finite when every value is (fp16 squares cannot overflow it), and it
         # is about 8x cheaper than isfinite on a half tensor; a non-finite one gets the exact
         # test (finite fp32 values may overflow it: check_norm refuses their infinite norm).
-        norm = float(torch.linalg.vector_norm(t, dtype=torch.float32))
+        norm = _norm(t)
         if not math.isfinite(norm) and not bool(torch.isfinite(t).all()):
             return Verdict.refuse("non_finite", f"{name} holds NaN or Inf")
         total += norm**2
@@ -238,12 +242,7 @@ def check_finite(c: Candidate) -> Verdict:
 
 def check_norm(c: Candidate) -> Verdict:
     if c.norm is None:  # a chain without check_finite
-        c.norm = math.sqrt(
-            sum(
-                float(torch.linalg.vector_norm(t, dtype=torch.float32)) ** 2
-                for t in c.tensors.values()
-            )
-        )
+        c.norm = math.sqrt(sum(_norm(t) ** 2 for t in c.tensors.values()))
     if not math.isfinite(c.norm) or c.norm > c.limits.max_delta_norm:
         return Verdict.refuse(
             "norm_too_large",

@@ -88,10 +88,9 @@ class DriftJobs:
 
     def _drop(self, block: int, drifted: list[Drifted]) -> None:
         """The flagged identities' updates accepted in the block's open round leave it."""
-        flagged = {d.identity: d for d in drifted}
         entries = self.engine.blocks[block].acc.entries
-        for identity, d in flagged.items():
-            ids = [uid for uid, e in entries.items() if e.identity == identity]
+        for d in drifted:  # one flag an identity
+            ids = [uid for uid, e in entries.items() if e.identity == d.identity]
             detail = (
                 f"dropped from its round: this identity's last {d.votes} accepted votes on block "
                 f"{block} leaned one way against the others' (drift score {d.score:.2f}); its "
