@@ -100,25 +100,20 @@ def _moved(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
         f"against {old['push']['p50_ms']:.0f} / {old['push']['p99_ms']:.0f}, "
         f"{new['push']['per_s']:.1f} updates/s against {old['push']['per_s']:.1f}, and "
         f"{1e3 * new['aggregator_cpu_s_per_update']:.0f} ms of aggregator CPU an update against "
-        f"{1e3 * old['aggregator_cpu_s_per_update']:.0f}. Pushes no longer wait for the drift "
-        "observation of their block's last commit: they are judged on the flags known so far, "
-        "the block's next round closes once its flags are in, and a flagged identity's updates "
-        "accepted meanwhile leave that round, refused `drift` (docs/protocol.md, Drift). The "
-        "wait had held the request threads while an observation ran (one thread observes every "
-        "block's commits, a selection over every coordinate of every vote, the engine's largest "
-        "cost). Two costs of every push went as well. The copy sketch summed a body in fp64 (a "
-        "conversion and an index_add_ of every value), now an fp32 bincount, and the finite "
-        "check and the norm bound each read the whole body, now one pass serves both. The "
-        "replay screen stacked every remembered sketch of every block for each of its three "
-        "looks a push, under the service's lock (8 rounds of bodies a block: 2,664 sketches a "
-        "block at 1,000 workers on 3 blocks), and now reads them as the rows of one matrix kept "
-        f"as they come{engine_split(old['commit'], new['commit'])}. What is left at {new['workers']} is queueing: in a "
-        f"burst the last of {new['workers']} pushes waits for the {new['workers'] - 1} before "
-        f"it, each a {new['body_bytes'] / 1e6:.2f} MB body through h11's framing, the parse, "
-        "validation and copy sketch, the body's write and fsync and the ledger row, on the 2 "
-        "cores that the load generator and the drift observations share. A p99 of 500 ms in a "
-        f"burst leaves {500 / new['workers']:.0f} ms of the whole path to each push and pull, "
-        f"against the {1e3 * new['aggregator_cpu_s_per_update']:.0f} ms of aggregator CPU "
+        f"{1e3 * old['aggregator_cpu_s_per_update']:.0f}. A pushed body (and every file of 1 MiB "
+        "or more) is now written with O_DIRECT, past the page cache, where the file system "
+        f"takes it{durable_split()}. In a scratch `perf record -g` of the burst before it (not "
+        "kept), the kernel's copy into the page cache (`copy_folio_from_iter_atomic`) was the "
+        "aggregator's largest symbol. The row of 3 blocks on one aggregator moved less than the "
+        "runs' spread. What is left at "
+        f"{new['workers']} is queueing: in a burst the last of {new['workers']} pushes waits for "
+        f"the {new['workers'] - 1} before it, each a {new['body_bytes'] / 1e6:.2f} MB body "
+        "through one event loop (the socket reads, h11's framing, the body's buffer), then the "
+        "parse, validation and copy sketch (the engine's part: bench/commit_cost.py), the body's "
+        "write and fsync and the ledger row, on the 2 cores that the load generator and the "
+        "drift observations (the engine's largest cost, on a thread of its own) share. A p99 of 500 ms "
+        f"in a burst leaves {500 / new['workers']:.0f} ms of the whole path to each push and "
+        f"pull, against the {1e3 * new['aggregator_cpu_s_per_update']:.0f} ms of aggregator CPU "
         "measured here."
     )
     if big and "failed" not in big[0][0] and "failed" not in big[0][1]:
@@ -128,38 +123,25 @@ def _moved(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
             f"{b_new['push']['p99_ms'] / 1e3:.1f} s against {b_old['push']['p99_ms'] / 1e3:.1f} s, pull p99 "
             f"{b_new['pull']['p99_ms'] / 1e3:.1f} s against {b_old['pull']['p99_ms'] / 1e3:.1f} s, "
             f"{b_new['accepted']:,} of {b_new['accepted'] + b_new['refused']:,} updates accepted "
-            f"against {b_old['accepted']:,} of {b_old['accepted'] + b_old['refused']:,}."
+            f"against {b_old['accepted']:,} of {b_old['accepted'] + b_old['refused']:,}. The "
+            "1,000-worker rows spread more between runs than these two codes differ: the same "
+            "push path gave 2.7 s in the run before this one (docs/research/decentralised.md)."
         )
     return text + "\n"
 
 
-def engine_split(baseline: str, commit: str) -> str:
-    """The engine's costs by revision as bench/commit_cost.py measured them (its rows of the
-    fewest and the most votes), or "" when that run compared other revisions than these."""
-    path = RESULTS / "commit_cost.json"
-    doc = json.loads(path.read_text()) if path.exists() else {}
-    if (doc.get("baseline"), doc.get("commit")) != (baseline, commit):
+def durable_split() -> str:
+    """bench/durable_write.py's run: the CPU a durable write of a body, buffered and direct."""
+    path = RESULTS / "durable_write.json"
+    if not path.exists():
         return ""
-    rows = doc["rows"]
-
-    def of(rev: str, votes: int) -> dict[str, Any]:
-        return next(r for r in rows if r["votes"] == votes and r["commit"] == rev)
-
-    votes, most = min(r["votes"] for r in rows), max(r["votes"] for r in rows)
-    old, new, big_old, big = (
-        of(baseline, votes),
-        of(commit, votes),
-        of(baseline, most),
-        of(commit, most),
-    )
+    sides = json.loads(path.read_text())["sides"]
+    buffered, direct = sides["page_cache"], sides["direct"]
     return (
-        f" (`bench/commit_cost.py --rounds {new['rounds']}`, the engine alone, {votes} votes of "
-        f"{new['params']:,}: inspect {old['inspect_ms_per_update']:.1f} -> "
-        f"{new['inspect_ms_per_update']:.1f} ms an update, judge + record in round "
-        f"{new['rounds']} {old['judge_record_ms_last_round']:.2f} -> "
-        f"{new['judge_record_ms_last_round']:.2f} ms, {big_old['judge_record_ms_last_round']:.2f} "
-        f"-> {big['judge_record_ms_last_round']:.2f} ms at {big['votes']} votes; a commit of "
-        f"{big['votes']} votes, drift observation included, {big['commit_s_mean']:.1f} s)"
+        f" (`bench/durable_write.py`, rounds of 100 bodies removed at the round's end as a "
+        f"commit removes them: {buffered['mean_cpu_ms']:.1f} ms of CPU a write through the page "
+        f"cache, {buffered['max_cpu_ms']:.1f} in its worst round, against "
+        f"{direct['mean_cpu_ms']:.1f} and {direct['max_cpu_ms']:.1f} direct)"
     )
 
 
