@@ -18,8 +18,8 @@ DIRECT_FROM = 1 << 20
 """Bytes from which a write bypasses the page cache (O_DIRECT, where the file system takes it).
 An aggregator writes every pushed body once and reads it again only after a crash. Rounds of
 100 writes of a 2 MB body, each removed at the round's end as a commit does, cost 3.7 ms of CPU
-a write through the page cache (10.7 in the worst of 10 rounds: new pages for it) against 1.2
-direct (2.0 at worst): bench/durable_write.py, durable_write.json."""
+a write through the page cache (10.7 in the worst of 10 rounds) against 1.2 direct (2.0 at
+worst): bench/durable_write.py, durable_write.json."""
 ALIGN = 4096
 """O_DIRECT's alignment of buffer, offset and length: a multiple of every common block size."""
 STAGE = 1 << 20
