@@ -5,7 +5,7 @@ For each revision (this checkout, and with `--baseline REV` that commit's src/ e
 block of `--params` parameters (the block of bench/protocol_load.py, the same settings),
 registers N workers, and runs `--rounds` rounds: each worker's fp16 body through `inspect`
 (parse, validate, the copy sketch), `judge`, `screen` and `record`, then the commit (`tick`: the
-drift observation, the aggregation). No HTTP, no disk: the engine's own costs, side by side.
+drift observation, timed apart, and the aggregation). No HTTP, no disk: the engine's own costs, side by side.
 The replay screen remembers `replay_rounds` (8) rounds of sketches, so its cost grows over the
 first rounds: the last round's judge + record is the steady state.
 
@@ -45,9 +45,22 @@ weights = block(params)
 engine = RoundEngine.fresh({{0: weights}}, settings, seed=0)
 workers = [engine.register(0.0, 0, lambda _b, i=i: i, i).worker for i in range(n)]
 pool = torch.randn(params + n * ({rounds} + 1), generator=torch.Generator().manual_seed(1)).half()
-spent = {{"inspect_s": 0.0, "judge_record_s": [], "commit_s": []}}
+spent = {{"inspect_s": 0.0, "judge_record_s": [], "commit_s": [], "observe_s": []}}
+observe = engine.drift.observe  # the commit's drift observation, timed apart
+
+
+def timed_observe(*args, **kwargs):
+    t0 = time.perf_counter()
+    try:
+        return observe(*args, **kwargs)
+    finally:
+        spent["observe_s"][-1] += time.perf_counter() - t0
+
+
+engine.drift.observe = timed_observe
 for r in range({rounds}):
     spent["judge_record_s"].append(0.0)
+    spent["observe_s"].append(0.0)
     views = [engine.pull(w, 0, 1.0 + r).view for w in workers]
     for i, (w, view) in enumerate(zip(workers, views)):
         at, delta = i + n * r, {{}}
@@ -92,6 +105,8 @@ def measure(rev: Revision, votes: int, params: int, rounds: int) -> dict[str, An
         "judge_record_ms_last_round": 1e3 * judged[-1] / votes,
         "commit_s": spent["commit_s"],
         "commit_s_mean": sum(spent["commit_s"]) / len(spent["commit_s"]),
+        "observe_s": spent["observe_s"],
+        "observe_s_mean": sum(spent["observe_s"]) / len(spent["observe_s"]),
     }
 
 
@@ -100,7 +115,7 @@ def section(result: dict[str, Any]) -> str:
         f"| {r['commit']} | {r['votes']} | {r['inspect_ms_per_update']:.2f} ms | "
         f"{r['judge_record_ms_per_update']:.2f} ms | "
         f"{r['judge_record_ms_last_round']:.2f} ms | "
-        f"{r['commit_s_mean']:.2f} s |"
+        f"{r['commit_s_mean']:.2f} s | {r['observe_s_mean']:.2f} s |"
         for r in result["rows"]
     )
     rounds = result["rows"][0]["rounds"]
@@ -112,10 +127,12 @@ revision in a fresh process, interleaved): one block of {result["rows"][0]["para
 parameters, {rounds} rounds of N fp16 bodies through `inspect` (parse, validate, the copy
 sketch), `judge`, `screen`, `record`, then each round's commit (the drift observation and the
 aggregation), the mean over the rounds; the last round's judge + record screens against the
-sketches of the rounds before it (8 at most: `replay_rounds`).
+sketches of the rounds before it (8 at most: `replay_rounds`). Of the commit, the drift
+observation's part (which the aggregator runs on a thread of its own, outside its lock) is timed
+apart; the rest is the aggregation, under the lock.
 
-| code | votes | inspect an update | judge + record an update | the last round's | commit a round |
-|---|---:|---:|---:|---:|---:|
+| code | votes | inspect an update | judge + record an update | the last round's | commit a round | of which the drift observation |
+|---|---:|---:|---:|---:|---:|---:|
 {rows}
 """
 

@@ -87,7 +87,7 @@ class SeenBodies:
     drops the oldest by an offset): a screen reads one (n, SKETCH_DIMS) tensor instead of
     stacking n sketches for each of its three looks a push, under the service's lock, for every
     block (bench/commit_cost.py --rounds 9, a 333-vote round against 8 rounds of sketches:
-    judge + record 6.8 -> 1.1 ms an update)."""
+    judge + record 4.4 ms an update at dd3ddc7, 1.1 ms since)."""
 
     def __init__(self, entries: Iterable[Seen] = ()) -> None:
         self.entries: list[Seen] = list(entries)
