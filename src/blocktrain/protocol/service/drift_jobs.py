@@ -1,13 +1,14 @@
 """Each commit's drift observation (`drift.DriftTracker.observe`: two selections over every
 coordinate of every vote; bench/commit_cost.py: 1.0 s of a 100-vote commit of 1M on one core,
 5.7 s of a 333-vote one, the aggregation the rest: 0.06 and 0.19 s) on a thread of its own,
-outside the service's lock, so that pulls, long polls, status and every push go on meanwhile. Pushes are judged on the flags known so far; the block's open round
-does not close until the observation's flags are in (`RoundEngine.observing`), and a flagged
-identity's updates accepted in it meanwhile are dropped, refused `drift` in the ledger (as a
-revoked token's are). So a flag keeps the same votes out of the same versions, and a halved
-reputation weighs the same votes, as when the commit observed them itself; only the answer of
-such an update said accepted. Pushes used to wait for the observation instead: at 1,000 workers
-on 3 blocks that wait held the request threads (docs/protocol.md, Drift)."""
+outside the service's lock, so that pulls, long polls, status and every push go on meanwhile.
+Pushes are judged on the flags known so far; the block's open round does not close until the
+observation's flags are in (`RoundEngine.observing`), and a flagged identity's updates accepted
+in it meanwhile are dropped, refused `drift` in the ledger (as a revoked token's are). So a flag
+keeps the same votes out of the same versions, and a halved reputation weighs the same votes, as
+when the commit observed them itself; only the answer of such an update said accepted. Pushes
+used to wait for the observation instead: at 1,000 workers on 3 blocks that wait held the
+request threads (docs/protocol.md, Drift)."""
 
 from __future__ import annotations
 
