@@ -139,10 +139,8 @@ def floor_text() -> str:
     rows = json.loads(path.read_text())["rows"]
 
     def span(variant: str, value: Callable[[dict[str, Any]], float], fmt: str) -> str:
-        lo, hi = (
-            format(v, fmt)
-            for v in (f(value(r) for r in rows if r["variant"] == variant) for f in (min, max))
-        )
+        values = [value(r) for r in rows if r["variant"] == variant]
+        lo, hi = format(min(values), fmt), format(max(values), fmt)
         return lo if lo == hi else f"{lo}-{hi}"
 
     def p99(r: dict[str, Any]) -> float:

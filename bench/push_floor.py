@@ -39,7 +39,7 @@ from fastapi import Request  # module level: FastAPI resolves the route's annota
 
 from load_http import Connection  # beside this script
 from protocol_load import cpu_seconds, percentile
-from report import free_ports, machine, write_json
+from report import free_ports, machine, wait_healthy, write_json
 
 BODY_BYTES = 2_097_448  # protocol_load's body: 1M fp16 values and their header
 VARIANTS = ("read", "write")
@@ -66,6 +66,10 @@ def serve(port: int, variant: str, folder: Path) -> None:
         return {"bytes": len(body)}
 
     app = FastAPI()
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, bool]:
+        return {"ok": True}
 
     @app.post("/push")
     async def push(request: Request) -> JSONResponse:
@@ -114,15 +118,7 @@ def measure(variant: str, workers: int, rounds: int) -> dict[str, Any]:
             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
         )
         try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                    break
-                except OSError:
-                    if time.monotonic() > deadline or proc.poll() is not None:
-                        raise RuntimeError("the server did not start") from None
-                    time.sleep(0.1)
+            wait_healthy(f"http://127.0.0.1:{port}", [proc], timeout_s=60)
             cpu0 = cpu_seconds(proc.pid)
             rounds_ms = asyncio.run(bursts(f"http://127.0.0.1:{port}", workers, rounds))
             cpu = cpu_seconds(proc.pid) - cpu0
